@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a Debian/Ubuntu host: OS packages (bcc, kernel headers, PostgreSQL for the
+# fleet tests), tracefs, the virtual environment with bcc linked in, and the project itself.
+# Fast when everything is already there: each step checks before it acts.
+set -euo pipefail
+
+root_dir=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root_dir"
+venv=${VENV:-.venv}
+python=${PYTHON:-python3}
+need_root=()
+
+say() { printf 'setup: %s\n' "$*"; }
+
+is_root() { [ "$(id -u)" -eq 0 ]; }
+
+missing_packages() {
+    local p
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || echo "$p"
+    done
+}
+
+kernel_release=$(uname -r)
+arch=$(dpkg --print-architecture 2>/dev/null || echo amd64)
+
+# Kernel headers: the package for the running kernel when the distribution has one; otherwise
+# distribution headers of bcc's era, linked in place (bcc reads tracepoint layouts from tracefs).
+headers_package() {
+    if apt-cache show "linux-headers-$kernel_release" >/dev/null 2>&1; then
+        echo "linux-headers-$kernel_release"
+    elif grep -qi '^ID=debian' /etc/os-release 2>/dev/null; then
+        echo "linux-headers-cloud-$arch"
+    else
+        echo "linux-headers-generic"
+    fi
+}
+
+if command -v apt-get >/dev/null 2>&1; then
+    wanted=(python3-bpfcc bpfcc-tools postgresql)
+    have_headers=$( { [ -e "/lib/modules/$kernel_release/build" ] || ls -d /usr/src/linux-headers-*-"$arch" >/dev/null 2>&1; } && echo yes || true)
+    missing=$(missing_packages "${wanted[@]}")
+    if [ -n "$missing" ] || [ -z "$have_headers" ]; then
+        if is_root; then
+            say "installing OS packages"
+            apt-get update -qq
+            [ -z "$have_headers" ] && missing="$missing $(headers_package)"
+            # shellcheck disable=SC2086
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+        else
+            need_root+=("apt-get install $missing $([ -z "$have_headers" ] && headers_package)")
+        fi
+    fi
+else
+    say "no apt-get: install bcc (python3-bpfcc), kernel headers and PostgreSQL with your package manager"
+fi
+
+# Link fallback headers when the running kernel has none of its own.
+if [ ! -e "/lib/modules/$kernel_release/build" ]; then
+    build=$(ls -d /usr/src/linux-headers-*-cloud-"$arch" /usr/src/linux-headers-*-"$arch" 2>/dev/null | sort -V | tail -1 || true)
+    if [ -n "$build" ]; then
+        common=${build%-cloud-"$arch"}
+        common=${common%-"$arch"}-common
+        if is_root; then
+            mkdir -p "/lib/modules/$kernel_release"
+            ln -sfn "$build" "/lib/modules/$kernel_release/build"
+            [ -d "$common" ] && ln -sfn "$common" "/lib/modules/$kernel_release/source"
+            say "linked kernel headers $build for $kernel_release"
+        else
+            need_root+=("ln -s $build /lib/modules/$kernel_release/build && ln -s $common /lib/modules/$kernel_release/source")
+        fi
+    fi
+fi
+
+# tracefs: bcc reads tracepoint formats from it.
+if [ ! -e /sys/kernel/tracing/events ] && [ ! -e /sys/kernel/debug/tracing/events ]; then
+    if is_root; then
+        mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null || say "could not mount tracefs (eBPF probe will be unavailable)"
+    else
+        need_root+=("mount -t tracefs nodev /sys/kernel/tracing")
+    fi
+fi
+
+# Virtual environment and the project, reinstalled only when pyproject.toml changed.
+if [ ! -x "$venv/bin/python" ]; then
+    say "creating $venv"
+    "$python" -m venv "$venv"
+fi
+stamp="$venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -e "$stamp" ]; then
+    say "installing the project and its dev extras"
+    "$venv/bin/python" -m pip install -q --upgrade pip
+    "$venv/bin/python" -m pip install -q -e ".[dev]"
+    rm -f "$venv"/.installed-*
+    touch "$stamp"
+fi
+
+# bcc comes from the OS; make it importable from the venv.
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ -d /usr/lib/python3/dist-packages/bcc ] && [ ! -e "$site/bcc" ]; then
+    ln -sfn /usr/lib/python3/dist-packages/bcc "$site/bcc"
+fi
+
+if [ ${#need_root[@]} -gt 0 ]; then
+    say "not root: these steps were skipped; run them as root for the eBPF probe and the fleet tests:"
+    for c in "${need_root[@]}"; do printf '  sudo %s\n' "$c"; done
+fi
+say "ready ($venv)"

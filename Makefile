@@ -1,0 +1,27 @@
+# Two commands do everything on a fresh Debian/Ubuntu machine (as root):
+#   make demo   the whole story on one machine
+#   make test   the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup test lint demo bench clean
+
+setup:
+	@./.ci/setup.sh
+
+test: setup
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check auditor probes collectors replay tests bench
+	$(VENV)/bin/mypy auditor
+
+demo: setup
+	$(VENV)/bin/auditor demo
+
+bench: setup
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,47 @@
+"""The ``auditor`` command line: one root group whose commands load only when called.
+
+Each command lives beside the code it drives (``probes.cli``, ``replay.engine.cli``, ...) and is
+listed here once it works; ``auditor --help`` shows exactly this list.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import click
+
+from auditor import __version__
+
+# name -> "module:attribute"; importing lazily keeps `auditor --help` fast and bcc out of
+# commands that do not need it.
+COMMANDS: dict[str, str] = {
+    "db": "auditor.dbcli:db",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module_name, _, attribute = target.partition(":")
+        command: Any = getattr(importlib.import_module(module_name), attribute)
+        return command  # type: ignore[no-any-return]
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="auditor")
+def cli() -> None:
+    """Find LLM inference that keeps running after its client disconnected.
+
+    Joins kernel TCP close/reset events (eBPF), OpenTelemetry spans (OTLP) and GPU samples (NVML)
+    by request, and says how long each zombie ran and what it cost.
+    """
+
+
+def main() -> None:
+    cli()

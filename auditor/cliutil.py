@@ -1,0 +1,111 @@
+"""Pieces every command shares: the ``--db``/``--config`` bundle, parameter types, error handling.
+
+Commands stay thin: they parse with these, call the library, and print. Library errors
+(``AuditorError``) become ``click.ClickException`` here, at the edge, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from auditor.config import Config, load_config
+from auditor.errors import AuditorError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def common_options(func: F) -> F:
+    """Add ``--db`` and ``--config`` and pass the resolved ``config`` to the command."""
+
+    @click.option("--config", "config_path", type=click.Path(dir_okay=False),
+                  help="TOML configuration file (AUDITOR_* variables override it).")
+    @click.option("--db", "db_url", metavar="URL",
+                  help="Database URL [default: sqlite:///auditor.db, or the state directory under systemd].")
+    @functools.wraps(func)
+    def wrapper(*args: Any, config_path: str | None, db_url: str | None, **kwargs: Any) -> Any:
+        with errors_as_click():
+            config = load_config(config_path, overrides={"db": db_url})
+        return func(*args, config=config, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class errors_as_click:
+    """Context manager: library errors become one-line ``Error: ...`` messages with exit code 1."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, AuditorError):
+            raise click.ClickException(str(exc)) from exc
+        return False
+
+
+def open_store(config: Config, *, create: bool = True) -> Any:
+    """The configured store, migrated; errors become click errors."""
+    from auditor.store import Store
+
+    with errors_as_click():
+        return Store(config.db or None, create=create)
+
+
+class PortType(click.ParamType):
+    """A TCP port number, 1-65535."""
+
+    name = "port"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            text = str(value).strip()
+            if not text.isdigit():
+                self.fail(f"{value!r} is not a port number; use 1-65535, e.g. --port 8000", param, ctx)
+            number = int(text)
+        if not 1 <= number <= 65535:
+            self.fail(f"{number} is out of range; use 1-65535, e.g. --port 8000", param, ctx)
+        return number
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> dt.timedelta | None:
+    match = _DURATION.match(text)
+    if not match:
+        return None
+    return dt.timedelta(seconds=float(match.group(1)) * _UNIT_SECONDS[match.group(2)])
+
+
+class TimeType(click.ParamType):
+    """A moment: a duration back from now (``30m``, ``1h``, ``2d``) or an RFC 3339 time."""
+
+    name = "time"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> dt.datetime:
+        if isinstance(value, dt.datetime):
+            return value
+        text = str(value)
+        duration = parse_duration(text)
+        if duration is not None:
+            return dt.datetime.now(dt.timezone.utc) - duration
+        try:
+            moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            self.fail(f"{text!r} is neither a duration nor a time; "
+                      "use e.g. 30m, 1h, 2d or 2026-11-22T10:00:00Z", param, ctx)
+        if moment.tzinfo is None:
+            self.fail(f"{text!r} has no time zone; add one, e.g. 2026-11-22T10:00:00Z", param, ctx)
+        return moment
+
+
+PORT = PortType()
+TIME = TimeType()

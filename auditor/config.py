@@ -1,0 +1,217 @@
+"""Configuration: a TOML file, then ``AUDITOR_*`` environment variables, then command-line flags.
+
+Later sources win. Every key is declared here with its type; an unknown key or a bad value is a
+``ConfigError`` that names the key and what is allowed, so a typo never silently falls back.
+
+Environment names are ``AUDITOR_<KEY>`` for top-level keys and ``AUDITOR_<SECTION>_<KEY>`` for keys
+in a section, upper-cased: ``AUDITOR_DB``, ``AUDITOR_PROBE_PORTS=8000,8001``,
+``AUDITOR_CORRELATE_GRACE_SECONDS=0.5``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from auditor.errors import ConfigError
+
+
+@dataclass
+class ProbeConfig:
+    ports: list[int] = field(default_factory=lambda: [8000])
+    source: str = "auto"  # auto | bpf | procfs
+    poll_hz: float = 20.0  # the unprivileged fallback's polling rate
+
+
+@dataclass
+class OtlpConfig:
+    http: str = "127.0.0.1:4318"  # "" disables the receiver
+    grpc: str = "127.0.0.1:4317"
+    token: str = ""  # bearer token required of exporters when set
+    max_body_bytes: int = 8 * 1024 * 1024
+
+
+@dataclass
+class SamplerConfig:
+    interval_ms: int = 100
+    nvml: bool = True
+    procfs_pids: list[int] = field(default_factory=list)  # extra CPU-sampled pids; engines are found from spans
+
+
+@dataclass
+class CorrelateConfig:
+    grace_seconds: float = 0.5
+    interval_seconds: float = 1.0
+    late_span_seconds: float = 60.0  # how long to wait for late or out-of-order spans
+
+
+@dataclass
+class MetricsConfig:
+    listen: str = "127.0.0.1:9464"  # "" disables /metrics
+
+
+@dataclass
+class Config:
+    db: str = ""  # empty: SQLite in the state directory
+    host_id: str = ""  # empty: the host name
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    otlp: OtlpConfig = field(default_factory=OtlpConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    correlate: CorrelateConfig = field(default_factory=CorrelateConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def validate(self) -> None:
+        if self.probe.source not in ("auto", "bpf", "procfs"):
+            raise ConfigError(f"probe.source = {self.probe.source!r}: allowed are auto, bpf, procfs")
+        for port in self.probe.ports:
+            if not 1 <= port <= 65535:
+                raise ConfigError(f"probe.ports: {port} is not a TCP port (1-65535)")
+        _positive("probe.poll_hz", self.probe.poll_hz)
+        _positive("sampler.interval_ms", self.sampler.interval_ms)
+        _positive("correlate.interval_seconds", self.correlate.interval_seconds)
+        if self.correlate.grace_seconds < 0:
+            raise ConfigError("correlate.grace_seconds must be 0 or more")
+        _positive("otlp.max_body_bytes", self.otlp.max_body_bytes)
+        for key, addr in (("otlp.http", self.otlp.http), ("otlp.grpc", self.otlp.grpc),
+                          ("metrics.listen", self.metrics.listen)):
+            if addr:
+                parse_address(addr, key)
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be greater than 0 (got {value})")
+
+
+def parse_address(text: str, key: str = "address") -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) into its parts, or a ConfigError naming ``key``."""
+    host, sep, port_text = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{key} = {text!r}: expected HOST:PORT, e.g. 127.0.0.1:4318")
+    return host, int(port_text)
+
+
+SECTIONS: dict[str, type] = {
+    "probe": ProbeConfig, "otlp": OtlpConfig, "sampler": SamplerConfig,
+    "correlate": CorrelateConfig, "metrics": MetricsConfig,
+}
+
+
+def _coerce(key: str, kind: Any, value: Any, *, from_text: bool) -> Any:
+    """Turn a TOML or environment value into the declared type, or fail naming the key."""
+    try:
+        if kind is bool:
+            if from_text:
+                lowered = str(value).strip().lower()
+                if lowered in ("1", "true", "yes", "on"):
+                    return True
+                if lowered in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if kind is int:
+            if isinstance(value, bool) or (not from_text and not isinstance(value, int)):
+                raise ValueError
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool) or (not from_text and not isinstance(value, (int, float))):
+                raise ValueError
+            return float(value)
+        if kind is str:
+            if not from_text and not isinstance(value, str):
+                raise ValueError
+            return str(value)
+        if kind == list[int]:
+            items = [v for v in str(value).split(",") if v.strip()] if from_text else value
+            if not isinstance(items, list):
+                raise ValueError
+            return [_coerce(key, int, v, from_text=from_text) for v in items]
+    except (TypeError, ValueError):
+        pass
+    else:
+        raise AssertionError(f"config type {kind} of {key} is not handled")
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    allowed = names.get(kind, "a list of integers (comma-separated in the environment)")
+    raise ConfigError(f"{key} = {value!r}: expected {allowed}")
+
+
+def _apply(target: Any, values: Mapping[str, Any], prefix: str, *, from_text: bool) -> None:
+    hints = get_type_hints(type(target))
+    known = {f.name for f in dataclasses.fields(target)}
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if name not in known:
+            raise ConfigError(f"unknown configuration key {key!r}; known keys: "
+                              + ", ".join(f"{prefix}{k}" for k in sorted(known)))
+        if name in SECTIONS and not prefix:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{key} must be a table ([{key}])")
+            _apply(getattr(target, name), value, f"{name}.", from_text=from_text)
+        else:
+            setattr(target, name, _coerce(key, hints[name], value, from_text=from_text))
+
+
+def _environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``AUDITOR_*`` variables as a nested mapping; unknown names are errors like unknown keys."""
+    result: dict[str, Any] = {}
+    top_level = {f.name for f in dataclasses.fields(Config)} - set(SECTIONS)
+    for name, value in environ.items():
+        if not name.startswith("AUDITOR_") or name in _NOT_CONFIG:
+            continue
+        rest = name[len("AUDITOR_"):].lower()
+        if rest in top_level:
+            result[rest] = value
+            continue
+        section, _, key = rest.partition("_")
+        if section in SECTIONS and key:
+            result.setdefault(section, {})[key] = value
+        else:
+            raise ConfigError(f"environment variable {name} is not a configuration key; "
+                              "use AUDITOR_<KEY> or AUDITOR_<SECTION>_<KEY>, e.g. AUDITOR_PROBE_PORTS")
+    return result
+
+
+# Variables in the AUDITOR_ namespace that steer tests and tooling, not the daemon.
+_NOT_CONFIG = {"AUDITOR_REQUIRE_PRIVILEGED", "AUDITOR_CONFIG"}
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *,
+                environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """Build the configuration from file, environment and flags (``overrides`` use dotted keys)."""
+    config = Config()
+    environ = os.environ if environ is None else environ
+    path = path or environ.get("AUDITOR_CONFIG")
+    if path:
+        file = Path(path)
+        try:
+            data = tomllib.loads(file.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {file} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {file}: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
+        _apply(config, data, "", from_text=False)
+    _apply(config, _environment(environ), "", from_text=True)
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, key = dotted.rpartition(".")
+        nested: dict[str, Any] = {key: value} if not section else {section: {key: value}}
+        _apply(config, nested, "", from_text=False)
+    config.validate()
+    return config

@@ -1,0 +1,152 @@
+"""Domain records shared by every part of the auditor.
+
+Sources (probes, collectors) produce these; the store persists them; correlation turns them into
+verdicts. They are plain frozen dataclasses so that every layer can build and compare them without
+a database. All times are wall-clock nanoseconds since the Unix epoch (``time.time_ns()``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConnEventKind(str, enum.Enum):
+    """What happened to a server-side TCP socket on an inference port."""
+
+    PEER_FIN = "peer_fin"  # the client sent FIN: server socket ESTABLISHED -> CLOSE_WAIT
+    PEER_RST = "peer_rst"  # the client reset the connection
+    LOCAL_FIN = "local_fin"  # the server closed first: ESTABLISHED -> FIN_WAIT1 (not a disconnect)
+    CLOSED = "closed"  # the socket reached CLOSE
+
+
+class SpanRole(str, enum.Enum):
+    """How correlation uses a span."""
+
+    HTTP_SERVER = "http_server"  # an ASGI/HTTP server span: one request on one connection
+    HTTP_CLIENT = "http_client"  # a gateway's outgoing call to the next hop
+    ENGINE = "engine"  # the engine's own span (vLLM ``llm_request``)
+    OTHER = "other"
+
+
+class Verdict(str, enum.Enum):
+    """What became of a request whose client disconnected while it was in flight (DESIGN §5)."""
+
+    COMPLETED = "completed"
+    ABORTED = "aborted"
+    ZOMBIE = "zombie"
+    INFLIGHT_ZOMBIE = "inflight_zombie"
+
+
+class Phase(str, enum.Enum):
+    """Where the request was when its client left."""
+
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    UNKNOWN = "unknown"
+
+
+class CoverageKind(str, enum.Enum):
+    """Things the auditor saw but could not turn into a verdict; reported, never hidden."""
+
+    IDLE_CLOSE = "idle_close"  # a close with no request in flight (normal keep-alive end)
+    UNJOINED_DISCONNECT = "unjoined_disconnect"  # a peer close with no span to join it to
+    UNJOINED_SPAN = "unjoined_span"  # a server span whose connection was never seen
+    LOST_KERNEL_EVENTS = "lost_kernel_events"  # events the ring buffer dropped
+    PROXY_REWRITTEN_PEER = "proxy_rewritten_peer"  # span peer rewritten from X-Forwarded-For
+
+
+@dataclass(frozen=True, slots=True)
+class ConnEvent:
+    """One kernel-observed state change of a server-side socket on a watched port."""
+
+    ts_ns: int
+    kind: ConnEventKind
+    family: int  # 4 or 6
+    client_addr: str
+    client_port: int
+    server_addr: str
+    server_port: int
+    cookie: int | None = None
+    host: str = ""
+    source: str = "bpf"  # "bpf" or "procfs" (the unprivileged fallback)
+
+
+@dataclass(frozen=True, slots=True)
+class SpanRecord:
+    """A span reduced to the columns correlation joins on (DESIGN §4); the rest stays in ``attributes``."""
+
+    trace_id: str  # 32 lowercase hex digits
+    span_id: str  # 16 lowercase hex digits
+    parent_span_id: str | None
+    name: str
+    kind: str  # OTLP span kind without prefix: "server", "client", "internal", ...
+    start_ns: int
+    end_ns: int
+    service: str = ""
+    host: str = ""
+    status: str = "unset"  # "unset", "ok" or "error"
+    role: SpanRole = SpanRole.OTHER
+    peer_addr: str | None = None
+    peer_port: int | None = None
+    server_port: int | None = None
+    request_id: str | None = None  # X-Request-Id on HTTP spans, gen_ai.request.id on engine spans
+    route: str | None = None
+    model: str | None = None
+    http_status: int | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    max_tokens: int | None = None
+    time_in_queue_s: float | None = None
+    time_to_first_token_s: float | None = None
+    process_pid: int | None = None
+    peer_rewritten: bool = False  # the peer came from X-Forwarded-For (port 0): never joined
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class UtilSample:
+    """One utilization reading: a whole GPU, a process on a GPU, or a process on the CPU."""
+
+    ts_ns: int
+    source: str  # "nvml" or "procfs"
+    host: str = ""
+    gpu_index: int | None = None  # None for CPU samples
+    pid: int | None = None  # None for whole-device samples
+    util_percent: float | None = None  # SM utilization, or CPU percent where 100 = one core busy
+    memory_util_percent: float | None = None
+    memory_bytes: int | None = None
+    power_watts: float | None = None
+    interval_s: float | None = None  # the window the reading covers
+
+
+@dataclass(frozen=True, slots=True)
+class RequestVerdict:
+    """The auditor's finding for one request that had a client disconnect while in flight."""
+
+    request_key: str  # stable identity: "<host>/<trace_id>/<server span_id>"
+    host: str
+    verdict: Verdict
+    disconnect_at_ns: int
+    disconnect_kind: str  # "fin" or "rst"
+    request_start_ns: int
+    work_end_ns: int | None
+    lag_seconds: float | None
+    phase: Phase = Phase.UNKNOWN
+    trace_id: str | None = None
+    request_id: str | None = None
+    service: str | None = None
+    route: str | None = None
+    model: str | None = None
+    client_addr: str | None = None
+    client_port: int | None = None
+    server_port: int | None = None
+    max_tokens: int | None = None
+    tokens_after_disconnect: int | None = None
+    tokens_exact: bool = False
+    wasted_gpu_seconds: float = 0.0
+    wasted_cpu_seconds: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,229 @@
+"""The store: one SQLAlchemy engine over SQLite (default) or PostgreSQL, migrated by Alembic.
+
+Sources write through the batch ``insert_*`` methods (SQLAlchemy Core, one transaction a batch);
+correlation and the report read through ``session()``. Opening a store checks its schema first:
+a file that is not a database, or a database written by a newer auditor, is refused with an error
+that says what to do, and nothing is overwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config as AlembicConfig
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event, insert, inspect
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from auditor.errors import StoreError
+from auditor.model import ConnEvent, CoverageKind, RequestVerdict, SpanRecord, UtilSample
+from auditor.schema import ConnEventRow, CoverageRow, SpanRow, UtilSampleRow, VerdictRow
+
+MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+
+
+def default_db_url() -> str:
+    """SQLite in the state directory: systemd's StateDirectory when set, else the working directory."""
+    state_dir = os.environ.get("STATE_DIRECTORY")
+    if state_dir:
+        return f"sqlite:///{Path(state_dir.split(':')[0]) / 'auditor.db'}"
+    return "sqlite:///auditor.db"
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def _row(record: Any) -> dict[str, Any]:
+    return {f.name: _plain(getattr(record, f.name)) for f in dataclasses.fields(record)}
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    # WAL lets the report read while the daemon writes; NORMAL sync is durable across app crashes.
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+class Store:
+    """A migrated database and the batch writes the sources use."""
+
+    def __init__(self, url: str | None = None, *, upgrade: bool = True, create: bool = True,
+                 check: bool = True) -> None:
+        self.url = url or default_db_url()
+        self.engine = _make_engine(self.url, create=create)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        if check:
+            self.check_schema(upgrade=upgrade)
+
+    # -- schema -----------------------------------------------------------------------------
+    def _alembic_config(self) -> AlembicConfig:
+        cfg = AlembicConfig()
+        cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+        return cfg
+
+    def head_revision(self) -> str:
+        head = ScriptDirectory.from_config(self._alembic_config()).get_current_head()
+        assert head is not None
+        return head
+
+    def current_revision(self) -> str | None:
+        try:
+            with self.engine.connect() as conn:
+                return MigrationContext.configure(conn).get_current_revision()
+        except DatabaseError as exc:
+            raise StoreError(
+                f"{self._where()} is not a readable auditor database ({_short(exc)}); "
+                "move it aside or pass another --db"
+            ) from exc
+
+    def check_schema(self, *, upgrade: bool = True) -> None:
+        current = self.current_revision()
+        head = self.head_revision()
+        known = {rev.revision for rev in ScriptDirectory.from_config(self._alembic_config()).walk_revisions()}
+        if current is not None and current not in known:
+            raise StoreError(
+                f"{self._where()} has schema {current}, newer than this auditor knows (head {head}); "
+                "upgrade the auditor or point --db elsewhere"
+            )
+        if current == head:
+            return
+        if current is None:
+            with self.engine.connect() as conn:
+                tables = set(inspect(conn).get_table_names())
+            if tables:
+                raise StoreError(
+                    f"{self._where()} holds tables {sorted(tables)[:3]} but no auditor schema; "
+                    "refusing to touch it: pass another --db"
+                )
+        if not upgrade:
+            raise StoreError(f"{self._where()} needs migrating to {head}: run `auditor db upgrade`")
+        self.upgrade()
+
+    def upgrade(self) -> None:
+        cfg = self._alembic_config()
+        try:
+            with self.engine.begin() as conn:
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, "head")
+        except SQLAlchemyError as exc:
+            raise StoreError(f"could not migrate {self._where()}: {_short(exc)}") from exc
+
+    def _where(self) -> str:
+        return make_url(self.url).render_as_string(hide_password=True)
+
+    # -- writes -----------------------------------------------------------------------------
+    def _insert(self, table: Any, rows: list[dict[str, Any]]) -> int:
+        if not rows:
+            return 0
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(insert(table), rows)
+        except OperationalError as exc:
+            raise StoreError(f"write to {self._where()} failed: {_short(exc)}") from exc
+        return len(rows)
+
+    def insert_conn_events(self, events: Iterable[ConnEvent]) -> int:
+        return self._insert(ConnEventRow.__table__, [_row(e) for e in events])
+
+    def insert_spans(self, spans: Iterable[SpanRecord]) -> int:
+        """Insert spans; a span already stored (same trace and span id) is skipped, not duplicated."""
+        rows = [_row(s) for s in spans]
+        if not rows:
+            return 0
+        table = SpanRow.__table__
+        if self.engine.dialect.name == "sqlite":
+            stmt: Any = insert(table).prefix_with("OR IGNORE")
+        elif self.engine.dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            stmt = pg_insert(table).on_conflict_do_nothing()
+        else:
+            stmt = insert(table)
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(stmt, rows)
+        except OperationalError as exc:
+            raise StoreError(f"write to {self._where()} failed: {_short(exc)}") from exc
+        return len(rows)
+
+    def insert_samples(self, samples: Iterable[UtilSample]) -> int:
+        return self._insert(UtilSampleRow.__table__, [_row(s) for s in samples])
+
+    def add_coverage(self, kind: CoverageKind, count: int = 1, *, host: str = "",
+                     ts_ns: int | None = None, detail: str | None = None) -> None:
+        self._insert(CoverageRow.__table__, [{
+            "ts_ns": ts_ns if ts_ns is not None else time.time_ns(), "host": host,
+            "kind": kind.value, "count": count, "detail": detail,
+        }])
+
+    def upsert_verdicts(self, verdicts: Sequence[RequestVerdict]) -> int:
+        """Write verdicts keyed by request; a later verdict for the same request replaces the earlier."""
+        if not verdicts:
+            return 0
+        now = time.time_ns()
+        with self.session() as session, session.begin():
+            keys = [v.request_key for v in verdicts]
+            existing = {row.request_key: row for row in
+                        session.query(VerdictRow).filter(VerdictRow.request_key.in_(keys))}
+            for verdict in verdicts:
+                values = _row(verdict) | {"updated_ns": now}
+                row = existing.get(verdict.request_key)
+                if row is None:
+                    session.add(VerdictRow(**values))
+                else:
+                    for name, value in values.items():
+                        setattr(row, name, value)
+        return len(verdicts)
+
+    # -- reads ------------------------------------------------------------------------------
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        with self._sessions() as session:
+            yield session
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def _make_engine(url: str, *, create: bool) -> Engine:
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise StoreError(f"--db {url!r} is not a database URL; try sqlite:///auditor.db "
+                         "or postgresql+psycopg://user@host/db") from exc
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database or ""
+        if database and database != ":memory:" and not database.startswith("file:"):
+            path = Path(database)
+            if not path.exists() and not create:
+                raise StoreError(f"no database at {path}; run `auditor run` first or pass --db")
+            if not path.parent.exists():
+                raise StoreError(f"directory {path.parent} does not exist; create it or pass another --db")
+        engine = create_engine(parsed, connect_args={"timeout": 5})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    try:
+        return create_engine(parsed, pool_pre_ping=True)
+    except (ImportError, ArgumentError) as exc:
+        raise StoreError(f"cannot use {parsed.render_as_string(hide_password=True)}: {exc}; "
+                         "for PostgreSQL install the extra: pip install 'zombie-auditor[postgres]'") from exc
+
+
+def _short(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc)
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,69 @@
+"""Shared fixtures and the meaning of the markers.
+
+- ``privileged``: needs root and a working eBPF stack. Where ``AUDITOR_REQUIRE_PRIVILEGED=1`` (CI),
+  a missing capability fails the test loudly; elsewhere it is skipped with the reason.
+- ``gpu``: needs NVML and at least one GPU; skipped with the reason where NVML finds none.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from auditor.store import Store
+
+
+def _bpf_unavailable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "not root"
+    try:
+        import bcc  # noqa: F401
+    except ImportError as exc:
+        return f"bcc not importable ({exc}); run `make setup` as root"
+    if not Path("/sys/kernel/tracing/events").exists() and not Path("/sys/kernel/debug/tracing/events").exists():
+        return "tracefs not mounted; run `mount -t tracefs nodev /sys/kernel/tracing`"
+    return None
+
+
+def _gpu_unavailable_reason() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            if pynvml.nvmlDeviceGetCount() == 0:
+                return "NVML found no GPU"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # NVMLError_LibraryNotFound and friends
+        return f"NVML unavailable here ({exc})"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    bpf_reason = _bpf_unavailable_reason()
+    gpu_reason = _gpu_unavailable_reason() if any("gpu" in i.keywords for i in items) else None
+    required = os.environ.get("AUDITOR_REQUIRE_PRIVILEGED") == "1"
+    for item in items:
+        if "privileged" in item.keywords and bpf_reason and not required:
+            item.add_marker(pytest.mark.skip(reason=f"privileged: {bpf_reason}"))
+        if "gpu" in item.keywords and gpu_reason:
+            item.add_marker(pytest.mark.skip(reason=f"gpu: {gpu_reason}"))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if "privileged" in item.keywords and os.environ.get("AUDITOR_REQUIRE_PRIVILEGED") == "1":
+        reason = _bpf_unavailable_reason()
+        if reason:
+            pytest.fail(f"privileged test cannot run here, and CI requires it: {reason}", pytrace=False)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    """A fresh SQLite store built by running the migrations."""
+    s = Store(f"sqlite:///{tmp_path / 'auditor.db'}")
+    yield s
+    s.close()

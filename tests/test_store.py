@@ -1,0 +1,69 @@
+"""The store: migrations build the schema, bad databases are refused without being touched."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from sqlalchemy import inspect
+
+from auditor.errors import StoreError
+from auditor.model import ConnEvent, ConnEventKind, SpanRecord, SpanRole
+from auditor.schema import Base
+from auditor.store import Store
+
+
+def test_migrations_build_every_model_table(store: Store) -> None:
+    tables = set(inspect(store.engine).get_table_names())
+    assert set(Base.metadata.tables) <= tables
+    assert store.current_revision() == store.head_revision()
+
+
+def test_sqlite_runs_in_wal_mode(store: Store) -> None:
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+
+
+def test_corrupt_file_is_refused_and_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "auditor.db"
+    path.write_bytes(b"this is not sqlite" * 100)
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match="not a readable auditor database"):
+        Store(f"sqlite:///{path}")
+    assert path.read_bytes() == before
+
+
+def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "auditor.db"
+    Store(f"sqlite:///{path}").close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '9999'")
+    with pytest.raises(StoreError, match="newer than this auditor knows"):
+        Store(f"sqlite:///{path}")
+
+
+def test_foreign_database_is_not_touched(tmp_path: Path) -> None:
+    path = tmp_path / "other.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE users (id INTEGER)")
+    with pytest.raises(StoreError, match="no auditor schema"):
+        Store(f"sqlite:///{path}")
+
+
+def test_spans_are_not_duplicated(store: Store) -> None:
+    span = SpanRecord(trace_id="a" * 32, span_id="b" * 16, parent_span_id=None, name="POST /v1/completions",
+                      kind="server", start_ns=1, end_ns=2, role=SpanRole.HTTP_SERVER)
+    store.insert_spans([span])
+    store.insert_spans([span])
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM spans").scalar() == 1
+
+
+def test_conn_events_round_trip(store: Store) -> None:
+    event = ConnEvent(ts_ns=123, kind=ConnEventKind.PEER_RST, family=6, client_addr="::1", client_port=5000,
+                      server_addr="::1", server_port=8000, cookie=42, host="h")
+    assert store.insert_conn_events([event, event]) == 2
+    with store.engine.connect() as conn:
+        row = conn.exec_driver_sql("SELECT kind, family, cookie FROM conn_events").first()
+    assert tuple(row) == ("peer_rst", 6, 42)
