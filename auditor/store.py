@@ -138,22 +138,21 @@ class Store:
         return len(rows)
 
     def insert_conn_events(self, events: Iterable[ConnEvent]) -> int:
-        return self._insert(ConnEventRow.__table__, [_row(e) for e in events])
+        return self._insert(ConnEventRow, [_row(e) for e in events])
 
     def insert_spans(self, spans: Iterable[SpanRecord]) -> int:
         """Insert spans; a span already stored (same trace and span id) is skipped, not duplicated."""
         rows = [_row(s) for s in spans]
         if not rows:
             return 0
-        table = SpanRow.__table__
         if self.engine.dialect.name == "sqlite":
-            stmt: Any = insert(table).prefix_with("OR IGNORE")
+            stmt: Any = insert(SpanRow).prefix_with("OR IGNORE")
         elif self.engine.dialect.name == "postgresql":
             from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-            stmt = pg_insert(table).on_conflict_do_nothing()
+            stmt = pg_insert(SpanRow).on_conflict_do_nothing()
         else:
-            stmt = insert(table)
+            stmt = insert(SpanRow)
         try:
             with self.engine.begin() as conn:
                 conn.execute(stmt, rows)
@@ -162,11 +161,11 @@ class Store:
         return len(rows)
 
     def insert_samples(self, samples: Iterable[UtilSample]) -> int:
-        return self._insert(UtilSampleRow.__table__, [_row(s) for s in samples])
+        return self._insert(UtilSampleRow, [_row(s) for s in samples])
 
     def add_coverage(self, kind: CoverageKind, count: int = 1, *, host: str = "",
                      ts_ns: int | None = None, detail: str | None = None) -> None:
-        self._insert(CoverageRow.__table__, [{
+        self._insert(CoverageRow, [{
             "ts_ns": ts_ns if ts_ns is not None else time.time_ns(), "host": host,
             "kind": kind.value, "count": count, "detail": detail,
         }])
