@@ -21,7 +21,7 @@ from alembic import command
 from alembic.config import Config as AlembicConfig
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, insert, inspect
+from sqlalchemy import Engine, create_engine, delete, event, insert, inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -188,6 +188,10 @@ class Store:
                     for name, value in values.items():
                         setattr(row, name, value)
         return len(verdicts)
+
+    def delete_verdict(self, request_key: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(delete(VerdictRow).where(VerdictRow.request_key == request_key))
 
     # -- reads ------------------------------------------------------------------------------
     @contextmanager
