@@ -9,6 +9,7 @@ what runs. The port filter is the ``watched_ports`` map, changed with map update
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -244,10 +245,8 @@ class BpfConnEventSource:
         for port in new - old:
             self._watched[ctypes.c_ushort(port)] = ctypes.c_ubyte(1)
         for port in old - new:
-            try:
+            with contextlib.suppress(KeyError):
                 del self._watched[ctypes.c_ushort(port)]
-            except KeyError:
-                pass
 
     def _read_lost(self) -> int:
         try:

@@ -9,6 +9,7 @@ which the oldest are dropped and counted in ``dropped``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -57,10 +58,9 @@ class ConnEventWriter:
             self.dropped += overflow
         interval_due = self._monotonic() - self._last_flush >= self.flush_interval_s
         if len(self._pending) >= self.batch_size or (interval_due and self._pending):
-            try:
+            # A failure is logged and counted in flush(); the events stay queued for the next try.
+            with contextlib.suppress(StoreError):
                 self.flush()
-            except StoreError:
-                pass  # logged and counted in flush(); the events stay queued for the next try
         elif interval_due:
             self._last_flush = self._monotonic()
 
