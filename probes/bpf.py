@@ -134,15 +134,15 @@ class BpfConnEventSource:
         from bcc import BPF
 
         try:
-            self._bpf = BPF(text=self.text)
+            self._bpf = BPF(text=self.text.encode())
         except Exception as exc:  # bcc raises bare Exception for compile and load failures
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ProbeUnavailable(
                 f"the BPF program failed to load ({first_line})",
                 "run `auditor doctor`; `auditor probe --dump-bpf` prints the program") from exc
-        self._events = self._bpf["events"]
-        self._watched = self._bpf["watched_ports"]
-        self._lost = self._bpf["lost_events"]
+        self._events = self._bpf[b"events"]
+        self._watched = self._bpf[b"watched_ports"]
+        self._lost = self._bpf[b"lost_events"]
         self._unpack: struct.Struct | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
