@@ -18,6 +18,7 @@ from auditor import __version__
 COMMANDS: dict[str, str] = {
     "db": "auditor.dbcli:db",
     "doctor": "auditor.doctor:doctor_command",
+    "probe": "probes.cli:probe",
 }
 
 
