@@ -18,6 +18,7 @@ from auditor import __version__
 COMMANDS: dict[str, str] = {
     "db": "auditor.dbcli:db",
     "doctor": "auditor.doctor:doctor_command",
+    "engine": "replay.engine.cli:engine",
     "probe": "probes.cli:probe",
 }
 
