@@ -1,0 +1,373 @@
+"""Turn an OTLP ``ExportTraceServiceRequest`` into :class:`auditor.model.SpanRecord` rows.
+
+The join columns of DESIGN §4 are pulled out of the attributes, whichever HTTP semantic
+conventions the instrumentation speaks: the old ones (``net.peer.ip``, ``http.method``, ...), the
+stable ones (``client.address``, ``http.request.method``, ...) or both at once (``http/dup``).
+vLLM's ``llm_request`` span and the GenAI conventions fill the engine columns. Whatever is not a
+column stays in ``attributes``, bounded in count, size and nesting.
+
+Input is never trusted: a span with a bad id or an end before its start is rejected on its own and
+counted (it becomes ``partial_success`` in the OTLP answer); the rest of the request is kept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+from auditor.model import SpanRecord, SpanRole
+
+# Bounds on what one span may store: enough for any real instrumentation, small enough that a
+# hostile exporter cannot blow up the database or the daemon's memory.
+MAX_ATTRIBUTES = 128
+MAX_STRING_CHARS = 4096
+MAX_ARRAY_ITEMS = 64
+MAX_DEPTH = 4  # AnyValue array/kvlist nesting kept; deeper values become a marker string
+MAX_KEY_CHARS = 256
+TRUNCATED_MARK = "...[truncated]"
+TOO_DEEP_MARK = "[nested too deep]"
+
+# Column widths of the spans table (auditor.schema.SpanRow): longer values are cut, never refused.
+_COLUMN_CHARS = {"name": 255, "service": 255, "host": 255, "request_id": 255, "route": 255,
+                 "model": 255, "finish_reason": 32, "peer_addr": 64}
+
+_KIND_NAMES = {0: "unspecified", 1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
+_STATUS_NAMES = {0: "unset", 1: "ok", 2: "error"}
+
+ENGINE_SPAN_NAMES = frozenset({"llm_request"})
+
+# Attribute keys, most specific first. Socket-level peer attributes describe the TCP connection
+# itself, which is what the kernel events carry, so they win over the logical client address.
+PEER_ADDR_KEYS = ("network.peer.address", "net.sock.peer.addr", "client.address", "net.peer.ip")
+PEER_PORT_KEYS = ("network.peer.port", "net.sock.peer.port", "client.port", "net.peer.port")
+SERVER_PORT_KEYS = ("server.port", "net.host.port")
+# Where the ASGI instrumentation puts "host[:port]" (scope server, or the Host header).
+HOST_HEADER_KEYS = ("http.host", "server.address", "http.server_name")
+URL_KEYS = ("url.full", "http.url")
+METHOD_KEYS = ("http.request.method", "http.method")
+STATUS_KEYS = ("http.response.status_code", "http.status_code")
+TARGET_KEYS = ("url.path", "http.target")
+REQUEST_ID_HEADER_KEYS = ("http.request.header.x_request_id", "http.request.header.x-request-id")
+CLIENT_PEER_ADDR_KEYS = ("server.address", "net.peer.name", "net.peer.ip")
+CLIENT_PEER_PORT_KEYS = ("server.port", "net.peer.port")
+
+
+@dataclass
+class NormalizeResult:
+    """The spans that passed, how many were rejected, and why (for OTLP ``partial_success``)."""
+
+    spans: list[SpanRecord] = field(default_factory=list)
+    rejected: int = 0
+    error_message: str = ""
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: max(0, limit - len(TRUNCATED_MARK))] + TRUNCATED_MARK
+
+
+def any_value(value: AnyValue, depth: int = 0) -> Any:
+    """Convert an OTLP AnyValue to plain JSON-able Python, bounded in size and depth."""
+    kind = value.WhichOneof("value")
+    if kind == "string_value":
+        return _cut(value.string_value, MAX_STRING_CHARS)
+    if kind == "int_value":
+        return value.int_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "double_value":
+        number = value.double_value
+        # NaN and infinities are not JSON; keep them readable instead of poisoning the row.
+        return number if math.isfinite(number) else str(number)
+    if kind == "bytes_value":
+        return _cut(value.bytes_value.hex(), MAX_STRING_CHARS)
+    if kind == "array_value":
+        if depth >= MAX_DEPTH:
+            return TOO_DEEP_MARK
+        return [any_value(item, depth + 1) for item in value.array_value.values[:MAX_ARRAY_ITEMS]]
+    if kind == "kvlist_value":
+        if depth >= MAX_DEPTH:
+            return TOO_DEEP_MARK
+        return {_cut(kv.key, MAX_KEY_CHARS): any_value(kv.value, depth + 1)
+                for kv in kv_slice(value.kvlist_value.values, MAX_ARRAY_ITEMS)}
+    return None
+
+
+def kv_slice(values: Any, limit: int) -> Any:
+    return values if len(values) <= limit else values[:limit]
+
+
+def attributes_dict(values: Any) -> tuple[dict[str, Any], int]:
+    """Attributes as a dict (first value of a repeated key wins) and how many were dropped."""
+    out: dict[str, Any] = {}
+    kept: list[KeyValue] = kv_slice(values, MAX_ATTRIBUTES)
+    for kv in kept:
+        key = kv.key if len(kv.key) <= MAX_KEY_CHARS else _cut(kv.key, MAX_KEY_CHARS)
+        if key not in out:
+            out[key] = any_value(kv.value)
+    return out, len(values) - len(kept)
+
+
+# -- typed reads of attribute values; anything of the wrong type reads as missing -------------
+def _first(attrs: dict[str, Any], keys: tuple[str, ...]) -> tuple[str | None, Any]:
+    for key in keys:
+        value = attrs.get(key)
+        if value is not None and value != "":
+            return key, value
+    return None, None
+
+
+def as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.isdigit() and len(text) < 19:
+            return int(text)
+    return None
+
+
+def as_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        number = float(value)
+        return number if math.isfinite(number) else None
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return None
+        return number if math.isfinite(number) else None
+    return None
+
+
+def as_str(value: Any) -> str | None:
+    """A string, or the first string of a list (captured headers and finish reasons are lists)."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    if isinstance(value, str):
+        return value
+    return None
+
+
+def _port(value: Any) -> int | None:
+    port = as_int(value)
+    return port if port is not None and 0 <= port <= 65535 else None
+
+
+def _count(value: Any) -> int | None:
+    number = as_int(value)
+    return number if number is not None and 0 <= number < 2**31 else None
+
+
+def port_from_hostport(text: Any) -> int | None:
+    """The port of "host:port", "[v6]:port" or a URL; None when there is none."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        parsed = urlsplit(text if "://" in text else f"//{text.split(',')[0].strip()}")
+        return parsed.port
+    except ValueError:
+        return None
+
+
+class _Picker:
+    """Reads attributes by key lists and remembers which keys became columns."""
+
+    __slots__ = ("attrs", "used")
+
+    def __init__(self, attrs: dict[str, Any]) -> None:
+        self.attrs = attrs
+        self.used: set[str] = set()
+
+    def raw(self, keys: tuple[str, ...]) -> Any:
+        key, value = _first(self.attrs, keys)
+        if key is not None:
+            self.used.add(key)
+        return value
+
+    def typed(self, keys: tuple[str, ...], convert: Any) -> Any:
+        for key in keys:
+            value = self.attrs.get(key)
+            if value is None:
+                continue
+            converted = convert(value)
+            if converted is not None:
+                self.used.add(key)
+                return converted
+        return None
+
+
+def _role(name: str, kind: str, has_http: bool) -> SpanRole:
+    if name in ENGINE_SPAN_NAMES:
+        return SpanRole.ENGINE
+    if has_http and kind == "server":
+        return SpanRole.HTTP_SERVER
+    if has_http and kind == "client":
+        return SpanRole.HTTP_CLIENT
+    return SpanRole.OTHER
+
+
+def _bad_id(raw: bytes, size: int, *, optional: bool = False) -> bool:
+    if optional and not raw:
+        return False
+    return len(raw) != size or not any(raw)
+
+
+class _Rejections:
+    def __init__(self) -> None:
+        self.count = 0
+        self.reasons: dict[str, int] = {}
+
+    def add(self, reason: str) -> None:
+        self.count += 1
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+    def message(self, total: int) -> str:
+        if not self.count:
+            return ""
+        parts = ", ".join(f"{n} {why}" for why, n in sorted(self.reasons.items()))
+        return f"rejected {self.count} of {total} spans: {parts}"
+
+
+def _check_span(span: Any) -> str | None:
+    if _bad_id(span.trace_id, 16):
+        return "with an invalid trace id (need 16 non-zero bytes, 32 hex digits in JSON)"
+    if _bad_id(span.span_id, 8):
+        return "with an invalid span id (need 8 non-zero bytes, 16 hex digits in JSON)"
+    if _bad_id(span.parent_span_id, 8, optional=True):
+        return "with an invalid parent span id"
+    if span.start_time_unix_nano == 0:
+        return "without a start time"
+    if span.end_time_unix_nano < span.start_time_unix_nano:
+        return "ending before they start"
+    return None
+
+
+def normalize_request(request: ExportTraceServiceRequest, *, service_host: str = "") -> NormalizeResult:
+    """Normalize every span of a request; bad spans are counted, never fatal."""
+    result = NormalizeResult()
+    rejections = _Rejections()
+    total = 0
+    for resource_spans in request.resource_spans:
+        resource, _ = attributes_dict(resource_spans.resource.attributes)
+        service = as_str(resource.get("service.name")) or ""
+        host = as_str(resource.get("host.name")) or service_host
+        pid = as_int(resource.get("process.pid"))
+        if pid is None:
+            pid = as_int(resource.get("vllm.process_id"))
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                total += 1
+                reason = _check_span(span)
+                if reason is not None:
+                    rejections.add(reason)
+                    continue
+                try:
+                    result.spans.append(normalize_span(span, service=service, host=host, process_pid=pid))
+                except Exception as exc:  # a bug here must cost one span, never the request
+                    rejections.add(f"that could not be read ({type(exc).__name__})")
+    result.rejected = rejections.count
+    result.error_message = rejections.message(total)
+    return result
+
+
+def normalize_span(span: Any, *, service: str, host: str, process_pid: int | None) -> SpanRecord:
+    """One valid OTLP span (ids already checked) to a SpanRecord."""
+    attrs, dropped = attributes_dict(span.attributes)
+    pick = _Picker(attrs)
+    name = _cut(span.name, _COLUMN_CHARS["name"])
+    kind = _KIND_NAMES.get(span.kind, "unspecified")
+    method = pick.raw(METHOD_KEYS)
+    role = _role(name, kind, method is not None)
+    pick.used.discard("http.method")  # the method is not a column: keep it in attributes
+    pick.used.discard("http.request.method")
+
+    peer_addr: str | None = None
+    peer_port: int | None = None
+    server_port: int | None = None
+    peer_rewritten = False
+    if role is SpanRole.HTTP_SERVER:
+        peer_addr = pick.typed(PEER_ADDR_KEYS, as_str)
+        peer_port = pick.typed(PEER_PORT_KEYS, _port)
+        server_port = pick.typed(SERVER_PORT_KEYS, _port)
+        if server_port is None:
+            # Old ASGI versions only say "host:port" (scope server, else the Host header).
+            server_port = port_from_hostport(_first(attrs, HOST_HEADER_KEYS)[1])
+        if server_port is None:
+            server_port = port_from_hostport(_first(attrs, URL_KEYS)[1])
+        # uvicorn's proxy-header middleware replaces the socket peer with X-Forwarded-For and
+        # port 0: such a span no longer names its TCP connection and must not be joined by port.
+        peer_rewritten = peer_addr is not None and not peer_port
+    elif role is SpanRole.HTTP_CLIENT:
+        peer_addr = pick.typed(CLIENT_PEER_ADDR_KEYS, as_str)
+        server_port = pick.typed(CLIENT_PEER_PORT_KEYS, _port)
+        if server_port is None:
+            server_port = port_from_hostport(_first(attrs, URL_KEYS)[1])
+
+    if role is SpanRole.ENGINE:
+        request_id = pick.typed(("gen_ai.request.id",), as_str)
+    else:
+        request_id = pick.typed(REQUEST_ID_HEADER_KEYS, as_str) or pick.typed(("gen_ai.request.id",), as_str)
+
+    route = pick.typed(("http.route",), as_str)
+    if route is None and method is not None:
+        target = _first(attrs, TARGET_KEYS)[1]
+        route = target.split("?", 1)[0] if isinstance(target, str) else None
+    finish = pick.typed(("gen_ai.response.finish_reasons", "gen_ai.response.finish_reason"), as_str)
+    pid = process_pid if process_pid is not None else pick.typed(("process.pid", "vllm.process_id"), as_int)
+
+    model = pick.typed(("gen_ai.response.model", "gen_ai.request.model"), as_str)
+    http_status = pick.typed(STATUS_KEYS, _count)
+    prompt_tokens = pick.typed(("gen_ai.usage.prompt_tokens", "gen_ai.usage.input_tokens"), _count)
+    completion_tokens = pick.typed(
+        ("gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens"), _count)
+    max_tokens = pick.typed(("gen_ai.request.max_tokens",), _count)
+    time_in_queue_s = pick.typed(("gen_ai.latency.time_in_queue",), as_float)
+    time_to_first_token_s = pick.typed(("gen_ai.latency.time_to_first_token",), as_float)
+
+    extra = {k: v for k, v in attrs.items() if k not in pick.used}
+    if dropped:
+        extra["auditor.dropped_attributes"] = dropped
+    return SpanRecord(
+        trace_id=span.trace_id.hex(),
+        span_id=span.span_id.hex(),
+        parent_span_id=span.parent_span_id.hex() or None,
+        name=name,
+        kind=kind,
+        start_ns=span.start_time_unix_nano,
+        end_ns=span.end_time_unix_nano,
+        service=_cut(service, _COLUMN_CHARS["service"]),
+        host=_cut(host, _COLUMN_CHARS["host"]),
+        status=_STATUS_NAMES.get(span.status.code, "unset"),
+        role=role,
+        peer_addr=_opt_cut(peer_addr, "peer_addr"),
+        peer_port=peer_port,
+        server_port=server_port,
+        request_id=_opt_cut(request_id, "request_id"),
+        route=_opt_cut(route, "route"),
+        model=_opt_cut(model, "model"),
+        http_status=http_status,
+        finish_reason=_opt_cut(finish, "finish_reason"),
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        max_tokens=max_tokens,
+        time_in_queue_s=time_in_queue_s,
+        time_to_first_token_s=time_to_first_token_s,
+        process_pid=pid,
+        peer_rewritten=peer_rewritten,
+        attributes=extra,
+    )
+
+
+def _opt_cut(value: str | None, column: str) -> str | None:
+    return None if value is None else _cut(value, _COLUMN_CHARS[column])

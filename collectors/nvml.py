@@ -1,0 +1,223 @@
+"""NVML sampler: per-GPU utilization, memory and power, per-process SM utilization and memory.
+
+The NVML module is injected (``nvml=pynvml`` in production, a double in tests), so nothing needs
+patching. NVML failing is an expected state, not a crash: no library or no driver leaves the
+sampler degraded and retried with exponential backoff; a GPU that errors (fallen off the bus:
+``NVMLError_GpuIsLost``, or ``Unknown``) is degraded on its own and retried, while the other GPUs
+keep being sampled. Optional readings a board does not support (power on some boards, per-process
+figures without permission) are simply left empty.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from auditor.model import UtilSample
+
+log = logging.getLogger(__name__)
+
+# Errors that mean the device (or NVML itself) is gone, as opposed to "this reading is unsupported".
+_DEVICE_GONE = frozenset({
+    "NVMLError_GpuIsLost", "NVMLError_Unknown", "NVMLError_ResetRequired", "NVMLError_Uninitialized",
+    "NVMLError_DriverNotLoaded", "NVMLError_LibRmVersionMismatch", "NVMLError_GpuNotFound",
+    "NVMLError_Timeout", "NVMLError_IrqIssue",
+})
+_NEEDS_REINIT = frozenset({"NVMLError_Uninitialized", "NVMLError_DriverNotLoaded"})
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except Exception:  # pynvml formats its message through the library, which may be gone
+        text = ""
+    name = type(exc).__name__
+    return f"{name}: {text}" if text and text != name else name
+
+
+def _device_gone(exc: BaseException) -> bool:
+    return type(exc).__name__ in _DEVICE_GONE or not type(exc).__name__.startswith("NVMLError")
+
+
+@dataclass
+class _Gpu:
+    index: int
+    handle: Any = None
+    failures: int = 0
+    retry_at: float = 0.0
+    error: str = ""
+    last_seen_us: int = 0  # newest process-utilization sample already read (NVML's timestamp)
+    last_sample_at: float | None = None
+
+
+class NvmlSampler:
+    """Samples every GPU NVML can see; degraded, never raising, when NVML or a GPU fails."""
+
+    name = "nvml"
+
+    def __init__(self, nvml: Any = None, host: str = "", *, monotonic: Callable[[], float] = time.monotonic,
+                 backoff_initial_s: float = 1.0, backoff_max_s: float = 60.0,
+                 per_process: bool = True) -> None:
+        self._nvml = nvml
+        self.host = host
+        self._monotonic = monotonic
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.per_process = per_process
+        self._initialized = False
+        self._init_failures = 0
+        self._init_retry_at = 0.0
+        self._init_error = ""
+        self._gpus: list[_Gpu] = []
+        self.errors = 0  # NVML calls that failed, for /metrics
+
+    def _backoff(self, failures: int) -> float:
+        return float(min(self.backoff_max_s, self.backoff_initial_s * 2 ** max(0, failures - 1)))
+
+    # -- NVML lifecycle ---------------------------------------------------------------------
+    def _init(self, now: float) -> bool:
+        if self._initialized:
+            return True
+        if now < self._init_retry_at:
+            return False
+        try:
+            if self._nvml is None:
+                import pynvml
+
+                self._nvml = pynvml
+            self._nvml.nvmlInit()
+            count = int(self._nvml.nvmlDeviceGetCount())
+        except Exception as exc:  # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded...
+            self.errors += 1
+            self._init_failures += 1
+            self._init_retry_at = now + self._backoff(self._init_failures)
+            message = _describe(exc)
+            if message != self._init_error:
+                log.warning("NVML unavailable (%s); retrying with backoff", message)
+            self._init_error = message
+            return False
+        self._initialized = True
+        self._init_failures = 0
+        self._init_error = ""
+        self._gpus = [_Gpu(index) for index in range(count)]
+        return True
+
+    def close(self) -> None:
+        if self._initialized and self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:
+                log.debug("nvmlShutdown failed", exc_info=True)
+        self._initialized = False
+
+    # -- sampling ---------------------------------------------------------------------------
+    def sample(self, ts_ns: int) -> list[UtilSample]:
+        now = self._monotonic()
+        if not self._init(now):
+            return []
+        samples: list[UtilSample] = []
+        for gpu in self._gpus:
+            if gpu.handle is None and now < gpu.retry_at:
+                continue
+            try:
+                if gpu.handle is None:
+                    gpu.handle = self._nvml.nvmlDeviceGetHandleByIndex(gpu.index)
+                samples.extend(self._sample_gpu(gpu, ts_ns, now))
+            except Exception as exc:
+                self._gpu_failed(gpu, exc, now)
+                if type(exc).__name__ in _NEEDS_REINIT:
+                    self._initialized = False  # the driver went away: start again with nvmlInit
+                    break
+                continue
+            if gpu.failures:
+                log.info("GPU %d is back after %d failed attempts", gpu.index, gpu.failures)
+            gpu.failures, gpu.error = 0, ""
+        return samples
+
+    def _gpu_failed(self, gpu: _Gpu, exc: BaseException, now: float) -> None:
+        self.errors += 1
+        gpu.failures += 1
+        gpu.handle = None  # a lost GPU's handle is stale: look it up again on retry
+        gpu.retry_at = now + self._backoff(gpu.failures)
+        message = _describe(exc)
+        if message != gpu.error:
+            log.warning("GPU %d: %s; retrying with backoff", gpu.index, message)
+        gpu.error = message
+
+    def _optional(self, call: Callable[..., Any], *args: Any) -> Any:
+        """A reading some boards lack: None when unsupported, but a lost device still raises."""
+        try:
+            return call(*args)
+        except Exception as exc:
+            if _device_gone(exc):
+                raise
+            return None
+
+    def _sample_gpu(self, gpu: _Gpu, ts_ns: int, now: float) -> list[UtilSample]:
+        nvml, handle = self._nvml, gpu.handle
+        interval_s = None if gpu.last_sample_at is None else now - gpu.last_sample_at
+        gpu.last_sample_at = now
+        rates = nvml.nvmlDeviceGetUtilizationRates(handle)
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        milliwatts = self._optional(nvml.nvmlDeviceGetPowerUsage, handle)
+        samples = [UtilSample(
+            ts_ns=ts_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=None,
+            util_percent=float(rates.gpu), memory_util_percent=float(rates.memory),
+            memory_bytes=int(memory.used),
+            power_watts=None if milliwatts is None else float(milliwatts) / 1000.0,
+            interval_s=interval_s,
+        )]
+        if self.per_process:
+            samples.extend(self._sample_processes(gpu, ts_ns, interval_s))
+        return samples
+
+    def _sample_processes(self, gpu: _Gpu, ts_ns: int, interval_s: float | None) -> list[UtilSample]:
+        nvml, handle = self._nvml, gpu.handle
+        memory_by_pid: dict[int, int | None] = {}
+        for process in self._optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle) or []:
+            used = getattr(process, "usedGpuMemory", None)
+            memory_by_pid[int(process.pid)] = None if used is None else int(used)
+        # Only samples newer than the last one read; NotFound just means "none since then".
+        util_rows: list[Any] | None
+        try:
+            util_rows = list(nvml.nvmlDeviceGetProcessUtilization(handle, gpu.last_seen_us))
+        except Exception as exc:
+            if _device_gone(exc):
+                raise
+            util_rows = [] if type(exc).__name__ == "NVMLError_NotFound" else None
+        util_by_pid: dict[int, tuple[int, float, float]] = {}
+        for row in util_rows or []:
+            stamp = int(row.timeStamp)
+            previous = util_by_pid.get(int(row.pid))
+            if previous is None or stamp > previous[0]:
+                util_by_pid[int(row.pid)] = (stamp, float(row.smUtil), float(row.memUtil))
+            gpu.last_seen_us = max(gpu.last_seen_us, stamp)
+        samples = []
+        for pid in sorted(memory_by_pid.keys() | util_by_pid.keys()):
+            utilization = util_by_pid.get(pid)
+            # A running process with no new utilization sample was idle in the window when NVML
+            # answered at all; when it could not answer, say nothing rather than 0.
+            sm_util = utilization[1] if utilization else (0.0 if util_rows is not None else None)
+            samples.append(UtilSample(
+                ts_ns=ts_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=pid,
+                util_percent=sm_util, memory_util_percent=utilization[2] if utilization else None,
+                memory_bytes=memory_by_pid.get(pid), interval_s=interval_s,
+            ))
+        return samples
+
+    # -- health -----------------------------------------------------------------------------
+    def health(self) -> str:
+        now = self._monotonic()
+        if not self._initialized:
+            if not self._init_error:
+                return "ok"  # not tried yet
+            wait = max(0.0, self._init_retry_at - now)
+            return f"degraded: NVML unavailable ({self._init_error}); retry in {wait:.0f} s"
+        if not self._gpus:
+            return "degraded: NVML sees no GPU"
+        broken = [f"gpu {g.index}: {g.error} (retry in {max(0.0, g.retry_at - now):.0f} s)"
+                  for g in self._gpus if g.error]
+        return "degraded: " + "; ".join(broken) if broken else "ok"

@@ -1,0 +1,174 @@
+"""Decoding OTLP/HTTP trace bodies and encoding the answers, per the OTLP specification.
+
+Protobuf bodies are parsed as they come. OTLP JSON differs from the protobuf JSON mapping in one
+way that matters: trace and span ids are hex strings, not base64. They are rewritten before the
+standard parser runs; an id that is not hex is replaced by a marker of the wrong length so that
+normalization rejects that one span (counted in ``partial_success``) instead of the whole request.
+Gzip bodies are inflated in bounded steps: a bomb is cut off as soon as it passes the size limit.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import zlib
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from google.rpc import status_pb2
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+CONTENT_TYPES = (PROTOBUF, JSON)
+
+# gRPC status codes used in google.rpc.Status bodies (google/rpc/code.proto).
+RPC_INVALID_ARGUMENT = 3
+RPC_RESOURCE_EXHAUSTED = 8
+RPC_UNAUTHENTICATED = 16
+RPC_UNAVAILABLE = 14
+
+_INFLATE_STEP = 64 * 1024
+_BAD_ID_MARKER = base64.b64encode(b"\x00").decode()  # one byte: never a valid trace or span id
+_ID_FIELDS = ("traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id")
+
+
+class BodyError(Exception):
+    """The body cannot be used; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def media_type(header: str | None) -> str:
+    return (header or "").split(";", 1)[0].strip().lower()
+
+
+def inflate(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
+    """Undo ``Content-Encoding``; refuse anything that inflates past ``max_bytes`` (413)."""
+    coding = (encoding or "identity").strip().lower()
+    if coding in ("", "identity"):
+        return body
+    if coding not in ("gzip", "x-gzip", "deflate"):
+        raise BodyError(415, f"Content-Encoding {coding!r} is not supported; use gzip or none")
+    # wbits 47 accepts gzip and zlib headers; deflate may also come raw, tried below.
+    attempts = (47, -15) if coding == "deflate" else (31,)
+    last_error: Exception | None = None
+    for wbits in attempts:
+        try:
+            return _inflate_bounded(body, wbits, max_bytes)
+        except zlib.error as exc:
+            last_error = exc
+    raise BodyError(400, f"body is not valid {coding} data ({last_error})")
+
+
+def _inflate_bounded(body: bytes, wbits: int, max_bytes: int) -> bytes:
+    inflater = zlib.decompressobj(wbits)
+    out = bytearray()
+    pending = body
+    while True:
+        out += inflater.decompress(pending, _INFLATE_STEP)
+        if len(out) > max_bytes:
+            raise BodyError(413, f"body inflates past the limit of {max_bytes} bytes")
+        pending = inflater.unconsumed_tail
+        if not pending:
+            break
+    out += inflater.flush()
+    if len(out) > max_bytes:
+        raise BodyError(413, f"body inflates past the limit of {max_bytes} bytes")
+    if not inflater.eof:
+        raise zlib.error("truncated stream")
+    return bytes(out)
+
+
+def _hex_to_b64(value: Any) -> Any:
+    if not isinstance(value, str):
+        return _BAD_ID_MARKER
+    if value == "":
+        return ""
+    try:
+        return base64.b64encode(bytes.fromhex(value)).decode()
+    except ValueError:
+        return _BAD_ID_MARKER
+
+
+def _rewrite_ids(obj: Any) -> None:
+    """Hex ids to base64 in place, in spans and their links; anything odd is left to the parser."""
+    if not isinstance(obj, dict):
+        return
+    for resource_spans in _list(obj.get("resourceSpans", obj.get("resource_spans"))):
+        if not isinstance(resource_spans, dict):
+            continue
+        for scope_spans in _list(resource_spans.get("scopeSpans", resource_spans.get("scope_spans"))):
+            if not isinstance(scope_spans, dict):
+                continue
+            for span in _list(scope_spans.get("spans")):
+                if not isinstance(span, dict):
+                    continue
+                _rewrite_id_fields(span)
+                for link in _list(span.get("links")):
+                    if isinstance(link, dict):
+                        _rewrite_id_fields(link)
+
+
+def _rewrite_id_fields(obj: dict[str, Any]) -> None:
+    for name in _ID_FIELDS:
+        if name in obj:
+            obj[name] = _hex_to_b64(obj[name])
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def decode_request(body: bytes, content_type: str) -> ExportTraceServiceRequest:
+    """Parse a (plain) body; malformed input raises BodyError(400) naming the problem."""
+    request = ExportTraceServiceRequest()
+    if content_type == PROTOBUF:
+        try:
+            request.ParseFromString(body)
+        except (DecodeError, RecursionError, ValueError) as exc:
+            raise BodyError(400, f"body is not a valid ExportTraceServiceRequest protobuf ({exc})") from exc
+        return request
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise BodyError(400, f"body is not valid JSON ({_short(exc)})") from exc
+    if not isinstance(document, dict):
+        raise BodyError(400, "JSON body must be an object with resourceSpans")
+    _rewrite_ids(document)
+    try:
+        json_format.ParseDict(document, request, ignore_unknown_fields=True)
+    except (json_format.ParseError, RecursionError, ValueError, TypeError, AttributeError) as exc:
+        raise BodyError(400, f"JSON body is not an OTLP ExportTraceServiceRequest ({_short(exc)})") from exc
+    return request
+
+
+def encode_response(content_type: str, rejected: int = 0, error_message: str = "") -> bytes:
+    response = ExportTraceServiceResponse()
+    if rejected or error_message:
+        response.partial_success.rejected_spans = rejected
+        response.partial_success.error_message = error_message
+    if content_type == JSON:
+        # OTLP JSON: int64 as a string is fine for any OTLP client; the mapping does that itself.
+        return json_format.MessageToJson(response, indent=None).encode()
+    return response.SerializeToString()
+
+
+def encode_status(content_type: str, code: int, message: str) -> bytes:
+    """A google.rpc.Status body, in the request's encoding (protobuf unless the request was JSON)."""
+    status = status_pb2.Status(code=code, message=message)
+    if content_type == JSON:
+        return json_format.MessageToJson(status, indent=None).encode()
+    return status.SerializeToString()
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= 300 else text[:300] + "..."

@@ -1,0 +1,261 @@
+"""OTLP/HTTP trace receiver: ``POST /v1/traces`` with protobuf or JSON bodies, plain or gzip.
+
+Built on the standard library's ``ThreadingHTTPServer`` rather than an ASGI stack: every request
+ends in a blocking wait for a SQLite commit, which a thread does naturally while an event loop
+would need a thread pool anyway; ``http.server`` already answers malformed request lines and
+headers with 400 without involving us; and the pieces that keep it up under garbage are small
+and explicit here: a socket timeout per connection (slow senders), a cap on concurrent
+connections (extra ones get 503 at once), a body size limit checked before reading and again while
+inflating gzip, and a check of the write queue before a body is read so a flood is refused cheaply.
+
+Answers follow the OTLP specification: 200 + ExportTraceServiceResponse (``partial_success`` when
+normalization rejected spans), 400 malformed (google.rpc.Status body), 401 bad or missing bearer
+token, 404 other paths, 405 other methods, 411 no Content-Length, 413 too large, 415 unsupported
+media type or encoding, 429 queue full and 503 store unavailable, both with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import math
+import socket
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from collectors import otlp_codec as codec
+from collectors.normalize import normalize_request
+from collectors.spanwriter import QUEUE_FULL, BackPressure, SpanWriter
+
+log = logging.getLogger(__name__)
+
+TRACES_PATH = "/v1/traces"
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], receiver: OtlpHttpReceiver) -> None:
+        self.receiver = receiver
+        self._slots = threading.BoundedSemaphore(receiver.max_connections)
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # Bound the threads: a connection storm gets an immediate 503 instead of a thread each.
+        if not self._slots.acquire(blocking=False):
+            self.receiver._count_status(503)
+            with contextlib.suppress(OSError):
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n"
+                                b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A broken connection is the client's business; log it quietly instead of a traceback.
+        log.debug("OTLP/HTTP connection from %s ended with an error", client_address, exc_info=True)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: exporters reuse their connection
+    server: _Server
+    server_version = "auditor-otlp"
+    sys_version = ""
+
+    def setup(self) -> None:
+        self.timeout = self.server.receiver.socket_timeout_s
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("OTLP/HTTP %s: " + format, self.client_address[0], *args)
+
+    def _path_ok(self) -> bool:
+        if urlsplit(self.path).path == TRACES_PATH:
+            return True
+        self._answer(404, codec.encode_status("", 5, f"no such endpoint {self.path[:100]!r}; "
+                                                  f"OTLP traces go to {TRACES_PATH}"), drain=True)
+        return False
+
+    def _wrong_method(self) -> None:
+        if self._path_ok():
+            self._answer(405, codec.encode_status("", 12, f"use POST on {TRACES_PATH}"),
+                         extra={"Allow": "POST"}, drain=True)
+
+    do_GET = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _wrong_method
+
+    def do_POST(self) -> None:
+        if self._path_ok():
+            self.server.receiver._handle(self)
+
+    # -- answering --------------------------------------------------------------------------
+    def _answer(self, status: int, body: bytes, *, content_type: str = codec.PROTOBUF,
+                extra: dict[str, str] | None = None, drain: bool = False) -> None:
+        """Send a complete answer. ``drain``: the body was not read, so the connection must close."""
+        self.server.receiver._count_status(status)
+        if drain and self.headers.get("Content-Length", "0") not in ("", "0"):
+            self.close_connection = True
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            for name, value in (extra or {}).items():
+                self.send_header(name, value)
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+        except OSError:
+            self.close_connection = True
+
+
+class OtlpHttpReceiver:
+    """An OTLP/HTTP trace endpoint on its own thread, writing through a :class:`SpanWriter`."""
+
+    def __init__(self, writer: SpanWriter, host: str = "127.0.0.1", port: int = 4318, *,
+                 token: str | None = None, max_body_bytes: int = 8 << 20, service_host: str = "",
+                 max_connections: int = 64, socket_timeout_s: float = 15.0) -> None:
+        self.writer = writer
+        self.host = host
+        self.requested_port = port
+        self.token = token
+        self.max_body_bytes = max_body_bytes
+        self.service_host = service_host or socket.gethostname()
+        self.max_connections = max_connections
+        self.socket_timeout_s = socket_timeout_s
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.requests_by_status: Counter[int] = Counter()
+        self.accepted_spans = 0
+        self.rejected_spans = 0
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> OtlpHttpReceiver:
+        """Bind and serve; raises OSError (e.g. address in use) so the daemon can say so."""
+        self._server = _Server((self.host, self.requested_port), self)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="otlp-http", daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("receiver not started")
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}{TRACES_PATH}"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(5)
+        self._server = self._thread = None
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"accepted_spans": self.accepted_spans, "rejected_spans": self.rejected_spans,
+                    "requests_by_status": dict(self.requests_by_status),
+                    "queue_spans": self.writer.queue_depth_spans}
+
+    def _count_status(self, status: int) -> None:
+        with self._lock:
+            self.requests_by_status[status] += 1
+
+    # -- one request ------------------------------------------------------------------------
+    def _authorized(self, header: str | None) -> bool:
+        if self.token is None:
+            return True
+        expected = f"Bearer {self.token}".encode()
+        return hmac.compare_digest((header or "").strip().encode("utf-8", "replace"), expected)
+
+    def _handle(self, handler: _Handler) -> None:
+        content_type = codec.media_type(handler.headers.get("Content-Type"))
+        reply_type = content_type if content_type in codec.CONTENT_TYPES else codec.PROTOBUF
+
+        def fail(status: int, rpc_code: int, message: str, *, drain: bool = False,
+                 extra: dict[str, str] | None = None) -> None:
+            handler._answer(status, codec.encode_status(reply_type, rpc_code, message),
+                            content_type=reply_type, extra=extra, drain=drain)
+
+        if not self._authorized(handler.headers.get("Authorization")):
+            fail(401, codec.RPC_UNAUTHENTICATED, "missing or wrong bearer token",
+                 extra={"WWW-Authenticate": 'Bearer realm="otlp"'}, drain=True)
+            return
+        if content_type not in codec.CONTENT_TYPES:
+            fail(415, codec.RPC_INVALID_ARGUMENT,
+                 f"Content-Type {content_type or 'missing'!r} is not supported; "
+                 f"send {codec.PROTOBUF} or {codec.JSON}", drain=True)
+            return
+        length_header = handler.headers.get("Content-Length")
+        if handler.headers.get("Transfer-Encoding") or length_header is None:
+            fail(411, codec.RPC_INVALID_ARGUMENT, "send the body with a Content-Length", drain=True)
+            return
+        try:
+            length = int(length_header)
+            if length < 0:
+                raise ValueError(length_header)
+        except ValueError:
+            fail(400, codec.RPC_INVALID_ARGUMENT, f"bad Content-Length {length_header[:40]!r}", drain=True)
+            return
+        if length > self.max_body_bytes:
+            fail(413, codec.RPC_INVALID_ARGUMENT,
+                 f"body of {length} bytes is over the limit of {self.max_body_bytes}", drain=True)
+            return
+        try:
+            self.writer.check_capacity(length)
+        except BackPressure as exc:
+            self._back_pressure(handler, fail, exc, drain=True)
+            return
+        body = handler.rfile.read(length)
+        if len(body) != length:
+            handler.close_connection = True
+            fail(400, codec.RPC_INVALID_ARGUMENT, f"body ended after {len(body)} of {length} bytes")
+            return
+        try:
+            plain = codec.inflate(body, handler.headers.get("Content-Encoding"), self.max_body_bytes)
+            request = codec.decode_request(plain, content_type)
+        except codec.BodyError as exc:
+            fail(exc.status, codec.RPC_INVALID_ARGUMENT, exc.message)
+            return
+        except Exception as exc:  # the parser met something nobody expected: still the sender's fault
+            log.warning("OTLP/HTTP body could not be decoded: %r", exc)
+            fail(400, codec.RPC_INVALID_ARGUMENT, f"body could not be decoded ({type(exc).__name__})")
+            return
+        result = normalize_request(request, service_host=self.service_host)
+        del request
+        try:
+            self.writer.submit(result.spans, len(plain))
+        except BackPressure as exc:
+            self._back_pressure(handler, fail, exc)
+            return
+        with self._lock:
+            self.accepted_spans += len(result.spans)
+            self.rejected_spans += result.rejected
+        handler._answer(200, codec.encode_response(reply_type, result.rejected, result.error_message),
+                        content_type=reply_type)
+
+    @staticmethod
+    def _back_pressure(handler: _Handler, fail: Any, exc: BackPressure, *, drain: bool = False) -> None:
+        status, code = (429, codec.RPC_RESOURCE_EXHAUSTED) if exc.kind == QUEUE_FULL else (503, codec.RPC_UNAVAILABLE)
+        fail(status, code, f"{exc.reason}; retry later", drain=drain,
+             extra={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})

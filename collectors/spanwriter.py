@@ -1,0 +1,229 @@
+"""Durable, batched span writes with back-pressure: the only way the receivers reach the store.
+
+``SpanWriter.submit`` returns only once the spans are committed, so an OTLP request is acknowledged
+only after its data is safe. One writer thread drains a bounded queue and commits everything
+waiting in a single transaction (group commit): many concurrent requests share one commit, which
+is what makes SQLite fast enough. The queue is bounded in spans and bytes; when it is full, or the
+database cannot be written (locked past its busy timeout, disk full), ``submit`` raises
+:class:`BackPressure` with a retry delay that the receivers turn into 429/503 + ``Retry-After``.
+After a failed commit, new work is refused for ``retry_after_s`` so a locked database is not
+hammered; later submissions land normally once it is writable again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from auditor.errors import StoreError
+from auditor.model import SpanRecord
+
+log = logging.getLogger(__name__)
+
+QUEUE_FULL = "queue_full"
+STORE_UNAVAILABLE = "store_unavailable"
+
+
+class BackPressure(Exception):
+    """The spans were not taken; try again after ``retry_after_s`` seconds."""
+
+    def __init__(self, retry_after_s: float, reason: str, kind: str = QUEUE_FULL) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+        self.kind = kind  # QUEUE_FULL (answer 429) or STORE_UNAVAILABLE (answer 503)
+
+
+@dataclass(eq=False)
+class _Pending:
+    spans: Sequence[SpanRecord]
+    nbytes: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BackPressure | None = None
+
+
+class SpanWriter:
+    """Bounded queue + one writer thread committing batches of spans to an ``auditor.store.Store``."""
+
+    def __init__(self, store: Any, *, max_queue_spans: int = 100_000, max_queue_bytes: int = 256 << 20,
+                 max_batch_spans: int = 16_384, retry_after_s: float = 1.0,
+                 submit_timeout_s: float = 30.0) -> None:
+        self.store = store
+        self.max_queue_spans = max_queue_spans
+        self.max_queue_bytes = max_queue_bytes
+        self.max_batch_spans = max_batch_spans
+        self.retry_after_s = retry_after_s
+        self.submit_timeout_s = submit_timeout_s
+        self._queue: deque[_Pending] = deque()
+        self._cond = threading.Condition()
+        self._queued_spans = 0
+        self._queued_bytes = 0
+        self._refuse_until = 0.0  # monotonic time before which new work is refused after a failure
+        self._last_error = ""
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        # Counters for /metrics.
+        self.committed_spans = 0
+        self.commits = 0
+        self.failed_commits = 0
+        self.refused_queue_full = 0
+        self.refused_store_unavailable = 0
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> SpanWriter:
+        with self._cond:
+            if self._thread is None:
+                self._stopping = False
+                self._thread = threading.Thread(target=self._run, name="span-writer", daemon=True)
+                self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Commit what is queued, then stop; anything left after ``timeout_s`` is refused."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+        with self._cond:
+            self._thread = None
+            leftovers = list(self._queue)
+            self._queue.clear()
+            self._queued_spans = self._queued_bytes = 0
+        for item in leftovers:
+            item.error = BackPressure(self.retry_after_s, "span writer stopped", STORE_UNAVAILABLE)
+            item.done.set()
+
+    # -- producer side ----------------------------------------------------------------------
+    def check_capacity(self, nbytes: int = 0) -> None:
+        """Raise BackPressure now if a request of ``nbytes`` would be refused (lets receivers skip reading it)."""
+        with self._cond:
+            self._refuse_if_needed(0, nbytes)
+
+    def _refuse_if_needed(self, nspans: int, nbytes: int) -> None:
+        if time.monotonic() < self._refuse_until:
+            self.refused_store_unavailable += 1
+            raise BackPressure(self.retry_after_s, f"store unavailable: {self._last_error}",
+                               STORE_UNAVAILABLE)
+        over_spans = self._queued_spans and self._queued_spans + nspans > self.max_queue_spans
+        over_bytes = self._queued_bytes and self._queued_bytes + nbytes > self.max_queue_bytes
+        if over_spans or over_bytes:
+            self.refused_queue_full += 1
+            raise BackPressure(self.retry_after_s,
+                               f"write queue full ({self._queued_spans} spans, {self._queued_bytes} bytes)")
+
+    def submit(self, spans: Sequence[SpanRecord], nbytes: int = 0) -> int:
+        """Queue spans and wait until they are committed; returns how many were written.
+
+        Raises BackPressure when the queue is full, the store cannot be written, or the commit
+        takes longer than ``submit_timeout_s`` (the spans may still land; writes are idempotent).
+        """
+        if not spans:
+            return 0
+        item = _Pending(spans, nbytes)
+        with self._cond:
+            if self._thread is None or self._stopping:
+                raise BackPressure(self.retry_after_s, "span writer is not running", STORE_UNAVAILABLE)
+            self._refuse_if_needed(len(spans), nbytes)
+            self._queue.append(item)
+            self._queued_spans += len(spans)
+            self._queued_bytes += nbytes
+            self._cond.notify_all()
+        if not item.done.wait(self.submit_timeout_s):
+            raise BackPressure(self.retry_after_s, "commit did not finish in time", STORE_UNAVAILABLE)
+        if item.error is not None:
+            raise item.error
+        return len(spans)
+
+    # -- writer thread ----------------------------------------------------------------------
+    def _take_batch(self) -> list[_Pending] | None:
+        with self._cond:
+            while not self._queue and not self._stopping:
+                self._cond.wait()
+            if not self._queue:
+                return None
+            batch: list[_Pending] = []
+            count = 0
+            while self._queue and (not batch or count + len(self._queue[0].spans) <= self.max_batch_spans):
+                item = self._queue.popleft()
+                batch.append(item)
+                count += len(item.spans)
+            return batch
+
+    def _release(self, batch: list[_Pending]) -> None:
+        with self._cond:
+            for item in batch:
+                self._queued_spans -= len(item.spans)
+                self._queued_bytes -= item.nbytes
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take_batch()
+            if batch is None:
+                return
+            try:
+                self._commit(batch)
+            finally:
+                self._release(batch)
+                for item in batch:
+                    item.done.set()
+
+    def _commit(self, batch: list[_Pending]) -> None:
+        spans = [span for item in batch for span in item.spans]
+        try:
+            self.store.insert_spans(spans)
+        except StoreError as exc:
+            self._fail(batch, str(exc))
+            return
+        except Exception as exc:  # unexpected: find the request that causes it, keep the others
+            log.exception("span batch of %d spans failed; retrying request by request", len(spans))
+            self._commit_one_by_one(batch, exc)
+            return
+        self.commits += 1
+        self.committed_spans += len(spans)
+
+    def _commit_one_by_one(self, batch: list[_Pending], first_error: Exception) -> None:
+        for item in batch:
+            try:
+                self.store.insert_spans(item.spans)
+            except Exception as exc:
+                self.failed_commits += 1
+                item.error = BackPressure(self.retry_after_s, f"write failed: {exc or first_error}",
+                                          STORE_UNAVAILABLE)
+                continue
+            self.commits += 1
+            self.committed_spans += len(item.spans)
+
+    def _fail(self, batch: list[_Pending], message: str) -> None:
+        self.failed_commits += 1
+        if self._last_error != message:
+            log.warning("span commit failed, answering back-pressure for %.1f s: %s",
+                        self.retry_after_s, message)
+        with self._cond:
+            self._last_error = message
+            self._refuse_until = time.monotonic() + self.retry_after_s
+        for item in batch:
+            item.error = BackPressure(self.retry_after_s, f"store unavailable: {message}", STORE_UNAVAILABLE)
+
+    # -- introspection ----------------------------------------------------------------------
+    @property
+    def queue_depth_spans(self) -> int:
+        return self._queued_spans
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {
+                "queue_spans": self._queued_spans,
+                "queue_bytes": self._queued_bytes,
+                "committed_spans": self.committed_spans,
+                "commits": self.commits,
+                "failed_commits": self.failed_commits,
+                "refused_queue_full": self.refused_queue_full,
+                "refused_store_unavailable": self.refused_store_unavailable,
+            }
