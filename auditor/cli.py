@@ -17,6 +17,7 @@ from auditor import __version__
 # commands that do not need it.
 COMMANDS: dict[str, str] = {
     "db": "auditor.dbcli:db",
+    "report": "auditor.report.cli:report",
 }
 
 
