@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "doctor": "auditor.doctor:doctor_command",
     "engine": "replay.engine.cli:engine",
     "probe": "probes.cli:probe",
+    "run": "auditor.runcli:run_command",
     "report": "auditor.report.cli:report",
 }
 

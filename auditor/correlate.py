@@ -126,6 +126,7 @@ class Correlator:
         self._pending: dict[int, Disconnect] = {}
         self._recent_unjoined: dict[int, tuple[Disconnect, CoverageKind]] = {}
         self._open: dict[str, OpenRequest] = {}
+        self._settled: dict[str, OpenRequest] = {}  # kept for the horizon: a late span reopens them
         self._live_inflight: dict[tuple[str, str], LiveEvent] = {}
         self._live_engine_end: dict[str, int] = {}
         self._live_span_end: dict[tuple[str, str], int] = {}
@@ -186,6 +187,9 @@ class Correlator:
                 continue
             self._span_ids_seen.add((span.trace_id, span.span_id))
             self._spans_by_trace[span.trace_id].append(span)
+            reopened = self._settled.pop(span.trace_id, None)
+            if reopened is not None:  # evidence after settling (a span later than late_span_seconds)
+                self._open[span.trace_id] = reopened
             if span.role is SpanRole.HTTP_SERVER:
                 if span.peer_rewritten:
                     self._count(CoverageKind.PROXY_REWRITTEN_PEER, f"span:{row.id}", span.end_ns)
@@ -416,6 +420,7 @@ class Correlator:
             if unsettled and now - request.origin().ts_ns <= HORIZON_NS:
                 continue
             del self._open[trace_id]
+            self._settled[trace_id] = request
             self.stats.settled[written.verdict.value] += 1
             self.on_settled(written)
 
@@ -457,6 +462,8 @@ class Correlator:
             del self._events_by_tuple[tuple4]
         for tuple4 in [k for k, lives in self._live_by_tuple.items() if max(e.ts_ns for e in lives) < cutoff]:
             del self._live_by_tuple[tuple4]
+        for trace_id in [t for t, r in self._settled.items() if r.origin().ts_ns < cutoff]:
+            del self._settled[trace_id]
         for event_id in [k for k, (d, _) in self._recent_unjoined.items() if d.ts_ns < cutoff]:
             del self._recent_unjoined[event_id]
 

@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ from auditor.correlate import Correlator
 from auditor.errors import AuditorError
 from auditor.live import LiveReceiver
 from auditor.metrics import DaemonMetrics
-from auditor.model import CoverageKind
+from auditor.model import CoverageKind, UtilSample
 from auditor.schema import SpanRow, UtilSampleRow
 from auditor.store import Store
 
@@ -113,9 +114,8 @@ class Daemon:
         self._threads.append(thread)
 
     def _start_probe(self) -> None:
-        from probes.writer import ConnEventWriter
-
         from probes import open_source
+        from probes.writer import ConnEventWriter
 
         try:
             source = open_source(ports=sorted(self._ports), prefer=self.config.probe.source, host=self.host)
@@ -136,7 +136,7 @@ class Daemon:
         from collectors.spanwriter import SpanWriter
 
         otlp = self.config.otlp
-        writer = SpanWriter(self.store)
+        writer = SpanWriter(self.store).start()
         self._parts["span_writer"] = writer
         token = otlp.token or None
         if otlp.http:
@@ -170,7 +170,7 @@ class Daemon:
         loop.start()
         self._parts["sampling"] = loop
 
-    def _write_samples(self, samples: list[Any]) -> None:
+    def _write_samples(self, samples: Iterable[UtilSample]) -> None:
         try:
             self.store.insert_samples(samples)
         except AuditorError as exc:
@@ -249,7 +249,7 @@ class Daemon:
         if writer is not None:
             writer_stats = writer.stats()
             self.metrics.ingest_queue.set(writer_stats.get("queue_spans", 0))
-            accepted = writer_stats.get("accepted_spans", 0)
+            accepted = writer_stats.get("committed_spans", 0)
             previous = self._parts.get("_accepted", 0)
             if accepted > previous:
                 self.metrics.spans_received.inc(accepted - previous)
@@ -302,7 +302,7 @@ class Daemon:
         if "event_writer" in self._parts:
             _quietly(self._parts["event_writer"].close)
         if "span_writer" in self._parts:
-            _quietly(self._parts["span_writer"].close)
+            _quietly(self._parts["span_writer"].stop)
         if "live" in self._parts:
             _quietly(self._parts["live"].stop)
         self.correlate_once()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -115,6 +116,7 @@ class Store:
         self.upgrade()
 
     def upgrade(self) -> None:
+        logging.getLogger("alembic").setLevel(logging.WARNING)  # per-step INFO lines are noise here
         cfg = self._alembic_config()
         try:
             with self.engine.begin() as conn:

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import datetime as dt
 
-from auditor.model import CoverageKind, Phase, RequestVerdict, SpanRecord, SpanRole, UtilSample, Verdict
+from auditor.model import (
+    CoverageKind,
+    Phase,
+    RequestVerdict,
+    SpanRecord,
+    SpanRole,
+    UtilSample,
+    Verdict,
+)
 from auditor.store import Store
 
 S = 1_000_000_000
