@@ -222,14 +222,22 @@ class Correlator:
         now = self.clock()
         self._join_pending(now)
         self._check_unjoined_spans(now)
-        written = []
+        changed: list[tuple[OpenRequest, RequestVerdict]] = []
         for trace_id in list(self._open):
             request = self._open[trace_id]
             if trace_id in self._touched or request.written is None or self._clock_dependent(request):
                 verdict = self._evaluate(request, now)
                 if verdict is not None:
-                    written.append(verdict)
+                    changed.append((request, verdict))
+        # Only a committed verdict counts as written: if the store refuses (locked, disk full),
+        # the next round computes and writes it again.
+        written = [verdict for _, verdict in changed]
         self.store.upsert_verdicts(written)
+        for request, verdict in changed:
+            if request.request_key and request.request_key != verdict.request_key:
+                self.store.delete_verdict(request.request_key)  # a live-only key gave way to the span's
+            request.request_key = verdict.request_key
+            request.written = verdict
         self.stats.verdicts_written += len(written)
         self._settle(now)
         self._save_state(now)
@@ -259,9 +267,9 @@ class Correlator:
                     del self._pending[event_id]
                 continue
             if now - disconnect.ts_ns > self.late_ns:
-                del self._pending[event_id]
                 kind = self._classify_unjoined(disconnect)
-                self._count(kind, f"ev:{event_id}", disconnect.ts_ns)
+                self._count(kind, f"ev:{event_id}", disconnect.ts_ns)  # raises before anything is forgotten
+                del self._pending[event_id]
                 self._recent_unjoined[event_id] = (disconnect, kind)
         # A span that arrived after its disconnect was written off claims it back.
         for event_id, (disconnect, kind) in list(self._recent_unjoined.items()):
@@ -352,13 +360,10 @@ class Correlator:
             (origin_span.max_tokens if origin_span else None), tokens_after_disconnect=tokens,
             tokens_exact=exact, wasted_gpu_seconds=cost[0], wasted_cpu_seconds=cost[1], details=details,
         )
-        if request.request_key and request.request_key != verdict.request_key:
-            self.store.delete_verdict(request.request_key)  # the live-only key gave way to the span's
-        request.request_key = verdict.request_key
-        if request.written is not None and replace(request.written, lag_seconds=None) == replace(verdict, lag_seconds=None) \
-                and decision.verdict is not Verdict.INFLIGHT_ZOMBIE:
+        unchanged = request.written is not None and \
+            replace(request.written, lag_seconds=None) == replace(verdict, lag_seconds=None)
+        if unchanged and decision.verdict is not Verdict.INFLIGHT_ZOMBIE:
             return None
-        request.written = verdict
         return verdict
 
     def _work_end(self, request: OpenRequest, origin_span: SpanRecord | None, http_spans: list[SpanRecord],
@@ -427,8 +432,8 @@ class Correlator:
     def _count(self, kind: CoverageKind, detail: str, ts_ns: int, count: int = 1) -> None:
         if detail in self._counted:
             return
-        self._counted.add(detail)
         self.store.add_coverage(kind, count, host=self.host, ts_ns=ts_ns, detail=detail)
+        self._counted.add(detail)
         attr = {CoverageKind.IDLE_CLOSE: "idle_closes", CoverageKind.UNJOINED_DISCONNECT: "unjoined_disconnects",
                 CoverageKind.UNJOINED_SPAN: "unjoined_spans",
                 CoverageKind.PROXY_REWRITTEN_PEER: "proxy_rewritten"}.get(kind)

@@ -14,6 +14,7 @@ stops intake first, flushes every queue to the store, runs a last correlation ro
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -27,7 +28,7 @@ from sqlalchemy import func, select
 
 from auditor.config import Config, parse_address
 from auditor.correlate import Correlator
-from auditor.errors import AuditorError
+from auditor.errors import AuditorError, StoreError
 from auditor.live import LiveReceiver
 from auditor.metrics import DaemonMetrics
 from auditor.model import CoverageKind, UtilSample
@@ -189,8 +190,9 @@ class Daemon:
                         if event.kind.value in ("peer_fin", "peer_rst"):
                             self.metrics.disconnects.labels(event.kind.value.removeprefix("peer_")).inc()
                 if time.monotonic() >= next_flush:  # a disconnect must not wait for a full batch
-                    writer.flush()
                     next_flush = time.monotonic() + 0.1
+                    with contextlib.suppress(StoreError):  # kept queued; the writer logs once
+                        writer.flush()
             except Exception:
                 log.exception("probe loop error; continuing")
                 time.sleep(0.1)

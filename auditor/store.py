@@ -177,6 +177,13 @@ class Store:
         if not verdicts:
             return 0
         now = time.time_ns()
+        try:
+            self._upsert_verdicts(verdicts, now)
+        except OperationalError as exc:
+            raise StoreError(f"write to {self._where()} failed: {_short(exc)}") from exc
+        return len(verdicts)
+
+    def _upsert_verdicts(self, verdicts: Sequence[RequestVerdict], now: int) -> None:
         with self.session() as session, session.begin():
             keys = [v.request_key for v in verdicts]
             existing = {row.request_key: row for row in
@@ -189,7 +196,6 @@ class Store:
                 else:
                     for name, value in values.items():
                         setattr(row, name, value)
-        return len(verdicts)
 
     def delete_verdict(self, request_key: str) -> None:
         with self.engine.begin() as conn:
