@@ -13,7 +13,6 @@ import click
 from auditor.cliutil import errors_as_click
 from auditor.errors import AuditorError
 from replay.engine.behaviors import BEHAVIORS
-from replay.engine.protocol import MAX_TOKENS_LIMIT
 
 
 class EngineStartError(AuditorError):
