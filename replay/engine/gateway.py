@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -109,7 +110,7 @@ class ProxyResponse(Response):
         disconnected = asyncio.Event()
         watcher = asyncio.create_task(_watch_disconnect(receive, disconnected))
         url = gateway.upstream + self.path
-        span_attributes = {"http.method": self.method, "http.url": url,
+        span_attributes: dict[str, AttributeValue] = {"http.method": self.method, "http.url": url,
                            "net.peer.name": gateway.upstream_host, "net.peer.port": gateway.upstream_port}
         try:
             with gateway.tracing.tracer.start_as_current_span(
