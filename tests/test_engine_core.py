@@ -181,3 +181,17 @@ def test_long_prompt_prefills_in_chunks_then_stop_word_ends_it(engine_and_record
     assert handle.finish_reason == "stop"
     assert handle.tokens_generated == 2  # the stop word itself is not emitted
     assert engine.steps - steps_before >= 40 // 8 + 2  # 5 prefill steps (the last also samples) + decode
+
+
+def test_stop_ends_requests_in_flight_as_aborted(backend: NumpyBackend) -> None:
+    recorder = Recorder()
+    engine = Engine(backend, max_batch=1, on_finish=recorder.on_finish)
+    engine.start()
+    running, queued = recorder.request("running", 10_000), recorder.request("queued", 10)
+    engine.submit(running)
+    engine.submit(queued)
+    time.sleep(0.05)
+    engine.stop()
+    recorder.wait("running", "queued", timeout=2)
+    assert running.finish_reason == queued.finish_reason == "abort"
+    assert running.tokens_generated > 0 and queued.tokens_generated == 0

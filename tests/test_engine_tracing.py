@@ -212,6 +212,11 @@ def test_trace_aborted_over_grpc_reports_tokens_after_disconnect(otlp_grpc: tupl
         stream_then_leave(engine.url, "/v1/chat/completions", "cut")
         record = wait_record(engine, "chatcmpl-cut")
         span = sink.wait_for(by_request_id("chatcmpl-cut"))
+        last = httpx.post(engine.url + "/v1/completions", json={"prompt": "bye", "max_tokens": 1},
+                          headers={"X-Request-Id": "last"}, timeout=10)
+        assert last.status_code == 200
+    # Stopping the engine flushed the span of the request that ended just before.
+    assert sink.matching(by_request_id("cmpl-last"))
     assert record["finish_reason"] == "abort"
     assert span["attributes"]["gen_ai.response.finish_reasons"] == ["abort"]
     assert span["attributes"]["auditor.tokens_after_disconnect"] == record["tokens_after_disconnect"] <= 3
@@ -299,5 +304,7 @@ def test_cli_refuses_bad_settings_with_what_to_do() -> None:
     except ImportError:
         result = runner.invoke(cli, ["engine", "--device", "cuda"])
         assert result.exit_code == 1 and "Error: --device cuda needs PyTorch" in result.output
+    result = runner.invoke(cli, ["engine", "--step-ms", "1", "--truth-log", "/nonexistent/dir/truth.jsonl"])
+    assert result.exit_code == 1 and "Error: cannot open the truth log /nonexistent/dir/truth.jsonl" in result.output
     result = runner.invoke(cli, ["engine", "--behavior", "sometimes"])
     assert result.exit_code == 2 and "Invalid value for '--behavior'" in result.output

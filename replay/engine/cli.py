@@ -37,8 +37,12 @@ def _write_port_file(path: str, port: int) -> None:
     # Written atomically so a launcher polling the file never reads half a number.
     target = Path(path)
     temporary = target.with_name(target.name + ".tmp")
-    temporary.write_text(f"{port}\n", encoding="ascii")
-    os.replace(temporary, target)
+    try:
+        temporary.write_text(f"{port}\n", encoding="ascii")
+        os.replace(temporary, target)
+    except OSError as exc:
+        raise EngineStartError(f"cannot write the port file {target}: {exc.strerror}; "
+                               "check that its directory exists and is writable") from exc
 
 
 def serve(app: object, sock: socket.socket, log_level: str) -> None:
@@ -109,9 +113,9 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
             what = (f"engine {model} behavior={behavior} max_batch={max_batch} step={step_ms}ms "
                     f"({server.engine.backend.layers} layers on {device})")
         sock = _bind(host, port)
-    bound = sock.getsockname()[1]
-    if port_file:
-        _write_port_file(port_file, bound)
+        bound = sock.getsockname()[1]
+        if port_file:
+            _write_port_file(port_file, bound)
     click.echo(f"{what} listening on http://{host}:{bound} (pid {os.getpid()})", err=True)
     sys.stderr.flush()
     serve(app, sock, log_level)

@@ -153,27 +153,37 @@ class Engine:
     # -- the loop (engine thread only) ---------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopping and not self._waiting and not self._running and not self._pending_aborts:
-                    self._lock.wait()
-                if self._stopping:
-                    leftovers = list(self._waiting.values()) + list(self._running.values())
-                    self._waiting.clear()
-                    self._running.clear()
-                    break
-                finished = self._apply_aborts()
-                self._admit()
-                prefilling, decoding = self._plan()
-            for request in finished:
-                self._finish_callbacks(request)
-            if not prefilling and not decoding:
-                continue
-            self._step(prefilling, decoding)
+        leftovers: list[RequestHandle] | None = None
+        while leftovers is None:
+            try:
+                leftovers = self._iteration()
+            except Exception:  # a bug here must not silently stop every request forever
+                self.callback_errors += 1
+                log.exception("engine loop iteration failed; continuing")
+                time.sleep(0.01)
         now = time.time_ns()
         for request in leftovers:
             self._mark_finished(request, "abort", now)
             self._finish_callbacks(request)
+
+    def _iteration(self) -> list[RequestHandle] | None:
+        """One scheduling round; when stopping, returns the requests still in flight."""
+        with self._lock:
+            while not self._stopping and not self._waiting and not self._running and not self._pending_aborts:
+                self._lock.wait()
+            if self._stopping:
+                leftovers = list(self._waiting.values()) + list(self._running.values())
+                self._waiting.clear()
+                self._running.clear()
+                return leftovers
+            finished = self._apply_aborts()
+            self._admit()
+            prefilling, decoding = self._plan()
+        for request in finished:
+            self._finish_callbacks(request)
+        if prefilling or decoding:
+            self._step(prefilling, decoding)
+        return None
 
     def _apply_aborts(self) -> list[RequestHandle]:
         now = time.time_ns()
