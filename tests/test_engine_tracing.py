@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import socket
 import threading
 import time
@@ -137,14 +138,19 @@ def wait_record(engine: EngineProcess, request_id: str, timeout: float = 10.0) -
     raise AssertionError(f"no truth record for {request_id}; log:\n{engine.log_tail()}")
 
 
-def stream_then_leave(url: str, path: str, request_id: str, events: int = 3, max_tokens: int = 200) -> int:
-    """Stream a request, read ``events`` chunks, close; returns the client port."""
+def send_raw(url: str, path: str, request_id: str, max_tokens: int, stream: bool) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
     body = json.dumps({"messages": [{"role": "user", "content": "go"}], "max_tokens": max_tokens,
-                       "stream": True}).encode()
+                       "stream": stream}).encode()
     sock.sendall((f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Id: "
                   f"{request_id}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
+    return sock
+
+
+def stream_then_leave(url: str, path: str, request_id: str, events: int = 3, max_tokens: int = 200) -> int:
+    """Stream a request, read ``events`` chunks, close; returns the client port."""
+    sock = send_raw(url, path, request_id, max_tokens, stream=True)
     received = b""
     while received.count(b"data: ") < events:
         piece = sock.recv(65536)
@@ -224,6 +230,16 @@ def test_trace_aborted_over_grpc_reports_tokens_after_disconnect(otlp_grpc: tupl
     assert span["resource"]["service.name"] == "staging-llm"
 
 
+def test_standard_otel_variables_choose_the_exporter_without_otlp_flag(otlp_http: tuple[str, SpanSink]) -> None:
+    endpoint, sink = otlp_http
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint + "/v1/traces",
+           "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
+    with running_engine(step_ms=2, env=env) as engine:
+        httpx.post(engine.url + "/v1/completions", json={"prompt": "env", "max_tokens": 1},
+                   headers={"X-Request-Id": "from-env"}, timeout=10).raise_for_status()
+        sink.wait_for(by_request_id("cmpl-from-env"))
+
+
 @pytest.mark.parametrize("propagate", [True, False])
 def test_gateway_propagates_the_cancel_or_not(propagate: bool, otlp_http: tuple[str, SpanSink],
                                               tmp_path: Path) -> None:
@@ -238,14 +254,19 @@ def test_gateway_propagates_the_cancel_or_not(propagate: bool, otlp_http: tuple[
                           timeout=10).status_code == 404
         stream_then_leave(gateway.url, "/v1/chat/completions", request_id, max_tokens=120)
         record = wait_record(engine, "chatcmpl-" + request_id)
+        waiting = send_raw(gateway.url, "/v1/chat/completions", f"plain-{request_id}", 120, stream=False)
+        time.sleep(0.15)
+        waiting.close()
+        plain_record = wait_record(engine, f"chatcmpl-plain-{request_id}")
         engine_http = sink.wait_for(lambda s: s["name"] == "POST /v1/chat/completions"
                                     and s["resource"]["service.name"] == "ref-engine")
-    if propagate:
-        assert record["finish_reason"] == "abort" and record["disconnect_at"] is not None
-        assert record["tokens_generated"] < 120
-    else:
-        assert record["finish_reason"] == "length" and record["tokens_generated"] == 120
-        assert record["disconnect_at"] is None  # the engine's own client, the gateway, never left
+    for cut in (record, plain_record):
+        if propagate:
+            assert cut["finish_reason"] == "abort" and cut["disconnect_at"] is not None
+            assert cut["tokens_generated"] < 120
+        else:
+            assert cut["finish_reason"] == "length" and cut["tokens_generated"] == 120
+            assert cut["disconnect_at"] is None  # the engine's own client, the gateway, never left
     client = sink.wait_for(lambda s: s["kind"] == SPAN_KIND_CLIENT and s["trace_id"] == engine_http["trace_id"])
     gateway_server = sink.wait_for(lambda s: s["span_id"] == client["parent"])
     assert gateway_server["resource"]["service.name"] == "ref-gateway"
@@ -253,6 +274,15 @@ def test_gateway_propagates_the_cancel_or_not(propagate: bool, otlp_http: tuple[
     assert client["attributes"]["http.url"].endswith("/v1/chat/completions")
     if propagate:
         assert client["attributes"]["gateway.upstream_cancelled"] is True
+
+
+def test_gateway_answers_502_when_the_upstream_is_down() -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead_port = closed.getsockname()[1]  # bound, never listening: connections are refused
+        with running_gateway(f"http://127.0.0.1:{dead_port}") as gateway:
+            response = httpx.post(gateway.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert response.status_code == 502 and "upstream" in response.json()["error"]["message"]
 
 
 def test_api_errors_are_openai_json_and_the_server_keeps_serving(tmp_path: Path) -> None:

@@ -119,8 +119,21 @@ class ProxyResponse(Response):
                 PROPAGATOR.inject(headers)  # the client span is current: upstream becomes its child
                 upstream_request = gateway.client.build_request(self.method, url, headers=headers,
                                                                 content=self.request_body)
+                sending = asyncio.create_task(gateway.client.send(upstream_request, stream=True))
+                gone = asyncio.create_task(disconnected.wait())
+                await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+                gone.cancel()
+                if not sending.done() and gateway.settings.propagate:
+                    # The client left before the upstream answered (a non-streaming request, or a
+                    # long queue): cancelling the send closes the upstream connection.
+                    sending.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                        await sending
+                    gateway.cancelled_upstream += 1
+                    span.set_attribute("gateway.upstream_cancelled", True)
+                    return
                 try:
-                    upstream = await gateway.client.send(upstream_request, stream=True)
+                    upstream = await sending
                 except httpx.HTTPError as exc:
                     span.set_status(Status(StatusCode.ERROR, str(exc)))
                     error = ApiError(502, f"upstream {gateway.upstream} failed: {exc!r}")
@@ -158,9 +171,13 @@ class ProxyResponse(Response):
     async def _pump(upstream: httpx.Response, send: Send, disconnected: asyncio.Event,
                     headers: list[tuple[bytes, bytes]]) -> None:
         await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
-        async for piece in upstream.aiter_raw():
-            if not disconnected.is_set():
-                await send({"type": "http.response.body", "body": piece, "more_body": True})
+        try:
+            async for piece in upstream.aiter_raw():
+                if not disconnected.is_set():
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+        except httpx.HTTPError as exc:
+            # The upstream broke mid-response: end ours (the client sees a truncated body), go on.
+            log.warning("upstream response broke off: %r", exc)
         if not disconnected.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
