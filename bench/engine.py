@@ -36,7 +36,12 @@ def engine_tokens_per_second(backend: ComputeBackend, batch: int, tokens: int) -
     """(tokens/s, mean time to first token in ms) for ``batch`` concurrent requests."""
     done = threading.Semaphore(0)
     finished: list[RequestHandle] = []
-    engine = Engine(backend, max_batch=batch, on_finish=lambda r: (finished.append(r), done.release()))
+
+    def on_finish(request: RequestHandle) -> None:
+        finished.append(request)
+        done.release()
+
+    engine = Engine(backend, max_batch=batch, on_finish=on_finish)
     engine.start()
     started_ns = time.time_ns()
     for index in range(batch):
