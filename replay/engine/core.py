@@ -26,7 +26,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 from replay.engine.compute import ComputeBackend
 from replay.engine.tokens import token_text
@@ -136,7 +135,9 @@ class Engine:
     def note_disconnect(self, request: RequestHandle, at_ns: int) -> None:
         """Record when the client left (ground truth), whatever the behaviour does about it."""
         with self._lock:
-            if request.disconnect_at is None:
+            # A finished request's record is frozen (callbacks read it without the lock): a client
+            # leaving after the end is not a disconnect in flight.
+            if request.disconnect_at is None and request.phase is not Phase.FINISHED:
                 request.disconnect_at = at_ns
                 request.phase_at_disconnect = request.phase.value
                 request.tokens_at_disconnect = request.tokens_generated
@@ -161,9 +162,11 @@ class Engine:
                 self.callback_errors += 1
                 log.exception("engine loop iteration failed; continuing")
                 time.sleep(0.01)
-        now = time.time_ns()
+        with self._lock:
+            now = time.time_ns()
+            for request in leftovers:
+                self._mark_finished(request, "abort", now)
         for request in leftovers:
-            self._mark_finished(request, "abort", now)
             self._finish_callbacks(request)
 
     def _iteration(self) -> list[RequestHandle] | None:
@@ -294,7 +297,3 @@ class Engine:
         if self.callback_errors == 1 or self.callback_errors % 1000 == 0:
             log.exception("engine callback %s failed (%d so far); continuing", which, self.callback_errors)
 
-
-def describe(request: RequestHandle) -> dict[str, Any]:
-    """A short dict for logs."""
-    return {"id": request.request_id, "phase": request.phase.value, "tokens": request.tokens_generated}
