@@ -25,6 +25,9 @@ VICTIM_TOKENS = 100
 BLOCKER_TOKENS = 160
 LONG_PROMPT = list(range(800))  # 50 prefill chunks of 16 tokens
 SECOND = 1_000_000_000
+# An abort lands between steps, but the event loop that issues it competes for the CPU with the
+# engine thread (and, on a shared host, with everything else): a few steps may pass first.
+PROMPT_ABORT_TOKENS = 10
 
 
 def send_request(port: int, path: str, body: dict[str, Any], request_id: str) -> socket.socket:
@@ -111,7 +114,7 @@ def check(behavior: str, phase: str, stream: bool, record: dict[str, Any]) -> No
                       or (behavior == "queued-leak" and phase != "queued")
                       or (behavior == "no-check" and stream))
     if stops_promptly:
-        assert record["finish_reason"] == "abort" and after <= 3
+        assert record["finish_reason"] == "abort" and after <= PROMPT_ABORT_TOKENS
         if behavior == "no-check" and phase != "decode":
             # Nothing is written while queued or prefilling, so only the first token reveals the
             # loss: the request waits its turn and prefills for nobody, then stops.

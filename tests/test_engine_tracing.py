@@ -225,7 +225,7 @@ def test_trace_aborted_over_grpc_reports_tokens_after_disconnect(otlp_grpc: tupl
     assert sink.matching(by_request_id("cmpl-last"))
     assert record["finish_reason"] == "abort"
     assert span["attributes"]["gen_ai.response.finish_reasons"] == ["abort"]
-    assert span["attributes"]["auditor.tokens_after_disconnect"] == record["tokens_after_disconnect"] <= 3
+    assert span["attributes"]["auditor.tokens_after_disconnect"] == record["tokens_after_disconnect"] <= 10
     assert span["attributes"]["gen_ai.usage.completion_tokens"] == record["tokens_generated"]
     assert span["resource"]["service.name"] == "staging-llm"
 
