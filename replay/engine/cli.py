@@ -94,6 +94,9 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
     vLLM, and can write what really happened to each request (--truth-log).
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The engine thread runs Python between matrix products; a short GIL switch interval lets the
+    # event loop notice a disconnect and issue the abort within a step or two.
+    sys.setswitchinterval(0.001)
     with errors_as_click():
         if gateway_upstream is not None:
             from replay.engine.gateway import GatewaySettings, build_gateway
