@@ -169,10 +169,12 @@ def test_spans_carry_vllm_names_and_join_keys_over_otlp_http(otlp_http: tuple[st
     endpoint, sink = otlp_http
     with running_engine(otlp=endpoint, truth_log=tmp_path / "truth.jsonl", step_ms=3) as engine:
         response = httpx.post(engine.url + "/v1/completions", timeout=10, headers={
-            "X-Request-Id": "span-a", "traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
+            "X-Request-Id": "span-a", "traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01",
+            "X-Forwarded-For": "10.9.8.7"},  # must not replace the real peer
             json={"prompt": "trace me please", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9})
         assert response.status_code == 200 and response.json()["id"] == "cmpl-span-a"
         record = wait_record(engine, "cmpl-span-a")
+        assert record["client_addr"] == "127.0.0.1"
         llm = sink.wait_for(by_request_id("cmpl-span-a"))
         http_span = sink.wait_for(lambda s: s["name"] == "POST /v1/completions" and s["trace_id"] == TRACE_ID)
 
