@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -154,3 +155,17 @@ def test_behavior_on_disconnect(behavior: str, tmp_path: Path) -> None:
                 except AssertionError as exc:
                     failures.append(f"{phase} stream={stream}: {exc}\n  {record}")
     assert not failures, "\n".join(failures)
+
+
+def test_a_reset_is_a_disconnect_too(tmp_path: Path) -> None:
+    with running_engine(truth_log=tmp_path / "truth.jsonl", step_ms=STEP_MS) as engine:
+        victim = send_request(engine.port, "/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": "reset me"}], "max_tokens": VICTIM_TOKENS,
+                               "stream": True}, "reset")
+        read_events(victim, 2)
+        # SO_LINGER with a zero timeout makes close() send RST instead of FIN, as a proxy timeout does.
+        victim.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        victim.close()
+        record = wait_record(engine, "chatcmpl-reset")
+    assert record["finish_reason"] == "abort" and record["phase_at_disconnect"] == "decode"
+    assert record["tokens_generated"] < VICTIM_TOKENS
