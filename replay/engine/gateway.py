@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import httpx
 from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -144,7 +144,7 @@ class ProxyResponse(Response):
         finally:
             watcher.cancel()
 
-    async def _relay(self, upstream: httpx.Response, send: Send, disconnected: asyncio.Event, span: object) -> None:
+    async def _relay(self, upstream: httpx.Response, send: Send, disconnected: asyncio.Event, span: Span) -> None:
         passed = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in upstream.headers.items()
                   if name in ("content-type", "cache-control", "x-request-id")]
         pump = asyncio.create_task(self._pump(upstream, send, disconnected, passed))
@@ -160,7 +160,7 @@ class ProxyResponse(Response):
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
                 self.gateway.cancelled_upstream += 1
-                span.set_attribute("gateway.upstream_cancelled", True)  # type: ignore[attr-defined]
+                span.set_attribute("gateway.upstream_cancelled", True)
             else:
                 await pump  # drain upstream to the end, as a non-propagating gateway does
         finally:
