@@ -13,7 +13,6 @@ import click
 from auditor.cliutil import errors_as_click
 from auditor.errors import AuditorError
 from replay.engine.behaviors import BEHAVIORS
-from replay.engine.protocol import MAX_TOKENS_LIMIT
 
 
 class EngineStartError(AuditorError):
@@ -38,8 +37,12 @@ def _write_port_file(path: str, port: int) -> None:
     # Written atomically so a launcher polling the file never reads half a number.
     target = Path(path)
     temporary = target.with_name(target.name + ".tmp")
-    temporary.write_text(f"{port}\n", encoding="ascii")
-    os.replace(temporary, target)
+    try:
+        temporary.write_text(f"{port}\n", encoding="ascii")
+        os.replace(temporary, target)
+    except OSError as exc:
+        raise EngineStartError(f"cannot write the port file {target}: {exc.strerror}; "
+                               "check that its directory exists and is writable") from exc
 
 
 def serve(app: object, sock: socket.socket, log_level: str) -> None:
@@ -91,6 +94,9 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
     vLLM, and can write what really happened to each request (--truth-log).
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The engine thread runs Python between matrix products; a short GIL switch interval lets the
+    # event loop notice a disconnect and issue the abort within a step or two.
+    sys.setswitchinterval(0.001)
     with errors_as_click():
         if gateway_upstream is not None:
             from replay.engine.gateway import GatewaySettings, build_gateway
@@ -110,9 +116,9 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
             what = (f"engine {model} behavior={behavior} max_batch={max_batch} step={step_ms}ms "
                     f"({server.engine.backend.layers} layers on {device})")
         sock = _bind(host, port)
-    bound = sock.getsockname()[1]
-    if port_file:
-        _write_port_file(port_file, bound)
+        bound = sock.getsockname()[1]
+        if port_file:
+            _write_port_file(port_file, bound)
     click.echo(f"{what} listening on http://{host}:{bound} (pid {os.getpid()})", err=True)
     sys.stderr.flush()
     serve(app, sock, log_level)

@@ -23,7 +23,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -160,7 +167,8 @@ class EngineServer:
         assert isinstance(exc, HTTPException)
         message = f"{request.method} {request.url.path}: {exc.detail}"
         self.metrics.errors.labels(str(exc.status_code)).inc()
-        return JSONResponse(ApiError(exc.status_code, message).body(), status_code=exc.status_code)
+        return JSONResponse(ApiError(exc.status_code, message).body(), status_code=exc.status_code,
+                            headers=exc.headers)
 
     async def _crash(self, request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)

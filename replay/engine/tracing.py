@@ -64,10 +64,14 @@ def exporter_for(otlp: str | None) -> SpanExporter | None:
         protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                     or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
         if protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                OTLPSpanExporter as Grpc,
+            )
             return Grpc()
         if protocol == "http/protobuf":
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter as Http,
+            )
             return Http()
         raise TracingConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported; "
                                  "use http/protobuf or grpc")
