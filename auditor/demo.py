@@ -30,7 +30,7 @@ def _daemon_config(state_dir: Path) -> Any:
     config = load_config(environ={})
     return apply_overrides(config, {
         "db": f"sqlite:///{state_dir / 'auditor.db'}", "probe.ports": [1], "otlp.http": "127.0.0.1:0",
-        "otlp.grpc": "", "metrics.listen": "127.0.0.1:0", "live.listen": "",
+        "otlp.grpc": "", "metrics.listen": "127.0.0.1:0", "live.listen": "127.0.0.1:0",
         "correlate.interval_seconds": 0.25, "correlate.late_span_seconds": 10.0,
     })
 

@@ -98,3 +98,34 @@ def test_verdicts_match_truth(tmp_path: Path, behavior: str) -> None:
     assert all(rows[rid].verdict == "completed" for rid in {f"{behavior}-ka1", f"{behavior}-ka2"} & set(rows))
     assert {t["request_id"] for t in all_truth} >= {f"cmpl-{behavior}-ka1", f"cmpl-{behavior}-ka2"}
     assert GRACE_S == 0.5
+
+
+def test_live_notices_flag_a_zombie_while_it_runs(tmp_path: Path) -> None:
+    with running_daemon(tmp_path) as daemon, running_engine(
+            behavior="detached", otlp=f"http://127.0.0.1:{daemon.status.http_port}", step_ms=10,
+            extra_args=["--live", f"127.0.0.1:{daemon.status.live_port}"]) as engine:
+        daemon.set_ports({engine.port})
+        cancel_after(engine.port, 0.3, "fin", stream=True, max_tokens=400, request_id="live").join()
+        disconnected = time.monotonic()
+        assert wait_for(lambda: [r.verdict for r in verdict_rows(daemon)] == ["inflight_zombie"],
+                        timeout_s=GRACE_S + 1.0, interval_s=0.02)
+        flagged_after = time.monotonic() - disconnected
+        assert flagged_after <= GRACE_S + 1.0
+        # When the work finally ends, the same request becomes a zombie with its full lag.
+        assert wait_for(lambda: [r.verdict for r in verdict_rows(daemon)] == ["zombie"], timeout_s=60)
+        [row] = verdict_rows(daemon)
+        assert row.request_id == "live" and row.lag_seconds > GRACE_S
+
+
+def test_vllm_style_abort_without_engine_span_is_aborted(tmp_path: Path) -> None:
+    with running_daemon(tmp_path) as daemon, running_engine(
+            behavior="abort", otlp=f"http://127.0.0.1:{daemon.status.http_port}", step_ms=10) as engine:
+        daemon.set_ports({engine.port})
+        threads = [cancel_after(engine.port, 0.3, kind, stream=stream, max_tokens=200, request_id=f"v-{kind}-{stream}")
+                   for kind in ("fin", "rst") for stream in (True, False)]
+        for thread in threads:
+            thread.join()
+        assert wait_for(lambda: len(verdict_rows(daemon)) == 4, timeout_s=15)
+        rows = verdict_rows(daemon)
+        assert {r.verdict for r in rows} == {"aborted"}
+        assert all(not r.details["engine_span"] and r.phase == "unknown" for r in rows)

@@ -58,6 +58,7 @@ class RequestHandle:
     top_p: float | None = None
     n: int = 1
     trace_headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    work_key: tuple[str, str] | None = None  # (trace id, work id) for the auditor's live notices
     # Called from the engine thread with ("token", text) or ("finish", reason); must not block.
     deliver: Callable[[str, str], None] | None = None
 

@@ -43,6 +43,7 @@ class GatewaySettings:
     propagate: bool = True
     otlp: str | None = None
     service_name: str = "ref-gateway"
+    live: str | None = None
 
 
 class Gateway:
@@ -55,7 +56,7 @@ class Gateway:
         self.upstream = settings.upstream.rstrip("/")
         self.upstream_host = parts.hostname
         self.upstream_port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.tracing = Tracing(settings.service_name, settings.otlp)
+        self.tracing = Tracing(settings.service_name, settings.otlp, settings.live)
         self.client: httpx.AsyncClient | None = None
         self.cancelled_upstream = 0
 
