@@ -12,8 +12,16 @@ import pytest
 from test_report_data import CHAT, COMPLETIONS, EVIL_ID, LLAMA, QWEN, T0, at, fill, trace
 
 from auditor.report import ReportQuery, build_report
-from auditor.report.model import rfc3339
-from auditor.report.render_data import REQUEST_FIELDS, report_dict, write_csv, write_json
+from auditor.report.model import RequestFinding, rfc3339
+from auditor.report.query import FINDING_COLUMNS
+from auditor.report.render_data import (
+    REQUEST_FIELDS,
+    report_dict,
+    request_dict,
+    request_json,
+    write_csv,
+    write_json,
+)
 from auditor.report.render_html import render_html
 from auditor.report.render_table import render_table
 from auditor.store import Store
@@ -162,6 +170,9 @@ def test_series_buckets_the_window(filled: Store) -> None:
     assert sum(b.zombies for b in report.series) == 3
     assert sum(b.wasted_gpu_seconds for b in report.series) == pytest.approx(14.0)
     assert {b.gpu_util_percent for b in report.series} == {80.0}
+    two_hours = build_report(filled, ReportQuery(since_ns=T0, until_ns=at(7200)), with_series=True)
+    assert two_hours.series is not None and two_hours.bucket_ns == 120 * 1_000_000_000
+    assert [b.completed_requests for b in two_hours.series[:3]] == [1, 2, 2]  # summed per bucket
     by_trace = {t.finding.trace_id: t for t in report.timelines}
     assert by_trace[trace(9)].end_ns == at(913.5)
     assert by_trace[trace(9)].utilization and by_trace[trace(11)].utilization == []  # gpu-b: no GPU
@@ -185,3 +196,52 @@ def test_empty_store(store: Store) -> None:
     report = build_report(store, HOUR, with_series=True)
     assert report.empty_message().endswith("the store holds no requests yet")
     assert "the store holds no requests yet" in render_html(report)
+
+
+@pytest.mark.parametrize("text", ['quote " and \\\\ backslash', "tab\tnewline\n\x00nul", "ünïcødé ✓ 🧟",
+                                  "\u2028line separator", ""])
+def test_fast_request_encoding_equals_json_dumps(filled: Store, text: str) -> None:
+    finding = build_report(filled, HOUR).requests[4]  # the in-flight zombie: nulls included
+    odd = finding._replace(request_id=text, route=text, lag_seconds=1 / 3,
+                              wasted_gpu_seconds=float("nan"))
+    for value in (finding, odd):
+        assert json.loads(request_json(value)) == request_dict(value)
+
+
+def test_finding_columns_follow_the_dataclass_fields() -> None:
+    names = [column.name for column in FINDING_COLUMNS]
+    fields = list(RequestFinding._fields)
+    assert names == [{"wasted_tokens": "tokens_after_disconnect"}.get(f, f) for f in fields]
+
+
+def test_sqlite_built_json_equals_the_python_encoding(filled: Store) -> None:
+    from test_report_data import _verdict
+
+    from auditor.model import Verdict
+
+    odd = [
+        _verdict(50, Verdict.ZOMBIE, start_s=50, disconnect_s=51.000000001, end_s=60.123456789,
+                 lag=1 / 3, request_id='q"uote\\back\tslash\n\x00\x1b ünï 🧟 \u2028'),
+        _verdict(51, Verdict.INFLIGHT_ZOMBIE, start_s=52, disconnect_s=53, end_s=None,
+                 lag=float("inf"), route="", model=None, max_tokens=None, tokens=None, gpu=1e-7),
+    ]
+    filled.upsert_verdicts(odd)
+    with filled.engine.begin() as conn:  # an IPv6 client, and one with no port
+        conn.exec_driver_sql("UPDATE verdicts SET client_addr = '::1' WHERE request_key LIKE '%/"
+                             + trace(50) + "/%'")
+        conn.exec_driver_sql("UPDATE verdicts SET client_port = NULL WHERE request_key LIKE '%/"
+                             + trace(51) + "/%'")
+    fast = build_report(filled, HOUR, requests_as_json=True)
+    slow = build_report(filled, HOUR)
+    assert fast.requests_json is not None and len(fast.requests_json) == 7 and fast.requests == []
+    parsed = [json.loads(text) for text in fast.requests_json]
+    assert parsed == [request_dict(f) for f in slow.requests]
+    assert parsed == [json.loads(request_json(f)) for f in slow.requests]
+    by_trace = {p["trace_id"]: p for p in parsed}
+    assert by_trace[trace(50)]["client"] == "[::1]:40050"
+    assert by_trace[trace(50)]["disconnect_at"] == "2026-11-22T04:00:51.000000001Z"
+    assert by_trace[trace(51)]["client"] == "10.0.0.7" and by_trace[trace(51)]["lag_seconds"] is None
+    for make in (fast, slow):
+        out = io.StringIO()
+        write_json(make, out)
+        validate(json.loads(out.getvalue()))

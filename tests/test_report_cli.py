@@ -153,3 +153,11 @@ def test_unwritable_output_is_a_clear_error(db: str, tmp_path: Path) -> None:
                                       "--format", "json"])
     assert result.exit_code != 0
     assert "r.json" in result.stderr and "Traceback" not in result.output
+
+
+def test_output_to_a_device_writes_through_it(db: str) -> None:
+    # Renaming a temporary file over /dev/null would replace the device for everyone.
+    code, _, _ = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "json",
+                        "-o", "/dev/null")
+    assert code == 0
+    assert Path("/dev/null").is_char_device()

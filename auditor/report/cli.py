@@ -64,7 +64,8 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
     try:
         with errors_as_click():
             result = build_report(store, query, with_requests=output_format in ("json", "csv"),
-                                  with_series=output_format == "html")
+                                  with_series=output_format == "html",
+                                  requests_as_json=output_format == "json")
     finally:
         store.close()
     if result.empty and (output_format != "table" or output):
@@ -116,8 +117,16 @@ def _write(result: Report, output_format: str, output: str | None) -> None:
     if output is None:
         _render(result, output_format, sys.stdout)
         return
-    # Write beside the target and rename, so a failed report never leaves half a file behind.
     target = Path(output)
+    if target.exists() and not target.is_file():
+        # /dev/null, a FIFO, /dev/stdout: write straight through; renaming over them would be wrong.
+        try:
+            with target.open("w", encoding="utf-8", newline="") as out:
+                _render(result, output_format, out)
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {output}: {exc.strerror or exc}") from exc
+        return
+    # Write beside the target and rename, so a failed report never leaves half a file behind.
     try:
         fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
         try:
