@@ -54,7 +54,8 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
     until = until or dt.datetime.now(dt.timezone.utc)
     if until <= since:
         raise click.BadParameter(
-            f"{until.isoformat()} is not after --since {since.isoformat()}; "
+            f"{until.isoformat(timespec='seconds')} is not after --since "
+            f"{since.isoformat(timespec='seconds')}; "
             "e.g. --since 2h --until 1h", param_hint="--until")
     query = ReportQuery(since_ns=to_ns(since), until_ns=to_ns(until), host=host, service=service,
                         route=route, model=model, top=top)

@@ -135,7 +135,7 @@ def zombie_timelines(timelines: Sequence[ZombieTimeline]) -> str:
                      f'<title>{esc(label)}</title></text>')
         parts.append(f'<text x="4" y="{top + 32}">{esc(f"{finding.lag_seconds or 0:,.1f} s zombie")}'
                      f', {esc(finding.phase)}</text>')
-        parts.append(_util_area(timeline.utilization, x_of, top + 40, 36))
+        parts.append(_util_area(timeline.utilization, x_of, top + 40, 36, end))
         disconnect = x_of(finding.disconnect_at_ns)
         parts.append(f'<rect x="{LABEL_W}" y="{top + 8}" width="{max(disconnect - LABEL_W, 1):.1f}" '
                      'height="14" class="serving"><title>serving: request start to disconnect</title></rect>')
@@ -156,12 +156,14 @@ def zombie_timelines(timelines: Sequence[ZombieTimeline]) -> str:
 
 
 def _util_area(points: Sequence[UtilPoint], x_of: Callable[[int], float], bottom: float,
-               height: float) -> str:
+               height: float, end_ns: int) -> str:
     if not points:
         return ""
+    # Each point is the mean over the slice it starts; the last one holds until the end of work.
+    steps = [*points, UtilPoint(ts_ns=end_ns, util_percent=points[-1].util_percent)]
     coords = [f"{x_of(p.ts_ns):.1f},{bottom - height * max(0.0, min(p.util_percent, 100.0)) / 100:.1f}"
-              for p in points]
-    first, last = x_of(points[0].ts_ns), x_of(points[-1].ts_ns)
+              for p in steps]
+    first, last = x_of(points[0].ts_ns), x_of(end_ns)
     return (f'<polygon class="util" points="{first:.1f},{bottom} {" ".join(coords)} {last:.1f},{bottom}">'
             f'<title>GPU utilization under this request</title></polygon>')
 
