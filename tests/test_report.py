@@ -175,6 +175,7 @@ def test_series_buckets_the_window(filled: Store) -> None:
     assert [b.completed_requests for b in two_hours.series[:3]] == [1, 2, 2]  # summed per bucket
     by_trace = {t.finding.trace_id: t for t in report.timelines}
     assert by_trace[trace(9)].end_ns == at(913.5)
+    assert by_trace[trace(11)].end_ns == at(1100.2) + 30 * 1_000_000_000  # still running: lag so far
     assert by_trace[trace(9)].utilization and by_trace[trace(11)].utilization == []  # gpu-b: no GPU
 
 

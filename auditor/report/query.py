@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from math import isfinite
 from typing import Any, cast
 
 from sqlalchemy import Table, and_, case, func, select, union_all
@@ -328,7 +329,13 @@ def _series(conn: Connection, query: ReportQuery, width_ns: int) -> list[Bucket]
 
 
 def _timeline(conn: Connection, query: ReportQuery, finding: RequestFinding) -> ZombieTimeline:
-    end_ns = finding.work_end_ns if finding.work_end_ns is not None else query.until_ns
+    if finding.work_end_ns is not None:
+        end_ns = finding.work_end_ns
+    elif finding.lag_seconds is not None and isfinite(finding.lag_seconds):
+        # Still running: the daemon's lag is the zombie time so far, up to its last update.
+        end_ns = finding.disconnect_at_ns + int(finding.lag_seconds * NS)
+    else:
+        end_ns = min(query.until_ns, time.time_ns())
     end_ns = max(end_ns, finding.disconnect_at_ns, finding.request_start_ns + 1)
     step = max(1, -(-(end_ns - finding.request_start_ns) // TIMELINE_POINTS))
     slice_of = _bucket_of(samples.c.ts_ns, finding.request_start_ns, step)

@@ -14,6 +14,7 @@ from auditor.report.model import UtilPoint, ZombieTimeline, rfc3339_seconds
 
 WIDTH, HEIGHT = 920, 260
 LEFT, RIGHT, TOP, BOTTOM = 64, 64, 16, 40
+TICKS = 5  # axis intervals: 1, 2 and 5 x 10^k divide into round steps
 
 
 def esc(text: object) -> str:
@@ -42,6 +43,7 @@ class Series:
     color: str
     kind: str = "line"  # "line" or "bar"
     fixed_max: float | None = None  # e.g. 100 for a percentage
+    counts: bool = False  # whole numbers: keep the axis ticks whole too
 
 
 def time_chart(title: str, starts_ns: Sequence[int], width_ns: int, left: Series, right: Series) -> str:
@@ -55,10 +57,12 @@ def time_chart(title: str, starts_ns: Sequence[int], width_ns: int, left: Series
     for series, x_axis, anchor in ((left, LEFT - 6, "end"), (right, WIDTH - RIGHT + 6, "start")):
         present = [v for v in series.values if v is not None]
         top = series.fixed_max or nice_ceiling(max(present, default=0.0))
+        if series.counts:
+            top = max(top, float(TICKS))  # 1, 2, 5 x 10^k with five intervals: whole ticks from 5 up
         scales.append(top)
-        for i in range(5):
-            value = top * i / 4
-            y = TOP + plot_h - plot_h * i / 4
+        for i in range(TICKS + 1):
+            value = top * i / TICKS
+            y = TOP + plot_h - plot_h * i / TICKS
             if series is left:
                 parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" '
                              'class="grid"/>')
