@@ -54,6 +54,9 @@ def test_json_on_stdout_validates(db: str) -> None:
     jsonschema.Draft202012Validator(SCHEMA).validate(document)
     assert document["window"]["filters"]["route"] == "/v1/chat/completions"
     assert document["totals"]["disconnects"] == 4 and len(document["worst_zombies"]) == 2
+    code, short, _ = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--json",
+                            "--route", "/v1/chat/completions", "--top", "2")
+    assert code == 0 and json.loads(short)["totals"] == document["totals"]
 
 
 @pytest.mark.parametrize(("fmt", "marker"), [

@@ -33,12 +33,13 @@ FORMATS = ("table", "json", "csv", "html")
 @click.option("--format", "output_format", type=click.Choice(FORMATS), default="table",
               show_default=True, help="table for people; json and csv for machines; html for a "
               "self-contained page with plots.")
+@click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
               help="Write to this file instead of standard output.")
 @common_options
 def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: str | None,
            service: str | None, route: str | None, model: str | None, top: int,
-           output_format: str, output: str | None) -> None:
+           output_format: str, as_json: bool, output: str | None) -> None:
     """Findings over a window: disconnects, zombies, and the GPU time they wasted.
 
     \b
@@ -51,6 +52,8 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
     """
     from auditor.report.query import build_report
 
+    if as_json:
+        output_format = "json"
     until = until or dt.datetime.now(dt.timezone.utc)
     if until <= since:
         raise click.BadParameter(

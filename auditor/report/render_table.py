@@ -128,6 +128,8 @@ def _breakdown(title: str, rows: list[BreakdownRow]) -> list[str]:
 
 
 def _worst(report: Report) -> list[str]:
+    if report.query.top == 0:
+        return []
     if not report.worst_zombies:
         return ["", "No zombies in the window."]
     lines = ["", "Worst zombies (by zombie time; ids are full, for lookup in a tracing backend)",
