@@ -1,4 +1,4 @@
-"""A small, realistic store for the report tests, filled only through the Store APIs.
+"""(No tests here.) A small, realistic store for the report tests, filled only through the Store APIs.
 
 Two hosts, two routes, two models; HTTP server spans (the requests), engine spans (never counted
 as requests), one verdict of every kind, coverage counts, and whole-GPU and per-process samples.
