@@ -86,6 +86,12 @@ class Store:
         try:
             with self.engine.connect() as conn:
                 return MigrationContext.configure(conn).get_current_revision()
+        except OperationalError as exc:
+            if self.engine.dialect.name != "sqlite":
+                raise StoreError(f"cannot reach {self._where()} ({_short(exc)}); check that the server "
+                                 "is up and the URL, user and password are right") from exc
+            raise StoreError(f"cannot open {self._where()} ({_short(exc)}); check the path and its "
+                             "permissions") from exc
         except DatabaseError as exc:
             raise StoreError(
                 f"{self._where()} is not a readable auditor database ({_short(exc)}); "

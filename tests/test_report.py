@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from test_report_data import CHAT, COMPLETIONS, EVIL_ID, LLAMA, QWEN, T0, at, fill, trace
+from tests.report_data import CHAT, COMPLETIONS, EVIL_ID, LLAMA, QWEN, T0, at, fill, trace
 
 from auditor.report import ReportQuery, build_report
 from auditor.report.model import RequestFinding, rfc3339
@@ -140,7 +140,7 @@ def test_table_fits_100_columns_and_shows_full_ids(filled: Store) -> None:
 
 def test_table_escapes_terminal_control_characters_and_wraps_long_ids(store: Store) -> None:
     fill(store)
-    from test_report_data import _verdict
+    from tests.report_data import _verdict
 
     from auditor.model import Verdict
     hostile = "\x1b[31mred\x1b[0m" + "x" * 150
@@ -216,7 +216,7 @@ def test_finding_columns_follow_the_dataclass_fields() -> None:
 
 
 def test_sqlite_built_json_equals_the_python_encoding(filled: Store) -> None:
-    from test_report_data import _verdict
+    from tests.report_data import _verdict
 
     from auditor.model import Verdict
 

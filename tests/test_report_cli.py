@@ -10,7 +10,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 from click.testing import CliRunner
-from test_report_data import SINCE, UNTIL, fill, trace
+from tests.report_data import SINCE, UNTIL, fill, trace
 
 from auditor.cli import cli
 from auditor.store import Store

@@ -19,7 +19,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 from click.testing import CliRunner
-from test_report_data import SINCE, T0, UNTIL, at, fill
+from tests.report_data import SINCE, T0, UNTIL, at, fill
 
 from auditor.cli import cli
 from auditor.report import ReportQuery, build_report

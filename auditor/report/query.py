@@ -193,7 +193,9 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
                .label("estimated"),
                _sum(_finite(v.wasted_gpu_seconds)).label("gpu"),
                _sum(_finite(v.wasted_cpu_seconds)).label("cpu"),
-               _count_if(v.max_tokens.is_(None)).label("uncapped"))
+               # max_tokens comes from the engine span; without one (phase unknown) it is unknown,
+               # which is not the same as uncapped.
+               _count_if(v.max_tokens.is_(None) & (v.phase != "unknown")).label("uncapped"))
         .where(*_verdict_filter(query)).group_by(*keys, v.verdict)).all()
     folded: dict[str, dict[str | None, list[float]]] = {d: {} for d in BREAKDOWN_DIMENSIONS}
     for row in rows:
