@@ -9,7 +9,6 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from tests.report_data import CHAT, COMPLETIONS, EVIL_ID, LLAMA, QWEN, T0, at, fill, trace
 
 from auditor.report import ReportQuery, build_report
 from auditor.report.model import RequestFinding, rfc3339
@@ -25,6 +24,7 @@ from auditor.report.render_data import (
 from auditor.report.render_html import render_html
 from auditor.report.render_table import render_table
 from auditor.store import Store
+from tests.report_data import CHAT, COMPLETIONS, EVIL_ID, LLAMA, QWEN, T0, at, fill, trace
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())
 HOUR = ReportQuery(since_ns=T0, until_ns=at(3600))
@@ -140,9 +140,8 @@ def test_table_fits_100_columns_and_shows_full_ids(filled: Store) -> None:
 
 def test_table_escapes_terminal_control_characters_and_wraps_long_ids(store: Store) -> None:
     fill(store)
-    from tests.report_data import _verdict
-
     from auditor.model import Verdict
+    from tests.report_data import _verdict
     hostile = "\x1b[31mred\x1b[0m" + "x" * 150
     store.upsert_verdicts([_verdict(40, Verdict.ZOMBIE, start_s=50, disconnect_s=51, end_s=600,
                                     lag=549.0, request_id=hostile, route="/v1/" + "r" * 60)])
@@ -216,9 +215,8 @@ def test_finding_columns_follow_the_dataclass_fields() -> None:
 
 
 def test_sqlite_built_json_equals_the_python_encoding(filled: Store) -> None:
-    from tests.report_data import _verdict
-
     from auditor.model import Verdict
+    from tests.report_data import _verdict
 
     odd = [
         _verdict(50, Verdict.ZOMBIE, start_s=50, disconnect_s=51.000000001, end_s=60.123456789,

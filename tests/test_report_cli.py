@@ -10,10 +10,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 from click.testing import CliRunner
-from tests.report_data import SINCE, UNTIL, fill, trace
 
 from auditor.cli import cli
 from auditor.store import Store
+from tests.report_data import SINCE, UNTIL, fill, trace
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())
 

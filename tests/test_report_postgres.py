@@ -19,13 +19,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 from click.testing import CliRunner
-from tests.report_data import SINCE, T0, UNTIL, at, fill
 
 from auditor.cli import cli
 from auditor.report import ReportQuery, build_report
 from auditor.report.render_data import report_dict
 from auditor.report.render_html import render_html
 from auditor.store import Store
+from tests.report_data import SINCE, T0, UNTIL, at, fill
 
 pytestmark = pytest.mark.postgres
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())
