@@ -32,8 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from replay.client import RequestPlan, run_load  # noqa: E402
-from replay.engine.launch import running_engine  # noqa: E402
+from replay.client import RequestPlan, run_load
+from replay.engine.launch import running_engine
 
 GRACE_S = 0.5
 
