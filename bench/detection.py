@@ -163,7 +163,7 @@ def main() -> int:
             [sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{db}", "--port", str(zombie_engine.port),
              "--port", str(busy_engine.port), "--otlp-http", f"127.0.0.1:{otlp}", "--otlp-grpc", "",
              "--metrics", f"127.0.0.1:{metrics_port}", "--live", f"127.0.0.1:{live}", "--grace", str(GRACE_S)],
-            stdout=subprocess.DEVNULL, stderr=open(work / "daemon.log", "w"))
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.time() + 60
             while time.time() < deadline:
