@@ -129,3 +129,29 @@ def test_vllm_style_abort_without_engine_span_is_aborted(tmp_path: Path) -> None
         rows = verdict_rows(daemon)
         assert {r.verdict for r in rows} == {"aborted"}
         assert all(not r.details["engine_span"] and r.phase == "unknown" for r in rows)
+
+
+@pytest.mark.parametrize("propagate", [True, False])
+def test_gateway_chain_one_verdict_with_hop_delay(tmp_path: Path, propagate: bool) -> None:
+    from replay.engine.launch import running_gateway
+
+    with running_daemon(tmp_path) as daemon:
+        otlp = f"http://127.0.0.1:{daemon.status.http_port}"
+        with running_engine(behavior="abort", otlp=otlp, step_ms=10) as engine, \
+                running_gateway(engine.url, propagate=propagate, otlp=otlp) as gateway:
+            daemon.set_ports({engine.port, gateway.port})
+            cancel_after(gateway.port, 0.3, "fin", stream=True, max_tokens=150, request_id="via-gateway").join()
+            want = "aborted" if propagate else "zombie"
+            # The engine hop's spans may arrive first; the gateway's span then merges the two.
+            assert wait_for(lambda: [(r.verdict, r.server_port) for r in verdict_rows(daemon)]
+                            == [(want, gateway.port)], timeout_s=30), \
+                [(r.verdict, r.server_port, r.details) for r in verdict_rows(daemon)]
+            [row] = verdict_rows(daemon)
+    # One request, one verdict, at the hop where the client left.
+    assert row.server_port == gateway.port and row.request_id == "via-gateway"
+    if propagate:
+        assert "hops" in row.details, row.details
+        [hop] = row.details["hops"]
+        assert hop["server_port"] == engine.port and 0 <= hop["disconnect_delay_s"] < 0.5
+    else:
+        assert row.details["upstream_not_closed_ports"] == [engine.port] and row.lag_seconds > GRACE_S
