@@ -30,6 +30,7 @@ PROGRAM_DIR = Path(__file__).resolve().parent
 PROGRAM_FILE = PROGRAM_DIR / "disconnect.bpf.c"
 HEADER_FILE = PROGRAM_DIR / "disconnect.h"
 DEFAULT_RINGBUF_PAGES = 4096  # 16 MiB with 4 KiB pages: about 260,000 events of headroom
+DEFAULT_WAKEUP_EVERY = 64  # records per CPU between reader wake-ups (see disconnect.bpf.c)
 TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset")
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 
@@ -47,13 +48,17 @@ AF_INET = 2
 AF_INET6 = 10
 
 
-def program_text(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES) -> str:
+def program_text(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
+                 wakeup_every: int = DEFAULT_WAKEUP_EVERY) -> str:
     """The final program bcc compiles: settings as defines, the shared header inlined."""
     if ringbuf_pages <= 0 or ringbuf_pages & (ringbuf_pages - 1):
         raise ValueError(f"ringbuf_pages must be a power of two, got {ringbuf_pages}")
+    if wakeup_every < 1:
+        raise ValueError(f"wakeup_every must be at least 1, got {wakeup_every}")
     header = HEADER_FILE.read_text()
     source = PROGRAM_FILE.read_text().replace('#include "disconnect.h"', header.rstrip())
-    return f"#define RINGBUF_PAGES {ringbuf_pages}\n{source}"
+    return (f"#define RINGBUF_PAGES {ringbuf_pages}\n#define WAKEUP_EVERY {wakeup_every}\n"
+            f"{source}")
 
 
 def bpf_unavailable_reason(*, tracefs_roots: Iterable[Path] = TRACEFS_ROOTS,
@@ -117,6 +122,7 @@ class BpfConnEventSource:
 
     def __init__(self, ports: Iterable[int] = (), *, host: str = "",
                  ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
+                 wakeup_every: int = DEFAULT_WAKEUP_EVERY,
                  clock: MonotonicToWall | None = None) -> None:
         self._ports = validate_ports(ports)
         self._host = host
@@ -127,7 +133,7 @@ class BpfConnEventSource:
         self._malformed = 0
         self._lost_at_stop = 0
         self._addr_cache: dict[tuple[int, bytes], str] = {}
-        self.text = program_text(ringbuf_pages)
+        self.text = program_text(ringbuf_pages, wakeup_every)
         problem = bpf_unavailable_reason()
         if problem is not None:
             raise problem
@@ -178,10 +184,15 @@ class BpfConnEventSource:
 
     # -- events -----------------------------------------------------------------------------
     def poll(self, timeout_s: float = 0.1) -> list[ConnEvent]:
-        """Events that arrived within ``timeout_s`` (returns as soon as there are some)."""
+        """Events queued by the kernel, waiting up to ``timeout_s`` for a batch to build up.
+
+        Returns early when the kernel signals a full batch; otherwise after ``timeout_s`` with
+        whatever arrived, so a lone event is delivered within one call.
+        """
         if not self._started or self._stopped:
             return []
         self._bpf.ring_buffer_poll(max(0, int(timeout_s * 1000)))
+        self._bpf.ring_buffer_consume()  # records submitted without a wake-up
         return self._drain()
 
     def lost_events(self) -> int:

@@ -60,7 +60,7 @@ def test_dump_bpf_prints_the_program_that_is_loaded() -> None:
     result = CliRunner().invoke(cli, ["probe", "--dump-bpf"])
     assert result.exit_code == 0, result.output
     text = result.output
-    assert text.startswith("#define RINGBUF_PAGES 4096\n")
+    assert text.startswith("#define RINGBUF_PAGES 4096\n#define WAKEUP_EVERY 64\n")
     assert "struct event {" in text  # the shared header, inlined
     assert '#include "disconnect.h"' not in text
     assert "TRACEPOINT_PROBE(sock, inet_sock_set_state)" in text
