@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import platform
@@ -112,7 +113,30 @@ def _struct_format(event_class: Any) -> struct.Struct:
     return struct.Struct(fmt)
 
 
-EVENT_FIELDS = ("ts_ns", "skaddr", "saddr", "daddr", "sport", "dport", "family", "kind", "oldstate")
+_POSITIONAL_FIELDS = ("ts_ns", "kind", "family", "client_addr", "client_port", "server_addr",
+                      "server_port", "cookie", "host", "source")
+
+
+def _positional_event(ts_ns: int, kind: ConnEventKind, family: int, client_addr: str,
+                      client_port: int, server_addr: str, server_port: int, cookie: int,
+                      host: str) -> ConnEvent:
+    return ConnEvent(ts_ns, kind, family, client_addr, client_port, server_addr, server_port,
+                     cookie, host, "bpf")
+
+
+def _keyword_event(ts_ns: int, kind: ConnEventKind, family: int, client_addr: str,
+                   client_port: int, server_addr: str, server_port: int, cookie: int,
+                   host: str) -> ConnEvent:
+    return ConnEvent(ts_ns=ts_ns, kind=kind, family=family, client_addr=client_addr,
+                     client_port=client_port, server_addr=server_addr, server_port=server_port,
+                     cookie=cookie, host=host, source="bpf")
+
+
+# Positional construction is twice as fast as keywords; use it only while the model's field
+# order is the one written above.
+_new_event = (_positional_event
+              if tuple(f.name for f in dataclasses.fields(ConnEvent))[:10] == _POSITIONAL_FIELDS
+              else _keyword_event)
 
 
 class BpfConnEventSource:
@@ -132,7 +156,7 @@ class BpfConnEventSource:
         self._stopped = False
         self._malformed = 0
         self._lost_at_stop = 0
-        self._addr_cache: dict[tuple[int, bytes], str] = {}
+        self._addr_cache: dict[bytes, str] = {}
         self.text = program_text(ringbuf_pages, wakeup_every)
         problem = bpf_unavailable_reason()
         if problem is not None:
@@ -212,24 +236,28 @@ class BpfConnEventSource:
         if not raw:
             return []
         if self._unpack is None:
-            self._unpack = _struct_format(self._events.event(ctypes.create_string_buffer(raw[0]))
-                                          .__class__)
+            event_class = self._events.event(ctypes.create_string_buffer(raw[0])).__class__
+            self._unpack = _struct_format(event_class)
         self._clock.maybe_recalibrate()
+        # The hot loop: about 2 µs an event. Locals, positional construction (the field order is
+        # checked at import) and an address cache keep it there.
         offset = self._clock.offset_ns
         unpack = self._unpack.unpack
         expected_size = self._unpack.size
+        kinds = KIND_BY_CODE
+        address = self._address
+        host = self._host
+        make = _new_event
         events: list[ConnEvent] = []
+        append = events.append
         for record in raw:
             try:
                 if len(record) != expected_size:
                     raise ValueError(f"record of {len(record)} bytes, expected {expected_size}")
                 ts, skaddr, saddr, daddr, sport, dport, family, kind, _old = unpack(record)
-                events.append(ConnEvent(
-                    ts_ns=ts + offset, kind=KIND_BY_CODE[kind],
-                    family=4 if family == AF_INET else 6,
-                    client_addr=self._address(family, daddr), client_port=dport,
-                    server_addr=self._address(family, saddr), server_port=sport,
-                    cookie=skaddr & COOKIE_MASK, host=self._host, source="bpf"))
+                append(make(ts + offset, kinds[kind], 4 if family == AF_INET else 6,
+                            address(family, daddr), dport, address(family, saddr), sport,
+                            skaddr & COOKIE_MASK, host))
             except (ValueError, KeyError, struct.error, OSError) as exc:
                 if self._malformed == 0:
                     log.error("dropping a kernel event that does not decode (%s); "
@@ -238,18 +266,20 @@ class BpfConnEventSource:
         return events
 
     def _address(self, family: int, packed: bytes) -> str:
-        key = (family, packed)
-        text = self._addr_cache.get(key)
+        cache = self._addr_cache
+        text = cache.get(packed) if family == AF_INET else cache.get(packed + b"6")
         if text is None:
             if family == AF_INET:
                 text = socket.inet_ntop(socket.AF_INET, packed[:4])
+                key = packed
             elif family == AF_INET6:
                 text = socket.inet_ntop(socket.AF_INET6, packed)
+                key = packed + b"6"  # IPv4 keys are 16 bytes, IPv6 keys 17: never confused
             else:
                 raise ValueError(f"address family {family} is neither AF_INET nor AF_INET6")
-            if len(self._addr_cache) > 65536:  # clients churn; keep the cache bounded
-                self._addr_cache.clear()
-            self._addr_cache[key] = text
+            if len(cache) > 65536:  # clients churn; keep the cache bounded
+                cache.clear()
+            cache[key] = text
         return text
 
     def _apply_ports(self, new: frozenset[int], old: frozenset[int]) -> None:
