@@ -65,9 +65,13 @@ def program_text(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
 def bpf_unavailable_reason(*, tracefs_roots: Iterable[Path] = TRACEFS_ROOTS,
                            modules_root: Path = Path("/lib/modules"),
                            kheaders: Path = Path("/sys/kernel/kheaders.tar.xz"),
-                           check_bcc: bool = True) -> ProbeUnavailable | None:
-    """Why the probe cannot load here (reason and fix), or None when every precondition holds."""
-    if os.geteuid() != 0:
+                           check_bcc: bool = True,
+                           euid: int | None = None) -> ProbeUnavailable | None:
+    """Why the probe cannot load here (reason and fix), or None when every precondition holds.
+
+    The same checks, in the same words, as ``auditor doctor``; the paths can be pointed elsewhere.
+    """
+    if (os.geteuid() if euid is None else euid) != 0:
         return ProbeUnavailable("eBPF needs root (CAP_BPF and CAP_PERFMON)",
                                 "run as root, or use --source procfs")
     if check_bcc:
