@@ -97,9 +97,13 @@ def probe(config: Config, ports: tuple[int, ...], as_json: bool, dump_bpf: bool,
         return
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s", stream=sys.stderr)
     watched = list(ports) or list(config.probe.ports)
-    with errors_as_click():
-        src = open_source(watched, prefer=source or config.probe.source,
-                          host=config.host_id or None, poll_hz=config.probe.poll_hz)
+    try:
+        with errors_as_click():
+            src = open_source(watched, prefer=source or config.probe.source,
+                              host=config.host_id or None, poll_hz=config.probe.poll_hz)
+    except KeyboardInterrupt:  # Ctrl-C while the program compiles: nothing to clean up yet
+        click.echo("stopped before the probe was loaded", err=True)
+        sys.exit(130)
     shown = 0
     with _stop_on_signals() as stop:
         src.start()
