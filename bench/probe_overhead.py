@@ -50,6 +50,7 @@ def wait_for_go(ready: Any, go: Any) -> None:
 
 def http_client(address: tuple[str, int], ready: Any, go: Any, seconds: float, results: Any) -> None:
     wait_for_go(ready, go)
+    cpu_before = sum(cpu_seconds())
     done = 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -58,7 +59,7 @@ def http_client(address: tuple[str, int], ready: Any, go: Any, seconds: float, r
             while sock.recv(4096):  # read to EOF: the server closes, the client never resets
                 pass
         done += 1
-    results.put(done)
+    results.put((done, sum(cpu_seconds()) - cpu_before))
 
 
 def reset_generator(address: tuple[str, int], ready: Any, go: Any, seconds: float,
@@ -126,16 +127,33 @@ def start_together(workers: list[Any], ready: Any, go: Any) -> None:
     go.set()
 
 
-def http_round(address: tuple[str, int], clients: int, seconds: float) -> float:
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of another process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def http_round(address: tuple[str, int], clients: int, seconds: float,
+               server_pid: int) -> tuple[float, float]:
+    """Requests per second, and CPU seconds per request of server, clients and this process.
+
+    The CPU figure counts only the processes of the benchmark, so it holds on a machine shared
+    with other work, where requests per second swing by several percent from round to round.
+    """
     ctx = multiprocessing.get_context("spawn")
     results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     workers = [ctx.Process(target=http_client, args=(address, ready, go, seconds, results))
                for _ in range(clients)]
+    server_before, own_before = process_cpu_seconds(server_pid), sum(cpu_seconds())
     start_together(workers, ready, go)
-    total = sum(results.get(timeout=seconds + 60) for _ in workers)
+    reports = [results.get(timeout=seconds + 60) for _ in workers]
+    server_cpu = process_cpu_seconds(server_pid) - server_before
+    own_cpu = sum(cpu_seconds()) - own_before
     for worker in workers:
         worker.join()
-    return total / seconds
+    requests = sum(done for done, _ in reports)
+    cpu = server_cpu + own_cpu + sum(client_cpu for _, client_cpu in reports)
+    return requests / seconds, cpu / max(requests, 1)
 
 
 def http_overhead(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -152,23 +170,31 @@ def http_overhead(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     store = Store(f"sqlite:///{workdir / 'http.db'}")
     configs = ("without", "probe", "probe+store")
     rates: dict[str, list[float]] = {name: [] for name in configs}
+    cpu_per_request: dict[str, list[float]] = {name: [] for name in configs}
     events = lost = 0
     try:
         time.sleep(1.5)  # uvicorn start-up
-        http_round(address, args.clients, 1.0)  # warm-up
+        http_round(address, args.clients, 1.0, server.pid)  # warm-up
         for round_index in range(args.rounds):
             # Rotate the order each round so drift in the machine's load falls on all three.
             for name in configs[round_index % 3:] + configs[:round_index % 3]:
                 if name == "without":
-                    rates[name].append(http_round(address, args.clients, args.seconds))
+                    rate, cpu = http_round(address, args.clients, args.seconds, server.pid)
+                    rates[name].append(rate)
+                    cpu_per_request[name].append(cpu)
                     continue
                 source = BpfConnEventSource([address[1]])  # loaded fresh, detached after
                 source.start()
                 consumer = Consumer(source, ConnEventWriter(store) if name == "probe+store" else None)
                 consumer.thread.start()
-                rates[name].append(http_round(address, args.clients, args.seconds))
+                rate, cpu = http_round(address, args.clients, args.seconds, server.pid)
+                drain_before = sum(cpu_seconds())
                 consumer.stopping.set()
                 consumer.thread.join()
+                # The reader's final drain after the round belongs to the round's requests.
+                cpu += (sum(cpu_seconds()) - drain_before) / max(rate * args.seconds, 1)
+                rates[name].append(rate)
+                cpu_per_request[name].append(cpu)
                 events += consumer.received
                 lost += source.lost_events()
                 source.stop()
@@ -177,6 +203,7 @@ def http_overhead(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         server.wait(timeout=10)
         store.close()
     return {**{name: statistics.median(values) for name, values in rates.items()},
+            **{f"{name} cpu": statistics.median(values) for name, values in cpu_per_request.items()},
             **{f"{name} rounds": " ".join(f"{value:,.0f}" for value in values)
                for name, values in rates.items()},
             "events": events, "lost": lost}
@@ -268,8 +295,8 @@ def drain_rate(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=4.0, help="length of each measured phase")
-    parser.add_argument("--rounds", type=int, default=3, help="HTTP rounds without/with the probe")
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of each measured phase")
+    parser.add_argument("--rounds", type=int, default=5, help="HTTP rounds without/with the probe")
     parser.add_argument("--clients", type=int, default=2, help="HTTP client processes")
     parser.add_argument("--generators", type=int, default=3, help="connection generator processes")
     parser.add_argument("--backlog-seconds", type=float, default=2.0,
@@ -306,6 +333,12 @@ def main() -> int:
         ("ratio, probe polled", f"{http['probe'] / http['without']:.3f}", "target >= 0.98"),
         ("ratio, probe + store", f"{http['probe+store'] / http['without']:.3f}",
          f"{http['events']:,.0f} events, {http['lost']:,.0f} lost"),
+        ("CPU per request without probe", f"{http['without cpu'] * 1e6:.0f} µs",
+         "server + clients + reader, summed over processes"),
+        ("CPU per request, probe polled", f"{http['probe cpu'] * 1e6:.0f} µs",
+         f"capacity ratio {http['without cpu'] / http['probe cpu']:.3f}"),
+        ("CPU per request, probe + store", f"{http['probe+store cpu'] * 1e6:.0f} µs",
+         f"capacity ratio {http['without cpu'] / http['probe+store cpu']:.3f}"),
         ("connections opened and reset", f"{rate['connections']:,.0f}",
          f"{rate['connections'] / rate['seconds']:,.0f}/s by {args.generators} processes"),
         ("events kernel -> store", f"{rate['stored']:,.0f}", f"lost {rate['lost']:,.0f}"),

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -211,3 +212,11 @@ def test_table_output_fits_a_terminal(server: socket.socket) -> None:
     assert [row[1] for row in rows if row[2] == f"127.0.0.1:{client_port}"] == ["peer_fin", "closed"]
     assert all(row[3] == f"127.0.0.1:{port}" for row in rows)
     assert all(len(line) <= 100 for line in lines)
+
+
+def test_docs_describe_exactly_the_emitted_fields() -> None:
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "probe.md").read_text()
+    section = docs.split("## `--json` output", 1)[1].split("\n## ", 1)[0]
+    documented = {line.split("|")[1].strip().strip("`") for line in section.splitlines()
+                  if line.startswith("| `")}
+    assert documented == set(EVENT_LINE_SCHEMA["properties"])
