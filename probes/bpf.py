@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from auditor.errors import ConfigError
 from auditor.model import ConnEvent, ConnEventKind
 from probes.clock import MonotonicToWall
 from probes.source import ProbeUnavailable, validate_ports
@@ -32,6 +33,7 @@ PROGRAM_FILE = PROGRAM_DIR / "disconnect.bpf.c"
 HEADER_FILE = PROGRAM_DIR / "disconnect.h"
 DEFAULT_RINGBUF_PAGES = 4096  # 16 MiB with 4 KiB pages: about 260,000 events of headroom
 DEFAULT_WAKEUP_EVERY = 64  # records per CPU between reader wake-ups (see disconnect.bpf.c)
+MAX_PORTS = 1024  # the size of the watched_ports map in disconnect.bpf.c
 TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset")
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 
@@ -101,7 +103,7 @@ def _struct_format(event_class: Any) -> struct.Struct:
     """A struct.Struct equal to bcc's view of ``struct event``, for fast batch decoding."""
     codes = {ctypes.c_ulonglong: "Q", ctypes.c_ulong: "Q", ctypes.c_uint: "I", ctypes.c_ushort: "H",
              ctypes.c_ubyte: "B", ctypes.c_longlong: "q", ctypes.c_int: "i", ctypes.c_short: "h"}
-    fmt = "<"
+    fmt = "="  # native byte order, no implicit padding: gaps are spelled out below
     position = 0
     for name, ctype in event_class._fields_:
         field = getattr(event_class, name)
@@ -143,6 +145,13 @@ _new_event = (_positional_event
               else _keyword_event)
 
 
+def _checked_ports(ports: Iterable[int]) -> frozenset[int]:
+    checked = validate_ports(ports)
+    if len(checked) > MAX_PORTS:
+        raise ConfigError(f"{len(checked)} ports to watch; the probe takes at most {MAX_PORTS}")
+    return checked
+
+
 class BpfConnEventSource:
     """Kernel connection events from the eBPF probe. Loading (about a second) happens here."""
 
@@ -152,7 +161,7 @@ class BpfConnEventSource:
                  ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
                  wakeup_every: int = DEFAULT_WAKEUP_EVERY,
                  clock: MonotonicToWall | None = None) -> None:
-        self._ports = validate_ports(ports)
+        self._ports = _checked_ports(ports)
         self._host = host
         self._clock = clock or MonotonicToWall()
         self._raw: list[bytes] = []
@@ -190,7 +199,7 @@ class BpfConnEventSource:
 
     def set_ports(self, ports: Iterable[int]) -> None:
         """Replace the watched ports; takes effect at once, without reloading the program."""
-        new_ports = validate_ports(ports)
+        new_ports = _checked_ports(ports)
         if self._started and not self._stopped:
             self._apply_ports(new_ports, self._ports)
         self._ports = new_ports

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from auditor.errors import ConfigError
 from auditor.model import ConnEvent, ConnEventKind
 from auditor.schema import ConnEventRow
 from auditor.store import Store
@@ -349,4 +350,17 @@ def test_events_from_the_kernel_land_in_the_store(probe: Probe, store: Store) ->
     assert sorted((r.client_port, r.kind) for r in rows) == sorted(
         (p, k) for p in client_ports for k in ("peer_fin", "closed"))
     assert all(r.cookie is not None and r.cookie > 0 and r.source == "bpf" for r in rows)
+    server.close()
+
+
+def test_bad_port_sets_are_refused_and_the_filter_is_kept(probe: Probe) -> None:
+    server = listener()
+    probe.source.set_ports([port_of(server)])
+    with pytest.raises(ConfigError, match="at most 1024"):
+        probe.source.set_ports(range(1, 1100))
+    with pytest.raises(ConfigError, match="is not a TCP port"):
+        probe.source.set_ports([port_of(server), 0])
+    assert probe.source.ports == {port_of(server)}
+    client_port = connect_and_close(server)
+    assert probe.wait_closed(port_of(server), client_port) == [PEER_FIN, CLOSED]
     server.close()
