@@ -151,9 +151,9 @@ def test_client_fin_mid_response_is_a_peer_fin_timed_to_the_close(probe: Probe, 
     assert kinds[-1] == CLOSED
     assert LOCAL_FIN not in kinds  # the server closed only after the client did
     fin = probe.of(http_port, client_port)[0]
-    # The FIN reaches the server socket inside shutdown(): the converted kernel time must fall in
-    # that window, give or take less than a millisecond.
-    assert before - MS < fin.ts_ns < after + MS, (fin.ts_ns - before, after - fin.ts_ns)
+    # Loose here (a loaded host may defer loopback softirqs); the tight bound is tested below on
+    # a socket whose state the test can watch.
+    assert before - MS < fin.ts_ns < after + 50 * MS, (fin.ts_ns - before, after - fin.ts_ns)
     assert (fin.family, fin.client_addr, fin.server_addr) == (4, "127.0.0.1", "127.0.0.1")
     assert fin.host == "probe-test" and fin.source == "bpf"
     assert len({e.cookie for e in probe.of(http_port, client_port)}) == 1
@@ -173,7 +173,40 @@ def test_client_rst_is_a_peer_rst_then_closed(probe: Probe, http_port: int) -> N
     kinds = probe.wait_closed(http_port, client_port)
     assert kinds == [PEER_RST, CLOSED]  # one reset, reported once
     rst = probe.of(http_port, client_port)[0]
-    assert before - MS < rst.ts_ns < after + MS
+    assert before - MS < rst.ts_ns < after + 50 * MS
+
+
+TCP_CLOSE_WAIT, TCP_CLOSE = 8, 7
+
+
+def wait_until_state(sock: socket.socket, state: int) -> int:
+    """Spin until the kernel reports ``state`` for ``sock`` (TCP_INFO); returns time.time_ns()."""
+    deadline = time.monotonic() + 2
+    while sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0] != state:
+        assert time.monotonic() < deadline, "the state change never came"
+    return time.time_ns()
+
+
+@pytest.mark.parametrize("how", ["fin", "rst"])
+def test_timestamps_are_within_a_millisecond_of_the_wall_clock(probe: Probe, how: str) -> None:
+    # The change happened after `before` and before the test saw the new state (`seen`): the
+    # converted kernel time must fall in that window, give or take less than a millisecond.
+    server = listener()
+    probe.source.set_ports([port_of(server)])
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    client_port = port_of(client)
+    if how == "rst":
+        reset_on_close(client)
+    before = time.time_ns()
+    client.close()
+    seen = wait_until_state(accepted, TCP_CLOSE_WAIT if how == "fin" else TCP_CLOSE)
+    accepted.close()
+    probe.wait_closed(port_of(server), client_port)
+    first = probe.of(port_of(server), client_port)[0]
+    assert first.kind == (PEER_FIN if how == "fin" else PEER_RST)
+    assert before - MS < first.ts_ns < seen + MS, (first.ts_ns - before, seen - first.ts_ns)
+    server.close()
 
 
 def test_server_closing_first_is_not_a_peer_close(probe: Probe, http_port: int) -> None:
