@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-REQUEST = b"GET / HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n"
+REQUEST = b"GET / HTTP/1.1\r\nHost: bench\r\n\r\n"
+LAST_REQUEST = b"GET / HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n"
 
 
 # -- processes: the HTTP server, the HTTP clients, the connection generators, the acceptor --------
@@ -40,7 +41,12 @@ async def tiny_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 def serve(fd: int) -> None:
     import uvicorn
 
-    uvicorn.run(tiny_app, fd=fd, lifespan="off", log_level="error", access_log=False)
+    # socket(fileno=) keeps the real family (uvicorn's fd= assumes AF_UNIX, which leaves Nagle on
+    # and stalls keep-alive responses behind delayed ACKs).
+    listener = socket.socket(fileno=fd)
+    server = uvicorn.Server(uvicorn.Config(tiny_app, lifespan="off", log_level="error",
+                                           access_log=False))
+    server.run(sockets=[listener])
 
 
 def wait_for_go(ready: Any, go: Any) -> None:
@@ -48,17 +54,23 @@ def wait_for_go(ready: Any, go: Any) -> None:
     go.wait()
 
 
-def http_client(address: tuple[str, int], ready: Any, go: Any, seconds: float, results: Any) -> None:
+def http_client(address: tuple[str, int], ready: Any, go: Any, seconds: float,
+                per_connection: int, results: Any) -> None:
     wait_for_go(ready, go)
     cpu_before = sum(cpu_seconds())
     done = 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         with socket.create_connection(address) as sock:
-            sock.sendall(REQUEST)
+            for _ in range(per_connection - 1):  # keep-alive requests: the answer is 2 bytes
+                sock.sendall(REQUEST)
+                answer = b""
+                while not answer.endswith(b"\r\n\r\nok"):
+                    answer += sock.recv(4096)
+            sock.sendall(LAST_REQUEST)
             while sock.recv(4096):  # read to EOF: the server closes, the client never resets
                 pass
-        done += 1
+        done += per_connection
     results.put((done, sum(cpu_seconds()) - cpu_before))
 
 
@@ -133,8 +145,8 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def http_round(address: tuple[str, int], clients: int, seconds: float,
-               server_pid: int) -> tuple[float, float]:
+def http_round(address: tuple[str, int], clients: int, seconds: float, server_pid: int,
+               per_connection: int = 1) -> tuple[float, float]:
     """Requests per second, and CPU seconds per request of server, clients and this process.
 
     The CPU figure counts only the processes of the benchmark, so it holds on a machine shared
@@ -142,7 +154,8 @@ def http_round(address: tuple[str, int], clients: int, seconds: float,
     """
     ctx = multiprocessing.get_context("spawn")
     results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    workers = [ctx.Process(target=http_client, args=(address, ready, go, seconds, results))
+    workers = [ctx.Process(target=http_client,
+                           args=(address, ready, go, seconds, per_connection, results))
                for _ in range(clients)]
     server_before, own_before = process_cpu_seconds(server_pid), sum(cpu_seconds())
     start_together(workers, ready, go)
@@ -179,7 +192,8 @@ def http_overhead(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             # Rotate the order each round so drift in the machine's load falls on all three.
             for name in configs[round_index % 3:] + configs[:round_index % 3]:
                 if name == "without":
-                    rate, cpu = http_round(address, args.clients, args.seconds, server.pid)
+                    rate, cpu = http_round(address, args.clients, args.seconds, server.pid,
+                                           args.per_connection)
                     rates[name].append(rate)
                     cpu_per_request[name].append(cpu)
                     continue
@@ -187,7 +201,8 @@ def http_overhead(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 source.start()
                 consumer = Consumer(source, ConnEventWriter(store) if name == "probe+store" else None)
                 consumer.thread.start()
-                rate, cpu = http_round(address, args.clients, args.seconds, server.pid)
+                rate, cpu = http_round(address, args.clients, args.seconds, server.pid,
+                                           args.per_connection)
                 drain_before = sum(cpu_seconds())
                 consumer.stopping.set()
                 consumer.thread.join()
@@ -298,9 +313,12 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each measured phase")
     parser.add_argument("--rounds", type=int, default=5, help="HTTP rounds without/with the probe")
     parser.add_argument("--clients", type=int, default=2, help="HTTP client processes")
+    parser.add_argument("--per-connection", type=int, default=1,
+                        help="HTTP requests per connection (1: every request is a close)")
     parser.add_argument("--generators", type=int, default=3, help="connection generator processes")
     parser.add_argument("--backlog-seconds", type=float, default=2.0,
                         help="how long to fill the ring buffer before timing the drain")
+    parser.add_argument("--http-only", action="store_true", help="skip the event-rate phases")
     parser.add_argument("--serve-fd", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_fd is not None:
@@ -316,13 +334,13 @@ def main() -> int:
     load_before = os.getloadavg()[0]  # other work on the machine skews every figure
     with tempfile.TemporaryDirectory(prefix="probe-bench-") as tmp:
         http = http_overhead(args, Path(tmp))
-        rate = event_rate(args, Path(tmp))
-        drain = drain_rate(args, Path(tmp))
-    events_per_s = rate["stored"] / rate["seconds"]
+        if not args.http_only:
+            rate = event_rate(args, Path(tmp))
+            drain = drain_rate(args, Path(tmp))
     print(f"probe overhead on {os.cpu_count()} CPUs, load average before: {load_before:.2f}\n"
-          f"HTTP: uvicorn, {args.clients} client processes, a new connection per request (every "
-          f"request is a close: the probe's worst case), median of {args.rounds} rounds of "
-          f"{args.seconds:g} s")
+          f"HTTP: uvicorn, {args.clients} client processes, {args.per_connection} request(s) per "
+          f"connection{' (every request is a close: the worst case)' if args.per_connection == 1 else ''}"
+          f", median of {args.rounds} rounds of {args.seconds:g} s")
     rows = [
         ("HTTP requests/s without probe", f"{http['without']:,.0f}",
          f"rounds {http['without rounds']}"),
@@ -339,10 +357,21 @@ def main() -> int:
          f"capacity ratio {http['without cpu'] / http['probe cpu']:.3f}"),
         ("CPU per request, probe + store", f"{http['probe+store cpu'] * 1e6:.0f} µs",
          f"capacity ratio {http['without cpu'] / http['probe+store cpu']:.3f}"),
+    ]
+    if not args.http_only:
+        rows += event_rows(args, rate, drain)
+    for name, value, note in rows:
+        print(f"  {name:<31} {value:>12}  {note}")
+    return 0
+
+
+def event_rows(args: argparse.Namespace, rate: dict[str, float],
+               drain: dict[str, float]) -> list[tuple[str, str, str]]:
+    return [
         ("connections opened and reset", f"{rate['connections']:,.0f}",
          f"{rate['connections'] / rate['seconds']:,.0f}/s by {args.generators} processes"),
         ("events kernel -> store", f"{rate['stored']:,.0f}", f"lost {rate['lost']:,.0f}"),
-        ("sustained events/s to store", f"{events_per_s:,.0f}",
+        ("sustained events/s to store", f"{rate['stored'] / rate['seconds']:,.0f}",
          "live, sharing the CPUs with the generators; target >= 50,000, zero loss"),
         ("  reader user CPU / 1,000 events", f"{rate['user_ms_per_1k']:.1f} ms",
          f"system {rate['sys_ms_per_1k']:.1f} ms"),
@@ -353,9 +382,6 @@ def main() -> int:
         ("  reader user CPU / 1,000 events", f"{drain['user_ms_per_1k']:.1f} ms",
          f"system {drain['sys_ms_per_1k']:.1f} ms"),
     ]
-    for name, value, note in rows:
-        print(f"  {name:<31} {value:>12}  {note}")
-    return 0
 
 
 if __name__ == "__main__":
