@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
+import mmap
 import os
 import platform
 import socket
@@ -32,7 +33,11 @@ PROGRAM_DIR = Path(__file__).resolve().parent
 PROGRAM_FILE = PROGRAM_DIR / "disconnect.bpf.c"
 HEADER_FILE = PROGRAM_DIR / "disconnect.h"
 DEFAULT_RINGBUF_PAGES = 4096  # 16 MiB with 4 KiB pages: about 260,000 events of headroom
-DEFAULT_WAKEUP_EVERY = 64  # records per CPU between reader wake-ups (see disconnect.bpf.c)
+# Records per CPU between reader wake-ups (see disconnect.bpf.c). Each wake-up costs the reader
+# a poll round trip (tens of µs in Python), so fewer is cheaper; the cap keeps the records that
+# can sit unsignalled on all CPUs together under a quarter of the ring buffer.
+MAX_WAKEUP_EVERY = 1024
+RECORD_BYTES = 64  # struct event (56) plus the ring buffer's 8-byte record header
 MAX_PORTS = 1024  # the size of the watched_ports map in disconnect.bpf.c
 TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset")
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
@@ -51,11 +56,19 @@ AF_INET = 2
 AF_INET6 = 10
 
 
+def default_wakeup_every(ringbuf_pages: int, cpus: int | None = None) -> int:
+    capacity = ringbuf_pages * mmap.PAGESIZE // RECORD_BYTES
+    per_cpu = capacity // (4 * max(1, cpus or os.cpu_count() or 1))
+    return max(1, min(MAX_WAKEUP_EVERY, per_cpu))
+
+
 def program_text(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
-                 wakeup_every: int = DEFAULT_WAKEUP_EVERY) -> str:
+                 wakeup_every: int | None = None) -> str:
     """The final program bcc compiles: settings as defines, the shared header inlined."""
     if ringbuf_pages <= 0 or ringbuf_pages & (ringbuf_pages - 1):
         raise ValueError(f"ringbuf_pages must be a power of two, got {ringbuf_pages}")
+    if wakeup_every is None:
+        wakeup_every = default_wakeup_every(ringbuf_pages)
     if wakeup_every < 1:
         raise ValueError(f"wakeup_every must be at least 1, got {wakeup_every}")
     header = HEADER_FILE.read_text()
@@ -159,7 +172,7 @@ class BpfConnEventSource:
 
     def __init__(self, ports: Iterable[int] = (), *, host: str = "",
                  ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
-                 wakeup_every: int = DEFAULT_WAKEUP_EVERY,
+                 wakeup_every: int | None = None,
                  clock: MonotonicToWall | None = None) -> None:
         self._ports = _checked_ports(ports)
         self._host = host

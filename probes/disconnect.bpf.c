@@ -20,7 +20,7 @@
 #define RINGBUF_PAGES 4096
 #endif
 #ifndef WAKEUP_EVERY
-#define WAKEUP_EVERY 64
+#define WAKEUP_EVERY 1024
 #endif
 
 /* Copied from include/net/tcp_states.h, which is kernel-internal (not uapi). */

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from probes import ProbeUnavailable, open_source
-from probes.bpf import bpf_unavailable_reason
+from probes.bpf import bpf_unavailable_reason, default_wakeup_every
 
 
 def fake_host(root: Path, *, tracefs: bool = True, tracepoints: bool = True,
@@ -57,3 +57,11 @@ def test_prefer_bpf_without_bcc_raises_the_doctor_message(monkeypatch: pytest.Mo
     message = str(caught.value)
     assert ("bcc is not importable: run `make setup` as root (apt-get install python3-bpfcc)"
             in message) or "eBPF needs root" in message
+
+
+def test_unsignalled_records_never_fill_more_than_a_quarter_of_the_ring() -> None:
+    for pages, cpus in [(4096, 2), (4096, 256), (1, 2), (16384, 64), (1, 512)]:
+        every = default_wakeup_every(pages, cpus)
+        assert 1 <= every <= 1024
+        assert every == 1 or every * cpus * 64 <= pages * 4096 // 4
+    assert default_wakeup_every(4096, 2) == 1024

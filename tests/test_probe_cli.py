@@ -61,7 +61,7 @@ def test_dump_bpf_prints_the_program_that_is_loaded() -> None:
     result = CliRunner().invoke(cli, ["probe", "--dump-bpf"])
     assert result.exit_code == 0, result.output
     text = result.output
-    assert text.startswith("#define RINGBUF_PAGES 4096\n#define WAKEUP_EVERY 64\n")
+    assert text.startswith("#define RINGBUF_PAGES 4096\n#define WAKEUP_EVERY ")
     assert "struct event {" in text  # the shared header, inlined
     assert '#include "disconnect.h"' not in text
     assert "TRACEPOINT_PROBE(sock, inet_sock_set_state)" in text
@@ -164,7 +164,8 @@ def run_stream(server: socket.socket, source: str, sig: int) -> None:
         jsonschema.validate(record, EVENT_LINE_SCHEMA)
     assert mine[0]["server_port"] == port and mine[0]["family"] == 4
     assert code == 0, stderr
-    assert "0 lost" in stderr and "Traceback" not in stderr
+    assert ("0 lost" if source == "bpf" else "losses not countable") in stderr
+    assert "Traceback" not in stderr
 
 
 @pytest.mark.privileged
