@@ -153,7 +153,7 @@ def test_client_fin_mid_response_is_a_peer_fin_timed_to_the_close(probe: Probe, 
     fin = probe.of(http_port, client_port)[0]
     # Loose here (a loaded host may defer loopback softirqs); the tight bound is tested below on
     # a socket whose state the test can watch.
-    assert before - MS < fin.ts_ns < after + 50 * MS, (fin.ts_ns - before, after - fin.ts_ns)
+    assert before - MS < fin.ts_ns < after + 500 * MS, (fin.ts_ns - before, after - fin.ts_ns)
     assert (fin.family, fin.client_addr, fin.server_addr) == (4, "127.0.0.1", "127.0.0.1")
     assert fin.host == "probe-test" and fin.source == "bpf"
     assert len({e.cookie for e in probe.of(http_port, client_port)}) == 1
@@ -173,7 +173,7 @@ def test_client_rst_is_a_peer_rst_then_closed(probe: Probe, http_port: int) -> N
     kinds = probe.wait_closed(http_port, client_port)
     assert kinds == [PEER_RST, CLOSED]  # one reset, reported once
     rst = probe.of(http_port, client_port)[0]
-    assert before - MS < rst.ts_ns < after + 50 * MS
+    assert before - MS < rst.ts_ns < after + 500 * MS
 
 
 TCP_CLOSE_WAIT, TCP_CLOSE = 8, 7
