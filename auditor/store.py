@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import operator
 import os
 import time
+import typing
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,12 +44,26 @@ def default_db_url() -> str:
     return "sqlite:///auditor.db"
 
 
-def _plain(value: Any) -> Any:
-    return value.value if isinstance(value, enum.Enum) else value
+_ROW_SHAPES: dict[type, tuple[tuple[str, ...], Any, tuple[str, ...]]] = {}
 
 
 def _row(record: Any) -> dict[str, Any]:
-    return {f.name: _plain(getattr(record, f.name)) for f in dataclasses.fields(record)}
+    """A dataclass record as a column dict, enums as their values. The hot path of every batch
+    insert, so each type's field names, getter and enum fields are worked out once."""
+    shape = _ROW_SHAPES.get(type(record))
+    if shape is None:
+        hints = typing.get_type_hints(type(record))
+        names = tuple(f.name for f in dataclasses.fields(record))
+        enums = tuple(n for n in names if any(isinstance(t, type) and issubclass(t, enum.Enum)
+                                               for t in (hints[n], *typing.get_args(hints[n]))))
+        shape = _ROW_SHAPES[type(record)] = (names, operator.attrgetter(*names), enums)
+    names, getter, enums = shape
+    row = dict(zip(names, getter(record), strict=True))
+    for name in enums:
+        value = row[name]
+        if value is not None:
+            row[name] = value.value
+    return row
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
