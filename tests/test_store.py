@@ -67,3 +67,27 @@ def test_conn_events_round_trip(store: Store) -> None:
     with store.engine.connect() as conn:
         row = conn.exec_driver_sql("SELECT kind, family, cookie FROM conn_events").first()
     assert tuple(row) == ("peer_rst", 6, 42)
+
+
+def test_models_match_the_migrations(store: Store) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    with store.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+    assert diff == [], f"schema.py and the migrations differ; write a migration: {diff}"
+
+
+def test_older_schema_is_migrated_at_open(tmp_path: Path) -> None:
+    from alembic import command
+
+    path = tmp_path / "auditor.db"
+    store = Store(f"sqlite:///{path}", check=False)
+    config = store._alembic_config()
+    with store.engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0001")
+    assert store.current_revision() == "0001"
+    store.close()
+    reopened = Store(f"sqlite:///{path}")
+    assert reopened.current_revision() == reopened.head_revision() != "0001"
