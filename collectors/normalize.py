@@ -196,15 +196,21 @@ class _Picker:
         return value
 
     def typed(self, keys: tuple[str, ...], convert: Any) -> Any:
+        """The first key whose value converts; aliases holding the same value (``http/dup``)
+        count as used too, while an alias that disagrees stays in the attributes."""
+        chosen = None
         for key in keys:
             value = self.attrs.get(key)
             if value is None:
                 continue
             converted = convert(value)
-            if converted is not None:
+            if converted is None:
+                continue
+            if chosen is None:
+                chosen = converted
+            if converted == chosen:
                 self.used.add(key)
-                return converted
-        return None
+        return chosen
 
 
 def _role(name: str, kind: str, has_http: bool) -> SpanRole:

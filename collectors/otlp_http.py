@@ -71,8 +71,9 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: exporters reuse their connection
     server: _Server
-    server_version = "auditor-otlp"
-    sys_version = ""
+
+    def version_string(self) -> str:
+        return "auditor-otlp"
 
     def setup(self) -> None:
         self.timeout = self.server.receiver.socket_timeout_s
@@ -104,7 +105,7 @@ class _Handler(BaseHTTPRequestHandler):
                 extra: dict[str, str] | None = None, drain: bool = False) -> None:
         """Send a complete answer. ``drain``: the body was not read, so the connection must close."""
         self.server.receiver._count_status(status)
-        if drain and self.headers.get("Content-Length", "0") not in ("", "0"):
+        if drain and (self.headers.get("Content-Length") or "").strip() != "0":
             self.close_connection = True
         if self.headers.get("Transfer-Encoding"):
             self.close_connection = True
