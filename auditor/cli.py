@@ -17,6 +17,10 @@ from auditor import __version__
 # commands that do not need it.
 COMMANDS: dict[str, str] = {
     "db": "auditor.dbcli:db",
+    "doctor": "auditor.doctor:doctor_command",
+    "engine": "replay.engine.cli:engine",
+    "probe": "probes.cli:probe",
+    "report": "auditor.report.cli:report",
 }
 
 

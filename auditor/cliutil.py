@@ -42,10 +42,9 @@ class errors_as_click:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if isinstance(exc, AuditorError):
             raise click.ClickException(str(exc)) from exc
-        return False
 
 
 def open_store(config: Config, *, create: bool = True) -> Any:
@@ -56,7 +55,7 @@ def open_store(config: Config, *, create: bool = True) -> Any:
         return Store(config.db or None, create=create)
 
 
-class PortType(click.ParamType):
+class PortType(click.ParamType):  # type: ignore[type-arg]  # generic only in newer click
     """A TCP port number, 1-65535."""
 
     name = "port"
@@ -85,7 +84,7 @@ def parse_duration(text: str) -> dt.timedelta | None:
     return dt.timedelta(seconds=float(match.group(1)) * _UNIT_SECONDS[match.group(2)])
 
 
-class TimeType(click.ParamType):
+class TimeType(click.ParamType):  # type: ignore[type-arg]
     """A moment: a duration back from now (``30m``, ``1h``, ``2d``) or an RFC 3339 time."""
 
     name = "time"

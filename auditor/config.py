@@ -61,6 +61,11 @@ class MetricsConfig:
 
 
 @dataclass
+class LiveConfig:
+    listen: str = "127.0.0.1:4319"  # UDP address for live span notices; "" disables live alarms
+
+
+@dataclass
 class Config:
     db: str = ""  # empty: SQLite in the state directory
     host_id: str = ""  # empty: the host name
@@ -69,6 +74,7 @@ class Config:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     correlate: CorrelateConfig = field(default_factory=CorrelateConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    live: LiveConfig = field(default_factory=LiveConfig)
 
     def validate(self) -> None:
         if self.probe.source not in ("auto", "bpf", "procfs"):
@@ -83,7 +89,7 @@ class Config:
             raise ConfigError("correlate.grace_seconds must be 0 or more")
         _positive("otlp.max_body_bytes", self.otlp.max_body_bytes)
         for key, addr in (("otlp.http", self.otlp.http), ("otlp.grpc", self.otlp.grpc),
-                          ("metrics.listen", self.metrics.listen)):
+                          ("metrics.listen", self.metrics.listen), ("live.listen", self.live.listen)):
             if addr:
                 parse_address(addr, key)
 
@@ -104,7 +110,7 @@ def parse_address(text: str, key: str = "address") -> tuple[str, int]:
 
 SECTIONS: dict[str, type] = {
     "probe": ProbeConfig, "otlp": OtlpConfig, "sampler": SamplerConfig,
-    "correlate": CorrelateConfig, "metrics": MetricsConfig,
+    "correlate": CorrelateConfig, "metrics": MetricsConfig, "live": LiveConfig,
 }
 
 
@@ -207,7 +213,12 @@ def load_config(path: str | os.PathLike[str] | None = None, *,
             raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
         _apply(config, data, "", from_text=False)
     _apply(config, _environment(environ), "", from_text=True)
-    for dotted, value in (overrides or {}).items():
+    return apply_overrides(config, overrides or {})
+
+
+def apply_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
+    """Apply command-line values (dotted keys, None = not given) and validate the result."""
+    for dotted, value in overrides.items():
         if value is None:
             continue
         section, _, key = dotted.rpartition(".")

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, MetaData, String
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING = {
@@ -210,3 +220,13 @@ class ReplayResultRow(Base):
     disconnect_kind: Mapped[str | None] = mapped_column(String(8))
     verdict: Mapped[str | None] = mapped_column(String(16))
     lag_seconds: Mapped[float | None] = mapped_column(Float)
+
+
+class CorrelatorStateRow(Base):
+    """Where online correlation stands, so a restart resumes without duplicated verdicts or counts."""
+
+    __tablename__ = "correlator_state"
+
+    host: Mapped[str] = mapped_column(String(255), primary_key=True)
+    settled_event_id: Mapped[int] = mapped_column(BigInteger, default=0)  # every event <= this is settled
+    updated_ns: Mapped[ns_time]

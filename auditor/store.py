@@ -21,7 +21,7 @@ from alembic import command
 from alembic.config import Config as AlembicConfig
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, insert, inspect
+from sqlalchemy import Engine, create_engine, delete, event, insert, inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -138,22 +138,21 @@ class Store:
         return len(rows)
 
     def insert_conn_events(self, events: Iterable[ConnEvent]) -> int:
-        return self._insert(ConnEventRow.__table__, [_row(e) for e in events])
+        return self._insert(ConnEventRow, [_row(e) for e in events])
 
     def insert_spans(self, spans: Iterable[SpanRecord]) -> int:
         """Insert spans; a span already stored (same trace and span id) is skipped, not duplicated."""
         rows = [_row(s) for s in spans]
         if not rows:
             return 0
-        table = SpanRow.__table__
         if self.engine.dialect.name == "sqlite":
-            stmt: Any = insert(table).prefix_with("OR IGNORE")
+            stmt: Any = insert(SpanRow).prefix_with("OR IGNORE")
         elif self.engine.dialect.name == "postgresql":
             from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-            stmt = pg_insert(table).on_conflict_do_nothing()
+            stmt = pg_insert(SpanRow).on_conflict_do_nothing()
         else:
-            stmt = insert(table)
+            stmt = insert(SpanRow)
         try:
             with self.engine.begin() as conn:
                 conn.execute(stmt, rows)
@@ -162,11 +161,11 @@ class Store:
         return len(rows)
 
     def insert_samples(self, samples: Iterable[UtilSample]) -> int:
-        return self._insert(UtilSampleRow.__table__, [_row(s) for s in samples])
+        return self._insert(UtilSampleRow, [_row(s) for s in samples])
 
     def add_coverage(self, kind: CoverageKind, count: int = 1, *, host: str = "",
                      ts_ns: int | None = None, detail: str | None = None) -> None:
-        self._insert(CoverageRow.__table__, [{
+        self._insert(CoverageRow, [{
             "ts_ns": ts_ns if ts_ns is not None else time.time_ns(), "host": host,
             "kind": kind.value, "count": count, "detail": detail,
         }])
@@ -189,6 +188,10 @@ class Store:
                     for name, value in values.items():
                         setattr(row, name, value)
         return len(verdicts)
+
+    def delete_verdict(self, request_key: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(delete(VerdictRow).where(VerdictRow.request_key == request_key))
 
     # -- reads ------------------------------------------------------------------------------
     @contextmanager

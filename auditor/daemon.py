@@ -1,0 +1,326 @@
+"""The daemon: probe, OTLP receivers, samplers, live notices, online correlation and /metrics.
+
+Threads, each isolated so one failing part degrades the daemon instead of stopping it:
+- probe: polls kernel disconnect events and writes them in batches;
+- OTLP HTTP and gRPC receivers: their own servers, committing spans before acknowledging;
+- sampling loop: NVML and procfs;
+- correlator: every ``correlate.interval_seconds``, joins what arrived and writes verdicts;
+  it also pings the systemd watchdog, so a wedged correlator gets the service restarted;
+- metrics: prometheus_client's HTTP server.
+
+Data moves one way: sources -> store -> correlator -> verdicts and metrics. ``stop()`` (SIGTERM)
+stops intake first, flushes every queue to the store, runs a last correlation round and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import func, select
+
+from auditor.config import Config, parse_address
+from auditor.correlate import Correlator
+from auditor.errors import AuditorError
+from auditor.live import LiveReceiver
+from auditor.metrics import DaemonMetrics
+from auditor.model import CoverageKind
+from auditor.schema import SpanRow, UtilSampleRow
+from auditor.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def notify_systemd(message: str) -> bool:
+    """sd_notify(3) without libsystemd: one datagram to $NOTIFY_SOCKET, if systemd gave one."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect(address)
+            sock.sendall(message.encode())
+        return True
+    except OSError as exc:
+        log.warning("could not notify systemd (%s): %s", message.split("=")[0], exc)
+        return False
+
+
+@dataclass
+class DaemonStatus:
+    started_at: float = field(default_factory=time.time)
+    source: str = "none"
+    http_port: int | None = None
+    grpc_port: int | None = None
+    metrics_port: int | None = None
+    live_port: int | None = None
+    ticks: int = 0
+    errors: int = 0
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.host = config.host_id or socket.gethostname()
+        self.metrics = DaemonMetrics()
+        self.status = DaemonStatus()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._parts: dict[str, Any] = {}
+        self._ports = set(config.probe.ports)
+        self._lost_reported = 0
+        self._completed_cursor = 0
+
+    # -- start ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.store = Store(self.config.db or None)
+        self._start_probe()
+        self._start_receivers()
+        self._start_samplers()
+        if self.config.live.listen:
+            host, port = parse_address(self.config.live.listen, "live.listen")
+            live = LiveReceiver(host, port)
+            live.start()
+            self._parts["live"] = live
+            self.status.live_port = live.port
+        self.correlator = Correlator(self.store, host=self.host, grace_seconds=self.config.correlate.grace_seconds,
+                                     late_span_seconds=self.config.correlate.late_span_seconds,
+                                     watched_ports=lambda: set(self._ports), on_settled=self.metrics.settled)
+        with self.store.session() as session:
+            self._completed_cursor = int(session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0)
+        self._spawn("correlator", self._correlate_loop)
+        if self.config.metrics.listen:
+            from prometheus_client import start_http_server
+
+            host, port = parse_address(self.config.metrics.listen, "metrics.listen")
+            server, _thread = start_http_server(port, addr=host, registry=self.metrics.registry)
+            self._parts["metrics"] = server
+            self.status.metrics_port = server.server_port
+        notify_systemd(f"READY=1\nSTATUS=watching ports {sorted(self._ports)} via {self.status.source}")
+        log.info("auditor running: source=%s otlp-http=%s otlp-grpc=%s metrics=%s live=%s", self.status.source,
+                 self.status.http_port, self.status.grpc_port, self.status.metrics_port, self.status.live_port)
+
+    def _spawn(self, name: str, target: Any) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _start_probe(self) -> None:
+        from probes.writer import ConnEventWriter
+
+        from probes import open_source
+
+        try:
+            source = open_source(ports=sorted(self._ports), prefer=self.config.probe.source, host=self.host)
+            source.start()
+        except AuditorError as exc:
+            log.error("no disconnect source: %s", exc)
+            self.status.source = "none"
+            return
+        self._parts["probe"] = source
+        self._parts["event_writer"] = ConnEventWriter(self.store)
+        self.status.source = source.name
+        self.metrics.source_info.labels(source.name).set(1)
+        self._spawn("probe", self._probe_loop)
+
+    def _start_receivers(self) -> None:
+        from collectors.otlp_grpc import OtlpGrpcReceiver
+        from collectors.otlp_http import OtlpHttpReceiver
+        from collectors.spanwriter import SpanWriter
+
+        otlp = self.config.otlp
+        writer = SpanWriter(self.store)
+        self._parts["span_writer"] = writer
+        token = otlp.token or None
+        if otlp.http:
+            host, port = parse_address(otlp.http, "otlp.http")
+            http = OtlpHttpReceiver(writer, host=host, port=port, token=token, max_body_bytes=otlp.max_body_bytes,
+                                    service_host=self.host)
+            http.start()
+            self._parts["otlp_http"] = http
+            self.status.http_port = http.port
+        if otlp.grpc:
+            host, port = parse_address(otlp.grpc, "otlp.grpc")
+            grpc = OtlpGrpcReceiver(writer, host=host, port=port, token=token)
+            grpc.start()
+            self._parts["otlp_grpc"] = grpc
+            self.status.grpc_port = grpc.port
+
+    def _start_samplers(self) -> None:
+        from collectors.procfs import ProcfsSampler
+        from collectors.sampling import SamplingLoop
+
+        samplers: list[Any] = []
+        if self.config.sampler.nvml:
+            from collectors.nvml import NvmlSampler
+
+            samplers.append(NvmlSampler(host=self.host))
+        procfs = ProcfsSampler(host=self.host)
+        procfs.set_pids(self.config.sampler.procfs_pids)
+        samplers.append(procfs)
+        self._parts["procfs"] = procfs
+        loop = SamplingLoop(samplers, sink=self._write_samples, interval_s=self.config.sampler.interval_ms / 1000)
+        loop.start()
+        self._parts["sampling"] = loop
+
+    def _write_samples(self, samples: list[Any]) -> None:
+        try:
+            self.store.insert_samples(samples)
+        except AuditorError as exc:
+            log.warning("samples dropped: %s", exc)
+
+    # -- loops ------------------------------------------------------------------------------
+    def _probe_loop(self) -> None:
+        source, writer = self._parts["probe"], self._parts["event_writer"]
+        next_flush = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                events = source.poll(timeout_s=0.05)
+                if events:
+                    writer.add(events)
+                    for event in events:
+                        if event.kind.value in ("peer_fin", "peer_rst"):
+                            self.metrics.disconnects.labels(event.kind.value.removeprefix("peer_")).inc()
+                if time.monotonic() >= next_flush:  # a disconnect must not wait for a full batch
+                    writer.flush()
+                    next_flush = time.monotonic() + 0.1
+            except Exception:
+                log.exception("probe loop error; continuing")
+                time.sleep(0.1)
+
+    def _correlate_loop(self) -> None:
+        interval = self.config.correlate.interval_seconds
+        watchdog_usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            self.correlate_once()
+            if watchdog_usec:
+                notify_systemd("WATCHDOG=1")
+            next_tick += interval
+            delay = next_tick - time.monotonic()
+            if delay < 0:  # skip missed ticks rather than bursting to catch up
+                next_tick = time.monotonic()
+                delay = 0
+            self._stop.wait(delay)
+
+    def correlate_once(self) -> None:
+        started = time.monotonic()
+        try:
+            live = self._parts["live"].drain() if "live" in self._parts else []
+            self.correlator.tick(live)
+            self._report_lost_events()
+            self._refresh_gauges()
+            self.status.ticks += 1
+        except Exception as exc:
+            self.status.errors += 1
+            self.metrics.correlation_errors.inc()
+            log.warning("correlation round failed (retrying next round): %s", exc)
+        finally:
+            self.metrics.correlation_seconds.observe(time.monotonic() - started)
+
+    def _report_lost_events(self) -> None:
+        source = self._parts.get("probe")
+        if source is None:
+            return
+        lost = source.lost_events()
+        if lost > self._lost_reported:
+            self.store.add_coverage(CoverageKind.LOST_KERNEL_EVENTS, lost - self._lost_reported, host=self.host)
+            self.metrics.lost_kernel_events.inc(lost - self._lost_reported)
+            self._lost_reported = lost
+
+    def _refresh_gauges(self) -> None:
+        stats = self.correlator.stats
+        self.metrics.inflight_zombies.set(stats.inflight_zombies)
+        for counter, value, attr in ((self.metrics.idle_closes, stats.idle_closes, "idle"),
+                                     (self.metrics.unjoined_disconnects, stats.unjoined_disconnects, "unjoined"),
+                                     (self.metrics.unjoined_spans, stats.unjoined_spans, "unspanned")):
+            previous = self._parts.get(f"_{attr}", 0)
+            if value > previous:
+                counter.inc(value - previous)
+            self._parts[f"_{attr}"] = value
+        writer = self._parts.get("span_writer")
+        if writer is not None:
+            writer_stats = writer.stats()
+            self.metrics.ingest_queue.set(writer_stats.get("queue_spans", 0))
+            accepted = writer_stats.get("accepted_spans", 0)
+            previous = self._parts.get("_accepted", 0)
+            if accepted > previous:
+                self.metrics.spans_received.inc(accepted - previous)
+            self._parts["_accepted"] = accepted
+        self._refresh_divergence()
+
+    def _refresh_divergence(self) -> None:
+        now_ns = time.time_ns()
+        with self.store.session() as session:
+            rows = session.execute(select(SpanRow.id, SpanRow.process_pid).where(
+                SpanRow.id > self._completed_cursor, SpanRow.role == "http_server",
+                SpanRow.http_status < 400)).all()
+            since = now_ns - 60 * 1_000_000_000
+            util = session.execute(select(UtilSampleRow.source, func.avg(UtilSampleRow.util_percent)).where(
+                UtilSampleRow.ts_ns > since, UtilSampleRow.host == self.host,
+                (UtilSampleRow.pid.is_(None)) | (UtilSampleRow.source == "procfs"))
+                .group_by(UtilSampleRow.source)).all()
+            pids = set(session.scalars(select(SpanRow.process_pid).where(
+                SpanRow.end_ns > since, SpanRow.process_pid.is_not(None)).distinct()))
+        if rows:
+            self._completed_cursor = max(r.id for r in rows)
+        self.metrics.completed(len(rows))
+        for source, mean in util:
+            self.metrics.utilization.labels(source).set((mean or 0.0) / 100.0)
+        procfs = self._parts.get("procfs")
+        if procfs is not None:
+            procfs.set_pids(set(self.config.sampler.procfs_pids) | {p for p in pids if p})
+
+    def set_ports(self, ports: set[int]) -> None:
+        self._ports = set(ports)
+        source = self._parts.get("probe")
+        if source is not None:
+            source.set_ports(sorted(ports))
+
+    # -- stop -------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop intake, flush every queue, run a last correlation round. Bounded to a few seconds."""
+        notify_systemd("STOPPING=1")
+        for name in ("otlp_http", "otlp_grpc"):
+            part = self._parts.get(name)
+            if part is not None:
+                _quietly(part.stop)
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=2)
+        if "sampling" in self._parts:
+            _quietly(self._parts["sampling"].stop)
+        if "probe" in self._parts:
+            _quietly(self._parts["probe"].stop)
+        if "event_writer" in self._parts:
+            _quietly(self._parts["event_writer"].close)
+        if "span_writer" in self._parts:
+            _quietly(self._parts["span_writer"].close)
+        if "live" in self._parts:
+            _quietly(self._parts["live"].stop)
+        self.correlate_once()
+        if "metrics" in self._parts:
+            _quietly(self._parts["metrics"].shutdown)
+        self.store.close()
+
+    def request_stop(self) -> None:
+        """Ask the daemon to stop (safe from a signal handler); ``wait`` then returns."""
+        self._stop.set()
+
+    def wait(self) -> None:
+        while not self._stop.is_set():
+            self._stop.wait(0.5)
+
+
+def _quietly(action: Any) -> None:
+    try:
+        action()
+    except Exception:
+        log.exception("error while stopping %s", getattr(action, "__qualname__", action))

@@ -1,0 +1,246 @@
+"""``auditor doctor``: what works on this host, and the exact command that fixes what doesn't.
+
+Each check is a small function returning a ``Check``. The daemon can run when the store is
+writable and its ports are free; everything else degrades a feature (eBPF -> the /proc fallback,
+NVML -> CPU-seconds instead of GPU-seconds) and is listed as such. The JSON form is documented in
+docs/doctor.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from auditor.cliutil import common_options
+from auditor.config import Config, parse_address
+from auditor.errors import AuditorError
+
+SCHEMA = "auditor.doctor/v1"
+
+OK, DEGRADED, FAILED = "ok", "degraded", "failed"
+
+# Capability bits from linux/capability.h.
+CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
+
+# bpf(2) syscall numbers; BPF_MAP_CREATE of a one-slot array is the cheapest real probe.
+BPF_SYSCALL = {"x86_64": 321, "aarch64": 280}
+TRACEFS_DIRS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
+TEST_PROGRAM = r"""
+TRACEPOINT_PROBE(sock, inet_sock_set_state) { return 0; }
+"""
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    state: str  # ok | degraded | failed
+    detail: str
+    fix: str = ""  # the command (or step) that fixes it; empty when ok
+    required: bool = False  # a failed required check means the daemon cannot run
+
+
+def _effective_caps() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def check_privileges() -> Check:
+    caps = _effective_caps()
+    has_bpf = bool(caps >> CAP_BPF & 1 or caps >> CAP_SYS_ADMIN & 1)
+    has_perfmon = bool(caps >> CAP_PERFMON & 1 or caps >> CAP_SYS_ADMIN & 1)
+    who = "root" if os.geteuid() == 0 else f"uid {os.geteuid()}"
+    if has_bpf and has_perfmon:
+        return Check("privileges", OK, f"{who}, CAP_BPF and CAP_PERFMON effective")
+    return Check("privileges", DEGRADED, f"{who} without CAP_BPF+CAP_PERFMON: eBPF probe unavailable",
+                 "run as root, or under systemd with AmbientCapabilities=CAP_BPF CAP_PERFMON")
+
+
+def check_bpf_syscall() -> Check:
+    number = BPF_SYSCALL.get(platform.machine())
+    if number is None:
+        return Check("bpf_syscall", DEGRADED, f"unknown bpf(2) number on {platform.machine()}")
+    # union bpf_attr for BPF_MAP_CREATE: map_type, key_size, value_size, max_entries (u32 each).
+    attr = (ctypes.c_uint32 * 32)(2, 4, 4, 1)  # BPF_MAP_TYPE_ARRAY
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(number, 0, ctypes.byref(attr), ctypes.sizeof(attr))
+    if fd >= 0:
+        os.close(fd)
+        return Check("bpf_syscall", OK, "bpf(BPF_MAP_CREATE) works")
+    err = ctypes.get_errno()
+    return Check("bpf_syscall", DEGRADED, f"bpf(2) refused: {os.strerror(err)}",
+                 "run as root (or grant CAP_BPF); check kernel.unprivileged_bpf_disabled")
+
+
+def check_tracefs() -> Check:
+    for base in TRACEFS_DIRS:
+        if (base / "events/sock/inet_sock_set_state").exists():
+            has_reset = (base / "events/tcp/tcp_receive_reset").exists()
+            detail = f"{base} mounted, sock:inet_sock_set_state present"
+            if not has_reset:
+                return Check("tracefs", DEGRADED, detail + "; tcp:tcp_receive_reset missing (RST via state only)")
+            return Check("tracefs", OK, detail + ", tcp:tcp_receive_reset present")
+    return Check("tracefs", DEGRADED, "tracefs not mounted: the eBPF probe cannot attach",
+                 "mount -t tracefs nodev /sys/kernel/tracing")
+
+
+def check_kernel_headers() -> Check:
+    build = Path("/lib/modules") / platform.release() / "build"
+    if build.exists():
+        return Check("kernel_headers", OK, f"{build} -> {build.resolve()}")
+    return Check("kernel_headers", DEGRADED, f"{build} missing: bcc cannot compile the probe",
+                 "make setup (as root), or: apt-get install linux-headers-$(uname -r)")
+
+
+def check_bcc(timeout_s: float = 60.0) -> Check:
+    """Import bcc and load a real tracepoint program, in a child so a crash cannot take us down."""
+    code = (f"import time, bcc; t = time.monotonic(); b = bcc.BPF(text={TEST_PROGRAM!r}); "
+            "print(round(time.monotonic() - t, 2)); b.cleanup()")
+    try:
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return Check("bcc", DEGRADED, f"test program did not load within {timeout_s:.0f} s")
+    if result.returncode == 0:
+        return Check("bcc", OK, f"bcc imported; test tracepoint program loaded in {result.stdout.strip()} s")
+    last = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
+    if "No module named 'bcc'" in result.stderr:
+        return Check("bcc", DEGRADED, "bcc is not importable",
+                     "make setup (as root), or: apt-get install python3-bpfcc and link "
+                     "/usr/lib/python3/dist-packages/bcc into the venv")
+    return Check("bcc", DEGRADED, f"test program failed to load: {last[:200]}",
+                 "see the kernel_headers and tracefs checks; run as root")
+
+
+def check_nvml() -> Check:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:
+        return Check("nvml", DEGRADED, f"NVML unavailable ({exc}): waste is measured in CPU-seconds",
+                     "install the NVIDIA driver (libnvidia-ml.so) on GPU hosts")
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        names = [str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+    finally:
+        pynvml.nvmlShutdown()
+    if count == 0:
+        return Check("nvml", DEGRADED, "NVML found no GPU: waste is measured in CPU-seconds")
+    return Check("nvml", OK, f"{count} GPU(s): {', '.join(names)}")
+
+
+def check_ports(config: Config) -> Check:
+    wanted = [(key, addr) for key, addr in (("otlp.http", config.otlp.http),
+                                             ("otlp.grpc", config.otlp.grpc),
+                                             ("metrics.listen", config.metrics.listen)) if addr]
+    busy = []
+    for key, addr in wanted:
+        host, port = parse_address(addr, key)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                busy.append(f"{key} {addr} ({exc.strerror})")
+    if busy:
+        return Check("ports", FAILED, "in use: " + "; ".join(busy),
+                     "stop what holds them (ss -ltnp), or set other addresses in auditor.toml",
+                     required=True)
+    return Check("ports", OK, "free: " + ", ".join(addr for _, addr in wanted), required=True)
+
+
+def check_database(config: Config) -> Check:
+    from auditor.store import Store, default_db_url
+
+    url = config.db or default_db_url()
+    try:
+        store = Store(url, check=False)
+        try:
+            current, head = store.current_revision(), store.head_revision()
+            with store.engine.begin() as conn:  # a real write transaction, rolled back
+                conn.exec_driver_sql("CREATE TEMPORARY TABLE auditor_doctor_probe (x INTEGER)")
+        finally:
+            store.close()
+    except (AuditorError, Exception) as exc:
+        return Check("database", FAILED, f"{url}: {str(exc).splitlines()[0][:200]}",
+                     "pass a writable --db (sqlite:///PATH or postgresql+psycopg://...)", required=True)
+    if current is not None and current != head:
+        state = f"schema {current}, will migrate to {head} at start"
+    else:
+        state = f"schema {current or 'empty, created at start'}"
+    return Check("database", OK, f"{url} writable; {state}", required=True)
+
+
+def check_postgres_driver() -> Check:
+    try:
+        import psycopg
+    except ImportError:
+        return Check("postgres_driver", DEGRADED, "psycopg not installed: SQLite only",
+                     "pip install 'zombie-auditor[postgres]'")
+    return Check("postgres_driver", OK, f"psycopg {psycopg.__version__}")
+
+
+def run_checks(config: Config) -> list[Check]:
+    checks: list[Callable[[], Check]] = [
+        check_privileges, check_bpf_syscall, check_tracefs, check_kernel_headers, check_bcc,
+        check_nvml, lambda: check_ports(config), lambda: check_database(config),
+        check_postgres_driver,
+    ]
+    results = []
+    for check in checks:
+        try:
+            results.append(check())
+        except Exception as exc:  # a broken check must not hide the others
+            name = getattr(check, "__name__", "check").removeprefix("check_")
+            results.append(Check(name, DEGRADED, f"check itself failed: {exc}"))
+    return results
+
+
+def can_run(checks: list[Check]) -> bool:
+    return not any(c.required and c.state == FAILED for c in checks)
+
+
+def disconnect_source(checks: list[Check]) -> str:
+    by_name = {c.name: c.state for c in checks}
+    bpf_ready = all(by_name.get(n) == OK for n in ("privileges", "bpf_syscall", "bcc"))
+    return "bpf" if bpf_ready else "procfs (fallback: poll-interval timing, FIN and RST not told apart)"
+
+
+@click.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document (schema in docs/doctor.md).")
+@common_options
+def doctor_command(config: Config, as_json: bool) -> None:
+    """Check what works on this host and how to fix what doesn't."""
+    started = time.monotonic()
+    checks = run_checks(config)
+    runnable = can_run(checks)
+    if as_json:
+        click.echo(json.dumps({
+            "schema": SCHEMA, "can_run": runnable, "disconnect_source": disconnect_source(checks),
+            "checks": [dataclasses.asdict(c) for c in checks],
+        }, indent=2))
+    else:
+        marks = {OK: "ok", DEGRADED: "degraded", FAILED: "FAILED"}
+        width = max(len(c.name) for c in checks)
+        for c in checks:
+            click.echo(f"{c.name:<{width}}  {marks[c.state]:<8}  {c.detail}")
+            if c.fix and c.state != OK:
+                click.echo(f"{'':<{width}}  {'':<8}  fix: {c.fix}")
+        verdict = "can run" if runnable else "cannot run"
+        click.echo(f"\nThe daemon {verdict}; disconnect source: {disconnect_source(checks)} "
+                   f"({time.monotonic() - started:.1f} s)")
+    sys.exit(0 if runnable else 1)

@@ -1,0 +1,159 @@
+"""``auditor report``: what the zombies cost over a window, as a table, JSON, CSV or HTML."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import TextIO
+
+import click
+
+from auditor.cliutil import TIME, common_options, errors_as_click, open_store
+from auditor.config import Config
+from auditor.errors import StoreError
+from auditor.report.model import Report, ReportQuery, to_ns
+
+FORMATS = ("table", "json", "csv", "html")
+
+
+@click.command()
+@click.option("--since", type=TIME, default="1h", show_default=True,
+              help="Start of the window: a duration back from now (30m, 1h, 2d) or an RFC 3339 time.")
+@click.option("--until", type=TIME, default=None,
+              help="End of the window, same forms as --since [default: now].")
+@click.option("--host", help="Only this host (as the daemon names it).")
+@click.option("--service", help="Only requests of this service (OTel service.name).")
+@click.option("--route", help="Only this HTTP route, e.g. /v1/chat/completions.")
+@click.option("--model", help="Only this model.")
+@click.option("--top", type=click.IntRange(0, 1000), default=10, show_default=True,
+              help="How many of the worst zombies to list.")
+@click.option("--format", "output_format", type=click.Choice(FORMATS), default="table",
+              show_default=True, help="table for people; json and csv for machines; html for a "
+              "self-contained page with plots.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
+              help="Write to this file instead of standard output.")
+@common_options
+def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: str | None,
+           service: str | None, route: str | None, model: str | None, top: int,
+           output_format: str, output: str | None) -> None:
+    """Findings over a window: disconnects, zombies, and the GPU time they wasted.
+
+    \b
+    Examples:
+      auditor report --since 1h
+      auditor report --since 2026-11-22T10:00:00Z --until 2026-11-22T11:00:00Z --format json
+      auditor report --since 1d --route /v1/chat/completions --format html -o zombies.html
+
+    JSON and CSV are documented in docs/report.md (schema auditor.report/v1).
+    """
+    from auditor.report.query import build_report
+
+    until = until or dt.datetime.now(dt.timezone.utc)
+    if until <= since:
+        raise click.BadParameter(
+            f"{until.isoformat()} is not after --since {since.isoformat()}; "
+            "e.g. --since 2h --until 1h", param_hint="--until")
+    query = ReportQuery(since_ns=to_ns(since), until_ns=to_ns(until), host=host, service=service,
+                        route=route, model=model, top=top)
+    with errors_as_click():
+        check_reachable(config.db)
+    store = open_store(config, create=False)
+    try:
+        with errors_as_click():
+            result = build_report(store, query, with_requests=output_format in ("json", "csv"),
+                                  with_series=output_format == "html")
+    finally:
+        store.close()
+    if result.empty and (output_format != "table" or output):
+        click.echo(f"note: {result.empty_message()}", err=True)
+    _write(result, output_format, output)
+
+
+def check_reachable(url: str) -> None:
+    """Fail early, naming the server, when a network database does not answer.
+
+    SQLite files are checked by the store itself; a server that is down would otherwise surface
+    as a schema error that suggests moving the database aside.
+    """
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+    if not url:
+        return
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return  # the store explains malformed URLs
+    if parsed.get_backend_name() == "sqlite":
+        return
+    where = parsed.render_as_string(hide_password=True)
+    try:
+        engine = create_engine(parsed, connect_args=_connect_timeout(parsed.get_backend_name()))
+    except (ImportError, ArgumentError):
+        return  # the store explains missing drivers
+    try:
+        with engine.connect():
+            pass
+    except SQLAlchemyError as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        raise StoreError(
+            f"cannot reach the database at {where} ({reason[0] if reason else type(exc).__name__}); "
+            "check that the server is running, the host and port in --db, and the user and password"
+        ) from exc
+    finally:
+        engine.dispose()
+
+
+def _connect_timeout(backend: str) -> dict[str, int]:
+    return {"connect_timeout": 5} if backend == "postgresql" else {}
+
+
+def _write(result: Report, output_format: str, output: str | None) -> None:
+    if output is None:
+        _render(result, output_format, sys.stdout)
+        return
+    # Write beside the target and rename, so a failed report never leaves half a file behind.
+    target = Path(output)
+    try:
+        fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="") as out:
+                _render(result, output_format, out)
+            os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes 0600; honour the umask instead
+            os.replace(temporary, target)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {output}: {exc.strerror or exc}; "
+                                   "check the directory exists and is writable") from exc
+    click.echo(f"wrote {output_format} report to {output}", err=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _render(result: Report, output_format: str, out: TextIO) -> None:
+    if output_format == "json":
+        from auditor.report.render_data import write_json
+
+        write_json(result, out)
+    elif output_format == "csv":
+        from auditor.report.render_data import write_csv
+
+        write_csv(result.requests, out)
+    elif output_format == "html":
+        from auditor.report.render_html import render_html
+
+        out.write(render_html(result))
+    else:
+        from auditor.report.render_table import render_table
+
+        out.write(render_table(result))

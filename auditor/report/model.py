@@ -1,0 +1,212 @@
+"""Typed records of a report: what ``auditor report`` found in a window, independent of its format.
+
+The query layer (``query.py``) fills these from the store with SQL aggregation; the renderers
+(table, JSON/CSV, HTML) only read them. Times stay integer nanoseconds here and are formatted as
+RFC 3339 only at the edge, so nothing is lost between the store and the output.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import time
+from dataclasses import dataclass, field
+
+SCHEMA_ID = "auditor.report/v1"
+
+# The verdicts a request with a disconnect can have (DESIGN §5), in the order reports show them.
+VERDICTS = ("completed", "aborted", "zombie", "inflight_zombie")
+ZOMBIE_VERDICTS = ("zombie", "inflight_zombie")
+BREAKDOWN_DIMENSIONS = ("route", "model", "phase", "disconnect_kind")
+
+
+@functools.lru_cache(maxsize=8192)
+def _second_prefix(epoch_seconds: int) -> str:
+    # Cached per second: a report formats many times that share their second, and strftime
+    # dominates the cost of formatting a nanosecond time.
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(epoch_seconds))
+
+
+def rfc3339(ns: int) -> str:
+    """Wall-clock nanoseconds as RFC 3339 UTC with nanosecond precision: ``...T10:00:00.000000001Z``."""
+    seconds, fraction = divmod(ns, 1_000_000_000)
+    return f"{_second_prefix(seconds)}.{fraction:09d}Z"
+
+
+def rfc3339_or_none(ns: int | None) -> str | None:
+    return None if ns is None else rfc3339(ns)
+
+
+def to_ns(moment: dt.datetime) -> int:
+    """An aware datetime as integer nanoseconds since the epoch, exact to the microsecond."""
+    delta = moment - dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1_000
+
+
+@dataclass(frozen=True, slots=True)
+class ReportQuery:
+    """The window and filters of a report. ``None`` filters match everything."""
+
+    since_ns: int
+    until_ns: int
+    host: str | None = None
+    service: str | None = None
+    route: str | None = None
+    model: str | None = None
+    top: int = 10  # how many worst zombies to list
+
+    def filters(self) -> dict[str, str | None]:
+        return {"host": self.host, "service": self.service, "route": self.route, "model": self.model}
+
+    def describe_filters(self) -> str:
+        """``host=a, route=/v1/x`` for the filters that are set, ``""`` when none is."""
+        return ", ".join(f"{key}={value}" for key, value in self.filters().items() if value is not None)
+
+
+@dataclass(slots=True)
+class Totals:
+    """Sums over the window. ``gpu_seconds`` is the capacity (GPUs x window), not the busy time."""
+
+    requests: int = 0
+    disconnects: int = 0
+    completed: int = 0
+    aborted: int = 0
+    zombies: int = 0
+    inflight_zombies: int = 0
+    zombie_seconds: float = 0.0
+    wasted_tokens: int = 0
+    wasted_tokens_estimated: int = 0  # the part of wasted_tokens that the engine did not report exactly
+    wasted_gpu_seconds: float = 0.0
+    wasted_cpu_seconds: float = 0.0
+    uncapped_disconnects: int = 0  # disconnected requests sent without max_tokens
+    idle_closes: int = 0
+    unjoined_disconnects: int = 0
+    unjoined_spans: int = 0
+    lost_kernel_events: int = 0
+    proxy_rewritten_peers: int = 0
+    gpus: int = 0
+    gpu_seconds: float = 0.0
+    gpu_busy_seconds: float = 0.0
+
+    @property
+    def wasted_gpu_share(self) -> float | None:
+        """Wasted GPU-seconds as a fraction of the window's GPU time; None without GPU samples."""
+        return self.wasted_gpu_seconds / self.gpu_seconds if self.gpu_seconds > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class BreakdownRow:
+    """Disconnected requests that share one value of a dimension (a route, a model, a phase...)."""
+
+    key: str | None
+    disconnects: int
+    completed: int
+    aborted: int
+    zombies: int
+    inflight_zombies: int
+    zombie_seconds: float
+    wasted_tokens: int
+    wasted_gpu_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinding:
+    """One request that had a client disconnect while in flight, and its verdict."""
+
+    request_id: str | None
+    trace_id: str | None
+    verdict: str
+    disconnect_at_ns: int
+    disconnect_kind: str
+    request_start_ns: int
+    work_end_ns: int | None
+    lag_seconds: float | None
+    phase: str
+    route: str | None
+    model: str | None
+    service: str | None
+    client_addr: str | None
+    client_port: int | None
+    host: str
+    max_tokens: int | None
+    wasted_tokens: int | None
+    tokens_exact: bool
+    wasted_gpu_seconds: float
+    wasted_cpu_seconds: float
+
+    @property
+    def client(self) -> str | None:
+        if self.client_addr is None:
+            return None
+        addr = f"[{self.client_addr}]" if ":" in self.client_addr else self.client_addr
+        return f"{addr}:{self.client_port}" if self.client_port is not None else addr
+
+
+@dataclass(frozen=True, slots=True)
+class UtilPoint:
+    """Mean whole-GPU utilization (all GPUs of the host) over one slice of time."""
+
+    ts_ns: int
+    util_percent: float
+
+
+@dataclass(frozen=True, slots=True)
+class ZombieTimeline:
+    """A worst zombie with the host's GPU utilization from request start to end of work."""
+
+    finding: RequestFinding
+    end_ns: int  # work_end, or the end of the window for a zombie still running
+    utilization: list[UtilPoint]
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One slice of the window for the over-time plots."""
+
+    start_ns: int
+    completed_requests: int  # http_server spans that ended in the slice
+    disconnects: int
+    zombies: int  # zombie and in-flight zombie verdicts whose disconnect fell in the slice
+    wasted_gpu_seconds: float
+    gpu_util_percent: float | None  # mean whole-GPU utilization; None without samples
+
+
+@dataclass(frozen=True, slots=True)
+class DataRange:
+    """Where the store holds requests, to point an empty report at the nearest data."""
+
+    first_ns: int
+    last_ns: int
+
+
+@dataclass(slots=True)
+class Report:
+    query: ReportQuery
+    generated_ns: int
+    totals: Totals
+    breakdowns: dict[str, list[BreakdownRow]]
+    worst_zombies: list[RequestFinding]
+    requests: list[RequestFinding] = field(default_factory=list)
+    series: list[Bucket] | None = None  # filled only when asked (the HTML report)
+    bucket_ns: int = 0
+    timelines: list[ZombieTimeline] | None = None
+    data_range: DataRange | None = None  # filled when the window is empty
+
+    @property
+    def empty(self) -> bool:
+        return self.totals.requests == 0 and self.totals.disconnects == 0
+
+    def empty_message(self) -> str:
+        """What an empty window means and where the nearest data is."""
+        window = f"between {rfc3339_seconds(self.query.since_ns)} and {rfc3339_seconds(self.query.until_ns)}"
+        filters = self.query.describe_filters()
+        what = f"no requests matching {filters}" if filters else "no requests"
+        if self.data_range is None:
+            return f"{what} {window}; the store holds no requests yet"
+        return (f"{what} {window}; the store holds data from "
+                f"{rfc3339_seconds(self.data_range.first_ns)} to {rfc3339_seconds(self.data_range.last_ns)}")
+
+
+def rfc3339_seconds(ns: int) -> str:
+    """A time for people: RFC 3339 UTC to the second."""
+    return _second_prefix(ns // 1_000_000_000) + "Z"

@@ -1,0 +1,155 @@
+"""Machine formats of a report: JSON (schema ``auditor.report/v1``, docs/report.md) and CSV.
+
+The JSON document is written top-level key by key so that the per-request list, which can hold a
+hundred thousand objects, goes out one compact object per line: readable with ``less``, greppable,
+and several times faster to produce than indenting every nested value.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+from auditor.report.model import (
+    SCHEMA_ID,
+    BreakdownRow,
+    Report,
+    RequestFinding,
+    rfc3339,
+    rfc3339_or_none,
+)
+
+# The fields of one request, in order: the JSON object keys and the CSV header.
+REQUEST_FIELDS = (
+    "request_id", "trace_id", "verdict", "disconnect_at", "disconnect_kind", "work_end_at",
+    "lag_seconds", "phase", "route", "model", "service", "client", "host", "request_start_at",
+    "max_tokens", "wasted_tokens", "tokens_exact", "wasted_gpu_seconds", "wasted_cpu_seconds",
+)
+
+
+def _number(value: float | None, digits: int = 9) -> float | None:
+    # NaN and infinities are not JSON; a broken sample must not make the whole document invalid.
+    if value is None or not math.isfinite(value):
+        return None
+    return round(value, digits)
+
+
+def request_dict(finding: RequestFinding) -> dict[str, Any]:
+    return {
+        "request_id": finding.request_id,
+        "trace_id": finding.trace_id,
+        "verdict": finding.verdict,
+        "disconnect_at": rfc3339(finding.disconnect_at_ns),
+        "disconnect_kind": finding.disconnect_kind,
+        "work_end_at": rfc3339_or_none(finding.work_end_ns),
+        "lag_seconds": _number(finding.lag_seconds),
+        "phase": finding.phase,
+        "route": finding.route,
+        "model": finding.model,
+        "service": finding.service,
+        "client": finding.client,
+        "host": finding.host,
+        "request_start_at": rfc3339(finding.request_start_ns),
+        "max_tokens": finding.max_tokens,
+        "wasted_tokens": finding.wasted_tokens,
+        "tokens_exact": finding.tokens_exact,
+        "wasted_gpu_seconds": _number(finding.wasted_gpu_seconds),
+        "wasted_cpu_seconds": _number(finding.wasted_cpu_seconds),
+    }
+
+
+def _breakdown_dict(row: BreakdownRow) -> dict[str, Any]:
+    return {
+        "key": row.key, "disconnects": row.disconnects, "completed": row.completed,
+        "aborted": row.aborted, "zombies": row.zombies, "inflight_zombies": row.inflight_zombies,
+        "zombie_seconds": _number(row.zombie_seconds, 6), "wasted_tokens": row.wasted_tokens,
+        "wasted_gpu_seconds": _number(row.wasted_gpu_seconds, 6),
+    }
+
+
+def report_header_dict(report: Report) -> dict[str, Any]:
+    """The whole JSON document except the per-request list."""
+    query, totals = report.query, report.totals
+    share = totals.wasted_gpu_share
+    return {
+        "schema": SCHEMA_ID,
+        "generated_at": rfc3339(report.generated_ns),
+        "window": {
+            "since": rfc3339(query.since_ns),
+            "until": rfc3339(query.until_ns),
+            "seconds": (query.until_ns - query.since_ns) / 1e9,
+            "filters": query.filters(),
+        },
+        "empty": report.empty,
+        "note": report.empty_message() if report.empty else None,
+        "data_range": None if report.data_range is None else {
+            "first": rfc3339(report.data_range.first_ns), "last": rfc3339(report.data_range.last_ns)},
+        "totals": {
+            "requests": totals.requests,
+            "disconnects": totals.disconnects,
+            "completed": totals.completed,
+            "aborted": totals.aborted,
+            "zombies": totals.zombies,
+            "inflight_zombies": totals.inflight_zombies,
+            "zombie_seconds": _number(totals.zombie_seconds, 6),
+            "wasted_tokens": totals.wasted_tokens,
+            "wasted_tokens_estimated": totals.wasted_tokens_estimated,
+            "wasted_gpu_seconds": _number(totals.wasted_gpu_seconds, 6),
+            "wasted_cpu_seconds": _number(totals.wasted_cpu_seconds, 6),
+            "gpus": totals.gpus,
+            "gpu_seconds": _number(totals.gpu_seconds, 6),
+            "gpu_busy_seconds": _number(totals.gpu_busy_seconds, 6),
+            "wasted_gpu_share": _number(share) if share is not None else None,
+            "uncapped_disconnects": totals.uncapped_disconnects,
+            "idle_closes": totals.idle_closes,
+            "unjoined_disconnects": totals.unjoined_disconnects,
+            "unjoined_spans": totals.unjoined_spans,
+            "lost_kernel_events": totals.lost_kernel_events,
+            "proxy_rewritten_peers": totals.proxy_rewritten_peers,
+        },
+        "breakdowns": {dimension: [_breakdown_dict(row) for row in rows]
+                       for dimension, rows in report.breakdowns.items()},
+        "worst_zombies": [request_dict(finding) for finding in report.worst_zombies],
+    }
+
+
+def report_dict(report: Report) -> dict[str, Any]:
+    """The JSON document as Python values (for callers that post-process it)."""
+    return report_header_dict(report) | {"requests": [request_dict(f) for f in report.requests]}
+
+
+def write_json(report: Report, out: TextIO) -> None:
+    header = report_header_dict(report)
+    out.write("{\n")
+    for key, value in header.items():
+        text = json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False)
+        out.write(f"  {json.dumps(key)}: {text.replace(chr(10), chr(10) + '  ')},\n")
+    out.write('  "requests": [')
+    separator = "\n    "
+    dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+    for finding in report.requests:
+        out.write(separator)
+        out.write(dumps(request_dict(finding)))
+        separator = ",\n    "
+    out.write("\n  ]\n}\n" if report.requests else "]\n}\n")
+
+
+def write_csv(findings: Iterable[RequestFinding], out: TextIO) -> None:
+    """One row per request with a disconnect; the header row holds the JSON field names."""
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(REQUEST_FIELDS)
+    for finding in findings:
+        values = request_dict(finding)
+        writer.writerow([_cell(values[name]) for name in REQUEST_FIELDS])
+
+
+def _cell(value: Any) -> Any:
+    # Spelled as in the JSON, so that both formats read the same way.
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value

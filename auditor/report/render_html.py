@@ -1,0 +1,149 @@
+"""The report as one self-contained HTML page: inline CSS and inline SVG plots, no scripts, no network.
+
+It opens from a file on a laptop with no access to the GPU host or the internet. Every value from
+the store is escaped (request ids, routes and models are chosen by clients).
+"""
+
+from __future__ import annotations
+
+from auditor.report.model import Report, RequestFinding, rfc3339, rfc3339_seconds
+from auditor.report.render_table import DIMENSION_TITLES, VERDICT_LABELS, duration, percent
+from auditor.report.svg import Series, esc, time_chart, zombie_timelines
+
+STYLE = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px auto;max-width:960px;
+color:#1d2430;background:#fff;padding:0 16px}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #dde2ea}
+.sub{color:#5b6575}.note{background:#fff6da;border:1px solid #e9d48a;padding:10px 14px;border-radius:6px}
+.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(170px,1fr));gap:10px;margin:16px 0}
+.card{border:1px solid #dde2ea;border-radius:8px;padding:10px 12px}
+.card b{display:block;font-size:20px}.card span{color:#5b6575;font-size:12px}
+table{border-collapse:collapse;width:100%;margin:6px 0 12px;font-variant-numeric:tabular-nums}
+th,td{padding:3px 8px;border-bottom:1px solid #eef1f5;text-align:right;vertical-align:top}
+th:first-child,td:first-child{text-align:left}td.id,.mono{font-family:ui-monospace,Menlo,monospace;
+font-size:12px;word-break:break-all;text-align:left}
+svg{width:100%;height:auto;font:11px system-ui,sans-serif;fill:#5b6575}
+svg .grid{stroke:#eef1f5}svg .serving{fill:#9fb3cc}svg .zombie{fill:#d9534f}
+svg .util{fill:#f0ad4e;fill-opacity:.35;stroke:#f0ad4e}svg .cut{stroke:#1d2430;stroke-dasharray:3 2}
+svg .small{font-size:10px}svg .serving-t{fill:#9fb3cc}svg .zombie-t{fill:#d9534f}
+svg .util-t{fill:#f0ad4e}
+"""
+
+
+def render_html(report: Report) -> str:
+    query = report.query
+    title = f"Zombie requests {rfc3339_seconds(query.since_ns)} to {rfc3339_seconds(query.until_ns)}"
+    filters = query.describe_filters()
+    body = [
+        f"<h1>{esc(title)}</h1>",
+        f'<p class="sub">{esc(duration((query.until_ns - query.since_ns) / 1e9))} window'
+        f'{"; " + esc(filters) if filters else ""}; generated {esc(rfc3339_seconds(report.generated_ns))}'
+        "; times in UTC</p>",
+    ]
+    if report.empty:
+        body.append(f'<p class="note">{esc(report.empty_message())}</p>')
+    else:
+        body += _cards(report) + _plots(report) + _totals_table(report) + _breakdowns(report)
+        body += _worst_table(report.worst_zombies)
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            '<meta name="viewport" content="width=device-width,initial-scale=1">'
+            f"<title>{esc(title)}</title><style>{STYLE}</style></head><body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+
+
+def _cards(report: Report) -> list[str]:
+    t = report.totals
+    share = t.wasted_gpu_share
+    cards = [
+        (f"{t.requests:,}", "requests"),
+        (f"{t.disconnects:,}", f"disconnects ({percent(t.disconnects, t.requests)})"),
+        (f"{t.zombies + t.inflight_zombies:,}", f"zombies ({t.inflight_zombies:,} still running)"),
+        (duration(t.zombie_seconds), "zombie time"),
+        (f"{t.wasted_gpu_seconds:,.1f} GPU-s",
+         f"wasted, {share * 100:.2f}% of GPU time" if share is not None else "wasted (no GPU samples)"),
+        (f"{t.wasted_tokens:,}", "tokens generated for nobody"),
+    ]
+    return ['<div class="cards">'] + [
+        f'<div class="card"><b>{esc(value)}</b><span>{esc(label)}</span></div>' for value, label in cards
+    ] + ["</div>"]
+
+
+def _plots(report: Report) -> list[str]:
+    parts: list[str] = []
+    if report.series:
+        starts = [bucket.start_ns for bucket in report.series]
+        minutes = report.bucket_ns / 60e9
+        parts += ["<h2>Zombies and wasted GPU time</h2>", time_chart(
+            "zombies and wasted GPU-seconds over time", starts, report.bucket_ns,
+            Series("zombies (by disconnect time)", [b.zombies for b in report.series], "#d9534f", "bar"),
+            Series("wasted GPU-seconds", [b.wasted_gpu_seconds for b in report.series], "#7a4fd9"))]
+        parts += ["<h2>Completed requests against GPU utilization</h2>",
+                  '<p class="sub">Zombies show as the gap: the GPU stays busy while fewer requests '
+                  "complete.</p>", time_chart(
+            "completed requests per minute against GPU utilization", starts, report.bucket_ns,
+            Series("completed requests / min", [b.completed_requests / minutes for b in report.series],
+                   "#2f7ed8"),
+            Series("GPU utilization %", [b.gpu_util_percent for b in report.series], "#f0ad4e",
+                   fixed_max=100.0))]
+    if report.timelines:
+        parts += ["<h2>Worst zombies, request by request</h2>", zombie_timelines(report.timelines)]
+    return parts
+
+
+def _totals_table(report: Report) -> list[str]:
+    t = report.totals
+    gpu = (f"{percent(t.wasted_gpu_seconds, t.gpu_seconds)} of {t.gpu_seconds:,.0f} GPU-s "
+           f"({t.gpus} GPUs x window)" if t.gpu_seconds else "no GPU samples in the window")
+    rows = [
+        ("requests", f"{t.requests:,}"), ("disconnects", f"{t.disconnects:,}"),
+        ("completed", f"{t.completed:,}"), ("aborted", f"{t.aborted:,}"),
+        ("zombie", f"{t.zombies:,}"), ("in-flight zombie", f"{t.inflight_zombies:,}"),
+        ("zombie time", f"{t.zombie_seconds:,.1f} s"),
+        ("wasted tokens", f"{t.wasted_tokens:,} ({t.wasted_tokens_estimated:,} estimated)"),
+        ("wasted GPU time", f"{t.wasted_gpu_seconds:,.1f} GPU-s, {gpu}"),
+        ("wasted CPU time", f"{t.wasted_cpu_seconds:,.1f} CPU-s"),
+        ("disconnected requests without max_tokens", f"{t.uncapped_disconnects:,}"),
+        ("coverage: idle closes", f"{t.idle_closes:,}"),
+        ("coverage: unjoined disconnects", f"{t.unjoined_disconnects:,}"),
+        ("coverage: unjoined spans", f"{t.unjoined_spans:,}"),
+        ("coverage: lost kernel events", f"{t.lost_kernel_events:,}"),
+        ("coverage: proxy-rewritten peers", f"{t.proxy_rewritten_peers:,}"),
+    ]
+    return ["<h2>Totals</h2><table>"] + [
+        f"<tr><td>{esc(label)}</td><td>{esc(value)}</td></tr>" for label, value in rows] + ["</table>"]
+
+
+def _breakdowns(report: Report) -> list[str]:
+    parts = []
+    for dimension, rows in report.breakdowns.items():
+        if not rows:
+            continue
+        parts.append(f"<h2>By {esc(DIMENSION_TITLES.get(dimension, dimension))}</h2><table><tr>"
+                     "<th></th><th>disconnects</th><th>completed</th><th>aborted</th><th>zombie</th>"
+                     "<th>in-flight</th><th>zombie s</th><th>tokens</th><th>GPU-s</th></tr>")
+        for row in rows[:50]:
+            parts.append(
+                f"<tr><td>{esc(row.key if row.key is not None else '(none)')}</td>"
+                f"<td>{row.disconnects:,}</td><td>{row.completed:,}</td><td>{row.aborted:,}</td>"
+                f"<td>{row.zombies:,}</td><td>{row.inflight_zombies:,}</td>"
+                f"<td>{row.zombie_seconds:,.1f}</td><td>{row.wasted_tokens:,}</td>"
+                f"<td>{row.wasted_gpu_seconds:,.1f}</td></tr>")
+        parts.append("</table>")
+    return parts
+
+
+def _worst_table(findings: list[RequestFinding]) -> list[str]:
+    if not findings:
+        return ["<h2>Worst zombies</h2><p>No zombies in the window.</p>"]
+    parts = ["<h2>Worst zombies</h2><table><tr><th>request id</th><th>trace id</th><th>verdict</th>"
+             "<th>zombie s</th><th>disconnect</th><th>route</th><th>model</th><th>host</th>"
+             "<th>GPU-s</th></tr>"]
+    for f in findings:
+        parts.append(
+            f'<tr><td class="id">{esc(f.request_id or "")}</td><td class="id">{esc(f.trace_id or "")}</td>'
+            f"<td>{esc(VERDICT_LABELS.get(f.verdict, f.verdict))}</td>"
+            f"<td>{f.lag_seconds or 0.0:,.1f}</td><td>{esc(rfc3339(f.disconnect_at_ns)[11:23])}</td>"
+            f"<td>{esc(f.route or '')}</td><td>{esc(f.model or '')}</td><td>{esc(f.host)}</td>"
+            f"<td>{f.wasted_gpu_seconds:,.1f}</td></tr>")
+    parts.append("</table>")
+    return parts

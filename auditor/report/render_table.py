@@ -1,0 +1,157 @@
+"""The report for people at a terminal: aligned columns with units, never wider than 100 columns.
+
+Text from the store (routes, models, request ids) is user-controlled: control characters are shown
+escaped so that a crafted request id cannot move the cursor or recolour the terminal.
+"""
+
+from __future__ import annotations
+
+from auditor.report.model import BreakdownRow, Report, rfc3339_seconds
+
+WIDTH = 100
+BREAKDOWN_ROWS = 10  # per dimension; the JSON output has them all
+DIMENSION_TITLES = {"route": "route", "model": "model", "phase": "phase at disconnect",
+                    "disconnect_kind": "disconnect kind"}
+VERDICT_LABELS = {"completed": "completed", "aborted": "aborted", "zombie": "zombie",
+                  "inflight_zombie": "in-flight"}
+
+
+def printable(text: str | None, empty: str = "-") -> str:
+    """``text`` with control characters escaped (``\\x1b``), or ``empty`` for None/""."""
+    if not text:
+        return empty
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
+def clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def duration(seconds: float) -> str:
+    """``3h 25m``, ``4m 10s``, ``12.5s``: a span of time the way people say it."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = round(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    return f"{minutes}m {secs:02d}s"
+
+
+def percent(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def render_table(report: Report) -> str:
+    lines = _header(report)
+    if report.empty:
+        lines += ["", report.empty_message()]
+        return "\n".join(lines) + "\n"
+    lines += _totals(report)
+    for dimension, rows in report.breakdowns.items():
+        lines += _breakdown(DIMENSION_TITLES.get(dimension, dimension), rows)
+    lines += _worst(report)
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _header(report: Report) -> list[str]:
+    query = report.query
+    window = (f"{rfc3339_seconds(query.since_ns)} to {rfc3339_seconds(query.until_ns)} "
+              f"({duration((query.until_ns - query.since_ns) / 1e9)})")
+    lines = [f"Zombie requests  {window}"]
+    filters = query.describe_filters()
+    if filters:
+        lines.append(clip(f"filters: {printable(filters)}", WIDTH))
+    return lines
+
+
+def _totals(report: Report) -> list[str]:
+    t = report.totals
+
+    def row(label: str, value: str, note: str = "") -> str:
+        return f"  {label:<22}{value:>16}  {note}"
+
+    gpu_note = (f"{percent(t.wasted_gpu_seconds, t.gpu_seconds)} of {t.gpu_seconds:,.0f} GPU-s "
+                f"({t.gpus} GPU{'s' if t.gpus != 1 else ''} x window)"
+                if t.gpu_seconds else "no GPU samples in the window")
+    estimated = f"{t.wasted_tokens_estimated:,} of them estimated" if t.wasted_tokens_estimated else ""
+    return [
+        "",
+        "Totals",
+        row("requests", f"{t.requests:,}", "HTTP server spans that started in the window"),
+        row("disconnects", f"{t.disconnects:,}",
+            f"{percent(t.disconnects, t.requests)} of requests: client left while in flight"),
+        row("  completed", f"{t.completed:,}", "response was already complete"),
+        row("  aborted", f"{t.aborted:,}", "work stopped within the grace period"),
+        row("  zombie", f"{t.zombies:,}", "work went on after the client left"),
+        row("  in-flight zombie", f"{t.inflight_zombies:,}", "still running, client gone"),
+        row("zombie time", f"{t.zombie_seconds:,.1f} s",
+            duration(t.zombie_seconds) if t.zombie_seconds >= 60 else ""),
+        row("wasted tokens", f"{t.wasted_tokens:,}", estimated),
+        row("wasted GPU time", f"{t.wasted_gpu_seconds:,.1f} GPU-s", gpu_note),
+        row("wasted CPU time", f"{t.wasted_cpu_seconds:,.1f} CPU-s"),
+        row("no max_tokens cap", f"{t.uncapped_disconnects:,}",
+            "disconnected requests that could run unbounded"),
+        "",
+        "Coverage (seen, but not a verdict)",
+        row("idle closes", f"{t.idle_closes:,}", "keep-alive closes between requests (normal)"),
+        row("unjoined disconnects", f"{t.unjoined_disconnects:,}", "peer closes with no span to join"),
+        row("unjoined spans", f"{t.unjoined_spans:,}", "server spans whose connection was not seen"),
+        row("lost kernel events", f"{t.lost_kernel_events:,}",
+            "dropped by the ring buffer" + (": findings may be missing" if t.lost_kernel_events else "")),
+        row("proxy-rewritten peers", f"{t.proxy_rewritten_peers:,}", "peer from X-Forwarded-For, not joined"),
+    ]
+
+
+BREAKDOWN_HEADER = (f"  {'':<24} {'disconn':>8} {'complete':>8} {'aborted':>8} {'zombie':>8} "
+                    f"{'in-flight':>9} {'zombie s':>10} {'tokens':>9} {'GPU-s':>9}")
+
+
+def _breakdown(title: str, rows: list[BreakdownRow]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", f"By {title}", BREAKDOWN_HEADER]
+    for row in rows[:BREAKDOWN_ROWS]:
+        lines.append(
+            f"  {clip(printable(row.key, '(none)'), 24):<24} {row.disconnects:>8,} {row.completed:>8,} "
+            f"{row.aborted:>8,} {row.zombies:>8,} {row.inflight_zombies:>9,} "
+            f"{row.zombie_seconds:>10,.1f} {row.wasted_tokens:>9,} {row.wasted_gpu_seconds:>9,.1f}")
+    if len(rows) > BREAKDOWN_ROWS:
+        lines.append(f"  ... and {len(rows) - BREAKDOWN_ROWS} more (all of them in --format json)")
+    return lines
+
+
+def _worst(report: Report) -> list[str]:
+    if not report.worst_zombies:
+        return ["", "No zombies in the window."]
+    lines = ["", "Worst zombies (by zombie time; ids are full, for lookup in a tracing backend)",
+             f"  {'#':>2} {'zombie s':>9} {'verdict':<9} {'phase':<7} {'disconnect (UTC)':<20} "
+             f"{'route':<20} {'model':<14} {'GPU-s':>7}"]
+    for rank, finding in enumerate(report.worst_zombies, 1):
+        lines.append(
+            f"  {rank:>2} {finding.lag_seconds or 0.0:>9,.1f} "
+            f"{VERDICT_LABELS.get(finding.verdict, finding.verdict):<9} {clip(finding.phase, 7):<7} "
+            f"{rfc3339_seconds(finding.disconnect_at_ns):<20} "
+            f"{clip(printable(finding.route), 20):<20} {clip(printable(finding.model), 14):<14} "
+            f"{finding.wasted_gpu_seconds:>7,.1f}")
+        lines += _id_lines("request", printable(finding.request_id))
+        lines += _id_lines("trace", printable(finding.trace_id))
+        lines.append(f"{'':5}host {printable(finding.host)}  client {printable(finding.client)}")
+    return lines
+
+
+def _id_lines(label: str, identifier: str) -> list[str]:
+    """An id printed whole; one longer than a line continues on the next rather than being cut."""
+    prefix = f"{'':5}{label:<8}"
+    room = WIDTH - len(prefix)
+    chunks = [identifier[i:i + room] for i in range(0, len(identifier), room)] or [""]
+    return [prefix + chunks[0]] + [" " * len(prefix) + chunk for chunk in chunks[1:]]
+
+
+__all__ = ["render_table"]

@@ -1,0 +1,170 @@
+"""Small inline-SVG plots for the HTML report, generated here so the page needs no network or library.
+
+Every string that reaches the markup goes through ``esc``: labels can come from the store.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from html import escape
+
+from auditor.report.model import UtilPoint, ZombieTimeline, rfc3339_seconds
+
+WIDTH, HEIGHT = 920, 260
+LEFT, RIGHT, TOP, BOTTOM = 64, 64, 16, 40
+
+
+def esc(text: object) -> str:
+    return escape(str(text), quote=True)
+
+
+def nice_ceiling(value: float) -> float:
+    """The smallest 1, 2 or 5 times a power of ten that is >= value (1 for nothing)."""
+    if value <= 0 or not math.isfinite(value):
+        return 1.0
+    power = 10 ** math.floor(math.log10(value))
+    for step in (1, 2, 5, 10):
+        if value <= step * power:
+            return float(step * power)
+    return float(10 * power)
+
+
+def _tick(value: float) -> str:
+    return f"{value:,.0f}" if value >= 10 or value == 0 else f"{value:.2g}"
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str
+    values: Sequence[float | None]
+    color: str
+    kind: str = "line"  # "line" or "bar"
+    fixed_max: float | None = None  # e.g. 100 for a percentage
+
+
+def time_chart(title: str, starts_ns: Sequence[int], width_ns: int, left: Series, right: Series) -> str:
+    """A time-bucketed chart: ``left`` on the left axis, ``right`` on the right one."""
+    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+    count = max(1, len(starts_ns))
+    slot = plot_w / count
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" '
+             f'role="img" aria-label="{esc(title)}"><title>{esc(title)}</title>']
+    scales = []
+    for series, x_axis, anchor in ((left, LEFT - 6, "end"), (right, WIDTH - RIGHT + 6, "start")):
+        present = [v for v in series.values if v is not None]
+        top = series.fixed_max or nice_ceiling(max(present, default=0.0))
+        scales.append(top)
+        for i in range(5):
+            value = top * i / 4
+            y = TOP + plot_h - plot_h * i / 4
+            if series is left:
+                parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" '
+                             'class="grid"/>')
+            parts.append(f'<text x="{x_axis}" y="{y + 4:.1f}" text-anchor="{anchor}" '
+                         f'fill="{series.color}">{esc(_tick(value))}</text>')
+    for series, top in zip((left, right), scales, strict=True):
+        parts.append(_draw(series, top, slot, plot_h))
+    labels = max(1, count // 8)
+    for index in range(0, count, labels):
+        x = LEFT + slot * index
+        parts.append(f'<text x="{x:.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="start">'
+                     f'{esc(rfc3339_seconds(starts_ns[index])[11:16])}</text>')
+    parts.append(f'<text x="{LEFT}" y="{HEIGHT - 6}" class="legend">'
+                 f'<tspan fill="{left.color}">■ {esc(left.name)}</tspan>'
+                 f'<tspan dx="24" fill="{right.color}">■ {esc(right.name)}</tspan>'
+                 f'<tspan dx="24">UTC; one {esc(_width_label(width_ns))} per '
+                 f'{"bar" if "bar" in (left.kind, right.kind) else "point"}</tspan></text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _draw(series: Series, top: float, slot: float, plot_h: float) -> str:
+    def y_of(value: float) -> float:
+        return TOP + plot_h - plot_h * min(value, top) / top
+
+    if series.kind == "bar":
+        bars = []
+        for index, value in enumerate(series.values):
+            if value:
+                y = y_of(value)
+                bars.append(f'<rect x="{LEFT + slot * index + slot * 0.1:.1f}" y="{y:.1f}" '
+                            f'width="{max(slot * 0.8, 1):.1f}" height="{TOP + plot_h - y:.1f}" '
+                            f'fill="{series.color}"><title>{esc(_tick(value))}</title></rect>')
+        return "".join(bars)
+    runs: list[list[str]] = [[]]
+    for index, value in enumerate(series.values):
+        if value is None:  # a gap in the data is a gap in the line, not a drop to zero
+            runs.append([])
+            continue
+        runs[-1].append(f"{LEFT + slot * (index + 0.5):.1f},{y_of(value):.1f}")
+    return "".join(f'<polyline fill="none" stroke="{series.color}" stroke-width="2" '
+                   f'points="{" ".join(run)}"/>' for run in runs if run)
+
+
+def _width_label(width_ns: int) -> str:
+    seconds = width_ns / 1e9
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g} h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{seconds / 60:g} min"
+    return f"{seconds:g} s"
+
+
+ROW_H, LABEL_W = 56, 250
+
+
+def zombie_timelines(timelines: Sequence[ZombieTimeline]) -> str:
+    """One row per zombie: serving (start to disconnect), zombie (disconnect to end of work), and
+    the host's GPU utilization over the same time drawn under the bars. Each row has its own scale."""
+    height = ROW_H * len(timelines) + 28
+    plot_w = WIDTH - LABEL_W - 16
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {height}" role="img" '
+             'aria-label="timeline of the worst zombies"><title>timeline of the worst zombies</title>']
+    for row, timeline in enumerate(timelines):
+        finding = timeline.finding
+        top = row * ROW_H + 4
+        start, end = finding.request_start_ns, max(timeline.end_ns, finding.request_start_ns + 1)
+
+        def x_of(ns: int, start: int = start, end: int = end) -> float:
+            return LABEL_W + plot_w * (min(max(ns, start), end) - start) / (end - start)
+
+        label = finding.request_id or finding.trace_id or "(no id)"
+        parts.append(f'<text x="4" y="{top + 16}" class="mono">{esc(_clip(label, 30))}'
+                     f'<title>{esc(label)}</title></text>')
+        parts.append(f'<text x="4" y="{top + 32}">{esc(f"{finding.lag_seconds or 0:,.1f} s zombie")}'
+                     f', {esc(finding.phase)}</text>')
+        parts.append(_util_area(timeline.utilization, x_of, top + 40, 36))
+        disconnect = x_of(finding.disconnect_at_ns)
+        parts.append(f'<rect x="{LABEL_W}" y="{top + 8}" width="{max(disconnect - LABEL_W, 1):.1f}" '
+                     'height="14" class="serving"><title>serving: request start to disconnect</title></rect>')
+        parts.append(f'<rect x="{disconnect:.1f}" y="{top + 8}" '
+                     f'width="{max(LABEL_W + plot_w - disconnect, 1):.1f}" height="14" class="zombie">'
+                     '<title>zombie: work going on after the client left</title></rect>')
+        parts.append(f'<line x1="{disconnect:.1f}" x2="{disconnect:.1f}" y1="{top + 2}" '
+                     f'y2="{top + 44}" class="cut"/>')
+        end_label = "work end" if finding.work_end_ns is not None else "still running"
+        parts.append(f'<text x="{LABEL_W + plot_w}" y="{top + 50}" text-anchor="end" class="small">'
+                     f'{esc(end_label)} +{(end - start) / 1e9:,.1f} s</text>')
+        parts.append(f'<text x="{LABEL_W}" y="{top + 50}" class="small">'
+                     f'{esc(rfc3339_seconds(start))}</text>')
+    parts.append(f'<text x="{LABEL_W}" y="{height - 6}" class="legend"><tspan class="serving-t">■ '
+                 'serving</tspan><tspan dx="16" class="zombie-t">■ zombie</tspan><tspan dx="16" '
+                 'class="util-t">■ GPU utilization (0-100%)</tspan></text></svg>')
+    return "".join(parts)
+
+
+def _util_area(points: Sequence[UtilPoint], x_of: Callable[[int], float], bottom: float,
+               height: float) -> str:
+    if not points:
+        return ""
+    coords = [f"{x_of(p.ts_ns):.1f},{bottom - height * max(0.0, min(p.util_percent, 100.0)) / 100:.1f}"
+              for p in points]
+    first, last = x_of(points[0].ts_ns), x_of(points[-1].ts_ns)
+    return (f'<polygon class="util" points="{first:.1f},{bottom} {" ".join(coords)} {last:.1f},{bottom}">'
+            f'<title>GPU utilization under this request</title></polygon>')
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"

@@ -1,0 +1,51 @@
+"""``auditor run``: the daemon in the foreground (systemd ``Type=notify``)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from types import FrameType
+
+import click
+
+from auditor.cliutil import PORT, common_options, errors_as_click
+from auditor.config import Config, apply_overrides
+
+
+@click.command("run")
+@click.option("--port", "ports", type=PORT, multiple=True, help="Inference port to watch (repeatable).")
+@click.option("--otlp-http", metavar="ADDR", help="OTLP/HTTP receiver address, '' to disable.")
+@click.option("--otlp-grpc", metavar="ADDR", help="OTLP/gRPC receiver address, '' to disable.")
+@click.option("--metrics", "metrics_listen", metavar="ADDR", help="Prometheus /metrics address, '' to disable.")
+@click.option("--live", "live_listen", metavar="ADDR", help="UDP address for live span notices, '' to disable.")
+@click.option("--grace", type=float, metavar="SECONDS", help="Work after a disconnect beyond this is a zombie.")
+@click.option("--host-id", metavar="ID", help="This host's name in the store.")
+@click.option("--source", type=click.Choice(["auto", "bpf", "procfs"]), help="Disconnect source.")
+@click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
+@common_options
+def run_command(config: Config, ports: tuple[int, ...], otlp_http: str | None, otlp_grpc: str | None,
+                metrics_listen: str | None, live_listen: str | None, grace: float | None,
+                host_id: str | None, source: str | None, verbose: bool) -> None:
+    """Run the daemon: probe, OTLP receivers, samplers, correlation and /metrics."""
+    from auditor.daemon import Daemon
+
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    with errors_as_click():
+        overrides = {"probe.ports": list(ports) or None, "otlp.http": otlp_http, "otlp.grpc": otlp_grpc,
+                     "metrics.listen": metrics_listen, "live.listen": live_listen,
+                     "correlate.grace_seconds": grace, "host_id": host_id, "probe.source": source}
+        config = apply_overrides(config, overrides)
+        daemon = Daemon(config)
+        daemon.start()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        click.echo(f"auditor: {signal.Signals(signum).name}, flushing and stopping", err=True)
+        daemon.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    daemon.wait()
+    daemon.stop()
+    click.echo("auditor: stopped", err=True)

@@ -1,0 +1,92 @@
+"""The verdict rules of DESIGN §5 as pure functions over one request's evidence.
+
+Kept free of I/O and state so each rule can be read, and tested, on its own. ``correlate`` gathers
+the evidence (spans, kernel events, live notices) and calls ``decide``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from auditor.model import Phase, SpanRecord, Verdict
+
+# A client that closes right after the last byte races the server's span end by about a
+# millisecond; anything that finished within this of the disconnect was complete.
+CLOCK_ERROR_NS = 2_000_000
+NORMAL_FINISH = frozenset({"stop", "length"})
+TOKENS_AFTER_DISCONNECT_ATTR = "auditor.tokens_after_disconnect"
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    disconnect_at_ns: int
+    http_span: SpanRecord | None  # the server span the disconnect joined (None: known only live)
+    engine_span: SpanRecord | None
+    work_end_ns: int | None  # None: work still in flight (or not known to have ended)
+    now_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    verdict: Verdict
+    lag_seconds: float | None
+
+
+def decide(evidence: Evidence, grace_seconds: float) -> Decision | None:
+    """The verdict for a disconnect while in flight, or None while it is too early to say."""
+    grace_ns = int(grace_seconds * 1e9)
+    disconnect = evidence.disconnect_at_ns
+    if evidence.work_end_ns is None:
+        if evidence.now_ns - disconnect > grace_ns:
+            return Decision(Verdict.INFLIGHT_ZOMBIE, (evidence.now_ns - disconnect) / 1e9)
+        return None
+    lag_ns = evidence.work_end_ns - disconnect
+    engine = evidence.engine_span
+    if engine is not None and engine.finish_reason in NORMAL_FINISH and engine.end_ns <= disconnect + CLOCK_ERROR_NS:
+        return Decision(Verdict.COMPLETED, max(lag_ns, 0) / 1e9)
+    if engine is None and lag_ns <= CLOCK_ERROR_NS and _response_finished(evidence.http_span):
+        return Decision(Verdict.COMPLETED, max(lag_ns, 0) / 1e9)
+    if lag_ns <= grace_ns:
+        return Decision(Verdict.ABORTED, max(lag_ns, 0) / 1e9)
+    return Decision(Verdict.ZOMBIE, lag_ns / 1e9)
+
+
+def _response_finished(http_span: SpanRecord | None) -> bool:
+    # Without an engine span the server span is all there is: a response that ended (status set,
+    # span closed) within the clock error of the disconnect was complete when the client left.
+    return http_span is not None and (http_span.http_status or 0) < 500
+
+
+def phase_at(disconnect_ns: int, engine: SpanRecord | None) -> Phase:
+    """Queued, prefill or decode, from the engine span's arrival, queue and first-token times."""
+    if engine is None or (engine.time_in_queue_s is None and engine.time_to_first_token_s is None):
+        return Phase.UNKNOWN
+    arrival = engine.start_ns
+    if engine.time_in_queue_s is not None and disconnect_ns < arrival + engine.time_in_queue_s * 1e9:
+        return Phase.QUEUED
+    if engine.time_to_first_token_s is not None:
+        if disconnect_ns < arrival + engine.time_to_first_token_s * 1e9:
+            return Phase.PREFILL
+        return Phase.DECODE
+    return Phase.UNKNOWN
+
+
+def tokens_after_disconnect(disconnect_ns: int, engine: SpanRecord | None) -> tuple[int | None, bool]:
+    """Tokens generated after the disconnect, and whether the engine reported them exactly.
+
+    Estimated otherwise by spreading the completion tokens evenly over the decode time.
+    """
+    if engine is None:
+        return None, False
+    exact = engine.attributes.get(TOKENS_AFTER_DISCONNECT_ATTR)
+    if isinstance(exact, int) and not isinstance(exact, bool) and exact >= 0:
+        return exact, True
+    if engine.completion_tokens is None:
+        return None, False
+    if engine.end_ns <= disconnect_ns:
+        return 0, False
+    first_token = engine.start_ns + int((engine.time_to_first_token_s or 0.0) * 1e9)
+    if disconnect_ns <= first_token or engine.end_ns <= first_token:
+        return engine.completion_tokens, False
+    share = (engine.end_ns - disconnect_ns) / (engine.end_ns - first_token)
+    return round(engine.completion_tokens * share), False

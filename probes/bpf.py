@@ -1,0 +1,256 @@
+"""The eBPF disconnect probe: loads ``disconnect.bpf.c`` with bcc and turns its ring buffer into
+``ConnEvent`` records.
+
+Checks run before bcc is touched, so a host without root, bcc, tracefs or kernel headers gets a
+``ProbeUnavailable`` that says what to do, never a compiler dump. The program text is assembled
+once (header inlined, settings as defines) and that exact text is loaded, so ``--dump-bpf`` shows
+what runs. The port filter is the ``watched_ports`` map, changed with map updates while attached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import platform
+import socket
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from auditor.model import ConnEvent, ConnEventKind
+from probes.clock import MonotonicToWall
+from probes.source import ProbeUnavailable, validate_ports
+
+log = logging.getLogger(__name__)
+
+PROGRAM_DIR = Path(__file__).resolve().parent
+PROGRAM_FILE = PROGRAM_DIR / "disconnect.bpf.c"
+HEADER_FILE = PROGRAM_DIR / "disconnect.h"
+DEFAULT_RINGBUF_PAGES = 4096  # 16 MiB with 4 KiB pages: about 260,000 events of headroom
+TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset")
+TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
+
+# Must match the EVENT_* defines of disconnect.h.
+KIND_BY_CODE = {
+    1: ConnEventKind.PEER_FIN,
+    2: ConnEventKind.PEER_RST,
+    3: ConnEventKind.LOCAL_FIN,
+    4: ConnEventKind.CLOSED,
+}
+# Kernel socket addresses have the top bit set; clearing it keeps the identity unique and lets
+# it fit the signed 64-bit cookie column.
+COOKIE_MASK = (1 << 63) - 1
+AF_INET = 2
+AF_INET6 = 10
+
+
+def program_text(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES) -> str:
+    """The final program bcc compiles: settings as defines, the shared header inlined."""
+    if ringbuf_pages <= 0 or ringbuf_pages & (ringbuf_pages - 1):
+        raise ValueError(f"ringbuf_pages must be a power of two, got {ringbuf_pages}")
+    header = HEADER_FILE.read_text()
+    source = PROGRAM_FILE.read_text().replace('#include "disconnect.h"', header.rstrip())
+    return f"#define RINGBUF_PAGES {ringbuf_pages}\n{source}"
+
+
+def bpf_unavailable_reason(*, tracefs_roots: Iterable[Path] = TRACEFS_ROOTS,
+                           modules_root: Path = Path("/lib/modules"),
+                           kheaders: Path = Path("/sys/kernel/kheaders.tar.xz"),
+                           check_bcc: bool = True) -> ProbeUnavailable | None:
+    """Why the probe cannot load here (reason and fix), or None when every precondition holds."""
+    if os.geteuid() != 0:
+        return ProbeUnavailable("eBPF needs root (CAP_BPF and CAP_PERFMON)",
+                                "run as root, or use --source procfs")
+    if check_bcc:
+        try:
+            import bcc  # noqa: F401
+        except ImportError:
+            return ProbeUnavailable("bcc is not importable",
+                                    "run `make setup` as root (apt-get install python3-bpfcc)")
+    roots = [root for root in tracefs_roots if (root / "events").is_dir()]
+    if not roots:
+        return ProbeUnavailable("tracefs is not mounted",
+                                "run `mount -t tracefs nodev /sys/kernel/tracing`")
+    for tracepoint in TRACEPOINTS:
+        if not any((root / "events" / tracepoint / "format").exists() for root in roots):
+            return ProbeUnavailable(f"this kernel has no {tracepoint.replace('/', ':')} tracepoint",
+                                    "the probe needs Linux 4.16 or later; use --source procfs")
+    build = modules_root / platform.release() / "build"
+    if not (build / "include").is_dir() and not kheaders.exists():
+        return ProbeUnavailable(
+            f"kernel headers are missing at {build}",
+            f"apt-get install linux-headers-{platform.release()} (or link the distribution's "
+            "headers there as build and source, see docs/probe.md)")
+    return None
+
+
+def _struct_format(event_class: Any) -> struct.Struct:
+    """A struct.Struct equal to bcc's view of ``struct event``, for fast batch decoding."""
+    codes = {ctypes.c_ulonglong: "Q", ctypes.c_ulong: "Q", ctypes.c_uint: "I", ctypes.c_ushort: "H",
+             ctypes.c_ubyte: "B", ctypes.c_longlong: "q", ctypes.c_int: "i", ctypes.c_short: "h"}
+    fmt = "<"
+    position = 0
+    for name, ctype in event_class._fields_:
+        field = getattr(event_class, name)
+        if field.offset > position:
+            fmt += f"{field.offset - position}x"
+        if getattr(ctype, "_length_", None):  # u8[16] arrives as bytes
+            fmt += f"{field.size}s"
+        else:
+            fmt += codes[ctype]
+        position = field.offset + field.size
+    if ctypes.sizeof(event_class) > position:
+        fmt += f"{ctypes.sizeof(event_class) - position}x"
+    return struct.Struct(fmt)
+
+
+EVENT_FIELDS = ("ts_ns", "skaddr", "saddr", "daddr", "sport", "dport", "family", "kind", "oldstate")
+
+
+class BpfConnEventSource:
+    """Kernel connection events from the eBPF probe. Loading (about a second) happens here."""
+
+    name = "bpf"
+
+    def __init__(self, ports: Iterable[int] = (), *, host: str = "",
+                 ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
+                 clock: MonotonicToWall | None = None) -> None:
+        self._ports = validate_ports(ports)
+        self._host = host
+        self._clock = clock or MonotonicToWall()
+        self._raw: list[bytes] = []
+        self._started = False
+        self._stopped = False
+        self._malformed = 0
+        self._lost_at_stop = 0
+        self._addr_cache: dict[tuple[int, bytes], str] = {}
+        self.text = program_text(ringbuf_pages)
+        problem = bpf_unavailable_reason()
+        if problem is not None:
+            raise problem
+        from bcc import BPF
+
+        try:
+            self._bpf = BPF(text=self.text.encode())
+        except Exception as exc:  # bcc raises bare Exception for compile and load failures
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ProbeUnavailable(
+                f"the BPF program failed to load ({first_line})",
+                "run `auditor doctor`; `auditor probe --dump-bpf` prints the program") from exc
+        self._events = self._bpf[b"events"]
+        self._watched = self._bpf[b"watched_ports"]
+        self._lost = self._bpf[b"lost_events"]
+        self._unpack: struct.Struct | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Open the ring buffer and arm the port filter; events flow from here on."""
+        if self._started:
+            return
+        self._events.open_ring_buffer(self._on_event)
+        self._apply_ports(self._ports, frozenset())
+        self._started = True
+
+    def set_ports(self, ports: Iterable[int]) -> None:
+        """Replace the watched ports; takes effect at once, without reloading the program."""
+        new_ports = validate_ports(ports)
+        if self._started and not self._stopped:
+            self._apply_ports(new_ports, self._ports)
+        self._ports = new_ports
+
+    @property
+    def ports(self) -> frozenset[int]:
+        return self._ports
+
+    def stop(self) -> None:
+        """Detach the tracepoints and free the maps; lost_events() keeps its last value."""
+        if self._stopped:
+            return
+        self._lost_at_stop = self._read_lost()
+        self._stopped = True
+        try:
+            self._bpf.cleanup()
+        except Exception:  # cleanup is best effort on the way out
+            log.exception("detaching the BPF program failed")
+
+    # -- events -----------------------------------------------------------------------------
+    def poll(self, timeout_s: float = 0.1) -> list[ConnEvent]:
+        """Events that arrived within ``timeout_s`` (returns as soon as there are some)."""
+        if not self._started or self._stopped:
+            return []
+        self._bpf.ring_buffer_poll(max(0, int(timeout_s * 1000)))
+        return self._drain()
+
+    def lost_events(self) -> int:
+        """Events the kernel could not queue (ring buffer full) plus records that did not decode."""
+        if self._stopped:
+            return self._lost_at_stop + self._malformed
+        return self._read_lost() + self._malformed
+
+    # -- internals --------------------------------------------------------------------------
+    def _on_event(self, _ctx: Any, data: Any, size: int) -> int:
+        # Runs once per event inside ring_buffer_poll: copy the bytes, decode later in bulk.
+        self._raw.append(ctypes.string_at(data, size))
+        return 0
+
+    def _drain(self) -> list[ConnEvent]:
+        raw, self._raw = self._raw, []
+        if not raw:
+            return []
+        if self._unpack is None:
+            self._unpack = _struct_format(self._events.event(ctypes.create_string_buffer(raw[0]))
+                                          .__class__)
+        self._clock.maybe_recalibrate()
+        offset = self._clock.offset_ns
+        unpack = self._unpack.unpack
+        expected_size = self._unpack.size
+        events: list[ConnEvent] = []
+        for record in raw:
+            try:
+                if len(record) != expected_size:
+                    raise ValueError(f"record of {len(record)} bytes, expected {expected_size}")
+                ts, skaddr, saddr, daddr, sport, dport, family, kind, _old = unpack(record)
+                events.append(ConnEvent(
+                    ts_ns=ts + offset, kind=KIND_BY_CODE[kind],
+                    family=4 if family == AF_INET else 6,
+                    client_addr=self._address(family, daddr), client_port=dport,
+                    server_addr=self._address(family, saddr), server_port=sport,
+                    cookie=skaddr & COOKIE_MASK, host=self._host, source="bpf"))
+            except (ValueError, KeyError, struct.error, OSError) as exc:
+                if self._malformed == 0:
+                    log.error("dropping a kernel event that does not decode (%s); "
+                              "counted as lost from now on", exc)
+                self._malformed += 1
+        return events
+
+    def _address(self, family: int, packed: bytes) -> str:
+        key = (family, packed)
+        text = self._addr_cache.get(key)
+        if text is None:
+            if family == AF_INET:
+                text = socket.inet_ntop(socket.AF_INET, packed[:4])
+            elif family == AF_INET6:
+                text = socket.inet_ntop(socket.AF_INET6, packed)
+            else:
+                raise ValueError(f"address family {family} is neither AF_INET nor AF_INET6")
+            if len(self._addr_cache) > 65536:  # clients churn; keep the cache bounded
+                self._addr_cache.clear()
+            self._addr_cache[key] = text
+        return text
+
+    def _apply_ports(self, new: frozenset[int], old: frozenset[int]) -> None:
+        for port in new - old:
+            self._watched[ctypes.c_ushort(port)] = ctypes.c_ubyte(1)
+        for port in old - new:
+            with contextlib.suppress(KeyError):
+                del self._watched[ctypes.c_ushort(port)]
+
+    def _read_lost(self) -> int:
+        try:
+            return int(sum(self._lost[ctypes.c_int(0)]))
+        except Exception:  # a closed map after stop: the caller keeps the last value
+            log.debug("reading the lost-event counter failed", exc_info=True)
+            return self._lost_at_stop

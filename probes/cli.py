@@ -1,0 +1,124 @@
+"""``auditor probe``: stream kernel disconnect events for some ports, like bcc's tcpstates, filtered.
+
+With ``--json`` each event is one JSON object per line, flushed at once (schema in docs/probe.md);
+otherwise an aligned table. Status lines and the lost-event total go to stderr, so stdout stays
+clean for pipes. SIGINT and SIGTERM stop the stream cleanly.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import click
+
+from auditor.cliutil import PORT, common_options, errors_as_click
+from auditor.config import Config
+from auditor.model import ConnEvent
+from probes.source import SOURCE_CHOICES, open_source
+
+# 97 columns: time of day in UTC (the date is in --json), addresses wide enough for IPv6 loopback.
+TABLE_HEADER = f"{'TIME (UTC)':<18} {'KIND':<9} {'CLIENT':<24} {'SERVER':<24} {'COOKIE':>18}"
+
+
+def rfc3339_ns(ts_ns: int) -> str:
+    """``2026-11-22T04:20:01.123456789Z``: RFC 3339 in UTC with all nine digits."""
+    seconds, nanos = divmod(ts_ns, 1_000_000_000)
+    moment = dt.datetime.fromtimestamp(seconds, dt.timezone.utc)
+    return f"{moment:%Y-%m-%dT%H:%M:%S}.{nanos:09d}Z"
+
+
+def event_json(event: ConnEvent) -> dict[str, Any]:
+    return {
+        "ts": rfc3339_ns(event.ts_ns), "kind": event.kind.value,
+        "client_addr": event.client_addr, "client_port": event.client_port,
+        "server_addr": event.server_addr, "server_port": event.server_port,
+        "family": event.family, "cookie": event.cookie,
+    }
+
+
+def _endpoint(addr: str, port: int) -> str:
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+def event_row(event: ConnEvent) -> str:
+    cookie = "-" if event.cookie is None else f"{event.cookie:#x}"
+    time_of_day = rfc3339_ns(event.ts_ns)[11:-1]
+    return (f"{time_of_day:<18} {event.kind.value:<9} "
+            f"{_endpoint(event.client_addr, event.client_port):<24} "
+            f"{_endpoint(event.server_addr, event.server_port):<24} {cookie:>18}")
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[list[bool]]:
+    """A flag set by SIGINT/SIGTERM, so the loop finishes its poll and shuts down in order."""
+    stop = [False]
+
+    def handler(_signum: int, _frame: FrameType | None) -> None:
+        stop[0] = True
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@click.command()
+@click.option("--port", "ports", type=PORT, multiple=True,
+              help="Server port to watch; repeat for more [default: probe.ports of the config].")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line (see docs/probe.md).")
+@click.option("--dump-bpf", is_flag=True, help="Print the BPF program that would be loaded, and exit.")
+@click.option("--source", type=click.Choice(SOURCE_CHOICES), default=None,
+              help="bpf (eBPF, root), procfs (/proc polling, no privileges) or auto "
+                   "[default: probe.source of the config, auto].")
+@common_options
+def probe(config: Config, ports: tuple[int, ...], as_json: bool, dump_bpf: bool,
+          source: str | None) -> None:
+    """Stream client disconnects (FIN, RST) and closes on server PORTs as they happen.
+
+    \b
+    Examples:
+      auditor probe --port 8000
+      auditor probe --port 8000 --port 8001 --json | jq .
+    """
+    if dump_bpf:
+        from probes.bpf import program_text
+
+        click.echo(program_text(), nl=False)
+        return
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s", stream=sys.stderr)
+    watched = list(ports) or list(config.probe.ports)
+    with errors_as_click():
+        src = open_source(watched, prefer=source or config.probe.source,
+                          host=config.host_id or None, poll_hz=config.probe.poll_hz)
+    shown = 0
+    with _stop_on_signals() as stop:
+        src.start()
+        click.echo(f"watching port{'s' if len(watched) > 1 else ''} "
+                   f"{', '.join(map(str, sorted(set(watched))))} with {src.name}; "
+                   "Ctrl-C to stop", err=True)
+        if not as_json:
+            click.echo(TABLE_HEADER)
+        try:
+            while not stop[0]:
+                for event in src.poll(timeout_s=0.1):
+                    line = json.dumps(event_json(event)) if as_json else event_row(event)
+                    sys.stdout.write(line + "\n")
+                    sys.stdout.flush()
+                    shown += 1
+        except BrokenPipeError:
+            # The reader went away (`| head`): stop quietly, and keep Python from complaining
+            # about stdout again at exit.
+            sys.stdout = open("/dev/null", "w")  # noqa: SIM115
+        finally:
+            src.stop()
+    click.echo(f"stopped: {shown} events shown, {src.lost_events()} lost ({src.name})", err=True)

@@ -1,0 +1,226 @@
+"""The unprivileged fallback: poll /proc/net/tcp and /proc/net/tcp6 and diff socket states.
+
+No root, no bcc, no headers: only what the kernel lists for this network namespace. What it cannot
+know, it says (docs/probe.md): an event's time is the middle of the poll interval it happened in;
+a connection that vanishes from ESTABLISHED between two polls was either reset or closed by both
+sides within one interval, and is reported as ``peer_rst`` (then ``closed``); a connection that
+opens and closes within one interval is never seen. Sockets present when a port starts being
+watched are taken as the baseline and produce no events.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from auditor.model import ConnEvent, ConnEventKind
+from probes.source import validate_ports
+
+log = logging.getLogger(__name__)
+
+# /proc/net/tcp state codes (include/net/tcp_states.h), grouped by what they mean for a server
+# socket: still open, closed by the peer, closed by us, or finished.
+OPEN = {0x01, 0x03}  # ESTABLISHED, SYN_RECV
+PEER_CLOSED = {0x08, 0x09}  # CLOSE_WAIT, LAST_ACK
+LOCAL_CLOSED = {0x04, 0x05, 0x0B}  # FIN_WAIT1, FIN_WAIT2, CLOSING
+DONE = {0x06, 0x07}  # TIME_WAIT, CLOSE: the full socket is gone (the probe reports `closed` here)
+LISTEN = 0x0A
+
+SocketKey = tuple[int, str, int, str, int]  # family, server addr, server port, client addr, client port
+
+
+@dataclass(slots=True)
+class _Seen:
+    state: int
+    cookie: int | None  # the socket inode while it has one (TIME_WAIT entries show 0)
+
+
+def _phase(state: int | None) -> str:
+    if state is None:
+        return "gone"
+    if state in OPEN:
+        return "open"
+    if state in PEER_CLOSED:
+        return "peer_closed"
+    if state in LOCAL_CLOSED:
+        return "local_closed"
+    return "done"
+
+
+P, R, L, C = (ConnEventKind.PEER_FIN, ConnEventKind.PEER_RST, ConnEventKind.LOCAL_FIN,
+              ConnEventKind.CLOSED)
+# (phase before, phase now) -> events; "new" is a socket first seen after the baseline.
+TRANSITIONS: dict[tuple[str, str], tuple[ConnEventKind, ...]] = {
+    ("open", "peer_closed"): (P,),
+    ("open", "local_closed"): (L,),
+    ("open", "done"): (L, C),
+    ("open", "gone"): (R, C),  # reset, or FIN both ways within one interval: cannot tell
+    ("peer_closed", "done"): (C,),
+    ("peer_closed", "gone"): (C,),
+    ("local_closed", "done"): (C,),
+    ("local_closed", "gone"): (C,),
+    ("new", "peer_closed"): (P,),
+    ("new", "local_closed"): (L,),
+    ("new", "done"): (L, C),
+}
+
+
+def _decode_address(family: int, text: str) -> str:
+    # The kernel prints each 32-bit word of the address as a number in host byte order.
+    words = [int(text[i:i + 8], 16) for i in range(0, len(text), 8)]
+    packed = struct.pack(f"={len(words)}I", *words)
+    return socket.inet_ntop(socket.AF_INET if family == 4 else socket.AF_INET6, packed)
+
+
+def parse_proc_net_tcp(text: str, family: int, ports: frozenset[int]) -> dict[SocketKey, _Seen]:
+    """Sockets of /proc/net/tcp{,6} ``text`` whose local port is in ``ports`` (listeners skipped)."""
+    found: dict[SocketKey, _Seen] = {}
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 10:
+            continue
+        try:
+            local, remote, state = fields[1], fields[2], int(fields[3], 16)
+            local_addr, _, local_port_hex = local.partition(":")
+            local_port = int(local_port_hex, 16)
+            if local_port not in ports or state == LISTEN:
+                continue
+            remote_addr, _, remote_port_hex = remote.partition(":")
+            inode = int(fields[9])
+            key = (family, _decode_address(family, local_addr), local_port,
+                   _decode_address(family, remote_addr), int(remote_port_hex, 16))
+        except (ValueError, OSError, struct.error):
+            continue  # a line we cannot read is skipped, never fatal
+        found[key] = _Seen(state, inode or None)
+    return found
+
+
+class ProcfsConnEventSource:
+    """Connection events diffed from /proc/net/tcp{,6} snapshots taken ``poll_hz`` times a second."""
+
+    name = "procfs"
+
+    def __init__(self, ports: Iterable[int] = (), *, host: str = "", poll_hz: float = 20.0,
+                 proc_root: Path = Path("/proc")) -> None:
+        if not poll_hz > 0:
+            raise ValueError(f"poll_hz must be greater than 0, got {poll_hz}")
+        self._ports = validate_ports(ports)
+        self._host = host
+        self.interval_s = 1.0 / poll_hz
+        self._tables = ((4, proc_root / "net" / "tcp"), (6, proc_root / "net" / "tcp6"))
+        self._queue: queue.SimpleQueue[ConnEvent] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards the port sets (set_ports runs on other threads)
+        self._scan_lock = threading.Lock()  # one scan at a time: the poller's or a caller's
+        self._baseline_ports: set[int] = set(self._ports)  # seen sockets are history, not events
+        self._seen: dict[SocketKey, _Seen] = {}
+        self._last_scan_ns: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._read_errors = 0
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self.scan()  # the baseline, taken before start() returns
+        self._thread = threading.Thread(target=self._run, name="procfs-conn-poller", daemon=True)
+        self._thread.start()
+
+    def set_ports(self, ports: Iterable[int]) -> None:
+        new_ports = validate_ports(ports)
+        with self._lock:
+            self._baseline_ports |= new_ports - self._ports
+            self._ports = new_ports
+
+    def poll(self, timeout_s: float = 0.1) -> list[ConnEvent]:
+        events: list[ConnEvent] = []
+        try:
+            events.append(self._queue.get(timeout=max(timeout_s, 0.0)) if timeout_s > 0
+                          else self._queue.get_nowait())
+        except queue.Empty:
+            return events
+        while True:
+            try:
+                events.append(self._queue.get_nowait())
+            except queue.Empty:
+                return events
+
+    def lost_events(self) -> int:
+        # Nothing is dropped once seen; what happens between polls is invisible, not countable.
+        return 0
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+    # -- scanning ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        # Drift-free: ticks are fixed on the monotonic clock; a slow scan skips ticks, not drifts.
+        next_tick = time.monotonic() + self.interval_s
+        while not self._stop.wait(max(0.0, next_tick - time.monotonic())):
+            try:
+                self.scan()
+            except Exception:  # one bad scan must not end the poller
+                log.exception("scanning /proc/net/tcp failed; trying again next tick")
+            now = time.monotonic()
+            next_tick += self.interval_s
+            if next_tick < now:
+                next_tick = now + self.interval_s - ((now - next_tick) % self.interval_s)
+
+    def scan(self) -> list[ConnEvent]:
+        """Take one snapshot, queue and return the events since the previous one."""
+        with self._scan_lock:
+            return self._scan()
+
+    def _scan(self) -> list[ConnEvent]:
+        with self._lock:
+            ports = self._ports
+            baseline_ports, self._baseline_ports = self._baseline_ports, set()
+        current: dict[SocketKey, _Seen] = {}
+        for family, path in self._tables:
+            try:
+                text = path.read_text()
+            except OSError as exc:
+                if self._read_errors == 0:
+                    log.warning("cannot read %s (%s); its sockets are not watched", path, exc)
+                self._read_errors += 1
+                continue
+            current.update(parse_proc_net_tcp(text, family, ports))
+        scan_ns = time.time_ns()
+        # The change happened somewhere in (previous scan, this scan]: the middle halves the error.
+        ts_ns = scan_ns if self._last_scan_ns is None else (self._last_scan_ns + scan_ns) // 2
+        events: list[ConnEvent] = []
+        for key, now in current.items():
+            before = self._seen.get(key)
+            if before is None:
+                if key[2] in baseline_ports or self._last_scan_ns is None:
+                    continue
+                transition = ("new", _phase(now.state))
+            else:
+                if now.cookie is None:
+                    now.cookie = before.cookie
+                transition = (_phase(before.state), _phase(now.state))
+            events += self._events(key, transition, now.cookie, ts_ns)
+        for key, before in self._seen.items():
+            if key not in current and key[2] in ports:
+                events += self._events(key, (_phase(before.state), "gone"), before.cookie, ts_ns)
+        self._seen = current
+        self._last_scan_ns = scan_ns
+        for event in events:
+            self._queue.put(event)
+        return events
+
+    def _events(self, key: SocketKey, transition: tuple[str, str], cookie: int | None,
+                ts_ns: int) -> list[ConnEvent]:
+        family, server_addr, server_port, client_addr, client_port = key
+        return [ConnEvent(ts_ns=ts_ns, kind=kind, family=family, client_addr=client_addr,
+                          client_port=client_port, server_addr=server_addr, server_port=server_port,
+                          cookie=cookie, host=self._host, source="procfs")
+                for kind in TRANSITIONS.get(transition, ())]

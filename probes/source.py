@@ -1,0 +1,90 @@
+"""What every connection-event source offers, and how the daemon gets one.
+
+Two sources exist: the eBPF probe (``probes.bpf``), exact to the microsecond and able to tell FIN
+from RST, and the unprivileged /proc/net/tcp poller (``probes.procfs``). ``open_source`` picks the
+probe when it can load and otherwise falls back, logging what the fallback cannot see.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+from auditor.errors import AuditorError, ConfigError
+from auditor.model import ConnEvent
+
+log = logging.getLogger(__name__)
+
+SOURCE_CHOICES = ("auto", "bpf", "procfs")
+
+
+class ProbeUnavailable(AuditorError):
+    """The eBPF probe cannot run here; the message says why and how to fix it."""
+
+    def __init__(self, reason: str, fix: str) -> None:
+        super().__init__(f"{reason}: {fix}")
+        self.reason = reason
+        self.fix = fix
+
+
+@runtime_checkable
+class ConnEventSource(Protocol):
+    """A stream of server-side connection events for a live-changeable set of local ports."""
+
+    name: str  # "bpf" or "procfs"
+
+    def start(self) -> None: ...
+
+    def set_ports(self, ports: Iterable[int]) -> None: ...
+
+    def poll(self, timeout_s: float = 0.1) -> list[ConnEvent]: ...
+
+    def lost_events(self) -> int: ...
+
+    def stop(self) -> None: ...
+
+
+def validate_ports(ports: Iterable[int]) -> frozenset[int]:
+    """The ports as a set, or a ConfigError naming the first one that is not a TCP port."""
+    checked: set[int] = set()
+    for port in ports:
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise ConfigError(f"{port!r} is not a TCP port; use 1-65535, e.g. 8000")
+        checked.add(port)
+    return frozenset(checked)
+
+
+def fallback_warning(poll_hz: float) -> str:
+    interval_ms = 1000.0 / poll_hz
+    return (f"falling back to polling /proc/net/tcp at {poll_hz:g} Hz, which loses: "
+            f"timing precision (disconnect times are only good to about {interval_ms:.0f} ms), "
+            "FIN vs RST (a connection that vanishes between polls is reported as peer_rst), "
+            f"and connections that open and close within {interval_ms:.0f} ms")
+
+
+def open_source(ports: Iterable[int], prefer: str = "auto", host: str | None = None, *,
+                poll_hz: float = 20.0, ringbuf_pages: int | None = None) -> ConnEventSource:
+    """A connection-event source for ``ports``, not yet started.
+
+    ``prefer="bpf"`` raises ProbeUnavailable when the probe cannot load; ``"auto"`` falls back to
+    the /proc poller with a warning that says what is lost; ``"procfs"`` never tries BPF.
+    """
+    if prefer not in SOURCE_CHOICES:
+        raise ConfigError(f"source {prefer!r} is unknown; use one of {', '.join(SOURCE_CHOICES)}")
+    port_set = validate_ports(ports)
+    host_name = host if host is not None else socket.gethostname()
+    if prefer in ("auto", "bpf"):
+        from probes.bpf import DEFAULT_RINGBUF_PAGES, BpfConnEventSource
+
+        try:
+            return BpfConnEventSource(port_set, host=host_name,
+                                      ringbuf_pages=ringbuf_pages or DEFAULT_RINGBUF_PAGES)
+        except ProbeUnavailable as exc:
+            if prefer == "bpf":
+                raise
+            log.warning("kernel probe unavailable (%s); %s", exc, fallback_warning(poll_hz))
+    from probes.procfs import ProcfsConnEventSource
+
+    return ProcfsConnEventSource(port_set, host=host_name, poll_hz=poll_hz)

@@ -1,0 +1,94 @@
+"""Batched writes of connection events to the store.
+
+The daemon's poll loop calls ``add()`` with whatever a source returned (an empty list too, so the
+time-based flush happens on quiet hosts). Rows go in through ``Store.insert_conn_events``: one
+SQLAlchemy Core statement and one transaction per batch. A failed write never raises out of
+``add()``: the batch is kept and retried on the next flush, up to ``max_pending`` events, beyond
+which the oldest are dropped and counted in ``dropped``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from auditor.errors import StoreError
+from auditor.model import ConnEvent
+from auditor.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class ConnEventWriter:
+    """Buffers ConnEvents and inserts them in batches of ``batch_size`` or every ``flush_interval_s``."""
+
+    def __init__(self, store: Store, *, batch_size: int = 2000, flush_interval_s: float = 0.5,
+                 max_pending: int = 1_000_000,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if flush_interval_s <= 0:
+            raise ValueError(f"flush_interval_s must be greater than 0, got {flush_interval_s}")
+        self._store = store
+        self.batch_size = batch_size
+        self.flush_interval_s = flush_interval_s
+        self.max_pending = max(max_pending, batch_size)
+        self._monotonic = monotonic
+        self._pending: deque[ConnEvent] = deque()
+        self._last_flush = monotonic()
+        self._failing = False
+        self.written = 0  # events stored so far
+        self.dropped = 0  # events given up on because the store kept failing
+        self.write_errors = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def add(self, events: Iterable[ConnEvent]) -> None:
+        """Queue events; writes full batches, and everything once the interval has passed."""
+        self._pending.extend(events)
+        overflow = len(self._pending) - self.max_pending
+        if overflow > 0:
+            for _ in range(overflow):
+                self._pending.popleft()
+            self.dropped += overflow
+        interval_due = self._monotonic() - self._last_flush >= self.flush_interval_s
+        if len(self._pending) >= self.batch_size or (interval_due and self._pending):
+            # A failure is logged and counted in flush(); the events stay queued for the next try.
+            with contextlib.suppress(StoreError):
+                self.flush()
+        elif interval_due:
+            self._last_flush = self._monotonic()
+
+    def flush(self) -> int:
+        """Write everything queued now; returns how many were written. Raises StoreError."""
+        written = 0
+        self._last_flush = self._monotonic()
+        while self._pending:
+            count = min(self.batch_size, len(self._pending))
+            batch = [self._pending[i] for i in range(count)]
+            try:
+                self._store.insert_conn_events(batch)
+            except StoreError as exc:
+                self.write_errors += 1
+                if not self._failing:
+                    log.error("storing connection events failed (%s); %d queued, retrying", exc,
+                              len(self._pending))
+                    self._failing = True
+                raise
+            for _ in range(count):
+                self._pending.popleft()
+            written += count
+            self.written += count
+        if self._failing:
+            log.info("storing connection events works again")
+            self._failing = False
+        return written
+
+    def close(self) -> None:
+        """Write what is left. Raises StoreError if it cannot; the caller reports the loss."""
+        self.flush()

@@ -1,0 +1,1 @@
+"""Replay: re-send captured traffic with injected cancellations, and the reference engine it targets."""

@@ -1,0 +1,118 @@
+"""``auditor engine``: run the reference engine, or a gateway in front of another engine."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+import click
+
+from auditor.cliutil import errors_as_click
+from auditor.errors import AuditorError
+from replay.engine.behaviors import BEHAVIORS
+from replay.engine.protocol import MAX_TOKENS_LIMIT
+
+
+class EngineStartError(AuditorError):
+    """The engine cannot start with these settings."""
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise EngineStartError(f"cannot listen on {host}:{port}: {exc.strerror}; "
+                               "pick a free port, or --port 0 for any") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def _write_port_file(path: str, port: int) -> None:
+    # Written atomically so a launcher polling the file never reads half a number.
+    target = Path(path)
+    temporary = target.with_name(target.name + ".tmp")
+    temporary.write_text(f"{port}\n", encoding="ascii")
+    os.replace(temporary, target)
+
+
+def serve(app: object, sock: socket.socket, log_level: str) -> None:
+    import uvicorn
+
+    # proxy_headers=False keeps the real peer address in the ASGI scope (and so on the HTTP span),
+    # which is what the auditor joins kernel events on.
+    config = uvicorn.Config(app, proxy_headers=False, log_level=log_level, access_log=False,  # type: ignore[arg-type]
+                            lifespan="on", timeout_graceful_shutdown=3)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+@click.command("engine")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to listen on; 0 picks a free one (see --port-file).")
+@click.option("--port-file", type=click.Path(dir_okay=False), help="Write the bound port to this file.")
+@click.option("--behavior", type=click.Choice(BEHAVIORS), default="abort", show_default=True,
+              help="What happens when a client disconnects (see docs/engine.md).")
+@click.option("--late-seconds", type=click.FloatRange(0, 3600), default=2.0, show_default=True,
+              help="Delay of the abort for --behavior late.")
+@click.option("--max-batch", type=click.IntRange(1, 4096), default=8, show_default=True,
+              help="Most requests in one batch; others wait in the queue.")
+@click.option("--step-ms", type=click.FloatRange(0.1, 10000), default=20.0, show_default=True,
+              help="Calibrated cost of one decode step.")
+@click.option("--prefill-chunk", type=click.IntRange(1, 1 << 20), default=64, show_default=True,
+              help="Prompt tokens prefilled per step (chunked prefill).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cpu: NumPy; cuda: PyTorch on a GPU.")
+@click.option("--model", default="ref-llm-1b", show_default=True, help="The one model name served.")
+@click.option("--otlp", metavar="URL", help="http://HOST:PORT (OTLP/HTTP) or grpc://HOST:PORT (OTLP/gRPC); "
+              "default: the OTEL_EXPORTER_OTLP_* variables, else no export.")
+@click.option("--service-name", default=None, help="service.name of the spans [default: ref-engine, ref-gateway].")
+@click.option("--trace-aborted", is_flag=True, help="Emit llm_request spans for aborted requests too.")
+@click.option("--truth-log", type=click.Path(dir_okay=False), help="Append one JSON line per finished request.")
+@click.option("--gateway", "gateway_upstream", metavar="UPSTREAM_URL",
+              help="Run as a gateway proxying to this engine instead of as an engine.")
+@click.option("--propagate", type=click.Choice(["yes", "no"]), default="yes", show_default=True,
+              help="Gateway: cancel the upstream request when the client leaves.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
+              show_default=True)
+def engine(host: str, port: int, port_file: str | None, behavior: str, late_seconds: float, max_batch: int,
+           step_ms: float, prefill_chunk: int, device: str, model: str, otlp: str | None,
+           service_name: str | None, trace_aborted: bool, truth_log: str | None,
+           gateway_upstream: str | None, propagate: str, log_level: str) -> None:
+    """Run the reference engine: an OpenAI-compatible server with real batching and compute.
+
+    It reproduces how real engines treat a client that disconnects (--behavior), traces like
+    vLLM, and can write what really happened to each request (--truth-log).
+    """
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with errors_as_click():
+        if gateway_upstream is not None:
+            from replay.engine.gateway import GatewaySettings, build_gateway
+
+            app: object = build_gateway(GatewaySettings(
+                upstream=gateway_upstream, propagate=propagate == "yes", otlp=otlp,
+                service_name=service_name or "ref-gateway"))
+            what = f"gateway to {gateway_upstream} (propagate={propagate})"
+        else:
+            from replay.engine.server import EngineServer, EngineSettings
+
+            server = EngineServer(EngineSettings(
+                model=model, behavior=behavior, late_seconds=late_seconds, max_batch=max_batch,
+                step_ms=step_ms, prefill_chunk=prefill_chunk, device=device, otlp=otlp, truth_log=truth_log,
+                service_name=service_name or "ref-engine", trace_aborted=trace_aborted))
+            app = server.app()
+            what = (f"engine {model} behavior={behavior} max_batch={max_batch} step={step_ms}ms "
+                    f"({server.engine.backend.layers} layers on {device})")
+        sock = _bind(host, port)
+    bound = sock.getsockname()[1]
+    if port_file:
+        _write_port_file(port_file, bound)
+    click.echo(f"{what} listening on http://{host}:{bound} (pid {os.getpid()})", err=True)
+    sys.stderr.flush()
+    serve(app, sock, log_level)

@@ -1,0 +1,98 @@
+"""The command line: every listed command works, has help, and is documented; errors are one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from auditor.cli import COMMANDS, cli
+
+DOCS = Path(__file__).parents[1] / "docs"
+
+
+def test_root_help_lists_exactly_the_registered_commands() -> None:
+    result = CliRunner().invoke(cli, ["--help"])
+    assert result.exit_code == 0, result.output
+    listed = {line.split()[0] for line in result.output.split("Commands:")[1].splitlines() if line.strip()}
+    assert listed == set(COMMANDS)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_has_help_and_docs(name: str) -> None:
+    result = CliRunner().invoke(cli, [name, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+    documented = (DOCS / "cli.md").read_text()
+    assert f"auditor {name}" in documented, f"docs/cli.md does not document `auditor {name}`"
+
+
+def test_version() -> None:
+    result = CliRunner().invoke(cli, ["--version"])
+    assert result.exit_code == 0 and "auditor, version" in result.output
+
+
+def test_corrupt_database_is_one_line_error(tmp_path: Path) -> None:
+    bad = tmp_path / "auditor.db"
+    bad.write_bytes(b"\x00garbage" * 64)
+    result = CliRunner().invoke(cli, ["db", "upgrade", "--db", f"sqlite:///{bad}"])
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: ") and "not a readable auditor database" in result.output
+    assert bad.read_bytes() == b"\x00garbage" * 64
+
+
+def test_config_typo_is_one_line_error(tmp_path: Path) -> None:
+    config = tmp_path / "auditor.toml"
+    config.write_text("[correlate]\ngrase_seconds = 1\n")
+    result = CliRunner().invoke(cli, ["db", "upgrade", "--config", str(config), "--db", f"sqlite:///{tmp_path}/a.db"])
+    assert result.exit_code == 1
+    assert "Error: unknown configuration key 'correlate.grase_seconds'" in result.output
+    assert not (tmp_path / "a.db").exists()
+
+
+def test_db_upgrade_then_status(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/a.db"
+    assert CliRunner().invoke(cli, ["db", "upgrade", "--db", url]).exit_code == 0
+    result = CliRunner().invoke(cli, ["db", "status", "--db", url])
+    assert result.exit_code == 0 and "up to date" in result.output
+
+
+def test_doctor_json_schema(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["doctor", "--json", "--db", f"sqlite:///{tmp_path}/a.db"],
+                                env={"AUDITOR_OTLP_HTTP": "127.0.0.1:0", "AUDITOR_OTLP_GRPC": "127.0.0.1:0",
+                                     "AUDITOR_METRICS_LISTEN": "127.0.0.1:0"})
+    doc = json.loads(result.output)
+    assert doc["schema"] == "auditor.doctor/v1"
+    names = [c["name"] for c in doc["checks"]]
+    assert names == ["privileges", "bpf_syscall", "tracefs", "kernel_headers", "bcc", "nvml", "ports",
+                     "database", "postgres_driver"]
+    for check in doc["checks"]:
+        assert check["state"] in ("ok", "degraded", "failed")
+        assert check["state"] == "ok" or check["fix"] or check["name"] in ("nvml",)
+    assert doc["can_run"] is True and result.exit_code == 0
+
+
+def test_doctor_fails_when_a_port_is_taken(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = CliRunner().invoke(cli, ["doctor", "--json", "--db", f"sqlite:///{tmp_path}/a.db"],
+                                    env={"AUDITOR_OTLP_HTTP": f"127.0.0.1:{port}", "AUDITOR_OTLP_GRPC": "",
+                                         "AUDITOR_METRICS_LISTEN": ""})
+    doc = json.loads(result.output)
+    ports = next(c for c in doc["checks"] if c["name"] == "ports")
+    assert ports["state"] == "failed" and str(port) in ports["detail"] and ports["fix"]
+    assert doc["can_run"] is False and result.exit_code == 1
+
+
+@pytest.mark.privileged
+def test_doctor_loads_a_real_bpf_program(tmp_path: Path) -> None:
+    from auditor.doctor import check_bcc
+
+    check = check_bcc()
+    assert check.state == "ok", check

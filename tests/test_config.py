@@ -1,0 +1,67 @@
+"""Configuration precedence and validation: file, then AUDITOR_* variables, then flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from auditor.config import load_config
+from auditor.errors import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "auditor.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_any_source() -> None:
+    config = load_config(environ={})
+    assert config.probe.ports == [8000]
+    assert config.correlate.grace_seconds == 0.5
+    assert config.otlp.http == "127.0.0.1:4318"
+
+
+def test_file_then_environment_then_flags(tmp_path: Path) -> None:
+    path = write(tmp_path, 'db = "sqlite:///file.db"\n[probe]\nports = [9000]\n[correlate]\ngrace_seconds = 2.0\n')
+    env = {"AUDITOR_PROBE_PORTS": "9001,9002", "AUDITOR_DB": "sqlite:///env.db"}
+    config = load_config(path, environ=env, overrides={"db": "sqlite:///flag.db"})
+    assert config.db == "sqlite:///flag.db"
+    assert config.probe.ports == [9001, 9002]
+    assert config.correlate.grace_seconds == 2.0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[probe]\nprots = [1]\n", "unknown configuration key 'probe.prots'"),
+        ("grace = 1\n", "unknown configuration key 'grace'"),
+        ("[correlate]\ngrace_seconds = 'soon'\n", "correlate.grace_seconds = 'soon': expected a number"),
+        ("[probe]\nports = [70000]\n", "probe.ports: 70000 is not a TCP port"),
+        ("[probe]\nsource = 'magic'\n", "allowed are auto, bpf, procfs"),
+        ("[otlp]\nhttp = 'localhost'\n", "otlp.http = 'localhost': expected HOST:PORT"),
+        ("probe = 3\n", "probe must be a table"),
+        ("[probe\n", "is not valid TOML"),
+    ],
+)
+def test_bad_file_names_the_key(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        load_config(write(tmp_path, text), environ={})
+
+
+def test_bad_environment_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match=r"probe\.ports = 'eighty'"):
+        load_config(environ={"AUDITOR_PROBE_PORTS": "eighty"})
+    with pytest.raises(ConfigError, match="AUDITOR_GRACE is not a configuration key"):
+        load_config(environ={"AUDITOR_GRACE": "1"})
+
+
+def test_missing_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml", environ={})
+
+
+def test_shipped_example_config_is_valid() -> None:
+    example = Path(__file__).parents[1] / "systemd" / "auditor.toml"
+    load_config(example, environ={})

@@ -1,0 +1,209 @@
+"""Correlation rules on a real store with a controlled clock (the end-to-end tests use real traffic)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import func, select
+
+from auditor.correlate import Correlator
+from auditor.live import LiveEvent
+from auditor.model import ConnEvent, ConnEventKind, RequestVerdict, SpanRecord, SpanRole, Verdict
+from auditor.schema import CoverageRow, VerdictRow
+from auditor.store import Store
+
+S = 1_000_000_000
+T0 = 1_800_000_000 * S
+CLIENT, SERVER_PORT = ("127.0.0.1", 40001), 8000
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def http_span(trace: str, start: float, end: float, span: str = "5", client: tuple[str, int] = CLIENT,
+              request_id: str | None = None, port: int = SERVER_PORT) -> SpanRecord:
+    return SpanRecord(trace_id=trace * 32, span_id=span * 16, parent_span_id=None, name="POST /v1/completions",
+                      kind="server", start_ns=T0 + int(start * S), end_ns=T0 + int(end * S), service="engine",
+                      role=SpanRole.HTTP_SERVER, peer_addr=client[0], peer_port=client[1], server_port=port,
+                      request_id=request_id, route="/v1/completions", http_status=200)
+
+
+def engine_span(trace: str, start: float, end: float, finish: str, request_id: str = "cmpl-x",
+                tokens: int = 100, ttft: float = 0.1) -> SpanRecord:
+    return SpanRecord(trace_id=trace * 32, span_id="e" * 16, parent_span_id=None, name="llm_request",
+                      kind="server", start_ns=T0 + int(start * S), end_ns=T0 + int(end * S), service="engine",
+                      role=SpanRole.ENGINE, request_id=request_id, finish_reason=finish, completion_tokens=tokens,
+                      time_in_queue_s=0.01, time_to_first_token_s=ttft, max_tokens=tokens, model="m")
+
+
+def close(at: float, kind: ConnEventKind = ConnEventKind.PEER_FIN, client: tuple[str, int] = CLIENT,
+          port: int = SERVER_PORT) -> ConnEvent:
+    return ConnEvent(ts_ns=T0 + int(at * S), kind=kind, family=4, client_addr=client[0], client_port=client[1],
+                     server_addr="127.0.0.1", server_port=port)
+
+
+def make(store: Store, clock: Clock, settled: list[RequestVerdict] | None = None) -> Correlator:
+    return Correlator(store, host="h", grace_seconds=0.5, late_span_seconds=5, clock=clock,
+                      watched_ports=lambda: {SERVER_PORT},
+                      on_settled=settled.append if settled is not None else None)
+
+
+def verdicts(store: Store) -> list[VerdictRow]:
+    with store.session() as session:
+        return list(session.scalars(select(VerdictRow).order_by(VerdictRow.disconnect_at_ns)))
+
+
+def coverage(store: Store, kind: str) -> int:
+    with store.session() as session:
+        return int(session.scalar(select(func.coalesce(func.sum(CoverageRow.count), 0))
+                                  .where(CoverageRow.kind == kind)) or 0)
+
+
+def test_zombie_engine_ran_on_after_disconnect(store: Store) -> None:
+    clock = Clock()
+    store.insert_spans([http_span("a", 0, 1.0), engine_span("a", 0, 4.0, "length", tokens=200)])
+    store.insert_conn_events([close(1.0)])
+    clock.now = T0 + 5 * S
+    settled: list[RequestVerdict] = []
+    make(store, clock, settled).tick()
+    [row] = verdicts(store)
+    assert row.verdict == "zombie" and abs(row.lag_seconds - 3.0) < 1e-6
+    assert row.phase == "decode" and row.disconnect_kind == "fin"
+    # 200 tokens over 3.9 s of decode, 3.0 s of it after the disconnect.
+    assert row.tokens_after_disconnect == round(200 * 3.0 / 3.9) and not row.tokens_exact
+    assert [v.verdict for v in settled] == [Verdict.ZOMBIE]
+
+
+def test_vllm_abort_without_engine_span_is_aborted_then_settles(store: Store) -> None:
+    clock = Clock()
+    settled: list[RequestVerdict] = []
+    correlator = make(store, clock, settled)
+    store.insert_spans([http_span("b", 0, 1.02)])
+    store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST)])
+    clock.now = T0 + 2 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "aborted" and row.details["provisional"] and row.disconnect_kind == "rst"
+    assert settled == []  # an engine span may still arrive
+    clock.now = T0 + 7 * S
+    correlator.tick()
+    assert [v.verdict for v in settled] == [Verdict.ABORTED]
+
+
+def test_completion_race_is_completed(store: Store) -> None:
+    clock = Clock()
+    # The client read [DONE] and closed; the server's span ended a millisecond later.
+    store.insert_spans([http_span("c", 0, 2.001), engine_span("c", 0, 1.9995, "stop")])
+    store.insert_conn_events([close(2.0)])
+    clock.now = T0 + 3 * S
+    make(store, clock).tick()
+    assert [r.verdict for r in verdicts(store)] == ["completed"]
+
+
+def test_keep_alive_close_joins_the_request_in_flight_and_idle_close_is_counted(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span("1", 0, 0.5), http_span("2", 1, 1.5), http_span("3", 2, 4.0),
+                        engine_span("3", 2, 4.0, "length")])
+    store.insert_conn_events([close(3.0)])
+    other = ("127.0.0.1", 40002)
+    store.insert_spans([http_span("4", 0, 0.5, client=other)])
+    store.insert_conn_events([close(0.8, client=other)])  # idle keep-alive close
+    clock.now = T0 + 5 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.trace_id == "3" * 32 and row.verdict == "zombie"
+    clock.now = T0 + 7 * S
+    correlator.tick()
+    assert coverage(store, "idle_close") == 1 and coverage(store, "unjoined_disconnect") == 0
+    assert len(verdicts(store)) == 1
+
+
+def test_engine_span_joined_by_request_id(store: Store) -> None:
+    clock = Clock()
+    # Different trace ids: the engine did not continue the trace, but echoed X-Request-Id.
+    store.insert_spans([http_span("d", 0, 0.6, request_id="req-7"),
+                        engine_span("f", 0, 3.0, "length", request_id="cmpl-req-7")])
+    store.insert_conn_events([close(0.5)])
+    clock.now = T0 + 4 * S
+    make(store, clock).tick()
+    [row] = verdicts(store)
+    assert row.verdict == "zombie" and abs(row.lag_seconds - 2.5) < 1e-6 and row.request_id == "req-7"
+
+
+def test_live_notice_gives_inflight_zombie_before_any_span(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    start = LiveEvent("start", "9" * 32, "8" * 16, "POST", "server", T0, CLIENT[0], CLIENT[1], SERVER_PORT,
+                      123, "engine", False)
+    correlator.tick([start])
+    store.insert_conn_events([close(1.0)])
+    clock.now = T0 + int(1.2 * S)
+    correlator.tick()
+    assert verdicts(store) == []  # within grace
+    clock.now = T0 + int(1.6 * S)
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "inflight_zombie"
+    # The work ends; its spans arrive; the live-only verdict becomes a zombie under the span's key.
+    end = LiveEvent("end", "9" * 32, "8" * 16, "POST", "server", T0 + 3 * S, None, None, None, 123, "engine", False)
+    store.insert_spans([http_span("9", 0, 3.0), engine_span("9", 0, 3.0, "length")])
+    clock.now = T0 + 4 * S
+    correlator.tick([end])
+    [row] = verdicts(store)
+    assert row.verdict == "zombie" and abs(row.lag_seconds - 2.0) < 1e-6
+
+
+def test_late_span_claims_back_a_written_off_disconnect(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_conn_events([close(1.0)])
+    clock.now = T0 + 7 * S
+    correlator.tick()
+    assert coverage(store, "unjoined_disconnect") == 1
+    store.insert_spans([http_span("a", 0, 8.0), engine_span("a", 0, 8.0, "length")])  # a 7 s zombie
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    assert coverage(store, "unjoined_disconnect") == 0
+    assert [r.verdict for r in verdicts(store)] == ["zombie"]
+
+
+def test_restart_resumes_without_duplicates(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    store = Store(url)
+    clock = Clock()
+    store.insert_spans([http_span("a", 0, 4.0), engine_span("a", 0, 4.0, "length"), http_span("b", 0, 0.2,
+                        client=("127.0.0.1", 40009))])
+    store.insert_conn_events([close(1.0), close(0.5, client=("127.0.0.1", 40009))])
+    clock.now = T0 + 10 * S
+    make(store, clock).tick()
+    make(store, clock).tick()  # a restarted daemon
+    assert len(verdicts(store)) == 1 and coverage(store, "idle_close") == 1
+
+
+def test_gateway_chain_one_verdict_with_hop_delay(store: Store) -> None:
+    clock = Clock()
+    gateway_client, upstream_client = ("127.0.0.1", 50000), ("127.0.0.1", 50001)
+    store.insert_spans([
+        http_span("g", 0, 1.01, client=gateway_client, port=9000),
+        _with_span_id(http_span("g", 0.001, 1.03, client=upstream_client, port=8000), "7" * 16),
+    ])
+    store.insert_conn_events([close(1.0, client=gateway_client, port=9000),
+                              close(1.02, client=upstream_client, port=8000)])
+    clock.now = T0 + 2 * S
+    correlator = Correlator(store, host="h", late_span_seconds=5, clock=clock, watched_ports=lambda: {8000, 9000})
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.server_port == 9000 and row.verdict == "aborted"
+    assert row.details["hops"] == [{"server_port": 8000, "client_port": 50001, "disconnect_delay_s": 0.02}]
+
+
+def _with_span_id(span: SpanRecord, span_id: str) -> SpanRecord:
+    from dataclasses import replace
+
+    return replace(span, span_id=span_id)

@@ -1,0 +1,352 @@
+"""The eBPF disconnect probe, for real: a uvicorn server and raw sockets on loopback.
+
+The program is loaded once for the module; each test points the live port filter at its own
+listeners (ephemeral ports) and looks only at events for its own connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from auditor.model import ConnEvent, ConnEventKind
+from auditor.schema import ConnEventRow
+from auditor.store import Store
+from probes import open_source
+from probes.bpf import BpfConnEventSource
+from probes.writer import ConnEventWriter
+
+pytestmark = pytest.mark.privileged
+
+PEER_FIN, PEER_RST, LOCAL_FIN, CLOSED = (ConnEventKind.PEER_FIN, ConnEventKind.PEER_RST,
+                                         ConnEventKind.LOCAL_FIN, ConnEventKind.CLOSED)
+MS = 1_000_000
+
+
+class Probe:
+    """The module's probe plus every event it has polled, so tests can wait for what they need."""
+
+    def __init__(self, source: BpfConnEventSource) -> None:
+        self.source = source
+        self.events: list[ConnEvent] = []
+
+    def wait_for(self, done: Callable[[list[ConnEvent]], bool], timeout_s: float = 5.0) -> list[ConnEvent]:
+        deadline = time.monotonic() + timeout_s
+        while not done(self.events) and time.monotonic() < deadline:
+            self.events += self.source.poll(timeout_s=0.05)
+        return self.events
+
+    def of(self, server_port: int, client_port: int | None = None) -> list[ConnEvent]:
+        return [e for e in self.events if e.server_port == server_port
+                and (client_port is None or e.client_port == client_port)]
+
+    def kinds(self, server_port: int, client_port: int) -> list[ConnEventKind]:
+        return [e.kind for e in self.of(server_port, client_port)]
+
+    def wait_closed(self, server_port: int, client_port: int) -> list[ConnEventKind]:
+        self.wait_for(lambda _: CLOSED in self.kinds(server_port, client_port))
+        return self.kinds(server_port, client_port)
+
+
+@pytest.fixture(scope="module")
+def probe() -> Iterator[Probe]:
+    source = open_source([], prefer="bpf", host="probe-test")
+    assert isinstance(source, BpfConnEventSource)
+    source.start()
+    yield Probe(source)
+    source.stop()
+
+
+def listener(family: int = socket.AF_INET, host: str = "127.0.0.1", backlog: int = 128) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(backlog)
+    return sock
+
+
+def port_of(sock: socket.socket) -> int:
+    return int(sock.getsockname()[1])
+
+
+def reset_on_close(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+# -- a real HTTP server: uvicorn with a slow streaming endpoint -------------------------------
+async def streaming_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    assert scope["type"] == "http"
+    if scope["path"] == "/stream":  # 20 chunks, 50 ms apart: a slow token stream
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain")]})
+        for index in range(20):
+            await send({"type": "http.response.body", "body": b"token %d\n" % index, "more_body": True})
+            await asyncio.sleep(0.05)
+        await send({"type": "http.response.body", "body": b""})
+    else:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain"), (b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture(scope="module")
+def http_port() -> Iterator[int]:
+    import uvicorn
+
+    sock = listener()
+    server = uvicorn.Server(uvicorn.Config(streaming_app, lifespan="off", log_level="warning",
+                                           timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started, "uvicorn did not start"
+    yield port_of(sock)
+    server.should_exit = True
+    thread.join(timeout=5)
+    sock.close()
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One complete `/small` response (content-length 2)."""
+    data = b""
+    while not (b"\r\n\r\n" in data and data.endswith(b"ok")):
+        chunk = sock.recv(4096)
+        assert chunk, "server closed early"
+        data += chunk
+    return data
+
+
+def drain_to_eof(sock: socket.socket) -> None:
+    # Unread data at close() makes the kernel send RST instead of FIN.
+    sock.settimeout(5)
+    while sock.recv(65536):
+        pass
+
+
+# -- the cases of a real inference port -------------------------------------------------------
+def test_client_fin_mid_response_is_a_peer_fin_timed_to_the_close(probe: Probe, http_port: int) -> None:
+    probe.source.set_ports([http_port])
+    client = socket.create_connection(("127.0.0.1", http_port))
+    client.sendall(b"GET /stream HTTP/1.1\r\nHost: test\r\n\r\n")
+    assert b" 200 " in client.recv(65536)
+    client_port = port_of(client)
+    before = time.time_ns()
+    client.shutdown(socket.SHUT_WR)  # the FIN, while the server is still streaming
+    after = time.time_ns()
+    client.close()
+
+    kinds = probe.wait_closed(http_port, client_port)
+    assert kinds[0] == PEER_FIN, kinds
+    assert kinds[-1] == CLOSED
+    assert LOCAL_FIN not in kinds  # the server closed only after the client did
+    fin = probe.of(http_port, client_port)[0]
+    # The FIN reaches the server socket inside shutdown(): the converted kernel time must fall in
+    # that window, give or take less than a millisecond.
+    assert before - MS < fin.ts_ns < after + MS, (fin.ts_ns - before, after - fin.ts_ns)
+    assert (fin.family, fin.client_addr, fin.server_addr) == (4, "127.0.0.1", "127.0.0.1")
+    assert fin.host == "probe-test" and fin.source == "bpf"
+    assert len({e.cookie for e in probe.of(http_port, client_port)}) == 1
+
+
+def test_client_rst_is_a_peer_rst_then_closed(probe: Probe, http_port: int) -> None:
+    probe.source.set_ports([http_port])
+    client = socket.create_connection(("127.0.0.1", http_port))
+    client.sendall(b"GET /stream HTTP/1.1\r\nHost: test\r\n\r\n")
+    assert b" 200 " in client.recv(65536)
+    client_port = port_of(client)
+    reset_on_close(client)
+    before = time.time_ns()
+    client.close()
+    after = time.time_ns()
+
+    kinds = probe.wait_closed(http_port, client_port)
+    assert kinds == [PEER_RST, CLOSED]  # one reset, reported once
+    rst = probe.of(http_port, client_port)[0]
+    assert before - MS < rst.ts_ns < after + MS
+
+
+def test_server_closing_first_is_not_a_peer_close(probe: Probe, http_port: int) -> None:
+    probe.source.set_ports([http_port])
+    client = socket.create_connection(("127.0.0.1", http_port))
+    client.sendall(b"GET /small HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n")
+    drain_to_eof(client)  # uvicorn answers and closes: the client sees EOF first
+    client_port = port_of(client)
+    client.close()
+
+    kinds = probe.wait_closed(http_port, client_port)
+    assert kinds == [LOCAL_FIN, CLOSED]
+
+
+def test_keep_alive_requests_then_close(probe: Probe, http_port: int) -> None:
+    probe.source.set_ports([http_port])
+    client = socket.create_connection(("127.0.0.1", http_port))
+    client_port = port_of(client)
+    for _ in range(3):
+        client.sendall(b"GET /small HTTP/1.1\r\nHost: test\r\n\r\n")
+        assert read_response(client).startswith(b"HTTP/1.1 200")
+    probe.wait_for(lambda _: False, timeout_s=0.2)
+    assert probe.of(http_port, client_port) == []  # requests on an open connection are not events
+    client.close()
+
+    kinds = probe.wait_closed(http_port, client_port)
+    assert kinds == [PEER_FIN, CLOSED]
+
+
+def test_ipv6_four_tuple(probe: Probe) -> None:
+    server = listener(socket.AF_INET6, "::1")
+    probe.source.set_ports([port_of(server)])
+    client = socket.create_connection(("::1", port_of(server)))
+    accepted, _ = server.accept()
+    client_port = port_of(client)
+    client.close()
+    probe.wait_for(lambda _: PEER_FIN in probe.kinds(port_of(server), client_port))
+    accepted.close()
+
+    assert probe.wait_closed(port_of(server), client_port) == [PEER_FIN, CLOSED]
+    fin, closed = probe.of(port_of(server), client_port)
+    assert (fin.family, fin.client_addr, fin.server_addr) == (6, "::1", "::1")
+    assert (fin.client_port, fin.server_port) == (client_port, port_of(server))
+    assert fin.cookie == closed.cookie and fin.cookie is not None and fin.cookie > 0
+    server.close()
+
+
+def connect_and_close(server: socket.socket) -> int:
+    client = socket.create_connection(server.getsockname()[:2])
+    accepted, _ = server.accept()
+    client_port = port_of(client)
+    client.close()
+    accepted.close()
+    return client_port
+
+
+def test_ports_outside_the_filter_are_ignored_and_the_filter_changes_live(probe: Probe) -> None:
+    watched, other = listener(), listener()
+    probe.source.set_ports([port_of(watched)])
+
+    def round_trip() -> tuple[int, int]:
+        """One connection to each port; returns once the watched one has been reported."""
+        watched_client = connect_and_close(watched)
+        other_client = connect_and_close(other)
+        probe.wait_closed(port_of(watched), watched_client)
+        # Both sockets closed at once; the other port's events (if any) are queued by now.
+        probe.wait_for(lambda _: False, timeout_s=0.1)
+        return watched_client, other_client
+
+    round_trip()
+    assert probe.of(port_of(other)) == []
+
+    probe.source.set_ports([port_of(watched), port_of(other)])  # no reload
+    _, other_client = round_trip()
+    assert probe.wait_closed(port_of(other), other_client) == [PEER_FIN, CLOSED]
+
+    probe.source.set_ports([port_of(watched)])
+    before = len(probe.of(port_of(other)))
+    round_trip()
+    assert len(probe.of(port_of(other))) == before
+    watched.close()
+    other.close()
+
+
+def test_loopback_clients_of_the_watched_port_are_not_reported(probe: Probe) -> None:
+    server = listener()
+    probe.source.set_ports([port_of(server)])
+    client_port = connect_and_close(server)
+    probe.wait_closed(port_of(server), client_port)
+    # Only the server side: every event has the watched port as its server port.
+    assert all(e.server_port == port_of(server) for e in probe.of(port_of(server)))
+    assert not [e for e in probe.events if e.client_port == port_of(server)]
+    server.close()
+
+
+@pytest.mark.timeout(120)
+def test_burst_of_20000_connections_loses_nothing(probe: Probe) -> None:
+    total = 20_000
+    server = listener(backlog=4096)
+    port = port_of(server)
+    probe.source.set_ports([port])
+    lost_before = probe.source.lost_events()
+    stop = threading.Event()
+
+    def accept_and_close() -> None:
+        # Close only after the client's reset has arrived: the server never closes first, so
+        # every connection is exactly one peer_rst and one closed.
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted, _ = server.accept()
+            except OSError:
+                continue
+            accepted.settimeout(5)
+            with contextlib.suppress(OSError):
+                accepted.recv(1)
+            accepted.close()
+
+    acceptor = threading.Thread(target=accept_and_close, daemon=True)
+    acceptor.start()
+    client_ports: Counter[int] = Counter()
+    try:
+        for _ in range(total):
+            client = socket.create_connection(("127.0.0.1", port))
+            client_ports[port_of(client)] += 1
+            reset_on_close(client)  # no TIME_WAIT: 20,000 connections cannot exhaust ports
+            client.close()
+            if len(client_ports) % 2000 == 0:
+                probe.events += probe.source.poll(timeout_s=0)
+        probe.wait_for(lambda _: sum(e.kind == CLOSED for e in probe.of(port)) >= total,
+                       timeout_s=30)
+    finally:
+        stop.set()
+        acceptor.join(timeout=2)
+        server.close()
+
+    mine = probe.of(port)
+    assert probe.source.lost_events() == lost_before == 0
+    assert Counter(e.client_port for e in mine if e.kind == PEER_RST) == client_ports
+    assert Counter(e.client_port for e in mine if e.kind == CLOSED) == client_ports
+    assert not [e for e in mine if e.kind == PEER_FIN]
+
+
+def test_a_full_ring_buffer_counts_every_lost_event() -> None:
+    # A one-page ring buffer holds 64 records; nobody reads it while 150 connections close.
+    server = listener()
+    tiny = BpfConnEventSource([port_of(server)], ringbuf_pages=1)
+    tiny.start()
+    try:
+        for _ in range(150):
+            connect_and_close(server)
+        received: list[ConnEvent] = []
+        while batch := tiny.poll(timeout_s=0.2):
+            received += batch
+        lost = tiny.lost_events()
+        assert lost > 0
+        assert len(received) + lost == 300  # peer_fin and closed for each: all accounted for
+    finally:
+        tiny.stop()
+        server.close()
+    assert tiny.lost_events() == lost  # still readable after stop
+
+
+def test_events_from_the_kernel_land_in_the_store(probe: Probe, store: Store) -> None:
+    server = listener()
+    probe.source.set_ports([port_of(server)])
+    client_ports = [connect_and_close(server) for _ in range(5)]
+    probe.wait_for(lambda _: all(CLOSED in probe.kinds(port_of(server), p) for p in client_ports))
+    writer = ConnEventWriter(store, batch_size=4)
+    writer.add(probe.of(port_of(server)))
+    writer.close()
+    with store.session() as session:
+        rows = session.query(ConnEventRow).filter_by(server_port=port_of(server)).all()
+    assert sorted((r.client_port, r.kind) for r in rows) == sorted(
+        (p, k) for p in client_ports for k in ("peer_fin", "closed"))
+    assert all(r.cookie is not None and r.cookie > 0 and r.source == "bpf" for r in rows)
+    server.close()

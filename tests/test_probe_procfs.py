@@ -1,0 +1,194 @@
+"""The unprivileged fallback source: real sockets, real /proc/net/tcp{,6}, no BPF.
+
+Most tests drive ``scan()`` by hand so each step is one snapshot; one test runs the 20 Hz poller.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from auditor.errors import ConfigError
+from auditor.model import ConnEventKind
+from probes import open_source
+from probes.procfs import ProcfsConnEventSource, parse_proc_net_tcp
+
+PEER_FIN, PEER_RST, LOCAL_FIN, CLOSED = (ConnEventKind.PEER_FIN, ConnEventKind.PEER_RST,
+                                         ConnEventKind.LOCAL_FIN, ConnEventKind.CLOSED)
+
+
+def listener(family: int = socket.AF_INET, host: str = "127.0.0.1") -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(16)
+    return sock
+
+
+def port_of(sock: socket.socket) -> int:
+    return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def server() -> Iterator[socket.socket]:
+    sock = listener()
+    yield sock
+    sock.close()
+
+
+def kinds_for(events: list, client_port: int) -> list[ConnEventKind]:
+    return [e.kind for e in events if e.client_port == client_port]
+
+
+def test_client_fin_then_server_close(server: socket.socket) -> None:
+    source = ProcfsConnEventSource([port_of(server)], host="h")
+    assert source.scan() == []  # baseline
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    client_port = port_of(client)
+    assert source.scan() == []  # an open connection is not an event
+    client.close()
+    events = source.scan()
+    assert kinds_for(events, client_port) == [PEER_FIN]
+    fin = events[0]
+    assert (fin.family, fin.client_addr, fin.server_addr, fin.server_port) == (
+        4, "127.0.0.1", "127.0.0.1", port_of(server))
+    assert fin.source == "procfs" and fin.host == "h" and fin.cookie
+    accepted.close()
+    assert kinds_for(source.scan(), client_port) == [CLOSED]
+
+
+def test_client_reset_reads_as_peer_rst(server: socket.socket) -> None:
+    source = ProcfsConnEventSource([port_of(server)])
+    source.scan()
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    source.scan()
+    client_port = port_of(client)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()
+    assert kinds_for(source.scan(), client_port) == [PEER_RST, CLOSED]
+    accepted.close()
+
+
+def test_server_closing_first_is_a_local_fin(server: socket.socket) -> None:
+    source = ProcfsConnEventSource([port_of(server)])
+    source.scan()
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    source.scan()
+    client_port = port_of(client)
+    accepted.close()
+    assert kinds_for(source.scan(), client_port) == [LOCAL_FIN]
+    client.close()  # the server socket goes to TIME_WAIT: its full socket is gone
+    assert kinds_for(source.scan(), client_port) == [CLOSED]
+
+
+def test_ipv6_and_the_filter() -> None:
+    server6 = listener(socket.AF_INET6, "::1")
+    unwatched = listener()
+    source = ProcfsConnEventSource([port_of(server6)])
+    source.scan()
+    client6 = socket.create_connection(("::1", port_of(server6)))
+    other = socket.create_connection(unwatched.getsockname())
+    accepted6, _ = server6.accept()
+    accepted_other, _ = unwatched.accept()
+    source.scan()
+    client6_port = port_of(client6)
+    client6.close()
+    other.close()
+    events = source.scan()
+    assert [(e.kind, e.family, e.client_addr, e.server_addr, e.client_port) for e in events] == [
+        (PEER_FIN, 6, "::1", "::1", client6_port)]
+    for sock in (accepted6, accepted_other, server6, unwatched):
+        sock.close()
+
+
+def test_added_port_starts_from_a_baseline_and_removed_port_goes_quiet() -> None:
+    first, second = listener(), listener()
+    source = ProcfsConnEventSource([port_of(first)])
+    source.scan()
+    # A connection to `second` that was already half-closed before it was watched: history.
+    old = socket.create_connection(second.getsockname())
+    old_accepted, _ = second.accept()
+    old.close()
+    source.set_ports([port_of(first), port_of(second)])
+    assert source.scan() == []
+    fresh = socket.create_connection(second.getsockname())
+    fresh_accepted, _ = second.accept()
+    source.scan()
+    fresh_port = port_of(fresh)
+    fresh.close()
+    assert kinds_for(source.scan(), fresh_port) == [PEER_FIN]
+    source.set_ports([port_of(first)])
+    fresh_accepted.close()
+    old_accepted.close()
+    assert source.scan() == []
+    for sock in (first, second):
+        sock.close()
+
+
+def test_poller_thread_delivers_through_poll_within_the_interval(server: socket.socket) -> None:
+    source = open_source([port_of(server)], prefer="procfs", poll_hz=20)
+    assert source.name == "procfs"
+    source.start()
+    try:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+        time.sleep(0.12)  # let the poller see it open
+        client_port = port_of(client)
+        before = time.time_ns()
+        client.close()
+        events: list = []
+        deadline = time.monotonic() + 3
+        while PEER_FIN not in kinds_for(events, client_port) and time.monotonic() < deadline:
+            events += source.poll(timeout_s=0.1)
+        fin = next(e for e in events if e.kind == PEER_FIN and e.client_port == client_port)
+        # Precision is the poll interval: the stamp is the middle of the interval it fell in.
+        assert before - 60_000_000 < fin.ts_ns < before + 60_000_000
+        assert source.lost_events() == 0
+        accepted.close()
+    finally:
+        source.stop()
+
+
+def test_auto_falls_back_and_says_what_is_lost(monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "bcc", None)  # bcc not importable, for real
+    with caplog.at_level(logging.WARNING):
+        source = open_source([8000], prefer="auto")
+    assert source.name == "procfs"
+    text = caplog.text
+    assert "timing precision" in text and "FIN vs RST" in text
+
+
+def test_bad_ports_and_sources_are_config_errors() -> None:
+    for ports in ([0], [65536], ["8000"], [True]):
+        with pytest.raises(ConfigError, match="is not a TCP port"):
+            open_source(ports, prefer="procfs")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="auto, bpf, procfs"):
+        open_source([8000], prefer="kprobe")
+    source = ProcfsConnEventSource([8000])
+    with pytest.raises(ConfigError):
+        source.set_ports([-1])
+
+
+def test_parser_decodes_both_families_and_skips_garbage() -> None:
+    v4 = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+          "   0: 0100007F:1F40 0100007F:D431 08 00000000:00000000 00:00000000 00000000     0        0 4242 1\n"
+          "   1: 0100007F:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 17 1\n"
+          "   2: garbage line\n"
+          "   3: 0100007F:ZZZZ 0100007F:D431 01 00000000:00000000 00:00000000 00000000     0        0 9 1\n")
+    parsed = parse_proc_net_tcp(v4, 4, frozenset({8000}))
+    assert list(parsed) == [(4, "127.0.0.1", 8000, "127.0.0.1", 0xD431)]
+    assert parsed[(4, "127.0.0.1", 8000, "127.0.0.1", 0xD431)].cookie == 4242
+    v6 = ("  sl  local_address                         remote_address                        st\n"
+          "   0: 00000000000000000000000001000000:1F40 0000000000000000FFFF00000100007F:9C40 "
+          "01 00000000:00000000 00:00000000 00000000     0        0 99 1\n")
+    parsed6 = parse_proc_net_tcp(v6, 6, frozenset({8000}))
+    assert list(parsed6) == [(6, "::1", 8000, "::ffff:127.0.0.1", 0x9C40)]
