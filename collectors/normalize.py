@@ -36,6 +36,9 @@ TOO_DEEP_MARK = "[nested too deep]"
 _COLUMN_CHARS = {"name": 255, "service": 255, "host": 255, "request_id": 255, "route": 255,
                  "model": 255, "finish_reason": 32, "peer_addr": 64}
 
+_MAX_NS = 2**63 - 1  # timestamps are signed 64-bit columns
+_MAX_PID = 2**31 - 1
+
 _KIND_NAMES = {0: "unspecified", 1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
 _STATUS_NAMES = {0: "unset", 1: "ok", 2: "error"}
 
@@ -164,6 +167,11 @@ def _port(value: Any) -> int | None:
     return port if port is not None and 0 <= port <= 65535 else None
 
 
+def _pid(value: Any) -> int | None:
+    number = as_int(value)
+    return number if number is not None and 0 < number <= _MAX_PID else None
+
+
 def _count(value: Any) -> int | None:
     number = as_int(value)
     return number if number is not None and 0 <= number < 2**31 else None
@@ -254,6 +262,8 @@ def _check_span(span: Any) -> str | None:
         return "with an invalid parent span id"
     if span.start_time_unix_nano == 0:
         return "without a start time"
+    if span.end_time_unix_nano > _MAX_NS:
+        return "with a time past the year 2262 (not a signed 64-bit nanosecond count)"
     if span.end_time_unix_nano < span.start_time_unix_nano:
         return "ending before they start"
     return None
@@ -268,9 +278,9 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
         resource, _ = attributes_dict(resource_spans.resource.attributes)
         service = as_str(resource.get("service.name")) or ""
         host = as_str(resource.get("host.name")) or service_host
-        pid = as_int(resource.get("process.pid"))
+        pid = _pid(resource.get("process.pid"))
         if pid is None:
-            pid = as_int(resource.get("vllm.process_id"))
+            pid = _pid(resource.get("vllm.process_id"))
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 total += 1
@@ -330,7 +340,7 @@ def normalize_span(span: Any, *, service: str, host: str, process_pid: int | Non
         target = _first(attrs, TARGET_KEYS)[1]
         route = target.split("?", 1)[0] if isinstance(target, str) else None
     finish = pick.typed(("gen_ai.response.finish_reasons", "gen_ai.response.finish_reason"), as_str)
-    pid = process_pid if process_pid is not None else pick.typed(("process.pid", "vllm.process_id"), as_int)
+    pid = process_pid if process_pid is not None else pick.typed(("process.pid", "vllm.process_id"), _pid)
 
     model = pick.typed(("gen_ai.response.model", "gen_ai.request.model"), as_str)
     http_status = pick.typed(STATUS_KEYS, _count)

@@ -154,11 +154,12 @@ def test_bad_spans_are_rejected_one_by_one() -> None:
         span("bad span id", SERVER, {}, span_id=b"\x05" * 9),
         span("bad parent", SERVER, {}, span_id=b"\x06" * 8, parent=b"\x01"),
         span("backwards", SERVER, {}, span_id=b"\x07" * 8, start=5_000, end=4_000),
+        span("year 2300", SERVER, {}, span_id=b"\x08" * 8, end=2**63),  # found by the fuzzer
     ]
     result = normalize_request(request(good, *bad))
     assert [s.name for s in result.spans] == ["ok"]
-    assert result.rejected == 5
-    assert "rejected 5 of 6 spans" in result.error_message
+    assert result.rejected == 6
+    assert "rejected 6 of 7 spans" in result.error_message
     assert "invalid trace id" in result.error_message and "ending before they start" in result.error_message
 
 
