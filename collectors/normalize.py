@@ -58,6 +58,12 @@ TARGET_KEYS = ("url.path", "http.target")
 REQUEST_ID_HEADER_KEYS = ("http.request.header.x_request_id", "http.request.header.x-request-id")
 CLIENT_PEER_ADDR_KEYS = ("server.address", "net.peer.name", "net.peer.ip")
 CLIENT_PEER_PORT_KEYS = ("server.port", "net.peer.port")
+_GENAI_KEYS = frozenset({
+    "gen_ai.request.id", "gen_ai.response.finish_reasons", "gen_ai.response.finish_reason",
+    "gen_ai.response.model", "gen_ai.request.model", "gen_ai.usage.prompt_tokens",
+    "gen_ai.usage.input_tokens", "gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens",
+    "gen_ai.request.max_tokens", "gen_ai.latency.time_in_queue", "gen_ai.latency.time_to_first_token",
+})
 
 
 @dataclass
@@ -109,9 +115,21 @@ def attributes_dict(values: Any) -> tuple[dict[str, Any], int]:
     out: dict[str, Any] = {}
     kept: list[KeyValue] = kv_slice(values, MAX_ATTRIBUTES)
     for kv in kept:
-        key = kv.key if len(kv.key) <= MAX_KEY_CHARS else _cut(kv.key, MAX_KEY_CHARS)
-        if key not in out:
-            out[key] = any_value(kv.value)
+        key = kv.key
+        if len(key) > MAX_KEY_CHARS:
+            key = _cut(key, MAX_KEY_CHARS)
+        if key in out:
+            continue
+        # Hot path: most attributes are plain strings and ints; everything else goes the long way.
+        value = kv.value
+        kind = value.WhichOneof("value")
+        if kind == "string_value":
+            text = value.string_value
+            out[key] = text if len(text) <= MAX_STRING_CHARS else _cut(text, MAX_STRING_CHARS)
+        elif kind == "int_value":
+            out[key] = value.int_value
+        else:
+            out[key] = any_value(value)
     return out, len(values) - len(kept)
 
 
@@ -330,26 +348,36 @@ def normalize_span(span: Any, *, service: str, host: str, process_pid: int | Non
         if server_port is None:
             server_port = port_from_hostport(_first(attrs, URL_KEYS)[1])
 
+    has_genai = role is SpanRole.ENGINE or not _GENAI_KEYS.isdisjoint(attrs)
     if role is SpanRole.ENGINE:
         request_id = pick.typed(("gen_ai.request.id",), as_str)
+    elif method is not None:
+        request_id = pick.typed(REQUEST_ID_HEADER_KEYS, as_str)
+        if request_id is None and has_genai:
+            request_id = pick.typed(("gen_ai.request.id",), as_str)
     else:
-        request_id = pick.typed(REQUEST_ID_HEADER_KEYS, as_str) or pick.typed(("gen_ai.request.id",), as_str)
+        request_id = pick.typed(("gen_ai.request.id",), as_str) if has_genai else None
 
-    route = pick.typed(("http.route",), as_str)
-    if route is None and method is not None:
-        target = _first(attrs, TARGET_KEYS)[1]
-        route = target.split("?", 1)[0] if isinstance(target, str) else None
-    finish = pick.typed(("gen_ai.response.finish_reasons", "gen_ai.response.finish_reason"), as_str)
+    route = http_status = None
+    if method is not None:
+        route = pick.typed(("http.route",), as_str)
+        if route is None:
+            target = _first(attrs, TARGET_KEYS)[1]
+            route = target.split("?", 1)[0] if isinstance(target, str) else None
+        http_status = pick.typed(STATUS_KEYS, _count)
     pid = process_pid if process_pid is not None else pick.typed(("process.pid", "vllm.process_id"), _pid)
 
-    model = pick.typed(("gen_ai.response.model", "gen_ai.request.model"), as_str)
-    http_status = pick.typed(STATUS_KEYS, _count)
-    prompt_tokens = pick.typed(("gen_ai.usage.prompt_tokens", "gen_ai.usage.input_tokens"), _count)
-    completion_tokens = pick.typed(
-        ("gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens"), _count)
-    max_tokens = pick.typed(("gen_ai.request.max_tokens",), _count)
-    time_in_queue_s = pick.typed(("gen_ai.latency.time_in_queue",), as_float)
-    time_to_first_token_s = pick.typed(("gen_ai.latency.time_to_first_token",), as_float)
+    finish = model = prompt_tokens = completion_tokens = max_tokens = None
+    time_in_queue_s = time_to_first_token_s = None
+    if has_genai:  # the GenAI and vLLM engine columns; skipped for the many spans without them
+        finish = pick.typed(("gen_ai.response.finish_reasons", "gen_ai.response.finish_reason"), as_str)
+        model = pick.typed(("gen_ai.response.model", "gen_ai.request.model"), as_str)
+        prompt_tokens = pick.typed(("gen_ai.usage.prompt_tokens", "gen_ai.usage.input_tokens"), _count)
+        completion_tokens = pick.typed(
+            ("gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens"), _count)
+        max_tokens = pick.typed(("gen_ai.request.max_tokens",), _count)
+        time_in_queue_s = pick.typed(("gen_ai.latency.time_in_queue",), as_float)
+        time_to_first_token_s = pick.typed(("gen_ai.latency.time_to_first_token",), as_float)
 
     extra = {k: v for k, v in attrs.items() if k not in pick.used}
     if dropped:

@@ -101,7 +101,7 @@ def test_back_pressure_statuses(tmp_path: Path) -> None:
     store = Store(f"sqlite:///{tmp_path / 'a.db'}")
     event.listen(store.engine, "connect", lambda dbapi, _rec: dbapi.execute("PRAGMA busy_timeout=300"))
     store.engine.dispose()
-    writer = SpanWriter(store, max_queue_spans=1, retry_after_s=0.5).start()
+    writer = SpanWriter(store, max_queue_spans=1, retry_after_s=0.5, queue_wait_s=0).start()
     receiver = OtlpGrpcReceiver(writer, port=0).start()
     locker = sqlite3.connect(tmp_path / "a.db", isolation_level=None)
     channel, client = stub(receiver.port)

@@ -240,7 +240,7 @@ def _encode(spans: list[Any]) -> bytes:
 
 def test_full_queue_gives_429_and_concurrent_requests_share_commits(tmp_path: Path) -> None:
     store = Store(f"sqlite:///{tmp_path / 'a.db'}")
-    writer = SpanWriter(store, max_queue_spans=20).start()
+    writer = SpanWriter(store, max_queue_spans=20, queue_wait_s=0).start()
     receiver = OtlpHttpReceiver(writer, port=0).start()
     locker = sqlite3.connect(tmp_path / "a.db", isolation_level=None)
     results: list[int] = []
