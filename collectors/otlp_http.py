@@ -79,7 +79,9 @@ class _Handler(BaseHTTPRequestHandler):
         return "auditor-otlp"
 
     def setup(self) -> None:
-        self.timeout = self.server.receiver.socket_timeout_s
+        # Per connection: a sender that stalls mid-request is cut off instead of holding a thread.
+        self.connection = self.request
+        self.connection.settimeout(self.server.receiver.socket_timeout_s)
         super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:
