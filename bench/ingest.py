@@ -241,7 +241,7 @@ def main() -> None:
     parser.add_argument("--senders", type=int, default=4, help="concurrent senders, sustained phase")
     parser.add_argument("--flood-senders", type=int, default=48, help="concurrent senders, flood phase")
     parser.add_argument("--flood-processes", type=int, default=4, help="sender processes, flood phase")
-    parser.add_argument("--max-queue-spans", type=int, default=16_384, help="SpanWriter queue bound")
+    parser.add_argument("--max-queue-spans", type=int, default=32_768, help="SpanWriter queue bound")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--sender", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)

@@ -87,7 +87,7 @@ class _Pending:
 class SpanWriter:
     """Bounded queue + one writer thread committing batches of spans to an ``auditor.store.Store``."""
 
-    def __init__(self, store: Any, *, max_queue_spans: int = 100_000, max_queue_bytes: int = 256 << 20,
+    def __init__(self, store: Any, *, max_queue_spans: int = 32_768, max_queue_bytes: int = 128 << 20,
                  max_batch_spans: int = 16_384, retry_after_s: float = 1.0,
                  submit_timeout_s: float = 30.0, queue_wait_s: float = 1.0) -> None:
         self.store = store
