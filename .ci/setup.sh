@@ -81,12 +81,13 @@ if [ ! -e /sys/kernel/tracing/events ] && [ ! -e /sys/kernel/debug/tracing/event
     fi
 fi
 
-# Virtual environment and the project, reinstalled only when pyproject.toml changed.
+# Virtual environment and the project, reinstalled when pyproject.toml or the set of top-level
+# packages changed (an editable install maps the packages it saw when it was made).
 if [ ! -x "$venv/bin/python" ]; then
     say "creating $venv"
     "$python" -m venv "$venv"
 fi
-stamp="$venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
+stamp="$venv/.installed-$( { cat pyproject.toml; ls -d -- */__init__.py; } | sha256sum | cut -c1-16)"
 if [ ! -e "$stamp" ]; then
     say "installing the project and its dev extras"
     "$venv/bin/python" -m pip install -q --upgrade pip

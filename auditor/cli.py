@@ -17,10 +17,12 @@ from auditor import __version__
 # commands that do not need it.
 COMMANDS: dict[str, str] = {
     "db": "auditor.dbcli:db",
+    "demo": "auditor.demo:demo_command",
     "doctor": "auditor.doctor:doctor_command",
     "engine": "replay.engine.cli:engine",
     "probe": "probes.cli:probe",
     "report": "auditor.report.cli:report",
+    "run": "auditor.runcli:run_command",
 }
 
 

@@ -3,6 +3,7 @@
 Every tick reads what the sources added to the store since the last tick, joins each peer FIN/RST
 to the request in flight on that connection at that moment (DESIGN §4), and (re)computes the
 verdict of every request whose evidence changed or whose verdict depends on the clock. A request
+is keyed by its trace and outermost server span (``auditor.traces``); a request
 is *settled* once its work has ended and no more evidence is expected; settled verdicts are final
 and are what the counters count.
 
@@ -20,7 +21,6 @@ kernel event is settled, so a restart resumes from there and upserts change noth
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from collections import defaultdict
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from auditor.live import LiveEvent
 from auditor.model import (
@@ -42,31 +42,15 @@ from auditor.model import (
 )
 from auditor.schema import ConnEventRow, CorrelatorStateRow, CoverageRow, SpanRow
 from auditor.store import Store
+from auditor.traces import TraceIndex, Tuple4, norm_addr, span_tuple
 from auditor.verdict import Evidence, decide, phase_at, tokens_after_disconnect
 from auditor.waste import wasted
 
 log = logging.getLogger(__name__)
 
-Tuple4 = tuple[str, int, int]  # (client address, client port, server port)
+RequestKey = tuple[str, str]  # (trace id, span id of the request's outermost server span)
 ENGINE_SETTLE_AFTER_LIVE_END_NS = 2_000_000_000
 HORIZON_NS = 15 * 60 * 1_000_000_000
-
-
-def norm_addr(addr: str | None) -> str:
-    if not addr:
-        return ""
-    try:
-        ip = ipaddress.ip_address(addr.strip("[]"))
-    except ValueError:
-        return addr.lower()
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return str(ip)
-
-
-def engine_request_ids(http_request_id: str) -> tuple[str, ...]:
-    """The ids vLLM gives a request that arrived with ``X-Request-Id: <id>``."""
-    return (http_request_id, f"chatcmpl-{http_request_id}", f"cmpl-{http_request_id}")
 
 
 @dataclass(slots=True)
@@ -81,15 +65,18 @@ class Disconnect:
 class OpenRequest:
     """A request that had a client disconnect while in flight, until its verdict settles."""
 
-    trace_id: str
-    host: str
-    disconnects: dict[Tuple4, Disconnect] = field(default_factory=dict)  # one per hop
-    live_span: LiveEvent | None = None  # the server span's start, when known only live
+    key: RequestKey
+    disconnects: dict[Tuple4, Disconnect] = field(default_factory=dict)  # the first one per hop
+    live_span: LiveEvent | None = None  # its server span's start, while known only live
     written: RequestVerdict | None = None
-    request_key: str | None = None
 
     def origin(self) -> Disconnect:
         return min(self.disconnects.values(), key=lambda d: d.ts_ns)
+
+    def add(self, disconnect: Disconnect) -> None:
+        known = self.disconnects.get(disconnect.tuple4)
+        if known is None or disconnect.ts_ns < known.ts_ns:  # a FIN then an RST: the FIN counts
+            self.disconnects[disconnect.tuple4] = disconnect
 
 
 @dataclass
@@ -118,20 +105,19 @@ class Correlator:
         self.on_settled = on_settled or (lambda verdict: None)
         self.clock = clock
         self.stats = CorrelatorStats()
-        self._http_by_tuple: dict[Tuple4, list[SpanRecord]] = defaultdict(list)
-        self._spans_by_trace: dict[str, list[SpanRecord]] = defaultdict(list)
-        self._engine_by_request_id: dict[str, SpanRecord] = {}
-        self._events_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # event timestamps
-        self._span_ids_seen: set[tuple[str, str]] = set()
+        self.spans = TraceIndex()
+        self._events_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # every event's time
+        self._closed_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # server socket closes
         self._pending: dict[int, Disconnect] = {}
         self._recent_unjoined: dict[int, tuple[Disconnect, CoverageKind]] = {}
-        self._open: dict[str, OpenRequest] = {}
+        self._open: dict[RequestKey, OpenRequest] = {}
+        self._settled: dict[str, dict[str, OpenRequest]] = defaultdict(dict)  # a late span reopens them
         self._live_inflight: dict[tuple[str, str], LiveEvent] = {}
         self._live_engine_end: dict[str, int] = {}
         self._live_span_end: dict[tuple[str, str], int] = {}
-        self._touched: set[str] = set()
         self._live_by_tuple: dict[Tuple4, list[LiveEvent]] = defaultdict(list)
         self._unchecked_spans: list[tuple[int, SpanRecord]] = []
+        self._touched: set[str] = set()  # traces with new evidence this round
         self._counted: set[str] = set()
         self._event_cursor = 0
         self._span_cursor = 0
@@ -149,13 +135,8 @@ class Correlator:
                                                  CoverageRow.detail.is_not(None))))
             first_span = session.scalar(select(SpanRow.id).where(SpanRow.end_ns > now - HORIZON_NS)
                                         .order_by(SpanRow.id).limit(1))
-        self._span_cursor = (first_span - 1) if first_span else self._max_id(SpanRow)
-
-    def _max_id(self, table: Any) -> int:
-        with self.store.session() as session:
-            from sqlalchemy import func
-
-            return int(session.scalar(select(func.coalesce(func.max(table.id), 0))) or 0)
+            last_span = session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0
+        self._span_cursor = (first_span - 1) if first_span else int(last_span)
 
     # -- input ------------------------------------------------------------------------------
     def add_live(self, events: list[LiveEvent]) -> None:
@@ -172,8 +153,7 @@ class Correlator:
                     self._live_engine_end[event.trace_id] = event.ts_ns
                 else:
                     self._live_span_end[key] = event.ts_ns
-            if event.trace_id in self._open:
-                self._touched.add(event.trace_id)
+            self._touched.add(event.trace_id)
 
     def _read_spans(self) -> None:
         with self.store.session() as session:
@@ -182,18 +162,15 @@ class Correlator:
         for row in rows:
             self._span_cursor = row.id
             span = _span_from_row(row)
-            if (span.trace_id, span.span_id) in self._span_ids_seen:
+            if not self.spans.add(span):
                 continue
-            self._span_ids_seen.add((span.trace_id, span.span_id))
-            self._spans_by_trace[span.trace_id].append(span)
+            for request in self._settled.pop(span.trace_id, {}).values():
+                self._open[request.key] = request  # evidence after settling reopens the verdict
             if span.role is SpanRole.HTTP_SERVER:
                 if span.peer_rewritten:
                     self._count(CoverageKind.PROXY_REWRITTEN_PEER, f"span:{row.id}", span.end_ns)
                 elif span.peer_port and span.server_port:
-                    self._http_by_tuple[(norm_addr(span.peer_addr), span.peer_port, span.server_port)].append(span)
                     self._unchecked_spans.append((row.id, span))
-            elif span.role is SpanRole.ENGINE and span.request_id:
-                self._engine_by_request_id[span.request_id] = span
             self._touched.add(span.trace_id)
 
     def _read_events(self) -> None:
@@ -204,11 +181,13 @@ class Correlator:
             self._event_cursor = row.id
             tuple4 = (norm_addr(row.client_addr), row.client_port, row.server_port)
             self._events_by_tuple[tuple4].append(row.ts_ns)
-            if row.kind in (ConnEventKind.PEER_FIN.value, ConnEventKind.PEER_RST.value):
+            if row.kind == ConnEventKind.CLOSED.value:
+                self._closed_by_tuple[tuple4].append(row.ts_ns)
+            elif row.kind in (ConnEventKind.PEER_FIN.value, ConnEventKind.PEER_RST.value):
                 kind = "fin" if row.kind == ConnEventKind.PEER_FIN.value else "rst"
                 self._pending[row.id] = Disconnect(row.id, row.ts_ns, kind, tuple4)
 
-    # -- the tick ---------------------------------------------------------------------------
+    # -- the round --------------------------------------------------------------------------
     def tick(self, live: list[LiveEvent] | None = None) -> list[RequestVerdict]:
         """One round: read new evidence, join, decide, write. Returns the verdicts written."""
         self._touched = set()
@@ -217,72 +196,98 @@ class Correlator:
         self._read_events()
         now = self.clock()
         self._join_pending(now)
+        self._rekey()
         self._check_unjoined_spans(now)
-        written = []
-        for trace_id in list(self._open):
-            request = self._open[trace_id]
-            if trace_id in self._touched or request.written is None or self._clock_dependent(request):
+        changed: list[tuple[OpenRequest, RequestVerdict]] = []
+        for request in list(self._open.values()):
+            if request.key[0] in self._touched or self._clock_dependent(request):
                 verdict = self._evaluate(request, now)
                 if verdict is not None:
-                    written.append(verdict)
-        self.store.upsert_verdicts(written)
-        self.stats.verdicts_written += len(written)
+                    changed.append((request, verdict))
+        # Only a committed verdict counts as written: if the store refuses (locked, disk full),
+        # the next round computes and writes it again.
+        self.store.upsert_verdicts([verdict for _, verdict in changed])
+        for request, verdict in changed:
+            request.written = verdict
+        self.stats.verdicts_written += len(changed)
         self._settle(now)
-        self._save_state(now)
+        self._save_state()
         self._prune(now)
         self.stats.pending_disconnects = len(self._pending)
         self.stats.open_requests = len(self._open)
         self.stats.inflight_zombies = sum(1 for r in self._open.values() if r.written is not None
                                           and r.written.verdict is Verdict.INFLIGHT_ZOMBIE)
-        return written
+        return [verdict for _, verdict in changed]
+
+    def _open_request(self, key: RequestKey) -> OpenRequest:
+        request = self._open.get(key)
+        if request is None:
+            request = self._settled.get(key[0], {}).pop(key[1], None) or OpenRequest(key)
+            self._open[key] = request
+        self._touched.add(key[0])
+        return request
 
     def _join_pending(self, now: int) -> None:
         for event_id, disconnect in list(self._pending.items()):
             span = self._span_in_flight(disconnect)
-            trace_id: str | None = span.trace_id if span else None
-            live = None
-            if span is None:
-                live = self._live_in_flight(disconnect)
-                trace_id = live.trace_id if live else None
-            if trace_id is not None:
-                request = self._open.get(trace_id)
-                if request is None:
-                    request = self._open[trace_id] = OpenRequest(trace_id=trace_id, host=self.host)
-                request.disconnects.setdefault(disconnect.tuple4, disconnect)
-                request.live_span = request.live_span or live
-                self._touched.add(trace_id)
-                if span is not None or now - disconnect.ts_ns > self.late_ns:
-                    del self._pending[event_id]
-                continue
-            if now - disconnect.ts_ns > self.late_ns:
+            if span is not None:
+                root = self.spans.root(span)
+                self._open_request((root.trace_id, root.span_id)).add(disconnect)
                 del self._pending[event_id]
-                kind = self._classify_unjoined(disconnect)
-                self._count(kind, f"ev:{event_id}", disconnect.ts_ns)
-                self._recent_unjoined[event_id] = (disconnect, kind)
+                continue
+            live = self._live_in_flight(disconnect)
+            if live is not None:  # known only live: keep it pending so the span, once here, joins it
+                request = self._open_request((live.trace_id, live.span_id))
+                request.add(disconnect)
+                request.live_span = request.live_span or live
+                if now - disconnect.ts_ns <= self.late_ns:
+                    continue
+            if now - disconnect.ts_ns > self.late_ns:
+                if live is None:
+                    kind = self._classify_unjoined(disconnect)
+                    self._count(kind, f"ev:{event_id}", disconnect.ts_ns)  # raises before anything is forgotten
+                    self._recent_unjoined[event_id] = (disconnect, kind)
+                del self._pending[event_id]
         # A span that arrived after its disconnect was written off claims it back.
         for event_id, (disconnect, kind) in list(self._recent_unjoined.items()):
             span = self._span_in_flight(disconnect)
             if span is not None:
-                del self._recent_unjoined[event_id]
                 self._count(kind, f"ev:{event_id}:undo", disconnect.ts_ns, count=-1)
-                request = self._open.setdefault(span.trace_id, OpenRequest(span.trace_id, self.host))
-                request.disconnects.setdefault(disconnect.tuple4, disconnect)
-                self._touched.add(span.trace_id)
+                del self._recent_unjoined[event_id]
+                root = self.spans.root(span)
+                self._open_request((root.trace_id, root.span_id)).add(disconnect)
+
+    def _rekey(self) -> None:
+        """Merge requests whose outermost span became known (a gateway's span arriving after the
+        engine hop's), so one request keeps one verdict."""
+        for key, request in list(self._open.items()):
+            span = self.spans.get(*key)
+            if span is None:
+                continue
+            root = self.spans.root(span)
+            if root.span_id == key[1]:
+                continue
+            del self._open[key]
+            if request.written is not None:
+                self.store.delete_verdict(request.written.request_key)
+            target = self._open_request((root.trace_id, root.span_id))
+            for disconnect in request.disconnects.values():
+                target.add(disconnect)
+            target.live_span = target.live_span or request.live_span
 
     def _span_in_flight(self, disconnect: Disconnect) -> SpanRecord | None:
-        for span in self._http_by_tuple.get(disconnect.tuple4, ()):
-            if span.start_ns <= disconnect.ts_ns <= span.end_ns:
-                return span
-        return None
+        return self.spans.in_flight(disconnect.tuple4, disconnect.ts_ns,
+                                    self._closed_by_tuple.get(disconnect.tuple4, ()), self.late_ns)
 
     def _live_in_flight(self, disconnect: Disconnect) -> LiveEvent | None:
         for live in self._live_by_tuple.get(disconnect.tuple4, ()):
-            if live.ts_ns <= disconnect.ts_ns and (live.trace_id, live.span_id) in self._live_inflight:
+            key = (live.trace_id, live.span_id)
+            if key in self._live_inflight or self._live_span_end.get(key, 0) >= disconnect.ts_ns:
                 return live
         return None
 
     def _classify_unjoined(self, disconnect: Disconnect) -> CoverageKind:
-        spans = self._http_by_tuple.get(disconnect.tuple4, ())
+        spans = self.spans.on_connection(disconnect.tuple4)
         if any(span.end_ns <= disconnect.ts_ns for span in spans):
             return CoverageKind.IDLE_CLOSE
         return CoverageKind.UNJOINED_DISCONNECT
@@ -294,87 +299,74 @@ class Correlator:
             if now - span.end_ns <= self.late_ns:
                 keep.append((span_row_id, span))
                 continue
-            tuple4 = (norm_addr(span.peer_addr), span.peer_port or 0, span.server_port or 0)
-            if span.server_port in watched and not any(ts >= span.start_ns for ts in self._events_by_tuple.get(tuple4, ())):
+            seen = self._events_by_tuple.get(span_tuple(span), ())
+            if span.server_port in watched and not any(ts >= span.start_ns for ts in seen):
                 self._count(CoverageKind.UNJOINED_SPAN, f"span:{span_row_id}", span.end_ns)
         self._unchecked_spans = keep
 
     # -- evaluation -------------------------------------------------------------------------
-    def _engine_span(self, trace_id: str, http_spans: list[SpanRecord]) -> SpanRecord | None:
-        engines = [s for s in self._spans_by_trace.get(trace_id, ()) if s.role is SpanRole.ENGINE]
-        if engines:
-            return max(engines, key=lambda s: s.end_ns)
-        for span in http_spans:
-            for candidate in engine_request_ids(span.request_id or ""):
-                if span.request_id and candidate in self._engine_by_request_id:
-                    return self._engine_by_request_id[candidate]
-        return None
-
     def _evaluate(self, request: OpenRequest, now: int) -> RequestVerdict | None:
         origin = request.origin()
-        trace_spans = self._spans_by_trace.get(request.trace_id, [])
-        http_spans = [s for s in trace_spans if s.role is SpanRole.HTTP_SERVER and s.end_ns >= origin.ts_ns]
-        origin_span = next((s for s in http_spans if (norm_addr(s.peer_addr), s.peer_port, s.server_port)
-                            == origin.tuple4), None)
-        engine = self._engine_span(request.trace_id, http_spans)
-        work_end, provisional = self._work_end(request, origin_span, http_spans, engine, now)
+        trace_id, root_id = request.key
+        root = self.spans.get(trace_id, root_id)
+        subtree = self.spans.subtree(root) if root else []
+        http_spans = [s for s in subtree if s.role is SpanRole.HTTP_SERVER]
+        origin_span = next((s for s in http_spans if span_tuple(s) == origin.tuple4), None)
+        engine = self.spans.engine_for(root, subtree) if root else None
+        work_end, provisional = self._work_end(request, root, subtree, engine, now)
         decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now), self.grace_seconds)
         if decision is None:
             return None
-        base = origin_span or _live_as_span(request.live_span)
+        base = root or _live_as_span(request.live_span)
         tokens, exact = tokens_after_disconnect(origin.ts_ns, engine)
-        cost = self._waste(origin.ts_ns, work_end or now, engine, base)
+        gpu_s, cpu_s = self._waste(origin.ts_ns, work_end or now, engine, base)
+        details: dict[str, Any] = {"provisional": provisional, "engine_span": engine is not None}
         hops = [{"server_port": d.tuple4[2], "client_port": d.tuple4[1],
                  "disconnect_delay_s": round((d.ts_ns - origin.ts_ns) / 1e9, 6)}
                 for d in sorted(request.disconnects.values(), key=lambda d: d.ts_ns) if d is not origin]
-        unclosed = [s.server_port for s in http_spans if s is not origin_span and
-                    (norm_addr(s.peer_addr), s.peer_port, s.server_port) not in request.disconnects]
-        details: dict[str, Any] = {"provisional": provisional, "engine_span": engine is not None}
         if hops:
             details["hops"] = hops
+        unclosed = [s.server_port for s in http_spans if s is not origin_span and span_tuple(s) not in request.disconnects]
         if unclosed:
             details["upstream_not_closed_ports"] = unclosed
-        root_span_id = base.span_id if base else "live"
         verdict = RequestVerdict(
-            request_key=f"{self.host}/{request.trace_id}/{root_span_id}", host=self.host,
-            verdict=decision.verdict, disconnect_at_ns=origin.ts_ns, disconnect_kind=origin.kind,
+            request_key=f"{self.host}/{trace_id}/{root_id}", host=self.host, verdict=decision.verdict,
+            disconnect_at_ns=origin.ts_ns, disconnect_kind=origin.kind,
             request_start_ns=base.start_ns if base else origin.ts_ns, work_end_ns=work_end,
-            lag_seconds=decision.lag_seconds, phase=phase_at(origin.ts_ns, engine),
-            trace_id=request.trace_id, request_id=(origin_span.request_id if origin_span else None)
-            or (engine.request_id if engine else None), service=base.service if base else None,
-            route=base.route if base else None, model=(engine.model if engine else None)
-            or (base.model if base else None), client_addr=origin.tuple4[0], client_port=origin.tuple4[1],
-            server_port=origin.tuple4[2], max_tokens=engine.max_tokens if engine else
-            (origin_span.max_tokens if origin_span else None), tokens_after_disconnect=tokens,
-            tokens_exact=exact, wasted_gpu_seconds=cost[0], wasted_cpu_seconds=cost[1], details=details,
+            lag_seconds=decision.lag_seconds, phase=phase_at(origin.ts_ns, engine), trace_id=trace_id,
+            request_id=(origin_span.request_id if origin_span else None) or (engine.request_id if engine else None),
+            service=base.service if base else None, route=base.route if base else None,
+            model=(engine.model if engine else None) or (base.model if base else None),
+            client_addr=origin.tuple4[0], client_port=origin.tuple4[1], server_port=origin.tuple4[2],
+            max_tokens=engine.max_tokens if engine else (origin_span.max_tokens if origin_span else None),
+            tokens_after_disconnect=tokens, tokens_exact=exact, wasted_gpu_seconds=gpu_s,
+            wasted_cpu_seconds=cpu_s, details=details,
         )
-        if request.request_key and request.request_key != verdict.request_key:
-            self.store.delete_verdict(request.request_key)  # the live-only key gave way to the span's
-        request.request_key = verdict.request_key
-        if request.written is not None and replace(request.written, lag_seconds=None) == replace(verdict, lag_seconds=None) \
-                and decision.verdict is not Verdict.INFLIGHT_ZOMBIE:
+        written = request.written
+        unchanged = written is not None and replace(written, lag_seconds=None) == replace(verdict, lag_seconds=None)
+        if unchanged and decision.verdict is not Verdict.INFLIGHT_ZOMBIE:
             return None
-        request.written = verdict
         return verdict
 
-    def _work_end(self, request: OpenRequest, origin_span: SpanRecord | None, http_spans: list[SpanRecord],
+    def _work_end(self, request: OpenRequest, root: SpanRecord | None, subtree: list[SpanRecord],
                   engine: SpanRecord | None, now: int) -> tuple[int | None, bool]:
         """When the request's work ended on this host, and whether that may still change."""
-        live_running = [e for (trace, _), e in self._live_inflight.items() if trace == request.trace_id]
-        if live_running:
-            return None, True
-        if origin_span is None:
-            # Known only live: its end notice gives the end until the span itself arrives.
-            live = request.live_span
-            ended = self._live_span_end.get((live.trace_id, live.span_id)) if live else None
+        trace_id = request.key[0]
+        mine = {s.span_id for s in subtree} | {request.key[1]}
+        if any(trace == trace_id and (span_id in mine or live.engine)
+               for (trace, span_id), live in self._live_inflight.items()):
+            return None, True  # a live notice says part of it is still running
+        if root is None:
+            # Known only live: its end notice stands in until the span itself arrives.
+            ended = self._live_span_end.get(request.key)
             if ended is None:
                 return None, True
-            return max(ended, self._live_engine_end.get(request.trace_id, 0)), True
-        ends = [s.end_ns for s in http_spans] + ([engine.end_ns] if engine else [])
-        work_end = max(ends)
+            return max(ended, self._live_engine_end.get(trace_id, 0)), True
+        ends = [s.end_ns for s in subtree if s.role in (SpanRole.HTTP_SERVER, SpanRole.ENGINE)]
+        work_end = max(ends + ([engine.end_ns] if engine else []))
         if engine is not None:
             return work_end, False
-        live_end = self._live_engine_end.get(request.trace_id)
+        live_end = self._live_engine_end.get(trace_id)
         if live_end is not None:
             return max(work_end, live_end), now - live_end < ENGINE_SETTLE_AFTER_LIVE_END_NS
         # No engine span yet: an abort (vLLM emits none) unless one still arrives.
@@ -388,11 +380,10 @@ class Correlator:
                base: SpanRecord | None) -> tuple[float, float]:
         pid = (engine.process_pid if engine else None) or (base.process_pid if base else None)
         service = (engine.service if engine else None) or (base.service if base else "")
-
         # Requests in flight on the same engine: each trace's extent, from stored spans and live notices.
         intervals = []
-        for spans in self._spans_by_trace.values():
-            mine = [s for s in spans if s.service == service and s.end_ns >= start_ns and s.start_ns <= end_ns]
+        for _trace_id, spans in self.spans.traces():
+            mine = [s for s in spans.values() if s.service == service and s.end_ns >= start_ns and s.start_ns <= end_ns]
             if mine:
                 intervals.append((min(s.start_ns for s in mine), max(s.end_ns for s in mine)))
         intervals += [(e.ts_ns, self.clock()) for e in self._live_inflight.values() if e.service == service]
@@ -400,38 +391,40 @@ class Correlator:
         def inflight_at(ts: int) -> int:
             return sum(1 for first, last in intervals if first <= ts <= last)
 
-        cost = wasted(self.store, host=self.host, start_ns=start_ns, end_ns=end_ns, pid=pid,
-                      inflight_at=inflight_at)
+        cost = wasted(self.store, host=self.host, start_ns=start_ns, end_ns=end_ns, pid=pid, inflight_at=inflight_at)
         return round(cost.gpu_seconds, 6), round(cost.cpu_seconds, 6)
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _settle(self, now: int) -> None:
-        for trace_id, request in list(self._open.items()):
+        for key, request in list(self._open.items()):
             written = request.written
+            expired = now - request.origin().ts_ns > HORIZON_NS
             if written is None:
-                if now - request.origin().ts_ns > HORIZON_NS:
-                    del self._open[trace_id]
+                if expired:
+                    del self._open[key]
                 continue
             unsettled = written.verdict is Verdict.INFLIGHT_ZOMBIE or written.details.get("provisional")
-            if unsettled and now - request.origin().ts_ns <= HORIZON_NS:
+            if unsettled and not expired:
                 continue
-            del self._open[trace_id]
+            del self._open[key]
+            self._settled[key[0]][key[1]] = request
             self.stats.settled[written.verdict.value] += 1
             self.on_settled(written)
 
     def _count(self, kind: CoverageKind, detail: str, ts_ns: int, count: int = 1) -> None:
         if detail in self._counted:
             return
-        self._counted.add(detail)
         self.store.add_coverage(kind, count, host=self.host, ts_ns=ts_ns, detail=detail)
+        self._counted.add(detail)
         attr = {CoverageKind.IDLE_CLOSE: "idle_closes", CoverageKind.UNJOINED_DISCONNECT: "unjoined_disconnects",
                 CoverageKind.UNJOINED_SPAN: "unjoined_spans",
                 CoverageKind.PROXY_REWRITTEN_PEER: "proxy_rewritten"}.get(kind)
         if attr:
             setattr(self.stats, attr, getattr(self.stats, attr) + count)
 
-    def _save_state(self, now: int) -> None:
+    def _save_state(self) -> None:
         settled = min(self._pending, default=self._event_cursor + 1) - 1
+        now = time.time_ns()
         with self.store.session() as session, session.begin():
             state = session.get(CorrelatorStateRow, self.host)
             if state is None:
@@ -441,22 +434,19 @@ class Correlator:
 
     def _prune(self, now: int) -> None:
         cutoff = now - HORIZON_NS
-        open_traces = set(self._open)
-        for trace_id in [t for t, spans in self._spans_by_trace.items()
-                         if t not in open_traces and max(s.end_ns for s in spans) < cutoff]:
-            for span in self._spans_by_trace.pop(trace_id):
-                self._span_ids_seen.discard((span.trace_id, span.span_id))
-                if span.request_id:
-                    self._engine_by_request_id.pop(span.request_id, None)
-            self._live_engine_end.pop(trace_id, None)
-        for key in [k for k, ts in self._live_span_end.items() if ts < cutoff]:
-            del self._live_span_end[key]
-        for tuple4 in [k for k, spans in self._http_by_tuple.items() if max(s.end_ns for s in spans) < cutoff]:
-            del self._http_by_tuple[tuple4]
-        for tuple4 in [k for k, stamps in self._events_by_tuple.items() if max(stamps) < cutoff]:
-            del self._events_by_tuple[tuple4]
+        self.spans.prune(cutoff, keep={key[0] for key in self._open})
+        for trace_id in [t for t, requests in self._settled.items()
+                         if all(r.origin().ts_ns < cutoff for r in requests.values())]:
+            del self._settled[trace_id]
+        for table in (self._events_by_tuple, self._closed_by_tuple):
+            for tuple4 in [k for k, stamps in table.items() if max(stamps) < cutoff]:
+                del table[tuple4]
         for tuple4 in [k for k, lives in self._live_by_tuple.items() if max(e.ts_ns for e in lives) < cutoff]:
             del self._live_by_tuple[tuple4]
+        for live_key in [k for k, ts in self._live_span_end.items() if ts < cutoff]:
+            del self._live_span_end[live_key]
+        for trace_id in [t for t, ts in self._live_engine_end.items() if ts < cutoff]:
+            del self._live_engine_end[trace_id]
         for event_id in [k for k, (d, _) in self._recent_unjoined.items() if d.ts_ns < cutoff]:
             del self._recent_unjoined[event_id]
 
@@ -483,4 +473,4 @@ def _span_from_row(row: SpanRow) -> SpanRecord:
     )
 
 
-__all__ = ["ConnEvent", "Correlator", "CorrelatorStats", "engine_request_ids", "norm_addr"]
+__all__ = ["ConnEvent", "Correlator", "CorrelatorStats"]

@@ -14,11 +14,13 @@ stops intake first, flushes every queue to the store, runs a last correlation ro
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +28,10 @@ from sqlalchemy import func, select
 
 from auditor.config import Config, parse_address
 from auditor.correlate import Correlator
-from auditor.errors import AuditorError
+from auditor.errors import AuditorError, StoreError
 from auditor.live import LiveReceiver
 from auditor.metrics import DaemonMetrics
-from auditor.model import CoverageKind
+from auditor.model import CoverageKind, UtilSample
 from auditor.schema import SpanRow, UtilSampleRow
 from auditor.store import Store
 
@@ -113,9 +115,8 @@ class Daemon:
         self._threads.append(thread)
 
     def _start_probe(self) -> None:
-        from probes.writer import ConnEventWriter
-
         from probes import open_source
+        from probes.writer import ConnEventWriter
 
         try:
             source = open_source(ports=sorted(self._ports), prefer=self.config.probe.source, host=self.host)
@@ -136,7 +137,7 @@ class Daemon:
         from collectors.spanwriter import SpanWriter
 
         otlp = self.config.otlp
-        writer = SpanWriter(self.store)
+        writer = SpanWriter(self.store).start()
         self._parts["span_writer"] = writer
         token = otlp.token or None
         if otlp.http:
@@ -170,7 +171,7 @@ class Daemon:
         loop.start()
         self._parts["sampling"] = loop
 
-    def _write_samples(self, samples: list[Any]) -> None:
+    def _write_samples(self, samples: Iterable[UtilSample]) -> None:
         try:
             self.store.insert_samples(samples)
         except AuditorError as exc:
@@ -189,8 +190,9 @@ class Daemon:
                         if event.kind.value in ("peer_fin", "peer_rst"):
                             self.metrics.disconnects.labels(event.kind.value.removeprefix("peer_")).inc()
                 if time.monotonic() >= next_flush:  # a disconnect must not wait for a full batch
-                    writer.flush()
                     next_flush = time.monotonic() + 0.1
+                    with contextlib.suppress(StoreError):  # kept queued; the writer logs once
+                        writer.flush()
             except Exception:
                 log.exception("probe loop error; continuing")
                 time.sleep(0.1)
@@ -249,7 +251,7 @@ class Daemon:
         if writer is not None:
             writer_stats = writer.stats()
             self.metrics.ingest_queue.set(writer_stats.get("queue_spans", 0))
-            accepted = writer_stats.get("accepted_spans", 0)
+            accepted = writer_stats.get("committed_spans", 0)
             previous = self._parts.get("_accepted", 0)
             if accepted > previous:
                 self.metrics.spans_received.inc(accepted - previous)
@@ -302,7 +304,7 @@ class Daemon:
         if "event_writer" in self._parts:
             _quietly(self._parts["event_writer"].close)
         if "span_writer" in self._parts:
-            _quietly(self._parts["span_writer"].close)
+            _quietly(self._parts["span_writer"].stop)
         if "live" in self._parts:
             _quietly(self._parts["live"].stop)
         self.correlate_once()

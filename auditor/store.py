@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
+import operator
 import os
 import time
+import typing
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,12 +44,26 @@ def default_db_url() -> str:
     return "sqlite:///auditor.db"
 
 
-def _plain(value: Any) -> Any:
-    return value.value if isinstance(value, enum.Enum) else value
+_ROW_SHAPES: dict[type, tuple[tuple[str, ...], Any, tuple[str, ...]]] = {}
 
 
 def _row(record: Any) -> dict[str, Any]:
-    return {f.name: _plain(getattr(record, f.name)) for f in dataclasses.fields(record)}
+    """A dataclass record as a column dict, enums as their values. The hot path of every batch
+    insert, so each type's field names, getter and enum fields are worked out once."""
+    shape = _ROW_SHAPES.get(type(record))
+    if shape is None:
+        hints = typing.get_type_hints(type(record))
+        names = tuple(f.name for f in dataclasses.fields(record))
+        enums = tuple(n for n in names if any(isinstance(t, type) and issubclass(t, enum.Enum)
+                                               for t in (hints[n], *typing.get_args(hints[n]))))
+        shape = _ROW_SHAPES[type(record)] = (names, operator.attrgetter(*names), enums)
+    names, getter, enums = shape
+    row = dict(zip(names, getter(record), strict=True))
+    for name in enums:
+        value = row[name]
+        if value is not None:
+            row[name] = value.value
+    return row
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -85,6 +102,12 @@ class Store:
         try:
             with self.engine.connect() as conn:
                 return MigrationContext.configure(conn).get_current_revision()
+        except OperationalError as exc:
+            if self.engine.dialect.name != "sqlite":
+                raise StoreError(f"cannot reach {self._where()} ({_short(exc)}); check that the server "
+                                 "is up and the URL, user and password are right") from exc
+            raise StoreError(f"cannot open {self._where()} ({_short(exc)}); check the path and its "
+                             "permissions") from exc
         except DatabaseError as exc:
             raise StoreError(
                 f"{self._where()} is not a readable auditor database ({_short(exc)}); "
@@ -115,6 +138,7 @@ class Store:
         self.upgrade()
 
     def upgrade(self) -> None:
+        logging.getLogger("alembic").setLevel(logging.WARNING)  # per-step INFO lines are noise here
         cfg = self._alembic_config()
         try:
             with self.engine.begin() as conn:
@@ -175,6 +199,13 @@ class Store:
         if not verdicts:
             return 0
         now = time.time_ns()
+        try:
+            self._upsert_verdicts(verdicts, now)
+        except OperationalError as exc:
+            raise StoreError(f"write to {self._where()} failed: {_short(exc)}") from exc
+        return len(verdicts)
+
+    def _upsert_verdicts(self, verdicts: Sequence[RequestVerdict], now: int) -> None:
         with self.session() as session, session.begin():
             keys = [v.request_key for v in verdicts]
             existing = {row.request_key: row for row in
@@ -187,7 +218,6 @@ class Store:
                 else:
                     for name, value in values.items():
                         setattr(row, name, value)
-        return len(verdicts)
 
     def delete_verdict(self, request_key: str) -> None:
         with self.engine.begin() as conn:

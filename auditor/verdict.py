@@ -42,33 +42,29 @@ def decide(evidence: Evidence, grace_seconds: float) -> Decision | None:
         return None
     lag_ns = evidence.work_end_ns - disconnect
     engine = evidence.engine_span
+    # Only the engine can say the response was complete. Without its span (vLLM emits none for an
+    # aborted request) a server span that ended promptly is an abort, never a completion.
     if engine is not None and engine.finish_reason in NORMAL_FINISH and engine.end_ns <= disconnect + CLOCK_ERROR_NS:
-        return Decision(Verdict.COMPLETED, max(lag_ns, 0) / 1e9)
-    if engine is None and lag_ns <= CLOCK_ERROR_NS and _response_finished(evidence.http_span):
         return Decision(Verdict.COMPLETED, max(lag_ns, 0) / 1e9)
     if lag_ns <= grace_ns:
         return Decision(Verdict.ABORTED, max(lag_ns, 0) / 1e9)
     return Decision(Verdict.ZOMBIE, lag_ns / 1e9)
 
 
-def _response_finished(http_span: SpanRecord | None) -> bool:
-    # Without an engine span the server span is all there is: a response that ended (status set,
-    # span closed) within the clock error of the disconnect was complete when the client left.
-    return http_span is not None and (http_span.http_status or 0) < 500
-
-
 def phase_at(disconnect_ns: int, engine: SpanRecord | None) -> Phase:
-    """Queued, prefill or decode, from the engine span's arrival, queue and first-token times."""
-    if engine is None or (engine.time_in_queue_s is None and engine.time_to_first_token_s is None):
+    """Queued, prefill or decode, from the engine span's arrival, queue and first-token times.
+
+    A latency the span lacks is a stage the request never reached: no time in queue means it
+    never left the queue, no time to first token means it never finished prefill.
+    """
+    if engine is None:
         return Phase.UNKNOWN
     arrival = engine.start_ns
-    if engine.time_in_queue_s is not None and disconnect_ns < arrival + engine.time_in_queue_s * 1e9:
+    if engine.time_in_queue_s is None or disconnect_ns < arrival + engine.time_in_queue_s * 1e9:
         return Phase.QUEUED
-    if engine.time_to_first_token_s is not None:
-        if disconnect_ns < arrival + engine.time_to_first_token_s * 1e9:
-            return Phase.PREFILL
-        return Phase.DECODE
-    return Phase.UNKNOWN
+    if engine.time_to_first_token_s is None or disconnect_ns < arrival + engine.time_to_first_token_s * 1e9:
+        return Phase.PREFILL
+    return Phase.DECODE
 
 
 def tokens_after_disconnect(disconnect_ns: int, engine: SpanRecord | None) -> tuple[int | None, bool]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
+import mmap
 import os
 import platform
 import socket
@@ -20,6 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from auditor.errors import ConfigError
 from auditor.model import ConnEvent, ConnEventKind
 from probes.clock import MonotonicToWall
 from probes.source import ProbeUnavailable, validate_ports
@@ -30,6 +33,12 @@ PROGRAM_DIR = Path(__file__).resolve().parent
 PROGRAM_FILE = PROGRAM_DIR / "disconnect.bpf.c"
 HEADER_FILE = PROGRAM_DIR / "disconnect.h"
 DEFAULT_RINGBUF_PAGES = 4096  # 16 MiB with 4 KiB pages: about 260,000 events of headroom
+# Records per CPU between reader wake-ups (see disconnect.bpf.c). Each wake-up costs the reader
+# a poll round trip (tens of µs in Python), so fewer is cheaper; the cap keeps the records that
+# can sit unsignalled on all CPUs together under a quarter of the ring buffer.
+MAX_WAKEUP_EVERY = 1024
+RECORD_BYTES = 64  # struct event (56) plus the ring buffer's 8-byte record header
+MAX_PORTS = 1024  # the size of the watched_ports map in disconnect.bpf.c
 TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset")
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 
@@ -47,21 +56,37 @@ AF_INET = 2
 AF_INET6 = 10
 
 
-def program_text(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES) -> str:
+def default_wakeup_every(ringbuf_pages: int, cpus: int | None = None) -> int:
+    capacity = ringbuf_pages * mmap.PAGESIZE // RECORD_BYTES
+    per_cpu = capacity // (4 * max(1, cpus or os.cpu_count() or 1))
+    return max(1, min(MAX_WAKEUP_EVERY, per_cpu))
+
+
+def program_text(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
+                 wakeup_every: int | None = None) -> str:
     """The final program bcc compiles: settings as defines, the shared header inlined."""
     if ringbuf_pages <= 0 or ringbuf_pages & (ringbuf_pages - 1):
         raise ValueError(f"ringbuf_pages must be a power of two, got {ringbuf_pages}")
+    if wakeup_every is None:
+        wakeup_every = default_wakeup_every(ringbuf_pages)
+    if wakeup_every < 1:
+        raise ValueError(f"wakeup_every must be at least 1, got {wakeup_every}")
     header = HEADER_FILE.read_text()
     source = PROGRAM_FILE.read_text().replace('#include "disconnect.h"', header.rstrip())
-    return f"#define RINGBUF_PAGES {ringbuf_pages}\n{source}"
+    return (f"#define RINGBUF_PAGES {ringbuf_pages}\n#define WAKEUP_EVERY {wakeup_every}\n"
+            f"{source}")
 
 
 def bpf_unavailable_reason(*, tracefs_roots: Iterable[Path] = TRACEFS_ROOTS,
                            modules_root: Path = Path("/lib/modules"),
                            kheaders: Path = Path("/sys/kernel/kheaders.tar.xz"),
-                           check_bcc: bool = True) -> ProbeUnavailable | None:
-    """Why the probe cannot load here (reason and fix), or None when every precondition holds."""
-    if os.geteuid() != 0:
+                           check_bcc: bool = True,
+                           euid: int | None = None) -> ProbeUnavailable | None:
+    """Why the probe cannot load here (reason and fix), or None when every precondition holds.
+
+    The same checks, in the same words, as ``auditor doctor``; the paths can be pointed elsewhere.
+    """
+    if (os.geteuid() if euid is None else euid) != 0:
         return ProbeUnavailable("eBPF needs root (CAP_BPF and CAP_PERFMON)",
                                 "run as root, or use --source procfs")
     if check_bcc:
@@ -91,7 +116,7 @@ def _struct_format(event_class: Any) -> struct.Struct:
     """A struct.Struct equal to bcc's view of ``struct event``, for fast batch decoding."""
     codes = {ctypes.c_ulonglong: "Q", ctypes.c_ulong: "Q", ctypes.c_uint: "I", ctypes.c_ushort: "H",
              ctypes.c_ubyte: "B", ctypes.c_longlong: "q", ctypes.c_int: "i", ctypes.c_short: "h"}
-    fmt = "<"
+    fmt = "="  # native byte order, no implicit padding: gaps are spelled out below
     position = 0
     for name, ctype in event_class._fields_:
         field = getattr(event_class, name)
@@ -107,7 +132,37 @@ def _struct_format(event_class: Any) -> struct.Struct:
     return struct.Struct(fmt)
 
 
-EVENT_FIELDS = ("ts_ns", "skaddr", "saddr", "daddr", "sport", "dport", "family", "kind", "oldstate")
+_POSITIONAL_FIELDS = ("ts_ns", "kind", "family", "client_addr", "client_port", "server_addr",
+                      "server_port", "cookie", "host", "source")
+
+
+def _positional_event(ts_ns: int, kind: ConnEventKind, family: int, client_addr: str,
+                      client_port: int, server_addr: str, server_port: int, cookie: int,
+                      host: str) -> ConnEvent:
+    return ConnEvent(ts_ns, kind, family, client_addr, client_port, server_addr, server_port,
+                     cookie, host, "bpf")
+
+
+def _keyword_event(ts_ns: int, kind: ConnEventKind, family: int, client_addr: str,
+                   client_port: int, server_addr: str, server_port: int, cookie: int,
+                   host: str) -> ConnEvent:
+    return ConnEvent(ts_ns=ts_ns, kind=kind, family=family, client_addr=client_addr,
+                     client_port=client_port, server_addr=server_addr, server_port=server_port,
+                     cookie=cookie, host=host, source="bpf")
+
+
+# Positional construction is twice as fast as keywords; use it only while the model's field
+# order is the one written above.
+_new_event = (_positional_event
+              if tuple(f.name for f in dataclasses.fields(ConnEvent))[:10] == _POSITIONAL_FIELDS
+              else _keyword_event)
+
+
+def _checked_ports(ports: Iterable[int]) -> frozenset[int]:
+    checked = validate_ports(ports)
+    if len(checked) > MAX_PORTS:
+        raise ConfigError(f"{len(checked)} ports to watch; the probe takes at most {MAX_PORTS}")
+    return checked
 
 
 class BpfConnEventSource:
@@ -117,8 +172,9 @@ class BpfConnEventSource:
 
     def __init__(self, ports: Iterable[int] = (), *, host: str = "",
                  ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
+                 wakeup_every: int | None = None,
                  clock: MonotonicToWall | None = None) -> None:
-        self._ports = validate_ports(ports)
+        self._ports = _checked_ports(ports)
         self._host = host
         self._clock = clock or MonotonicToWall()
         self._raw: list[bytes] = []
@@ -126,8 +182,8 @@ class BpfConnEventSource:
         self._stopped = False
         self._malformed = 0
         self._lost_at_stop = 0
-        self._addr_cache: dict[tuple[int, bytes], str] = {}
-        self.text = program_text(ringbuf_pages)
+        self._addr_cache: dict[bytes, str] = {}
+        self.text = program_text(ringbuf_pages, wakeup_every)
         problem = bpf_unavailable_reason()
         if problem is not None:
             raise problem
@@ -156,7 +212,7 @@ class BpfConnEventSource:
 
     def set_ports(self, ports: Iterable[int]) -> None:
         """Replace the watched ports; takes effect at once, without reloading the program."""
-        new_ports = validate_ports(ports)
+        new_ports = _checked_ports(ports)
         if self._started and not self._stopped:
             self._apply_ports(new_ports, self._ports)
         self._ports = new_ports
@@ -178,10 +234,15 @@ class BpfConnEventSource:
 
     # -- events -----------------------------------------------------------------------------
     def poll(self, timeout_s: float = 0.1) -> list[ConnEvent]:
-        """Events that arrived within ``timeout_s`` (returns as soon as there are some)."""
+        """Events queued by the kernel, waiting up to ``timeout_s`` for a batch to build up.
+
+        Returns early when the kernel signals a full batch; otherwise after ``timeout_s`` with
+        whatever arrived, so a lone event is delivered within one call.
+        """
         if not self._started or self._stopped:
             return []
         self._bpf.ring_buffer_poll(max(0, int(timeout_s * 1000)))
+        self._bpf.ring_buffer_consume()  # records submitted without a wake-up
         return self._drain()
 
     def lost_events(self) -> int:
@@ -201,24 +262,28 @@ class BpfConnEventSource:
         if not raw:
             return []
         if self._unpack is None:
-            self._unpack = _struct_format(self._events.event(ctypes.create_string_buffer(raw[0]))
-                                          .__class__)
+            event_class = self._events.event(ctypes.create_string_buffer(raw[0])).__class__
+            self._unpack = _struct_format(event_class)
         self._clock.maybe_recalibrate()
+        # The hot loop: about 2 µs an event. Locals, positional construction (the field order is
+        # checked at import) and an address cache keep it there.
         offset = self._clock.offset_ns
         unpack = self._unpack.unpack
         expected_size = self._unpack.size
+        kinds = KIND_BY_CODE
+        address = self._address
+        host = self._host
+        make = _new_event
         events: list[ConnEvent] = []
+        append = events.append
         for record in raw:
             try:
                 if len(record) != expected_size:
                     raise ValueError(f"record of {len(record)} bytes, expected {expected_size}")
                 ts, skaddr, saddr, daddr, sport, dport, family, kind, _old = unpack(record)
-                events.append(ConnEvent(
-                    ts_ns=ts + offset, kind=KIND_BY_CODE[kind],
-                    family=4 if family == AF_INET else 6,
-                    client_addr=self._address(family, daddr), client_port=dport,
-                    server_addr=self._address(family, saddr), server_port=sport,
-                    cookie=skaddr & COOKIE_MASK, host=self._host, source="bpf"))
+                append(make(ts + offset, kinds[kind], 4 if family == AF_INET else 6,
+                            address(family, daddr), dport, address(family, saddr), sport,
+                            skaddr & COOKIE_MASK, host))
             except (ValueError, KeyError, struct.error, OSError) as exc:
                 if self._malformed == 0:
                     log.error("dropping a kernel event that does not decode (%s); "
@@ -227,18 +292,20 @@ class BpfConnEventSource:
         return events
 
     def _address(self, family: int, packed: bytes) -> str:
-        key = (family, packed)
-        text = self._addr_cache.get(key)
+        cache = self._addr_cache
+        text = cache.get(packed) if family == AF_INET else cache.get(packed + b"6")
         if text is None:
             if family == AF_INET:
                 text = socket.inet_ntop(socket.AF_INET, packed[:4])
+                key = packed
             elif family == AF_INET6:
                 text = socket.inet_ntop(socket.AF_INET6, packed)
+                key = packed + b"6"  # IPv4 keys are 16 bytes, IPv6 keys 17: never confused
             else:
                 raise ValueError(f"address family {family} is neither AF_INET nor AF_INET6")
-            if len(self._addr_cache) > 65536:  # clients churn; keep the cache bounded
-                self._addr_cache.clear()
-            self._addr_cache[key] = text
+            if len(cache) > 65536:  # clients churn; keep the cache bounded
+                cache.clear()
+            cache[key] = text
         return text
 
     def _apply_ports(self, new: frozenset[int], old: frozenset[int]) -> None:

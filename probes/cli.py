@@ -97,15 +97,19 @@ def probe(config: Config, ports: tuple[int, ...], as_json: bool, dump_bpf: bool,
         return
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s", stream=sys.stderr)
     watched = list(ports) or list(config.probe.ports)
-    with errors_as_click():
-        src = open_source(watched, prefer=source or config.probe.source,
-                          host=config.host_id or None, poll_hz=config.probe.poll_hz)
+    try:
+        with errors_as_click():
+            src = open_source(watched, prefer=source or config.probe.source,
+                              host=config.host_id or None, poll_hz=config.probe.poll_hz)
+    except KeyboardInterrupt:  # Ctrl-C while the program compiles: nothing to clean up yet
+        click.echo("stopped before the probe was loaded", err=True)
+        sys.exit(130)
     shown = 0
     with _stop_on_signals() as stop:
         src.start()
-        click.echo(f"watching port{'s' if len(watched) > 1 else ''} "
-                   f"{', '.join(map(str, sorted(set(watched))))} with {src.name}; "
-                   "Ctrl-C to stop", err=True)
+        unique = sorted(set(watched))
+        click.echo(f"watching port{'s' if len(unique) > 1 else ''} {', '.join(map(str, unique))} "
+                   f"with {src.name}; Ctrl-C to stop", err=True)
         if not as_json:
             click.echo(TABLE_HEADER)
         try:
@@ -121,4 +125,8 @@ def probe(config: Config, ports: tuple[int, ...], as_json: bool, dump_bpf: bool,
             sys.stdout = open("/dev/null", "w")  # noqa: SIM115
         finally:
             src.stop()
-    click.echo(f"stopped: {shown} events shown, {src.lost_events()} lost ({src.name})", err=True)
+    if src.name == "procfs":
+        lost_text = "losses not countable: /proc polling misses what happens between polls"
+    else:
+        lost_text = f"{src.lost_events()} lost"
+    click.echo(f"stopped: {shown} events shown, {lost_text} ({src.name})", err=True)

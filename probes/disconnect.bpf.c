@@ -6,13 +6,21 @@
  *
  * Only server-side sockets are reported: the local port (sport) must be in watched_ports, which
  * user space updates at run time. Loopback clients of a watched port have it as dport, not sport.
- * Build-time settings arrive as defines: RINGBUF_PAGES.
+ * Build-time settings arrive as defines: RINGBUF_PAGES, WAKEUP_EVERY.
+ *
+ * Records are submitted without waking the reader, except every WAKEUP_EVERY-th on a CPU: one
+ * wake-up per record would cost the server (irq work in its softirq) and the reader (a Python
+ * round trip per event). User space also consumes on its poll timeout, so a lone event on a quiet
+ * host waits at most one poll interval; its timestamp is taken here and never delayed.
  */
 #include <uapi/linux/ptrace.h>
 #include "disconnect.h"
 
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 4096
+#endif
+#ifndef WAKEUP_EVERY
+#define WAKEUP_EVERY 1024
 #endif
 
 /* Copied from include/net/tcp_states.h, which is kernel-internal (not uapi). */
@@ -29,6 +37,7 @@
 BPF_HASH(watched_ports, u16, u8, 1024);
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost_events, u64, 1);
+BPF_PERCPU_ARRAY(unsignalled, u32, 1);
 
 static __always_inline void count_lost(void)
 {
@@ -36,6 +45,18 @@ static __always_inline void count_lost(void)
     u64 *lost = lost_events.lookup(&zero);
     if (lost)
         (*lost)++;
+}
+
+static __always_inline u64 wakeup_flag(void)
+{
+    u32 zero = 0;
+    u32 *count = unsignalled.lookup(&zero);
+    if (!count)
+        return 0; /* cannot happen for an array; fall back to the kernel's adaptive wake-up */
+    if (++(*count) < WAKEUP_EVERY)
+        return BPF_RB_NO_WAKEUP;
+    *count = 0;
+    return BPF_RB_FORCE_WAKEUP;
 }
 
 /* Addresses are copied field by field from the tracepoint record; a macro keeps every access a
@@ -86,7 +107,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         return 0;
     }
     FILL_EVENT(e, args, kind, oldstate);
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, wakeup_flag());
     return 0;
 }
 
@@ -102,6 +123,6 @@ TRACEPOINT_PROBE(tcp, tcp_receive_reset)
         return 0;
     }
     FILL_EVENT(e, args, EVENT_PEER_RST, 0);
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, wakeup_flag());
     return 0;
 }

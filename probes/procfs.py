@@ -82,7 +82,13 @@ def _decode_address(family: int, text: str) -> str:
 def parse_proc_net_tcp(text: str, family: int, ports: frozenset[int]) -> dict[SocketKey, _Seen]:
     """Sockets of /proc/net/tcp{,6} ``text`` whose local port is in ``ports`` (listeners skipped)."""
     found: dict[SocketKey, _Seen] = {}
+    # Busy hosts list tens of thousands of sockets 20 times a second: look at the local port
+    # (4 hex digits) first and parse the rest only for watched ones.
+    port_hex = {f"{port:04X}" for port in ports}
     for line in text.splitlines()[1:]:
+        head = line.split(None, 2)
+        if len(head) < 3 or head[1][-4:] not in port_hex:
+            continue
         fields = line.split()
         if len(fields) < 10:
             continue

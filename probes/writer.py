@@ -57,18 +57,20 @@ class ConnEventWriter:
                 self._pending.popleft()
             self.dropped += overflow
         interval_due = self._monotonic() - self._last_flush >= self.flush_interval_s
-        if len(self._pending) >= self.batch_size or (interval_due and self._pending):
-            # A failure is logged and counted in flush(); the events stay queued for the next try.
+        if interval_due or len(self._pending) >= self.batch_size:
+            # A failure is logged and counted in _write(); the events stay queued for the next try.
             with contextlib.suppress(StoreError):
-                self.flush()
-        elif interval_due:
-            self._last_flush = self._monotonic()
+                self._write(full_batches_only=not interval_due)
 
     def flush(self) -> int:
         """Write everything queued now; returns how many were written. Raises StoreError."""
+        return self._write(full_batches_only=False)
+
+    def _write(self, *, full_batches_only: bool) -> int:
         written = 0
-        self._last_flush = self._monotonic()
-        while self._pending:
+        if not full_batches_only:
+            self._last_flush = self._monotonic()
+        while self._pending and (len(self._pending) >= self.batch_size or not full_batches_only):
             count = min(self.batch_size, len(self._pending))
             batch = [self._pending[i] for i in range(count)]
             try:
@@ -84,7 +86,7 @@ class ConnEventWriter:
                 self._pending.popleft()
             written += count
             self.written += count
-        if self._failing:
+        if self._failing and written:
             log.info("storing connection events works again")
             self._failing = False
         return written

@@ -1,4 +1,4 @@
-"""A small, realistic store for the report tests, filled only through the Store APIs.
+"""(No tests here.) A small, realistic store for the report tests, filled only through the Store APIs.
 
 Two hosts, two routes, two models; HTTP server spans (the requests), engine spans (never counted
 as requests), one verdict of every kind, coverage counts, and whole-GPU and per-process samples.
@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import datetime as dt
 
-from auditor.model import CoverageKind, Phase, RequestVerdict, SpanRecord, SpanRole, UtilSample, Verdict
+from auditor.model import (
+    CoverageKind,
+    Phase,
+    RequestVerdict,
+    SpanRecord,
+    SpanRole,
+    UtilSample,
+    Verdict,
+)
 from auditor.store import Store
 
 S = 1_000_000_000

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from sqlalchemy import func, select
@@ -152,7 +153,7 @@ def test_live_notice_gives_inflight_zombie_before_any_span(store: Store) -> None
     assert row.verdict == "inflight_zombie"
     # The work ends; its spans arrive; the live-only verdict becomes a zombie under the span's key.
     end = LiveEvent("end", "9" * 32, "8" * 16, "POST", "server", T0 + 3 * S, None, None, None, 123, "engine", False)
-    store.insert_spans([http_span("9", 0, 3.0), engine_span("9", 0, 3.0, "length")])
+    store.insert_spans([http_span("9", 0, 3.0, span="8"), engine_span("9", 0, 3.0, "length")])
     clock.now = T0 + 4 * S
     correlator.tick([end])
     [row] = verdicts(store)
@@ -189,21 +190,43 @@ def test_restart_resumes_without_duplicates(tmp_path: Path) -> None:
 def test_gateway_chain_one_verdict_with_hop_delay(store: Store) -> None:
     clock = Clock()
     gateway_client, upstream_client = ("127.0.0.1", 50000), ("127.0.0.1", 50001)
-    store.insert_spans([
-        http_span("g", 0, 1.01, client=gateway_client, port=9000),
-        _with_span_id(http_span("g", 0.001, 1.03, client=upstream_client, port=8000), "7" * 16),
-    ])
+    outer = http_span("g", 0, 1.01, client=gateway_client, port=9000)
+    gateway_call = replace(outer, span_id="6" * 16, parent_span_id=outer.span_id, kind="client",
+                           role=SpanRole.HTTP_CLIENT, peer_addr=None, peer_port=None)
+    upstream = replace(http_span("g", 0.001, 1.03, client=upstream_client, port=8000), span_id="7" * 16,
+                       parent_span_id=gateway_call.span_id)
+    store.insert_spans([upstream, gateway_call])  # the engine hop's spans arrive first
     store.insert_conn_events([close(1.0, client=gateway_client, port=9000),
                               close(1.02, client=upstream_client, port=8000)])
     clock.now = T0 + 2 * S
     correlator = Correlator(store, host="h", late_span_seconds=5, clock=clock, watched_ports=lambda: {8000, 9000})
+    correlator.tick()
+    assert [r.server_port for r in verdicts(store)] == [8000]
+    store.insert_spans([outer])  # the gateway's own span last: one request, one verdict
     correlator.tick()
     [row] = verdicts(store)
     assert row.server_port == 9000 and row.verdict == "aborted"
     assert row.details["hops"] == [{"server_port": 8000, "client_port": 50001, "disconnect_delay_s": 0.02}]
 
 
-def _with_span_id(span: SpanRecord, span_id: str) -> SpanRecord:
-    from dataclasses import replace
+def test_two_requests_in_one_trace_get_two_verdicts(store: Store) -> None:
+    clock = Clock()
+    # An agent makes two calls under one parent span: same trace, different connections.
+    first = replace(http_span("t", 0, 1.0), parent_span_id="1" * 16)
+    second = replace(http_span("t", 2, 3.0, span="6", client=("127.0.0.1", 40003)), parent_span_id="2" * 16)
+    store.insert_spans([first, second])
+    store.insert_conn_events([close(0.5), close(2.5, client=("127.0.0.1", 40003))])
+    clock.now = T0 + 4 * S
+    make(store, clock).tick()
+    assert sorted(r.client_port for r in verdicts(store)) == [40001, 40003]
 
-    return replace(span, span_id=span_id)
+
+def test_client_that_leaves_before_the_server_reads_the_request(store: Store) -> None:
+    clock = Clock()
+    # AIPerf delay 0: the request sat in the receive buffer; the server's span starts after the FIN.
+    store.insert_spans([http_span("r", 0.010, 0.012)])
+    store.insert_conn_events([close(0.0)])
+    clock.now = T0 + 2 * S
+    make(store, clock).tick()
+    [row] = verdicts(store)
+    assert row.verdict == "aborted" and abs(row.lag_seconds - 0.012) < 1e-6

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from auditor.errors import ConfigError
 from auditor.model import ConnEvent, ConnEventKind
 from auditor.schema import ConnEventRow
 from auditor.store import Store
@@ -150,9 +151,9 @@ def test_client_fin_mid_response_is_a_peer_fin_timed_to_the_close(probe: Probe, 
     assert kinds[-1] == CLOSED
     assert LOCAL_FIN not in kinds  # the server closed only after the client did
     fin = probe.of(http_port, client_port)[0]
-    # The FIN reaches the server socket inside shutdown(): the converted kernel time must fall in
-    # that window, give or take less than a millisecond.
-    assert before - MS < fin.ts_ns < after + MS, (fin.ts_ns - before, after - fin.ts_ns)
+    # Loose here (a loaded host may defer loopback softirqs); the tight bound is tested below on
+    # a socket whose state the test can watch.
+    assert before - MS < fin.ts_ns < after + 500 * MS, (fin.ts_ns - before, after - fin.ts_ns)
     assert (fin.family, fin.client_addr, fin.server_addr) == (4, "127.0.0.1", "127.0.0.1")
     assert fin.host == "probe-test" and fin.source == "bpf"
     assert len({e.cookie for e in probe.of(http_port, client_port)}) == 1
@@ -172,7 +173,40 @@ def test_client_rst_is_a_peer_rst_then_closed(probe: Probe, http_port: int) -> N
     kinds = probe.wait_closed(http_port, client_port)
     assert kinds == [PEER_RST, CLOSED]  # one reset, reported once
     rst = probe.of(http_port, client_port)[0]
-    assert before - MS < rst.ts_ns < after + MS
+    assert before - MS < rst.ts_ns < after + 500 * MS
+
+
+TCP_CLOSE_WAIT, TCP_CLOSE = 8, 7
+
+
+def wait_until_state(sock: socket.socket, state: int) -> int:
+    """Spin until the kernel reports ``state`` for ``sock`` (TCP_INFO); returns time.time_ns()."""
+    deadline = time.monotonic() + 2
+    while sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0] != state:
+        assert time.monotonic() < deadline, "the state change never came"
+    return time.time_ns()
+
+
+@pytest.mark.parametrize("how", ["fin", "rst"])
+def test_timestamps_are_within_a_millisecond_of_the_wall_clock(probe: Probe, how: str) -> None:
+    # The change happened after `before` and before the test saw the new state (`seen`): the
+    # converted kernel time must fall in that window, give or take less than a millisecond.
+    server = listener()
+    probe.source.set_ports([port_of(server)])
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    client_port = port_of(client)
+    if how == "rst":
+        reset_on_close(client)
+    before = time.time_ns()
+    client.close()
+    seen = wait_until_state(accepted, TCP_CLOSE_WAIT if how == "fin" else TCP_CLOSE)
+    accepted.close()
+    probe.wait_closed(port_of(server), client_port)
+    first = probe.of(port_of(server), client_port)[0]
+    assert first.kind == (PEER_FIN if how == "fin" else PEER_RST)
+    assert before - MS < first.ts_ns < seen + MS, (first.ts_ns - before, seen - first.ts_ns)
+    server.close()
 
 
 def test_server_closing_first_is_not_a_peer_close(probe: Probe, http_port: int) -> None:
@@ -349,4 +383,17 @@ def test_events_from_the_kernel_land_in_the_store(probe: Probe, store: Store) ->
     assert sorted((r.client_port, r.kind) for r in rows) == sorted(
         (p, k) for p in client_ports for k in ("peer_fin", "closed"))
     assert all(r.cookie is not None and r.cookie > 0 and r.source == "bpf" for r in rows)
+    server.close()
+
+
+def test_bad_port_sets_are_refused_and_the_filter_is_kept(probe: Probe) -> None:
+    server = listener()
+    probe.source.set_ports([port_of(server)])
+    with pytest.raises(ConfigError, match="at most 1024"):
+        probe.source.set_ports(range(1, 1100))
+    with pytest.raises(ConfigError, match="is not a TCP port"):
+        probe.source.set_ports([port_of(server), 0])
+    assert probe.source.ports == {port_of(server)}
+    client_port = connect_and_close(server)
+    assert probe.wait_closed(port_of(server), client_port) == [PEER_FIN, CLOSED]
     server.close()

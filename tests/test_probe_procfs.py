@@ -147,10 +147,14 @@ def test_poller_thread_delivers_through_poll_within_the_interval(server: socket.
         events: list = []
         deadline = time.monotonic() + 3
         while PEER_FIN not in kinds_for(events, client_port) and time.monotonic() < deadline:
-            events += source.poll(timeout_s=0.1)
+            events += source.poll(timeout_s=0.02)
+        received = time.time_ns()
         fin = next(e for e in events if e.kind == PEER_FIN and e.client_port == client_port)
-        # Precision is the poll interval: the stamp is the middle of the interval it fell in.
-        assert before - 60_000_000 < fin.ts_ns < before + 60_000_000
+        # The stamp is the middle of the poll interval the change fell in: about 25 ms either
+        # side at 20 Hz. The bounds allow for a loaded host stretching an interval, and the
+        # stamp can never be later than the moment the event was handed over.
+        assert before - 250_000_000 < fin.ts_ns <= received
+        assert received - before < 1_000_000_000
         assert source.lost_events() == 0
         accepted.close()
     finally:

@@ -33,12 +33,13 @@ FORMATS = ("table", "json", "csv", "html")
 @click.option("--format", "output_format", type=click.Choice(FORMATS), default="table",
               show_default=True, help="table for people; json and csv for machines; html for a "
               "self-contained page with plots.")
+@click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
               help="Write to this file instead of standard output.")
 @common_options
 def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: str | None,
            service: str | None, route: str | None, model: str | None, top: int,
-           output_format: str, output: str | None) -> None:
+           output_format: str, as_json: bool, output: str | None) -> None:
     """Findings over a window: disconnects, zombies, and the GPU time they wasted.
 
     \b
@@ -51,10 +52,13 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
     """
     from auditor.report.query import build_report
 
+    if as_json:
+        output_format = "json"
     until = until or dt.datetime.now(dt.timezone.utc)
     if until <= since:
         raise click.BadParameter(
-            f"{until.isoformat()} is not after --since {since.isoformat()}; "
+            f"{until.isoformat(timespec='seconds')} is not after --since "
+            f"{since.isoformat(timespec='seconds')}; "
             "e.g. --since 2h --until 1h", param_hint="--until")
     query = ReportQuery(since_ns=to_ns(since), until_ns=to_ns(until), host=host, service=service,
                         route=route, model=model, top=top)
@@ -64,7 +68,8 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
     try:
         with errors_as_click():
             result = build_report(store, query, with_requests=output_format in ("json", "csv"),
-                                  with_series=output_format == "html")
+                                  with_series=output_format == "html",
+                                  requests_as_json=output_format == "json")
     finally:
         store.close()
     if result.empty and (output_format != "table" or output):
@@ -116,8 +121,16 @@ def _write(result: Report, output_format: str, output: str | None) -> None:
     if output is None:
         _render(result, output_format, sys.stdout)
         return
-    # Write beside the target and rename, so a failed report never leaves half a file behind.
     target = Path(output)
+    if target.exists() and not target.is_file():
+        # /dev/null, a FIFO, /dev/stdout: write straight through; renaming over them would be wrong.
+        try:
+            with target.open("w", encoding="utf-8", newline="") as out:
+                _render(result, output_format, out)
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {output}: {exc.strerror or exc}") from exc
+        return
+    # Write beside the target and rename, so a failed report never leaves half a file behind.
     try:
         fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
         try:

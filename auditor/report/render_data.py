@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from collections.abc import Iterable
+from json.encoder import encode_basestring
+from math import isfinite
 from typing import Any, TextIO
 
 from auditor.report.model import (
@@ -32,9 +33,14 @@ REQUEST_FIELDS = (
 
 def _number(value: float | None, digits: int = 9) -> float | None:
     # NaN and infinities are not JSON; a broken sample must not make the whole document invalid.
-    if value is None or not math.isfinite(value):
+    if value is None or not isfinite(value):
         return None
     return round(value, digits)
+
+
+def _finite(value: float | None) -> float | None:
+    # Rounded as the SQLite path rounds (sqlite_json.FLOAT_DIGITS), so both give the same numbers.
+    return round(value, 9) if value is not None and isfinite(value) else None
 
 
 def request_dict(finding: RequestFinding) -> dict[str, Any]:
@@ -45,7 +51,7 @@ def request_dict(finding: RequestFinding) -> dict[str, Any]:
         "disconnect_at": rfc3339(finding.disconnect_at_ns),
         "disconnect_kind": finding.disconnect_kind,
         "work_end_at": rfc3339_or_none(finding.work_end_ns),
-        "lag_seconds": _number(finding.lag_seconds),
+        "lag_seconds": _finite(finding.lag_seconds),
         "phase": finding.phase,
         "route": finding.route,
         "model": finding.model,
@@ -56,9 +62,49 @@ def request_dict(finding: RequestFinding) -> dict[str, Any]:
         "max_tokens": finding.max_tokens,
         "wasted_tokens": finding.wasted_tokens,
         "tokens_exact": finding.tokens_exact,
-        "wasted_gpu_seconds": _number(finding.wasted_gpu_seconds),
-        "wasted_cpu_seconds": _number(finding.wasted_cpu_seconds),
+        "wasted_gpu_seconds": _finite(finding.wasted_gpu_seconds),
+        "wasted_cpu_seconds": _finite(finding.wasted_cpu_seconds),
     }
+
+
+def _text(value: str | None) -> str:
+    return "null" if value is None else encode_basestring(value)
+
+
+def _json_time(ns: int | None) -> str:
+    return "null" if ns is None else f'"{rfc3339(ns)}"'
+
+
+def _json_int(value: int | None) -> str:
+    return "null" if value is None else str(value)
+
+
+def _json_float(value: float | None) -> str:
+    return repr(round(value, 9)) if value is not None and isfinite(value) else "null"
+
+
+def request_json(finding: RequestFinding) -> str:
+    """``request_dict(finding)`` encoded as one compact JSON object, without building the dict.
+
+    The per-request list is most of a report's bytes; a template with the C string escaper is
+    about twice as fast as ``json.dumps`` of a dict. A test holds the two encodings equal.
+    """
+    f = finding
+    return (
+        f'{{"request_id": {_text(f.request_id)}, "trace_id": {_text(f.trace_id)}, '
+        f'"verdict": {encode_basestring(f.verdict)}, '
+        f'"disconnect_at": "{rfc3339(f.disconnect_at_ns)}", '
+        f'"disconnect_kind": {encode_basestring(f.disconnect_kind)}, '
+        f'"work_end_at": {_json_time(f.work_end_ns)}, '
+        f'"lag_seconds": {_json_float(f.lag_seconds)}, "phase": {encode_basestring(f.phase)}, '
+        f'"route": {_text(f.route)}, "model": {_text(f.model)}, "service": {_text(f.service)}, '
+        f'"client": {_text(f.client)}, "host": {encode_basestring(f.host)}, '
+        f'"request_start_at": "{rfc3339(f.request_start_ns)}", '
+        f'"max_tokens": {_json_int(f.max_tokens)}, "wasted_tokens": {_json_int(f.wasted_tokens)}, '
+        f'"tokens_exact": {"true" if f.tokens_exact else "false"}, '
+        f'"wasted_gpu_seconds": {_json_float(f.wasted_gpu_seconds)}, '
+        f'"wasted_cpu_seconds": {_json_float(f.wasted_cpu_seconds)}}}'
+    )
 
 
 def _breakdown_dict(row: BreakdownRow) -> dict[str, Any]:
@@ -118,6 +164,8 @@ def report_header_dict(report: Report) -> dict[str, Any]:
 
 def report_dict(report: Report) -> dict[str, Any]:
     """The JSON document as Python values (for callers that post-process it)."""
+    if report.requests_json is not None:
+        return report_header_dict(report) | {"requests": [json.loads(t) for t in report.requests_json]}
     return report_header_dict(report) | {"requests": [request_dict(f) for f in report.requests]}
 
 
@@ -128,13 +176,16 @@ def write_json(report: Report, out: TextIO) -> None:
         text = json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False)
         out.write(f"  {json.dumps(key)}: {text.replace(chr(10), chr(10) + '  ')},\n")
     out.write('  "requests": [')
-    separator = "\n    "
-    dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
-    for finding in report.requests:
-        out.write(separator)
-        out.write(dumps(request_dict(finding)))
-        separator = ",\n    "
-    out.write("\n  ]\n}\n" if report.requests else "]\n}\n")
+    texts = report.requests_json if report.requests_json is not None else map(
+        request_json, report.requests)
+    first = True
+    for text in texts:
+        out.write("\n    " if first else ",\n    ")
+        out.write(text)
+        first = False
+    if not first:
+        out.write("\n  ")
+    out.write("]\n}\n")
 
 
 def write_csv(findings: Iterable[RequestFinding], out: TextIO) -> None:

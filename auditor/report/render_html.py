@@ -75,7 +75,8 @@ def _plots(report: Report) -> list[str]:
         minutes = report.bucket_ns / 60e9
         parts += ["<h2>Zombies and wasted GPU time</h2>", time_chart(
             "zombies and wasted GPU-seconds over time", starts, report.bucket_ns,
-            Series("zombies (by disconnect time)", [b.zombies for b in report.series], "#d9534f", "bar"),
+            Series("zombies (by disconnect time)", [b.zombies for b in report.series], "#d9534f", "bar",
+                   counts=True),
             Series("wasted GPU-seconds", [b.wasted_gpu_seconds for b in report.series], "#7a4fd9"))]
         parts += ["<h2>Completed requests against GPU utilization</h2>",
                   '<p class="sub">Zombies show as the gap: the GPU stays busy while fewer requests '

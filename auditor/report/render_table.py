@@ -109,7 +109,7 @@ def _totals(report: Report) -> list[str]:
     ]
 
 
-BREAKDOWN_HEADER = (f"  {'':<24} {'disconn':>8} {'complete':>8} {'aborted':>8} {'zombie':>8} "
+BREAKDOWN_HEADER = (f"  {'':<20} {'disconn':>8} {'complete':>8} {'aborted':>8} {'zombie':>8} "
                     f"{'in-flight':>9} {'zombie s':>10} {'tokens':>9} {'GPU-s':>9}")
 
 
@@ -119,7 +119,7 @@ def _breakdown(title: str, rows: list[BreakdownRow]) -> list[str]:
     lines = ["", f"By {title}", BREAKDOWN_HEADER]
     for row in rows[:BREAKDOWN_ROWS]:
         lines.append(
-            f"  {clip(printable(row.key, '(none)'), 24):<24} {row.disconnects:>8,} {row.completed:>8,} "
+            f"  {clip(printable(row.key, '(none)'), 20):<20} {row.disconnects:>8,} {row.completed:>8,} "
             f"{row.aborted:>8,} {row.zombies:>8,} {row.inflight_zombies:>9,} "
             f"{row.zombie_seconds:>10,.1f} {row.wasted_tokens:>9,} {row.wasted_gpu_seconds:>9,.1f}")
     if len(rows) > BREAKDOWN_ROWS:
@@ -128,6 +128,8 @@ def _breakdown(title: str, rows: list[BreakdownRow]) -> list[str]:
 
 
 def _worst(report: Report) -> list[str]:
+    if report.query.top == 0:
+        return []
     if not report.worst_zombies:
         return ["", "No zombies in the window."]
     lines = ["", "Worst zombies (by zombie time; ids are full, for lookup in a tracing backend)",

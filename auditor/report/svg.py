@@ -14,6 +14,7 @@ from auditor.report.model import UtilPoint, ZombieTimeline, rfc3339_seconds
 
 WIDTH, HEIGHT = 920, 260
 LEFT, RIGHT, TOP, BOTTOM = 64, 64, 16, 40
+TICKS = 5  # axis intervals: 1, 2 and 5 x 10^k divide into round steps
 
 
 def esc(text: object) -> str:
@@ -42,6 +43,7 @@ class Series:
     color: str
     kind: str = "line"  # "line" or "bar"
     fixed_max: float | None = None  # e.g. 100 for a percentage
+    counts: bool = False  # whole numbers: keep the axis ticks whole too
 
 
 def time_chart(title: str, starts_ns: Sequence[int], width_ns: int, left: Series, right: Series) -> str:
@@ -55,10 +57,12 @@ def time_chart(title: str, starts_ns: Sequence[int], width_ns: int, left: Series
     for series, x_axis, anchor in ((left, LEFT - 6, "end"), (right, WIDTH - RIGHT + 6, "start")):
         present = [v for v in series.values if v is not None]
         top = series.fixed_max or nice_ceiling(max(present, default=0.0))
+        if series.counts:
+            top = max(top, float(TICKS))  # 1, 2, 5 x 10^k with five intervals: whole ticks from 5 up
         scales.append(top)
-        for i in range(5):
-            value = top * i / 4
-            y = TOP + plot_h - plot_h * i / 4
+        for i in range(TICKS + 1):
+            value = top * i / TICKS
+            y = TOP + plot_h - plot_h * i / TICKS
             if series is left:
                 parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" '
                              'class="grid"/>')
@@ -135,7 +139,7 @@ def zombie_timelines(timelines: Sequence[ZombieTimeline]) -> str:
                      f'<title>{esc(label)}</title></text>')
         parts.append(f'<text x="4" y="{top + 32}">{esc(f"{finding.lag_seconds or 0:,.1f} s zombie")}'
                      f', {esc(finding.phase)}</text>')
-        parts.append(_util_area(timeline.utilization, x_of, top + 40, 36))
+        parts.append(_util_area(timeline.utilization, x_of, top + 40, 36, end))
         disconnect = x_of(finding.disconnect_at_ns)
         parts.append(f'<rect x="{LABEL_W}" y="{top + 8}" width="{max(disconnect - LABEL_W, 1):.1f}" '
                      'height="14" class="serving"><title>serving: request start to disconnect</title></rect>')
@@ -156,12 +160,14 @@ def zombie_timelines(timelines: Sequence[ZombieTimeline]) -> str:
 
 
 def _util_area(points: Sequence[UtilPoint], x_of: Callable[[int], float], bottom: float,
-               height: float) -> str:
+               height: float, end_ns: int) -> str:
     if not points:
         return ""
+    # Each point is the mean over the slice it starts; the last one holds until the end of work.
+    steps = [*points, UtilPoint(ts_ns=end_ns, util_percent=points[-1].util_percent)]
     coords = [f"{x_of(p.ts_ns):.1f},{bottom - height * max(0.0, min(p.util_percent, 100.0)) / 100:.1f}"
-              for p in points]
-    first, last = x_of(points[0].ts_ns), x_of(points[-1].ts_ns)
+              for p in steps]
+    first, last = x_of(points[0].ts_ns), x_of(end_ns)
     return (f'<polygon class="util" points="{first:.1f},{bottom} {" ".join(coords)} {last:.1f},{bottom}">'
             f'<title>GPU utilization under this request</title></polygon>')
 

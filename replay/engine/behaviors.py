@@ -32,7 +32,6 @@ def react_to_disconnect(behavior: str, engine: Engine, request: RequestHandle,
         engine.abort(request.request_id)
     elif behavior == "late":
         asyncio.get_running_loop().call_later(late_seconds, engine.abort, request.request_id)
-    elif behavior == "queued-leak":
-        if engine.phase_of(request) is not Phase.QUEUED:
-            engine.abort(request.request_id)
+    elif behavior == "queued-leak" and engine.phase_of(request) is not Phase.QUEUED:
+        engine.abort(request.request_id)
     # detached and no-check do nothing here: that is their bug.

@@ -13,7 +13,6 @@ import click
 from auditor.cliutil import errors_as_click
 from auditor.errors import AuditorError
 from replay.engine.behaviors import BEHAVIORS
-from replay.engine.protocol import MAX_TOKENS_LIMIT
 
 
 class EngineStartError(AuditorError):
@@ -38,8 +37,12 @@ def _write_port_file(path: str, port: int) -> None:
     # Written atomically so a launcher polling the file never reads half a number.
     target = Path(path)
     temporary = target.with_name(target.name + ".tmp")
-    temporary.write_text(f"{port}\n", encoding="ascii")
-    os.replace(temporary, target)
+    try:
+        temporary.write_text(f"{port}\n", encoding="ascii")
+        os.replace(temporary, target)
+    except OSError as exc:
+        raise EngineStartError(f"cannot write the port file {target}: {exc.strerror}; "
+                               "check that its directory exists and is writable") from exc
 
 
 def serve(app: object, sock: socket.socket, log_level: str) -> None:
@@ -73,6 +76,8 @@ def serve(app: object, sock: socket.socket, log_level: str) -> None:
 @click.option("--otlp", metavar="URL", help="http://HOST:PORT (OTLP/HTTP) or grpc://HOST:PORT (OTLP/gRPC); "
               "default: the OTEL_EXPORTER_OTLP_* variables, else no export.")
 @click.option("--service-name", default=None, help="service.name of the spans [default: ref-engine, ref-gateway].")
+@click.option("--live", metavar="HOST:PORT", help="Send span starts and ends to the auditor's live-notice "
+              "socket, so zombies are flagged while they run.")
 @click.option("--trace-aborted", is_flag=True, help="Emit llm_request spans for aborted requests too.")
 @click.option("--truth-log", type=click.Path(dir_okay=False), help="Append one JSON line per finished request.")
 @click.option("--gateway", "gateway_upstream", metavar="UPSTREAM_URL",
@@ -83,7 +88,7 @@ def serve(app: object, sock: socket.socket, log_level: str) -> None:
               show_default=True)
 def engine(host: str, port: int, port_file: str | None, behavior: str, late_seconds: float, max_batch: int,
            step_ms: float, prefill_chunk: int, device: str, model: str, otlp: str | None,
-           service_name: str | None, trace_aborted: bool, truth_log: str | None,
+           service_name: str | None, live: str | None, trace_aborted: bool, truth_log: str | None,
            gateway_upstream: str | None, propagate: str, log_level: str) -> None:
     """Run the reference engine: an OpenAI-compatible server with real batching and compute.
 
@@ -91,13 +96,16 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
     vLLM, and can write what really happened to each request (--truth-log).
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The engine thread runs Python between matrix products; a short GIL switch interval lets the
+    # event loop notice a disconnect and issue the abort within a step or two.
+    sys.setswitchinterval(0.001)
     with errors_as_click():
         if gateway_upstream is not None:
             from replay.engine.gateway import GatewaySettings, build_gateway
 
             app: object = build_gateway(GatewaySettings(
                 upstream=gateway_upstream, propagate=propagate == "yes", otlp=otlp,
-                service_name=service_name or "ref-gateway"))
+                service_name=service_name or "ref-gateway", live=live))
             what = f"gateway to {gateway_upstream} (propagate={propagate})"
         else:
             from replay.engine.server import EngineServer, EngineSettings
@@ -105,14 +113,14 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
             server = EngineServer(EngineSettings(
                 model=model, behavior=behavior, late_seconds=late_seconds, max_batch=max_batch,
                 step_ms=step_ms, prefill_chunk=prefill_chunk, device=device, otlp=otlp, truth_log=truth_log,
-                service_name=service_name or "ref-engine", trace_aborted=trace_aborted))
+                service_name=service_name or "ref-engine", trace_aborted=trace_aborted, live=live))
             app = server.app()
             what = (f"engine {model} behavior={behavior} max_batch={max_batch} step={step_ms}ms "
                     f"({server.engine.backend.layers} layers on {device})")
         sock = _bind(host, port)
-    bound = sock.getsockname()[1]
-    if port_file:
-        _write_port_file(port_file, bound)
+        bound = sock.getsockname()[1]
+        if port_file:
+            _write_port_file(port_file, bound)
     click.echo(f"{what} listening on http://{host}:{bound} (pid {os.getpid()})", err=True)
     sys.stderr.flush()
     serve(app, sock, log_level)

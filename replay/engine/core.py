@@ -26,7 +26,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 from replay.engine.compute import ComputeBackend
 from replay.engine.tokens import token_text
@@ -59,6 +58,7 @@ class RequestHandle:
     top_p: float | None = None
     n: int = 1
     trace_headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    work_key: tuple[str, str] | None = None  # (trace id, work id) for the auditor's live notices
     # Called from the engine thread with ("token", text) or ("finish", reason); must not block.
     deliver: Callable[[str, str], None] | None = None
 
@@ -136,7 +136,9 @@ class Engine:
     def note_disconnect(self, request: RequestHandle, at_ns: int) -> None:
         """Record when the client left (ground truth), whatever the behaviour does about it."""
         with self._lock:
-            if request.disconnect_at is None:
+            # A finished request's record is frozen (callbacks read it without the lock): a client
+            # leaving after the end is not a disconnect in flight.
+            if request.disconnect_at is None and request.phase is not Phase.FINISHED:
                 request.disconnect_at = at_ns
                 request.phase_at_disconnect = request.phase.value
                 request.tokens_at_disconnect = request.tokens_generated
@@ -153,27 +155,39 @@ class Engine:
     # -- the loop (engine thread only) ---------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopping and not self._waiting and not self._running and not self._pending_aborts:
-                    self._lock.wait()
-                if self._stopping:
-                    leftovers = list(self._waiting.values()) + list(self._running.values())
-                    self._waiting.clear()
-                    self._running.clear()
-                    break
-                finished = self._apply_aborts()
-                self._admit()
-                prefilling, decoding = self._plan()
-            for request in finished:
-                self._finish_callbacks(request)
-            if not prefilling and not decoding:
-                continue
-            self._step(prefilling, decoding)
-        now = time.time_ns()
+        leftovers: list[RequestHandle] | None = None
+        while leftovers is None:
+            try:
+                leftovers = self._iteration()
+            except Exception:  # a bug here must not silently stop every request forever
+                self.callback_errors += 1
+                log.exception("engine loop iteration failed; continuing")
+                time.sleep(0.01)
+        with self._lock:
+            now = time.time_ns()
+            for request in leftovers:
+                self._mark_finished(request, "abort", now)
         for request in leftovers:
-            self._mark_finished(request, "abort", now)
             self._finish_callbacks(request)
+
+    def _iteration(self) -> list[RequestHandle] | None:
+        """One scheduling round; when stopping, returns the requests still in flight."""
+        with self._lock:
+            while not self._stopping and not self._waiting and not self._running and not self._pending_aborts:
+                self._lock.wait()
+            if self._stopping:
+                leftovers = list(self._waiting.values()) + list(self._running.values())
+                self._waiting.clear()
+                self._running.clear()
+                return leftovers
+            finished = self._apply_aborts()
+            self._admit()
+            prefilling, decoding = self._plan()
+        for request in finished:
+            self._finish_callbacks(request)
+        if prefilling or decoding:
+            self._step(prefilling, decoding)
+        return None
 
     def _apply_aborts(self) -> list[RequestHandle]:
         now = time.time_ns()
@@ -284,7 +298,3 @@ class Engine:
         if self.callback_errors == 1 or self.callback_errors % 1000 == 0:
             log.exception("engine callback %s failed (%d so far); continuing", which, self.callback_errors)
 
-
-def describe(request: RequestHandle) -> dict[str, Any]:
-    """A short dict for logs."""
-    return {"id": request.request_id, "phase": request.phase.value, "tokens": request.tokens_generated}

@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 
 import httpx
 from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -42,6 +43,7 @@ class GatewaySettings:
     propagate: bool = True
     otlp: str | None = None
     service_name: str = "ref-gateway"
+    live: str | None = None
 
 
 class Gateway:
@@ -54,7 +56,7 @@ class Gateway:
         self.upstream = settings.upstream.rstrip("/")
         self.upstream_host = parts.hostname
         self.upstream_port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.tracing = Tracing(settings.service_name, settings.otlp)
+        self.tracing = Tracing(settings.service_name, settings.otlp, settings.live)
         self.client: httpx.AsyncClient | None = None
         self.cancelled_upstream = 0
 
@@ -109,7 +111,7 @@ class ProxyResponse(Response):
         disconnected = asyncio.Event()
         watcher = asyncio.create_task(_watch_disconnect(receive, disconnected))
         url = gateway.upstream + self.path
-        span_attributes = {"http.method": self.method, "http.url": url,
+        span_attributes: dict[str, AttributeValue] = {"http.method": self.method, "http.url": url,
                            "net.peer.name": gateway.upstream_host, "net.peer.port": gateway.upstream_port}
         try:
             with gateway.tracing.tracer.start_as_current_span(
@@ -118,8 +120,21 @@ class ProxyResponse(Response):
                 PROPAGATOR.inject(headers)  # the client span is current: upstream becomes its child
                 upstream_request = gateway.client.build_request(self.method, url, headers=headers,
                                                                 content=self.request_body)
+                sending = asyncio.create_task(gateway.client.send(upstream_request, stream=True))
+                gone = asyncio.create_task(disconnected.wait())
+                await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+                gone.cancel()
+                if not sending.done() and gateway.settings.propagate:
+                    # The client left before the upstream answered (a non-streaming request, or a
+                    # long queue): cancelling the send closes the upstream connection.
+                    sending.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                        await sending
+                    gateway.cancelled_upstream += 1
+                    span.set_attribute("gateway.upstream_cancelled", True)
+                    return
                 try:
-                    upstream = await gateway.client.send(upstream_request, stream=True)
+                    upstream = await sending
                 except httpx.HTTPError as exc:
                     span.set_status(Status(StatusCode.ERROR, str(exc)))
                     error = ApiError(502, f"upstream {gateway.upstream} failed: {exc!r}")
@@ -130,7 +145,7 @@ class ProxyResponse(Response):
         finally:
             watcher.cancel()
 
-    async def _relay(self, upstream: httpx.Response, send: Send, disconnected: asyncio.Event, span: object) -> None:
+    async def _relay(self, upstream: httpx.Response, send: Send, disconnected: asyncio.Event, span: Span) -> None:
         passed = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in upstream.headers.items()
                   if name in ("content-type", "cache-control", "x-request-id")]
         pump = asyncio.create_task(self._pump(upstream, send, disconnected, passed))
@@ -146,7 +161,7 @@ class ProxyResponse(Response):
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
                 self.gateway.cancelled_upstream += 1
-                span.set_attribute("gateway.upstream_cancelled", True)  # type: ignore[attr-defined]
+                span.set_attribute("gateway.upstream_cancelled", True)
             else:
                 await pump  # drain upstream to the end, as a non-propagating gateway does
         finally:
@@ -157,9 +172,13 @@ class ProxyResponse(Response):
     async def _pump(upstream: httpx.Response, send: Send, disconnected: asyncio.Event,
                     headers: list[tuple[bytes, bytes]]) -> None:
         await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
-        async for piece in upstream.aiter_raw():
-            if not disconnected.is_set():
-                await send({"type": "http.response.body", "body": piece, "more_body": True})
+        try:
+            async for piece in upstream.aiter_raw():
+                if not disconnected.is_set():
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+        except httpx.HTTPError as exc:
+            # The upstream broke mid-response: end ours (the client sees a truncated body), go on.
+            log.warning("upstream response broke off: %r", exc)
         if not disconnected.is_set():
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 

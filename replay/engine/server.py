@@ -23,7 +23,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -46,7 +53,7 @@ from replay.engine.protocol import (
     usage,
 )
 from replay.engine.tokens import prompt_seed
-from replay.engine.tracing import Tracing, emit_llm_request_span, trace_headers_of
+from replay.engine.tracing import Tracing, emit_llm_request_span, trace_headers_of, work_key_of
 from replay.engine.truth import TruthLog, truth_record
 
 log = logging.getLogger(__name__)
@@ -67,6 +74,7 @@ class EngineSettings:
     truth_log: str | None = None
     service_name: str = "ref-engine"
     trace_aborted: bool = False
+    live: str | None = None  # HOST:PORT of the auditor's live notices
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -104,7 +112,7 @@ class EngineServer:
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
-        self.tracing = Tracing(settings.service_name, settings.otlp)
+        self.tracing = Tracing(settings.service_name, settings.otlp, settings.live)
         self.truth = TruthLog(settings.truth_log) if settings.truth_log else None
         backend = make_backend(settings.device, settings.step_ms)
         self.engine = Engine(backend, max_batch=settings.max_batch, prefill_chunk=settings.prefill_chunk,
@@ -118,6 +126,7 @@ class EngineServer:
         self.metrics.generation_tokens.inc(tokens)
 
     def _on_finish(self, request: RequestHandle) -> None:
+        self.tracing.work_ended(request)
         reason = request.finish_reason or "abort"
         self.metrics.requests.labels(reason).inc()
         self.metrics.prompt_tokens.inc(request.prompt_tokens)
@@ -160,7 +169,8 @@ class EngineServer:
         assert isinstance(exc, HTTPException)
         message = f"{request.method} {request.url.path}: {exc.detail}"
         self.metrics.errors.labels(str(exc.status_code)).inc()
-        return JSONResponse(ApiError(exc.status_code, message).body(), status_code=exc.status_code)
+        return JSONResponse(ApiError(exc.status_code, message).body(), status_code=exc.status_code,
+                            headers=exc.headers)
 
     async def _crash(self, request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
@@ -191,7 +201,9 @@ class EngineServer:
             parsed = (parse_chat if kind == "chat" else parse_completion)(body, self.settings.model)
             handle = self._handle(request, parsed, kind, arrival_at)
             events = attach_event_queue(handle)
+            handle.work_key = work_key_of(handle.request_id)
             self.engine.submit(handle)
+            self.tracing.work_started(handle)
         except ApiError as error:
             self.metrics.errors.labels(str(error.status)).inc()
             return error_response(error)

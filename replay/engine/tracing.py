@@ -12,6 +12,7 @@ from the HTTP server span, which vLLM's engine never sees), and vLLM's attribute
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -26,6 +27,7 @@ from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from auditor.errors import AuditorError
+from auditor.live import LiveReporter, LiveSpanProcessor
 from replay.engine.core import RequestHandle
 
 log = logging.getLogger(__name__)
@@ -64,10 +66,14 @@ def exporter_for(otlp: str | None) -> SpanExporter | None:
         protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                     or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
         if protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                OTLPSpanExporter as Grpc,
+            )
             return Grpc()
         if protocol == "http/protobuf":
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter as Http,
+            )
             return Http()
         raise TracingConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported; "
                                  "use http/protobuf or grpc")
@@ -92,7 +98,7 @@ def exporter_for(otlp: str | None) -> SpanExporter | None:
 class Tracing:
     """A tracer provider with this process's resource, and the exporter chosen by ``otlp``."""
 
-    def __init__(self, service_name: str, otlp: str | None) -> None:
+    def __init__(self, service_name: str, otlp: str | None, live: str | None = None) -> None:
         resource = Resource.create({
             "service.name": service_name,
             "process.pid": os.getpid(),
@@ -105,6 +111,21 @@ class Tracing:
             self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=SCHEDULE_DELAY_MS))
             self.exporting = True
         self.tracer = self.provider.get_tracer("replay.engine")
+        self.live: LiveReporter | None = None
+        if live:
+            # Span starts and ends as datagrams, so the auditor sees requests while they run.
+            address = live_address(live)
+            processor = LiveSpanProcessor(address, service=service_name)
+            self.provider.add_span_processor(processor)
+            self.live = processor.reporter
+
+    def work_started(self, request: RequestHandle) -> None:
+        if self.live is not None and request.work_key is not None:
+            self.live.work_started(*request.work_key)
+
+    def work_ended(self, request: RequestHandle) -> None:
+        if self.live is not None and request.work_key is not None:
+            self.live.work_ended(*request.work_key)
 
     def shutdown(self) -> None:
         try:
@@ -112,6 +133,24 @@ class Tracing:
             self.provider.shutdown()
         except Exception:
             log.exception("flushing spans at shutdown failed")
+
+
+def live_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` of the auditor's live-notice socket."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise TracingConfigError(f"--live {text!r} is not HOST:PORT, e.g. 127.0.0.1:4319")
+    return host.strip("[]"), int(port)
+
+
+def work_key_of(request_id: str) -> tuple[str, str] | None:
+    """The (trace id, work id) live notices use for a request: its server span's trace, and a
+    span-shaped id derived from the request id (engine work has no span of its own yet)."""
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid:
+        return None
+    work_id = hashlib.blake2b(request_id.encode(), digest_size=8).hexdigest()
+    return f"{context.trace_id:032x}", work_id
 
 
 def emit_llm_request_span(tracer: trace.Tracer, request: RequestHandle) -> None:

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any, TextIO
 
+from auditor.errors import AuditorError
 from replay.engine.core import RequestHandle
 
 log = logging.getLogger(__name__)
@@ -41,12 +42,20 @@ def truth_record(request: RequestHandle, behavior: str) -> dict[str, Any]:
     }
 
 
+class TruthLogError(AuditorError):
+    """The truth log cannot be opened."""
+
+
 class TruthLog:
     """Appends records as JSON lines, flushed line by line; safe from any thread; never raises."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        try:
+            self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        except OSError as exc:
+            raise TruthLogError(f"cannot open the truth log {self.path}: {exc.strerror}; "
+                                "check that its directory exists and is writable") from exc
         self._lock = threading.Lock()
         self.write_errors = 0
 

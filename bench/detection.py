@@ -1,0 +1,205 @@
+"""How fast the daemon tells, and what it costs: detection latency, and CPU/memory under load.
+
+Runs `auditor run` as its own process (so its CPU and memory are its own) against the reference
+engine over loopback, as root (eBPF):
+
+1. In-flight alarm: a detached engine with live notices; clients leave mid-decode. Time from the
+   kernel's disconnect to an `inflight_zombie` in the store and to `auditor_inflight_zombies`
+   rising in /metrics (target: p99 <= grace + 1 s).
+2. Settled verdict: time from the engine's end of work (its truth log) to the zombie verdict in
+   the store and counted in /metrics.
+3. Load: an engine serving ~100 requests/s (10% cancelled); the daemon's CPU and peak RSS.
+
+Usage: .venv/bin/python bench/detection.py [--alarms 15] [--load-seconds 20] [--rate 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from replay.client import RequestPlan, run_load
+from replay.engine.launch import running_engine
+
+GRACE_S = 0.5
+
+
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+        return str(response.read().decode())
+
+
+def metric(text: str, name: str) -> float:
+    total = 0.0
+    for match in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M):
+        total += float(match.group(1))
+    return total
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_memory_mib(pid: int) -> tuple[float, float]:
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(status["VmRSS"].split()[0]) / 1024, int(status["VmHWM"].split()[0]) / 1024
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def cancel_one(port: int, request_id: str, delay_s: float, max_tokens: int) -> None:
+    plan = RequestPlan(request_id=request_id, trace_id=os.urandom(16).hex(),
+                       body={"model": "ref-llm-1b", "prompt": "a b c d", "max_tokens": max_tokens, "stream": True},
+                       cancel_after_s=delay_s, close_with="fin")
+    asyncio.run(run_load("127.0.0.1", port, [plan], concurrency=1))
+
+
+def verdict_of(db: Path, request_id: str) -> tuple[str, int] | None:
+    with sqlite3.connect(db, timeout=5) as conn:
+        row = conn.execute("SELECT verdict, disconnect_at_ns FROM verdicts WHERE request_id = ?", (request_id,)).fetchone()
+    return (row[0], row[1]) if row else None
+
+
+def measure_alarms(db: Path, engine_port: int, metrics_port: int, count: int) -> dict[str, list[float]]:
+    store_lat, metrics_lat, settle_store, settle_metrics = [], [], [], []
+    for index in range(count):
+        request_id = f"alarm-{index}"
+        gauge_before = metric(scrape(metrics_port), "auditor_inflight_zombies")
+        zombies_before = metric(scrape(metrics_port), "auditor_disconnect_verdicts_total")
+        cancel_one(engine_port, request_id, 0.3, max_tokens=150)
+        seen_store = seen_metrics = None
+        deadline = time.time() + 10
+        while time.time() < deadline and (seen_store is None or seen_metrics is None):
+            now = time.time_ns()
+            if seen_store is None and (verdict_of(db, request_id) or ("", 0))[0] == "inflight_zombie":
+                seen_store = now
+            if seen_metrics is None and metric(scrape(metrics_port), "auditor_inflight_zombies") > gauge_before:
+                seen_metrics = now
+            time.sleep(0.01)
+        found = verdict_of(db, request_id)
+        if found is None or seen_store is None or seen_metrics is None:
+            print(f"  {request_id}: not flagged within 10 s ({found})")
+            continue
+        disconnect_ns = found[1]
+        store_lat.append((seen_store - disconnect_ns) / 1e9)
+        metrics_lat.append((seen_metrics - disconnect_ns) / 1e9)
+        # Then the work ends; time until the settled zombie is stored and counted.
+        deadline = time.time() + 30
+        stored = counted = None
+        while time.time() < deadline and (stored is None or counted is None):
+            now = time.time_ns()
+            if stored is None and (verdict_of(db, request_id) or ("", 0))[0] == "zombie":
+                stored = now
+            if counted is None and metric(scrape(metrics_port), "auditor_disconnect_verdicts_total") > zombies_before:
+                counted = now
+            time.sleep(0.01)
+        with sqlite3.connect(db, timeout=5) as conn:
+            work_end = conn.execute("SELECT work_end_ns FROM verdicts WHERE request_id = ?", (request_id,)).fetchone()[0]
+        if stored and counted and work_end:
+            settle_store.append((stored - work_end) / 1e9)
+            settle_metrics.append((counted - work_end) / 1e9)
+    return {"alarm: store": store_lat, "alarm: /metrics": metrics_lat,
+            "settled zombie: store": settle_store, "settled zombie: /metrics": settle_metrics}
+
+
+async def paced_load(port: int, rate: float, seconds: float, cancel_every: int) -> tuple[int, float]:
+    plans = []
+    total = int(rate * seconds)
+    for index in range(total):
+        cancelled = index % cancel_every == 0
+        plans.append(RequestPlan(request_id=f"load-{index}", trace_id=os.urandom(16).hex(),
+                                 body={"model": "ref-llm-1b", "prompt": "a b", "max_tokens": 4, "stream": index % 2 == 0},
+                                 cancel_after_s=0.005 if cancelled else None, close_with="rst" if index % 4 else "fin"))
+    started = time.monotonic()
+
+    async def paced(index: int, plan: RequestPlan) -> None:
+        await asyncio.sleep(max(0.0, started + index / rate - time.monotonic()))
+        await run_load("127.0.0.1", port, [plan], concurrency=1)
+
+    await asyncio.gather(*(paced(i, p) for i, p in enumerate(plans)))
+    return total, total / (time.monotonic() - started)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--alarms", type=int, default=15)
+    parser.add_argument("--load-seconds", type=float, default=20)
+    parser.add_argument("--rate", type=float, default=100)
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (eBPF probe)")
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="bench-detection-"))
+    db = work / "auditor.db"
+    otlp, metrics_port, live = free_port(), free_port(), free_port(socket.SOCK_DGRAM)
+    with running_engine(behavior="detached", otlp=f"http://127.0.0.1:{otlp}", step_ms=10, max_batch=16,
+                        extra_args=["--live", f"127.0.0.1:{live}"]) as zombie_engine, \
+            running_engine(behavior="abort", otlp=f"http://127.0.0.1:{otlp}", step_ms=2, max_batch=64) as busy_engine:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{db}", "--port", str(zombie_engine.port),
+             "--port", str(busy_engine.port), "--otlp-http", f"127.0.0.1:{otlp}", "--otlp-grpc", "",
+             "--metrics", f"127.0.0.1:{metrics_port}", "--live", f"127.0.0.1:{live}", "--grace", str(GRACE_S)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                try:
+                    scrape(metrics_port)
+                    break
+                except OSError:
+                    time.sleep(0.2)
+            latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
+            cpu_before, wall_before = proc_cpu_seconds(daemon.pid), time.monotonic()
+            sent, achieved = asyncio.run(paced_load(busy_engine.port, args.rate, args.load_seconds, cancel_every=10))
+            cpu = proc_cpu_seconds(daemon.pid) - cpu_before
+            wall = time.monotonic() - wall_before
+            rss, peak = proc_memory_mib(daemon.pid)
+            time.sleep(3)
+            with sqlite3.connect(db) as conn:
+                spans = conn.execute("SELECT count(*) FROM spans").fetchone()[0]
+                verdicts = conn.execute("SELECT count(*) FROM verdicts WHERE request_id LIKE 'load-%'").fetchone()[0]
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(timeout=15)
+    print(f"\nDetection latency (grace {GRACE_S} s; {args.alarms} zombies, live notices on)")
+    print(f"  {'measure':<28}{'n':>4}{'p50 s':>9}{'p99 s':>9}{'max s':>9}   target")
+    for name, values in latencies.items():
+        if not values:
+            print(f"  {name:<28}{0:>4}   (none)")
+            continue
+        target = f"p99 <= {GRACE_S + 1:.1f} s" if name.startswith("alarm") else "-"
+        print(f"  {name:<28}{len(values):>4}{statistics.median(values):>9.3f}{percentile(values, 0.99):>9.3f}"
+              f"{max(values):>9.3f}   {target}")
+    print(f"\nDaemon under load ({sent} requests, {achieved:.0f} req/s achieved of {args.rate:.0f} asked, 10% cancelled)")
+    print(f"  daemon CPU      {cpu / wall * 100:6.1f} % of one core ({cpu:.2f} CPU-s over {wall:.1f} s)")
+    print(f"  daemon RSS      {rss:6.1f} MiB now, {peak:.1f} MiB peak")
+    print(f"  stored          {spans} spans, {verdicts} verdicts for the cancelled load requests")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,388 @@
+"""What the disconnect probe costs, measured side by side in one run (needs root and bcc).
+
+1. Loopback HTTP load against a real uvicorn server, a new connection per request (the probe's
+   worst case: every request is a close), alternating rounds without and with the probe loaded,
+   polled and written to a SQLite store. Prints requests/s of both and their ratio.
+2. Sustained kernel-to-store rate: several processes open and reset short loopback connections as
+   fast as they can while this process polls the probe and writes every event to SQLite. Prints
+   events stored per second, lost events, and this process's CPU per 1,000 events.
+
+    .venv/bin/python bench/probe_overhead.py [--seconds 4] [--rounds 3] [--generators 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import resource
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REQUEST = b"GET / HTTP/1.1\r\nHost: bench\r\n\r\n"
+LAST_REQUEST = b"GET / HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n"
+
+
+# -- processes: the HTTP server, the HTTP clients, the connection generators, the acceptor --------
+async def tiny_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/plain"), (b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def serve(fd: int) -> None:
+    import uvicorn
+
+    # socket(fileno=) keeps the real family (uvicorn's fd= assumes AF_UNIX, which leaves Nagle on
+    # and stalls keep-alive responses behind delayed ACKs).
+    listener = socket.socket(fileno=fd)
+    server = uvicorn.Server(uvicorn.Config(tiny_app, lifespan="off", log_level="error",
+                                           access_log=False))
+    server.run(sockets=[listener])
+
+
+def wait_for_go(ready: Any, go: Any) -> None:
+    ready.put(os.getpid())
+    go.wait()
+
+
+def http_client(address: tuple[str, int], ready: Any, go: Any, seconds: float,
+                per_connection: int, results: Any) -> None:
+    wait_for_go(ready, go)
+    cpu_before = sum(cpu_seconds())
+    done = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with socket.create_connection(address) as sock:
+            for _ in range(per_connection - 1):  # keep-alive requests: the answer is 2 bytes
+                sock.sendall(REQUEST)
+                answer = b""
+                while not answer.endswith(b"\r\n\r\nok"):
+                    answer += sock.recv(4096)
+            sock.sendall(LAST_REQUEST)
+            while sock.recv(4096):  # read to EOF: the server closes, the client never resets
+                pass
+        done += per_connection
+    results.put((done, sum(cpu_seconds()) - cpu_before))
+
+
+def reset_generator(address: tuple[str, int], ready: Any, go: Any, seconds: float,
+                    results: Any) -> None:
+    linger_zero = struct.pack("ii", 1, 0)
+    wait_for_go(ready, go)
+    done = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for _ in range(200):  # check the clock once per 200 connections
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_zero)
+            sock.connect(address)
+            sock.close()
+        done += 200
+    results.put(done)
+
+
+def acceptor(listener: socket.socket, stop: Any) -> None:
+    listener.settimeout(0.2)
+    while not stop.is_set():
+        try:
+            accepted, _ = listener.accept()
+        except OSError:
+            continue
+        accepted.close()
+
+
+# -- the probe side ---------------------------------------------------------------------------------
+class Consumer:
+    """The daemon's hot path: poll the probe, hand events to the batched store writer."""
+
+    def __init__(self, source: Any, writer: Any | None) -> None:
+        self.source = source
+        self.writer = writer
+        self.stopping = threading.Event()
+        self.received = 0
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            self.handle(self.source.poll(timeout_s=0.05))
+        while events := self.source.poll(timeout_s=0.1):  # drain what is left
+            self.handle(events)
+        if self.writer is not None:
+            self.writer.flush()
+
+    def handle(self, events: list[Any]) -> None:
+        self.received += len(events)
+        if self.writer is not None:
+            self.writer.add(events)
+
+
+def cpu_seconds() -> tuple[float, float]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime, usage.ru_stime
+
+
+def start_together(workers: list[Any], ready: Any, go: Any) -> None:
+    """Start the processes and release them at once, after every one has imported and is waiting."""
+    for worker in workers:
+        worker.start()
+    for _ in workers:
+        ready.get(timeout=60)
+    go.set()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of another process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def http_round(address: tuple[str, int], clients: int, seconds: float, server_pid: int,
+               per_connection: int = 1) -> tuple[float, float]:
+    """Requests per second, and CPU seconds per request of server, clients and this process.
+
+    The CPU figure counts only the processes of the benchmark, so it holds on a machine shared
+    with other work, where requests per second swing by several percent from round to round.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    workers = [ctx.Process(target=http_client,
+                           args=(address, ready, go, seconds, per_connection, results))
+               for _ in range(clients)]
+    server_before, own_before = process_cpu_seconds(server_pid), sum(cpu_seconds())
+    start_together(workers, ready, go)
+    reports = [results.get(timeout=seconds + 60) for _ in workers]
+    server_cpu = process_cpu_seconds(server_pid) - server_before
+    own_cpu = sum(cpu_seconds()) - own_before
+    for worker in workers:
+        worker.join()
+    requests = sum(done for done, _ in reports)
+    cpu = server_cpu + own_cpu + sum(client_cpu for _, client_cpu in reports)
+    return requests / seconds, cpu / max(requests, 1)
+
+
+def http_overhead(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    from auditor.store import Store
+    from probes.bpf import BpfConnEventSource
+    from probes.writer import ConnEventWriter
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4096)
+    address = listener.getsockname()
+    server = subprocess.Popen([sys.executable, __file__, "--serve-fd", str(listener.fileno())],
+                              pass_fds=[listener.fileno()])
+    store = Store(f"sqlite:///{workdir / 'http.db'}")
+    configs = ("without", "probe", "probe+store")
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    cpu_per_request: dict[str, list[float]] = {name: [] for name in configs}
+    events = lost = 0
+    try:
+        time.sleep(1.5)  # uvicorn start-up
+        http_round(address, args.clients, 1.0, server.pid)  # warm-up
+        for round_index in range(args.rounds):
+            # Rotate the order each round so drift in the machine's load falls on all three.
+            for name in configs[round_index % 3:] + configs[:round_index % 3]:
+                if name == "without":
+                    rate, cpu = http_round(address, args.clients, args.seconds, server.pid,
+                                           args.per_connection)
+                    rates[name].append(rate)
+                    cpu_per_request[name].append(cpu)
+                    continue
+                source = BpfConnEventSource([address[1]])  # loaded fresh, detached after
+                source.start()
+                consumer = Consumer(source, ConnEventWriter(store) if name == "probe+store" else None)
+                consumer.thread.start()
+                rate, cpu = http_round(address, args.clients, args.seconds, server.pid,
+                                           args.per_connection)
+                drain_before = sum(cpu_seconds())
+                consumer.stopping.set()
+                consumer.thread.join()
+                # The reader's final drain after the round belongs to the round's requests.
+                cpu += (sum(cpu_seconds()) - drain_before) / max(rate * args.seconds, 1)
+                rates[name].append(rate)
+                cpu_per_request[name].append(cpu)
+                events += consumer.received
+                lost += source.lost_events()
+                source.stop()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        store.close()
+    return {**{name: statistics.median(values) for name, values in rates.items()},
+            **{f"{name} cpu": statistics.median(values) for name, values in cpu_per_request.items()},
+            **{f"{name} rounds": " ".join(f"{value:,.0f}" for value in values)
+               for name, values in rates.items()},
+            "events": events, "lost": lost}
+
+
+def event_rate(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    from auditor.store import Store
+    from probes.bpf import BpfConnEventSource
+    from probes.writer import ConnEventWriter
+
+    ctx = multiprocessing.get_context("spawn")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4096)
+    address = listener.getsockname()
+    store = Store(f"sqlite:///{workdir / 'rate.db'}")
+    source = BpfConnEventSource([address[1]])
+    source.start()
+    writer = ConnEventWriter(store, batch_size=5000)
+    consumer = Consumer(source, writer)
+    results, ready, go, stop = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    acceptor_process = ctx.Process(target=acceptor, args=(listener, stop))
+    acceptor_process.start()
+    generators = [ctx.Process(target=reset_generator, args=(address, ready, go, args.seconds, results))
+                  for _ in range(args.generators)]
+    consumer.thread.start()
+    start_together(generators, ready, go)
+    cpu_before = cpu_seconds()
+    wall_before = time.monotonic()
+    connections = sum(results.get(timeout=args.seconds + 60) for _ in generators)
+    consumer.stopping.set()
+    consumer.thread.join()
+    wall = time.monotonic() - wall_before
+    stop.set()
+    user, system = (after - before for after, before in zip(cpu_seconds(), cpu_before, strict=True))
+    for process in [acceptor_process, *generators]:
+        process.join()
+    lost = source.lost_events()
+    source.stop()
+    with store.engine.connect() as conn:
+        stored = conn.exec_driver_sql("SELECT count(*) FROM conn_events").scalar_one()
+    store.close()
+    return {"connections": connections, "stored": stored, "written": writer.written,
+            "lost": lost, "seconds": wall, "user_ms_per_1k": 1e6 * user / max(stored, 1),
+            "sys_ms_per_1k": 1e6 * system / max(stored, 1)}
+
+
+def drain_rate(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    """Fill the ring buffer with nobody reading, then time the reader alone emptying it to the
+    store: the pipeline's capacity, free of the CPU the connection generators take."""
+    from auditor.store import Store
+    from probes.bpf import BpfConnEventSource
+    from probes.writer import ConnEventWriter
+
+    ctx = multiprocessing.get_context("spawn")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4096)
+    address = listener.getsockname()
+    store = Store(f"sqlite:///{workdir / 'drain.db'}")
+    source = BpfConnEventSource([address[1]], ringbuf_pages=16384)  # 64 MiB: room for the backlog
+    source.start()
+    results, ready, go, stop = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    acceptor_process = ctx.Process(target=acceptor, args=(listener, stop))
+    acceptor_process.start()
+    generators = [ctx.Process(target=reset_generator,
+                              args=(address, ready, go, args.backlog_seconds, results))
+                  for _ in range(args.generators)]
+    start_together(generators, ready, go)
+    connections = sum(results.get(timeout=args.backlog_seconds + 60) for _ in generators)
+    stop.set()
+    acceptor_process.join()
+    time.sleep(0.3)  # the last resets land
+    writer = ConnEventWriter(store, batch_size=5000)
+    cpu_before = cpu_seconds()
+    wall_before = time.monotonic()
+    while events := source.poll(timeout_s=0):
+        writer.add(events)
+    writer.flush()
+    wall = time.monotonic() - wall_before
+    user, system = (after - before for after, before in zip(cpu_seconds(), cpu_before, strict=True))
+    lost = source.lost_events()
+    source.stop()
+    store.close()
+    return {"connections": connections, "stored": writer.written, "lost": lost, "seconds": wall,
+            "user_ms_per_1k": 1e6 * user / max(writer.written, 1),
+            "sys_ms_per_1k": 1e6 * system / max(writer.written, 1)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of each measured phase")
+    parser.add_argument("--rounds", type=int, default=5, help="HTTP rounds without/with the probe")
+    parser.add_argument("--clients", type=int, default=2, help="HTTP client processes")
+    parser.add_argument("--per-connection", type=int, default=1,
+                        help="HTTP requests per connection (1: every request is a close)")
+    parser.add_argument("--generators", type=int, default=3, help="connection generator processes")
+    parser.add_argument("--backlog-seconds", type=float, default=2.0,
+                        help="how long to fill the ring buffer before timing the drain")
+    parser.add_argument("--http-only", action="store_true", help="skip the event-rate phases")
+    parser.add_argument("--serve-fd", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_fd is not None:
+        serve(args.serve_fd)
+        return 0
+
+    from probes.bpf import bpf_unavailable_reason
+
+    problem = bpf_unavailable_reason()
+    if problem is not None:
+        print(f"probe_overhead: not measured: {problem}")
+        return 0
+    load_before = os.getloadavg()[0]  # other work on the machine skews every figure
+    with tempfile.TemporaryDirectory(prefix="probe-bench-") as tmp:
+        http = http_overhead(args, Path(tmp))
+        if not args.http_only:
+            rate = event_rate(args, Path(tmp))
+            drain = drain_rate(args, Path(tmp))
+    print(f"probe overhead on {os.cpu_count()} CPUs, load average before: {load_before:.2f}\n"
+          f"HTTP: uvicorn, {args.clients} client processes, {args.per_connection} request(s) per "
+          f"connection{' (every request is a close: the worst case)' if args.per_connection == 1 else ''}"
+          f", median of {args.rounds} rounds of {args.seconds:g} s")
+    rows = [
+        ("HTTP requests/s without probe", f"{http['without']:,.0f}",
+         f"rounds {http['without rounds']}"),
+        ("HTTP requests/s, probe polled", f"{http['probe']:,.0f}",
+         f"rounds {http['probe rounds']}"),
+        ("HTTP requests/s, probe + store", f"{http['probe+store']:,.0f}",
+         f"rounds {http['probe+store rounds']}"),
+        ("ratio, probe polled", f"{http['probe'] / http['without']:.3f}", "target >= 0.98"),
+        ("ratio, probe + store", f"{http['probe+store'] / http['without']:.3f}",
+         f"{http['events']:,.0f} events, {http['lost']:,.0f} lost"),
+        ("CPU per request without probe", f"{http['without cpu'] * 1e6:.0f} µs",
+         "server + clients + reader, summed over processes"),
+        ("CPU per request, probe polled", f"{http['probe cpu'] * 1e6:.0f} µs",
+         f"capacity ratio {http['without cpu'] / http['probe cpu']:.3f}"),
+        ("CPU per request, probe + store", f"{http['probe+store cpu'] * 1e6:.0f} µs",
+         f"capacity ratio {http['without cpu'] / http['probe+store cpu']:.3f}"),
+    ]
+    if not args.http_only:
+        rows += event_rows(args, rate, drain)
+    for name, value, note in rows:
+        print(f"  {name:<31} {value:>12}  {note}")
+    return 0
+
+
+def event_rows(args: argparse.Namespace, rate: dict[str, float],
+               drain: dict[str, float]) -> list[tuple[str, str, str]]:
+    return [
+        ("connections opened and reset", f"{rate['connections']:,.0f}",
+         f"{rate['connections'] / rate['seconds']:,.0f}/s by {args.generators} processes"),
+        ("events kernel -> store", f"{rate['stored']:,.0f}", f"lost {rate['lost']:,.0f}"),
+        ("sustained events/s to store", f"{rate['stored'] / rate['seconds']:,.0f}",
+         "live, sharing the CPUs with the generators; target >= 50,000, zero loss"),
+        ("  reader user CPU / 1,000 events", f"{rate['user_ms_per_1k']:.1f} ms",
+         f"system {rate['sys_ms_per_1k']:.1f} ms"),
+        ("backlog drained to store", f"{drain['stored']:,.0f}",
+         f"from {drain['connections']:,.0f} connections, lost {drain['lost']:,.0f}"),
+        ("drain events/s to store", f"{drain['stored'] / drain['seconds']:,.0f}",
+         "the reader alone: its capacity"),
+        ("  reader user CPU / 1,000 events", f"{drain['user_ms_per_1k']:.1f} ms",
+         f"system {drain['sys_ms_per_1k']:.1f} ms"),
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

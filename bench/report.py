@@ -1,0 +1,264 @@
+"""How long ``auditor report --format json`` takes over an hour of one million requests.
+
+Generates a SQLite store through SQLAlchemy Core (executemany in batches): 1,000,000 HTTP server
+spans over one hour on two hosts, 10% of them with a client disconnect (verdict rows in a realistic
+mix of completed, aborted, zombie and in-flight zombie), whole-GPU NVML samples every 100 ms for
+4 GPUs per host, and coverage counts. Then it times, in the same run and over the same rows, a plain
+``SELECT count(*)`` (the floor), the library call, and the CLI in a fresh process, and prints a table.
+
+    .venv/bin/python bench/report.py [--requests N] [--db PATH] [--repeat 3]
+
+Target: the JSON report in <= 2 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import insert, text
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from auditor.report import ReportQuery, build_report  # noqa: E402
+from auditor.report.model import rfc3339  # noqa: E402
+from auditor.report.render_data import write_json  # noqa: E402
+from auditor.schema import CoverageRow, SpanRow, UtilSampleRow, VerdictRow  # noqa: E402
+from auditor.store import Store  # noqa: E402
+
+S = 1_000_000_000
+HOUR = 3600 * S
+BATCH = 20_000
+HOSTS = ("gpu-a", "gpu-b")
+ROUTES = (("/v1/chat/completions", 0.7), ("/v1/completions", 0.3))
+MODELS = (("llama-3-70b", 0.5), ("llama-3-8b", 0.3), ("qwen-2-72b", 0.2))
+VERDICT_MIX = (("completed", 0.30), ("aborted", 0.48), ("zombie", 0.20), ("inflight_zombie", 0.02))
+PHASES = (("queued", 0.15), ("prefill", 0.25), ("decode", 0.55), ("unknown", 0.05))
+
+
+def pick(rng: random.Random, weighted: tuple[tuple[str, float], ...]) -> str:
+    return rng.choices([v for v, _ in weighted], [w for _, w in weighted])[0]
+
+
+def batched(rows: Iterator[dict[str, Any]], size: int = BATCH) -> Iterator[list[dict[str, Any]]]:
+    batch: list[dict[str, Any]] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def span_rows(count: int, t0: int, rng: random.Random) -> Iterator[dict[str, Any]]:
+    for n in range(count):
+        start = t0 + n * HOUR // count
+        route, model = pick(rng, ROUTES), pick(rng, MODELS)
+        yield {
+            "trace_id": f"{rng.getrandbits(128):032x}", "span_id": f"{rng.getrandbits(64):016x}",
+            "parent_span_id": None, "name": f"POST {route}", "kind": "server", "role": "http_server",
+            "start_ns": start, "end_ns": start + int(rng.lognormvariate(1.0, 0.8) * S),
+            "service": "vllm", "host": HOSTS[n % 2], "status": "unset", "peer_addr": "10.1.2.3",
+            "peer_port": 1024 + n % 60000, "server_port": 8000, "request_id": f"req-{n:08d}",
+            "route": route, "model": model, "http_status": 200, "finish_reason": "stop",
+            "prompt_tokens": 500, "completion_tokens": 200, "max_tokens": 1024,
+            "time_in_queue_s": 0.05, "time_to_first_token_s": 0.2, "process_pid": 4242,
+            "peer_rewritten": False, "attributes": {},
+        }
+
+
+def verdict_rows(count: int, t0: int, rng: random.Random) -> Iterator[dict[str, Any]]:
+    for n in range(count):
+        verdict = pick(rng, VERDICT_MIX)
+        start = t0 + rng.randrange(HOUR - 60 * S)
+        disconnect = start + int(rng.uniform(0.05, 20) * S)
+        if verdict == "completed":
+            lag = 0.0
+        elif verdict == "aborted":
+            lag = rng.uniform(0.0, 0.5)
+        else:
+            lag = rng.expovariate(1 / 15) + 0.5
+        tokens = int(lag * 40)
+        yield {
+            "request_key": f"{HOSTS[n % 2]}/{n:032x}/{n:016x}", "host": HOSTS[n % 2],
+            "verdict": verdict, "disconnect_at_ns": disconnect, "disconnect_kind":
+            "rst" if rng.random() < 0.2 else "fin", "request_start_ns": start,
+            "work_end_ns": None if verdict == "inflight_zombie" else disconnect + int(lag * S),
+            "lag_seconds": lag, "phase": pick(rng, PHASES), "trace_id": f"{n:032x}",
+            "request_id": f"req-{n:08d}", "service": "vllm", "route": pick(rng, ROUTES),
+            "model": pick(rng, MODELS), "client_addr": "10.1.2.3", "client_port": 1024 + n % 60000,
+            "server_port": 8000, "max_tokens": None if rng.random() < 0.2 else 1024,
+            "tokens_after_disconnect": tokens, "tokens_exact": rng.random() < 0.8,
+            "wasted_gpu_seconds": lag * 0.12, "wasted_cpu_seconds": 0.0, "updated_ns": disconnect,
+            "details": {},
+        }
+
+
+def sample_rows(t0: int, rng: random.Random) -> Iterator[dict[str, Any]]:
+    for tick in range(0, HOUR, S // 10):
+        for host in HOSTS:
+            for gpu in range(4):
+                yield {"ts_ns": t0 + tick, "source": "nvml", "host": host, "gpu_index": gpu,
+                       "pid": None, "util_percent": rng.uniform(60, 100), "interval_s": 0.1}
+
+
+def bulk_insert(store: Store, table: Any, rows: Iterator[dict[str, Any]]) -> None:
+    """SQLite's fastest path: one prepared INSERT, executemany over plain tuples, one transaction.
+
+    The column list comes from the table model, so the bench writes exactly the store's schema;
+    JSON columns are written as their text, which is what the JSON type stores in SQLite.
+    """
+    columns = [c.name for c in table.columns if c.name != "id"]
+    json_columns = {c.name for c in table.columns if c.type.__class__.__name__ == "JSON"}
+    sql = (f"INSERT INTO {table.name} ({', '.join(columns)}) "
+           f"VALUES ({', '.join('?' for _ in columns)})")
+    with store.engine.begin() as conn:
+        for batch in batched(rows):
+            conn.exec_driver_sql(sql, [
+                tuple(json.dumps(row[c]) if c in json_columns else row.get(c) for c in columns)
+                for row in batch])
+
+
+def generate(store: Store, requests: int, t0: int) -> dict[str, float]:
+    rng = random.Random(7)
+    seconds: dict[str, float] = {}
+    for name, table, rows in (
+        ("spans", SpanRow.__table__, span_rows(requests, t0, rng)),
+        # The daemon writes a verdict when it is decided, shortly after the disconnect: in time order.
+        ("verdicts", VerdictRow.__table__, iter(sorted(verdict_rows(requests // 10, t0, rng),
+                                                       key=lambda row: row["disconnect_at_ns"]))),
+        ("util_samples", UtilSampleRow.__table__, sample_rows(t0, rng)),
+    ):
+        started = time.perf_counter()
+        bulk_insert(store, table, rows)
+        seconds[name] = time.perf_counter() - started
+    with store.engine.begin() as conn:
+        conn.execute(insert(CoverageRow.__table__), [
+            {"ts_ns": t0 + i * 10 * S, "host": HOSTS[i % 2], "kind": kind, "count": 1 + i % 5}
+            for i in range(360)
+            for kind in ("idle_close", "unjoined_disconnect", "unjoined_span")])
+    return seconds
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(repeat: int, action: Callable[[], object]) -> tuple[float, float, object]:
+    """Median wall seconds and median CPU seconds (this process plus its children) of ``action``.
+
+    CPU time is printed beside wall time because the machine may be shared: it is the figure that
+    does not grow when other work competes for the cores.
+    """
+    walls, cpus, result = [], [], None
+    for _ in range(repeat):
+        cpu_before, children_before = time.process_time(), _children_cpu()
+        started = time.perf_counter()
+        result = action()
+        walls.append(time.perf_counter() - started)
+        cpus.append(time.process_time() - cpu_before + _children_cpu() - children_before)
+    return statistics.median(walls), statistics.median(cpus), result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=1_000_000)
+    parser.add_argument("--db", type=Path, help="store to (re)use; default: a temporary file")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is shown")
+    args = parser.parse_args()
+
+    workdir = tempfile.TemporaryDirectory(prefix="bench-report-")
+    path = args.db or Path(workdir.name) / "bench.db"
+    t0 = 1_795_320_000 * S  # 2026-11-22T04:00:00Z
+    fresh = not path.exists()
+    store = Store(f"sqlite:///{path}")
+    if fresh:
+        started = time.perf_counter()
+        seconds = generate(store, args.requests, t0)
+        print(f"generated {path} in {time.perf_counter() - started:.1f} s "
+              + ", ".join(f"{name} {value:.1f} s" for name, value in seconds.items()))
+    query = ReportQuery(since_ns=t0, until_ns=t0 + HOUR)
+    with store.engine.connect() as conn:
+        counts = {table: conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one()
+                  for table in ("spans", "verdicts", "util_samples")}
+
+    def plain_count() -> object:
+        with store.engine.connect() as conn:
+            return conn.execute(text("SELECT count(*) FROM spans")).scalar_one()
+
+    def window_count() -> object:
+        with store.engine.connect() as conn:
+            return conn.execute(text(
+                "SELECT count(*) FROM spans WHERE role = 'http_server' AND start_ns >= :a "
+                "AND start_ns < :b"), {"a": query.since_ns, "b": query.until_ns}).scalar_one()
+
+    def library(fmt: str, in_sqlite: bool = True) -> Callable[[], object]:
+        def run() -> object:
+            report = build_report(store, query, with_requests=fmt == "json",
+                                  with_series=fmt == "html", requests_as_json=in_sqlite)
+            if fmt == "json":
+                out = io.StringIO()
+                write_json(report, out)
+                return len(out.getvalue())
+            return report.totals.requests
+        return run
+
+    auditor = str(Path(sys.executable).with_name("auditor"))
+    window = ["--since", rfc3339(query.since_ns), "--until", rfc3339(query.until_ns)]
+
+    def cli(*extra: str) -> Callable[[], object]:
+        return lambda: subprocess.run([auditor, *extra], check=True, stdout=subprocess.DEVNULL)
+
+    rows: list[tuple[str, float, float, str]] = []
+    for label, action, note in (
+        ("SELECT count(*) FROM spans", plain_count, "floor: every row counted once"),
+        ("count of requests in window", window_count, "the report's requests query alone"),
+        ("library: build + JSON", library("json"), "build_report + write_json to memory"),
+        ("library: ... encoded in Python", library("json", in_sqlite=False),
+         "the same without SQLite's json_object"),
+        ("library: build (table)", library("table"), "no per-request list"),
+        ("library: build (html)", library("html"), "with series and zombie timelines"),
+        ("CLI: auditor --version", cli("--version"), "process start + imports only"),
+        ("CLI: report --format json", cli("report", "--db", f"sqlite:///{path}", *window,
+                                          "--format", "json"), "fresh process, stdout discarded"),
+        ("CLI: report (table)", cli("report", "--db", f"sqlite:///{path}", *window),
+         "fresh process"),
+    ):
+        wall, cpu, result = timed(args.repeat, action)
+        if label == "library: build + JSON":
+            note += f" ({int(result) / 1e6:.1f} MB)"  # type: ignore[call-overload]
+        rows.append((label, wall, cpu, note))
+
+    print(f"\nrows: spans {counts['spans']:,}, verdicts {counts['verdicts']:,}, "
+          f"util_samples {counts['util_samples']:,}; median of {args.repeat} runs; "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    floor = rows[0][1]
+    print(f"{'what':<31} {'wall s':>7} {'CPU s':>7} {'x count(*)':>10}  note")
+    for label, wall, cpu, note in rows:
+        print(f"{label:<31} {wall:>7.3f} {cpu:>7.3f} {wall / floor:>10.1f}  {note}")
+    json_cli = next(row for row in rows if row[0] == "CLI: report --format json")
+    json_lib = next(row for row in rows if row[0] == "library: build + JSON")
+    print(f"\ntarget: report --format json <= 2 s: {'met' if json_cli[1] <= 2 else 'NOT met'} "
+          f"({json_cli[1]:.2f} s wall / {json_cli[2]:.2f} s CPU in the CLI, "
+          f"{json_lib[1]:.2f} s in the library)")
+    store.close()
+    workdir.cleanup()
+
+
+if __name__ == "__main__":
+    main()

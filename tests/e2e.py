@@ -1,0 +1,129 @@
+"""Helpers for end-to-end tests: a daemon in this process, real clients that cancel like users do."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from auditor.config import apply_overrides, load_config
+from auditor.daemon import Daemon
+from auditor.schema import VerdictRow
+
+GRACE_S = 0.5
+
+
+@contextmanager
+def running_daemon(tmp_path: Path, **overrides: Any) -> Iterator[Daemon]:
+    """The whole daemon on ephemeral ports, watching no port until ``set_ports``."""
+    config = load_config(environ={})
+    apply_overrides(config, {
+        "db": f"sqlite:///{tmp_path / 'auditor.db'}", "probe.ports": [1], "otlp.http": "127.0.0.1:0",
+        "otlp.grpc": "127.0.0.1:0", "metrics.listen": "127.0.0.1:0", "live.listen": "127.0.0.1:0",
+        "correlate.grace_seconds": GRACE_S, "correlate.interval_seconds": 0.2,
+        "correlate.late_span_seconds": 3.0, "sampler.nvml": False, **overrides,
+    })
+    daemon = Daemon(config)
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        daemon.request_stop()
+        daemon.stop()
+
+
+def send_request(port: int, *, stream: bool, max_tokens: int, request_id: str, prompt_words: int = 4,
+                 path: str = "/v1/completions", sock: socket.socket | None = None) -> socket.socket:
+    """Write one whole OpenAI request (AIPerf's T2: the cancellation timer starts after this)."""
+    body = {"model": "ref-llm-1b", "max_tokens": max_tokens, "stream": stream}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": " ".join(["word"] * prompt_words)}]
+    else:
+        body["prompt"] = " ".join(["word"] * prompt_words)
+    data = json.dumps(body).encode()
+    sock = sock or socket.create_connection(("127.0.0.1", port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
+                 f"X-Request-Id: {request_id}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def disconnect(sock: socket.socket, kind: str) -> None:
+    """``fin``: half-close like a browser tab (FIN even with unread data); ``rst``: like a proxy timeout."""
+    if kind == "fin":
+        sock.shutdown(socket.SHUT_WR)
+        threading.Timer(3.0, sock.close).start()
+    else:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+
+
+def read_response(sock: socket.socket, timeout_s: float = 30.0) -> bytes:
+    """Read one whole HTTP/1.1 response (Content-Length or chunked SSE ending in [DONE])."""
+    sock.settimeout(timeout_s)
+    data = b""
+    while True:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        if sep:
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), None)
+            if length is not None and len(rest) >= length:
+                return data
+            if length is None and rest.endswith(b"0\r\n\r\n"):
+                return data
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+
+
+def cancel_after(port: int, delay_s: float, kind: str, **request: Any) -> threading.Thread:
+    """Send a request and disconnect ``delay_s`` after it was fully written, in a thread."""
+
+    def run() -> None:
+        sock = send_request(port, **request)
+        time.sleep(delay_s)
+        disconnect(sock, kind)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def complete(port: int, **request: Any) -> threading.Thread:
+    def run() -> None:
+        with send_request(port, **request) as sock:
+            read_response(sock)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def verdict_rows(daemon: Daemon) -> list[VerdictRow]:
+    with daemon.store.session() as session:
+        return list(session.scalars(select(VerdictRow)))
+
+
+def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
+
+def expected_verdict(truth: dict[str, Any], grace_s: float = GRACE_S) -> str:
+    """What really happened to a request whose client left, from the engine's own log."""
+    lag_s = (truth["finished_at"] - truth["disconnect_at"]) / 1e9
+    if truth["finish_reason"] in ("stop", "length") and lag_s <= 0:
+        return "completed"
+    return "aborted" if lag_s <= grace_s else "zombie"

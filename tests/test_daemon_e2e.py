@@ -1,0 +1,157 @@
+"""The daemon against the reference engine in every behaviour, with real clients cancelling.
+
+Each behaviour runs the same scenarios: a request cancelled while queued, one cancelled during
+prefill, two cancelled mid-decode (streaming with FIN, non-streaming with RST), a completed
+request on a keep-alive connection that then goes idle and closes. The verdicts must match the
+engine's truth log: every cancelled request found, no false zombie, lag within 20 ms.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from replay.engine.launch import running_engine
+from tests.e2e import (
+    GRACE_S,
+    cancel_after,
+    complete,
+    expected_verdict,
+    read_response,
+    running_daemon,
+    send_request,
+    verdict_rows,
+    wait_for,
+)
+
+pytestmark = pytest.mark.privileged
+LAG_TOLERANCE_S = 0.020
+
+
+def drive(port: int, tag: str) -> None:
+    # Two blockers fill the batch; the third waits in the queue and is cancelled there.
+    blockers = [complete(port, stream=True, max_tokens=40, request_id=f"{tag}-blocker{i}") for i in range(2)]
+    time.sleep(0.1)
+    queued = cancel_after(port, 0.1, "fin", stream=False, max_tokens=30, request_id=f"{tag}-queued")
+    for thread in [*blockers, queued]:
+        thread.join()
+    time.sleep(0.6)
+    # Mid-decode: streaming closed with FIN, non-streaming reset.
+    decode = [cancel_after(port, 0.35, "fin", stream=True, max_tokens=120, request_id=f"{tag}-decode-fin"),
+              cancel_after(port, 0.35, "rst", stream=False, max_tokens=120, request_id=f"{tag}-decode-rst")]
+    for thread in decode:
+        thread.join()
+    # During prefill: a long prompt, cancelled right after it was sent.
+    cancel_after(port, 0.03, "rst", stream=True, max_tokens=20, prompt_words=1000,
+                 request_id=f"{tag}-prefill").join()
+    # Keep-alive: two complete requests on one connection, then an idle close (never a finding).
+    with send_request(port, stream=False, max_tokens=3, request_id=f"{tag}-ka1") as sock:
+        read_response(sock)
+        send_request(port, stream=True, max_tokens=3, request_id=f"{tag}-ka2", sock=sock)
+        read_response(sock)
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("behavior", ["abort", "detached", "no-check", "late", "queued-leak"])
+def test_verdicts_match_truth(tmp_path: Path, behavior: str) -> None:
+    truth_log = tmp_path / "truth.jsonl"
+    with running_daemon(tmp_path, **{"correlate.late_span_seconds": 30.0}) as daemon, running_engine(
+            behavior=behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
+            step_ms=10, max_batch=2,
+            extra_args=["--late-seconds", "1.0", "--prefill-chunk", "64", "--trace-aborted"]) as engine:
+        daemon.set_ports({engine.port})
+        drive(engine.port, behavior)
+        cancelled = {f"cmpl-{behavior}-{name}" for name in ("queued", "decode-fin", "decode-rst", "prefill")}
+        # Behaviours that ignore the client finish their work later: wait for the engine's word.
+        assert wait_for(lambda: cancelled <= {t["request_id"] for t in engine.truth()}, timeout_s=20)
+        truths = [t for t in engine.truth() if t.get("disconnect_at")]
+        # Every disconnect the engine saw becomes a settled-enough verdict (engine spans may lag).
+        assert wait_for(lambda: len(verdict_rows(daemon)) >= len(truths), timeout_s=15)
+        time.sleep(1.0)
+        rows = {row.request_id: row for row in verdict_rows(daemon)}
+        all_truth = engine.truth()
+    assert {t["request_id"] for t in truths} >= cancelled, [t for t in all_truth if t["request_id"] in cancelled]
+    problems = []
+    for truth in truths:
+        request_id = truth["request_id"].removeprefix("cmpl-")
+        row = rows.get(request_id)
+        if row is None:
+            problems.append(f"{request_id}: no verdict")
+            continue
+        want = expected_verdict(truth)
+        truth_lag = (truth["finished_at"] - truth["disconnect_at"]) / 1e9
+        if row.verdict != want:
+            problems.append(f"{request_id}: verdict {row.verdict}, truth {want} (truth lag {truth_lag:.3f} s)")
+        if want != "completed" and abs(row.lag_seconds - truth_lag) > LAG_TOLERANCE_S:
+            problems.append(f"{request_id}: lag {row.lag_seconds:.4f} s, truth {truth_lag:.4f} s")
+        if row.details.get("engine_span") and row.phase != truth["phase_at_disconnect"]:
+            problems.append(f"{request_id}: phase {row.phase}, truth {truth['phase_at_disconnect']}")
+    # A client closing right after the last byte races the server's span end: that is "completed",
+    # and the only verdict a request the engine saw no disconnect of may get.
+    false = set(rows) - {t["request_id"].removeprefix("cmpl-") for t in truths}
+    problems += [f"{rid}: verdict {rows[rid].verdict} for a request the engine saw no disconnect of"
+                 for rid in false if rows[rid].verdict != "completed"]
+    assert not problems, "\n".join(problems)
+    # The keep-alive requests completed and their connection closed idle: never a finding.
+    assert all(rows[rid].verdict == "completed" for rid in {f"{behavior}-ka1", f"{behavior}-ka2"} & set(rows))
+    assert {t["request_id"] for t in all_truth} >= {f"cmpl-{behavior}-ka1", f"cmpl-{behavior}-ka2"}
+    assert GRACE_S == 0.5
+
+
+def test_live_notices_flag_a_zombie_while_it_runs(tmp_path: Path) -> None:
+    with running_daemon(tmp_path) as daemon, running_engine(
+            behavior="detached", otlp=f"http://127.0.0.1:{daemon.status.http_port}", step_ms=10,
+            extra_args=["--live", f"127.0.0.1:{daemon.status.live_port}"]) as engine:
+        daemon.set_ports({engine.port})
+        cancel_after(engine.port, 0.3, "fin", stream=True, max_tokens=400, request_id="live").join()
+        disconnected = time.monotonic()
+        assert wait_for(lambda: [r.verdict for r in verdict_rows(daemon)] == ["inflight_zombie"],
+                        timeout_s=GRACE_S + 1.0, interval_s=0.02)
+        flagged_after = time.monotonic() - disconnected
+        assert flagged_after <= GRACE_S + 1.0
+        # When the work finally ends, the same request becomes a zombie with its full lag.
+        assert wait_for(lambda: [r.verdict for r in verdict_rows(daemon)] == ["zombie"], timeout_s=60)
+        [row] = verdict_rows(daemon)
+        assert row.request_id == "live" and row.lag_seconds > GRACE_S
+
+
+def test_vllm_style_abort_without_engine_span_is_aborted(tmp_path: Path) -> None:
+    with running_daemon(tmp_path) as daemon, running_engine(
+            behavior="abort", otlp=f"http://127.0.0.1:{daemon.status.http_port}", step_ms=10) as engine:
+        daemon.set_ports({engine.port})
+        threads = [cancel_after(engine.port, 0.3, kind, stream=stream, max_tokens=200, request_id=f"v-{kind}-{stream}")
+                   for kind in ("fin", "rst") for stream in (True, False)]
+        for thread in threads:
+            thread.join()
+        assert wait_for(lambda: len(verdict_rows(daemon)) == 4, timeout_s=15)
+        rows = verdict_rows(daemon)
+        assert {r.verdict for r in rows} == {"aborted"}
+        assert all(not r.details["engine_span"] and r.phase == "unknown" for r in rows)
+
+
+@pytest.mark.parametrize("propagate", [True, False])
+def test_gateway_chain_one_verdict_with_hop_delay(tmp_path: Path, propagate: bool) -> None:
+    from replay.engine.launch import running_gateway
+
+    with running_daemon(tmp_path) as daemon:
+        otlp = f"http://127.0.0.1:{daemon.status.http_port}"
+        with running_engine(behavior="abort", otlp=otlp, step_ms=10) as engine, \
+                running_gateway(engine.url, propagate=propagate, otlp=otlp) as gateway:
+            daemon.set_ports({engine.port, gateway.port})
+            cancel_after(gateway.port, 0.3, "fin", stream=True, max_tokens=150, request_id="via-gateway").join()
+            want = "aborted" if propagate else "zombie"
+            # The engine hop's spans may arrive first; the gateway's span then merges the two.
+            assert wait_for(lambda: [(r.verdict, r.server_port) for r in verdict_rows(daemon)]
+                            == [(want, gateway.port)], timeout_s=30), \
+                [(r.verdict, r.server_port, r.details) for r in verdict_rows(daemon)]
+            [row] = verdict_rows(daemon)
+    # One request, one verdict, at the hop where the client left.
+    assert row.server_port == gateway.port and row.request_id == "via-gateway"
+    if propagate:
+        assert "hops" in row.details, row.details
+        [hop] = row.details["hops"]
+        assert hop["server_port"] == engine.port and 0 <= hop["disconnect_delay_s"] < 0.5
+    else:
+        assert row.details["upstream_not_closed_ports"] == [engine.port] and row.lag_seconds > GRACE_S

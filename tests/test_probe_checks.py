@@ -1,0 +1,67 @@
+"""Why the eBPF probe cannot run: each missing piece is named with its fix, before bcc is touched."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+
+from probes import ProbeUnavailable, open_source
+from probes.bpf import bpf_unavailable_reason, default_wakeup_every
+
+
+def fake_host(root: Path, *, tracefs: bool = True, tracepoints: bool = True,
+              headers: bool = True) -> dict[str, object]:
+    tracing = root / "tracing"
+    if tracefs:
+        (tracing / "events").mkdir(parents=True)
+    if tracepoints:
+        for name in ("sock/inet_sock_set_state", "tcp/tcp_receive_reset"):
+            (tracing / "events" / name).mkdir(parents=True)
+            (tracing / "events" / name / "format").write_text("name: x\n")
+    modules = root / "modules"
+    if headers:
+        (modules / platform.release() / "build" / "include").mkdir(parents=True)
+    return {"tracefs_roots": [tracing], "modules_root": modules,
+            "kheaders": root / "no-kheaders", "check_bcc": False, "euid": 0}
+
+
+def test_a_complete_host_has_no_reason(tmp_path: Path) -> None:
+    assert bpf_unavailable_reason(**fake_host(tmp_path)) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("setup", "reason", "fix"), [
+    ({"euid": 1000}, "eBPF needs root", "use --source procfs"),
+    ({"tracefs": False, "tracepoints": False}, "tracefs is not mounted",
+     "mount -t tracefs nodev /sys/kernel/tracing"),
+    ({"tracepoints": False}, "no sock:inet_sock_set_state tracepoint", "Linux 4.16"),
+    ({"headers": False}, "kernel headers are missing", "apt-get install linux-headers-"),
+])
+def test_each_missing_piece_is_named_with_its_fix(tmp_path: Path, setup: dict[str, object],
+                                                  reason: str, fix: str) -> None:
+    euid = setup.pop("euid", 0)
+    kwargs = fake_host(tmp_path, **setup)  # type: ignore[arg-type]
+    kwargs["euid"] = euid
+    problem = bpf_unavailable_reason(**kwargs)  # type: ignore[arg-type]
+    assert problem is not None
+    assert reason in problem.reason and fix in problem.fix
+    assert str(problem) == f"{problem.reason}: {problem.fix}"
+
+
+def test_prefer_bpf_without_bcc_raises_the_doctor_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "bcc", None)
+    with pytest.raises(ProbeUnavailable) as caught:
+        open_source([8000], prefer="bpf")
+    message = str(caught.value)
+    assert ("bcc is not importable: run `make setup` as root (apt-get install python3-bpfcc)"
+            in message) or "eBPF needs root" in message
+
+
+def test_unsignalled_records_never_fill_more_than_a_quarter_of_the_ring() -> None:
+    for pages, cpus in [(4096, 2), (4096, 256), (1, 2), (16384, 64), (1, 512)]:
+        every = default_wakeup_every(pages, cpus)
+        assert 1 <= every <= 1024
+        assert every == 1 or every * cpus * 64 <= pages * 4096 // 4
+    assert default_wakeup_every(4096, 2) == 1024

@@ -1,0 +1,83 @@
+"""Batched storage of connection events in a real, migrated SQLite store."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from sqlalchemy import func, select
+
+from auditor.errors import StoreError
+from auditor.model import ConnEvent, ConnEventKind
+from auditor.schema import ConnEventRow
+from auditor.store import Store
+from probes.writer import ConnEventWriter
+
+
+def make_events(count: int, start: int = 0) -> list[ConnEvent]:
+    return [ConnEvent(ts_ns=1_795_000_000_000_000_000 + i, kind=ConnEventKind.PEER_FIN, family=4,
+                      client_addr="127.0.0.1", client_port=40_000 + i % 20_000,
+                      server_addr="127.0.0.1", server_port=8000,
+                      cookie=0x7FFF_8881_05BA_5340 + i, host="h")  # a masked kernel address
+            for i in range(start, start + count)]
+
+
+def stored(store: Store) -> int:
+    with store.session() as session:
+        return int(session.scalar(select(func.count()).select_from(ConnEventRow)) or 0)
+
+
+def test_full_batches_are_written_as_they_fill(store: Store) -> None:
+    writer = ConnEventWriter(store, batch_size=3, flush_interval_s=60)
+    writer.add(make_events(7))
+    assert (stored(store), writer.pending, writer.written) == (6, 1, 6)
+    assert writer.flush() == 1
+    assert stored(store) == 7
+    with store.session() as session:
+        first = session.scalars(select(ConnEventRow).order_by(ConnEventRow.ts_ns)).first()
+    assert first is not None
+    assert (first.kind, first.cookie, first.client_port, first.source) == (
+        "peer_fin", 0x7FFF_8881_05BA_5340, 40_000, "bpf")
+
+
+def test_interval_flush_on_a_quiet_host(store: Store) -> None:
+    now = [0.0]
+    writer = ConnEventWriter(store, batch_size=1000, flush_interval_s=0.5, monotonic=lambda: now[0])
+    writer.add(make_events(2))
+    assert stored(store) == 0
+    now[0] = 0.6
+    writer.add([])  # the poll loop calls add() even when nothing came
+    assert stored(store) == 2
+
+
+def test_a_failing_store_keeps_events_and_never_raises_from_add(
+        store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    writer = ConnEventWriter(store, batch_size=2, flush_interval_s=60)
+    with store.engine.begin() as conn:  # make every insert fail, for real
+        conn.exec_driver_sql("ALTER TABLE conn_events RENAME TO conn_events_away")
+    with caplog.at_level(logging.ERROR):
+        writer.add(make_events(5))
+        writer.add(make_events(1, start=5))
+    assert writer.pending == 6 and writer.write_errors >= 1 and writer.written == 0
+    assert caplog.text.count("storing connection events failed") == 1  # logged once
+    with pytest.raises(StoreError):
+        writer.flush()
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE conn_events_away RENAME TO conn_events")
+    writer.close()
+    assert stored(store) == 6 and writer.pending == 0 and writer.dropped == 0
+
+
+def test_pending_is_bounded_and_drops_are_counted(store: Store) -> None:
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE conn_events RENAME TO conn_events_away")
+    writer = ConnEventWriter(store, batch_size=10, flush_interval_s=60, max_pending=25)
+    writer.add(make_events(40))
+    assert writer.pending == 25 and writer.dropped == 15
+
+
+def test_bad_settings_are_refused(store: Store) -> None:
+    with pytest.raises(ValueError, match="batch_size"):
+        ConnEventWriter(store, batch_size=0)
+    with pytest.raises(ValueError, match="flush_interval_s"):
+        ConnEventWriter(store, flush_interval_s=0)

@@ -1,0 +1,246 @@
+"""The report over a realistic store: figures, breakdowns, filters, and every output format."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from auditor.report import ReportQuery, build_report
+from auditor.report.model import RequestFinding, rfc3339
+from auditor.report.query import FINDING_COLUMNS
+from auditor.report.render_data import (
+    REQUEST_FIELDS,
+    report_dict,
+    request_dict,
+    request_json,
+    write_csv,
+    write_json,
+)
+from auditor.report.render_html import render_html
+from auditor.report.render_table import render_table
+from auditor.store import Store
+from tests.report_data import CHAT, COMPLETIONS, EVIL_ID, LLAMA, QWEN, T0, at, fill, trace
+
+SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())
+HOUR = ReportQuery(since_ns=T0, until_ns=at(3600))
+
+
+@pytest.fixture
+def filled(store: Store) -> Store:
+    fill(store)
+    return store
+
+
+def validate(document: dict[str, object]) -> None:
+    jsonschema.Draft202012Validator(SCHEMA).validate(document)
+
+
+def test_totals_are_summed_over_the_window_only(filled: Store) -> None:
+    t = build_report(filled, HOUR).totals
+    assert (t.requests, t.disconnects) == (12, 5)  # engine spans and the earlier hour excluded
+    assert (t.completed, t.aborted, t.zombies, t.inflight_zombies) == (1, 1, 2, 1)
+    assert t.zombie_seconds == pytest.approx(12.5 + 3.0 + 30.0)
+    assert (t.wasted_tokens, t.wasted_tokens_estimated) == (1100, 200)
+    assert t.wasted_gpu_seconds == pytest.approx(14.0)
+    assert t.uncapped_disconnects == 1
+    assert (t.idle_closes, t.unjoined_disconnects, t.unjoined_spans, t.lost_kernel_events,
+            t.proxy_rewritten_peers) == (5, 1, 4, 7, 1)
+    # Two GPUs x one hour; per-process and CPU samples are not GPUs.
+    assert (t.gpus, t.gpu_seconds) == (2, 7200.0)
+    assert t.gpu_busy_seconds == pytest.approx(360 * 2 * 0.8 * 10)
+    assert t.wasted_gpu_share == pytest.approx(14.0 / 7200.0)
+
+
+def test_breakdowns_group_by_each_dimension(filled: Store) -> None:
+    report = build_report(filled, HOUR)
+    routes = {row.key: row for row in report.breakdowns["route"]}
+    assert routes[CHAT].disconnects == 4 and routes[CHAT].zombies == 2
+    assert routes[CHAT].zombie_seconds == pytest.approx(45.5)
+    assert routes[COMPLETIONS].aborted == 1 and routes[COMPLETIONS].zombie_seconds == 0
+    assert report.breakdowns["route"][0].key == CHAT  # worst first
+    assert {row.key: row.disconnects for row in report.breakdowns["phase"]} == {
+        "decode": 3, "prefill": 1, "queued": 1}
+    assert {row.key: row.disconnects for row in report.breakdowns["disconnect_kind"]} == {
+        "fin": 3, "rst": 2}
+    assert {row.key for row in report.breakdowns["model"]} == {LLAMA, QWEN}
+
+
+def test_worst_zombies_are_ordered_by_lag_and_limited(filled: Store) -> None:
+    worst = build_report(filled, HOUR).worst_zombies
+    assert [f.lag_seconds for f in worst] == [30.0, 12.5, 3.0]
+    assert [f.trace_id for f in worst] == [trace(11), trace(9), trace(10)]
+    top1 = build_report(filled, ReportQuery(since_ns=T0, until_ns=at(3600), top=1)).worst_zombies
+    assert [f.request_id for f in top1] == ["req-11"]
+
+
+@pytest.mark.parametrize(("filters", "requests", "disconnects"), [
+    ({"host": "gpu-b"}, 2, 1),
+    ({"route": COMPLETIONS}, 3, 1),
+    ({"model": QWEN, "host": "gpu-a"}, 3, 1),
+    ({"service": "vllm"}, 12, 5),
+    ({"service": "other"}, 0, 0),
+])
+def test_filters_apply_to_requests_and_findings(filled: Store, filters: dict[str, str],
+                                                requests: int, disconnects: int) -> None:
+    t = build_report(filled, ReportQuery(since_ns=T0, until_ns=at(3600), **filters)).totals
+    assert (t.requests, t.disconnects) == (requests, disconnects)
+
+
+def test_host_filter_narrows_coverage_and_gpu_time(filled: Store) -> None:
+    t = build_report(filled, ReportQuery(since_ns=T0, until_ns=at(3600), host="gpu-b")).totals
+    assert (t.idle_closes, t.lost_kernel_events, t.proxy_rewritten_peers) == (2, 0, 1)
+    assert (t.gpus, t.gpu_seconds, t.wasted_gpu_share) == (0, 0.0, None)
+
+
+def test_json_matches_the_schema_and_lists_every_disconnect(filled: Store) -> None:
+    out = io.StringIO()
+    write_json(build_report(filled, HOUR), out)
+    document = json.loads(out.getvalue())
+    validate(document)
+    assert document == report_dict(build_report(filled, HOUR)) | {"generated_at": document["generated_at"]}
+    assert document["window"]["since"] == "2026-11-22T04:00:00.000000000Z"
+    requests = document["requests"]
+    assert [r["trace_id"] for r in requests] == [trace(n) for n in (7, 8, 9, 10, 11)]
+    zombie = requests[2]
+    assert zombie == {
+        "request_id": EVIL_ID, "trace_id": trace(9), "verdict": "zombie",
+        "disconnect_at": rfc3339(at(901)), "disconnect_kind": "fin", "work_end_at": rfc3339(at(913.5)),
+        "lag_seconds": 12.5, "phase": "decode", "route": CHAT, "model": LLAMA, "service": "vllm",
+        "client": "10.0.0.7:40009", "host": "gpu-a", "request_start_at": rfc3339(at(900)),
+        "max_tokens": 512, "wasted_tokens": 900, "tokens_exact": True, "wasted_gpu_seconds": 10.0,
+        "wasted_cpu_seconds": 0.0}
+    assert requests[4]["work_end_at"] is None and requests[4]["verdict"] == "inflight_zombie"
+
+
+def test_csv_has_one_row_per_disconnect_with_the_json_field_names(filled: Store) -> None:
+    report = build_report(filled, HOUR)
+    out = io.StringIO()
+    write_csv(report.requests, out)
+    rows = list(csv.DictReader(io.StringIO(out.getvalue())))
+    assert tuple(rows[0]) == REQUEST_FIELDS
+    assert [row["verdict"] for row in rows] == ["completed", "aborted", "zombie", "zombie",
+                                                "inflight_zombie"]
+    assert rows[2]["request_id"] == EVIL_ID and rows[3]["max_tokens"] == ""
+    assert rows[3]["tokens_exact"] == "false"
+
+
+def test_table_fits_100_columns_and_shows_full_ids(filled: Store) -> None:
+    text = render_table(build_report(filled, HOUR))
+    assert max(len(line) for line in text.splitlines()) <= 100
+    for needle in ("requests", "12", "41.7%", "0.2% of 7,200 GPU-s", "By route", "By model",
+                   "By phase at disconnect", "By disconnect kind", "no max_tokens cap",
+                   "lost kernel events", trace(9), EVIL_ID, "req-11"):
+        assert needle in text, needle
+
+
+def test_table_escapes_terminal_control_characters_and_wraps_long_ids(store: Store) -> None:
+    fill(store)
+    from auditor.model import Verdict
+    from tests.report_data import _verdict
+    hostile = "\x1b[31mred\x1b[0m" + "x" * 150
+    store.upsert_verdicts([_verdict(40, Verdict.ZOMBIE, start_s=50, disconnect_s=51, end_s=600,
+                                    lag=549.0, request_id=hostile, route="/v1/" + "r" * 60)])
+    text = render_table(build_report(store, HOUR))
+    assert "\x1b" not in text and "\\x1b[31mred" in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "x" * 150 in text.replace("\n", "").replace(" ", "")  # whole, over two lines
+
+
+def test_html_is_self_contained_and_escapes_store_text(filled: Store) -> None:
+    page = render_html(build_report(filled, HOUR, with_series=True))
+    assert page.startswith("<!DOCTYPE html>")
+    assert "<script" not in page.lower() and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    for network in ("src=", "href=", "@import", "url(", "https://cdn", "<link"):
+        assert network not in page
+    assert page.count("<svg") == 3  # zombies over time, completion vs utilization, timelines
+    assert "Completed requests against GPU utilization" in page and trace(11) in page
+
+
+def test_series_buckets_the_window(filled: Store) -> None:
+    report = build_report(filled, HOUR, with_series=True)
+    assert report.series is not None and report.timelines is not None
+    assert report.bucket_ns == 60 * 1_000_000_000 and len(report.series) == 60
+    assert sum(b.completed_requests for b in report.series) == 12
+    assert sum(b.zombies for b in report.series) == 3
+    assert sum(b.wasted_gpu_seconds for b in report.series) == pytest.approx(14.0)
+    assert {b.gpu_util_percent for b in report.series} == {80.0}
+    two_hours = build_report(filled, ReportQuery(since_ns=T0, until_ns=at(7200)), with_series=True)
+    assert two_hours.series is not None and two_hours.bucket_ns == 120 * 1_000_000_000
+    assert [b.completed_requests for b in two_hours.series[:3]] == [1, 2, 2]  # summed per bucket
+    by_trace = {t.finding.trace_id: t for t in report.timelines}
+    assert by_trace[trace(9)].end_ns == at(913.5)
+    assert by_trace[trace(11)].end_ns == at(1100.2) + 30 * 1_000_000_000  # still running: lag so far
+    assert by_trace[trace(9)].utilization and by_trace[trace(11)].utilization == []  # gpu-b: no GPU
+
+
+def test_empty_window_says_where_the_data_is(filled: Store) -> None:
+    report = build_report(filled, ReportQuery(since_ns=at(86400), until_ns=at(90000)))
+    assert report.empty
+    assert report.empty_message() == (
+        "no requests between 2026-11-23T04:00:00Z and 2026-11-23T05:00:00Z; "
+        "the store holds data from 2026-11-22T03:00:00Z to 2026-11-22T04:20:02Z")
+    out = io.StringIO()
+    write_json(report, out)
+    document = json.loads(out.getvalue())
+    validate(document)
+    assert document["empty"] is True and document["totals"]["requests"] == 0
+    assert document["requests"] == [] and document["data_range"]["first"].startswith("2026-11-22T03")
+
+
+def test_empty_store(store: Store) -> None:
+    report = build_report(store, HOUR, with_series=True)
+    assert report.empty_message().endswith("the store holds no requests yet")
+    assert "the store holds no requests yet" in render_html(report)
+
+
+@pytest.mark.parametrize("text", ['quote " and \\\\ backslash', "tab\tnewline\n\x00nul", "ünïcødé ✓ 🧟",
+                                  "\u2028line separator", ""])
+def test_fast_request_encoding_equals_json_dumps(filled: Store, text: str) -> None:
+    finding = build_report(filled, HOUR).requests[4]  # the in-flight zombie: nulls included
+    odd = finding._replace(request_id=text, route=text, lag_seconds=1 / 3,
+                              wasted_gpu_seconds=float("nan"))
+    for value in (finding, odd):
+        assert json.loads(request_json(value)) == request_dict(value)
+
+
+def test_finding_columns_follow_the_dataclass_fields() -> None:
+    names = [column.name for column in FINDING_COLUMNS]
+    fields = list(RequestFinding._fields)
+    assert names == [{"wasted_tokens": "tokens_after_disconnect"}.get(f, f) for f in fields]
+
+
+def test_sqlite_built_json_equals_the_python_encoding(filled: Store) -> None:
+    from auditor.model import Verdict
+    from tests.report_data import _verdict
+
+    odd = [
+        _verdict(50, Verdict.ZOMBIE, start_s=50, disconnect_s=51.000000001, end_s=60.123456789,
+                 lag=1 / 3, request_id='q"uote\\back\tslash\n\x00\x1b ünï 🧟 \u2028'),
+        _verdict(51, Verdict.INFLIGHT_ZOMBIE, start_s=52, disconnect_s=53, end_s=None,
+                 lag=float("inf"), route="", model=None, max_tokens=None, tokens=None, gpu=1e-7),
+    ]
+    filled.upsert_verdicts(odd)
+    with filled.engine.begin() as conn:  # an IPv6 client, and one with no port
+        conn.exec_driver_sql("UPDATE verdicts SET client_addr = '::1' WHERE request_key LIKE '%/"
+                             + trace(50) + "/%'")
+        conn.exec_driver_sql("UPDATE verdicts SET client_port = NULL WHERE request_key LIKE '%/"
+                             + trace(51) + "/%'")
+    fast = build_report(filled, HOUR, requests_as_json=True)
+    slow = build_report(filled, HOUR)
+    assert fast.requests_json is not None and len(fast.requests_json) == 7 and fast.requests == []
+    parsed = [json.loads(text) for text in fast.requests_json]
+    assert parsed == [request_dict(f) for f in slow.requests]
+    assert parsed == [json.loads(request_json(f)) for f in slow.requests]
+    by_trace = {p["trace_id"]: p for p in parsed}
+    assert by_trace[trace(50)]["client"] == "[::1]:40050"
+    assert by_trace[trace(50)]["disconnect_at"] == "2026-11-22T04:00:51.000000001Z"
+    assert by_trace[trace(51)]["client"] == "10.0.0.7" and by_trace[trace(51)]["lag_seconds"] is None
+    for make in (fast, slow):
+        out = io.StringIO()
+        write_json(make, out)
+        validate(json.loads(out.getvalue()))

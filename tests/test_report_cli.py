@@ -1,0 +1,166 @@
+"""``auditor report`` on the command line: formats, files, and every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sqlite3
+from pathlib import Path
+
+import jsonschema
+import pytest
+from click.testing import CliRunner
+
+from auditor.cli import cli
+from auditor.store import Store
+from tests.report_data import SINCE, UNTIL, fill, trace
+
+SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())
+
+
+@pytest.fixture
+def db(store: Store) -> str:
+    fill(store)
+    return store.url
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(cli, ["report", *args], catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_help_exists_and_lists_the_options() -> None:
+    code, out, _ = invoke("--help")
+    assert code == 0
+    for option in ("--since", "--until", "--host", "--service", "--route", "--model", "--format",
+                   "--output", "--top", "--db", "--config"):
+        assert option in out
+    root = CliRunner().invoke(cli, ["--help"])
+    assert "report" in root.stdout
+
+
+def test_table_is_the_default(db: str) -> None:
+    code, out, _ = invoke("--db", db, "--since", SINCE, "--until", UNTIL)
+    assert code == 0, out
+    assert "Worst zombies" in out and trace(9) in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_json_on_stdout_validates(db: str) -> None:
+    code, out, _ = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "json",
+                          "--route", "/v1/chat/completions", "--top", "2")
+    assert code == 0
+    document = json.loads(out)
+    jsonschema.Draft202012Validator(SCHEMA).validate(document)
+    assert document["window"]["filters"]["route"] == "/v1/chat/completions"
+    assert document["totals"]["disconnects"] == 4 and len(document["worst_zombies"]) == 2
+    code, short, _ = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--json",
+                            "--route", "/v1/chat/completions", "--top", "2")
+    assert code == 0 and json.loads(short)["totals"] == document["totals"]
+
+
+@pytest.mark.parametrize(("fmt", "marker"), [
+    ("json", '"schema": "auditor.report/v1"'), ("csv", "request_id,trace_id,verdict"),
+    ("html", "<!DOCTYPE html>"), ("table", "Totals")])
+def test_every_format_writes_to_a_file(db: str, tmp_path: Path, fmt: str, marker: str) -> None:
+    (tmp_path / "out").mkdir()
+    target = tmp_path / "out" / f"report.{fmt}"
+    code, out, err = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--format", fmt,
+                            "-o", str(target))
+    assert code == 0, err
+    assert out == "" and f"wrote {fmt} report to {target}" in err
+    assert marker in target.read_text(encoding="utf-8")
+    assert list(target.parent.iterdir()) == [target]  # no temporary file left behind
+
+
+def test_html_escapes_a_script_in_a_request_id(db: str) -> None:
+    code, out, _ = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "html")
+    assert code == 0
+    assert "<script>" not in out and "&lt;script&gt;alert(1)&lt;/script&gt;" in out
+
+
+def test_empty_window_is_explained_and_exits_zero(db: str) -> None:
+    code, out, _ = invoke("--db", db, "--since", "2026-11-23T00:00:00Z", "--until",
+                          "2026-11-23T01:00:00Z")
+    assert code == 0
+    assert ("no requests between 2026-11-23T00:00:00Z and 2026-11-23T01:00:00Z; "
+            "the store holds data from 2026-11-22T03:00:00Z to 2026-11-22T04:20:02Z") in out
+    code, out, err = invoke("--db", db, "--since", "2026-11-23T00:00:00Z", "--until",
+                            "2026-11-23T01:00:00Z", "--format", "json")
+    assert code == 0 and "note: no requests between" in err
+    document = json.loads(out)
+    jsonschema.Draft202012Validator(SCHEMA).validate(document)
+    assert document["totals"]["zombies"] == 0 and document["empty"] is True
+
+
+def test_empty_window_with_filters_names_them(db: str) -> None:
+    code, out, _ = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--model", "gpt-9")
+    assert code == 0
+    assert "no requests matching model=gpt-9 between" in out
+
+
+@pytest.mark.parametrize("bad", ["yesterday", "1 hour", "-5m", "2026-11-22T10:00:00"])
+def test_bad_since_is_rejected_with_an_example(db: str, bad: str) -> None:
+    result = CliRunner().invoke(cli, ["report", "--db", db, "--since", bad])
+    assert result.exit_code == 2
+    assert "Invalid value for '--since'" in result.stderr
+    assert "e.g." in result.stderr and "2026-11-22T10:00:00Z" in result.stderr
+
+
+def test_until_before_since_is_rejected(db: str) -> None:
+    result = CliRunner().invoke(cli, ["report", "--db", db, "--since", "1h", "--until", "2h"])
+    assert result.exit_code == 2
+    assert "is not after --since" in result.stderr and "e.g. --since 2h --until 1h" in result.stderr
+
+
+def test_missing_database_is_one_line_and_nothing_is_created(tmp_path: Path) -> None:
+    path = tmp_path / "nowhere.db"
+    result = CliRunner().invoke(cli, ["report", "--db", f"sqlite:///{path}"])
+    assert result.exit_code == 1
+    assert result.stderr == f"Error: no database at {path}; run `auditor run` first or pass --db\n"
+    assert not path.exists()
+
+
+def test_store_at_the_base_revision_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    sqlite3.connect(path).close()  # a database file from before any migration ran
+    code, out, _ = invoke("--db", f"sqlite:///{path}", "--since", "1h")
+    assert code == 0 and "the store holds no requests yet" in out
+    assert Store(f"sqlite:///{path}", upgrade=False).current_revision() is not None
+
+
+def test_newer_schema_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "new.db"
+    Store(f"sqlite:///{path}").close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = 'ffff'")
+    result = CliRunner().invoke(cli, ["report", "--db", f"sqlite:///{path}"])
+    assert result.exit_code == 1 and "newer than this auditor knows" in result.stderr
+
+
+def test_unreachable_postgres_names_the_url_without_the_password() -> None:
+    with socket.socket() as probe:  # a port nothing listens on: bind, note, close
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"postgresql+psycopg://auditor:s3cret@127.0.0.1:{port}/auditor"
+    result = CliRunner().invoke(cli, ["report", "--db", url])
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "s3cret" not in result.stderr
+    assert lines[0].startswith(f"Error: cannot reach the database at postgresql+psycopg://auditor:***@127.0.0.1:{port}/auditor")
+    assert "check that the server is running" in lines[0]
+
+
+def test_unwritable_output_is_a_clear_error(db: str, tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["report", "--db", db, "-o", str(tmp_path / "no" / "r.json"),
+                                      "--format", "json"])
+    assert result.exit_code != 0
+    assert "r.json" in result.stderr and "Traceback" not in result.output
+
+
+def test_output_to_a_device_writes_through_it(db: str) -> None:
+    # Renaming a temporary file over /dev/null would replace the device for everyone.
+    code, _, _ = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "json",
+                        "-o", "/dev/null")
+    assert code == 0
+    assert Path("/dev/null").is_char_device()

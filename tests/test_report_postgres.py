@@ -1,0 +1,97 @@
+"""The report on a real PostgreSQL server gives the same figures as on SQLite.
+
+The server runs from a temporary directory as the ``postgres`` user (it refuses root), listening
+only on a Unix socket there, so no port is shared with anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import pytest
+from click.testing import CliRunner
+
+from auditor.cli import cli
+from auditor.report import ReportQuery, build_report
+from auditor.report.render_data import report_dict
+from auditor.report.render_html import render_html
+from auditor.store import Store
+from tests.report_data import SINCE, T0, UNTIL, at, fill
+
+pytestmark = pytest.mark.postgres
+SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())
+
+
+def _binary(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    versions = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))
+    return str(versions[-1]) if versions else None
+
+
+@pytest.fixture(scope="module")
+def pg_url() -> Iterator[str]:
+    initdb, postgres = _binary("initdb"), _binary("postgres")
+    if not initdb or not postgres:
+        pytest.skip("PostgreSQL server binaries not installed")
+    try:
+        user = pwd.getpwnam("postgres")
+    except KeyError:
+        pytest.skip("no postgres user to run the server as")
+    as_user: list[str] = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    base = Path(tempfile.mkdtemp(prefix="report-pg-"))
+    if os.geteuid() == 0:
+        os.chown(base, user.pw_uid, user.pw_gid)
+    data = base / "data"
+    subprocess.run([*as_user, initdb, "-D", str(data), "-A", "trust", "-U", "postgres",
+                    "--no-sync"], check=True, capture_output=True, timeout=120)
+    server = subprocess.Popen([*as_user, postgres, "-D", str(data), "-k", str(base),
+                               "-c", "listen_addresses=", "-c", "fsync=off"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not (base / ".s.PGSQL.5432").exists():
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"postgres did not start: {server.stderr.read() if server.stderr else ''}")
+            time.sleep(0.1)
+        time.sleep(0.3)  # the socket file appears just before connections are accepted
+        yield f"postgresql+psycopg://postgres@/postgres?host={base}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_postgres_report_equals_sqlite(pg_url: str, store: Store) -> None:
+    pg = Store(pg_url)
+    try:
+        fill(pg)
+        fill(store)
+        query = ReportQuery(since_ns=T0, until_ns=at(3600))
+        on_pg, on_sqlite = report_dict(build_report(pg, query)), report_dict(build_report(store, query))
+        on_pg.pop("generated_at")
+        on_sqlite.pop("generated_at")
+        assert on_pg == on_sqlite
+        assert on_pg["totals"]["requests"] == 12 and on_pg["totals"]["zombies"] == 2
+        with_series = build_report(pg, query, with_series=True)
+        assert with_series.series is not None
+        assert sum(b.completed_requests for b in with_series.series) == 12
+        assert "<svg" in render_html(with_series)
+        empty = build_report(pg, ReportQuery(since_ns=at(86400), until_ns=at(90000)))
+        assert empty.empty and empty.data_range is not None
+        result = CliRunner().invoke(cli, ["report", "--db", pg_url, "--since", SINCE, "--until", UNTIL,
+                                          "--format", "json"])
+        assert result.exit_code == 0, result.output
+        jsonschema.Draft202012Validator(SCHEMA).validate(json.loads(result.stdout))
+    finally:
+        pg.close()
