@@ -36,6 +36,9 @@ TOO_DEEP_MARK = "[nested too deep]"
 _COLUMN_CHARS = {"name": 255, "service": 255, "host": 255, "request_id": 255, "route": 255,
                  "model": 255, "finish_reason": 32, "peer_addr": 64}
 
+_MAX_NS = 2**63 - 1  # timestamps are signed 64-bit columns
+_MAX_PID = 2**31 - 1
+
 _KIND_NAMES = {0: "unspecified", 1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
 _STATUS_NAMES = {0: "unset", 1: "ok", 2: "error"}
 
@@ -55,6 +58,12 @@ TARGET_KEYS = ("url.path", "http.target")
 REQUEST_ID_HEADER_KEYS = ("http.request.header.x_request_id", "http.request.header.x-request-id")
 CLIENT_PEER_ADDR_KEYS = ("server.address", "net.peer.name", "net.peer.ip")
 CLIENT_PEER_PORT_KEYS = ("server.port", "net.peer.port")
+_GENAI_KEYS = frozenset({
+    "gen_ai.request.id", "gen_ai.response.finish_reasons", "gen_ai.response.finish_reason",
+    "gen_ai.response.model", "gen_ai.request.model", "gen_ai.usage.prompt_tokens",
+    "gen_ai.usage.input_tokens", "gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens",
+    "gen_ai.request.max_tokens", "gen_ai.latency.time_in_queue", "gen_ai.latency.time_to_first_token",
+})
 
 
 @dataclass
@@ -106,9 +115,21 @@ def attributes_dict(values: Any) -> tuple[dict[str, Any], int]:
     out: dict[str, Any] = {}
     kept: list[KeyValue] = kv_slice(values, MAX_ATTRIBUTES)
     for kv in kept:
-        key = kv.key if len(kv.key) <= MAX_KEY_CHARS else _cut(kv.key, MAX_KEY_CHARS)
-        if key not in out:
-            out[key] = any_value(kv.value)
+        key = kv.key
+        if len(key) > MAX_KEY_CHARS:
+            key = _cut(key, MAX_KEY_CHARS)
+        if key in out:
+            continue
+        # Hot path: most attributes are plain strings and ints; everything else goes the long way.
+        value = kv.value
+        kind = value.WhichOneof("value")
+        if kind == "string_value":
+            text = value.string_value
+            out[key] = text if len(text) <= MAX_STRING_CHARS else _cut(text, MAX_STRING_CHARS)
+        elif kind == "int_value":
+            out[key] = value.int_value
+        else:
+            out[key] = any_value(value)
     return out, len(values) - len(kept)
 
 
@@ -152,6 +173,8 @@ def as_float(value: Any) -> float | None:
 
 def as_str(value: Any) -> str | None:
     """A string, or the first string of a list (captured headers and finish reasons are lists)."""
+    if type(value) is str:
+        return value
     if isinstance(value, list):
         value = value[0] if value else None
     if isinstance(value, str):
@@ -162,6 +185,11 @@ def as_str(value: Any) -> str | None:
 def _port(value: Any) -> int | None:
     port = as_int(value)
     return port if port is not None and 0 <= port <= 65535 else None
+
+
+def _pid(value: Any) -> int | None:
+    number = as_int(value)
+    return number if number is not None and 0 < number <= _MAX_PID else None
 
 
 def _count(value: Any) -> int | None:
@@ -180,31 +208,32 @@ def port_from_hostport(text: Any) -> int | None:
         return None
 
 
-class _Picker:
-    """Reads attributes by key lists and remembers which keys became columns."""
+def _take(attrs: dict[str, Any], keys: tuple[str, ...], convert: Any) -> Any:
+    """The first of ``keys`` whose value converts, removed from ``attrs`` (it becomes a column).
+    Aliases holding the same value (``http/dup``) go too; an alias that disagrees stays."""
+    chosen = None
+    for key in keys:
+        value = attrs.get(key)
+        if value is None:
+            continue
+        converted = convert(value)
+        if converted is None:
+            continue
+        if chosen is None:
+            chosen = converted
+        if converted == chosen:
+            del attrs[key]
+    return chosen
 
-    __slots__ = ("attrs", "used")
 
-    def __init__(self, attrs: dict[str, Any]) -> None:
-        self.attrs = attrs
-        self.used: set[str] = set()
-
-    def raw(self, keys: tuple[str, ...]) -> Any:
-        key, value = _first(self.attrs, keys)
-        if key is not None:
-            self.used.add(key)
-        return value
-
-    def typed(self, keys: tuple[str, ...], convert: Any) -> Any:
-        for key in keys:
-            value = self.attrs.get(key)
-            if value is None:
-                continue
-            converted = convert(value)
-            if converted is not None:
-                self.used.add(key)
-                return converted
+def _take1(attrs: dict[str, Any], key: str, convert: Any) -> Any:
+    value = attrs.get(key)
+    if value is None:
         return None
+    converted = convert(value)
+    if converted is not None:
+        del attrs[key]
+    return converted
 
 
 def _role(name: str, kind: str, has_http: bool) -> SpanRole:
@@ -248,6 +277,8 @@ def _check_span(span: Any) -> str | None:
         return "with an invalid parent span id"
     if span.start_time_unix_nano == 0:
         return "without a start time"
+    if span.end_time_unix_nano > _MAX_NS:
+        return "with a time past the year 2262 (not a signed 64-bit nanosecond count)"
     if span.end_time_unix_nano < span.start_time_unix_nano:
         return "ending before they start"
     return None
@@ -260,11 +291,11 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
     total = 0
     for resource_spans in request.resource_spans:
         resource, _ = attributes_dict(resource_spans.resource.attributes)
-        service = as_str(resource.get("service.name")) or ""
-        host = as_str(resource.get("host.name")) or service_host
-        pid = as_int(resource.get("process.pid"))
+        service = _cut(as_str(resource.get("service.name")) or "", _COLUMN_CHARS["service"])
+        host = _cut(as_str(resource.get("host.name")) or service_host, _COLUMN_CHARS["host"])
+        pid = _pid(resource.get("process.pid"))
         if pid is None:
-            pid = as_int(resource.get("vllm.process_id"))
+            pid = _pid(resource.get("vllm.process_id"))
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 total += 1
@@ -283,23 +314,24 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
 
 def normalize_span(span: Any, *, service: str, host: str, process_pid: int | None) -> SpanRecord:
     """One valid OTLP span (ids already checked) to a SpanRecord."""
+    # ``attrs`` is this span's own dict: values that become columns are removed from it, and
+    # what is left is stored as the span's attributes.
     attrs, dropped = attributes_dict(span.attributes)
-    pick = _Picker(attrs)
-    name = _cut(span.name, _COLUMN_CHARS["name"])
+    name = span.name
+    if len(name) > _COLUMN_CHARS["name"]:
+        name = _cut(name, _COLUMN_CHARS["name"])
     kind = _KIND_NAMES.get(span.kind, "unspecified")
-    method = pick.raw(METHOD_KEYS)
+    method = _first(attrs, METHOD_KEYS)[1]  # not a column: stays in the attributes
     role = _role(name, kind, method is not None)
-    pick.used.discard("http.method")  # the method is not a column: keep it in attributes
-    pick.used.discard("http.request.method")
 
     peer_addr: str | None = None
     peer_port: int | None = None
     server_port: int | None = None
     peer_rewritten = False
     if role is SpanRole.HTTP_SERVER:
-        peer_addr = pick.typed(PEER_ADDR_KEYS, as_str)
-        peer_port = pick.typed(PEER_PORT_KEYS, _port)
-        server_port = pick.typed(SERVER_PORT_KEYS, _port)
+        peer_addr = _take(attrs, PEER_ADDR_KEYS, as_str)
+        peer_port = _take(attrs, PEER_PORT_KEYS, _port)
+        server_port = _take(attrs, SERVER_PORT_KEYS, _port)
         if server_port is None:
             # Old ASGI versions only say "host:port" (scope server, else the Host header).
             server_port = port_from_hostport(_first(attrs, HOST_HEADER_KEYS)[1])
@@ -309,35 +341,44 @@ def normalize_span(span: Any, *, service: str, host: str, process_pid: int | Non
         # port 0: such a span no longer names its TCP connection and must not be joined by port.
         peer_rewritten = peer_addr is not None and not peer_port
     elif role is SpanRole.HTTP_CLIENT:
-        peer_addr = pick.typed(CLIENT_PEER_ADDR_KEYS, as_str)
-        server_port = pick.typed(CLIENT_PEER_PORT_KEYS, _port)
+        peer_addr = _take(attrs, CLIENT_PEER_ADDR_KEYS, as_str)
+        server_port = _take(attrs, CLIENT_PEER_PORT_KEYS, _port)
         if server_port is None:
             server_port = port_from_hostport(_first(attrs, URL_KEYS)[1])
 
+    has_genai = role is SpanRole.ENGINE or not _GENAI_KEYS.isdisjoint(attrs)
     if role is SpanRole.ENGINE:
-        request_id = pick.typed(("gen_ai.request.id",), as_str)
+        request_id = _take1(attrs, "gen_ai.request.id", as_str)
+    elif method is not None:
+        request_id = _take(attrs, REQUEST_ID_HEADER_KEYS, as_str)
+        if request_id is None and has_genai:
+            request_id = _take1(attrs, "gen_ai.request.id", as_str)
     else:
-        request_id = pick.typed(REQUEST_ID_HEADER_KEYS, as_str) or pick.typed(("gen_ai.request.id",), as_str)
+        request_id = _take1(attrs, "gen_ai.request.id", as_str) if has_genai else None
 
-    route = pick.typed(("http.route",), as_str)
-    if route is None and method is not None:
-        target = _first(attrs, TARGET_KEYS)[1]
-        route = target.split("?", 1)[0] if isinstance(target, str) else None
-    finish = pick.typed(("gen_ai.response.finish_reasons", "gen_ai.response.finish_reason"), as_str)
-    pid = process_pid if process_pid is not None else pick.typed(("process.pid", "vllm.process_id"), as_int)
+    route = http_status = None
+    if method is not None:
+        route = _take1(attrs, "http.route", as_str)
+        if route is None:
+            target = _first(attrs, TARGET_KEYS)[1]
+            route = target.split("?", 1)[0] if isinstance(target, str) else None
+        http_status = _take(attrs, STATUS_KEYS, _count)
+    pid = process_pid if process_pid is not None else _take(attrs, ("process.pid", "vllm.process_id"), _pid)
 
-    model = pick.typed(("gen_ai.response.model", "gen_ai.request.model"), as_str)
-    http_status = pick.typed(STATUS_KEYS, _count)
-    prompt_tokens = pick.typed(("gen_ai.usage.prompt_tokens", "gen_ai.usage.input_tokens"), _count)
-    completion_tokens = pick.typed(
-        ("gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens"), _count)
-    max_tokens = pick.typed(("gen_ai.request.max_tokens",), _count)
-    time_in_queue_s = pick.typed(("gen_ai.latency.time_in_queue",), as_float)
-    time_to_first_token_s = pick.typed(("gen_ai.latency.time_to_first_token",), as_float)
+    finish = model = prompt_tokens = completion_tokens = max_tokens = None
+    time_in_queue_s = time_to_first_token_s = None
+    if has_genai:  # the GenAI and vLLM engine columns; skipped for the many spans without them
+        finish = _take(attrs, ("gen_ai.response.finish_reasons", "gen_ai.response.finish_reason"), as_str)
+        model = _take(attrs, ("gen_ai.response.model", "gen_ai.request.model"), as_str)
+        prompt_tokens = _take(attrs, ("gen_ai.usage.prompt_tokens", "gen_ai.usage.input_tokens"), _count)
+        completion_tokens = _take(attrs,
+            ("gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens"), _count)
+        max_tokens = _take1(attrs, "gen_ai.request.max_tokens", _count)
+        time_in_queue_s = _take1(attrs, "gen_ai.latency.time_in_queue", as_float)
+        time_to_first_token_s = _take1(attrs, "gen_ai.latency.time_to_first_token", as_float)
 
-    extra = {k: v for k, v in attrs.items() if k not in pick.used}
     if dropped:
-        extra["auditor.dropped_attributes"] = dropped
+        attrs["auditor.dropped_attributes"] = dropped
     return SpanRecord(
         trace_id=span.trace_id.hex(),
         span_id=span.span_id.hex(),
@@ -346,9 +387,9 @@ def normalize_span(span: Any, *, service: str, host: str, process_pid: int | Non
         kind=kind,
         start_ns=span.start_time_unix_nano,
         end_ns=span.end_time_unix_nano,
-        service=_cut(service, _COLUMN_CHARS["service"]),
-        host=_cut(host, _COLUMN_CHARS["host"]),
-        status=_STATUS_NAMES.get(span.status.code, "unset"),
+        service=service,
+        host=host,
+        status=_STATUS_NAMES.get(span.status.code, "unset") if span.HasField("status") else "unset",
         role=role,
         peer_addr=_opt_cut(peer_addr, "peer_addr"),
         peer_port=peer_port,
@@ -365,9 +406,11 @@ def normalize_span(span: Any, *, service: str, host: str, process_pid: int | Non
         time_to_first_token_s=time_to_first_token_s,
         process_pid=pid,
         peer_rewritten=peer_rewritten,
-        attributes=extra,
+        attributes=attrs,
     )
 
 
 def _opt_cut(value: str | None, column: str) -> str | None:
-    return None if value is None else _cut(value, _COLUMN_CHARS[column])
+    if value is None or len(value) <= 32:  # 32: the narrowest column, so no lookup needed
+        return value
+    return _cut(value, _COLUMN_CHARS[column])

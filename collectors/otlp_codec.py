@@ -157,16 +157,16 @@ def encode_response(content_type: str, rejected: int = 0, error_message: str = "
         response.partial_success.error_message = error_message
     if content_type == JSON:
         # OTLP JSON: int64 as a string is fine for any OTLP client; the mapping does that itself.
-        return json_format.MessageToJson(response, indent=None).encode()
-    return response.SerializeToString()
+        return str(json_format.MessageToJson(response, indent=None)).encode()
+    return bytes(response.SerializeToString())
 
 
 def encode_status(content_type: str, code: int, message: str) -> bytes:
     """A google.rpc.Status body, in the request's encoding (protobuf unless the request was JSON)."""
     status = status_pb2.Status(code=code, message=message)
     if content_type == JSON:
-        return json_format.MessageToJson(status, indent=None).encode()
-    return status.SerializeToString()
+        return str(json_format.MessageToJson(status, indent=None)).encode()
+    return bytes(status.SerializeToString())
 
 
 def _short(exc: BaseException) -> str:

@@ -67,7 +67,8 @@ class OtlpGrpcReceiver:
             options=[("grpc.max_receive_message_length", self.max_message_bytes),
                      ("grpc.so_reuseport", 0)],
         )
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), server)
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(  # type: ignore[no-untyped-call]
+            _TraceService(self), server)
         try:
             port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
         except RuntimeError as exc:  # grpcio reports a failed bind this way

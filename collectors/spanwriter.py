@@ -12,6 +12,8 @@ hammered; later submissions land normally once it is writable again.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import threading
 import time
@@ -20,13 +22,48 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy.exc import OperationalError
+
 from auditor.errors import StoreError
 from auditor.model import SpanRecord
+from auditor.schema import SpanRow
 
 log = logging.getLogger(__name__)
 
 QUEUE_FULL = "queue_full"
 STORE_UNAVAILABLE = "store_unavailable"
+
+
+# The SQLite fast path writes rows as plain tuples in this column order (checked against the schema
+# at start-up: if the two ever disagree, the writer falls back to Store.insert_spans).
+_COLUMNS = ("trace_id", "span_id", "parent_span_id", "name", "kind", "role", "start_ns", "end_ns",
+            "service", "host", "status", "peer_addr", "peer_port", "server_port", "request_id",
+            "route", "model", "http_status", "finish_reason", "prompt_tokens", "completion_tokens",
+            "max_tokens", "time_in_queue_s", "time_to_first_token_s", "process_pid", "peer_rewritten",
+            "attributes")
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def _row(s: SpanRecord) -> tuple[Any, ...]:
+    return (s.trace_id, s.span_id, s.parent_span_id, s.name, s.kind, s.role.value, s.start_ns, s.end_ns,
+            s.service, s.host, s.status, s.peer_addr, s.peer_port, s.server_port, s.request_id,
+            s.route, s.model, s.http_status, s.finish_reason, s.prompt_tokens, s.completion_tokens,
+            s.max_tokens, s.time_in_queue_s, s.time_to_first_token_s, s.process_pid, s.peer_rewritten,
+            _dumps(s.attributes))
+
+
+def _sqlite_insert_sql(store: Any) -> str | None:
+    """``INSERT OR IGNORE`` for the tuple rows above, or None where the fast path does not apply."""
+    engine = getattr(store, "engine", None)
+    if engine is None or engine.dialect.name != "sqlite":
+        return None
+    table_columns = {c.name for c in SpanRow.__table__.columns} - {"id"}
+    record_fields = {f.name for f in dataclasses.fields(SpanRecord)}
+    if table_columns != set(_COLUMNS) or record_fields != set(_COLUMNS):
+        log.warning("spans table and SpanRecord differ from the writer's column list; using the slow path")
+        return None
+    marks = ", ".join("?" for _ in _COLUMNS)
+    return f"INSERT OR IGNORE INTO spans ({', '.join(_COLUMNS)}) VALUES ({marks})"
 
 
 class BackPressure(Exception):
@@ -50,15 +87,16 @@ class _Pending:
 class SpanWriter:
     """Bounded queue + one writer thread committing batches of spans to an ``auditor.store.Store``."""
 
-    def __init__(self, store: Any, *, max_queue_spans: int = 100_000, max_queue_bytes: int = 256 << 20,
+    def __init__(self, store: Any, *, max_queue_spans: int = 32_768, max_queue_bytes: int = 128 << 20,
                  max_batch_spans: int = 16_384, retry_after_s: float = 1.0,
-                 submit_timeout_s: float = 30.0) -> None:
+                 submit_timeout_s: float = 30.0, queue_wait_s: float = 1.0) -> None:
         self.store = store
         self.max_queue_spans = max_queue_spans
         self.max_queue_bytes = max_queue_bytes
         self.max_batch_spans = max_batch_spans
         self.retry_after_s = retry_after_s
         self.submit_timeout_s = submit_timeout_s
+        self.queue_wait_s = queue_wait_s
         self._queue: deque[_Pending] = deque()
         self._cond = threading.Condition()
         self._queued_spans = 0
@@ -67,6 +105,7 @@ class SpanWriter:
         self._last_error = ""
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._insert_sql = _sqlite_insert_sql(store)
         # Counters for /metrics.
         self.committed_spans = 0
         self.commits = 0
@@ -102,35 +141,55 @@ class SpanWriter:
 
     # -- producer side ----------------------------------------------------------------------
     def check_capacity(self, nbytes: int = 0) -> None:
-        """Raise BackPressure now if a request of ``nbytes`` would be refused (lets receivers skip reading it)."""
+        """Raise BackPressure now if new work would be refused: lets a receiver say 429/503 before
+        it spends anything on reading and decoding a body."""
         with self._cond:
-            self._refuse_if_needed(0, nbytes)
+            self._raise_if_store_refusing()
+            if self._queued_spans >= self.max_queue_spans or (
+                    self._queued_bytes and self._queued_bytes + nbytes > self.max_queue_bytes):
+                self.refused_queue_full += 1
+                raise self._queue_full()
 
-    def _refuse_if_needed(self, nspans: int, nbytes: int) -> None:
+    def _raise_if_store_refusing(self) -> None:
         if time.monotonic() < self._refuse_until:
             self.refused_store_unavailable += 1
             raise BackPressure(self.retry_after_s, f"store unavailable: {self._last_error}",
                                STORE_UNAVAILABLE)
+
+    def _over_capacity(self, nspans: int, nbytes: int) -> bool:
+        # An empty queue takes anything, so one request larger than the bounds still gets in.
         over_spans = self._queued_spans and self._queued_spans + nspans > self.max_queue_spans
         over_bytes = self._queued_bytes and self._queued_bytes + nbytes > self.max_queue_bytes
-        if over_spans or over_bytes:
-            self.refused_queue_full += 1
-            raise BackPressure(self.retry_after_s,
-                               f"write queue full ({self._queued_spans} spans, {self._queued_bytes} bytes)")
+        return bool(over_spans or over_bytes)
+
+    def _queue_full(self) -> BackPressure:
+        return BackPressure(self.retry_after_s,
+                            f"write queue full ({self._queued_spans} spans, {self._queued_bytes} bytes)")
 
     def submit(self, spans: Sequence[SpanRecord], nbytes: int = 0) -> int:
         """Queue spans and wait until they are committed; returns how many were written.
 
-        Raises BackPressure when the queue is full, the store cannot be written, or the commit
-        takes longer than ``submit_timeout_s`` (the spans may still land; writes are idempotent).
+        When the queue is full, waits up to ``queue_wait_s`` for room (the caller has already paid
+        for decoding; a short wait beats throwing that work away), then raises BackPressure. Also
+        raises it when the store cannot be written, or when the commit takes longer than
+        ``submit_timeout_s`` (the spans may still land then; writes are idempotent).
         """
         if not spans:
             return 0
         item = _Pending(spans, nbytes)
         with self._cond:
-            if self._thread is None or self._stopping:
-                raise BackPressure(self.retry_after_s, "span writer is not running", STORE_UNAVAILABLE)
-            self._refuse_if_needed(len(spans), nbytes)
+            deadline = time.monotonic() + self.queue_wait_s
+            while True:
+                if self._thread is None or self._stopping:
+                    raise BackPressure(self.retry_after_s, "span writer is not running", STORE_UNAVAILABLE)
+                self._raise_if_store_refusing()
+                if not self._over_capacity(len(spans), nbytes):
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.refused_queue_full += 1
+                    raise self._queue_full()
+                self._cond.wait(remaining)
             self._queue.append(item)
             self._queued_spans += len(spans)
             self._queued_bytes += nbytes
@@ -161,6 +220,7 @@ class SpanWriter:
             for item in batch:
                 self._queued_spans -= len(item.spans)
                 self._queued_bytes -= item.nbytes
+            self._cond.notify_all()  # submitters waiting for room
 
     def _run(self) -> None:
         while True:
@@ -174,10 +234,23 @@ class SpanWriter:
                 for item in batch:
                     item.done.set()
 
+    def _insert(self, spans: Sequence[SpanRecord]) -> None:
+        """One transaction. SQLite gets plain tuples through the driver's executemany: building
+        dicts per row (Store.insert_spans) costs more than the insert itself at this rate."""
+        if self._insert_sql is None:
+            self.store.insert_spans(spans)
+            return
+        rows = [_row(span) for span in spans]
+        try:
+            with self.store.engine.begin() as conn:
+                conn.exec_driver_sql(self._insert_sql, rows)
+        except OperationalError as exc:  # locked past the busy timeout, disk full, read-only...
+            raise StoreError(f"span write failed: {str(exc.orig).splitlines()[0]}") from exc
+
     def _commit(self, batch: list[_Pending]) -> None:
         spans = [span for item in batch for span in item.spans]
         try:
-            self.store.insert_spans(spans)
+            self._insert(spans)
         except StoreError as exc:
             self._fail(batch, str(exc))
             return
@@ -191,7 +264,7 @@ class SpanWriter:
     def _commit_one_by_one(self, batch: list[_Pending], first_error: Exception) -> None:
         for item in batch:
             try:
-                self.store.insert_spans(item.spans)
+                self._insert(item.spans)
             except Exception as exc:
                 self.failed_commits += 1
                 item.error = BackPressure(self.retry_after_s, f"write failed: {exc or first_error}",

@@ -1,0 +1,294 @@
+"""Span ingest benchmark: decode + normalize + commit into SQLite, end to end, on one core.
+
+Three runs side by side, each into a fresh SQLite file:
+- ``in-process``: protobuf bodies decoded, normalized and committed by the SpanWriter, no HTTP;
+- ``sustained``: several closed-loop senders POST 512-span OTLP/HTTP protobuf requests to the
+  receiver (the receiver process pinned to one core; senders in another process on other cores);
+- ``flood``: many senders that ignore Retry-After and resend at once, offering as much as they can
+  (the goal is ten times the sustained rate); memory must stay bounded and the excess be refused
+  with 429/503.
+
+Prints a table (or ``--json``). Figures depend on the machine and on what else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+# Parts of the template replaced in every request, so that each request carries new, realistic
+# values: unique trace ids, unique request ids, and times that move forward (indexes see the
+# insert pattern of real traffic, not the same keys again and again).
+MARKER = bytes.fromhex("9e3779b97f4a7c15")  # trace-id prefix
+ID_MARKER = "f00dfacef00dface"  # inside request ids
+TIME_MARKER = 0x5A5AA5A5  # upper 32 bits of start/end times (little-endian in fixed64 fields)
+TIME_BASE = 0x17970000  # upper 32 bits of real times around late 2023
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def template_body(batch: int) -> bytes:
+    """One request of ``batch`` spans, half ASGI server spans and half vLLM llm_request spans."""
+    request = ExportTraceServiceRequest()
+    resource_spans = request.resource_spans.add()
+    for key, value in {"service.name": "vllm", "host.name": "gpu-1", "process.pid": 4242}.items():
+        attribute = resource_spans.resource.attributes.add(key=key)
+        if isinstance(value, int):
+            attribute.value.int_value = value
+        else:
+            attribute.value.string_value = value
+    spans = resource_spans.scope_spans.add().spans
+    for i in range(batch):
+        start = (TIME_MARKER << 32) | (i * 4000)
+        span = spans.add(trace_id=MARKER + i.to_bytes(8, "big"), span_id=(i + 1).to_bytes(8, "big"),
+                         kind=2, start_time_unix_nano=start, end_time_unix_nano=start + 2_000_000)
+        if i % 2:
+            span.name = "POST /v1/chat/completions"
+            attributes: dict[str, Any] = {
+                "http.method": "POST", "http.route": "/v1/chat/completions", "http.scheme": "http",
+                "net.peer.ip": "10.0.0.7", "net.peer.port": 40000 + i % 20000, "net.host.port": 8000,
+                "http.status_code": 200, "http.flavor": "1.1", "http.user_agent": "python-httpx/0.27",
+                "http.request.header.x_request_id": f"req-{ID_MARKER}-{i}"}
+        else:
+            span.name = "llm_request"
+            attributes = {
+                "gen_ai.request.id": f"chatcmpl-req-{ID_MARKER}-{i}", "gen_ai.usage.prompt_tokens": 812,
+                "gen_ai.usage.completion_tokens": 128, "gen_ai.request.max_tokens": 256,
+                "gen_ai.latency.time_in_queue": 0.012, "gen_ai.latency.time_to_first_token": 0.21,
+                "gen_ai.latency.e2e": 2.4, "gen_ai.response.model": "llama-3-8b",
+                "gen_ai.request.temperature": 0.7, "gen_ai.response.finish_reasons": "stop"}
+        for key, value in attributes.items():
+            attribute = span.attributes.add(key=key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                attribute.value.string_value = str(value)
+            elif isinstance(value, int):
+                attribute.value.int_value = value
+            else:
+                attribute.value.double_value = value
+    return request.SerializeToString()
+
+
+class Bodies:
+    """Unique bodies from one template: the trace-id prefix is replaced by a fresh 8-byte value."""
+
+    def __init__(self, batch: int, seed: int) -> None:
+        self.template = template_body(batch)
+        self.lock = threading.Lock()
+        self.counter = seed << 40
+
+    def next(self) -> bytes:
+        with self.lock:
+            self.counter += 1
+            counter = self.counter
+        body = self.template.replace(MARKER, counter.to_bytes(8, "big"))
+        body = body.replace(ID_MARKER.encode(), f"{counter:016x}".encode())
+        # Each request is ~4.3 s later than the one before (upper dword + 1): times only move forward.
+        moved = (TIME_BASE + (counter & 0xFFFFF)).to_bytes(4, "little")
+        return body.replace(TIME_MARKER.to_bytes(4, "little"), moved)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * PAGE
+
+
+# -- sender process ---------------------------------------------------------------------------------
+def run_senders(port: int, senders: int, seconds: float, batch: int, seed: int) -> dict[str, Any]:
+    bodies = Bodies(batch, seed)
+    statuses: Counter[int] = Counter()
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def sender() -> None:
+        conn: http.client.HTTPConnection | None = None
+        local: Counter[int] = Counter()
+        while time.monotonic() < deadline:
+            body = bodies.next()
+            try:
+                if conn is None:
+                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                conn.request("POST", "/v1/traces", body=body, headers={"Content-Type": "application/x-protobuf"})
+                response = conn.getresponse()
+                response.read()
+                local[response.status] += 1
+                if response.will_close:
+                    conn.close()
+                    conn = None
+            except (OSError, http.client.HTTPException):
+                local[0] += 1  # connection refused or dropped: counted, retried
+                if conn is not None:
+                    conn.close()
+                conn = None
+        if conn is not None:
+            conn.close()
+        with lock:
+            statuses.update(local)
+
+    threads = [threading.Thread(target=sender) for _ in range(senders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"statuses": dict(statuses), "spans_offered": sum(statuses.values()) * batch}
+
+
+# -- receiver side ----------------------------------------------------------------------------------
+class Watch:
+    """Samples RSS and queue depth while a phase runs."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+        self.peak_rss = rss_bytes()
+        self.peak_queue = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.02):
+            self.peak_rss = max(self.peak_rss, rss_bytes())
+            self.peak_queue = max(self.peak_queue, self.writer.queue_depth_spans)
+
+    def done(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def in_process(batch: int, seconds: float, workdir: Path) -> dict[str, Any]:
+    from auditor.store import Store
+    from collectors.normalize import normalize_request
+    from collectors.spanwriter import SpanWriter
+
+    store = Store(f"sqlite:///{workdir / 'inproc.db'}")
+    writer = SpanWriter(store).start()
+    bodies = Bodies(batch, seed=1)
+    watch = Watch(writer)
+    cpu_started = time.process_time()
+    started = time.perf_counter()
+    requests = 0
+    while time.perf_counter() - started < seconds:
+        request = ExportTraceServiceRequest.FromString(bodies.next())
+        writer.submit(normalize_request(request, service_host="bench").spans)
+        requests += 1
+    elapsed = time.perf_counter() - started
+    cpu = time.process_time() - cpu_started
+    watch.done()
+    committed = writer.committed_spans
+    writer.stop()
+    store.close()
+    return {"phase": "in-process", "senders": 1, "seconds": elapsed, "offered": requests * batch / elapsed,
+            "committed": committed / elapsed, "per_cpu_second": committed / cpu, "cpu_share": cpu / elapsed,
+            "refused_429": 0, "refused_503": 0,
+            "peak_rss_mib": watch.peak_rss / 2**20, "peak_queue": watch.peak_queue}
+
+
+def over_http(phase: str, senders: int, processes: int, batch: int, seconds: float, workdir: Path,
+              sender_cpus: set[int] | None, max_queue_spans: int) -> dict[str, Any]:
+    from auditor.store import Store
+    from collectors.otlp_http import OtlpHttpReceiver
+    from collectors.spanwriter import SpanWriter
+
+    store = Store(f"sqlite:///{workdir / f'{phase}.db'}")
+    writer = SpanWriter(store, max_queue_spans=max_queue_spans).start()
+    receiver = OtlpHttpReceiver(writer, port=0).start()  # default connection cap (64)
+    watch = Watch(writer)
+    before = writer.committed_spans
+    cpu_started = time.process_time()
+    started = time.perf_counter()
+    # Several sender processes (threads share a GIL): the flood must not be limited by its senders.
+    per_process = [senders // processes + (1 if i < senders % processes else 0) for i in range(processes)]
+    children = [subprocess.Popen(
+        [sys.executable, __file__, "--sender", "--port", str(receiver.port), "--senders", str(count),
+         "--seconds", str(seconds), "--batch", str(batch), "--seed", str(random.randrange(1, 10**6))],
+        stdout=subprocess.PIPE, text=True,
+        preexec_fn=(lambda: os.sched_setaffinity(0, sender_cpus)) if sender_cpus else None)
+        for count in per_process if count]
+    results = [json.loads(child.communicate()[0]) for child in children]
+    elapsed = time.perf_counter() - started
+    cpu = time.process_time() - cpu_started
+    watch.done()
+    committed = writer.committed_spans - before
+    statuses: Counter[int] = Counter()
+    for result in results:
+        statuses.update({int(k): v for k, v in result["statuses"].items()})
+    receiver.stop()
+    writer.stop()
+    store.close()
+    offered = sum(result["spans_offered"] for result in results)
+    return {"phase": phase, "senders": senders, "seconds": elapsed, "offered": offered / elapsed,
+            "committed": committed / elapsed, "per_cpu_second": committed / cpu, "cpu_share": cpu / elapsed,
+            "refused_429": statuses.get(429, 0),
+            "refused_503": statuses.get(503, 0), "other": {k: v for k, v in statuses.items() if k not in (200, 429, 503)},
+            "peak_rss_mib": watch.peak_rss / 2**20, "peak_queue": watch.peak_queue}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=8.0, help="length of each phase")
+    parser.add_argument("--batch", type=int, default=512, help="spans per request")
+    parser.add_argument("--senders", type=int, default=4, help="concurrent senders, sustained phase")
+    parser.add_argument("--flood-senders", type=int, default=128, help="concurrent senders, flood phase")
+    parser.add_argument("--flood-processes", type=int, default=4, help="sender processes, flood phase")
+    parser.add_argument("--max-queue-spans", type=int, default=32_768, help="SpanWriter queue bound")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--sender", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.sender:
+        print(json.dumps(run_senders(args.port, args.senders, args.seconds, args.batch, args.seed)))
+        return
+
+    cpus = sorted(os.sched_getaffinity(0))
+    receiver_cpu = {cpus[0]}
+    sender_cpus = set(cpus[1:]) or None
+    os.sched_setaffinity(0, receiver_cpu)  # decode, normalize and commit share one core
+    with tempfile.TemporaryDirectory(prefix="ingest-bench-") as scratch:
+        workdir = Path(scratch)
+        rows = [in_process(args.batch, args.seconds, workdir)]
+        rows.append(over_http("sustained", args.senders, 1, args.batch, args.seconds, workdir, sender_cpus,
+                              args.max_queue_spans))
+        rows.append(over_http("flood", args.flood_senders, args.flood_processes, args.batch, args.seconds, workdir, sender_cpus,
+                              args.max_queue_spans))
+    sustained = rows[1]["committed"]
+    per_core = rows[1]["per_cpu_second"]
+    summary = {"cpus": len(cpus), "receiver_cpu": cpus[0], "load_average": os.getloadavg()[0],
+               "batch": args.batch, "target_spans_per_s": 30_000, "flood_vs_sustained": rows[2]["offered"] / sustained,
+               "rows": rows}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return
+    print(f"span ingest, {args.batch} spans/request, receiver pinned to cpu {cpus[0]} of {len(cpus)}, "
+          f"load average {summary['load_average']:.1f}")
+    header = (f"{'phase':<11} {'senders':>7} {'offered/s':>10} {'committed/s':>11} {'per CPU-s':>10} "
+              f"{'CPU':>5} {'429':>6} {'503':>5} {'peak RSS MiB':>12} {'peak queue':>10}")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(f"{row['phase']:<11} {row['senders']:>7} {row['offered']:>10,.0f} {row['committed']:>11,.0f} "
+              f"{row['per_cpu_second']:>10,.0f} {row['cpu_share']:>5.0%} {row['refused_429']:>6} "
+              f"{row['refused_503']:>5} {row['peak_rss_mib']:>12.0f} {row['peak_queue']:>10,}")
+    for row in rows:
+        if row.get("other"):
+            print(f"{row['phase']}: other answers {row['other']} (0 = connection refused or reset)")
+    print("per CPU-s: spans committed per second of receiver CPU time, i.e. the rate of one dedicated core; "
+          "CPU: the share of its core the receiver got (the machine is shared)")
+    print(f"flood offered {summary['flood_vs_sustained']:.1f}x the sustained rate; target >= 30,000 spans/s "
+          f"on one core: {'met' if per_core >= 30_000 else 'NOT met'} ({per_core:,.0f} per CPU-second, "
+          f"{sustained:,.0f} per wall-clock second)")
+
+
+if __name__ == "__main__":
+    main()

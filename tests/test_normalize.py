@@ -1,0 +1,185 @@
+"""Span normalization: join columns under old, new and duplicated HTTP conventions, vLLM and GenAI
+attributes, gateway client spans, proxy-rewritten peers, and bounded handling of hostile values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from auditor.model import SpanRole
+from collectors.normalize import MAX_ATTRIBUTES, MAX_STRING_CHARS, TOO_DEEP_MARK, normalize_request
+
+TRACE = bytes.fromhex("0af7651916cd43dd8448eb211c80319c")
+SERVER, CLIENT, INTERNAL = Span.SPAN_KIND_SERVER, Span.SPAN_KIND_CLIENT, Span.SPAN_KIND_INTERNAL
+
+
+def value(v: Any) -> AnyValue:
+    if isinstance(v, bool):
+        return AnyValue(bool_value=v)
+    if isinstance(v, int):
+        return AnyValue(int_value=v)
+    if isinstance(v, float):
+        return AnyValue(double_value=v)
+    if isinstance(v, list):
+        out = AnyValue()
+        out.array_value.values.extend(value(x) for x in v)
+        return out
+    if isinstance(v, dict):
+        out = AnyValue()
+        out.kvlist_value.values.extend(KeyValue(key=k, value=value(x)) for k, x in v.items())
+        return out
+    return AnyValue(string_value=v)
+
+
+def request(*spans: Span, resource: dict[str, Any] | None = None) -> ExportTraceServiceRequest:
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    for key, v in (resource or {"service.name": "engine", "host.name": "gpu-1"}).items():
+        rs.resource.attributes.add(key=key, value=value(v))
+    rs.scope_spans.add().spans.extend(spans)
+    return req
+
+
+def span(name: str, kind: int, attrs: dict[str, Any], *, span_id: bytes = b"\x01" * 8,
+         trace_id: bytes = TRACE, start: int = 1_000, end: int = 2_000, parent: bytes = b"") -> Span:
+    s = Span(name=name, kind=kind, trace_id=trace_id, span_id=span_id, parent_span_id=parent,
+             start_time_unix_nano=start, end_time_unix_nano=end)
+    s.attributes.extend(KeyValue(key=k, value=value(v)) for k, v in attrs.items())
+    return s
+
+
+OLD = {"http.method": "POST", "http.target": "/v1/completions?x=1", "http.route": "/v1/completions",
+       "net.peer.ip": "127.0.0.1", "net.peer.port": 50123, "net.host.port": 8000,
+       "http.status_code": 200, "http.request.header.x_request_id": ["req-7"]}
+NEW = {"http.request.method": "POST", "url.path": "/v1/completions", "http.route": "/v1/completions",
+       "client.address": "127.0.0.1", "client.port": 50123, "server.port": 8000,
+       "http.response.status_code": 200, "http.request.header.x-request-id": ["req-7"]}
+
+
+@pytest.mark.parametrize("attrs", [OLD, NEW, OLD | NEW], ids=["old", "new", "http-dup"])
+def test_asgi_server_span_join_columns_under_every_convention(attrs: dict[str, Any]) -> None:
+    result = normalize_request(request(span("POST /v1/completions", SERVER, attrs)))
+    assert result.rejected == 0
+    (record,) = result.spans
+    assert record.role is SpanRole.HTTP_SERVER
+    assert (record.peer_addr, record.peer_port, record.server_port) == ("127.0.0.1", 50123, 8000)
+    assert record.request_id == "req-7"
+    assert record.route == "/v1/completions"
+    assert record.http_status == 200
+    assert (record.service, record.host, record.kind) == ("engine", "gpu-1", "server")
+    assert record.trace_id == TRACE.hex() and record.span_id == "01" * 8
+    assert not record.peer_rewritten
+    # Columns are not repeated in attributes; the method (no column) is kept there.
+    assert "net.peer.port" not in record.attributes and "client.port" not in record.attributes
+    assert record.attributes.get("http.method", record.attributes.get("http.request.method")) == "POST"
+
+
+def test_socket_level_peer_wins_and_server_port_falls_back_to_host() -> None:
+    attrs = {"http.method": "GET", "net.sock.peer.addr": "10.0.0.9", "net.sock.peer.port": 41000,
+             "net.peer.ip": "192.0.2.1", "http.host": "10.0.0.1:8443", "http.target": "/health"}
+    (record,) = normalize_request(request(span("GET", SERVER, attrs))).spans
+    assert (record.peer_addr, record.peer_port, record.server_port) == ("10.0.0.9", 41000, 8443)
+    assert record.route == "/health"
+    attrs = {"http.request.method": "GET", "network.peer.address": "::1", "network.peer.port": 5,
+             "url.full": "http://[::1]:9000/x"}
+    (record,) = normalize_request(request(span("GET", SERVER, attrs))).spans
+    assert (record.peer_addr, record.peer_port, record.server_port) == ("::1", 5, 9000)
+
+
+def test_proxy_rewritten_peer_is_flagged() -> None:
+    attrs = OLD | {"net.peer.ip": "203.0.113.5", "net.peer.port": 0}
+    (record,) = normalize_request(request(span("POST", SERVER, attrs))).spans
+    assert record.peer_rewritten and record.peer_port == 0
+    no_port = {k: v for k, v in NEW.items() if k != "client.port"}
+    (record,) = normalize_request(request(span("POST", SERVER, no_port))).spans
+    assert record.peer_rewritten and record.peer_port is None
+
+
+def test_vllm_llm_request_span() -> None:
+    attrs = {"gen_ai.request.id": "cmpl-req-7", "gen_ai.usage.prompt_tokens": 12,
+             "gen_ai.usage.completion_tokens": 40, "gen_ai.request.max_tokens": 64,
+             "gen_ai.latency.time_in_queue": 0.25, "gen_ai.latency.time_to_first_token": 0.5,
+             "gen_ai.response.finish_reasons": ["length"], "gen_ai.response.model": "m-1",
+             "gen_ai.request.temperature": 0.7}
+    req = request(span("llm_request", INTERNAL, attrs),
+                  resource={"service.name": "vllm", "vllm.process_id": 4242})
+    (record,) = normalize_request(req, service_host="node-a").spans
+    assert record.role is SpanRole.ENGINE
+    assert record.request_id == "cmpl-req-7"
+    assert (record.prompt_tokens, record.completion_tokens, record.max_tokens) == (12, 40, 64)
+    assert (record.time_in_queue_s, record.time_to_first_token_s) == (0.25, 0.5)
+    assert (record.finish_reason, record.model, record.process_pid) == ("length", "m-1", 4242)
+    assert record.host == "node-a"  # no host.name: the receiver's host
+    assert record.attributes == {"gen_ai.request.temperature": 0.7}
+
+
+def test_genai_input_output_token_names_and_process_pid() -> None:
+    attrs = {"gen_ai.request.id": "x", "gen_ai.usage.input_tokens": 3, "gen_ai.usage.output_tokens": 9,
+             "gen_ai.request.model": "m-req", "gen_ai.response.finish_reasons": ["stop", "length"]}
+    req = request(span("llm_request", SERVER, attrs), resource={"process.pid": 77})
+    (record,) = normalize_request(req).spans
+    assert (record.prompt_tokens, record.completion_tokens) == (3, 9)
+    assert (record.model, record.finish_reason, record.process_pid) == ("m-req", "stop", 77)
+
+
+def test_gateway_client_span() -> None:
+    attrs = {"http.request.method": "POST", "server.address": "engine.internal", "server.port": 8000,
+             "url.full": "http://engine.internal:8000/v1/chat/completions",
+             "http.request.header.x-request-id": "gw-1", "http.response.status_code": 502}
+    (record,) = normalize_request(request(span("POST", CLIENT, attrs))).spans
+    assert record.role is SpanRole.HTTP_CLIENT
+    assert (record.peer_addr, record.server_port, record.request_id) == ("engine.internal", 8000, "gw-1")
+    assert record.http_status == 502
+
+
+def test_other_spans_and_wrong_types_read_as_missing() -> None:
+    attrs = {"http.method": "GET", "net.peer.port": "not a port", "net.host.port": 70000,
+             "http.status_code": True, "gen_ai.usage.prompt_tokens": -5}
+    (record,) = normalize_request(request(span("GET", SERVER, attrs))).spans
+    assert (record.peer_port, record.server_port, record.http_status) == (None, None, None)
+    assert record.attributes["net.peer.port"] == "not a port"
+    (other,) = normalize_request(request(span("work", INTERNAL, {"a": 1}))).spans
+    assert other.role is SpanRole.OTHER and other.kind == "internal"
+
+
+def test_bad_spans_are_rejected_one_by_one() -> None:
+    good = span("ok", SERVER, {}, span_id=b"\x02" * 8)
+    bad = [
+        span("short trace", SERVER, {}, trace_id=b"\x01" * 5, span_id=b"\x03" * 8),
+        span("zero trace", SERVER, {}, trace_id=b"\x00" * 16, span_id=b"\x04" * 8),
+        span("bad span id", SERVER, {}, span_id=b"\x05" * 9),
+        span("bad parent", SERVER, {}, span_id=b"\x06" * 8, parent=b"\x01"),
+        span("backwards", SERVER, {}, span_id=b"\x07" * 8, start=5_000, end=4_000),
+        span("year 2300", SERVER, {}, span_id=b"\x08" * 8, end=2**63),  # found by the fuzzer
+    ]
+    result = normalize_request(request(good, *bad))
+    assert [s.name for s in result.spans] == ["ok"]
+    assert result.rejected == 6
+    assert "rejected 6 of 7 spans" in result.error_message
+    assert "invalid trace id" in result.error_message and "ending before they start" in result.error_message
+
+
+def test_hostile_attributes_are_bounded() -> None:
+    nested: Any = "leaf"
+    for _ in range(20):  # deeper than kept, shallower than protobuf's own parse limit
+        nested = [nested]
+    attrs = {f"k{i}": i for i in range(MAX_ATTRIBUTES + 50)}
+    attrs["k0"] = "x" * (MAX_STRING_CHARS * 10)
+    attrs["k1"] = nested
+    attrs["k2"] = {"a": {"b": {"c": {"d": {"e": 1}}}}}
+    attrs["k3"] = float("nan")
+    attrs["k4"] = list(range(10_000))
+    (record,) = normalize_request(request(span("big", INTERNAL, attrs))).spans
+    assert len(record.attributes) <= MAX_ATTRIBUTES + 1
+    assert record.attributes["auditor.dropped_attributes"] == 50
+    assert len(record.attributes["k0"]) == MAX_STRING_CHARS
+    assert TOO_DEEP_MARK in repr(record.attributes["k1"]) and TOO_DEEP_MARK in repr(record.attributes["k2"])
+    assert record.attributes["k3"] == "nan"
+    assert len(record.attributes["k4"]) == 64
+    long_name = span("n" * 10_000, SERVER, {"http.method": "GET", "http.route": "/" + "r" * 1000})
+    (record,) = normalize_request(request(long_name)).spans
+    assert len(record.name) == 255 and len(record.route or "") == 255
