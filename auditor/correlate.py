@@ -112,6 +112,7 @@ class Correlator:
         self._recent_unjoined: dict[int, tuple[Disconnect, CoverageKind]] = {}
         self._open: dict[RequestKey, OpenRequest] = {}
         self._settled: dict[str, dict[str, OpenRequest]] = defaultdict(dict)  # a late span reopens them
+        self._settled_by_request_id: dict[str, RequestKey] = {}  # engine spans in traces of their own
         self._live_inflight: dict[tuple[str, str], LiveEvent] = {}
         self._live_engine_end: dict[str, int] = {}
         self._live_span_end: dict[tuple[str, str], int] = {}
@@ -166,6 +167,8 @@ class Correlator:
                 continue
             for request in self._settled.pop(span.trace_id, {}).values():
                 self._open[request.key] = request  # evidence after settling reopens the verdict
+            if span.role is SpanRole.ENGINE and span.request_id:
+                self._reopen_by_request_id(span.request_id)
             if span.role is SpanRole.HTTP_SERVER:
                 if span.peer_rewritten:
                     self._count(CoverageKind.PROXY_REWRITTEN_PEER, f"span:{row.id}", span.end_ns)
@@ -218,6 +221,18 @@ class Correlator:
         self.stats.inflight_zombies = sum(1 for r in self._open.values() if r.written is not None
                                           and r.written.verdict is Verdict.INFLIGHT_ZOMBIE)
         return [verdict for _, verdict in changed]
+
+    def _reopen_by_request_id(self, engine_request_id: str) -> None:
+        """An engine span whose request came without ``traceparent`` is a trace of its own (vLLM
+        does this); it reaches its settled request through the id the engine derived."""
+        for prefix in ("", "cmpl-", "chatcmpl-"):
+            if not engine_request_id.startswith(prefix):
+                continue
+            key = self._settled_by_request_id.pop(engine_request_id[len(prefix):], None)
+            request = self._settled.get(key[0], {}).pop(key[1], None) if key else None
+            if request is not None:
+                self._open[request.key] = request
+                self._touched.add(request.key[0])
 
     def _open_request(self, key: RequestKey) -> OpenRequest:
         request = self._open.get(key)
@@ -408,6 +423,8 @@ class Correlator:
                 continue
             del self._open[key]
             self._settled[key[0]][key[1]] = request
+            if written.request_id:
+                self._settled_by_request_id[written.request_id] = key
             self.stats.settled[written.verdict.value] += 1
             self.on_settled(written)
 
@@ -438,6 +455,8 @@ class Correlator:
         for trace_id in [t for t, requests in self._settled.items()
                          if all(r.origin().ts_ns < cutoff for r in requests.values())]:
             del self._settled[trace_id]
+        for request_id in [r for r, key in self._settled_by_request_id.items() if key[0] not in self._settled]:
+            del self._settled_by_request_id[request_id]
         for table in (self._events_by_tuple, self._closed_by_tuple):
             for tuple4 in [k for k, stamps in table.items() if max(stamps) < cutoff]:
                 del table[tuple4]

@@ -79,6 +79,7 @@ class Daemon:
         self._ports = set(config.probe.ports)
         self._lost_reported = 0
         self._completed_cursor = 0
+        self._failing = False
 
     # -- start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -220,10 +221,16 @@ class Daemon:
             self._report_lost_events()
             self._refresh_gauges()
             self.status.ticks += 1
+            if self._failing:
+                log.info("correlation works again")
+                self._failing = False
         except Exception as exc:
             self.status.errors += 1
             self.metrics.correlation_errors.inc()
-            log.warning("correlation round failed (retrying next round): %s", exc)
+            if not self._failing:  # once per outage, not once per round
+                log.warning("correlation round failed (retrying every round): %s",
+                            str(getattr(exc, "orig", None) or exc).splitlines()[0])
+                self._failing = True
         finally:
             self.metrics.correlation_seconds.observe(time.monotonic() - started)
 

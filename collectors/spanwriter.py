@@ -7,7 +7,9 @@ is what makes SQLite fast enough. The queue is bounded in spans and bytes; when 
 database cannot be written (locked past its busy timeout, disk full), ``submit`` raises
 :class:`BackPressure` with a retry delay that the receivers turn into 429/503 + ``Retry-After``.
 After a failed commit, new work is refused for ``retry_after_s`` so a locked database is not
-hammered; later submissions land normally once it is writable again.
+hammered; later submissions land normally once it is writable again. The advertised retry delay
+grows with the outage (up to ``max_retry_after_s``): exporters honour ``Retry-After`` and give up
+after a handful of retries, so a fixed 1 s would make them drop spans after a few seconds.
 """
 
 from __future__ import annotations
@@ -88,13 +90,14 @@ class SpanWriter:
     """Bounded queue + one writer thread committing batches of spans to an ``auditor.store.Store``."""
 
     def __init__(self, store: Any, *, max_queue_spans: int = 32_768, max_queue_bytes: int = 128 << 20,
-                 max_batch_spans: int = 16_384, retry_after_s: float = 1.0,
+                 max_batch_spans: int = 16_384, retry_after_s: float = 1.0, max_retry_after_s: float = 30.0,
                  submit_timeout_s: float = 30.0, queue_wait_s: float = 1.0) -> None:
         self.store = store
         self.max_queue_spans = max_queue_spans
         self.max_queue_bytes = max_queue_bytes
         self.max_batch_spans = max_batch_spans
         self.retry_after_s = retry_after_s
+        self.max_retry_after_s = max_retry_after_s
         self.submit_timeout_s = submit_timeout_s
         self.queue_wait_s = queue_wait_s
         self._queue: deque[_Pending] = deque()
@@ -102,6 +105,7 @@ class SpanWriter:
         self._queued_spans = 0
         self._queued_bytes = 0
         self._refuse_until = 0.0  # monotonic time before which new work is refused after a failure
+        self._failing_since: float | None = None  # monotonic start of the current store outage
         self._last_error = ""
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -153,8 +157,15 @@ class SpanWriter:
     def _raise_if_store_refusing(self) -> None:
         if time.monotonic() < self._refuse_until:
             self.refused_store_unavailable += 1
-            raise BackPressure(self.retry_after_s, f"store unavailable: {self._last_error}",
+            raise BackPressure(self._store_retry_after(), f"store unavailable: {self._last_error}",
                                STORE_UNAVAILABLE)
+
+    def _store_retry_after(self) -> float:
+        """As long as the outage has lasted so far, so exporters back off about as fast as it grows."""
+        if self._failing_since is None:
+            return self.retry_after_s
+        outage = time.monotonic() - self._failing_since
+        return min(self.max_retry_after_s, max(self.retry_after_s, round(outage, 1)))
 
     def _over_capacity(self, nspans: int, nbytes: int) -> bool:
         # An empty queue takes anything, so one request larger than the bounds still gets in.
@@ -260,6 +271,7 @@ class SpanWriter:
             return
         self.commits += 1
         self.committed_spans += len(spans)
+        self._failing_since = None
 
     def _commit_one_by_one(self, batch: list[_Pending], first_error: Exception) -> None:
         for item in batch:
@@ -281,8 +293,11 @@ class SpanWriter:
         with self._cond:
             self._last_error = message
             self._refuse_until = time.monotonic() + self.retry_after_s
+            if self._failing_since is None:
+                self._failing_since = time.monotonic()
+            retry_after = self._store_retry_after()
         for item in batch:
-            item.error = BackPressure(self.retry_after_s, f"store unavailable: {message}", STORE_UNAVAILABLE)
+            item.error = BackPressure(retry_after, f"store unavailable: {message}", STORE_UNAVAILABLE)
 
     # -- introspection ----------------------------------------------------------------------
     @property

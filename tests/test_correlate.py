@@ -230,3 +230,19 @@ def test_client_that_leaves_before_the_server_reads_the_request(store: Store) ->
     make(store, clock).tick()
     [row] = verdicts(store)
     assert row.verdict == "aborted" and abs(row.lag_seconds - 0.012) < 1e-6
+
+
+def test_engine_span_in_a_trace_of_its_own_reopens_a_settled_verdict(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span("h", 0, 1.01, request_id="lone")])
+    store.insert_conn_events([close(1.0)])
+    clock.now = T0 + 7 * S  # settled as an abort: no engine span within the late window
+    correlator.tick()
+    assert [r.verdict for r in verdicts(store)] == ["aborted"]
+    # The client sent no traceparent, so the engine's span is a root of another trace.
+    store.insert_spans([engine_span("f", 0, 9.0, "length", request_id="cmpl-lone")])
+    clock.now = T0 + 10 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "zombie" and abs(row.lag_seconds - 8.0) < 1e-6
