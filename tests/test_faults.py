@@ -16,11 +16,6 @@ from auditor.model import ConnEventKind, RequestVerdict
 from auditor.store import Store
 from replay.engine.launch import running_engine
 from tests.e2e import cancel_after, running_daemon, verdict_rows, wait_for
-
-# Exporters retry a 503 until their deadline (10 s by default); an outage longer than that loses
-# spans at the exporter, so these tests give it a deadline that outlasts the outage.
-PATIENT_EXPORTER = {"OTEL_EXPORTER_OTLP_TIMEOUT": "40"}
-
 from tests.test_correlate import (
     T0,
     Clock,
@@ -32,6 +27,10 @@ from tests.test_correlate import (
     make,
     verdicts,
 )
+
+# Exporters retry a 503 until their deadline (10 s by default); an outage longer than that loses
+# spans at the exporter, so these tests give it a deadline that outlasts the outage.
+PATIENT_EXPORTER = {"OTEL_EXPORTER_OTLP_TIMEOUT": "40"}
 
 
 def test_clock_step_forward_then_back(store: Store) -> None:
