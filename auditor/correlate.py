@@ -30,7 +30,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from auditor.live import LiveEvent
+from auditor.live import LiveEvent, LiveState
 from auditor.model import (
     ConnEvent,
     ConnEventKind,
@@ -41,10 +41,10 @@ from auditor.model import (
     Verdict,
 )
 from auditor.schema import ConnEventRow, CorrelatorStateRow, CoverageRow, SpanRow
-from auditor.store import Store
+from auditor.store import Store, span_from_row
 from auditor.traces import TraceIndex, Tuple4, norm_addr, span_tuple
 from auditor.verdict import Evidence, decide, phase_at, tokens_after_disconnect
-from auditor.waste import wasted
+from auditor.waste import requests_in_flight, wasted
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +113,7 @@ class Correlator:
         self._open: dict[RequestKey, OpenRequest] = {}
         self._settled: dict[str, dict[str, OpenRequest]] = defaultdict(dict)  # a late span reopens them
         self._settled_by_request_id: dict[str, RequestKey] = {}  # engine spans in traces of their own
-        self._live_inflight: dict[tuple[str, str], LiveEvent] = {}
-        self._live_engine_end: dict[str, int] = {}
-        self._live_span_end: dict[tuple[str, str], int] = {}
-        self._live_by_tuple: dict[Tuple4, list[LiveEvent]] = defaultdict(list)
+        self.live = LiveState()
         self._unchecked_spans: list[tuple[int, SpanRecord]] = []
         self._touched: set[str] = set()  # traces with new evidence this round
         self._counted: set[str] = set()
@@ -141,20 +138,7 @@ class Correlator:
 
     # -- input ------------------------------------------------------------------------------
     def add_live(self, events: list[LiveEvent]) -> None:
-        for event in events:
-            key = (event.trace_id, event.span_id)
-            if event.event == "start":
-                self._live_inflight[key] = event
-                if not event.engine and event.peer_addr and event.peer_port and event.server_port:
-                    self._live_by_tuple[(norm_addr(event.peer_addr), event.peer_port,
-                                         event.server_port)].append(event)
-            else:
-                started = self._live_inflight.pop(key, None)
-                if event.engine or (started is not None and started.engine):
-                    self._live_engine_end[event.trace_id] = event.ts_ns
-                else:
-                    self._live_span_end[key] = event.ts_ns
-            self._touched.add(event.trace_id)
+        self._touched |= self.live.add(events)
 
     def _read_spans(self) -> None:
         with self.store.session() as session:
@@ -162,7 +146,7 @@ class Correlator:
                                    .order_by(SpanRow.id).limit(50_000)).all()
         for row in rows:
             self._span_cursor = row.id
-            span = _span_from_row(row)
+            span = span_from_row(row)
             if not self.spans.add(span):
                 continue
             for request in self._settled.pop(span.trace_id, {}).values():
@@ -250,7 +234,7 @@ class Correlator:
                 self._open_request((root.trace_id, root.span_id)).add(disconnect)
                 del self._pending[event_id]
                 continue
-            live = self._live_in_flight(disconnect)
+            live = self.live.in_flight_on(disconnect.tuple4, disconnect.ts_ns)
             if live is not None:  # known only live: keep it pending so the span, once here, joins it
                 request = self._open_request((live.trace_id, live.span_id))
                 request.add(disconnect)
@@ -294,13 +278,6 @@ class Correlator:
         return self.spans.in_flight(disconnect.tuple4, disconnect.ts_ns,
                                     self._closed_by_tuple.get(disconnect.tuple4, ()), self.late_ns)
 
-    def _live_in_flight(self, disconnect: Disconnect) -> LiveEvent | None:
-        for live in self._live_by_tuple.get(disconnect.tuple4, ()):
-            key = (live.trace_id, live.span_id)
-            if key in self._live_inflight or self._live_span_end.get(key, 0) >= disconnect.ts_ns:
-                return live
-        return None
-
     def _classify_unjoined(self, disconnect: Disconnect) -> CoverageKind:
         spans = self.spans.on_connection(disconnect.tuple4)
         if any(span.end_ns <= disconnect.ts_ns for span in spans):
@@ -332,7 +309,7 @@ class Correlator:
         decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now), self.grace_seconds)
         if decision is None:
             return None
-        base = root or _live_as_span(request.live_span)
+        base = root or (request.live_span.as_span() if request.live_span else None)
         tokens, exact = tokens_after_disconnect(origin.ts_ns, engine)
         gpu_s, cpu_s = self._waste(origin.ts_ns, work_end or now, engine, base)
         details: dict[str, Any] = {"provisional": provisional, "engine_span": engine is not None}
@@ -368,20 +345,19 @@ class Correlator:
         """When the request's work ended on this host, and whether that may still change."""
         trace_id = request.key[0]
         mine = {s.span_id for s in subtree} | {request.key[1]}
-        if any(trace == trace_id and (span_id in mine or live.engine)
-               for (trace, span_id), live in self._live_inflight.items()):
+        if self.live.running(trace_id, mine):
             return None, True  # a live notice says part of it is still running
         if root is None:
             # Known only live: its end notice stands in until the span itself arrives.
-            ended = self._live_span_end.get(request.key)
+            ended = self.live.span_end(*request.key)
             if ended is None:
                 return None, True
-            return max(ended, self._live_engine_end.get(trace_id, 0)), True
+            return max(ended, self.live.engine_end(trace_id) or 0), True
         ends = [s.end_ns for s in subtree if s.role in (SpanRole.HTTP_SERVER, SpanRole.ENGINE)]
         work_end = max(ends + ([engine.end_ns] if engine else []))
         if engine is not None:
             return work_end, False
-        live_end = self._live_engine_end.get(trace_id)
+        live_end = self.live.engine_end(trace_id)
         if live_end is not None:
             return max(work_end, live_end), now - live_end < ENGINE_SETTLE_AFTER_LIVE_END_NS
         # No engine span yet: an abort (vLLM emits none) unless one still arrives.
@@ -395,18 +371,9 @@ class Correlator:
                base: SpanRecord | None) -> tuple[float, float]:
         pid = (engine.process_pid if engine else None) or (base.process_pid if base else None)
         service = (engine.service if engine else None) or (base.service if base else "")
-        # Requests in flight on the same engine: each trace's extent, from stored spans and live notices.
-        intervals = []
-        for _trace_id, spans in self.spans.traces():
-            mine = [s for s in spans.values() if s.service == service and s.end_ns >= start_ns and s.start_ns <= end_ns]
-            if mine:
-                intervals.append((min(s.start_ns for s in mine), max(s.end_ns for s in mine)))
-        intervals += [(e.ts_ns, self.clock()) for e in self._live_inflight.values() if e.service == service]
-
-        def inflight_at(ts: int) -> int:
-            return sum(1 for first, last in intervals if first <= ts <= last)
-
-        cost = wasted(self.store, host=self.host, start_ns=start_ns, end_ns=end_ns, pid=pid, inflight_at=inflight_at)
+        sharers = requests_in_flight(self.spans, self.live.running_since(service), service=service,
+                                     start_ns=start_ns, end_ns=end_ns, now_ns=self.clock())
+        cost = wasted(self.store, host=self.host, start_ns=start_ns, end_ns=end_ns, pid=pid, inflight_at=sharers)
         return round(cost.gpu_seconds, 6), round(cost.cpu_seconds, 6)
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -460,36 +427,9 @@ class Correlator:
         for table in (self._events_by_tuple, self._closed_by_tuple):
             for tuple4 in [k for k, stamps in table.items() if max(stamps) < cutoff]:
                 del table[tuple4]
-        for tuple4 in [k for k, lives in self._live_by_tuple.items() if max(e.ts_ns for e in lives) < cutoff]:
-            del self._live_by_tuple[tuple4]
-        for live_key in [k for k, ts in self._live_span_end.items() if ts < cutoff]:
-            del self._live_span_end[live_key]
-        for trace_id in [t for t, ts in self._live_engine_end.items() if ts < cutoff]:
-            del self._live_engine_end[trace_id]
+        self.live.prune(cutoff)
         for event_id in [k for k, (d, _) in self._recent_unjoined.items() if d.ts_ns < cutoff]:
             del self._recent_unjoined[event_id]
-
-
-def _live_as_span(live: LiveEvent | None) -> SpanRecord | None:
-    if live is None:
-        return None
-    return SpanRecord(trace_id=live.trace_id, span_id=live.span_id, parent_span_id=None, name=live.name,
-                      kind=live.kind, start_ns=live.ts_ns, end_ns=live.ts_ns, service=live.service,
-                      role=SpanRole.HTTP_SERVER, peer_addr=live.peer_addr, peer_port=live.peer_port,
-                      server_port=live.server_port, process_pid=live.pid)
-
-
-def _span_from_row(row: SpanRow) -> SpanRecord:
-    return SpanRecord(
-        trace_id=row.trace_id, span_id=row.span_id, parent_span_id=row.parent_span_id, name=row.name,
-        kind=row.kind, start_ns=row.start_ns, end_ns=row.end_ns, service=row.service, host=row.host,
-        status=row.status, role=SpanRole(row.role), peer_addr=row.peer_addr, peer_port=row.peer_port,
-        server_port=row.server_port, request_id=row.request_id, route=row.route, model=row.model,
-        http_status=row.http_status, finish_reason=row.finish_reason, prompt_tokens=row.prompt_tokens,
-        completion_tokens=row.completion_tokens, max_tokens=row.max_tokens,
-        time_in_queue_s=row.time_in_queue_s, time_to_first_token_s=row.time_to_first_token_s,
-        process_pid=row.process_pid, peer_rewritten=row.peer_rewritten, attributes=row.attributes or {},
-    )
 
 
 __all__ = ["ConnEvent", "Correlator", "CorrelatorStats"]

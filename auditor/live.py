@@ -24,12 +24,16 @@ import queue
 import socket
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.trace import SpanKind
+
+from auditor.model import SpanRecord, SpanRole
+from auditor.traces import Tuple4, norm_addr
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,13 @@ class LiveEvent:
     pid: int | None
     service: str
     engine: bool  # engine work (not an HTTP span)
+
+    def as_span(self) -> SpanRecord:
+        """A stand-in server span for a request known only from its start notice."""
+        return SpanRecord(trace_id=self.trace_id, span_id=self.span_id, parent_span_id=None, name=self.name,
+                          kind=self.kind, start_ns=self.ts_ns, end_ns=self.ts_ns, service=self.service,
+                          role=SpanRole.HTTP_SERVER, peer_addr=self.peer_addr, peer_port=self.peer_port,
+                          server_port=self.server_port, process_pid=self.pid)
 
 
 def _first(attributes: Any, *names: str) -> Any:
@@ -217,3 +228,59 @@ class LiveReceiver:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close()
+
+
+class LiveState:
+    """What live notices say is running now: the correlator's view of requests in flight."""
+
+    def __init__(self) -> None:
+        self._running: dict[tuple[str, str], LiveEvent] = {}
+        self._engine_end: dict[str, int] = {}  # trace -> when its engine work last ended
+        self._span_end: dict[tuple[str, str], int] = {}
+        self._by_tuple: dict[Tuple4, list[LiveEvent]] = defaultdict(list)
+
+    def add(self, events: list[LiveEvent]) -> set[str]:
+        """Apply notices; returns the traces they concern."""
+        for event in events:
+            key = (event.trace_id, event.span_id)
+            if event.event == "start":
+                self._running[key] = event
+                if not event.engine and event.peer_addr and event.peer_port and event.server_port:
+                    self._by_tuple[(norm_addr(event.peer_addr), event.peer_port, event.server_port)].append(event)
+                continue
+            started = self._running.pop(key, None)
+            if event.engine or (started is not None and started.engine):
+                self._engine_end[event.trace_id] = event.ts_ns
+            else:
+                self._span_end[key] = event.ts_ns
+        return {event.trace_id for event in events}
+
+    def in_flight_on(self, tuple4: Tuple4, ts_ns: int) -> LiveEvent | None:
+        """The server span running on this connection at ``ts_ns``, as far as notices tell."""
+        for live in self._by_tuple.get(tuple4, ()):
+            key = (live.trace_id, live.span_id)
+            if key in self._running or self._span_end.get(key, 0) >= ts_ns:
+                return live
+        return None
+
+    def running(self, trace_id: str, span_ids: set[str]) -> bool:
+        """Whether any of these spans, or any engine work of the trace, is still running."""
+        return any(trace == trace_id and (span_id in span_ids or live.engine)
+                   for (trace, span_id), live in self._running.items())
+
+    def span_end(self, trace_id: str, span_id: str) -> int | None:
+        return self._span_end.get((trace_id, span_id))
+
+    def engine_end(self, trace_id: str) -> int | None:
+        return self._engine_end.get(trace_id)
+
+    def running_since(self, service: str) -> list[int]:
+        return [e.ts_ns for e in self._running.values() if e.service == service]
+
+    def prune(self, cutoff_ns: int) -> None:
+        for tuple4 in [k for k, lives in self._by_tuple.items() if max(e.ts_ns for e in lives) < cutoff_ns]:
+            del self._by_tuple[tuple4]
+        for key in [k for k, ts in self._span_end.items() if ts < cutoff_ns]:
+            del self._span_end[key]
+        for trace_id in [t for t, ts in self._engine_end.items() if ts < cutoff_ns]:
+            del self._engine_end[trace_id]

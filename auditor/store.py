@@ -30,7 +30,7 @@ from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError, SQLAl
 from sqlalchemy.orm import Session, sessionmaker
 
 from auditor.errors import StoreError
-from auditor.model import ConnEvent, CoverageKind, RequestVerdict, SpanRecord, UtilSample
+from auditor.model import ConnEvent, CoverageKind, RequestVerdict, SpanRecord, SpanRole, UtilSample
 from auditor.schema import ConnEventRow, CoverageRow, SpanRow, UtilSampleRow, VerdictRow
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
@@ -260,3 +260,17 @@ def _make_engine(url: str, *, create: bool) -> Engine:
 def _short(exc: BaseException) -> str:
     text = str(getattr(exc, "orig", None) or exc)
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def span_from_row(row: SpanRow) -> SpanRecord:
+    """A stored span back as the domain record."""
+    return SpanRecord(
+        trace_id=row.trace_id, span_id=row.span_id, parent_span_id=row.parent_span_id, name=row.name,
+        kind=row.kind, start_ns=row.start_ns, end_ns=row.end_ns, service=row.service, host=row.host,
+        status=row.status, role=SpanRole(row.role), peer_addr=row.peer_addr, peer_port=row.peer_port,
+        server_port=row.server_port, request_id=row.request_id, route=row.route, model=row.model,
+        http_status=row.http_status, finish_reason=row.finish_reason, prompt_tokens=row.prompt_tokens,
+        completion_tokens=row.completion_tokens, max_tokens=row.max_tokens,
+        time_in_queue_s=row.time_in_queue_s, time_to_first_token_s=row.time_to_first_token_s,
+        process_pid=row.process_pid, peer_rewritten=row.peer_rewritten, attributes=row.attributes or {},
+    )

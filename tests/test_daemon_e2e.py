@@ -143,8 +143,9 @@ def test_gateway_chain_one_verdict_with_hop_delay(tmp_path: Path, propagate: boo
             cancel_after(gateway.port, 0.3, "fin", stream=True, max_tokens=150, request_id="via-gateway").join()
             want = "aborted" if propagate else "zombie"
             # The engine hop's spans may arrive first; the gateway's span then merges the two.
-            assert wait_for(lambda: [(r.verdict, r.server_port) for r in verdict_rows(daemon)]
-                            == [(want, gateway.port)], timeout_s=30), \
+            detail = "hops" if propagate else "upstream_not_closed_ports"
+            assert wait_for(lambda: [(r.verdict, r.server_port, detail in r.details) for r in verdict_rows(daemon)]
+                            == [(want, gateway.port, True)], timeout_s=30), \
                 [(r.verdict, r.server_port, r.details) for r in verdict_rows(daemon)]
             [row] = verdict_rows(daemon)
     # One request, one verdict, at the hop where the client left.
