@@ -71,10 +71,13 @@ def time_chart(title: str, starts_ns: Sequence[int], width_ns: int, left: Series
     for series, top in zip((left, right), scales, strict=True):
         parts.append(_draw(series, top, slot, plot_h))
     labels = max(1, count // 8)
+    # HH:MM unless two labels would fall in the same minute; then HH:MM:SS.
+    step_ns = (starts_ns[labels] - starts_ns[0]) if count > labels else 60_000_000_000
+    clock_chars = slice(11, 16) if step_ns >= 60_000_000_000 else slice(11, 19)
     for index in range(0, count, labels):
         x = LEFT + slot * index
         parts.append(f'<text x="{x:.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="start">'
-                     f'{esc(rfc3339_seconds(starts_ns[index])[11:16])}</text>')
+                     f'{esc(rfc3339_seconds(starts_ns[index])[clock_chars])}</text>')
     parts.append(f'<text x="{LEFT}" y="{HEIGHT - 6}" class="legend">'
                  f'<tspan fill="{left.color}">■ {esc(left.name)}</tspan>'
                  f'<tspan dx="24" fill="{right.color}">■ {esc(right.name)}</tspan>'
