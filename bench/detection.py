@@ -90,7 +90,7 @@ def measure_alarms(db: Path, engine_port: int, metrics_port: int, count: int) ->
         request_id = f"alarm-{index}"
         gauge_before = metric(scrape(metrics_port), "auditor_inflight_zombies")
         zombies_before = metric(scrape(metrics_port), "auditor_disconnect_verdicts_total")
-        cancel_one(engine_port, request_id, 0.3, max_tokens=150)
+        cancel_one(engine_port, request_id, 0.3, max_tokens=400)  # zombies of ~4 s: longer than a round
         seen_store = seen_metrics = None
         deadline = time.time() + 10
         while time.time() < deadline and (seen_store is None or seen_metrics is None):
