@@ -60,13 +60,7 @@ def read_to_end(sock: socket.socket) -> bytes:
 
 
 def wait_record(engine: EngineProcess, request_id: str, timeout: float = 15.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for record in engine.truth():
-            if record["request_id"] == request_id:
-                return record
-        time.sleep(0.02)
-    raise AssertionError(f"no truth record for {request_id}; log:\n{engine.log_tail()}")
+    return engine.truth_of(request_id, timeout)
 
 
 def wait_until_running(engine: EngineProcess, count: int, timeout: float = 10.0) -> None:

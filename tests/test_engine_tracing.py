@@ -129,13 +129,7 @@ def otlp_grpc() -> Iterator[tuple[str, SpanSink]]:
 
 
 def wait_record(engine: EngineProcess, request_id: str, timeout: float = 10.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for record in engine.truth():
-            if record["request_id"] == request_id:
-                return record
-        time.sleep(0.02)
-    raise AssertionError(f"no truth record for {request_id}; log:\n{engine.log_tail()}")
+    return engine.truth_of(request_id, timeout)
 
 
 def send_raw(url: str, path: str, request_id: str, max_tokens: int, stream: bool) -> socket.socket:

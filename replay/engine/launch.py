@@ -60,6 +60,16 @@ class EngineProcess:
                 return records
             time.sleep(0.02)
 
+    def truth_of(self, request_id: str, timeout: float = 15.0) -> dict[str, Any]:
+        """The truth record of one request, waiting for it to end; AssertionError with the log if not."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for record in self.truth():
+                if record["request_id"] == request_id:
+                    return record
+            time.sleep(0.02)
+        raise AssertionError(f"no truth record for {request_id}; log:\n{self.log_tail()}")
+
     def log_tail(self, chars: int = 4000) -> str:
         with contextlib.suppress(OSError):
             return self.log_path.read_text(errors="replace")[-chars:]
