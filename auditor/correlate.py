@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 RequestKey = tuple[str, str]  # (trace id, span id of the request's outermost server span)
 ENGINE_SETTLE_AFTER_LIVE_END_NS = 2_000_000_000
 HORIZON_NS = 15 * 60 * 1_000_000_000
+PRUNE_EVERY_NS = 10 * 1_000_000_000
 
 
 @dataclass(slots=True)
@@ -119,6 +120,7 @@ class Correlator:
         self._counted: set[str] = set()
         self._event_cursor = 0
         self._span_cursor = 0
+        self._next_prune_ns = 0
         self._resume()
 
     # -- start-up ---------------------------------------------------------------------------
@@ -144,10 +146,11 @@ class Correlator:
         with self.store.session() as session:
             rows = session.scalars(select(SpanRow).where(SpanRow.id > self._span_cursor)
                                    .order_by(SpanRow.id).limit(50_000)).all()
+        arrived_ns = self.clock()
         for row in rows:
             self._span_cursor = row.id
             span = span_from_row(row)
-            if not self.spans.add(span):
+            if not self.spans.add(span, arrived_ns):
                 continue
             for request in self._settled.pop(span.trace_id, {}).values():
                 self._open[request.key] = request  # evidence after settling reopens the verdict
@@ -371,7 +374,7 @@ class Correlator:
                base: SpanRecord | None) -> tuple[float, float]:
         pid = (engine.process_pid if engine else None) or (base.process_pid if base else None)
         service = (engine.service if engine else None) or (base.service if base else "")
-        sharers = requests_in_flight(self.spans, self.live.running_since(service), service=service,
+        sharers = requests_in_flight(self.spans.arrived_since(start_ns), self.live.running_since(service), service=service,
                                      start_ns=start_ns, end_ns=end_ns, now_ns=self.clock())
         cost = wasted(self.store, host=self.host, start_ns=start_ns, end_ns=end_ns, pid=pid, inflight_at=sharers)
         return round(cost.gpu_seconds, 6), round(cost.cpu_seconds, 6)
@@ -417,6 +420,10 @@ class Correlator:
                 state.settled_event_id, state.updated_ns = settled, now
 
     def _prune(self, now: int) -> None:
+        # Forgetting walks every connection seen in the horizon: every 10 s is often enough.
+        if now < self._next_prune_ns:
+            return
+        self._next_prune_ns = now + PRUNE_EVERY_NS
         cutoff = now - HORIZON_NS
         self.spans.prune(cutoff, keep={key[0] for key in self._open})
         for trace_id in [t for t, requests in self._settled.items()

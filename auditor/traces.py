@@ -8,8 +8,8 @@ hops (a gateway's server span, its client span, the engine's server span, the en
 from __future__ import annotations
 
 import ipaddress
-from collections import defaultdict
-from collections.abc import Iterable
+from collections import defaultdict, deque
+from collections.abc import Iterable, Iterator
 
 from auditor.model import SpanRecord, SpanRole
 
@@ -42,15 +42,23 @@ def engine_request_ids(http_request_id: str) -> tuple[str, ...]:
 class TraceIndex:
     def __init__(self) -> None:
         self._by_trace: dict[str, dict[str, SpanRecord]] = defaultdict(dict)
+        # (arrival time, trace) in arrival order. A span that overlaps a window ended after the
+        # window began and so arrived after it too: scanning back from the newest arrival finds
+        # every candidate, and pruning pops from the oldest, without touching the rest.
+        self._arrivals: deque[tuple[int, str]] = deque()
+        self._entries: dict[str, int] = defaultdict(int)  # arrivals in line per trace
         self._http_by_tuple: dict[Tuple4, list[SpanRecord]] = defaultdict(list)
         self._engine_by_request_id: dict[str, SpanRecord] = {}
 
-    def add(self, span: SpanRecord) -> bool:
+    def add(self, span: SpanRecord, arrived_ns: int) -> bool:
         """Index a span; False when it was already known (a duplicate delivery)."""
         spans = self._by_trace[span.trace_id]
         if span.span_id in spans:
             return False
         spans[span.span_id] = span
+        last = self._arrivals[-1][0] if self._arrivals else arrived_ns
+        self._arrivals.append((max(arrived_ns, last), span.trace_id))  # monotonic even if the clock steps back
+        self._entries[span.trace_id] += 1
         if span.role is SpanRole.HTTP_SERVER and not span.peer_rewritten and span.peer_port and span.server_port:
             self._http_by_tuple[span_tuple(span)].append(span)
         elif span.role is SpanRole.ENGINE and span.request_id:
@@ -63,8 +71,15 @@ class TraceIndex:
     def trace(self, trace_id: str) -> Iterable[SpanRecord]:
         return self._by_trace.get(trace_id, {}).values()
 
-    def traces(self) -> Iterable[tuple[str, dict[str, SpanRecord]]]:
-        return self._by_trace.items()
+    def arrived_since(self, since_ns: int) -> Iterator[dict[str, SpanRecord]]:
+        """Every trace with a span that arrived at or after ``since_ns`` (newest first, once each)."""
+        seen: set[str] = set()
+        for arrived_ns, trace_id in reversed(self._arrivals):
+            if arrived_ns < since_ns:
+                return
+            if trace_id not in seen and trace_id in self._by_trace:
+                seen.add(trace_id)
+                yield self._by_trace[trace_id]
 
     def on_connection(self, tuple4: Tuple4) -> list[SpanRecord]:
         return self._http_by_tuple.get(tuple4, [])
@@ -146,11 +161,33 @@ class TraceIndex:
         return None
 
     def prune(self, cutoff_ns: int, keep: set[str]) -> None:
-        """Forget traces that ended before ``cutoff_ns``, except those in ``keep``."""
-        for trace_id in [t for t, spans in self._by_trace.items()
-                         if t not in keep and max(s.end_ns for s in spans.values()) < cutoff_ns]:
-            for span in self._by_trace.pop(trace_id).values():
-                if span.role is SpanRole.ENGINE and span.request_id:
-                    self._engine_by_request_id.pop(span.request_id, None)
-        for tuple4 in [k for k, spans in self._http_by_tuple.items() if max(s.end_ns for s in spans) < cutoff_ns]:
-            del self._http_by_tuple[tuple4]
+        """Forget traces whose spans all arrived before ``cutoff_ns``, except those in ``keep``
+        (they go back in line as if they had just arrived)."""
+        kept: list[str] = []
+        while self._arrivals and self._arrivals[0][0] < cutoff_ns:
+            _, trace_id = self._arrivals.popleft()
+            remaining = self._entries[trace_id] - 1
+            if remaining:
+                self._entries[trace_id] = remaining
+                continue
+            del self._entries[trace_id]
+            if trace_id in keep:
+                kept.append(trace_id)
+            else:
+                self._forget(trace_id)
+        newest = self._arrivals[-1][0] if self._arrivals else cutoff_ns
+        for trace_id in kept:
+            self._arrivals.append((newest, trace_id))
+            self._entries[trace_id] = 1
+
+    def _forget(self, trace_id: str) -> None:
+        for span in self._by_trace.pop(trace_id, {}).values():
+            if span.role is SpanRole.ENGINE and span.request_id:
+                if self._engine_by_request_id.get(span.request_id) is span:
+                    del self._engine_by_request_id[span.request_id]
+            elif span.role is SpanRole.HTTP_SERVER:
+                on_tuple = self._http_by_tuple.get(span_tuple(span))
+                if on_tuple is not None and span in on_tuple:
+                    on_tuple.remove(span)
+                    if not on_tuple:
+                        del self._http_by_tuple[span_tuple(span)]

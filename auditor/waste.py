@@ -8,14 +8,14 @@ divided by the number of requests the engine had in flight at that moment.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sqlalchemy import select
 
+from auditor.model import SpanRecord
 from auditor.schema import UtilSampleRow
 from auditor.store import Store
-from auditor.traces import TraceIndex
 
 DEFAULT_INTERVAL_S = 0.1
 
@@ -61,12 +61,12 @@ def wasted(store: Store, *, host: str, start_ns: int, end_ns: int, pid: int | No
     return Waste(gpu_seconds=integrate(list(gpu_rows)), cpu_seconds=integrate(list(cpu_process)))
 
 
-def requests_in_flight(spans: TraceIndex, running_since: list[int], *, service: str, start_ns: int,
-                       end_ns: int, now_ns: int) -> Callable[[int], int]:
+def requests_in_flight(traces: Iterable[dict[str, SpanRecord]], running_since: list[int], *, service: str,
+                       start_ns: int, end_ns: int, now_ns: int) -> Callable[[int], int]:
     """How many requests the engine ``service`` had in flight at a moment within the window: each
     trace's extent from its stored spans, plus what live notices say is still running."""
     intervals = []
-    for _trace_id, trace in spans.traces():
+    for trace in traces:
         mine = [s for s in trace.values() if s.service == service and s.end_ns >= start_ns and s.start_ns <= end_ns]
         if mine:
             intervals.append((min(s.start_ns for s in mine), max(s.end_ns for s in mine)))
