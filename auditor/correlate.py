@@ -32,7 +32,6 @@ from sqlalchemy import func, select
 
 from auditor.live import LiveEvent, LiveState
 from auditor.model import (
-    ConnEvent,
     ConnEventKind,
     CoverageKind,
     RequestVerdict,
@@ -82,14 +81,13 @@ class OpenRequest:
 
 @dataclass
 class CorrelatorStats:
-    verdicts_written: int = 0
-    settled: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """What the daemon exports as metrics and the demo waits on."""
+
     idle_closes: int = 0
     unjoined_disconnects: int = 0
     unjoined_spans: int = 0
     proxy_rewritten: int = 0
     pending_disconnects: int = 0
-    open_requests: int = 0
     inflight_zombies: int = 0
 
 
@@ -199,12 +197,10 @@ class Correlator:
         self.store.upsert_verdicts([verdict for _, verdict in changed])
         for request, verdict in changed:
             request.written = verdict
-        self.stats.verdicts_written += len(changed)
         self._settle(now)
         self._save_state()
         self._prune(now)
         self.stats.pending_disconnects = len(self._pending)
-        self.stats.open_requests = len(self._open)
         self.stats.inflight_zombies = sum(1 for r in self._open.values() if r.written is not None
                                           and r.written.verdict is Verdict.INFLIGHT_ZOMBIE)
         return [verdict for _, verdict in changed]
@@ -395,7 +391,6 @@ class Correlator:
             self._settled[key[0]][key[1]] = request
             if written.request_id:
                 self._settled_by_request_id[written.request_id] = key
-            self.stats.settled[written.verdict.value] += 1
             self.on_settled(written)
 
     def _count(self, kind: CoverageKind, detail: str, ts_ns: int, count: int = 1) -> None:
@@ -439,4 +434,3 @@ class Correlator:
             del self._recent_unjoined[event_id]
 
 
-__all__ = ["ConnEvent", "Correlator", "CorrelatorStats"]

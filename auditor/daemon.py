@@ -78,6 +78,7 @@ class Daemon:
         self._parts: dict[str, Any] = {}
         self._ports = set(config.probe.ports)
         self._lost_reported = 0
+        self._exported: dict[str, int] = {}  # last value of each source counter put into /metrics
         self._completed_cursor = 0
         self._failing = False
 
@@ -241,28 +242,27 @@ class Daemon:
         lost = source.lost_events()
         if lost > self._lost_reported:
             self.store.add_coverage(CoverageKind.LOST_KERNEL_EVENTS, lost - self._lost_reported, host=self.host)
-            self.metrics.lost_kernel_events.inc(lost - self._lost_reported)
             self._lost_reported = lost
+        self._export("lost_kernel_events", self.metrics.lost_kernel_events, self._lost_reported)
+
+    def _export(self, name: str, counter: Any, total: int) -> None:
+        """Add to a Prometheus counter what a source's running total gained since last time."""
+        gained = total - self._exported.get(name, 0)
+        if gained > 0:
+            counter.inc(gained)
+        self._exported[name] = total
 
     def _refresh_gauges(self) -> None:
         stats = self.correlator.stats
         self.metrics.inflight_zombies.set(stats.inflight_zombies)
-        for counter, value, attr in ((self.metrics.idle_closes, stats.idle_closes, "idle"),
-                                     (self.metrics.unjoined_disconnects, stats.unjoined_disconnects, "unjoined"),
-                                     (self.metrics.unjoined_spans, stats.unjoined_spans, "unspanned")):
-            previous = self._parts.get(f"_{attr}", 0)
-            if value > previous:
-                counter.inc(value - previous)
-            self._parts[f"_{attr}"] = value
+        self._export("idle_closes", self.metrics.idle_closes, stats.idle_closes)
+        self._export("unjoined_disconnects", self.metrics.unjoined_disconnects, stats.unjoined_disconnects)
+        self._export("unjoined_spans", self.metrics.unjoined_spans, stats.unjoined_spans)
         writer = self._parts.get("span_writer")
         if writer is not None:
             writer_stats = writer.stats()
             self.metrics.ingest_queue.set(writer_stats.get("queue_spans", 0))
-            accepted = writer_stats.get("committed_spans", 0)
-            previous = self._parts.get("_accepted", 0)
-            if accepted > previous:
-                self.metrics.spans_received.inc(accepted - previous)
-            self._parts["_accepted"] = accepted
+            self._export("committed_spans", self.metrics.spans_received, writer_stats.get("committed_spans", 0))
         self._refresh_divergence()
 
     def _refresh_divergence(self) -> None:

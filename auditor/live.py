@@ -85,7 +85,7 @@ class LiveReporter:
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
-        self._pid = os.getpid()
+        self.pid = os.getpid()
 
     def send(self, payload: dict[str, Any]) -> None:
         try:
@@ -98,7 +98,7 @@ class LiveReporter:
     def _work(self, event: str, trace_id: str, span_id: str, name: str) -> None:
         self.send({"v": 1, "ev": event, "trace": trace_id, "span": span_id, "name": name,
                    "kind": "internal", "ts": time.time_ns(), "peer": None, "peer_port": None,
-                   "port": None, "pid": self._pid, "service": self.service, "engine": True})
+                   "port": None, "pid": self.pid, "service": self.service, "engine": True})
 
     def work_started(self, trace_id: str, span_id: str, name: str = "llm_request") -> None:
         """Engine work on a request began (call where the scheduler accepts it)."""
@@ -132,7 +132,7 @@ class LiveSpanProcessor(SpanProcessor):
             "peer": _first(attrs, "client.address", "net.peer.ip", "network.peer.address"),
             "peer_port": int(peer_port) if isinstance(peer_port, int) else None,
             "port": int(server_port) if isinstance(server_port, int) else None,
-            "pid": self.reporter._pid, "service": service,
+            "pid": self.reporter.pid, "service": service,
             "engine": span.name == "llm_request",
         })
 

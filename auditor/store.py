@@ -151,12 +151,12 @@ class Store:
         return make_url(self.url).render_as_string(hide_password=True)
 
     # -- writes -----------------------------------------------------------------------------
-    def _insert(self, table: Any, rows: list[dict[str, Any]]) -> int:
+    def _insert(self, table: Any, rows: list[dict[str, Any]], statement: Any = None) -> int:
         if not rows:
             return 0
         try:
             with self.engine.begin() as conn:
-                conn.execute(insert(table), rows)
+                conn.execute(insert(table) if statement is None else statement, rows)
         except OperationalError as exc:
             raise StoreError(f"write to {self._where()} failed: {_short(exc)}") from exc
         return len(rows)
@@ -166,23 +166,15 @@ class Store:
 
     def insert_spans(self, spans: Iterable[SpanRecord]) -> int:
         """Insert spans; a span already stored (same trace and span id) is skipped, not duplicated."""
-        rows = [_row(s) for s in spans]
-        if not rows:
-            return 0
         if self.engine.dialect.name == "sqlite":
-            stmt: Any = insert(SpanRow).prefix_with("OR IGNORE")
+            statement: Any = insert(SpanRow).prefix_with("OR IGNORE")
         elif self.engine.dialect.name == "postgresql":
             from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-            stmt = pg_insert(SpanRow).on_conflict_do_nothing()
+            statement = pg_insert(SpanRow).on_conflict_do_nothing()
         else:
-            stmt = insert(SpanRow)
-        try:
-            with self.engine.begin() as conn:
-                conn.execute(stmt, rows)
-        except OperationalError as exc:
-            raise StoreError(f"write to {self._where()} failed: {_short(exc)}") from exc
-        return len(rows)
+            statement = insert(SpanRow)
+        return self._insert(SpanRow, [_row(s) for s in spans], statement)
 
     def insert_samples(self, samples: Iterable[UtilSample]) -> int:
         return self._insert(UtilSampleRow, [_row(s) for s in samples])
