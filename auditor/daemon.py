@@ -74,6 +74,7 @@ class Daemon:
         self.metrics = DaemonMetrics()
         self.status = DaemonStatus()
         self._stop = threading.Event()
+        self._ready = threading.Event()  # READY=1 sent: only then may WATCHDOG=1 follow
         self._threads: list[threading.Thread] = []
         self._parts: dict[str, Any] = {}
         self._ports = set(config.probe.ports)
@@ -108,6 +109,7 @@ class Daemon:
             self._parts["metrics"] = server
             self.status.metrics_port = server.server_port
         notify_systemd(f"READY=1\nSTATUS=watching ports {sorted(self._ports)} via {self.status.source}")
+        self._ready.set()
         log.info("auditor running: source=%s otlp-http=%s otlp-grpc=%s metrics=%s live=%s", self.status.source,
                  self.status.http_port, self.status.grpc_port, self.status.metrics_port, self.status.live_port)
 
@@ -205,7 +207,7 @@ class Daemon:
         next_tick = time.monotonic()
         while not self._stop.is_set():
             self.correlate_once()
-            if watchdog_usec:
+            if watchdog_usec and self._ready.is_set():
                 notify_systemd("WATCHDOG=1")
             next_tick += interval
             delay = next_tick - time.monotonic()
