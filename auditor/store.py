@@ -1,6 +1,7 @@
 """The store: one SQLAlchemy engine over SQLite (default) or PostgreSQL, migrated by Alembic.
 
-Sources write through the batch ``insert_*`` methods (SQLAlchemy Core, one transaction a batch);
+Sources write through the batch ``insert_*`` methods (one transaction a batch; on SQLite plain
+tuples through the driver, elsewhere SQLAlchemy Core);
 correlation and the report read through ``session()``. Opening a store checks its schema first:
 a file that is not a database, or a database written by a newer auditor, is refused with an error
 that says what to do, and nothing is overwritten.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import logging
 import operator
 import os
@@ -44,26 +46,61 @@ def default_db_url() -> str:
     return "sqlite:///auditor.db"
 
 
-_ROW_SHAPES: dict[type, tuple[tuple[str, ...], Any, tuple[str, ...]]] = {}
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """How one record type becomes a row: its field names, one getter for all of them, and the
+    fields that need converting (enums to their values; dicts to JSON text for the tuple path)."""
+
+    names: tuple[str, ...]
+    getter: Any
+    enums: tuple[str, ...]
+    converters: tuple[tuple[int, Any], ...]  # (position, function) for the tuple path
+
+
+_SHAPES: dict[type, _Shape] = {}
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def _shape(cls: type) -> _Shape:
+    shape = _SHAPES.get(cls)
+    if shape is None:
+        hints = typing.get_type_hints(cls)
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        enums = tuple(n for n in names if any(isinstance(t, type) and issubclass(t, enum.Enum)
+                                               for t in (hints[n], *typing.get_args(hints[n]))))
+        converters = tuple((i, _enum_value if n in enums else _dumps) for i, n in enumerate(names)
+                           if n in enums or typing.get_origin(hints[n]) is dict)
+        getter = operator.attrgetter(*names)
+        shape = _SHAPES[cls] = _Shape(names, getter, enums, converters)
+    return shape
+
+
+def _enum_value(value: Any) -> Any:
+    return None if value is None else value.value
 
 
 def _row(record: Any) -> dict[str, Any]:
-    """A dataclass record as a column dict, enums as their values. The hot path of every batch
-    insert, so each type's field names, getter and enum fields are worked out once."""
-    shape = _ROW_SHAPES.get(type(record))
-    if shape is None:
-        hints = typing.get_type_hints(type(record))
-        names = tuple(f.name for f in dataclasses.fields(record))
-        enums = tuple(n for n in names if any(isinstance(t, type) and issubclass(t, enum.Enum)
-                                               for t in (hints[n], *typing.get_args(hints[n]))))
-        shape = _ROW_SHAPES[type(record)] = (names, operator.attrgetter(*names), enums)
-    names, getter, enums = shape
-    row = dict(zip(names, getter(record), strict=True))
-    for name in enums:
-        value = row[name]
-        if value is not None:
-            row[name] = value.value
+    """A dataclass record as a column dict, enums as their values."""
+    shape = _shape(type(record))
+    row = dict(zip(shape.names, shape.getter(record), strict=True))
+    for name in shape.enums:
+        row[name] = _enum_value(row[name])
     return row
+
+
+def _rows_as_tuples(records: Iterable[Any], shape: _Shape) -> list[tuple[Any, ...]]:
+    """Records as plain tuples in ``shape.names`` order, for the driver's executemany: the hot path
+    of every batch insert on SQLite, where building a dict per row costs more than the insert."""
+    getter, converters = shape.getter, shape.converters
+    if not converters:
+        return [getter(r) for r in records]
+    rows = []
+    for record in records:
+        values = list(getter(record))
+        for i, convert in converters:
+            values[i] = convert(values[i])
+        rows.append(tuple(values))
+    return rows
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -161,23 +198,47 @@ class Store:
             raise StoreError(f"write to {self._where()} failed: {_short(exc)}") from exc
         return len(rows)
 
+    def _insert_records(self, table: Any, records: Iterable[Any], *, skip_duplicates: bool = False) -> int:
+        """Insert dataclass records whose fields are the table's columns (less the ``id`` key).
+        SQLite gets plain tuples through the driver; other databases go through SQLAlchemy Core."""
+        records = list(records)
+        if not records:
+            return 0
+        if self.engine.dialect.name != "sqlite":
+            statement: Any = None
+            if skip_duplicates and self.engine.dialect.name == "postgresql":
+                from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+                statement = pg_insert(table).on_conflict_do_nothing()
+            return self._insert(table, [_row(r) for r in records], statement)
+        shape = _shape(type(records[0]))
+        sql = self._sqlite_insert_sql(table, shape, skip_duplicates)
+        try:
+            with self.engine.begin() as conn:
+                conn.exec_driver_sql(sql, _rows_as_tuples(records, shape))
+        except OperationalError as exc:
+            raise StoreError(f"write to {self._where()} failed: {_short(exc)}") from exc
+        return len(records)
+
+    @staticmethod
+    def _sqlite_insert_sql(table: Any, shape: _Shape, skip_duplicates: bool) -> str:
+        columns = {c.name for c in table.__table__.columns} - {"id"}
+        if columns != set(shape.names):  # a model and its record drifted apart: a bug, fail loudly
+            raise TypeError(f"{table.__tablename__} columns {sorted(columns ^ set(shape.names))} "
+                            "differ from the record's fields")
+        verb = "INSERT OR IGNORE" if skip_duplicates else "INSERT"
+        marks = ", ".join("?" for _ in shape.names)
+        return f"{verb} INTO {table.__tablename__} ({', '.join(shape.names)}) VALUES ({marks})"
+
     def insert_conn_events(self, events: Iterable[ConnEvent]) -> int:
-        return self._insert(ConnEventRow, [_row(e) for e in events])
+        return self._insert_records(ConnEventRow, events)
 
     def insert_spans(self, spans: Iterable[SpanRecord]) -> int:
         """Insert spans; a span already stored (same trace and span id) is skipped, not duplicated."""
-        if self.engine.dialect.name == "sqlite":
-            statement: Any = insert(SpanRow).prefix_with("OR IGNORE")
-        elif self.engine.dialect.name == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-            statement = pg_insert(SpanRow).on_conflict_do_nothing()
-        else:
-            statement = insert(SpanRow)
-        return self._insert(SpanRow, [_row(s) for s in spans], statement)
+        return self._insert_records(SpanRow, spans, skip_duplicates=True)
 
     def insert_samples(self, samples: Iterable[UtilSample]) -> int:
-        return self._insert(UtilSampleRow, [_row(s) for s in samples])
+        return self._insert_records(UtilSampleRow, samples)
 
     def add_coverage(self, kind: CoverageKind, count: int = 1, *, host: str = "",
                      ts_ns: int | None = None, detail: str | None = None) -> None:

@@ -14,8 +14,6 @@ after a handful of retries, so a fixed 1 s would make them drop spans after a fe
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import threading
 import time
@@ -24,48 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy.exc import OperationalError
-
 from auditor.errors import StoreError
 from auditor.model import SpanRecord
-from auditor.schema import SpanRow
 
 log = logging.getLogger(__name__)
 
 QUEUE_FULL = "queue_full"
 STORE_UNAVAILABLE = "store_unavailable"
-
-
-# The SQLite fast path writes rows as plain tuples in this column order (checked against the schema
-# at start-up: if the two ever disagree, the writer falls back to Store.insert_spans).
-_COLUMNS = ("trace_id", "span_id", "parent_span_id", "name", "kind", "role", "start_ns", "end_ns",
-            "service", "host", "status", "peer_addr", "peer_port", "server_port", "request_id",
-            "route", "model", "http_status", "finish_reason", "prompt_tokens", "completion_tokens",
-            "max_tokens", "time_in_queue_s", "time_to_first_token_s", "process_pid", "peer_rewritten",
-            "attributes")
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-
-
-def _row(s: SpanRecord) -> tuple[Any, ...]:
-    return (s.trace_id, s.span_id, s.parent_span_id, s.name, s.kind, s.role.value, s.start_ns, s.end_ns,
-            s.service, s.host, s.status, s.peer_addr, s.peer_port, s.server_port, s.request_id,
-            s.route, s.model, s.http_status, s.finish_reason, s.prompt_tokens, s.completion_tokens,
-            s.max_tokens, s.time_in_queue_s, s.time_to_first_token_s, s.process_pid, s.peer_rewritten,
-            _dumps(s.attributes))
-
-
-def _sqlite_insert_sql(store: Any) -> str | None:
-    """``INSERT OR IGNORE`` for the tuple rows above, or None where the fast path does not apply."""
-    engine = getattr(store, "engine", None)
-    if engine is None or engine.dialect.name != "sqlite":
-        return None
-    table_columns = {c.name for c in SpanRow.__table__.columns} - {"id"}
-    record_fields = {f.name for f in dataclasses.fields(SpanRecord)}
-    if table_columns != set(_COLUMNS) or record_fields != set(_COLUMNS):
-        log.warning("spans table and SpanRecord differ from the writer's column list; using the slow path")
-        return None
-    marks = ", ".join("?" for _ in _COLUMNS)
-    return f"INSERT OR IGNORE INTO spans ({', '.join(_COLUMNS)}) VALUES ({marks})"
 
 
 class BackPressure(Exception):
@@ -109,7 +72,6 @@ class SpanWriter:
         self._last_error = ""
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._insert_sql = _sqlite_insert_sql(store)
         # Counters for /metrics.
         self.committed_spans = 0
         self.commits = 0
@@ -246,17 +208,7 @@ class SpanWriter:
                     item.done.set()
 
     def _insert(self, spans: Sequence[SpanRecord]) -> None:
-        """One transaction. SQLite gets plain tuples through the driver's executemany: building
-        dicts per row (Store.insert_spans) costs more than the insert itself at this rate."""
-        if self._insert_sql is None:
-            self.store.insert_spans(spans)
-            return
-        rows = [_row(span) for span in spans]
-        try:
-            with self.store.engine.begin() as conn:
-                conn.exec_driver_sql(self._insert_sql, rows)
-        except OperationalError as exc:  # locked past the busy timeout, disk full, read-only...
-            raise StoreError(f"span write failed: {str(exc.orig).splitlines()[0]}") from exc
+        self.store.insert_spans(spans)  # one transaction; raises StoreError when it cannot write
 
     def _commit(self, batch: list[_Pending]) -> None:
         spans = [span for item in batch for span in item.spans]
