@@ -169,7 +169,7 @@ def http_round(address: tuple[str, int], clients: int, seconds: float, server_pi
     return requests / seconds, cpu / max(requests, 1)
 
 
-def http_overhead(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) -> dict[str, Any]:
     from auditor.store import Store
     from probes.bpf import BpfConnEventSource
     from probes.writer import ConnEventWriter
@@ -193,7 +193,7 @@ def http_overhead(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             for name in configs[round_index % 3:] + configs[:round_index % 3]:
                 if name == "without":
                     rate, cpu = http_round(address, args.clients, args.seconds, server.pid,
-                                           args.per_connection)
+                                   per_connection)
                     rates[name].append(rate)
                     cpu_per_request[name].append(cpu)
                     continue
@@ -202,7 +202,7 @@ def http_overhead(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 consumer = Consumer(source, ConnEventWriter(store) if name == "probe+store" else None)
                 consumer.thread.start()
                 rate, cpu = http_round(address, args.clients, args.seconds, server.pid,
-                                           args.per_connection)
+                                   per_connection)
                 drain_before = sum(cpu_seconds())
                 consumer.stopping.set()
                 consumer.thread.join()
@@ -313,8 +313,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each measured phase")
     parser.add_argument("--rounds", type=int, default=5, help="HTTP rounds without/with the probe")
     parser.add_argument("--clients", type=int, default=2, help="HTTP client processes")
-    parser.add_argument("--per-connection", type=int, default=1,
-                        help="HTTP requests per connection (1: every request is a close)")
+    parser.add_argument("--per-connection", type=per_connection_list, default=[1, 20],
+                        help="HTTP requests per connection, a comma list measured in turn (1: every "
+                             "request is a close, the worst case; 20: keep-alive clients)")
     parser.add_argument("--generators", type=int, default=3, help="connection generator processes")
     parser.add_argument("--backlog-seconds", type=float, default=2.0,
                         help="how long to fill the ring buffer before timing the drain")
@@ -333,19 +334,38 @@ def main() -> int:
         return 0
     load_before = os.getloadavg()[0]  # other work on the machine skews every figure
     with tempfile.TemporaryDirectory(prefix="probe-bench-") as tmp:
-        http = http_overhead(args, Path(tmp))
+        http = {n: http_overhead(args, Path(tmp), n) for n in args.per_connection}
         if not args.http_only:
             rate = event_rate(args, Path(tmp))
             drain = drain_rate(args, Path(tmp))
-    print(f"probe overhead on {os.cpu_count()} CPUs, load average before: {load_before:.2f}\n"
-          f"HTTP: uvicorn, {args.clients} client processes, {args.per_connection} request(s) per "
-          f"connection{' (every request is a close: the worst case)' if args.per_connection == 1 else ''}"
-          f", median of {args.rounds} rounds of {args.seconds:g} s")
-    rows = [
-        ("HTTP requests/s without probe", f"{http['without']:,.0f}",
-         f"rounds {http['without rounds']}"),
-        ("HTTP requests/s, probe polled", f"{http['probe']:,.0f}",
-         f"rounds {http['probe rounds']}"),
+    print(f"probe overhead on {os.cpu_count()} CPUs, load average before: {load_before:.2f}")
+    rows: list[tuple[str, str, str]] = []
+    for per_connection, figures in http.items():
+        kind = "every request is a close: the worst case" if per_connection == 1 else "keep-alive"
+        rows.append((f"HTTP: uvicorn, {args.clients} client processes, {per_connection} request(s) per "
+                     f"connection ({kind}), median of {args.rounds} rounds of {args.seconds:g} s", "", ""))
+        rows += http_rows(figures)
+    if not args.http_only:
+        rows += event_rows(args, rate, drain)
+    for name, value, note in rows:
+        print(f"  {name:<31} {value:>12}  {note}" if value else name)
+    return 0
+
+
+def per_connection_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated counts like 1,20, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"each count must be at least 1, got {text!r}")
+    return values
+
+
+def http_rows(http: dict[str, Any]) -> list[tuple[str, str, str]]:
+    return [
+        ("HTTP requests/s without probe", f"{http['without']:,.0f}", f"rounds {http['without rounds']}"),
+        ("HTTP requests/s, probe polled", f"{http['probe']:,.0f}", f"rounds {http['probe rounds']}"),
         ("HTTP requests/s, probe + store", f"{http['probe+store']:,.0f}",
          f"rounds {http['probe+store rounds']}"),
         ("ratio, probe polled", f"{http['probe'] / http['without']:.3f}", "target >= 0.98"),
@@ -358,11 +378,6 @@ def main() -> int:
         ("CPU per request, probe + store", f"{http['probe+store cpu'] * 1e6:.0f} µs",
          f"capacity ratio {http['without cpu'] / http['probe+store cpu']:.3f}"),
     ]
-    if not args.http_only:
-        rows += event_rows(args, rate, drain)
-    for name, value, note in rows:
-        print(f"  {name:<31} {value:>12}  {note}")
-    return 0
 
 
 def event_rows(args: argparse.Namespace, rate: dict[str, float],
