@@ -117,6 +117,7 @@ class Correlator:
         self._touched: set[str] = set()  # traces with new evidence this round
         self._counted: set[str] = set()
         self._event_cursor = 0
+        self._saved_position: int | None = None  # what correlator_state holds; written only on change
         self._span_cursor = 0
         self._next_prune_ns = 0
         self._resume()
@@ -127,6 +128,7 @@ class Correlator:
         with self.store.session() as session:
             state = session.get(CorrelatorStateRow, self.host)
             self._event_cursor = state.settled_event_id if state else 0
+            self._saved_position = state.settled_event_id if state else None
             self._counted = set(session.scalars(
                 select(CoverageRow.detail).where(CoverageRow.host == self.host,
                                                  CoverageRow.ts_ns > now - HORIZON_NS,
@@ -406,6 +408,8 @@ class Correlator:
 
     def _save_state(self) -> None:
         settled = min(self._pending, default=self._event_cursor + 1) - 1
+        if settled == self._saved_position:
+            return
         now = time.time_ns()
         with self.store.session() as session, session.begin():
             state = session.get(CorrelatorStateRow, self.host)
@@ -413,6 +417,7 @@ class Correlator:
                 session.add(CorrelatorStateRow(host=self.host, settled_event_id=settled, updated_ns=now))
             else:
                 state.settled_event_id, state.updated_ns = settled, now
+        self._saved_position = settled
 
     def _prune(self, now: int) -> None:
         # Forgetting walks every connection seen in the horizon: every 10 s is often enough.

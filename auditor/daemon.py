@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,11 +31,22 @@ from auditor.correlate import Correlator
 from auditor.errors import AuditorError, StoreError
 from auditor.live import LiveReceiver
 from auditor.metrics import DaemonMetrics
-from auditor.model import CoverageKind, UtilSample
+from auditor.model import CoverageKind, SpanRole, UtilSample
 from auditor.schema import SpanRow, UtilSampleRow
 from auditor.store import Store
 
 log = logging.getLogger(__name__)
+
+
+def completed_requests(rows: Sequence[Any], engine_spans_seen: bool) -> tuple[int, bool]:
+    """How many of these new span rows (``role``, ``http_status``, ``finish_reason``) are requests
+    that finished normally, and whether engine spans have been seen. Engine spans say so exactly (a
+    cancelled stream still ends its HTTP span "200 OK"); once one has been seen, only they count.
+    Where no engine reports spans, HTTP server spans below 400 do."""
+    engine = [r for r in rows if r.role == SpanRole.ENGINE.value]
+    if engine or engine_spans_seen:
+        return sum(1 for r in engine if r.finish_reason not in (None, "abort")), True
+    return sum(1 for r in rows if r.http_status is not None and r.http_status < 400), False
 
 
 def notify_systemd(message: str) -> bool:
@@ -81,6 +92,7 @@ class Daemon:
         self._lost_reported = 0
         self._exported: dict[str, int] = {}  # last value of each source counter put into /metrics
         self._completed_cursor = 0
+        self._engine_spans_seen = False  # then completions are counted from engine spans only
         self._failing = False
 
     # -- start ------------------------------------------------------------------------------
@@ -265,14 +277,21 @@ class Daemon:
             writer_stats = writer.stats()
             self.metrics.ingest_queue.set(writer_stats.get("queue_spans", 0))
             self._export("committed_spans", self.metrics.spans_received, writer_stats.get("committed_spans", 0))
+            self._export("span_write_errors", self.metrics.store_write_errors.labels("spans"),
+                         writer_stats.get("failed_commits", 0))
+        event_writer = self._parts.get("event_writer")
+        if event_writer is not None:
+            self._export("event_write_errors", self.metrics.store_write_errors.labels("conn_events"),
+                         event_writer.write_errors)
         self._refresh_divergence()
 
     def _refresh_divergence(self) -> None:
         now_ns = time.time_ns()
         with self.store.session() as session:
-            rows = session.execute(select(SpanRow.id, SpanRow.process_pid).where(
-                SpanRow.id > self._completed_cursor, SpanRow.role == "http_server",
-                SpanRow.http_status < 400)).all()
+            rows = session.execute(select(SpanRow.id, SpanRow.role, SpanRow.http_status, SpanRow.finish_reason)
+                                   .where(SpanRow.id > self._completed_cursor,
+                                          SpanRow.role.in_((SpanRole.HTTP_SERVER.value, SpanRole.ENGINE.value)))
+                                   ).all()
             since = now_ns - 60 * 1_000_000_000
             util = session.execute(select(UtilSampleRow.source, func.avg(UtilSampleRow.util_percent)).where(
                 UtilSampleRow.ts_ns > since, UtilSampleRow.host == self.host,
@@ -282,7 +301,8 @@ class Daemon:
                 SpanRow.end_ns > since, SpanRow.process_pid.is_not(None)).distinct()))
         if rows:
             self._completed_cursor = max(r.id for r in rows)
-        self.metrics.completed(len(rows))
+        count, self._engine_spans_seen = completed_requests(rows, self._engine_spans_seen)
+        self.metrics.completed(count)
         for source, mean in util:
             self.metrics.utilization.labels(source).set((mean or 0.0) / 100.0)
         procfs = self._parts.get("procfs")

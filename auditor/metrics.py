@@ -41,9 +41,14 @@ class DaemonMetrics:
         self.lost_kernel_events = Counter("auditor_kernel_events_lost", "Kernel events dropped by the ring "
                                           "buffer", registry=r)
         self.spans_received = Counter("auditor_spans_received", "Spans accepted over OTLP", registry=r)
+        self.store_write_errors = Counter("auditor_store_write_errors", "Batches the store refused (locked, "
+                                          "disk full); kept and retried, or answered with back-pressure",
+                                          ["writer"], registry=r)
         self.ingest_queue = Gauge("auditor_ingest_queue_spans", "Spans waiting to be committed", registry=r)
-        self.completed_rate = Gauge("auditor_completed_requests_per_second", "Requests completed per second "
-                                    "over the last minute (falls while utilization stays: zombies)", registry=r)
+        self.completed_rate = Gauge("auditor_completed_requests_per_second", "Requests finished normally per "
+                                    "second over the last minute, from engine spans (HTTP server spans below 400 "
+                                    "where no engine reports): falls while utilization stays: zombies",
+                                    registry=r)
         self.utilization = Gauge("auditor_utilization_ratio", "Mean utilization over the last minute "
                                  "(GPU when present, else engine CPU in cores)", ["source"], registry=r)
         self.correlation_seconds = Histogram("auditor_correlation_tick_seconds", "Time of one correlation round",

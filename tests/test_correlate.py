@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 
 from auditor.correlate import Correlator
 from auditor.live import LiveEvent
@@ -185,6 +185,22 @@ def test_restart_resumes_without_duplicates(tmp_path: Path) -> None:
     make(store, clock).tick()
     make(store, clock).tick()  # a restarted daemon
     assert len(verdicts(store)) == 1 and coverage(store, "idle_close") == 1
+
+
+def test_idle_rounds_write_nothing(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_conn_events([close(0.5)])
+    clock.now = T0 + 10 * S
+    correlator.tick()  # the idle close settles: the resume position moves and is saved
+    writes: list[str] = []
+    event.listen(store.engine, "before_cursor_execute",
+                 lambda _c, _cur, statement, *_: writes.append(statement)
+                 if not statement.lstrip().upper().startswith("SELECT") else None)
+    for _ in range(3):
+        clock.now += S
+        correlator.tick()
+    assert writes == []
 
 
 def test_gateway_chain_one_verdict_with_hop_delay(store: Store) -> None:
