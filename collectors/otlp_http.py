@@ -10,8 +10,10 @@ inflating gzip, and a check of the write queue before a body is read so a flood 
 
 Answers follow the OTLP specification: 200 + ExportTraceServiceResponse (``partial_success`` when
 normalization rejected spans), 400 malformed (google.rpc.Status body), 401 bad or missing bearer
-token, 404 other paths, 405 other methods, 411 no Content-Length, 413 too large, 415 unsupported
-media type or encoding, 429 queue full and 503 store unavailable, both with ``Retry-After``.
+token, 404 other paths, 405 other methods, 411 neither Content-Length nor chunked, 413 too large,
+415 unsupported media type or encoding, 429 queue full and 503 store unavailable, both with
+``Retry-After``, 501 a transfer coding other than chunked. Chunked bodies (``Transfer-Encoding: chunked``, as streaming HTTP clients send)
+are read chunk by chunk against the same size limit.
 """
 
 from __future__ import annotations
@@ -68,6 +70,44 @@ class _Server(ThreadingHTTPServer):
         log.debug("OTLP/HTTP connection from %s ended with an error", client_address, exc_info=True)
 
 
+MAX_CHUNK_LINE = 1024  # a chunk-size line with extensions, or a trailer line
+
+
+def read_chunked(rfile: Any, limit: int) -> bytes:
+    """A ``Transfer-Encoding: chunked`` body (RFC 9112 §7.1), at most ``limit`` bytes; trailers
+    are read and ignored. Raises BodyError: 400 for bad framing, 413 past the limit."""
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        line = rfile.readline(MAX_CHUNK_LINE + 1)
+        if not line.endswith(b"\n"):
+            raise codec.BodyError(400, "chunked body ended early or has a chunk-size line over "
+                                       f"{MAX_CHUNK_LINE} bytes")
+        size_text = line.split(b";", 1)[0].strip()
+        try:
+            if not size_text or size_text.startswith((b"-", b"+")) or size_text.lower().startswith(b"0x"):
+                raise ValueError(size_text)
+            size = int(size_text, 16)
+        except ValueError:
+            raise codec.BodyError(400, f"bad chunk size {size_text[:40]!r}") from None
+        if size == 0:
+            break
+        total += size
+        if total > limit:
+            raise codec.BodyError(413, f"chunked body is over the limit of {limit} bytes")
+        chunk = rfile.read(size)
+        if len(chunk) != size or rfile.read(2) != b"\r\n":
+            raise codec.BodyError(400, "chunked body ended inside a chunk or a chunk lacks its CRLF")
+        parts.append(chunk)
+    for _ in range(64):  # trailer fields, then the empty line
+        line = rfile.readline(MAX_CHUNK_LINE + 1)
+        if line in (b"\r\n", b"\n"):
+            return b"".join(parts)
+        if not line.endswith(b"\n"):
+            break
+    raise codec.BodyError(400, "chunked body has no end of trailers")
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: exporters reuse their connection
     # Headers and body go out in two writes; with Nagle on, the client's delayed ACK would add
@@ -110,9 +150,8 @@ class _Handler(BaseHTTPRequestHandler):
                 extra: dict[str, str] | None = None, drain: bool = False) -> None:
         """Send a complete answer. ``drain``: the body was not read, so the connection must close."""
         self.server.receiver._count_status(status)
-        if drain and (self.headers.get("Content-Length") or "").strip() != "0":
-            self.close_connection = True
-        if self.headers.get("Transfer-Encoding"):
+        unread = self.headers.get("Transfer-Encoding") or (self.headers.get("Content-Length") or "").strip() != "0"
+        if drain and unread:
             self.close_connection = True
         try:
             self.send_response(status)
@@ -212,31 +251,50 @@ class OtlpHttpReceiver:
                  f"Content-Type {content_type or 'missing'!r} is not supported; "
                  f"send {codec.PROTOBUF} or {codec.JSON}", drain=True)
             return
+        transfer_encoding = (handler.headers.get("Transfer-Encoding") or "").strip().lower()
         length_header = handler.headers.get("Content-Length")
-        if handler.headers.get("Transfer-Encoding") or length_header is None:
-            fail(411, codec.RPC_INVALID_ARGUMENT, "send the body with a Content-Length", drain=True)
+        if transfer_encoding == "chunked":
+            try:
+                self.writer.check_capacity(0)
+            except BackPressure as exc:
+                self._back_pressure(handler, fail, exc, drain=True)
+                return
+            try:
+                body = read_chunked(handler.rfile, self.max_body_bytes)
+            except codec.BodyError as exc:
+                handler.close_connection = True  # where the next request starts is unknown
+                fail(exc.status, codec.RPC_INVALID_ARGUMENT, exc.message)
+                return
+        elif transfer_encoding:
+            fail(501, codec.RPC_INVALID_ARGUMENT,  # RFC 9112 §6.1: a coding it does not implement
+                 f"Transfer-Encoding {transfer_encoding[:40]!r} is not supported; send a Content-Length "
+                 "or chunked", drain=True)
             return
-        try:
-            length = int(length_header)
-            if length < 0:
-                raise ValueError(length_header)
-        except ValueError:
-            fail(400, codec.RPC_INVALID_ARGUMENT, f"bad Content-Length {length_header[:40]!r}", drain=True)
+        elif length_header is None:
+            fail(411, codec.RPC_INVALID_ARGUMENT, "send the body with a Content-Length or chunked", drain=True)
             return
-        if length > self.max_body_bytes:
-            fail(413, codec.RPC_INVALID_ARGUMENT,
-                 f"body of {length} bytes is over the limit of {self.max_body_bytes}", drain=True)
-            return
-        try:
-            self.writer.check_capacity(length)
-        except BackPressure as exc:
-            self._back_pressure(handler, fail, exc, drain=True)
-            return
-        body = handler.rfile.read(length)
-        if len(body) != length:
-            handler.close_connection = True
-            fail(400, codec.RPC_INVALID_ARGUMENT, f"body ended after {len(body)} of {length} bytes")
-            return
+        else:
+            try:
+                length = int(length_header)
+                if length < 0:
+                    raise ValueError(length_header)
+            except ValueError:
+                fail(400, codec.RPC_INVALID_ARGUMENT, f"bad Content-Length {length_header[:40]!r}", drain=True)
+                return
+            if length > self.max_body_bytes:
+                fail(413, codec.RPC_INVALID_ARGUMENT,
+                     f"body of {length} bytes is over the limit of {self.max_body_bytes}", drain=True)
+                return
+            try:
+                self.writer.check_capacity(length)
+            except BackPressure as exc:
+                self._back_pressure(handler, fail, exc, drain=True)
+                return
+            body = handler.rfile.read(length)
+            if len(body) != length:
+                handler.close_connection = True
+                fail(400, codec.RPC_INVALID_ARGUMENT, f"body ended after {len(body)} of {length} bytes")
+                return
         try:
             plain = codec.inflate(body, handler.headers.get("Content-Encoding"), self.max_body_bytes)
             request = codec.decode_request(plain, content_type)

@@ -1,6 +1,6 @@
 """Fuzz the OTLP/HTTP receiver over a real socket with hypothesis: 10,000 cases in all (see CASES)
-of random and truncated protobuf, mutated protobuf, wrong JSON types, huge attributes, deep nesting,
-gzip bombs and garbage, and bad hex ids. Every case must get a defined answer (200/400/413/415)
+of random and truncated protobuf, chunked framing, mutated protobuf, wrong JSON types, huge
+attributes, deep nesting, gzip bombs and garbage, and bad hex ids. Every case must get a defined answer (200/400/413/415)
 within a bounded time, the server must stay up, and valid spans sent alongside must be stored.
 
 Derandomized (same cases every run) under the ``otlp-fuzz`` settings profile; about 30-60 s here.
@@ -9,9 +9,11 @@ Derandomized (same cases every run) under the ``otlp-fuzz`` settings profile; ab
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import http.client
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +29,7 @@ from auditor.store import Store
 from collectors.otlp_http import OtlpHttpReceiver
 from collectors.spanwriter import SpanWriter
 
-CASES = {"random_protobuf": 2000, "truncated_protobuf": 1500, "mutated_protobuf": 1500,
+CASES = {"random_protobuf": 1500, "chunked_framing": 500, "truncated_protobuf": 1500, "mutated_protobuf": 1500,
          "json_wrong_types": 2000, "huge_and_deep": 1000, "gzip": 1000, "bad_hex_ids": 1000}
 assert sum(CASES.values()) == 10_000
 MAX_BODY = 256 * 1024
@@ -143,6 +145,40 @@ def _mutated_protobuf(client: Client, edits: list[tuple[int, int]]) -> None:
     for index, byte in edits:
         body[index] = byte
     client.case(bytes(body))
+
+
+# -- chunked framing ----------------------------------------------------------------------------
+chunk_pieces = st.lists(st.one_of(
+    st.binary(min_size=1, max_size=40).map(lambda data: b"%x\r\n%s\r\n" % (len(data), data)),  # well formed
+    st.tuples(st.integers(0, 1 << 24), st.binary(max_size=40)).map(lambda t: b"%x\r\n%s\r\n" % t),  # size lies
+    st.sampled_from([b"0x10\r\n", b"-1\r\n", b"\r\n", b"1;" + b"e" * 2000 + b"\r\n", b"ffffffffffffffffffff\r\n",
+                     b"5;name=value\r\nhello\r\n", b"3\r\nabc", b"0\r\n", b"0\r\nTrailer: x\r\n\r\n"]),
+    st.binary(max_size=20),
+), max_size=6)
+
+
+@settings(settings.get_profile("otlp-fuzz"), max_examples=CASES["chunked_framing"])
+@given(pieces=chunk_pieces, terminate=st.booleans())
+def _chunked_framing(client: Client, pieces: list[bytes], terminate: bool) -> None:
+    """Raw chunked framing on a fresh connection, the sender's side shut after it: a truncated
+    body must end in 400 at EOF, never a wait for the socket timeout."""
+    framing = b"".join(pieces) + (b"0\r\n\r\n" if terminate else b"")
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", client.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: f\r\nContent-Type: application/x-protobuf\r\n"
+                     b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + framing)
+        sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        # The server stops reading at a framing error and closes: the rest it never read makes
+        # that close a reset, which may follow its answer here.
+        with contextlib.suppress(ConnectionResetError):
+            while data := sock.recv(65536):
+                answer += data
+    assert answer.startswith(b"HTTP/1."), answer[:300]
+    client.slowest_s = max(client.slowest_s, time.monotonic() - started)
+    status = int(answer.split(b" ", 2)[1])
+    assert status in ALLOWED, answer[:300]
+    client.cases += 1
 
 
 # -- JSON -----------------------------------------------------------------------------------------
@@ -264,7 +300,7 @@ def _bad_hex_ids(client: Client, trace_id: Any, span_id: Any, parent: Any) -> No
     client.alongside += 1
 
 
-FUZZERS = {"random_protobuf": _random_protobuf, "truncated_protobuf": _truncated_protobuf,
+FUZZERS = {"random_protobuf": _random_protobuf, "chunked_framing": _chunked_framing, "truncated_protobuf": _truncated_protobuf,
            "mutated_protobuf": _mutated_protobuf, "json_wrong_types": _json_wrong_types,
            "huge_and_deep": _huge_and_deep, "gzip": _gzip_cases, "bad_hex_ids": _bad_hex_ids}
 

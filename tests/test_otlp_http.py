@@ -199,6 +199,47 @@ def test_garbage_on_the_socket_leaves_the_server_up(receiver: OtlpHttpReceiver) 
     assert post(receiver.port, b"")[0] == 200
 
 
+def raw_exchange(port: int, request: bytes) -> bytes:
+    """Send raw bytes, read until the server closes or goes quiet; returns everything it answered."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(request)
+        sock.settimeout(1.0)
+        answer = b""
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except TimeoutError:
+            pass
+        return answer
+
+
+def chunked_post(body: bytes, chunk_size: int, *, close: bool = False) -> bytes:
+    parts = [body[i:i + chunk_size] for i in range(0, len(body), chunk_size)]
+    framed = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\nX-Trailer: 1\r\n\r\n"
+    return (b"POST /v1/traces HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n" + (b"Connection: close\r\n" if close else b"") + b"\r\n" + framed)
+
+
+def test_chunked_bodies_are_read_and_bad_framing_is_refused(receiver: OtlpHttpReceiver, store: Store) -> None:
+    body = json_body([json_span("chunked-a", "00000000000000a1"), json_span("chunked-b", "00000000000000a2")])
+    # Two chunked requests on one keep-alive connection: both answered 200, both stored.
+    answer = raw_exchange(receiver.port, chunked_post(body, 37) + chunked_post(body, 1000, close=True))
+    assert answer.count(b"HTTP/1.0 200") + answer.count(b"HTTP/1.1 200") == 2, answer
+    assert sorted(r[0] for r in rows(store)) == ["chunked-a", "chunked-b"]  # the repeat is a duplicate
+    head = b"POST /v1/traces HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    for framing, status, message in (
+            (b"zz\r\nabc\r\n0\r\n\r\n", b" 400 ", b"bad chunk size"),
+            (b"-5\r\nabc\r\n0\r\n\r\n", b" 400 ", b"bad chunk size"),
+            (b"3\r\nabcXY0\r\n\r\n", b" 400 ", b"lacks its CRLF"),
+            (b"a" * 3000, b" 400 ", b"chunk-size line"),
+            (b"%x\r\n" % ((1 << 20) + 1), b" 413 ", b"over the limit")):
+        answer = raw_exchange(receiver.port, head + framing)
+        assert status in answer.split(b"\r\n", 1)[0] and message in answer, (framing[:20], answer)
+    answer = raw_exchange(receiver.port, head.replace(b"chunked", b"gzip, chunked") + b"0\r\n\r\n")
+    assert b" 501 " in answer.split(b"\r\n", 1)[0] and b"not supported" in answer, answer
+    assert post(receiver.port, b"")[0] == 200  # still up
+
+
 def _fast_busy_store(path: Path) -> Store:
     """A store whose connections give up on a lock after 0.3 s instead of 5 s (keeps the test short)."""
     store = Store(f"sqlite:///{path}")
