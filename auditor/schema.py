@@ -64,9 +64,7 @@ class SpanRow(Base):
     __tablename__ = "spans"
     __table_args__ = (
         Index("uq_spans_trace_span", "trace_id", "span_id", unique=True),
-        Index("ix_spans_end", "end_ns"),
-        Index("ix_spans_peer", "peer_port", "peer_addr"),
-        Index("ix_spans_request_id", "request_id"),
+        Index("ix_spans_end", "end_ns"),  # the report's window; correlation reads by id
     )
 
     id: Mapped[int_pk]
