@@ -16,11 +16,13 @@ from auditor import __version__
 # name -> "module:attribute"; importing lazily keeps `auditor --help` fast and bcc out of
 # commands that do not need it.
 COMMANDS: dict[str, str] = {
+    "capture": "auditor.replaycli:capture",
     "db": "auditor.dbcli:db",
     "demo": "auditor.demo:demo_command",
     "doctor": "auditor.doctor:doctor_command",
     "engine": "replay.engine.cli:engine",
     "probe": "probes.cli:probe",
+    "replay": "auditor.replaycli:replay_command",
     "report": "auditor.report.cli:report",
     "run": "auditor.runcli:run_command",
 }

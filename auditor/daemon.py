@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from sqlalchemy import func, select
 
 from auditor.config import Config, parse_address
 from auditor.correlate import Correlator
-from auditor.errors import AuditorError, StoreError
+from auditor.errors import AuditorError, ConfigError, StoreError
 from auditor.live import LiveReceiver
 from auditor.metrics import DaemonMetrics
 from auditor.model import CoverageKind, SpanRole, UtilSample
@@ -47,6 +47,17 @@ def completed_requests(rows: Sequence[Any], engine_spans_seen: bool) -> tuple[in
     if engine or engine_spans_seen:
         return sum(1 for r in engine if r.finish_reason not in (None, "abort")), True
     return sum(1 for r in rows if r.http_status is not None and r.http_status < 400), False
+
+
+@contextlib.contextmanager
+def _listening(key: str, address: str) -> Iterator[None]:
+    """A listener that cannot bind is a configuration problem, said in one line, not a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        port = address.rsplit(":", 1)[-1]
+        raise ConfigError(f"cannot listen on {key} {address}: {exc.strerror or exc}; find what holds it with "
+                          f"`ss -ltnup 'sport = :{port}'`, or set {key} to another address ('' turns it off)") from exc
 
 
 def notify_systemd(message: str) -> bool:
@@ -104,7 +115,8 @@ class Daemon:
         if self.config.live.listen:
             host, port = parse_address(self.config.live.listen, "live.listen")
             live = LiveReceiver(host, port)
-            live.start()
+            with _listening("live.listen", self.config.live.listen):
+                live.start()
             self._parts["live"] = live
             self.status.live_port = live.port
         self.correlator = Correlator(self.store, host=self.host, grace_seconds=self.config.correlate.grace_seconds,
@@ -117,7 +129,8 @@ class Daemon:
             from prometheus_client import start_http_server
 
             host, port = parse_address(self.config.metrics.listen, "metrics.listen")
-            server, _thread = start_http_server(port, addr=host, registry=self.metrics.registry)
+            with _listening("metrics.listen", self.config.metrics.listen):
+                server, _thread = start_http_server(port, addr=host, registry=self.metrics.registry)
             self._parts["metrics"] = server
             self.status.metrics_port = server.server_port
         notify_systemd(f"READY=1\nSTATUS=watching ports {sorted(self._ports)} via {self.status.source}")
@@ -160,13 +173,15 @@ class Daemon:
             host, port = parse_address(otlp.http, "otlp.http")
             http = OtlpHttpReceiver(writer, host=host, port=port, token=token, max_body_bytes=otlp.max_body_bytes,
                                     service_host=self.host)
-            http.start()
+            with _listening("otlp.http", otlp.http):
+                http.start()
             self._parts["otlp_http"] = http
             self.status.http_port = http.port
         if otlp.grpc:
             host, port = parse_address(otlp.grpc, "otlp.grpc")
             grpc = OtlpGrpcReceiver(writer, host=host, port=port, token=token)
-            grpc.start()
+            with _listening("otlp.grpc", otlp.grpc):
+                grpc.start()
             self._parts["otlp_grpc"] = grpc
             self.status.grpc_port = grpc.port
 

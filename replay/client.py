@@ -30,6 +30,7 @@ class RequestPlan:
     path: str = "/v1/completions"
     cancel_after_s: float | None = None  # from T2 (request fully written); None: read to the end
     close_with: str = "fin"  # "fin" or "rst"
+    start_at_s: float = 0.0  # not sent before this long after the load starts (replay pacing)
 
 
 @dataclass(slots=True)
@@ -135,10 +136,14 @@ async def _read_all(reader: asyncio.StreamReader, outcome: RequestOutcome) -> No
 
 async def run_load(host: str, port: int, plans: list[RequestPlan], *, concurrency: int,
                    on_done: Callable[[RequestOutcome], None] | None = None) -> list[RequestOutcome]:
-    """Send every plan with at most ``concurrency`` in flight; results in plan order."""
+    """Send every plan with at most ``concurrency`` in flight, none before its ``start_at_s``;
+    results in plan order."""
     gate = asyncio.Semaphore(concurrency)
+    started = asyncio.get_running_loop().time()
 
     async def guarded(plan: RequestPlan) -> RequestOutcome:
+        if plan.start_at_s > 0:
+            await asyncio.sleep(max(0.0, started + plan.start_at_s - asyncio.get_running_loop().time()))
         async with gate:
             outcome = await _run_one(host, port, plan)
         if on_done is not None:

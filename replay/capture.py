@@ -1,0 +1,246 @@
+"""Capture files: a slice of observed traffic as a standalone SQLite store, to replay elsewhere.
+
+A capture holds one row per request that entered the host (the outermost HTTP server span of its
+trace: a gateway's hop to the engine is part of the same request, not another one), with its
+start offset in the window, route, model, token counts, and, where the client left early, when
+and how it left and what the auditor judged then. Prompts are not in spans, so the body replayed
+is synthetic: a prompt of the captured length, the captured ``max_tokens``, ``stream`` as the
+captured response's content type says (else the export's default).
+
+The file is an auditor store (same schema and migrations), so ``auditor replay`` writes its runs
+and verdicts into it, and a later run compares with an earlier one in the same file.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import exists, func, select
+from sqlalchemy.orm import aliased
+
+from auditor.errors import AuditorError
+from auditor.model import SpanRole
+from auditor.schema import CapturedRequestRow, CaptureRow, SpanRow, VerdictRow
+from auditor.store import Store
+
+DEFAULT_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+DEFAULT_PROMPT_TOKENS = 16
+DEFAULT_MAX_TOKENS = 64
+BATCH = 5000
+
+
+class CaptureError(AuditorError):
+    """A capture file that cannot be read or written; the message says what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedRequest:
+    offset_s: float  # start, relative to the capture's window start
+    path: str
+    body: dict[str, Any]
+    disconnect_after_s: float | None = None  # from the request's start; None: the client stayed
+    disconnect_kind: str | None = None  # "fin" or "rst"
+    original_verdict: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Capture:
+    id: int
+    name: str
+    window_start_ns: int
+    window_end_ns: int
+    source: str
+    requests: list[CapturedRequest]
+
+
+def synthetic_body(path: str, model: str | None, prompt_tokens: int | None, max_tokens: int | None,
+                   stream: bool) -> dict[str, Any]:
+    """An OpenAI-style body with a prompt of about ``prompt_tokens`` words."""
+    prompt = " ".join(["token"] * max(1, prompt_tokens or DEFAULT_PROMPT_TOKENS))
+    body: dict[str, Any] = {"model": model or "default", "max_tokens": max_tokens or DEFAULT_MAX_TOKENS,
+                            "stream": stream}
+    if path == CHAT_PATH:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+def _streamed(attributes: dict[str, Any] | None) -> bool | None:
+    for key in ("http.response.header.content_type", "http.response.header.content-type"):
+        value = (attributes or {}).get(key)
+        if isinstance(value, list) and value:
+            value = value[0]
+        if isinstance(value, str):
+            return "text/event-stream" in value
+    return None
+
+
+def _entry_requests(store: Store, since_ns: int, until_ns: int, host: str | None,
+                    stream_default: bool) -> Iterator[tuple[int, CapturedRequest]]:
+    """(start_ns, request) for every request that entered a host in the window, in start order."""
+    server = aliased(SpanRow)
+    hop = aliased(SpanRow)
+    engine = aliased(SpanRow)
+    is_hop = exists().where(hop.trace_id == server.trace_id, hop.span_id == server.parent_span_id,
+                            hop.role == SpanRole.HTTP_CLIENT.value)
+    first_engine = (select(func.min(engine.id)).where(engine.trace_id == server.trace_id,
+                                                      engine.role == SpanRole.ENGINE.value)
+                    .correlate(server).scalar_subquery())
+    query = (select(server.trace_id, server.span_id, server.start_ns, server.route, server.model,
+                    server.attributes, engine.model.label("engine_model"), engine.prompt_tokens, engine.max_tokens)
+             .outerjoin(engine, engine.id == first_engine)
+             .where(server.role == SpanRole.HTTP_SERVER.value, server.start_ns >= since_ns,
+                    server.start_ns < until_ns, ~is_hop)
+             .order_by(server.start_ns))
+    if host:
+        query = query.where(server.host == host)
+    with store.session() as session:
+        # Verdicts are few (one per disconnect) and keyed "<host>/<trace>/<server span>": held in memory.
+        verdicts = {}
+        for v in session.execute(select(VerdictRow.request_key, VerdictRow.trace_id, VerdictRow.verdict,
+                                        VerdictRow.disconnect_at_ns, VerdictRow.request_start_ns,
+                                        VerdictRow.disconnect_kind)
+                                 .where(VerdictRow.request_start_ns >= since_ns - 3600 * 10**9,
+                                        VerdictRow.request_start_ns < until_ns)):
+            verdicts[(v.trace_id, v.request_key.rsplit("/", 1)[-1])] = v
+        for row in session.execute(query).yield_per(BATCH):
+            path = row.route if row.route in (DEFAULT_PATH, CHAT_PATH) else DEFAULT_PATH
+            streamed = _streamed(row.attributes)
+            body = synthetic_body(path, row.engine_model or row.model, row.prompt_tokens, row.max_tokens,
+                                  stream_default if streamed is None else streamed)
+            verdict = verdicts.get((row.trace_id, row.span_id))
+            after = None
+            if verdict is not None:
+                after = max(0.0, (verdict.disconnect_at_ns - row.start_ns) / 1e9)
+            yield row.start_ns, CapturedRequest(
+                offset_s=(row.start_ns - since_ns) / 1e9, path=path, body=body, disconnect_after_s=after,
+                disconnect_kind=verdict.disconnect_kind if verdict is not None else None,
+                original_verdict=verdict.verdict if verdict is not None else None)
+
+
+def export_capture(store: Store, out: Path, *, since_ns: int, until_ns: int, host: str | None = None,
+                   name: str = "", stream_default: bool = True, force: bool = False) -> tuple[int, int]:
+    """Write the window's requests to a new capture file; returns (capture id, requests)."""
+    if out.exists() and not force:
+        raise CaptureError(f"{out} exists; pass --force to replace it, or another -o")
+    if out.exists():
+        for stale in out.parent.glob(out.name + "*"):  # the file and its -wal/-shm companions
+            if stale.name in (out.name, out.name + "-wal", out.name + "-shm"):
+                stale.unlink()
+    try:
+        target = Store(f"sqlite:///{out}")
+    except AuditorError as exc:
+        raise CaptureError(f"cannot write a capture to {out}: {exc}") from exc
+    try:
+        with target.session() as session, session.begin():
+            capture = CaptureRow(created_ns=time.time_ns(), name=name or out.stem, window_start_ns=since_ns,
+                                 window_end_ns=until_ns, source=store._where())
+            session.add(capture)
+            session.flush()
+            capture_id = capture.id
+            count = 0
+            batch: list[dict[str, Any]] = []
+            for _start, request in _entry_requests(store, since_ns, until_ns, host, stream_default):
+                batch.append(_captured_row(capture_id, request))
+                count += 1
+                if len(batch) >= BATCH:
+                    session.execute(CapturedRequestRow.__table__.insert(), batch)
+                    batch = []
+            if batch:
+                session.execute(CapturedRequestRow.__table__.insert(), batch)
+    finally:
+        target.close()
+    return capture_id, count
+
+
+def _captured_row(capture_id: int, request: CapturedRequest) -> dict[str, Any]:
+    return {"capture_id": capture_id, "offset_ns": round(request.offset_s * 1e9), "route": request.path,
+            "model": request.body.get("model"), "stream": bool(request.body.get("stream")),
+            "prompt_tokens": None, "max_tokens": request.body.get("max_tokens"),
+            "disconnect_after_ns": None if request.disconnect_after_s is None
+            else round(request.disconnect_after_s * 1e9),
+            "disconnect_kind": request.disconnect_kind, "original_verdict": request.original_verdict,
+            "body": request.body}
+
+
+def write_capture(out: Path, requests: list[CapturedRequest], *, name: str = "", window_start_ns: int = 0,
+                  window_end_ns: int | None = None, source: str = "") -> int:
+    """A capture from requests built elsewhere (tests, synthetic load); returns its id."""
+    store = Store(f"sqlite:///{out}")
+    try:
+        with store.session() as session, session.begin():
+            end = window_end_ns if window_end_ns is not None else window_start_ns + round(
+                max((r.offset_s for r in requests), default=0.0) * 1e9) + 1
+            capture = CaptureRow(created_ns=time.time_ns(), name=name or out.stem, window_start_ns=window_start_ns,
+                                 window_end_ns=end, source=source)
+            session.add(capture)
+            session.flush()
+            if requests:
+                session.execute(CapturedRequestRow.__table__.insert(),
+                                [_captured_row(capture.id, r) for r in requests])
+            return capture.id
+    finally:
+        store.close()
+
+
+def open_capture_store(path: Path) -> Store:
+    """The capture file as a store, migrated; refuses what is not an auditor capture."""
+    if not path.is_file():
+        raise CaptureError(f"{path}: no such capture file; make one with `auditor capture export -o {path}`")
+    try:
+        store = Store(f"sqlite:///{path}", create=False)
+    except AuditorError as exc:
+        raise CaptureError(f"{path} is not a capture file: {exc}") from exc
+    return store
+
+
+def read_capture(store: Store, capture_id: int | None = None) -> Capture:
+    """One capture of the file: the given id, else the newest. Rows that make no sense are refused
+    with the row named, never replayed half-understood."""
+    with store.session() as session:
+        query = select(CaptureRow).order_by(CaptureRow.id.desc())
+        if capture_id is not None:
+            query = select(CaptureRow).where(CaptureRow.id == capture_id)
+        capture = session.scalars(query.limit(1)).first()
+        if capture is None:
+            known = list(session.scalars(select(CaptureRow.id).order_by(CaptureRow.id)))
+            raise CaptureError(f"{store._where()} holds no capture {capture_id}; it has {known}"
+                               if capture_id is not None and known else
+                               f"{store._where()} holds no capture; make one with `auditor capture export`")
+        rows = session.scalars(select(CapturedRequestRow).where(CapturedRequestRow.capture_id == capture.id)
+                               .order_by(CapturedRequestRow.offset_ns, CapturedRequestRow.id)).all()
+        requests = [_request_from_row(row) for row in rows]
+        return Capture(capture.id, capture.name, capture.window_start_ns, capture.window_end_ns, capture.source,
+                       requests)
+
+
+def _request_from_row(row: CapturedRequestRow) -> CapturedRequest:
+    where = f"captured request {row.id}"
+    if row.route not in (DEFAULT_PATH, CHAT_PATH):
+        raise CaptureError(f"{where}: route {row.route!r} is not {DEFAULT_PATH} or {CHAT_PATH}")
+    if row.offset_ns is None or row.offset_ns < 0:
+        raise CaptureError(f"{where}: offset {row.offset_ns!r} is not a time from the window's start")
+    if row.disconnect_after_ns is not None and row.disconnect_after_ns < 0:
+        raise CaptureError(f"{where}: disconnect_after_ns {row.disconnect_after_ns} is negative")
+    if row.disconnect_kind not in (None, "fin", "rst"):
+        raise CaptureError(f"{where}: disconnect_kind {row.disconnect_kind!r} is not fin or rst")
+    body = row.body
+    if not isinstance(body, dict) or not body:
+        body = synthetic_body(row.route, row.model, row.prompt_tokens, row.max_tokens, bool(row.stream))
+    return CapturedRequest(offset_s=row.offset_ns / 1e9, path=row.route, body=dict(body),
+                           disconnect_after_s=None if row.disconnect_after_ns is None else row.disconnect_after_ns / 1e9,
+                           disconnect_kind=row.disconnect_kind, original_verdict=row.original_verdict)
+
+
+def sample_cancels(count: int, rate: float, seed: int) -> list[bool]:
+    """Which of ``count`` requests to cancel: ``rate`` of them, the same ones for the same seed."""
+    rng = random.Random(seed)
+    chosen = set(rng.sample(range(count), round(count * rate))) if count else set()
+    return [i in chosen for i in range(count)]

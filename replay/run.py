@@ -1,0 +1,189 @@
+"""A replay run: captured requests become load plans with injected cancellations, and the
+auditor's verdicts for the cancelled ones become the run's result, kept in the capture file.
+
+Cancellation follows AIPerf (see ``replay.client``): ``rate`` of the requests, chosen by seed, leave
+``cancel_after_s`` after the request was fully written. ``as_captured`` replays the disconnects the
+capture saw instead, each after the delay and with the close (FIN or RST) it had then.
+"""
+
+from __future__ import annotations
+
+import secrets
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sqlalchemy import select
+
+from auditor.model import Verdict
+from auditor.schema import ReplayResultRow, ReplayRunRow, VerdictRow
+from auditor.store import Store
+from replay.capture import Capture, CaptureError, sample_cancels
+from replay.client import RequestOutcome, RequestPlan
+
+ZOMBIES = (Verdict.ZOMBIE.value, Verdict.INFLIGHT_ZOMBIE.value)
+SCHEMA = "auditor.replay/v1"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayOptions:
+    cancel_rate: float = 0.0
+    cancel_after_s: float = 0.5
+    as_captured: bool = False
+    close_with: str | None = None  # "fin", "rst", or None: as captured (FIN when not captured)
+    speed: float = 1.0  # 0: as fast as concurrency allows
+    concurrency: int = 16
+    limit: int | None = None
+    seed: int = 7
+    model: str | None = None  # replaces the captured model (the staging engine serves another name)
+
+
+def plan_replay(capture: Capture, options: ReplayOptions, *, tag: str) -> list[RequestPlan]:
+    requests = capture.requests[: options.limit] if options.limit is not None else capture.requests
+    injected = sample_cancels(len(requests), options.cancel_rate, options.seed)
+    plans = []
+    for index, (request, inject) in enumerate(zip(requests, injected, strict=True)):
+        delay: float | None = None
+        close = options.close_with or "fin"
+        if options.as_captured and request.disconnect_after_s is not None:
+            delay = request.disconnect_after_s
+            close = options.close_with or request.disconnect_kind or "fin"
+        elif inject:
+            delay = options.cancel_after_s
+        body = dict(request.body)
+        if options.model:
+            body["model"] = options.model
+        plans.append(RequestPlan(
+            request_id=f"{tag}-{index:06d}", trace_id=secrets.token_hex(16), body=body, path=request.path,
+            cancel_after_s=delay, close_with=close,
+            start_at_s=request.offset_s / options.speed if options.speed > 0 else 0.0))
+    return plans
+
+
+@dataclass(slots=True)
+class ReplaySummary:
+    run_id: int = 0
+    capture_id: int = 0
+    target: str = ""
+    sent: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    errors: int = 0
+    verdicts: dict[str, int] = field(default_factory=dict)  # for the cancelled requests
+    unjudged: int = 0  # cancelled, yet no verdict: the disconnect or the span never reached the auditor
+    zombies: int = 0
+    zombie_seconds: float = 0.0
+    lag_p50_s: float | None = None
+    lag_max_s: float | None = None
+    wasted_tokens: int = 0
+    baseline_run_id: int | None = None
+    baseline_zombies: int | None = None
+    worst: list[dict[str, Any]] = field(default_factory=list)
+    first_errors: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, **asdict(self)}
+
+
+def verdicts_for(store: Store, plans: list[RequestPlan]) -> dict[str, VerdictRow]:
+    """The auditor's verdict for each plan, by the trace id the client sent."""
+    traces = {plan.trace_id for plan in plans}
+    found: dict[str, VerdictRow] = {}
+    with store.session() as session:
+        ordered = list(traces)
+        for i in range(0, len(ordered), 500):
+            for row in session.scalars(select(VerdictRow).where(VerdictRow.trace_id.in_(ordered[i:i + 500]))):
+                found[row.trace_id or ""] = row
+    return found
+
+
+def settled(store: Store, plans: list[RequestPlan]) -> tuple[int, int]:
+    """(cancelled plans with a verdict, of them still provisional: in-flight zombies)."""
+    cancelled = [p for p in plans if p.cancel_after_s is not None]
+    rows = verdicts_for(store, cancelled)
+    return len(rows), sum(1 for r in rows.values() if r.verdict == Verdict.INFLIGHT_ZOMBIE.value)
+
+
+def record_run(store: Store, capture: Capture, target: str, options: ReplayOptions, started_ns: int,
+               plans: list[RequestPlan], outcomes: list[RequestOutcome],
+               baseline: tuple[int, int] | None) -> ReplaySummary:
+    """Judge the run from the store's verdicts, write it (runs and results tables) and carry the
+    baseline run's (id, zombies) from :func:`resolve_baseline`."""
+    summary = ReplaySummary(capture_id=capture.id, target=target, sent=len(outcomes))
+    verdicts = verdicts_for(store, plans)
+    lags: list[float] = []
+    results = []
+    for outcome in outcomes:
+        plan = outcome.plan
+        summary.completed += outcome.completed
+        if outcome.error:
+            summary.errors += 1
+            if len(summary.first_errors) < 5:
+                summary.first_errors.append(f"{plan.request_id}: {outcome.error}")
+        if outcome.cancelled_at_ns is None:
+            continue
+        summary.cancelled += 1
+        row = verdicts.get(plan.trace_id)
+        verdict = row.verdict if row is not None else None
+        if verdict is None:
+            summary.unjudged += 1
+        else:
+            summary.verdicts[verdict] = summary.verdicts.get(verdict, 0) + 1
+        if row is not None and verdict in ZOMBIES:
+            summary.zombies += 1
+            summary.zombie_seconds += row.lag_seconds or 0.0
+            summary.wasted_tokens += row.tokens_after_disconnect or 0
+            if row.lag_seconds is not None:
+                lags.append(row.lag_seconds)
+            summary.worst.append({"request_id": plan.request_id, "trace_id": plan.trace_id,
+                                  "verdict": verdict, "lag_seconds": row.lag_seconds,
+                                  "tokens_after_disconnect": row.tokens_after_disconnect,
+                                  "phase": row.phase, "disconnect_kind": row.disconnect_kind})
+        results.append({"request_id": plan.request_id, "trace_id": plan.trace_id,
+                        "cancel_delay_s": plan.cancel_after_s, "disconnect_kind": plan.close_with,
+                        "verdict": verdict, "lag_seconds": row.lag_seconds if row is not None else None})
+    summary.worst.sort(key=lambda w: -(w["lag_seconds"] or 0.0))
+    summary.worst = summary.worst[:10]
+    if lags:
+        summary.lag_p50_s = statistics.median(lags)
+        summary.lag_max_s = max(lags)
+    if baseline is not None:
+        summary.baseline_run_id, summary.baseline_zombies = baseline
+    with store.session() as session, session.begin():
+        run = ReplayRunRow(started_ns=started_ns, finished_ns=time.time_ns(), capture_id=capture.id,
+                           target=target, parameters=asdict(options), summary={})
+        session.add(run)
+        session.flush()
+        summary.run_id = run.id
+        run.summary = summary.as_json()
+        if results:
+            session.execute(ReplayResultRow.__table__.insert(), [{"run_id": run.id, **r} for r in results])
+    return summary
+
+
+def resolve_baseline(store: Store, capture_id: int, baseline: str | None) -> tuple[int, int] | None:
+    """The run to compare with, as (run id, its zombies): a run id, "previous" (the last run of
+    this capture) or None. Checked before any traffic is sent."""
+    if baseline is None:
+        return None
+    with store.session() as session:
+        if baseline == "previous":
+            run = session.scalars(select(ReplayRunRow).where(ReplayRunRow.capture_id == capture_id)
+                                  .order_by(ReplayRunRow.id.desc()).limit(1)).first()
+            if run is None:
+                raise CaptureError(f"no earlier replay of capture {capture_id} to compare with; run once "
+                                   "without --baseline first")
+        else:
+            try:
+                run_id = int(baseline)
+            except ValueError:
+                raise CaptureError(f"--baseline {baseline!r}: give a run id (like 3) or 'previous'") from None
+            run = session.scalars(select(ReplayRunRow).where(ReplayRunRow.id == run_id)).first()
+            if run is None:
+                known = list(session.scalars(select(ReplayRunRow.id).order_by(ReplayRunRow.id)))
+                raise CaptureError(f"--baseline {run_id}: no such replay run in this file (runs: {known})")
+        zombies = (run.summary or {}).get("zombies")
+    if not isinstance(zombies, int):
+        raise CaptureError(f"replay run {run.id} has no zombie count to compare with")
+    return run.id, zombies

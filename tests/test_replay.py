@@ -1,0 +1,153 @@
+"""Capture export and replay: a window of a real store becomes a capture file; replaying it against
+the reference engine with injected cancellations finds the zombies of the buggy behaviour, none
+after the fix, and compares the two runs. Garbage capture files and arguments get exit 2."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from auditor.model import RequestVerdict, SpanRole, Verdict
+from auditor.store import Store
+from replay.capture import (
+    CHAT_PATH,
+    CapturedRequest,
+    CaptureError,
+    open_capture_store,
+    read_capture,
+    sample_cancels,
+    write_capture,
+)
+from replay.capture import export_capture as export
+from replay.engine.launch import running_engine
+from tests.test_correlate import T0, S, engine_span, http_span
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def auditor(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def verdict(trace: str, span: str, at_s: float, kind: str = "fin") -> RequestVerdict:
+    return RequestVerdict(request_key=f"h/{trace}/{span}", host="h", verdict=Verdict.ZOMBIE,
+                          disconnect_at_ns=T0 + int(at_s * S), disconnect_kind=kind, request_start_ns=T0,
+                          work_end_ns=None, lag_seconds=None, trace_id=trace)
+
+
+def test_export_takes_entry_requests_of_the_window(store: Store, tmp_path: Path) -> None:
+    store.insert_spans([
+        http_span("a", 0.0, 4.0, span="1"),
+        engine_span("a", 0.1, 4.0, "length"),
+        http_span("b", 1.0, 2.0, span="2", client=("127.0.0.1", 40001)),
+        http_span("c", 99.0, 100.0, span="3", client=("127.0.0.1", 40002)),  # outside the window
+    ])
+    # A gateway hop: the engine's server span is a child of the gateway's client span: not a request.
+    gateway_client = replace(http_span("b", 1.0, 2.0, span="4"), kind="client", role=SpanRole.HTTP_CLIENT)
+    hop = replace(http_span("b", 1.1, 1.9, span="5", client=("127.0.0.1", 40003)), parent_span_id="4" * 16)
+    store.insert_spans([gateway_client, hop])
+    store.upsert_verdicts([verdict("a" * 32, "1" * 16, 1.5, "rst")])
+    out = tmp_path / "capture.db"
+    capture_id, count = export(store, out, since_ns=T0, until_ns=T0 + 10 * S, stream_default=False)
+    assert count == 2
+    capture = read_capture(open_capture_store(out), capture_id)
+    first, second = capture.requests
+    assert first.offset_s == 0.0 and second.offset_s == 1.0
+    assert first.disconnect_after_s == 1.5 and first.disconnect_kind == "rst" and first.original_verdict == "zombie"
+    assert second.disconnect_after_s is None and second.disconnect_kind is None
+    assert first.body["stream"] is False and first.body["max_tokens"] == 100  # from the engine span
+    assert second.body["max_tokens"] == 64  # no engine span: the default
+    with pytest.raises(CaptureError, match="exists; pass --force"):
+        export(store, out, since_ns=T0, until_ns=T0 + 10 * S)
+    assert export(store, out, since_ns=T0, until_ns=T0 + 10 * S, force=True)[1] == 2
+
+
+def test_capture_garbage_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(CaptureError, match="is not a capture file"):
+        open_capture_store(junk)
+    with pytest.raises(CaptureError, match="no such capture file"):
+        open_capture_store(tmp_path / "missing.db")
+    empty = tmp_path / "empty.db"
+    Store(f"sqlite:///{empty}").close()
+    with pytest.raises(CaptureError, match="holds no capture"):
+        read_capture(open_capture_store(empty))
+    good = tmp_path / "good.db"
+    write_capture(good, [CapturedRequest(0.0, CHAT_PATH, {"model": "m"})])
+    bad = tmp_path / "bad.db"
+    write_capture(bad, [CapturedRequest(0.0, CHAT_PATH, {"model": "m"})])
+    store = Store(f"sqlite:///{bad}")
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE captured_requests SET route = '/admin', disconnect_kind = 'maybe'")
+    with pytest.raises(CaptureError, match="captured request 1: route '/admin'"):
+        read_capture(open_capture_store(bad))
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    busy_address = f"127.0.0.1:{busy.getsockname()[1]}"
+    for args, message in (([str(junk), "--target", "http://127.0.0.1:1"], "is not a capture file"),
+                          ([str(bad), "--target", "http://127.0.0.1:1"], "captured request 1: route"),
+                          ([str(empty), "--target", "http://127.0.0.1:1"], "holds no capture"),
+                          ([str(bad), "--target", "ftp://x"], "give the engine's URL on this host"),
+                          ([str(bad), "--target", "http://192.0.2.1:8000"], "is not on this host"),
+                          ([str(bad), "--target", "http://127.0.0.1:8000", "--cancel-rate", "2"], "2"),
+                          ([str(good), "--target", "http://127.0.0.1:1", "--baseline", "previous"],
+                           "no earlier replay"),
+                          ([str(good), "--target", "http://127.0.0.1:1", "--otlp-http", busy_address],
+                           "Address already in use"),
+                          ([str(good), "--target", "http://127.0.0.1:1", "--otlp-http", "127.0.0.1:0"],
+                           "is the engine up?")):
+        result = auditor("replay", *args)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    busy.close()
+
+
+def test_cancels_are_reproducible_by_seed() -> None:
+    first = sample_cancels(100, 0.3, seed=7)
+    assert sum(first) == 30 and first == sample_cancels(100, 0.3, seed=7) != sample_cancels(100, 0.3, seed=8)
+
+
+@pytest.mark.privileged
+def test_replay_finds_zombies_then_confirms_the_fix(tmp_path: Path) -> None:
+    capture = tmp_path / "capture.db"
+    requests = [CapturedRequest(offset_s=0.05 * i, path=CHAT_PATH if i % 2 else "/v1/completions",
+                                body={"model": "ref-llm-1b", "prompt": "token " * 16, "max_tokens": 120,
+                                      "stream": i % 3 != 0,
+                                      **({"messages": [{"role": "user", "content": "hi"}]} if i % 2 else {})})
+                for i in range(8)]
+    write_capture(capture, requests, name="staging")
+    otlp_port = free_port()
+    replay_args = ["--cancel-rate", "0.5", "--cancel-after", "0.3", "--speed", "0", "--otlp-http",
+                   f"127.0.0.1:{otlp_port}", "--settle", "3", "--wait", "60"]
+    with running_engine(behavior="detached", otlp=f"http://127.0.0.1:{otlp_port}", step_ms=15) as engine:
+        buggy = auditor("replay", str(capture), "--target", engine.url, *replay_args, "--json")
+    assert buggy.returncode == 1, (buggy.stdout, buggy.stderr)
+    result = json.loads(buggy.stdout)
+    assert result["schema"] == "auditor.replay/v1" and result["run_id"] == 1
+    assert result["sent"] == 8 and result["cancelled"] == 4 and result["unjudged"] == 0, result
+    assert result["zombies"] == 4 and result["verdicts"] == {"zombie": 4}, result
+    assert result["wasted_tokens"] > 0 and result["lag_max_s"] > 0.5
+    with running_engine(behavior="abort", otlp=f"http://127.0.0.1:{otlp_port}", step_ms=15) as engine:
+        fixed = auditor("replay", str(capture), "--target", engine.url, *replay_args, "--baseline", "previous")
+    assert fixed.returncode == 0, (fixed.stdout, fixed.stderr)
+    assert "Zombies: 4 → 0 (baseline run 1)" in fixed.stdout, fixed.stdout
+    assert "verdicts for the cancelled: aborted 4" in fixed.stdout, fixed.stdout
+    store = Store(f"sqlite:///{capture}")
+    with store.engine.connect() as conn:
+        runs = conn.exec_driver_sql("SELECT id, capture_id FROM replay_runs ORDER BY id").all()
+        results = conn.exec_driver_sql("SELECT run_id, verdict, count(*) FROM replay_results "
+                                       "GROUP BY run_id, verdict ORDER BY run_id").all()
+    assert [tuple(r) for r in runs] == [(1, 1), (2, 1)]
+    assert [tuple(r) for r in results] == [(1, "zombie", 4), (2, "aborted", 4)]
