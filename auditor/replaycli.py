@@ -170,8 +170,9 @@ def _print_summary(summary: Any, capture: Any) -> None:
 @click.argument("capture_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--target", required=True, metavar="URL", help="The engine on this host, e.g. http://127.0.0.1:8000.")
 @click.option("--capture-id", type=click.IntRange(min=1), help="Which capture of the file [default: the newest].")
-@click.option("--cancel-rate", type=click.FloatRange(0.0, 1.0), default=0.3, show_default=True,
-              help="Fraction of requests cancelled by the client (chosen by --seed).")
+@click.option("--cancel-rate", type=click.FloatRange(0.0, 1.0),
+              help="Fraction of requests cancelled by the client, chosen by --seed [default: 0.3; 0 with "
+                   "--as-captured, where it adds cancels to requests the capture saw complete].")
 @click.option("--cancel-after", type=click.FloatRange(min=0.0), default=0.5, show_default=True, metavar="SECONDS",
               help="Cancel this long after the request was fully written (0: right after sending).")
 @click.option("--as-captured", is_flag=True,
@@ -195,7 +196,7 @@ def _print_summary(summary: Any, capture: Any) -> None:
               help="Compare with an earlier replay run in this file ('previous': the last one).")
 @click.option("--json", "as_json", is_flag=True, help="Print the run's result as JSON (docs/replay.md).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML configuration file.")
-def replay_command(capture_file: Path, target: str, capture_id: int | None, cancel_rate: float,
+def replay_command(capture_file: Path, target: str, capture_id: int | None, cancel_rate: float | None,
                    cancel_after: float, as_captured: bool, close_with: str | None, speed: float,
                    concurrency: int, limit: int | None, seed: int, model: str | None, otlp_http: str,
                    otlp_grpc: str, settle: float, wait_s: float, baseline: str | None, as_json: bool,
@@ -217,7 +218,9 @@ def replay_command(capture_file: Path, target: str, capture_id: int | None, canc
     from replay.run import ReplayOptions, plan_replay, record_run, resolve_baseline
 
     host, port = _local_target(target)
-    options = ReplayOptions(cancel_rate=0.0 if as_captured and cancel_rate == 0.3 else cancel_rate,
+    if cancel_rate is None:
+        cancel_rate = 0.0 if as_captured else 0.3
+    options = ReplayOptions(cancel_rate=cancel_rate,
                             cancel_after_s=cancel_after, as_captured=as_captured, close_with=close_with,
                             speed=speed, concurrency=concurrency, limit=limit, seed=seed, model=model)
     try:

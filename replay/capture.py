@@ -83,8 +83,8 @@ def _streamed(attributes: dict[str, Any] | None) -> bool | None:
 
 
 def _entry_requests(store: Store, since_ns: int, until_ns: int, host: str | None,
-                    stream_default: bool) -> Iterator[tuple[int, CapturedRequest]]:
-    """(start_ns, request) for every request that entered a host in the window, in start order."""
+                    stream_default: bool) -> Iterator[CapturedRequest]:
+    """Every request that entered a host in the window, in start order."""
     server = aliased(SpanRow)
     hop = aliased(SpanRow)
     engine = aliased(SpanRow)
@@ -119,7 +119,7 @@ def _entry_requests(store: Store, since_ns: int, until_ns: int, host: str | None
             after = None
             if verdict is not None:
                 after = max(0.0, (verdict.disconnect_at_ns - row.start_ns) / 1e9)
-            yield row.start_ns, CapturedRequest(
+            yield CapturedRequest(
                 offset_s=(row.start_ns - since_ns) / 1e9, path=path, body=body, disconnect_after_s=after,
                 disconnect_kind=verdict.disconnect_kind if verdict is not None else None,
                 original_verdict=verdict.verdict if verdict is not None else None)
@@ -147,7 +147,7 @@ def export_capture(store: Store, out: Path, *, since_ns: int, until_ns: int, hos
             capture_id = capture.id
             count = 0
             batch: list[dict[str, Any]] = []
-            for _start, request in _entry_requests(store, since_ns, until_ns, host, stream_default):
+            for request in _entry_requests(store, since_ns, until_ns, host, stream_default):
                 batch.append(_captured_row(capture_id, request))
                 count += 1
                 if len(batch) >= BATCH:
