@@ -17,6 +17,7 @@ from auditor.model import RequestVerdict, SpanRole, Verdict
 from auditor.store import Store
 from replay.capture import (
     CHAT_PATH,
+    Capture,
     CapturedRequest,
     CaptureError,
     open_capture_store,
@@ -26,6 +27,7 @@ from replay.capture import (
 )
 from replay.capture import export_capture as export
 from replay.engine.launch import running_engine
+from replay.run import ReplayOptions, plan_replay
 from tests.test_correlate import T0, S, engine_span, http_span
 
 
@@ -112,6 +114,23 @@ def test_capture_garbage_is_refused_with_what_to_do(tmp_path: Path) -> None:
         assert result.returncode == 2, (args, result.stdout, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
     busy.close()
+
+
+def test_plans_replay_captured_disconnects_and_timing() -> None:
+    capture = Capture(1, "c", 0, 10, "", [
+        CapturedRequest(0.0, CHAT_PATH, {"model": "m"}, disconnect_after_s=0.7, disconnect_kind="rst"),
+        CapturedRequest(2.0, "/v1/completions", {"model": "m"}),
+        CapturedRequest(4.0, "/v1/completions", {"model": "m"}, disconnect_after_s=0.0, disconnect_kind="fin")])
+    plans = plan_replay(capture, ReplayOptions(as_captured=True, speed=2.0, model="staging-model"), tag="t")
+    assert [(p.cancel_after_s, p.close_with, p.start_at_s) for p in plans] == [
+        (0.7, "rst", 0.0), (None, "fin", 1.0), (0.0, "fin", 2.0)]
+    assert {p.body["model"] for p in plans} == {"staging-model"} and plans[0].path == CHAT_PATH
+    assert len({p.trace_id for p in plans}) == 3 and plans[1].request_id == "t-000001"
+    forced = plan_replay(capture, ReplayOptions(as_captured=True, close_with="fin", speed=0), tag="t")
+    assert [(p.cancel_after_s, p.close_with, p.start_at_s) for p in forced] == [
+        (0.7, "fin", 0.0), (None, "fin", 0.0), (0.0, "fin", 0.0)]
+    injected = plan_replay(capture, ReplayOptions(cancel_rate=1.0, cancel_after_s=0.25), tag="t")
+    assert [p.cancel_after_s for p in injected] == [0.25, 0.25, 0.25]
 
 
 def test_cancels_are_reproducible_by_seed() -> None:
