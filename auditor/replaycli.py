@@ -160,10 +160,12 @@ def _print_summary(summary: Any, capture: Any) -> None:
                        f"{w['tokens_after_disconnect'] or 0:>6} {w['phase']:<8} {w['disconnect_kind']}")
     for error in summary.first_errors:
         click.echo(f"  error: {error}", err=True)
-    if summary.baseline_run_id is not None:
+    if summary.baseline_zombies is not None:
         good = summary.zombies == 0
-        click.secho(f"Zombies: {summary.baseline_zombies} → {summary.zombies} (baseline run "
-                    f"{summary.baseline_run_id})", bold=True, fg="green" if good else "red")
+        against = (f"baseline run {summary.baseline_run_id}" if summary.baseline_run_id is not None
+                   else "baseline: the capture's own verdicts")
+        click.secho(f"Zombies: {summary.baseline_zombies} → {summary.zombies} ({against})", bold=True,
+                    fg="green" if good else "red")
 
 
 @click.command("replay")
@@ -192,8 +194,9 @@ def _print_summary(summary: Any, capture: Any) -> None:
               help="How long a span may lag its request's end and still count.")
 @click.option("--wait", "wait_s", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
               metavar="SECONDS", help="The longest to wait for verdicts after the last request.")
-@click.option("--baseline", metavar="RUN|previous",
-              help="Compare with an earlier replay run in this file ('previous': the last one).")
+@click.option("--baseline", metavar="RUN|previous|capture",
+              help="Compare with an earlier replay run in this file ('previous': the last one) or with "
+                   "the verdicts the capture recorded ('capture').")
 @click.option("--json", "as_json", is_flag=True, help="Print the run's result as JSON (docs/replay.md).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML configuration file.")
 def replay_command(capture_file: Path, target: str, capture_id: int | None, cancel_rate: float | None,
@@ -212,54 +215,21 @@ def replay_command(capture_file: Path, target: str, capture_id: int | None, canc
       auditor replay capture.db --target http://127.0.0.1:8000 --cancel-rate 0.3
       auditor replay capture.db --target http://127.0.0.1:8000 --as-captured --baseline previous
     """
-    from auditor.daemon import Daemon
-    from replay.capture import open_capture_store, read_capture
-    from replay.client import run_load
-    from replay.run import ReplayOptions, plan_replay, record_run, resolve_baseline
+    from replay.run import ReplayOptions
 
     host, port = _local_target(target)
     if cancel_rate is None:
         cancel_rate = 0.0 if as_captured else 0.3
-    options = ReplayOptions(cancel_rate=cancel_rate,
-                            cancel_after_s=cancel_after, as_captured=as_captured, close_with=close_with,
-                            speed=speed, concurrency=concurrency, limit=limit, seed=seed, model=model)
+    options = ReplayOptions(cancel_rate=cancel_rate, cancel_after_s=cancel_after, as_captured=as_captured,
+                            close_with=close_with, speed=speed, concurrency=concurrency, limit=limit, seed=seed,
+                            model=model)
     try:
         config = load_config(config_path)
-        store = open_capture_store(capture_file)
-        capture_data = read_capture(store, capture_id)
-        baseline_run = resolve_baseline(store, capture_data.id, baseline)
-        store.close()
-        if not capture_data.requests:
-            raise ReplayError(f"capture {capture_data.id} in {capture_file} has no requests")
-        plans = plan_replay(capture_data, options, tag=f"replay-{time.strftime('%H%M%S')}")
-        daemon = Daemon(_daemon_config(config, capture_file, port, otlp_http, otlp_grpc, settle))
-        daemon.start()
+        summary, capture_data = run_replay(config, capture_file, host, port, options, capture_id=capture_id,
+                                           otlp_http=otlp_http, otlp_grpc=otlp_grpc, settle_s=settle,
+                                           wait_s=wait_s, baseline=baseline)
     except AuditorError as exc:
         raise ReplayError(str(exc)) from exc
-    try:
-        with socket.create_connection((host, port), timeout=5):
-            pass
-    except OSError as exc:
-        daemon.request_stop()
-        daemon.stop()
-        raise ReplayError(f"cannot connect to {target}: {exc}; is the engine up?") from exc
-    try:
-        click.echo(f"replaying {len(plans)} requests to {target} (disconnects via {daemon.status.source}, "
-                   f"spans on {otlp_http or otlp_grpc})", err=True)
-        started_ns = time.time_ns()
-        with _progress(len(plans), "  sending") as bar:
-            outcomes = asyncio.run(run_load(host, port, plans, concurrency=concurrency,
-                                            on_done=lambda _outcome: bar.update(1)))
-        cancelled = [o.plan for o in outcomes if o.cancelled_at_ns is not None]
-        _wait_for_verdicts(daemon, cancelled, wait_s)
-        daemon.correlate_once()
-    finally:
-        daemon.request_stop()
-        daemon.stop()
-    with errors_as_click():
-        store = open_capture_store(capture_file)
-        summary = record_run(store, capture_data, target, options, started_ns, plans, outcomes, baseline_run)
-        store.close()
     if as_json:
         click.echo(json.dumps(summary.as_json(), indent=2))
     else:
@@ -270,3 +240,51 @@ def replay_command(capture_file: Path, target: str, capture_id: int | None, canc
         click.echo(f"inconclusive: {summary.unjudged} cancelled requests got no verdict; check that the "
                    f"engine exports spans to {otlp_http or otlp_grpc} and serves port {port}", err=True)
         raise SystemExit(EXIT_INCONCLUSIVE)
+
+
+def run_replay(config: Config, capture_file: Path, host: str, port: int, options: Any, *,
+               capture_id: int | None = None, otlp_http: str = "127.0.0.1:4318", otlp_grpc: str = "",
+               settle_s: float = 10.0, wait_s: float = 120.0, baseline: str | None = None) -> tuple[Any, Any]:
+    """Replay one capture of ``capture_file`` against the engine at host:port with its own pipeline;
+    returns (ReplaySummary, Capture). Raises AuditorError when it cannot run."""
+    from auditor.daemon import Daemon
+    from replay.capture import CaptureError, open_capture_store, read_capture
+    from replay.client import run_load
+    from replay.run import plan_replay, record_run, resolve_baseline
+
+    store = open_capture_store(capture_file)
+    try:
+        capture_data = read_capture(store, capture_id)
+        baseline_found = resolve_baseline(store, capture_data, baseline, options.limit)
+    finally:
+        store.close()
+    if not capture_data.requests:
+        raise CaptureError(f"capture {capture_data.id} in {capture_file} has no requests")
+    plans = plan_replay(capture_data, options, tag=f"replay-{time.strftime('%H%M%S')}")
+    target = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+    daemon = Daemon(_daemon_config(config, capture_file, port, otlp_http, otlp_grpc, settle_s))
+    daemon.start()
+    try:
+        try:
+            with socket.create_connection((host, port), timeout=5):
+                pass
+        except OSError as exc:
+            raise CaptureError(f"cannot connect to {target}: {exc}; is the engine up?") from exc
+        click.echo(f"replaying {len(plans)} requests to {target} (disconnects via {daemon.status.source}, "
+                   f"spans on {otlp_http or otlp_grpc})", err=True)
+        started_ns = time.time_ns()
+        with _progress(len(plans), "  sending") as bar:
+            outcomes = asyncio.run(run_load(host, port, plans, concurrency=options.concurrency,
+                                            on_done=lambda _outcome: bar.update(1)))
+        cancelled = [o.plan for o in outcomes if o.cancelled_at_ns is not None]
+        _wait_for_verdicts(daemon, cancelled, wait_s)
+        daemon.correlate_once()
+    finally:
+        daemon.request_stop()
+        daemon.stop()
+    store = open_capture_store(capture_file)
+    try:
+        summary = record_run(store, capture_data, target, options, started_ns, plans, outcomes, baseline_found)
+    finally:
+        store.close()
+    return summary, capture_data

@@ -107,7 +107,7 @@ def settled(store: Store, plans: list[RequestPlan]) -> tuple[int, int]:
 
 def record_run(store: Store, capture: Capture, target: str, options: ReplayOptions, started_ns: int,
                plans: list[RequestPlan], outcomes: list[RequestOutcome],
-               baseline: tuple[int, int] | None) -> ReplaySummary:
+               baseline: tuple[int | None, int] | None) -> ReplaySummary:
     """Judge the run from the store's verdicts, write it (runs and results tables) and carry the
     baseline run's (id, zombies) from :func:`resolve_baseline`."""
     summary = ReplaySummary(capture_id=capture.id, target=target, sent=len(outcomes))
@@ -162,23 +162,29 @@ def record_run(store: Store, capture: Capture, target: str, options: ReplayOptio
     return summary
 
 
-def resolve_baseline(store: Store, capture_id: int, baseline: str | None) -> tuple[int, int] | None:
-    """The run to compare with, as (run id, its zombies): a run id, "previous" (the last run of
-    this capture) or None. Checked before any traffic is sent."""
+def resolve_baseline(store: Store, capture: Capture, baseline: str | None,
+                     limit: int | None = None) -> tuple[int | None, int] | None:
+    """What to compare with, as (run id or None, its zombies): a run id, "previous" (the last run
+    of this capture), "capture" (the verdicts the capture itself recorded, over the requests
+    replayed) or None. Checked before any traffic is sent."""
     if baseline is None:
         return None
+    if baseline == "capture":
+        requests = capture.requests[:limit] if limit is not None else capture.requests
+        return None, sum(1 for r in requests if r.original_verdict in ZOMBIES)
     with store.session() as session:
         if baseline == "previous":
-            run = session.scalars(select(ReplayRunRow).where(ReplayRunRow.capture_id == capture_id)
+            run = session.scalars(select(ReplayRunRow).where(ReplayRunRow.capture_id == capture.id)
                                   .order_by(ReplayRunRow.id.desc()).limit(1)).first()
             if run is None:
-                raise CaptureError(f"no earlier replay of capture {capture_id} to compare with; run once "
-                                   "without --baseline first")
+                raise CaptureError(f"no earlier replay of capture {capture.id} to compare with; run once "
+                                   "without --baseline first, or compare with --baseline capture")
         else:
             try:
                 run_id = int(baseline)
             except ValueError:
-                raise CaptureError(f"--baseline {baseline!r}: give a run id (like 3) or 'previous'") from None
+                raise CaptureError(f"--baseline {baseline!r}: give a run id (like 3), 'previous' or "
+                                   "'capture'") from None
             run = session.scalars(select(ReplayRunRow).where(ReplayRunRow.id == run_id)).first()
             if run is None:
                 known = list(session.scalars(select(ReplayRunRow.id).order_by(ReplayRunRow.id)))

@@ -27,7 +27,7 @@ from replay.capture import (
 )
 from replay.capture import export_capture as export
 from replay.engine.launch import running_engine
-from replay.run import ReplayOptions, plan_replay
+from replay.run import ReplayOptions, plan_replay, resolve_baseline
 from tests.test_correlate import T0, S, engine_span, http_span
 
 
@@ -129,6 +129,9 @@ def test_plans_replay_captured_disconnects_and_timing() -> None:
     forced = plan_replay(capture, ReplayOptions(as_captured=True, close_with="fin", speed=0), tag="t")
     assert [(p.cancel_after_s, p.close_with, p.start_at_s) for p in forced] == [
         (0.7, "fin", 0.0), (None, "fin", 0.0), (0.0, "fin", 0.0)]
+    assert resolve_baseline(Store("sqlite://"), replace(capture, requests=[
+        replace(r, original_verdict=v) for r, v in zip(capture.requests, ["zombie", None, "inflight_zombie"],
+                                                        strict=True)]), "capture") == (None, 2)
     injected = plan_replay(capture, ReplayOptions(cancel_rate=1.0, cancel_after_s=0.25), tag="t")
     assert [p.cancel_after_s for p in injected] == [0.25, 0.25, 0.25]
 
