@@ -2,14 +2,16 @@
 
 Starts the daemon (on free ports, its own store), runs the reference engine with a known
 cancellation bug, sends traffic in which some clients give up, and shows what the auditor found;
-then runs the fixed engine under the same traffic and shows the zombies gone. Everything is real:
-the eBPF probe (or its fallback), OTLP over HTTP, the engine's compute, the store.
+then captures that traffic and replays it, disconnects included, against the fixed engine, as a
+release gate would, and shows the zombies gone. Everything is real: the eBPF probe (or its
+fallback), OTLP over HTTP, the engine's compute, the stores.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import socket
 import tempfile
 import time
 from dataclasses import replace
@@ -74,20 +76,45 @@ def _act(daemon: Any, behavior: str, spec: Any, title: str) -> tuple[dict[str, i
     return _count_verdicts(daemon, started_ns), summary.cancelled
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _gate(config: Any, capture_path: Path) -> Any:
+    """Replay the capture, its own disconnects included, against the fixed engine."""
+    from auditor.replaycli import run_replay
+    from replay.engine.launch import running_engine
+    from replay.run import ReplayOptions
+
+    otlp_port = _free_port()
+    with running_engine(behavior=FIXED, otlp=f"http://127.0.0.1:{otlp_port}", step_ms=15, max_batch=8) as engine:
+        summary, _capture = run_replay(
+            config, capture_path, "127.0.0.1", engine.port,
+            ReplayOptions(as_captured=True, speed=0.0, concurrency=8), otlp_http=f"127.0.0.1:{otlp_port}",
+            settle_s=5.0, wait_s=60.0, baseline="capture")
+    return summary
+
+
 def run_demo(output_dir: Path) -> int:
     from auditor.daemon import Daemon
     from auditor.report.model import ReportQuery
     from auditor.report.query import build_report
     from auditor.report.render_html import render_html
     from auditor.report.render_table import render_table
+    from auditor.store import Store
+    from replay.capture import export_capture
     from replay.client import LoadSpec
 
     output_dir.mkdir(parents=True, exist_ok=True)
     db_path = output_dir / "auditor.db"
-    for stale in output_dir.glob("auditor.db*"):
+    capture_path = output_dir / "capture.db"
+    for stale in [*output_dir.glob("auditor.db*"), *output_dir.glob("capture.db*")]:
         stale.unlink()
-    click.secho("auditor demo: zombie requests found, costed, and fixed, on this machine", bold=True)
-    daemon = Daemon(_daemon_config(output_dir))
+    click.secho("auditor demo: zombie requests found, costed, and a fix proven, on this machine", bold=True)
+    config = _daemon_config(output_dir)
+    daemon = Daemon(config)
     with errors_as_click():
         daemon.start()
     try:
@@ -98,27 +125,35 @@ def run_demo(output_dir: Path) -> int:
                         max_tokens=(48, 96, 160))
         before, cancelled = _act(daemon, BUGGY, replace(spec, tag="buggy"),
                                  f"1. An engine that keeps generating after the client left (--behavior {BUGGY})")
-        after, _ = _act(daemon, FIXED, replace(spec, tag="fixed"),
-                        f"2. The same traffic against the fixed engine (--behavior {FIXED})")
         end_ns = time.time_ns()
         report = build_report(daemon.store, ReportQuery(since_ns=start_ns, until_ns=end_ns, top=5),
                               with_requests=True, with_series=True)
-        click.secho("\n3. What the auditor found", bold=True)
+        click.secho("\n2. What the auditor found", bold=True)
         click.echo(render_table(report))
         html_path = output_dir / "report.html"
         html_path.write_text(render_html(report))
-        zombies_before = before.get("zombie", 0) + before.get("inflight_zombie", 0)
-        zombies_after = after.get("zombie", 0) + after.get("inflight_zombie", 0)
-        click.secho(f"\nZombies: {zombies_before} → {zombies_after} "
-                    f"({cancelled} cancelled requests each run; {before} then {after})", bold=True,
-                    fg="green" if zombies_after == 0 < zombies_before else "red")
-        since = dt.datetime.fromtimestamp(start_ns / 1e9, dt.timezone.utc).isoformat(timespec="seconds")
-        click.echo(f"HTML report: {html_path}\nStore: {db_path}  (try: auditor report --db sqlite:///{db_path} "
-                   f"--since {since})")
-        return 0 if zombies_after == 0 < zombies_before else 1
     finally:
         daemon.request_stop()
         daemon.stop()
+    click.secho(f"\n3. The release gate: that traffic captured, replayed against the fixed engine "
+                f"(--behavior {FIXED})", bold=True)
+    with errors_as_click():
+        _capture_id, captured = export_capture(Store(f"sqlite:///{db_path}"), capture_path, since_ns=start_ns,
+                                               until_ns=end_ns)
+        click.echo(f"  auditor capture export: {captured} requests -> {capture_path}")
+        summary = _gate(config, capture_path)
+    zombies_before = before.get("zombie", 0) + before.get("inflight_zombie", 0)
+    click.echo(f"  auditor replay --as-captured: {summary.cancelled} of {summary.sent} requests cancelled as "
+               f"captured; verdicts {summary.verdicts}" + (f", {summary.unjudged} without one" if summary.unjudged else ""))
+    passed = summary.zombies == 0 and summary.unjudged == 0 and zombies_before > 0
+    click.secho(f"\nZombies: {zombies_before} → {summary.zombies} ({cancelled} requests cancelled by their clients "
+                f"in production, replayed with the same disconnects; gate {'passed' if passed else 'failed'})",
+                bold=True, fg="green" if passed else "red")
+    since = dt.datetime.fromtimestamp(start_ns / 1e9, dt.timezone.utc).isoformat(timespec="seconds")
+    click.echo(f"HTML report: {html_path}\nStore: {db_path}  (try: auditor report --db sqlite:///{db_path} "
+               f"--since {since})\nCapture: {capture_path}  (try: auditor replay {capture_path} --target "
+               "http://127.0.0.1:PORT --baseline previous, against an engine of yours)")
+    return 0 if passed else 1
 
 
 @click.command("demo")
