@@ -13,6 +13,7 @@ import asyncio
 import datetime as dt
 import ipaddress
 import json
+import logging
 import socket
 import sys
 import time
@@ -217,6 +218,7 @@ def replay_command(capture_file: Path, target: str, capture_id: int | None, canc
     """
     from replay.run import ReplayOptions
 
+    logging.basicConfig(level=logging.WARNING, format="auditor replay: %(levelname)s %(message)s", stream=sys.stderr)
     host, port = _local_target(target)
     if cancel_rate is None:
         cancel_rate = 0.0 if as_captured else 0.3
