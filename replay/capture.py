@@ -130,10 +130,8 @@ def export_capture(store: Store, out: Path, *, since_ns: int, until_ns: int, hos
     """Write the window's requests to a new capture file; returns (capture id, requests)."""
     if out.exists() and not force:
         raise CaptureError(f"{out} exists; pass --force to replace it, or another -o")
-    if out.exists():
-        for stale in out.parent.glob(out.name + "*"):  # the file and its -wal/-shm companions
-            if stale.name in (out.name, out.name + "-wal", out.name + "-shm"):
-                stale.unlink()
+    for suffix in ("", "-wal", "-shm"):  # the file and its SQLite companions
+        out.with_name(out.name + suffix).unlink(missing_ok=True)
     try:
         target = Store(f"sqlite:///{out}")
     except AuditorError as exc:

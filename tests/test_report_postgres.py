@@ -95,3 +95,22 @@ def test_postgres_report_equals_sqlite(pg_url: str, store: Store) -> None:
         jsonschema.Draft202012Validator(SCHEMA).validate(json.loads(result.stdout))
     finally:
         pg.close()
+
+
+def test_capture_export_from_postgres_equals_sqlite(pg_url: str, store: Store, tmp_path: Path) -> None:
+    from replay.capture import export_capture, open_capture_store, read_capture
+
+    pg = Store(pg_url)
+    try:
+        fill(pg)  # spans and verdicts are idempotent writes: a second fill changes nothing here
+        fill(store)
+        captures = []
+        for name, source in (("pg", pg), ("sqlite", store)):
+            export_capture(source, tmp_path / f"{name}.db", since_ns=T0, until_ns=at(3600))
+            captures.append(read_capture(open_capture_store(tmp_path / f"{name}.db")).requests)
+        on_pg, on_sqlite = captures
+        assert on_pg == on_sqlite and len(on_pg) == 12
+        assert [r.original_verdict for r in on_pg if r.original_verdict] == [
+            "completed", "aborted", "zombie", "zombie", "inflight_zombie"]
+    finally:
+        pg.close()
