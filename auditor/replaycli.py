@@ -65,7 +65,7 @@ def export_command(config: Config, since: dt.datetime, until: dt.datetime | None
     Example:
       auditor capture export --since 1h -o capture.db
     """
-    from replay.capture import export_capture
+    from replay.capture import count_server_spans, export_capture
 
     until = until or dt.datetime.now(dt.timezone.utc)
     if until <= since:
@@ -73,9 +73,12 @@ def export_command(config: Config, since: dt.datetime, until: dt.datetime | None
                                  f"{since.isoformat(timespec='seconds')}; e.g. --since 2h --until 1h",
                                  param_hint="--until")
     store = open_store(config, create=False)
-    with errors_as_click():
-        capture_id, count = export_capture(store, output, since_ns=_to_ns(since), until_ns=_to_ns(until),
-                                           host=host, name=name, stream_default=stream_default, force=force)
+    since_ns, until_ns = _to_ns(since), _to_ns(until)
+    with errors_as_click(), _progress(max(1, count_server_spans(store, since_ns, until_ns, host)),
+                                      "  exporting") as bar:
+        capture_id, count = export_capture(store, output, since_ns=since_ns, until_ns=until_ns, host=host,
+                                           name=name, stream_default=stream_default, force=force,
+                                           on_progress=bar.update)
     if as_json:
         click.echo(json.dumps({"capture_id": capture_id, "requests": count, "file": str(output)}))
         return

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,9 +125,22 @@ def _entry_requests(store: Store, since_ns: int, until_ns: int, host: str | None
                 original_verdict=verdict.verdict if verdict is not None else None)
 
 
+def count_server_spans(store: Store, since_ns: int, until_ns: int, host: str | None = None) -> int:
+    """HTTP server spans starting in the window: what an export reads (gateway hops included), for
+    a progress bar."""
+    query = select(func.count()).select_from(SpanRow).where(
+        SpanRow.role == SpanRole.HTTP_SERVER.value, SpanRow.start_ns >= since_ns, SpanRow.start_ns < until_ns)
+    if host:
+        query = query.where(SpanRow.host == host)
+    with store.session() as session:
+        return int(session.scalar(query) or 0)
+
+
 def export_capture(store: Store, out: Path, *, since_ns: int, until_ns: int, host: str | None = None,
-                   name: str = "", stream_default: bool = True, force: bool = False) -> tuple[int, int]:
-    """Write the window's requests to a new capture file; returns (capture id, requests)."""
+                   name: str = "", stream_default: bool = True, force: bool = False,
+                   on_progress: Callable[[int], None] | None = None) -> tuple[int, int]:
+    """Write the window's requests to a new capture file; returns (capture id, requests).
+    ``on_progress`` gets the number of requests written since its last call."""
     if out.exists() and not force:
         raise CaptureError(f"{out} exists; pass --force to replace it, or another -o")
     for suffix in ("", "-wal", "-shm"):  # the file and its SQLite companions
@@ -150,9 +163,13 @@ def export_capture(store: Store, out: Path, *, since_ns: int, until_ns: int, hos
                 count += 1
                 if len(batch) >= BATCH:
                     session.execute(CapturedRequestRow.__table__.insert(), batch)
+                    if on_progress is not None:
+                        on_progress(len(batch))
                     batch = []
             if batch:
                 session.execute(CapturedRequestRow.__table__.insert(), batch)
+                if on_progress is not None:
+                    on_progress(len(batch))
     finally:
         target.close()
     return capture_id, count

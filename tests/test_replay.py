@@ -4,6 +4,7 @@ after the fix, and compares the two runs. Garbage capture files and arguments ge
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import socket
 import subprocess
@@ -69,6 +70,17 @@ def test_export_takes_entry_requests_of_the_window(store: Store, tmp_path: Path)
     assert second.disconnect_after_s is None and second.disconnect_kind is None
     assert first.body["stream"] is False and first.body["max_tokens"] == 100  # from the engine span
     assert second.body["max_tokens"] == 64  # no engine span: the default
+    since = dt.datetime.fromtimestamp(T0 / 1e9, dt.timezone.utc).isoformat()
+    until = dt.datetime.fromtimestamp((T0 + 10 * S) / 1e9, dt.timezone.utc).isoformat()
+    cli_out = tmp_path / "cli.db"
+    result = auditor("capture", "export", "--db", store.url, "--since", since, "--until", until, "-o", str(cli_out),
+                     "--json")
+    assert result.returncode == 0 and json.loads(result.stdout) == {
+        "capture_id": 1, "requests": 2, "file": str(cli_out)}, result.stderr
+    again = auditor("capture", "export", "--db", store.url, "--since", since, "--until", until, "-o", str(cli_out))
+    assert again.returncode == 1 and "exists; pass --force" in again.stderr, again.stderr
+    backwards = auditor("capture", "export", "--db", store.url, "--since", until, "--until", since, "-o", "x.db")
+    assert backwards.returncode == 2 and "is not after --since" in backwards.stderr
     with pytest.raises(CaptureError, match="exists; pass --force"):
         export(store, out, since_ns=T0, until_ns=T0 + 10 * S)
     assert export(store, out, since_ns=T0, until_ns=T0 + 10 * S, force=True)[1] == 2
