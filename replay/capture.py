@@ -229,29 +229,31 @@ def read_capture(store: Store, capture_id: int | None = None) -> Capture:
             raise CaptureError(f"{store._where()} holds no capture {capture_id}; it has {known}"
                                if capture_id is not None and known else
                                f"{store._where()} holds no capture; make one with `auditor capture export`")
-        rows = session.scalars(select(CapturedRequestRow).where(CapturedRequestRow.capture_id == capture.id)
-                               .order_by(CapturedRequestRow.offset_ns, CapturedRequestRow.id)).all()
+        c = CapturedRequestRow
+        rows = session.execute(select(c.id, c.offset_ns, c.route, c.model, c.stream, c.prompt_tokens, c.max_tokens,
+                                      c.disconnect_after_ns, c.disconnect_kind, c.original_verdict, c.body)
+                               .where(c.capture_id == capture.id).order_by(c.offset_ns, c.id))
         requests = [_request_from_row(row) for row in rows]
         return Capture(capture.id, capture.name, capture.window_start_ns, capture.window_end_ns, capture.source,
                        requests)
 
 
-def _request_from_row(row: CapturedRequestRow) -> CapturedRequest:
-    where = f"captured request {row.id}"
-    if row.route not in (DEFAULT_PATH, CHAT_PATH):
-        raise CaptureError(f"{where}: route {row.route!r} is not {DEFAULT_PATH} or {CHAT_PATH}")
-    if row.offset_ns is None or row.offset_ns < 0:
-        raise CaptureError(f"{where}: offset {row.offset_ns!r} is not a time from the window's start")
-    if row.disconnect_after_ns is not None and row.disconnect_after_ns < 0:
-        raise CaptureError(f"{where}: disconnect_after_ns {row.disconnect_after_ns} is negative")
-    if row.disconnect_kind not in (None, "fin", "rst"):
-        raise CaptureError(f"{where}: disconnect_kind {row.disconnect_kind!r} is not fin or rst")
-    body = row.body
+def _request_from_row(row: Any) -> CapturedRequest:
+    (row_id, offset_ns, route, model, stream, prompt_tokens, max_tokens, after_ns, kind, verdict, body) = row
+    problem = None
+    if route not in (DEFAULT_PATH, CHAT_PATH):
+        problem = f"route {route!r} is not {DEFAULT_PATH} or {CHAT_PATH}"
+    elif offset_ns is None or offset_ns < 0:
+        problem = f"offset {offset_ns!r} is not a time from the window's start"
+    elif after_ns is not None and after_ns < 0:
+        problem = f"disconnect_after_ns {after_ns} is negative"
+    elif kind not in (None, "fin", "rst"):
+        problem = f"disconnect_kind {kind!r} is not fin or rst"
+    if problem is not None:
+        raise CaptureError(f"captured request {row_id}: {problem}")
     if not isinstance(body, dict) or not body:
-        body = synthetic_body(row.route, row.model, row.prompt_tokens, row.max_tokens, bool(row.stream))
-    return CapturedRequest(offset_s=row.offset_ns / 1e9, path=row.route, body=dict(body),
-                           disconnect_after_s=None if row.disconnect_after_ns is None else row.disconnect_after_ns / 1e9,
-                           disconnect_kind=row.disconnect_kind, original_verdict=row.original_verdict)
+        body = synthetic_body(route, model, prompt_tokens, max_tokens, bool(stream))
+    return CapturedRequest(offset_ns / 1e9, route, body, None if after_ns is None else after_ns / 1e9, kind, verdict)
 
 
 def sample_cancels(count: int, rate: float, seed: int) -> list[bool]:
