@@ -137,20 +137,35 @@ async def _read_all(reader: asyncio.StreamReader, outcome: RequestOutcome) -> No
 async def run_load(host: str, port: int, plans: list[RequestPlan], *, concurrency: int,
                    on_done: Callable[[RequestOutcome], None] | None = None) -> list[RequestOutcome]:
     """Send every plan with at most ``concurrency`` in flight, none before its ``start_at_s``;
-    results in plan order."""
+    results in plan order. Plans start in ``start_at_s`` order, and only the requests in flight
+    exist as tasks, so an hour of captured traffic costs the memory of ``concurrency`` requests."""
     gate = asyncio.Semaphore(concurrency)
-    started = asyncio.get_running_loop().time()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    results: list[RequestOutcome] = [RequestOutcome(plan) for plan in plans]
+    running: set[asyncio.Task[None]] = set()
 
-    async def guarded(plan: RequestPlan) -> RequestOutcome:
-        if plan.start_at_s > 0:
-            await asyncio.sleep(max(0.0, started + plan.start_at_s - asyncio.get_running_loop().time()))
-        async with gate:
-            outcome = await _run_one(host, port, plan)
+    async def one(index: int, plan: RequestPlan) -> None:
+        try:
+            results[index] = await _run_one(host, port, plan)
+        except Exception as exc:  # a bug here costs one request, never the run
+            results[index].error = f"{type(exc).__name__}: {exc}"
+        finally:
+            gate.release()
         if on_done is not None:
-            on_done(outcome)
-        return outcome
+            on_done(results[index])
 
-    return list(await asyncio.gather(*(guarded(plan) for plan in plans)))
+    for index in sorted(range(len(plans)), key=lambda i: plans[i].start_at_s):
+        delay = started + plans[index].start_at_s - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await gate.acquire()
+        task = loop.create_task(one(index, plans[index]))
+        running.add(task)
+        task.add_done_callback(running.discard)
+    if running:
+        await asyncio.gather(*running)
+    return results
 
 
 @dataclass

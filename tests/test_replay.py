@@ -4,6 +4,7 @@ after the fix, and compares the two runs. Garbage capture files and arguments ge
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import socket
@@ -27,6 +28,7 @@ from replay.capture import (
     write_capture,
 )
 from replay.capture import export_capture as export
+from replay.client import RequestOutcome, RequestPlan, run_load
 from replay.engine.launch import running_engine
 from replay.run import ReplayOptions, plan_replay, resolve_baseline
 from tests.test_correlate import T0, S, engine_span, http_span
@@ -146,6 +148,40 @@ def test_plans_replay_captured_disconnects_and_timing() -> None:
                                                         strict=True)]), "capture") == (None, 2)
     injected = plan_replay(capture, ReplayOptions(cancel_rate=1.0, cancel_after_s=0.25), tag="t")
     assert [p.cancel_after_s for p in injected] == [0.25, 0.25, 0.25]
+
+
+def test_load_keeps_start_times_and_the_concurrency_bound() -> None:
+    async def scenario() -> tuple[list[float], int, list[RequestOutcome]]:
+        arrivals: list[float] = []
+        open_now = peak = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal open_now, peak
+            open_now += 1
+            peak = max(peak, open_now)
+            arrivals.append(loop.time() - started)
+            await reader.readuntil(b"\r\n\r\n")
+            await asyncio.sleep(0.15)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+            await writer.drain()
+            writer.close()
+            open_now -= 1
+
+        loop = asyncio.get_running_loop()
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        plans = [RequestPlan(f"r{i}", f"{i + 1:032x}", {}, start_at_s=at)
+                 for i, at in enumerate([0.3, 0.0, 0.0, 0.0, 0.0])]  # out of order on purpose
+        started = loop.time()
+        outcomes = await run_load("127.0.0.1", port, plans, concurrency=2)
+        server.close()
+        return arrivals, peak, outcomes
+
+    arrivals, peak, outcomes = asyncio.run(scenario())
+    assert peak == 2 and len(arrivals) == 5
+    assert [o.plan.request_id for o in outcomes] == ["r0", "r1", "r2", "r3", "r4"]  # plan order
+    assert all(o.completed and o.status == 200 for o in outcomes), outcomes
+    assert arrivals[-1] >= 0.3  # r0 waited for its start time, behind the others
 
 
 def test_cancels_are_reproducible_by_seed() -> None:
