@@ -12,8 +12,8 @@ Answers follow the OTLP specification: 200 + ExportTraceServiceResponse (``parti
 normalization rejected spans), 400 malformed (google.rpc.Status body), 401 bad or missing bearer
 token, 404 other paths, 405 other methods, 411 neither Content-Length nor chunked, 413 too large,
 415 unsupported media type or encoding, 429 queue full and 503 store unavailable, both with
-``Retry-After``, 501 a transfer coding other than chunked. Chunked bodies (``Transfer-Encoding: chunked``, as streaming HTTP clients send)
-are read chunk by chunk against the same size limit.
+``Retry-After``, 501 a transfer coding other than chunked. Chunked bodies (as streaming HTTP
+clients send them) are read chunk by chunk against the same size limit.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import contextlib
 import hmac
 import logging
 import math
+import re
 import socket
 import threading
 from collections import Counter
@@ -71,6 +72,7 @@ class _Server(ThreadingHTTPServer):
 
 
 MAX_CHUNK_LINE = 1024  # a chunk-size line with extensions, or a trailer line
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 
 def read_chunked(rfile: Any, limit: int) -> bytes:
@@ -84,12 +86,9 @@ def read_chunked(rfile: Any, limit: int) -> bytes:
             raise codec.BodyError(400, "chunked body ended early or has a chunk-size line over "
                                        f"{MAX_CHUNK_LINE} bytes")
         size_text = line.split(b";", 1)[0].strip()
-        try:
-            if not size_text or size_text.startswith((b"-", b"+")) or size_text.lower().startswith(b"0x"):
-                raise ValueError(size_text)
-            size = int(size_text, 16)
-        except ValueError:
-            raise codec.BodyError(400, f"bad chunk size {size_text[:40]!r}") from None
+        if not _CHUNK_SIZE.fullmatch(size_text):  # hex digits only: int() would take "0x", "_", "+"
+            raise codec.BodyError(400, f"bad chunk size {size_text[:40]!r}")
+        size = int(size_text, 16)
         if size == 0:
             break
         total += size

@@ -230,6 +230,7 @@ def test_chunked_bodies_are_read_and_bad_framing_is_refused(receiver: OtlpHttpRe
     for framing, status, message in (
             (b"zz\r\nabc\r\n0\r\n\r\n", b" 400 ", b"bad chunk size"),
             (b"-5\r\nabc\r\n0\r\n\r\n", b" 400 ", b"bad chunk size"),
+            (b"0_3\r\nabc\r\n0\r\n\r\n", b" 400 ", b"bad chunk size"),
             (b"3\r\nabcXY0\r\n\r\n", b" 400 ", b"lacks its CRLF"),
             (b"a" * 3000, b" 400 ", b"chunk-size line"),
             (b"%x\r\n" % ((1 << 20) + 1), b" 413 ", b"over the limit")):
