@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +99,20 @@ def test_doctor_loads_a_real_bpf_program(tmp_path: Path) -> None:
 
     check = check_bcc()
     assert check.state == "ok", check
+
+
+def test_run_with_a_busy_address_says_so_in_one_line(tmp_path: Path) -> None:
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    address = f"127.0.0.1:{busy.getsockname()[1]}"
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{tmp_path / 'a.db'}", "--port", "1",
+             "--source", "procfs", "--otlp-http", address, "--otlp-grpc", "", "--metrics", "", "--live", ""],
+            capture_output=True, text=True, timeout=60)
+    finally:
+        busy.close()
+    assert result.returncode == 1, result.stderr
+    assert f"Error: cannot listen on otlp.http {address}: Address already in use" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
