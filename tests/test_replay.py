@@ -13,6 +13,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from auditor.model import RequestVerdict, SpanRole, Verdict
@@ -32,6 +33,8 @@ from replay.client import RequestOutcome, RequestPlan, run_load
 from replay.engine.launch import running_engine
 from replay.run import ReplayOptions, plan_replay, resolve_baseline
 from tests.test_correlate import T0, S, engine_span, http_span
+
+REPLAY_SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "replay.schema.json").read_text())
 
 
 def free_port() -> int:
@@ -205,6 +208,7 @@ def test_replay_finds_zombies_then_confirms_the_fix(tmp_path: Path) -> None:
         buggy = auditor("replay", str(capture), "--target", engine.url, *replay_args, "--json")
     assert buggy.returncode == 1, (buggy.stdout, buggy.stderr)
     result = json.loads(buggy.stdout)
+    jsonschema.Draft202012Validator(REPLAY_SCHEMA).validate(result)
     assert result["schema"] == "auditor.replay/v1" and result["run_id"] == 1
     assert result["sent"] == 8 and result["cancelled"] == 4 and result["unjudged"] == 0, result
     assert result["zombies"] == 4 and result["verdicts"] == {"zombie": 4}, result
