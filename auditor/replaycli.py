@@ -26,16 +26,13 @@ import click
 from auditor.cliutil import TIME, common_options, errors_as_click, open_store
 from auditor.config import Config, apply_overrides, load_config
 from auditor.errors import AuditorError
+from auditor.report.model import to_ns
 
 EXIT_ZOMBIES, EXIT_ERROR, EXIT_INCONCLUSIVE = 1, 2, 3
 
 
 class ReplayError(click.ClickException):
     exit_code = EXIT_ERROR
-
-
-def _to_ns(moment: dt.datetime) -> int:
-    return int(moment.timestamp() * 1_000_000_000)
 
 
 # -- capture export ---------------------------------------------------------------------------------
@@ -73,7 +70,7 @@ def export_command(config: Config, since: dt.datetime, until: dt.datetime | None
                                  f"{since.isoformat(timespec='seconds')}; e.g. --since 2h --until 1h",
                                  param_hint="--until")
     store = open_store(config, create=False)
-    since_ns, until_ns = _to_ns(since), _to_ns(until)
+    since_ns, until_ns = to_ns(since), to_ns(until)
     with errors_as_click(), _progress(max(1, count_server_spans(store, since_ns, until_ns, host)),
                                       "  exporting") as bar:
         capture_id, count = export_capture(store, output, since_ns=since_ns, until_ns=until_ns, host=host,
