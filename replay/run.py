@@ -98,9 +98,8 @@ def verdicts_for(store: Store, plans: list[RequestPlan]) -> dict[str, VerdictRow
     return found
 
 
-def settled(store: Store, plans: list[RequestPlan]) -> tuple[int, int]:
-    """(cancelled plans with a verdict, of them still provisional: in-flight zombies)."""
-    cancelled = [p for p in plans if p.cancel_after_s is not None]
+def settled(store: Store, cancelled: list[RequestPlan]) -> tuple[int, int]:
+    """(cancelled requests with a verdict, of them still provisional: in-flight zombies)."""
     rows = verdicts_for(store, cancelled)
     return len(rows), sum(1 for r in rows.values() if r.verdict == Verdict.INFLIGHT_ZOMBIE.value)
 
