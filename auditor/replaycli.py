@@ -126,19 +126,35 @@ def _progress(length: int, label: str) -> Any:
     return progressbar(length=length, label=label, width=30, file=sys.stderr)
 
 
-def _wait_for_verdicts(daemon: Any, cancelled: list[Any], timeout_s: float) -> None:
+def _wait_for_verdicts(daemon: Any, cancelled: list[Any], engine: Any, timeout_s: float,
+                       span_delay_s: float) -> tuple[str, bool]:
+    """Wait until every cancelled request has a final verdict; returns why the wait ended, and
+    whether every verdict is final then.
+
+    A verdict is final once its engine span arrived. An abort without one (vLLM emits none) stays
+    provisional through the late-span window, because a detached engine reports only when it
+    finishes; where the engine's /metrics shows it idle for ``span_delay_s`` (its exporter's batch
+    delay), no span can still come, and the wait ends early."""
     from replay.run import settled
 
     deadline = time.monotonic() + timeout_s
+    idle_since: float | None = None
     with _progress(max(1, len(cancelled)), "  waiting for verdicts") as bar:
         shown = 0
         while time.monotonic() < deadline:
-            judged, running = settled(daemon.store, cancelled)
-            bar.update(judged - running - shown)
-            shown = judged - running
-            if judged == len(cancelled) and running == 0 and daemon.correlator.stats.pending_disconnects == 0:
-                return
+            judged, pending = settled(daemon.store, cancelled)
+            bar.update(judged - pending - shown)
+            shown = judged - pending
+            busy = engine.busy()
+            now = time.monotonic()
+            idle_since = (idle_since or now) if busy == 0 else None
+            if judged == len(cancelled):
+                if pending == 0:
+                    return "every verdict final", True
+                if idle_since is not None and now - idle_since >= span_delay_s:
+                    return f"engine idle for {span_delay_s:g} s", True
             time.sleep(0.25)
+    return f"--wait of {timeout_s:g} s passed", False
 
 
 def _print_summary(summary: Any, capture: Any) -> None:
@@ -147,8 +163,9 @@ def _print_summary(summary: Any, capture: Any) -> None:
     click.echo(f"  sent {summary.sent}: {summary.completed} completed, {summary.cancelled} cancelled"
                + (f", {summary.errors} errors" if summary.errors else ""))
     judged = ", ".join(f"{name} {count}" for name, count in sorted(summary.verdicts.items())) or "none"
-    click.echo(f"  verdicts for the cancelled: {judged}" + (f"; no verdict {summary.unjudged}"
-                                                            if summary.unjudged else ""))
+    click.echo(f"  verdicts for the cancelled: {judged}"
+               + (f"; no verdict {summary.unjudged}" if summary.unjudged else "")
+               + (f"; still provisional {summary.provisional}" if summary.provisional else ""))
     lag = (f"lag p50 {summary.lag_p50_s:.2f} s, max {summary.lag_max_s:.2f} s"
            if summary.lag_p50_s is not None else "lag -")
     click.echo(f"  zombies {summary.zombies}: {summary.zombie_seconds:.1f} zombie-seconds, {lag}, "
@@ -191,8 +208,12 @@ def _print_summary(summary: Any, capture: Any) -> None:
 @click.option("--otlp-http", default="127.0.0.1:4318", show_default=True, metavar="ADDR",
               help="Where to receive the engine's spans (point its OTLP exporter here); '' to disable.")
 @click.option("--otlp-grpc", default="", metavar="ADDR", help="OTLP/gRPC receiver address [default: off].")
-@click.option("--settle", type=click.FloatRange(min=1.0), default=10.0, show_default=True, metavar="SECONDS",
-              help="How long a span may lag its request's end and still count.")
+@click.option("--settle", type=click.FloatRange(min=1.0), default=60.0, show_default=True, metavar="SECONDS",
+              help="How long an engine span may follow its request's end and still count (a detached "
+                   "engine reports when it finishes).")
+@click.option("--span-delay", type=click.FloatRange(min=0.0), default=5.0, show_default=True, metavar="SECONDS",
+              help="The engine exporter's batch delay (OTEL_BSP_SCHEDULE_DELAY): once its /metrics shows "
+                   "it idle this long, no span can still come.")
 @click.option("--wait", "wait_s", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
               metavar="SECONDS", help="The longest to wait for verdicts after the last request.")
 @click.option("--baseline", metavar="RUN|previous|capture",
@@ -203,7 +224,8 @@ def _print_summary(summary: Any, capture: Any) -> None:
 def replay_command(capture_file: Path, target: str, capture_id: int | None, cancel_rate: float | None,
                    cancel_after: float, as_captured: bool, close_with: str | None, speed: float,
                    concurrency: int, limit: int | None, seed: int, model: str | None, otlp_http: str,
-                   otlp_grpc: str, settle: float, wait_s: float, baseline: str | None, as_json: bool,
+                   otlp_grpc: str, settle: float, span_delay: float, wait_s: float, baseline: str | None,
+                   as_json: bool,
                    config_path: str | None) -> None:
     """Re-send captured traffic with injected cancellations and judge every cancel.
 
@@ -229,7 +251,7 @@ def replay_command(capture_file: Path, target: str, capture_id: int | None, canc
         config = load_config(config_path)
         summary, capture_data = run_replay(config, capture_file, host, port, options, capture_id=capture_id,
                                            otlp_http=otlp_http, otlp_grpc=otlp_grpc, settle_s=settle,
-                                           wait_s=wait_s, baseline=baseline)
+                                           span_delay_s=span_delay, wait_s=wait_s, baseline=baseline)
     except AuditorError as exc:
         raise ReplayError(str(exc)) from exc
     if as_json:
@@ -242,17 +264,22 @@ def replay_command(capture_file: Path, target: str, capture_id: int | None, canc
         click.echo(f"inconclusive: {summary.unjudged} cancelled requests got no verdict; check that the "
                    f"engine exports spans to {otlp_http or otlp_grpc} and serves port {port}", err=True)
         raise SystemExit(EXIT_INCONCLUSIVE)
+    if summary.provisional:
+        click.echo(f"inconclusive: {summary.provisional} verdicts could still become zombies when --wait ran "
+                   "out (the engine was still busy, or shows no /metrics); raise --wait", err=True)
+        raise SystemExit(EXIT_INCONCLUSIVE)
 
 
 def run_replay(config: Config, capture_file: Path, host: str, port: int, options: Any, *,
                capture_id: int | None = None, otlp_http: str = "127.0.0.1:4318", otlp_grpc: str = "",
-               settle_s: float = 10.0, wait_s: float = 120.0, baseline: str | None = None) -> tuple[Any, Any]:
+               settle_s: float = 60.0, span_delay_s: float = 5.0, wait_s: float = 120.0,
+               baseline: str | None = None) -> tuple[Any, Any]:
     """Replay one capture of ``capture_file`` against the engine at host:port with its own pipeline;
     returns (ReplaySummary, Capture). Raises AuditorError when it cannot run."""
     from auditor.daemon import Daemon
     from replay.capture import CaptureError, open_capture_store, read_capture
     from replay.client import run_load
-    from replay.run import plan_replay, record_run, resolve_baseline
+    from replay.run import EngineLoad, plan_replay, record_run, resolve_baseline
 
     store = open_capture_store(capture_file)
     try:
@@ -279,14 +306,20 @@ def run_replay(config: Config, capture_file: Path, host: str, port: int, options
             outcomes = asyncio.run(run_load(host, port, plans, concurrency=options.concurrency,
                                             on_done=lambda _outcome: bar.update(1)))
         cancelled = [o.plan for o in outcomes if o.cancelled_at_ns is not None]
-        _wait_for_verdicts(daemon, cancelled, wait_s)
+        engine = EngineLoad(host, port)
+        try:
+            ended, final = _wait_for_verdicts(daemon, cancelled, engine, wait_s, span_delay_s)
+        finally:
+            engine.close()
+        click.echo(f"  judged: {ended}", err=True)
         daemon.correlate_once()
     finally:
         daemon.request_stop()
         daemon.stop()
     store = open_capture_store(capture_file)
     try:
-        summary = record_run(store, capture_data, target, options, started_ns, plans, outcomes, baseline_found)
+        summary = record_run(store, capture_data, target, options, started_ns, plans, outcomes, baseline_found,
+                             final=final)
     finally:
         store.close()
     return summary, capture_data

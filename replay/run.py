@@ -8,6 +8,8 @@ capture saw instead, each after the delay and with the close (FIN or RST) it had
 
 from __future__ import annotations
 
+import http.client
+import re
 import secrets
 import statistics
 import time
@@ -72,6 +74,7 @@ class ReplaySummary:
     errors: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)  # for the cancelled requests
     unjudged: int = 0  # cancelled, yet no verdict: the disconnect or the span never reached the auditor
+    provisional: int = 0  # a verdict that could still turn into a zombie when the wait ran out
     zombies: int = 0
     zombie_seconds: float = 0.0
     lag_p50_s: float | None = None
@@ -84,6 +87,41 @@ class ReplaySummary:
 
     def as_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, **asdict(self)}
+
+
+# Gauges of requests an engine is running or holding, by server: the sum is 0 when it is idle.
+BUSY_GAUGES = re.compile(r"^(vllm:num_requests_(?:running|waiting)|sglang:num_(?:running|queue)_reqs|"
+                         r"tgi_(?:queue_size|batch_current_size)|ref_engine_num_requests_(?:running|waiting))"
+                         r"(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
+
+
+class EngineLoad:
+    """Requests the engine is running or queueing, read from its Prometheus /metrics (vLLM,
+    SGLang, TGI, the reference engine) over one kept-alive connection: the probe watches this
+    port, and a connection per poll would be a stream of closes to account for."""
+
+    def __init__(self, host: str, port: int, timeout_s: float = 2.0) -> None:
+        self._connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
+
+    def busy(self) -> float | None:
+        """The sum of the known gauges; None when the engine exposes none or cannot be read."""
+        for _attempt in range(2):  # the server may have closed the kept-alive connection
+            try:
+                self._connection.request("GET", "/metrics")
+                response = self._connection.getresponse()
+                text = response.read(4 << 20).decode("utf-8", "replace")
+                break
+            except (OSError, http.client.HTTPException):
+                self._connection.close()
+        else:
+            return None
+        if response.status != 200:
+            return None
+        values = [float(m.group(2)) for m in BUSY_GAUGES.finditer(text)]
+        return sum(values) if values else None
+
+    def close(self) -> None:
+        self._connection.close()
 
 
 def verdicts_for(store: Store, plans: list[RequestPlan]) -> dict[str, VerdictRow]:
@@ -99,16 +137,21 @@ def verdicts_for(store: Store, plans: list[RequestPlan]) -> dict[str, VerdictRow
 
 
 def settled(store: Store, cancelled: list[RequestPlan]) -> tuple[int, int]:
-    """(cancelled requests with a verdict, of them still provisional: in-flight zombies)."""
+    """(cancelled requests with a verdict, of them not final yet): an in-flight zombie, or a
+    verdict still waiting for a late engine span (an abort without one is provisional until the
+    correlator's late-span window has passed, because a detached engine reports only at its end)."""
     rows = verdicts_for(store, cancelled)
-    return len(rows), sum(1 for r in rows.values() if r.verdict == Verdict.INFLIGHT_ZOMBIE.value)
+    pending = sum(1 for r in rows.values()
+                  if r.verdict == Verdict.INFLIGHT_ZOMBIE.value or (r.details or {}).get("provisional"))
+    return len(rows), pending
 
 
 def record_run(store: Store, capture: Capture, target: str, options: ReplayOptions, started_ns: int,
                plans: list[RequestPlan], outcomes: list[RequestOutcome],
-               baseline: tuple[int | None, int] | None) -> ReplaySummary:
+               baseline: tuple[int | None, int] | None, *, final: bool = True) -> ReplaySummary:
     """Judge the run from the store's verdicts, write it (runs and results tables) and carry the
-    baseline run's (id, zombies) from :func:`resolve_baseline`."""
+    baseline run's (id, zombies) from :func:`resolve_baseline`. ``final``: the wait ended because
+    nothing could change any more; otherwise verdicts still provisional are counted as such."""
     summary = ReplaySummary(capture_id=capture.id, target=target, sent=len(outcomes))
     verdicts = verdicts_for(store, plans)
     lags: list[float] = []
@@ -129,6 +172,8 @@ def record_run(store: Store, capture: Capture, target: str, options: ReplayOptio
             summary.unjudged += 1
         else:
             summary.verdicts[verdict] = summary.verdicts.get(verdict, 0) + 1
+            if not final and verdict not in ZOMBIES and (row.details or {}).get("provisional"):
+                summary.provisional += 1
         if row is not None and verdict in ZOMBIES:
             summary.zombies += 1
             summary.zombie_seconds += row.lag_seconds or 0.0
