@@ -13,9 +13,10 @@ and verdicts into it, and a later run compares with an earlier one in the same f
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,34 +146,9 @@ def export_capture(store: Store, out: Path, *, since_ns: int, until_ns: int, hos
         raise CaptureError(f"{out} exists; pass --force to replace it, or another -o")
     for suffix in ("", "-wal", "-shm"):  # the file and its SQLite companions
         out.with_name(out.name + suffix).unlink(missing_ok=True)
-    try:
-        target = Store(f"sqlite:///{out}")
-    except AuditorError as exc:
-        raise CaptureError(f"cannot write a capture to {out}: {exc}") from exc
-    try:
-        with target.session() as session, session.begin():
-            capture = CaptureRow(created_ns=time.time_ns(), name=name or out.stem, window_start_ns=since_ns,
-                                 window_end_ns=until_ns, source=store._where())
-            session.add(capture)
-            session.flush()
-            capture_id = capture.id
-            count = 0
-            batch: list[dict[str, Any]] = []
-            for request in _entry_requests(store, since_ns, until_ns, host, stream_default):
-                batch.append(_captured_row(capture_id, request))
-                count += 1
-                if len(batch) >= BATCH:
-                    session.execute(CapturedRequestRow.__table__.insert(), batch)
-                    if on_progress is not None:
-                        on_progress(len(batch))
-                    batch = []
-            if batch:
-                session.execute(CapturedRequestRow.__table__.insert(), batch)
-                if on_progress is not None:
-                    on_progress(len(batch))
-    finally:
-        target.close()
-    return capture_id, count
+    return write_capture(out, _entry_requests(store, since_ns, until_ns, host, stream_default), name=name,
+                         window_start_ns=since_ns, window_end_ns=until_ns, source=store._where(),
+                         on_progress=on_progress)
 
 
 def _captured_row(capture_id: int, request: CapturedRequest) -> dict[str, Any]:
@@ -185,24 +161,41 @@ def _captured_row(capture_id: int, request: CapturedRequest) -> dict[str, Any]:
             "body": request.body}
 
 
-def write_capture(out: Path, requests: list[CapturedRequest], *, name: str = "", window_start_ns: int = 0,
-                  window_end_ns: int | None = None, source: str = "") -> int:
-    """A capture from requests built elsewhere (tests, synthetic load); returns its id."""
-    store = Store(f"sqlite:///{out}")
+def write_capture(out: Path, requests: Iterable[CapturedRequest], *, name: str = "", window_start_ns: int = 0,
+                  window_end_ns: int | None = None, source: str = "",
+                  on_progress: Callable[[int], None] | None = None) -> tuple[int, int]:
+    """A capture of ``requests`` (streamed in batches) in ``out``; returns (capture id, requests).
+    Without ``window_end_ns`` the window ends just after the last request's start.
+    ``on_progress`` gets the number of requests written since its last call."""
     try:
-        with store.session() as session, session.begin():
-            end = window_end_ns if window_end_ns is not None else window_start_ns + round(
-                max((r.offset_s for r in requests), default=0.0) * 1e9) + 1
+        target = Store(f"sqlite:///{out}")
+    except AuditorError as exc:
+        raise CaptureError(f"cannot write a capture to {out}: {exc}") from exc
+    try:
+        with target.session() as session, session.begin():
             capture = CaptureRow(created_ns=time.time_ns(), name=name or out.stem, window_start_ns=window_start_ns,
-                                 window_end_ns=end, source=source)
+                                 window_end_ns=window_end_ns or window_start_ns, source=source)
             session.add(capture)
             session.flush()
-            if requests:
-                session.execute(CapturedRequestRow.__table__.insert(),
-                                [_captured_row(capture.id, r) for r in requests])
-            return capture.id
+            count, last_offset_ns = 0, 0
+            for batch in _batches(requests):
+                rows = [_captured_row(capture.id, r) for r in batch]
+                session.execute(CapturedRequestRow.__table__.insert(), rows)
+                count += len(rows)
+                last_offset_ns = max(last_offset_ns, max(row["offset_ns"] for row in rows))
+                if on_progress is not None:
+                    on_progress(len(rows))
+            if window_end_ns is None:
+                capture.window_end_ns = window_start_ns + last_offset_ns + 1
+            return capture.id, count
     finally:
-        store.close()
+        target.close()
+
+
+def _batches(items: Iterable[CapturedRequest]) -> Iterator[list[CapturedRequest]]:
+    iterator = iter(items)
+    while batch := list(itertools.islice(iterator, BATCH)):
+        yield batch
 
 
 def open_capture_store(path: Path) -> Store:
