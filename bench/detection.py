@@ -56,6 +56,22 @@ def metric(text: str, name: str) -> float:
     return total
 
 
+def first_seen(db: Path, request_id: str, verdict: str, metrics_port: int, metric_name: str, above: float,
+               timeout_s: float) -> tuple[int | None, int | None]:
+    """Wall-clock ns at which the store first held ``verdict`` for the request and /metrics first
+    showed ``metric_name`` above ``above``, polled every 10 ms; None where that never happened."""
+    store_ns = metrics_ns = None
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and (store_ns is None or metrics_ns is None):
+        now = time.time_ns()
+        if store_ns is None and (verdict_of(db, request_id) or ("", 0))[0] == verdict:
+            store_ns = now
+        if metrics_ns is None and metric(scrape(metrics_port), metric_name) > above:
+            metrics_ns = now
+        time.sleep(0.01)
+    return store_ns, metrics_ns
+
+
 def proc_cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -91,15 +107,8 @@ def measure_alarms(db: Path, engine_port: int, metrics_port: int, count: int) ->
         gauge_before = metric(scrape(metrics_port), "auditor_inflight_zombies")
         zombies_before = metric(scrape(metrics_port), "auditor_disconnect_verdicts_total")
         cancel_one(engine_port, request_id, 0.3, max_tokens=400)  # zombies of ~4 s: longer than a round
-        seen_store = seen_metrics = None
-        deadline = time.time() + 10
-        while time.time() < deadline and (seen_store is None or seen_metrics is None):
-            now = time.time_ns()
-            if seen_store is None and (verdict_of(db, request_id) or ("", 0))[0] == "inflight_zombie":
-                seen_store = now
-            if seen_metrics is None and metric(scrape(metrics_port), "auditor_inflight_zombies") > gauge_before:
-                seen_metrics = now
-            time.sleep(0.01)
+        seen_store, seen_metrics = first_seen(db, request_id, "inflight_zombie", metrics_port,
+                                              "auditor_inflight_zombies", gauge_before, timeout_s=10)
         found = verdict_of(db, request_id)
         if found is None or seen_store is None or seen_metrics is None:
             print(f"  {request_id}: not flagged within 10 s ({found})")
@@ -108,15 +117,8 @@ def measure_alarms(db: Path, engine_port: int, metrics_port: int, count: int) ->
         store_lat.append((seen_store - disconnect_ns) / 1e9)
         metrics_lat.append((seen_metrics - disconnect_ns) / 1e9)
         # Then the work ends; time until the settled zombie is stored and counted.
-        deadline = time.time() + 30
-        stored = counted = None
-        while time.time() < deadline and (stored is None or counted is None):
-            now = time.time_ns()
-            if stored is None and (verdict_of(db, request_id) or ("", 0))[0] == "zombie":
-                stored = now
-            if counted is None and metric(scrape(metrics_port), "auditor_disconnect_verdicts_total") > zombies_before:
-                counted = now
-            time.sleep(0.01)
+        stored, counted = first_seen(db, request_id, "zombie", metrics_port, "auditor_disconnect_verdicts_total",
+                                     zombies_before, timeout_s=30)
         with sqlite3.connect(db, timeout=5) as conn:
             work_end = conn.execute("SELECT work_end_ns FROM verdicts WHERE request_id = ?", (request_id,)).fetchone()[0]
         if stored and counted and work_end:

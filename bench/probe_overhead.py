@@ -169,15 +169,19 @@ def http_round(address: tuple[str, int], clients: int, seconds: float, server_pi
     return requests / seconds, cpu / max(requests, 1)
 
 
+def loopback_listener() -> tuple[socket.socket, tuple[str, int]]:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4096)
+    return listener, listener.getsockname()
+
+
 def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) -> dict[str, Any]:
     from auditor.store import Store
     from probes.bpf import BpfConnEventSource
     from probes.writer import ConnEventWriter
 
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4096)
-    address = listener.getsockname()
+    listener, address = loopback_listener()
     server = subprocess.Popen([sys.executable, __file__, "--serve-fd", str(listener.fileno())],
                               pass_fds=[listener.fileno()])
     store = Store(f"sqlite:///{workdir / 'http.db'}")
@@ -230,10 +234,7 @@ def event_rate(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     from probes.writer import ConnEventWriter
 
     ctx = multiprocessing.get_context("spawn")
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4096)
-    address = listener.getsockname()
+    listener, address = loopback_listener()
     store = Store(f"sqlite:///{workdir / 'rate.db'}")
     source = BpfConnEventSource([address[1]])
     source.start()
@@ -274,10 +275,7 @@ def drain_rate(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     from probes.writer import ConnEventWriter
 
     ctx = multiprocessing.get_context("spawn")
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4096)
-    address = listener.getsockname()
+    listener, address = loopback_listener()
     store = Store(f"sqlite:///{workdir / 'drain.db'}")
     source = BpfConnEventSource([address[1]], ringbuf_pages=16384)  # 64 MiB: room for the backlog
     source.start()

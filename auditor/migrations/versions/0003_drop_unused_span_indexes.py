@@ -1,7 +1,8 @@
 """drop span indexes that no query uses
 
 Correlation joins spans in memory and reads them by id; the report reads them by end time. The
-peer and request-id indexes only cost every span insert (about 2 µs a span, 15% of its write).
+peer and request-id indexes only cost every span insert (bench/ingest: 28.8k -> 32.3k spans per
+CPU-second without them).
 
 Revision ID: 0003
 Revises: 0002
