@@ -29,11 +29,10 @@ from sqlalchemy import func, select
 from auditor.config import Config, parse_address
 from auditor.correlate import Correlator
 from auditor.errors import AuditorError, ConfigError, StoreError
-from auditor.live import LiveReceiver
 from auditor.metrics import DaemonMetrics
 from auditor.model import CoverageKind, SpanRole, UtilSample
-from auditor.schema import SpanRow, UtilSampleRow
 from auditor.store import Store
+from auditor.store.schema import SpanRow, UtilSampleRow
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +112,12 @@ class Daemon:
         self._start_receivers()
         self._start_samplers()
         if self.config.live.listen:
+            from collectors.live import LiveReceiver
+
             host, port = parse_address(self.config.live.listen, "live.listen")
-            live = LiveReceiver(host, port)
             with _listening("live.listen", self.config.live.listen):
-                live.start()
+                live = LiveReceiver(host, port)
+            live.start()
             self._parts["live"] = live
             self.status.live_port = live.port
         self.correlator = Correlator(self.store, host=self.host, grace_seconds=self.config.correlate.grace_seconds,
@@ -137,6 +138,11 @@ class Daemon:
         self._ready.set()
         log.info("auditor running: source=%s otlp-http=%s otlp-grpc=%s metrics=%s live=%s", self.status.source,
                  self.status.http_port, self.status.grpc_port, self.status.metrics_port, self.status.live_port)
+
+    @property
+    def source_name(self) -> str:
+        """Which disconnect source runs: bpf, procfs, or none."""
+        return self.status.source
 
     def _spawn(self, name: str, target: Any) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -204,7 +210,7 @@ class Daemon:
 
     def _write_samples(self, samples: Iterable[UtilSample]) -> None:
         try:
-            self.store.insert_samples(samples)
+            self.store.write(list(samples))
         except AuditorError as exc:
             log.warning("samples dropped: %s", exc)
 

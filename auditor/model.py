@@ -108,6 +108,31 @@ class SpanRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class LiveEvent:
+    """A span (or engine work item) starting or ending, as the daemon receives it."""
+
+    event: str  # "start" or "end"
+    trace_id: str
+    span_id: str
+    name: str
+    kind: str
+    ts_ns: int
+    peer_addr: str | None
+    peer_port: int | None
+    server_port: int | None
+    pid: int | None
+    service: str
+    engine: bool  # engine work (not an HTTP span)
+
+    def as_span(self) -> SpanRecord:
+        """A stand-in server span for a request known only from its start notice."""
+        return SpanRecord(trace_id=self.trace_id, span_id=self.span_id, parent_span_id=None, name=self.name,
+                          kind=self.kind, start_ns=self.ts_ns, end_ns=self.ts_ns, service=self.service,
+                          role=SpanRole.HTTP_SERVER, peer_addr=self.peer_addr, peer_port=self.peer_port,
+                          server_port=self.server_port, process_pid=self.pid)
+
+
+@dataclass(frozen=True, slots=True)
 class UtilSample:
     """One utilization reading: a whole GPU, a process on a GPU, or a process on the CPU."""
 

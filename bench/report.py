@@ -36,8 +36,13 @@ sys.path.insert(0, str(ROOT))
 from auditor.report import ReportQuery, build_report  # noqa: E402
 from auditor.report.model import rfc3339  # noqa: E402
 from auditor.report.render_data import write_json  # noqa: E402
-from auditor.schema import CoverageRow, SpanRow, UtilSampleRow, VerdictRow  # noqa: E402
-from auditor.store import Store  # noqa: E402
+from auditor.store import (  # noqa: E402
+    CoverageRow,
+    SpanRow,
+    Store,
+    UtilSampleRow,
+    VerdictRow,
+)
 
 S = 1_000_000_000
 HOUR = 3600 * S

@@ -32,7 +32,7 @@ MAX_KEY_CHARS = 256
 TRUNCATED_MARK = "...[truncated]"
 TOO_DEEP_MARK = "[nested too deep]"
 
-# Column widths of the spans table (auditor.schema.SpanRow): longer values are cut, never refused.
+# Column widths of the spans table (auditor.store.schema.SpanRow): longer values are cut, never refused.
 _COLUMN_CHARS = {"name": 255, "service": 255, "host": 255, "request_id": 255, "route": 255,
                  "model": 255, "finish_reason": 32, "peer_addr": 64}
 

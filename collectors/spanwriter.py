@@ -20,10 +20,10 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from auditor.errors import StoreError
 from auditor.model import SpanRecord
+from auditor.sink import Sink
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +50,12 @@ class _Pending:
 
 
 class SpanWriter:
-    """Bounded queue + one writer thread committing batches of spans to an ``auditor.store.Store``."""
+    """Bounded queue + one writer thread committing batches of spans to a ``auditor.sink.Sink``."""
 
-    def __init__(self, store: Any, *, max_queue_spans: int = 32_768, max_queue_bytes: int = 128 << 20,
+    def __init__(self, sink: Sink, *, max_queue_spans: int = 32_768, max_queue_bytes: int = 128 << 20,
                  max_batch_spans: int = 16_384, retry_after_s: float = 1.0, max_retry_after_s: float = 30.0,
                  submit_timeout_s: float = 30.0, queue_wait_s: float = 1.0) -> None:
-        self.store = store
+        self.sink = sink
         self.max_queue_spans = max_queue_spans
         self.max_queue_bytes = max_queue_bytes
         self.max_batch_spans = max_batch_spans
@@ -208,7 +208,7 @@ class SpanWriter:
                     item.done.set()
 
     def _insert(self, spans: Sequence[SpanRecord]) -> None:
-        self.store.insert_spans(spans)  # one transaction; raises StoreError when it cannot write
+        self.sink.write(spans)  # one transaction; raises StoreError when it cannot write
 
     def _commit(self, batch: list[_Pending]) -> None:
         spans = [span for item in batch for span in item.spans]

@@ -39,6 +39,7 @@ DEFAULT_RINGBUF_PAGES = 4096  # 16 MiB with 4 KiB pages: about 260,000 events of
 MAX_WAKEUP_EVERY = 1024
 RECORD_BYTES = 64  # struct event (56) plus the ring buffer's 8-byte record header
 MAX_PORTS = 1024  # the size of the watched_ports map in disconnect.bpf.c
+PROGRAM_CFLAGS = [f"-I{PROGRAM_DIR}"]  # where the program's #include "disconnect.h" is found
 TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset")
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 
@@ -64,15 +65,15 @@ def default_wakeup_every(ringbuf_pages: int, cpus: int | None = None) -> int:
 
 def program_text(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
                  wakeup_every: int | None = None) -> str:
-    """The final program bcc compiles: settings as defines, the shared header inlined."""
+    """The program bcc compiles: settings as defines before the source, which #includes the shared
+    event header from ``PROGRAM_DIR`` (see ``PROGRAM_CFLAGS``)."""
     if ringbuf_pages <= 0 or ringbuf_pages & (ringbuf_pages - 1):
         raise ValueError(f"ringbuf_pages must be a power of two, got {ringbuf_pages}")
     if wakeup_every is None:
         wakeup_every = default_wakeup_every(ringbuf_pages)
     if wakeup_every < 1:
         raise ValueError(f"wakeup_every must be at least 1, got {wakeup_every}")
-    header = HEADER_FILE.read_text()
-    source = PROGRAM_FILE.read_text().replace('#include "disconnect.h"', header.rstrip())
+    source = PROGRAM_FILE.read_text()
     return (f"#define RINGBUF_PAGES {ringbuf_pages}\n#define WAKEUP_EVERY {wakeup_every}\n"
             f"{source}")
 
@@ -190,7 +191,7 @@ class BpfConnEventSource:
         from bcc import BPF
 
         try:
-            self._bpf = BPF(text=self.text.encode())
+            self._bpf = BPF(text=self.text.encode(), cflags=PROGRAM_CFLAGS)
         except Exception as exc:  # bcc raises bare Exception for compile and load failures
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ProbeUnavailable(

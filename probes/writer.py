@@ -1,8 +1,8 @@
 """Batched writes of connection events to the store.
 
 The daemon's poll loop calls ``add()`` with whatever a source returned (an empty list too, so the
-time-based flush happens on quiet hosts). Rows go in through ``Store.insert_conn_events``: one
-SQLAlchemy Core statement and one transaction per batch. A failed write never raises out of
+time-based flush happens on quiet hosts). Rows go to a ``auditor.sink.Sink`` (the daemon hands
+it the store): one transaction per batch. A failed write never raises out of
 ``add()``: the batch is kept and retried on the next flush, up to ``max_pending`` events, beyond
 which the oldest are dropped and counted in ``dropped``.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 from auditor.errors import StoreError
 from auditor.model import ConnEvent
-from auditor.store import Store
+from auditor.sink import Sink
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +25,14 @@ log = logging.getLogger(__name__)
 class ConnEventWriter:
     """Buffers ConnEvents and inserts them in batches of ``batch_size`` or every ``flush_interval_s``."""
 
-    def __init__(self, store: Store, *, batch_size: int = 2000, flush_interval_s: float = 0.5,
+    def __init__(self, sink: Sink, *, batch_size: int = 2000, flush_interval_s: float = 0.5,
                  max_pending: int = 1_000_000,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         if flush_interval_s <= 0:
             raise ValueError(f"flush_interval_s must be greater than 0, got {flush_interval_s}")
-        self._store = store
+        self._sink = sink
         self.batch_size = batch_size
         self.flush_interval_s = flush_interval_s
         self.max_pending = max(max_pending, batch_size)
@@ -74,7 +74,7 @@ class ConnEventWriter:
             count = min(self.batch_size, len(self._pending))
             batch = [self._pending[i] for i in range(count)]
             try:
-                self._store.insert_conn_events(batch)
+                self._sink.write(batch)
             except StoreError as exc:
                 self.write_errors += 1
                 if not self._failing:

@@ -26,8 +26,7 @@ from sqlalchemy.orm import aliased
 
 from auditor.errors import AuditorError
 from auditor.model import SpanRole
-from auditor.schema import CapturedRequestRow, CaptureRow, SpanRow, VerdictRow
-from auditor.store import Store
+from auditor.store import CapturedRequestRow, CaptureRow, SpanRow, Store, VerdictRow
 
 DEFAULT_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"

@@ -19,8 +19,7 @@ from typing import Any
 from sqlalchemy import select
 
 from auditor.model import Verdict
-from auditor.schema import ReplayResultRow, ReplayRunRow, VerdictRow
-from auditor.store import Store
+from auditor.store import ReplayResultRow, ReplayRunRow, Store, VerdictRow
 from replay.capture import Capture, CaptureError, sample_cancels
 from replay.client import RequestOutcome, RequestPlan
 

@@ -16,7 +16,7 @@ from sqlalchemy import select
 
 from auditor.config import apply_overrides, load_config
 from auditor.daemon import Daemon
-from auditor.schema import VerdictRow
+from auditor.store import VerdictRow
 
 GRACE_S = 0.5
 

@@ -67,7 +67,7 @@ def test_doctor_json_schema(tmp_path: Path) -> None:
                                 env={"AUDITOR_OTLP_HTTP": "127.0.0.1:0", "AUDITOR_OTLP_GRPC": "127.0.0.1:0",
                                      "AUDITOR_METRICS_LISTEN": "127.0.0.1:0"})
     doc = json.loads(result.output)
-    assert doc["schema"] == "auditor.doctor/v1"
+    assert doc["schema"] == "auditor.cli.doctor/v1"
     names = [c["name"] for c in doc["checks"]]
     assert names == ["privileges", "bpf_syscall", "tracefs", "kernel_headers", "bcc", "nvml", "ports",
                      "database", "postgres_driver"]
@@ -95,7 +95,7 @@ def test_doctor_fails_when_a_port_is_taken(tmp_path: Path) -> None:
 
 @pytest.mark.privileged
 def test_doctor_loads_a_real_bpf_program(tmp_path: Path) -> None:
-    from auditor.doctor import check_bcc
+    from auditor.cli.doctor import check_bcc
 
     check = check_bcc()
     assert check.state == "ok", check

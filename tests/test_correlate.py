@@ -8,10 +8,16 @@ from pathlib import Path
 from sqlalchemy import event, func, select
 
 from auditor.correlate import Correlator
-from auditor.live import LiveEvent
-from auditor.model import ConnEvent, ConnEventKind, RequestVerdict, SpanRecord, SpanRole, Verdict
-from auditor.schema import CoverageRow, VerdictRow
-from auditor.store import Store
+from auditor.model import (
+    ConnEvent,
+    ConnEventKind,
+    LiveEvent,
+    RequestVerdict,
+    SpanRecord,
+    SpanRole,
+    Verdict,
+)
+from auditor.store import CoverageRow, Store, VerdictRow
 
 S = 1_000_000_000
 T0 = 1_800_000_000 * S

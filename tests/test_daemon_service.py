@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from auditor.schema import CoverageRow, VerdictRow
-from auditor.store import Store
+from auditor.store import CoverageRow, Store, VerdictRow
 from replay.engine.launch import running_engine
 from tests.e2e import cancel_after, wait_for
 

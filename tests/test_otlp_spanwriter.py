@@ -37,7 +37,7 @@ def test_rows_match_the_store_and_duplicates_are_ignored(store: Store) -> None:
         writer.stop()
     assert stored(store) == [("s1", "http_server", 4001, 0, '{"k":1}'), ("s2", "http_server", 4002, 1, '{"k":2}')]
     with store.session() as session:  # readable through the ORM's JSON type as well
-        from auditor.schema import SpanRow
+        from auditor.store import SpanRow
 
         assert [row.attributes for row in session.query(SpanRow).order_by(SpanRow.name)] == [{"k": 1}, {"k": 2}]
 

@@ -11,8 +11,7 @@ import pytest
 from sqlalchemy import inspect, select
 
 from auditor.model import ConnEvent, ConnEventKind, RequestVerdict, SpanRecord, SpanRole, Verdict
-from auditor.schema import Base, VerdictRow
-from auditor.store import Store
+from auditor.store import Base, Store, VerdictRow
 from tests.pgserver import find_pg_bin, postgres_server
 
 pytestmark = pytest.mark.postgres

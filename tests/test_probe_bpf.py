@@ -20,8 +20,7 @@ import pytest
 
 from auditor.errors import ConfigError
 from auditor.model import ConnEvent, ConnEventKind
-from auditor.schema import ConnEventRow
-from auditor.store import Store
+from auditor.store import ConnEventRow, Store
 from probes import open_source
 from probes.bpf import BpfConnEventSource
 from probes.writer import ConnEventWriter

@@ -9,8 +9,7 @@ from sqlalchemy import func, select
 
 from auditor.errors import StoreError
 from auditor.model import ConnEvent, ConnEventKind
-from auditor.schema import ConnEventRow
-from auditor.store import Store
+from auditor.store import ConnEventRow, Store
 from probes.writer import ConnEventWriter
 
 

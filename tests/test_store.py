@@ -10,8 +10,7 @@ from sqlalchemy import inspect
 
 from auditor.errors import StoreError
 from auditor.model import ConnEvent, ConnEventKind, SpanRecord, SpanRole
-from auditor.schema import Base
-from auditor.store import Store
+from auditor.store import Base, Store
 
 
 def test_migrations_build_every_model_table(store: Store) -> None:

@@ -41,8 +41,8 @@ from auditor.report.model import (
     ZombieTimeline,
 )
 from auditor.report.sqlite_json import request_json_column
-from auditor.schema import CoverageRow, SpanRow, UtilSampleRow, VerdictRow
 from auditor.store import Store
+from auditor.store.schema import CoverageRow, SpanRow, UtilSampleRow, VerdictRow
 
 spans = cast(Table, SpanRow.__table__)
 verdicts = cast(Table, VerdictRow.__table__)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import click
 
-from auditor.cliutil import errors_as_click
 from auditor.errors import AuditorError
 from replay.engine.behaviors import BEHAVIORS
 
@@ -99,7 +98,7 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
     # The engine thread runs Python between matrix products; a short GIL switch interval lets the
     # event loop notice a disconnect and issue the abort within a step or two.
     sys.setswitchinterval(0.001)
-    with errors_as_click():
+    try:
         if gateway_upstream is not None:
             from replay.engine.gateway import GatewaySettings, build_gateway
 
@@ -121,6 +120,8 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
         bound = sock.getsockname()[1]
         if port_file:
             _write_port_file(port_file, bound)
+    except AuditorError as exc:  # a one-line error, exit 1, as every auditor command gives
+        raise click.ClickException(str(exc)) from exc
     click.echo(f"{what} listening on http://{host}:{bound} (pid {os.getpid()})", err=True)
     sys.stderr.flush()
     serve(app, sock, log_level)

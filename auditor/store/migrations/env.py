@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
-from auditor.schema import Base
+from auditor.store.schema import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import click
 
-from auditor.cliutil import common_options
+from auditor.cli.util import common_options
 from auditor.config import Config, parse_address
 from auditor.errors import AuditorError
 
-SCHEMA = "auditor.doctor/v1"
+SCHEMA = "auditor.cli.doctor/v1"
 
 OK, DEGRADED, FAILED = "ok", "degraded", "failed"
 

@@ -11,7 +11,7 @@ from typing import TextIO
 
 import click
 
-from auditor.cliutil import TIME, common_options, errors_as_click, open_store
+from auditor.cli.util import TIME, common_options, errors_as_click, open_store
 from auditor.config import Config
 from auditor.errors import StoreError
 from auditor.report.model import Report, ReportQuery, to_ns

@@ -9,21 +9,16 @@ and judges every cancelled request. Exit status: 0 no zombie and every cancel ju
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
-import ipaddress
 import json
 import logging
-import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import click
 
-from auditor.cliutil import TIME, common_options, errors_as_click, open_store
+from auditor.cli.util import TIME, common_options, errors_as_click, open_store
 from auditor.config import Config, apply_overrides, load_config
 from auditor.errors import AuditorError
 from auditor.report.model import to_ns
@@ -87,74 +82,10 @@ def export_command(config: Config, since: dt.datetime, until: dt.datetime | None
 
 
 # -- replay -----------------------------------------------------------------------------------------
-def _local_target(url: str) -> tuple[str, int]:
-    """(host, port) of an http:// URL on this host: the probe sees only this host's sockets."""
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ReplayError(f"--target {url!r}: give the engine's URL on this host, like http://127.0.0.1:8000")
-    try:
-        port = parts.port or 80
-        infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
-    except (ValueError, OSError) as exc:
-        raise ReplayError(f"--target {url!r}: {exc}") from exc
-    for family, _type, _proto, _name, address in infos:
-        ip = str(address[0])
-        if ipaddress.ip_address(ip).is_loopback:
-            return ip, port
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            try:
-                probe.bind((ip, 0))  # only an address of this host can be bound
-                return ip, port
-            except OSError:
-                continue
-    raise ReplayError(f"--target {url!r} is not on this host: run `auditor replay` on the engine's host, "
-                      "where the probe can see the engine's connections")
-
-
-def _daemon_config(config: Config, capture_path: Path, port: int, otlp_http: str, otlp_grpc: str,
-                   settle_s: float) -> Any:
-    return apply_overrides(config, {
-        "db": f"sqlite:///{capture_path.resolve()}", "probe.ports": [port], "otlp.http": otlp_http,
-        "otlp.grpc": otlp_grpc, "metrics.listen": "", "live.listen": "",
-        "correlate.interval_seconds": 0.25, "correlate.late_span_seconds": settle_s,
-    })
-
-
 def _progress(length: int, label: str) -> Any:
     """A progress bar on standard error (standard output stays for the result)."""
     progressbar: Any = click.progressbar  # its overloads confuse mypy
     return progressbar(length=length, label=label, width=30, file=sys.stderr)
-
-
-def _wait_for_verdicts(daemon: Any, cancelled: list[Any], engine: Any, timeout_s: float,
-                       span_delay_s: float) -> tuple[str, bool]:
-    """Wait until every cancelled request has a final verdict; returns why the wait ended, and
-    whether every verdict is final then.
-
-    A verdict is final once its engine span arrived. An abort without one (vLLM emits none) stays
-    provisional through the late-span window, because a detached engine reports only when it
-    finishes; where the engine's /metrics shows it idle for ``span_delay_s`` (its exporter's batch
-    delay), no span can still come, and the wait ends early."""
-    from replay.run import settled
-
-    deadline = time.monotonic() + timeout_s
-    idle_since: float | None = None
-    with _progress(max(1, len(cancelled)), "  waiting for verdicts") as bar:
-        shown = 0
-        while time.monotonic() < deadline:
-            judged, pending = settled(daemon.store, cancelled)
-            bar.update(judged - pending - shown)
-            shown = judged - pending
-            busy = engine.busy()
-            now = time.monotonic()
-            idle_since = (idle_since or now) if busy == 0 else None
-            if judged == len(cancelled):
-                if pending == 0:
-                    return "every verdict final", True
-                if idle_since is not None and now - idle_since >= span_delay_s:
-                    return f"engine idle for {span_delay_s:g} s", True
-            time.sleep(0.25)
-    return f"--wait of {timeout_s:g} s passed", False
 
 
 def _print_summary(summary: Any, capture: Any) -> None:
@@ -239,19 +170,20 @@ def replay_command(capture_file: Path, target: str, capture_id: int | None, canc
       auditor replay capture.db --target http://127.0.0.1:8000 --as-captured --baseline previous
     """
     from replay.run import ReplayOptions
+    from replay.session import ReplaySettings, local_target
 
     logging.basicConfig(level=logging.WARNING, format="auditor replay: %(levelname)s %(message)s", stream=sys.stderr)
-    host, port = _local_target(target)
     if cancel_rate is None:
         cancel_rate = 0.0 if as_captured else 0.3
     options = ReplayOptions(cancel_rate=cancel_rate, cancel_after_s=cancel_after, as_captured=as_captured,
                             close_with=close_with, speed=speed, concurrency=concurrency, limit=limit, seed=seed,
                             model=model)
     try:
-        config = load_config(config_path)
-        summary, capture_data = run_replay(config, capture_file, host, port, options, capture_id=capture_id,
-                                           otlp_http=otlp_http, otlp_grpc=otlp_grpc, settle_s=settle,
-                                           span_delay_s=span_delay, wait_s=wait_s, baseline=baseline)
+        host, port = local_target(target)
+        settings = ReplaySettings(capture_file=capture_file, host=host, port=port, options=options,
+                                  capture_id=capture_id, otlp_http=otlp_http, otlp_grpc=otlp_grpc, settle_s=settle,
+                                  span_delay_s=span_delay, wait_s=wait_s, baseline=baseline)
+        summary, capture_data = run_replay_here(load_config(config_path), settings)
     except AuditorError as exc:
         raise ReplayError(str(exc)) from exc
     if as_json:
@@ -270,56 +202,10 @@ def replay_command(capture_file: Path, target: str, capture_id: int | None, canc
         raise SystemExit(EXIT_INCONCLUSIVE)
 
 
-def run_replay(config: Config, capture_file: Path, host: str, port: int, options: Any, *,
-               capture_id: int | None = None, otlp_http: str = "127.0.0.1:4318", otlp_grpc: str = "",
-               settle_s: float = 60.0, span_delay_s: float = 5.0, wait_s: float = 120.0,
-               baseline: str | None = None) -> tuple[Any, Any]:
-    """Replay one capture of ``capture_file`` against the engine at host:port with its own pipeline;
-    returns (ReplaySummary, Capture). Raises AuditorError when it cannot run."""
+def run_replay_here(config: Config, settings: Any) -> tuple[Any, Any]:
+    """``replay.session.run_replay`` with this host's daemon as the pipeline, progress on stderr."""
     from auditor.daemon import Daemon
-    from replay.capture import CaptureError, open_capture_store, read_capture
-    from replay.client import run_load
-    from replay.run import EngineLoad, plan_replay, record_run, resolve_baseline
+    from replay.session import run_replay
 
-    store = open_capture_store(capture_file)
-    try:
-        capture_data = read_capture(store, capture_id)
-        baseline_found = resolve_baseline(store, capture_data, baseline, options.limit)
-    finally:
-        store.close()
-    if not capture_data.requests:
-        raise CaptureError(f"capture {capture_data.id} in {capture_file} has no requests")
-    plans = plan_replay(capture_data, options, tag=f"replay-{time.strftime('%H%M%S')}")
-    target = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
-    daemon = Daemon(_daemon_config(config, capture_file, port, otlp_http, otlp_grpc, settle_s))
-    daemon.start()
-    try:
-        try:
-            with socket.create_connection((host, port), timeout=5):
-                pass
-        except OSError as exc:
-            raise CaptureError(f"cannot connect to {target}: {exc}; is the engine up?") from exc
-        click.echo(f"replaying {len(plans)} requests to {target} (disconnects via {daemon.status.source}, "
-                   f"spans on {otlp_http or otlp_grpc})", err=True)
-        started_ns = time.time_ns()
-        with _progress(len(plans), "  sending") as bar:
-            outcomes = asyncio.run(run_load(host, port, plans, concurrency=options.concurrency,
-                                            on_done=lambda _outcome: bar.update(1)))
-        cancelled = [o.plan for o in outcomes if o.cancelled_at_ns is not None]
-        engine = EngineLoad(host, port)
-        try:
-            ended, final = _wait_for_verdicts(daemon, cancelled, engine, wait_s, span_delay_s)
-        finally:
-            engine.close()
-        click.echo(f"  judged: {ended}", err=True)
-        daemon.correlate_once()
-    finally:
-        daemon.request_stop()
-        daemon.stop()
-    store = open_capture_store(capture_file)
-    try:
-        summary = record_run(store, capture_data, target, options, started_ns, plans, outcomes, baseline_found,
-                             final=final)
-    finally:
-        store.close()
-    return summary, capture_data
+    return run_replay(settings, lambda overrides: Daemon(apply_overrides(config, overrides)),
+                      say=lambda line: click.echo(line, err=True), progress=_progress)

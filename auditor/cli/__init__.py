@@ -1,7 +1,8 @@
 """The ``auditor`` command line: one root group whose commands load only when called.
 
-Each command lives beside the code it drives (``probes.cli``, ``replay.engine.cli``, ...) and is
-listed here once it works; ``auditor --help`` shows exactly this list.
+Every command's click code lives in this package (``auditor.cli.<command>``), a thin layer over
+the library it drives; the reference engine's own command stays with it in ``replay.engine.cli``.
+``auditor --help`` shows exactly the ``COMMANDS`` list.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ from auditor import __version__
 # name -> "module:attribute"; importing lazily keeps `auditor --help` fast and bcc out of
 # commands that do not need it.
 COMMANDS: dict[str, str] = {
-    "capture": "auditor.replaycli:capture",
-    "db": "auditor.dbcli:db",
-    "demo": "auditor.demo:demo_command",
-    "doctor": "auditor.doctor:doctor_command",
+    "capture": "auditor.cli.replay:capture",
+    "db": "auditor.cli.db:db",
+    "demo": "auditor.cli.demo:demo_command",
+    "doctor": "auditor.cli.doctor:doctor_command",
     "engine": "replay.engine.cli:engine",
-    "probe": "probes.cli:probe",
-    "replay": "auditor.replaycli:replay_command",
-    "report": "auditor.report.cli:report",
-    "run": "auditor.runcli:run_command",
+    "probe": "auditor.cli.probe:probe",
+    "replay": "auditor.cli.replay:replay_command",
+    "report": "auditor.cli.report:report",
+    "run": "auditor.cli.run:run_command",
 }
 
 

@@ -21,9 +21,9 @@ from typing import Any
 import click
 from sqlalchemy import func, select
 
-from auditor.cliutil import errors_as_click
+from auditor.cli.util import errors_as_click
 from auditor.config import apply_overrides, load_config
-from auditor.schema import VerdictRow
+from auditor.store.schema import VerdictRow
 
 BUGGY, FIXED = "detached", "abort"
 
@@ -84,16 +84,17 @@ def _free_port() -> int:
 
 def _gate(config: Any, capture_path: Path) -> Any:
     """Replay the capture, its own disconnects included, against the fixed engine."""
-    from auditor.replaycli import run_replay
+    from auditor.cli.replay import run_replay_here
     from replay.engine.launch import running_engine
     from replay.run import ReplayOptions
+    from replay.session import ReplaySettings
 
     otlp_port = _free_port()
     with running_engine(behavior=FIXED, otlp=f"http://127.0.0.1:{otlp_port}", step_ms=15, max_batch=8) as engine:
-        summary, _capture = run_replay(
-            config, capture_path, "127.0.0.1", engine.port,
-            ReplayOptions(as_captured=True, speed=0.0, concurrency=8), otlp_http=f"127.0.0.1:{otlp_port}",
-            span_delay_s=1.0, wait_s=90.0, baseline="capture")  # the engine exports every 200 ms
+        summary, _capture = run_replay_here(config, ReplaySettings(
+            capture_file=capture_path, host="127.0.0.1", port=engine.port,
+            options=ReplayOptions(as_captured=True, speed=0.0, concurrency=8), otlp_http=f"127.0.0.1:{otlp_port}",
+            span_delay_s=1.0, wait_s=90.0, baseline="capture"))  # the engine exports every 200 ms
     return summary
 
 

@@ -3,7 +3,7 @@
 Every tick reads what the sources added to the store since the last tick, joins each peer FIN/RST
 to the request in flight on that connection at that moment (DESIGN §4), and (re)computes the
 verdict of every request whose evidence changed or whose verdict depends on the clock. A request
-is keyed by its trace and outermost server span (``auditor.traces``); a request
+is keyed by its trace and outermost server span (``auditor.correlate.traces``); a request
 is *settled* once its work has ended and no more evidence is expected; settled verdicts are final
 and are what the counters count.
 
@@ -30,20 +30,21 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from auditor.live import LiveEvent, LiveState
+from auditor.correlate.live import LiveState
+from auditor.correlate.traces import TraceIndex, Tuple4, norm_addr, span_tuple
+from auditor.correlate.verdict import Evidence, decide, phase_at, tokens_after_disconnect
+from auditor.correlate.waste import requests_in_flight, wasted
 from auditor.model import (
     ConnEventKind,
     CoverageKind,
+    LiveEvent,
     RequestVerdict,
     SpanRecord,
     SpanRole,
     Verdict,
 )
-from auditor.schema import ConnEventRow, CorrelatorStateRow, CoverageRow, SpanRow
 from auditor.store import Store, span_from_row
-from auditor.traces import TraceIndex, Tuple4, norm_addr, span_tuple
-from auditor.verdict import Evidence, decide, phase_at, tokens_after_disconnect
-from auditor.waste import requests_in_flight, wasted
+from auditor.store.schema import ConnEventRow, CorrelatorStateRow, CoverageRow, SpanRow
 
 log = logging.getLogger(__name__)
 

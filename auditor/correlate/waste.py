@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from sqlalchemy import select
 
 from auditor.model import SpanRecord
-from auditor.schema import UtilSampleRow
 from auditor.store import Store
+from auditor.store.schema import UtilSampleRow
 
 DEFAULT_INTERVAL_S = 0.1
 

@@ -9,7 +9,7 @@ from types import FrameType
 
 import click
 
-from auditor.cliutil import PORT, common_options, errors_as_click
+from auditor.cli.util import PORT, common_options, errors_as_click
 from auditor.config import Config, apply_overrides
 
 

@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from auditor.errors import StoreError
 from auditor.model import ConnEvent, CoverageKind, RequestVerdict, SpanRecord, SpanRole, UtilSample
-from auditor.schema import ConnEventRow, CoverageRow, SpanRow, UtilSampleRow, VerdictRow
+from auditor.store.schema import ConnEventRow, CoverageRow, SpanRow, UtilSampleRow, VerdictRow
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 
@@ -241,6 +241,18 @@ class Store:
 
     def insert_samples(self, samples: Iterable[UtilSample]) -> int:
         return self._insert_records(UtilSampleRow, samples)
+
+    def write(self, records: Sequence[ConnEvent | SpanRecord | UtilSample]) -> int:
+        """The sources' sink (``auditor.sink.Sink``): one batch of one record type, one transaction."""
+        if not records:
+            return 0
+        writer = self._writers.get(type(records[0]))
+        if writer is None:
+            raise TypeError(f"the store keeps no {type(records[0]).__name__} records")
+        return int(writer(self, records))
+
+    _writers: dict[type, Any] = {ConnEvent: insert_conn_events, SpanRecord: insert_spans,
+                                 UtilSample: insert_samples}
 
     def add_coverage(self, kind: CoverageKind, count: int = 1, *, host: str = "",
                      ts_ns: int | None = None, detail: str | None = None) -> None:

@@ -1,6 +1,6 @@
 """SQLAlchemy 2 table models of the store.
 
-The schema itself is created only by the Alembic migrations in ``auditor/migrations``; these models
+The schema itself is created only by the Alembic migrations in ``auditor/store/migrations``; these models
 describe it for queries and must stay in step with the newest migration (a test checks that).
 Nanosecond timestamps are stored as 64-bit integers: exact, sortable, and free of time-zone games.
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from auditor.cliutil import common_options, errors_as_click
+from auditor.cli.util import common_options, errors_as_click
 from auditor.config import Config
 
 

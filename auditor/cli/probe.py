@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from auditor.cliutil import PORT, common_options, errors_as_click
+from auditor.cli.util import PORT, common_options, errors_as_click
 from auditor.config import Config
 from auditor.model import ConnEvent
 from probes.source import SOURCE_CHOICES, open_source

@@ -1,0 +1,64 @@
+"""What live notices say is running now: the correlator's view of requests in flight."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from auditor.correlate.traces import Tuple4, norm_addr
+from auditor.model import LiveEvent
+
+
+class LiveState:
+    """Requests in flight as far as start/end notices tell, keyed for the correlator's joins."""
+
+    def __init__(self) -> None:
+        self._running: dict[tuple[str, str], LiveEvent] = {}
+        self._engine_end: dict[str, int] = {}  # trace -> when its engine work last ended
+        self._span_end: dict[tuple[str, str], int] = {}
+        self._by_tuple: dict[Tuple4, list[LiveEvent]] = defaultdict(list)
+
+    def add(self, events: list[LiveEvent]) -> set[str]:
+        """Apply notices; returns the traces they concern."""
+        for event in events:
+            key = (event.trace_id, event.span_id)
+            if event.event == "start":
+                self._running[key] = event
+                if not event.engine and event.peer_addr and event.peer_port and event.server_port:
+                    self._by_tuple[(norm_addr(event.peer_addr), event.peer_port, event.server_port)].append(event)
+                continue
+            started = self._running.pop(key, None)
+            if event.engine or (started is not None and started.engine):
+                self._engine_end[event.trace_id] = event.ts_ns
+            else:
+                self._span_end[key] = event.ts_ns
+        return {event.trace_id for event in events}
+
+    def in_flight_on(self, tuple4: Tuple4, ts_ns: int) -> LiveEvent | None:
+        """The server span running on this connection at ``ts_ns``, as far as notices tell."""
+        for live in self._by_tuple.get(tuple4, ()):
+            key = (live.trace_id, live.span_id)
+            if key in self._running or self._span_end.get(key, 0) >= ts_ns:
+                return live
+        return None
+
+    def running(self, trace_id: str, span_ids: set[str]) -> bool:
+        """Whether any of these spans, or any engine work of the trace, is still running."""
+        return any(trace == trace_id and (span_id in span_ids or live.engine)
+                   for (trace, span_id), live in self._running.items())
+
+    def span_end(self, trace_id: str, span_id: str) -> int | None:
+        return self._span_end.get((trace_id, span_id))
+
+    def engine_end(self, trace_id: str) -> int | None:
+        return self._engine_end.get(trace_id)
+
+    def running_since(self, service: str) -> list[int]:
+        return [e.ts_ns for e in self._running.values() if e.service == service]
+
+    def prune(self, cutoff_ns: int) -> None:
+        for tuple4 in [k for k, lives in self._by_tuple.items() if max(e.ts_ns for e in lives) < cutoff_ns]:
+            del self._by_tuple[tuple4]
+        for key in [k for k, ts in self._span_end.items() if ts < cutoff_ns]:
+            del self._span_end[key]
+        for trace_id in [t for t, ts in self._engine_end.items() if ts < cutoff_ns]:
+            del self._engine_end[trace_id]
