@@ -28,18 +28,18 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.trace import SpanKind
 
+from auditor.semconv import (
+    ENGINE_SPAN_NAMES,
+    PEER_ADDR_KEYS,
+    PEER_PORT_KEYS,
+    SERVER_PORT_KEYS,
+    first_attribute,
+)
+
 log = logging.getLogger(__name__)
 
 MAX_DATAGRAM = 1024
 DEFAULT_ADDRESS = ("127.0.0.1", 4319)
-
-
-def _first(attributes: Any, *names: str) -> Any:
-    for name in names:
-        value = attributes.get(name) if attributes else None
-        if value is not None:
-            return value
-    return None
 
 
 class LiveReporter:
@@ -92,16 +92,16 @@ class LiveSpanProcessor(SpanProcessor):
             return
         attrs = span.attributes or {}
         service = self.reporter.service or str(span.resource.attributes.get("service.name", ""))
-        peer_port = _first(attrs, "client.port", "net.peer.port")
-        server_port = _first(attrs, "server.port", "net.host.port")
+        peer_port = first_attribute(attrs, PEER_PORT_KEYS)
+        server_port = first_attribute(attrs, SERVER_PORT_KEYS)
         self.reporter.send({
             "v": 1, "ev": event, "trace": f"{context.trace_id:032x}", "span": f"{context.span_id:016x}",
             "name": span.name, "kind": "server", "ts": ts_ns or time.time_ns(),
-            "peer": _first(attrs, "client.address", "net.peer.ip", "network.peer.address"),
+            "peer": first_attribute(attrs, PEER_ADDR_KEYS),
             "peer_port": int(peer_port) if isinstance(peer_port, int) else None,
             "port": int(server_port) if isinstance(server_port, int) else None,
             "pid": self.reporter.pid, "service": service,
-            "engine": span.name == "llm_request",
+            "engine": span.name in ENGINE_SPAN_NAMES,
         })
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:

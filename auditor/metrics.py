@@ -12,7 +12,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from auditor.model import RequestVerdict, Verdict
+from auditor.model import RequestVerdict
 
 ZOMBIE_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
 MAX_LABEL_VALUES = 200  # per label; beyond this, values collapse to "other"
@@ -70,7 +70,7 @@ class DaemonMetrics:
     def settled(self, verdict: RequestVerdict) -> None:
         route, model = self._label("route", verdict.route), self._label("model", verdict.model)
         self.verdicts.labels(verdict.verdict.value, route, model).inc()
-        if verdict.verdict in (Verdict.ZOMBIE, Verdict.INFLIGHT_ZOMBIE):
+        if verdict.verdict.is_zombie:
             if verdict.lag_seconds is not None:
                 self.zombie_duration.labels(route, model).observe(verdict.lag_seconds)
             self.wasted_gpu.inc(verdict.wasted_gpu_seconds)

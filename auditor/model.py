@@ -38,6 +38,14 @@ class Verdict(str, enum.Enum):
     ZOMBIE = "zombie"
     INFLIGHT_ZOMBIE = "inflight_zombie"
 
+    @property
+    def is_zombie(self) -> bool:
+        return self in ZOMBIE_VERDICTS
+
+
+# The verdicts that count as zombies: the one place this is decided (report, metrics, replay use it).
+ZOMBIE_VERDICTS = frozenset({Verdict.ZOMBIE, Verdict.INFLIGHT_ZOMBIE})
+
 
 class Phase(str, enum.Enum):
     """Where the request was when its client left."""

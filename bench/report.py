@@ -34,7 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from auditor.report import ReportQuery, build_report  # noqa: E402
-from auditor.report.model import rfc3339  # noqa: E402
 from auditor.report.render_data import write_json  # noqa: E402
 from auditor.store import (  # noqa: E402
     CoverageRow,
@@ -43,6 +42,7 @@ from auditor.store import (  # noqa: E402
     UtilSampleRow,
     VerdictRow,
 )
+from auditor.timefmt import rfc3339  # noqa: E402
 
 S = 1_000_000_000
 HOUR = 3600 * S

@@ -21,6 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from auditor.model import SpanRecord, SpanRole
+from auditor.semconv import ENGINE_SPAN_NAMES, PEER_ADDR_KEYS, PEER_PORT_KEYS, SERVER_PORT_KEYS
 
 # Bounds on what one span may store: enough for any real instrumentation, small enough that a
 # hostile exporter cannot blow up the database or the daemon's memory.
@@ -42,13 +43,7 @@ _MAX_PID = 2**31 - 1
 _KIND_NAMES = {0: "unspecified", 1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
 _STATUS_NAMES = {0: "unset", 1: "ok", 2: "error"}
 
-ENGINE_SPAN_NAMES = frozenset({"llm_request"})
-
-# Attribute keys, most specific first. Socket-level peer attributes describe the TCP connection
-# itself, which is what the kernel events carry, so they win over the logical client address.
-PEER_ADDR_KEYS = ("network.peer.address", "net.sock.peer.addr", "client.address", "net.peer.ip")
-PEER_PORT_KEYS = ("network.peer.port", "net.sock.peer.port", "client.port", "net.peer.port")
-SERVER_PORT_KEYS = ("server.port", "net.host.port")
+# Attribute keys, most specific first; the join keys' order is auditor.semconv's.
 # Where the ASGI instrumentation puts "host[:port]" (scope server, or the Host header).
 HOST_HEADER_KEYS = ("http.host", "server.address", "http.server_name")
 URL_KEYS = ("url.full", "http.url")

@@ -146,7 +146,7 @@ def export_capture(store: Store, out: Path, *, since_ns: int, until_ns: int, hos
     for suffix in ("", "-wal", "-shm"):  # the file and its SQLite companions
         out.with_name(out.name + suffix).unlink(missing_ok=True)
     return write_capture(out, _entry_requests(store, since_ns, until_ns, host, stream_default), name=name,
-                         window_start_ns=since_ns, window_end_ns=until_ns, source=store._where(),
+                         window_start_ns=since_ns, window_end_ns=until_ns, source=store.where(),
                          on_progress=on_progress)
 
 
@@ -218,9 +218,9 @@ def read_capture(store: Store, capture_id: int | None = None) -> Capture:
         capture = session.scalars(query.limit(1)).first()
         if capture is None:
             known = list(session.scalars(select(CaptureRow.id).order_by(CaptureRow.id)))
-            raise CaptureError(f"{store._where()} holds no capture {capture_id}; it has {known}"
+            raise CaptureError(f"{store.where()} holds no capture {capture_id}; it has {known}"
                                if capture_id is not None and known else
-                               f"{store._where()} holds no capture; make one with `auditor capture export`")
+                               f"{store.where()} holds no capture; make one with `auditor capture export`")
         c = CapturedRequestRow
         rows = session.execute(select(c.id, c.offset_ns, c.route, c.model, c.stream, c.prompt_tokens, c.max_tokens,
                                       c.disconnect_after_ns, c.disconnect_kind, c.original_verdict, c.body)

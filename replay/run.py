@@ -18,12 +18,12 @@ from typing import Any
 
 from sqlalchemy import select
 
-from auditor.model import Verdict
+from auditor.model import ZOMBIE_VERDICTS, Verdict
 from auditor.store import ReplayResultRow, ReplayRunRow, Store, VerdictRow
 from replay.capture import Capture, CaptureError, sample_cancels
 from replay.client import RequestOutcome, RequestPlan
 
-ZOMBIES = (Verdict.ZOMBIE.value, Verdict.INFLIGHT_ZOMBIE.value)
+ZOMBIES = frozenset(v.value for v in ZOMBIE_VERDICTS)
 SCHEMA = "auditor.replay/v1"
 
 

@@ -26,7 +26,7 @@ from tests.e2e import (
     wait_for,
 )
 
-pytestmark = pytest.mark.privileged
+pytestmark = [pytest.mark.privileged, pytest.mark.slow]
 LAG_TOLERANCE_S = 0.020
 
 
@@ -97,7 +97,6 @@ def test_verdicts_match_truth(tmp_path: Path, behavior: str) -> None:
     # The keep-alive requests completed and their connection closed idle: never a finding.
     assert all(rows[rid].verdict == "completed" for rid in {f"{behavior}-ka1", f"{behavior}-ka2"} & set(rows))
     assert {t["request_id"] for t in all_truth} >= {f"cmpl-{behavior}-ka1", f"cmpl-{behavior}-ka2"}
-    assert GRACE_S == 0.5
 
 
 def test_live_notices_flag_a_zombie_while_it_runs(tmp_path: Path) -> None:
@@ -106,15 +105,15 @@ def test_live_notices_flag_a_zombie_while_it_runs(tmp_path: Path) -> None:
             extra_args=["--live", f"127.0.0.1:{daemon.status.live_port}"]) as engine:
         daemon.set_ports({engine.port})
         cancel_after(engine.port, 0.3, "fin", stream=True, max_tokens=400, request_id="live").join()
-        disconnected = time.monotonic()
         assert wait_for(lambda: [r.verdict for r in verdict_rows(daemon)] == ["inflight_zombie"],
-                        timeout_s=GRACE_S + 1.0, interval_s=0.02)
-        flagged_after = time.monotonic() - disconnected
-        assert flagged_after <= GRACE_S + 1.0
-        # When the work finally ends, the same request becomes a zombie with its full lag.
+                        timeout_s=30, interval_s=0.02)
+        [flagged] = verdict_rows(daemon)
+        # When the work finally ends, the same request becomes a zombie with its full lag: it was
+        # flagged while its work still ran (how soon is bench/detection.py's figure).
         assert wait_for(lambda: [r.verdict for r in verdict_rows(daemon)] == ["zombie"], timeout_s=60)
         [row] = verdict_rows(daemon)
-        assert row.request_id == "live" and row.lag_seconds > GRACE_S
+        assert row.request_id == flagged.request_id == "live"
+        assert row.lag_seconds > flagged.lag_seconds >= GRACE_S, (row.lag_seconds, flagged.lag_seconds)
 
 
 def test_vllm_style_abort_without_engine_span_is_aborted(tmp_path: Path) -> None:

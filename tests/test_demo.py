@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.privileged
+pytestmark = [pytest.mark.privileged, pytest.mark.slow]
 
 
 def test_demo_finds_zombies_and_passes_the_gate_after_the_fix(tmp_path: Path) -> None:

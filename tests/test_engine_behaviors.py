@@ -20,6 +20,8 @@ import pytest
 
 from replay.engine.launch import EngineProcess, running_engine
 
+pytestmark = pytest.mark.slow
+
 STEP_MS = 5.0
 LATE_SECONDS = 0.3
 VICTIM_TOKENS = 100

@@ -29,6 +29,8 @@ from tests.test_correlate import (
     verdicts,
 )
 
+pytestmark = pytest.mark.slow
+
 # Exporters retry a 503 until their deadline (10 s by default); an outage longer than that loses
 # spans at the exporter, so these tests give it a deadline that outlasts the outage.
 PATIENT_EXPORTER = {"OTEL_EXPORTER_OTLP_TIMEOUT": "40"}

@@ -10,7 +10,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -92,6 +91,7 @@ def test_export_takes_entry_requests_of_the_window(store: Store, tmp_path: Path)
     assert export(store, out, since_ns=T0, until_ns=T0 + 10 * S, force=True)[1] == 2
 
 
+@pytest.mark.slow
 def test_capture_garbage_is_refused_with_what_to_do(tmp_path: Path) -> None:
     junk = tmp_path / "junk.db"
     junk.write_bytes(b"this is not sqlite" * 100)
@@ -194,6 +194,7 @@ def test_cancels_are_reproducible_by_seed() -> None:
 
 
 @pytest.mark.privileged
+@pytest.mark.slow
 def test_replay_finds_zombies_then_confirms_the_fix(tmp_path: Path) -> None:
     capture = tmp_path / "capture.db"
     # Every request cancelled 0.3 s in; the detached engine then generates for about 3.5 s more, long
@@ -217,15 +218,13 @@ def test_replay_finds_zombies_then_confirms_the_fix(tmp_path: Path) -> None:
     assert result["zombies"] == 6 and result["verdicts"] == {"zombie": 6}, result
     assert result["wasted_tokens"] > 6 * 150 and result["lag_max_s"] > 2.5 and result["provisional"] == 0
     with running_engine(behavior="abort", otlp=f"http://127.0.0.1:{otlp_port}", step_ms=15) as engine:
-        started = time.monotonic()
         fixed = auditor("replay", str(capture), "--target", engine.url, *replay_args, "--baseline", "previous")
-        took = time.monotonic() - started
     assert fixed.returncode == 0, (fixed.stdout, fixed.stderr)
     assert "Zombies: 6 → 0 (baseline run 1)" in fixed.stdout, fixed.stdout
     assert "verdicts for the cancelled: aborted 6" in fixed.stdout, fixed.stdout
     # The aborts carry no engine span: the engine's /metrics showing it idle ends the wait, not the
-    # 60 s late-span window.
-    assert "judged: engine idle for 1 s" in fixed.stderr and took < 40, (took, fixed.stderr)
+    # 60 s late-span window (the message says which ended it).
+    assert "judged: engine idle for 1 s" in fixed.stderr, fixed.stderr
     store = Store(f"sqlite:///{capture}")
     with store.engine.connect() as conn:
         runs = conn.exec_driver_sql("SELECT id, capture_id FROM replay_runs ORDER BY id").all()

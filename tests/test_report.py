@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from auditor.report import ReportQuery, build_report
-from auditor.report.model import RequestFinding, rfc3339
+from auditor.report.model import RequestFinding
 from auditor.report.query import FINDING_COLUMNS
 from auditor.report.render_data import (
     REQUEST_FIELDS,
@@ -24,6 +24,7 @@ from auditor.report.render_data import (
 from auditor.report.render_html import render_html
 from auditor.report.render_table import render_table
 from auditor.store import Store
+from auditor.timefmt import rfc3339
 from tests.report_data import CHAT, COMPLETIONS, EVIL_ID, LLAMA, QWEN, T0, at, fill, trace
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())

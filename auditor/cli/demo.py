@@ -23,6 +23,7 @@ from sqlalchemy import func, select
 
 from auditor.cli.util import errors_as_click
 from auditor.config import apply_overrides, load_config
+from auditor.report.model import ZOMBIE_VERDICTS
 from auditor.store.schema import VerdictRow
 
 BUGGY, FIXED = "detached", "abort"
@@ -143,7 +144,7 @@ def run_demo(output_dir: Path) -> int:
                                                until_ns=end_ns)
         click.echo(f"  auditor capture export: {captured} requests -> {capture_path}")
         summary = _gate(config, capture_path)
-    zombies_before = before.get("zombie", 0) + before.get("inflight_zombie", 0)
+    zombies_before = sum(before.get(v, 0) for v in ZOMBIE_VERDICTS)
     click.echo(f"  auditor replay --as-captured: {summary.cancelled} of {summary.sent} requests cancelled as "
                f"captured; verdicts {summary.verdicts}" + (f", {summary.unjudged} without one" if summary.unjudged else ""))
     passed = summary.zombies == summary.unjudged == summary.provisional == 0 < zombies_before

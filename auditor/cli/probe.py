@@ -7,7 +7,6 @@ clean for pipes. SIGINT and SIGTERM stop the stream cleanly.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 import signal
@@ -22,22 +21,16 @@ import click
 from auditor.cli.util import PORT, common_options, errors_as_click
 from auditor.config import Config
 from auditor.model import ConnEvent
+from auditor.timefmt import rfc3339
 from probes.source import SOURCE_CHOICES, open_source
 
 # 97 columns: time of day in UTC (the date is in --json), addresses wide enough for IPv6 loopback.
 TABLE_HEADER = f"{'TIME (UTC)':<18} {'KIND':<9} {'CLIENT':<24} {'SERVER':<24} {'COOKIE':>18}"
 
 
-def rfc3339_ns(ts_ns: int) -> str:
-    """``2026-11-22T04:20:01.123456789Z``: RFC 3339 in UTC with all nine digits."""
-    seconds, nanos = divmod(ts_ns, 1_000_000_000)
-    moment = dt.datetime.fromtimestamp(seconds, dt.timezone.utc)
-    return f"{moment:%Y-%m-%dT%H:%M:%S}.{nanos:09d}Z"
-
-
 def event_json(event: ConnEvent) -> dict[str, Any]:
     return {
-        "ts": rfc3339_ns(event.ts_ns), "kind": event.kind.value,
+        "ts": rfc3339(event.ts_ns), "kind": event.kind.value,
         "client_addr": event.client_addr, "client_port": event.client_port,
         "server_addr": event.server_addr, "server_port": event.server_port,
         "family": event.family, "cookie": event.cookie,
@@ -50,7 +43,7 @@ def _endpoint(addr: str, port: int) -> str:
 
 def event_row(event: ConnEvent) -> str:
     cookie = "-" if event.cookie is None else f"{event.cookie:#x}"
-    time_of_day = rfc3339_ns(event.ts_ns)[11:-1]
+    time_of_day = rfc3339(event.ts_ns)[11:-1]
     return (f"{time_of_day:<18} {event.kind.value:<9} "
             f"{_endpoint(event.client_addr, event.client_port):<24} "
             f"{_endpoint(event.server_addr, event.server_port):<24} {cookie:>18}")

@@ -25,12 +25,13 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import func, select
 
 from auditor.correlate.live import LiveState
+from auditor.correlate.requests import Disconnect, OpenRequest, RequestKey
 from auditor.correlate.traces import TraceIndex, Tuple4, norm_addr, span_tuple
 from auditor.correlate.verdict import Evidence, decide, phase_at, tokens_after_disconnect
 from auditor.correlate.waste import requests_in_flight, wasted
@@ -48,36 +49,9 @@ from auditor.store.schema import ConnEventRow, CorrelatorStateRow, CoverageRow, 
 
 log = logging.getLogger(__name__)
 
-RequestKey = tuple[str, str]  # (trace id, span id of the request's outermost server span)
 ENGINE_SETTLE_AFTER_LIVE_END_NS = 2_000_000_000
 HORIZON_NS = 15 * 60 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
-
-
-@dataclass(slots=True)
-class Disconnect:
-    event_id: int
-    ts_ns: int
-    kind: str  # "fin" or "rst"
-    tuple4: Tuple4
-
-
-@dataclass(slots=True)
-class OpenRequest:
-    """A request that had a client disconnect while in flight, until its verdict settles."""
-
-    key: RequestKey
-    disconnects: dict[Tuple4, Disconnect] = field(default_factory=dict)  # the first one per hop
-    live_span: LiveEvent | None = None  # its server span's start, while known only live
-    written: RequestVerdict | None = None
-
-    def origin(self) -> Disconnect:
-        return min(self.disconnects.values(), key=lambda d: d.ts_ns)
-
-    def add(self, disconnect: Disconnect) -> None:
-        known = self.disconnects.get(disconnect.tuple4)
-        if known is None or disconnect.ts_ns < known.ts_ns:  # a FIN then an RST: the FIN counts
-            self.disconnects[disconnect.tuple4] = disconnect
 
 
 @dataclass

@@ -8,34 +8,18 @@ RFC 3339 only at the edge, so nothing is lost between the store and the output.
 from __future__ import annotations
 
 import datetime as dt
-import functools
-import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from auditor.model import Verdict
+from auditor.timefmt import rfc3339_seconds
 
 SCHEMA_ID = "auditor.report/v1"
 
 # The verdicts a request with a disconnect can have (DESIGN §5), in the order reports show them.
-VERDICTS = ("completed", "aborted", "zombie", "inflight_zombie")
-ZOMBIE_VERDICTS = ("zombie", "inflight_zombie")
+VERDICTS = tuple(v.value for v in Verdict)
+ZOMBIE_VERDICTS = tuple(v.value for v in Verdict if v.is_zombie)
 BREAKDOWN_DIMENSIONS = ("route", "model", "phase", "disconnect_kind")
-
-
-@functools.lru_cache(maxsize=8192)
-def _second_prefix(epoch_seconds: int) -> str:
-    # Cached per second: a report formats many times that share their second, and strftime
-    # dominates the cost of formatting a nanosecond time.
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(epoch_seconds))
-
-
-def rfc3339(ns: int) -> str:
-    """Wall-clock nanoseconds as RFC 3339 UTC with nanosecond precision: ``...T10:00:00.000000001Z``."""
-    seconds, fraction = divmod(ns, 1_000_000_000)
-    return f"{_second_prefix(seconds)}.{fraction:09d}Z"
-
-
-def rfc3339_or_none(ns: int | None) -> str | None:
-    return None if ns is None else rfc3339(ns)
 
 
 def to_ns(moment: dt.datetime) -> int:
@@ -211,8 +195,3 @@ class Report:
             return f"{what} {window}; the store holds no requests yet"
         return (f"{what} {window}; the store holds data from "
                 f"{rfc3339_seconds(self.data_range.first_ns)} to {rfc3339_seconds(self.data_range.last_ns)}")
-
-
-def rfc3339_seconds(ns: int) -> str:
-    """A time for people: RFC 3339 UTC to the second."""
-    return _second_prefix(ns // 1_000_000_000) + "Z"

@@ -85,7 +85,7 @@ def build_report(store: Store, query: ReportQuery, *, with_requests: bool = True
                           requests_as_json=as_json)
     except SQLAlchemyError as exc:
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
-        raise StoreError(f"reading the report from {store._where()} failed: {reason}") from exc
+        raise StoreError(f"reading the report from {store.where()} failed: {reason}") from exc
 
 
 def _build(conn: Connection, query: ReportQuery, *, with_requests: bool, with_series: bool,

@@ -19,9 +19,8 @@ from auditor.report.model import (
     BreakdownRow,
     Report,
     RequestFinding,
-    rfc3339,
-    rfc3339_or_none,
 )
+from auditor.timefmt import rfc3339, rfc3339_or_none
 
 # The fields of one request, in order: the JSON object keys and the CSV header.
 REQUEST_FIELDS = (

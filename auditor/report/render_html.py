@@ -6,9 +6,10 @@ the store is escaped (request ids, routes and models are chosen by clients).
 
 from __future__ import annotations
 
-from auditor.report.model import Report, RequestFinding, rfc3339, rfc3339_seconds
+from auditor.report.model import Report, RequestFinding
 from auditor.report.render_table import DIMENSION_TITLES, VERDICT_LABELS, duration, percent
 from auditor.report.svg import Series, esc, time_chart, zombie_timelines
+from auditor.timefmt import rfc3339, rfc3339_seconds
 
 STYLE = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px auto;max-width:960px;

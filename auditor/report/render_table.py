@@ -6,7 +6,8 @@ escaped so that a crafted request id cannot move the cursor or recolour the term
 
 from __future__ import annotations
 
-from auditor.report.model import BreakdownRow, Report, rfc3339_seconds
+from auditor.report.model import BreakdownRow, Report
+from auditor.timefmt import rfc3339_seconds
 
 WIDTH = 100
 BREAKDOWN_ROWS = 10  # per dimension; the JSON output has them all

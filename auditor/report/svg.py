@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from html import escape
 
-from auditor.report.model import UtilPoint, ZombieTimeline, rfc3339_seconds
+from auditor.report.model import UtilPoint, ZombieTimeline
+from auditor.timefmt import rfc3339_seconds
 
 WIDTH, HEIGHT = 920, 260
 LEFT, RIGHT, TOP, BOTTOM = 64, 64, 16, 40

@@ -153,13 +153,13 @@ class Store:
                 return MigrationContext.configure(conn).get_current_revision()
         except OperationalError as exc:
             if self.engine.dialect.name != "sqlite":
-                raise StoreError(f"cannot reach {self._where()} ({_short(exc)}); check that the server "
+                raise StoreError(f"cannot reach {self.where()} ({_short(exc)}); check that the server "
                                  "is up and the URL, user and password are right") from exc
-            raise StoreError(f"cannot open {self._where()} ({_short(exc)}); check the path and its "
+            raise StoreError(f"cannot open {self.where()} ({_short(exc)}); check the path and its "
                              "permissions") from exc
         except DatabaseError as exc:
             raise StoreError(
-                f"{self._where()} is not a readable auditor database ({_short(exc)}); "
+                f"{self.where()} is not a readable auditor database ({_short(exc)}); "
                 "move it aside or pass another --db"
             ) from exc
 
@@ -169,7 +169,7 @@ class Store:
         known = {rev.revision for rev in ScriptDirectory.from_config(self._alembic_config()).walk_revisions()}
         if current is not None and current not in known:
             raise StoreError(
-                f"{self._where()} has schema {current}, newer than this auditor knows (head {head}); "
+                f"{self.where()} has schema {current}, newer than this auditor knows (head {head}); "
                 "upgrade the auditor or point --db elsewhere"
             )
         if current == head:
@@ -179,11 +179,11 @@ class Store:
                 tables = set(inspect(conn).get_table_names())
             if tables:
                 raise StoreError(
-                    f"{self._where()} holds tables {sorted(tables)[:3]} but no auditor schema; "
+                    f"{self.where()} holds tables {sorted(tables)[:3]} but no auditor schema; "
                     "refusing to touch it: pass another --db"
                 )
         if not upgrade:
-            raise StoreError(f"{self._where()} needs migrating to {head}: run `auditor db upgrade`")
+            raise StoreError(f"{self.where()} needs migrating to {head}: run `auditor db upgrade`")
         self.upgrade()
 
     def upgrade(self) -> None:
@@ -194,9 +194,10 @@ class Store:
                 cfg.attributes["connection"] = conn
                 command.upgrade(cfg, "head")
         except SQLAlchemyError as exc:
-            raise StoreError(f"could not migrate {self._where()}: {_short(exc)}") from exc
+            raise StoreError(f"could not migrate {self.where()}: {_short(exc)}") from exc
 
-    def _where(self) -> str:
+    def where(self) -> str:
+        """The store's URL with any password hidden: what error messages name."""
         return make_url(self.url).render_as_string(hide_password=True)
 
     # -- writes -----------------------------------------------------------------------------
@@ -212,7 +213,7 @@ class Store:
                 else:
                     conn.execute(insert(table) if statement is None else statement, rows)
         except OperationalError as exc:
-            raise StoreError(f"write to {self._where()} failed: {_short(exc)}") from exc
+            raise StoreError(f"write to {self.where()} failed: {_short(exc)}") from exc
         return len(rows)
 
     def _insert_records(self, table: Any, records: Iterable[Any], *, skip_duplicates: bool = False) -> int:
@@ -269,7 +270,7 @@ class Store:
         try:
             self._upsert_verdicts(verdicts, now)
         except OperationalError as exc:
-            raise StoreError(f"write to {self._where()} failed: {_short(exc)}") from exc
+            raise StoreError(f"write to {self.where()} failed: {_short(exc)}") from exc
         return len(verdicts)
 
     def _upsert_verdicts(self, verdicts: Sequence[RequestVerdict], now: int) -> None:

@@ -1,0 +1,36 @@
+"""The correlator's records of a request under judgement: the client disconnects joined to it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from auditor.correlate.traces import Tuple4
+from auditor.model import LiveEvent, RequestVerdict
+
+RequestKey = tuple[str, str]  # (trace id, span id of the request's outermost server span)
+
+
+@dataclass(slots=True)
+class Disconnect:
+    event_id: int
+    ts_ns: int
+    kind: str  # "fin" or "rst"
+    tuple4: Tuple4
+
+
+@dataclass(slots=True)
+class OpenRequest:
+    """A request that had a client disconnect while in flight, until its verdict settles."""
+
+    key: RequestKey
+    disconnects: dict[Tuple4, Disconnect] = field(default_factory=dict)  # the first one per hop
+    live_span: LiveEvent | None = None  # its server span's start, while known only live
+    written: RequestVerdict | None = None
+
+    def origin(self) -> Disconnect:
+        return min(self.disconnects.values(), key=lambda d: d.ts_ns)
+
+    def add(self, disconnect: Disconnect) -> None:
+        known = self.disconnects.get(disconnect.tuple4)
+        if known is None or disconnect.ts_ns < known.ts_ns:  # a FIN then an RST: the FIN counts
+            self.disconnects[disconnect.tuple4] = disconnect
