@@ -125,6 +125,7 @@ class Daemon:
         with self.store.session() as session:
             self._completed_cursor = int(session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0)
         self._spawn("correlator", self._correlate_loop)
+        self._start_retention()
         if self.config.metrics.listen:
             from prometheus_client import start_http_server
 
@@ -212,6 +213,11 @@ class Daemon:
         except AuditorError as exc:
             log.warning("samples dropped: %s", exc)
 
+    def _start_retention(self) -> None:
+        retention = self.config.retention
+        if retention.raw_hours or retention.verdict_days:
+            self._spawn("retention", self._retention_loop)
+
     # -- loops ------------------------------------------------------------------------------
     def _probe_loop(self) -> None:
         source, writer = self._parts["probe"], self._parts["event_writer"]
@@ -246,6 +252,24 @@ class Daemon:
                 next_tick = time.monotonic()
                 delay = 0
             self._stop.wait(delay)
+
+    def _retention_loop(self) -> None:
+        """Prune old rows now and then, a batch at a time with a pause between batches, so the
+        writers (one at a time on SQLite) never wait for more than one batch."""
+        from auditor.store.retention import RetentionPolicy, prune
+
+        retention = self.config.retention
+        policy = RetentionPolicy(retention.raw_hours, retention.verdict_days, retention.batch_rows)
+        while not self._stop.is_set():
+            try:
+                deleted = prune(self.store, policy, host=self.host, pause=lambda: self._stop.wait(0.05))
+                if any(deleted.values()):
+                    log.info("retention: deleted %s", ", ".join(f"{n} {t}" for t, n in deleted.items() if n))
+            except StoreError as exc:
+                log.warning("retention pass failed, retrying in %.0f s: %s", retention.interval_seconds, exc)
+            except Exception:
+                log.exception("retention pass failed; retrying")
+            self._stop.wait(retention.interval_seconds)
 
     def correlate_once(self) -> None:
         started, failed = time.monotonic(), False
