@@ -66,6 +66,16 @@ class LiveConfig:
 
 
 @dataclass
+class ExportConfig:
+    otlp_logs_endpoint: str = ""  # OTLP/HTTP logs URL for final verdicts, e.g. http://collector:4318/v1/logs
+
+    def validate(self) -> None:
+        if self.otlp_logs_endpoint and not self.otlp_logs_endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"export.otlp_logs_endpoint = {self.otlp_logs_endpoint!r}: expected an http:// or "
+                              "https:// URL, e.g. http://127.0.0.1:4318/v1/logs ('' turns it off)")
+
+
+@dataclass
 class RetentionConfig:
     raw_hours: float = 6.0  # spans, kernel events, utilization samples; 0 keeps them forever
     verdict_days: float = 30.0  # verdicts and coverage; 0 keeps them forever
@@ -96,6 +106,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     live: LiveConfig = field(default_factory=LiveConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
     def validate(self) -> None:
         if self.probe.source not in ("auto", "bpf", "procfs"):
@@ -114,6 +125,7 @@ class Config:
             if addr:
                 parse_address(addr, key)
         self.retention.validate()
+        self.export.validate()
 
 
 def _positive(key: str, value: float) -> None:
@@ -133,7 +145,7 @@ def parse_address(text: str, key: str = "address") -> tuple[str, int]:
 SECTIONS: dict[str, type] = {
     "probe": ProbeConfig, "otlp": OtlpConfig, "sampler": SamplerConfig,
     "correlate": CorrelateConfig, "metrics": MetricsConfig, "live": LiveConfig,
-    "retention": RetentionConfig,
+    "retention": RetentionConfig, "export": ExportConfig,
 }
 
 

@@ -30,7 +30,7 @@ from auditor.config import Config, parse_address
 from auditor.correlate import Correlator
 from auditor.errors import AuditorError, ConfigError, StoreError
 from auditor.metrics import DaemonMetrics, SourceReadings
-from auditor.model import CoverageKind, SpanRole, UtilSample
+from auditor.model import CoverageKind, RequestVerdict, SpanRole, UtilSample
 from auditor.store import Store
 from auditor.store.schema import SpanRow, UtilSampleRow
 
@@ -110,6 +110,7 @@ class Daemon:
         self._start_probe()
         self._start_receivers()
         self._start_samplers()
+        self._start_findings()
         if self.config.live.listen:
             from collectors.live import LiveReceiver
 
@@ -121,7 +122,7 @@ class Daemon:
             self.status.live_port = live.port
         self.correlator = Correlator(self.store, host=self.host, grace_seconds=self.config.correlate.grace_seconds,
                                      late_span_seconds=self.config.correlate.late_span_seconds,
-                                     watched_ports=lambda: set(self._ports), on_settled=self.metrics.settled)
+                                     watched_ports=lambda: set(self._ports), on_settled=self._settled)
         with self.store.session() as session:
             self._completed_cursor = int(session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0)
         self._spawn("correlator", self._correlate_loop)
@@ -212,6 +213,16 @@ class Daemon:
             self.store.write(list(samples))
         except AuditorError as exc:
             log.warning("samples dropped: %s", exc)
+
+    def _start_findings(self) -> None:
+        from auditor.findings import FindingsExporter
+
+        self.findings = FindingsExporter(self.config.export.otlp_logs_endpoint)
+
+    def _settled(self, verdict: RequestVerdict) -> None:
+        """A verdict became final: count it, and tell the journal and the tracing backend."""
+        self.metrics.settled(verdict)
+        self.findings.settled(verdict)
 
     def _start_retention(self) -> None:
         retention = self.config.retention
@@ -378,6 +389,7 @@ class Daemon:
         if "live" in self._parts:
             _quietly(self._parts["live"].stop)
         self.correlate_once()
+        _quietly(self.findings.shutdown)
         if "metrics" in self._parts:
             _quietly(self._parts["metrics"].shutdown)
         self.store.close()
