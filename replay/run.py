@@ -20,7 +20,7 @@ from sqlalchemy import select
 
 from auditor.model import ZOMBIE_VERDICTS, Verdict
 from auditor.store import ReplayResultRow, ReplayRunRow, Store, VerdictRow
-from replay.capture import Capture, CaptureError, sample_cancels
+from replay.capture import Capture, CapturedRequest, CaptureError, sample_cancels
 from replay.client import RequestOutcome, RequestPlan
 
 ZOMBIES = frozenset(v.value for v in ZOMBIE_VERDICTS)
@@ -41,6 +41,12 @@ class ReplayOptions:
     request_timeout_s: float | None = 600.0  # a request not cancelled and not answered by then is an error
 
 
+def answered_first(request: CapturedRequest) -> bool:
+    """The capture saw this client leave only after its answer was complete: a close, not a cancel,
+    so ``--as-captured`` does not plan one (it could never fire, and a gate counts missed cancels)."""
+    return request.original_verdict == Verdict.COMPLETED.value
+
+
 def plan_replay(capture: Capture, options: ReplayOptions, *, tag: str) -> list[RequestPlan]:
     requests = capture.requests[: options.limit] if options.limit is not None else capture.requests
     injected = sample_cancels(len(requests), options.cancel_rate, options.seed)
@@ -48,7 +54,7 @@ def plan_replay(capture: Capture, options: ReplayOptions, *, tag: str) -> list[R
     for index, (request, inject) in enumerate(zip(requests, injected, strict=True)):
         delay: float | None = None
         close = options.close_with or "fin"
-        if options.as_captured and request.disconnect_after_s is not None:
+        if options.as_captured and request.disconnect_after_s is not None and not answered_first(request):
             delay = request.disconnect_after_s
             close = options.close_with or request.disconnect_kind or "fin"
         elif inject:
@@ -312,7 +318,7 @@ def resolve_baseline(store: Store, capture: Capture, baseline: str | None,
             if request.original_verdict:
                 verdicts[request.original_verdict] = verdicts.get(request.original_verdict, 0) + 1
         zombies = sum(count for verdict, count in verdicts.items() if verdict in ZOMBIES)
-        disconnects = sum(1 for r in requests if r.disconnect_after_s is not None)
+        disconnects = sum(1 for r in requests if r.disconnect_after_s is not None and not answered_first(r))
         return Baseline(None, zombies, {"sent": len(requests), "cancelled": disconnects, "verdicts": verdicts,
                                         "zombies": zombies})
     with store.session() as session:

@@ -143,6 +143,9 @@ def test_plans_replay_captured_disconnects_and_timing() -> None:
     plans = plan_replay(capture, ReplayOptions(as_captured=True, speed=2.0, model="staging-model"), tag="t")
     assert [(p.cancel_after_s, p.close_with, p.start_at_s) for p in plans] == [
         (0.7, "rst", 0.0), (None, "fin", 1.0), (0.0, "fin", 2.0)]
+    # A client that left after its answer was complete closed, it did not cancel: nothing to plan.
+    closed = replace(capture, requests=[replace(capture.requests[0], original_verdict="completed")])
+    assert plan_replay(closed, ReplayOptions(as_captured=True), tag="t")[0].cancel_after_s is None
     assert {p.body["model"] for p in plans} == {"staging-model"} and plans[0].path == CHAT_PATH
     assert len({p.trace_id for p in plans}) == 3 and plans[1].request_id == "t-000001"
     forced = plan_replay(capture, ReplayOptions(as_captured=True, close_with="fin", speed=0), tag="t")
