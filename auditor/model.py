@@ -80,6 +80,9 @@ class ConnEvent:
     cookie: int | None = None
     host: str = ""
     source: str = "bpf"  # "bpf" or "procfs" (the unprivileged fallback)
+    # A polled event is an interval, not an instant: the socket was last seen unchanged at
+    # ``earliest_ns`` and first seen changed at ``ts_ns``. None for the probe, whose ts_ns is exact.
+    earliest_ns: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
