@@ -155,7 +155,8 @@ class Daemon:
         from probes.writer import ConnEventWriter
 
         try:
-            source = open_source(ports=sorted(self._ports), prefer=self.config.probe.source, host=self.host)
+            source = open_source(ports=sorted(self._ports), prefer=self.config.probe.source, host=self.host,
+                                 poll_hz=self.config.probe.poll_hz)
             source.start()
         except AuditorError as exc:
             log.error("no disconnect source: %s", exc)
