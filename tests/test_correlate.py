@@ -86,6 +86,27 @@ def test_zombie_engine_ran_on_after_disconnect(store: Store) -> None:
     assert [v.verdict for v in settled] == [Verdict.ZOMBIE]
 
 
+def test_a_late_span_reopens_but_does_not_count_the_verdict_again(store: Store) -> None:
+    clock = Clock()
+    settled: list[RequestVerdict] = []
+    correlator = make(store, clock, settled)
+    store.insert_spans([http_span("a", 0, 1.0), engine_span("a", 0, 4.0, "length", tokens=200)])
+    store.insert_conn_events([close(1.0)])
+    clock.now = T0 + 5 * S
+    correlator.tick()
+    # A straggler of the same trace (an ASGI `http send` sub-span) reopens the settled request.
+    straggler = replace(http_span("a", 0.9, 0.95, span="6"), parent_span_id="5" * 16, kind="internal",
+                        role=SpanRole.OTHER, name="POST /v1/completions http send", peer_addr=None,
+                        peer_port=None)
+    store.insert_spans([straggler])
+    clock.now = T0 + 11 * S
+    correlator.tick()
+    clock.now = T0 + 17 * S
+    correlator.tick()
+    assert [v.verdict for v in verdicts(store)] == ["zombie"]
+    assert [v.verdict for v in settled] == [Verdict.ZOMBIE]
+
+
 def test_vllm_abort_without_engine_span_is_aborted_then_settles(store: Store) -> None:
     clock = Clock()
     settled: list[RequestVerdict] = []

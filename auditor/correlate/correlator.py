@@ -394,7 +394,9 @@ class Correlator:
             self._settled[key[0]][key[1]] = request
             if written.request_id:
                 self._settled_by_request_id[written.request_id] = key
-            self.on_settled(written)
+            if request.reported is not written.verdict:
+                request.reported = written.verdict
+                self.on_settled(written)
 
     def _count(self, kind: CoverageKind, detail: str, ts_ns: int, count: int = 1) -> None:
         if detail in self._counted:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from auditor.correlate.traces import Tuple4
-from auditor.model import LiveEvent, RequestVerdict
+from auditor.model import LiveEvent, RequestVerdict, Verdict
 
 RequestKey = tuple[str, str]  # (trace id, span id of the request's outermost server span)
 
@@ -27,6 +27,9 @@ class OpenRequest:
     disconnects: dict[Tuple4, Disconnect] = field(default_factory=dict)  # the first one per hop
     live_span: LiveEvent | None = None  # its server span's start, while known only live
     written: RequestVerdict | None = None
+    reported: Verdict | None = None  # the verdict last handed to on_settled: a reopen that ends
+    # in the same verdict is not reported (or counted) again
+
 
     def origin(self) -> Disconnect:
         return min(self.disconnects.values(), key=lambda d: d.ts_ns)
