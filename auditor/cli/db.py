@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from auditor.cli.util import common_options, errors_as_click
+from auditor.cli.util import common_options, errors_as_click, store_url
 from auditor.config import Config
 
 
@@ -30,8 +30,9 @@ def status(config: Config) -> None:
     """Show the store's schema revision without changing anything."""
     from auditor.store import Store
 
+    url, _found = store_url(config)
     with errors_as_click():
-        store = Store(config.db or None, check=False, create=False)
+        store = Store(url, check=False, create=False)
         current = store.current_revision() or "none"
         head = store.head_revision()
         state = "up to date" if current == head else "needs `auditor db upgrade`"

@@ -26,7 +26,8 @@ def common_options(func: F) -> F:
     @click.option("--config", "config_path", type=click.Path(dir_okay=False),
                   help="TOML configuration file (AUDITOR_* variables override it).")
     @click.option("--db", "db_url", metavar="URL",
-                  help="Database URL [default: sqlite:///auditor.db, or the state directory under systemd].")
+                  help="Database URL [default: the auditor service's /var/lib/auditor/auditor.db when it "
+                       "exists, else sqlite:///auditor.db].")
     @functools.wraps(func)
     def wrapper(*args: Any, config_path: str | None, db_url: str | None, **kwargs: Any) -> Any:
         with errors_as_click():
@@ -47,12 +48,34 @@ class errors_as_click:
             raise click.ClickException(str(exc)) from exc
 
 
+def store_url(config: Config) -> tuple[str, bool]:
+    """The database a reading command opens, and whether it was found rather than named.
+
+    Named: ``--db``, the config file's ``db`` or ``AUDITOR_DB``. Found: the systemd unit's database
+    when it exists (so ``auditor report`` on the host needs no ``--db``), else ``auditor.db`` here.
+    """
+    from auditor.store import default_db_url
+
+    if config.db:
+        return config.db, False
+    with errors_as_click():
+        return default_db_url(find_service_db=True), True
+
+
 def open_store(config: Config, *, create: bool = True) -> Any:
-    """The configured store, migrated; errors become click errors."""
+    """The configured store, migrated; errors become click errors.
+
+    A database the command found by itself is named on standard error, so nobody reads the
+    wrong file's findings without knowing it.
+    """
     from auditor.store import Store
 
+    url, found = store_url(config)
     with errors_as_click():
-        return Store(config.db or None, create=create)
+        store = Store(url, create=create)
+    if found:
+        click.echo(f"database: {store.where()}", err=True)
+    return store
 
 
 class PortType(click.ParamType):  # type: ignore[type-arg]  # generic only in newer click

@@ -38,11 +38,33 @@ from auditor.store.schema import ConnEventRow, CoverageRow, SpanRow, UtilSampleR
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 
 
-def default_db_url() -> str:
-    """SQLite in the state directory: systemd's StateDirectory when set, else the working directory."""
+# The systemd unit's state directory (StateDirectory=auditor). Tests move it by patching this;
+# it is no setting: a host has one unit and one place.
+SYSTEM_DB_DIR = Path("/var/lib/auditor")
+
+
+def default_db_url(*, find_service_db: bool = False) -> str:
+    """SQLite in the state directory: systemd's StateDirectory when set, else the working directory.
+
+    ``find_service_db`` is for commands that read what the daemon wrote, run from a shell: the
+    unit's database comes before the working directory when it exists. Raises StoreError when it
+    exists but this user may not read it, rather than quietly reading some other file.
+    """
     state_dir = os.environ.get("STATE_DIRECTORY")
     if state_dir:
         return f"sqlite:///{Path(state_dir.split(':')[0]) / 'auditor.db'}"
+    if find_service_db:
+        path = SYSTEM_DB_DIR / "auditor.db"
+        # The unit makes its state directory 0750 auditor:auditor: others cannot even look inside.
+        try:
+            found = path.exists() if os.access(path.parent, os.X_OK) else path.parent.is_dir()
+        except OSError:
+            found = False
+        if found and not os.access(path, os.R_OK):
+            raise StoreError(f"{path} is the auditor service's database and this user cannot read it; "
+                             "run with sudo (or join the auditor group, with UMask=0027 in the unit), or pass --db")
+        if found:
+            return f"sqlite:///{path}"
     return "sqlite:///auditor.db"
 
 
