@@ -11,7 +11,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from auditor.model import SpanRole
-from collectors.normalize import MAX_ATTRIBUTES, MAX_STRING_CHARS, TOO_DEEP_MARK, normalize_request
+from collectors.attributes import MAX_ATTRIBUTES, MAX_STRING_CHARS, TOO_DEEP_MARK
+from collectors.normalize import normalize_request
 
 TRACE = bytes.fromhex("0af7651916cd43dd8448eb211c80319c")
 SERVER, CLIENT, INTERNAL = Span.SPAN_KIND_SERVER, Span.SPAN_KIND_CLIENT, Span.SPAN_KIND_INTERNAL
