@@ -206,8 +206,7 @@ def mismatches(verdicts: list, truths: list[dict], source: str, missable: set[st
 
 
 @pytest.mark.parametrize("source", [
-    pytest.param("bpf", marks=[pytest.mark.privileged, pytest.mark.xfail(
-        strict=False, reason="a reset within a millisecond of sending sometimes leaves no kernel event")]),
+    pytest.param("bpf", marks=pytest.mark.privileged),
     "procfs"])
 @pytest.mark.parametrize("behavior", ["abort", "detached"])
 def test_cancel_matrix_matches_truth(tmp_path: Path, behavior: str, source: str) -> None:
