@@ -85,7 +85,8 @@ def main() -> None:
              f"fallback, /proc/net/tcp, {args.poll_hz:g} Hz", "eBPF probe"]
     figures: dict[str, list[float]] = {}
     # Every idle figure first: the load leaves TIME_WAIT sockets on the port for a minute, which
-    # the fallback must list on every poll, and "idle" means a port with nothing on it.
+    # /proc/net/tcp lists on every poll (a sock_diag dump leaves them out in the kernel), and
+    # "idle" means a port with nothing on it.
     for rate in (0.0, 100.0):
         for name in list(names):
             try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 NETLINK_SOCK_DIAG = 4
 TCPDIAG_GETSOCK, SOCK_DIAG_BY_FAMILY = 18, 20
@@ -23,16 +23,25 @@ NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 INET_DIAG_REQ_BYTECODE = 1
 INET_DIAG_BC_JMP, INET_DIAG_BC_S_EQ = 1, 11
-TCP_LISTEN = 10
-# Every TCP state but LISTEN (1 ESTABLISHED .. 11 CLOSING, 12 NEW_SYN_RECV).
-STATES = ((1 << 13) - 1) & ~(1 << TCP_LISTEN) & ~1
+TCP_TIME_WAIT, TCP_CLOSE, TCP_LISTEN = 6, 7, 10
+# The states a dump asks for: every TCP state (1 ESTABLISHED .. 11 CLOSING, 12 NEW_SYN_RECV) but
+# LISTEN, TIME_WAIT and CLOSE. The kernel skips the others before building a reply: a busy port
+# keeps a minute of TIME_WAIT sockets, which were most of every reply. Whether a socket that left
+# the dump went to TIME_WAIT or vanished (a reset) is asked of the one socket (``state_of``).
+STATES = ((1 << 13) - 1) & ~(1 << TCP_LISTEN) & ~(1 << TCP_TIME_WAIT) & ~(1 << TCP_CLOSE) & ~1
+ALL_STATES = 0xFFFFFFFF
+INET_DIAG_NOCOOKIE = 0xFFFFFFFF
+ENOENT = 2
+DECODED_CACHE_MAX = 65_536
 _HEADER = struct.Struct("=IHHII")  # struct nlmsghdr
 _REQUEST = struct.Struct("=BBBBI48x")  # struct inet_diag_req_v2, socket id left zero
+_LOOKUP = struct.Struct("=BBBBI2s2s16s16sIII")  # struct inet_diag_req_v2 naming one socket
 _COMPAT_REQUEST = struct.Struct("=BBBB48xII")  # struct inet_diag_req: both families in one walk
 _BC_OP = struct.Struct("=BBH")  # struct inet_diag_bc_op
 MSG_BYTES = 72  # struct inet_diag_msg
 
-DiagEntry = tuple[tuple[int, str, int, str, int], int, int]  # (key, state, inode)
+SocketKey = tuple[int, str, int, str, int]  # family (4 or 6), local addr, local port, peer addr, peer port
+DiagEntry = tuple[SocketKey, int, int]  # (key, state, inode)
 
 
 def port_filter(ports: frozenset[int]) -> bytes:
@@ -64,6 +73,9 @@ class SockDiag:
         self._seq = 0
         self._filters: dict[frozenset[int], bytes] = {}
         self._one_walk = True  # TCPDIAG_GETSOCK until the kernel refuses it
+        # The socket id bytes of each reply entry -> its decoded key: a long-lived connection is
+        # decoded once, not on every poll.
+        self._decoded: dict[bytes, SocketKey] = {}
 
     def close(self) -> None:
         self._sock.close()
@@ -90,10 +102,37 @@ class SockDiag:
             body = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, STATES) + attribute
             yield from self._dump(SOCK_DIAG_BY_FAMILY, body, ports)
 
-    def _dump(self, request: int, body: bytes, ports: frozenset[int]) -> Iterator[DiagEntry]:
+    def state_of(self, key: SocketKey) -> int | None:
+        """The TCP state of the one socket ``key`` names, whatever it is (TIME_WAIT included), or
+        None when the kernel has no such socket: a hash lookup, not a walk."""
+        found = self.lookup(key)
+        return found[1] if found else None
+
+    def still_listed(self, keys: Iterable[SocketKey]) -> list[DiagEntry]:
+        """Those of ``keys`` a dump would list now, asked one by one: what a dump would return
+        when no connection was opened since the last one (see ``TcpOpens``)."""
+        found = (self.lookup(key) for key in keys)
+        return [entry for entry in found if entry is not None and STATES & (1 << entry[1])]
+
+    def lookup(self, key: SocketKey) -> DiagEntry | None:
+        """The one socket ``key`` names, in whatever state, or None when there is none."""
+        family = socket.AF_INET if key[0] == 4 else socket.AF_INET6
+        local, peer = socket.inet_pton(family, key[1]), socket.inet_pton(family, key[3])
+        body = _LOOKUP.pack(family, socket.IPPROTO_TCP, 0, 0, ALL_STATES, key[2].to_bytes(2, "big"),
+                            key[4].to_bytes(2, "big"), local, peer, 0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE)
+        try:
+            found = list(self._dump(SOCK_DIAG_BY_FAMILY, body, frozenset({key[2]}), flags=NLM_F_REQUEST))
+        except OSError as exc:
+            if exc.errno == ENOENT:
+                return None
+            raise
+        return found[0] if found else None
+
+    def _dump(self, request: int, body: bytes, ports: frozenset[int],
+              flags: int = NLM_F_REQUEST | NLM_F_DUMP) -> Iterator[DiagEntry]:
         self._seq += 1
-        self._sock.send(_HEADER.pack(_HEADER.size + len(body), request,
-                                     NLM_F_REQUEST | NLM_F_DUMP, self._seq, 0) + body)
+        self._sock.send(_HEADER.pack(_HEADER.size + len(body), request, flags, self._seq, 0) + body)
+        single = not flags & NLM_F_DUMP  # one answer and no NLMSG_DONE
         while True:
             data = self._sock.recv(1 << 17)
             offset = 0
@@ -112,12 +151,51 @@ class SockDiag:
                     raise OSError(errno, f"sock_diag refused the dump: {os.strerror(errno)}")
                 if kind != request or length - _HEADER.size < MSG_BYTES:
                     continue
-                state = data[payload + 1]
-                local_port, remote_port = struct.unpack_from(">HH", data, payload + 4)
-                if local_port not in ports or state == TCP_LISTEN:
-                    continue  # the kernel filtered already; this only guards a filter it ignored
-                family = data[payload]
-                local = _address(family, data[payload + 8:payload + 24])
-                remote = _address(family, data[payload + 24:payload + 40])
-                inode = struct.unpack_from("=I", data, payload + 68)[0]
-                yield (4 if family == socket.AF_INET else 6, local, local_port, remote, remote_port), state, inode
+                entry = self._entry(data, payload, ports)
+                if entry is not None:
+                    yield entry
+                if single:
+                    return
+
+    def _entry(self, data: bytes, payload: int, ports: frozenset[int]) -> DiagEntry | None:
+        """One struct inet_diag_msg: family, state, then the socket id (ports and addresses)."""
+        state = data[payload + 1]
+        ident = data[payload:payload + 1] + data[payload + 4:payload + 40]
+        key = self._decoded.get(ident)
+        if key is None:
+            family = data[payload]
+            local_port, remote_port = struct.unpack_from(">HH", data, payload + 4)
+            key = (4 if family == socket.AF_INET else 6, _address(family, data[payload + 8:payload + 24]),
+                   local_port, _address(family, data[payload + 24:payload + 40]), remote_port)
+            if len(self._decoded) >= DECODED_CACHE_MAX:
+                self._decoded.clear()
+            self._decoded[ident] = key
+        if key[2] not in ports or state == TCP_LISTEN:
+            return None  # the kernel filtered already; this only guards a filter it ignored
+        return key, state, struct.unpack_from("=I", data, payload + 68)[0]
+
+
+class TcpOpens:
+    """How many TCP connections this network namespace has opened (ActiveOpens + PassiveOpens of
+    /proc/net/snmp): read in microseconds, where a dump walks the whole established hash. Unchanged
+    since a dump means no socket appeared since: the sockets a dump would list are the ones it
+    listed, in whatever state they are now. None when the counters cannot be read."""
+
+    def __init__(self, path: str = "/proc/net/snmp") -> None:
+        self._fd: int | None = os.open(path, os.O_RDONLY)
+
+    def read(self) -> int | None:
+        if self._fd is None:
+            return None
+        try:
+            data = os.pread(self._fd, 1 << 16, 0)
+            names, values = (line.split()[1:] for line in data.splitlines() if line.startswith(b"Tcp:"))
+            fields = dict(zip(names, values, strict=True))
+            return int(fields[b"ActiveOpens"]) + int(fields[b"PassiveOpens"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -101,6 +101,7 @@ def fill(store: Store) -> None:
     store.add_coverage(CoverageKind.UNJOINED_SPAN, 4, host="gpu-a", ts_ns=at(400))
     store.add_coverage(CoverageKind.LOST_KERNEL_EVENTS, 7, host="gpu-a", ts_ns=at(500))
     store.add_coverage(CoverageKind.PROXY_REWRITTEN_PEER, 1, host="gpu-b", ts_ns=at(600))
+    store.add_coverage(CoverageKind.PEERLESS_SPAN_JOINED, 1, host="gpu-a", ts_ns=at(700))
     store.add_coverage(CoverageKind.LOST_KERNEL_EVENTS, 100, host="gpu-a", ts_ns=at(-10))  # outside
     # gpu-a has two GPUs sampled every 10 s through the hour at 80%; gpu-b has none (a CPU host).
     store.insert_samples(

@@ -65,7 +65,7 @@ def test_db_upgrade_then_status(tmp_path: Path) -> None:
 def test_doctor_json_schema(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["doctor", "--json", "--db", f"sqlite:///{tmp_path}/a.db"],
                                 env={"AUDITOR_OTLP_HTTP": "127.0.0.1:0", "AUDITOR_OTLP_GRPC": "127.0.0.1:0",
-                                     "AUDITOR_METRICS_LISTEN": "127.0.0.1:0"})
+                                     "AUDITOR_METRICS_LISTEN": "127.0.0.1:0", "AUDITOR_LIVE_LISTEN": "127.0.0.1:0"})
     doc = json.loads(result.output)
     assert doc["schema"] == "auditor.cli.doctor/v1"
     names = [c["name"] for c in doc["checks"]]
@@ -86,7 +86,7 @@ def test_doctor_fails_when_a_port_is_taken(tmp_path: Path) -> None:
         port = holder.getsockname()[1]
         result = CliRunner().invoke(cli, ["doctor", "--json", "--db", f"sqlite:///{tmp_path}/a.db"],
                                     env={"AUDITOR_OTLP_HTTP": f"127.0.0.1:{port}", "AUDITOR_OTLP_GRPC": "",
-                                         "AUDITOR_METRICS_LISTEN": ""})
+                                         "AUDITOR_METRICS_LISTEN": "", "AUDITOR_LIVE_LISTEN": ""})
     doc = json.loads(result.output)
     ports = next(c for c in doc["checks"] if c["name"] == "ports")
     assert ports["state"] == "failed" and str(port) in ports["detail"] and ports["fix"]

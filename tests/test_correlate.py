@@ -275,6 +275,29 @@ def test_client_that_leaves_before_the_server_reads_the_request(store: Store) ->
     assert row.verdict == "aborted" and abs(row.lag_seconds - 0.012) < 1e-6
 
 
+def test_client_that_resets_before_the_server_reads_the_request(store: Store) -> None:
+    clock = Clock()
+    # A reset closes the server's socket at once (CLOSE a microsecond after the RST), yet the
+    # server still reads the buffered request from it: that close is not the 4-tuple's reuse.
+    store.insert_spans([http_span("r", 0.0002, 0.0008)])
+    store.insert_conn_events([close(0.0, ConnEventKind.PEER_RST), close(0.000001, ConnEventKind.CLOSED)])
+    clock.now = T0 + 2 * S
+    make(store, clock).tick()
+    [row] = verdicts(store)
+    assert row.verdict == "aborted" and row.disconnect_kind == "rst" and abs(row.lag_seconds - 0.0008) < 1e-6
+
+
+def test_a_close_between_a_disconnect_and_a_later_span_means_another_connection(store: Store) -> None:
+    clock = Clock()
+    # The server closed the socket the client left, then a new connection on the same 4-tuple
+    # carried a request that completed: not the one the client left.
+    store.insert_spans([http_span("r", 0.5, 0.6)])
+    store.insert_conn_events([close(0.0), close(0.01, ConnEventKind.CLOSED)])
+    clock.now = T0 + 2 * S
+    make(store, clock).tick()
+    assert verdicts(store) == []
+
+
 def test_engine_span_in_a_trace_of_its_own_reopens_a_settled_verdict(store: Store) -> None:
     clock = Clock()
     correlator = make(store, clock)

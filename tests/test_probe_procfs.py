@@ -96,6 +96,18 @@ def test_server_closing_first_is_a_local_fin(server: socket.socket, reader: str)
     assert kinds_for(source.scan(), client_port) == [CLOSED]
 
 
+def test_both_sides_closing_within_one_interval_is_not_a_reset(server: socket.socket, reader: str) -> None:
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=reader == "sock_diag")
+    source.scan()
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    source.scan()
+    client_port = port_of(client)
+    accepted.close()
+    client.close()  # the server's socket is in TIME_WAIT, which a sock_diag dump leaves out
+    assert kinds_for(source.scan(), client_port) == [LOCAL_FIN, CLOSED]
+
+
 def test_ipv6_and_the_filter(reader: str) -> None:
     server6 = listener(socket.AF_INET6, "::1")
     unwatched = listener()
@@ -228,3 +240,74 @@ def test_sock_diag_filters_by_port_in_the_kernel(one_walk: bool) -> None:
         diag.close()
         for sock in [*clients, *accepted, watched, other]:
             sock.close()
+
+
+def test_sock_diag_dump_leaves_time_wait_to_a_lookup_of_the_one_socket(server: socket.socket) -> None:
+    from probes.sockdiag import SockDiag
+
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    key = (4, "127.0.0.1", port_of(server), "127.0.0.1", port_of(client))
+    diag = SockDiag()
+    try:
+        assert [(k, state) for k, state, _ in diag.sockets(frozenset({port_of(server)}))] == [(key, 1)]
+        assert diag.state_of(key) == 1
+        accepted.close()
+        client.close()
+        deadline = time.monotonic() + 5  # the last ACK crosses loopback in microseconds
+        while diag.state_of(key) != 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert diag.state_of(key) == 6  # TIME_WAIT
+        assert list(diag.sockets(frozenset({port_of(server)}))) == []
+        assert diag.state_of((4, "127.0.0.1", port_of(server), "127.0.0.1", 1)) is None
+    finally:
+        diag.close()
+
+
+class FixedOpens:
+    """A TcpOpens that changes only when the test says a connection was opened."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def read(self) -> int:
+        return self.value
+
+    def close(self) -> None:
+        pass
+
+
+def test_no_connection_opened_means_known_sockets_are_asked_about_not_dumped(server: socket.socket) -> None:
+    from probes.sockdiag import TcpOpens
+
+    real = TcpOpens()
+    before = real.read()
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    after = real.read()
+    real.close()
+    assert before is not None and after is not None and after >= before + 2  # active and passive
+
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=True)
+    opens = FixedOpens()
+    source._opens = opens  # type: ignore[assignment]
+    assert source._diag is not None
+    dump, dumps = source._diag.sockets, []
+    source._diag.sockets = lambda ports: dumps.append(ports) or dump(ports)  # type: ignore[method-assign]
+    source.scan()  # the baseline: a dump
+    opens.value += 2
+    second = socket.create_connection(server.getsockname())
+    second_accepted, _ = server.accept()
+    assert source.scan() == [] and len(dumps) == 2  # a connection was opened: a dump finds it
+    client_port = port_of(client)
+    client.close()
+    second.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    second.close()
+    events = source.scan()
+    assert len(dumps) == 2  # nothing opened: the two known sockets were looked up, not dumped
+    assert kinds_for(events, client_port) == [PEER_FIN]
+    assert [e.kind for e in events if e.client_port != client_port] == [PEER_RST, CLOSED]
+    accepted.close()
+    assert kinds_for(source.scan(), client_port) == [CLOSED] and len(dumps) == 2
+    second_accepted.close()
+    source.stop()

@@ -50,7 +50,7 @@ def test_totals_are_summed_over_the_window_only(filled: Store) -> None:
     assert t.wasted_gpu_seconds == pytest.approx(14.0)
     assert t.uncapped_disconnects == 1
     assert (t.idle_closes, t.unjoined_disconnects, t.unjoined_spans, t.lost_kernel_events,
-            t.proxy_rewritten_peers) == (5, 1, 4, 7, 1)
+            t.proxy_rewritten_peers, t.peerless_span_joins) == (5, 1, 4, 7, 1, 1)
     # Two GPUs x one hour; per-process and CPU samples are not GPUs.
     assert (t.gpus, t.gpu_seconds) == (2, 7200.0)
     assert t.gpu_busy_seconds == pytest.approx(360 * 2 * 0.8 * 10)
@@ -94,7 +94,7 @@ def test_filters_apply_to_requests_and_findings(filled: Store, filters: dict[str
 
 def test_host_filter_narrows_coverage_and_gpu_time(filled: Store) -> None:
     t = build_report(filled, ReportQuery(since_ns=T0, until_ns=at(3600), host="gpu-b")).totals
-    assert (t.idle_closes, t.lost_kernel_events, t.proxy_rewritten_peers) == (2, 0, 1)
+    assert (t.idle_closes, t.lost_kernel_events, t.proxy_rewritten_peers, t.peerless_span_joins) == (2, 0, 1, 0)
     assert (t.gpus, t.gpu_seconds, t.wasted_gpu_share) == (0, 0.0, None)
 
 
@@ -135,7 +135,7 @@ def test_table_fits_100_columns_and_shows_full_ids(filled: Store) -> None:
     assert max(len(line) for line in text.splitlines()) <= 100
     for needle in ("requests", "12", "41.7%", "0.2% of 7,200 GPU-s", "By route", "By model",
                    "By phase at disconnect", "By disconnect kind", "no max_tokens cap",
-                   "lost kernel events", trace(9), EVIL_ID, "req-11"):
+                   "lost kernel events", "peerless span joins", trace(9), EVIL_ID, "req-11"):
         assert needle in text, needle
 
 

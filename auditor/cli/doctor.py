@@ -134,24 +134,96 @@ def check_nvml() -> Check:
     return Check("nvml", OK, f"{count} GPU(s): {', '.join(names)}")
 
 
+# Where each listener's socket lives: TCP servers (SO_REUSEADDR, like Python's HTTP servers) and
+# the UDP receiver of live notices.
+LISTENERS = (("otlp.http", socket.SOCK_STREAM), ("otlp.grpc", socket.SOCK_STREAM),
+             ("metrics.listen", socket.SOCK_STREAM), ("live.listen", socket.SOCK_DGRAM))
+TCP_LISTEN, UDP_UNCONNECTED = "0A", "07"  # st column of /proc/net/tcp and /proc/net/udp
+
+
+def socket_inodes(port: int, kind: int, proc_root: Path = Path("/proc")) -> set[int]:
+    """Inodes of the listening (TCP) or unconnected (UDP) sockets bound to ``port``, any address."""
+    proto, state = ("tcp", TCP_LISTEN) if kind == socket.SOCK_STREAM else ("udp", UDP_UNCONNECTED)
+    inodes = set()
+    for table in (proc_root / "net" / proto, proc_root / "net" / f"{proto}6"):
+        try:
+            lines = table.read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == state and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(int(fields[9]))
+    return inodes
+
+
+def socket_holder(inodes: set[int], proc_root: Path = Path("/proc")) -> tuple[int, list[str]] | None:
+    """The process (pid, argv) that has one of these socket inodes open, found through its fds.
+    Other users' fds need root (or CAP_DAC_READ_SEARCH); unreadable processes are skipped."""
+    links = {f"socket:[{inode}]" for inode in inodes}
+    if not links:
+        return None
+    for entry in proc_root.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in links for fd in (entry / "fd").iterdir()):
+                argv = (entry / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+                return int(entry.name), [a.decode(errors="replace") for a in argv]
+        except OSError:
+            continue
+    return None
+
+
+def is_auditor_daemon(argv: list[str]) -> bool:
+    """``auditor run ...``, ``python -m auditor run ...`` or a path to the auditor script."""
+    names = [Path(arg).name for arg in argv[:4]]
+    return "auditor" in names and "run" in argv[names.index("auditor") + 1:names.index("auditor") + 2]
+
+
+def port_in_use(host: str, port: int, kind: int) -> str | None:
+    """Why this address cannot be bound now, or None when it can."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, kind) as sock:
+        if kind == socket.SOCK_STREAM:  # a TIME_WAIT left by the last run does not stop the servers
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
 def check_ports(config: Config) -> Check:
-    wanted = [(key, addr) for key, addr in (("otlp.http", config.otlp.http),
-                                             ("otlp.grpc", config.otlp.grpc),
-                                             ("metrics.listen", config.metrics.listen)) if addr]
-    busy = []
-    for key, addr in wanted:
+    """Each configured listener's address must be free, or held by the auditor daemon already
+    running here (then ``doctor`` is being asked about a working install, not a conflict)."""
+    addresses = {"otlp.http": config.otlp.http, "otlp.grpc": config.otlp.grpc,
+                 "metrics.listen": config.metrics.listen, "live.listen": config.live.listen}
+    free, ours, busy = [], [], []
+    for key, kind in LISTENERS:
+        addr = addresses[key]
+        if not addr:
+            continue
         host, port = parse_address(addr, key)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError as exc:
-                busy.append(f"{key} {addr} ({exc.strerror})")
+        reason = port_in_use(host, port, kind) if port else None
+        if reason is None:
+            free.append(addr)
+            continue
+        holder = socket_holder(socket_inodes(port, kind))
+        if holder is not None and is_auditor_daemon(holder[1]):
+            ours.append((addr, holder[0]))
+        else:
+            by = f", held by pid {holder[0]} ({' '.join(holder[1])[:80]})" if holder else ""
+            busy.append(f"{key} {addr} ({reason}{by})")
     if busy:
         return Check("ports", FAILED, "in use: " + "; ".join(busy),
-                     "stop what holds them (ss -ltnp), or set other addresses in auditor.toml",
+                     "stop what holds them (ss -ltnup), or set other addresses in auditor.toml",
                      required=True)
-    return Check("ports", OK, "free: " + ", ".join(addr for _, addr in wanted), required=True)
+    parts = [f"free: {', '.join(free)}"] if free else []
+    for pid in sorted({pid for _, pid in ours}):
+        held = ", ".join(addr for addr, holder_pid in ours if holder_pid == pid)
+        parts.append(f"{held} held by the running auditor (pid {pid})")
+    return Check("ports", OK, "; ".join(parts) or "no listeners configured", required=True)
 
 
 def check_database(config: Config) -> Check:

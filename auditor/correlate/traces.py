@@ -14,6 +14,10 @@ from collections.abc import Iterable, Iterator
 from auditor.model import SpanRecord, SpanRole
 
 Tuple4 = tuple[str, int, int]  # (client address, client port, server port)
+# A reset moves the server's socket to CLOSE in the same softirq (tcp_reset -> tcp_done), a few
+# microseconds after tcp_receive_reset: that close is the reset's own, not the server letting go of
+# the socket, which still holds the request the server reads next.
+RESET_OWN_CLOSE_NS = 1_000_000
 MAX_DEPTH = 64  # parent chains deeper than this are cut (a cycle or garbage)
 
 
@@ -111,7 +115,7 @@ class TraceIndex:
         request was already in the server's receive buffer (a client that sends and leaves at
         once, AIPerf's delay 0), so a span that starts later on the same connection, with no close
         of the server's socket in between (which would mean the 4-tuple was reused), was in flight
-        too.
+        too. The close a reset itself causes (within ``RESET_OWN_CLOSE_NS``) is not such a close.
         """
         spans = self._http_by_tuple.get(tuple4, [])
         earliest = ts_ns if earliest_ns is None else min(earliest_ns, ts_ns)
@@ -122,7 +126,7 @@ class TraceIndex:
         if not later:
             return None
         first = min(later, key=lambda s: s.start_ns)
-        if any(ts_ns <= closed <= first.start_ns for closed in closed_at):
+        if any(ts_ns + RESET_OWN_CLOSE_NS < closed <= first.start_ns for closed in closed_at):
             return None
         return first
 

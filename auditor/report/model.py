@@ -69,6 +69,7 @@ class Totals:
     unjoined_spans: int = 0
     lost_kernel_events: int = 0
     proxy_rewritten_peers: int = 0
+    peerless_span_joins: int = 0  # joined by server port alone: inferred, so counted
     gpus: int = 0
     gpu_seconds: float = 0.0
     gpu_busy_seconds: float = 0.0

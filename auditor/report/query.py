@@ -248,6 +248,7 @@ def _fill_coverage(conn: Connection, query: ReportQuery, totals: Totals) -> None
     totals.unjoined_spans = by_kind.get(CoverageKind.UNJOINED_SPAN.value, 0)
     totals.lost_kernel_events = by_kind.get(CoverageKind.LOST_KERNEL_EVENTS.value, 0)
     totals.proxy_rewritten_peers = by_kind.get(CoverageKind.PROXY_REWRITTEN_PEER.value, 0)
+    totals.peerless_span_joins = by_kind.get(CoverageKind.PEERLESS_SPAN_JOINED.value, 0)
 
 
 def _fill_gpu_time(conn: Connection, query: ReportQuery, totals: Totals) -> None:

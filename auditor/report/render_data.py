@@ -155,6 +155,7 @@ def report_header_dict(report: Report) -> dict[str, Any]:
             "unjoined_spans": totals.unjoined_spans,
             "lost_kernel_events": totals.lost_kernel_events,
             "proxy_rewritten_peers": totals.proxy_rewritten_peers,
+            "peerless_span_joins": totals.peerless_span_joins,
         },
         "breakdowns": {dimension: [_breakdown_dict(row) for row in rows]
                        for dimension, rows in report.breakdowns.items()},

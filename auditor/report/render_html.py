@@ -116,6 +116,7 @@ def _totals_table(report: Report) -> list[str]:
         ("coverage: unjoined spans", f"{t.unjoined_spans:,}"),
         ("coverage: lost kernel events", f"{t.lost_kernel_events:,}"),
         ("coverage: proxy-rewritten peers", f"{t.proxy_rewritten_peers:,}"),
+        ("coverage: peerless span joins", f"{t.peerless_span_joins:,}"),
     ]
     return ["<h2>Totals</h2><table>"] + [
         f"<tr><td>{esc(label)}</td><td>{esc(value)}</td></tr>" for label, value in rows] + ["</table>"]

@@ -107,6 +107,8 @@ def _totals(report: Report) -> list[str]:
         row("lost kernel events", f"{t.lost_kernel_events:,}",
             "dropped by the ring buffer" + (": findings may be missing" if t.lost_kernel_events else "")),
         row("proxy-rewritten peers", f"{t.proxy_rewritten_peers:,}", "peer from X-Forwarded-For, not joined"),
+        row("peerless span joins", f"{t.peerless_span_joins:,}",
+            "spans without a peer, joined by server port (inferred)"),
     ]
 
 
