@@ -312,3 +312,23 @@ def test_engine_span_in_a_trace_of_its_own_reopens_a_settled_verdict(store: Stor
     correlator.tick()
     [row] = verdicts(store)
     assert row.verdict == "zombie" and abs(row.lag_seconds - 8.0) < 1e-6
+
+
+def test_a_peerless_span_takes_a_reset_never_a_fin_whose_span_is_still_coming(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    other = ("127.0.0.1", 40002)
+    # The client of span "p" sent and reset at once: the server read the request with no peer.
+    # Just before "p" started, another connection closed with a FIN; its own span is still running.
+    store.insert_conn_events([close(0.95, ConnEventKind.PEER_RST), close(0.99, client=other)])
+    peerless = replace(http_span("p", 1.0, 3.0), peer_addr=None, peer_port=None)
+    store.insert_spans([peerless, engine_span("p", 1.0, 3.0, "length", tokens=100)])
+    clock.now = T0 + int(1.5 * S)
+    correlator.tick()
+    store.insert_spans([http_span("q", 0.5, 1.2, client=other)])  # the FIN's span, arriving late
+    clock.now = T0 + 4 * S
+    correlator.tick()
+    by_trace = {row.trace_id[0]: row for row in verdicts(store)}
+    assert set(by_trace) == {"p", "q"}, by_trace
+    assert by_trace["p"].disconnect_kind == "rst" and by_trace["q"].disconnect_kind == "fin"
+    assert coverage(store, "peerless_span_joined") == 1

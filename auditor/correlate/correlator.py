@@ -235,10 +235,14 @@ class Correlator:
 
     def _join_peerless(self) -> None:
         """A server span without a peer address (its client reset before the server read the
-        request, so the server never learnt who sent it) joins the unjoined close on its server port
-        just before its start, of a connection that carried no other span. Counted: it is inferred."""
+        request, so the server never learnt who sent it) joins the unjoined reset on its server port
+        just before its start, of a connection that carried no other span. Counted: it is inferred.
+
+        Only a reset: after a FIN the socket is still there and the server learns its peer, so a
+        FIN belongs to a span that names it, and may simply not have arrived yet."""
         for span in self.spans.peerless():
-            candidates = [d for d in self._pending.values() if d.tuple4[2] == span.server_port
+            candidates = [d for d in self._pending.values()
+                          if d.kind == "rst" and d.tuple4[2] == span.server_port
                           and not self.spans.on_connection(d.tuple4)
                           and span.start_ns - PEERLESS_BEFORE_NS <= min(d.ts_ns, d.earliest_ns or d.ts_ns) <= span.start_ns]
             if not candidates:
