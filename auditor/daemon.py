@@ -30,7 +30,7 @@ from auditor.config import Config, parse_address
 from auditor.correlate import Correlator
 from auditor.errors import AuditorError, ConfigError, StoreError
 from auditor.metrics import DaemonMetrics
-from auditor.model import CoverageKind, SpanRole, UtilSample
+from auditor.model import CoverageKind, EngineLoad, SpanRole, UtilSample
 from auditor.store import Store
 from auditor.store.schema import SpanRow, UtilSampleRow
 
@@ -125,6 +125,7 @@ class Daemon:
                                      watched_ports=lambda: set(self._ports), on_settled=self.metrics.settled)
         with self.store.session() as session:
             self._completed_cursor = int(session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0)
+        self._start_engine_metrics()
         self._spawn("correlator", self._correlate_loop)
         if self.config.metrics.listen:
             from prometheus_client import start_http_server
@@ -208,6 +209,30 @@ class Daemon:
         loop.start()
         self._parts["sampling"] = loop
 
+    def _start_engine_metrics(self) -> None:
+        if not self.config.engine_metrics.scrape:
+            return
+        from collectors.enginemetrics import EngineMetricsScraper
+
+        settings = self.config.engine_metrics
+        self._engine_loads: list[EngineLoad] = []
+        self._loads_lock = threading.Lock()
+
+        def keep(loads: list[EngineLoad]) -> None:
+            with self._loads_lock:
+                self._engine_loads.extend(loads)
+
+        scraper = EngineMetricsScraper(lambda: set(self._ports), keep, interval_s=settings.interval_seconds,
+                                       path=settings.path)
+        self._parts["engine_metrics"] = scraper.start()
+
+    def _drain_engine_loads(self) -> list[EngineLoad]:
+        if "engine_metrics" not in self._parts:
+            return []
+        with self._loads_lock:
+            loads, self._engine_loads = self._engine_loads, []
+        return loads
+
     def _write_samples(self, samples: Iterable[UtilSample]) -> None:
         try:
             self.store.write(list(samples))
@@ -253,6 +278,7 @@ class Daemon:
         started = time.monotonic()
         try:
             live = self._parts["live"].drain() if "live" in self._parts else []
+            self.correlator.add_engine_load(self._drain_engine_loads())
             self.correlator.tick(live)
             self._report_lost_events()
             self._refresh_gauges()
@@ -347,8 +373,9 @@ class Daemon:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=2)
-        if "sampling" in self._parts:
-            _quietly(self._parts["sampling"].stop)
+        for name in ("sampling", "engine_metrics"):
+            if name in self._parts:
+                _quietly(self._parts[name].stop)
         if "probe" in self._parts:
             _quietly(self._parts["probe"].stop)
         if "event_writer" in self._parts:

@@ -11,10 +11,12 @@ from auditor.correlate import Correlator
 from auditor.model import (
     ConnEvent,
     ConnEventKind,
+    EngineLoad,
     LiveEvent,
     RequestVerdict,
     SpanRecord,
     SpanRole,
+    UtilSample,
     Verdict,
 )
 from auditor.store import CoverageRow, Store, VerdictRow
@@ -86,20 +88,111 @@ def test_zombie_engine_ran_on_after_disconnect(store: Store) -> None:
     assert [v.verdict for v in settled] == [Verdict.ZOMBIE]
 
 
-def test_vllm_abort_without_engine_span_is_aborted_then_settles(store: Store) -> None:
+def load(at: float, running: int, waiting: int = 0, port: int = SERVER_PORT) -> EngineLoad:
+    return EngineLoad(ts_ns=T0 + int(at * S), server_port=port, running=running, waiting=waiting, style="vllm")
+
+
+def test_abort_without_engine_span_is_aborted_by_the_engines_gauges_then_settles(store: Store) -> None:
     clock = Clock()
     settled: list[RequestVerdict] = []
     correlator = make(store, clock, settled)
     store.insert_spans([http_span("b", 0, 1.02)])
     store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST)])
+    # The engine held the request until just after the disconnect, then nothing.
+    correlator.add_engine_load([load(0.75, 1), load(1.0, 1), load(1.25, 0), load(1.5, 0)])
     clock.now = T0 + 2 * S
     correlator.tick()
     [row] = verdicts(store)
     assert row.verdict == "aborted" and row.details["provisional"] and row.disconnect_kind == "rst"
+    assert row.details["evidence"] == "engine_metrics" and row.details["work_end_exact"] == "scrape"
     assert settled == []  # an engine span may still arrive
     clock.now = T0 + 7 * S
     correlator.tick()
     assert [v.verdict for v in settled] == [Verdict.ABORTED]
+
+
+def test_http_spans_only_without_gauges_is_unconfirmed_never_aborted(store: Store) -> None:
+    clock = Clock()
+    settled: list[RequestVerdict] = []
+    correlator = make(store, clock, settled)
+    store.insert_spans([http_span("b", 0, 1.02)])
+    store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST)])
+    clock.now = T0 + 7 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "unconfirmed" and row.details["evidence"] == "http_only"
+    assert row.wasted_cpu_seconds == 0 and [v.verdict for v in settled] == [Verdict.UNCONFIRMED]
+
+
+def test_http_spans_only_orphan_in_the_gauges_is_a_zombie_to_a_scrape(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    # The handler returned at the disconnect; the engine held the request on until about 3.1 s.
+    store.insert_spans([http_span("z", 0, 1.001)])
+    store.insert_conn_events([close(1.0)])
+    correlator.add_engine_load([load(0.5 + 0.25 * i, 1) for i in range(7)])
+    clock.now = T0 + 2 * S
+    correlator.tick()
+    assert [r.verdict for r in verdicts(store)] == ["inflight_zombie"]  # still orphaned at the last scrape
+    correlator.add_engine_load([load(0.5 + 0.25 * i, 1 if i < 11 else 0) for i in range(7, 20)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    # Last orphaned scrape 3.0 s, first clear 3.25 s: the end is their midpoint, to a scrape.
+    assert row.verdict == "zombie" and abs(row.lag_seconds - 2.125) < 1e-6
+    assert row.details["work_end_resolution_s"] == 0.25
+
+
+def test_http_spans_only_connected_requests_are_not_orphans(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    other = ("127.0.0.1", 40002)
+    # Another client's request runs 0-4 s; the engine holds exactly that one after the disconnect.
+    store.insert_spans([http_span("b", 0, 1.001), http_span("c", 0, 4.0, span="6", client=other)])
+    store.insert_conn_events([close(1.0)])
+    correlator.add_engine_load([load(0.25 * i, 2 if i <= 4 else 1) for i in range(1, 16)] + [load(4.25, 0)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "aborted" and row.lag_seconds <= 0.5
+
+
+def test_http_spans_only_completion_by_what_the_server_sent(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    # The server closed first (Connection: close); a final send before a FIN that raced the span's
+    # end; and the same race without a final send, where the engine's gauges cannot tell either.
+    clients = [("127.0.0.1", 40010 + i) for i in range(3)]
+    spans = [http_span("a", 0, 1.0005, client=clients[0]), http_span("b", 0, 1.0008, client=clients[1]),
+             http_span("c", 0, 1.0008, client=clients[2])]
+    final_send = replace(spans[1], span_id="7" * 16, parent_span_id=spans[1].span_id, role=SpanRole.OTHER,
+                         name="POST /v1/completions http send", start_ns=T0 + int(0.9998 * S),
+                         end_ns=T0 + int(0.9999 * S), attributes={"asgi.event.final": True})
+    store.insert_spans([*spans, final_send])
+    store.insert_conn_events([close(1.0, ConnEventKind.LOCAL_FIN, client=clients[0])]
+                             + [close(1.0001 if i == 0 else 1.0, client=c) for i, c in enumerate(clients)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    rows = verdicts(store)
+    assert sorted((r.client_port, r.verdict, r.details["evidence"]) for r in rows) == [
+        (40010, "completed", "kernel_order"), (40011, "completed", "last_send"), (40012, "unconfirmed", "http_only")]
+
+
+def test_request_cancelled_while_waiting_unread_is_no_zombie_and_costs_nothing(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    # One at a time: the client left at 1.0 s; the server read its request only at 3.0 s, when the
+    # one ahead ended, and found it gone. The engine ran one request (the other) all along.
+    store.insert_spans([http_span("q", 3.0, 3.002)])
+    store.insert_conn_events([close(1.0)])
+    correlator.add_engine_load([load(0.25 * i, 1 if i <= 12 else 0) for i in range(1, 20)])
+    store.write([UtilSample(ts_ns=T0 + int(0.1 * i * S), source="procfs", pid=4242, util_percent=100.0,
+                            interval_s=0.1) for i in range(1, 50)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "aborted" and row.lag_seconds < 0.5
+    assert row.wasted_cpu_seconds == 0 and row.details["waited_unread_s"] == 2.0
 
 
 def test_completion_race_is_completed(store: Store) -> None:
@@ -222,6 +315,7 @@ def test_gateway_chain_one_verdict_with_hop_delay(store: Store) -> None:
                               close(1.02, client=upstream_client, port=8000)])
     clock.now = T0 + 2 * S
     correlator = Correlator(store, host="h", late_span_seconds=5, clock=clock, watched_ports=lambda: {8000, 9000})
+    correlator.add_engine_load([load(0.25 * i, 1 if i <= 4 else 0, port=8000) for i in range(1, 9)])
     correlator.tick()
     assert [r.server_port for r in verdicts(store)] == [8000]
     store.insert_spans([outer])  # the gateway's own span last: one request, one verdict
@@ -249,9 +343,13 @@ def test_client_that_leaves_before_the_server_reads_the_request(store: Store) ->
     store.insert_spans([http_span("r", 0.010, 0.012)])
     store.insert_conn_events([close(0.0)])
     clock.now = T0 + 2 * S
-    make(store, clock).tick()
+    correlator = make(store, clock)
+    correlator.add_engine_load([load(0.25 * i, 0) for i in range(1, 6)])
+    correlator.tick()
     [row] = verdicts(store)
-    assert row.verdict == "aborted" and abs(row.lag_seconds - 0.012) < 1e-6
+    # Its work, if any, began when the server read it: the lag counts from there.
+    assert row.verdict == "aborted" and abs(row.lag_seconds - 0.002) < 1e-6
+    assert row.details["waited_unread_s"] == 0.01
 
 
 def test_engine_span_in_a_trace_of_its_own_reopens_a_settled_verdict(store: Store) -> None:
@@ -259,6 +357,7 @@ def test_engine_span_in_a_trace_of_its_own_reopens_a_settled_verdict(store: Stor
     correlator = make(store, clock)
     store.insert_spans([http_span("h", 0, 1.01, request_id="lone")])
     store.insert_conn_events([close(1.0)])
+    correlator.add_engine_load([load(0.25 * i, 1 if i <= 4 else 0) for i in range(1, 9)])
     clock.now = T0 + 7 * S  # settled as an abort: no engine span within the late window
     correlator.tick()
     assert [r.verdict for r in verdicts(store)] == ["aborted"]
