@@ -148,7 +148,7 @@ def test_http_spans_only_connected_requests_are_not_orphans(store: Store) -> Non
     correlator = make(store, clock)
     other = ("127.0.0.1", 40002)
     # Another client's request runs 0-4 s; the engine holds exactly that one after the disconnect.
-    store.insert_spans([http_span("b", 0, 1.001), http_span("c", 0, 4.0, span="6", client=other)])
+    store.insert_spans([http_span("b", 0, 1.01), http_span("c", 0, 4.0, span="6", client=other)])
     store.insert_conn_events([close(1.0)])
     correlator.add_engine_load([load(0.25 * i, 2 if i <= 4 else 1) for i in range(1, 16)] + [load(4.25, 0)])
     clock.now = T0 + 9 * S

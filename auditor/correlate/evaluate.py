@@ -46,6 +46,14 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     started = origin_span.start_ns if origin_span and origin_span.start_ns > origin.ts_ns else None
     completed = None if engine else ev.completed_by(origin.ts_ns, origin_span, subtree,
                                                     corr.local_fins(origin.tuple4), CLOCK_ERROR_NS)
+    sends = origin_span is not None and any(s.parent_span_id == origin_span.span_id and ev.FINAL_SEND_ATTR
+                                            in s.attributes for s in subtree)
+    if known and completed is None and not sends and details.get("orphaned_scrapes") == 0 \
+            and origin_span is not None and origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS:
+        # The span ended as the client closed, and the gauges never saw the request held after:
+        # a client closing after the last byte and a server reacting at once look the same,
+        # unless the server records its sends (then no final send means not complete).
+        known, details["close_races_span_end"] = False, True
     decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now, started_ns=started,
                                completed_by=completed, work_stopped_known=known), corr.grace_seconds)
     if decision is None:
@@ -124,6 +132,7 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
     if by_metrics is not None:
         details["evidence"], details["work_end_exact"] = ev.ENGINE_METRICS, "scrape"
         details["work_end_resolution_s"] = round(by_metrics.resolution_s, 3)
+        details["orphaned_scrapes"] = by_metrics.orphaned_scrapes
         if by_metrics.work_end_ns is None:
             return None, True, True
         end = max(work_end, by_metrics.work_end_ns)
