@@ -1,14 +1,17 @@
 # Two commands do everything on a fresh Debian/Ubuntu machine (as root):
-#   make demo   the whole story on one machine
-#   make test   the test suite
+#   make demo   the whole story on one machine (the engine extra; no PostgreSQL server)
+#   make test   the test suite (dev extras and a PostgreSQL server for the fleet tests)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup setup-demo test lint demo bench clean
 
 setup:
-	@./.ci/setup.sh
+	@EXTRAS=dev POSTGRES=1 ./.ci/setup.sh
+
+setup-demo:
+	@EXTRAS=engine POSTGRES=0 ./.ci/setup.sh
 
 test: setup
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
@@ -17,7 +20,7 @@ lint: setup
 	$(VENV)/bin/ruff check auditor probes collectors replay tests bench
 	$(VENV)/bin/mypy auditor
 
-demo: setup
+demo: setup-demo
 	$(VENV)/bin/auditor demo
 
 bench: setup

@@ -2,12 +2,19 @@
 # Idempotent set-up for a Debian/Ubuntu host: OS packages (bcc, kernel headers, PostgreSQL for the
 # fleet tests), tracefs, the virtual environment with bcc linked in, and the project itself.
 # Fast when everything is already there: each step checks before it acts.
+#
+# What a target needs, from the environment (the Makefile sets them per target):
+#   EXTRAS=dev|engine|...   the project's extras to install (default dev: tests, lint, engine, psycopg)
+#   POSTGRES=1|0            install the PostgreSQL server for the fleet tests (default 1); the demo
+#                           runs on SQLite and sets 0
 set -euo pipefail
 
 root_dir=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root_dir"
 venv=${VENV:-.venv}
 python=${PYTHON:-python3}
+extras=${EXTRAS:-dev}
+postgres=${POSTGRES:-1}
 need_root=()
 
 say() { printf 'setup: %s\n' "$*"; }
@@ -37,7 +44,8 @@ headers_package() {
 }
 
 if command -v apt-get >/dev/null 2>&1; then
-    wanted=(python3-bpfcc bpfcc-tools postgresql)
+    wanted=(python3-bpfcc bpfcc-tools)
+    [ "$postgres" = 1 ] && wanted+=(postgresql)
     have_headers=$( { [ -e "/lib/modules/$kernel_release/build" ] || ls -d /usr/src/linux-headers-*-"$arch" >/dev/null 2>&1; } && echo yes || true)
     missing=$(missing_packages "${wanted[@]}")
     if [ -n "$missing" ] || [ -z "$have_headers" ]; then
@@ -52,7 +60,7 @@ if command -v apt-get >/dev/null 2>&1; then
         fi
     fi
 else
-    say "no apt-get: install bcc (python3-bpfcc), kernel headers and PostgreSQL with your package manager"
+    say "no apt-get: install bcc (python3-bpfcc), kernel headers$([ "$postgres" = 1 ] && echo ' and PostgreSQL') with your package manager"
 fi
 
 # Link fallback headers when the running kernel has none of its own.
@@ -82,17 +90,19 @@ if [ ! -e /sys/kernel/tracing/events ] && [ ! -e /sys/kernel/debug/tracing/event
 fi
 
 # Virtual environment and the project, reinstalled when pyproject.toml or the set of top-level
-# packages changed (an editable install maps the packages it saw when it was made).
+# packages changed (an editable install maps the packages it saw when it was made), or when a
+# target needs extras not installed yet. One stamp per extras set; dev includes engine.
 if [ ! -x "$venv/bin/python" ]; then
     say "creating $venv"
     "$python" -m venv "$venv"
 fi
-stamp="$venv/.installed-$( { cat pyproject.toml; ls -d -- */__init__.py; } | sha256sum | cut -c1-16)"
-if [ ! -e "$stamp" ]; then
-    say "installing the project and its dev extras"
+hash=$( { cat pyproject.toml; ls -d -- */__init__.py; } | sha256sum | cut -c1-16)
+stamp="$venv/.installed-$hash-$extras"
+if [ ! -e "$stamp" ] && ! { [ "$extras" = engine ] && [ -e "$venv/.installed-$hash-dev" ]; }; then
+    say "installing the project with extras [$extras]"
     "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q -e ".[dev]"
-    rm -f "$venv"/.installed-*
+    "$venv/bin/python" -m pip install -q -e ".[$extras]"
+    find "$venv" -maxdepth 1 -name '.installed-*' ! -name ".installed-$hash-*" -delete
     touch "$stamp"
 fi
 

@@ -75,6 +75,36 @@ class LiveConfig:
 
 
 @dataclass
+class ExportConfig:
+    otlp_logs_endpoint: str = ""  # OTLP/HTTP logs URL for final verdicts, e.g. http://collector:4318/v1/logs
+
+    def validate(self) -> None:
+        if self.otlp_logs_endpoint and not self.otlp_logs_endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"export.otlp_logs_endpoint = {self.otlp_logs_endpoint!r}: expected an http:// or "
+                              "https:// URL, e.g. http://127.0.0.1:4318/v1/logs ('' turns it off)")
+
+
+@dataclass
+class RetentionConfig:
+    raw_hours: float = 6.0  # spans, kernel events, utilization samples; 0 keeps them forever
+    verdict_days: float = 30.0  # verdicts and coverage; 0 keeps them forever
+    batch_rows: int = 5000  # rows per DELETE: how long ingest may wait on SQLite
+    interval_seconds: float = 300.0
+
+    def validate(self) -> None:
+        if self.raw_hours < 0 or self.verdict_days < 0:
+            raise ConfigError("retention.raw_hours and retention.verdict_days must be 0 (keep forever) or more")
+        if 0 < self.raw_hours < 1:
+            # The correlator re-reads the last 15 minutes after a restart, and late spans reopen verdicts.
+            raise ConfigError(f"retention.raw_hours = {self.raw_hours}: keep raw rows at least 1 hour (0: forever)")
+        if self.verdict_days and self.raw_hours and self.verdict_days * 24 < self.raw_hours:
+            raise ConfigError(f"retention.verdict_days = {self.verdict_days} is shorter than retention.raw_hours = "
+                              f"{self.raw_hours}: findings must outlive the evidence they come from")
+        _positive("retention.batch_rows", self.batch_rows)
+        _positive("retention.interval_seconds", self.interval_seconds)
+
+
+@dataclass
 class Config:
     db: str = ""  # empty: SQLite in the state directory
     host_id: str = ""  # empty: the host name
@@ -85,6 +115,8 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     live: LiveConfig = field(default_factory=LiveConfig)
     engine_metrics: EngineMetricsConfig = field(default_factory=EngineMetricsConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
     def validate(self) -> None:
         if self.probe.source not in ("auto", "bpf", "procfs"):
@@ -105,6 +137,8 @@ class Config:
                           ("metrics.listen", self.metrics.listen), ("live.listen", self.live.listen)):
             if addr:
                 parse_address(addr, key)
+        self.retention.validate()
+        self.export.validate()
 
 
 def _positive(key: str, value: float) -> None:
@@ -125,6 +159,7 @@ SECTIONS: dict[str, type] = {
     "probe": ProbeConfig, "otlp": OtlpConfig, "sampler": SamplerConfig,
     "correlate": CorrelateConfig, "metrics": MetricsConfig, "live": LiveConfig,
     "engine_metrics": EngineMetricsConfig,
+    "retention": RetentionConfig, "export": ExportConfig,
 }
 
 

@@ -29,8 +29,8 @@ from sqlalchemy import func, select
 from auditor.config import Config, parse_address
 from auditor.correlate import Correlator
 from auditor.errors import AuditorError, ConfigError, StoreError
-from auditor.metrics import DaemonMetrics
-from auditor.model import CoverageKind, EngineLoad, SpanRole, UtilSample
+from auditor.metrics import DaemonMetrics, SourceReadings
+from auditor.model import CoverageKind, EngineLoad, RequestVerdict, SpanRole, UtilSample
 from auditor.store import Store
 from auditor.store.schema import SpanRow, UtilSampleRow
 
@@ -92,7 +92,7 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.host = config.host_id or socket.gethostname()
-        self.metrics = DaemonMetrics()
+        self.metrics = DaemonMetrics(self.readings)
         self.status = DaemonStatus()
         self._stop = threading.Event()
         self._ready = threading.Event()  # READY=1 sent: only then may WATCHDOG=1 follow
@@ -100,7 +100,6 @@ class Daemon:
         self._parts: dict[str, Any] = {}
         self._ports = set(config.probe.ports)
         self._lost_reported = 0
-        self._exported: dict[str, int] = {}  # last value of each source counter put into /metrics
         self._completed_cursor = 0
         self._engine_spans_seen = False  # then completions are counted from engine spans only
         self._failing = False
@@ -111,6 +110,7 @@ class Daemon:
         self._start_probe()
         self._start_receivers()
         self._start_samplers()
+        self._start_findings()
         if self.config.live.listen:
             from collectors.live import LiveReceiver
 
@@ -122,11 +122,12 @@ class Daemon:
             self.status.live_port = live.port
         self.correlator = Correlator(self.store, host=self.host, grace_seconds=self.config.correlate.grace_seconds,
                                      late_span_seconds=self.config.correlate.late_span_seconds,
-                                     watched_ports=lambda: set(self._ports), on_settled=self.metrics.settled)
+                                     watched_ports=lambda: set(self._ports), on_settled=self._settled)
         with self.store.session() as session:
             self._completed_cursor = int(session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0)
         self._start_engine_metrics()
         self._spawn("correlator", self._correlate_loop)
+        self._start_retention()
         if self.config.metrics.listen:
             from prometheus_client import start_http_server
 
@@ -155,7 +156,8 @@ class Daemon:
         from probes.writer import ConnEventWriter
 
         try:
-            source = open_source(ports=sorted(self._ports), prefer=self.config.probe.source, host=self.host)
+            source = open_source(ports=sorted(self._ports), prefer=self.config.probe.source, host=self.host,
+                                 poll_hz=self.config.probe.poll_hz)
             source.start()
         except AuditorError as exc:
             log.error("no disconnect source: %s", exc)
@@ -164,7 +166,6 @@ class Daemon:
         self._parts["probe"] = source
         self._parts["event_writer"] = ConnEventWriter(self.store)
         self.status.source = source.name
-        self.metrics.source_info.labels(source.name).set(1)
         self._spawn("probe", self._probe_loop)
 
     def _start_receivers(self) -> None:
@@ -239,6 +240,21 @@ class Daemon:
         except AuditorError as exc:
             log.warning("samples dropped: %s", exc)
 
+    def _start_findings(self) -> None:
+        from auditor.findings import FindingsExporter
+
+        self.findings = FindingsExporter(self.config.export.otlp_logs_endpoint)
+
+    def _settled(self, verdict: RequestVerdict) -> None:
+        """A verdict became final: count it, and tell the journal and the tracing backend."""
+        self.metrics.settled(verdict)
+        self.findings.settled(verdict)
+
+    def _start_retention(self) -> None:
+        retention = self.config.retention
+        if retention.raw_hours or retention.verdict_days:
+            self._spawn("retention", self._retention_loop)
+
     # -- loops ------------------------------------------------------------------------------
     def _probe_loop(self) -> None:
         source, writer = self._parts["probe"], self._parts["event_writer"]
@@ -250,7 +266,7 @@ class Daemon:
                     writer.add(events)
                     for event in events:
                         if event.kind.value in ("peer_fin", "peer_rst"):
-                            self.metrics.disconnects.labels(event.kind.value.removeprefix("peer_")).inc()
+                            self.metrics.disconnect(event.kind.value.removeprefix("peer_"))
                 if time.monotonic() >= next_flush:  # a disconnect must not wait for a full batch
                     next_flush = time.monotonic() + 0.1
                     with contextlib.suppress(StoreError):  # kept queued; the writer logs once
@@ -274,27 +290,45 @@ class Daemon:
                 delay = 0
             self._stop.wait(delay)
 
+    def _retention_loop(self) -> None:
+        """Prune old rows now and then, a batch at a time with a pause between batches, so the
+        writers (one at a time on SQLite) never wait for more than one batch."""
+        from auditor.store.retention import RetentionPolicy, prune
+
+        retention = self.config.retention
+        policy = RetentionPolicy(retention.raw_hours, retention.verdict_days, retention.batch_rows)
+        while not self._stop.is_set():
+            try:
+                deleted = prune(self.store, policy, host=self.host, pause=lambda: self._stop.wait(0.05))
+                if any(deleted.values()):
+                    log.info("retention: deleted %s", ", ".join(f"{n} {t}" for t, n in deleted.items() if n))
+            except StoreError as exc:
+                log.warning("retention pass failed, retrying in %.0f s: %s", retention.interval_seconds, exc)
+            except Exception:
+                log.exception("retention pass failed; retrying")
+            self._stop.wait(retention.interval_seconds)
+
     def correlate_once(self) -> None:
-        started = time.monotonic()
+        started, failed = time.monotonic(), False
         try:
             live = self._parts["live"].drain() if "live" in self._parts else []
             self.correlator.add_engine_load(self._drain_engine_loads())
             self.correlator.tick(live)
             self._report_lost_events()
-            self._refresh_gauges()
+            self._refresh_divergence()
             self.status.ticks += 1
             if self._failing:
                 log.info("correlation works again")
                 self._failing = False
         except Exception as exc:
             self.status.errors += 1
-            self.metrics.correlation_errors.inc()
+            failed = True
             if not self._failing:  # once per outage, not once per round
                 log.warning("correlation round failed (retrying every round): %s",
                             str(getattr(exc, "orig", None) or exc).splitlines()[0])
                 self._failing = True
         finally:
-            self.metrics.correlation_seconds.observe(time.monotonic() - started)
+            self.metrics.correlation_round(time.monotonic() - started, failed=failed)
 
     def _report_lost_events(self) -> None:
         source = self._parts.get("probe")
@@ -304,33 +338,32 @@ class Daemon:
         if lost > self._lost_reported:
             self.store.add_coverage(CoverageKind.LOST_KERNEL_EVENTS, lost - self._lost_reported, host=self.host)
             self._lost_reported = lost
-        self._export("lost_kernel_events", self.metrics.lost_kernel_events, self._lost_reported)
 
-    def _export(self, name: str, counter: Any, total: int) -> None:
-        """Add to a Prometheus counter what a source's running total gained since last time."""
-        gained = total - self._exported.get(name, 0)
-        if gained > 0:
-            counter.inc(gained)
-        self._exported[name] = total
-
-    def _refresh_gauges(self) -> None:
-        stats = self.correlator.stats
-        self.metrics.inflight_zombies.set(stats.inflight_zombies)
-        self._export("idle_closes", self.metrics.idle_closes, stats.idle_closes)
-        self._export("unjoined_disconnects", self.metrics.unjoined_disconnects, stats.unjoined_disconnects)
-        self._export("unjoined_spans", self.metrics.unjoined_spans, stats.unjoined_spans)
+    def readings(self) -> SourceReadings:
+        """What /metrics shows of the parts, read from them at scrape time: their own running totals,
+        so nothing is pushed, and a part that is not there (yet) reads as zero."""
+        readings = SourceReadings(source=self.status.source)
+        correlator = getattr(self, "correlator", None)
+        if correlator is not None:
+            stats = correlator.stats
+            readings.inflight_zombies, readings.idle_closes = stats.inflight_zombies, stats.idle_closes
+            readings.unjoined_disconnects, readings.unjoined_spans = stats.unjoined_disconnects, stats.unjoined_spans
+        source = self._parts.get("probe")
+        if source is not None:
+            try:
+                readings.lost_kernel_events = max(source.lost_events(), self._lost_reported)
+            except Exception:  # a scrape shows the last figure the correlator stored rather than failing
+                readings.lost_kernel_events = self._lost_reported
         writer = self._parts.get("span_writer")
         if writer is not None:
             writer_stats = writer.stats()
-            self.metrics.ingest_queue.set(writer_stats.get("queue_spans", 0))
-            self._export("committed_spans", self.metrics.spans_received, writer_stats.get("committed_spans", 0))
-            self._export("span_write_errors", self.metrics.store_write_errors.labels("spans"),
-                         writer_stats.get("failed_commits", 0))
+            readings.ingest_queue_spans = writer_stats.get("queue_spans", 0)
+            readings.spans_received = writer_stats.get("committed_spans", 0)
+            readings.store_write_errors["spans"] = writer_stats.get("failed_commits", 0)
         event_writer = self._parts.get("event_writer")
         if event_writer is not None:
-            self._export("event_write_errors", self.metrics.store_write_errors.labels("conn_events"),
-                         event_writer.write_errors)
-        self._refresh_divergence()
+            readings.store_write_errors["conn_events"] = event_writer.write_errors
+        return readings
 
     def _refresh_divergence(self) -> None:
         now_ns = time.time_ns()
@@ -350,8 +383,7 @@ class Daemon:
             self._completed_cursor = max(r.id for r in rows)
         count, self._engine_spans_seen = completed_requests(rows, self._engine_spans_seen)
         self.metrics.completed(count)
-        for source, mean in util:
-            self.metrics.utilization.labels(source).set((mean or 0.0) / 100.0)
+        self.metrics.set_utilization({source: (mean or 0.0) / 100.0 for source, mean in util})
         procfs = self._parts.get("procfs")
         if procfs is not None:
             procfs.set_pids(set(self.config.sampler.procfs_pids) | {p for p in pids if p})
@@ -385,6 +417,7 @@ class Daemon:
         if "live" in self._parts:
             _quietly(self._parts["live"].stop)
         self.correlate_once()
+        _quietly(self.findings.shutdown)
         if "metrics" in self._parts:
             _quietly(self._parts["metrics"].shutdown)
         self.store.close()

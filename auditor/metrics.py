@@ -1,5 +1,11 @@
 """Prometheus metrics of the daemon, named by Prometheus conventions (unit suffixes, ``_total``).
 
+Everything is read when Prometheus scrapes, by a custom collector: running totals the sources and
+the correlator keep anyway (committed spans, lost kernel events, idle closes ...) are read from them
+as they are, so no delta is pushed and none can be lost or counted twice. What only the daemon
+sees happen (a verdict settling, a correlation round) is tallied here, under a lock, and read the
+same way. No ``_created`` series: a scrape shows what the daemon knows, nothing else.
+
 Counters count *settled* verdicts, so a provisional verdict that later changes is never counted
 twice; the in-flight zombie gauge shows the live ones. No request id ever becomes a label: routes
 and models are bounded by what a server exposes, and unknown values collapse to "unknown".
@@ -7,58 +13,88 @@ and models are bounded by what a server exposes, and unknown values collapse to 
 
 from __future__ import annotations
 
+import bisect
 import collections
+import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
 
+from auditor import __version__
 from auditor.model import RequestVerdict
 
 ZOMBIE_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
+TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 MAX_LABEL_VALUES = 200  # per label; beyond this, values collapse to "other"
+COMPLETION_WINDOW_S = 60.0
+
+
+@dataclass
+class SourceReadings:
+    """Running totals and levels of the daemon's parts, read at scrape time (see ``Daemon.readings``)."""
+
+    source: str = "none"
+    inflight_zombies: int = 0
+    idle_closes: int = 0
+    unjoined_disconnects: int = 0
+    unjoined_spans: int = 0
+    lost_kernel_events: int = 0
+    spans_received: int = 0
+    ingest_queue_spans: int = 0
+    store_write_errors: dict[str, int] = field(default_factory=dict)  # by writer
+
+
+class _Buckets:
+    """One histogram's cumulative-ready state: counts per upper bound, sum."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def exposition(self) -> tuple[list[tuple[str, float]], float]:
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts, strict=True):
+            cumulative += count
+            buckets.append((bound, float(cumulative)))
+        return buckets, self.total
 
 
 class DaemonMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.verdicts = Counter("auditor_disconnect_verdicts", "Requests whose client disconnected while in flight, "
-                                "by settled verdict", ["verdict", "route", "model"], registry=r)
-        self.zombie_duration = Histogram("auditor_zombie_duration_seconds", "Work after the disconnect, "
-                                         "for zombies", ["route", "model"], buckets=ZOMBIE_BUCKETS, registry=r)
-        self.wasted_gpu = Counter("auditor_wasted_gpu_seconds", "GPU-seconds spent on zombies (utilization-"
-                                  "weighted, shared among requests in flight)", registry=r)
-        self.wasted_cpu = Counter("auditor_wasted_cpu_seconds", "CPU-seconds spent on zombies", registry=r)
-        self.wasted_tokens = Counter("auditor_wasted_tokens", "Tokens generated after the client left", registry=r)
-        self.inflight_zombies = Gauge("auditor_inflight_zombies", "Zombies running now (disconnect seen, "
-                                      "work still going after grace)", registry=r)
-        self.disconnects = Counter("auditor_disconnects", "Peer FIN/RST seen on watched ports", ["kind"], registry=r)
-        self.idle_closes = Counter("auditor_idle_closes", "Closes with no request in flight (normal)", registry=r)
-        self.unjoined_disconnects = Counter("auditor_unjoined_disconnects", "Disconnects with no span to join",
-                                            registry=r)
-        self.unjoined_spans = Counter("auditor_unjoined_spans", "Server spans whose connection was never seen",
-                                      registry=r)
-        self.lost_kernel_events = Counter("auditor_kernel_events_lost", "Kernel events dropped by the ring "
-                                          "buffer", registry=r)
-        self.spans_received = Counter("auditor_spans_received", "Spans accepted over OTLP", registry=r)
-        self.store_write_errors = Counter("auditor_store_write_errors", "Batches the store refused (locked, "
-                                          "disk full); kept and retried, or answered with back-pressure",
-                                          ["writer"], registry=r)
-        self.ingest_queue = Gauge("auditor_ingest_queue_spans", "Spans waiting to be committed", registry=r)
-        self.completed_rate = Gauge("auditor_completed_requests_per_second", "Requests finished normally per "
-                                    "second over the last minute, from engine spans (HTTP server spans below 400 "
-                                    "where no engine reports): falls while utilization stays: zombies",
-                                    registry=r)
-        self.utilization = Gauge("auditor_utilization_ratio", "Mean utilization over the last minute "
-                                 "(GPU when present, else engine CPU in cores)", ["source"], registry=r)
-        self.correlation_seconds = Histogram("auditor_correlation_tick_seconds", "Time of one correlation round",
-                                             registry=r)
-        self.correlation_errors = Counter("auditor_correlation_errors", "Correlation rounds that failed "
-                                          "(retried next round)", registry=r)
-        self.source_info = Gauge("auditor_disconnect_source_info", "Disconnect source in use", ["source"], registry=r)
-        self._seen_labels: dict[str, set[str]] = collections.defaultdict(set)
-        self._completions: collections.deque[float] = collections.deque()
+    """The registry ``/metrics`` serves, and the tallies of what happens inside the daemon."""
 
+    def __init__(self, readings: Callable[[], SourceReadings] | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = CollectorRegistry()
+        self.readings = readings or SourceReadings
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._seen_labels: dict[str, set[str]] = collections.defaultdict(set)
+        self._verdicts: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self._zombie_durations: dict[tuple[str, str], _Buckets] = {}
+        self._wasted = {"gpu": 0.0, "cpu": 0.0, "tokens": 0.0}
+        self._disconnects: collections.Counter[str] = collections.Counter()
+        self._completed_total = 0
+        self._completions: collections.deque[tuple[float, int]] = collections.deque()
+        self._utilization: dict[str, float] = {}
+        self._ticks = _Buckets(TICK_BUCKETS)
+        self._tick_errors = 0
+        self.registry.register(_Collector(self))
+
+    # -- what the daemon tells ----------------------------------------------------------------
     def _label(self, name: str, value: str | None) -> str:
         value = value or "unknown"
         seen = self._seen_labels[name]
@@ -68,18 +104,130 @@ class DaemonMetrics:
         return value
 
     def settled(self, verdict: RequestVerdict) -> None:
-        route, model = self._label("route", verdict.route), self._label("model", verdict.model)
-        self.verdicts.labels(verdict.verdict.value, route, model).inc()
-        if verdict.verdict.is_zombie:
-            if verdict.lag_seconds is not None:
-                self.zombie_duration.labels(route, model).observe(verdict.lag_seconds)
-            self.wasted_gpu.inc(verdict.wasted_gpu_seconds)
-            self.wasted_cpu.inc(verdict.wasted_cpu_seconds)
-            self.wasted_tokens.inc(verdict.tokens_after_disconnect or 0)
+        with self._lock:
+            route, model = self._label("route", verdict.route), self._label("model", verdict.model)
+            self._verdicts[(verdict.verdict.value, route, model)] += 1
+            if verdict.verdict.is_zombie:
+                if verdict.lag_seconds is not None:
+                    self._zombie_durations.setdefault((route, model), _Buckets(ZOMBIE_BUCKETS)).observe(
+                        verdict.lag_seconds)
+                self._wasted["gpu"] += verdict.wasted_gpu_seconds
+                self._wasted["cpu"] += verdict.wasted_cpu_seconds
+                self._wasted["tokens"] += verdict.tokens_after_disconnect or 0
 
-    def completed(self, count: int, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        self._completions.extend([now] * count)
-        while self._completions and self._completions[0] < now - 60:
-            self._completions.popleft()
-        self.completed_rate.set(len(self._completions) / 60.0)
+    def disconnect(self, kind: str) -> None:
+        """A peer FIN or RST the probe saw (``fin``/``rst``)."""
+        with self._lock:
+            self._disconnects[kind] += 1
+
+    def completed(self, count: int) -> None:
+        """Requests that finished normally, found in this correlation round."""
+        with self._lock:
+            self._completed_total += count
+            if count:
+                self._completions.append((self.clock(), count))
+
+    def set_utilization(self, by_source: dict[str, float]) -> None:
+        with self._lock:
+            self._utilization.update(by_source)
+
+    def correlation_round(self, seconds: float, *, failed: bool) -> None:
+        with self._lock:
+            self._ticks.observe(seconds)
+            self._tick_errors += failed
+
+    def completed_per_second(self) -> float:
+        """Completions over the last minute, per second: the gauge kept for dashboards built on it."""
+        with self._lock:
+            cutoff = self.clock() - COMPLETION_WINDOW_S
+            while self._completions and self._completions[0][0] < cutoff:
+                self._completions.popleft()
+            return sum(count for _, count in self._completions) / COMPLETION_WINDOW_S
+
+    # -- what a scrape reads ------------------------------------------------------------------
+    def tallies(self) -> list[Metric]:
+        """The tallies as metric families, copied under the lock so a scrape never sees half a verdict."""
+        rate = self.completed_per_second()
+        with self._lock:
+            return list(self._families(rate))
+
+    def _families(self, rate: float) -> Iterator[Metric]:
+        verdicts = CounterMetricFamily("auditor_disconnect_verdicts", "Requests whose client disconnected "
+                                       "while in flight, by settled verdict", labels=["verdict", "route", "model"])
+        for verdict_labels, count in sorted(self._verdicts.items()):
+            verdicts.add_metric(list(verdict_labels), count)
+        yield verdicts
+        durations = HistogramMetricFamily("auditor_zombie_duration_seconds", "Work after the disconnect, "
+                                          "for zombies", labels=["route", "model"])
+        for route_model, buckets in sorted(self._zombie_durations.items()):
+            durations.add_metric(list(route_model), *buckets.exposition())
+        yield durations
+        yield CounterMetricFamily("auditor_wasted_gpu_seconds", "GPU-seconds spent on zombies (utilization-"
+                                  "weighted, shared among requests in flight)", value=self._wasted["gpu"])
+        yield CounterMetricFamily("auditor_wasted_cpu_seconds", "CPU-seconds spent on zombies",
+                                  value=self._wasted["cpu"])
+        yield CounterMetricFamily("auditor_wasted_tokens", "Tokens generated after the client left",
+                                  value=self._wasted["tokens"])
+        disconnects = CounterMetricFamily("auditor_disconnects", "Peer FIN/RST seen on watched ports",
+                                          labels=["kind"])
+        for kind in sorted(set(self._disconnects) | {"fin", "rst"}):
+            disconnects.add_metric([kind], self._disconnects[kind])
+        yield disconnects
+        yield CounterMetricFamily("auditor_completed_requests", "Requests finished normally, from engine "
+                                  "spans (HTTP server spans below 400 where no engine reports): its rate falls "
+                                  "while utilization stays: zombies", value=self._completed_total)
+        yield GaugeMetricFamily("auditor_completed_requests_per_second", "Requests finished normally per "
+                                "second over the last minute; prefer rate(auditor_completed_requests_total)",
+                                value=rate)
+        utilization = GaugeMetricFamily("auditor_utilization_ratio", "Mean utilization over the last minute "
+                                        "(GPU when present, else engine CPU in cores)", labels=["source"])
+        for source, ratio in sorted(self._utilization.items()):
+            utilization.add_metric([source], ratio)
+        yield utilization
+        ticks = HistogramMetricFamily("auditor_correlation_tick_seconds", "Time of one correlation round")
+        ticks.add_metric([], *self._ticks.exposition())
+        yield ticks
+        yield CounterMetricFamily("auditor_correlation_errors", "Correlation rounds that failed (retried "
+                                  "next round)", value=self._tick_errors)
+
+
+class _Collector:
+    """Yields every family at scrape time: the daemon's tallies, then its parts' readings."""
+
+    def __init__(self, metrics: DaemonMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        yield _info(__version__)
+        yield from self.metrics.tallies()
+        yield from readings_families(self.metrics.readings())
+
+
+def _info(version: str) -> GaugeMetricFamily:
+    family = GaugeMetricFamily("auditor_build_info", "The auditor's version", labels=["version"])
+    family.add_metric([version], 1)
+    return family
+
+
+def readings_families(r: SourceReadings) -> Iterator[Metric]:
+    """The families read from the sources and the correlator as they are now."""
+    yield GaugeMetricFamily("auditor_inflight_zombies", "Zombies running now (disconnect seen, work still going "
+                            "after grace)", value=r.inflight_zombies)
+    yield CounterMetricFamily("auditor_idle_closes", "Closes with no request in flight (normal)", value=r.idle_closes)
+    yield CounterMetricFamily("auditor_unjoined_disconnects", "Disconnects with no span to join",
+                              value=r.unjoined_disconnects)
+    yield CounterMetricFamily("auditor_unjoined_spans", "Server spans whose connection was never seen",
+                              value=r.unjoined_spans)
+    yield CounterMetricFamily("auditor_kernel_events_lost", "Kernel events dropped by the ring buffer",
+                              value=r.lost_kernel_events)
+    yield CounterMetricFamily("auditor_spans_received", "Spans accepted over OTLP", value=r.spans_received)
+    yield GaugeMetricFamily("auditor_ingest_queue_spans", "Spans waiting to be committed", value=r.ingest_queue_spans)
+    errors = CounterMetricFamily("auditor_store_write_errors", "Batches the store refused (locked, disk full); "
+                                 "kept and retried, or answered with back-pressure", labels=["writer"])
+    for writer, count in sorted(r.store_write_errors.items()):
+        errors.add_metric([writer], count)
+    yield errors
+    source = GaugeMetricFamily("auditor_disconnect_source_info", "Disconnect source in use (none: no "
+                               "disconnects are seen)", labels=["source"])
+    source.add_metric([r.source], 1)
+    yield source

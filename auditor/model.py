@@ -67,6 +67,9 @@ class CoverageKind(str, enum.Enum):
     UNJOINED_SPAN = "unjoined_span"  # a server span whose connection was never seen
     LOST_KERNEL_EVENTS = "lost_kernel_events"  # events the ring buffer dropped
     PROXY_REWRITTEN_PEER = "proxy_rewritten_peer"  # span peer rewritten from X-Forwarded-For
+    # a span with no peer address (its client left before the server read the request) joined by
+    # its server port to the unjoined close just before it: a verdict, counted because it is inferred
+    PEERLESS_SPAN_JOINED = "peerless_span_joined"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,9 @@ class ConnEvent:
     cookie: int | None = None
     host: str = ""
     source: str = "bpf"  # "bpf" or "procfs" (the unprivileged fallback)
+    # A polled event is an interval, not an instant: the socket was last seen unchanged at
+    # ``earliest_ns`` and first seen changed at ``ts_ns``. None for the probe, whose ts_ns is exact.
+    earliest_ns: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,15 @@
-"""Decoding OTLP/HTTP trace bodies and encoding the answers, per the OTLP specification.
+"""Decoding OTLP/HTTP bodies and encoding the answers, per the OTLP specification.
 
 Protobuf bodies are parsed as they come. OTLP JSON differs from the protobuf JSON mapping in one
 way that matters: trace and span ids are hex strings, not base64. They are rewritten before the
 standard parser runs; an id that is not hex is replaced by a marker of the wrong length so that
 normalization rejects that one span (counted in ``partial_success``) instead of the whole request.
 Gzip bodies are inflated in bounded steps: a bomb is cut off as soon as it passes the size limit.
+
+Metrics and logs are not used, but servers configured with the generic
+``OTEL_EXPORTER_OTLP_ENDPOINT`` send them anyway; they are parsed (so garbage still gets a 400)
+and counted, then dropped. Their JSON ids need no hex rewriting: a hex id of 16 or 32 characters
+is also valid base64, and the bytes it decodes to are never looked at.
 """
 
 from __future__ import annotations
@@ -17,6 +22,14 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
+    ExportLogsServiceRequest,
+    ExportLogsServiceResponse,
+)
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -167,6 +180,48 @@ def encode_status(content_type: str, code: int, message: str) -> bytes:
     if content_type == JSON:
         return str(json_format.MessageToJson(status, indent=None)).encode()
     return bytes(status.SerializeToString())
+
+
+def decode_dropped(body: bytes, content_type: str, signal: str) -> int:
+    """Parse a metrics or logs body only to check it and count its items (data points or log
+    records); malformed input raises BodyError(400) like a trace body."""
+    request: Any = ExportMetricsServiceRequest() if signal == "metrics" else ExportLogsServiceRequest()
+    name = type(request).__name__
+    try:
+        if content_type == PROTOBUF:
+            request.ParseFromString(body)
+        else:
+            document = json.loads(body)
+            if not isinstance(document, dict):
+                raise BodyError(400, f"JSON body must be an object (an OTLP {name})")
+            json_format.ParseDict(document, request, ignore_unknown_fields=True)
+    except BodyError:
+        raise
+    except (DecodeError, json_format.ParseError, RecursionError, ValueError, TypeError, AttributeError) as exc:
+        raise BodyError(400, f"body is not a valid {name} ({_short(exc)})") from exc
+    return count_items(request)
+
+
+def count_items(request: Any) -> int:
+    """Data points in an ExportMetricsServiceRequest, log records in an ExportLogsServiceRequest."""
+    if isinstance(request, ExportLogsServiceRequest):
+        return sum(len(scope.log_records) for resource in request.resource_logs for scope in resource.scope_logs)
+    points = 0
+    for resource in request.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                kind = metric.WhichOneof("data")
+                if kind:
+                    points += len(getattr(metric, kind).data_points)
+    return points
+
+
+def encode_empty_response(content_type: str, signal: str) -> bytes:
+    """The success answer for a dropped signal: an empty Export*ServiceResponse."""
+    response: Any = ExportMetricsServiceResponse() if signal == "metrics" else ExportLogsServiceResponse()
+    if content_type == JSON:
+        return str(json_format.MessageToJson(response, indent=None)).encode()
+    return bytes(response.SerializeToString())
 
 
 def _short(exc: BaseException) -> str:

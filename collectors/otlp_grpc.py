@@ -1,4 +1,6 @@
-"""OTLP/gRPC trace receiver: the ``TraceService/Export`` method on grpcio.
+"""OTLP/gRPC receiver: the ``TraceService/Export`` method on grpcio, plus ``MetricsService`` and
+``LogsService`` that accept, count and drop (servers pointed at the generic
+``OTEL_EXPORTER_OTLP_ENDPOINT`` export all three signals and would log UNIMPLEMENTED otherwise).
 
 Same normalization and the same :class:`SpanWriter` as the HTTP receiver. Status codes follow the
 OTLP specification: OK with ``partial_success`` for rejected spans, UNAUTHENTICATED for a bad or
@@ -21,9 +23,12 @@ from typing import Any
 import grpc
 from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service_pb2_grpc
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from collectors.normalize import normalize_request
+from collectors.otlp_codec import count_items
 from collectors.spanwriter import QUEUE_FULL, BackPressure, SpanWriter
 
 log = logging.getLogger(__name__)
@@ -35,6 +40,24 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
 
     def Export(self, request: Any, context: Any) -> Any:  # the gRPC method name
         return self.receiver._export(request, context)
+
+
+class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self, receiver: OtlpGrpcReceiver) -> None:
+        self.receiver = receiver
+
+    def Export(self, request: Any, context: Any) -> Any:
+        self.receiver._drop("metrics", request, context)
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+class _LogsService(logs_service_pb2_grpc.LogsServiceServicer):
+    def __init__(self, receiver: OtlpGrpcReceiver) -> None:
+        self.receiver = receiver
+
+    def Export(self, request: Any, context: Any) -> Any:
+        self.receiver._drop("logs", request, context)
+        return logs_service_pb2.ExportLogsServiceResponse()
 
 
 class OtlpGrpcReceiver:
@@ -57,6 +80,8 @@ class OtlpGrpcReceiver:
         self.requests_by_status: Counter[str] = Counter()
         self.accepted_spans = 0
         self.rejected_spans = 0
+        self.dropped_requests: Counter[str] = Counter()  # metrics and logs, accepted and not kept
+        self.dropped_items: Counter[str] = Counter()  # their data points and log records
 
     def start(self) -> OtlpGrpcReceiver:
         """Bind and serve; raises OSError when the address cannot be bound."""
@@ -69,6 +94,10 @@ class OtlpGrpcReceiver:
         )
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(  # type: ignore[no-untyped-call]
             _TraceService(self), server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(  # type: ignore[no-untyped-call]
+            _MetricsService(self), server)
+        logs_service_pb2_grpc.add_LogsServiceServicer_to_server(  # type: ignore[no-untyped-call]
+            _LogsService(self), server)
         try:
             port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
         except RuntimeError as exc:  # grpcio reports a failed bind this way
@@ -94,6 +123,8 @@ class OtlpGrpcReceiver:
         with self._lock:
             return {"accepted_spans": self.accepted_spans, "rejected_spans": self.rejected_spans,
                     "requests_by_status": dict(self.requests_by_status),
+                    "dropped_requests": dict(self.dropped_requests),
+                    "dropped_items": dict(self.dropped_items),
                     "queue_spans": self.writer.queue_depth_spans}
 
     def _count(self, code: grpc.StatusCode) -> None:
@@ -125,6 +156,16 @@ class OtlpGrpcReceiver:
             response.partial_success.rejected_spans = result.rejected
             response.partial_success.error_message = result.error_message
         return response
+
+    def _drop(self, signal: str, request: Any, context: Any) -> None:
+        """Count a metrics or logs export and keep nothing; the token is still required."""
+        if not self._authorized(context):
+            self._count(grpc.StatusCode.UNAUTHENTICATED)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        with self._lock:
+            self.dropped_requests[signal] += 1
+            self.dropped_items[signal] += count_items(request)
+        self._count(grpc.StatusCode.OK)
 
     def _refuse(self, context: Any, exc: BackPressure) -> None:
         code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.kind == QUEUE_FULL else grpc.StatusCode.UNAVAILABLE

@@ -1,4 +1,5 @@
-"""OTLP/HTTP trace receiver: ``POST /v1/traces`` with protobuf or JSON bodies, plain or gzip.
+"""OTLP/HTTP receiver: ``POST /v1/traces`` with protobuf or JSON bodies, plain or gzip; metrics
+and logs (``/v1/metrics``, ``/v1/logs``) are checked, counted and dropped.
 
 Built on the standard library's ``ThreadingHTTPServer`` rather than an ASGI stack: every request
 ends in a blocking wait for a SQLite commit, which a thread does naturally while an event loop
@@ -9,7 +10,7 @@ connections (extra ones get 503 at once), a body size limit checked before readi
 inflating gzip, and a check of the write queue before a body is read so a flood is refused cheaply.
 
 Answers follow the OTLP specification: 200 + ExportTraceServiceResponse (``partial_success`` when
-normalization rejected spans), 400 malformed (google.rpc.Status body), 401 bad or missing bearer
+normalization rejected spans; an empty Export{Metrics,Logs}ServiceResponse for dropped signals), 400 malformed (google.rpc.Status body), 401 bad or missing bearer
 token, 404 other paths, 405 other methods, 411 neither Content-Length nor chunked, 413 too large,
 415 unsupported media type or encoding, 429 queue full and 503 store unavailable, both with
 ``Retry-After``, 501 a transfer coding other than chunked. Chunked bodies (as streaming HTTP
@@ -26,6 +27,7 @@ import re
 import socket
 import threading
 from collections import Counter
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,6 +39,10 @@ from collectors.spanwriter import QUEUE_FULL, BackPressure, SpanWriter
 log = logging.getLogger(__name__)
 
 TRACES_PATH = "/v1/traces"
+# Servers pointed at the generic OTEL_EXPORTER_OTLP_ENDPOINT send all three signals; metrics and
+# logs are accepted and dropped so that their exporters do not log a 404 on every export.
+SIGNAL_PATHS = {TRACES_PATH: "traces", "/v1/metrics": "metrics", "/v1/logs": "logs"}
+DROPPED_SIGNALS = ("metrics", "logs")
 
 
 class _Server(ThreadingHTTPServer):
@@ -126,23 +132,26 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("OTLP/HTTP %s: " + format, self.client_address[0], *args)
 
-    def _path_ok(self) -> bool:
-        if urlsplit(self.path).path == TRACES_PATH:
-            return True
-        self._answer(404, codec.encode_status("", 5, f"no such endpoint {self.path[:100]!r}; "
-                                                  f"OTLP traces go to {TRACES_PATH}"), drain=True)
-        return False
+    def _signal(self) -> str | None:
+        """The signal this path is for, or None after answering 404."""
+        signal = SIGNAL_PATHS.get(urlsplit(self.path).path)
+        if signal is None:
+            self._answer(404, codec.encode_status("", 5, f"no such endpoint {self.path[:100]!r}; "
+                                                      f"OTLP traces go to {TRACES_PATH}"), drain=True)
+        return signal
 
     def _wrong_method(self) -> None:
-        if self._path_ok():
-            self._answer(405, codec.encode_status("", 12, f"use POST on {TRACES_PATH}"),
+        if self._signal() is not None:
+            path = urlsplit(self.path).path
+            self._answer(405, codec.encode_status("", 12, f"use POST on {path}"),
                          extra={"Allow": "POST"}, drain=True)
 
     do_GET = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _wrong_method
 
     def do_POST(self) -> None:
-        if self._path_ok():
-            self.server.receiver._handle(self)
+        signal = self._signal()
+        if signal is not None:
+            self.server.receiver._handle(_Exchange(self, signal))
 
     # -- answering --------------------------------------------------------------------------
     def _answer(self, status: int, body: bytes, *, content_type: str = codec.PROTOBUF,
@@ -187,6 +196,8 @@ class OtlpHttpReceiver:
         self.requests_by_status: Counter[int] = Counter()
         self.accepted_spans = 0
         self.rejected_spans = 0
+        self.dropped_requests: Counter[str] = Counter()  # metrics and logs, accepted and not kept
+        self.dropped_items: Counter[str] = Counter()  # their data points and log records
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> OtlpHttpReceiver:
@@ -219,6 +230,8 @@ class OtlpHttpReceiver:
         with self._lock:
             return {"accepted_spans": self.accepted_spans, "rejected_spans": self.rejected_spans,
                     "requests_by_status": dict(self.requests_by_status),
+                    "dropped_requests": dict(self.dropped_requests),
+                    "dropped_items": dict(self.dropped_items),
                     "queue_spans": self.writer.queue_depth_spans}
 
     def _count_status(self, status: int) -> None:
@@ -232,93 +245,147 @@ class OtlpHttpReceiver:
         expected = f"Bearer {self.token}".encode()
         return hmac.compare_digest((header or "").strip().encode("utf-8", "replace"), expected)
 
-    def _handle(self, handler: _Handler) -> None:
-        content_type = codec.media_type(handler.headers.get("Content-Type"))
-        reply_type = content_type if content_type in codec.CONTENT_TYPES else codec.PROTOBUF
-
-        def fail(status: int, rpc_code: int, message: str, *, drain: bool = False,
-                 extra: dict[str, str] | None = None) -> None:
-            handler._answer(status, codec.encode_status(reply_type, rpc_code, message),
-                            content_type=reply_type, extra=extra, drain=drain)
-
-        if not self._authorized(handler.headers.get("Authorization")):
-            fail(401, codec.RPC_UNAUTHENTICATED, "missing or wrong bearer token",
-                 extra={"WWW-Authenticate": 'Bearer realm="otlp"'}, drain=True)
+    def _handle(self, exchange: _Exchange) -> None:
+        """One POST: admit it, read and decode its body, then store spans or drop the rest."""
+        handler = exchange.handler
+        if not self._admitted(exchange):
             return
-        if content_type not in codec.CONTENT_TYPES:
-            fail(415, codec.RPC_INVALID_ARGUMENT,
-                 f"Content-Type {content_type or 'missing'!r} is not supported; "
-                 f"send {codec.PROTOBUF} or {codec.JSON}", drain=True)
+        # Dropped signals never reach the write queue, so a backed-up queue does not refuse them.
+        reserve = self.writer.check_capacity if exchange.signal == "traces" else _no_reservation
+        body = self._read_body(exchange, reserve)
+        if body is None:
             return
-        transfer_encoding = (handler.headers.get("Transfer-Encoding") or "").strip().lower()
-        length_header = handler.headers.get("Content-Length")
-        if transfer_encoding == "chunked":
-            try:
-                self.writer.check_capacity(0)
-            except BackPressure as exc:
-                self._back_pressure(handler, fail, exc, drain=True)
-                return
-            try:
-                body = read_chunked(handler.rfile, self.max_body_bytes)
-            except codec.BodyError as exc:
-                handler.close_connection = True  # where the next request starts is unknown
-                fail(exc.status, codec.RPC_INVALID_ARGUMENT, exc.message)
-                return
-        elif transfer_encoding:
-            fail(501, codec.RPC_INVALID_ARGUMENT,  # RFC 9112 §6.1: a coding it does not implement
-                 f"Transfer-Encoding {transfer_encoding[:40]!r} is not supported; send a Content-Length "
-                 "or chunked", drain=True)
-            return
-        elif length_header is None:
-            fail(411, codec.RPC_INVALID_ARGUMENT, "send the body with a Content-Length or chunked", drain=True)
-            return
-        else:
-            try:
-                length = int(length_header)
-                if length < 0:
-                    raise ValueError(length_header)
-            except ValueError:
-                fail(400, codec.RPC_INVALID_ARGUMENT, f"bad Content-Length {length_header[:40]!r}", drain=True)
-                return
-            if length > self.max_body_bytes:
-                fail(413, codec.RPC_INVALID_ARGUMENT,
-                     f"body of {length} bytes is over the limit of {self.max_body_bytes}", drain=True)
-                return
-            try:
-                self.writer.check_capacity(length)
-            except BackPressure as exc:
-                self._back_pressure(handler, fail, exc, drain=True)
-                return
-            body = handler.rfile.read(length)
-            if len(body) != length:
-                handler.close_connection = True
-                fail(400, codec.RPC_INVALID_ARGUMENT, f"body ended after {len(body)} of {length} bytes")
-                return
         try:
             plain = codec.inflate(body, handler.headers.get("Content-Encoding"), self.max_body_bytes)
-            request = codec.decode_request(plain, content_type)
+            if exchange.signal in DROPPED_SIGNALS:
+                self._drop(exchange, codec.decode_dropped(plain, exchange.content_type, exchange.signal))
+                return
+            request = codec.decode_request(plain, exchange.content_type)
         except codec.BodyError as exc:
-            fail(exc.status, codec.RPC_INVALID_ARGUMENT, exc.message)
+            exchange.fail(exc.status, codec.RPC_INVALID_ARGUMENT, exc.message)
             return
         except Exception as exc:  # the parser met something nobody expected: still the sender's fault
             log.warning("OTLP/HTTP body could not be decoded: %r", exc)
-            fail(400, codec.RPC_INVALID_ARGUMENT, f"body could not be decoded ({type(exc).__name__})")
+            exchange.fail(400, codec.RPC_INVALID_ARGUMENT, f"body could not be decoded ({type(exc).__name__})")
             return
+        self._store(exchange, request, len(plain))
+
+    def _admitted(self, exchange: _Exchange) -> bool:
+        """Bearer token and media type, checked before any of the body is read."""
+        if not self._authorized(exchange.handler.headers.get("Authorization")):
+            exchange.fail(401, codec.RPC_UNAUTHENTICATED, "missing or wrong bearer token",
+                          extra={"WWW-Authenticate": 'Bearer realm="otlp"'}, drain=True)
+            return False
+        if exchange.content_type not in codec.CONTENT_TYPES:
+            exchange.fail(415, codec.RPC_INVALID_ARGUMENT,
+                          f"Content-Type {exchange.content_type or 'missing'!r} is not supported; "
+                          f"send {codec.PROTOBUF} or {codec.JSON}", drain=True)
+            return False
+        return True
+
+    def _read_body(self, exchange: _Exchange, reserve: Callable[[int], None]) -> bytes | None:
+        """The raw body under the size limit, or None after answering why not. ``reserve`` asks
+        the write queue for room before the body is read (raises BackPressure)."""
+        headers = exchange.handler.headers
+        transfer_encoding = (headers.get("Transfer-Encoding") or "").strip().lower()
+        length_header = headers.get("Content-Length")
+        if transfer_encoding == "chunked":
+            return self._read_chunked_body(exchange, reserve)
+        if transfer_encoding:
+            exchange.fail(501, codec.RPC_INVALID_ARGUMENT,  # RFC 9112 §6.1: a coding it does not implement
+                          f"Transfer-Encoding {transfer_encoding[:40]!r} is not supported; send a "
+                          "Content-Length or chunked", drain=True)
+            return None
+        if length_header is None:
+            exchange.fail(411, codec.RPC_INVALID_ARGUMENT, "send the body with a Content-Length or chunked",
+                          drain=True)
+            return None
+        return self._read_sized_body(exchange, length_header, reserve)
+
+    def _read_chunked_body(self, exchange: _Exchange, reserve: Callable[[int], None]) -> bytes | None:
+        try:
+            reserve(0)
+        except BackPressure as exc:
+            self._back_pressure(exchange, exc, drain=True)
+            return None
+        try:
+            return read_chunked(exchange.handler.rfile, self.max_body_bytes)
+        except codec.BodyError as exc:
+            exchange.handler.close_connection = True  # where the next request starts is unknown
+            exchange.fail(exc.status, codec.RPC_INVALID_ARGUMENT, exc.message)
+            return None
+
+    def _read_sized_body(self, exchange: _Exchange, length_header: str,
+                         reserve: Callable[[int], None]) -> bytes | None:
+        try:
+            length = int(length_header)
+            if length < 0:
+                raise ValueError(length_header)
+        except ValueError:
+            exchange.fail(400, codec.RPC_INVALID_ARGUMENT, f"bad Content-Length {length_header[:40]!r}",
+                          drain=True)
+            return None
+        if length > self.max_body_bytes:
+            exchange.fail(413, codec.RPC_INVALID_ARGUMENT,
+                          f"body of {length} bytes is over the limit of {self.max_body_bytes}", drain=True)
+            return None
+        try:
+            reserve(length)
+        except BackPressure as exc:
+            self._back_pressure(exchange, exc, drain=True)
+            return None
+        body = exchange.handler.rfile.read(length)
+        if len(body) != length:
+            exchange.handler.close_connection = True
+            exchange.fail(400, codec.RPC_INVALID_ARGUMENT, f"body ended after {len(body)} of {length} bytes")
+            return None
+        return bytes(body)
+
+    def _store(self, exchange: _Exchange, request: Any, plain_bytes: int) -> None:
+        """Normalize and commit the spans; answer 200 only once they are committed."""
         result = normalize_request(request, service_host=self.service_host)
         del request
         try:
-            self.writer.submit(result.spans, len(plain))
+            self.writer.submit(result.spans, plain_bytes)
         except BackPressure as exc:
-            self._back_pressure(handler, fail, exc)
+            self._back_pressure(exchange, exc)
             return
         with self._lock:
             self.accepted_spans += len(result.spans)
             self.rejected_spans += result.rejected
-        handler._answer(200, codec.encode_response(reply_type, result.rejected, result.error_message),
-                        content_type=reply_type)
+        exchange.handler._answer(200, codec.encode_response(exchange.reply_type, result.rejected,
+                                                            result.error_message),
+                                 content_type=exchange.reply_type)
+
+    def _drop(self, exchange: _Exchange, items: int) -> None:
+        with self._lock:
+            self.dropped_requests[exchange.signal] += 1
+            self.dropped_items[exchange.signal] += items
+        exchange.handler._answer(200, codec.encode_empty_response(exchange.reply_type, exchange.signal),
+                                 content_type=exchange.reply_type)
 
     @staticmethod
-    def _back_pressure(handler: _Handler, fail: Any, exc: BackPressure, *, drain: bool = False) -> None:
+    def _back_pressure(exchange: _Exchange, exc: BackPressure, *, drain: bool = False) -> None:
         status, code = (429, codec.RPC_RESOURCE_EXHAUSTED) if exc.kind == QUEUE_FULL else (503, codec.RPC_UNAVAILABLE)
-        fail(status, code, f"{exc.reason}; retry later", drain=drain,
-             extra={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
+        exchange.fail(status, code, f"{exc.reason}; retry later", drain=drain,
+                      extra={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
+
+
+class _Exchange:
+    """One request being answered: its handler, its signal and the encoding of the answer."""
+
+    def __init__(self, handler: _Handler, signal: str) -> None:
+        self.handler = handler
+        self.signal = signal
+        self.content_type = codec.media_type(handler.headers.get("Content-Type"))
+        # Errors go back in the request's encoding when it is one we speak, protobuf otherwise.
+        self.reply_type = self.content_type if self.content_type in codec.CONTENT_TYPES else codec.PROTOBUF
+
+    def fail(self, status: int, rpc_code: int, message: str, *, drain: bool = False,
+             extra: dict[str, str] | None = None) -> None:
+        self.handler._answer(status, codec.encode_status(self.reply_type, rpc_code, message),
+                             content_type=self.reply_type, extra=extra, drain=drain)
+
+
+def _no_reservation(_size: int) -> None:
+    """The capacity check for bodies that are never queued."""

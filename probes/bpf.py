@@ -24,6 +24,7 @@ from typing import Any
 
 from auditor.errors import ConfigError
 from auditor.model import ConnEvent, ConnEventKind
+from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
 from probes.clock import MonotonicToWall
 from probes.source import ProbeUnavailable, validate_ports
 
@@ -82,14 +83,18 @@ def bpf_unavailable_reason(*, tracefs_roots: Iterable[Path] = TRACEFS_ROOTS,
                            modules_root: Path = Path("/lib/modules"),
                            kheaders: Path = Path("/sys/kernel/kheaders.tar.xz"),
                            check_bcc: bool = True,
-                           euid: int | None = None) -> ProbeUnavailable | None:
+                           caps: int | None = None) -> ProbeUnavailable | None:
     """Why the probe cannot load here (reason and fix), or None when every precondition holds.
 
-    The same checks, in the same words, as ``auditor doctor``; the paths can be pointed elsewhere.
+    Privilege is judged from effective capabilities (``probes.caps``), never the uid, so the unit's
+    ``User=auditor`` with ambient capabilities loads the probe. The same checks, in the same words,
+    as ``auditor doctor``; the paths and the capability mask can be pointed elsewhere.
     """
-    if (os.geteuid() if euid is None else euid) != 0:
-        return ProbeUnavailable("eBPF needs root (CAP_BPF and CAP_PERFMON)",
-                                "run as root, or use --source procfs")
+    missing = missing_bpf_capabilities(caps)
+    if missing:
+        return ProbeUnavailable(f"eBPF needs {', '.join(missing)} (missing from the effective set)",
+                                f"run as root, or grant AmbientCapabilities={UNIT_CAPABILITIES} "
+                                "(systemd/auditor.service does); or use --source procfs")
     if check_bcc:
         try:
             import bcc  # noqa: F401

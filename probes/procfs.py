@@ -1,11 +1,14 @@
-"""The unprivileged fallback: poll /proc/net/tcp and /proc/net/tcp6 and diff socket states.
+"""The unprivileged fallback: poll the kernel's TCP socket list and diff socket states.
 
-No root, no bcc, no headers: only what the kernel lists for this network namespace. What it cannot
-know, it says (docs/probe.md): an event's time is the middle of the poll interval it happened in;
-a connection that vanishes from ESTABLISHED between two polls was either reset or closed by both
-sides within one interval, and is reported as ``peer_rst`` (then ``closed``); a connection that
-opens and closes within one interval is never seen. Sockets present when a port starts being
-watched are taken as the baseline and produce no events.
+No root, no bcc, no headers: only what the kernel lists for this network namespace, read over
+netlink sock_diag (``probes.sockdiag``: the kernel filters by port) or, where netlink is refused,
+parsed from /proc/net/tcp and /proc/net/tcp6. What it cannot know, it says (docs/probe.md): an
+event is an interval, not an instant: the socket was last seen unchanged at ``earliest_ns`` and
+first seen changed at ``ts_ns``, and joins and verdicts use both; a connection that vanishes from
+ESTABLISHED between two polls was either reset or closed by both sides within one interval, and is
+reported as ``peer_rst`` (then ``closed``); a connection that opens and closes within one interval
+is never seen. Sockets present when a port starts being watched are taken as the baseline and
+produce no events.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from auditor.model import ConnEvent, ConnEventKind
+from probes.sockdiag import SockDiag
 from probes.source import validate_ports
 
 log = logging.getLogger(__name__)
@@ -109,12 +113,16 @@ def parse_proc_net_tcp(text: str, family: int, ports: frozenset[int]) -> dict[So
 
 
 class ProcfsConnEventSource:
-    """Connection events diffed from /proc/net/tcp{,6} snapshots taken ``poll_hz`` times a second."""
+    """Connection events diffed from socket snapshots taken ``poll_hz`` times a second.
+
+    Snapshots come from sock_diag when ``sock_diag`` is true (default: when ``proc_root`` is the
+    real /proc and a netlink socket opens), else from ``proc_root``/net/tcp{,6}.
+    """
 
     name = "procfs"
 
     def __init__(self, ports: Iterable[int] = (), *, host: str = "", poll_hz: float = 20.0,
-                 proc_root: Path = Path("/proc")) -> None:
+                 proc_root: Path = Path("/proc"), sock_diag: bool | None = None) -> None:
         if not poll_hz > 0:
             raise ValueError(f"poll_hz must be greater than 0, got {poll_hz}")
         self._ports = validate_ports(ports)
@@ -130,6 +138,19 @@ class ProcfsConnEventSource:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._read_errors = 0
+        self._diag: SockDiag | None = None
+        if sock_diag if sock_diag is not None else proc_root == Path("/proc"):
+            try:
+                self._diag = SockDiag()
+            except OSError as exc:
+                if sock_diag:
+                    raise
+                log.warning("netlink sock_diag unavailable (%s); parsing /proc/net/tcp instead", exc)
+
+    @property
+    def reader(self) -> str:
+        """Where snapshots come from: ``sock_diag`` or ``/proc/net/tcp``."""
+        return "sock_diag" if self._diag is not None else "/proc/net/tcp"
 
     def start(self) -> None:
         if self._thread is not None:
@@ -165,6 +186,10 @@ class ProcfsConnEventSource:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+        with self._scan_lock:
+            if self._diag is not None:
+                self._diag.close()
+                self._diag = None
 
     # -- scanning ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -189,19 +214,11 @@ class ProcfsConnEventSource:
         with self._lock:
             ports = self._ports
             baseline_ports, self._baseline_ports = self._baseline_ports, set()
-        current: dict[SocketKey, _Seen] = {}
-        for family, path in self._tables:
-            try:
-                text = path.read_text()
-            except OSError as exc:
-                if self._read_errors == 0:
-                    log.warning("cannot read %s (%s); its sockets are not watched", path, exc)
-                self._read_errors += 1
-                continue
-            current.update(parse_proc_net_tcp(text, family, ports))
+        scan_started_ns = time.time_ns()
+        current = self._snapshot(ports)
         scan_ns = time.time_ns()
-        # The change happened somewhere in (previous scan, this scan]: the middle halves the error.
-        ts_ns = scan_ns if self._last_scan_ns is None else (self._last_scan_ns + scan_ns) // 2
+        # The change happened after the previous snapshot began and before this one ended.
+        earliest_ns = self._last_scan_ns if self._last_scan_ns is not None else scan_ns
         events: list[ConnEvent] = []
         for key, now in current.items():
             before = self._seen.get(key)
@@ -213,20 +230,40 @@ class ProcfsConnEventSource:
                 if now.cookie is None:
                     now.cookie = before.cookie
                 transition = (_phase(before.state), _phase(now.state))
-            events += self._events(key, transition, now.cookie, ts_ns)
+            events += self._events(key, transition, now.cookie, earliest_ns, scan_ns)
         for key, before in self._seen.items():
             if key not in current and key[2] in ports:
-                events += self._events(key, (_phase(before.state), "gone"), before.cookie, ts_ns)
+                events += self._events(key, (_phase(before.state), "gone"), before.cookie, earliest_ns, scan_ns)
         self._seen = current
-        self._last_scan_ns = scan_ns
+        self._last_scan_ns = scan_started_ns
         for event in events:
             self._queue.put(event)
         return events
 
+    def _snapshot(self, ports: frozenset[int]) -> dict[SocketKey, _Seen]:
+        if self._diag is not None:
+            try:
+                return {key: _Seen(state, inode or None) for key, state, inode in self._diag.sockets(ports)}
+            except OSError as exc:
+                log.warning("sock_diag failed (%s); parsing /proc/net/tcp from now on", exc)
+                self._diag.close()
+                self._diag = None
+        current: dict[SocketKey, _Seen] = {}
+        for family, path in self._tables:
+            try:
+                text = path.read_text()
+            except OSError as exc:
+                if self._read_errors == 0:
+                    log.warning("cannot read %s (%s); its sockets are not watched", path, exc)
+                self._read_errors += 1
+                continue
+            current.update(parse_proc_net_tcp(text, family, ports))
+        return current
+
     def _events(self, key: SocketKey, transition: tuple[str, str], cookie: int | None,
-                ts_ns: int) -> list[ConnEvent]:
+                earliest_ns: int, ts_ns: int) -> list[ConnEvent]:
         family, server_addr, server_port, client_addr, client_port = key
         return [ConnEvent(ts_ns=ts_ns, kind=kind, family=family, client_addr=client_addr,
                           client_port=client_port, server_addr=server_addr, server_port=server_port,
-                          cookie=cookie, host=self._host, source="procfs")
+                          cookie=cookie, host=self._host, source="procfs", earliest_ns=earliest_ns)
                 for kind in TRANSITIONS.get(transition, ())]

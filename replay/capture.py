@@ -61,10 +61,12 @@ class Capture:
 
 def synthetic_body(path: str, model: str | None, prompt_tokens: int | None, max_tokens: int | None,
                    stream: bool) -> dict[str, Any]:
-    """An OpenAI-style body with a prompt of about ``prompt_tokens`` words."""
+    """An OpenAI-style body with a prompt of about ``prompt_tokens`` words. Without a model the
+    body has none: replay then asks for ``--model`` rather than send a name nobody captured."""
     prompt = " ".join(["token"] * max(1, prompt_tokens or DEFAULT_PROMPT_TOKENS))
-    body: dict[str, Any] = {"model": model or "default", "max_tokens": max_tokens or DEFAULT_MAX_TOKENS,
-                            "stream": stream}
+    body: dict[str, Any] = {"max_tokens": max_tokens or DEFAULT_MAX_TOKENS, "stream": stream}
+    if model:
+        body["model"] = model
     if path == CHAT_PATH:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -82,6 +84,34 @@ def _streamed(attributes: dict[str, Any] | None) -> bool | None:
     return None
 
 
+# How far an engine span in a trace of its own may start from its request's window.
+ENGINE_MARGIN_NS = 600 * 10**9
+
+
+def _request_id_key(engine_request_id: str) -> str:
+    """The X-Request-Id an engine request id came from: vLLM names a request that arrived with
+    ``X-Request-Id: <id>`` ``cmpl-<id>`` or ``chatcmpl-<id>`` (as the correlator reads it)."""
+    for prefix in ("chatcmpl-", "cmpl-"):
+        if engine_request_id.startswith(prefix):
+            return engine_request_id[len(prefix):]
+    return engine_request_id
+
+
+def _engine_by_request_id(session: Any, since_ns: int, until_ns: int) -> dict[str, tuple[Any, ...]]:
+    """(model, prompt tokens, max tokens) of the engine spans that are traces of their own (vLLM
+    without a client ``traceparent``, as the openai SDK sends), by the X-Request-Id they came from."""
+    engine, server = aliased(SpanRow), aliased(SpanRow)
+    in_a_request = exists().where(server.trace_id == engine.trace_id, server.role == SpanRole.HTTP_SERVER.value)
+    query = (select(engine.request_id, engine.model, engine.prompt_tokens, engine.max_tokens)
+             .where(engine.role == SpanRole.ENGINE.value, engine.request_id.is_not(None),
+                    engine.start_ns >= since_ns - ENGINE_MARGIN_NS, engine.start_ns < until_ns + ENGINE_MARGIN_NS,
+                    ~in_a_request))
+    found: dict[str, tuple[Any, ...]] = {}
+    for request_id, model, prompt_tokens, max_tokens in session.execute(query).yield_per(BATCH):
+        found[_request_id_key(request_id)] = (model, prompt_tokens, max_tokens)
+    return found
+
+
 def _entry_requests(store: Store, since_ns: int, until_ns: int, host: str | None,
                     stream_default: bool) -> Iterator[CapturedRequest]:
     """Every request that entered a host in the window, in start order."""
@@ -94,7 +124,8 @@ def _entry_requests(store: Store, since_ns: int, until_ns: int, host: str | None
                                                       engine.role == SpanRole.ENGINE.value)
                     .correlate(server).scalar_subquery())
     query = (select(server.trace_id, server.span_id, server.start_ns, server.route, server.model,
-                    server.attributes, engine.model.label("engine_model"), engine.prompt_tokens, engine.max_tokens)
+                    server.request_id, server.attributes, engine.model.label("engine_model"), engine.prompt_tokens,
+                    engine.max_tokens)
              .outerjoin(engine, engine.id == first_engine)
              .where(server.role == SpanRole.HTTP_SERVER.value, server.start_ns >= since_ns,
                     server.start_ns < until_ns, ~is_hop)
@@ -110,10 +141,14 @@ def _entry_requests(store: Store, since_ns: int, until_ns: int, host: str | None
                                  .where(VerdictRow.request_start_ns >= since_ns - 3600 * 10**9,
                                         VerdictRow.request_start_ns < until_ns)):
             verdicts[(v.trace_id, v.request_key.rsplit("/", 1)[-1])] = v
+        apart = _engine_by_request_id(session, since_ns, until_ns)
         for row in session.execute(query).yield_per(BATCH):
             path = row.route if row.route in (DEFAULT_PATH, CHAT_PATH) else DEFAULT_PATH
             streamed = _streamed(row.attributes)
-            body = synthetic_body(path, row.engine_model or row.model, row.prompt_tokens, row.max_tokens,
+            model, prompt_tokens, max_tokens = row.engine_model, row.prompt_tokens, row.max_tokens
+            if model is None and prompt_tokens is None and max_tokens is None and row.request_id:
+                model, prompt_tokens, max_tokens = apart.get(row.request_id, (None, None, None))
+            body = synthetic_body(path, model or row.model, prompt_tokens, max_tokens,
                                   stream_default if streamed is None else streamed)
             verdict = verdicts.get((row.trace_id, row.span_id))
             after = None

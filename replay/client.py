@@ -6,7 +6,10 @@ leave at once", and the same delay hits the same point of a request's life whate
 cancelled request closes with FIN (a browser tab, AIPerf) or RST (a proxy timeout). Every request
 carries ``X-Request-Id`` and a W3C ``traceparent`` so the auditor's verdicts join to it exactly.
 
-Raw asyncio streams, not an HTTP library: the point is control over when and how the socket ends.
+h11 frames the HTTP/1.1 exchange over raw asyncio streams: the socket stays ours, because the point
+is control over when and how it ends (FIN after draining, or RST, at an exact time after T2).
+An answer of 4xx or 5xx, a refused connection or a response not complete within the timeout is
+an error, never a completion.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import h11
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,68 +82,101 @@ def plan_load(spec: LoadSpec) -> list[RequestPlan]:
     return plans
 
 
-def _request_bytes(plan: RequestPlan, host: str) -> bytes:
+# A FIN-closing client reads what is still on the way before it closes: closing a socket with
+# unread bytes makes the kernel send RST, and the engine would see a proxy's close, not a browser's.
+FIN_DRAIN_S = 2.0
+
+
+def _request_bytes(connection: h11.Connection, plan: RequestPlan, host: str) -> bytes:
     data = json.dumps(plan.body).encode()
-    parent_span = secrets.token_hex(8)
-    head = (f"POST {plan.path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Accept: text/event-stream\r\nX-Request-Id: {plan.request_id}\r\n"
-            f"traceparent: 00-{plan.trace_id}-{parent_span}-01\r\n"
-            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n")
-    return head.encode() + data
+    headers = [("Host", host), ("Content-Type", "application/json"), ("Accept", "text/event-stream"),
+               ("X-Request-Id", plan.request_id),
+               ("traceparent", f"00-{plan.trace_id}-{secrets.token_hex(8)}-01"),
+               ("Content-Length", str(len(data))), ("Connection", "close")]
+    return b"".join(connection.send(event) or b"" for event in (
+        h11.Request(method="POST", target=plan.path, headers=headers), h11.Data(data=data), h11.EndOfMessage()))
 
 
-def _abort(writer: asyncio.StreamWriter, close_with: str) -> None:
+async def _abort(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, close_with: str) -> None:
     sock = writer.get_extra_info("socket")
     if close_with == "rst" and sock is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.transport.abort()
-    else:
-        if sock is not None:
-            sock.shutdown(socket.SHUT_WR)  # FIN now, even with unread response bytes
-        writer.close()
+        return
+    if sock is not None:
+        sock.shutdown(socket.SHUT_WR)  # FIN now, at the planned moment
+    try:
+        async with asyncio.timeout(FIN_DRAIN_S):
+            while await reader.read(65536):
+                pass
+    except (TimeoutError, OSError):
+        pass  # an engine still streaming to a closed client: close anyway
+    writer.close()
 
 
-async def _run_one(host: str, port: int, plan: RequestPlan) -> RequestOutcome:
+async def _run_one(host: str, port: int, plan: RequestPlan, timeout_s: float | None) -> RequestOutcome:
     outcome = RequestOutcome(plan)
     try:
         reader, writer = await asyncio.open_connection(host, port)
     except OSError as exc:
-        outcome.error = f"connect: {exc}"
+        outcome.error = f"connect: {exc.strerror or exc}"
         return outcome
+    connection = h11.Connection(h11.CLIENT)
     try:
-        writer.write(_request_bytes(plan, f"{host}:{port}"))
+        writer.write(_request_bytes(connection, plan, f"{host}:{port}"))
         await writer.drain()
-        outcome.sent_at_ns = time.time_ns()
-        read = asyncio.ensure_future(_read_all(reader, outcome))
-        if plan.cancel_after_s is None:
-            await read
-        else:
-            done, _ = await asyncio.wait({read}, timeout=plan.cancel_after_s)
-            if not done:  # still waiting for the response when the timer fired: cancel
+        outcome.sent_at_ns = time.time_ns()  # T2: every timer starts here
+        read = asyncio.ensure_future(_read_response(reader, connection, outcome))
+        limit = plan.cancel_after_s if plan.cancel_after_s is not None else timeout_s
+        done, _ = await asyncio.wait({read}, timeout=limit)
+        if not done:
+            read.cancel()
+            await asyncio.wait({read})  # let it end: the drain below reads the same stream
+            if plan.cancel_after_s is None:  # no answer within --request-timeout
+                outcome.error = f"timeout: no complete response after {timeout_s:g} s"
+            else:  # still waiting for the response when the timer fired: cancel
                 outcome.cancelled_at_ns = time.time_ns()
-                read.cancel()
-                _abort(writer, plan.close_with)
+                if outcome.status is not None and outcome.status >= 400:
+                    outcome.error = f"HTTP {outcome.status} before the cancel"
+                await _abort(reader, writer, plan.close_with)
                 return outcome
+        else:
+            read.result()
         outcome.completed = outcome.error is None
-    except (OSError, asyncio.IncompleteReadError) as exc:
-        outcome.error = str(exc)
+    except (OSError, h11.ProtocolError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
     writer.close()
     return outcome
 
 
-async def _read_all(reader: asyncio.StreamReader, outcome: RequestOutcome) -> None:
-    status_line = await reader.readline()
-    parts = status_line.split()
-    outcome.status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
-    while chunk := await reader.read(65536):
-        outcome.bytes_read += len(chunk)
+async def _read_response(reader: asyncio.StreamReader, connection: h11.Connection,
+                         outcome: RequestOutcome) -> None:
+    """Read one response to its end through h11 (Content-Length, chunked or close-delimited); a
+    4xx or 5xx answer becomes the outcome's error, with the start of its body."""
+    head = b""
+    while True:
+        event = connection.next_event()
+        if event is h11.NEED_DATA:
+            connection.receive_data(await reader.read(65536))
+        elif isinstance(event, h11.Response):
+            outcome.status = event.status_code
+        elif isinstance(event, h11.Data):
+            outcome.bytes_read += len(event.data)
+            if len(head) < 200:
+                head += bytes(event.data[:200])
+        elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+            break
+    if outcome.status is not None and outcome.status >= 400:
+        text = " ".join(head.decode("utf-8", "replace").split())[:120]
+        outcome.error = f"HTTP {outcome.status}" + (f": {text}" if text else "")
 
 
 async def run_load(host: str, port: int, plans: list[RequestPlan], *, concurrency: int,
-                   on_done: Callable[[RequestOutcome], None] | None = None) -> list[RequestOutcome]:
+                   timeout_s: float | None = None, on_done: Callable[[RequestOutcome], None] | None = None) -> list[RequestOutcome]:
     """Send every plan with at most ``concurrency`` in flight, none before its ``start_at_s``;
     results in plan order. Plans start in ``start_at_s`` order, and only the requests in flight
-    exist as tasks, so an hour of captured traffic costs the memory of ``concurrency`` requests."""
+    exist as tasks, so an hour of captured traffic costs the memory of ``concurrency`` requests.
+    ``timeout_s`` bounds a request that is not cancelled (None: no bound)."""
     gate = asyncio.Semaphore(concurrency)
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -147,7 +185,7 @@ async def run_load(host: str, port: int, plans: list[RequestPlan], *, concurrenc
 
     async def one(index: int, plan: RequestPlan) -> None:
         try:
-            results[index] = await _run_one(host, port, plan)
+            results[index] = await _run_one(host, port, plan, timeout_s)
         except Exception as exc:  # a bug here costs one request, never the run
             results[index].error = f"{type(exc).__name__}: {exc}"
         finally:

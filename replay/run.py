@@ -9,18 +9,18 @@ capture saw instead, each after the delay and with the close (FIN or RST) it had
 from __future__ import annotations
 
 import http.client
-import re
 import secrets
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 
 from auditor.model import ZOMBIE_VERDICTS, Verdict
 from auditor.store import ReplayResultRow, ReplayRunRow, Store, VerdictRow
-from replay.capture import Capture, CaptureError, sample_cancels
+from replay.capture import Capture, CapturedRequest, CaptureError, sample_cancels
 from replay.client import RequestOutcome, RequestPlan
 
 ZOMBIES = frozenset(v.value for v in ZOMBIE_VERDICTS)
@@ -38,6 +38,13 @@ class ReplayOptions:
     limit: int | None = None
     seed: int = 7
     model: str | None = None  # replaces the captured model (the staging engine serves another name)
+    request_timeout_s: float | None = 600.0  # a request not cancelled and not answered by then is an error
+
+
+def answered_first(request: CapturedRequest) -> bool:
+    """The capture saw this client leave only after its answer was complete: a close, not a cancel,
+    so ``--as-captured`` does not plan one (it could never fire, and a gate counts missed cancels)."""
+    return request.original_verdict == Verdict.COMPLETED.value
 
 
 def plan_replay(capture: Capture, options: ReplayOptions, *, tag: str) -> list[RequestPlan]:
@@ -47,7 +54,7 @@ def plan_replay(capture: Capture, options: ReplayOptions, *, tag: str) -> list[R
     for index, (request, inject) in enumerate(zip(requests, injected, strict=True)):
         delay: float | None = None
         close = options.close_with or "fin"
-        if options.as_captured and request.disconnect_after_s is not None:
+        if options.as_captured and request.disconnect_after_s is not None and not answered_first(request):
             delay = request.disconnect_after_s
             close = options.close_with or request.disconnect_kind or "fin"
         elif inject:
@@ -55,6 +62,9 @@ def plan_replay(capture: Capture, options: ReplayOptions, *, tag: str) -> list[R
         body = dict(request.body)
         if options.model:
             body["model"] = options.model
+        elif not body.get("model"):
+            raise CaptureError(f"captured request {index + 1} has no model (nothing recorded one); "
+                               "pass --model NAME, the name the target engine serves")
         plans.append(RequestPlan(
             request_id=f"{tag}-{index:06d}", trace_id=secrets.token_hex(16), body=body, path=request.path,
             cancel_after_s=delay, close_with=close,
@@ -70,8 +80,11 @@ class ReplaySummary:
     sent: int = 0
     completed: int = 0
     cancelled: int = 0
-    errors: int = 0
+    planned_cancels: int = 0  # cancels the plan asked for; fewer happen when answers come first
+    errors: int = 0  # 4xx/5xx answers, refused connections, timeouts, broken responses
+    error_kinds: dict[str, int] = field(default_factory=dict)  # "HTTP 404", "connect", "timeout", ...
     verdicts: dict[str, int] = field(default_factory=dict)  # for the cancelled requests
+    evidence: dict[str, dict[str, int]] = field(default_factory=dict)  # verdict -> what decided it -> count
     unjudged: int = 0  # cancelled, yet no verdict: the disconnect or the span never reached the auditor
     provisional: int = 0  # a verdict that could still turn into a zombie when the wait ran out
     zombies: int = 0
@@ -79,19 +92,89 @@ class ReplaySummary:
     lag_p50_s: float | None = None
     lag_max_s: float | None = None
     wasted_tokens: int = 0
+    wasted_gpu_seconds: float = 0.0
+    wasted_cpu_seconds: float = 0.0
     baseline_run_id: int | None = None
     baseline_zombies: int | None = None
+    baseline: dict[str, Any] | None = None  # the baseline's figures (COMPARED keys; None where it has none)
     worst: list[dict[str, Any]] = field(default_factory=list)
     first_errors: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, **asdict(self)}
+        decision, reasons = gate(self)
+        return {"schema": SCHEMA, **asdict(self), "gate": decision, "gate_reasons": reasons}
+
+    def figures(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in COMPARED}
+
+
+# What the report sets side by side for the baseline and the new run.
+COMPARED = ("sent", "errors", "planned_cancels", "cancelled", "verdicts", "evidence", "zombies", "zombie_seconds",
+            "wasted_tokens", "wasted_gpu_seconds", "wasted_cpu_seconds")
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    run_id: int | None  # None: the capture's own verdicts
+    zombies: int
+    figures: dict[str, Any]
+
+
+def gate(summary: ReplaySummary) -> tuple[str, list[str]]:
+    """The release gate's decision and its reasons: "zombies" (work went on after clients left),
+    "unsound" (requests failed, or fewer cancels happened than planned: the run did not test what it
+    meant to), "inconclusive" (cancels without a final verdict) or "pass"."""
+    reasons = []
+    if summary.zombies:
+        reasons.append(f"{summary.zombies} zombies ({summary.zombie_seconds:.1f} zombie-seconds)")
+    if summary.errors:
+        kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(summary.error_kinds.items()))
+        reasons.append(f"{summary.errors} of {summary.sent} requests failed ({kinds})")
+    if summary.cancelled < summary.planned_cancels:
+        reasons.append(f"only {summary.cancelled} of {summary.planned_cancels} planned cancels happened "
+                       "(the others were answered, or failed, before their timer fired)")
+    if reasons:
+        return ("zombies" if summary.zombies else "unsound"), reasons
+    if summary.unjudged:
+        reasons.append(f"{summary.unjudged} cancelled requests got no verdict")
+    if summary.provisional:
+        reasons.append(f"{summary.provisional} verdicts could still become zombies when the wait ran out")
+    return ("inconclusive", reasons) if reasons else ("pass", [])
+
+
+def error_kind(error: str) -> str:
+    """The class of an outcome's error, for counting: "HTTP 404", "connect", "timeout", ..."""
+    head = error.split(":", 1)[0]
+    return " ".join(head.split()[:2]) if head.startswith("HTTP") else head
+
+
+def evidence_of(details: dict[str, Any] | None) -> str:
+    """What decided a verdict, from its details: the correlator's own word where it gives one,
+    else whether the engine's span was there; "-" where the details say nothing."""
+    details = details or {}
+    if isinstance(details.get("evidence"), str):
+        return str(details["evidence"])
+    if "engine_span" in details:
+        return "engine span" if details["engine_span"] else "no engine span"
+    return "-"
 
 
 # Gauges of requests an engine is running or holding, by server: the sum is 0 when it is idle.
-BUSY_GAUGES = re.compile(r"^(vllm:num_requests_(?:running|waiting)|sglang:num_(?:running|queue)_reqs|"
-                         r"tgi_(?:queue_size|batch_current_size)|ref_engine_num_requests_(?:running|waiting))"
-                         r"(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
+BUSY_GAUGES = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting", "sglang:num_running_reqs",
+                         "sglang:num_queue_reqs", "tgi_queue_size", "tgi_batch_current_size",
+                         "ref_engine_num_requests_running", "ref_engine_num_requests_waiting"})
+
+
+def busy_from_metrics(text: str) -> float | None:
+    """The sum of the known gauges in a Prometheus text exposition; None when it has none or
+    cannot be parsed."""
+    values = []
+    try:
+        for family in text_string_to_metric_families(text):
+            values += [sample.value for sample in family.samples if sample.name in BUSY_GAUGES]
+    except ValueError:
+        return None
+    return sum(values) if values else None
 
 
 class EngineLoad:
@@ -114,10 +197,7 @@ class EngineLoad:
                 self._connection.close()
         else:
             return None
-        if response.status != 200:
-            return None
-        values = [float(m.group(2)) for m in BUSY_GAUGES.finditer(text)]
-        return sum(values) if values else None
+        return busy_from_metrics(text) if response.status == 200 else None
 
     def close(self) -> None:
         self._connection.close()
@@ -147,11 +227,12 @@ def settled(store: Store, cancelled: list[RequestPlan]) -> tuple[int, int]:
 
 def record_run(store: Store, capture: Capture, target: str, options: ReplayOptions, started_ns: int,
                plans: list[RequestPlan], outcomes: list[RequestOutcome],
-               baseline: tuple[int | None, int] | None, *, final: bool = True) -> ReplaySummary:
+               baseline: Baseline | None, *, final: bool = True) -> ReplaySummary:
     """Judge the run from the store's verdicts, write it (runs and results tables) and carry the
-    baseline run's (id, zombies) from :func:`resolve_baseline`. ``final``: the wait ended because
-    nothing could change any more; otherwise verdicts still provisional are counted as such."""
-    summary = ReplaySummary(capture_id=capture.id, target=target, sent=len(outcomes))
+    baseline from :func:`resolve_baseline`. ``final``: the wait ended because nothing could change
+    any more; otherwise verdicts still provisional are counted as such."""
+    summary = ReplaySummary(capture_id=capture.id, target=target, sent=len(outcomes),
+                            planned_cancels=sum(1 for plan in plans if plan.cancel_after_s is not None))
     verdicts = verdicts_for(store, plans)
     lags: list[float] = []
     results = []
@@ -159,40 +240,24 @@ def record_run(store: Store, capture: Capture, target: str, options: ReplayOptio
         plan = outcome.plan
         summary.completed += outcome.completed
         if outcome.error:
-            summary.errors += 1
-            if len(summary.first_errors) < 5:
-                summary.first_errors.append(f"{plan.request_id}: {outcome.error}")
+            _count_error(summary, plan.request_id, outcome.error)
         if outcome.cancelled_at_ns is None:
             continue
         summary.cancelled += 1
         row = verdicts.get(plan.trace_id)
-        verdict = row.verdict if row is not None else None
-        if verdict is None:
-            summary.unjudged += 1
-        else:
-            summary.verdicts[verdict] = summary.verdicts.get(verdict, 0) + 1
-            if not final and verdict not in ZOMBIES and (row.details or {}).get("provisional"):
-                summary.provisional += 1
-        if row is not None and verdict in ZOMBIES:
-            summary.zombies += 1
-            summary.zombie_seconds += row.lag_seconds or 0.0
-            summary.wasted_tokens += row.tokens_after_disconnect or 0
-            if row.lag_seconds is not None:
-                lags.append(row.lag_seconds)
-            summary.worst.append({"request_id": plan.request_id, "trace_id": plan.trace_id,
-                                  "verdict": verdict, "lag_seconds": row.lag_seconds,
-                                  "tokens_after_disconnect": row.tokens_after_disconnect,
-                                  "phase": row.phase, "disconnect_kind": row.disconnect_kind})
+        _count_verdict(summary, plan, row, final, lags)
         results.append({"request_id": plan.request_id, "trace_id": plan.trace_id,
                         "cancel_delay_s": plan.cancel_after_s, "disconnect_kind": plan.close_with,
-                        "verdict": verdict, "lag_seconds": row.lag_seconds if row is not None else None})
+                        "verdict": row.verdict if row is not None else None,
+                        "lag_seconds": row.lag_seconds if row is not None else None})
     summary.worst.sort(key=lambda w: -(w["lag_seconds"] or 0.0))
     summary.worst = summary.worst[:10]
     if lags:
         summary.lag_p50_s = statistics.median(lags)
         summary.lag_max_s = max(lags)
     if baseline is not None:
-        summary.baseline_run_id, summary.baseline_zombies = baseline
+        summary.baseline_run_id, summary.baseline_zombies = baseline.run_id, baseline.zombies
+        summary.baseline = {key: baseline.figures.get(key) for key in COMPARED}
     with store.session() as session, session.begin():
         run = ReplayRunRow(started_ns=started_ns, finished_ns=time.time_ns(), capture_id=capture.id,
                            target=target, parameters=asdict(options), summary={})
@@ -205,16 +270,57 @@ def record_run(store: Store, capture: Capture, target: str, options: ReplayOptio
     return summary
 
 
+def _count_error(summary: ReplaySummary, request_id: str, error: str) -> None:
+    summary.errors += 1
+    kind = error_kind(error)
+    summary.error_kinds[kind] = summary.error_kinds.get(kind, 0) + 1
+    if len(summary.first_errors) < 5:
+        summary.first_errors.append(f"{request_id}: {error}")
+
+
+def _count_verdict(summary: ReplaySummary, plan: RequestPlan, row: VerdictRow | None, final: bool,
+                   lags: list[float]) -> None:
+    if row is None:
+        summary.unjudged += 1
+        return
+    verdict = row.verdict
+    summary.verdicts[verdict] = summary.verdicts.get(verdict, 0) + 1
+    by_evidence = summary.evidence.setdefault(verdict, {})
+    evidence = evidence_of(row.details)
+    by_evidence[evidence] = by_evidence.get(evidence, 0) + 1
+    if not final and verdict not in ZOMBIES and (row.details or {}).get("provisional"):
+        summary.provisional += 1
+    if verdict not in ZOMBIES:
+        return
+    summary.zombies += 1
+    summary.zombie_seconds += row.lag_seconds or 0.0
+    summary.wasted_tokens += row.tokens_after_disconnect or 0
+    summary.wasted_gpu_seconds += row.wasted_gpu_seconds or 0.0
+    summary.wasted_cpu_seconds += row.wasted_cpu_seconds or 0.0
+    if row.lag_seconds is not None:
+        lags.append(row.lag_seconds)
+    summary.worst.append({"request_id": plan.request_id, "trace_id": plan.trace_id, "verdict": verdict,
+                          "lag_seconds": row.lag_seconds, "tokens_after_disconnect": row.tokens_after_disconnect,
+                          "phase": row.phase, "disconnect_kind": row.disconnect_kind})
+
+
 def resolve_baseline(store: Store, capture: Capture, baseline: str | None,
-                     limit: int | None = None) -> tuple[int | None, int] | None:
-    """What to compare with, as (run id or None, its zombies): a run id, "previous" (the last run
-    of this capture), "capture" (the verdicts the capture itself recorded, over the requests
-    replayed) or None. Checked before any traffic is sent."""
+                     limit: int | None = None) -> Baseline | None:
+    """What to compare with: a run id, "previous" (the last run of this capture), "capture" (the
+    verdicts the capture itself recorded, over the requests replayed) or None. Checked before any
+    traffic is sent. Figures an older run did not keep stay absent (shown as "-")."""
     if baseline is None:
         return None
     if baseline == "capture":
         requests = capture.requests[:limit] if limit is not None else capture.requests
-        return None, sum(1 for r in requests if r.original_verdict in ZOMBIES)
+        verdicts: dict[str, int] = {}
+        for request in requests:
+            if request.original_verdict:
+                verdicts[request.original_verdict] = verdicts.get(request.original_verdict, 0) + 1
+        zombies = sum(count for verdict, count in verdicts.items() if verdict in ZOMBIES)
+        disconnects = sum(1 for r in requests if r.disconnect_after_s is not None and not answered_first(r))
+        return Baseline(None, zombies, {"sent": len(requests), "cancelled": disconnects, "verdicts": verdicts,
+                                        "zombies": zombies})
     with store.session() as session:
         if baseline == "previous":
             run = session.scalars(select(ReplayRunRow).where(ReplayRunRow.capture_id == capture.id)
@@ -232,7 +338,8 @@ def resolve_baseline(store: Store, capture: Capture, baseline: str | None,
             if run is None:
                 known = list(session.scalars(select(ReplayRunRow.id).order_by(ReplayRunRow.id)))
                 raise CaptureError(f"--baseline {run_id}: no such replay run in this file (runs: {known})")
-        zombies = (run.summary or {}).get("zombies")
-    if not isinstance(zombies, int):
+        figures = dict(run.summary or {})
+    counted = figures.get("zombies")
+    if not isinstance(counted, int):
         raise CaptureError(f"replay run {run.id} has no zombie count to compare with")
-    return run.id, zombies
+    return Baseline(run.id, counted, figures)

@@ -178,6 +178,7 @@ def run_replay(settings: ReplaySettings, make_pipeline: Callable[[dict[str, Any]
         with progress(len(plans), "  sending") as bar:
             outcomes = asyncio.run(run_load(settings.host, settings.port, plans,
                                             concurrency=settings.options.concurrency,
+                                            timeout_s=settings.options.request_timeout_s,
                                             on_done=lambda _outcome: bar.update(1)))
         cancelled = [o.plan for o in outcomes if o.cancelled_at_ns is not None]
         engine = EngineLoad(settings.host, settings.port)

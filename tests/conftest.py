@@ -17,15 +17,11 @@ from auditor.store import Store
 
 
 def _bpf_unavailable_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "not root"
-    try:
-        import bcc  # noqa: F401
-    except ImportError as exc:
-        return f"bcc not importable ({exc}); run `make setup` as root"
-    if not Path("/sys/kernel/tracing/events").exists() and not Path("/sys/kernel/debug/tracing/events").exists():
-        return "tracefs not mounted; run `mount -t tracefs nodev /sys/kernel/tracing`"
-    return None
+    # The probe's own judgement (capabilities, bcc, tracefs, headers): one answer everywhere.
+    from probes.bpf import bpf_unavailable_reason
+
+    problem = bpf_unavailable_reason()
+    return None if problem is None else str(problem)
 
 
 def _gpu_unavailable_reason() -> str | None:

@@ -3,7 +3,9 @@
 Each behaviour runs the same scenarios: a request cancelled while queued, one cancelled during
 prefill, two cancelled mid-decode (streaming with FIN, non-streaming with RST), a completed
 request on a keep-alive connection that then goes idle and closes. The verdicts must match the
-engine's truth log: every cancelled request found, no false zombie, lag within 20 ms.
+engine's truth log: every cancelled request found, no false zombie, lag within 20 ms (with the
+/proc fallback: within its poll interval more). Both disconnect sources run: the eBPF probe (root)
+and the polling fallback, which needs no privilege, so CI without eBPF still runs it end to end.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy import func, select
 
+from auditor.model import CoverageKind
+from auditor.store import CoverageRow
 from replay.engine.launch import running_engine
 from tests.e2e import (
     GRACE_S,
@@ -26,8 +31,19 @@ from tests.e2e import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.privileged, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 LAG_TOLERANCE_S = 0.020
+POLL_HZ = 20.0
+SOURCES = [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"]
+
+
+def lag_tolerance(source: str) -> float:
+    """A polled close is known to a poll interval; the probe's to the microsecond."""
+    return LAG_TOLERANCE_S + (1.0 / POLL_HZ if source == "procfs" else 0.0)
+
+
+def daemon_overrides(source: str, **extra: object) -> dict[str, object]:
+    return {"probe.source": source, "probe.poll_hz": POLL_HZ, **extra}
 
 
 def drive(port: int, tag: str) -> None:
@@ -54,13 +70,16 @@ def drive(port: int, tag: str) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("behavior", ["abort", "detached", "no-check", "late", "queued-leak"])
-def test_verdicts_match_truth(tmp_path: Path, behavior: str) -> None:
+def test_verdicts_match_truth(tmp_path: Path, behavior: str, source: str) -> None:
     truth_log = tmp_path / "truth.jsonl"
-    with running_daemon(tmp_path, **{"correlate.late_span_seconds": 30.0}) as daemon, running_engine(
+    with running_daemon(tmp_path, **daemon_overrides(source, **{"correlate.late_span_seconds": 30.0})) as daemon, \
+            running_engine(
             behavior=behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
             step_ms=10, max_batch=2,
             extra_args=["--late-seconds", "1.0", "--prefill-chunk", "64", "--trace-aborted"]) as engine:
+        assert daemon.source_name == source
         daemon.set_ports({engine.port})
         drive(engine.port, behavior)
         cancelled = {f"cmpl-{behavior}-{name}" for name in ("queued", "decode-fin", "decode-rst", "prefill")}
@@ -73,18 +92,22 @@ def test_verdicts_match_truth(tmp_path: Path, behavior: str) -> None:
         rows = {row.request_id: row for row in verdict_rows(daemon)}
         all_truth = engine.truth()
     assert {t["request_id"] for t in truths} >= cancelled, [t for t in all_truth if t["request_id"] in cancelled]
+    # The polling fallback cannot see a connection that opens and closes between two polls: the
+    # prefill case resets 30 ms after sending, within one 50 ms interval (docs/probe.md).
+    shorter_than_a_poll = {f"{behavior}-prefill"} if source == "procfs" else set()
     problems = []
     for truth in truths:
         request_id = truth["request_id"].removeprefix("cmpl-")
         row = rows.get(request_id)
         if row is None:
-            problems.append(f"{request_id}: no verdict")
+            if request_id not in shorter_than_a_poll:
+                problems.append(f"{request_id}: no verdict")
             continue
         want = expected_verdict(truth)
         truth_lag = (truth["finished_at"] - truth["disconnect_at"]) / 1e9
         if row.verdict != want:
             problems.append(f"{request_id}: verdict {row.verdict}, truth {want} (truth lag {truth_lag:.3f} s)")
-        if want != "completed" and abs(row.lag_seconds - truth_lag) > LAG_TOLERANCE_S:
+        if want != "completed" and abs(row.lag_seconds - truth_lag) > lag_tolerance(source):
             problems.append(f"{request_id}: lag {row.lag_seconds:.4f} s, truth {truth_lag:.4f} s")
         if row.details.get("engine_span") and row.phase != truth["phase_at_disconnect"]:
             problems.append(f"{request_id}: phase {row.phase}, truth {truth['phase_at_disconnect']}")
@@ -99,6 +122,7 @@ def test_verdicts_match_truth(tmp_path: Path, behavior: str) -> None:
     assert {t["request_id"] for t in all_truth} >= {f"cmpl-{behavior}-ka1", f"cmpl-{behavior}-ka2"}
 
 
+@pytest.mark.privileged
 def test_live_notices_flag_a_zombie_while_it_runs(tmp_path: Path) -> None:
     with running_daemon(tmp_path) as daemon, running_engine(
             behavior="detached", otlp=f"http://127.0.0.1:{daemon.status.http_port}", step_ms=10,
@@ -116,6 +140,7 @@ def test_live_notices_flag_a_zombie_while_it_runs(tmp_path: Path) -> None:
         assert row.lag_seconds > flagged.lag_seconds >= GRACE_S, (row.lag_seconds, flagged.lag_seconds)
 
 
+@pytest.mark.privileged
 def test_vllm_style_abort_without_engine_span_is_aborted(tmp_path: Path) -> None:
     with running_daemon(tmp_path) as daemon, running_engine(
             behavior="abort", otlp=f"http://127.0.0.1:{daemon.status.http_port}", step_ms=10) as engine:
@@ -130,6 +155,7 @@ def test_vllm_style_abort_without_engine_span_is_aborted(tmp_path: Path) -> None
         assert all(not r.details["engine_span"] and r.phase == "unknown" for r in rows)
 
 
+@pytest.mark.privileged
 @pytest.mark.parametrize("propagate", [True, False])
 def test_gateway_chain_one_verdict_with_hop_delay(tmp_path: Path, propagate: bool) -> None:
     from replay.engine.launch import running_gateway
@@ -155,3 +181,66 @@ def test_gateway_chain_one_verdict_with_hop_delay(tmp_path: Path, propagate: boo
         assert hop["server_port"] == engine.port and 0 <= hop["disconnect_delay_s"] < 0.5
     else:
         assert row.details["upstream_not_closed_ports"] == [engine.port] and row.lag_seconds > GRACE_S
+
+
+def mismatches(verdicts: list, truths: list[dict], source: str, missable: set[str]) -> list[str]:
+    """Each request the engine saw a disconnect of against its verdict; completed ones never judged.
+    A span without a peer names its request by the engine's id (``cmpl-<X-Request-Id>``)."""
+    rows = {(row.request_id or "").removeprefix("cmpl-"): row for row in verdicts}
+    problems = []
+    for truth in truths:
+        request_id = truth["request_id"].removeprefix("cmpl-")
+        row = rows.get(request_id)
+        if row is None:
+            if request_id not in missable:
+                problems.append(f"{request_id}: no verdict")
+            continue
+        want, truth_lag = expected_verdict(truth), (truth["finished_at"] - truth["disconnect_at"]) / 1e9
+        if row.verdict != want:
+            problems.append(f"{request_id}: verdict {row.verdict}, truth {want} (truth lag {truth_lag:.3f} s)")
+        elif want != "completed" and abs(row.lag_seconds - truth_lag) > lag_tolerance(source):
+            problems.append(f"{request_id}: lag {row.lag_seconds:.4f} s, truth {truth_lag:.4f} s")
+    seen = {t["request_id"].removeprefix("cmpl-") for t in truths}
+    return problems + [f"{rid}: verdict {row.verdict} for a request the engine saw no disconnect of"
+                       for rid, row in rows.items() if rid not in seen and row.verdict != "completed"]
+
+
+@pytest.mark.parametrize("source", [
+    pytest.param("bpf", marks=[pytest.mark.privileged, pytest.mark.xfail(
+        strict=False, reason="a reset within a millisecond of sending sometimes leaves no kernel event")]),
+    "procfs"])
+@pytest.mark.parametrize("behavior", ["abort", "detached"])
+def test_cancel_matrix_matches_truth(tmp_path: Path, behavior: str, source: str) -> None:
+    """FIN and RST, streaming and not, cancelled 0, 0.3 and 0.8 s after sending, beside requests
+    that complete: every cancel gets the engine's verdict, no completed request is judged."""
+    cases = [(kind, stream, delay) for kind in ("fin", "rst") for stream in (True, False) for delay in (0.0, 0.3, 0.8)]
+    with running_daemon(tmp_path, **daemon_overrides(source, **{"correlate.late_span_seconds": 10.0})) as daemon, \
+            running_engine(behavior=behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}",
+                           truth_log=tmp_path / "truth.jsonl", step_ms=10, max_batch=16,
+                           extra_args=["--trace-aborted"]) as engine:
+        assert daemon.source_name == source
+        daemon.set_ports({engine.port})
+        threads = [complete(engine.port, stream=i % 2 == 0, max_tokens=20, request_id=f"done{i}") for i in range(3)]
+        for kind, stream, delay in cases:
+            threads.append(cancel_after(engine.port, delay, kind, stream=stream, max_tokens=150,
+                                        request_id=f"{kind}-{'stream' if stream else 'plain'}-{delay}"))
+            time.sleep(0.05)
+        for thread in threads:
+            thread.join()
+        cancelled = {f"cmpl-{k}-{'stream' if s else 'plain'}-{d}" for k, s, d in cases}
+        assert wait_for(lambda: cancelled <= {t["request_id"] for t in engine.truth()}, timeout_s=30)
+        truths = [t for t in engine.truth() if t.get("disconnect_at")]
+        assert {t["request_id"] for t in truths} >= cancelled
+        # A connection that opens and closes between two polls is invisible to the fallback: a
+        # client that leaves at once (delay 0) is gone within the 50 ms interval (docs/probe.md).
+        missable = {f"{k}-{'stream' if s else 'plain'}-{d}" for k, s, d in cases if d == 0} if source == "procfs" else set()
+        wait_for(lambda: not mismatches(verdict_rows(daemon), truths, source, missable),
+                 timeout_s=20)  # the assertion below names what is still wrong
+        problems = mismatches(verdict_rows(daemon), truths, source, missable)
+        with daemon.store.session() as session:
+            peerless = session.scalar(select(func.coalesce(func.sum(CoverageRow.count), 0)).where(
+                CoverageRow.kind == CoverageKind.PEERLESS_SPAN_JOINED.value)) or 0
+    assert not problems, "\n".join(problems)
+    # A client that resets right after sending may leave a span without a peer address (the
+    # socket was gone when the server asked); joined by port, each such join is counted.
+    assert peerless <= len([c for c in cases if c[0] == "rst" and c[2] == 0])

@@ -21,6 +21,6 @@ def test_demo_finds_zombies_and_passes_the_gate_after_the_fix(tmp_path: Path) ->
     assert found, result.stdout[-3000:]
     before, after, cancelled = map(int, found.groups())
     assert 0 < before <= cancelled and after == 0
-    assert "gate passed" in result.stdout and "Traceback" not in result.stderr
+    assert "errors = 0; gate passed" in result.stdout and "Traceback" not in result.stderr
     assert (tmp_path / "report.html").read_text().count("<svg") >= 2
     assert (tmp_path / "capture.db").stat().st_size > 0 and (tmp_path / "auditor.db").stat().st_size > 0

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import urllib.request
 from types import SimpleNamespace
 
+from prometheus_client import start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from auditor import __version__
 from auditor.daemon import completed_requests
-from auditor.metrics import MAX_LABEL_VALUES, DaemonMetrics
+from auditor.metrics import MAX_LABEL_VALUES, DaemonMetrics, SourceReadings
+from auditor.model import RequestVerdict, Verdict
 
 
 def span(role: str, http_status: int | None = None, finish_reason: str | None = None) -> SimpleNamespace:
@@ -27,11 +33,53 @@ def test_completions_fall_back_to_http_spans_without_an_engine() -> None:
 
 
 def test_completed_rate_is_over_the_last_minute() -> None:
-    metrics = DaemonMetrics()
-    metrics.completed(120, now=1000.0)
+    now = [1000.0]
+    metrics = DaemonMetrics(clock=lambda: now[0])
+    metrics.completed(120)
     assert metrics.registry.get_sample_value("auditor_completed_requests_per_second") == 2.0
-    metrics.completed(30, now=1061.0)  # the first 120 are older than a minute
+    now[0] = 1061.0  # the first 120 are older than a minute
+    metrics.completed(30)
     assert metrics.registry.get_sample_value("auditor_completed_requests_per_second") == 0.5
+    assert metrics.registry.get_sample_value("auditor_completed_requests_total") == 150
+
+
+def scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def test_sources_are_read_when_prometheus_scrapes() -> None:
+    # Nothing is pushed: what a scrape shows is what the parts hold at that moment.
+    readings = SourceReadings(source="procfs", spans_received=7, store_write_errors={"spans": 0})
+    metrics = DaemonMetrics(lambda: readings)
+    server, _thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+    try:
+        first = scrape(server.server_port)
+        assert first["auditor_spans_received_total"] == {(): 7}
+        assert first["auditor_build_info"] == {(("version", __version__),): 1}
+        assert first["auditor_disconnect_source_info"] == {(("source", "procfs"),): 1}
+        assert not [name for name in first if name.endswith("_created")]
+        readings.spans_received, readings.inflight_zombies, readings.store_write_errors["spans"] = 9, 2, 1
+        metrics.settled(RequestVerdict(request_key="h/t/s", host="h", verdict=Verdict.ZOMBIE, disconnect_at_ns=1, disconnect_kind="fin",
+                                       request_start_ns=0, work_end_ns=4,
+                                       lag_seconds=3.0, route="/v1/completions", model="m", wasted_gpu_seconds=1.5))
+        second = scrape(server.server_port)
+        assert second["auditor_spans_received_total"] == {(): 9}
+        assert second["auditor_inflight_zombies"] == {(): 2}
+        assert second["auditor_store_write_errors_total"] == {(("writer", "spans"),): 1}
+        assert second["auditor_disconnect_verdicts_total"] == {
+            (("model", "m"), ("route", "/v1/completions"), ("verdict", "zombie")): 1}
+        assert second["auditor_wasted_gpu_seconds_total"] == {(): 1.5}
+        buckets = second["auditor_zombie_duration_seconds_bucket"]
+        assert buckets[(("le", "2.0"), ("model", "m"), ("route", "/v1/completions"))] == 0
+        assert buckets[(("le", "5.0"), ("model", "m"), ("route", "/v1/completions"))] == 1
+    finally:
+        server.shutdown()
 
 
 def test_label_values_are_bounded() -> None:

@@ -165,7 +165,7 @@ def test_routing_auth_type_and_size_errors(writer: SpanWriter) -> None:
     receiver = OtlpHttpReceiver(writer, port=0, token="s3cret", max_body_bytes=1000).start()
     try:
         ok = {"Authorization": "Bearer s3cret"}
-        assert post(receiver.port, b"", ok, path="/v1/metrics")[0] == 404
+        assert post(receiver.port, b"", ok, path="/v1/profiles")[0] == 404
         assert post(receiver.port, b"", ok, method="GET")[0] == 405
         status, headers, _ = post(receiver.port, b"")
         assert status == 401 and headers["www-authenticate"].startswith("Bearer")

@@ -10,6 +10,17 @@ import pytest
 
 from probes import ProbeUnavailable, open_source
 from probes.bpf import bpf_unavailable_reason, default_wakeup_every
+from probes.caps import (
+    CAP_BPF,
+    CAP_DAC_OVERRIDE,
+    CAP_DAC_READ_SEARCH,
+    CAP_PERFMON,
+    CAP_SYS_ADMIN,
+    capability_mask,
+    missing_bpf_capabilities,
+)
+
+UNIT_CAPS = capability_mask(CAP_BPF, CAP_PERFMON, CAP_DAC_READ_SEARCH)
 
 
 def fake_host(root: Path, *, tracefs: bool = True, tracepoints: bool = True,
@@ -25,7 +36,7 @@ def fake_host(root: Path, *, tracefs: bool = True, tracepoints: bool = True,
     if headers:
         (modules / platform.release() / "build" / "include").mkdir(parents=True)
     return {"tracefs_roots": [tracing], "modules_root": modules,
-            "kheaders": root / "no-kheaders", "check_bcc": False, "euid": 0}
+            "kheaders": root / "no-kheaders", "check_bcc": False, "caps": UNIT_CAPS}
 
 
 def test_a_complete_host_has_no_reason(tmp_path: Path) -> None:
@@ -33,7 +44,9 @@ def test_a_complete_host_has_no_reason(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("setup", "reason", "fix"), [
-    ({"euid": 1000}, "eBPF needs root", "use --source procfs"),
+    ({"caps": 0}, "eBPF needs CAP_BPF, CAP_PERFMON, CAP_DAC_READ_SEARCH", "use --source procfs"),
+    ({"caps": capability_mask(CAP_BPF, CAP_PERFMON)}, "eBPF needs CAP_DAC_READ_SEARCH",
+     "AmbientCapabilities=CAP_BPF CAP_PERFMON CAP_DAC_READ_SEARCH"),
     ({"tracefs": False, "tracepoints": False}, "tracefs is not mounted",
      "mount -t tracefs nodev /sys/kernel/tracing"),
     ({"tracepoints": False}, "no sock:inet_sock_set_state tracepoint", "Linux 4.16"),
@@ -41,9 +54,9 @@ def test_a_complete_host_has_no_reason(tmp_path: Path) -> None:
 ])
 def test_each_missing_piece_is_named_with_its_fix(tmp_path: Path, setup: dict[str, object],
                                                   reason: str, fix: str) -> None:
-    euid = setup.pop("euid", 0)
+    caps = setup.pop("caps", UNIT_CAPS)
     kwargs = fake_host(tmp_path, **setup)  # type: ignore[arg-type]
-    kwargs["euid"] = euid
+    kwargs["caps"] = caps
     problem = bpf_unavailable_reason(**kwargs)  # type: ignore[arg-type]
     assert problem is not None
     assert reason in problem.reason and fix in problem.fix
@@ -56,7 +69,7 @@ def test_prefer_bpf_without_bcc_raises_the_doctor_message(monkeypatch: pytest.Mo
         open_source([8000], prefer="bpf")
     message = str(caught.value)
     assert ("bcc is not importable: run `make setup` as root (apt-get install python3-bpfcc)"
-            in message) or "eBPF needs root" in message
+            in message) or "eBPF needs CAP_" in message
 
 
 def test_unsignalled_records_never_fill_more_than_a_quarter_of_the_ring() -> None:
@@ -65,3 +78,20 @@ def test_unsignalled_records_never_fill_more_than_a_quarter_of_the_ring() -> Non
         assert 1 <= every <= 1024
         assert every == 1 or every * cpus * 64 <= pages * 4096 // 4
     assert default_wakeup_every(4096, 2) == 1024
+
+
+@pytest.mark.parametrize(("bits", "missing"), [
+    ((CAP_BPF, CAP_PERFMON, CAP_DAC_READ_SEARCH), []),
+    ((CAP_SYS_ADMIN, CAP_DAC_OVERRIDE), []),  # kernels before 5.8: CAP_SYS_ADMIN covers both
+    ((CAP_BPF, CAP_PERFMON), ["CAP_DAC_READ_SEARCH"]),  # bcc cannot read tracefs formats
+    ((CAP_DAC_READ_SEARCH,), ["CAP_BPF", "CAP_PERFMON"]),
+])
+def test_readiness_is_decided_by_capabilities(bits: tuple[int, ...], missing: list[str]) -> None:
+    assert missing_bpf_capabilities(capability_mask(*bits)) == missing
+
+
+def test_doctor_and_probe_agree_on_this_process() -> None:
+    from auditor.cli.doctor import OK, check_privileges
+
+    probe_refuses = bool(missing_bpf_capabilities())
+    assert (check_privileges().state != OK) == probe_refuses

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -142,6 +143,9 @@ def test_plans_replay_captured_disconnects_and_timing() -> None:
     plans = plan_replay(capture, ReplayOptions(as_captured=True, speed=2.0, model="staging-model"), tag="t")
     assert [(p.cancel_after_s, p.close_with, p.start_at_s) for p in plans] == [
         (0.7, "rst", 0.0), (None, "fin", 1.0), (0.0, "fin", 2.0)]
+    # A client that left after its answer was complete closed, it did not cancel: nothing to plan.
+    closed = replace(capture, requests=[replace(capture.requests[0], original_verdict="completed")])
+    assert plan_replay(closed, ReplayOptions(as_captured=True), tag="t")[0].cancel_after_s is None
     assert {p.body["model"] for p in plans} == {"staging-model"} and plans[0].path == CHAT_PATH
     assert len({p.trace_id for p in plans}) == 3 and plans[1].request_id == "t-000001"
     forced = plan_replay(capture, ReplayOptions(as_captured=True, close_with="fin", speed=0), tag="t")
@@ -149,7 +153,7 @@ def test_plans_replay_captured_disconnects_and_timing() -> None:
         (0.7, "fin", 0.0), (None, "fin", 0.0), (0.0, "fin", 0.0)]
     assert resolve_baseline(Store("sqlite://"), replace(capture, requests=[
         replace(r, original_verdict=v) for r, v in zip(capture.requests, ["zombie", None, "inflight_zombie"],
-                                                        strict=True)]), "capture") == (None, 2)
+                                                        strict=True)]), "capture").zombies == 2
     injected = plan_replay(capture, ReplayOptions(cancel_rate=1.0, cancel_after_s=0.25), tag="t")
     assert [p.cancel_after_s for p in injected] == [0.25, 0.25, 0.25]
 
@@ -216,12 +220,16 @@ def test_replay_finds_zombies_then_confirms_the_fix(tmp_path: Path) -> None:
     assert result["schema"] == "auditor.replay/v1" and result["run_id"] == 1
     assert result["sent"] == 6 and result["cancelled"] == 6 and result["unjudged"] == 0, result
     assert result["zombies"] == 6 and result["verdicts"] == {"zombie": 6}, result
+    assert result["evidence"] == {"zombie": {"engine span": 6}} and result["gate"] == "zombies", result
+    assert result["planned_cancels"] == 6 and result["errors"] == 0, result
     assert result["wasted_tokens"] > 6 * 150 and result["lag_max_s"] > 2.5 and result["provisional"] == 0
     with running_engine(behavior="abort", otlp=f"http://127.0.0.1:{otlp_port}", step_ms=15) as engine:
         fixed = auditor("replay", str(capture), "--target", engine.url, *replay_args, "--baseline", "previous")
     assert fixed.returncode == 0, (fixed.stdout, fixed.stderr)
     assert "Zombies: 6 → 0 (baseline run 1)" in fixed.stdout, fixed.stdout
-    assert "verdicts for the cancelled: aborted 6" in fixed.stdout, fixed.stdout
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in fixed.stdout.splitlines())}
+    assert rows["errors"] == ["0", "0"] and rows["cancelled as planned"] == ["6 of 6", "6 of 6"], fixed.stdout
+    assert rows["zombie (engine span)"] == ["6", "-"] and rows["aborted (no engine span)"] == ["-", "6"], rows
     # The aborts carry no engine span: the engine's /metrics showing it idle ends the wait, not the
     # 60 s late-span window (the message says which ended it).
     assert "judged: engine idle for 1 s" in fixed.stderr, fixed.stderr

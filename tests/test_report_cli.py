@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from auditor.cli import cli
+from auditor.cli.util import parse_duration
 from auditor.store import Store
 from tests.report_data import SINCE, UNTIL, fill, trace
 
@@ -164,3 +165,32 @@ def test_output_to_a_device_writes_through_it(db: str) -> None:
                         "-o", "/dev/null")
     assert code == 0
     assert Path("/dev/null").is_char_device()
+
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("90s", 90), ("1h30m", 5400), ("1h 30m", 5400), (" 2d12h ", 216000), ("1.5h", 5400),
+    ("1w2d3h4m5s", 788645), ("1m500ms", 60.5), ("30m", 1800)])
+def test_durations_single_and_compound(text: str, seconds: float) -> None:
+    duration = parse_duration(text)
+    assert duration is not None and duration.total_seconds() == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["1h30", "h30m", "1h-30m", "1.h", "1hour", "", "2026-11-22T10:00:00Z"])
+def test_not_durations(text: str) -> None:
+    assert parse_duration(text) is None
+
+
+@pytest.mark.parametrize("bad", ["30m1h", "1h1h", "5s1m", "1m1ms1s"])
+def test_compound_duration_out_of_order_is_refused_with_an_example(db: str, bad: str) -> None:
+    with pytest.raises(ValueError, match="largest first"):
+        parse_duration(bad)
+    result = CliRunner().invoke(cli, ["report", "--db", db, "--since", bad])
+    assert result.exit_code == 2
+    assert "Invalid value for '--since'" in result.stderr and "e.g. 1h30m" in result.stderr
+
+
+def test_compound_since_opens_the_window(db: str) -> None:
+    code, out, _ = invoke("--db", db, "--since", "1h30m", "--format", "json")
+    assert code == 0
+    window = json.loads(out)["window"]
+    assert window["seconds"] == pytest.approx(5400, abs=5)

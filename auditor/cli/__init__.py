@@ -27,6 +27,8 @@ COMMANDS: dict[str, str] = {
     "report": "auditor.cli.report:report",
     "run": "auditor.cli.run:run_command",
 }
+# Commands that run the reference engine, whose dependencies are the `engine` extra.
+NEEDS_ENGINE = {"demo", "engine"}
 
 
 class LazyGroup(click.Group):
@@ -37,9 +39,31 @@ class LazyGroup(click.Group):
         target = COMMANDS.get(cmd_name)
         if target is None:
             return None
+        if cmd_name in NEEDS_ENGINE:
+            missing = _engine_missing(cmd_name)
+            if missing is not None:
+                return missing
         module_name, _, attribute = target.partition(":")
         command: Any = getattr(importlib.import_module(module_name), attribute)
         return command  # type: ignore[no-any-return]
+
+
+def _engine_missing(cmd_name: str) -> click.Command | None:
+    """A stand-in command that says which extra to install, or None when the engine can run."""
+    from auditor.extras import MissingExtraError, require_engine
+
+    try:
+        require_engine(cmd_name)
+    except MissingExtraError as exc:
+        message = str(exc)
+
+        def refuse(args: tuple[str, ...]) -> None:
+            raise click.ClickException(message)
+
+        return click.Command(cmd_name, callback=refuse, help=message, add_help_option=False,
+                             params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+                             context_settings={"ignore_unknown_options": True})
+    return None
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

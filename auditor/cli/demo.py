@@ -144,13 +144,19 @@ def run_demo(output_dir: Path) -> int:
                                                until_ns=end_ns)
         click.echo(f"  auditor capture export: {captured} requests -> {capture_path}")
         summary = _gate(config, capture_path)
+    from replay.run import gate
+
     zombies_before = sum(before.get(v, 0) for v in ZOMBIE_VERDICTS)
-    click.echo(f"  auditor replay --as-captured: {summary.cancelled} of {summary.sent} requests cancelled as "
-               f"captured; verdicts {summary.verdicts}" + (f", {summary.unjudged} without one" if summary.unjudged else ""))
-    passed = summary.zombies == summary.unjudged == summary.provisional == 0 < zombies_before
+    click.echo(f"  auditor replay --as-captured: {summary.cancelled} of {summary.planned_cancels} planned cancels "
+               f"happened, {summary.sent} requests sent, errors = {summary.errors}; verdicts {summary.verdicts}"
+               + (f", {summary.unjudged} without one" if summary.unjudged else ""))
+    decision, reasons = gate(summary)
+    for reason in reasons:
+        click.echo(f"  {decision}: {reason}")
+    passed = decision == "pass" and zombies_before > 0
     click.secho(f"\nZombies: {zombies_before} → {summary.zombies} ({cancelled} requests cancelled by their clients "
-                f"in production, replayed with the same disconnects; gate {'passed' if passed else 'failed'})",
-                bold=True, fg="green" if passed else "red")
+                f"in production, replayed with the same disconnects; errors = {summary.errors}; gate "
+                f"{'passed' if passed else 'failed'})", bold=True, fg="green" if passed else "red")
     since = dt.datetime.fromtimestamp(start_ns / 1e9, dt.timezone.utc).isoformat(timespec="seconds")
     click.echo(f"HTML report: {html_path}\nStore: {db_path}  (try: auditor report --db sqlite:///{db_path} "
                f"--since {since})\nCapture: {capture_path}  (try: auditor replay {capture_path} --target "

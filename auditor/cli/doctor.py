@@ -31,9 +31,6 @@ SCHEMA = "auditor.cli.doctor/v1"
 
 OK, DEGRADED, FAILED = "ok", "degraded", "failed"
 
-# Capability bits from linux/capability.h.
-CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
-
 # bpf(2) syscall numbers; BPF_MAP_CREATE of a one-slot array is the cheapest real probe.
 BPF_SYSCALL = {"x86_64": 321, "aarch64": 280}
 TRACEFS_DIRS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
@@ -51,22 +48,16 @@ class Check:
     required: bool = False  # a failed required check means the daemon cannot run
 
 
-def _effective_caps() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return int(line.split()[1], 16)
-    return 0
-
-
 def check_privileges() -> Check:
-    caps = _effective_caps()
-    has_bpf = bool(caps >> CAP_BPF & 1 or caps >> CAP_SYS_ADMIN & 1)
-    has_perfmon = bool(caps >> CAP_PERFMON & 1 or caps >> CAP_SYS_ADMIN & 1)
+    """Judged by ``probes.caps``, the same function the probe uses: capabilities, not the uid."""
+    from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
+
+    missing = missing_bpf_capabilities()
     who = "root" if os.geteuid() == 0 else f"uid {os.geteuid()}"
-    if has_bpf and has_perfmon:
-        return Check("privileges", OK, f"{who}, CAP_BPF and CAP_PERFMON effective")
-    return Check("privileges", DEGRADED, f"{who} without CAP_BPF+CAP_PERFMON: eBPF probe unavailable",
-                 "run as root, or under systemd with AmbientCapabilities=CAP_BPF CAP_PERFMON")
+    if not missing:
+        return Check("privileges", OK, f"{who}, {UNIT_CAPABILITIES.replace(' ', ', ')} effective")
+    return Check("privileges", DEGRADED, f"{who} without {', '.join(missing)}: eBPF probe unavailable",
+                 f"run as root, or under systemd with AmbientCapabilities={UNIT_CAPABILITIES}")
 
 
 def check_bpf_syscall() -> Check:

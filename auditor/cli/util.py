@@ -73,19 +73,33 @@ class PortType(click.ParamType):  # type: ignore[type-arg]  # generic only in ne
         return number
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)\s*$")
+# One or more <number><unit> parts, largest unit first: 30m, 1h30m, 1h 30m, 2d12h, 1.5h, 500ms.
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)")
+_DURATION = re.compile(r"^\s*(?:\d+(?:\.\d+)?\s*(?:ms|s|m|h|d|w)\s*)+$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 def parse_duration(text: str) -> dt.timedelta | None:
-    match = _DURATION.match(text)
-    if not match:
+    """A duration such as ``90s``, ``1h30m`` or ``2d 12h``; None when ``text`` is not written as one.
+
+    Raises ValueError when it is written as one but its units repeat or go up (``30m1h``, ``1h1h``):
+    that is almost always a typo, and guessing would silently pick the wrong window.
+    """
+    if not _DURATION.match(text):
         return None
-    return dt.timedelta(seconds=float(match.group(1)) * _UNIT_SECONDS[match.group(2)])
+    seconds = 0.0
+    previous: str | None = None
+    for number, unit in _DURATION_PART.findall(text):
+        if previous is not None and _UNIT_SECONDS[unit] >= _UNIT_SECONDS[previous]:
+            raise ValueError(f"{text.strip()!r}: {unit!r} after {previous!r}; "
+                             "write each unit once, largest first, e.g. 1h30m")
+        seconds += float(number) * _UNIT_SECONDS[unit]
+        previous = unit
+    return dt.timedelta(seconds=seconds)
 
 
 class TimeType(click.ParamType):  # type: ignore[type-arg]
-    """A moment: a duration back from now (``30m``, ``1h``, ``2d``) or an RFC 3339 time."""
+    """A moment: a duration back from now (``30m``, ``1h30m``, ``2d``) or an RFC 3339 time."""
 
     name = "time"
 
@@ -93,14 +107,17 @@ class TimeType(click.ParamType):  # type: ignore[type-arg]
         if isinstance(value, dt.datetime):
             return value
         text = str(value)
-        duration = parse_duration(text)
+        try:
+            duration = parse_duration(text)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
         if duration is not None:
             return dt.datetime.now(dt.timezone.utc) - duration
         try:
             moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
         except ValueError:
             self.fail(f"{text!r} is neither a duration nor a time; "
-                      "use e.g. 30m, 1h, 2d or 2026-11-22T10:00:00Z", param, ctx)
+                      "use e.g. 30m, 1h30m, 2d or 2026-11-22T10:00:00Z", param, ctx)
         if moment.tzinfo is None:
             self.fail(f"{text!r} has no time zone; add one, e.g. 2026-11-22T10:00:00Z", param, ctx)
         return moment

@@ -26,7 +26,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy import func, select
 
@@ -34,7 +34,7 @@ from auditor.correlate.evaluate import clock_dependent, evaluate
 from auditor.correlate.evidence import EngineLoads
 from auditor.correlate.live import LiveState
 from auditor.correlate.requests import Disconnect, OpenRequest, RequestKey
-from auditor.correlate.traces import TraceIndex, Tuple4, norm_addr, span_tuple
+from auditor.correlate.traces import TraceIndex, Tuple4, disconnect_instant, norm_addr, span_tuple
 from auditor.model import (
     ConnEventKind,
     CoverageKind,
@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 
 HORIZON_NS = 15 * 60 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
+# How long before a peerless span's start its client's close may lie (accept queue and read).
+PEERLESS_BEFORE_NS = 1_000_000_000
 
 
 @dataclass
@@ -154,7 +156,7 @@ class Correlator:
                 self._local_fin_by_tuple[tuple4].append(row.ts_ns)
             elif row.kind in (ConnEventKind.PEER_FIN.value, ConnEventKind.PEER_RST.value):
                 kind = "fin" if row.kind == ConnEventKind.PEER_FIN.value else "rst"
-                self._pending[row.id] = Disconnect(row.id, row.ts_ns, kind, tuple4)
+                self._pending[row.id] = Disconnect(row.id, row.ts_ns, kind, tuple4, row.earliest_ns)
 
     # -- the round --------------------------------------------------------------------------
     def tick(self, live: list[LiveEvent] | None = None) -> list[RequestVerdict]:
@@ -210,8 +212,7 @@ class Correlator:
         for event_id, disconnect in list(self._pending.items()):
             span = self._span_in_flight(disconnect)
             if span is not None:
-                root = self.spans.root(span)
-                self._open_request((root.trace_id, root.span_id)).add(disconnect)
+                self._join(disconnect, span)
                 del self._pending[event_id]
                 continue
             live = self.live.in_flight_on(disconnect.tuple4, disconnect.ts_ns)
@@ -227,14 +228,38 @@ class Correlator:
                     self._count(kind, f"ev:{event_id}", disconnect.ts_ns)  # raises before anything is forgotten
                     self._recent_unjoined[event_id] = (disconnect, kind)
                 del self._pending[event_id]
+        self._join_peerless()
         # A span that arrived after its disconnect was written off claims it back.
         for event_id, (disconnect, kind) in list(self._recent_unjoined.items()):
             span = self._span_in_flight(disconnect)
             if span is not None:
                 self._count(kind, f"ev:{event_id}:undo", disconnect.ts_ns, count=-1)
                 del self._recent_unjoined[event_id]
-                root = self.spans.root(span)
-                self._open_request((root.trace_id, root.span_id)).add(disconnect)
+                self._join(disconnect, span)
+
+    def _join_peerless(self) -> None:
+        """A server span without a peer address (its client reset before the server read the
+        request, so the server never learnt who sent it) joins the unjoined close on its server port
+        just before its start, of a connection that carried no other span. Counted: it is inferred."""
+        for span in self.spans.peerless():
+            candidates = [d for d in self._pending.values() if d.tuple4[2] == span.server_port
+                          and not self.spans.on_connection(d.tuple4)
+                          and span.start_ns - PEERLESS_BEFORE_NS <= min(d.ts_ns, d.earliest_ns or d.ts_ns) <= span.start_ns]
+            if not candidates:
+                continue
+            disconnect = max(candidates, key=lambda d: min(d.ts_ns, d.earliest_ns or d.ts_ns))
+            self.spans.claim_peerless(span)
+            del self._pending[disconnect.event_id]
+            self._count(CoverageKind.PEERLESS_SPAN_JOINED, f"peerless:{span.trace_id}:{span.span_id}", span.start_ns)
+            self._join(disconnect, span)
+
+    def _join(self, disconnect: Disconnect, span: SpanRecord) -> None:
+        """Add the close to the request of ``span``, at the instant its interval allows."""
+        instant = disconnect_instant(span, disconnect.ts_ns, disconnect.earliest_ns)
+        if instant != disconnect.ts_ns:
+            disconnect = replace(disconnect, ts_ns=instant)
+        root = self.spans.root(span)
+        self._open_request((root.trace_id, root.span_id)).add(disconnect)
 
     def _rekey(self) -> None:
         """Merge requests whose outermost span became known (a gateway's span arriving after the
@@ -256,7 +281,8 @@ class Correlator:
 
     def _span_in_flight(self, disconnect: Disconnect) -> SpanRecord | None:
         return self.spans.in_flight(disconnect.tuple4, disconnect.ts_ns,
-                                    self._closed_by_tuple.get(disconnect.tuple4, ()), self.late_ns)
+                                    self._closed_by_tuple.get(disconnect.tuple4, ()), self.late_ns,
+                                    disconnect.earliest_ns)
 
     def _classify_unjoined(self, disconnect: Disconnect) -> CoverageKind:
         spans = self.spans.on_connection(disconnect.tuple4)

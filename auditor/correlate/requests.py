@@ -16,6 +16,7 @@ class Disconnect:
     ts_ns: int
     kind: str  # "fin" or "rst"
     tuple4: Tuple4
+    earliest_ns: int | None = None  # a polled close: it happened in (earliest_ns, ts_ns]
 
 
 @dataclass(slots=True)

@@ -39,6 +39,20 @@ def engine_request_ids(http_request_id: str) -> tuple[str, ...]:
     return (http_request_id, f"chatcmpl-{http_request_id}", f"cmpl-{http_request_id}")
 
 
+def disconnect_instant(span: SpanRecord, ts_ns: int, earliest_ns: int | None) -> int:
+    """The instant a verdict takes for a close joined to ``span``.
+
+    Exact events are their own instant. A polled close is known only to lie in (earliest, ts]:
+    if the span ended inside that interval, the client cannot have left after the request was no
+    longer in flight, so the span's end is the latest instant consistent with both; judging there
+    never calls a request that completed right before the close aborted. Otherwise the first poll
+    that saw it closed.
+    """
+    if earliest_ns is None:
+        return ts_ns
+    return max(min(ts_ns, span.end_ns), min(earliest_ns, ts_ns))
+
+
 class TraceIndex:
     def __init__(self) -> None:
         self._by_trace: dict[str, dict[str, SpanRecord]] = defaultdict(dict)
@@ -49,6 +63,8 @@ class TraceIndex:
         self._entries: dict[str, int] = defaultdict(int)  # arrivals in line per trace
         self._http_by_tuple: dict[Tuple4, list[SpanRecord]] = defaultdict(list)
         self._engine_by_request_id: dict[str, SpanRecord] = {}
+        # Server spans without a peer address, by server port, until a close claims them.
+        self._peerless: dict[int, list[SpanRecord]] = defaultdict(list)
 
     def add(self, span: SpanRecord, arrived_ns: int) -> bool:
         """Index a span; False when it was already known (a duplicate delivery)."""
@@ -61,6 +77,8 @@ class TraceIndex:
         self._entries[span.trace_id] += 1
         if span.role is SpanRole.HTTP_SERVER and not span.peer_rewritten and span.peer_port and span.server_port:
             self._http_by_tuple[span_tuple(span)].append(span)
+        elif span.role is SpanRole.HTTP_SERVER and not span.peer_rewritten and not span.peer_port and span.server_port:
+            self._peerless[span.server_port].append(span)
         elif span.role is SpanRole.ENGINE and span.request_id:
             self._engine_by_request_id[span.request_id] = span
         return True
@@ -84,18 +102,22 @@ class TraceIndex:
     def on_connection(self, tuple4: Tuple4) -> list[SpanRecord]:
         return self._http_by_tuple.get(tuple4, [])
 
-    def in_flight(self, tuple4: Tuple4, ts_ns: int, closed_at: Iterable[int], wait_ns: int) -> SpanRecord | None:
+    def in_flight(self, tuple4: Tuple4, ts_ns: int, closed_at: Iterable[int], wait_ns: int,
+                  earliest_ns: int | None = None) -> SpanRecord | None:
         """The server span in flight on this connection when the client left at ``ts_ns``.
 
-        Inside a span's interval it is that span. Before any span: the request was already in the
-        server's receive buffer (a client that sends and leaves at once, AIPerf's delay 0), so a span
-        that starts later on the same connection, with no close of the server's socket in between
-        (which would mean the 4-tuple was reused), was in flight too.
+        A polled close is an interval (``earliest_ns``, ``ts_ns``]: a span in flight at any moment
+        of it qualifies (the latest to start, on a keep-alive connection). Before any span: the
+        request was already in the server's receive buffer (a client that sends and leaves at
+        once, AIPerf's delay 0), so a span that starts later on the same connection, with no close
+        of the server's socket in between (which would mean the 4-tuple was reused), was in flight
+        too.
         """
         spans = self._http_by_tuple.get(tuple4, [])
-        for span in spans:
-            if span.start_ns <= ts_ns <= span.end_ns:
-                return span
+        earliest = ts_ns if earliest_ns is None else min(earliest_ns, ts_ns)
+        overlapping = [s for s in spans if s.start_ns <= ts_ns and s.end_ns >= earliest]
+        if overlapping:
+            return max(overlapping, key=lambda s: s.start_ns)
         later = [s for s in spans if ts_ns < s.start_ns <= ts_ns + wait_ns]
         if not later:
             return None
@@ -103,6 +125,15 @@ class TraceIndex:
         if any(ts_ns <= closed <= first.start_ns for closed in closed_at):
             return None
         return first
+
+    def peerless(self) -> list[SpanRecord]:
+        """Unclaimed server spans without a peer address, oldest first."""
+        return sorted((s for spans in self._peerless.values() for s in spans), key=lambda s: s.start_ns)
+
+    def claim_peerless(self, span: SpanRecord) -> None:
+        spans = self._peerless.get(span.server_port or 0, [])
+        if span in spans:
+            spans.remove(span)
 
     def root(self, span: SpanRecord) -> SpanRecord:
         """The outermost HTTP server span above ``span`` (itself when none is known)."""
@@ -185,6 +216,8 @@ class TraceIndex:
             if span.role is SpanRole.ENGINE and span.request_id:
                 if self._engine_by_request_id.get(span.request_id) is span:
                     del self._engine_by_request_id[span.request_id]
+            elif span.role is SpanRole.HTTP_SERVER and not span.peer_port:
+                self.claim_peerless(span)
             elif span.role is SpanRole.HTTP_SERVER:
                 on_tuple = self._http_by_tuple.get(span_tuple(span))
                 if on_tuple is not None and span in on_tuple:

@@ -19,7 +19,7 @@ SCHEMA_ID = "auditor.report/v1"
 # The verdicts a request with a disconnect can have (DESIGN §5), in the order reports show them.
 VERDICTS = tuple(v.value for v in Verdict)
 ZOMBIE_VERDICTS = tuple(v.value for v in Verdict if v.is_zombie)
-BREAKDOWN_DIMENSIONS = ("route", "model", "phase", "disconnect_kind")
+BREAKDOWN_DIMENSIONS = ("service", "route", "model", "phase", "disconnect_kind", "host")
 
 
 def to_ns(moment: dt.datetime) -> int:
@@ -74,6 +74,13 @@ class Totals:
     gpu_busy_seconds: float = 0.0
 
     @property
+    def cost_unit(self) -> str:
+        """``"CPU"`` where the window has no GPU at all but CPU time was wasted (CPU-only hosts),
+        else ``"GPU"``: the unit the human-readable reports lead with."""
+        cpu_only = self.gpus == 0 and self.wasted_gpu_seconds == 0 and self.wasted_cpu_seconds > 0
+        return "CPU" if cpu_only else "GPU"
+
+    @property
     def wasted_gpu_share(self) -> float | None:
         """Wasted GPU-seconds as a fraction of the window's GPU time; None without GPU samples."""
         return self.wasted_gpu_seconds / self.gpu_seconds if self.gpu_seconds > 0 else None
@@ -92,6 +99,10 @@ class BreakdownRow:
     zombie_seconds: float
     wasted_tokens: int
     wasted_gpu_seconds: float
+    wasted_cpu_seconds: float = 0.0
+
+    def wasted_seconds(self, unit: str) -> float:
+        return self.wasted_cpu_seconds if unit == "CPU" else self.wasted_gpu_seconds
 
 
 class RequestFinding(NamedTuple):
@@ -122,6 +133,9 @@ class RequestFinding(NamedTuple):
     tokens_exact: bool
     wasted_gpu_seconds: float
     wasted_cpu_seconds: float
+
+    def wasted_seconds(self, unit: str) -> float:
+        return self.wasted_cpu_seconds if unit == "CPU" else self.wasted_gpu_seconds
 
     @property
     def client(self) -> str | None:
@@ -158,6 +172,7 @@ class Bucket:
     zombies: int  # zombie and in-flight zombie verdicts whose disconnect fell in the slice
     wasted_gpu_seconds: float
     gpu_util_percent: float | None  # mean whole-GPU utilization; None without samples
+    wasted_cpu_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

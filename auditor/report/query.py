@@ -172,6 +172,7 @@ def _verdict_aggregates() -> list[Any]:
         _sum(case((zombie, _finite(v.lag_seconds)), else_=0.0)).label("zombie_seconds"),
         _sum(v.tokens_after_disconnect).label("wasted_tokens"),
         _sum(_finite(v.wasted_gpu_seconds)).label("wasted_gpu_seconds"),
+        _sum(_finite(v.wasted_cpu_seconds)).label("wasted_cpu_seconds"),
     ]
 
 
@@ -179,7 +180,7 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
                          totals: Totals) -> dict[str, list[BreakdownRow]]:
     """Fill the verdict totals and every breakdown from ONE grouped scan of the window's verdicts.
 
-    The database groups by all four dimensions and the verdict at once; the few hundred groups
+    The database groups by every dimension and the verdict at once; the few hundred groups
     that come back are folded here into the totals and the per-dimension breakdowns, instead of
     scanning the verdicts once per breakdown.
     """
@@ -212,17 +213,18 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
         totals.wasted_cpu_seconds += float(row.cpu)
         totals.uncapped_disconnects += int(row.uncapped)
         for dimension in BREAKDOWN_DIMENSIONS:
-            acc = folded[dimension].setdefault(row._mapping[dimension], [0.0] * 8)
+            acc = folded[dimension].setdefault(row._mapping[dimension], [0.0] * 9)
             acc[0] += count
             if row.verdict in _VERDICT_INDEX:
                 acc[_VERDICT_INDEX[row.verdict]] += count
             acc[5] += zombie_lag
             acc[6] += int(row.tokens)
             acc[7] += float(row.gpu)
+            acc[8] += float(row.cpu)
     return {dimension: sorted(
         (BreakdownRow(key=key, disconnects=int(a[0]), completed=int(a[1]), aborted=int(a[2]),
                       zombies=int(a[3]), inflight_zombies=int(a[4]), zombie_seconds=a[5],
-                      wasted_tokens=int(a[6]), wasted_gpu_seconds=a[7])
+                      wasted_tokens=int(a[6]), wasted_gpu_seconds=a[7], wasted_cpu_seconds=a[8])
          for key, a in groups.items()),
         key=lambda r: (-r.zombie_seconds, -r.disconnects, r.key or ""))
         for dimension, groups in folded.items()}
@@ -326,6 +328,7 @@ def _series(conn: Connection, query: ReportQuery, width_ns: int) -> list[Bucket]
             zombies=int(row.zombies) + int(row.inflight_zombies) if row is not None else 0,
             wasted_gpu_seconds=float(row.wasted_gpu_seconds) if row is not None else 0.0,
             gpu_util_percent=util.get(index),
+            wasted_cpu_seconds=float(row.wasted_cpu_seconds) if row is not None else 0.0,
         ))
     return series
 

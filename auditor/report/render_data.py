@@ -112,6 +112,7 @@ def _breakdown_dict(row: BreakdownRow) -> dict[str, Any]:
         "aborted": row.aborted, "zombies": row.zombies, "inflight_zombies": row.inflight_zombies,
         "zombie_seconds": _number(row.zombie_seconds, 6), "wasted_tokens": row.wasted_tokens,
         "wasted_gpu_seconds": _number(row.wasted_gpu_seconds, 6),
+        "wasted_cpu_seconds": _number(row.wasted_cpu_seconds, 6),
     }
 
 

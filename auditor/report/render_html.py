@@ -45,7 +45,7 @@ def render_html(report: Report) -> str:
         body.append(f'<p class="note">{esc(report.empty_message())}</p>')
     else:
         body += _cards(report) + _plots(report) + _totals_table(report) + _breakdowns(report)
-        body += _worst_table(report.worst_zombies)
+        body += _worst_table(report.worst_zombies, report.totals.cost_unit)
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             '<meta name="viewport" content="width=device-width,initial-scale=1">'
             f"<title>{esc(title)}</title><style>{STYLE}</style></head><body>\n"
@@ -55,13 +55,17 @@ def render_html(report: Report) -> str:
 def _cards(report: Report) -> list[str]:
     t = report.totals
     share = t.wasted_gpu_share
+    if t.cost_unit == "CPU":
+        wasted = (f"{t.wasted_cpu_seconds:,.1f} CPU-s", "wasted (no GPU on these hosts)")
+    else:
+        wasted = (f"{t.wasted_gpu_seconds:,.1f} GPU-s",
+                  f"wasted, {share * 100:.2f}% of GPU time" if share is not None else "wasted (no GPU samples)")
     cards = [
         (f"{t.requests:,}", "requests"),
         (f"{t.disconnects:,}", f"disconnects ({percent(t.disconnects, t.requests)})"),
         (f"{t.zombies + t.inflight_zombies:,}", f"zombies ({t.inflight_zombies:,} still running)"),
         (duration(t.zombie_seconds), "zombie time"),
-        (f"{t.wasted_gpu_seconds:,.1f} GPU-s",
-         f"wasted, {share * 100:.2f}% of GPU time" if share is not None else "wasted (no GPU samples)"),
+        wasted,
         (f"{t.wasted_tokens:,}", "tokens generated for nobody"),
     ]
     return ['<div class="cards">'] + [
@@ -74,11 +78,13 @@ def _plots(report: Report) -> list[str]:
     if report.series:
         starts = [bucket.start_ns for bucket in report.series]
         minutes = report.bucket_ns / 60e9
-        parts += ["<h2>Zombies and wasted GPU time</h2>", time_chart(
-            "zombies and wasted GPU-seconds over time", starts, report.bucket_ns,
+        unit = report.totals.cost_unit
+        wasted = [b.wasted_cpu_seconds if unit == "CPU" else b.wasted_gpu_seconds for b in report.series]
+        parts += [f"<h2>Zombies and wasted {unit} time</h2>", time_chart(
+            f"zombies and wasted {unit}-seconds over time", starts, report.bucket_ns,
             Series("zombies (by disconnect time)", [b.zombies for b in report.series], "#d9534f", "bar",
                    counts=True),
-            Series("wasted GPU-seconds", [b.wasted_gpu_seconds for b in report.series], "#7a4fd9"))]
+            Series(f"wasted {unit}-seconds", wasted, "#7a4fd9"))]
         parts += ["<h2>Completed requests against GPU utilization</h2>",
                   '<p class="sub">Zombies show as the gap: the GPU stays busy while fewer requests '
                   "complete.</p>", time_chart(
@@ -117,35 +123,36 @@ def _totals_table(report: Report) -> list[str]:
 
 def _breakdowns(report: Report) -> list[str]:
     parts = []
+    unit = report.totals.cost_unit
     for dimension, rows in report.breakdowns.items():
         if not rows:
             continue
         parts.append(f"<h2>By {esc(DIMENSION_TITLES.get(dimension, dimension))}</h2><table><tr>"
                      "<th></th><th>disconnects</th><th>completed</th><th>aborted</th><th>zombie</th>"
-                     "<th>in-flight</th><th>zombie s</th><th>tokens</th><th>GPU-s</th></tr>")
+                     f"<th>in-flight</th><th>zombie s</th><th>tokens</th><th>{unit}-s</th></tr>")
         for row in rows[:50]:
             parts.append(
                 f"<tr><td>{esc(row.key if row.key is not None else '(none)')}</td>"
                 f"<td>{row.disconnects:,}</td><td>{row.completed:,}</td><td>{row.aborted:,}</td>"
                 f"<td>{row.zombies:,}</td><td>{row.inflight_zombies:,}</td>"
                 f"<td>{row.zombie_seconds:,.1f}</td><td>{row.wasted_tokens:,}</td>"
-                f"<td>{row.wasted_gpu_seconds:,.1f}</td></tr>")
+                f"<td>{row.wasted_seconds(unit):,.1f}</td></tr>")
         parts.append("</table>")
     return parts
 
 
-def _worst_table(findings: list[RequestFinding]) -> list[str]:
+def _worst_table(findings: list[RequestFinding], unit: str) -> list[str]:
     if not findings:
         return ["<h2>Worst zombies</h2><p>No zombies in the window.</p>"]
     parts = ["<h2>Worst zombies</h2><table><tr><th>request id</th><th>trace id</th><th>verdict</th>"
              "<th>zombie s</th><th>disconnect</th><th>route</th><th>model</th><th>host</th>"
-             "<th>GPU-s</th></tr>"]
+             f"<th>{unit}-s</th></tr>"]
     for f in findings:
         parts.append(
             f'<tr><td class="id">{esc(f.request_id or "")}</td><td class="id">{esc(f.trace_id or "")}</td>'
             f"<td>{esc(VERDICT_LABELS.get(f.verdict, f.verdict))}</td>"
             f"<td>{f.lag_seconds or 0.0:,.1f}</td><td>{esc(rfc3339(f.disconnect_at_ns)[11:23])}</td>"
             f"<td>{esc(f.route or '')}</td><td>{esc(f.model or '')}</td><td>{esc(f.host)}</td>"
-            f"<td>{f.wasted_gpu_seconds:,.1f}</td></tr>")
+            f"<td>{f.wasted_seconds(unit):,.1f}</td></tr>")
     parts.append("</table>")
     return parts

@@ -11,8 +11,8 @@ from auditor.timefmt import rfc3339_seconds
 
 WIDTH = 100
 BREAKDOWN_ROWS = 10  # per dimension; the JSON output has them all
-DIMENSION_TITLES = {"route": "route", "model": "model", "phase": "phase at disconnect",
-                    "disconnect_kind": "disconnect kind"}
+DIMENSION_TITLES = {"service": "service", "route": "route", "model": "model", "phase": "phase at disconnect",
+                    "disconnect_kind": "disconnect kind", "host": "host"}
 VERDICT_LABELS = {"completed": "completed", "aborted": "aborted", "zombie": "zombie",
                   "inflight_zombie": "in-flight"}
 
@@ -56,7 +56,7 @@ def render_table(report: Report) -> str:
         return "\n".join(lines) + "\n"
     lines += _totals(report)
     for dimension, rows in report.breakdowns.items():
-        lines += _breakdown(DIMENSION_TITLES.get(dimension, dimension), rows)
+        lines += _breakdown(DIMENSION_TITLES.get(dimension, dimension), rows, report.totals.cost_unit)
     lines += _worst(report)
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
@@ -110,19 +110,20 @@ def _totals(report: Report) -> list[str]:
     ]
 
 
-BREAKDOWN_HEADER = (f"  {'':<20} {'disconn':>8} {'complete':>8} {'aborted':>8} {'zombie':>8} "
-                    f"{'in-flight':>9} {'zombie s':>10} {'tokens':>9} {'GPU-s':>9}")
+def _breakdown_header(unit: str) -> str:
+    return (f"  {'':<20} {'disconn':>8} {'complete':>8} {'aborted':>8} {'zombie':>8} "
+            f"{'in-flight':>9} {'zombie s':>10} {'tokens':>9} {unit + '-s':>9}")
 
 
-def _breakdown(title: str, rows: list[BreakdownRow]) -> list[str]:
+def _breakdown(title: str, rows: list[BreakdownRow], unit: str) -> list[str]:
     if not rows:
         return []
-    lines = ["", f"By {title}", BREAKDOWN_HEADER]
+    lines = ["", f"By {title}", _breakdown_header(unit)]
     for row in rows[:BREAKDOWN_ROWS]:
         lines.append(
             f"  {clip(printable(row.key, '(none)'), 20):<20} {row.disconnects:>8,} {row.completed:>8,} "
             f"{row.aborted:>8,} {row.zombies:>8,} {row.inflight_zombies:>9,} "
-            f"{row.zombie_seconds:>10,.1f} {row.wasted_tokens:>9,} {row.wasted_gpu_seconds:>9,.1f}")
+            f"{row.zombie_seconds:>10,.1f} {row.wasted_tokens:>9,} {row.wasted_seconds(unit):>9,.1f}")
     if len(rows) > BREAKDOWN_ROWS:
         lines.append(f"  ... and {len(rows) - BREAKDOWN_ROWS} more (all of them in --format json)")
     return lines
@@ -133,16 +134,17 @@ def _worst(report: Report) -> list[str]:
         return []
     if not report.worst_zombies:
         return ["", "No zombies in the window."]
+    unit = report.totals.cost_unit
     lines = ["", "Worst zombies (by zombie time; ids are full, for lookup in a tracing backend)",
              f"  {'#':>2} {'zombie s':>9} {'verdict':<9} {'phase':<7} {'disconnect (UTC)':<20} "
-             f"{'route':<20} {'model':<14} {'GPU-s':>7}"]
+             f"{'route':<20} {'model':<14} {unit + '-s':>7}"]
     for rank, finding in enumerate(report.worst_zombies, 1):
         lines.append(
             f"  {rank:>2} {finding.lag_seconds or 0.0:>9,.1f} "
             f"{VERDICT_LABELS.get(finding.verdict, finding.verdict):<9} {clip(finding.phase, 7):<7} "
             f"{rfc3339_seconds(finding.disconnect_at_ns):<20} "
             f"{clip(printable(finding.route), 20):<20} {clip(printable(finding.model), 14):<14} "
-            f"{finding.wasted_gpu_seconds:>7,.1f}")
+            f"{finding.wasted_seconds(unit):>7,.1f}")
         lines += _id_lines("request", printable(finding.request_id))
         lines += _id_lines("trace", printable(finding.trace_id))
         lines.append(f"{'':5}host {printable(finding.host)}  client {printable(finding.client)}")

@@ -71,14 +71,14 @@ def time_chart(title: str, starts_ns: Sequence[int], width_ns: int, left: Series
                          f'fill="{series.color}">{esc(_tick(value))}</text>')
     for series, top in zip((left, right), scales, strict=True):
         parts.append(_draw(series, top, slot, plot_h))
-    labels = max(1, count // 8)
-    # HH:MM unless two labels would fall in the same minute; then HH:MM:SS.
-    step_ns = (starts_ns[labels] - starts_ns[0]) if count > labels else 60_000_000_000
-    clock_chars = slice(11, 16) if step_ns >= 60_000_000_000 else slice(11, 19)
-    for index in range(0, count, labels):
-        x = LEFT + slot * index
-        parts.append(f'<text x="{x:.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="start">'
-                     f'{esc(rfc3339_seconds(starts_ns[index])[clock_chars])}</text>')
+    origin_ns, span_ns = (starts_ns[0] if starts_ns else 0), count * width_ns
+    ticks, step_ns = time_ticks(origin_ns, origin_ns + span_ns)
+    for tick in ticks:
+        x = LEFT + plot_w * (tick - origin_ns) / span_ns
+        parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP + plot_h}" y2="{TOP + plot_h + 4}" '
+                     'stroke="#5b6575"/>')
+        parts.append(f'<text x="{x:.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle">'
+                     f'{esc(tick_label(tick, step_ns))}</text>')
     parts.append(f'<text x="{LEFT}" y="{HEIGHT - 6}" class="legend">'
                  f'<tspan fill="{left.color}">■ {esc(left.name)}</tspan>'
                  f'<tspan dx="24" fill="{right.color}">■ {esc(right.name)}</tspan>'
@@ -86,6 +86,38 @@ def time_chart(title: str, starts_ns: Sequence[int], width_ns: int, left: Series
                  f'{"bar" if "bar" in (left.kind, right.kind) else "point"}</tspan></text>')
     parts.append("</svg>")
     return "".join(parts)
+
+
+# Steps between time-axis labels: round clock intervals, so labels fall on 10:15, 10:30, ...
+LABEL_STEPS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200,
+                 86400, 172800, 604800)
+MAX_LABELS = 8
+_NS = 1_000_000_000
+
+
+def time_ticks(start_ns: int, end_ns: int, max_labels: int = MAX_LABELS) -> tuple[list[int], int]:
+    """Label times for an axis from ``start_ns`` to ``end_ns``, and the step between them.
+
+    The step is the smallest round interval (1/2/5/10/15/30 s or min, 1/2/3/6/12 h, days) that
+    gives at most ``max_labels`` labels, and labels sit on multiples of it in UTC (10:15, 10:30,
+    not 10:03:27, 10:18:27), whatever second the window starts at.
+    """
+    span_ns = max(1, end_ns - start_ns)
+    step_s = next((step for step in LABEL_STEPS_S if span_ns <= step * _NS * max_labels), None)
+    if step_s is None:  # longer than eight weeks: whole weeks
+        week = LABEL_STEPS_S[-1]
+        step_s = -(-span_ns // (week * _NS * max_labels)) * week
+    step_ns = step_s * _NS
+    first = -(-start_ns // step_ns) * step_ns
+    return list(range(first, end_ns + 1, step_ns)), step_ns
+
+
+def tick_label(tick_ns: int, step_ns: int) -> str:
+    """``MM-DD`` for day steps, ``HH:MM`` for minute steps, ``HH:MM:SS`` below a minute (UTC)."""
+    text = rfc3339_seconds(tick_ns)
+    if step_ns >= 86400 * _NS:
+        return text[5:10]
+    return text[11:16] if step_ns >= 60 * _NS else text[11:19]
 
 
 def _draw(series: Series, top: float, slot: float, plot_h: float) -> str:

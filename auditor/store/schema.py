@@ -58,6 +58,7 @@ class ConnEventRow(Base):
     cookie: Mapped[int | None] = mapped_column(BigInteger)
     host: Mapped[host_name]
     source: Mapped[str] = mapped_column(String(16), default="bpf")
+    earliest_ns: Mapped[int | None] = mapped_column(BigInteger)  # polled events: seen unchanged then
 
 
 class SpanRow(Base):

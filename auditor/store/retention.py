@@ -1,0 +1,86 @@
+"""Retention: raw evidence (spans, kernel events, utilization samples) is kept for hours, findings
+(verdicts, coverage) for days.
+
+Raw rows are what a verdict is computed from; once the verdict is final they are only needed to
+look into it again, and they are most of the database. Rows go in small batches, each its own
+short transaction, so on SQLite (one writer at a time) ingest waits at most one batch, never for
+the whole clean-up. Only this host's rows are deleted: in a shared PostgreSQL store every daemon
+cleans its own, by the same rule. Deleting by the time columns the tables are indexed on needs no
+schema change. SQLite reuses freed pages; the file does not shrink (``VACUUM`` offline does that).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import delete, select
+from sqlalchemy.exc import OperationalError
+
+from auditor.errors import StoreError
+from auditor.store.db import Store
+from auditor.store.schema import ConnEventRow, CoverageRow, SpanRow, UtilSampleRow, VerdictRow
+
+log = logging.getLogger(__name__)
+
+HOUR_NS = 3600 * 1_000_000_000
+
+# Each table with the indexed time column its age is read from.
+RAW_TABLES: tuple[tuple[Any, Any], ...] = (
+    (SpanRow, SpanRow.end_ns), (ConnEventRow, ConnEventRow.ts_ns), (UtilSampleRow, UtilSampleRow.ts_ns))
+FINDING_TABLES: tuple[tuple[Any, Any], ...] = (
+    (VerdictRow, VerdictRow.disconnect_at_ns), (CoverageRow, CoverageRow.ts_ns))
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    raw_hours: float = 6.0  # 0: keep raw rows forever
+    verdict_days: float = 30.0  # 0: keep findings forever
+    batch_rows: int = 5000
+
+
+def prune_table(store: Store, table: Any, time_column: Any, *, host: str, older_than_ns: int,
+                batch_rows: int, pause: Callable[[], bool] = lambda: False) -> int:
+    """Delete ``host``'s rows of ``table`` older than ``older_than_ns``, ``batch_rows`` at a time.
+    ``pause`` runs between batches (the daemon waits there, letting writers in) and returns True
+    to stop early. Returns the rows deleted."""
+    deleted = 0
+    oldest = select(table.id).where(table.host == host, time_column < older_than_ns).limit(batch_rows)
+    while True:
+        try:
+            with store.engine.begin() as conn:
+                count = conn.execute(delete(table).where(table.id.in_(oldest))).rowcount
+        except OperationalError as exc:
+            raise StoreError(f"pruning {table.__tablename__} in {store.where()} failed: "
+                             f"{str(exc.orig).splitlines()[0]}") from exc
+        deleted += count
+        if count < batch_rows or pause():
+            return deleted
+
+
+def prune(store: Store, policy: RetentionPolicy, *, host: str, now_ns: int | None = None,
+          pause: Callable[[], bool] = lambda: False) -> dict[str, int]:
+    """One pass over every table the policy bounds; rows deleted per table."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    deleted: dict[str, int] = {}
+    stopped = False
+
+    def pause_or_stop() -> bool:
+        nonlocal stopped
+        stopped = stopped or pause()
+        return stopped
+
+    for tables, window_ns in ((RAW_TABLES, policy.raw_hours * HOUR_NS),
+                              (FINDING_TABLES, policy.verdict_days * 24 * HOUR_NS)):
+        if window_ns <= 0:
+            continue
+        for table, time_column in tables:
+            if stopped:
+                return deleted
+            deleted[table.__tablename__] = prune_table(
+                store, table, time_column, host=host, older_than_ns=now_ns - int(window_ns),
+                batch_rows=policy.batch_rows, pause=pause_or_stop)
+    return deleted

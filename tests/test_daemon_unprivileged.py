@@ -1,0 +1,98 @@
+"""`auditor run` as the systemd unit runs it: not root, only the unit's ambient capabilities.
+
+The unit (systemd/auditor.service) runs as ``User=auditor`` with AmbientCapabilities; this runs the
+daemon as uid 65534 with exactly those capabilities (setpriv) and requires the eBPF source, proven
+both by /metrics and by a real peer reset on a watched port being counted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from probes.caps import UNIT_CAPABILITIES
+from tests.e2e import wait_for
+
+pytestmark = [pytest.mark.privileged, pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) not installed")]
+REPO = Path(__file__).resolve().parents[1]
+NOBODY = 65534
+
+
+def unit_capabilities() -> str:
+    """The unit's AmbientCapabilities line, in setpriv's spelling (+bpf,+perfmon,...)."""
+    line = re.search(r"^AmbientCapabilities=(.+)$", (REPO / "systemd" / "auditor.service").read_text(), re.M)
+    assert line, "the unit grants no ambient capabilities"
+    names = line.group(1).split()
+    assert " ".join(names) == UNIT_CAPABILITIES
+    return ",".join("+" + name.removeprefix("CAP_").lower() for name in names)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def metrics(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            return str(response.read().decode())
+    except OSError:
+        return ""
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    # pytest's tmp_path sits under a root-only directory; uid 65534 needs a path it can reach.
+    path = Path(tempfile.mkdtemp(prefix="auditor-nobody-"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_unit_capabilities_without_root_load_the_probe(state_dir: Path) -> None:
+    caps = unit_capabilities()
+    metrics_port = free_port()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        watched = server.getsockname()[1]
+        command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                   f"--inh-caps={caps}", f"--ambient-caps={caps}", "--",
+                   sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{state_dir / 'auditor.db'}",
+                   "--port", str(watched), "--otlp-http", "127.0.0.1:0", "--otlp-grpc", "", "--live", "",
+                   "--metrics", f"127.0.0.1:{metrics_port}"]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(state_dir)}
+        log = state_dir / "daemon.log"
+        with log.open("wb") as out:
+            daemon = subprocess.Popen(command, cwd=state_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            assert wait_for(lambda: "auditor_disconnect_source_info" in metrics(metrics_port), timeout_s=60), \
+                log.read_text()[-3000:]
+            text = metrics(metrics_port)
+            assert 'auditor_disconnect_source_info{source="bpf"} 1.0' in text, log.read_text()[-3000:]
+            # Loaded is not enough: a reset on the watched port must reach the daemon.
+            client = socket.create_connection(("127.0.0.1", watched))
+            accepted, _ = server.accept()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.close()
+            assert wait_for(lambda: 'auditor_disconnects_total{kind="rst"} 1.0' in metrics(metrics_port),
+                            timeout_s=20), metrics(metrics_port)[-2000:]
+            accepted.close()
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(timeout=30)
+    output = log.read_text()
+    assert "source=bpf" in output, output[-3000:]
+    assert daemon.returncode == 0, output[-3000:]

@@ -1,0 +1,260 @@
+"""Replay as a release gate: failed requests and missed cancels never pass, captures keep what
+was captured (vLLM's engine spans in traces of their own included), and what a benchmark produced
+(AIPerf's profile export, a mooncake trace) replays with its own cancellation plan."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import jsonschema
+import pytest
+from click.testing import CliRunner
+
+from auditor.cli import cli
+from auditor.store import Store
+from replay.capture import (
+    CHAT_PATH,
+    CapturedRequest,
+    CaptureError,
+    open_capture_store,
+    read_capture,
+    write_capture,
+)
+from replay.capture import export_capture as export
+from replay.client import RequestPlan, run_load
+from replay.imports import import_benchmark
+from replay.run import ReplayOptions, busy_from_metrics, plan_replay
+from tests.test_correlate import T0, S, engine_span, http_span
+from tests.test_replay import REPLAY_SCHEMA, auditor, free_port
+
+
+@pytest.fixture
+def answers_404() -> Iterator[int]:
+    """A real HTTP/1.1 server that answers 404 to everything, like an engine serving another route."""
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = b'{"detail":"Not Found"}'
+            self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST
+
+        def log_message(self, *_args: object) -> None:
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield int(server.server_address[1])
+    server.shutdown()
+    server.server_close()
+
+
+def test_replay_against_an_engine_that_404s_fails_the_gate(tmp_path: Path, answers_404: int) -> None:
+    capture = tmp_path / "capture.db"
+    write_capture(capture, [CapturedRequest(0.01 * i, "/v1/completions", {"model": "m", "prompt": "hi"})
+                            for i in range(12)])
+    result = auditor("replay", str(capture), "--target", f"http://127.0.0.1:{answers_404}", "--speed", "0",
+                     "--otlp-http", f"127.0.0.1:{free_port()}", "--wait", "2",
+                     "--request-cancellation-rate", "50", "--request-cancellation-delay", "0.5", "--json")
+    assert result.returncode == 4, (result.stdout, result.stderr)
+    summary = json.loads(result.stdout)
+    jsonschema.Draft202012Validator(REPLAY_SCHEMA).validate(summary)
+    assert summary["sent"] == 12 and summary["errors"] == 12 and summary["completed"] == 0, summary
+    assert summary["error_kinds"] == {"HTTP 404": 12} and summary["gate"] == "unsound"
+    assert summary["planned_cancels"] == 6 and summary["cancelled"] == 0  # 50 %, AIPerf's percent
+    assert "unsound: 12 of 12 requests failed (HTTP 404 x12)" in result.stderr, result.stderr
+    assert "only 0 of 6 planned cancels happened" in result.stderr
+    table = auditor("replay", str(capture), "--target", f"http://127.0.0.1:{answers_404}", "--speed", "0",
+                    "--otlp-http", f"127.0.0.1:{free_port()}", "--wait", "2", "--cancel-rate", "0",
+                    "--baseline", "previous")
+    assert table.returncode == 4, (table.stdout, table.stderr)
+    assert "errors: HTTP 404 x12" in table.stdout and "Traceback" not in table.stderr
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in table.stdout.splitlines())}
+    assert rows["errors"] == ["12", "12"] and rows["sent"] == ["12", "12"], table.stdout
+
+
+def test_refused_connections_are_errors_not_completions() -> None:
+    plans = [RequestPlan(f"r{i}", f"{i + 1:032x}", {"model": "m"}) for i in range(3)]
+    outcomes = asyncio.run(run_load("127.0.0.1", free_port(), plans, concurrency=2))
+    assert all(o.error and o.error.startswith("connect:") and not o.completed for o in outcomes), outcomes
+
+
+def test_both_spellings_of_one_setting_are_refused() -> None:
+    result = CliRunner().invoke(cli, ["replay", "x.db", "--target", "http://127.0.0.1:1", "--cancel-rate", "0.1",
+                                      "--request-cancellation-rate", "10"])
+    assert result.exit_code == 2 and "give one spelling, not both" in result.output, result.output
+
+
+def test_capture_finds_engine_spans_in_traces_of_their_own(store: Store, tmp_path: Path) -> None:
+    # vLLM without a client traceparent: its llm_request span is a trace of its own, named after
+    # the X-Request-Id (cmpl-<id>, chatcmpl-<id>).
+    store.insert_spans([
+        http_span("a", 0.0, 4.0, span="1", request_id="req-1"),
+        engine_span("b", 0.1, 4.0, "length", request_id="cmpl-req-1", tokens=200),
+        http_span("c", 1.0, 2.0, span="2", client=("127.0.0.1", 40001), request_id="req-2"),
+        engine_span("d", 1.1, 2.0, "stop", request_id="chatcmpl-req-2", tokens=32),
+        http_span("e", 2.0, 3.0, span="3", client=("127.0.0.1", 40002), request_id="nobody-saw-me"),
+    ])
+    out = tmp_path / "capture.db"
+    export(store, out, since_ns=T0, until_ns=T0 + 10 * S)
+    capture = read_capture(open_capture_store(out))
+    assert [(r.body.get("model"), r.body["max_tokens"]) for r in capture.requests] == [
+        ("m", 200), ("m", 32), (None, 64)]
+    with pytest.raises(CaptureError, match=r"captured request 3 has no model.*pass --model NAME"):
+        plan_replay(capture, ReplayOptions(), tag="t")
+    assert {p.body["model"] for p in plan_replay(capture, ReplayOptions(model="staging"), tag="t")} == {"staging"}
+
+
+def aiperf_record(start_ns: int, *, cancelled_after_s: float | None = None, osl: int | None = 40,
+                  phase: str = "profiling") -> str:
+    metadata = {"x_request_id": "x", "request_start_ns": start_ns, "request_ack_ns": None,
+                "request_end_ns": start_ns + 10**9, "benchmark_phase": phase,
+                "was_cancelled": cancelled_after_s is not None,
+                "cancellation_time_ns": None if cancelled_after_s is None else start_ns + int(cancelled_after_s * S)}
+    metrics: dict[str, object] = {"input_sequence_length": {"value": 20, "unit": "tokens"}}
+    error = None
+    if cancelled_after_s is not None:
+        metrics = {"error_isl": {"value": 20, "unit": "tokens"}}
+        error = {"code": 499, "type": "RequestCancellationError", "message": "Request was cancelled"}
+    elif osl is not None:
+        metrics["output_sequence_length"] = {"value": osl, "unit": "tokens"}
+    return json.dumps({"metadata": metadata, "metrics": metrics, "error": error})
+
+
+def test_aiperf_profile_export_replays_with_its_cancellation_plan(tmp_path: Path) -> None:
+    export_file = tmp_path / "profile_export.jsonl"
+    export_file.write_text("\n".join([
+        aiperf_record(T0 - S, phase="warmup"),  # left out, as AIPerf leaves it out
+        aiperf_record(T0 + 2 * S, cancelled_after_s=0.0),
+        aiperf_record(T0, osl=30),
+        aiperf_record(T0 + S, cancelled_after_s=0.2),
+        aiperf_record(T0 + 3 * S, osl=50),
+    ]) + "\n\n")
+    out = tmp_path / "capture.db"
+    with pytest.raises(CaptureError, match="pass --model NAME"):
+        import_benchmark(export_file, "aiperf", out, model=None)
+    assert import_benchmark(export_file, "aiperf", out, model="m") == (1, 4)
+    capture = read_capture(open_capture_store(out))
+    plans = plan_replay(capture, ReplayOptions(as_captured=True, speed=0), tag="t")
+    assert [(r.offset_s, r.disconnect_after_s, r.disconnect_kind) for r in capture.requests] == [
+        (0.0, None, None), (1.0, 0.2, "fin"), (2.0, 0.0, "fin"), (3.0, None, None)]
+    assert [p.body["max_tokens"] for p in plans] == [30, 40, 40, 50]  # cancelled: the run's median
+    assert plans[0].path == CHAT_PATH and plans[0].body["messages"] and plans[0].body["model"] == "m"
+
+    async def slow_engine() -> list[bool]:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            await asyncio.sleep(1.0)  # far beyond every captured cancel delay
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        outcomes = await run_load("127.0.0.1", server.sockets[0].getsockname()[1], plans, concurrency=4)
+        server.close()
+        return [o.cancelled_at_ns is not None for o in outcomes]
+
+    assert asyncio.run(slow_engine()) == [False, True, True, False]  # exactly AIPerf's cancelled requests
+
+
+def test_mooncake_trace_keeps_arrivals_lengths_and_shared_prefixes(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 8, "output_length": 52, "hash_ids": [46, 47]}\n'
+                     '{"timestamp": 10535, "input_length": 6, "output_length": 26, "hash_ids": [46, 48]}\n'
+                     '{"timestamp": 27482, "input_length": 5, "output_length": 3}\n')
+    out = tmp_path / "capture.db"
+    result = CliRunner().invoke(cli, ["capture", "import", str(trace), "--format", "mooncake", "--model", "m",
+                                      "--endpoint", "completions", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output) == {"capture_id": 1, "requests": 3, "file": str(out)}
+    first, second, third = read_capture(open_capture_store(out)).requests
+    assert [r.offset_s for r in (first, second, third)] == [0.0, 10.535, 27.482]
+    assert [r.body["max_tokens"] for r in (first, second, third)] == [52, 26, 3]
+    assert len(first.body["prompt"].split()) == 8 and len(second.body["prompt"].split()) == 6
+    assert first.body["prompt"].split()[:3] == second.body["prompt"].split()[:3]  # block 46, shared
+    assert first.body["prompt"].split()[4] != second.body["prompt"].split()[4]  # blocks 47 and 48
+
+
+@pytest.mark.parametrize(("fmt", "lines", "message"), [
+    ("aiperf", ['{"metadata": {"request_start_ns": 1}}', "{oops"], "line 2: not JSON"),
+    ("aiperf", ['{"metrics": {}}'], "line 1: no \"metadata\" object"),
+    ("aiperf", ['{"metadata": {"request_start_ns": "soon"}}'], "line 1: metadata.request_start_ns 'soon'"),
+    ("aiperf", ['{"metadata": {"request_start_ns": 5, "was_cancelled": true}}'], "line 1: was_cancelled without"),
+    ("aiperf", ['{"metadata": {"request_start_ns": 5, "benchmark_phase": "warmup"}}'], "holds no profiling records"),
+    ("mooncake", ['{"timestamp": 0, "input_length": 5, "output_length": 0}'], "line 1: output_length 0"),
+    ("mooncake", ['[1, 2]'], "line 1: a list, not an object"),
+    ("mooncake", ['{"timestamp": -4, "input_length": 5, "output_length": 2}'], "line 1: timestamp -4"),
+])
+def test_imported_garbage_names_the_line(tmp_path: Path, fmt: str, lines: list[str], message: str) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    result = CliRunner().invoke(cli, ["capture", "import", str(source), "--format", fmt, "--model", "m",
+                                      "-o", str(tmp_path / "out.db")])
+    assert result.exit_code == 1 and result.output.startswith("Error: "), result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert not (tmp_path / "out.db").exists()
+
+
+def test_fin_cancels_drain_and_rst_cancels_reset() -> None:
+    """A FIN cancel reads what is still coming before it closes (an unread close would reset the
+    connection), an RST cancel resets it: the server sees end-of-file for one, a reset for the other."""
+
+    async def scenario() -> dict[str, str]:
+        seen: dict[str, str] = {}
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            request_id = next(line.split(b": ")[1].decode() for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"x-request-id"))
+            await reader.readexactly(2)  # the body, {}
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+            end = asyncio.ensure_future(reader.read(1))
+            try:
+                for _ in range(300):  # streams until the client goes, as an engine would
+                    writer.write(b"data: token\n\n" * 50)
+                    await writer.drain()
+                    done, _ = await asyncio.wait({end}, timeout=0.01)
+                    if done:
+                        seen[request_id] = "eof" if end.result() == b"" else "data"
+                        break
+                for _ in range(5):  # the last tokens, on their way when the client left
+                    writer.write(b"data: token\n\n" * 50)
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+            except ConnectionResetError:
+                seen[request_id] = seen.get(request_id, "") + "reset"
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        plans = [RequestPlan("fin", "1" * 32, {}, cancel_after_s=0.1, close_with="fin"),
+                 RequestPlan("rst", "2" * 32, {}, cancel_after_s=0.1, close_with="rst")]
+        outcomes = await run_load("127.0.0.1", server.sockets[0].getsockname()[1], plans, concurrency=2)
+        await asyncio.sleep(0.2)
+        server.close()
+        assert all(o.cancelled_at_ns and not o.error for o in outcomes), outcomes
+        return seen
+
+    # Without the drain, the FIN client's close with unread bytes would show as "eofreset".
+    assert asyncio.run(scenario()) == {"fin": "eof", "rst": "reset"}
+
+
+def test_engine_load_reads_the_prometheus_exposition() -> None:
+    text = ("# HELP vllm:num_requests_running Requests running.\n# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{model_name="m"} 2.0\n'
+            'vllm:num_requests_waiting{model_name="m"} 1.0\n'
+            'vllm:num_requests_waiting_by_reason{reason="x"} 9.0\n'
+            "ref_engine_num_requests_running 0\n")
+    assert busy_from_metrics(text) == 3.0
+    assert busy_from_metrics("process_cpu_seconds_total 3\n") is None
+    assert busy_from_metrics("this is { not prometheus\n") is None
