@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from urllib.request import urlopen
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -77,12 +78,13 @@ class EngineMetricsScraper:
         self._thread: threading.Thread | None = None
 
     def scrape(self, port: int) -> EngineLoad | None:
-        # The moment is taken before the request: the gauges describe the engine when it answered,
-        # and the answer comes within the timeout; the start is the conservative end of that range.
+        # The gauges describe the engine at one moment between the request and its answer; both
+        # ends are kept so a request that started or ended in between is never taken for an orphan.
         ts_ns = self.clock()
         with urlopen(f"http://{self.host}:{port}{self.path}", timeout=self.timeout_s) as response:
             text = response.read(4 * 1024 * 1024).decode("utf-8", errors="replace")
-        return parse_load(text, ts_ns=ts_ns, server_port=port)
+        load = parse_load(text, ts_ns=ts_ns, server_port=port)
+        return None if load is None else replace(load, answered_ns=max(ts_ns, self.clock()))
 
     def scrape_all(self) -> list[EngineLoad]:
         loads = []

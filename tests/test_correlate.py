@@ -37,7 +37,7 @@ class Clock:
 def http_span(trace: str, start: float, end: float, span: str = "5", client: tuple[str, int] = CLIENT,
               request_id: str | None = None, port: int = SERVER_PORT) -> SpanRecord:
     return SpanRecord(trace_id=trace * 32, span_id=span * 16, parent_span_id=None, name="POST /v1/completions",
-                      kind="server", start_ns=T0 + int(start * S), end_ns=T0 + int(end * S), service="engine",
+                      kind="server", start_ns=T0 + int(start * S), end_ns=T0 + int(end * S), service="engine", host="h",
                       role=SpanRole.HTTP_SERVER, peer_addr=client[0], peer_port=client[1], server_port=port,
                       request_id=request_id, route="/v1/completions", http_status=200)
 
@@ -45,7 +45,7 @@ def http_span(trace: str, start: float, end: float, span: str = "5", client: tup
 def engine_span(trace: str, start: float, end: float, finish: str, request_id: str = "cmpl-x",
                 tokens: int = 100, ttft: float = 0.1) -> SpanRecord:
     return SpanRecord(trace_id=trace * 32, span_id="e" * 16, parent_span_id=None, name="llm_request",
-                      kind="server", start_ns=T0 + int(start * S), end_ns=T0 + int(end * S), service="engine",
+                      kind="server", start_ns=T0 + int(start * S), end_ns=T0 + int(end * S), service="engine", host="h",
                       role=SpanRole.ENGINE, request_id=request_id, finish_reason=finish, completion_tokens=tokens,
                       time_in_queue_s=0.01, time_to_first_token_s=ttft, max_tokens=tokens, model="m")
 
@@ -53,7 +53,7 @@ def engine_span(trace: str, start: float, end: float, finish: str, request_id: s
 def close(at: float, kind: ConnEventKind = ConnEventKind.PEER_FIN, client: tuple[str, int] = CLIENT,
           port: int = SERVER_PORT) -> ConnEvent:
     return ConnEvent(ts_ns=T0 + int(at * S), kind=kind, family=4, client_addr=client[0], client_port=client[1],
-                     server_addr="127.0.0.1", server_port=port)
+                     server_addr="127.0.0.1", server_port=port, host="h")
 
 
 def make(store: Store, clock: Clock, settled: list[RequestVerdict] | None = None) -> Correlator:
@@ -176,6 +176,42 @@ def test_http_spans_only_completion_by_what_the_server_sent(store: Store) -> Non
     rows = verdicts(store)
     assert sorted((r.client_port, r.verdict, r.details["evidence"]) for r in rows) == [
         (40010, "completed", "kernel_order"), (40011, "completed", "last_send"), (40012, "unconfirmed", "http_only")]
+
+
+def test_http_spans_only_next_request_taken_up_during_a_scrape_is_no_orphan(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    nxt = ("127.0.0.1", 40020)
+    # The client closed at 1.0 s right after the last byte, the server's span ended within the clock
+    # error; the next client's request started at 1.0015 s, while a scrape sent at 1.001 s was being
+    # answered: the engine counted the new request, which no span yet covered when the scrape began.
+    store.insert_spans([http_span("a", 0, 1.0008), http_span("n", 1.0015, 3.0, span="6", client=nxt)])
+    store.insert_conn_events([close(1.0)])
+    scrape = replace(load(1.001, 1), answered_ns=T0 + int(1.003 * S))
+    correlator.add_engine_load([load(0.9, 1), scrape] + [load(1.1 + 0.1 * i, 1) for i in range(15)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict not in ("aborted", "zombie") and row.details["orphaned_scrapes"] == 0
+
+
+def test_a_service_that_marks_its_final_send_tells_a_response_without_one_was_not_complete(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    done, cancelled = ("127.0.0.1", 40030), ("127.0.0.1", 40031)
+    # One response of the service ended with a marked final send; a cancelled non-streaming one
+    # sent nothing, its span ended as the client left, and the engine's gauges dropped it.
+    spans = [http_span("d", 0, 0.5, client=done), http_span("c", 1.0, 2.0008, span="6", client=cancelled)]
+    final_send = replace(spans[0], span_id="7" * 16, parent_span_id=spans[0].span_id, role=SpanRole.OTHER,
+                         name="POST /v1/completions http send", start_ns=T0 + int(0.49 * S),
+                         end_ns=T0 + int(0.495 * S), attributes={"asgi.event.final": True})
+    store.insert_spans([*spans, final_send])
+    store.insert_conn_events([close(0.6, client=done), close(2.0, client=cancelled)])
+    correlator.add_engine_load([load(1.0 + 0.25 * i, 1 if i < 4 else 0) for i in range(12)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = [r for r in verdicts(store) if r.client_port == cancelled[1]]
+    assert row.verdict == "aborted" and row.details["evidence"] == "engine_metrics"
 
 
 def test_request_cancelled_while_waiting_unread_is_no_zombie_and_costs_nothing(store: Store) -> None:
@@ -367,3 +403,15 @@ def test_engine_span_in_a_trace_of_its_own_reopens_a_settled_verdict(store: Stor
     correlator.tick()
     [row] = verdicts(store)
     assert row.verdict == "zombie" and abs(row.lag_seconds - 8.0) < 1e-6
+
+
+def test_a_daemon_judges_only_its_own_hosts_requests(store: Store) -> None:
+    clock = Clock()
+    # Another daemon on the same database wrote a cancelled request of its own host.
+    store.insert_spans([replace(http_span("o", 0, 1.0), host="other"),
+                        replace(engine_span("o", 0, 4.0, "length"), host="other"), http_span("m", 0, 1.0),
+                        engine_span("m", 0, 4.0, "length")])
+    store.insert_conn_events([replace(close(0.5), host="other"), close(0.6)])
+    clock.now = T0 + 5 * S
+    make(store, clock).tick()
+    assert [(r.host, r.trace_id, r.verdict) for r in verdicts(store)] == [("h", "m" * 32, "zombie")]

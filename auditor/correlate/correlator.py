@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from sqlalchemy import func, select
 
 from auditor.correlate.evaluate import clock_dependent, evaluate
-from auditor.correlate.evidence import EngineLoads
+from auditor.correlate.evidence import FINAL_SEND_ATTR, EngineLoads
 from auditor.correlate.live import LiveState
 from auditor.correlate.requests import Disconnect, OpenRequest, RequestKey
 from auditor.correlate.traces import TraceIndex, Tuple4, disconnect_instant, norm_addr, span_tuple
@@ -85,6 +85,9 @@ class Correlator:
         self._events_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # every event's time
         self._closed_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # server socket closes
         self._local_fin_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # server FINs first
+        # Services seen marking the send that ends a response: from them, no final send means the
+        # response was not complete (a cancelled non-streaming response sends nothing at all).
+        self.services_marking_sends: set[str] = set()
         self.loads = EngineLoads()
         self._pending: dict[int, Disconnect] = {}
         self._recent_unjoined: dict[int, tuple[Disconnect, CoverageKind]] = {}
@@ -112,7 +115,8 @@ class Correlator:
                 select(CoverageRow.detail).where(CoverageRow.host == self.host,
                                                  CoverageRow.ts_ns > now - HORIZON_NS,
                                                  CoverageRow.detail.is_not(None))))
-            first_span = session.scalar(select(SpanRow.id).where(SpanRow.end_ns > now - HORIZON_NS)
+            first_span = session.scalar(select(SpanRow.id).where(SpanRow.host == self.host,
+                                                                 SpanRow.end_ns > now - HORIZON_NS)
                                         .order_by(SpanRow.id).limit(1))
             last_span = session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0
         self._span_cursor = (first_span - 1) if first_span else int(last_span)
@@ -123,7 +127,8 @@ class Correlator:
 
     def _read_spans(self) -> None:
         with self.store.session() as session:
-            rows = session.scalars(select(SpanRow).where(SpanRow.id > self._span_cursor)
+            # Only this host's: with several daemons on one database each judges its own requests.
+            rows = session.scalars(select(SpanRow).where(SpanRow.id > self._span_cursor, SpanRow.host == self.host)
                                    .order_by(SpanRow.id).limit(50_000)).all()
         arrived_ns = self.clock()
         for row in rows:
@@ -135,6 +140,8 @@ class Correlator:
                 self._open[request.key] = request  # evidence after settling reopens the verdict
             if span.role is SpanRole.ENGINE and span.request_id:
                 self._reopen_by_request_id(span.request_id)
+            if span.service and span.attributes.get(FINAL_SEND_ATTR) is True:
+                self.services_marking_sends.add(span.service)
             if span.role is SpanRole.HTTP_SERVER:
                 if span.peer_rewritten:
                     self._count(CoverageKind.PROXY_REWRITTEN_PEER, f"span:{row.id}", span.end_ns)
@@ -144,7 +151,8 @@ class Correlator:
 
     def _read_events(self) -> None:
         with self.store.session() as session:
-            rows = session.scalars(select(ConnEventRow).where(ConnEventRow.id > self._event_cursor)
+            rows = session.scalars(select(ConnEventRow).where(ConnEventRow.id > self._event_cursor,
+                                                              ConnEventRow.host == self.host)
                                    .order_by(ConnEventRow.id).limit(50_000)).all()
         for row in rows:
             self._event_cursor = row.id
@@ -311,12 +319,14 @@ class Correlator:
     def local_fins(self, tuple4: Tuple4) -> list[int]:
         return self._local_fin_by_tuple.get(tuple4, [])
 
-    def connected_at(self, port: int, ts_ns: int) -> int:
-        """Requests in flight on ``port`` at ``ts_ns``: their server spans, or their start notices
-        while the spans have not arrived."""
+    def connected_at(self, port: int, ts_ns: int, until_ns: int | None = None) -> int:
+        """Requests in flight on ``port`` at any moment of [``ts_ns``, ``until_ns``]: their server
+        spans, or their start notices while the spans have not arrived."""
+        until = ts_ns if until_ns is None else max(ts_ns, until_ns)
         spans = {(s.trace_id, s.span_id) for trace in self.spans.arrived_since(ts_ns) for s in trace.values()
-                 if s.role is SpanRole.HTTP_SERVER and s.server_port == port and s.start_ns <= ts_ns <= s.end_ns}
-        return len(spans | self.live.running_on(port, ts_ns))
+                 if s.role is SpanRole.HTTP_SERVER and s.server_port == port and s.start_ns <= until
+                 and s.end_ns >= ts_ns}
+        return len(spans | self.live.running_on(port, ts_ns, until))
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _settle(self, now: int) -> None:

@@ -46,8 +46,8 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     started = origin_span.start_ns if origin_span and origin_span.start_ns > origin.ts_ns else None
     completed = None if engine else ev.completed_by(origin.ts_ns, origin_span, subtree,
                                                     corr.local_fins(origin.tuple4), CLOCK_ERROR_NS)
-    sends = origin_span is not None and any(s.parent_span_id == origin_span.span_id and ev.FINAL_SEND_ATTR
-                                            in s.attributes for s in subtree)
+    sends = origin_span is not None and (origin_span.service in corr.services_marking_sends or any(
+        s.parent_span_id == origin_span.span_id and ev.FINAL_SEND_ATTR in s.attributes for s in subtree))
     if known and completed is None and not sends and details.get("orphaned_scrapes") == 0 \
             and origin_span is not None and origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS:
         # The span ended as the client closed, and the gauges never saw the request held after:
@@ -144,7 +144,10 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
 
 
 def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[SpanRecord]) -> ev.MetricsEnd | None:
-    """The work end the engine's gauges tell, on the innermost scraped hop of the request."""
+    """The work end the engine's gauges tell, on the innermost scraped hop of the request.
+
+    A request that ended within the clock error of a scrape counts as connected at it: one orphan
+    right at a completion (the next request taken up as the last one ends) is no evidence."""
     origin = request.origin()
     hops = sorted((s for s in subtree if s.role is SpanRole.HTTP_SERVER and s.server_port is not None
                    and corr.loads.watched(s.server_port)), key=lambda s: s.start_ns)
@@ -156,7 +159,8 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     port = hop.server_port or 0
     corr.loads.register(port, key, disconnect)
     return corr.loads.work_end(port, key, disconnect, max(disconnect, hop.start_ns),
-                               lambda ts: corr.connected_at(port, ts))
+                               lambda start, end: corr.connected_at(port, start - CLOCK_ERROR_NS,
+                                                                    end + CLOCK_ERROR_NS))
 
 
 def _waste(corr: Correlator, start_ns: int, end_ns: int, engine: SpanRecord | None,

@@ -92,10 +92,11 @@ class EngineLoads:
         return series[index].running if index >= 0 else None
 
     def work_end(self, port: int, request: str, disconnect_ns: int, started_ns: int,
-                 connected_at: Callable[[int], int]) -> MetricsEnd | None:
+                 connected_at: Callable[[int, int], int]) -> MetricsEnd | None:
         """When this request's work ended, as the gauges tell; None when no scrape came after it left.
 
-        At each scrape after ``started_ns``, orphans = held - connected. Requests that left later
+        At each scrape after ``started_ns``, orphans = held - connected, where connected counts every
+        request in flight at any moment the scrape spans (``connected_at(start, end)``). Requests that left later
         claim orphans first: an engine finishes what it started first, so a newer orphan outlives an
         older one. The work ends between the last scrape that still counted it and the next."""
         series = self._loads.get(port, [])
@@ -105,7 +106,7 @@ class EngineLoads:
         count = 0
         for load in series[start:]:
             newer = sum(1 for ts in others if ts <= load.ts_ns)
-            orphans = load.running + load.waiting - connected_at(load.ts_ns)
+            orphans = load.running + load.waiting - connected_at(load.ts_ns, load.answered_ns or load.ts_ns)
             if orphans > newer:
                 last_orphaned, count = load.ts_ns, count + 1
                 continue
