@@ -187,7 +187,7 @@ class Daemon:
             self.status.http_port = http.port
         if otlp.grpc:
             host, port = parse_address(otlp.grpc, "otlp.grpc")
-            grpc = OtlpGrpcReceiver(writer, host=host, port=port, token=token)
+            grpc = OtlpGrpcReceiver(writer, host=host, port=port, token=token, service_host=self.host)
             with _listening("otlp.grpc", otlp.grpc):
                 grpc.start()
             self._parts["otlp_grpc"] = grpc
