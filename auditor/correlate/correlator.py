@@ -54,9 +54,6 @@ HORIZON_NS = 15 * 60 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
 # How long before a peerless span's start its client's close may lie (accept queue and read).
 PEERLESS_BEFORE_NS = 1_000_000_000
-# Engines, by metric names, that emit an engine span for each normally finished request (none for
-# an abort): vLLM's ``llm_request``, and the reference engine's.
-ENGINE_SPAN_STYLES = frozenset({"vllm", "ref"})
 
 
 @dataclass
@@ -88,13 +85,9 @@ class Correlator:
         self._events_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # every event's time
         self._closed_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # server socket closes
         self._local_fin_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # server FINs first
-        self._peer_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # client FIN/RST
         # Services seen marking the send that ends a response: from them, no final send means the
         # response was not complete (a cancelled non-streaming response sends nothing at all).
         self.services_marking_sends: set[str] = set()
-        # Ports whose server spans went past the late-span wait with no engine span: their engine
-        # emits none for a completed request either, so a missing one proves nothing there.
-        self.ports_without_engine_spans: set[int] = set()
         self.loads = EngineLoads()
         self._pending: dict[int, Disconnect] = {}
         self._recent_unjoined: dict[int, tuple[Disconnect, CoverageKind]] = {}
@@ -171,7 +164,6 @@ class Correlator:
                 self._local_fin_by_tuple[tuple4].append(row.ts_ns)
             elif row.kind in (ConnEventKind.PEER_FIN.value, ConnEventKind.PEER_RST.value):
                 kind = "fin" if row.kind == ConnEventKind.PEER_FIN.value else "rst"
-                self._peer_by_tuple[tuple4].append(row.ts_ns)
                 self._pending[row.id] = Disconnect(row.id, row.ts_ns, kind, tuple4, row.earliest_ns)
 
     # -- the round --------------------------------------------------------------------------
@@ -314,9 +306,6 @@ class Correlator:
                 keep.append((span_row_id, span))
                 continue
             seen = self._events_by_tuple.get(span_tuple(span), ())
-            left = any(span.start_ns <= ts <= span.end_ns for ts in self._peer_by_tuple.get(span_tuple(span), ()))
-            if span.server_port and not left and self.spans.engine_for(span, self.spans.subtree(span)) is None:
-                self.ports_without_engine_spans.add(span.server_port)  # served to the end, no engine span
             if span.server_port in watched and not any(ts >= span.start_ns for ts in seen):
                 self._count(CoverageKind.UNJOINED_SPAN, f"span:{span_row_id}", span.end_ns)
         self._unchecked_spans = keep
@@ -326,13 +315,6 @@ class Correlator:
         """Scrapes of the engines' own /metrics. The requests they judge are provisional until
         their work end is past, so every round re-reads them; no touch is needed."""
         self.loads.add(loads)
-
-    def engine_spans_expected(self, port: int | None) -> bool:
-        """Whether the engine on ``port`` emits a span for every request it finishes normally: vLLM
-        (and the reference engine) do when tracing is on (DESIGN §4), unless its spans were seen
-        to come without one."""
-        return (port is not None and self.loads.style(port) in ENGINE_SPAN_STYLES
-                and port not in self.ports_without_engine_spans)
 
     def local_fins(self, tuple4: Tuple4) -> list[int]:
         return self._local_fin_by_tuple.get(tuple4, [])
@@ -401,7 +383,7 @@ class Correlator:
         for request_id in [r for r, key in self._settled_by_request_id.items() if key[0] not in self._settled]:
             del self._settled_by_request_id[request_id]
         self.loads.prune(cutoff)
-        for table in (self._events_by_tuple, self._closed_by_tuple, self._local_fin_by_tuple, self._peer_by_tuple):
+        for table in (self._events_by_tuple, self._closed_by_tuple, self._local_fin_by_tuple):
             for tuple4 in [k for k, stamps in table.items() if max(stamps) < cutoff]:
                 del table[tuple4]
         self.live.prune(cutoff)

@@ -48,16 +48,11 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
                                                     corr.local_fins(origin.tuple4), CLOCK_ERROR_NS)
     sends = origin_span is not None and (origin_span.service in corr.services_marking_sends or any(
         s.parent_span_id == origin_span.span_id and ev.FINAL_SEND_ATTR in s.attributes for s in subtree))
-    if details.pop("scrape_due", False):
-        return None
-    scraped = details.pop("scraped_port", None)
     if known and completed is None and not sends and details.get("orphaned_scrapes") == 0 \
-            and origin_span is not None and origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS \
-            and not corr.engine_spans_expected(scraped):
+            and origin_span is not None and origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS:
         # The span ended as the client closed, and the gauges never saw the request held after:
         # a client closing after the last byte and a server reacting at once look the same,
-        # unless the server records its sends (then no final send means not complete), or its
-        # engine emits a span for every request it finishes normally and none came (vLLM).
+        # unless the server records its sends (then no final send means not complete).
         known, details["close_races_span_end"] = False, True
     decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now, started_ns=started,
                                completed_by=completed, work_stopped_known=known), corr.grace_seconds)
@@ -133,9 +128,7 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
     if live_end is not None:
         details["evidence"], details["work_end_exact"] = ev.LIVE_NOTICE, "live"
         return max(work_end, live_end), now - live_end < ENGINE_SETTLE_AFTER_LIVE_END_NS, True
-    port, by_metrics, due = _metrics_work_end(corr, request, subtree, now)
-    if port is not None:
-        details["scraped_port"] = port
+    by_metrics = _metrics_work_end(corr, request, subtree)
     if by_metrics is not None:
         details["evidence"], details["work_end_exact"] = ev.ENGINE_METRICS, "scrape"
         details["work_end_resolution_s"] = round(by_metrics.resolution_s, 3)
@@ -145,17 +138,13 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
         end = max(work_end, by_metrics.work_end_ns)
         # An engine span may still arrive and say exactly; until then the scrape's word stands.
         return end, now - end < corr.late_ns, True
-    if due:
-        details["scrape_due"] = True  # the next scrape of the engine can tell: no verdict before it
     # Nothing says whether the work stopped: an engine span may yet arrive (vLLM emits none for
     # an abort, so its absence proves nothing); until then, and after, the verdict is unconfirmed.
     return work_end, now - work_end < corr.late_ns, False
 
 
-def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[SpanRecord],
-                      now: int) -> tuple[int | None, ev.MetricsEnd | None, bool]:
-    """The innermost scraped hop's port, the work end the engine's gauges tell on it, and whether
-    a scrape that would tell is still due (up to two scrape periods after that hop's disconnect).
+def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[SpanRecord]) -> ev.MetricsEnd | None:
+    """The work end the engine's gauges tell, on the innermost scraped hop of the request.
 
     A request that ended within the clock error of a scrape counts as connected at it: one orphan
     right at a completion (the next request taken up as the last one ends) is no evidence."""
@@ -163,19 +152,15 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     hops = sorted((s for s in subtree if s.role is SpanRole.HTTP_SERVER and s.server_port is not None
                    and corr.loads.watched(s.server_port)), key=lambda s: s.start_ns)
     if not hops:
-        return None, None, False
+        return None
     hop = hops[-1]
     disconnect = request.disconnects.get(span_tuple(hop), origin).ts_ns
     key = f"{request.key[0]}/{request.key[1]}"
     port = hop.server_port or 0
     corr.loads.register(port, key, disconnect)
-    end = corr.loads.work_end(port, key, disconnect, max(disconnect, hop.start_ns),
-                              lambda start, stop: corr.connected_at(port, start - CLOCK_ERROR_NS,
-                                                                    stop + CLOCK_ERROR_NS))
-    interval = corr.loads.interval_ns(port)
-    due = (end is None and interval is not None and not corr.loads.scraped_after(port, disconnect)
-           and now - disconnect < 2 * interval)
-    return port, end, due
+    return corr.loads.work_end(port, key, disconnect, max(disconnect, hop.start_ns),
+                               lambda start, end: corr.connected_at(port, start - CLOCK_ERROR_NS,
+                                                                    end + CLOCK_ERROR_NS))
 
 
 def _waste(corr: Correlator, start_ns: int, end_ns: int, engine: SpanRecord | None,

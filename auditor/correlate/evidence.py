@@ -80,20 +80,6 @@ class EngineLoads:
     def watched(self, port: int) -> bool:
         return bool(self._loads.get(port))
 
-    def style(self, port: int) -> str | None:
-        """Whose metric names the engine on ``port`` uses (``vllm``, ``ref``, ...), None unscraped."""
-        series = self._loads.get(port)
-        return series[-1].style if series else None
-
-    def scraped_after(self, port: int, ts_ns: int) -> bool:
-        series = self._loads.get(port)
-        return series is not None and bool(series) and series[-1].ts_ns > ts_ns
-
-    def interval_ns(self, port: int) -> int | None:
-        """The period between the latest two scrapes of ``port``, None before two."""
-        series = self._loads.get(port)
-        return series[-1].ts_ns - series[-2].ts_ns if series and len(series) > 1 else None
-
     def register(self, port: int, request: str, disconnect_ns: int) -> None:
         self._disconnects[port][request] = disconnect_ns
 
