@@ -35,6 +35,7 @@ from auditor.correlate.evidence import FINAL_SEND_ATTR, EngineLoads
 from auditor.correlate.live import LiveState
 from auditor.correlate.requests import Disconnect, OpenRequest, RequestKey
 from auditor.correlate.traces import TraceIndex, Tuple4, disconnect_instant, norm_addr, span_tuple
+from auditor.correlate.verdict import NORMAL_FINISH
 from auditor.model import (
     ConnEventKind,
     CoverageKind,
@@ -88,6 +89,9 @@ class Correlator:
         # Services seen marking the send that ends a response: from them, no final send means the
         # response was not complete (a cancelled non-streaming response sends nothing at all).
         self.services_marking_sends: set[str] = set()
+        # Services seen to send an engine span for a normal finish (vLLM with tracing on): for them,
+        # no engine span by the end of the late-span window says the work was aborted.
+        self.services_spanning_finishes: set[str] = set()
         self.loads = EngineLoads()
         self._pending: dict[int, Disconnect] = {}
         self._recent_unjoined: dict[int, tuple[Disconnect, CoverageKind]] = {}
@@ -142,6 +146,8 @@ class Correlator:
                 self._reopen_by_request_id(span.request_id)
             if span.service and span.attributes.get(FINAL_SEND_ATTR) is True:
                 self.services_marking_sends.add(span.service)
+            if span.role in (SpanRole.ENGINE, SpanRole.HTTP_SERVER):
+                self._learn_spanning_service(span)
             if span.role is SpanRole.HTTP_SERVER:
                 if span.peer_rewritten:
                     self._count(CoverageKind.PROXY_REWRITTEN_PEER, f"span:{row.id}", span.end_ns)
@@ -195,6 +201,15 @@ class Correlator:
         self.stats.inflight_zombies = sum(1 for r in self._open.values() if r.written is not None
                                           and r.written.verdict is Verdict.INFLIGHT_ZOMBIE)
         return [verdict for _, verdict in changed]
+
+    def _learn_spanning_service(self, arrived: SpanRecord) -> None:
+        """An engine span of a normal finish marks its service, and the HTTP services of its trace
+        (whichever of them arrives last), as ones that span every finish."""
+        trace = list(self.spans.trace(arrived.trace_id))
+        if not any(s.role is SpanRole.ENGINE and s.finish_reason in NORMAL_FINISH for s in trace):
+            return
+        self.services_spanning_finishes.update(s.service for s in trace if s.service and s.role in (
+            SpanRole.ENGINE, SpanRole.HTTP_SERVER))
 
     def _reopen_by_request_id(self, engine_request_id: str) -> None:
         """An engine span whose request came without ``traceparent`` is a trace of its own (vLLM

@@ -48,11 +48,13 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
                                                     corr.local_fins(origin.tuple4), CLOCK_ERROR_NS)
     sends = origin_span is not None and (origin_span.service in corr.services_marking_sends or any(
         s.parent_span_id == origin_span.span_id and ev.FINAL_SEND_ATTR in s.attributes for s in subtree))
-    if known and completed is None and not sends and details.get("orphaned_scrapes") == 0 \
+    spans_finishes = origin_span is not None and origin_span.service in corr.services_spanning_finishes
+    if known and completed is None and not sends and not spans_finishes and details.get("orphaned_scrapes") == 0 \
             and origin_span is not None and origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS:
         # The span ended as the client closed, and the gauges never saw the request held after:
         # a client closing after the last byte and a server reacting at once look the same,
-        # unless the server records its sends (then no final send means not complete).
+        # unless the server records its sends (then no final send means not complete), or its
+        # engine spans every normal finish (then a missing engine span means not complete).
         known, details["close_races_span_end"] = False, True
     decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now, started_ns=started,
                                completed_by=completed, work_stopped_known=known), corr.grace_seconds)
