@@ -56,6 +56,15 @@ class CorrelateConfig:
 
 
 @dataclass
+class EngineMetricsConfig:
+    # Scrape each watched port's own /metrics (vLLM, SGLang, TGI, llama.cpp gauges): the evidence
+    # that work stopped, or went on, when the engine emits no engine span.
+    scrape: bool = True
+    interval_seconds: float = 0.25
+    path: str = "/metrics"
+
+
+@dataclass
 class MetricsConfig:
     listen: str = "127.0.0.1:9464"  # "" disables /metrics
 
@@ -105,6 +114,7 @@ class Config:
     correlate: CorrelateConfig = field(default_factory=CorrelateConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     live: LiveConfig = field(default_factory=LiveConfig)
+    engine_metrics: EngineMetricsConfig = field(default_factory=EngineMetricsConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
 
@@ -117,6 +127,9 @@ class Config:
         _positive("probe.poll_hz", self.probe.poll_hz)
         _positive("sampler.interval_ms", self.sampler.interval_ms)
         _positive("correlate.interval_seconds", self.correlate.interval_seconds)
+        _positive("engine_metrics.interval_seconds", self.engine_metrics.interval_seconds)
+        if not self.engine_metrics.path.startswith("/"):
+            raise ConfigError(f"engine_metrics.path = {self.engine_metrics.path!r}: must start with /")
         if self.correlate.grace_seconds < 0:
             raise ConfigError("correlate.grace_seconds must be 0 or more")
         _positive("otlp.max_body_bytes", self.otlp.max_body_bytes)
@@ -145,6 +158,7 @@ def parse_address(text: str, key: str = "address") -> tuple[str, int]:
 SECTIONS: dict[str, type] = {
     "probe": ProbeConfig, "otlp": OtlpConfig, "sampler": SamplerConfig,
     "correlate": CorrelateConfig, "metrics": MetricsConfig, "live": LiveConfig,
+    "engine_metrics": EngineMetricsConfig,
     "retention": RetentionConfig, "export": ExportConfig,
 }
 

@@ -30,7 +30,7 @@ from auditor.config import Config, parse_address
 from auditor.correlate import Correlator
 from auditor.errors import AuditorError, ConfigError, StoreError
 from auditor.metrics import DaemonMetrics, SourceReadings
-from auditor.model import CoverageKind, RequestVerdict, SpanRole, UtilSample
+from auditor.model import CoverageKind, EngineLoad, RequestVerdict, SpanRole, UtilSample
 from auditor.store import Store
 from auditor.store.schema import SpanRow, UtilSampleRow
 
@@ -125,6 +125,7 @@ class Daemon:
                                      watched_ports=lambda: set(self._ports), on_settled=self._settled)
         with self.store.session() as session:
             self._completed_cursor = int(session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0)
+        self._start_engine_metrics()
         self._spawn("correlator", self._correlate_loop)
         self._start_retention()
         if self.config.metrics.listen:
@@ -186,7 +187,7 @@ class Daemon:
             self.status.http_port = http.port
         if otlp.grpc:
             host, port = parse_address(otlp.grpc, "otlp.grpc")
-            grpc = OtlpGrpcReceiver(writer, host=host, port=port, token=token)
+            grpc = OtlpGrpcReceiver(writer, host=host, port=port, token=token, service_host=self.host)
             with _listening("otlp.grpc", otlp.grpc):
                 grpc.start()
             self._parts["otlp_grpc"] = grpc
@@ -208,6 +209,30 @@ class Daemon:
         loop = SamplingLoop(samplers, sink=self._write_samples, interval_s=self.config.sampler.interval_ms / 1000)
         loop.start()
         self._parts["sampling"] = loop
+
+    def _start_engine_metrics(self) -> None:
+        if not self.config.engine_metrics.scrape:
+            return
+        from collectors.enginemetrics import EngineMetricsScraper
+
+        settings = self.config.engine_metrics
+        self._engine_loads: list[EngineLoad] = []
+        self._loads_lock = threading.Lock()
+
+        def keep(loads: list[EngineLoad]) -> None:
+            with self._loads_lock:
+                self._engine_loads.extend(loads)
+
+        scraper = EngineMetricsScraper(lambda: set(self._ports), keep, interval_s=settings.interval_seconds,
+                                       path=settings.path)
+        self._parts["engine_metrics"] = scraper.start()
+
+    def _drain_engine_loads(self) -> list[EngineLoad]:
+        if "engine_metrics" not in self._parts:
+            return []
+        with self._loads_lock:
+            loads, self._engine_loads = self._engine_loads, []
+        return loads
 
     def _write_samples(self, samples: Iterable[UtilSample]) -> None:
         try:
@@ -287,6 +312,7 @@ class Daemon:
         started, failed = time.monotonic(), False
         try:
             live = self._parts["live"].drain() if "live" in self._parts else []
+            self.correlator.add_engine_load(self._drain_engine_loads())
             self.correlator.tick(live)
             self._report_lost_events()
             self._refresh_divergence()
@@ -379,8 +405,9 @@ class Daemon:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=2)
-        if "sampling" in self._parts:
-            _quietly(self._parts["sampling"].stop)
+        for name in ("sampling", "engine_metrics"):
+            if name in self._parts:
+                _quietly(self._parts[name].stop)
         if "probe" in self._parts:
             _quietly(self._parts["probe"].stop)
         if "event_writer" in self._parts:

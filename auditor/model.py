@@ -37,6 +37,9 @@ class Verdict(str, enum.Enum):
     ABORTED = "aborted"
     ZOMBIE = "zombie"
     INFLIGHT_ZOMBIE = "inflight_zombie"
+    # The client left before the response ended, but nothing the engine emits can tell whether its
+    # work stopped (HTTP spans only, no engine metrics): counted, never passed off as an abort.
+    UNCONFIRMED = "unconfirmed"
 
     @property
     def is_zombie(self) -> bool:
@@ -160,6 +163,21 @@ class UtilSample:
     memory_bytes: int | None = None
     power_watts: float | None = None
     interval_s: float | None = None  # the window the reading covers
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One scrape of an engine's own /metrics: how many requests it was running and holding."""
+
+    ts_ns: int
+    server_port: int  # the inference port the engine serves (and was scraped on)
+    running: int
+    waiting: int = 0
+    generated_tokens: float | None = None  # the engine's cumulative generated-token counter
+    style: str = ""  # whose metric names matched: vllm, sglang, tgi, llamacpp, ref
+    # When the answer came: the gauges describe one moment in [ts_ns, answered_ns], so a request
+    # that started or ended in between may or may not be in them. None: an instant.
+    answered_ns: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ def run(held: int) -> tuple[float, float, float]:
         store = Store(f"sqlite:///{tmp}/a.db")
         t0 = time.time_ns() - (held // 100 + 10) * S
         clock = [t0]
-        correlator = Correlator(store, host="h", late_span_seconds=60, clock=lambda: clock[0])
+        correlator = Correlator(store, host="", late_span_seconds=60, clock=lambda: clock[0])
         started = time.perf_counter()
         # The held traffic arrives as it would live: a second's worth (100 requests) per round.
         for first in range(0, held, 100):

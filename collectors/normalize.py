@@ -117,15 +117,20 @@ def _check_span(span: Any) -> str | None:
     return None
 
 
-def normalize_request(request: ExportTraceServiceRequest, *, service_host: str = "") -> NormalizeResult:
-    """Normalize every span of a request; bad spans are counted, never fatal."""
+def normalize_request(request: ExportTraceServiceRequest, *, service_host: str = "",
+                      fallback_host: str = "") -> NormalizeResult:
+    """Normalize every span of a request; bad spans are counted, never fatal.
+
+    ``service_host`` (the receiving daemon's host id) wins over the resource's ``host.name``: the
+    spans a daemon receives come from its own machine's engines, and its correlator joins them to
+    its own kernel events by host. ``fallback_host`` stands in where neither is known."""
     result = NormalizeResult()
     rejections = _Rejections()
     total = 0
     for resource_spans in request.resource_spans:
         resource, _ = attributes_dict(resource_spans.resource.attributes)
         service = cut_text(as_str(resource.get("service.name")) or "", _COLUMN_CHARS["service"])
-        host = cut_text(as_str(resource.get("host.name")) or service_host, _COLUMN_CHARS["host"])
+        host = cut_text(service_host or as_str(resource.get("host.name")) or fallback_host, _COLUMN_CHARS["host"])
         pid = as_pid(resource.get("process.pid"))
         if pid is None:
             pid = as_pid(resource.get("vllm.process_id"))

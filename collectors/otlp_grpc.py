@@ -71,7 +71,10 @@ class OtlpGrpcReceiver:
         self.requested_port = port
         self.token = token
         self.max_message_bytes = max_message_bytes
-        self.service_host = service_host or socket.gethostname()
+        # Given (a daemon's host id), every span is stored under it: the daemon's correlator reads
+        # only its own host's rows. Otherwise the span's host.name, else this machine's name.
+        self.service_host = service_host
+        self._fallback_host = socket.gethostname()
         self.max_workers = max_workers
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self._server: Any = None
@@ -142,7 +145,8 @@ class OtlpGrpcReceiver:
         if not self._authorized(context):
             self._count(grpc.StatusCode.UNAUTHENTICATED)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        result = normalize_request(request, service_host=self.service_host)
+        result = normalize_request(request, service_host=self.service_host,
+                                   fallback_host=self._fallback_host)
         try:
             self.writer.submit(result.spans, request.ByteSize())
         except BackPressure as exc:

@@ -187,7 +187,10 @@ class OtlpHttpReceiver:
         self.requested_port = port
         self.token = token
         self.max_body_bytes = max_body_bytes
-        self.service_host = service_host or socket.gethostname()
+        # Given (a daemon's host id), every span is stored under it: the daemon's correlator reads
+        # only its own host's rows. Otherwise the span's host.name, else this machine's name.
+        self.service_host = service_host
+        self._fallback_host = socket.gethostname()
         self.max_connections = max_connections
         self.socket_timeout_s = socket_timeout_s
         self._server: _Server | None = None
@@ -343,7 +346,8 @@ class OtlpHttpReceiver:
 
     def _store(self, exchange: _Exchange, request: Any, plain_bytes: int) -> None:
         """Normalize and commit the spans; answer 200 only once they are committed."""
-        result = normalize_request(request, service_host=self.service_host)
+        result = normalize_request(request, service_host=self.service_host,
+                                   fallback_host=self._fallback_host)
         del request
         try:
             self.writer.submit(result.spans, plain_bytes)

@@ -11,10 +11,12 @@ from auditor.correlate import Correlator
 from auditor.model import (
     ConnEvent,
     ConnEventKind,
+    EngineLoad,
     LiveEvent,
     RequestVerdict,
     SpanRecord,
     SpanRole,
+    UtilSample,
     Verdict,
 )
 from auditor.store import CoverageRow, Store, VerdictRow
@@ -35,7 +37,7 @@ class Clock:
 def http_span(trace: str, start: float, end: float, span: str = "5", client: tuple[str, int] = CLIENT,
               request_id: str | None = None, port: int = SERVER_PORT) -> SpanRecord:
     return SpanRecord(trace_id=trace * 32, span_id=span * 16, parent_span_id=None, name="POST /v1/completions",
-                      kind="server", start_ns=T0 + int(start * S), end_ns=T0 + int(end * S), service="engine",
+                      kind="server", start_ns=T0 + int(start * S), end_ns=T0 + int(end * S), service="engine", host="h",
                       role=SpanRole.HTTP_SERVER, peer_addr=client[0], peer_port=client[1], server_port=port,
                       request_id=request_id, route="/v1/completions", http_status=200)
 
@@ -43,7 +45,7 @@ def http_span(trace: str, start: float, end: float, span: str = "5", client: tup
 def engine_span(trace: str, start: float, end: float, finish: str, request_id: str = "cmpl-x",
                 tokens: int = 100, ttft: float = 0.1) -> SpanRecord:
     return SpanRecord(trace_id=trace * 32, span_id="e" * 16, parent_span_id=None, name="llm_request",
-                      kind="server", start_ns=T0 + int(start * S), end_ns=T0 + int(end * S), service="engine",
+                      kind="server", start_ns=T0 + int(start * S), end_ns=T0 + int(end * S), service="engine", host="h",
                       role=SpanRole.ENGINE, request_id=request_id, finish_reason=finish, completion_tokens=tokens,
                       time_in_queue_s=0.01, time_to_first_token_s=ttft, max_tokens=tokens, model="m")
 
@@ -51,7 +53,7 @@ def engine_span(trace: str, start: float, end: float, finish: str, request_id: s
 def close(at: float, kind: ConnEventKind = ConnEventKind.PEER_FIN, client: tuple[str, int] = CLIENT,
           port: int = SERVER_PORT) -> ConnEvent:
     return ConnEvent(ts_ns=T0 + int(at * S), kind=kind, family=4, client_addr=client[0], client_port=client[1],
-                     server_addr="127.0.0.1", server_port=port)
+                     server_addr="127.0.0.1", server_port=port, host="h")
 
 
 def make(store: Store, clock: Clock, settled: list[RequestVerdict] | None = None) -> Correlator:
@@ -107,20 +109,147 @@ def test_a_late_span_reopens_but_does_not_count_the_verdict_again(store: Store) 
     assert [v.verdict for v in settled] == [Verdict.ZOMBIE]
 
 
-def test_vllm_abort_without_engine_span_is_aborted_then_settles(store: Store) -> None:
+def load(at: float, running: int, waiting: int = 0, port: int = SERVER_PORT) -> EngineLoad:
+    return EngineLoad(ts_ns=T0 + int(at * S), server_port=port, running=running, waiting=waiting, style="vllm")
+
+
+def test_abort_without_engine_span_is_aborted_by_the_engines_gauges_then_settles(store: Store) -> None:
     clock = Clock()
     settled: list[RequestVerdict] = []
     correlator = make(store, clock, settled)
     store.insert_spans([http_span("b", 0, 1.02)])
     store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST)])
+    # The engine held the request until just after the disconnect, then nothing.
+    correlator.add_engine_load([load(0.75, 1), load(1.0, 1), load(1.25, 0), load(1.5, 0)])
     clock.now = T0 + 2 * S
     correlator.tick()
     [row] = verdicts(store)
     assert row.verdict == "aborted" and row.details["provisional"] and row.disconnect_kind == "rst"
+    assert row.details["evidence"] == "engine_metrics" and row.details["work_end_exact"] == "scrape"
     assert settled == []  # an engine span may still arrive
     clock.now = T0 + 7 * S
     correlator.tick()
     assert [v.verdict for v in settled] == [Verdict.ABORTED]
+
+
+def test_http_spans_only_without_gauges_is_unconfirmed_never_aborted(store: Store) -> None:
+    clock = Clock()
+    settled: list[RequestVerdict] = []
+    correlator = make(store, clock, settled)
+    store.insert_spans([http_span("b", 0, 1.02)])
+    store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST)])
+    clock.now = T0 + 7 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "unconfirmed" and row.details["evidence"] == "http_only"
+    assert row.wasted_cpu_seconds == 0 and [v.verdict for v in settled] == [Verdict.UNCONFIRMED]
+
+
+def test_http_spans_only_orphan_in_the_gauges_is_a_zombie_to_a_scrape(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    # The handler returned at the disconnect; the engine held the request on until about 3.1 s.
+    store.insert_spans([http_span("z", 0, 1.001)])
+    store.insert_conn_events([close(1.0)])
+    correlator.add_engine_load([load(0.5 + 0.25 * i, 1) for i in range(7)])
+    clock.now = T0 + 2 * S
+    correlator.tick()
+    assert [r.verdict for r in verdicts(store)] == ["inflight_zombie"]  # still orphaned at the last scrape
+    correlator.add_engine_load([load(0.5 + 0.25 * i, 1 if i < 11 else 0) for i in range(7, 20)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    # Last orphaned scrape 3.0 s, first clear 3.25 s: the end is their midpoint, to a scrape.
+    assert row.verdict == "zombie" and abs(row.lag_seconds - 2.125) < 1e-6
+    assert row.details["work_end_resolution_s"] == 0.25
+
+
+def test_http_spans_only_connected_requests_are_not_orphans(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    other = ("127.0.0.1", 40002)
+    # Another client's request runs 0-4 s; the engine holds exactly that one after the disconnect.
+    store.insert_spans([http_span("b", 0, 1.01), http_span("c", 0, 4.0, span="6", client=other)])
+    store.insert_conn_events([close(1.0)])
+    correlator.add_engine_load([load(0.25 * i, 2 if i <= 4 else 1) for i in range(1, 16)] + [load(4.25, 0)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "aborted" and row.lag_seconds <= 0.5
+
+
+def test_http_spans_only_completion_by_what_the_server_sent(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    # The server closed first (Connection: close); a final send before a FIN that raced the span's
+    # end; and the same race without a final send, where the engine's gauges cannot tell either.
+    clients = [("127.0.0.1", 40010 + i) for i in range(3)]
+    spans = [http_span("a", 0, 1.0005, client=clients[0]), http_span("b", 0, 1.0008, client=clients[1]),
+             http_span("c", 0, 1.0008, client=clients[2])]
+    final_send = replace(spans[1], span_id="7" * 16, parent_span_id=spans[1].span_id, role=SpanRole.OTHER,
+                         name="POST /v1/completions http send", start_ns=T0 + int(0.9998 * S),
+                         end_ns=T0 + int(0.9999 * S), attributes={"asgi.event.final": True})
+    store.insert_spans([*spans, final_send])
+    store.insert_conn_events([close(1.0, ConnEventKind.LOCAL_FIN, client=clients[0])]
+                             + [close(1.0001 if i == 0 else 1.0, client=c) for i, c in enumerate(clients)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    rows = verdicts(store)
+    assert sorted((r.client_port, r.verdict, r.details["evidence"]) for r in rows) == [
+        (40010, "completed", "kernel_order"), (40011, "completed", "last_send"), (40012, "unconfirmed", "http_only")]
+
+
+def test_http_spans_only_next_request_taken_up_during_a_scrape_is_no_orphan(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    nxt = ("127.0.0.1", 40020)
+    # The client closed at 1.0 s right after the last byte, the server's span ended within the clock
+    # error; the next client's request started at 1.0015 s, while a scrape sent at 1.001 s was being
+    # answered: the engine counted the new request, which no span yet covered when the scrape began.
+    store.insert_spans([http_span("a", 0, 1.0008), http_span("n", 1.0015, 3.0, span="6", client=nxt)])
+    store.insert_conn_events([close(1.0)])
+    scrape = replace(load(1.001, 1), answered_ns=T0 + int(1.003 * S))
+    correlator.add_engine_load([load(0.9, 1), scrape] + [load(1.1 + 0.1 * i, 1) for i in range(15)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict not in ("aborted", "zombie") and row.details["orphaned_scrapes"] == 0
+
+
+def test_a_service_that_marks_its_final_send_tells_a_response_without_one_was_not_complete(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    done, cancelled = ("127.0.0.1", 40030), ("127.0.0.1", 40031)
+    # One response of the service ended with a marked final send; a cancelled non-streaming one
+    # sent nothing, its span ended as the client left, and the engine's gauges dropped it.
+    spans = [http_span("d", 0, 0.5, client=done), http_span("c", 1.0, 2.0008, span="6", client=cancelled)]
+    final_send = replace(spans[0], span_id="7" * 16, parent_span_id=spans[0].span_id, role=SpanRole.OTHER,
+                         name="POST /v1/completions http send", start_ns=T0 + int(0.49 * S),
+                         end_ns=T0 + int(0.495 * S), attributes={"asgi.event.final": True})
+    store.insert_spans([*spans, final_send])
+    store.insert_conn_events([close(0.6, client=done), close(2.0, client=cancelled)])
+    correlator.add_engine_load([load(1.0 + 0.25 * i, 1 if i < 4 else 0) for i in range(12)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = [r for r in verdicts(store) if r.client_port == cancelled[1]]
+    assert row.verdict == "aborted" and row.details["evidence"] == "engine_metrics"
+
+
+def test_request_cancelled_while_waiting_unread_is_no_zombie_and_costs_nothing(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    # One at a time: the client left at 1.0 s; the server read its request only at 3.0 s, when the
+    # one ahead ended, and found it gone. The engine ran one request (the other) all along.
+    store.insert_spans([http_span("q", 3.0, 3.002)])
+    store.insert_conn_events([close(1.0)])
+    correlator.add_engine_load([load(0.25 * i, 1 if i <= 12 else 0) for i in range(1, 20)])
+    store.write([UtilSample(ts_ns=T0 + int(0.1 * i * S), source="procfs", pid=4242, util_percent=100.0,
+                            interval_s=0.1) for i in range(1, 50)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "aborted" and row.lag_seconds < 0.5
+    assert row.wasted_cpu_seconds == 0 and row.details["waited_unread_s"] == 2.0
 
 
 def test_completion_race_is_completed(store: Store) -> None:
@@ -243,6 +372,7 @@ def test_gateway_chain_one_verdict_with_hop_delay(store: Store) -> None:
                               close(1.02, client=upstream_client, port=8000)])
     clock.now = T0 + 2 * S
     correlator = Correlator(store, host="h", late_span_seconds=5, clock=clock, watched_ports=lambda: {8000, 9000})
+    correlator.add_engine_load([load(0.25 * i, 1 if i <= 4 else 0, port=8000) for i in range(1, 9)])
     correlator.tick()
     assert [r.server_port for r in verdicts(store)] == [8000]
     store.insert_spans([outer])  # the gateway's own span last: one request, one verdict
@@ -270,21 +400,26 @@ def test_client_that_leaves_before_the_server_reads_the_request(store: Store) ->
     store.insert_spans([http_span("r", 0.010, 0.012)])
     store.insert_conn_events([close(0.0)])
     clock.now = T0 + 2 * S
-    make(store, clock).tick()
+    correlator = make(store, clock)
+    correlator.add_engine_load([load(0.25 * i, 0) for i in range(1, 6)])
+    correlator.tick()
     [row] = verdicts(store)
-    assert row.verdict == "aborted" and abs(row.lag_seconds - 0.012) < 1e-6
+    # Its work, if any, began when the server read it: the lag counts from there.
+    assert row.verdict == "aborted" and abs(row.lag_seconds - 0.002) < 1e-6
+    assert row.details["waited_unread_s"] == 0.01
 
 
 def test_client_that_resets_before_the_server_reads_the_request(store: Store) -> None:
     clock = Clock()
     # A reset closes the server's socket at once (CLOSE a microsecond after the RST), yet the
     # server still reads the buffered request from it: that close is not the 4-tuple's reuse.
-    store.insert_spans([http_span("r", 0.0002, 0.0008)])
+    store.insert_spans([http_span("r", 0.0002, 0.0008), engine_span("r", 0.0002, 0.0008, "abort", tokens=0)])
     store.insert_conn_events([close(0.0, ConnEventKind.PEER_RST), close(0.000001, ConnEventKind.CLOSED)])
     clock.now = T0 + 2 * S
     make(store, clock).tick()
     [row] = verdicts(store)
-    assert row.verdict == "aborted" and row.disconnect_kind == "rst" and abs(row.lag_seconds - 0.0008) < 1e-6
+    # Judged from when the server read the request: the work it did after the client had gone.
+    assert row.verdict == "aborted" and row.disconnect_kind == "rst" and abs(row.lag_seconds - 0.0006) < 1e-6
 
 
 def test_a_close_between_a_disconnect_and_a_later_span_means_another_connection(store: Store) -> None:
@@ -303,6 +438,7 @@ def test_engine_span_in_a_trace_of_its_own_reopens_a_settled_verdict(store: Stor
     correlator = make(store, clock)
     store.insert_spans([http_span("h", 0, 1.01, request_id="lone")])
     store.insert_conn_events([close(1.0)])
+    correlator.add_engine_load([load(0.25 * i, 1 if i <= 4 else 0) for i in range(1, 9)])
     clock.now = T0 + 7 * S  # settled as an abort: no engine span within the late window
     correlator.tick()
     assert [r.verdict for r in verdicts(store)] == ["aborted"]
@@ -332,3 +468,15 @@ def test_a_peerless_span_takes_a_reset_never_a_fin_whose_span_is_still_coming(st
     assert set(by_trace) == {"p", "q"}, by_trace
     assert by_trace["p"].disconnect_kind == "rst" and by_trace["q"].disconnect_kind == "fin"
     assert coverage(store, "peerless_span_joined") == 1
+
+
+def test_a_daemon_judges_only_its_own_hosts_requests(store: Store) -> None:
+    clock = Clock()
+    # Another daemon on the same database wrote a cancelled request of its own host.
+    store.insert_spans([replace(http_span("o", 0, 1.0), host="other"),
+                        replace(engine_span("o", 0, 4.0, "length"), host="other"), http_span("m", 0, 1.0),
+                        engine_span("m", 0, 4.0, "length")])
+    store.insert_conn_events([replace(close(0.5), host="other"), close(0.6)])
+    clock.now = T0 + 5 * S
+    make(store, clock).tick()
+    assert [(r.host, r.trace_id, r.verdict) for r in verdicts(store)] == [("h", "m" * 32, "zombie")]

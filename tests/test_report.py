@@ -245,3 +245,21 @@ def test_sqlite_built_json_equals_the_python_encoding(filled: Store) -> None:
         out = io.StringIO()
         write_json(make, out)
         validate(json.loads(out.getvalue()))
+
+
+def test_every_verdict_is_counted_and_shown(store: Store) -> None:
+    from auditor.model import Verdict
+    from tests.report_data import _verdict
+
+    store.upsert_verdicts([_verdict(20 + i, verdict, start_s=10.0 * i, disconnect_s=10.0 * i + 1, end_s=10.0 * i + 2,
+                          lag=1.0, route=CHAT) for i, verdict in enumerate(Verdict)])
+    report = build_report(store, HOUR, with_requests=True)
+    t = report.totals
+    counts = {"completed": t.completed, "aborted": t.aborted, "zombie": t.zombies,
+              "inflight_zombie": t.inflight_zombies, "unconfirmed": t.unconfirmed}
+    assert set(counts) == {v.value for v in Verdict} and set(counts.values()) == {1}
+    [route] = report.breakdowns["route"]
+    assert (route.completed, route.aborted, route.zombies, route.inflight_zombies, route.unconfirmed) == (1,) * 5
+    validate(report_dict(report))
+    table = render_table(report)
+    assert "  unconfirmed" in table and max(len(line) for line in table.splitlines()) <= 100

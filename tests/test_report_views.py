@@ -59,7 +59,7 @@ def test_breakdown_by_service_and_host_in_every_format(store: Store) -> None:
     assert [row["key"] for row in document["breakdowns"]["service"]] == ["gateway", "vllm"]
     table = render_table(report)
     assert "By service" in table and "By host" in table
-    assert re.search(r"^  gateway +1 +0 +0 +1 +0 +50\.0 +10 +7\.0$", table, re.M), table
+    assert re.search(r"^  gateway +1 +0 +0 +1 +0 +0 +50\.0 +10 +7\.0$", table, re.M), table
     page = render_html(report)
     assert "<h2>By service</h2>" in page and "<td>gateway</td>" in page
 

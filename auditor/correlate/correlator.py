@@ -12,8 +12,9 @@ Where evidence waits:
   idle close (its connection's last request had ended) or an unjoined disconnect. A span that
   arrives later still claims it, and the coverage count is corrected.
 - a request whose server span ended but whose engine span has not arrived is provisional up to
-  ``late_span_seconds`` (vLLM emits no engine span for an aborted request, so absence means abort),
-  or a short wait when a live notice said the engine work ended.
+  ``late_span_seconds``, or a short wait when a live notice said the engine work ended. Absence of
+  an engine span proves nothing (vLLM emits none for an abort; many servers none at all): the
+  engine's /metrics, or else an ``unconfirmed`` verdict, stand in (``auditor.correlate.evaluate``).
 
 State is in memory, bounded by a horizon; ``correlator_state`` keeps the id below which every
 kernel event is settled, so a restart resumes from there and upserts change nothing twice.
@@ -26,18 +27,19 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 from sqlalchemy import func, select
 
+from auditor.correlate.evaluate import clock_dependent, evaluate
+from auditor.correlate.evidence import FINAL_SEND_ATTR, EngineLoads
 from auditor.correlate.live import LiveState
 from auditor.correlate.requests import Disconnect, OpenRequest, RequestKey
 from auditor.correlate.traces import TraceIndex, Tuple4, disconnect_instant, norm_addr, span_tuple
-from auditor.correlate.verdict import Evidence, decide, phase_at, tokens_after_disconnect
-from auditor.correlate.waste import requests_in_flight, wasted
+from auditor.correlate.verdict import NORMAL_FINISH
 from auditor.model import (
     ConnEventKind,
     CoverageKind,
+    EngineLoad,
     LiveEvent,
     RequestVerdict,
     SpanRecord,
@@ -49,7 +51,6 @@ from auditor.store.schema import ConnEventRow, CorrelatorStateRow, CoverageRow, 
 
 log = logging.getLogger(__name__)
 
-ENGINE_SETTLE_AFTER_LIVE_END_NS = 2_000_000_000
 HORIZON_NS = 15 * 60 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
 # How long before a peerless span's start its client's close may lie (accept queue and read).
@@ -84,6 +85,14 @@ class Correlator:
         self.spans = TraceIndex()
         self._events_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # every event's time
         self._closed_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # server socket closes
+        self._local_fin_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # server FINs first
+        # Services seen marking the send that ends a response: from them, no final send means the
+        # response was not complete (a cancelled non-streaming response sends nothing at all).
+        self.services_marking_sends: set[str] = set()
+        # Services seen to send an engine span for a normal finish (vLLM with tracing on): for them,
+        # no engine span by the end of the late-span window says the work was aborted.
+        self.services_spanning_finishes: set[str] = set()
+        self.loads = EngineLoads()
         self._pending: dict[int, Disconnect] = {}
         self._recent_unjoined: dict[int, tuple[Disconnect, CoverageKind]] = {}
         self._open: dict[RequestKey, OpenRequest] = {}
@@ -110,7 +119,8 @@ class Correlator:
                 select(CoverageRow.detail).where(CoverageRow.host == self.host,
                                                  CoverageRow.ts_ns > now - HORIZON_NS,
                                                  CoverageRow.detail.is_not(None))))
-            first_span = session.scalar(select(SpanRow.id).where(SpanRow.end_ns > now - HORIZON_NS)
+            first_span = session.scalar(select(SpanRow.id).where(SpanRow.host == self.host,
+                                                                 SpanRow.end_ns > now - HORIZON_NS)
                                         .order_by(SpanRow.id).limit(1))
             last_span = session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0
         self._span_cursor = (first_span - 1) if first_span else int(last_span)
@@ -121,7 +131,8 @@ class Correlator:
 
     def _read_spans(self) -> None:
         with self.store.session() as session:
-            rows = session.scalars(select(SpanRow).where(SpanRow.id > self._span_cursor)
+            # Only this host's: with several daemons on one database each judges its own requests.
+            rows = session.scalars(select(SpanRow).where(SpanRow.id > self._span_cursor, SpanRow.host == self.host)
                                    .order_by(SpanRow.id).limit(50_000)).all()
         arrived_ns = self.clock()
         for row in rows:
@@ -133,6 +144,10 @@ class Correlator:
                 self._open[request.key] = request  # evidence after settling reopens the verdict
             if span.role is SpanRole.ENGINE and span.request_id:
                 self._reopen_by_request_id(span.request_id)
+            if span.service and span.attributes.get(FINAL_SEND_ATTR) is True:
+                self.services_marking_sends.add(span.service)
+            if span.role in (SpanRole.ENGINE, SpanRole.HTTP_SERVER):
+                self._learn_spanning_service(span)
             if span.role is SpanRole.HTTP_SERVER:
                 if span.peer_rewritten:
                     self._count(CoverageKind.PROXY_REWRITTEN_PEER, f"span:{row.id}", span.end_ns)
@@ -142,7 +157,8 @@ class Correlator:
 
     def _read_events(self) -> None:
         with self.store.session() as session:
-            rows = session.scalars(select(ConnEventRow).where(ConnEventRow.id > self._event_cursor)
+            rows = session.scalars(select(ConnEventRow).where(ConnEventRow.id > self._event_cursor,
+                                                              ConnEventRow.host == self.host)
                                    .order_by(ConnEventRow.id).limit(50_000)).all()
         for row in rows:
             self._event_cursor = row.id
@@ -150,6 +166,8 @@ class Correlator:
             self._events_by_tuple[tuple4].append(row.ts_ns)
             if row.kind == ConnEventKind.CLOSED.value:
                 self._closed_by_tuple[tuple4].append(row.ts_ns)
+            elif row.kind == ConnEventKind.LOCAL_FIN.value:  # the server closed first: evidence of completion
+                self._local_fin_by_tuple[tuple4].append(row.ts_ns)
             elif row.kind in (ConnEventKind.PEER_FIN.value, ConnEventKind.PEER_RST.value):
                 kind = "fin" if row.kind == ConnEventKind.PEER_FIN.value else "rst"
                 self._pending[row.id] = Disconnect(row.id, row.ts_ns, kind, tuple4, row.earliest_ns)
@@ -167,8 +185,8 @@ class Correlator:
         self._check_unjoined_spans(now)
         changed: list[tuple[OpenRequest, RequestVerdict]] = []
         for request in list(self._open.values()):
-            if request.key[0] in self._touched or self._clock_dependent(request):
-                verdict = self._evaluate(request, now)
+            if request.key[0] in self._touched or clock_dependent(request):
+                verdict = evaluate(self, request, now)
                 if verdict is not None:
                     changed.append((request, verdict))
         # Only a committed verdict counts as written: if the store refuses (locked, disk full),
@@ -183,6 +201,15 @@ class Correlator:
         self.stats.inflight_zombies = sum(1 for r in self._open.values() if r.written is not None
                                           and r.written.verdict is Verdict.INFLIGHT_ZOMBIE)
         return [verdict for _, verdict in changed]
+
+    def _learn_spanning_service(self, arrived: SpanRecord) -> None:
+        """An engine span of a normal finish marks its service, and the HTTP services of its trace
+        (whichever of them arrives last), as ones that span every finish."""
+        trace = list(self.spans.trace(arrived.trace_id))
+        if not any(s.role is SpanRole.ENGINE and s.finish_reason in NORMAL_FINISH for s in trace):
+            return
+        self.services_spanning_finishes.update(s.service for s in trace if s.service and s.role in (
+            SpanRole.ENGINE, SpanRole.HTTP_SERVER))
 
     def _reopen_by_request_id(self, engine_request_id: str) -> None:
         """An engine span whose request came without ``traceparent`` is a trace of its own (vLLM
@@ -302,85 +329,23 @@ class Correlator:
                 self._count(CoverageKind.UNJOINED_SPAN, f"span:{span_row_id}", span.end_ns)
         self._unchecked_spans = keep
 
-    # -- evaluation -------------------------------------------------------------------------
-    def _evaluate(self, request: OpenRequest, now: int) -> RequestVerdict | None:
-        origin = request.origin()
-        trace_id, root_id = request.key
-        root = self.spans.get(trace_id, root_id)
-        subtree = self.spans.subtree(root) if root else []
-        http_spans = [s for s in subtree if s.role is SpanRole.HTTP_SERVER]
-        origin_span = next((s for s in http_spans if span_tuple(s) == origin.tuple4), None)
-        engine = self.spans.engine_for(root, subtree) if root else None
-        work_end, provisional = self._work_end(request, root, subtree, engine, now)
-        decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now), self.grace_seconds)
-        if decision is None:
-            return None
-        base = root or (request.live_span.as_span() if request.live_span else None)
-        tokens, exact = tokens_after_disconnect(origin.ts_ns, engine)
-        gpu_s, cpu_s = self._waste(origin.ts_ns, work_end or now, engine, base)
-        details: dict[str, Any] = {"provisional": provisional, "engine_span": engine is not None}
-        hops = [{"server_port": d.tuple4[2], "client_port": d.tuple4[1],
-                 "disconnect_delay_s": round((d.ts_ns - origin.ts_ns) / 1e9, 6)}
-                for d in sorted(request.disconnects.values(), key=lambda d: d.ts_ns) if d is not origin]
-        if hops:
-            details["hops"] = hops
-        unclosed = [s.server_port for s in http_spans if s is not origin_span and span_tuple(s) not in request.disconnects]
-        if unclosed:
-            details["upstream_not_closed_ports"] = unclosed
-        verdict = RequestVerdict(
-            request_key=f"{self.host}/{trace_id}/{root_id}", host=self.host, verdict=decision.verdict,
-            disconnect_at_ns=origin.ts_ns, disconnect_kind=origin.kind,
-            request_start_ns=base.start_ns if base else origin.ts_ns, work_end_ns=work_end,
-            lag_seconds=decision.lag_seconds, phase=phase_at(origin.ts_ns, engine), trace_id=trace_id,
-            request_id=(origin_span.request_id if origin_span else None) or (engine.request_id if engine else None),
-            service=base.service if base else None, route=base.route if base else None,
-            model=(engine.model if engine else None) or (base.model if base else None),
-            client_addr=origin.tuple4[0], client_port=origin.tuple4[1], server_port=origin.tuple4[2],
-            max_tokens=engine.max_tokens if engine else (origin_span.max_tokens if origin_span else None),
-            tokens_after_disconnect=tokens, tokens_exact=exact, wasted_gpu_seconds=gpu_s,
-            wasted_cpu_seconds=cpu_s, details=details,
-        )
-        written = request.written
-        unchanged = written is not None and replace(written, lag_seconds=None) == replace(verdict, lag_seconds=None)
-        if unchanged and decision.verdict is not Verdict.INFLIGHT_ZOMBIE:
-            return None
-        return verdict
+    # -- evaluation (auditor.correlate.evaluate) --------------------------------------------
+    def add_engine_load(self, loads: list[EngineLoad]) -> None:
+        """Scrapes of the engines' own /metrics. The requests they judge are provisional until
+        their work end is past, so every round re-reads them; no touch is needed."""
+        self.loads.add(loads)
 
-    def _work_end(self, request: OpenRequest, root: SpanRecord | None, subtree: list[SpanRecord],
-                  engine: SpanRecord | None, now: int) -> tuple[int | None, bool]:
-        """When the request's work ended on this host, and whether that may still change."""
-        trace_id = request.key[0]
-        mine = {s.span_id for s in subtree} | {request.key[1]}
-        if self.live.running(trace_id, mine):
-            return None, True  # a live notice says part of it is still running
-        if root is None:
-            # Known only live: its end notice stands in until the span itself arrives.
-            ended = self.live.span_end(*request.key)
-            if ended is None:
-                return None, True
-            return max(ended, self.live.engine_end(trace_id) or 0), True
-        ends = [s.end_ns for s in subtree if s.role in (SpanRole.HTTP_SERVER, SpanRole.ENGINE)]
-        work_end = max(ends + ([engine.end_ns] if engine else []))
-        if engine is not None:
-            return work_end, False
-        live_end = self.live.engine_end(trace_id)
-        if live_end is not None:
-            return max(work_end, live_end), now - live_end < ENGINE_SETTLE_AFTER_LIVE_END_NS
-        # No engine span yet: an abort (vLLM emits none) unless one still arrives.
-        return work_end, now - work_end < self.late_ns
+    def local_fins(self, tuple4: Tuple4) -> list[int]:
+        return self._local_fin_by_tuple.get(tuple4, [])
 
-    def _clock_dependent(self, request: OpenRequest) -> bool:
-        written = request.written
-        return written is None or written.verdict is Verdict.INFLIGHT_ZOMBIE or bool(written.details.get("provisional"))
-
-    def _waste(self, start_ns: int, end_ns: int, engine: SpanRecord | None,
-               base: SpanRecord | None) -> tuple[float, float]:
-        pid = (engine.process_pid if engine else None) or (base.process_pid if base else None)
-        service = (engine.service if engine else None) or (base.service if base else "")
-        sharers = requests_in_flight(self.spans.arrived_since(start_ns), self.live.running_since(service), service=service,
-                                     start_ns=start_ns, end_ns=end_ns, now_ns=self.clock())
-        cost = wasted(self.store, host=self.host, start_ns=start_ns, end_ns=end_ns, pid=pid, inflight_at=sharers)
-        return round(cost.gpu_seconds, 6), round(cost.cpu_seconds, 6)
+    def connected_at(self, port: int, ts_ns: int, until_ns: int | None = None) -> int:
+        """Requests in flight on ``port`` at any moment of [``ts_ns``, ``until_ns``]: their server
+        spans, or their start notices while the spans have not arrived."""
+        until = ts_ns if until_ns is None else max(ts_ns, until_ns)
+        spans = {(s.trace_id, s.span_id) for trace in self.spans.arrived_since(ts_ns) for s in trace.values()
+                 if s.role is SpanRole.HTTP_SERVER and s.server_port == port and s.start_ns <= until
+                 and s.end_ns >= ts_ns}
+        return len(spans | self.live.running_on(port, ts_ns, until))
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _settle(self, now: int) -> None:
@@ -438,7 +403,8 @@ class Correlator:
             del self._settled[trace_id]
         for request_id in [r for r, key in self._settled_by_request_id.items() if key[0] not in self._settled]:
             del self._settled_by_request_id[request_id]
-        for table in (self._events_by_tuple, self._closed_by_tuple):
+        self.loads.prune(cutoff)
+        for table in (self._events_by_tuple, self._closed_by_tuple, self._local_fin_by_tuple):
             for tuple4 in [k for k, stamps in table.items() if max(stamps) < cutoff]:
                 del table[tuple4]
         self.live.prune(cutoff)

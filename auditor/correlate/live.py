@@ -52,6 +52,12 @@ class LiveState:
     def engine_end(self, trace_id: str) -> int | None:
         return self._engine_end.get(trace_id)
 
+    def running_on(self, port: int, ts_ns: int, until_ns: int | None = None) -> set[tuple[str, str]]:
+        """Server spans running on ``port`` and started by ``until_ns`` (default ``ts_ns``), as far
+        as notices tell."""
+        until = ts_ns if until_ns is None else until_ns
+        return {key for key, e in self._running.items() if not e.engine and e.server_port == port and e.ts_ns <= until}
+
     def running_since(self, service: str) -> list[int]:
         return [e.ts_ns for e in self._running.values() if e.service == service]
 

@@ -24,6 +24,11 @@ class Evidence:
     engine_span: SpanRecord | None
     work_end_ns: int | None  # None: work still in flight (or not known to have ended)
     now_ns: int
+    # When the server took the request up: later than the disconnect when the client left while
+    # its request still waited unread (a one-at-a-time server); work before it is no zombie's.
+    started_ns: int | None = None
+    completed_by: str | None = None  # evidence that the response was complete (auditor.correlate.evidence)
+    work_stopped_known: bool = True  # False: nothing tells whether the work stopped (HTTP spans only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,15 +45,25 @@ def decide(evidence: Evidence, grace_seconds: float) -> Decision | None:
         if evidence.now_ns - disconnect > grace_ns:
             return Decision(Verdict.INFLIGHT_ZOMBIE, (evidence.now_ns - disconnect) / 1e9)
         return None
-    lag_ns = evidence.work_end_ns - disconnect
+    lag_ns = evidence.work_end_ns - max(disconnect, evidence.started_ns or disconnect)
     engine = evidence.engine_span
-    # Only the engine can say the response was complete. Without its span (vLLM emits none for an
-    # aborted request) a server span that ended promptly is an abort, never a completion.
+    # The engine says the response was complete; without its span, what the server had sent does
+    # (evidence.completed_by). A server span that merely ended promptly proves neither.
     if engine is not None and engine.finish_reason in NORMAL_FINISH and engine.end_ns <= disconnect + CLOCK_ERROR_NS:
         return Decision(Verdict.COMPLETED, max(lag_ns, 0) / 1e9)
-    if lag_ns <= grace_ns:
+    if engine is None and evidence.completed_by is not None:
+        return Decision(Verdict.COMPLETED, max(lag_ns, 0) / 1e9)
+    if not evidence.work_stopped_known:
+        return Decision(Verdict.UNCONFIRMED, None)
+    if never_ran(engine) or lag_ns <= grace_ns:
         return Decision(Verdict.ABORTED, max(lag_ns, 0) / 1e9)
     return Decision(Verdict.ZOMBIE, lag_ns / 1e9)
+
+
+def never_ran(engine: SpanRecord | None) -> bool:
+    """The engine span of a request that left the queue without computing anything."""
+    return (engine is not None and engine.time_in_queue_s is None and not engine.completion_tokens
+            and engine.finish_reason not in NORMAL_FINISH)
 
 
 def phase_at(disconnect_ns: int, engine: SpanRecord | None) -> Phase:

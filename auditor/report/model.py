@@ -58,6 +58,7 @@ class Totals:
     aborted: int = 0
     zombies: int = 0
     inflight_zombies: int = 0
+    unconfirmed: int = 0  # the client left early; nothing the engine emits told whether work stopped
     zombie_seconds: float = 0.0
     wasted_tokens: int = 0
     wasted_tokens_estimated: int = 0  # the part of wasted_tokens that the engine did not report exactly
@@ -101,6 +102,7 @@ class BreakdownRow:
     wasted_tokens: int
     wasted_gpu_seconds: float
     wasted_cpu_seconds: float = 0.0
+    unconfirmed: int = 0
 
     def wasted_seconds(self, unit: str) -> float:
         return self.wasted_cpu_seconds if unit == "CPU" else self.wasted_gpu_seconds

@@ -169,6 +169,7 @@ def _verdict_aggregates() -> list[Any]:
         _count_if(v.verdict == "aborted").label("aborted"),
         _count_if(v.verdict == "zombie").label("zombies"),
         _count_if(v.verdict == "inflight_zombie").label("inflight_zombies"),
+        _count_if(v.verdict == "unconfirmed").label("unconfirmed"),
         _sum(case((zombie, _finite(v.lag_seconds)), else_=0.0)).label("zombie_seconds"),
         _sum(v.tokens_after_disconnect).label("wasted_tokens"),
         _sum(_finite(v.wasted_gpu_seconds)).label("wasted_gpu_seconds"),
@@ -213,7 +214,7 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
         totals.wasted_cpu_seconds += float(row.cpu)
         totals.uncapped_disconnects += int(row.uncapped)
         for dimension in BREAKDOWN_DIMENSIONS:
-            acc = folded[dimension].setdefault(row._mapping[dimension], [0.0] * 9)
+            acc = folded[dimension].setdefault(row._mapping[dimension], [0.0] * 10)
             acc[0] += count
             if row.verdict in _VERDICT_INDEX:
                 acc[_VERDICT_INDEX[row.verdict]] += count
@@ -224,16 +225,17 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
     return {dimension: sorted(
         (BreakdownRow(key=key, disconnects=int(a[0]), completed=int(a[1]), aborted=int(a[2]),
                       zombies=int(a[3]), inflight_zombies=int(a[4]), zombie_seconds=a[5],
-                      wasted_tokens=int(a[6]), wasted_gpu_seconds=a[7], wasted_cpu_seconds=a[8])
+                      wasted_tokens=int(a[6]), wasted_gpu_seconds=a[7], wasted_cpu_seconds=a[8],
+                      unconfirmed=int(a[9]))
          for key, a in groups.items()),
         key=lambda r: (-r.zombie_seconds, -r.disconnects, r.key or ""))
         for dimension, groups in folded.items()}
 
 
 # Where each verdict is counted: its slot in a breakdown accumulator, and its Totals field.
-_VERDICT_INDEX = {"completed": 1, "aborted": 2, "zombie": 3, "inflight_zombie": 4}
+_VERDICT_INDEX = {"completed": 1, "aborted": 2, "zombie": 3, "inflight_zombie": 4, "unconfirmed": 9}
 _TOTALS_FIELD = {"completed": "completed", "aborted": "aborted", "zombie": "zombies",
-                 "inflight_zombie": "inflight_zombies"}
+                 "inflight_zombie": "inflight_zombies", "unconfirmed": "unconfirmed"}
 
 
 def _fill_coverage(conn: Connection, query: ReportQuery, totals: Totals) -> None:

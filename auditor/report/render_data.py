@@ -110,6 +110,7 @@ def _breakdown_dict(row: BreakdownRow) -> dict[str, Any]:
     return {
         "key": row.key, "disconnects": row.disconnects, "completed": row.completed,
         "aborted": row.aborted, "zombies": row.zombies, "inflight_zombies": row.inflight_zombies,
+        "unconfirmed": row.unconfirmed,
         "zombie_seconds": _number(row.zombie_seconds, 6), "wasted_tokens": row.wasted_tokens,
         "wasted_gpu_seconds": _number(row.wasted_gpu_seconds, 6),
         "wasted_cpu_seconds": _number(row.wasted_cpu_seconds, 6),
@@ -140,6 +141,7 @@ def report_header_dict(report: Report) -> dict[str, Any]:
             "aborted": totals.aborted,
             "zombies": totals.zombies,
             "inflight_zombies": totals.inflight_zombies,
+            "unconfirmed": totals.unconfirmed,
             "zombie_seconds": _number(totals.zombie_seconds, 6),
             "wasted_tokens": totals.wasted_tokens,
             "wasted_tokens_estimated": totals.wasted_tokens_estimated,

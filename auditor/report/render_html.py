@@ -106,6 +106,7 @@ def _totals_table(report: Report) -> list[str]:
         ("requests", f"{t.requests:,}"), ("disconnects", f"{t.disconnects:,}"),
         ("completed", f"{t.completed:,}"), ("aborted", f"{t.aborted:,}"),
         ("zombie", f"{t.zombies:,}"), ("in-flight zombie", f"{t.inflight_zombies:,}"),
+        ("unconfirmed", f"{t.unconfirmed:,}"),
         ("zombie time", f"{t.zombie_seconds:,.1f} s"),
         ("wasted tokens", f"{t.wasted_tokens:,} ({t.wasted_tokens_estimated:,} estimated)"),
         ("wasted GPU time", f"{t.wasted_gpu_seconds:,.1f} GPU-s, {gpu}"),
@@ -130,12 +131,12 @@ def _breakdowns(report: Report) -> list[str]:
             continue
         parts.append(f"<h2>By {esc(DIMENSION_TITLES.get(dimension, dimension))}</h2><table><tr>"
                      "<th></th><th>disconnects</th><th>completed</th><th>aborted</th><th>zombie</th>"
-                     f"<th>in-flight</th><th>zombie s</th><th>tokens</th><th>{unit}-s</th></tr>")
+                     f"<th>in-flight</th><th>unconfirmed</th><th>zombie s</th><th>tokens</th><th>{unit}-s</th></tr>")
         for row in rows[:50]:
             parts.append(
                 f"<tr><td>{esc(row.key if row.key is not None else '(none)')}</td>"
                 f"<td>{row.disconnects:,}</td><td>{row.completed:,}</td><td>{row.aborted:,}</td>"
-                f"<td>{row.zombies:,}</td><td>{row.inflight_zombies:,}</td>"
+                f"<td>{row.zombies:,}</td><td>{row.inflight_zombies:,}</td><td>{row.unconfirmed:,}</td>"
                 f"<td>{row.zombie_seconds:,.1f}</td><td>{row.wasted_tokens:,}</td>"
                 f"<td>{row.wasted_seconds(unit):,.1f}</td></tr>")
         parts.append("</table>")

@@ -14,7 +14,7 @@ BREAKDOWN_ROWS = 10  # per dimension; the JSON output has them all
 DIMENSION_TITLES = {"service": "service", "route": "route", "model": "model", "phase": "phase at disconnect",
                     "disconnect_kind": "disconnect kind", "host": "host"}
 VERDICT_LABELS = {"completed": "completed", "aborted": "aborted", "zombie": "zombie",
-                  "inflight_zombie": "in-flight"}
+                  "inflight_zombie": "in-flight", "unconfirmed": "unconfirmed"}
 
 
 def printable(text: str | None, empty: str = "-") -> str:
@@ -92,6 +92,7 @@ def _totals(report: Report) -> list[str]:
         row("  aborted", f"{t.aborted:,}", "work stopped within the grace period"),
         row("  zombie", f"{t.zombies:,}", "work went on after the client left"),
         row("  in-flight zombie", f"{t.inflight_zombies:,}", "still running, client gone"),
+        row("  unconfirmed", f"{t.unconfirmed:,}", "client left early; nothing told if work stopped"),
         row("zombie time", f"{t.zombie_seconds:,.1f} s",
             duration(t.zombie_seconds) if t.zombie_seconds >= 60 else ""),
         row("wasted tokens", f"{t.wasted_tokens:,}", estimated),
@@ -113,8 +114,8 @@ def _totals(report: Report) -> list[str]:
 
 
 def _breakdown_header(unit: str) -> str:
-    return (f"  {'':<20} {'disconn':>8} {'complete':>8} {'aborted':>8} {'zombie':>8} "
-            f"{'in-flight':>9} {'zombie s':>10} {'tokens':>9} {unit + '-s':>9}")
+    return (f"  {'':<20} {'disconn':>7} {'complete':>8} {'aborted':>7} {'zombie':>7} "
+            f"{'in-flight':>9} {'unconf':>6} {'zombie s':>9} {'tokens':>8} {unit + '-s':>8}")
 
 
 def _breakdown(title: str, rows: list[BreakdownRow], unit: str) -> list[str]:
@@ -123,9 +124,9 @@ def _breakdown(title: str, rows: list[BreakdownRow], unit: str) -> list[str]:
     lines = ["", f"By {title}", _breakdown_header(unit)]
     for row in rows[:BREAKDOWN_ROWS]:
         lines.append(
-            f"  {clip(printable(row.key, '(none)'), 20):<20} {row.disconnects:>8,} {row.completed:>8,} "
-            f"{row.aborted:>8,} {row.zombies:>8,} {row.inflight_zombies:>9,} "
-            f"{row.zombie_seconds:>10,.1f} {row.wasted_tokens:>9,} {row.wasted_seconds(unit):>9,.1f}")
+            f"  {clip(printable(row.key, '(none)'), 20):<20} {row.disconnects:>7,} {row.completed:>8,} "
+            f"{row.aborted:>7,} {row.zombies:>7,} {row.inflight_zombies:>9,} {row.unconfirmed:>6,} "
+            f"{row.zombie_seconds:>9,.1f} {row.wasted_tokens:>8,} {row.wasted_seconds(unit):>8,.1f}")
     if len(rows) > BREAKDOWN_ROWS:
         lines.append(f"  ... and {len(rows) - BREAKDOWN_ROWS} more (all of them in --format json)")
     return lines

@@ -12,6 +12,7 @@ import click
 
 from auditor.errors import AuditorError
 from replay.engine.behaviors import BEHAVIORS
+from replay.engine.signals import METRIC_STYLES
 
 
 class EngineStartError(AuditorError):
@@ -78,6 +79,12 @@ def serve(app: object, sock: socket.socket, log_level: str) -> None:
 @click.option("--live", metavar="HOST:PORT", help="Send span starts and ends to the auditor's live-notice "
               "socket, so zombies are flagged while they run.")
 @click.option("--trace-aborted", is_flag=True, help="Emit llm_request spans for aborted requests too.")
+@click.option("--engine-span", default="llm_request", show_default=True,
+              help="Name of the engine span; 'none' leaves HTTP server spans only.")
+@click.option("--metrics-names", type=click.Choice(METRIC_STYLES), default="ref", show_default=True,
+              help="Also export running/waiting/tokens under this engine's metric names.")
+@click.option("--send-spans", is_flag=True, help="Record 'http send' sub-spans, the last one marked.")
+@click.option("--one-at-a-time", is_flag=True, help="Serve one request at a time; others wait unread.")
 @click.option("--truth-log", type=click.Path(dir_okay=False), help="Append one JSON line per finished request.")
 @click.option("--gateway", "gateway_upstream", metavar="UPSTREAM_URL",
               help="Run as a gateway proxying to this engine instead of as an engine.")
@@ -88,7 +95,8 @@ def serve(app: object, sock: socket.socket, log_level: str) -> None:
 def engine(host: str, port: int, port_file: str | None, behavior: str, late_seconds: float, max_batch: int,
            step_ms: float, prefill_chunk: int, device: str, model: str, otlp: str | None,
            service_name: str | None, live: str | None, trace_aborted: bool, truth_log: str | None,
-           gateway_upstream: str | None, propagate: str, log_level: str) -> None:
+           gateway_upstream: str | None, propagate: str, log_level: str, engine_span: str = "llm_request",
+           metrics_names: str = "ref", send_spans: bool = False, one_at_a_time: bool = False) -> None:
     """Run the reference engine: an OpenAI-compatible server with real batching and compute.
 
     It reproduces how real engines treat a client that disconnects (--behavior), traces like
@@ -112,7 +120,9 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
             server = EngineServer(EngineSettings(
                 model=model, behavior=behavior, late_seconds=late_seconds, max_batch=max_batch,
                 step_ms=step_ms, prefill_chunk=prefill_chunk, device=device, otlp=otlp, truth_log=truth_log,
-                service_name=service_name or "ref-engine", trace_aborted=trace_aborted, live=live))
+                service_name=service_name or "ref-engine", trace_aborted=trace_aborted, live=live,
+                engine_span=engine_span, metrics_names=metrics_names, send_spans=send_spans,
+                one_at_a_time=one_at_a_time))
             app = server.app()
             what = (f"engine {model} behavior={behavior} max_batch={max_batch} step={step_ms}ms "
                     f"({server.engine.backend.layers} layers on {device})")

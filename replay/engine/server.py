@@ -52,6 +52,7 @@ from replay.engine.protocol import (
     parse_completion,
     usage,
 )
+from replay.engine.signals import OneAtATime, add_style_metrics, mark_final_send
 from replay.engine.tokens import prompt_seed
 from replay.engine.tracing import Tracing, emit_llm_request_span, trace_headers_of, work_key_of
 from replay.engine.truth import TruthLog, truth_record
@@ -75,6 +76,11 @@ class EngineSettings:
     service_name: str = "ref-engine"
     trace_aborted: bool = False
     live: str | None = None  # HOST:PORT of the auditor's live notices
+    # Signal profile (replay.engine.signals): what an observer gets, shaped like a real engine's.
+    engine_span: str = "llm_request"  # "none": HTTP server spans only
+    metrics_names: str = "ref"
+    send_spans: bool = False
+    one_at_a_time: bool = False
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -84,7 +90,7 @@ def error_response(error: ApiError) -> JSONResponse:
 class EngineMetrics:
     """Prometheus metrics of one engine, in their own registry."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, style: str = "ref") -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("ref_engine_requests", "Finished requests by finish reason.",
                                 ["finish_reason"], registry=self.registry)
@@ -105,6 +111,7 @@ class EngineMetrics:
         waiting = Gauge("ref_engine_num_requests_waiting", "Requests in the waiting queue.", registry=self.registry)
         running.set_function(lambda: engine.counts()[0])
         waiting.set_function(lambda: engine.counts()[1])
+        self.style_tokens = add_style_metrics(self.registry, style, engine.counts)
 
 
 class EngineServer:
@@ -117,13 +124,15 @@ class EngineServer:
         backend = make_backend(settings.device, settings.step_ms)
         self.engine = Engine(backend, max_batch=settings.max_batch, prefill_chunk=settings.prefill_chunk,
                              on_finish=self._on_finish, on_step=self._on_step)
-        self.metrics = EngineMetrics(self.engine)
+        self.metrics = EngineMetrics(self.engine, settings.metrics_names)
 
     # -- engine thread callbacks ---------------------------------------------------------------
 
     def _on_step(self, seconds: float, tokens: int) -> None:
         self.metrics.step_seconds.observe(seconds)
         self.metrics.generation_tokens.inc(tokens)
+        if self.metrics.style_tokens is not None:
+            self.metrics.style_tokens.inc(tokens)
 
     def _on_finish(self, request: RequestHandle) -> None:
         self.tracing.work_ended(request)
@@ -133,8 +142,8 @@ class EngineServer:
         if request.tokens_after_disconnect:
             self.metrics.tokens_after_disconnect.inc(request.tokens_after_disconnect)
         # Like vLLM 0.33: an aborted request leaves no llm_request span unless asked for.
-        if reason != "abort" or self.settings.trace_aborted:
-            emit_llm_request_span(self.tracing.tracer, request)
+        if (reason != "abort" or self.settings.trace_aborted) and self.settings.engine_span != "none":
+            emit_llm_request_span(self.tracing.tracer, request, self.settings.engine_span)
         if self.truth is not None:
             self.truth.write(truth_record(request, self.settings.behavior))
 
@@ -161,9 +170,12 @@ class EngineServer:
         ]
         starlette = Starlette(routes=routes, lifespan=self.lifespan,
                               exception_handlers={HTTPException: self._http_error, Exception: self._crash})
-        return OpenTelemetryMiddleware(
-            starlette, tracer_provider=self.tracing.provider, exclude_spans=["receive", "send"],
+        traced = OpenTelemetryMiddleware(
+            starlette, tracer_provider=self.tracing.provider,
+            exclude_spans=["receive"] if self.settings.send_spans else ["receive", "send"],
+            client_response_hook=mark_final_send if self.settings.send_spans else None,
             excluded_urls="health,metrics", http_capture_headers_server_request=["x-request-id"])
+        return OneAtATime(traced) if self.settings.one_at_a_time else traced
 
     async def _http_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -208,13 +220,27 @@ class EngineServer:
             self.metrics.errors.labels(str(error.status)).inc()
             return error_response(error)
         except ClientDisconnect:
-            # Gone while sending its body: nothing reached the engine, nobody reads an answer.
+            # Gone before its body was read (or, served one at a time, while it waited): nothing
+            # reached the engine. The truth log still says so: zero tokens, ended when noticed.
+            self._never_ran(request, arrival_at)
             return Response(status_code=499)
         except KeyError:
             self.metrics.errors.labels("409").inc()
             return error_response(ApiError(409, f"request id {handle.request_id} is already in flight; "
                                                 "send a unique X-Request-Id"))
         return GenerationResponse(self, handle, parsed, events)
+
+    def _never_ran(self, request: Request, arrival_at: int) -> None:
+        if self.truth is None or not request.headers.get("x-request-id"):
+            return
+        now = time.time_ns()
+        client = request.client
+        handle = RequestHandle(request_id=request.headers["x-request-id"], prompt_tokens=0, max_tokens=0, seed=0,
+                               stream=False, model=self.settings.model, arrival_at=arrival_at,
+                               client_addr=client.host if client else None, client_port=client.port if client else None,
+                               finished_at=now, finish_reason="abort", disconnect_at=now, phase_at_disconnect="queued",
+                               tokens_at_disconnect=0)
+        self.truth.write(truth_record(handle, self.settings.behavior))
 
     def _handle(self, request: Request, parsed: GenerationRequest, kind: str, arrival_at: int) -> RequestHandle:
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"

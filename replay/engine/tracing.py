@@ -153,8 +153,8 @@ def work_key_of(request_id: str) -> tuple[str, str] | None:
     return f"{context.trace_id:032x}", work_id
 
 
-def emit_llm_request_span(tracer: trace.Tracer, request: RequestHandle) -> None:
-    """The ``llm_request`` span for a finished request, shaped like vLLM's."""
+def emit_llm_request_span(tracer: trace.Tracer, request: RequestHandle, name: str = LLM_REQUEST_SPAN) -> None:
+    """The ``llm_request`` span for a finished request, shaped like vLLM's (``name``: another engine's)."""
     assert request.finished_at is not None
     seconds = 1e-9
     attributes: dict[str, object] = {
@@ -178,7 +178,7 @@ def emit_llm_request_span(tracer: trace.Tracer, request: RequestHandle) -> None:
     if request.tokens_after_disconnect is not None:
         attributes[ATTR_TOKENS_AFTER_DISCONNECT] = request.tokens_after_disconnect
     parent = PROPAGATOR.extract(request.trace_headers) if request.trace_headers else None
-    span = tracer.start_span(LLM_REQUEST_SPAN, context=parent, kind=SpanKind.SERVER,
+    span = tracer.start_span(name, context=parent, kind=SpanKind.SERVER,
                              attributes=attributes,  # type: ignore[arg-type]
                              start_time=request.arrival_at)
     span.end(end_time=request.finished_at)

@@ -1,0 +1,187 @@
+"""One request's verdict from the evidence gathered so far, and the record of which evidence decided it.
+
+Kept apart from the joins (``correlator``): the joins decide *which* request a disconnect belongs
+to, this decides *what became of it*. Evidence, best first (DESIGN §5): the engine span, live
+notices, the engine's own /metrics, and for completion what the server had sent. Each verdict's
+``details`` says which decided it (``evidence``) and how exact its work end is (``work_end_exact``:
+``span``, ``live``, ``scrape`` with ``work_end_resolution_s``, or ``none``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from auditor.correlate import evidence as ev
+from auditor.correlate.requests import OpenRequest
+from auditor.correlate.traces import span_tuple
+from auditor.correlate.verdict import (
+    CLOCK_ERROR_NS,
+    Evidence,
+    decide,
+    never_ran,
+    phase_at,
+    tokens_after_disconnect,
+)
+from auditor.correlate.waste import requests_in_flight, wasted
+from auditor.model import RequestVerdict, SpanRecord, SpanRole, Verdict
+
+if TYPE_CHECKING:
+    from auditor.correlate.correlator import Correlator
+
+ENGINE_SETTLE_AFTER_LIVE_END_NS = 2_000_000_000
+
+
+def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict | None:
+    """The request's verdict now, or None when it is too early or nothing changed."""
+    origin = request.origin()
+    trace_id, root_id = request.key
+    root = corr.spans.get(trace_id, root_id)
+    subtree = corr.spans.subtree(root) if root else []
+    http_spans = [s for s in subtree if s.role is SpanRole.HTTP_SERVER]
+    origin_span = next((s for s in http_spans if span_tuple(s) == origin.tuple4), None)
+    engine = corr.spans.engine_for(root, subtree) if root else None
+    details: dict[str, Any] = {"engine_span": engine is not None}
+    work_end, provisional, known = _work_end(corr, request, root, subtree, engine, now, details)
+    started = origin_span.start_ns if origin_span and origin_span.start_ns > origin.ts_ns else None
+    completed = None if engine else ev.completed_by(origin.ts_ns, origin_span, subtree,
+                                                    corr.local_fins(origin.tuple4), CLOCK_ERROR_NS)
+    sends = origin_span is not None and (origin_span.service in corr.services_marking_sends or any(
+        s.parent_span_id == origin_span.span_id and ev.FINAL_SEND_ATTR in s.attributes for s in subtree))
+    spans_finishes = origin_span is not None and origin_span.service in corr.services_spanning_finishes
+    if known and completed is None and not sends and not spans_finishes and details.get("orphaned_scrapes") == 0 \
+            and origin_span is not None and origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS:
+        # The span ended as the client closed, and the gauges never saw the request held after:
+        # a client closing after the last byte and a server reacting at once look the same,
+        # unless the server records its sends (then no final send means not complete), or its
+        # engine spans every normal finish (then a missing engine span means not complete).
+        known, details["close_races_span_end"] = False, True
+    decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now, started_ns=started,
+                               completed_by=completed, work_stopped_known=known), corr.grace_seconds)
+    if decision is None:
+        return None
+    if completed is not None:
+        details["evidence"], provisional = completed, False
+    if decision.verdict is Verdict.UNCONFIRMED:
+        details["evidence"], details["work_end_exact"] = ev.HTTP_ONLY, "none"
+    details["provisional"] = provisional
+    if started is not None:
+        details["waited_unread_s"] = round((started - origin.ts_ns) / 1e9, 6)
+    base = root or (request.live_span.as_span() if request.live_span else None)
+    tokens, exact = tokens_after_disconnect(origin.ts_ns, engine)
+    gpu_s = cpu_s = 0.0
+    if decision.verdict not in (Verdict.COMPLETED, Verdict.UNCONFIRMED) and not never_ran(engine):
+        gpu_s, cpu_s = _waste(corr, max(origin.ts_ns, started or 0), work_end or now, engine, base, origin.tuple4[2])
+    _add_hops(request, origin, http_spans, origin_span, details)
+    verdict = RequestVerdict(
+        request_key=f"{corr.host}/{trace_id}/{root_id}", host=corr.host, verdict=decision.verdict,
+        disconnect_at_ns=origin.ts_ns, disconnect_kind=origin.kind,
+        request_start_ns=base.start_ns if base else origin.ts_ns, work_end_ns=work_end,
+        lag_seconds=decision.lag_seconds, phase=phase_at(origin.ts_ns, engine), trace_id=trace_id,
+        request_id=(origin_span.request_id if origin_span else None) or (engine.request_id if engine else None),
+        service=base.service if base else None, route=base.route if base else None,
+        model=(engine.model if engine else None) or (base.model if base else None),
+        client_addr=origin.tuple4[0], client_port=origin.tuple4[1], server_port=origin.tuple4[2],
+        max_tokens=engine.max_tokens if engine else (origin_span.max_tokens if origin_span else None),
+        tokens_after_disconnect=tokens, tokens_exact=exact, wasted_gpu_seconds=gpu_s,
+        wasted_cpu_seconds=cpu_s, details=details,
+    )
+    written = request.written
+    unchanged = written is not None and replace(written, lag_seconds=None) == replace(verdict, lag_seconds=None)
+    if unchanged and decision.verdict is not Verdict.INFLIGHT_ZOMBIE:
+        return None
+    return verdict
+
+
+def _add_hops(request: OpenRequest, origin: Any, http_spans: list[SpanRecord], origin_span: SpanRecord | None,
+              details: dict[str, Any]) -> None:
+    hops = [{"server_port": d.tuple4[2], "client_port": d.tuple4[1],
+             "disconnect_delay_s": round((d.ts_ns - origin.ts_ns) / 1e9, 6)}
+            for d in sorted(request.disconnects.values(), key=lambda d: d.ts_ns) if d is not origin]
+    if hops:
+        details["hops"] = hops
+    unclosed = [s.server_port for s in http_spans if s is not origin_span and span_tuple(s) not in request.disconnects]
+    if unclosed:
+        details["upstream_not_closed_ports"] = unclosed
+
+
+def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, subtree: list[SpanRecord],
+              engine: SpanRecord | None, now: int, details: dict[str, Any]) -> tuple[int | None, bool, bool]:
+    """When the request's work ended on this host, whether that may still change, and whether
+    anything tells that it stopped at all."""
+    trace_id = request.key[0]
+    mine = {s.span_id for s in subtree} | {request.key[1]}
+    if corr.live.running(trace_id, mine):
+        details["evidence"], details["work_end_exact"] = ev.LIVE_NOTICE, "live"
+        return None, True, True  # a live notice says part of it is still running
+    if root is None:
+        # Known only live: its end notice stands in until the span itself arrives.
+        details["evidence"], details["work_end_exact"] = ev.LIVE_NOTICE, "live"
+        ended = corr.live.span_end(*request.key)
+        if ended is None:
+            return None, True, True
+        return max(ended, corr.live.engine_end(trace_id) or 0), True, True
+    ends = [s.end_ns for s in subtree if s.role in (SpanRole.HTTP_SERVER, SpanRole.ENGINE)]
+    work_end = max(ends + ([engine.end_ns] if engine else []))
+    if engine is not None:
+        details["evidence"], details["work_end_exact"] = ev.ENGINE_SPAN, "span"
+        return work_end, False, True
+    live_end = corr.live.engine_end(trace_id)
+    if live_end is not None:
+        details["evidence"], details["work_end_exact"] = ev.LIVE_NOTICE, "live"
+        return max(work_end, live_end), now - live_end < ENGINE_SETTLE_AFTER_LIVE_END_NS, True
+    by_metrics = _metrics_work_end(corr, request, subtree)
+    if by_metrics is not None:
+        details["evidence"], details["work_end_exact"] = ev.ENGINE_METRICS, "scrape"
+        details["work_end_resolution_s"] = round(by_metrics.resolution_s, 3)
+        details["orphaned_scrapes"] = by_metrics.orphaned_scrapes
+        if by_metrics.work_end_ns is None:
+            return None, True, True
+        end = max(work_end, by_metrics.work_end_ns)
+        # An engine span may still arrive and say exactly; until then the scrape's word stands.
+        return end, now - end < corr.late_ns, True
+    # Nothing says whether the work stopped: an engine span may yet arrive (vLLM emits none for
+    # an abort, so its absence proves nothing); until then, and after, the verdict is unconfirmed.
+    return work_end, now - work_end < corr.late_ns, False
+
+
+def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[SpanRecord]) -> ev.MetricsEnd | None:
+    """The work end the engine's gauges tell, on the innermost scraped hop of the request.
+
+    A request that ended within the clock error of a scrape counts as connected at it: one orphan
+    right at a completion (the next request taken up as the last one ends) is no evidence."""
+    origin = request.origin()
+    hops = sorted((s for s in subtree if s.role is SpanRole.HTTP_SERVER and s.server_port is not None
+                   and corr.loads.watched(s.server_port)), key=lambda s: s.start_ns)
+    if not hops:
+        return None
+    hop = hops[-1]
+    disconnect = request.disconnects.get(span_tuple(hop), origin).ts_ns
+    key = f"{request.key[0]}/{request.key[1]}"
+    port = hop.server_port or 0
+    corr.loads.register(port, key, disconnect)
+    return corr.loads.work_end(port, key, disconnect, max(disconnect, hop.start_ns),
+                               lambda start, end: corr.connected_at(port, start - CLOCK_ERROR_NS,
+                                                                    end + CLOCK_ERROR_NS))
+
+
+def _waste(corr: Correlator, start_ns: int, end_ns: int, engine: SpanRecord | None,
+           base: SpanRecord | None, port: int) -> tuple[float, float]:
+    pid = (engine.process_pid if engine else None) or (base.process_pid if base else None)
+    service = (engine.service if engine else None) or (base.service if base else "")
+    sharers = requests_in_flight(corr.spans.arrived_since(start_ns), corr.live.running_since(service),
+                                 service=service, start_ns=start_ns, end_ns=end_ns, now_ns=corr.clock())
+    if corr.loads.watched(port):
+        # The engine's own count of what it was running: a request waiting its turn shares nothing.
+        def running(ts: int) -> int:
+            counted = corr.loads.running_at(port, ts)
+            return counted if counted is not None else sharers(ts)
+        cost = wasted(corr.store, host=corr.host, start_ns=start_ns, end_ns=end_ns, pid=pid, inflight_at=running)
+    else:
+        cost = wasted(corr.store, host=corr.host, start_ns=start_ns, end_ns=end_ns, pid=pid, inflight_at=sharers)
+    return round(cost.gpu_seconds, 6), round(cost.cpu_seconds, 6)
+
+
+def clock_dependent(request: OpenRequest) -> bool:
+    written = request.written
+    return written is None or written.verdict is Verdict.INFLIGHT_ZOMBIE or bool(written.details.get("provisional"))

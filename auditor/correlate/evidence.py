@@ -1,0 +1,130 @@
+"""Which evidence decides a verdict when the engine emits no engine span (DESIGN §5, "Evidence").
+
+Two questions, each answered from what real servers do emit:
+
+1. Was the response complete when the client left? Told by what the server had sent: its own FIN
+   before the client's (kernel order), the ``http send`` that ended the response, or a server span
+   that had already ended. Never by the absence of an engine span.
+2. Did the work stop? Told by the engine's own /metrics: requests it holds (running + waiting)
+   above the requests still in flight on its port are orphans; while a disconnected request's
+   share of them lasts, its work goes on. The end is known to a scrape interval.
+
+Where neither tells, the answer is ``None`` and the verdict is ``unconfirmed``: never an abort.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from auditor.model import EngineLoad, SpanRecord
+
+FINAL_SEND_ATTR = "asgi.event.final"
+
+# The evidence names a verdict records in details["evidence"].
+ENGINE_SPAN = "engine_span"
+LIVE_NOTICE = "live_notice"
+ENGINE_METRICS = "engine_metrics"
+KERNEL_ORDER = "kernel_order"
+LAST_SEND = "last_send"
+SPAN_END = "span_end"
+HTTP_ONLY = "http_only"
+
+
+def completed_by(disconnect_ns: int, http_span: SpanRecord | None, subtree: Iterable[SpanRecord],
+                 local_fins: Iterable[int], clock_error_ns: int) -> str | None:
+    """The evidence that the response was complete when the client left, or None."""
+    if http_span is None:
+        return None
+    if any(http_span.start_ns <= fin <= disconnect_ns for fin in local_fins):
+        return KERNEL_ORDER  # the server closed first: it had nothing more to send
+    for span in subtree:
+        if span.parent_span_id == http_span.span_id and span.attributes.get(FINAL_SEND_ATTR) is True \
+                and span.start_ns <= disconnect_ns + clock_error_ns:
+            return LAST_SEND
+    if http_span.end_ns <= disconnect_ns:
+        return SPAN_END  # the server was done before it heard of the disconnect
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsEnd:
+    """What the engine's gauges say about one disconnected request's work."""
+
+    work_end_ns: int | None  # None: still orphaned at the latest scrape
+    resolution_s: float  # the scrape interval around the end
+    orphaned_scrapes: int  # scrapes that counted it as running after its client left
+
+
+class EngineLoads:
+    """Recent scrapes per inference port, and the disconnected requests that may own their orphans."""
+
+    def __init__(self) -> None:
+        self._loads: dict[int, list[EngineLoad]] = defaultdict(list)
+        self._disconnects: dict[int, dict[str, int]] = defaultdict(dict)  # port -> request -> disconnect
+
+    def add(self, loads: Iterable[EngineLoad]) -> set[int]:
+        """Record scrapes; returns the ports they concern."""
+        ports = set()
+        for load in loads:
+            series = self._loads[load.server_port]
+            if series and load.ts_ns < series[-1].ts_ns:
+                bisect.insort(series, load, key=lambda item: item.ts_ns)
+            else:
+                series.append(load)
+            ports.add(load.server_port)
+        return ports
+
+    def watched(self, port: int) -> bool:
+        return bool(self._loads.get(port))
+
+    def register(self, port: int, request: str, disconnect_ns: int) -> None:
+        self._disconnects[port][request] = disconnect_ns
+
+    def running_at(self, port: int, ts_ns: int) -> int | None:
+        """Requests the engine was running at ``ts_ns`` (the scrape before it), None without scrapes."""
+        series = self._loads.get(port)
+        if not series:
+            return None
+        index = bisect.bisect_right(series, ts_ns, key=lambda item: item.ts_ns) - 1
+        return series[index].running if index >= 0 else None
+
+    def work_end(self, port: int, request: str, disconnect_ns: int, started_ns: int,
+                 connected_at: Callable[[int, int], int]) -> MetricsEnd | None:
+        """When this request's work ended, as the gauges tell; None when no scrape came after it left.
+
+        At each scrape after ``started_ns``, orphans = held - connected, where connected counts every
+        request in flight at any moment the scrape spans (``connected_at(start, end)``). Requests that left later
+        claim orphans first: an engine finishes what it started first, so a newer orphan outlives an
+        older one. The work ends between the last scrape that still counted it and the next."""
+        series = self._loads.get(port, [])
+        start = bisect.bisect_right(series, started_ns, key=lambda item: item.ts_ns)
+        others = [ts for key, ts in self._disconnects.get(port, {}).items() if key != request and ts > disconnect_ns]
+        last_orphaned: int | None = None
+        count = 0
+        for load in series[start:]:
+            newer = sum(1 for ts in others if ts <= load.ts_ns)
+            orphans = load.running + load.waiting - connected_at(load.ts_ns, load.answered_ns or load.ts_ns)
+            if orphans > newer:
+                last_orphaned, count = load.ts_ns, count + 1
+                continue
+            if last_orphaned is None:
+                return MetricsEnd(max(started_ns, disconnect_ns), (load.ts_ns - started_ns) / 1e9, 0)
+            return MetricsEnd((last_orphaned + load.ts_ns) // 2, (load.ts_ns - last_orphaned) / 1e9, count)
+        if last_orphaned is None:
+            return None
+        return MetricsEnd(None, 0.0, count)
+
+    def prune(self, cutoff_ns: int) -> None:
+        for port, series in list(self._loads.items()):
+            keep = bisect.bisect_left(series, cutoff_ns, key=lambda item: item.ts_ns)
+            del series[:keep]
+            if not series:
+                del self._loads[port]
+        for port, requests in list(self._disconnects.items()):
+            for key in [k for k, ts in requests.items() if ts < cutoff_ns]:
+                del requests[key]
+            if not requests:
+                del self._disconnects[port]

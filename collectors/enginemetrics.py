@@ -1,0 +1,134 @@
+"""Scrape each inference engine's own Prometheus /metrics for how many requests it is working on.
+
+An engine that emits no engine span still counts its running and waiting requests, under its own
+names. Running requests above the requests whose clients are still connected are orphans: work
+that goes on after a disconnect. The correlator makes that comparison; this module only reads the
+gauges, at a fixed period, from every watched inference port (the engine serves /metrics on the
+port it serves requests on: vLLM, SGLang, TGI's router, llama.cpp with ``--metrics``).
+
+A port that answers with no known metric is skipped quietly and retried less often: not every
+watched port is an engine (a gateway, an app).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from urllib.request import urlopen
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from auditor.model import EngineLoad
+
+log = logging.getLogger(__name__)
+
+# (style, running gauge, waiting gauge, generated-token counter), in the engines' own names. The
+# parser strips a counter's ``_total``; the names here are without it.
+KNOWN_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("vllm", "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens"),
+    ("sglang", "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:generation_tokens"),
+    ("tgi", "tgi_batch_current_size", "tgi_queue_size", "tgi_request_generated_tokens"),
+    ("llamacpp", "llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:tokens_predicted"),
+    ("ref", "ref_engine_num_requests_running", "ref_engine_num_requests_waiting", "ref_engine_generation_tokens"),
+)
+NOT_AN_ENGINE_BACKOFF_S = 30.0
+
+
+def parse_load(text: str, *, ts_ns: int, server_port: int) -> EngineLoad | None:
+    """The engine load in a /metrics page, or None when no known running gauge is there.
+
+    Several series of one gauge (one per model, or per label) add up."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith(("_created", "_bucket", "_count", "_sum")):
+                continue
+            name = sample.name.removesuffix("_total")
+            values[name] = values.get(name, 0.0) + sample.value
+    for style, running, waiting, tokens in KNOWN_METRICS:
+        if running in values:
+            return EngineLoad(ts_ns=ts_ns, server_port=server_port, running=int(values[running]),
+                              waiting=int(values.get(waiting, 0.0)), generated_tokens=values.get(tokens),
+                              style=style)
+    return None
+
+
+class EngineMetricsScraper:
+    """Scrapes ``http://HOST:PORT/metrics`` for every watched port every ``interval_s``, in a thread.
+
+    ``sink`` receives each round's loads; it must not block. Failures are counted and logged once
+    per port, never raised."""
+
+    def __init__(self, ports: Callable[[], Iterable[int]], sink: Callable[[list[EngineLoad]], None], *,
+                 interval_s: float = 0.25, host: str = "127.0.0.1", path: str = "/metrics",
+                 timeout_s: float = 1.0, clock: Callable[[], int] = time.time_ns) -> None:
+        self.ports = ports
+        self.sink = sink
+        self.interval_s = interval_s
+        self.host = host
+        self.path = path
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.errors = 0
+        self._skip_until: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def scrape(self, port: int) -> EngineLoad | None:
+        # The gauges describe the engine at one moment between the request and its answer; both
+        # ends are kept so a request that started or ended in between is never taken for an orphan.
+        ts_ns = self.clock()
+        with urlopen(f"http://{self.host}:{port}{self.path}", timeout=self.timeout_s) as response:
+            text = response.read(4 * 1024 * 1024).decode("utf-8", errors="replace")
+        load = parse_load(text, ts_ns=ts_ns, server_port=port)
+        return None if load is None else replace(load, answered_ns=max(ts_ns, self.clock()))
+
+    def scrape_all(self) -> list[EngineLoad]:
+        loads = []
+        now = time.monotonic()
+        for port in sorted(set(self.ports())):
+            if self._skip_until.get(port, 0.0) > now:
+                continue
+            try:
+                load = self.scrape(port)
+            except Exception as exc:  # a port that is down or not HTTP: try again later
+                self.errors += 1
+                if port not in self._skip_until:
+                    log.info("no engine metrics on port %d (%s); retrying every %.0f s", port, exc,
+                             NOT_AN_ENGINE_BACKOFF_S)
+                self._skip_until[port] = now + NOT_AN_ENGINE_BACKOFF_S
+                continue
+            if load is None:
+                self._skip_until[port] = now + NOT_AN_ENGINE_BACKOFF_S
+                continue
+            self._skip_until.pop(port, None)
+            loads.append(load)
+        return loads
+
+    def start(self) -> EngineMetricsScraper:
+        self._thread = threading.Thread(target=self._loop, name="engine-metrics", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                loads = self.scrape_all()
+                if loads:
+                    self.sink(loads)
+            except Exception:
+                log.exception("engine metrics round failed; continuing")
+            next_tick += self.interval_s
+            delay = next_tick - time.monotonic()
+            if delay < 0:  # skip missed ticks instead of bursting
+                next_tick, delay = time.monotonic(), 0.0
+            self._stop.wait(delay)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
