@@ -105,7 +105,9 @@ def test_verdicts_match_truth(tmp_path: Path, behavior: str, source: str) -> Non
             continue
         want = expected_verdict(truth)
         truth_lag = (truth["finished_at"] - truth["disconnect_at"]) / 1e9
-        if row.verdict != want:
+        # Within the source's time resolution of the grace period, aborted and zombie are one call.
+        at_grace = {row.verdict, want} <= {"aborted", "zombie"} and abs(truth_lag - GRACE_S) <= lag_tolerance(source)
+        if row.verdict != want and not at_grace:
             problems.append(f"{request_id}: verdict {row.verdict}, truth {want} (truth lag {truth_lag:.3f} s)")
         if want != "completed" and abs(row.lag_seconds - truth_lag) > lag_tolerance(source):
             # Both ends, so a failure says which one differs: the disconnect the kernel saw against
@@ -165,7 +167,10 @@ def test_vllm_style_abort_without_engine_span_is_aborted(tmp_path: Path) -> None
             assert all(r.verdict in ("completed", "unconfirmed") for r in rows if r.request_id == "v-warm-up"), rows
             return [r for r in rows if r.request_id != "v-warm-up"]
 
-        assert wait_for(lambda: len(cancelled()) == 4, timeout_s=15)
+        # A verdict without an engine span is provisional until a scrape of the engine's /metrics
+        # after the disconnect shows whether the work stopped.
+        assert wait_for(lambda: len(cancelled()) == 4 and not any(r.details["provisional"] and r.verdict != "aborted"
+                                                                  for r in cancelled()), timeout_s=15)
         rows = cancelled()
         assert {r.verdict for r in rows} == {"aborted"}, [(r.verdict, r.details) for r in rows]
         assert all(not r.details["engine_span"] and r.phase == "unknown" for r in rows)
@@ -219,7 +224,9 @@ def mismatches(verdicts: list, truths: list[dict], source: str, missable: set[st
                 problems.append(f"{request_id}: no verdict")
             continue
         want, truth_lag = expected_verdict(truth), (truth["finished_at"] - truth["disconnect_at"]) / 1e9
-        if row.verdict != want:
+        # Within the source's time resolution of the grace period, aborted and zombie are one call.
+        at_grace = {row.verdict, want} <= {"aborted", "zombie"} and abs(truth_lag - GRACE_S) <= lag_tolerance(source)
+        if row.verdict != want and not at_grace:
             problems.append(f"{request_id}: verdict {row.verdict}, truth {want} (truth lag {truth_lag:.3f} s)")
         elif want != "completed" and abs(row.lag_seconds - truth_lag) > lag_tolerance(source):
             # Both ends, so a failure says which one differs: the disconnect the kernel saw against

@@ -109,8 +109,6 @@ def test_http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: 
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=True, reason="the join refuses a span that starts after its socket closed (uvicorn "
-                   "closes it on the client's FIN/RST while the request waits unread)")
 def test_one_at_a_time_request_cancelled_while_waiting_is_no_zombie_and_costs_nothing(tmp_path: Path) -> None:
     truth_log = tmp_path / "truth.jsonl"
     with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S}) as daemon, running_engine(

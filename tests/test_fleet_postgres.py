@@ -161,9 +161,6 @@ def verdicts_by_host(store: Store) -> dict[str, dict[str, str]]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "each daemon's correlator reads every host's conn_events and spans from the shared database "
-    "(no host filter), so every host's requests are judged by all three daemons"))
 def test_three_hosts_share_one_postgres(pg_url: str, tmp_path: Path) -> None:
     store = Store(pg_url)  # migrate once, as an operator would, before the fleet starts
     batches = {host: load_batches(host) for host in HOSTS}

@@ -220,7 +220,7 @@ def test_replay_finds_zombies_then_confirms_the_fix(tmp_path: Path) -> None:
     assert result["schema"] == "auditor.replay/v1" and result["run_id"] == 1
     assert result["sent"] == 6 and result["cancelled"] == 6 and result["unjudged"] == 0, result
     assert result["zombies"] == 6 and result["verdicts"] == {"zombie": 6}, result
-    assert result["evidence"] == {"zombie": {"engine span": 6}} and result["gate"] == "zombies", result
+    assert result["evidence"] == {"zombie": {"engine_span": 6}} and result["gate"] == "zombies", result
     assert result["planned_cancels"] == 6 and result["errors"] == 0, result
     assert result["wasted_tokens"] > 6 * 150 and result["lag_max_s"] > 2.5 and result["provisional"] == 0
     with running_engine(behavior="abort", otlp=f"http://127.0.0.1:{otlp_port}", step_ms=15) as engine:
@@ -229,8 +229,9 @@ def test_replay_finds_zombies_then_confirms_the_fix(tmp_path: Path) -> None:
     assert "Zombies: 6 → 0 (baseline run 1)" in fixed.stdout, fixed.stdout
     rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in fixed.stdout.splitlines())}
     assert rows["errors"] == ["0", "0"] and rows["cancelled as planned"] == ["6 of 6", "6 of 6"], fixed.stdout
-    assert rows["zombie (engine span)"] == ["6", "-"] and rows["aborted (no engine span)"] == ["-", "6"], rows
-    # The aborts carry no engine span: the engine's /metrics showing it idle ends the wait, not the
+    assert rows["zombie (engine_span)"] == ["6", "-"] and rows["aborted (engine_metrics)"] == ["-", "6"], rows
+    # The aborts carry no engine span: the engine's /metrics tell the work stopped, and showing it
+    # idle ends the wait, not the
     # 60 s late-span window (the message says which ended it).
     assert "judged: engine idle for 1 s" in fixed.stderr, fixed.stderr
     store = Store(f"sqlite:///{capture}")
