@@ -11,22 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import logging
 import mmap
 import os
 import platform
-import socket
-import struct
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from auditor.errors import ConfigError
-from auditor.model import ConnEvent, ConnEventKind
+from auditor.model import ConnEvent
 from probes import ringbuf
 from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
 from probes.clock import MonotonicToWall
+from probes.decode import EventBuilder, struct_format
 from probes.source import ProbeUnavailable, validate_ports
 
 log = logging.getLogger(__name__)
@@ -44,20 +42,6 @@ MAX_PORTS = 1024  # the size of the watched_ports map in disconnect.bpf.c
 PROGRAM_CFLAGS = [f"-I{PROGRAM_DIR}"]  # where the program's #include "disconnect.h" is found
 TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset")
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
-
-# Must match the EVENT_* defines of disconnect.h.
-KIND_BY_CODE = {
-    1: ConnEventKind.PEER_FIN,
-    2: ConnEventKind.PEER_RST,
-    3: ConnEventKind.LOCAL_FIN,
-    4: ConnEventKind.CLOSED,
-}
-# Kernel socket addresses have the top bit set; clearing it keeps the identity unique and lets
-# it fit the signed 64-bit cookie column.
-COOKIE_MASK = (1 << 63) - 1
-AF_INET = 2
-AF_INET6 = 10
-
 
 def default_wakeup_every(ringbuf_pages: int, cpus: int | None = None) -> int:
     capacity = ringbuf_pages * mmap.PAGESIZE // RECORD_BYTES
@@ -119,77 +103,6 @@ def bpf_unavailable_reason(*, tracefs_roots: Iterable[Path] = TRACEFS_ROOTS,
     return None
 
 
-def _struct_format(event_class: Any) -> struct.Struct:
-    """A struct.Struct equal to bcc's view of ``struct event``, for fast batch decoding."""
-    codes = {ctypes.c_ulonglong: "Q", ctypes.c_ulong: "Q", ctypes.c_uint: "I", ctypes.c_ushort: "H",
-             ctypes.c_ubyte: "B", ctypes.c_longlong: "q", ctypes.c_int: "i", ctypes.c_short: "h"}
-    fmt = "="  # native byte order, no implicit padding: gaps are spelled out below
-    position = 0
-    for name, ctype in event_class._fields_:
-        field = getattr(event_class, name)
-        if field.offset > position:
-            fmt += f"{field.offset - position}x"
-        if getattr(ctype, "_length_", None):  # u8[16] arrives as bytes
-            fmt += f"{field.size}s"
-        else:
-            fmt += codes[ctype]
-        position = field.offset + field.size
-    if ctypes.sizeof(event_class) > position:
-        fmt += f"{ctypes.sizeof(event_class) - position}x"
-    return struct.Struct(fmt)
-
-
-_FIELDS = ("ts_ns", "kind", "family", "client_addr", "client_port", "server_addr", "server_port",
-           "cookie", "host", "source", "earliest_ns")
-
-
-def _slot_event_maker() -> Any:
-    """A ConnEvent builder that fills the slots directly, or None where the model changed shape.
-
-    ConnEvent is a frozen dataclass: its ``__init__`` sets each field through
-    ``object.__setattr__``, half the reader's time per event. The slot descriptors' setters do the
-    same work at half the cost. Used only while ConnEvent has exactly these slots and no
-    ``__post_init__`` (nothing to check that the constructor would have checked).
-    """
-    if (tuple(f.name for f in dataclasses.fields(ConnEvent)) != _FIELDS
-            or getattr(ConnEvent, "__slots__", ()) != _FIELDS
-            or hasattr(ConnEvent, "__post_init__")):
-        return None
-    new = object.__new__
-    (set_ts, set_kind, set_family, set_client_addr, set_client_port, set_server_addr,
-     set_server_port, set_cookie, set_host, set_source, set_earliest) = (
-        getattr(ConnEvent, name).__set__ for name in _FIELDS)
-
-    def make(ts_ns: int, kind: ConnEventKind, family: int, client_addr: str, client_port: int,
-             server_addr: str, server_port: int, cookie: int, host: str) -> ConnEvent:
-        event = new(ConnEvent)
-        set_ts(event, ts_ns)
-        set_kind(event, kind)
-        set_family(event, family)
-        set_client_addr(event, client_addr)
-        set_client_port(event, client_port)
-        set_server_addr(event, server_addr)
-        set_server_port(event, server_port)
-        set_cookie(event, cookie)
-        set_host(event, host)
-        set_source(event, "bpf")
-        set_earliest(event, None)
-        return event
-
-    return make
-
-
-def _keyword_event(ts_ns: int, kind: ConnEventKind, family: int, client_addr: str,
-                   client_port: int, server_addr: str, server_port: int, cookie: int,
-                   host: str) -> ConnEvent:
-    return ConnEvent(ts_ns=ts_ns, kind=kind, family=family, client_addr=client_addr,
-                     client_port=client_port, server_addr=server_addr, server_port=server_port,
-                     cookie=cookie, host=host, source="bpf")
-
-
-_new_event = _slot_event_maker() or _keyword_event
-
-
 def _checked_ports(ports: Iterable[int]) -> frozenset[int]:
     checked = validate_ports(ports)
     if len(checked) > MAX_PORTS:
@@ -205,7 +118,8 @@ class BpfConnEventSource:
     def __init__(self, ports: Iterable[int] = (), *, host: str = "",
                  ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
                  wakeup_every: int | None = None,
-                 clock: MonotonicToWall | None = None) -> None:
+                 clock: MonotonicToWall | None = None,
+                 mapped_reader: bool | None = None) -> None:
         self._ports = _checked_ports(ports)
         self._host = host
         self._clock = clock or MonotonicToWall()
@@ -214,7 +128,7 @@ class BpfConnEventSource:
         self._stopped = False
         self._malformed = 0
         self._lost_at_stop = 0
-        self._addr_cache: dict[bytes, str] = {}
+        self._build = EventBuilder()
         self._backlog = False
         self.text = program_text(ringbuf_pages, wakeup_every)
         problem = bpf_unavailable_reason()
@@ -234,15 +148,17 @@ class BpfConnEventSource:
         self._lost = self._bpf[b"lost_events"]
         # The payload layout as bcc sees struct event (a cast of a blank buffer: no record needed).
         event_class = self._events.event(ctypes.create_string_buffer(4096)).__class__
-        self._unpack = _struct_format(event_class)
+        self._unpack = struct_format(event_class)
         self._mapped: ringbuf.MappedRingBuffer | None = None
+        # Batch reads of the mapped ring (default where sound), else bcc's callback per record.
+        self._use_mapped = ringbuf.supported() if mapped_reader is None else mapped_reader
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         """Open the ring buffer and arm the port filter; events flow from here on."""
         if self._started:
             return
-        if ringbuf.supported():
+        if self._use_mapped:
             self._mapped = ringbuf.MappedRingBuffer(self._events.map_fd,
                                                     self._events.max_entries, self._unpack)
         else:
@@ -330,40 +246,10 @@ class BpfConnEventSource:
         if not records:
             return []
         self._clock.maybe_recalibrate()
-        # The hot loop: about 1 µs an event. Locals, slot-filling construction (see
-        # _slot_event_maker) and an address cache keep it there.
-        offset = self._clock.offset_ns
-        kinds = KIND_BY_CODE
-        address = self._address
-        host = self._host
-        make = _new_event
-        events: list[ConnEvent] = []
-        append = events.append
-        for ts, skaddr, saddr, daddr, sport, dport, family, kind, _old in records:
-            try:
-                append(make(ts + offset, kinds[kind], 4 if family == AF_INET else 6,
-                            address(family, daddr), dport, address(family, saddr), sport,
-                            skaddr & COOKIE_MASK, host))
-            except (ValueError, KeyError, OSError) as exc:
-                self._count_malformed(exc)
+        events, bad = self._build(records, self._clock.offset_ns, self._host)
+        for record, exc in bad:
+            self._count_malformed(f"{exc} in {record!r:.200}")
         return events
-
-    def _address(self, family: int, packed: bytes) -> str:
-        cache = self._addr_cache
-        text = cache.get(packed) if family == AF_INET else cache.get(packed + b"6")
-        if text is None:
-            if family == AF_INET:
-                text = socket.inet_ntop(socket.AF_INET, packed[:4])
-                key = packed
-            elif family == AF_INET6:
-                text = socket.inet_ntop(socket.AF_INET6, packed)
-                key = packed + b"6"  # IPv4 keys are 16 bytes, IPv6 keys 17: never confused
-            else:
-                raise ValueError(f"address family {family} is neither AF_INET nor AF_INET6")
-            if len(cache) > 65536:  # clients churn; keep the cache bounded
-                cache.clear()
-            cache[key] = text
-        return text
 
     def _apply_ports(self, new: frozenset[int], old: frozenset[int]) -> None:
         for port in new - old:

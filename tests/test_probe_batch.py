@@ -1,15 +1,19 @@
-"""The batch ring-buffer reader against a ring laid out in a memfd exactly as the kernel maps it:
-a consumer page, a producer page, then the data area twice in a row."""
+"""The probe reader's batch path without the kernel: the ring-buffer reader against a ring laid out
+in a memfd exactly as the kernel maps it (a consumer page, a producer page, then the data area
+twice in a row), and the bulk decoding of records into ConnEvents."""
 
 from __future__ import annotations
 
 import mmap
 import os
+import socket
 import struct
 from collections.abc import Iterator
 
 import pytest
 
+from auditor.model import ConnEvent, ConnEventKind
+from probes.decode import AF_INET, AF_INET6, EventBuilder, slots_match
 from probes.ringbuf import BUSY_BIT, DISCARD_BIT, MappedRingBuffer
 
 PAGE = mmap.PAGESIZE
@@ -86,3 +90,24 @@ def test_records_that_wrap_around_the_end_read_whole(ring: Ring) -> None:
             ring.put(*value)
         assert reader.read() == values
     assert ring.consumer() == ring.producer > DATA
+
+
+def test_event_builder_fills_slots_exactly_as_the_constructor_would() -> None:
+    v4 = socket.inet_pton(socket.AF_INET, "10.0.0.7").ljust(16, b"\0")
+    v6 = socket.inet_pton(socket.AF_INET6, "::ffff:10.0.0.8")
+    records = [
+        (100, 1 << 63 | 42, v4, v4, 8000, 40000, AF_INET, 1, 1),
+        (200, 43, v6, v6, 8000, 40001, AF_INET6, 2, 0),
+        (300, 44, v4, v4, 8000, 40002, AF_INET, 99, 0),  # no such kind
+        (400, 45, v4, v4, 8000, 40003, 7, 4, 0),  # no such family
+    ]
+    fast, fast_bad = EventBuilder(use_slots=True)(records, 5, "gpu-1")
+    slow, slow_bad = EventBuilder(use_slots=False)(records, 5, "gpu-1")
+    assert fast == slow == [
+        ConnEvent(105, ConnEventKind.PEER_FIN, 4, "10.0.0.7", 40000, "10.0.0.7", 8000, 42, "gpu-1"),
+        ConnEvent(205, ConnEventKind.PEER_RST, 6, "::ffff:10.0.0.8", 40001, "::ffff:10.0.0.8", 8000,
+                  43, "gpu-1"),
+    ]
+    assert [hash(e) for e in fast] == [hash(e) for e in slow]
+    assert [r for r, _ in fast_bad] == [r for r, _ in slow_bad] == records[2:]
+    assert slots_match()  # the model still has the shape the fast path fills
