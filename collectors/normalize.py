@@ -12,6 +12,8 @@ counted (it becomes ``partial_success`` in the OTLP answer); the rest of the req
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -117,6 +119,39 @@ def _check_span(span: Any) -> str | None:
     return None
 
 
+def _slot_filler(record_type: Any, fields: tuple[str, ...]) -> Callable[..., Any]:
+    """Build ``record_type`` from the values of ``fields`` in order, filling its slots directly.
+
+    SpanRecord is a frozen dataclass whose ``__init__`` sets each of its 27 fields through
+    ``object.__setattr__`` (a sixth of normalization's time); the slot descriptors store the
+    same values in about half of that. Falls back to the constructor when the record has a
+    ``__post_init__`` or its fields are no longer ``fields`` in that order (then by keyword, so a
+    reordered or added field can never receive another one's value).
+    """
+    names = tuple(f.name for f in dataclasses.fields(record_type))
+    if (names != fields or getattr(record_type, "__slots__", ()) != names
+            or hasattr(record_type, "__post_init__")):
+        return lambda *values: record_type(**dict(zip(fields, values, strict=True)))
+    setters = tuple(getattr(record_type, name).__set__ for name in names)
+    new = object.__new__
+
+    def build(*values: Any) -> Any:
+        record = new(record_type)
+        for store, value in zip(setters, values, strict=True):
+            store(record, value)
+        return record
+
+    return build
+
+
+_SPAN_FIELDS = (
+    "trace_id", "span_id", "parent_span_id", "name", "kind", "start_ns", "end_ns", "service", "host",
+    "status", "role", "peer_addr", "peer_port", "server_port", "request_id", "route", "model",
+    "http_status", "finish_reason", "prompt_tokens", "completion_tokens", "max_tokens",
+    "time_in_queue_s", "time_to_first_token_s", "process_pid", "peer_rewritten", "attributes")
+_new_span = _slot_filler(SpanRecord, _SPAN_FIELDS)
+
+
 def normalize_request(request: ExportTraceServiceRequest, *, service_host: str = "",
                       fallback_host: str = "") -> NormalizeResult:
     """Normalize every span of a request; bad spans are counted, never fatal.
@@ -177,35 +212,36 @@ def normalize_span(span: Any, *, service: str, host: str, process_pid: int | Non
     engine = _engine_columns(attrs) if has_genai else _NO_ENGINE_COLUMNS
     if dropped:
         attrs["auditor.dropped_attributes"] = dropped
-    return SpanRecord(
-        trace_id=span.trace_id.hex(),
-        span_id=span.span_id.hex(),
-        parent_span_id=span.parent_span_id.hex() or None,
-        name=name,
-        kind=kind,
-        start_ns=span.start_time_unix_nano,
-        end_ns=span.end_time_unix_nano,
-        service=service,
-        host=host,
-        status=_STATUS_NAMES.get(span.status.code, "unset") if span.HasField("status") else "unset",
-        role=role,
-        peer_addr=_opt_cut(peer_addr, "peer_addr"),
-        peer_port=peer_port,
-        server_port=server_port,
-        request_id=_opt_cut(request_id, "request_id"),
-        route=_opt_cut(route, "route"),
-        model=_opt_cut(engine.model, "model"),
-        http_status=http_status,
-        finish_reason=_opt_cut(engine.finish, "finish_reason"),
-        prompt_tokens=engine.prompt_tokens,
-        completion_tokens=engine.completion_tokens,
-        max_tokens=engine.max_tokens,
-        time_in_queue_s=engine.time_in_queue_s,
-        time_to_first_token_s=engine.time_to_first_token_s,
-        process_pid=pid,
-        peer_rewritten=peer_rewritten,
-        attributes=attrs,
+    span_record: SpanRecord = _new_span(
+        span.trace_id.hex(),  # trace_id
+        span.span_id.hex(),  # span_id
+        span.parent_span_id.hex() or None,  # parent_span_id
+        name,  # name
+        kind,  # kind
+        span.start_time_unix_nano,  # start_ns
+        span.end_time_unix_nano,  # end_ns
+        service,  # service
+        host,  # host
+        _STATUS_NAMES.get(span.status.code, "unset") if span.HasField("status") else "unset",  # status
+        role,  # role
+        _opt_cut(peer_addr, "peer_addr"),  # peer_addr
+        peer_port,  # peer_port
+        server_port,  # server_port
+        _opt_cut(request_id, "request_id"),  # request_id
+        _opt_cut(route, "route"),  # route
+        _opt_cut(engine.model, "model"),  # model
+        http_status,  # http_status
+        _opt_cut(engine.finish, "finish_reason"),  # finish_reason
+        engine.prompt_tokens,  # prompt_tokens
+        engine.completion_tokens,  # completion_tokens
+        engine.max_tokens,  # max_tokens
+        engine.time_in_queue_s,  # time_in_queue_s
+        engine.time_to_first_token_s,  # time_to_first_token_s
+        pid,  # process_pid
+        peer_rewritten,  # peer_rewritten
+        attrs,  # attributes
     )
+    return span_record
 
 
 def _connection(attrs: dict[str, Any], role: SpanRole) -> tuple[str | None, int | None, int | None, bool]:

@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import logging
 import mmap
 import os
 import platform
-import socket
-import struct
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from auditor.errors import ConfigError
-from auditor.model import ConnEvent, ConnEventKind
+from auditor.model import ConnEvent
+from probes import ringbuf
 from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
 from probes.clock import MonotonicToWall
+from probes.decode import EventBuilder, struct_format
 from probes.source import ProbeUnavailable, validate_ports
 
 log = logging.getLogger(__name__)
@@ -43,20 +42,6 @@ MAX_PORTS = 1024  # the size of the watched_ports map in disconnect.bpf.c
 PROGRAM_CFLAGS = [f"-I{PROGRAM_DIR}"]  # where the program's #include "disconnect.h" is found
 TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset")
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
-
-# Must match the EVENT_* defines of disconnect.h.
-KIND_BY_CODE = {
-    1: ConnEventKind.PEER_FIN,
-    2: ConnEventKind.PEER_RST,
-    3: ConnEventKind.LOCAL_FIN,
-    4: ConnEventKind.CLOSED,
-}
-# Kernel socket addresses have the top bit set; clearing it keeps the identity unique and lets
-# it fit the signed 64-bit cookie column.
-COOKIE_MASK = (1 << 63) - 1
-AF_INET = 2
-AF_INET6 = 10
-
 
 def default_wakeup_every(ringbuf_pages: int, cpus: int | None = None) -> int:
     capacity = ringbuf_pages * mmap.PAGESIZE // RECORD_BYTES
@@ -118,52 +103,6 @@ def bpf_unavailable_reason(*, tracefs_roots: Iterable[Path] = TRACEFS_ROOTS,
     return None
 
 
-def _struct_format(event_class: Any) -> struct.Struct:
-    """A struct.Struct equal to bcc's view of ``struct event``, for fast batch decoding."""
-    codes = {ctypes.c_ulonglong: "Q", ctypes.c_ulong: "Q", ctypes.c_uint: "I", ctypes.c_ushort: "H",
-             ctypes.c_ubyte: "B", ctypes.c_longlong: "q", ctypes.c_int: "i", ctypes.c_short: "h"}
-    fmt = "="  # native byte order, no implicit padding: gaps are spelled out below
-    position = 0
-    for name, ctype in event_class._fields_:
-        field = getattr(event_class, name)
-        if field.offset > position:
-            fmt += f"{field.offset - position}x"
-        if getattr(ctype, "_length_", None):  # u8[16] arrives as bytes
-            fmt += f"{field.size}s"
-        else:
-            fmt += codes[ctype]
-        position = field.offset + field.size
-    if ctypes.sizeof(event_class) > position:
-        fmt += f"{ctypes.sizeof(event_class) - position}x"
-    return struct.Struct(fmt)
-
-
-_POSITIONAL_FIELDS = ("ts_ns", "kind", "family", "client_addr", "client_port", "server_addr",
-                      "server_port", "cookie", "host", "source")
-
-
-def _positional_event(ts_ns: int, kind: ConnEventKind, family: int, client_addr: str,
-                      client_port: int, server_addr: str, server_port: int, cookie: int,
-                      host: str) -> ConnEvent:
-    return ConnEvent(ts_ns, kind, family, client_addr, client_port, server_addr, server_port,
-                     cookie, host, "bpf")
-
-
-def _keyword_event(ts_ns: int, kind: ConnEventKind, family: int, client_addr: str,
-                   client_port: int, server_addr: str, server_port: int, cookie: int,
-                   host: str) -> ConnEvent:
-    return ConnEvent(ts_ns=ts_ns, kind=kind, family=family, client_addr=client_addr,
-                     client_port=client_port, server_addr=server_addr, server_port=server_port,
-                     cookie=cookie, host=host, source="bpf")
-
-
-# Positional construction is twice as fast as keywords; use it only while the model's field
-# order is the one written above.
-_new_event = (_positional_event
-              if tuple(f.name for f in dataclasses.fields(ConnEvent))[:10] == _POSITIONAL_FIELDS
-              else _keyword_event)
-
-
 def _checked_ports(ports: Iterable[int]) -> frozenset[int]:
     checked = validate_ports(ports)
     if len(checked) > MAX_PORTS:
@@ -179,7 +118,8 @@ class BpfConnEventSource:
     def __init__(self, ports: Iterable[int] = (), *, host: str = "",
                  ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
                  wakeup_every: int | None = None,
-                 clock: MonotonicToWall | None = None) -> None:
+                 clock: MonotonicToWall | None = None,
+                 mapped_reader: bool | None = None) -> None:
         self._ports = _checked_ports(ports)
         self._host = host
         self._clock = clock or MonotonicToWall()
@@ -188,7 +128,8 @@ class BpfConnEventSource:
         self._stopped = False
         self._malformed = 0
         self._lost_at_stop = 0
-        self._addr_cache: dict[bytes, str] = {}
+        self._build = EventBuilder()
+        self._backlog = False
         self.text = program_text(ringbuf_pages, wakeup_every)
         problem = bpf_unavailable_reason()
         if problem is not None:
@@ -205,14 +146,23 @@ class BpfConnEventSource:
         self._events = self._bpf[b"events"]
         self._watched = self._bpf[b"watched_ports"]
         self._lost = self._bpf[b"lost_events"]
-        self._unpack: struct.Struct | None = None
+        # The payload layout as bcc sees struct event (a cast of a blank buffer: no record needed).
+        event_class = self._events.event(ctypes.create_string_buffer(4096)).__class__
+        self._unpack = struct_format(event_class)
+        self._mapped: ringbuf.MappedRingBuffer | None = None
+        # Batch reads of the mapped ring (default where sound), else bcc's callback per record.
+        self._use_mapped = ringbuf.supported() if mapped_reader is None else mapped_reader
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         """Open the ring buffer and arm the port filter; events flow from here on."""
         if self._started:
             return
-        self._events.open_ring_buffer(self._on_event)
+        if self._use_mapped:
+            self._mapped = ringbuf.MappedRingBuffer(self._events.map_fd,
+                                                    self._events.max_entries, self._unpack)
+        else:
+            self._events.open_ring_buffer(self._on_event)
         self._apply_ports(self._ports, frozenset())
         self._started = True
 
@@ -233,6 +183,8 @@ class BpfConnEventSource:
             return
         self._lost_at_stop = self._read_lost()
         self._stopped = True
+        if self._mapped is not None:
+            self._mapped.close()
         try:
             self._bpf.cleanup()
         except Exception:  # cleanup is best effort on the way out
@@ -247,15 +199,25 @@ class BpfConnEventSource:
         """
         if not self._started or self._stopped:
             return []
-        self._bpf.ring_buffer_poll(max(0, int(timeout_s * 1000)))
-        self._bpf.ring_buffer_consume()  # records submitted without a wake-up
-        return self._drain()
+        mapped = self._mapped
+        if mapped is None:
+            self._bpf.ring_buffer_poll(max(0, int(timeout_s * 1000)))
+            self._bpf.ring_buffer_consume()  # records submitted without a wake-up
+            raw, self._raw = self._raw, []
+            return self._decode(self._unpack_raw(raw))
+        if not self._backlog:
+            mapped.wait(timeout_s)
+        records = mapped.read()
+        # A read is bounded: what it left waits for the next poll, which then does not sleep.
+        self._backlog = mapped.pending_bytes() > 0 and len(records) >= ringbuf.MAX_BATCH_RECORDS
+        return self._decode(records)
 
     def lost_events(self) -> int:
         """Events the kernel could not queue (ring buffer full) plus records that did not decode."""
+        malformed = self._malformed + (self._mapped.malformed if self._mapped else 0)
         if self._stopped:
-            return self._lost_at_stop + self._malformed
-        return self._read_lost() + self._malformed
+            return self._lost_at_stop + malformed
+        return self._read_lost() + malformed
 
     # -- internals --------------------------------------------------------------------------
     def _on_event(self, _ctx: Any, data: Any, size: int) -> int:
@@ -263,56 +225,31 @@ class BpfConnEventSource:
         self._raw.append(ctypes.string_at(data, size))
         return 0
 
-    def _drain(self) -> list[ConnEvent]:
-        raw, self._raw = self._raw, []
-        if not raw:
-            return []
-        if self._unpack is None:
-            event_class = self._events.event(ctypes.create_string_buffer(raw[0])).__class__
-            self._unpack = _struct_format(event_class)
-        self._clock.maybe_recalibrate()
-        # The hot loop: about 2 µs an event. Locals, positional construction (the field order is
-        # checked at import) and an address cache keep it there.
-        offset = self._clock.offset_ns
-        unpack = self._unpack.unpack
-        expected_size = self._unpack.size
-        kinds = KIND_BY_CODE
-        address = self._address
-        host = self._host
-        make = _new_event
-        events: list[ConnEvent] = []
-        append = events.append
+    def _unpack_raw(self, raw: list[bytes]) -> list[tuple[Any, ...]]:
+        """Records copied by the callback, as field tuples; a record of another size is lost."""
+        unpack, size = self._unpack.unpack, self._unpack.size
+        records = []
         for record in raw:
-            try:
-                if len(record) != expected_size:
-                    raise ValueError(f"record of {len(record)} bytes, expected {expected_size}")
-                ts, skaddr, saddr, daddr, sport, dport, family, kind, _old = unpack(record)
-                append(make(ts + offset, kinds[kind], 4 if family == AF_INET else 6,
-                            address(family, daddr), dport, address(family, saddr), sport,
-                            skaddr & COOKIE_MASK, host))
-            except (ValueError, KeyError, struct.error, OSError) as exc:
-                if self._malformed == 0:
-                    log.error("dropping a kernel event that does not decode (%s); "
-                              "counted as lost from now on", exc)
-                self._malformed += 1
-        return events
-
-    def _address(self, family: int, packed: bytes) -> str:
-        cache = self._addr_cache
-        text = cache.get(packed) if family == AF_INET else cache.get(packed + b"6")
-        if text is None:
-            if family == AF_INET:
-                text = socket.inet_ntop(socket.AF_INET, packed[:4])
-                key = packed
-            elif family == AF_INET6:
-                text = socket.inet_ntop(socket.AF_INET6, packed)
-                key = packed + b"6"  # IPv4 keys are 16 bytes, IPv6 keys 17: never confused
+            if len(record) == size:
+                records.append(unpack(record))
             else:
-                raise ValueError(f"address family {family} is neither AF_INET nor AF_INET6")
-            if len(cache) > 65536:  # clients churn; keep the cache bounded
-                cache.clear()
-            cache[key] = text
-        return text
+                self._count_malformed(f"record of {len(record)} bytes, expected {size}")
+        return records
+
+    def _count_malformed(self, why: object) -> None:
+        if self._malformed == 0:
+            log.error("dropping a kernel event that does not decode (%s); "
+                      "counted as lost from now on", why)
+        self._malformed += 1
+
+    def _decode(self, records: list[tuple[Any, ...]]) -> list[ConnEvent]:
+        if not records:
+            return []
+        self._clock.maybe_recalibrate()
+        events, bad = self._build(records, self._clock.offset_ns, self._host)
+        for record, exc in bad:
+            self._count_malformed(f"{exc} in {record!r:.200}")
+        return events
 
     def _apply_ports(self, new: frozenset[int], old: frozenset[int]) -> None:
         for port in new - old:
