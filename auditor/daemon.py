@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +28,10 @@ from sqlalchemy import func, select
 
 from auditor.config import Config, parse_address
 from auditor.correlate import Correlator
-from auditor.errors import AuditorError, ConfigError, StoreError
+from auditor.errors import AuditorError, StoreError
 from auditor.metrics import DaemonMetrics, SourceReadings
 from auditor.model import CoverageKind, EngineLoad, RequestVerdict, SpanRole, UtilSample
+from auditor.service import listening, notify_systemd, quietly
 from auditor.store import Store
 from auditor.store.schema import SpanRow, UtilSampleRow
 
@@ -46,34 +47,6 @@ def completed_requests(rows: Sequence[Any], engine_spans_seen: bool) -> tuple[in
     if engine or engine_spans_seen:
         return sum(1 for r in engine if r.finish_reason not in (None, "abort")), True
     return sum(1 for r in rows if r.http_status is not None and r.http_status < 400), False
-
-
-@contextlib.contextmanager
-def _listening(key: str, address: str) -> Iterator[None]:
-    """A listener that cannot bind is a configuration problem, said in one line, not a traceback."""
-    try:
-        yield
-    except OSError as exc:
-        port = address.rsplit(":", 1)[-1]
-        raise ConfigError(f"cannot listen on {key} {address}: {exc.strerror or exc}; find what holds it with "
-                          f"`ss -ltnup 'sport = :{port}'`, or set {key} to another address ('' turns it off)") from exc
-
-
-def notify_systemd(message: str) -> bool:
-    """sd_notify(3) without libsystemd: one datagram to $NOTIFY_SOCKET, if systemd gave one."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return False
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.connect(address)
-            sock.sendall(message.encode())
-        return True
-    except OSError as exc:
-        log.warning("could not notify systemd (%s): %s", message.split("=")[0], exc)
-        return False
 
 
 @dataclass
@@ -115,7 +88,7 @@ class Daemon:
             from collectors.live import LiveReceiver
 
             host, port = parse_address(self.config.live.listen, "live.listen")
-            with _listening("live.listen", self.config.live.listen):
+            with listening("live.listen", self.config.live.listen):
                 live = LiveReceiver(host, port)
             live.start()
             self._parts["live"] = live
@@ -132,7 +105,7 @@ class Daemon:
             from prometheus_client import start_http_server
 
             host, port = parse_address(self.config.metrics.listen, "metrics.listen")
-            with _listening("metrics.listen", self.config.metrics.listen):
+            with listening("metrics.listen", self.config.metrics.listen):
                 server, _thread = start_http_server(port, addr=host, registry=self.metrics.registry)
             self._parts["metrics"] = server
             self.status.metrics_port = server.server_port
@@ -181,14 +154,14 @@ class Daemon:
             host, port = parse_address(otlp.http, "otlp.http")
             http = OtlpHttpReceiver(writer, host=host, port=port, token=token, max_body_bytes=otlp.max_body_bytes,
                                     service_host=self.host)
-            with _listening("otlp.http", otlp.http):
+            with listening("otlp.http", otlp.http):
                 http.start()
             self._parts["otlp_http"] = http
             self.status.http_port = http.port
         if otlp.grpc:
             host, port = parse_address(otlp.grpc, "otlp.grpc")
             grpc = OtlpGrpcReceiver(writer, host=host, port=port, token=token, service_host=self.host)
-            with _listening("otlp.grpc", otlp.grpc):
+            with listening("otlp.grpc", otlp.grpc):
                 grpc.start()
             self._parts["otlp_grpc"] = grpc
             self.status.grpc_port = grpc.port
@@ -401,25 +374,25 @@ class Daemon:
         for name in ("otlp_http", "otlp_grpc"):
             part = self._parts.get(name)
             if part is not None:
-                _quietly(part.stop)
+                quietly(part.stop)
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=2)
         for name in ("sampling", "engine_metrics"):
             if name in self._parts:
-                _quietly(self._parts[name].stop)
+                quietly(self._parts[name].stop)
         if "probe" in self._parts:
-            _quietly(self._parts["probe"].stop)
+            quietly(self._parts["probe"].stop)
         if "event_writer" in self._parts:
-            _quietly(self._parts["event_writer"].close)
+            quietly(self._parts["event_writer"].close)
         if "span_writer" in self._parts:
-            _quietly(self._parts["span_writer"].stop)
+            quietly(self._parts["span_writer"].stop)
         if "live" in self._parts:
-            _quietly(self._parts["live"].stop)
+            quietly(self._parts["live"].stop)
         self.correlate_once()
-        _quietly(self.findings.shutdown)
+        quietly(self.findings.shutdown)
         if "metrics" in self._parts:
-            _quietly(self._parts["metrics"].shutdown)
+            quietly(self._parts["metrics"].shutdown)
         self.store.close()
 
     def request_stop(self) -> None:
@@ -429,10 +402,3 @@ class Daemon:
     def wait(self) -> None:
         while not self._stop.is_set():
             self._stop.wait(0.5)
-
-
-def _quietly(action: Any) -> None:
-    try:
-        action()
-    except Exception:
-        log.exception("error while stopping %s", getattr(action, "__qualname__", action))

@@ -26,14 +26,14 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from sqlalchemy import func, select
 
 from auditor.correlate.evaluate import clock_dependent, evaluate
 from auditor.correlate.evidence import FINAL_SEND_ATTR, EngineLoads
 from auditor.correlate.live import LiveState
-from auditor.correlate.requests import Disconnect, OpenRequest, RequestKey
+from auditor.correlate.requests import CorrelatorStats, Disconnect, OpenRequest, RequestKey
 from auditor.correlate.traces import TraceIndex, Tuple4, disconnect_instant, norm_addr, span_tuple
 from auditor.correlate.verdict import NORMAL_FINISH
 from auditor.model import (
@@ -55,18 +55,6 @@ HORIZON_NS = 15 * 60 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
 # How long before a peerless span's start its client's close may lie (accept queue and read).
 PEERLESS_BEFORE_NS = 1_000_000_000
-
-
-@dataclass
-class CorrelatorStats:
-    """What the daemon exports as metrics and the demo waits on."""
-
-    idle_closes: int = 0
-    unjoined_disconnects: int = 0
-    unjoined_spans: int = 0
-    proxy_rewritten: int = 0
-    pending_disconnects: int = 0
-    inflight_zombies: int = 0
 
 
 class Correlator:

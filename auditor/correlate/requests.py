@@ -1,4 +1,5 @@
-"""The correlator's records of a request under judgement: the client disconnects joined to it."""
+"""The correlator's records: a request under judgement with the client disconnects joined to it,
+and the counts it keeps for /metrics."""
 
 from __future__ import annotations
 
@@ -38,3 +39,15 @@ class OpenRequest:
         known = self.disconnects.get(disconnect.tuple4)
         if known is None or disconnect.ts_ns < known.ts_ns:  # a FIN then an RST: the FIN counts
             self.disconnects[disconnect.tuple4] = disconnect
+
+
+@dataclass
+class CorrelatorStats:
+    """What the daemon exports as metrics and the demo waits on."""
+
+    idle_closes: int = 0
+    unjoined_disconnects: int = 0
+    unjoined_spans: int = 0
+    proxy_rewritten: int = 0
+    pending_disconnects: int = 0
+    inflight_zombies: int = 0
