@@ -8,12 +8,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from auditor.store import Store
+from tests.pgserver import find_pg_bin, postgres_server
 
 
 def _bpf_unavailable_reason() -> str | None:
@@ -63,3 +65,14 @@ def store(tmp_path: Path) -> Iterator[Store]:
     s = Store(f"sqlite:///{tmp_path / 'auditor.db'}")
     yield s
     s.close()
+
+
+@pytest.fixture(scope="module")
+def pg_url() -> Iterator[str]:
+    """A real PostgreSQL server in a temporary directory, on loopback, for one test module."""
+    if find_pg_bin() is None:
+        if os.environ.get("AUDITOR_REQUIRE_PRIVILEGED") == "1":
+            pytest.fail("PostgreSQL server binaries missing in CI: `make setup` should install them")
+        pytest.skip("PostgreSQL server binaries not installed (make setup as root installs them)")
+    with tempfile.TemporaryDirectory() as base, postgres_server(Path(base)) as url:
+        yield url

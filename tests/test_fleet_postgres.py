@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -39,7 +38,6 @@ from auditor.cli import cli
 from auditor.daemon import Daemon
 from auditor.store import Store
 from tests.e2e import cancel_after, complete, running_daemon, wait_for
-from tests.pgserver import find_pg_bin, postgres_server
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.privileged]
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,14 +49,6 @@ CANCELLED_PER_HOST = 4
 LOAD_BATCHES, LOAD_SPANS_PER_BATCH = 30, 50  # per host, sent over OTLP/HTTP by the SDK exporter
 
 
-@pytest.fixture(scope="module")
-def pg_url() -> Iterator[str]:
-    if find_pg_bin() is None:
-        if os.environ.get("AUDITOR_REQUIRE_PRIVILEGED") == "1":
-            pytest.fail("PostgreSQL server binaries missing in CI: `make setup` should install them")
-        pytest.skip("PostgreSQL server binaries not installed (make setup as root installs them)")
-    with tempfile.TemporaryDirectory() as base, postgres_server(Path(base)) as url:
-        yield url
 
 
 @contextmanager

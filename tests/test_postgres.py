@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from sqlalchemy import inspect, select
 
 from auditor.model import ConnEvent, ConnEventKind, RequestVerdict, SpanRecord, SpanRole, Verdict
 from auditor.store import Base, Store, VerdictRow
-from tests.pgserver import find_pg_bin, postgres_server
 
 pytestmark = pytest.mark.postgres
 
 
-@pytest.fixture(scope="module")
-def pg_url() -> Iterator[str]:
-    if find_pg_bin() is None:
-        if os.environ.get("AUDITOR_REQUIRE_PRIVILEGED") == "1":
-            pytest.fail("PostgreSQL server binaries missing in CI: `make setup` should install them")
-        pytest.skip("PostgreSQL server binaries not installed (make setup as root installs them)")
-    with tempfile.TemporaryDirectory() as base, postgres_server(Path(base)) as url:
-        yield url
 
 
 def test_migrations_and_writes_on_postgres(pg_url: str) -> None:
