@@ -457,7 +457,7 @@ def test_a_peerless_span_takes_a_reset_never_a_fin_whose_span_is_still_coming(st
     # The client of span "p" sent and reset at once: the server read the request with no peer.
     # Just before "p" started, another connection closed with a FIN; its own span is still running.
     store.insert_conn_events([close(0.95, ConnEventKind.PEER_RST), close(0.99, client=other)])
-    peerless = replace(http_span("p", 1.0, 3.0), peer_addr=None, peer_port=None)
+    peerless = replace(http_span("p", 1.0, 3.0, request_id="req-p"), peer_addr=None, peer_port=None)
     store.insert_spans([peerless, engine_span("p", 1.0, 3.0, "length", tokens=100)])
     clock.now = T0 + int(1.5 * S)
     correlator.tick()
@@ -467,6 +467,7 @@ def test_a_peerless_span_takes_a_reset_never_a_fin_whose_span_is_still_coming(st
     by_trace = {row.trace_id[0]: row for row in verdicts(store)}
     assert set(by_trace) == {"p", "q"}, by_trace
     assert by_trace["p"].disconnect_kind == "rst" and by_trace["q"].disconnect_kind == "fin"
+    assert by_trace["p"].request_id == "req-p"  # the HTTP span's id, as for every other request
     assert coverage(store, "peerless_span_joined") == 1
 
 

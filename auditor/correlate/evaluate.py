@@ -39,7 +39,8 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     root = corr.spans.get(trace_id, root_id)
     subtree = corr.spans.subtree(root) if root else []
     http_spans = [s for s in subtree if s.role is SpanRole.HTTP_SERVER]
-    origin_span = next((s for s in http_spans if span_tuple(s) == origin.tuple4), None)
+    origin_span = next((s for s in http_spans if span_tuple(s) == origin.tuple4), None) or next(
+        (s for s in http_spans if not s.peer_port and s.server_port == origin.tuple4[2]), None)  # peerless
     engine = corr.spans.engine_for(root, subtree) if root else None
     details: dict[str, Any] = {"engine_span": engine is not None}
     work_end, provisional, known = _work_end(corr, request, root, subtree, engine, now, details)
