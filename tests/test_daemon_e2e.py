@@ -95,34 +95,11 @@ def test_verdicts_match_truth(tmp_path: Path, behavior: str, source: str) -> Non
     # The polling fallback cannot see a connection that opens and closes between two polls: the
     # prefill case resets 30 ms after sending, within one 50 ms interval (docs/probe.md).
     shorter_than_a_poll = {f"{behavior}-prefill"} if source == "procfs" else set()
-    problems = []
-    for truth in truths:
-        request_id = truth["request_id"].removeprefix("cmpl-")
-        row = rows.get(request_id)
-        if row is None:
-            if request_id not in shorter_than_a_poll:
-                problems.append(f"{request_id}: no verdict")
-            continue
-        want = expected_verdict(truth)
-        truth_lag = (truth["finished_at"] - truth["disconnect_at"]) / 1e9
-        # Within the source's time resolution of the grace period, aborted and zombie are one call.
-        at_grace = {row.verdict, want} <= {"aborted", "zombie"} and abs(truth_lag - GRACE_S) <= lag_tolerance(source)
-        if row.verdict != want and not at_grace:
-            problems.append(f"{request_id}: verdict {row.verdict}, truth {want} (truth lag {truth_lag:.3f} s)")
-        if want != "completed" and abs(row.lag_seconds - truth_lag) > lag_tolerance(source):
-            # Both ends, so a failure says which one differs: the disconnect the kernel saw against
-            # when the engine noticed it, or the end of work against the engine's own end.
-            problems.append(f"{request_id}: lag {row.lag_seconds:.4f} s, truth {truth_lag:.4f} s "
-                            f"({row.disconnect_kind} at {(row.disconnect_at_ns - truth['disconnect_at']) / 1e9:+.4f} s, "
-                            f"work end at {((row.work_end_ns or 0) - truth['finished_at']) / 1e9:+.4f} s "
-                            "from the engine's)")
-        if row.details.get("engine_span") and row.phase != truth["phase_at_disconnect"]:
-            problems.append(f"{request_id}: phase {row.phase}, truth {truth['phase_at_disconnect']}")
-    # A client closing right after the last byte races the server's span end: that is "completed",
-    # and the only verdict a request the engine saw no disconnect of may get.
-    false = set(rows) - {t["request_id"].removeprefix("cmpl-") for t in truths}
-    problems += [f"{rid}: verdict {rows[rid].verdict} for a request the engine saw no disconnect of"
-                 for rid in false if rows[rid].verdict != "completed"]
+    problems = mismatches(list(rows.values()), truths, source, shorter_than_a_poll)
+    for truth in truths:  # and, where an engine span tells the phase, the phase
+        row = rows.get(truth["request_id"].removeprefix("cmpl-"))
+        if row is not None and row.details.get("engine_span") and row.phase != truth["phase_at_disconnect"]:
+            problems.append(f"{row.request_id}: phase {row.phase}, truth {truth['phase_at_disconnect']}")
     assert not problems, "\n".join(problems)
     # The keep-alive requests completed and their connection closed idle: never a finding.
     assert all(rows[rid].verdict == "completed" for rid in {f"{behavior}-ka1", f"{behavior}-ka2"} & set(rows))
