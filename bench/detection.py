@@ -151,6 +151,7 @@ def main() -> int:
     parser.add_argument("--alarms", type=int, default=15)
     parser.add_argument("--load-seconds", type=float, default=20)
     parser.add_argument("--rate", type=float, default=100)
+    parser.add_argument("--profile", type=Path, help="record the daemon with py-spy during the load (raw stacks)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (eBPF probe)")
@@ -175,11 +176,19 @@ def main() -> int:
                 except OSError:
                     time.sleep(0.2)
             latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
+            profiler = None
+            if args.profile:
+                profiler = subprocess.Popen(
+                    [str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(daemon.pid), "-r", "250",
+                     "-d", str(int(args.load_seconds)), "-f", "raw", "-o", str(args.profile), "--nonblocking"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             cpu_before, wall_before = proc_cpu_seconds(daemon.pid), time.monotonic()
             sent, achieved = asyncio.run(paced_load(busy_engine.port, args.rate, args.load_seconds, cancel_every=10))
             cpu = proc_cpu_seconds(daemon.pid) - cpu_before
             wall = time.monotonic() - wall_before
             rss, peak = proc_memory_mib(daemon.pid)
+            if profiler is not None:
+                profiler.wait(timeout=30)
             time.sleep(3)
             with sqlite3.connect(db) as conn:
                 spans = conn.execute("SELECT count(*) FROM spans").fetchone()[0]
