@@ -330,10 +330,7 @@ class Correlator:
         """Requests in flight on ``port`` at any moment of [``ts_ns``, ``until_ns``]: their server
         spans, or their start notices while the spans have not arrived."""
         until = ts_ns if until_ns is None else max(ts_ns, until_ns)
-        spans = {(s.trace_id, s.span_id) for trace in self.spans.arrived_since(ts_ns) for s in trace.values()
-                 if s.role is SpanRole.HTTP_SERVER and s.server_port == port and s.start_ns <= until
-                 and s.end_ns >= ts_ns}
-        return len(spans | self.live.running_on(port, ts_ns, until))
+        return len(self.spans.server_spans_on(port, ts_ns, until) | self.live.running_on(port, ts_ns, until))
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _settle(self, now: int) -> None:

@@ -7,6 +7,7 @@ hops (a gateway's server span, its client span, the engine's server span, the en
 
 from __future__ import annotations
 
+import bisect
 import ipaddress
 from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator
@@ -69,6 +70,9 @@ class TraceIndex:
         self._engine_by_request_id: dict[str, SpanRecord] = {}
         # Server spans without a peer address, by server port, until a close claims them.
         self._peerless: dict[int, list[SpanRecord]] = defaultdict(list)
+        # Server spans by server port, ordered by end: who was connected at a moment is a bisect
+        # and a walk over the spans that ended after it, not a pass over every trace.
+        self._http_by_port: dict[int, list[tuple[int, int, str, str]]] = defaultdict(list)
 
     def add(self, span: SpanRecord, arrived_ns: int) -> bool:
         """Index a span; False when it was already known (a duplicate delivery)."""
@@ -79,6 +83,8 @@ class TraceIndex:
         last = self._arrivals[-1][0] if self._arrivals else arrived_ns
         self._arrivals.append((max(arrived_ns, last), span.trace_id))  # monotonic even if the clock steps back
         self._entries[span.trace_id] += 1
+        if span.role is SpanRole.HTTP_SERVER and span.server_port:
+            bisect.insort(self._http_by_port[span.server_port], (span.end_ns, span.start_ns, span.trace_id, span.span_id))
         if span.role is SpanRole.HTTP_SERVER and not span.peer_rewritten and span.peer_port and span.server_port:
             self._http_by_tuple[span_tuple(span)].append(span)
         elif span.role is SpanRole.HTTP_SERVER and not span.peer_rewritten and not span.peer_port and span.server_port:
@@ -102,6 +108,14 @@ class TraceIndex:
             if trace_id not in seen and trace_id in self._by_trace:
                 seen.add(trace_id)
                 yield self._by_trace[trace_id]
+
+    def server_spans_on(self, port: int, ts_ns: int, until_ns: int) -> set[tuple[str, str]]:
+        """(trace, span) of the server spans on ``port`` in flight at any moment of [ts, until]."""
+        spans = self._http_by_port.get(port)
+        if not spans:
+            return set()
+        first = bisect.bisect_left(spans, (ts_ns,))
+        return {(trace_id, span_id) for _, start, trace_id, span_id in spans[first:] if start <= until_ns}
 
     def on_connection(self, tuple4: Tuple4) -> list[SpanRecord]:
         return self._http_by_tuple.get(tuple4, [])
@@ -214,6 +228,10 @@ class TraceIndex:
         for trace_id in kept:
             self._arrivals.append((newest, trace_id))
             self._entries[trace_id] = 1
+        for port, spans in list(self._http_by_port.items()):
+            spans[:] = [entry for entry in spans if entry[2] in self._by_trace]
+            if not spans:
+                del self._http_by_port[port]
 
     def _forget(self, trace_id: str) -> None:
         for span in self._by_trace.pop(trace_id, {}).values():
