@@ -20,33 +20,20 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
-
-from sqlalchemy import func, select
 
 from auditor.config import Config, parse_address
 from auditor.correlate import Correlator
 from auditor.errors import AuditorError, StoreError
 from auditor.metrics import DaemonMetrics, SourceReadings
-from auditor.model import CoverageKind, EngineLoad, RequestVerdict, SpanRole, UtilSample
+from auditor.model import CoverageKind, EngineLoad, RequestVerdict, UtilSample
 from auditor.service import listening, notify_systemd, quietly
 from auditor.store import Store
-from auditor.store.schema import SpanRow, UtilSampleRow
+from auditor.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
-
-
-def completed_requests(rows: Sequence[Any], engine_spans_seen: bool) -> tuple[int, bool]:
-    """How many of these new span rows (``role``, ``http_status``, ``finish_reason``) are requests
-    that finished normally, and whether engine spans have been seen. Engine spans say so exactly (a
-    cancelled stream still ends its HTTP span "200 OK"); once one has been seen, only they count.
-    Where no engine reports spans, HTTP server spans below 400 do."""
-    engine = [r for r in rows if r.role == SpanRole.ENGINE.value]
-    if engine or engine_spans_seen:
-        return sum(1 for r in engine if r.finish_reason not in (None, "abort")), True
-    return sum(1 for r in rows if r.http_status is not None and r.http_status < 400), False
 
 
 @dataclass
@@ -73,8 +60,6 @@ class Daemon:
         self._parts: dict[str, Any] = {}
         self._ports = set(config.probe.ports)
         self._lost_reported = 0
-        self._completed_cursor = 0
-        self._engine_spans_seen = False  # then completions are counted from engine spans only
         self._failing = False
 
     # -- start ------------------------------------------------------------------------------
@@ -96,8 +81,10 @@ class Daemon:
         self.correlator = Correlator(self.store, host=self.host, grace_seconds=self.config.correlate.grace_seconds,
                                      late_span_seconds=self.config.correlate.late_span_seconds,
                                      watched_ports=lambda: set(self._ports), on_settled=self._settled)
-        with self.store.session() as session:
-            self._completed_cursor = int(session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0)
+        procfs = self._parts.get("procfs")
+        extra_pids = set(self.config.sampler.procfs_pids)
+        self._upkeep = Upkeep(self.store, self.host, self.metrics, None if procfs is None else
+                              lambda pids: procfs.set_pids(extra_pids | pids))
         self._start_engine_metrics()
         self._spawn("correlator", self._correlate_loop)
         self._start_retention()
@@ -288,7 +275,7 @@ class Daemon:
             self.correlator.add_engine_load(self._drain_engine_loads())
             self.correlator.tick(live)
             self._report_lost_events()
-            self._refresh_divergence()
+            self._upkeep.round()
             self.status.ticks += 1
             if self._failing:
                 log.info("correlation works again")
@@ -337,29 +324,6 @@ class Daemon:
         if event_writer is not None:
             readings.store_write_errors["conn_events"] = event_writer.write_errors
         return readings
-
-    def _refresh_divergence(self) -> None:
-        now_ns = time.time_ns()
-        with self.store.session() as session:
-            rows = session.execute(select(SpanRow.id, SpanRow.role, SpanRow.http_status, SpanRow.finish_reason)
-                                   .where(SpanRow.id > self._completed_cursor,
-                                          SpanRow.role.in_((SpanRole.HTTP_SERVER.value, SpanRole.ENGINE.value)))
-                                   ).all()
-            since = now_ns - 60 * 1_000_000_000
-            util = session.execute(select(UtilSampleRow.source, func.avg(UtilSampleRow.util_percent)).where(
-                UtilSampleRow.ts_ns > since, UtilSampleRow.host == self.host,
-                (UtilSampleRow.pid.is_(None)) | (UtilSampleRow.source == "procfs"))
-                .group_by(UtilSampleRow.source)).all()
-            pids = set(session.scalars(select(SpanRow.process_pid).where(
-                SpanRow.end_ns > since, SpanRow.process_pid.is_not(None)).distinct()))
-        if rows:
-            self._completed_cursor = max(r.id for r in rows)
-        count, self._engine_spans_seen = completed_requests(rows, self._engine_spans_seen)
-        self.metrics.completed(count)
-        self.metrics.set_utilization({source: (mean or 0.0) / 100.0 for source, mean in util})
-        procfs = self._parts.get("procfs")
-        if procfs is not None:
-            procfs.set_pids(set(self.config.sampler.procfs_pids) | {p for p in pids if p})
 
     def set_ports(self, ports: set[int]) -> None:
         self._ports = set(ports)

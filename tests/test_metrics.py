@@ -9,9 +9,9 @@ from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from auditor import __version__
-from auditor.daemon import completed_requests
 from auditor.metrics import MAX_LABEL_VALUES, DaemonMetrics, SourceReadings
 from auditor.model import RequestVerdict, Verdict
+from auditor.upkeep import completed_requests
 
 
 def span(role: str, http_status: int | None = None, finish_reason: str | None = None) -> SimpleNamespace:

@@ -1,0 +1,83 @@
+"""The daemon's per-round bookkeeping beside the verdicts: completed requests for /metrics, the
+engine pids the CPU sampler follows, and the minute's mean utilization.
+
+Each round reads only the span rows that are new since the last (a cursor on the row id); the
+minute's utilization moves slowly and is re-read every ``UTILIZATION_REFRESH_S``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sqlalchemy import func, select
+
+from auditor.metrics import DaemonMetrics
+from auditor.model import SpanRole
+from auditor.store import Store
+from auditor.store.schema import SpanRow, UtilSampleRow
+
+UTILIZATION_REFRESH_S = 10.0
+PID_FOLLOW_NS = 60 * 1_000_000_000  # how long the CPU sampler follows a pid no span names any more
+
+
+def completed_requests(rows: Sequence[Any], engine_spans_seen: bool) -> tuple[int, bool]:
+    """How many of these new span rows (``role``, ``http_status``, ``finish_reason``) are requests
+    that finished normally, and whether engine spans have been seen. Engine spans say so exactly (a
+    cancelled stream still ends its HTTP span "200 OK"); once one has been seen, only they count.
+    Where no engine reports spans, HTTP server spans below 400 do."""
+    engine = [r for r in rows if r.role == SpanRole.ENGINE.value]
+    if engine or engine_spans_seen:
+        return sum(1 for r in engine if r.finish_reason not in (None, "abort")), True
+    return sum(1 for r in rows if r.http_status is not None and r.http_status < 400), False
+
+
+class Upkeep:
+    """Called once per correlation round from the correlator's thread."""
+
+    def __init__(self, store: Store, host: str, metrics: DaemonMetrics,
+                 follow_pids: Callable[[set[int]], None] | None) -> None:
+        self.store, self.host, self.metrics = store, host, metrics
+        self._follow = follow_pids
+        with store.session() as session:
+            self._cursor = int(session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0)
+        self._engine_spans_seen = False  # then completions are counted from engine spans only
+        self._pids: dict[int, int] = {}  # engine pid -> when a span last named it (wall ns)
+        self._following: set[int] | None = None
+        self._next_utilization = 0.0
+
+    def round(self) -> None:
+        now_ns = time.time_ns()
+        with self.store.session() as session:
+            rows = session.execute(select(SpanRow.id, SpanRow.role, SpanRow.http_status, SpanRow.finish_reason,
+                                          SpanRow.process_pid)
+                                   .where(SpanRow.id > self._cursor,
+                                          SpanRow.role.in_((SpanRole.HTTP_SERVER.value, SpanRole.ENGINE.value)))
+                                   ).all()
+        if rows:
+            self._cursor = max(r.id for r in rows)
+        count, self._engine_spans_seen = completed_requests(rows, self._engine_spans_seen)
+        self.metrics.completed(count)
+        self._follow_pids({r.process_pid for r in rows if r.process_pid}, now_ns)
+        if time.monotonic() >= self._next_utilization:
+            self._next_utilization = time.monotonic() + UTILIZATION_REFRESH_S
+            self._refresh_utilization(now_ns)
+
+    def _follow_pids(self, seen: set[int], now_ns: int) -> None:
+        """A pid a new span names is followed at once; one unseen for a minute is let go."""
+        for pid in seen:
+            self._pids[pid] = now_ns
+        for pid in [p for p, last in self._pids.items() if now_ns - last > PID_FOLLOW_NS]:
+            del self._pids[pid]
+        if self._follow is not None and set(self._pids) != self._following:
+            self._following = set(self._pids)
+            self._follow(set(self._following))
+
+    def _refresh_utilization(self, now_ns: int) -> None:
+        with self.store.session() as session:
+            util = session.execute(select(UtilSampleRow.source, func.avg(UtilSampleRow.util_percent)).where(
+                UtilSampleRow.ts_ns > now_ns - PID_FOLLOW_NS, UtilSampleRow.host == self.host,
+                (UtilSampleRow.pid.is_(None)) | (UtilSampleRow.source == "procfs"))
+                .group_by(UtilSampleRow.source)).all()
+        self.metrics.set_utilization({source: (mean or 0.0) / 100.0 for source, mean in util})
