@@ -120,7 +120,9 @@ class Correlator:
     def _read_spans(self) -> None:
         with self.store.session() as session:
             # Only this host's: with several daemons on one database each judges its own requests.
-            rows = session.scalars(select(SpanRow).where(SpanRow.id > self._span_cursor, SpanRow.host == self.host)
+            # Plain rows, not ORM objects: the identity map bought nothing here and cost a third.
+            rows = session.execute(select(SpanRow.__table__).where(SpanRow.id > self._span_cursor,
+                                                                   SpanRow.host == self.host)
                                    .order_by(SpanRow.id).limit(50_000)).all()
         arrived_ns = self.clock()
         for row in rows:
@@ -145,8 +147,8 @@ class Correlator:
 
     def _read_events(self) -> None:
         with self.store.session() as session:
-            rows = session.scalars(select(ConnEventRow).where(ConnEventRow.id > self._event_cursor,
-                                                              ConnEventRow.host == self.host)
+            rows = session.execute(select(ConnEventRow.__table__).where(ConnEventRow.id > self._event_cursor,
+                                                                        ConnEventRow.host == self.host)
                                    .order_by(ConnEventRow.id).limit(50_000)).all()
         for row in rows:
             self._event_cursor = row.id

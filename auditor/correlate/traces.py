@@ -8,6 +8,7 @@ hops (a gateway's server span, its client span, the engine's server span, the en
 from __future__ import annotations
 
 import bisect
+import functools
 import ipaddress
 from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator
@@ -22,6 +23,7 @@ RESET_OWN_CLOSE_NS = 1_000_000
 MAX_DEPTH = 64  # parent chains deeper than this are cut (a cycle or garbage)
 
 
+@functools.lru_cache(maxsize=4096)
 def norm_addr(addr: str | None) -> str:
     """One spelling per address: IPv4-mapped IPv6 as IPv4, IPv6 compressed."""
     if not addr:

@@ -352,8 +352,8 @@ def _short(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def span_from_row(row: SpanRow) -> SpanRecord:
-    """A stored span back as the domain record."""
+def span_from_row(row: SpanRow | Any) -> SpanRecord:
+    """A stored span back as the domain record, from an ORM object or a plain row of its table."""
     return SpanRecord(
         trace_id=row.trace_id, span_id=row.span_id, parent_span_id=row.parent_span_id, name=row.name,
         kind=row.kind, start_ns=row.start_ns, end_ns=row.end_ns, service=row.service, host=row.host,
