@@ -21,13 +21,15 @@ SYSCALL_NUMBERS = {"x86_64": 321, "amd64": 321, "aarch64": 280, "arm64": 280}
 
 # enum bpf_cmd (include/uapi/linux/bpf.h)
 BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM = 1, 2, 3
-BPF_OBJ_GET_INFO_BY_FD = 15
+BPF_MAP_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD = 14, 15
 BPF_ANY = 0
 # enum bpf_map_type: the three the probe hands over
 BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_PERCPU_ARRAY, BPF_MAP_TYPE_RINGBUF = 1, 6, 27
 
 # union bpf_attr for the element commands: u32 map_fd, (pad), u64 key, u64 value, u64 flags.
 _ELEM_ATTR = struct.Struct("=I4xQQQ")
+# ... for BPF_MAP_GET_FD_BY_ID: u32 map_id, u32 next_id, u32 open_flags.
+_ID_ATTR = struct.Struct("=III")
 # ... and for BPF_OBJ_GET_INFO_BY_FD: u32 bpf_fd, u32 info_len, u64 info.
 _INFO_ATTR = struct.Struct("=IIQ")
 # struct bpf_map_info, its first fields: type, id, key_size, value_size, max_entries, map_flags.
@@ -42,6 +44,7 @@ class BpfSyscallError(OSError):
 @dataclass(frozen=True)
 class MapInfo:
     type: int
+    id: int
     key_size: int
     value_size: int
     max_entries: int
@@ -110,8 +113,14 @@ def map_info(fd: int) -> MapInfo:
     info = ctypes.create_string_buffer(_MAP_INFO_BYTES)
     attr = ctypes.create_string_buffer(_INFO_ATTR.pack(fd, _MAP_INFO_BYTES, ctypes.addressof(info)))
     _bpf(BPF_OBJ_GET_INFO_BY_FD, attr, "object info")
-    map_type, _id, key_size, value_size, max_entries, _flags = _MAP_INFO.unpack_from(info.raw)
-    return MapInfo(map_type, key_size, value_size, max_entries)
+    map_type, map_id, key_size, value_size, max_entries, _flags = _MAP_INFO.unpack_from(info.raw)
+    return MapInfo(map_type, map_id, key_size, value_size, max_entries)
+
+
+def map_by_id(map_id: int) -> int:
+    """A new descriptor for the map with this id (BpfSyscallError ENOENT once it is freed)."""
+    attr = ctypes.create_string_buffer(_ID_ATTR.pack(map_id, 0, 0))
+    return _bpf(BPF_MAP_GET_FD_BY_ID, attr, "map by id")
 
 
 def possible_cpus(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:

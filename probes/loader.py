@@ -72,11 +72,17 @@ def load(text: str, cflags: list[str]) -> tuple[dict[str, Any], list[int], Any]:
     maps: dict[str, int] = {}
     try:
         for name in MAP_NAMES:
+            try:
+                table = bpf[name.encode()]
+            except KeyError:  # bcc's answer to a name the program does not define
+                raise LoadFailed(f"the program lacks what the probe reads (no {name} map)") from None
             maps[name] = len(fds)
-            fds.append(int(bpf[name.encode()].map_fd))
+            fds.append(int(table.map_fd))
         events = bpf[b"events"]
         record = struct_format(events.event(ctypes.create_string_buffer(4096)).__class__)
-    except Exception as exc:  # a program without the probe's maps, or a layout bcc cannot give
+    except LoadFailed:
+        raise
+    except Exception as exc:  # a map of another kind, or a layout bcc cannot give
         raise LoadFailed(f"the program lacks what the probe reads ({first_line(exc)})") from None
     attached: dict[str, int] = {}
     for tracepoint, fd in bpf.tracepoint_fds.items():
