@@ -1,8 +1,11 @@
-"""The eBPF disconnect probe: loads ``disconnect.bpf.c`` with bcc and turns its ring buffer into
+"""The eBPF disconnect probe: loads ``disconnect.bpf.c`` and turns its ring buffer into
 ``ConnEvent`` records.
 
-Checks run before bcc is touched, so a host without root, bcc, tracefs or kernel headers gets a
-``ProbeUnavailable`` that says what to do, never a compiler dump. The program text is assembled
+bcc compiles and attaches it in a short-lived child (``probes.loader``, driven by
+``probes.handoff``), so this process keeps descriptors and never maps LLVM; where that cannot
+work, bcc runs in-process (``probes.inprocess``, see ``default_loader``). Checks run before bcc
+is touched, so a host without root, bcc, tracefs or kernel headers gets a ``ProbeUnavailable``
+that says what to do, never a compiler dump. The program text is assembled
 once (header inlined, settings as defines) and that exact text is loaded, so ``--dump-bpf`` shows
 what runs. The port filter is the ``watched_ports`` map, changed with map updates while attached.
 """
