@@ -158,7 +158,8 @@ class Daemon:
             self._parts["otlp_http"] = http
             self.status.http_port = http.port
         if otlp.grpc:
-            from collectors.otlp_grpc import OtlpGrpcReceiver  # grpc is big: imported only when used
+            # grpc is about 20 MiB: imported only when its listener is configured.
+            from collectors.otlp_grpc import OtlpGrpcReceiver
 
             host, port = parse_address(otlp.grpc, "otlp.grpc")
             grpc = OtlpGrpcReceiver(writer, host=host, port=port, token=token, service_host=self.host)
