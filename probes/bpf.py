@@ -151,9 +151,13 @@ class BpfConnEventSource:
         self._build = EventBuilder()
         self._backlog = False
         self.text = program_text(ringbuf_pages, wakeup_every)
-        self.loader = loader or default_loader()
+        # bcc's per-record callback reader needs bcc in this process.
+        self.loader = loader or ("inprocess" if mapped_reader is False else default_loader())
         if self.loader not in LOADERS:
             raise ConfigError(f"BPF loader {self.loader!r} is unknown; use one of {', '.join(LOADERS)}")
+        if self.loader == "child" and mapped_reader is False:
+            raise ConfigError("the child loader leaves only the mapped ring buffer to read; "
+                              "mapped_reader=False needs loader='inprocess'")
         problem = bpf_unavailable_reason()
         if problem is not None:
             raise problem
@@ -168,8 +172,8 @@ class BpfConnEventSource:
         self._mapped: ringbuf.MappedRingBuffer | None = None
         # Batch reads of the mapped ring (default where sound), else bcc's callback per record.
         # Descriptors alone offer only the mapped read.
-        self._use_mapped = (ringbuf.supported() if mapped_reader is None else mapped_reader
-                            ) or self.loader == "child"
+        self._use_mapped = self.loader == "child" or (
+            ringbuf.supported() if mapped_reader is None else mapped_reader)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:

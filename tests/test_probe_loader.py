@@ -214,11 +214,31 @@ def test_architectures_without_a_known_syscall_number_keep_bcc_in_process(
     assert default_loader() == "child"
 
 
-def test_an_unknown_loader_is_a_config_error() -> None:
+def test_an_unknown_loader_or_a_reader_it_cannot_offer_is_a_config_error() -> None:
     from auditor.errors import ConfigError
 
     with pytest.raises(ConfigError, match="BPF loader 'llvm' is unknown"):
         BpfConnEventSource([8000], loader="llvm")
+    with pytest.raises(ConfigError, match="mapped_reader=False needs loader='inprocess'"):
+        BpfConnEventSource([8000], loader="child", mapped_reader=False)
+
+
+@pytest.mark.privileged
+def test_bccs_callback_reader_brings_bcc_in_process_and_reads() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    source = BpfConnEventSource([server.getsockname()[1]], mapped_reader=False)
+    try:
+        assert source.loader == "inprocess"
+        source.start()
+        client_port = closes(server, reset=True)
+        events: list = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(e.kind == CLOSED for e in events):
+            events += source.poll(timeout_s=0.05)
+        assert [e.kind for e in events if e.client_port == client_port] == [PEER_RST, CLOSED]
+    finally:
+        source.stop()
+        server.close()
 
 
 def test_possible_cpus_reads_the_kernels_mask(tmp_path: Path) -> None:
