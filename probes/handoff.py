@@ -89,10 +89,10 @@ def load_in_child(text: str, cflags: list[str], *, ringbuf_bytes: int,
             theirs.close()
         try:
             message, fds = _exchange(ours, child, stderr, text, cflags, timeout_s)
-        except BaseException:
-            _stop(child)
+        except BaseException:  # no answer, a broken one, or Ctrl-C: the child has no more use
+            _stop(child, wait_s=0)
             raise
-        _stop(child)
+        _stop(child, wait_s=EXIT_TIMEOUT_S)
         try:
             return _checked(message, fds, ringbuf_bytes, tracepoints, stderr)
         except BaseException:
@@ -149,10 +149,12 @@ def _stderr_line(stderr: IO[bytes], *, last: bool = False, containing: str = "")
     return (lines[-1] if last else lines[0])[:200]
 
 
-def _stop(child: subprocess.Popen[bytes]) -> None:
-    """Reap the child, killing it when it does not exit by itself (it holds nothing we need)."""
+def _stop(child: subprocess.Popen[bytes], wait_s: float) -> None:
+    """Reap the child, killing it when it has not exited within ``wait_s``. SIGKILL skips bcc's
+    exit handler, which is right either way: after an answer the descriptors are ours, and
+    without one there is nothing the kernel keeps once the child's descriptors are gone."""
     try:
-        child.wait(timeout=EXIT_TIMEOUT_S)
+        child.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
         child.kill()
         child.wait()

@@ -197,6 +197,15 @@ def test_descriptors_that_are_not_the_probes_maps_are_refused_and_closed() -> No
     assert len(os.listdir("/proc/self/fd")) == before  # the received descriptors were closed
 
 
+def test_more_descriptors_than_the_probe_takes_are_refused_and_closed() -> None:
+    code = ("fds = [os.open('/dev/null', os.O_RDONLY) for _ in range(40)]\n"
+            "socket.send_fds(sock, [b'{}'], fds)\n")
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ProbeUnavailable, match="more than 16 descriptors"):
+        load(fake_child(code))
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 def test_a_loader_that_cannot_start_is_probe_unavailable() -> None:
     with pytest.raises(ProbeUnavailable, match="the BPF loader could not start"):
         load(["/nonexistent/python"])
