@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -260,31 +262,40 @@ def test_possible_cpus_reads_the_kernels_mask(tmp_path: Path) -> None:
 # -- the daemon as the unit runs it -------------------------------------------------------------
 @pytest.mark.privileged
 @pytest.mark.slow
-def test_the_daemon_maps_no_bcc_or_llvm_and_watches_with_bpf(tmp_path: Path) -> None:
-    from tests.test_daemon_unprivileged import metrics
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) not installed")
+def test_the_units_daemon_maps_no_bcc_or_llvm_and_watches_with_bpf() -> None:
+    # As systemd/auditor.service runs it: uid 65534 with only the unit's ambient capabilities,
+    # which the loader child inherits across exec.
+    from tests.test_daemon_unprivileged import NOBODY, free_port, metrics, unit_capabilities
 
+    state = Path(tempfile.mkdtemp(prefix="auditor-loader-"))
+    state.chmod(0o777)  # uid 65534 writes its database here
     server = socket.create_server(("127.0.0.1", 0))
-    metrics_sock = socket.create_server(("127.0.0.1", 0))
-    metrics_port = metrics_sock.getsockname()[1]
-    metrics_sock.close()
-    command = [sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{tmp_path / 'a.db'}",
+    metrics_port, caps = free_port(), unit_capabilities()
+    command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+               f"--inh-caps={caps}", f"--ambient-caps={caps}", "--",
+               sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{state / 'a.db'}",
                "--port", str(server.getsockname()[1]), "--otlp-http", "127.0.0.1:0",
                "--otlp-grpc", "", "--live", "", "--metrics", f"127.0.0.1:{metrics_port}"]
-    log = tmp_path / "daemon.log"
+    log = state / "daemon.log"
     with log.open("wb") as out:
-        daemon = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(REPO)},
-                                  stdout=out, stderr=subprocess.STDOUT)
+        daemon = subprocess.Popen(command, cwd=state, stdout=out, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(state)})
     try:
         assert wait_for(lambda: 'source="bpf"} 1.0' in metrics(metrics_port), timeout_s=60), \
             log.read_text()[-3000:]
         mapped = Path(f"/proc/{daemon.pid}/maps").read_text()
-        assert not [line for line in mapped.splitlines() if any(lib in line for lib in LIBBCC_OR_LLVM)]
-        client_port = closes(server, reset=True)
-        assert client_port
+        uid_line = next(line for line in Path(f"/proc/{daemon.pid}/status").read_text().splitlines()
+                        if line.startswith("Uid:"))
+        assert uid_line.split()[1:] == [str(NOBODY)] * 4  # not root: the capabilities did it
+        assert [line for line in mapped.splitlines() if any(lib in line for lib in LIBBCC_OR_LLVM)] == []
+        closes(server, reset=True)
         assert wait_for(lambda: 'auditor_disconnects_total{kind="rst"} 1.0' in metrics(metrics_port),
                         timeout_s=20), metrics(metrics_port)[-2000:]
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(timeout=30)
         server.close()
-    assert daemon.returncode == 0, log.read_text()[-3000:]
+        output = log.read_text()
+        shutil.rmtree(state, ignore_errors=True)
+    assert daemon.returncode == 0, output[-3000:]
