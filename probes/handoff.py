@@ -52,7 +52,11 @@ class LoadedProgram:
         self.record = record
         self.ringbuf_bytes = ringbuf_bytes
         self.events_fd = fds["map:events"]
-        self._cpus = bpfsys.possible_cpus()
+        try:  # the per-CPU counter has a slot per possible CPU
+            self._cpus = bpfsys.possible_cpus()
+        except (OSError, ValueError) as exc:
+            raise ProbeUnavailable(f"the possible CPUs cannot be read ({exc})",
+                                   "mount sysfs at /sys") from None
 
     def add_port(self, port: int) -> None:
         bpfsys.map_update(self.fds["map:watched_ports"], _PORT.pack(port), b"\x01")
