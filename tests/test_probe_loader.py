@@ -264,15 +264,15 @@ def test_possible_cpus_reads_the_kernels_mask(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) not installed")
 def test_the_units_daemon_maps_no_bcc_or_llvm_and_watches_with_bpf() -> None:
-    # As systemd/auditor.service runs it: uid 65534 with only the unit's ambient capabilities,
-    # which the loader child inherits across exec.
+    # As systemd/auditor.service runs it: uid 65534, NoNewPrivileges, only the unit's ambient
+    # capabilities, which the loader child inherits across exec.
     from tests.test_daemon_unprivileged import NOBODY, free_port, metrics, unit_capabilities
 
     state = Path(tempfile.mkdtemp(prefix="auditor-loader-"))
     state.chmod(0o777)  # uid 65534 writes its database here
     server = socket.create_server(("127.0.0.1", 0))
     metrics_port, caps = free_port(), unit_capabilities()
-    command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+    command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--no-new-privs",
                f"--inh-caps={caps}", f"--ambient-caps={caps}", "--",
                sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{state / 'a.db'}",
                "--port", str(server.getsockname()[1]), "--otlp-http", "127.0.0.1:0",
