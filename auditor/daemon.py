@@ -129,7 +129,6 @@ class Daemon:
         self._spawn("probe", self._probe_loop)
 
     def _start_receivers(self) -> None:
-        from collectors.otlp_grpc import OtlpGrpcReceiver
         from collectors.otlp_http import OtlpHttpReceiver
         from collectors.spanwriter import SpanWriter
 
@@ -146,6 +145,9 @@ class Daemon:
             self._parts["otlp_http"] = http
             self.status.http_port = http.port
         if otlp.grpc:
+            # grpc is about 20 MiB: imported only when its listener is configured.
+            from collectors.otlp_grpc import OtlpGrpcReceiver
+
             host, port = parse_address(otlp.grpc, "otlp.grpc")
             grpc = OtlpGrpcReceiver(writer, host=host, port=port, token=token, service_host=self.host)
             with listening("otlp.grpc", otlp.grpc):

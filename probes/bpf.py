@@ -1,16 +1,19 @@
-"""The eBPF disconnect probe: loads ``disconnect.bpf.c`` with bcc and turns its ring buffer into
+"""The eBPF disconnect probe: loads ``disconnect.bpf.c`` and turns its ring buffer into
 ``ConnEvent`` records.
 
-Checks run before bcc is touched, so a host without root, bcc, tracefs or kernel headers gets a
-``ProbeUnavailable`` that says what to do, never a compiler dump. The program text is assembled
+bcc compiles and attaches it in a short-lived child (``probes.loader``, driven by
+``probes.handoff``), so this process keeps descriptors and never maps LLVM; where that cannot
+work, bcc runs in-process (``probes.inprocess``, see ``default_loader``). Checks run before bcc
+is touched, so a host without root, bcc, tracefs or kernel headers gets a ``ProbeUnavailable``
+that says what to do, never a compiler dump. The program text is assembled
 once (header inlined, settings as defines) and that exact text is loaded, so ``--dump-bpf`` shows
 what runs. The port filter is the ``watched_ports`` map, changed with map updates while attached.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
+import importlib.util
 import logging
 import mmap
 import os
@@ -21,10 +24,12 @@ from typing import Any
 
 from auditor.errors import ConfigError
 from auditor.model import ConnEvent
-from probes import ringbuf
+from probes import bpfsys, ringbuf
 from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
 from probes.clock import MonotonicToWall
-from probes.decode import EventBuilder, struct_format
+from probes.decode import EventBuilder
+from probes.handoff import LoadedProgram, load_in_child
+from probes.inprocess import BccProgram
 from probes.source import ProbeUnavailable, validate_ports
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,14 @@ def program_text(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
             f"{source}")
 
 
+def _bcc_installed() -> bool:
+    """Whether bcc can be imported, found without importing it (that maps LLVM)."""
+    try:
+        return importlib.util.find_spec("bcc") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def bpf_unavailable_reason(*, tracefs_roots: Iterable[Path] = TRACEFS_ROOTS,
                            modules_root: Path = Path("/lib/modules"),
                            kheaders: Path = Path("/sys/kernel/kheaders.tar.xz"),
@@ -80,12 +93,9 @@ def bpf_unavailable_reason(*, tracefs_roots: Iterable[Path] = TRACEFS_ROOTS,
         return ProbeUnavailable(f"eBPF needs {', '.join(missing)} (missing from the effective set)",
                                 f"run as root, or grant AmbientCapabilities={UNIT_CAPABILITIES} "
                                 "(systemd/auditor.service does); or use --source procfs")
-    if check_bcc:
-        try:
-            import bcc  # noqa: F401
-        except ImportError:
-            return ProbeUnavailable("bcc is not importable",
-                                    "run `make setup` as root (apt-get install python3-bpfcc)")
+    if check_bcc and not _bcc_installed():
+        return ProbeUnavailable("bcc is not importable",
+                                "run `make setup` as root (apt-get install python3-bpfcc)")
     roots = [root for root in tracefs_roots if (root / "events").is_dir()]
     if not roots:
         return ProbeUnavailable("tracefs is not mounted",
@@ -110,6 +120,15 @@ def _checked_ports(ports: Iterable[int]) -> frozenset[int]:
     return checked
 
 
+LOADERS = ("child", "inprocess")
+
+
+def default_loader() -> str:
+    """``child`` (compile in a short-lived process, keep descriptors) where this machine can read
+    the ring buffer and issue bpf(2) itself; else ``inprocess`` (bcc stays loaded)."""
+    return "child" if ringbuf.supported() and bpfsys.supported() else "inprocess"
+
+
 class BpfConnEventSource:
     """Kernel connection events from the eBPF probe. Loading (about a second) happens here."""
 
@@ -119,7 +138,8 @@ class BpfConnEventSource:
                  ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
                  wakeup_every: int | None = None,
                  clock: MonotonicToWall | None = None,
-                 mapped_reader: bool | None = None) -> None:
+                 mapped_reader: bool | None = None,
+                 loader: str | None = None) -> None:
         self._ports = _checked_ports(ports)
         self._host = host
         self._clock = clock or MonotonicToWall()
@@ -131,38 +151,42 @@ class BpfConnEventSource:
         self._build = EventBuilder()
         self._backlog = False
         self.text = program_text(ringbuf_pages, wakeup_every)
+        # bcc's per-record callback reader needs bcc in this process.
+        self.loader = loader or ("inprocess" if mapped_reader is False else default_loader())
+        if self.loader not in LOADERS:
+            raise ConfigError(f"BPF loader {self.loader!r} is unknown; use one of {', '.join(LOADERS)}")
+        if self.loader == "child" and mapped_reader is False:
+            raise ConfigError("the child loader leaves only the mapped ring buffer to read; "
+                              "mapped_reader=False needs loader='inprocess'")
         problem = bpf_unavailable_reason()
         if problem is not None:
             raise problem
-        from bcc import BPF
-
-        try:
-            self._bpf = BPF(text=self.text.encode(), cflags=PROGRAM_CFLAGS)
-        except Exception as exc:  # bcc raises bare Exception for compile and load failures
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ProbeUnavailable(
-                f"the BPF program failed to load ({first_line})",
-                "run `auditor doctor`; `auditor probe --dump-bpf` prints the program") from exc
-        self._events = self._bpf[b"events"]
-        self._watched = self._bpf[b"watched_ports"]
-        self._lost = self._bpf[b"lost_events"]
-        # The payload layout as bcc sees struct event (a cast of a blank buffer: no record needed).
-        event_class = self._events.event(ctypes.create_string_buffer(4096)).__class__
-        self._unpack = struct_format(event_class)
+        self._program: LoadedProgram | BccProgram
+        if self.loader == "child":
+            self._program = load_in_child(
+                self.text, PROGRAM_CFLAGS, ringbuf_bytes=ringbuf_pages * mmap.PAGESIZE,
+                tracepoints=tuple(tp.replace("/", ":") for tp in TRACEPOINTS))
+        else:
+            self._program = BccProgram(self.text, PROGRAM_CFLAGS)
+        self._unpack = self._program.record
         self._mapped: ringbuf.MappedRingBuffer | None = None
         # Batch reads of the mapped ring (default where sound), else bcc's callback per record.
-        self._use_mapped = ringbuf.supported() if mapped_reader is None else mapped_reader
+        # Descriptors alone offer only the mapped read.
+        self._use_mapped = self.loader == "child" or (
+            ringbuf.supported() if mapped_reader is None else mapped_reader)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         """Open the ring buffer and arm the port filter; events flow from here on."""
         if self._started:
             return
+        program = self._program
         if self._use_mapped:
-            self._mapped = ringbuf.MappedRingBuffer(self._events.map_fd,
-                                                    self._events.max_entries, self._unpack)
+            self._mapped = ringbuf.MappedRingBuffer(program.events_fd, program.ringbuf_bytes,
+                                                    self._unpack)
         else:
-            self._events.open_ring_buffer(self._on_event)
+            assert isinstance(program, BccProgram)
+            program.open_callbacks(self._on_event)
         self._apply_ports(self._ports, frozenset())
         self._started = True
 
@@ -186,7 +210,7 @@ class BpfConnEventSource:
         if self._mapped is not None:
             self._mapped.close()
         try:
-            self._bpf.cleanup()
+            self._program.close()
         except Exception:  # cleanup is best effort on the way out
             log.exception("detaching the BPF program failed")
 
@@ -201,8 +225,8 @@ class BpfConnEventSource:
             return []
         mapped = self._mapped
         if mapped is None:
-            self._bpf.ring_buffer_poll(max(0, int(timeout_s * 1000)))
-            self._bpf.ring_buffer_consume()  # records submitted without a wake-up
+            assert isinstance(self._program, BccProgram)
+            self._program.poll(max(0, int(timeout_s * 1000)))
             raw, self._raw = self._raw, []
             return self._decode(self._unpack_raw(raw))
         if not self._backlog:
@@ -253,14 +277,13 @@ class BpfConnEventSource:
 
     def _apply_ports(self, new: frozenset[int], old: frozenset[int]) -> None:
         for port in new - old:
-            self._watched[ctypes.c_ushort(port)] = ctypes.c_ubyte(1)
+            self._program.add_port(port)
         for port in old - new:
-            with contextlib.suppress(KeyError):
-                del self._watched[ctypes.c_ushort(port)]
+            self._program.remove_port(port)
 
     def _read_lost(self) -> int:
         try:
-            return int(sum(self._lost[ctypes.c_int(0)]))
+            return self._program.lost()
         except Exception:  # a closed map after stop: the caller keeps the last value
             log.debug("reading the lost-event counter failed", exc_info=True)
             return self._lost_at_stop

@@ -4,9 +4,11 @@ bcc's reader (libbpf's ``ring_buffer__consume``) calls back into Python once per
 callback, the ctypes copy and the trampoline were a third of the probe reader's time. The ring
 buffer map is designed to be mapped by its consumer (this is how libbpf reads it): one writable
 page holding the consumer position, then a read-only page holding the producer position followed
-by the data area, mapped twice in a row so that a run of records that wraps is contiguous. Here
-the committed records between the two positions are copied out in one slice, decoded with
-``struct.iter_unpack`` and the consumer position is advanced once per batch.
+by the data area, which the kernel offers twice in a row so that a run of records that wraps is
+contiguous. Here the committed records between the two positions are copied out (one slice, or
+two where the run wraps), decoded with ``struct.iter_unpack`` and the consumer position is
+advanced once per batch. Only the first copy of the data area is mapped: the reader copies
+anyway, and every mapped page of the ring counts in the process's RSS (16 MiB per copy by default).
 
 Every record the probe writes has the same size (``struct event``), so records sit at a fixed
 stride. A record header (``u32 len; u32 pg_off``) carries two flags in ``len``: BUSY (reserved,
@@ -50,9 +52,10 @@ class MappedRingBuffer:
             raise ValueError(f"ring buffer size must be a power-of-two number of pages, got {data_bytes}")
         page = mmap.PAGESIZE
         self._consumer = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._producer = mmap.mmap(map_fd, page + 2 * data_bytes, mmap.MAP_SHARED, mmap.PROT_READ,
+        self._producer = mmap.mmap(map_fd, page + data_bytes, mmap.MAP_SHARED, mmap.PROT_READ,
                                    offset=page)
         self._data_offset = page
+        self._data_bytes = data_bytes
         self._mask = data_bytes - 1
         self._position: int = _POSITION.unpack_from(self._consumer, 0)[0]
         self._payload = record.size
@@ -88,7 +91,7 @@ class MappedRingBuffer:
         """The committed records from the consumer position on (at most MAX_BATCH_RECORDS), as
         tuples of the record struct; the consumer position moves past them."""
         out: list[tuple[Any, ...]] = []
-        available = min(self.pending_bytes(), MAX_BATCH_RECORDS * self._stride)
+        available = min(self.pending_bytes(), MAX_BATCH_RECORDS * self._stride, self._data_bytes)
         done = 0
         while done < available:
             done += self._read_run(done, available - done, out)
@@ -101,8 +104,13 @@ class MappedRingBuffer:
         return out
 
     def _slice(self, offset: int, length: int) -> bytes:
-        start = self._data_offset + ((self._position + offset) & self._mask)
-        return self._producer[start:start + length]
+        """``length`` bytes of the data area from ``offset`` past the consumer position, joined
+        across the end of the area (never longer than the area: reads are bounded by it)."""
+        start = (self._position + offset) & self._mask
+        base, head = self._data_offset, min(length, self._data_bytes - start)
+        if head == length:
+            return self._producer[base + start:base + start + length]
+        return self._producer[base + start:base + start + head] + self._producer[base:base + length - head]
 
     def _read_run(self, offset: int, length: int, out: list[tuple[Any, ...]]) -> int:
         """Decode the run of committed, full-size records at ``offset``; returns its bytes."""

@@ -1,6 +1,6 @@
 """The eBPF disconnect probe, for real: a uvicorn server and raw sockets on loopback.
 
-The program is loaded once for the module; each test points the live port filter at its own
+The program is loaded once for the module per loader (see the ``probe`` fixture); each test points the live port filter at its own
 listeners (ephemeral ports) and looks only at events for its own connections.
 """
 
@@ -57,10 +57,15 @@ class Probe:
         return self.kinds(server_port, client_port)
 
 
-@pytest.fixture(scope="module")
-def probe() -> Iterator[Probe]:
-    source = open_source([], prefer="bpf", host="probe-test")
-    assert isinstance(source, BpfConnEventSource)
+@pytest.fixture(scope="module", params=["child", "inprocess"])
+def probe(request: pytest.FixtureRequest) -> Iterator[Probe]:
+    # Both loaders: the default (a child compiles, the process keeps descriptors) and bcc kept
+    # in-process (machines where descriptors alone are not enough).
+    if request.param == "child":
+        source = open_source([], prefer="bpf", host="probe-test")
+    else:
+        source = BpfConnEventSource([], host="probe-test", loader="inprocess")
+    assert isinstance(source, BpfConnEventSource) and source.loader == request.param
     source.start()
     yield Probe(source)
     source.stop()

@@ -31,8 +31,6 @@ SCHEMA = "auditor.cli.doctor/v1"
 
 OK, DEGRADED, FAILED = "ok", "degraded", "failed"
 
-# bpf(2) syscall numbers; BPF_MAP_CREATE of a one-slot array is the cheapest real probe.
-BPF_SYSCALL = {"x86_64": 321, "aarch64": 280}
 TRACEFS_DIRS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 TEST_PROGRAM = r"""
 TRACEPOINT_PROBE(sock, inet_sock_set_state) { return 0; }
@@ -61,7 +59,10 @@ def check_privileges() -> Check:
 
 
 def check_bpf_syscall() -> Check:
-    number = BPF_SYSCALL.get(platform.machine())
+    """BPF_MAP_CREATE of a one-slot array: the cheapest real use of bpf(2)."""
+    from probes.bpfsys import SYSCALL_NUMBERS  # the probe's own table: one owner
+
+    number = SYSCALL_NUMBERS.get(platform.machine().lower())
     if number is None:
         return Check("bpf_syscall", DEGRADED, f"unknown bpf(2) number on {platform.machine()}")
     # union bpf_attr for BPF_MAP_CREATE: map_type, key_size, value_size, max_entries (u32 each).

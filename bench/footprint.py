@@ -1,0 +1,157 @@
+"""What the idle daemon costs the host: its memory and CPU with the eBPF source, per BPF loader.
+
+Starts `auditor run` once per loader at the same time (needs root: eBPF), each watching its own
+idle port, waits until both report source=bpf, lets them settle, then reads /proc over the same
+window: CPU as % of one core, RSS, PSS, private memory, peak RSS, and whether libbcc/LLVM is
+mapped. Side by side in one run, so load from elsewhere on the host falls on both alike; compare
+the columns, not figures from different runs.
+
+- child: the default; a short-lived child compiles and attaches, the daemon keeps descriptors.
+- inprocess: bcc compiles and attaches inside the daemon (the path kept for other machines).
+
+Usage: .venv/bin/python bench/footprint.py [--seconds 30] [--settle 5] [--grpc] [--loaders child,inprocess]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# `python -m auditor`, with the loader choice made before the daemon starts (no product setting).
+ENTRY = ("import sys, probes.bpf as bpf; loader = sys.argv.pop(1); "
+         "bpf.default_loader = lambda: loader; from auditor.cli import main; main()")
+LLVM_LIBS = ("libbcc", "libLLVM", "libclang")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def metrics(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            return str(response.read().decode())
+    except OSError:
+        return ""
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def memory_mib(pid: int) -> dict[str, float]:
+    """VmRSS and VmHWM from status, Pss and private pages from smaps_rollup, in MiB."""
+    values: dict[str, float] = {}
+    for name in ("status", "smaps_rollup"):
+        for line in Path(f"/proc/{pid}/{name}").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "Pss", "Private_Clean", "Private_Dirty"):
+                values[key] = int(rest.split()[0]) / 1024
+    values["Private"] = values.pop("Private_Clean", 0) + values.pop("Private_Dirty", 0)
+    return values
+
+
+def llvm_mapped(pid: int) -> bool:
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return any(lib in maps for lib in LLVM_LIBS)
+
+
+class Daemon:
+    def __init__(self, loader: str, work: Path, grpc: bool) -> None:
+        self.loader = loader
+        self.metrics_port = free_port()
+        self.idle = socket.create_server(("127.0.0.1", 0))  # a watched port nobody uses
+        command = [sys.executable, "-c", ENTRY, loader, "run", "--db", f"sqlite:///{work / loader}.db",
+                   "--port", str(self.idle.getsockname()[1]), "--otlp-http", "127.0.0.1:0",
+                   "--otlp-grpc", "127.0.0.1:0" if grpc else "", "--live", "",
+                   "--metrics", f"127.0.0.1:{self.metrics_port}"]
+        self.log = (work / f"{loader}.log").open("wb")
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(command, cwd=work, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "PYTHONPATH": str(REPO)})
+        self.ready_s: float | None = None
+
+    def check_ready(self) -> bool:
+        if self.ready_s is None and 'auditor_disconnect_source_info{source="bpf"} 1.0' in metrics(self.metrics_port):
+            self.ready_s = time.monotonic() - self.started
+        return self.ready_s is not None
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.idle.close()
+        self.log.close()
+
+
+def measure(daemons: list[Daemon], seconds: float) -> dict[str, dict[str, float]]:
+    before = {d.loader: cpu_seconds(d.process.pid) for d in daemons}
+    started = time.monotonic()
+    time.sleep(seconds)
+    wall = time.monotonic() - started
+    results = {}
+    for daemon in daemons:
+        pid = daemon.process.pid
+        cpu = cpu_seconds(pid) - before[daemon.loader]
+        results[daemon.loader] = {"cpu_percent": cpu / wall * 100, **memory_mib(pid),
+                                  "llvm": float(llvm_mapped(pid)), "ready_s": daemon.ready_s or 0.0}
+    return results
+
+
+def report(results: dict[str, dict[str, float]], seconds: float, grpc: bool) -> None:
+    loaders = list(results)
+    print(f"\nIdle daemon with the eBPF source, {seconds:g} s window, gRPC listener {'on' if grpc else 'off'}")
+    print(f"  {'':<22}" + "".join(f"{name:>14}" for name in loaders))
+    rows = [("CPU, % of one core", "cpu_percent", "{:.2f}"), ("RSS, MiB", "VmRSS", "{:.1f}"),
+            ("PSS, MiB", "Pss", "{:.1f}"), ("private, MiB", "Private", "{:.1f}"),
+            ("peak RSS, MiB", "VmHWM", "{:.1f}"), ("libbcc/LLVM mapped", "llvm", "{}"),
+            ("ready after, s", "ready_s", "{:.1f}")]
+    for label, key, fmt in rows:
+        cells = [fmt.format(bool(results[n][key]) if key == "llvm" else results[n][key]) for n in loaders]
+        print(f"  {label:<22}" + "".join(f"{cell:>14}" for cell in cells))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--settle", type=float, default=5)
+    parser.add_argument("--grpc", action="store_true", help="also listen for OTLP/gRPC (imports grpc)")
+    parser.add_argument("--loaders", default="child,inprocess")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (eBPF probe)")
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="bench-footprint-"))
+    daemons = [Daemon(loader, work, args.grpc) for loader in args.loaders.split(",")]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(d.check_ready() for d in daemons):
+            if time.monotonic() > deadline or any(d.process.poll() is not None for d in daemons):
+                print(f"a daemon did not come up with source=bpf; logs in {work}")
+                return 1
+            time.sleep(0.2)
+        time.sleep(args.settle)
+        results = measure(daemons, args.seconds)
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+    report(results, args.seconds, args.grpc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

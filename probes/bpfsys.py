@@ -1,0 +1,132 @@
+"""The few bpf(2) commands the daemon needs on maps it was handed, through ctypes: no bcc, no LLVM.
+
+The program is compiled and attached by a short-lived child (``probes.loader``); the daemon keeps
+only file descriptors. Updating the port filter, reading the lost-event counter and checking what
+a descriptor is are single system calls, done here. The syscall number differs per architecture;
+an architecture missing from ``SYSCALL_NUMBERS`` gets ``BpfSyscallError`` rather than a guess.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+# __NR_bpf: arch/x86/entry/syscalls/syscall_64.tbl and include/uapi/asm-generic/unistd.h.
+SYSCALL_NUMBERS = {"x86_64": 321, "amd64": 321, "aarch64": 280, "arm64": 280}
+
+# enum bpf_cmd (include/uapi/linux/bpf.h)
+BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM = 1, 2, 3
+BPF_MAP_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD = 14, 15
+BPF_ANY = 0
+# enum bpf_map_type: the three the probe hands over
+BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_PERCPU_ARRAY, BPF_MAP_TYPE_RINGBUF = 1, 6, 27
+
+# union bpf_attr for the element commands: u32 map_fd, (pad), u64 key, u64 value, u64 flags.
+_ELEM_ATTR = struct.Struct("=I4xQQQ")
+# ... for BPF_MAP_GET_FD_BY_ID: u32 map_id, u32 next_id, u32 open_flags.
+_ID_ATTR = struct.Struct("=III")
+# ... and for BPF_OBJ_GET_INFO_BY_FD: u32 bpf_fd, u32 info_len, u64 info.
+_INFO_ATTR = struct.Struct("=IIQ")
+# struct bpf_map_info, its first fields: type, id, key_size, value_size, max_entries, map_flags.
+_MAP_INFO = struct.Struct("=IIIIII")
+_MAP_INFO_BYTES = 88  # the whole struct on current kernels; an older kernel fills less
+
+
+class BpfSyscallError(OSError):
+    """A bpf(2) command failed; the message names the command and the kernel's reason."""
+
+
+@dataclass(frozen=True)
+class MapInfo:
+    type: int
+    id: int
+    key_size: int
+    value_size: int
+    max_entries: int
+
+
+def syscall_number(machine: str | None = None) -> int:
+    arch = (machine or platform.machine()).lower()
+    try:
+        return SYSCALL_NUMBERS[arch]
+    except KeyError:
+        raise BpfSyscallError(errno.ENOSYS, f"the bpf(2) syscall number of {arch} is not known "
+                              f"here (known: {', '.join(sorted(SYSCALL_NUMBERS))})") from None
+
+
+def supported() -> bool:
+    try:
+        syscall_number()
+    except BpfSyscallError:
+        return False
+    return True
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _bpf(command: int, attr: ctypes.Array[ctypes.c_char], what: str) -> int:
+    result = int(_libc.syscall(ctypes.c_long(syscall_number()), ctypes.c_int(command), attr,
+                               ctypes.c_uint(len(attr))))
+    if result < 0:
+        code = ctypes.get_errno()
+        raise BpfSyscallError(code, f"bpf({what}): {os.strerror(code)}")
+    return result
+
+
+def map_update(map_fd: int, key: bytes, value: bytes) -> None:
+    key_buf, value_buf = ctypes.create_string_buffer(key), ctypes.create_string_buffer(value)
+    attr = ctypes.create_string_buffer(_ELEM_ATTR.pack(map_fd, ctypes.addressof(key_buf),
+                                                       ctypes.addressof(value_buf), BPF_ANY))
+    _bpf(BPF_MAP_UPDATE_ELEM, attr, "map update")
+
+
+def map_delete(map_fd: int, key: bytes) -> bool:
+    """Remove ``key``; False when it was not there."""
+    key_buf = ctypes.create_string_buffer(key)
+    attr = ctypes.create_string_buffer(_ELEM_ATTR.pack(map_fd, ctypes.addressof(key_buf), 0, 0))
+    try:
+        _bpf(BPF_MAP_DELETE_ELEM, attr, "map delete")
+    except BpfSyscallError as exc:
+        if exc.errno == errno.ENOENT:
+            return False
+        raise
+    return True
+
+
+def map_lookup(map_fd: int, key: bytes, value_bytes: int) -> bytes:
+    key_buf, value_buf = ctypes.create_string_buffer(key), ctypes.create_string_buffer(value_bytes)
+    attr = ctypes.create_string_buffer(_ELEM_ATTR.pack(map_fd, ctypes.addressof(key_buf),
+                                                       ctypes.addressof(value_buf), 0))
+    _bpf(BPF_MAP_LOOKUP_ELEM, attr, "map lookup")
+    return value_buf.raw[:value_bytes]
+
+
+def map_info(fd: int) -> MapInfo:
+    """What the kernel says the map behind ``fd`` is; BpfSyscallError when it is not a BPF map."""
+    info = ctypes.create_string_buffer(_MAP_INFO_BYTES)
+    attr = ctypes.create_string_buffer(_INFO_ATTR.pack(fd, _MAP_INFO_BYTES, ctypes.addressof(info)))
+    _bpf(BPF_OBJ_GET_INFO_BY_FD, attr, "object info")
+    map_type, map_id, key_size, value_size, max_entries, _flags = _MAP_INFO.unpack_from(info.raw)
+    return MapInfo(map_type, map_id, key_size, value_size, max_entries)
+
+
+def map_by_id(map_id: int) -> int:
+    """A new descriptor for the map with this id (BpfSyscallError ENOENT once it is freed)."""
+    attr = ctypes.create_string_buffer(_ID_ATTR.pack(map_id, 0, 0))
+    return _bpf(BPF_MAP_GET_FD_BY_ID, attr, "map by id")
+
+
+def possible_cpus(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:
+    """How many CPUs a per-CPU map has a slot for (the kernel's possible mask, e.g. ``0-7``)."""
+    count = 0
+    for part in path.read_text().strip().split(","):
+        low, _, high = part.partition("-")
+        count += int(high or low) - int(low) + 1
+    return count

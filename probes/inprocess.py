@@ -1,0 +1,62 @@
+"""The probe compiled and attached by bcc inside this process: the path for machines where the
+daemon cannot hold the program by its descriptors alone (no known bpf(2) syscall number, or no
+sound lock-free ring buffer read, see ``probes.ringbuf.supported``), and the baseline that
+``bench/footprint.py`` compares the child loader against. It maps libbcc and LLVM (about
+150 MiB) for the life of the process; ``probes.handoff`` is the default where it can run.
+
+Same surface as ``probes.handoff.LoadedProgram``, plus bcc's per-record callback reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from probes.decode import struct_format
+from probes.source import ProbeUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class BccProgram:
+    def __init__(self, text: str, cflags: list[str]) -> None:
+        from bcc import BPF
+
+        try:
+            self._bpf = BPF(text=text.encode(), cflags=cflags)
+        except Exception as exc:  # bcc raises bare Exception for compile and load failures
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ProbeUnavailable(
+                f"the BPF program failed to load ({first_line})",
+                "run `auditor doctor`; `auditor probe --dump-bpf` prints the program") from exc
+        self._events = self._bpf[b"events"]
+        self._watched = self._bpf[b"watched_ports"]
+        self._lost = self._bpf[b"lost_events"]
+        # The payload layout as bcc sees struct event (a cast of a blank buffer: no record needed).
+        self.record = struct_format(self._events.event(ctypes.create_string_buffer(4096)).__class__)
+        self.events_fd = int(self._events.map_fd)
+        self.ringbuf_bytes = int(self._events.max_entries)
+
+    def add_port(self, port: int) -> None:
+        self._watched[ctypes.c_ushort(port)] = ctypes.c_ubyte(1)
+
+    def remove_port(self, port: int) -> None:
+        with contextlib.suppress(KeyError):
+            del self._watched[ctypes.c_ushort(port)]
+
+    def lost(self) -> int:
+        return int(sum(self._lost[ctypes.c_int(0)]))
+
+    def close(self) -> None:
+        self._bpf.cleanup()
+
+    # -- bcc's reader: one callback per record ----------------------------------------------
+    def open_callbacks(self, on_record: Callable[[Any, Any, int], int]) -> None:
+        self._events.open_ring_buffer(on_record)
+
+    def poll(self, timeout_ms: int) -> None:
+        self._bpf.ring_buffer_poll(timeout_ms)
+        self._bpf.ring_buffer_consume()  # records submitted without a wake-up
