@@ -35,6 +35,8 @@ from auditor.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
 
+PROBE_POLL_S = 0.25
+
 
 @dataclass
 class DaemonStatus:
@@ -223,7 +225,10 @@ class Daemon:
         next_flush = time.monotonic()
         while not self._stop.is_set():
             try:
-                events = source.poll(timeout_s=0.05)
+                # A lone event waits for the timeout (the kernel wakes the reader only for a full
+                # batch); its timestamp is the kernel's, so waiting moves no verdict, only its
+                # discovery, well inside a correlation round. Each idle wake-up costs CPU.
+                events = source.poll(timeout_s=PROBE_POLL_S)
                 if events:
                     writer.add(events)
                     for event in events:
