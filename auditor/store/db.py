@@ -80,7 +80,29 @@ class _Shape:
 
 
 _SHAPES: dict[type, _Shape] = {}
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
+def _json_encoder() -> Any:
+    """``_encoder.encode`` without its per-call set-up: ``JSONEncoder.encode`` builds a new C
+    encoder (and its float formatter) on every call, which costs more than encoding a span's few
+    attributes. The C encoder is built once here, with the same settings; no cycle check (the
+    values come from decoded messages, which cannot refer to themselves: a cycle would end in
+    RecursionError instead of ValueError). Where there is no C encoder, the plain method."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return _encoder.encode
+    encode = make(None, _encoder.default, json.encoder.encode_basestring, None, _encoder.key_separator,
+                  _encoder.item_separator, _encoder.sort_keys, _encoder.skipkeys, _encoder.allow_nan)
+    join = "".join
+
+    def dumps(value: Any) -> str:
+        return join(encode(value, 0))
+
+    return dumps
+
+
+_dumps = _json_encoder()
 
 
 def _shape(cls: type) -> _Shape:
