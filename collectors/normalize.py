@@ -176,7 +176,7 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
                 total += 1
                 try:
                     head = _span_head(span)
-                    if type(head) is str:
+                    if isinstance(head, str):
                         rejections.add(head)
                         continue
                     append(normalize_span(span, head, service=service, host=host, process_pid=pid))
