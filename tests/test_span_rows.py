@@ -17,7 +17,7 @@ from sqlalchemy import text
 
 from auditor.model import SpanRecord
 from auditor.store import SpanRow, Store
-from auditor.store.db import _dumps
+from auditor.store.rows import dumps_json as _dumps
 from collectors.attributes import MAX_ATTRIBUTES
 from collectors.normalize import normalize_request
 from collectors.spanwriter import SpanWriter
@@ -106,3 +106,30 @@ def test_the_attribute_encoder_refuses_what_json_refuses() -> None:
         _dumps({"x": object()})
     with pytest.raises(TypeError):
         _dumps({(1, 2): "tuple keys"})
+
+
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 33, 100])
+def test_grouped_statements_store_every_row_once_in_order(tmp_path: Path, count: int) -> None:
+    base = normalize_request(body(), service_host="gpu-1").spans[0]
+    spans = [dataclasses.replace(base, span_id=f"{n + 1:016x}", name=f"s{n}") for n in range(count)]
+    # An exporter's retry inside one batch: the duplicates (same trace and span id) are skipped
+    # one by one, whether they share a grouped statement with their original or not.
+    spans += spans[: count // 3]
+    store = Store(f"sqlite:///{tmp_path / 'spans.db'}")
+    assert store.insert_spans(spans) == len(spans)
+    with store.engine.connect() as conn:
+        names = [r[0] for r in conn.execute(text("SELECT name FROM spans ORDER BY id"))]
+    store.close()
+    assert names == [f"s{n}" for n in range(count)]
+
+
+def test_grouped_statements_keep_sixteen_rows_apiece() -> None:
+    from auditor.store.rows import grouped_inserts
+
+    sql = "INSERT INTO t (a, b) VALUES (?, ?)"
+    rows = [(n, -n) for n in range(35)]
+    (grouped, groups), (single, rest) = grouped_inserts(sql, rows)
+    assert grouped.count("(?, ?)") == 16 and single == sql
+    assert groups == [tuple(v for r in rows[:16] for v in r), tuple(v for r in rows[16:32] for v in r)]
+    assert rest == rows[32:]
+    assert grouped_inserts(sql, rows[:5]) == [(sql, rows[:5])]
