@@ -1,6 +1,7 @@
 """Span ingest benchmark: decode + normalize + commit into SQLite, end to end, on one core.
 
-Three runs side by side, each into a fresh SQLite file:
+Four runs side by side, each into a fresh SQLite file:
+- ``stages``: one thread decodes, normalizes and inserts, timing each step (CPU per span);
 - ``in-process``: protobuf bodies decoded, normalized and committed by the SpanWriter, no HTTP;
 - ``sustained``: several closed-loop senders POST 512-span OTLP/HTTP protobuf requests to the
   receiver (the receiver process pinned to one core; senders in another process on other cores);
@@ -43,7 +44,7 @@ ID_MARKER = "f00dfacef00dface"  # inside request ids
 TIME_MARKER = 0x5A5AA5A5  # upper 32 bits of start/end times (little-endian in fixed64 fields)
 TIME_BASE = 0x17970000  # upper 32 bits of real times around late 2023
 TARGET_SPANS_PER_S = 60_000  # per second of one core, sustained over HTTP
-PHASES = ("in-process", "sustained", "flood")
+PHASES = ("stages", "in-process", "sustained", "flood")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -204,6 +205,38 @@ def in_process(batch: int, seconds: float, workdir: Path) -> dict[str, Any]:
             "peak_rss_mib": watch.peak_rss / 2**20, "peak_queue": watch.peak_queue}
 
 
+def stages(batch: int, seconds: float, workdir: Path) -> dict[str, Any]:
+    """One thread, no queue: CPU time per span of each step, the store written four requests at a
+    time (about what group commit gathers in the sustained phase)."""
+    from auditor.store import Store
+    from collectors.normalize import normalize_request
+    from collectors.otlp_codec import PROTOBUF, decode_request
+
+    store = Store(f"sqlite:///{workdir / 'stages.db'}")
+    bodies = Bodies(batch, seed=2)
+    spent = {"decode": 0.0, "normalize": 0.0, "insert": 0.0}
+    clock = time.thread_time
+    spans_done = 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        group = [bodies.next() for _ in range(4)]
+        t0 = clock()
+        requests, t1 = [decode_request(body, PROTOBUF) for body in group], clock()
+        spans = [span for request in requests for span in normalize_request(request, service_host="bench").spans]
+        t2 = clock()
+        store.write(spans)
+        t3 = clock()
+        for name, took in zip(spent, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            spent[name] += took
+        spans_done += len(spans)
+    elapsed, cpu = time.perf_counter() - started, sum(spent.values())
+    store.close()
+    return {"phase": "stages", "senders": 0, "seconds": elapsed, "offered": spans_done / elapsed,
+            "committed": spans_done / elapsed, "per_cpu_second": spans_done / cpu, "cpu_share": cpu / elapsed,
+            "refused_429": 0, "refused_503": 0, "peak_rss_mib": rss_bytes() / 2**20, "peak_queue": 0,
+            "us_per_span": {name: value / spans_done * 1e6 for name, value in spent.items()}}
+
+
 def over_http(phase: str, senders: int, processes: int, batch: int, seconds: float, workdir: Path,
               sender_cpus: set[int] | None, max_queue_spans: int) -> dict[str, Any]:
     from auditor.store import Store
@@ -252,6 +285,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ingest-bench-") as scratch:
         workdir = Path(scratch)
+        if "stages" in args.phases:
+            rows.append(stages(args.batch, args.seconds, workdir))
         if "in-process" in args.phases:
             rows.append(in_process(args.batch, args.seconds, workdir))
         if "sustained" in args.phases:
@@ -279,6 +314,9 @@ def print_table(summary: dict[str, Any]) -> None:
         print(f"{row['phase']:<11} {row['senders']:>7} {row['offered']:>10,.0f} {row['committed']:>11,.0f} "
               f"{row['per_cpu_second']:>10,.0f} {row['cpu_share']:>5.0%} {row['refused_429']:>6} "
               f"{row['refused_503']:>5} {row['peak_rss_mib']:>12.0f} {row['peak_queue']:>10,}")
+        if row.get("us_per_span"):
+            print("stages: CPU microseconds per span: " + ", ".join(
+                f"{name} {value:.2f}" for name, value in row["us_per_span"].items()))
         if row.get("other"):
             print(f"{row['phase']}: other answers {row['other']} (0 = connection refused or reset)")
     print("per CPU-s: spans committed per second of receiver CPU time, i.e. the rate of one dedicated core; "
@@ -318,12 +356,14 @@ def compare(args: argparse.Namespace) -> None:
                                      capture_output=True, text=True).stdout
                 for row in json.loads(out)["rows"]:
                     results.setdefault((row["phase"], label), []).append(row["per_cpu_second"])
+                    for name, value in row.get("us_per_span", {}).items():
+                        results.setdefault((f"  {name} us/span", label), []).append(value)
                     print(f"round {round_no} {label:<14} {row['phase']:<11} {row['committed']:>9,.0f} committed/s "
                           f"{row['per_cpu_second']:>9,.0f} per CPU-s ({row['cpu_share']:.0%} of a core)", flush=True)
     print(f"\nmedian spans per CPU-second, load average now {os.getloadavg()[0]:.1f}")
-    for phase in args.phases:
+    for phase in sorted({phase for phase, _ in results}, key=[p for p, _ in results].index):
         old, new = (statistics.median(results[(phase, label)]) for label in trees)
-        print(f"{phase:<11} {args.compare}: {old:>9,.0f}   working tree: {new:>9,.0f}   x{new / old:.2f}")
+        print(f"{phase:<18} {args.compare}: {old:>9,.2f}   working tree: {new:>9,.2f}   x{new / old:.2f}")
 
 
 def main() -> None:
