@@ -18,6 +18,7 @@ the same bench driving it: on a shared machine only figures taken side by side c
 from __future__ import annotations
 
 import argparse
+import gc
 import http.client
 import io
 import json
@@ -186,23 +187,19 @@ def in_process(batch: int, seconds: float, workdir: Path) -> dict[str, Any]:
     writer = SpanWriter(store).start()
     bodies = Bodies(batch, seed=1)
     watch = Watch(writer)
-    cpu_started = time.process_time()
-    started = time.perf_counter()
-    requests = 0
+    cpu_started, started, requests = time.process_time(), time.perf_counter(), 0
     while time.perf_counter() - started < seconds:
         request = ExportTraceServiceRequest.FromString(bodies.next())
         writer.submit(normalize_request(request, service_host="bench").spans)
         requests += 1
-    elapsed = time.perf_counter() - started
-    cpu = time.process_time() - cpu_started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     watch.done()
     committed = writer.committed_spans
     writer.stop()
     store.close()
     return {"phase": "in-process", "senders": 1, "seconds": elapsed, "offered": requests * batch / elapsed,
             "committed": committed / elapsed, "per_cpu_second": committed / cpu, "cpu_share": cpu / elapsed,
-            "refused_429": 0, "refused_503": 0,
-            "peak_rss_mib": watch.peak_rss / 2**20, "peak_queue": watch.peak_queue}
+            "refused_429": 0, "refused_503": 0, "peak_rss_mib": watch.peak_rss / 2**20, "peak_queue": watch.peak_queue}
 
 
 def stages(batch: int, seconds: float, workdir: Path) -> dict[str, Any]:
@@ -248,8 +245,7 @@ def over_http(phase: str, senders: int, processes: int, batch: int, seconds: flo
     receiver = OtlpHttpReceiver(writer, port=0).start()  # default connection cap (64)
     watch = Watch(writer)
     before = writer.committed_spans
-    cpu_started = time.process_time()
-    started = time.perf_counter()
+    cpu_started, started = time.process_time(), time.perf_counter()
     # Several sender processes (threads share a GIL): the flood must not be limited by its senders.
     per_process = [senders // processes + (1 if i < senders % processes else 0) for i in range(processes)]
     children = [subprocess.Popen(
@@ -259,8 +255,7 @@ def over_http(phase: str, senders: int, processes: int, batch: int, seconds: flo
         preexec_fn=(lambda: os.sched_setaffinity(0, sender_cpus)) if sender_cpus else None)
         for count in per_process if count]
     results = [json.loads(child.communicate()[0]) for child in children]
-    elapsed = time.perf_counter() - started
-    cpu = time.process_time() - cpu_started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     watch.done()
     committed = writer.committed_spans - before
     statuses: Counter[int] = Counter()
@@ -282,6 +277,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     cpus = sorted(os.sched_getaffinity(0))
     sender_cpus = set(cpus[1:]) or None
     os.sched_setaffinity(0, {cpus[0]})  # decode, normalize and commit share one core
+    if args.gc_threshold:  # what a daemon would get from a larger first GC generation
+        gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
     rows = []
     with tempfile.TemporaryDirectory(prefix="ingest-bench-") as scratch:
         workdir = Path(scratch)
@@ -345,7 +342,8 @@ def compare(args: argparse.Namespace) -> None:
     """Old (``--compare REV``) and current code alternately, each run a fresh process."""
     here = Path(__file__).resolve().parent.parent
     forwarded = ["--phases", ",".join(args.phases), "--seconds", str(args.seconds), "--batch", str(args.batch),
-                 "--senders", str(args.senders), "--max-queue-spans", str(args.max_queue_spans), "--json"]
+                 "--senders", str(args.senders), "--max-queue-spans", str(args.max_queue_spans),
+                 "--gc-threshold", str(args.gc_threshold), "--json"]
     results: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="ingest-old-") as scratch:
         trees = {args.compare: export_tree(args.compare, Path(scratch)), "working tree": here}
@@ -381,6 +379,8 @@ def main() -> None:
                         default=list(PHASES), help=f"comma-separated, of {','.join(PHASES)}")
     parser.add_argument("--compare", metavar="REV", help="also run git revision REV's code, alternately")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each tree with --compare")
+    parser.add_argument("--gc-threshold", type=int, default=0, help="the receiver's first GC generation "
+                        "threshold (default: Python's 700)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--sender", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
