@@ -1,6 +1,7 @@
 """Span ingest benchmark: decode + normalize + commit into SQLite, end to end, on one core.
 
-Three runs side by side, each into a fresh SQLite file:
+Four runs side by side, each into a fresh SQLite file:
+- ``stages``: one thread decodes, normalizes and inserts, timing each step (CPU per span);
 - ``in-process``: protobuf bodies decoded, normalized and committed by the SpanWriter, no HTTP;
 - ``sustained``: several closed-loop senders POST 512-span OTLP/HTTP protobuf requests to the
   receiver (the receiver process pinned to one core; senders in another process on other cores);
@@ -9,17 +10,24 @@ Three runs side by side, each into a fresh SQLite file:
   memory must stay bounded and the excess be refused with 429/503.
 
 Prints a table (or ``--json``). Figures depend on the machine and on what else runs on it.
+``--phases`` picks the phases. ``--compare REV`` measures the receiver code of git revision REV
+and of the working tree alternately, ``--rounds`` times each, each run in its own process with
+the same bench driving it: on a shared machine only figures taken side by side compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import http.client
+import io
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -36,6 +44,8 @@ MARKER = bytes.fromhex("9e3779b97f4a7c15")  # trace-id prefix
 ID_MARKER = "f00dfacef00dface"  # inside request ids
 TIME_MARKER = 0x5A5AA5A5  # upper 32 bits of start/end times (little-endian in fixed64 fields)
 TIME_BASE = 0x17970000  # upper 32 bits of real times around late 2023
+TARGET_SPANS_PER_S = 60_000  # per second of one core, sustained over HTTP
+PHASES = ("stages", "in-process", "sustained", "flood")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -177,23 +187,51 @@ def in_process(batch: int, seconds: float, workdir: Path) -> dict[str, Any]:
     writer = SpanWriter(store).start()
     bodies = Bodies(batch, seed=1)
     watch = Watch(writer)
-    cpu_started = time.process_time()
-    started = time.perf_counter()
-    requests = 0
+    cpu_started, started, requests = time.process_time(), time.perf_counter(), 0
     while time.perf_counter() - started < seconds:
         request = ExportTraceServiceRequest.FromString(bodies.next())
         writer.submit(normalize_request(request, service_host="bench").spans)
         requests += 1
-    elapsed = time.perf_counter() - started
-    cpu = time.process_time() - cpu_started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     watch.done()
     committed = writer.committed_spans
     writer.stop()
     store.close()
     return {"phase": "in-process", "senders": 1, "seconds": elapsed, "offered": requests * batch / elapsed,
             "committed": committed / elapsed, "per_cpu_second": committed / cpu, "cpu_share": cpu / elapsed,
-            "refused_429": 0, "refused_503": 0,
-            "peak_rss_mib": watch.peak_rss / 2**20, "peak_queue": watch.peak_queue}
+            "refused_429": 0, "refused_503": 0, "peak_rss_mib": watch.peak_rss / 2**20, "peak_queue": watch.peak_queue}
+
+
+def stages(batch: int, seconds: float, workdir: Path) -> dict[str, Any]:
+    """One thread, no queue: CPU time per span of each step, the store written four requests at a
+    time (about what group commit gathers in the sustained phase)."""
+    from auditor.store import Store
+    from collectors.normalize import normalize_request
+    from collectors.otlp_codec import PROTOBUF, decode_request
+
+    store = Store(f"sqlite:///{workdir / 'stages.db'}")
+    bodies = Bodies(batch, seed=2)
+    spent = {"decode": 0.0, "normalize": 0.0, "insert": 0.0}
+    clock = time.thread_time
+    spans_done = 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        group = [bodies.next() for _ in range(4)]
+        t0 = clock()
+        requests, t1 = [decode_request(body, PROTOBUF) for body in group], clock()
+        spans = [span for request in requests for span in normalize_request(request, service_host="bench").spans]
+        t2 = clock()
+        store.write(spans)
+        t3 = clock()
+        for name, took in zip(spent, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            spent[name] += took
+        spans_done += len(spans)
+    elapsed, cpu = time.perf_counter() - started, sum(spent.values())
+    store.close()
+    return {"phase": "stages", "senders": 0, "seconds": elapsed, "offered": spans_done / elapsed,
+            "committed": spans_done / elapsed, "per_cpu_second": spans_done / cpu, "cpu_share": cpu / elapsed,
+            "refused_429": 0, "refused_503": 0, "peak_rss_mib": rss_bytes() / 2**20, "peak_queue": 0,
+            "us_per_span": {name: value / spans_done * 1e6 for name, value in spent.items()}}
 
 
 def over_http(phase: str, senders: int, processes: int, batch: int, seconds: float, workdir: Path,
@@ -207,8 +245,7 @@ def over_http(phase: str, senders: int, processes: int, batch: int, seconds: flo
     receiver = OtlpHttpReceiver(writer, port=0).start()  # default connection cap (64)
     watch = Watch(writer)
     before = writer.committed_spans
-    cpu_started = time.process_time()
-    started = time.perf_counter()
+    cpu_started, started = time.process_time(), time.perf_counter()
     # Several sender processes (threads share a GIL): the flood must not be limited by its senders.
     per_process = [senders // processes + (1 if i < senders % processes else 0) for i in range(processes)]
     children = [subprocess.Popen(
@@ -218,8 +255,7 @@ def over_http(phase: str, senders: int, processes: int, batch: int, seconds: flo
         preexec_fn=(lambda: os.sched_setaffinity(0, sender_cpus)) if sender_cpus else None)
         for count in per_process if count]
     results = [json.loads(child.communicate()[0]) for child in children]
-    elapsed = time.perf_counter() - started
-    cpu = time.process_time() - cpu_started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     watch.done()
     committed = writer.committed_spans - before
     statuses: Counter[int] = Counter()
@@ -236,6 +272,98 @@ def over_http(phase: str, senders: int, processes: int, batch: int, seconds: flo
             "peak_rss_mib": watch.peak_rss / 2**20, "peak_queue": watch.peak_queue}
 
 
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """The chosen phases in this process, the receiver pinned to the first allowed core."""
+    cpus = sorted(os.sched_getaffinity(0))
+    sender_cpus = set(cpus[1:]) or None
+    os.sched_setaffinity(0, {cpus[0]})  # decode, normalize and commit share one core
+    if args.gc_threshold:  # what a daemon would get from a larger first GC generation
+        gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ingest-bench-") as scratch:
+        workdir = Path(scratch)
+        if "stages" in args.phases:
+            rows.append(stages(args.batch, args.seconds, workdir))
+        if "in-process" in args.phases:
+            rows.append(in_process(args.batch, args.seconds, workdir))
+        if "sustained" in args.phases:
+            rows.append(over_http("sustained", args.senders, 1, args.batch, args.seconds, workdir,
+                                  sender_cpus, args.max_queue_spans))
+        if "flood" in args.phases:
+            rows.append(over_http("flood", args.flood_senders, args.flood_processes, args.flood_batch,
+                                  args.seconds, workdir, sender_cpus, args.max_queue_spans))
+    by_phase = {row["phase"]: row for row in rows}
+    sustained, flood = by_phase.get("sustained"), by_phase.get("flood")
+    return {"cpus": len(cpus), "receiver_cpu": cpus[0], "load_average": os.getloadavg()[0],
+            "batch": args.batch, "flood_batch": args.flood_batch, "target_spans_per_s": TARGET_SPANS_PER_S,
+            "flood_vs_sustained": flood["offered"] / sustained["committed"] if sustained and flood else None,
+            "rows": rows}
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    print(f"span ingest, {summary['batch']} spans/request ({summary['flood_batch']} in the flood), receiver "
+          f"pinned to cpu {summary['receiver_cpu']} of {summary['cpus']}, load average {summary['load_average']:.1f}")
+    header = (f"{'phase':<11} {'senders':>7} {'offered/s':>10} {'committed/s':>11} {'per CPU-s':>10} "
+              f"{'CPU':>5} {'429':>6} {'503':>5} {'peak RSS MiB':>12} {'peak queue':>10}")
+    print(header)
+    print("-" * len(header))
+    for row in summary["rows"]:
+        print(f"{row['phase']:<11} {row['senders']:>7} {row['offered']:>10,.0f} {row['committed']:>11,.0f} "
+              f"{row['per_cpu_second']:>10,.0f} {row['cpu_share']:>5.0%} {row['refused_429']:>6} "
+              f"{row['refused_503']:>5} {row['peak_rss_mib']:>12.0f} {row['peak_queue']:>10,}")
+        if row.get("us_per_span"):
+            print("stages: CPU microseconds per span: " + ", ".join(
+                f"{name} {value:.2f}" for name, value in row["us_per_span"].items()))
+        if row.get("other"):
+            print(f"{row['phase']}: other answers {row['other']} (0 = connection refused or reset)")
+    print("per CPU-s: spans committed per second of receiver CPU time, i.e. the rate of one dedicated core; "
+          "CPU: the share of its core the receiver got (the machine is shared)")
+    if summary["flood_vs_sustained"] is not None:
+        print(f"flood offered {summary['flood_vs_sustained']:.1f}x the sustained rate")
+    sustained = next((row for row in summary["rows"] if row["phase"] == "sustained"), None)
+    if sustained:
+        per_core = sustained["per_cpu_second"]
+        print(f"target >= {TARGET_SPANS_PER_S:,} spans/s on one core: "
+              f"{'met' if per_core >= TARGET_SPANS_PER_S else 'NOT met'} ({per_core:,.0f} per CPU-second, "
+              f"{sustained['committed']:,.0f} per wall-clock second)")
+
+
+def export_tree(rev: str, into: Path) -> Path:
+    """The packages the receiver imports, as they were at ``rev`` (git archive, no checkout)."""
+    root = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(["git", "-C", str(root), "archive", "--format=tar", rev, "auditor", "collectors",
+                              "probes", "replay"], check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Old (``--compare REV``) and current code alternately, each run a fresh process."""
+    here = Path(__file__).resolve().parent.parent
+    forwarded = ["--phases", ",".join(args.phases), "--seconds", str(args.seconds), "--batch", str(args.batch),
+                 "--senders", str(args.senders), "--max-queue-spans", str(args.max_queue_spans),
+                 "--gc-threshold", str(args.gc_threshold), "--json"]
+    results: dict[tuple[str, str], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="ingest-old-") as scratch:
+        trees = {args.compare: export_tree(args.compare, Path(scratch)), "working tree": here}
+        for round_no in range(1, args.rounds + 1):
+            for label, tree in trees.items():
+                env = dict(os.environ, PYTHONPATH=str(tree))
+                out = subprocess.run([sys.executable, __file__, *forwarded], env=env, check=True,
+                                     capture_output=True, text=True).stdout
+                for row in json.loads(out)["rows"]:
+                    results.setdefault((row["phase"], label), []).append(row["per_cpu_second"])
+                    for name, value in row.get("us_per_span", {}).items():
+                        results.setdefault((f"  {name} us/span", label), []).append(value)
+                    print(f"round {round_no} {label:<14} {row['phase']:<11} {row['committed']:>9,.0f} committed/s "
+                          f"{row['per_cpu_second']:>9,.0f} per CPU-s ({row['cpu_share']:.0%} of a core)", flush=True)
+    print(f"\nmedian spans per CPU-second, load average now {os.getloadavg()[0]:.1f}")
+    for phase in sorted({phase for phase, _ in results}, key=[p for p, _ in results].index):
+        old, new = (statistics.median(results[(phase, label)]) for label in trees)
+        print(f"{phase:<18} {args.compare}: {old:>9,.2f}   working tree: {new:>9,.2f}   x{new / old:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each phase")
@@ -247,6 +375,12 @@ def main() -> None:
                              "queue exactly, so senders wait instead of being refused and cannot offer 10x")
     parser.add_argument("--flood-processes", type=int, default=4, help="sender processes, flood phase")
     parser.add_argument("--max-queue-spans", type=int, default=32_768, help="SpanWriter queue bound")
+    parser.add_argument("--phases", type=lambda text: [p for p in PHASES if p in text.split(",")],
+                        default=list(PHASES), help=f"comma-separated, of {','.join(PHASES)}")
+    parser.add_argument("--compare", metavar="REV", help="also run git revision REV's code, alternately")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each tree with --compare")
+    parser.add_argument("--gc-threshold", type=int, default=0, help="the receiver's first GC generation "
+                        "threshold (default: Python's 700)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--sender", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -254,45 +388,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.sender:
         print(json.dumps(run_senders(args.port, args.senders, args.seconds, args.batch, args.seed)))
-        return
-
-    cpus = sorted(os.sched_getaffinity(0))
-    receiver_cpu = {cpus[0]}
-    sender_cpus = set(cpus[1:]) or None
-    os.sched_setaffinity(0, receiver_cpu)  # decode, normalize and commit share one core
-    with tempfile.TemporaryDirectory(prefix="ingest-bench-") as scratch:
-        workdir = Path(scratch)
-        rows = [in_process(args.batch, args.seconds, workdir)]
-        rows.append(over_http("sustained", args.senders, 1, args.batch, args.seconds, workdir, sender_cpus,
-                              args.max_queue_spans))
-        rows.append(over_http("flood", args.flood_senders, args.flood_processes, args.flood_batch, args.seconds,
-                              workdir, sender_cpus, args.max_queue_spans))
-    sustained = rows[1]["committed"]
-    per_core = rows[1]["per_cpu_second"]
-    summary = {"cpus": len(cpus), "receiver_cpu": cpus[0], "load_average": os.getloadavg()[0],
-               "batch": args.batch, "flood_batch": args.flood_batch, "target_spans_per_s": 30_000, "flood_vs_sustained": rows[2]["offered"] / sustained,
-               "rows": rows}
-    if args.json:
-        print(json.dumps(summary, indent=2))
-        return
-    print(f"span ingest, {args.batch} spans/request ({args.flood_batch} in the flood), receiver pinned to cpu {cpus[0]} of {len(cpus)}, "
-          f"load average {summary['load_average']:.1f}")
-    header = (f"{'phase':<11} {'senders':>7} {'offered/s':>10} {'committed/s':>11} {'per CPU-s':>10} "
-              f"{'CPU':>5} {'429':>6} {'503':>5} {'peak RSS MiB':>12} {'peak queue':>10}")
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(f"{row['phase']:<11} {row['senders']:>7} {row['offered']:>10,.0f} {row['committed']:>11,.0f} "
-              f"{row['per_cpu_second']:>10,.0f} {row['cpu_share']:>5.0%} {row['refused_429']:>6} "
-              f"{row['refused_503']:>5} {row['peak_rss_mib']:>12.0f} {row['peak_queue']:>10,}")
-    for row in rows:
-        if row.get("other"):
-            print(f"{row['phase']}: other answers {row['other']} (0 = connection refused or reset)")
-    print("per CPU-s: spans committed per second of receiver CPU time, i.e. the rate of one dedicated core; "
-          "CPU: the share of its core the receiver got (the machine is shared)")
-    print(f"flood offered {summary['flood_vs_sustained']:.1f}x the sustained rate; target >= 30,000 spans/s "
-          f"on one core: {'met' if per_core >= 30_000 else 'NOT met'} ({per_core:,.0f} per CPU-second, "
-          f"{sustained:,.0f} per wall-clock second)")
+    elif args.compare:
+        compare(args)
+    elif args.json:
+        print(json.dumps(measure(args), indent=2))
+    else:
+        print_table(measure(args))
 
 
 if __name__ == "__main__":

@@ -81,12 +81,6 @@ def _role(name: str, kind: str, has_http: bool) -> SpanRole:
     return SpanRole.OTHER
 
 
-def _bad_id(raw: bytes, size: int, *, optional: bool = False) -> bool:
-    if optional and not raw:
-        return False
-    return len(raw) != size or not any(raw)
-
-
 class _Rejections:
     def __init__(self) -> None:
         self.count = 0
@@ -103,20 +97,26 @@ class _Rejections:
         return f"rejected {self.count} of {total} spans: {parts}"
 
 
-def _check_span(span: Any) -> str | None:
-    if _bad_id(span.trace_id, 16):
+def _span_head(span: Any) -> str | tuple[str, str, str | None, int, int]:
+    """The span's ids (as hex) and times, each read from the message once; or why it is rejected."""
+    trace_id = span.trace_id
+    if len(trace_id) != 16 or not any(trace_id):
         return "with an invalid trace id (need 16 non-zero bytes, 32 hex digits in JSON)"
-    if _bad_id(span.span_id, 8):
+    span_id = span.span_id
+    if len(span_id) != 8 or not any(span_id):
         return "with an invalid span id (need 8 non-zero bytes, 16 hex digits in JSON)"
-    if _bad_id(span.parent_span_id, 8, optional=True):
+    parent = span.parent_span_id
+    if parent and (len(parent) != 8 or not any(parent)):
         return "with an invalid parent span id"
-    if span.start_time_unix_nano == 0:
+    start = span.start_time_unix_nano
+    if start == 0:
         return "without a start time"
-    if span.end_time_unix_nano > _MAX_NS:
+    end = span.end_time_unix_nano
+    if end > _MAX_NS:
         return "with a time past the year 2262 (not a signed 64-bit nanosecond count)"
-    if span.end_time_unix_nano < span.start_time_unix_nano:
+    if end < start:
         return "ending before they start"
-    return None
+    return trace_id.hex(), span_id.hex(), parent.hex() or None, start, end
 
 
 def _slot_filler(record_type: Any, fields: tuple[str, ...]) -> Callable[..., Any]:
@@ -124,23 +124,24 @@ def _slot_filler(record_type: Any, fields: tuple[str, ...]) -> Callable[..., Any
 
     SpanRecord is a frozen dataclass whose ``__init__`` sets each of its 27 fields through
     ``object.__setattr__`` (a sixth of normalization's time); the slot descriptors store the
-    same values in about half of that. Falls back to the constructor when the record has a
-    ``__post_init__`` or its fields are no longer ``fields`` in that order (then by keyword, so a
-    reordered or added field can never receive another one's value).
+    same values in about half of that. The builder is generated with one statement per field, as
+    ``dataclasses`` generates ``__init__``: a loop over the descriptors costs as much again.
+    Falls back to the constructor when the record has a ``__post_init__`` or its fields are no
+    longer ``fields`` in that order (then by keyword, so a reordered or added field can never
+    receive another one's value).
     """
     names = tuple(f.name for f in dataclasses.fields(record_type))
     if (names != fields or getattr(record_type, "__slots__", ()) != names
             or hasattr(record_type, "__post_init__")):
         return lambda *values: record_type(**dict(zip(fields, values, strict=True)))
-    setters = tuple(getattr(record_type, name).__set__ for name in names)
-    new = object.__new__
-
-    def build(*values: Any) -> Any:
-        record = new(record_type)
-        for store, value in zip(setters, values, strict=True):
-            store(record, value)
-        return record
-
+    namespace: dict[str, Any] = {"new": object.__new__, "record_type": record_type}
+    lines = [f"def build({', '.join(f'v{i}' for i in range(len(names)))}):", "    record = new(record_type)"]
+    for i, name in enumerate(names):
+        namespace[f"set{i}"] = getattr(record_type, name).__set__
+        lines.append(f"    set{i}(record, v{i})  # {name}")
+    lines.append("    return record")
+    exec("\n".join(lines), namespace)  # the source holds only names made above from positions
+    build: Callable[..., Any] = namespace["build"]
     return build
 
 
@@ -160,6 +161,7 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
     spans a daemon receives come from its own machine's engines, and its correlator joins them to
     its own kernel events by host. ``fallback_host`` stands in where neither is known."""
     result = NormalizeResult()
+    append = result.spans.append
     rejections = _Rejections()
     total = 0
     for resource_spans in request.resource_spans:
@@ -172,12 +174,12 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 total += 1
-                reason = _check_span(span)
-                if reason is not None:
-                    rejections.add(reason)
-                    continue
                 try:
-                    result.spans.append(normalize_span(span, service=service, host=host, process_pid=pid))
+                    head = _span_head(span)
+                    if isinstance(head, str):
+                        rejections.add(head)
+                        continue
+                    append(normalize_span(span, head, service=service, host=host, process_pid=pid))
                 except Exception as exc:  # a bug here must cost one span, never the request
                     rejections.add(f"that could not be read ({type(exc).__name__})")
     result.rejected = rejections.count
@@ -185,8 +187,9 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
     return result
 
 
-def normalize_span(span: Any, *, service: str, host: str, process_pid: int | None) -> SpanRecord:
-    """One valid OTLP span (ids already checked) to a SpanRecord."""
+def normalize_span(span: Any, head: tuple[str, str, str | None, int, int], *, service: str, host: str,
+                   process_pid: int | None) -> SpanRecord:
+    """One valid OTLP span to a SpanRecord; ``head`` is what ``_span_head`` read and checked."""
     # ``attrs`` is this span's own dict: values that become columns are removed from it, and
     # what is left is stored as the span's attributes.
     attrs, dropped = attributes_dict(span.attributes)
@@ -212,14 +215,15 @@ def normalize_span(span: Any, *, service: str, host: str, process_pid: int | Non
     engine = _engine_columns(attrs) if has_genai else _NO_ENGINE_COLUMNS
     if dropped:
         attrs["auditor.dropped_attributes"] = dropped
+    trace_id, span_id, parent_span_id, start_ns, end_ns = head
     span_record: SpanRecord = _new_span(
-        span.trace_id.hex(),  # trace_id
-        span.span_id.hex(),  # span_id
-        span.parent_span_id.hex() or None,  # parent_span_id
+        trace_id,  # trace_id
+        span_id,  # span_id
+        parent_span_id,  # parent_span_id
         name,  # name
         kind,  # kind
-        span.start_time_unix_nano,  # start_ns
-        span.end_time_unix_nano,  # end_ns
+        start_ns,  # start_ns
+        end_ns,  # end_ns
         service,  # service
         host,  # host
         _STATUS_NAMES.get(span.status.code, "unset") if span.HasField("status") else "unset",  # status

@@ -184,3 +184,33 @@ def test_hostile_attributes_are_bounded() -> None:
     long_name = span("n" * 10_000, SERVER, {"http.method": "GET", "http.route": "/" + "r" * 1000})
     (record,) = normalize_request(request(long_name)).spans
     assert len(record.name) == 255 and len(record.route or "") == 255
+
+
+def test_record_builder_fills_every_field_or_uses_the_constructor() -> None:
+    import dataclasses
+
+    from collectors.normalize import _slot_filler
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Pair:
+        first: str
+        second: int
+
+    build = _slot_filler(Pair, ("first", "second"))
+    assert build("a", 1) == Pair("a", 1)
+    with pytest.raises(TypeError):
+        build("a")  # a missing value is an error, never an unset slot
+    # Fields in another order than the builder is called with: by keyword, never by position.
+    assert _slot_filler(Pair, ("second", "first"))(2, "b") == Pair("b", 2)
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Checked:
+        first: str
+        second: int
+
+        def __post_init__(self) -> None:
+            if self.second < 0:
+                raise ValueError("negative")
+
+    with pytest.raises(ValueError, match="negative"):
+        _slot_filler(Checked, ("first", "second"))("a", -1)

@@ -9,14 +9,9 @@ that says what to do, and nothing is overwritten.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import json
 import logging
-import operator
 import os
 import time
-import typing
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +28,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from auditor.errors import StoreError
 from auditor.model import ConnEvent, CoverageKind, RequestVerdict, SpanRecord, SpanRole, UtilSample
+from auditor.store.rows import (
+    grouped_inserts,
+    row_dict,
+    rows_as_tuples,
+    shape_of,
+    sqlite_insert_sql,
+)
 from auditor.store.schema import ConnEventRow, CoverageRow, SpanRow, UtilSampleRow, VerdictRow
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
@@ -66,75 +68,6 @@ def default_db_url(*, find_service_db: bool = False) -> str:
         if found:
             return f"sqlite:///{path}"
     return "sqlite:///auditor.db"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Shape:
-    """How one record type becomes a row: its field names, one getter for all of them, and the
-    fields that need converting (enums to their values; dicts to JSON text for the tuple path)."""
-
-    names: tuple[str, ...]
-    getter: Any
-    enums: tuple[str, ...]
-    converters: tuple[tuple[int, Any], ...]  # (position, function) for the tuple path
-
-
-_SHAPES: dict[type, _Shape] = {}
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-
-
-def _shape(cls: type) -> _Shape:
-    shape = _SHAPES.get(cls)
-    if shape is None:
-        hints = typing.get_type_hints(cls)
-        names = tuple(f.name for f in dataclasses.fields(cls))
-        enums = tuple(n for n in names if any(isinstance(t, type) and issubclass(t, enum.Enum)
-                                               for t in (hints[n], *typing.get_args(hints[n]))))
-        converters = tuple((i, _enum_value if n in enums else _dumps) for i, n in enumerate(names)
-                           if n in enums or typing.get_origin(hints[n]) is dict)
-        getter = operator.attrgetter(*names)
-        shape = _SHAPES[cls] = _Shape(names, getter, enums, converters)
-    return shape
-
-
-def _enum_value(value: Any) -> Any:
-    return None if value is None else value.value
-
-
-def _row(record: Any) -> dict[str, Any]:
-    """A dataclass record as a column dict, enums as their values."""
-    shape = _shape(type(record))
-    row = dict(zip(shape.names, shape.getter(record), strict=True))
-    for name in shape.enums:
-        row[name] = _enum_value(row[name])
-    return row
-
-
-def _rows_as_tuples(records: Iterable[Any], shape: _Shape) -> list[tuple[Any, ...]]:
-    """Records as plain tuples in ``shape.names`` order, for the driver's executemany: the hot path
-    of every batch insert on SQLite, where building a dict per row costs more than the insert."""
-    getter, converters = shape.getter, shape.converters
-    if not converters:
-        return [getter(r) for r in records]
-    rows = []
-    for record in records:
-        values = list(getter(record))
-        for i, convert in converters:
-            values[i] = convert(values[i])
-        rows.append(tuple(values))
-    return rows
-
-
-def _sqlite_insert_sql(table: Any, record_type: type, skip_duplicates: bool) -> str:
-    """The driver-level insert of ``record_type`` rows in its field order (built per batch: a few
-    microseconds against thousands of rows)."""
-    names = _shape(record_type).names
-    columns = {c.name for c in table.__table__.columns} - {"id"}
-    if columns != set(names):  # a model and its record drifted apart: a bug, fail loudly
-        raise TypeError(f"{table.__tablename__} columns {sorted(columns ^ set(names))} differ from the "
-                        "record's fields")
-    verb = "INSERT OR IGNORE" if skip_duplicates else "INSERT"
-    return f"{verb} INTO {table.__tablename__} ({', '.join(names)}) VALUES ({', '.join('?' for _ in names)})"
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -231,7 +164,8 @@ class Store:
         try:
             with self.engine.begin() as conn:
                 if isinstance(statement, str):
-                    conn.exec_driver_sql(statement, rows)
+                    for sql, params in grouped_inserts(statement, rows):
+                        conn.exec_driver_sql(sql, params)
                 else:
                     conn.execute(insert(table) if statement is None else statement, rows)
         except OperationalError as exc:
@@ -250,10 +184,10 @@ class Store:
                 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
                 statement = pg_insert(table).on_conflict_do_nothing()
-            return self._insert(table, [_row(r) for r in records], statement)
+            return self._insert(table, [row_dict(r) for r in records], statement)
         record_type = type(records[0])
-        sql = _sqlite_insert_sql(table, record_type, skip_duplicates)
-        return self._insert(table, _rows_as_tuples(records, _shape(record_type)), sql)
+        sql = sqlite_insert_sql(table, record_type, skip_duplicates)
+        return self._insert(table, rows_as_tuples(records, shape_of(record_type)), sql)
 
     def insert_conn_events(self, events: Iterable[ConnEvent]) -> int:
         return self._insert_records(ConnEventRow, events)
@@ -301,7 +235,7 @@ class Store:
             existing = {row.request_key: row for row in
                         session.query(VerdictRow).filter(VerdictRow.request_key.in_(keys))}
             for verdict in verdicts:
-                values = _row(verdict) | {"updated_ns": now}
+                values = row_dict(verdict) | {"updated_ns": now}
                 row = existing.get(verdict.request_key)
                 if row is None:
                     session.add(VerdictRow(**values))
