@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
@@ -11,6 +12,8 @@ import click
 
 from auditor.cli.util import PORT, common_options, errors_as_click
 from auditor.config import Config, apply_overrides
+
+GC_FIRST_GENERATION = 20_000
 
 
 @click.command("run")
@@ -39,6 +42,12 @@ def run_command(config: Config, ports: tuple[int, ...], otlp_http: str | None, o
         config = apply_overrides(config, overrides)
         daemon = Daemon(config)
         daemon.start()
+    # The start-up's objects (modules, config, compiled queries) live as long as the process:
+    # out of the collector's sight. A first generation of 20,000 instead of 700 stops the
+    # collector from walking each batch of spans awaiting commit about 18 times per request
+    # (7% of the receiver's CPU in bench/ingest.py); nothing here makes reference cycles in bulk.
+    gc.freeze()
+    gc.set_threshold(GC_FIRST_GENERATION, 10, 10)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         click.echo(f"auditor: {signal.Signals(signum).name}, flushing and stopping", err=True)
