@@ -167,6 +167,7 @@ class Daemon:
             self.status.grpc_port = grpc.port
 
     def _start_samplers(self) -> None:
+        from collectors.listeners import ListenerPids
         from collectors.procfs import ProcfsSampler
         from collectors.sampling import SamplingLoop
 
@@ -175,6 +176,7 @@ class Daemon:
             from collectors.nvml import NvmlSampler
 
             samplers.append(NvmlSampler(host=self.host))
+        self._parts["listeners"] = ListenerPids()  # engines whose spans name no process
         procfs = ProcfsSampler(host=self.host)
         procfs.set_pids(self.config.sampler.procfs_pids)
         samplers.append(procfs)
@@ -357,9 +359,11 @@ class Daemon:
         count, self._engine_spans_seen = completed_requests(rows, self._engine_spans_seen)
         self.metrics.completed(count)
         self.metrics.set_utilization({source: (mean or 0.0) / 100.0 for source, mean in util})
-        procfs = self._parts.get("procfs")
-        if procfs is not None:
-            procfs.set_pids(set(self.config.sampler.procfs_pids) | {p for p in pids if p})
+        procfs, listeners = self._parts.get("procfs"), self._parts.get("listeners")
+        if procfs is not None and listeners is not None:
+            found, unknown = listeners.resolve(self._ports)
+            self.correlator.cost.set_listeners(found, unknown)
+            procfs.set_pids(set(self.config.sampler.procfs_pids) | {p for p in pids if p} | set(found.values()))
 
     def set_ports(self, ports: set[int]) -> None:
         self._ports = set(ports)

@@ -11,6 +11,7 @@ import ipaddress
 from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator
 
+from auditor.correlate.waste import RunIndex
 from auditor.model import SpanRecord, SpanRole
 
 Tuple4 = tuple[str, int, int]  # (client address, client port, server port)
@@ -69,6 +70,7 @@ class TraceIndex:
         self._engine_by_request_id: dict[str, SpanRecord] = {}
         # Server spans without a peer address, by server port, until a close claims them.
         self._peerless: dict[int, list[SpanRecord]] = defaultdict(list)
+        self.runs = RunIndex()  # when each request ran, for sharing its cost
 
     def add(self, span: SpanRecord, arrived_ns: int) -> bool:
         """Index a span; False when it was already known (a duplicate delivery)."""
@@ -76,6 +78,7 @@ class TraceIndex:
         if span.span_id in spans:
             return False
         spans[span.span_id] = span
+        self.runs.add(span)
         last = self._arrivals[-1][0] if self._arrivals else arrived_ns
         self._arrivals.append((max(arrived_ns, last), span.trace_id))  # monotonic even if the clock steps back
         self._entries[span.trace_id] += 1
