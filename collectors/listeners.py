@@ -126,5 +126,5 @@ class ListenerPids:
             else:
                 unknown[port] = (f"the process listening on port {port} was not found"
                                  + (f" ({self._denied} processes' descriptors unreadable: the daemon needs"
-                                    " CAP_SYS_PTRACE)" if self._denied else ""))
+                                    " CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE)" if self._denied else ""))
         return pids, unknown
