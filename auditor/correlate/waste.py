@@ -153,6 +153,8 @@ class RunIndex:
         engine = span.role is SpanRole.ENGINE
         if engine:
             self._engines.add(span.service)
+        elif span.service in self._engines:
+            return  # its engine spans tell who ran
         start, end = running_part(span)
         last = end // BUCKET_NS
         first = max(start // BUCKET_NS, last - _BUCKET_SPAN_MAX)
