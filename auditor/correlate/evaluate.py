@@ -172,8 +172,8 @@ def _waste(corr: Correlator, start_ns: int, end_ns: int, engine: SpanRecord | No
     """This request's share of what its engine spent while its client was gone and it was running."""
     if engine is not None:
         start_ns = max(start_ns, running_part(engine)[0])  # waiting in the queue costs nothing
-    if end_ns <= start_ns:
-        return 0.0, 0.0
+    if end_ns <= start_ns or (engine is None and details.get("orphaned_scrapes") == 0):
+        return 0.0, 0.0  # nothing ran for it: no window, or the gauges never held it after its client left
     span = engine or base
     service, trace_id = (span.service, span.trace_id) if span else ("", "")
     pid = (engine.process_pid if engine else None) or (base.process_pid if base else None) \
