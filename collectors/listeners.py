@@ -11,8 +11,10 @@ which for a process of another user needs CAP_SYS_PTRACE. The unit runs as its o
 finds engines of other users only with CAP_SYS_PTRACE in its capability set (docs/verdicts.md,
 "Cost"); without it the port stays unresolved and verdicts say so in ``cost_unmeasured``.
 
-Found pids are cached by inode and checked again cheaply (their link still names the inode); the
-full scan of ``/proc`` runs only for inodes not yet found, at most every ``rescan_s``.
+An answer that found every port's process holds while those processes live, checked again in full
+every ``verify_s``; otherwise every ``refresh_s``. Found pids are cached by inode and checked
+cheaply (their link still names the inode); the full scan of ``/proc`` runs only for inodes not yet
+found, at most every ``rescan_s``.
 """
 
 from __future__ import annotations
@@ -78,9 +80,11 @@ class ListenerPids:
     """Port -> pid of the process listening on it, cached; why not, for the ports it cannot tell."""
 
     def __init__(self, proc_root: str | os.PathLike[str] = "/proc", *, refresh_s: float = 2.0,
-                 rescan_s: float = 10.0, monotonic: Callable[[], float] = time.monotonic) -> None:
+                 verify_s: float = 60.0, rescan_s: float = 10.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.proc_root = Path(proc_root)
         self.refresh_s = refresh_s
+        self.verify_s = verify_s
         self.rescan_s = rescan_s
         self._answer: tuple[frozenset[int], float, tuple[dict[int, int], dict[int, str]]] | None = None
         self._monotonic = monotonic
@@ -97,10 +101,15 @@ class ListenerPids:
             return False
 
     def resolve(self, ports: Iterable[int]) -> tuple[dict[int, int], dict[int, str]]:
-        """(port -> pid, port -> why unknown) for the ports asked; the same answer for ``refresh_s``."""
+        """(port -> pid, port -> why unknown) for the ports asked; the same answer for ``refresh_s``,
+        and up to ``verify_s`` while every port has a process and they all live (reading
+        ``/proc/net/tcp`` costs milliseconds on a busy host: it lists every connection)."""
         asked, now = frozenset(ports), self._monotonic()
-        if self._answer is not None and self._answer[0] == asked and now - self._answer[1] < self.refresh_s:
-            return self._answer[2]
+        if self._answer is not None and self._answer[0] == asked:
+            age, (pids, unknown) = now - self._answer[1], self._answer[2]
+            if age < self.refresh_s or (age < self.verify_s and not unknown and all(
+                    (self.proc_root / str(pid)).exists() for pid in pids.values())):
+                return self._answer[2]
         answer = self._resolve(set(asked))
         self._answer = (asked, now, answer)
         return answer

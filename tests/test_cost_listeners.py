@@ -56,7 +56,7 @@ def test_a_connection_on_the_port_is_not_taken_for_the_listener() -> None:
 
 def test_found_pids_are_cached_and_a_new_listener_is_found_again() -> None:
     clock = [0.0]
-    finder = ListenerPids(refresh_s=0.0, rescan_s=5.0, monotonic=lambda: clock[0])
+    finder = ListenerPids(refresh_s=0.0, verify_s=0.0, rescan_s=5.0, monotonic=lambda: clock[0])
     with listener() as first:
         port = first.getsockname()[1]
         assert finder.resolve([port])[0] == {port: os.getpid()}
@@ -68,6 +68,18 @@ def test_found_pids_are_cached_and_a_new_listener_is_found_again() -> None:
         assert finder.resolve([port])[0] == {}  # too soon to scan /proc again
         clock[0] += 5
         assert finder.resolve([port])[0] == {port: os.getpid()} and finder.scans == 2
+
+
+def test_an_answer_holds_while_its_processes_live_and_is_checked_in_full_now_and_then() -> None:
+    clock = [0.0]
+    finder = ListenerPids(refresh_s=1.0, verify_s=30.0, monotonic=lambda: clock[0])
+    with listener() as engine:
+        port = engine.getsockname()[1]
+        assert finder.resolve([port])[0] == {port: os.getpid()}
+    clock[0] += 10  # closed, but its process lives: /proc/net/tcp is not read again yet
+    assert finder.resolve([port]) == ({port: os.getpid()}, {})
+    clock[0] += 25
+    assert finder.resolve([port]) == ({}, {port: f"nothing listens on port {port} on this host"})
 
 
 def capabilities(extra: str = "") -> str:
