@@ -72,6 +72,7 @@ def time_both(correlator: Correlator, store: Store, now: int, zombies: int, age_
               previous: types.ModuleType) -> tuple[float, float, float, float]:
     start, end = now - int(age_s * S), now - int((age_s - 4) * S)
     engine = spans_for(0, start)[1]
+    origin = types.SimpleNamespace(ts_ns=start, tuple4=("127.0.0.1", 10000, 8000))  # the client's close
     started = time.perf_counter()
     for _ in range(zombies):
         sharers = previous.requests_in_flight(correlator.spans.arrived_since(start), [], service="engine",
@@ -81,7 +82,7 @@ def time_both(correlator: Correlator, store: Store, now: int, zombies: int, age_
     correlator.cost.samples.refresh(now)  # the daemon's cache is loaded once, then read incrementally
     started = time.perf_counter()
     for _ in range(zombies):
-        after = _waste(correlator, start, end, engine, None, 8000, {})
+        after = _waste(correlator, origin, None, end, engine, None, {})
     after_s = time.perf_counter() - started
     return before_s, after_s, before.cpu_seconds, after[1]
 

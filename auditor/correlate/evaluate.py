@@ -72,8 +72,7 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     tokens, exact = tokens_after_disconnect(origin.ts_ns, engine)
     gpu_s = cpu_s = 0.0
     if decision.verdict not in (Verdict.COMPLETED, Verdict.UNCONFIRMED) and not never_ran(engine):
-        gpu_s, cpu_s = _waste(corr, max(origin.ts_ns, started or 0), work_end or now, engine, base, origin.tuple4[2],
-                              details)
+        gpu_s, cpu_s = _waste(corr, origin, started, work_end or now, engine, base, details)
     _add_hops(request, origin, http_spans, origin_span, details)
     verdict = RequestVerdict(
         request_key=f"{corr.host}/{trace_id}/{root_id}", host=corr.host, verdict=decision.verdict,
@@ -167,9 +166,10 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
                                                                     end + CLOCK_ERROR_NS))
 
 
-def _waste(corr: Correlator, start_ns: int, end_ns: int, engine: SpanRecord | None,
-           base: SpanRecord | None, port: int, details: dict[str, Any]) -> tuple[float, float]:
+def _waste(corr: Correlator, origin: Any, started: int | None, end_ns: int, engine: SpanRecord | None,
+           base: SpanRecord | None, details: dict[str, Any]) -> tuple[float, float]:
     """This request's share of what its engine spent while its client was gone and it was running."""
+    start_ns, port = max(origin.ts_ns, started or 0), origin.tuple4[2]
     if engine is not None:
         start_ns = max(start_ns, running_part(engine)[0])  # waiting in the queue costs nothing
     if end_ns <= start_ns or (engine is None and details.get("orphaned_scrapes") == 0):
