@@ -15,6 +15,7 @@ each span's running interval in time buckets as the span arrives.
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,11 +43,12 @@ class Waste:
 
 @dataclass(slots=True)
 class _Series:
-    """One source's samples of one process (pid None: the whole GPU), in time order."""
+    """One source's samples of one process (pid None: the whole GPU), in time order; packed
+    arrays, a horizon of 100 ms samples being tens of thousands per series."""
 
-    ts: list[int] = field(default_factory=list)
-    start: list[int] = field(default_factory=list)  # the covered interval's start
-    util: list[float] = field(default_factory=list)
+    ts: array[int] = field(default_factory=lambda: array("q"))
+    start: array[int] = field(default_factory=lambda: array("q"))  # the covered interval's start
+    util: array[float] = field(default_factory=lambda: array("d"))
 
     def add(self, ts: int, start: int, util: float) -> None:
         if self.ts and ts < self.ts[-1]:
