@@ -91,10 +91,11 @@ class SampleCache:
         columns = (UtilSampleRow.id, UtilSampleRow.ts_ns, UtilSampleRow.source, UtilSampleRow.pid,
                    UtilSampleRow.util_percent, UtilSampleRow.interval_s)
         with self.store.session() as session:
-            if self._cursor is None:
-                rows = session.execute(select(*columns).where(
-                    UtilSampleRow.host == self.host, UtilSampleRow.ts_ns > now_ns - HORIZON_NS)).all()
+            if self._cursor is None:  # the horizon, up to the newest row now (later ones come next round)
                 self._cursor = int(session.scalar(select(func.coalesce(func.max(UtilSampleRow.id), 0))) or 0)
+                rows = session.execute(select(*columns).where(
+                    UtilSampleRow.id <= self._cursor, UtilSampleRow.host == self.host,
+                    UtilSampleRow.ts_ns > now_ns - HORIZON_NS)).all()
             else:
                 rows = session.execute(select(*columns).where(
                     UtilSampleRow.id > self._cursor, UtilSampleRow.host == self.host)).all()
