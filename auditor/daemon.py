@@ -86,7 +86,7 @@ class Daemon:
         procfs = self._parts.get("procfs")
         extra_pids = set(self.config.sampler.procfs_pids)
         self._upkeep = Upkeep(self.store, self.host, self.metrics, None if procfs is None else
-                              lambda pids: procfs.set_pids(extra_pids | pids))
+                              lambda pids: procfs.set_pids(extra_pids | pids), find_engines=self._find_engines)
         self._start_engine_metrics()
         self._spawn("correlator", self._correlate_loop)
         self._start_retention()
@@ -158,6 +158,7 @@ class Daemon:
             self.status.grpc_port = grpc.port
 
     def _start_samplers(self) -> None:
+        from collectors.listeners import ListenerPids
         from collectors.procfs import ProcfsSampler
         from collectors.sampling import SamplingLoop
 
@@ -166,6 +167,7 @@ class Daemon:
             from collectors.nvml import NvmlSampler
 
             samplers.append(NvmlSampler(host=self.host))
+        self._parts["listeners"] = ListenerPids()  # engines whose spans name no process
         procfs = ProcfsSampler(host=self.host)
         procfs.set_pids(self.config.sampler.procfs_pids)
         samplers.append(procfs)
@@ -331,6 +333,16 @@ class Daemon:
         if event_writer is not None:
             readings.store_write_errors["conn_events"] = event_writer.write_errors
         return readings
+
+    def _find_engines(self) -> set[int]:
+        """The processes listening on the watched ports, for engines whose spans name no process:
+        the correlator charges their cost, the CPU sampler follows them."""
+        listeners = self._parts.get("listeners")
+        if listeners is None:
+            return set()
+        found, unknown = listeners.resolve(self._ports)
+        self.correlator.cost.set_listeners(found, unknown)
+        return set(found.values())
 
     def set_ports(self, ports: set[int]) -> None:
         self._ports = set(ports)

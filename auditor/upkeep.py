@@ -37,9 +37,10 @@ class Upkeep:
     """Called once per correlation round from the correlator's thread."""
 
     def __init__(self, store: Store, host: str, metrics: DaemonMetrics,
-                 follow_pids: Callable[[set[int]], None] | None) -> None:
+                 follow_pids: Callable[[set[int]], None] | None,
+                 find_engines: Callable[[], set[int]] = set) -> None:
         self.store, self.host, self.metrics = store, host, metrics
-        self._follow = follow_pids
+        self._follow, self._find_engines = follow_pids, find_engines
         with store.session() as session:
             self._cursor = int(session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0)
         self._engine_spans_seen = False  # then completions are counted from engine spans only
@@ -65,8 +66,9 @@ class Upkeep:
             self._refresh_utilization(now_ns)
 
     def _follow_pids(self, seen: set[int], now_ns: int) -> None:
-        """A pid a new span names is followed at once; one unseen for a minute is let go."""
-        for pid in seen:
+        """A pid a new span names, or that listens on a watched port, is followed at once; one
+        unseen for a minute is let go."""
+        for pid in seen | self._find_engines():
             self._pids[pid] = now_ns
         for pid in [p for p, last in self._pids.items() if now_ns - last > PID_FOLLOW_NS]:
             del self._pids[pid]

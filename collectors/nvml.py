@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from auditor.model import UtilSample
@@ -26,6 +26,8 @@ _DEVICE_GONE = frozenset({
     "NVMLError_DriverNotLoaded", "NVMLError_LibRmVersionMismatch", "NVMLError_GpuNotFound",
     "NVMLError_Timeout", "NVMLError_IrqIssue",
 })
+PERIOD_WINDOW = 16  # NVML update gaps kept to estimate its period
+CLOCK_AGREES_NS = 60 * 1_000_000_000
 _NEEDS_REINIT = frozenset({"NVMLError_Uninitialized", "NVMLError_DriverNotLoaded"})
 
 
@@ -51,6 +53,24 @@ class _Gpu:
     error: str = ""
     last_seen_us: int = 0  # newest process-utilization sample already read (NVML's timestamp)
     last_sample_at: float | None = None
+    seen_by_pid: dict[int, int] = field(default_factory=dict)  # newest NVML timestamp per process
+    updates: list[int] = field(default_factory=list)  # recent gaps between NVML's updates, in us
+    period_us: float | None = None  # NVML's update period as observed (shortest recent gap)
+    clock_offset_ns: int | None = None  # NVML's clock to the wall clock, when they differ
+
+    def note_update(self, stamp_us: int) -> None:
+        """A newer NVML update: its gap to the last one tells NVML's period (idle gaps only lengthen it)."""
+        if self.last_seen_us:
+            self.updates = [*self.updates[-(PERIOD_WINDOW - 1):], stamp_us - self.last_seen_us]
+            self.period_us = float(min(self.updates))
+        self.last_seen_us = stamp_us
+
+    def wall_ns(self, stamp_us: int, now_ns: int) -> int:
+        """NVML's timestamp on the wall clock: the CPU's wall time in microseconds on the drivers
+        seen so far; were it another clock, it is mapped by its offset at the first reading."""
+        if self.clock_offset_ns is None:
+            self.clock_offset_ns = 0 if abs(stamp_us * 1000 - now_ns) < CLOCK_AGREES_NS else now_ns - stamp_us * 1000
+        return stamp_us * 1000 + self.clock_offset_ns
 
 
 class NvmlSampler:
@@ -60,8 +80,9 @@ class NvmlSampler:
 
     def __init__(self, nvml: Any = None, host: str = "", *, monotonic: Callable[[], float] = time.monotonic,
                  backoff_initial_s: float = 1.0, backoff_max_s: float = 60.0,
-                 per_process: bool = True) -> None:
+                 per_process: bool = True, default_period_s: float = 0.2) -> None:
         self._nvml = nvml
+        self.default_period_s = default_period_s  # NVML's update period until seen
         self.host = host
         self._monotonic = monotonic
         self.backoff_initial_s = backoff_initial_s
@@ -181,32 +202,50 @@ class NvmlSampler:
             used = getattr(process, "usedGpuMemory", None)
             memory_by_pid[int(process.pid)] = None if used is None else int(used)
         # Only samples newer than the last one read; NotFound just means "none since then".
-        util_rows: list[Any] | None
         try:
             util_rows = list(nvml.nvmlDeviceGetProcessUtilization(handle, gpu.last_seen_us))
         except Exception as exc:
             if _device_gone(exc):
                 raise
-            util_rows = [] if type(exc).__name__ == "NVMLError_NotFound" else None
-        util_by_pid: dict[int, tuple[int, float, float]] = {}
-        for row in util_rows or []:
-            stamp = int(row.timeStamp)
-            previous = util_by_pid.get(int(row.pid))
-            if previous is None or stamp > previous[0]:
-                util_by_pid[int(row.pid)] = (stamp, float(row.smUtil), float(row.memUtil))
-            gpu.last_seen_us = max(gpu.last_seen_us, stamp)
-        samples = []
-        for pid in sorted(memory_by_pid.keys() | util_by_pid.keys()):
-            utilization = util_by_pid.get(pid)
-            # A running process with no new utilization sample was idle in the window when NVML
-            # answered at all; when it could not answer, say nothing rather than 0.
-            sm_util = utilization[1] if utilization else (0.0 if util_rows is not None else None)
+            util_rows = []
+        samples = self._utilization_samples(gpu, util_rows, ts_ns, memory_by_pid)
+        sampled = {s.pid for s in samples}
+        for pid in sorted(memory_by_pid.keys() - sampled):
+            # NVML has no new reading for it yet (it updates every ~200 ms, not every tick): its
+            # memory now, its utilization unknown - never a 0 % that did not happen.
             samples.append(UtilSample(
-                ts_ns=ts_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=pid,
-                util_percent=sm_util, memory_util_percent=utilization[2] if utilization else None,
-                memory_bytes=memory_by_pid.get(pid), interval_s=interval_s,
+                ts_ns=ts_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=pid, util_percent=None,
+                memory_bytes=memory_by_pid[pid], interval_s=interval_s,
             ))
         return samples
+
+    def _utilization_samples(self, gpu: _Gpu, rows: list[Any], ts_ns: int,
+                             memory_by_pid: dict[int, int | None]) -> list[UtilSample]:
+        """One sample per NVML reading, at NVML's own timestamp, covering the time since the
+        process's previous reading, at most one NVML update period (a process NVML skipped
+        was idle: NVML lists only processes with some use in its last period)."""
+        samples = []
+        for row in sorted(rows, key=lambda r: int(r.timeStamp)):
+            stamp_us, pid = int(row.timeStamp), int(row.pid)
+            if stamp_us <= gpu.seen_by_pid.get(pid, 0):
+                continue  # read already
+            if stamp_us > gpu.last_seen_us:
+                gpu.note_update(stamp_us)
+            previous = gpu.seen_by_pid.get(pid)
+            gpu.seen_by_pid[pid] = stamp_us
+            period_us = gpu.period_us or (self.default_period_s * 1e6)
+            covered_us = period_us if previous is None else min(stamp_us - previous, period_us)
+            samples.append(UtilSample(
+                ts_ns=gpu.wall_ns(stamp_us, ts_ns), source="nvml", host=self.host, gpu_index=gpu.index,
+                pid=pid, util_percent=float(row.smUtil), memory_util_percent=float(row.memUtil),
+                memory_bytes=memory_by_pid.get(pid), interval_s=covered_us / 1e6,
+            ))
+        return samples
+
+    def update_period_s(self, gpu_index: int) -> float | None:
+        """NVML's per-process update period on that GPU as observed so far (None: not seen yet)."""
+        period = next((g.period_us for g in self._gpus if g.index == gpu_index), None)
+        return None if period is None else period / 1e6
 
     # -- health -----------------------------------------------------------------------------
     def health(self) -> str:

@@ -3,6 +3,9 @@ plus one ``gpu``-marked test against the real library."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -93,19 +96,24 @@ def test_gpu_and_process_samples() -> None:
     sampler = NvmlSampler(nvml=fake, host="h", monotonic=clock)
     samples = sampler.sample(1_000)
     gpu0 = [s for s in samples if s.gpu_index == 0]
-    whole, proc_a, proc_b = gpu0
+    whole = gpu0[0]
     assert (whole.pid, whole.util_percent, whole.memory_util_percent) == (None, 90.0, 40.0)
     assert (whole.memory_bytes, whole.power_watts, whole.source, whole.host) == (10 << 30, 250.5, "nvml", "h")
     assert whole.interval_s is None  # first reading: no window yet
-    assert (proc_a.pid, proc_a.util_percent, proc_a.memory_util_percent, proc_a.memory_bytes) == (1000, 70.0, 20.0, 2 << 30)
-    assert (proc_b.pid, proc_b.util_percent, proc_b.memory_bytes) == (2000, 0.0, None)
+    proc_a_first, proc_a, proc_b = [s for s in gpu0 if s.pid is not None]
+    # Every NVML reading is a sample at NVML's own time, covering the time since the previous one.
+    assert (proc_a_first.ts_ns, proc_a_first.util_percent) == (5_000, 30.0)
+    assert (proc_a.ts_ns, proc_a.util_percent, proc_a.memory_util_percent, proc_a.memory_bytes) == (9_000, 70.0, 20.0, 2 << 30)
+    assert proc_a.interval_s == pytest.approx(4e-6)
+    assert (proc_b.pid, proc_b.util_percent, proc_b.memory_bytes) == (2000, None, None)  # no reading: unknown
     assert sampler.health() == "ok"
     # The next read asks only for samples newer than the last one seen, and says how long the window was.
     clock.now += 0.1
     samples = sampler.sample(2_000)
     assert "procutil 0 since 9" in fake.calls
     assert samples[0].interval_s == pytest.approx(0.1)
-    assert [s.util_percent for s in samples if s.pid == 1000] == [0.0]  # no new sample: idle
+    # NVML had nothing new for the process: its utilization is unknown this tick, never a made-up 0 %.
+    assert [s.util_percent for s in samples if s.pid == 1000] == [None]
 
 
 def test_unsupported_power_is_left_empty() -> None:
@@ -187,3 +195,96 @@ def test_real_nvml() -> None:
         assert whole and all(0 <= (s.util_percent or 0) <= 100 and (s.memory_bytes or 0) > 0 for s in whole)
     finally:
         sampler.close()
+
+
+@dataclass
+class UpdatingNvml(FakeNvml):
+    """An NVML that, like current drivers, updates per-process utilization every ``period_s`` and
+    stamps each reading with the CPU's wall time in microseconds; ``util_at`` is the engine's real
+    SM use at each moment, which the reading averages over its period."""
+
+    now_s: float = 1_700_000_000.0
+    period_s: float = 0.2
+    pid: int = 4242
+    util_at: Any = None
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
+        return [SimpleNamespace(pid=self.pid, usedGpuMemory=1 << 30)]
+
+    def nvmlDeviceGetProcessUtilization(self, handle: int, last_seen: int) -> list[Any]:
+        latest = int(self.now_s / self.period_s) * self.period_s
+        stamp = round(latest * 1e6)
+        if stamp <= last_seen:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        steps = 20
+        mean = sum(self.util_at(latest - self.period_s * (i + 0.5) / steps) for i in range(steps)) / steps
+        return [SimpleNamespace(pid=self.pid, timeStamp=stamp, smUtil=round(mean), memUtil=5)]
+
+
+def test_nvml_updating_every_200ms_sampled_every_100ms_costs_what_ran(store: Any) -> None:
+    """The daemon ticks every 100 ms, NVML updates every 200 ms: half the ticks find nothing new.
+    The GPU-seconds integrated from the samples must match the engine's real use, not half of it."""
+    from auditor.correlate.waste import SampleCache, wasted
+
+    start_s = 1_700_000_000.0
+
+    def util_at(t: float) -> float:  # busy 90 % for 3 s, then 40 %, then idle
+        offset = t - start_s
+        return 90.0 if 1.0 <= offset < 4.0 else 40.0 if 4.0 <= offset < 7.0 else 0.0
+
+    fake = UpdatingNvml(count=1, now_s=start_s, util_at=util_at)
+    clock = Clock()
+    sampler = NvmlSampler(nvml=fake, host="h", monotonic=clock)
+    for _ in range(100):  # ten seconds of 100 ms ticks
+        fake.now_s += 0.1
+        clock.now += 0.1
+        store.insert_samples(sampler.sample(int(fake.now_s * 1e9)))
+    cache = SampleCache(store, "h")
+    cache.refresh(int(fake.now_s * 1e9))
+    window = (int((start_s + 2.0) * 1e9), int((start_s + 6.0) * 1e9))
+    cost = wasted(cache, start_ns=window[0], end_ns=window[1], pid=fake.pid, sharers=lambda ts: 1)
+    truth = 2.0 * 0.9 + 2.0 * 0.4  # GPU-seconds the engine really used in the window
+    assert cost.gpu_seconds == pytest.approx(truth, rel=0.10), (cost.gpu_seconds, truth)
+    assert sampler.update_period_s(0) == pytest.approx(0.2, abs=1e-6)
+
+
+@pytest.mark.gpu
+def test_real_nvml_per_process_cost_of_a_known_busy_spell(store: Any) -> None:
+    """On a real GPU: this process keeps the GPU busy for 2 s (synchronized matrix products) while
+    the sampler ticks every 100 ms; the GPU-seconds integrated from NVML's own per-process readings
+    come within 10 % of the 2 s of busy time (drivers update them about every 200 ms)."""
+    torch = pytest.importorskip("torch", reason="the busy spell needs PyTorch with CUDA")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA GPU")
+    from auditor.correlate.waste import SampleCache, wasted
+
+    sampler = NvmlSampler(nvml=pynvml, host="real")
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            store.insert_samples(sampler.sample(time.time_ns()))
+            time.sleep(0.1)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        a = torch.randn((8192, 8192), device="cuda", dtype=torch.float16)
+        time.sleep(1.0)
+        begin = time.time_ns()
+        while time.time_ns() - begin < 2_000_000_000:
+            a = (a @ a).clamp_(-1, 1)
+            torch.cuda.synchronize()
+        end = time.time_ns()
+        time.sleep(1.0)  # NVML's last reading of the spell lands up to a period later
+    finally:
+        stop.set()
+        ticker.join()
+        periods = [sampler.update_period_s(i) for i in range(4)]
+        sampler.close()
+    cache = SampleCache(store, "real")
+    cache.refresh(time.time_ns())
+    assert cache.series("nvml", os.getpid()) is not None, "NVML gave no per-process reading of this process"
+    cost = wasted(cache, start_ns=begin - 500_000_000, end_ns=end + 500_000_000, pid=os.getpid(), sharers=lambda ts: 1)
+    busy_s = (end - begin) / 1e9
+    assert cost.gpu_seconds == pytest.approx(busy_s, rel=0.10), (cost.gpu_seconds, busy_s, periods)

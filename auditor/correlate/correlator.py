@@ -36,6 +36,7 @@ from auditor.correlate.live import LiveState
 from auditor.correlate.requests import CorrelatorStats, Disconnect, OpenRequest, RequestKey
 from auditor.correlate.traces import TraceIndex, Tuple4, disconnect_instant, norm_addr, span_tuple
 from auditor.correlate.verdict import NORMAL_FINISH
+from auditor.correlate.waste import CostSources
 from auditor.model import (
     ConnEventKind,
     CoverageKind,
@@ -81,6 +82,7 @@ class Correlator:
         # no engine span by the end of the late-span window says the work was aborted.
         self.services_spanning_finishes: set[str] = set()
         self.loads = EngineLoads()
+        self.cost = CostSources(store, host)  # samples and engine processes, for what zombies cost
         self._pending: dict[int, Disconnect] = {}
         self._recent_unjoined: dict[int, tuple[Disconnect, CoverageKind]] = {}
         self._open: dict[RequestKey, OpenRequest] = {}

@@ -23,7 +23,7 @@ from auditor.correlate.verdict import (
     phase_at,
     tokens_after_disconnect,
 )
-from auditor.correlate.waste import requests_in_flight, wasted
+from auditor.correlate.waste import running_part, sharers_at, wasted
 from auditor.model import RequestVerdict, SpanRecord, SpanRole, Verdict
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     tokens, exact = tokens_after_disconnect(origin.ts_ns, engine)
     gpu_s = cpu_s = 0.0
     if decision.verdict not in (Verdict.COMPLETED, Verdict.UNCONFIRMED) and not never_ran(engine):
-        gpu_s, cpu_s = _waste(corr, max(origin.ts_ns, started or 0), work_end or now, engine, base, origin.tuple4[2])
+        gpu_s, cpu_s = _waste(corr, origin, started, work_end or now, engine, base, details)
     _add_hops(request, origin, http_spans, origin_span, details)
     verdict = RequestVerdict(
         request_key=f"{corr.host}/{trace_id}/{root_id}", host=corr.host, verdict=decision.verdict,
@@ -166,20 +166,30 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
                                                                     end + CLOCK_ERROR_NS))
 
 
-def _waste(corr: Correlator, start_ns: int, end_ns: int, engine: SpanRecord | None,
-           base: SpanRecord | None, port: int) -> tuple[float, float]:
-    pid = (engine.process_pid if engine else None) or (base.process_pid if base else None)
-    service = (engine.service if engine else None) or (base.service if base else "")
-    sharers = requests_in_flight(corr.spans.arrived_since(start_ns), corr.live.running_since(service),
-                                 service=service, start_ns=start_ns, end_ns=end_ns, now_ns=corr.clock())
-    if corr.loads.watched(port):
-        # The engine's own count of what it was running: a request waiting its turn shares nothing.
-        def running(ts: int) -> int:
-            counted = corr.loads.running_at(port, ts)
-            return counted if counted is not None else sharers(ts)
-        cost = wasted(corr.store, host=corr.host, start_ns=start_ns, end_ns=end_ns, pid=pid, inflight_at=running)
-    else:
-        cost = wasted(corr.store, host=corr.host, start_ns=start_ns, end_ns=end_ns, pid=pid, inflight_at=sharers)
+def _waste(corr: Correlator, origin: Any, started: int | None, end_ns: int, engine: SpanRecord | None,
+           base: SpanRecord | None, details: dict[str, Any]) -> tuple[float, float]:
+    """This request's share of what its engine spent while its client was gone and it was running."""
+    start_ns, port = max(origin.ts_ns, started or 0), origin.tuple4[2]
+    if engine is not None:
+        start_ns = max(start_ns, running_part(engine)[0])  # waiting in the queue costs nothing
+    if end_ns <= start_ns or (engine is None and details.get("orphaned_scrapes") == 0):
+        return 0.0, 0.0  # nothing ran for it: no window, or the gauges never held it after its client left
+    span = engine or base
+    service, trace_id = (span.service, span.trace_id) if span else ("", "")
+    pid = (engine.process_pid if engine else None) or (base.process_pid if base else None) \
+        or corr.cost.pid_by_port.get(port)
+    samples = corr.cost.samples
+    samples.refresh(corr.clock())
+    if pid is None:
+        details["cost_unmeasured"] = corr.cost.unresolved.get(
+            port, f"the process serving port {port} is not known: no process.pid in its spans and no listener found")
+    elif samples.series("procfs", pid) is None and samples.series("nvml", pid) is None \
+            and samples.series("nvml", None) is None:
+        details["cost_unmeasured"] = f"no utilization samples of process {pid}"
+    # The engine's own running gauge when scraped: a request waiting its turn shares nothing.
+    gauge = (lambda ts: corr.loads.running_at(port, ts)) if corr.loads.watched(port) else None
+    sharers = sharers_at(corr.spans.runs, service, trace_id, corr.live.running_work(service), gauge)
+    cost = wasted(samples, start_ns=start_ns, end_ns=end_ns, pid=pid, sharers=sharers)
     return round(cost.gpu_seconds, 6), round(cost.cpu_seconds, 6)
 
 

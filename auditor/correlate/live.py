@@ -58,8 +58,14 @@ class LiveState:
         until = ts_ns if until_ns is None else until_ns
         return {key for key, e in self._running.items() if not e.engine and e.server_port == port and e.ts_ns <= until}
 
-    def running_since(self, service: str) -> list[int]:
-        return [e.ts_ns for e in self._running.values() if e.service == service]
+    def running_work(self, service: str) -> dict[str, int]:
+        """Per trace, since when notices say ``service`` runs its work: engine work where the
+        service reports it, else its server spans. Notices start at submission: where the engine's
+        gauges are scraped, they, not these, tell who was running."""
+        engine = {e.trace_id: e.ts_ns for e in self._running.values() if e.service == service and e.engine}
+        if engine:
+            return engine
+        return {e.trace_id: e.ts_ns for e in self._running.values() if e.service == service}
 
     def prune(self, cutoff_ns: int) -> None:
         for tuple4 in [k for k, lives in self._by_tuple.items() if max(e.ts_ns for e in lives) < cutoff_ns]:

@@ -13,6 +13,7 @@ import ipaddress
 from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator
 
+from auditor.correlate.waste import RunIndex
 from auditor.model import SpanRecord, SpanRole
 
 Tuple4 = tuple[str, int, int]  # (client address, client port, server port)
@@ -75,6 +76,7 @@ class TraceIndex:
         # Server spans by server port, ordered by end: who was connected at a moment is a bisect
         # and a walk over the spans that ended after it, not a pass over every trace.
         self._http_by_port: dict[int, list[tuple[int, int, str, str]]] = defaultdict(list)
+        self.runs = RunIndex()  # when each request ran, for sharing its cost
 
     def add(self, span: SpanRecord, arrived_ns: int) -> bool:
         """Index a span; False when it was already known (a duplicate delivery)."""
@@ -82,6 +84,7 @@ class TraceIndex:
         if span.span_id in spans:
             return False
         spans[span.span_id] = span
+        self.runs.add(span)
         last = self._arrivals[-1][0] if self._arrivals else arrived_ns
         self._arrivals.append((max(arrived_ns, last), span.trace_id))  # monotonic even if the clock steps back
         self._entries[span.trace_id] += 1

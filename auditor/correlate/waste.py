@@ -1,23 +1,38 @@
-"""What a zombie cost: utilization integrated over its zombie window, shared among requests in flight.
+"""What a zombie cost: utilization integrated over its zombie window, shared by who was really running.
 
 GPU-seconds come from NVML samples (the engine process's SM utilization when NVML reports it per
 process, else the whole GPU's); CPU-seconds from procfs samples of the engine process, on hosts
-without a GPU. Each sample covers ``(ts - interval, ts]``; the part inside the window counts,
-divided by the number of requests the engine had in flight at that moment.
+without a GPU. Each sample covers ``(ts - interval, ts]``; the part inside the window counts, divided
+by the number of requests the engine was *running* at that moment: its own running gauge when it is
+scraped, else the running part of its engine spans (after their time in queue) and the engine work
+live notices say is running, one per request. A request waiting in a queue shares nothing.
+
+Everything is kept in memory and indexed, so costing a verdict does not scan the store or every
+trace: :class:`SampleCache` reads new samples once per round (by row id), :class:`RunIndex` files
+each span's running interval in time buckets as the span arrives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import bisect
+from array import array
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
-from auditor.model import SpanRecord
+from auditor.model import SpanRecord, SpanRole
 from auditor.store import Store
 from auditor.store.schema import UtilSampleRow
 
 DEFAULT_INTERVAL_S = 0.1
+BUCKET_NS = 1_000_000_000
+HORIZON_NS = 15 * 60 * 1_000_000_000  # as the correlator's: nothing older is costed
+REFRESH_NS = 100_000_000  # new samples are read at most this often
+# A sample lands up to one interval after the moment it describes; NVML's are at most seconds apart.
+SAMPLE_MARGIN_NS = 5_000_000_000
+_BUCKET_SPAN_MAX = 3600  # a span longer than an hour is garbage: file only its last hour
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,53 +41,185 @@ class Waste:
     cpu_seconds: float
 
 
-def wasted(store: Store, *, host: str, start_ns: int, end_ns: int, pid: int | None,
-           inflight_at: Callable[[int], int]) -> Waste:
-    """Utilization-seconds spent in ``[start_ns, end_ns]``, this request's equal share of them."""
-    if end_ns <= start_ns:
-        return Waste(0.0, 0.0)
-    margin = int(5e9)  # samples land up to one interval after the moment they describe
-    with store.session() as session:
-        rows = session.execute(
-            select(UtilSampleRow.ts_ns, UtilSampleRow.source, UtilSampleRow.gpu_index, UtilSampleRow.pid,
+@dataclass(slots=True)
+class _Series:
+    """One source's samples of one process (pid None: the whole GPU), in time order; packed
+    arrays, a horizon of 100 ms samples being tens of thousands per series."""
+
+    ts: array[int] = field(default_factory=lambda: array("q"))
+    start: array[int] = field(default_factory=lambda: array("q"))  # the covered interval's start
+    util: array[float] = field(default_factory=lambda: array("d"))
+
+    def add(self, ts: int, start: int, util: float) -> None:
+        if self.ts and ts < self.ts[-1]:
+            at = bisect.bisect_right(self.ts, ts)
+            self.ts.insert(at, ts)
+            self.start.insert(at, start)
+            self.util.insert(at, util)
+            return
+        self.ts.append(ts)
+        self.start.append(start)
+        self.util.append(util)
+
+    def within(self, start_ns: int, end_ns: int) -> range:
+        """Indexes of the samples that may cover part of ``[start_ns, end_ns]``."""
+        return range(bisect.bisect_right(self.ts, start_ns),
+                     bisect.bisect_left(self.ts, end_ns + SAMPLE_MARGIN_NS))
+
+    def prune(self, cutoff_ns: int) -> None:
+        keep = bisect.bisect_left(self.ts, cutoff_ns)
+        if keep:
+            del self.ts[:keep], self.start[:keep], self.util[:keep]
+
+
+class SampleCache:
+    """The host's utilization samples of the horizon, read from the store by row id, once per round."""
+
+    def __init__(self, store: Store, host: str) -> None:
+        self.store = store
+        self.host = host
+        self._series: dict[tuple[str, int | None], _Series] = defaultdict(_Series)
+        self._cursor: int | None = None
+        self._read_at = -REFRESH_NS
+        self.queries = 0
+
+    def refresh(self, now_ns: int) -> None:
+        if now_ns - self._read_at < REFRESH_NS:
+            return
+        self._read_at = now_ns
+        self.queries += 1
+        columns = (UtilSampleRow.id, UtilSampleRow.ts_ns, UtilSampleRow.source, UtilSampleRow.pid,
                    UtilSampleRow.util_percent, UtilSampleRow.interval_s)
-            .where(UtilSampleRow.host == host, UtilSampleRow.ts_ns > start_ns,
-                   UtilSampleRow.ts_ns < end_ns + margin)
-        ).all()
-    gpu_process = [r for r in rows if r.source == "nvml" and pid is not None and r.pid == pid]
-    gpu_device = [r for r in rows if r.source == "nvml" and r.pid is None]
-    cpu_process = [r for r in rows if r.source == "procfs" and pid is not None and r.pid == pid]
-    gpu_rows = gpu_process or gpu_device
+        with self.store.session() as session:
+            if self._cursor is None:  # the horizon, up to the newest row now (later ones come next round)
+                self._cursor = int(session.scalar(select(func.coalesce(func.max(UtilSampleRow.id), 0))) or 0)
+                rows = session.execute(select(*columns).where(
+                    UtilSampleRow.id <= self._cursor, UtilSampleRow.host == self.host,
+                    UtilSampleRow.ts_ns > now_ns - HORIZON_NS)).all()
+            else:
+                rows = session.execute(select(*columns).where(
+                    UtilSampleRow.id > self._cursor, UtilSampleRow.host == self.host)).all()
+        for row in rows:
+            self._cursor = max(self._cursor, row.id)
+            if row.util_percent is None:
+                continue  # the source could not tell: no sample, not an idle one
+            covered_ns = int((row.interval_s or DEFAULT_INTERVAL_S) * 1e9)
+            self._series[(row.source, row.pid)].add(row.ts_ns, row.ts_ns - covered_ns, row.util_percent)
+        for series in self._series.values():
+            series.prune(now_ns - HORIZON_NS)
 
-    def integrate(samples: list[object]) -> float:
-        total = 0.0
-        for row in samples:
-            ts, util, interval = row.ts_ns, row.util_percent, row.interval_s  # type: ignore[attr-defined]
-            if util is None:
-                continue
-            covered_from = ts - int((interval or DEFAULT_INTERVAL_S) * 1e9)
-            overlap_ns = min(ts, end_ns) - max(covered_from, start_ns)
-            if overlap_ns <= 0:
-                continue
-            sharers = max(1, inflight_at((max(covered_from, start_ns) + min(ts, end_ns)) // 2))
-            total += util / 100.0 * overlap_ns / 1e9 / sharers
-        return total
+    def series(self, source: str, pid: int | None) -> _Series | None:
+        found = self._series.get((source, pid))
+        return found if found is not None and found.ts else None
 
-    return Waste(gpu_seconds=integrate(list(gpu_rows)), cpu_seconds=integrate(list(cpu_process)))
+    def pids(self, source: str) -> set[int]:
+        return {pid for (kind, pid), series in self._series.items() if kind == source and pid and series.ts}
 
 
-def requests_in_flight(traces: Iterable[dict[str, SpanRecord]], running_since: list[int], *, service: str,
-                       start_ns: int, end_ns: int, now_ns: int) -> Callable[[int], int]:
-    """How many requests the engine ``service`` had in flight at a moment within the window: each
-    trace's extent from its stored spans, plus what live notices say is still running."""
-    intervals = []
-    for trace in traces:
-        mine = [s for s in trace.values() if s.service == service and s.end_ns >= start_ns and s.start_ns <= end_ns]
-        if mine:
-            intervals.append((min(s.start_ns for s in mine), max(s.end_ns for s in mine)))
-    intervals += [(since, now_ns) for since in running_since]
+class CostSources:
+    """What costing needs besides spans: the samples, and which process serves which port."""
 
-    def count(ts: int) -> int:
-        return sum(1 for first, last in intervals if first <= ts <= last)
+    def __init__(self, store: Store, host: str) -> None:
+        self.samples = SampleCache(store, host)
+        self.pid_by_port: dict[int, int] = {}
+        self.unresolved: dict[int, str] = {}  # port -> why its process is not known
+
+    def set_listeners(self, pid_by_port: dict[int, int], unresolved: dict[int, str]) -> None:
+        """The engine processes found behind the watched ports (by whoever can look: the daemon)."""
+        self.pid_by_port, self.unresolved = dict(pid_by_port), dict(unresolved)
+
+
+def running_part(span: SpanRecord) -> tuple[int, int]:
+    """When a span's request was running: an engine span after its time in queue."""
+    start = span.start_ns
+    if span.role is SpanRole.ENGINE and span.time_in_queue_s:
+        start = min(span.end_ns, start + int(span.time_in_queue_s * 1e9))
+    return start, span.end_ns
+
+
+class RunIndex:
+    """Per service, when each request was running, in one-second buckets: fed as spans arrive.
+
+    Engine spans give the running part; server spans stand in for services that send no engine
+    span. A query looks at one bucket, so its cost is the concurrency there, not the horizon's size.
+    """
+
+    def __init__(self) -> None:
+        self._buckets: dict[tuple[str, bool, int], list[tuple[int, int, str]]] = defaultdict(list)
+        self._engines: set[str] = set()  # services seen sending engine spans
+        self._oldest_bucket: int | None = None
+        self.spans = 0
+
+    def add(self, span: SpanRecord) -> None:
+        if span.role not in (SpanRole.ENGINE, SpanRole.HTTP_SERVER) or span.end_ns < span.start_ns:
+            return
+        engine = span.role is SpanRole.ENGINE
+        if engine:
+            self._engines.add(span.service)
+        elif span.service in self._engines:
+            return  # its engine spans tell who ran
+        start, end = running_part(span)
+        last = end // BUCKET_NS
+        first = max(start // BUCKET_NS, last - _BUCKET_SPAN_MAX)
+        for bucket in range(first, last + 1):
+            self._buckets[(span.service, engine, bucket)].append((start, end, span.trace_id))
+        self.spans += 1
+        self._prune(last)
+
+    def running_at(self, service: str, ts_ns: int) -> set[str]:
+        """The traces whose request ``service`` was running at ``ts_ns``."""
+        engine = service in self._engines
+        return {trace for start, end, trace in self._buckets.get((service, engine, ts_ns // BUCKET_NS), ())
+                if start <= ts_ns <= end}
+
+    def _prune(self, newest_bucket: int) -> None:
+        cutoff = newest_bucket - HORIZON_NS // BUCKET_NS
+        if self._oldest_bucket is None:
+            self._oldest_bucket = newest_bucket
+        if self._oldest_bucket >= cutoff - 60:  # sweep once a minute's worth is stale
+            return
+        for key in [k for k in self._buckets if k[2] < cutoff]:
+            del self._buckets[key]
+        self._oldest_bucket = cutoff
+
+
+def sharers_at(runs: RunIndex, service: str, trace_id: str, live: dict[str, int],
+               gauge: Callable[[int], int | None] | None) -> Callable[[int], int]:
+    """How many requests shared the engine at a moment: the gauge when scraped, else the running
+    spans and the live engine work not yet spanned, each request once, this one included."""
+
+    def count(ts_ns: int) -> int:
+        if gauge is not None:
+            counted = gauge(ts_ns)
+            if counted is not None:
+                return max(1, counted)
+        traces = runs.running_at(service, ts_ns)
+        traces.update(trace for trace, since in live.items() if since <= ts_ns)
+        traces.add(trace_id)
+        return len(traces)
 
     return count
+
+
+def wasted(samples: SampleCache, *, start_ns: int, end_ns: int, pid: int | None,
+           sharers: Callable[[int], int]) -> Waste:
+    """Utilization-seconds spent in ``[start_ns, end_ns]``, this request's share of them."""
+    if end_ns <= start_ns:
+        return Waste(0.0, 0.0)
+    gpu = (samples.series("nvml", pid) if pid is not None else None) or samples.series("nvml", None)
+    cpu = samples.series("procfs", pid) if pid is not None else None
+    return Waste(gpu_seconds=_integrate(gpu, start_ns, end_ns, sharers),
+                 cpu_seconds=_integrate(cpu, start_ns, end_ns, sharers))
+
+
+def _integrate(series: _Series | None, start_ns: int, end_ns: int, sharers: Callable[[int], int]) -> float:
+    if series is None:
+        return 0.0
+    total = 0.0
+    for i in series.within(start_ns, end_ns):
+        ts, covered_from = series.ts[i], series.start[i]
+        low, high = max(covered_from, start_ns), min(ts, end_ns)
+        if high <= low:
+            continue
+        total += series.util[i] / 100.0 * (high - low) / 1e9 / sharers((low + high) // 2)
+    return total

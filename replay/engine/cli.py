@@ -85,6 +85,8 @@ def serve(app: object, sock: socket.socket, log_level: str) -> None:
               help="Also export running/waiting/tokens under this engine's metric names.")
 @click.option("--send-spans", is_flag=True, help="Record 'http send' sub-spans, the last one marked.")
 @click.option("--one-at-a-time", is_flag=True, help="Serve one request at a time; others wait unread.")
+@click.option("--no-process-pid", is_flag=True,
+              help="Leave process.pid out of the span resource, as the OpenTelemetry SDK does by default.")
 @click.option("--truth-log", type=click.Path(dir_okay=False), help="Append one JSON line per finished request.")
 @click.option("--gateway", "gateway_upstream", metavar="UPSTREAM_URL",
               help="Run as a gateway proxying to this engine instead of as an engine.")
@@ -96,7 +98,8 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
            step_ms: float, prefill_chunk: int, device: str, model: str, otlp: str | None,
            service_name: str | None, live: str | None, trace_aborted: bool, truth_log: str | None,
            gateway_upstream: str | None, propagate: str, log_level: str, engine_span: str = "llm_request",
-           metrics_names: str = "ref", send_spans: bool = False, one_at_a_time: bool = False) -> None:
+           metrics_names: str = "ref", send_spans: bool = False, one_at_a_time: bool = False,
+           no_process_pid: bool = False) -> None:
     """Run the reference engine: an OpenAI-compatible server with real batching and compute.
 
     It reproduces how real engines treat a client that disconnects (--behavior), traces like
@@ -122,7 +125,7 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
                 step_ms=step_ms, prefill_chunk=prefill_chunk, device=device, otlp=otlp, truth_log=truth_log,
                 service_name=service_name or "ref-engine", trace_aborted=trace_aborted, live=live,
                 engine_span=engine_span, metrics_names=metrics_names, send_spans=send_spans,
-                one_at_a_time=one_at_a_time))
+                one_at_a_time=one_at_a_time, process_pid=not no_process_pid))
             app = server.app()
             what = (f"engine {model} behavior={behavior} max_batch={max_batch} step={step_ms}ms "
                     f"({server.engine.backend.layers} layers on {device})")

@@ -73,6 +73,9 @@ class RequestHandle:
     disconnect_at: int | None = None
     phase_at_disconnect: str | None = None
     tokens_at_disconnect: int | None = None
+    # Compute spent on this request after ``disconnect_at``: each step's cost (thread CPU-seconds on
+    # the CPU, synchronized wall-seconds on a GPU) shared equally among the requests in that step.
+    compute_after_disconnect_s: float = 0.0
 
     @property
     def tokens_after_disconnect(self) -> int | None:
@@ -224,17 +227,20 @@ class Engine:
 
     def _step(self, prefilling: list[tuple[RequestHandle, int]], decoding: list[RequestHandle]) -> None:
         rows = len(decoding) + sum(chunk for _, chunk in prefilling)
+        started_ns, spent_from = time.time_ns(), self._cost_clock()
         started = time.perf_counter()
         try:
             self.backend.step(rows)
         except Exception:  # a broken device must not kill the loop silently mid-request
             log.exception("compute step failed (rows=%d); continuing", rows)
         elapsed = time.perf_counter() - started
+        spent = self._cost_clock() - spent_from
         self.steps += 1
         now = time.time_ns()
         deliveries: list[tuple[RequestHandle, str, str]] = []
         finished: list[RequestHandle] = []
         with self._lock:
+            self._charge([r for r, _ in prefilling] + decoding, spent, started_ns, now)
             for request, chunk in prefilling:
                 if request.request_id not in self._running:
                     continue
@@ -270,6 +276,20 @@ class Engine:
                 self._on_step(elapsed, len(deliveries))
             except Exception:
                 self._callback_failed("on_step")
+
+    def _cost_clock(self) -> float:
+        """What a step costs: this thread's CPU time on the CPU (other threads' work is not the
+        step's), wall time on a GPU (each step ends synchronized)."""
+        return time.thread_time() if self.backend.device == "cpu" else time.perf_counter()
+
+    @staticmethod
+    def _charge(members: list[RequestHandle], spent: float, started_ns: int, ended_ns: int) -> None:
+        """Ground truth of waste: each member's equal share of the step, the part after its client left."""
+        for request in members:
+            if request.disconnect_at is None or request.disconnect_at >= ended_ns:
+                continue
+            after = (ended_ns - max(started_ns, request.disconnect_at)) / max(1, ended_ns - started_ns)
+            request.compute_after_disconnect_s += spent * after / len(members)
 
     @staticmethod
     def _mark_finished(request: RequestHandle, reason: str, now: int) -> None:

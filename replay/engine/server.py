@@ -81,6 +81,7 @@ class EngineSettings:
     metrics_names: str = "ref"
     send_spans: bool = False
     one_at_a_time: bool = False
+    process_pid: bool = True  # process.pid in the span resource
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -119,7 +120,7 @@ class EngineServer:
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
-        self.tracing = Tracing(settings.service_name, settings.otlp, settings.live)
+        self.tracing = Tracing(settings.service_name, settings.otlp, settings.live, process_pid=settings.process_pid)
         self.truth = TruthLog(settings.truth_log) if settings.truth_log else None
         backend = make_backend(settings.device, settings.step_ms)
         self.engine = Engine(backend, max_batch=settings.max_batch, prefill_chunk=settings.prefill_chunk,

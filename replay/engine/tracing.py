@@ -98,12 +98,12 @@ def exporter_for(otlp: str | None) -> SpanExporter | None:
 class Tracing:
     """A tracer provider with this process's resource, and the exporter chosen by ``otlp``."""
 
-    def __init__(self, service_name: str, otlp: str | None, live: str | None = None) -> None:
-        resource = Resource.create({
-            "service.name": service_name,
-            "process.pid": os.getpid(),
-            "host.name": socket.gethostname(),
-        })
+    def __init__(self, service_name: str, otlp: str | None, live: str | None = None, *,
+                 process_pid: bool = True) -> None:
+        attributes: dict[str, str | int] = {"service.name": service_name, "host.name": socket.gethostname()}
+        if process_pid:
+            attributes["process.pid"] = os.getpid()
+        resource = Resource.create(attributes)
         self.provider = TracerProvider(resource=resource)
         self.exporting = False
         exporter = exporter_for(otlp)

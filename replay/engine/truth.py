@@ -38,6 +38,8 @@ def truth_record(request: RequestHandle, behavior: str) -> dict[str, Any]:
         "disconnect_at": request.disconnect_at,
         "phase_at_disconnect": request.phase_at_disconnect,
         "tokens_after_disconnect": request.tokens_after_disconnect,
+        "compute_seconds_after_disconnect": (None if request.disconnect_at is None
+                                             else round(request.compute_after_disconnect_s, 6)),
         "behavior": behavior,
     }
 

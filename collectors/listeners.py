@@ -1,0 +1,139 @@
+"""The process behind a listening TCP port, for engines whose spans carry no ``process.pid``.
+
+The OpenTelemetry SDK leaves ``process.pid`` out of the resource unless a detector adds it, so the
+auditor finds the engine itself: the port's LISTEN rows in ``/proc/net/tcp`` and ``/proc/net/tcp6``
+give the socket inodes, and the process holding one of them is found by reading the
+``socket:[inode]`` links under ``/proc/<pid>/fd``.
+
+Privileges: ``/proc/net/tcp*`` is world-readable. Listing another user's ``/proc/<pid>/fd`` needs
+CAP_DAC_READ_SEARCH, and reading its links is a ptrace read-access check (``PTRACE_MODE_READ``),
+which for a process of another user needs CAP_SYS_PTRACE. The unit runs as its own user, so it
+finds engines of other users only with CAP_SYS_PTRACE in its capability set (docs/verdicts.md,
+"Cost"); without it the port stays unresolved and verdicts say so in ``cost_unmeasured``.
+
+An answer that found every port's process holds while those processes live, checked again in full
+every ``verify_s``; otherwise every ``refresh_s``. Found pids are cached by inode and checked
+cheaply (their link still names the inode); the full scan of ``/proc`` runs only for inodes not yet
+found, at most every ``rescan_s``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+LISTEN = "0A"
+
+
+def listening_inodes(ports: Iterable[int], proc_root: Path = Path("/proc")) -> dict[int, set[int]]:
+    """Port -> inodes of the sockets listening on it (IPv4 and IPv6)."""
+    wanted = set(ports)
+    found: dict[int, set[int]] = {}
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (proc_root / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != LISTEN:
+                continue
+            port = int(fields[1].rsplit(":", 1)[1], 16)
+            inode = int(fields[9])
+            if port in wanted and inode:
+                found.setdefault(port, set()).add(inode)
+    return found
+
+
+def holders(inodes: set[int], proc_root: Path = Path("/proc")) -> tuple[dict[int, int], int]:
+    """Inode -> pid of a process holding it, and how many processes' descriptors could not be read."""
+    links = {f"socket:[{inode}]": inode for inode in inodes}
+    found: dict[int, int] = {}
+    denied = 0
+    for entry in os.scandir(proc_root):
+        if not entry.name.isdigit() or len(found) == len(links):
+            continue
+        fd_dir = os.path.join(entry.path, "fd")
+        try:
+            names = os.listdir(fd_dir)
+        except PermissionError:
+            denied += 1
+            continue
+        except OSError:
+            continue  # gone meanwhile
+        for name in names:
+            try:
+                inode = links.get(os.readlink(os.path.join(fd_dir, name)))
+            except PermissionError:
+                denied += 1
+                break
+            except OSError:
+                continue
+            if inode is not None and inode not in found:
+                found[inode] = int(entry.name)
+    return found, denied
+
+
+class ListenerPids:
+    """Port -> pid of the process listening on it, cached; why not, for the ports it cannot tell."""
+
+    def __init__(self, proc_root: str | os.PathLike[str] = "/proc", *, refresh_s: float = 2.0,
+                 verify_s: float = 60.0, rescan_s: float = 10.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.proc_root = Path(proc_root)
+        self.refresh_s = refresh_s
+        self.verify_s = verify_s
+        self.rescan_s = rescan_s
+        self._answer: tuple[frozenset[int], float, tuple[dict[int, int], dict[int, str]]] | None = None
+        self._monotonic = monotonic
+        self._pid_by_inode: dict[int, int] = {}
+        self._scanned_at: float | None = None
+        self._denied = 0  # processes whose descriptors the last scan could not read
+        self.scans = 0
+
+    def _still_holds(self, pid: int, inode: int) -> bool:
+        fd_dir = self.proc_root / str(pid) / "fd"
+        try:
+            return any(os.readlink(fd_dir / name) == f"socket:[{inode}]" for name in os.listdir(fd_dir))
+        except OSError:
+            return False
+
+    def resolve(self, ports: Iterable[int]) -> tuple[dict[int, int], dict[int, str]]:
+        """(port -> pid, port -> why unknown) for the ports asked; the same answer for ``refresh_s``,
+        and up to ``verify_s`` while every port has a process and they all live (reading
+        ``/proc/net/tcp`` costs milliseconds on a busy host: it lists every connection)."""
+        asked, now = frozenset(ports), self._monotonic()
+        if self._answer is not None and self._answer[0] == asked:
+            age, (pids, unknown) = now - self._answer[1], self._answer[2]
+            if age < self.refresh_s or (age < self.verify_s and not unknown and all(
+                    (self.proc_root / str(pid)).exists() for pid in pids.values())):
+                return self._answer[2]
+        answer = self._resolve(set(asked))
+        self._answer = (asked, now, answer)
+        return answer
+
+    def _resolve(self, ports: set[int]) -> tuple[dict[int, int], dict[int, str]]:
+        inodes = listening_inodes(ports, self.proc_root)
+        self._pid_by_inode = {i: p for i, p in self._pid_by_inode.items()
+                              if any(i in found for found in inodes.values()) and self._still_holds(p, i)}
+        missing = {i for found in inodes.values() for i in found} - self._pid_by_inode.keys()
+        now = self._monotonic()
+        if missing and (self._scanned_at is None or now - self._scanned_at >= self.rescan_s):
+            self._scanned_at, self.scans = now, self.scans + 1
+            found, self._denied = holders(missing, self.proc_root)
+            self._pid_by_inode.update(found)
+        pids: dict[int, int] = {}
+        unknown: dict[int, str] = {}
+        for port in sorted(ports):
+            held = [self._pid_by_inode[i] for i in sorted(inodes.get(port, ())) if i in self._pid_by_inode]
+            if held:
+                pids[port] = held[0]
+            elif port not in inodes:
+                unknown[port] = f"nothing listens on port {port} on this host"
+            else:
+                unknown[port] = (f"the process listening on port {port} was not found"
+                                 + (f" ({self._denied} processes' descriptors unreadable: the daemon needs"
+                                    " CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE)" if self._denied else ""))
+        return pids, unknown

@@ -1,0 +1,110 @@
+"""Finding the engine process behind a listening port, with real sockets and the real /proc.
+
+Also what it takes without root: the unit's own capabilities are not enough to read another
+user's descriptors; CAP_SYS_PTRACE on top of them is (docs/verdicts.md, "Cost").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from collectors.listeners import ListenerPids, listening_inodes
+from probes.caps import UNIT_CAPABILITIES
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def listener(family: int = socket.AF_INET) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_listening_port_leads_to_this_process_ipv4_and_ipv6() -> None:
+    with listener() as v4, listener(socket.AF_INET6) as v6:
+        ports = {v4.getsockname()[1], v6.getsockname()[1]}
+        closed = free_port()
+        pids, unknown = ListenerPids().resolve([*ports, closed])
+    assert pids == {port: os.getpid() for port in ports}
+    assert unknown == {closed: f"nothing listens on port {closed} on this host"}
+
+
+def test_a_connection_on_the_port_is_not_taken_for_the_listener() -> None:
+    with listener() as server, socket.create_connection(server.getsockname()):
+        accepted, _ = server.accept()
+        with accepted:  # an established socket on the same local port, in the same process
+            port = server.getsockname()[1]
+            inodes = listening_inodes([port])
+    assert len(inodes[port]) == 1  # the LISTEN row only
+
+
+def test_found_pids_are_cached_and_a_new_listener_is_found_again() -> None:
+    clock = [0.0]
+    finder = ListenerPids(refresh_s=0.0, verify_s=0.0, rescan_s=5.0, monotonic=lambda: clock[0])
+    with listener() as first:
+        port = first.getsockname()[1]
+        assert finder.resolve([port])[0] == {port: os.getpid()}
+        clock[0] += 1
+        assert finder.resolve([port])[0] == {port: os.getpid()} and finder.scans == 1  # checked, not rescanned
+    # The engine restarted on the same port (a new socket, a new inode): found by a new scan.
+    with socket.create_server(("127.0.0.1", port)):
+        clock[0] += 1
+        assert finder.resolve([port])[0] == {}  # too soon to scan /proc again
+        clock[0] += 5
+        assert finder.resolve([port])[0] == {port: os.getpid()} and finder.scans == 2
+
+
+def test_an_answer_holds_while_its_processes_live_and_is_checked_in_full_now_and_then() -> None:
+    clock = [0.0]
+    finder = ListenerPids(refresh_s=1.0, verify_s=30.0, monotonic=lambda: clock[0])
+    with listener() as engine:
+        port = engine.getsockname()[1]
+        assert finder.resolve([port])[0] == {port: os.getpid()}
+    clock[0] += 10  # closed, but its process lives: /proc/net/tcp is not read again yet
+    assert finder.resolve([port]) == ({port: os.getpid()}, {})
+    clock[0] += 25
+    assert finder.resolve([port]) == ({}, {port: f"nothing listens on port {port} on this host"})
+
+
+def capabilities(extra: str = "") -> str:
+    names = UNIT_CAPABILITIES.split() + ([extra] if extra else [])
+    return ",".join("+" + name.removeprefix("CAP_").lower() for name in names)
+
+
+@pytest.mark.privileged
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) not installed")
+@pytest.mark.parametrize("extra", ["", "CAP_SYS_PTRACE"])
+def test_as_the_units_user_another_users_engine_needs_cap_sys_ptrace(extra: str) -> None:
+    unit = re.search(r"^AmbientCapabilities=(.+)$", (REPO / "systemd" / "auditor.service").read_text(), re.M)
+    assert unit and unit.group(1).split() == UNIT_CAPABILITIES.split()
+    caps = capabilities(extra)
+    with listener() as engine:  # root's socket: another user's, for uid 65534
+        port = engine.getsockname()[1]
+        code = ("from collectors.listeners import ListenerPids; import json; "
+                f"print(json.dumps(ListenerPids().resolve([{port}])))")
+        result = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", f"--inh-caps=-all,{caps}",
+             f"--ambient-caps=-all,{caps}", "--", sys.executable, "-c", code],
+            env={**os.environ, "PYTHONPATH": str(REPO)}, cwd="/", capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    found, unknown = json.loads(result.stdout)
+    if extra:
+        assert found == {str(port): os.getpid()} and not unknown
+    else:
+        assert not found and "CAP_SYS_PTRACE" in unknown[str(port)], unknown

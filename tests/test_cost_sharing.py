@@ -1,0 +1,136 @@
+"""Who a zombie's cost is shared with, on a real store with a controlled clock.
+
+Every figure here is worked out by hand from the samples written: a process at 100 % CPU for
+a span of time, shared by the requests the engine ran in it, and by no request that only waited.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from auditor.correlate import Correlator
+from auditor.model import EngineLoad, LiveEvent, SpanRecord, UtilSample
+from auditor.store import Store
+from tests.test_correlate import (
+    SERVER_PORT,
+    T0,
+    Clock,
+    close,
+    engine_span,
+    http_span,
+    make,
+    verdicts,
+)
+
+S = 1_000_000_000
+PID = 4242
+OTHER = ("127.0.0.1", 40002)
+
+
+def busy(store: Store, until_s: float, util: float = 100.0, pid: int = PID) -> None:
+    store.write([UtilSample(ts_ns=T0 + int(0.1 * i * S), source="procfs", host="h", pid=pid, util_percent=util,
+                            interval_s=0.1) for i in range(1, int(until_s * 10) + 1)])
+
+
+def engine(trace: str, start: float, end: float, queued_s: float, pid: int | None = PID) -> SpanRecord:
+    span = engine_span(trace, start, end, "length", request_id=f"cmpl-{trace}")
+    return replace(span, time_in_queue_s=queued_s, process_pid=pid)
+
+
+def judge(store: Store, clock: Clock, at_s: float, correlator: Correlator | None = None) -> dict[str, float]:
+    correlator = correlator or make(store, clock)
+    clock.now = T0 + int(at_s * S)
+    correlator.tick()
+    return {row.trace_id[0]: row.wasted_cpu_seconds for row in verdicts(store)}
+
+
+def test_a_zombie_with_a_request_waiting_behind_it_pays_in_full(store: Store) -> None:
+    """One at a time: ``a`` runs 0-6 s, its client leaves at 2 s; ``b`` arrives at 1 s and waits
+    until 6 s (its engine span says 5 s in queue), then runs to 8 s, its client still there."""
+    store.insert_spans([http_span("a", 0, 2.0), engine("a", 0, 6.0, 0.0),
+                        http_span("b", 1.0, 8.0, client=OTHER), engine("b", 1.0, 8.0, 5.0)])
+    store.insert_conn_events([close(2.0)])
+    busy(store, 8.0)
+    assert judge(store, Clock(), 10.0)["a"] == pytest.approx(4.0, rel=0.03)  # 2-6 s at 100 %, alone
+
+
+def test_running_together_shares_and_a_request_waiting_shares_nothing(store: Store) -> None:
+    """``a`` and ``b`` run together 0-4 s, then ``a`` alone to 6 s; ``c`` waits 0-6 s then runs.
+    ``a``'s client left at 2 s: 2-4 s half of 100 %, 4-6 s all of it = 3 CPU-s."""
+    store.insert_spans([http_span("a", 0, 2.0), engine("a", 0, 6.0, 0.0),
+                        http_span("b", 0, 4.0, client=OTHER), engine("b", 0, 4.0, 0.0),
+                        http_span("c", 0, 8.0, client=("127.0.0.1", 40003)), engine("c", 0, 8.0, 6.0)])
+    store.insert_conn_events([close(2.0)])
+    busy(store, 8.0)
+    assert judge(store, Clock(), 10.0)["a"] == pytest.approx(3.0, rel=0.03)
+
+
+def test_the_engines_running_gauge_decides_when_scraped(store: Store) -> None:
+    """No engine span for ``b`` at all (an engine that spans nothing for it), but the gauge said
+    two were running 2-3 s: that second is shared, the rest is ``a``'s alone = 3.5 CPU-s."""
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.add_engine_load([EngineLoad(ts_ns=T0 + i * S // 10, server_port=SERVER_PORT,
+                                           running=2 if 20 <= i < 30 else 1) for i in range(80)])
+    store.insert_spans([http_span("a", 0, 2.0), engine("a", 0, 6.0, 0.0)])
+    store.insert_conn_events([close(2.0)])
+    busy(store, 8.0)
+    assert judge(store, clock, 10.0, correlator)["a"] == pytest.approx(3.5, rel=0.03)
+
+
+def test_live_notices_count_a_running_request_once(store: Store) -> None:
+    """``b`` is still running, known from its live notices only (a server start and an engine
+    start, same trace): it shares ``a``'s 2-6 s as one request, not two = 2 CPU-s."""
+    clock = Clock()
+    correlator = make(store, clock)
+    trace = "b" * 32
+    correlator.add_live([
+        LiveEvent("start", trace, "8" * 16, "POST", "server", T0, OTHER[0], OTHER[1], SERVER_PORT, PID, "engine",
+                  False),
+        LiveEvent("start", trace, "9" * 16, "llm_request", "internal", T0, None, None, None, PID, "engine", True)])
+    store.insert_spans([http_span("a", 0, 2.0), engine("a", 0, 6.0, 0.0)])
+    store.insert_conn_events([close(2.0)])
+    busy(store, 8.0)
+    assert judge(store, clock, 10.0, correlator)["a"] == pytest.approx(2.0, rel=0.03)
+
+
+def test_without_a_known_process_the_verdict_says_why_instead_of_a_silent_zero(store: Store) -> None:
+    store.insert_spans([http_span("a", 0, 2.0), engine("a", 0, 6.0, 0.0, pid=None)])
+    store.insert_conn_events([close(2.0)])
+    busy(store, 8.0)
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.cost.set_listeners({}, {SERVER_PORT: "nothing listens on port 8000 on this host"})
+    assert judge(store, clock, 10.0, correlator)["a"] == 0
+    assert verdicts(store)[0].details["cost_unmeasured"] == "nothing listens on port 8000 on this host"
+
+
+def test_the_process_found_behind_the_port_is_costed(store: Store) -> None:
+    store.insert_spans([http_span("a", 0, 2.0), engine("a", 0, 6.0, 0.0, pid=None)])
+    store.insert_conn_events([close(2.0)])
+    busy(store, 8.0, util=50.0)
+    busy(store, 8.0, util=100.0, pid=999)  # another process on the host: not the engine
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.cost.set_listeners({SERVER_PORT: PID}, {})
+    assert judge(store, clock, 10.0, correlator)["a"] == pytest.approx(2.0, rel=0.03)
+    assert "cost_unmeasured" not in verdicts(store)[0].details
+
+
+def test_an_empty_window_reads_no_samples(store: Store) -> None:
+    """A zombie whose work ended before it ran (all queue) costs nothing, and nothing is read for it."""
+    store.insert_spans([http_span("a", 0, 2.0), engine("a", 0, 6.0, 5.999)])
+    store.insert_conn_events([close(2.0)])
+    busy(store, 8.0)
+    clock = Clock()
+    correlator = make(store, clock)
+    costs = judge(store, clock, 10.0, correlator)
+    assert costs["a"] == pytest.approx(0.001, abs=0.001)
+    before = correlator.cost.samples.queries
+    store.insert_spans([http_span("z", 20.0, 21.0, client=OTHER), engine("z", 20.0, 26.0, 6.0)])
+    store.insert_conn_events([close(21.0, client=OTHER)])
+    judge(store, clock, 30.0, correlator)
+    assert correlator.cost.samples.queries == before
+
