@@ -48,6 +48,14 @@ PROGRAM_CFLAGS = [f"-I{PROGRAM_DIR}"]  # where the program's #include "disconnec
 TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset")
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 
+PID_MAX_LIMIT = 1 << 22  # the kernel's ceiling for pid_max (include/linux/threads.h)
+
+
+def _is_live_pid(pid: int, proc_root: Path = Path("/proc")) -> bool:
+    """Whether ``pid`` names a process that exists now (as seen from this pid namespace)."""
+    return 0 < pid <= PID_MAX_LIMIT and (proc_root / str(pid)).is_dir()
+
+
 def default_wakeup_every(ringbuf_pages: int, cpus: int | None = None) -> int:
     capacity = ringbuf_pages * mmap.PAGESIZE // RECORD_BYTES
     per_cpu = capacity // (4 * max(1, cpus or os.cpu_count() or 1))
@@ -235,6 +243,23 @@ class BpfConnEventSource:
         # A read is bounded: what it left waits for the next poll, which then does not sleep.
         self._backlog = mapped.pending_bytes() > 0 and len(records) >= ringbuf.MAX_BATCH_RECORDS
         return self._decode(records)
+
+    def server_pids(self) -> dict[int, int]:
+        """Watched port -> the process last seen closing one of its connections itself (its
+        close() or shutdown(): see disconnect.bpf.c), for ports where one has. The kernel's value
+        is checked: one that names no live process (it exited, or it is not a pid) is left out."""
+        if not self._started or self._stopped:
+            return {}
+        found: dict[int, int] = {}
+        for port in sorted(self._ports):
+            try:
+                pid = self._program.server_pid(port)
+            except Exception:  # an unreadable map names nobody; the events still flow
+                log.debug("reading the server pid of port %d failed", port, exc_info=True)
+                continue
+            if pid is not None and _is_live_pid(pid):
+                found[port] = pid
+        return found
 
     def lost_events(self) -> int:
         """Events the kernel could not queue (ring buffer full) plus records that did not decode."""

@@ -8,6 +8,12 @@
  * user space updates at run time. Loopback clients of a watched port have it as dport, not sport.
  * Build-time settings arrive as defines: RINGBUF_PAGES, WAKEUP_EVERY.
  *
+ * server_pids names the process serving each watched port: the tgid of the task that closed one
+ * of its connections, taken only on the transitions the server's own close() or shutdown() makes
+ * (ESTABLISHED -> FIN_WAIT1, CLOSE_WAIT -> LAST_ACK), which run in that process's context. A
+ * received FIN, a reset or the final ACK are handled in softirq, where the current task is
+ * whichever one the interrupt found (on loopback, often the client): those never write it.
+ *
  * Records are submitted without waking the reader, except every WAKEUP_EVERY-th on a CPU: one
  * wake-up per record would cost the server (irq work in its softirq) and the reader (a Python
  * round trip per event). User space also consumes on its poll timeout, so a lone event on a quiet
@@ -29,12 +35,14 @@
 #define TCP_FIN_WAIT1_ 4
 #define TCP_CLOSE_ 7
 #define TCP_CLOSE_WAIT_ 8
+#define TCP_LAST_ACK_ 9
 #define TCP_LISTEN_ 10
 #define AF_INET_ 2
 #define AF_INET6_ 10
 #define IPPROTO_TCP_ 6
 
 BPF_HASH(watched_ports, u16, u8, 1024);
+BPF_HASH(server_pids, u16, u32, 1024); /* server port -> tgid; user space deletes unwatched ports */
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost_events, u64, 1);
 BPF_PERCPU_ARRAY(unsignalled, u32, 1);
@@ -57,6 +65,16 @@ static __always_inline u64 wakeup_flag(void)
         return BPF_RB_NO_WAKEUP;
     *count = 0;
     return BPF_RB_FORCE_WAKEUP;
+}
+
+/* Only from a transition the server process itself makes (see the top of this file). */
+static __always_inline void note_server(u16 sport)
+{
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    u32 *known = server_pids.lookup(&sport);
+    if (known && *known == tgid)
+        return; /* the usual case: a lookup, no update on every close */
+    server_pids.update(&sport, &tgid);
 }
 
 /* Addresses are copied field by field from the tracepoint record; a macro keeps every access a
@@ -92,14 +110,19 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     int oldstate = args->oldstate;
     int newstate = args->newstate;
     u8 kind = 0;
-    if (newstate == TCP_CLOSE_WAIT_ && (oldstate == TCP_ESTABLISHED_ || oldstate == TCP_SYN_RECV_))
+    if (newstate == TCP_CLOSE_WAIT_ && (oldstate == TCP_ESTABLISHED_ || oldstate == TCP_SYN_RECV_)) {
         kind = EVENT_PEER_FIN;
-    else if (newstate == TCP_FIN_WAIT1_ && oldstate == TCP_ESTABLISHED_)
+    } else if (newstate == TCP_FIN_WAIT1_ && oldstate == TCP_ESTABLISHED_) {
         kind = EVENT_LOCAL_FIN;
-    else if (newstate == TCP_CLOSE_ && oldstate != TCP_LISTEN_)
-        kind = EVENT_CLOSED; /* a listener closing is not a connection */
-    else
+        note_server(sport);
+    } else if (newstate == TCP_LAST_ACK_ && oldstate == TCP_CLOSE_WAIT_) {
+        note_server(sport); /* the server's close() after the client's FIN: no event */
         return 0;
+    } else if (newstate == TCP_CLOSE_ && oldstate != TCP_LISTEN_) {
+        kind = EVENT_CLOSED; /* a listener closing is not a connection */
+    } else {
+        return 0;
+    }
 
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
     if (!e) {

@@ -8,14 +8,16 @@ exec (the unit's CAP_BPF, CAP_PERFMON, CAP_DAC_READ_SEARCH), which is all it nee
 
 Everything the child sends is checked before it is used: the message must be one JSON object of
 the documented shape, every descriptor must be what the kernel says it is (a ring buffer of the
-requested size, the port hash, the per-CPU counter, perf events for both tracepoints) and the
-record layout must be a struct of the nine fields of ``struct event``. Anything else is a
-``ProbeUnavailable`` naming what was wrong, with the descriptors closed and the child stopped.
+requested size, the port hash, the per-CPU counter, the port -> pid hash, perf events for both
+tracepoints) and the record layout must be a struct of the nine fields of ``struct event``.
+Anything else is a ``ProbeUnavailable`` naming what was wrong, with the descriptors closed and the
+child stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -63,6 +65,17 @@ class LoadedProgram:
 
     def remove_port(self, port: int) -> None:
         bpfsys.map_delete(self.fds["map:watched_ports"], _PORT.pack(port))
+        bpfsys.map_delete(self.fds["map:server_pids"], _PORT.pack(port))
+
+    def server_pid(self, port: int) -> int | None:
+        """The process the program last saw closing a connection on ``port`` (unchecked)."""
+        try:
+            raw = bpfsys.map_lookup(self.fds["map:server_pids"], _PORT.pack(port), _PID.size)
+        except bpfsys.BpfSyscallError as exc:
+            if exc.errno == errno.ENOENT:
+                return None
+            raise
+        return int(_PID.unpack(raw)[0])
 
     def lost(self) -> int:
         """The per-CPU lost-event counters, summed."""
@@ -74,7 +87,8 @@ class LoadedProgram:
         self.fds = {}
 
 
-_PORT, _INDEX, _COUNTER = struct.Struct("=H"), struct.Struct("=i"), struct.Struct("=Q")
+_PORT, _INDEX, _COUNTER, _PID = (struct.Struct("=H"), struct.Struct("=i"), struct.Struct("=Q"),
+                                 struct.Struct("=I"))
 
 
 def load_in_child(text: str, cflags: list[str], *, ringbuf_bytes: int,
@@ -210,6 +224,7 @@ def _check_kernel_objects(named: dict[str, int], ringbuf_bytes: int,
         "map:events": (bpfsys.BPF_MAP_TYPE_RINGBUF, 0, 0, ringbuf_bytes),
         "map:watched_ports": (bpfsys.BPF_MAP_TYPE_HASH, 2, 1, None),
         "map:lost_events": (bpfsys.BPF_MAP_TYPE_PERCPU_ARRAY, 4, 8, 1),
+        "map:server_pids": (bpfsys.BPF_MAP_TYPE_HASH, 2, 4, None),
     }
     attached = {f"tracepoint:{tp}" for tp in tracepoints}
     if set(named) != set(expected) | attached:

@@ -35,6 +35,7 @@ class BccProgram:
         self._events = self._bpf[b"events"]
         self._watched = self._bpf[b"watched_ports"]
         self._lost = self._bpf[b"lost_events"]
+        self._server_pids = self._bpf[b"server_pids"]
         # The payload layout as bcc sees struct event (a cast of a blank buffer: no record needed).
         self.record = struct_format(self._events.event(ctypes.create_string_buffer(4096)).__class__)
         self.events_fd = int(self._events.map_fd)
@@ -44,8 +45,15 @@ class BccProgram:
         self._watched[ctypes.c_ushort(port)] = ctypes.c_ubyte(1)
 
     def remove_port(self, port: int) -> None:
-        with contextlib.suppress(KeyError):
-            del self._watched[ctypes.c_ushort(port)]
+        for table in (self._watched, self._server_pids):
+            with contextlib.suppress(KeyError):
+                del table[ctypes.c_ushort(port)]
+
+    def server_pid(self, port: int) -> int | None:
+        try:
+            return int(self._server_pids[ctypes.c_ushort(port)].value)
+        except KeyError:
+            return None
 
     def lost(self) -> int:
         return int(sum(self._lost[ctypes.c_int(0)]))

@@ -8,7 +8,7 @@ answer plus, with SCM_RIGHTS, the descriptors that keep the program alive and us
 
 - the perf-event descriptor of each attached tracepoint (a tracepoint program stays attached
   while any descriptor refers to its perf event),
-- the ``events`` ring buffer, ``watched_ports`` and ``lost_events`` maps.
+- the ``events`` ring buffer, ``watched_ports``, ``lost_events`` and ``server_pids`` maps.
 
 Then it leaves with ``os._exit``: bcc's exit handler would otherwise detach the tracepoints
 (``PERF_EVENT_IOC_DISABLE`` acts on the shared perf event, not only on this process's copy).
@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 MAX_REQUEST_BYTES = 1 << 20
-MAP_NAMES = ("events", "watched_ports", "lost_events")
+MAP_NAMES = ("events", "watched_ports", "lost_events", "server_pids")
 
 
 class LoadFailed(Exception):

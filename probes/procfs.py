@@ -184,6 +184,10 @@ class ProcfsConnEventSource:
             except queue.Empty:
                 return events
 
+    def server_pids(self) -> dict[int, int]:
+        """Nothing: a poll sees sockets, not which process closed them (the eBPF probe does)."""
+        return {}
+
     def lost_events(self) -> int:
         # Nothing is dropped once seen; what happens between polls is invisible, not countable.
         return 0

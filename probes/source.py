@@ -43,6 +43,8 @@ class ConnEventSource(Protocol):
 
     def lost_events(self) -> int: ...
 
+    def server_pids(self) -> dict[int, int]: ...  # port -> the serving process, where known
+
     def stop(self) -> None: ...
 
 

@@ -141,6 +141,15 @@ def test_a_program_without_the_probes_maps_is_refused_and_detached() -> None:
 
 
 @pytest.mark.privileged
+def test_a_program_without_the_server_pid_map_is_refused() -> None:
+    renamed = program_text().replace("server_pids", "other_pids")
+    assert renamed != program_text()
+    with pytest.raises(ProbeUnavailable, match=r"the program lacks what the probe reads \(no server_pids map\)"):
+        load(text=renamed)
+    assert children_running("probes.loader") == []
+
+
+@pytest.mark.privileged
 def test_auto_falls_back_when_the_child_cannot_load(monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr("probes.bpf.program_text", lambda *_a, **_k: "this is not C\n")
@@ -187,9 +196,9 @@ def test_a_failure_the_child_reports_is_passed_on_as_its_reason() -> None:
 
 
 def test_descriptors_that_are_not_the_probes_maps_are_refused_and_closed() -> None:
-    # Five descriptors under the right names, but files: the kernel says they are not BPF maps.
-    code = ("fds = [os.open('/dev/null', os.O_RDONLY) for _ in range(5)]\n"
-            "names = {'maps': {'events': 0, 'watched_ports': 1, 'lost_events': 2},\n"
+    # Six descriptors under the right names, but files: the kernel says they are not BPF maps.
+    code = ("fds = [os.open('/dev/null', os.O_RDONLY) for _ in range(6)]\n"
+            "names = {'maps': {'events': 0, 'watched_ports': 1, 'lost_events': 2, 'server_pids': 5},\n"
             f"         'attached': {{{TRACEPOINT_NAMES[0]!r}: 3, {TRACEPOINT_NAMES[1]!r}: 4}},\n"
             "         'ok': True, 'record_format': '=QQ16s16sHHHBB'}\n"
             "socket.send_fds(sock, [json.dumps(names).encode()], fds)\n")

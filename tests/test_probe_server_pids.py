@@ -1,0 +1,186 @@
+"""The probe names the process serving a watched port: the one that closes its connections.
+
+The server is a real child process running as another user (uid 65534), the client is this
+process (root). On loopback the client's packets are processed in softirq in the client's own
+context, so a probe that took the pid on a received FIN, a reset or the final ACK would name this
+process: every test checks the child is named, and the reset test that nothing is named at all.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from probes import bpfsys
+from probes.bpf import BpfConnEventSource
+
+pytestmark = pytest.mark.privileged
+NOBODY = 65534
+
+# One listener per "listen", the newest accepted connection is the one "eof" and "close" act on.
+SERVER = r"""
+import socket, sys
+listeners, conns = [], []
+for line in sys.stdin:
+    word = line.strip()
+    reply = "ok"
+    if word == "listen":
+        listeners.append(socket.create_server(("127.0.0.1", 0)))
+        reply = str(listeners[-1].getsockname()[1])
+    elif word == "accept":
+        conns.append(listeners[-1].accept()[0])
+    elif word == "eof":
+        while conns[-1].recv(4096):
+            pass
+    elif word == "close":
+        conns.pop().close()
+    print(reply, flush=True)
+"""
+
+
+def python_for_nobody() -> str:
+    """An interpreter uid 65534 can run: this one, unless it lives under a directory closed to
+    other users (a root-only pyenv); the server needs only the standard library."""
+    for python in (sys.executable, "/usr/bin/python3"):
+        try:
+            if subprocess.run([python, "-c", ""], user=NOBODY, group=NOBODY, extra_groups=[],
+                              cwd="/", timeout=30).returncode == 0:
+                return python
+        except OSError:
+            continue
+    pytest.skip("no Python interpreter that uid 65534 may run")
+
+
+class Server:
+    """A TCP server in a child process of another user, driven a command at a time."""
+
+    def __init__(self, python: str) -> None:
+        self.process = subprocess.Popen([python, "-I", "-c", SERVER], user=NOBODY, group=NOBODY,
+                                        extra_groups=[], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True, cwd="/")
+        self.pid = self.process.pid
+
+    def ask(self, command: str) -> str:
+        assert self.process.stdin and self.process.stdout
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        reply = self.process.stdout.readline().strip()
+        assert reply, f"the server child died on {command!r}"
+        return reply
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture(scope="module", params=["child", "inprocess"])
+def source(request: pytest.FixtureRequest) -> Iterator[BpfConnEventSource]:
+    probe = BpfConnEventSource([], host="pid-test", loader=request.param)
+    probe.start()
+    yield probe
+    probe.stop()
+
+
+@pytest.fixture(scope="module")
+def python() -> str:
+    return python_for_nobody()
+
+
+@pytest.fixture
+def server(python: str) -> Iterator[Server]:
+    child = Server(python)
+    yield child
+    child.stop()
+
+
+def watched_listener(source: BpfConnEventSource, server: Server) -> int:
+    """A new listener in the server child, on a port the probe watches (and nothing else does)."""
+    port = int(server.ask("listen"))
+    source.set_ports([port])
+    return port
+
+
+def connect(server: Server, port: int) -> socket.socket:
+    client = socket.create_connection(("127.0.0.1", port))
+    server.ask("accept")
+    return client
+
+
+def settled() -> None:
+    """Loopback delivers in the sender's call; a moment for anything deferred to a timer."""
+    time.sleep(0.05)
+
+
+def test_the_server_closing_first_names_the_server_not_the_client(source: BpfConnEventSource,
+                                                                   server: Server) -> None:
+    port = watched_listener(source, server)
+    client = connect(server, port)
+    assert source.server_pids() == {}
+    server.ask("close")  # ESTABLISHED -> FIN_WAIT1, in the server's close()
+    assert source.server_pids() == {port: server.pid}
+    client.close()  # the client's FIN reaches the server socket in softirq, in this process
+    settled()
+    assert source.server_pids() == {port: server.pid} and server.pid != 0
+
+
+def test_a_client_fin_then_the_servers_close_names_the_server(source: BpfConnEventSource,
+                                                               server: Server) -> None:
+    port = watched_listener(source, server)
+    client = connect(server, port)
+    client.shutdown(socket.SHUT_WR)
+    server.ask("eof")  # the server socket went ESTABLISHED -> CLOSE_WAIT in this process's softirq
+    assert source.server_pids() == {}
+    server.ask("close")  # CLOSE_WAIT -> LAST_ACK, in the server's close()
+    assert source.server_pids() == {port: server.pid}
+    client.close()
+    settled()  # LAST_ACK -> CLOSE on the final ACK: softirq, never recorded
+    assert source.server_pids() == {port: server.pid}
+
+
+def reset(client: socket.socket) -> None:
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()
+
+
+def test_a_client_reset_names_nobody_and_keeps_the_server_once_named(source: BpfConnEventSource,
+                                                                      server: Server) -> None:
+    port = watched_listener(source, server)
+    reset(connect(server, port))  # the reset and the move to CLOSE run in this process's softirq
+    settled()
+    server.ask("close")  # closing a socket already reset is no transition of its own
+    assert source.server_pids() == {}
+    client = connect(server, port)
+    server.ask("close")
+    client.close()
+    assert source.server_pids() == {port: server.pid}
+    reset(connect(server, port))
+    settled()
+    assert source.server_pids() == {port: server.pid}
+
+
+def server_pids_fd(source: BpfConnEventSource) -> int:
+    program = source._program
+    fds = getattr(program, "fds", None)
+    return fds["map:server_pids"] if fds is not None else int(program._server_pids.map_fd)  # type: ignore[union-attr]
+
+
+def test_values_that_name_no_live_process_are_left_out(source: BpfConnEventSource) -> None:
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    values = {20001: exited.pid, 20002: 0, 20003: 0xFFFFFFFF, 20004: 1 << 22 | 1, 20005: 1}
+    source.set_ports(values)
+    fd = server_pids_fd(source)
+    for port, pid in {**values, 20006: 1}.items():  # 20006 is not watched
+        bpfsys.map_update(fd, struct.pack("=H", port), struct.pack("=I", pid))
+    assert source.server_pids() == {20005: 1}
+    # A port no longer watched loses its entry: watched again, it names nobody until a close.
+    source.set_ports([20001])
+    source.set_ports([20005])
+    assert source.server_pids() == {}
+    bpfsys.map_delete(fd, struct.pack("=H", 20006))
