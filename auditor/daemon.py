@@ -336,11 +336,13 @@ class Daemon:
 
     def _find_engines(self) -> set[int]:
         """The processes listening on the watched ports, for engines whose spans name no process:
-        the correlator charges their cost, the CPU sampler follows them."""
-        listeners = self._parts.get("listeners")
+        the correlator charges their cost, the CPU sampler follows them. Where /proc does not tell
+        (another user's engine, no CAP_SYS_PTRACE), the eBPF probe's closing process does."""
+        listeners, probe = self._parts.get("listeners"), self._parts.get("probe")
         if listeners is None:
             return set()
-        found, unknown = listeners.resolve(self._ports)
+        closers = probe.server_pids if probe is not None and probe.name == "bpf" else None
+        found, unknown = listeners.resolve(self._ports, closers)
         self.correlator.cost.set_listeners(found, unknown)
         return set(found.values())
 

@@ -8,8 +8,10 @@ give the socket inodes, and the process holding one of them is found by reading 
 Privileges: ``/proc/net/tcp*`` is world-readable. Listing another user's ``/proc/<pid>/fd`` needs
 CAP_DAC_READ_SEARCH, and reading its links is a ptrace read-access check (``PTRACE_MODE_READ``),
 which for a process of another user needs CAP_SYS_PTRACE. The unit runs as its own user, so it
-finds engines of other users only with CAP_SYS_PTRACE in its capability set (docs/verdicts.md,
-"Cost"); without it the port stays unresolved and verdicts say so in ``cost_unmeasured``.
+finds engines of other users this way only with CAP_SYS_PTRACE in its capability set
+(docs/verdicts.md, "Cost"). Without it, ``resolve`` takes the process a ``closers`` callable names
+(the eBPF probe sees which process closes a connection on the port, no ptrace needed); a port still
+unresolved stays so, and verdicts say why and what would help in ``cost_unmeasured``.
 
 An answer that found every port's process holds while those processes live, checked again in full
 every ``verify_s``; otherwise every ``refresh_s``. Found pids are cached by inode and checked
@@ -19,12 +21,16 @@ found, at most every ``rescan_s``.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 LISTEN = "0A"
+CLOSERS_HINT = "; the eBPF probe names it once the engine has closed a connection on the port"
 
 
 def listening_inodes(ports: Iterable[int], proc_root: Path = Path("/proc")) -> dict[int, set[int]]:
@@ -91,6 +97,7 @@ class ListenerPids:
         self._pid_by_inode: dict[int, int] = {}
         self._scanned_at: float | None = None
         self._denied = 0  # processes whose descriptors the last scan could not read
+        self._closers: dict[int, int] = {}  # port -> pid taken from ``closers``, to log changes once
         self.scans = 0
 
     def _still_holds(self, pid: int, inode: int) -> bool:
@@ -100,19 +107,42 @@ class ListenerPids:
         except OSError:
             return False
 
-    def resolve(self, ports: Iterable[int]) -> tuple[dict[int, int], dict[int, str]]:
+    def resolve(self, ports: Iterable[int], closers: Callable[[], dict[int, int]] | None = None
+                ) -> tuple[dict[int, int], dict[int, str]]:
         """(port -> pid, port -> why unknown) for the ports asked; the same answer for ``refresh_s``,
         and up to ``verify_s`` while every port has a process and they all live (reading
-        ``/proc/net/tcp`` costs milliseconds on a busy host: it lists every connection)."""
+        ``/proc/net/tcp`` costs milliseconds on a busy host: it lists every connection).
+        ``closers`` (port -> pid of a process seen closing a connection on it) is asked, on every
+        call, for the ports this lookup leaves unknown."""
         asked, now = frozenset(ports), self._monotonic()
         if self._answer is not None and self._answer[0] == asked:
             age, (pids, unknown) = now - self._answer[1], self._answer[2]
             if age < self.refresh_s or (age < self.verify_s and not unknown and all(
                     (self.proc_root / str(pid)).exists() for pid in pids.values())):
-                return self._answer[2]
+                return self._with_closers(self._answer[2], closers)
         answer = self._resolve(set(asked))
         self._answer = (asked, now, answer)
-        return answer
+        return self._with_closers(answer, closers)
+
+    def _with_closers(self, answer: tuple[dict[int, int], dict[int, str]],
+                      closers: Callable[[], dict[int, int]] | None) -> tuple[dict[int, int], dict[int, str]]:
+        """The answer, with ports it leaves unknown taken from ``closers`` (a new dict: the
+        cached answer is not changed)."""
+        pids, unknown = answer
+        if closers is None or not unknown:
+            return answer
+        named = closers()
+        pids, still = dict(pids), {}
+        for port, why in unknown.items():
+            pid = named.get(port)
+            if pid is None:
+                still[port] = why + CLOSERS_HINT
+                continue
+            pids[port] = pid
+            if self._closers.get(port) != pid:
+                log.info("port %d: engine process %d, seen closing a connection by the eBPF probe", port, pid)
+        self._closers = {port: pids[port] for port in named.keys() & unknown.keys()}
+        return pids, still
 
     def _resolve(self, ports: set[int]) -> tuple[dict[int, int], dict[int, str]]:
         inodes = listening_inodes(ports, self.proc_root)
@@ -135,5 +165,6 @@ class ListenerPids:
             else:
                 unknown[port] = (f"the process listening on port {port} was not found"
                                  + (f" ({self._denied} processes' descriptors unreadable: the daemon needs"
-                                    " CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE)" if self._denied else ""))
+                                    " CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE)" if self._denied else "")
+                                 + "; to name it, put process.pid in the engine's OpenTelemetry resource")
         return pids, unknown

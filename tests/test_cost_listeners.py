@@ -7,6 +7,7 @@ user's descriptors; CAP_SYS_PTRACE on top of them is (docs/verdicts.md, "Cost").
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from collectors.listeners import ListenerPids, listening_inodes
+from collectors.listeners import CLOSERS_HINT, ListenerPids, listening_inodes
 from probes.caps import UNIT_CAPABILITIES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +83,24 @@ def test_an_answer_holds_while_its_processes_live_and_is_checked_in_full_now_and
     assert finder.resolve([port]) == ({}, {port: f"nothing listens on port {port} on this host"})
 
 
+def test_ports_the_lookup_leaves_unknown_take_the_process_seen_closing_a_connection(
+        caplog: pytest.LogCaptureFixture) -> None:
+    finder = ListenerPids()
+    with listener() as engine:
+        served, idle, quiet = engine.getsockname()[1], free_port(), free_port()
+        closers = {served: 4242, idle: 4343, 9: 4444}  # the lookup's own answer wins; 9 was not asked
+        with caplog.at_level(logging.INFO, logger="collectors.listeners"):
+            for _ in range(2):
+                found, unknown = finder.resolve([served, idle, quiet], closers=lambda: closers)
+                assert found == {served: os.getpid(), idle: 4343}
+                assert unknown == {quiet: f"nothing listens on port {quiet} on this host" + CLOSERS_HINT}
+        assert [r.getMessage() for r in caplog.records] == [
+            f"port {idle}: engine process 4343, seen closing a connection by the eBPF probe"]
+        # The cached answer is the lookup's own: without closers the ports are unknown again.
+        assert finder.resolve([served, idle, quiet]) == (
+            {served: os.getpid()}, {port: f"nothing listens on port {port} on this host" for port in (idle, quiet)})
+
+
 def capabilities(extra: str = "") -> str:
     names = UNIT_CAPABILITIES.split() + ([extra] if extra else [])
     return ",".join("+" + name.removeprefix("CAP_").lower() for name in names)
@@ -108,3 +127,4 @@ def test_as_the_units_user_another_users_engine_needs_cap_sys_ptrace(extra: str)
         assert found == {str(port): os.getpid()} and not unknown
     else:
         assert not found and "CAP_SYS_PTRACE" in unknown[str(port)], unknown
+        assert "put process.pid in the engine's OpenTelemetry resource" in unknown[str(port)]

@@ -2,7 +2,9 @@
 
 The unit (systemd/auditor.service) runs as ``User=auditor`` with AmbientCapabilities; this runs the
 daemon as uid 65534 with exactly those capabilities (setpriv) and requires the eBPF source, proven
-both by /metrics and by a real peer reset on a watched port being counted.
+both by /metrics and by a real peer reset on a watched port being counted. The engine is this
+process (root): without CAP_SYS_PTRACE the daemon cannot read its descriptors, so it learns the
+engine's pid from the probe, once the engine has closed a connection.
 """
 
 from __future__ import annotations
@@ -54,6 +56,17 @@ def metrics(port: int) -> str:
         return ""
 
 
+def accept_from(server: socket.socket, client: socket.socket) -> socket.socket:
+    """The server's end of ``client``'s connection; the daemon's own scrapes of the port, queued
+    before it, are closed."""
+    server.settimeout(20)
+    while True:
+        accepted, peer = server.accept()
+        if peer == client.getsockname():
+            return accepted
+        accepted.close()
+
+
 @pytest.fixture
 def state_dir() -> Iterator[Path]:
     # pytest's tmp_path sits under a root-only directory; uid 65534 needs a path it can reach.
@@ -89,7 +102,14 @@ def test_unit_capabilities_without_root_load_the_probe(state_dir: Path) -> None:
             client.close()
             assert wait_for(lambda: 'auditor_disconnects_total{kind="rst"} 1.0' in metrics(metrics_port),
                             timeout_s=20), metrics(metrics_port)[-2000:]
-            accepted.close()
+            accepted.close()  # already reset: a close of the engine's, but no transition it makes
+            named = f"port {watched}: engine process {os.getpid()}, seen closing a connection by the eBPF probe"
+            assert named not in log.read_text()
+            client = socket.create_connection(("127.0.0.1", watched))
+            accepted = accept_from(server, client)
+            accepted.close()  # the engine closes first: the probe sees which process did
+            client.close()
+            assert wait_for(lambda: named in log.read_text(), timeout_s=20), log.read_text()[-3000:]
         finally:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(timeout=30)
