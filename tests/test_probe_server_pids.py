@@ -8,6 +8,7 @@ process: every test checks the child is named, and the reset test that nothing i
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import subprocess
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from auditor.model import ConnEventKind
 from probes import bpfsys
 from probes.bpf import BpfConnEventSource
 
@@ -106,61 +108,70 @@ def watched_listener(source: BpfConnEventSource, server: Server) -> int:
     return port
 
 
-def connect(server: Server, port: int) -> socket.socket:
+def connect(server: Server, port: int) -> tuple[socket.socket, int]:
+    """A client connection the server child has accepted, and the client's port."""
     client = socket.create_connection(("127.0.0.1", port))
     server.ask("accept")
-    return client
+    return client, int(client.getsockname()[1])
 
 
-def settled() -> None:
-    """Loopback delivers in the sender's call; a moment for anything deferred to a timer."""
-    time.sleep(0.05)
+def wait_event(source: BpfConnEventSource, port: int, client_port: int, kind: ConnEventKind) -> None:
+    """Until the probe reports ``kind`` for that connection: the kernel has handled it by then."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if any(e.server_port == port and e.client_port == client_port and e.kind is kind
+               for e in source.poll(timeout_s=0.05)):
+            return
+    pytest.fail(f"no {kind.value} from the probe for port {port}, client port {client_port}")
 
 
 def test_the_server_closing_first_names_the_server_not_the_client(source: BpfConnEventSource,
                                                                    server: Server) -> None:
     port = watched_listener(source, server)
-    client = connect(server, port)
+    client, client_port = connect(server, port)
     assert source.server_pids() == {}
     server.ask("close")  # ESTABLISHED -> FIN_WAIT1, in the server's close()
     assert source.server_pids() == {port: server.pid}
     client.close()  # the client's FIN reaches the server socket in softirq, in this process
-    settled()
-    assert source.server_pids() == {port: server.pid} and server.pid != 0
+    wait_event(source, port, client_port, ConnEventKind.CLOSED)
+    assert source.server_pids() == {port: server.pid} and server.pid != os.getpid()
 
 
 def test_a_client_fin_then_the_servers_close_names_the_server(source: BpfConnEventSource,
                                                                server: Server) -> None:
     port = watched_listener(source, server)
-    client = connect(server, port)
+    client, client_port = connect(server, port)
     client.shutdown(socket.SHUT_WR)
     server.ask("eof")  # the server socket went ESTABLISHED -> CLOSE_WAIT in this process's softirq
+    wait_event(source, port, client_port, ConnEventKind.PEER_FIN)
     assert source.server_pids() == {}
     server.ask("close")  # CLOSE_WAIT -> LAST_ACK, in the server's close()
     assert source.server_pids() == {port: server.pid}
     client.close()
-    settled()  # LAST_ACK -> CLOSE on the final ACK: softirq, never recorded
+    wait_event(source, port, client_port, ConnEventKind.CLOSED)  # the final ACK: softirq, not recorded
     assert source.server_pids() == {port: server.pid}
 
 
-def reset(client: socket.socket) -> None:
+def reset(source: BpfConnEventSource, server: Server, port: int) -> None:
+    """A connection the client resets; returns once the probe has seen the reset and the close."""
+    client, client_port = connect(server, port)
     client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    client.close()
+    client.close()  # the reset and the move to CLOSE run in softirq, in this process
+    wait_event(source, port, client_port, ConnEventKind.CLOSED)
 
 
 def test_a_client_reset_names_nobody_and_keeps_the_server_once_named(source: BpfConnEventSource,
                                                                       server: Server) -> None:
     port = watched_listener(source, server)
-    reset(connect(server, port))  # the reset and the move to CLOSE run in this process's softirq
-    settled()
+    reset(source, server, port)
     server.ask("close")  # closing a socket already reset is no transition of its own
     assert source.server_pids() == {}
-    client = connect(server, port)
+    client, _ = connect(server, port)
     server.ask("close")
     client.close()
     assert source.server_pids() == {port: server.pid}
-    reset(connect(server, port))
-    settled()
+    reset(source, server, port)
+    server.ask("close")
     assert source.server_pids() == {port: server.pid}
 
 
