@@ -52,7 +52,7 @@ from replay.engine.protocol import (
     parse_completion,
     usage,
 )
-from replay.engine.signals import OneAtATime, add_style_metrics, mark_final_send
+from replay.engine.signals import OneAtATime, StyleMetrics, mark_final_send
 from replay.engine.tokens import prompt_seed
 from replay.engine.tracing import Tracing, emit_llm_request_span, trace_headers_of, work_key_of
 from replay.engine.truth import TruthLog, truth_record
@@ -111,7 +111,7 @@ class EngineMetrics:
         waiting = Gauge("ref_engine_num_requests_waiting", "Requests in the waiting queue.", registry=self.registry)
         running.set_function(lambda: engine.counts()[0])
         waiting.set_function(lambda: engine.counts()[1])
-        self.style_tokens = add_style_metrics(self.registry, style, engine.counts)
+        self.style = StyleMetrics(self.registry, style, engine.counts)
 
 
 class EngineServer:
@@ -131,13 +131,13 @@ class EngineServer:
     def _on_step(self, seconds: float, tokens: int) -> None:
         self.metrics.step_seconds.observe(seconds)
         self.metrics.generation_tokens.inc(tokens)
-        if self.metrics.style_tokens is not None:
-            self.metrics.style_tokens.inc(tokens)
+        self.metrics.style.step(tokens)
 
     def _on_finish(self, request: RequestHandle) -> None:
         self.tracing.work_ended(request)
         reason = request.finish_reason or "abort"
         self.metrics.requests.labels(reason).inc()
+        self.metrics.style.finish(reason)
         self.metrics.prompt_tokens.inc(request.prompt_tokens)
         if request.tokens_after_disconnect:
             self.metrics.tokens_after_disconnect.inc(request.tokens_after_disconnect)
