@@ -151,14 +151,16 @@ class EngineLoads:
         series = self._loads.get(port, [])
         before = bisect.bisect_right(series, disconnect_ns, key=lambda item: item.ts_ns) - 1
         after = bisect.bisect_left(series, answered_ns, key=lambda item: item.ts_ns)
-        if before < 0 or series[before].aborted is None:
+        if before < 0:
             return False
-        first = series[before]
+        first, aborted_before = series[before], series[before].aborted
+        if aborted_before is None:
+            return False
         since = series[before - 1].ts_ns if before > 0 else first.ts_ns - ABORT_LOOKBACK_NS
         closes = self._departures.get(port, [])
         for last in series[after:after + 2]:
             left = bisect.bisect_right(closes, last.ts_ns) - bisect.bisect_right(closes, since)
-            if last.aborted is not None and left > 0 and last.aborted - first.aborted >= left:
+            if last.aborted is not None and left > 0 and last.aborted - aborted_before >= left:
                 return True
         return False
 
