@@ -45,7 +45,8 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     details: dict[str, Any] = {"engine_span": engine is not None}
     work_end, provisional, known = _work_end(corr, request, root, subtree, engine, now, details)
     started = origin_span.start_ns if origin_span and origin_span.start_ns > origin.ts_ns else None
-    completed = None if engine else ev.completed_by(origin.ts_ns, origin_span, subtree,
+    # An engine span without a finish reason (a configured name) cannot say the response was complete.
+    completed = None if engine and engine.finish_reason else ev.completed_by(origin.ts_ns, origin_span, subtree,
                                                     corr.local_fins(origin.tuple4), CLOCK_ERROR_NS)
     sends = origin_span is not None and (origin_span.service in corr.services_marking_sends or any(
         s.parent_span_id == origin_span.span_id and ev.FINAL_SEND_ATTR in s.attributes for s in subtree))

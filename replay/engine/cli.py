@@ -80,7 +80,8 @@ def serve(app: object, sock: socket.socket, log_level: str) -> None:
               "socket, so zombies are flagged while they run.")
 @click.option("--trace-aborted", is_flag=True, help="Emit llm_request spans for aborted requests too.")
 @click.option("--engine-span", default="llm_request", show_default=True,
-              help="Name of the engine span; 'none' leaves HTTP server spans only.")
+              help="Name of the engine span; 'genai': the GenAI conventions' '{operation} {model}'; "
+              "'none' leaves HTTP server spans only.")
 @click.option("--metrics-names", type=click.Choice(METRIC_STYLES), default="ref", show_default=True,
               help="Also export running/waiting/tokens under this engine's metric names.")
 @click.option("--send-spans", is_flag=True, help="Record 'http send' sub-spans, the last one marked.")
