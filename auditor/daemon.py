@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import Any
 
 from sqlalchemy import func, select
@@ -31,11 +32,13 @@ from auditor.correlate import Correlator
 from auditor.errors import AuditorError, StoreError
 from auditor.metrics import DaemonMetrics, SourceReadings
 from auditor.model import CoverageKind, EngineLoad, RequestVerdict, SpanRole, UtilSample
+from auditor.report.requests import inner_server_span
 from auditor.service import listening, notify_systemd, quietly
 from auditor.store import Store
 from auditor.store.schema import SpanRow, UtilSampleRow
 
 log = logging.getLogger(__name__)
+SPAN_SETTLE_NS = 5_000_000_000  # completions are counted once the spans around them have arrived
 
 
 def completed_requests(rows: Sequence[Any], engine_spans_seen: bool) -> tuple[int, bool]:
@@ -343,10 +346,14 @@ class Daemon:
     def _refresh_divergence(self) -> None:
         now_ns = time.time_ns()
         with self.store.session() as session:
-            rows = session.execute(select(SpanRow.id, SpanRow.role, SpanRow.http_status, SpanRow.finish_reason)
+            # A server span inside another (a second instrumentation, a traced gateway hop) is no
+            # request of its own; spans settle first so that the outer one has arrived too.
+            rows = session.execute(select(SpanRow.id, SpanRow.role, SpanRow.http_status, SpanRow.finish_reason,
+                                          SpanRow.end_ns, inner_server_span(SpanRow.__table__).label("inner"))
                                    .where(SpanRow.id > self._completed_cursor,
                                           SpanRow.role.in_((SpanRole.HTTP_SERVER.value, SpanRole.ENGINE.value)))
-                                   ).all()
+                                   .order_by(SpanRow.id)).all()
+            rows = list(takewhile(lambda r: r.end_ns < now_ns - SPAN_SETTLE_NS, rows))
             since = now_ns - 60 * 1_000_000_000
             util = session.execute(select(UtilSampleRow.source, func.avg(UtilSampleRow.util_percent)).where(
                 UtilSampleRow.ts_ns > since, UtilSampleRow.host == self.host,
@@ -356,7 +363,8 @@ class Daemon:
                 SpanRow.end_ns > since, SpanRow.process_pid.is_not(None)).distinct()))
         if rows:
             self._completed_cursor = max(r.id for r in rows)
-        count, self._engine_spans_seen = completed_requests(rows, self._engine_spans_seen)
+        requests = [r for r in rows if not (r.inner and r.role == SpanRole.HTTP_SERVER.value)]
+        count, self._engine_spans_seen = completed_requests(requests, self._engine_spans_seen)
         self.metrics.completed(count)
         self.metrics.set_utilization({source: (mean or 0.0) / 100.0 for source, mean in util})
         procfs = self._parts.get("procfs")

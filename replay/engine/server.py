@@ -52,7 +52,7 @@ from replay.engine.protocol import (
     parse_completion,
     usage,
 )
-from replay.engine.signals import OneAtATime, StyleMetrics, mark_final_send
+from replay.engine.signals import ContextBreak, OneAtATime, StyleMetrics, mark_final_send
 from replay.engine.tokens import prompt_seed
 from replay.engine.tracing import Tracing, emit_llm_request_span, trace_headers_of, work_key_of
 from replay.engine.truth import TruthLog, truth_record
@@ -81,6 +81,7 @@ class EngineSettings:
     metrics_names: str = "ref"
     send_spans: bool = False
     one_at_a_time: bool = False
+    duplicate_server_span: bool = False
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -170,8 +171,13 @@ class EngineServer:
         ]
         starlette = Starlette(routes=routes, lifespan=self.lifespan,
                               exception_handlers={HTTPException: self._http_error, Exception: self._crash})
+        inner: ASGIApp = starlette
+        if self.settings.duplicate_server_span:
+            inner = ContextBreak(OpenTelemetryMiddleware(
+                starlette, tracer_provider=self.tracing.provider, exclude_spans=["receive", "send"],
+                excluded_urls="health,metrics", http_capture_headers_server_request=["x-request-id"]))
         traced = OpenTelemetryMiddleware(
-            starlette, tracer_provider=self.tracing.provider,
+            inner, tracer_provider=self.tracing.provider,
             exclude_spans=["receive"] if self.settings.send_spans else ["receive", "send"],
             client_response_hook=mark_final_send if self.settings.send_spans else None,
             excluded_urls="health,metrics", http_capture_headers_server_request=["x-request-id"])

@@ -11,6 +11,7 @@ verdicts can be checked against the truth log for every combination:
 | ``--metrics-names STYLE`` | running/waiting gauges, token counter and (where the engine has one) finished/aborted counter also under ``vllm``, ``sglang``, ``tgi`` or ``llamacpp`` names |
 | ``--send-spans`` | the HTTP server span gets ``http send`` sub-spans; the one that ends the response says so |
 | ``--one-at-a-time`` | one request is served at a time; the rest wait before the HTTP handler (llama.cpp ``-np 1``) |
+| ``--duplicate-server-span`` | a second ASGI instrumentation adds a second SERVER span, child of the first, per request (FastAPI's own telemetry over a hand-added middleware) |
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from opentelemetry import context
+from opentelemetry.context import Context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+PROPAGATOR = TraceContextTextMapPropagator()
 METRIC_STYLES = ("ref", "vllm", "sglang", "tgi", "llamacpp")
 # (running gauge, waiting gauge, generated-token counter) in each engine's own names.
 METRIC_NAMES: dict[str, tuple[str, str, str]] = {
@@ -98,3 +103,28 @@ class OneAtATime:
             self._lock = asyncio.Lock()
         async with self._lock:
             await self.app(scope, receive, send)
+
+
+class ContextBreak:
+    """Runs the app in an empty OpenTelemetry context, the current span's ``traceparent`` put in
+    the request headers: what an app behind a context break sees (a sub-application, a second
+    instrumentation that starts from the headers, as FastAPI's own instrumentation does over a
+    hand-added middleware). The ASGI instrumentation inside then starts a second SERVER span, a
+    child of the first, on the same connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        carrier: dict[str, str] = {}
+        PROPAGATOR.inject(carrier)
+        headers = [(k, v) for k, v in scope["headers"] if k not in (b"traceparent", b"tracestate")]
+        headers += [(k.encode(), v.encode()) for k, v in carrier.items()]
+        token = context.attach(Context())
+        try:
+            await self.app({**scope, "headers": headers}, receive, send)
+        finally:
+            context.detach(token)
