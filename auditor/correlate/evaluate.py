@@ -48,17 +48,7 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     # An engine span without a finish reason (a configured name) cannot say the response was complete.
     completed = None if engine and engine.finish_reason else ev.completed_by(origin.ts_ns, origin_span, subtree,
                                                     corr.local_fins(origin.tuple4), CLOCK_ERROR_NS)
-    sends = origin_span is not None and (origin_span.service in corr.services_marking_sends or any(
-        s.parent_span_id == origin_span.span_id and ev.FINAL_SEND_ATTR in s.attributes for s in subtree))
-    spans_finishes = origin_span is not None and origin_span.service in corr.services_spanning_finishes
-    if known and completed is None and not sends and not spans_finishes and details.get("orphaned_scrapes") == 0 \
-            and not details.get("aborts_counted") \
-            and origin_span is not None and origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS:
-        # The span ended as the client closed, and the gauges never saw the request held after:
-        # a client closing after the last byte and a server reacting at once look the same,
-        # unless the server records its sends (then no final send means not complete), its
-        # engine spans every normal finish (then a missing engine span means not complete), or
-        # its abort counter rose by as many as the requests that left (then each was aborted).
+    if known and completed is None and _close_races_span_end(corr, origin.ts_ns, origin_span, subtree, details):
         known, details["close_races_span_end"] = False, True
     decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now, started_ns=started,
                                completed_by=completed, work_stopped_known=known), corr.grace_seconds)
@@ -95,6 +85,22 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     if unchanged and decision.verdict is not Verdict.INFLIGHT_ZOMBIE:
         return None
     return verdict
+
+
+def _close_races_span_end(corr: Correlator, disconnect_ns: int, origin_span: SpanRecord | None,
+                          subtree: list[SpanRecord], details: dict[str, Any]) -> bool:
+    """The span ended as the client closed, and the gauges never saw the request held after: a
+    client closing after the last byte and a server reacting at once look the same, unless the
+    server records its sends (then no final send means not complete), its engine spans every normal
+    finish (then a missing engine span means not complete), or its abort counter rose by as many
+    as the clients that left (then each was aborted)."""
+    if origin_span is None or origin_span.end_ns - disconnect_ns > CLOCK_ERROR_NS:
+        return False
+    if details.get("orphaned_scrapes") != 0 or details.get("aborts_counted"):
+        return False
+    sends = origin_span.service in corr.services_marking_sends or any(
+        s.parent_span_id == origin_span.span_id and ev.FINAL_SEND_ATTR in s.attributes for s in subtree)
+    return not sends and origin_span.service not in corr.services_spanning_finishes
 
 
 def _add_hops(request: OpenRequest, origin: Any, http_spans: list[SpanRecord], origin_span: SpanRecord | None,
