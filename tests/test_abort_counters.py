@@ -88,3 +88,21 @@ def test_as_many_aborts_as_departures_abort_each(store: Store) -> None:
     clock.now = T0 + 9 * S
     correlator.tick()
     assert sorted(r.verdict for r in verdicts(store)) == ["aborted", "aborted"]
+
+
+def test_a_late_abort_of_an_earlier_departure_is_not_taken_for_a_completed_requests(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    early, done = ("127.0.0.1", 40002), CLIENT
+    # The engine aborts the request whose client left at 0.0 only about a second later, just as
+    # another response ends and its client closes (a close racing the span's end).
+    store.insert_spans([http_span("1", -1, 0.0005, span="1", client=early), http_span("2", 0.5, 1.0005, span="2",
+                                                                                       client=done)])
+    store.insert_conn_events([close(0.0, ConnEventKind.PEER_RST, client=early), close(1.0, client=done)])
+    # The gauges held the early request on after its client left (with the other one from 0.5 s).
+    correlator.add_engine_load([load(-0.5, 3.0, 1), load(0.1, 3.0, 1), load(0.5, 3.0, 2), load(0.9, 3.0, 2),
+                                load(1.1, 4.0), load(1.3, 4.0)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    rows = {r.client_port: r for r in verdicts(store)}
+    assert rows[done[1]].verdict != "aborted", rows[done[1]].details

@@ -48,6 +48,8 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     # An engine span without a finish reason (a configured name) cannot say the response was complete.
     completed = None if engine and engine.finish_reason else ev.completed_by(origin.ts_ns, origin_span, subtree,
                                                     corr.local_fins(origin.tuple4), CLOCK_ERROR_NS)
+    if completed is not None:
+        corr.loads.completed_departure(origin.tuple4[2], origin.ts_ns)
     if known and completed is None and _close_races_span_end(corr, origin.ts_ns, origin_span, subtree, details):
         known, details["close_races_span_end"] = False, True
     decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now, started_ns=started,
@@ -143,10 +145,13 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
     scraped = _metrics_work_end(corr, request, subtree)
     if scraped is not None:
         by_metrics, port, disconnect, answered = scraped
+
+        def connected(start: int, end: int) -> int:
+            return corr.connected_at(port, start - CLOCK_ERROR_NS, end + CLOCK_ERROR_NS)
         details["evidence"], details["work_end_exact"] = ev.ENGINE_METRICS, "scrape"
         details["work_end_resolution_s"] = round(by_metrics.resolution_s, 3)
         details["orphaned_scrapes"] = by_metrics.orphaned_scrapes
-        if by_metrics.orphaned_scrapes == 0 and corr.loads.aborts_cover(port, disconnect, answered):
+        if by_metrics.orphaned_scrapes == 0 and corr.loads.aborts_cover(port, disconnect, answered, connected):
             details["aborts_counted"] = True
         if by_metrics.work_end_ns is None:
             return None, True, True

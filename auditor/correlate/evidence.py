@@ -102,6 +102,15 @@ class EngineLoads:
         else:
             series.append(ts_ns)
 
+    def completed_departure(self, port: int, ts_ns: int) -> None:
+        """The client that closed at ``ts_ns`` had its whole response (kernel order, final send,
+        span end): its close is no departure an abort could be for."""
+        closes = self._departures.get(port)
+        if closes:
+            index = bisect.bisect_left(closes, ts_ns)
+            if index < len(closes) and closes[index] == ts_ns:
+                del closes[index]
+
     def watched(self, port: int) -> bool:
         return bool(self._loads.get(port))
 
@@ -142,19 +151,23 @@ class EngineLoads:
             return None
         return MetricsEnd(None, 0.0, count)
 
-    def aborts_cover(self, port: int, disconnect_ns: int, answered_ns: int) -> bool:
+    def aborts_cover(self, port: int, disconnect_ns: int, answered_ns: int,
+                     connected_at: Callable[[int, int], int]) -> bool:
         """Whether the engine's abort counter rose, between the scrape before ``disconnect_ns`` and
         one of the two after ``answered_ns`` (the server's answer to the disconnect; the engine may
-        abort a step later), by at least the number of clients that closed a connection to ``port``
-        from one scrape earlier to then (``note_departure``): each of them was aborted. Fewer
-        aborts than departures cannot say which were, and say nothing."""
+        abort a step later), by at least the number of clients that closed a connection to
+        ``port`` from one scrape earlier to then (``note_departure``): each of them was aborted.
+        Fewer aborts than departures cannot say which were, and say nothing; nor can a rise while
+        the engine still held orphans at the scrape before (an abort that came late for an earlier
+        departure)."""
         series = self._loads.get(port, [])
         before = bisect.bisect_right(series, disconnect_ns, key=lambda item: item.ts_ns) - 1
         after = bisect.bisect_left(series, answered_ns, key=lambda item: item.ts_ns)
         if before < 0:
             return False
         first, aborted_before = series[before], series[before].aborted
-        if aborted_before is None:
+        if aborted_before is None or first.running + first.waiting > connected_at(
+                first.ts_ns, first.answered_ns or first.ts_ns):
             return False
         since = series[before - 1].ts_ns if before > 0 else first.ts_ns - ABORT_LOOKBACK_NS
         closes = self._departures.get(port, [])
