@@ -5,6 +5,8 @@ spans only, as llama.cpp or TGI behind instrumentation), its gauges under vLLM, 
 names, with or without ``http send`` sub-spans, and served one request at a time. The daemon scrapes
 the gauges itself. Cancelled requests must get the truth's verdict, with the work end within a
 scrape interval; completed requests, whichever way their client closed, are never aborted nor zombies.
+Where the engine counts its aborts (vLLM, SGLang names), every cancelled request of an aborting
+engine is ``aborted``, even when the client's close raced the server span's end.
 """
 
 from __future__ import annotations
