@@ -65,6 +65,13 @@ class EngineMetricsConfig:
 
 
 @dataclass
+class SpansConfig:
+    # Engine span names besides vLLM's llm_request (GenAI-convention inference spans are known by
+    # their gen_ai.operation.name); a trailing * matches a prefix. CLIENT spans never count.
+    engine_names: list[str] = field(default_factory=list)
+
+
+@dataclass
 class MetricsConfig:
     listen: str = "127.0.0.1:9464"  # "" disables /metrics
 
@@ -115,6 +122,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     live: LiveConfig = field(default_factory=LiveConfig)
     engine_metrics: EngineMetricsConfig = field(default_factory=EngineMetricsConfig)
+    spans: SpansConfig = field(default_factory=SpansConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
 
@@ -158,7 +166,7 @@ def parse_address(text: str, key: str = "address") -> tuple[str, int]:
 SECTIONS: dict[str, type] = {
     "probe": ProbeConfig, "otlp": OtlpConfig, "sampler": SamplerConfig,
     "correlate": CorrelateConfig, "metrics": MetricsConfig, "live": LiveConfig,
-    "engine_metrics": EngineMetricsConfig,
+    "engine_metrics": EngineMetricsConfig, "spans": SpansConfig,
     "retention": RetentionConfig, "export": ExportConfig,
 }
 
@@ -189,6 +197,11 @@ def _coerce(key: str, kind: Any, value: Any, *, from_text: bool) -> Any:
             if not from_text and not isinstance(value, str):
                 raise ValueError
             return str(value)
+        if kind == list[str]:
+            items = [v.strip() for v in str(value).split(",") if v.strip()] if from_text else value
+            if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+                raise ValueError
+            return list(items)
         if kind == list[int]:
             items = [v for v in str(value).split(",") if v.strip()] if from_text else value
             if not isinstance(items, list):
@@ -199,7 +212,8 @@ def _coerce(key: str, kind: Any, value: Any, *, from_text: bool) -> Any:
     else:
         raise AssertionError(f"config type {kind} of {key} is not handled")
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    allowed = names.get(kind, "a list of integers (comma-separated in the environment)")
+    lists = "a list of strings" if kind == list[str] else "a list of integers"
+    allowed = names.get(kind, f"{lists} (comma-separated in the environment)")
     raise ConfigError(f"{key} = {value!r}: expected {allowed}")
 
 

@@ -131,9 +131,11 @@ class Daemon:
         self._spawn("probe", self._probe_loop)
 
     def _start_receivers(self) -> None:
+        from collectors.attributes import configure_engine_spans
         from collectors.otlp_http import OtlpHttpReceiver
         from collectors.spanwriter import SpanWriter
 
+        configure_engine_spans(self.config.spans.engine_names)
         otlp = self.config.otlp
         writer = SpanWriter(self.store).start()
         self._parts["span_writer"] = writer

@@ -29,14 +29,16 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.trace import SpanKind
 
 from auditor.semconv import (
-    ENGINE_SPAN_NAMES,
+    GENAI_OPERATION,
     PEER_ADDR_KEYS,
     PEER_PORT_KEYS,
     SERVER_PORT_KEYS,
+    EngineSpans,
     first_attribute,
 )
 
 log = logging.getLogger(__name__)
+_ENGINE_SPANS = EngineSpans()
 
 MAX_DATAGRAM = 1024
 DEFAULT_ADDRESS = ("127.0.0.1", 4319)
@@ -101,7 +103,8 @@ class LiveSpanProcessor(SpanProcessor):
             "peer_port": int(peer_port) if isinstance(peer_port, int) else None,
             "port": int(server_port) if isinstance(server_port, int) else None,
             "pid": self.reporter.pid, "service": service,
-            "engine": span.name in ENGINE_SPAN_NAMES,
+            "engine": _ENGINE_SPANS.matches(span.name, "server", attrs.get(GENAI_OPERATION), http=any(
+                key in attrs for key in ("http.request.method", "http.method"))),
         })
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:

@@ -175,6 +175,7 @@ class EngineLoad:
     waiting: int = 0
     generated_tokens: float | None = None  # the engine's cumulative generated-token counter
     style: str = ""  # whose metric names matched: vllm, sglang, tgi, llamacpp, ref
+    aborted: float | None = None  # the engine's cumulative count of aborted requests; None: it has none
     # When the answer came: the gauges describe one moment in [ts_ns, answered_ns], so a request
     # that started or ended in between may or may not be in them. None: an instant.
     answered_ns: int | None = None

@@ -8,14 +8,46 @@ carry, so they win over the logical client address (which a proxy header can rew
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 PEER_ADDR_KEYS = ("network.peer.address", "net.sock.peer.addr", "client.address", "net.peer.ip")
 PEER_PORT_KEYS = ("network.peer.port", "net.sock.peer.port", "client.port", "net.peer.port")
 SERVER_PORT_KEYS = ("server.port", "net.host.port")
-# Engine work spans by name (vLLM's); normalization also knows other conventions.
+# Engine work spans by name: vLLM's ``llm_request``. More names come from configuration
+# (``[spans] engine_names``); the GenAI semantic conventions are recognised by their operation.
 ENGINE_SPAN_NAMES = frozenset({"llm_request"})
+# GenAI semantic conventions (gen-ai-spans): an inference span is named "{gen_ai.operation.name}
+# {gen_ai.request.model}" and carries the operation as an attribute. Its kind is CLIENT at the
+# caller (the openai SDK's instrumentation: no engine work of this host) and SERVER or INTERNAL
+# where the model runs, which is the engine's own span.
+GENAI_OPERATION = "gen_ai.operation.name"
+GENAI_INFERENCE_OPERATIONS = frozenset({"chat", "text_completion", "generate_content"})
+
+
+class EngineSpans:
+    """Which spans are an engine's own work span: by name (vLLM's, configured ones, a trailing
+    ``*`` for a prefix), or by the GenAI conventions' inference operation. A CLIENT span never is:
+    it is a caller's view of work done elsewhere."""
+
+    def __init__(self, names: Iterable[str] = ()) -> None:
+        extra = [name.strip() for name in names if name.strip()]
+        self.names = ENGINE_SPAN_NAMES | {name for name in extra if not name.endswith("*")}
+        self.prefixes = tuple(name[:-1] for name in extra if name.endswith("*") and len(name) > 1)
+
+    def matches(self, name: str, kind: str, operation: Any = None, *, http: bool = False) -> bool:
+        """``kind``: the span kind in lower case; ``operation``: its ``gen_ai.operation.name``;
+        ``http``: whether it has HTTP attributes (an HTTP span is never taken for GenAI work)."""
+        if kind == "client":
+            return False
+        if name in self.names or (self.prefixes and name.startswith(self.prefixes)):
+            return True
+        if http:
+            return False
+        if operation is not None:
+            return operation in GENAI_INFERENCE_OPERATIONS
+        op, _, model = name.partition(" ")
+        return op in GENAI_INFERENCE_OPERATIONS and bool(model) and " " not in model
 
 
 def first_attribute(attributes: Mapping[str, Any] | None, keys: tuple[str, ...]) -> Any:

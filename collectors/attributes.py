@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
+from auditor.semconv import GENAI_OPERATION, EngineSpans
+
 # Bounds on what one span may store: enough for any real instrumentation, small enough that a
 # hostile exporter cannot blow up the database or the daemon's memory.
 MAX_ATTRIBUTES = 128
@@ -184,3 +186,17 @@ def take_one(attrs: dict[str, Any], key: str, convert: Any) -> Any:
     if converted is not None:
         del attrs[key]
     return converted
+
+
+# -- which spans are engine spans (the daemon sets the configured names at start) ---------------
+_engine_spans = EngineSpans()
+
+
+def configure_engine_spans(names: list[str]) -> None:
+    """Engine span names besides vLLM's (``[spans] engine_names``), for every later normalization."""
+    global _engine_spans
+    _engine_spans = EngineSpans(names)
+
+
+def is_engine_span(name: str, kind: str, attrs: dict[str, Any], http: bool) -> bool:
+    return _engine_spans.matches(name, kind, attrs.get(GENAI_OPERATION), http=http)

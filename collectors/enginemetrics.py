@@ -7,7 +7,9 @@ gauges, at a fixed period, from every watched inference port (the engine serves 
 port it serves requests on: vLLM, SGLang, TGI's router, llama.cpp with ``--metrics``).
 
 A port that answers with no known metric is skipped quietly and retried less often: not every
-watched port is an engine (a gateway, an app).
+watched port is an engine (a gateway, an app). Each port is scraped over one kept-alive
+connection: a connection per scrape would add a client close on the inference port every scrape,
+and the correlator counts client closes there (abort counters are matched to departures).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from urllib.request import urlopen
+from http.client import HTTPConnection
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,10 +36,21 @@ KNOWN_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("llamacpp", "llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:tokens_predicted"),
     ("ref", "ref_engine_num_requests_running", "ref_engine_num_requests_waiting", "ref_engine_generation_tokens"),
 )
+# Each engine's own count of the requests it aborted: (counter without ``_total``, label, value);
+# a label of None counts every series. The counter rising between the scrapes around a disconnect
+# says the work of the cancelled request stopped. TGI and llama.cpp count no aborts.
+ABORT_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {
+    "vllm": ("vllm:request_success", "finished_reason", "abort"),
+    "sglang": ("sglang:num_aborted_requests", None, None),
+    "ref": ("ref_engine_requests", "finish_reason", "abort"),
+}
 NOT_AN_ENGINE_BACKOFF_S = 30.0
+MAX_PAGE_BYTES = 4 * 1024 * 1024
 
 
-_WANTED = tuple(name for entry in KNOWN_METRICS for name in entry[1:])
+_WANTED = tuple(name for entry in KNOWN_METRICS for name in entry[1:]) + tuple(
+    counter for counter, _, _ in ABORT_COUNTERS.values())
+_ABORT_NAMES = {counter: (label, value) for counter, label, value in ABORT_COUNTERS.values()}
 _COMMENTS = ("# HELP ", "# TYPE ")
 
 
@@ -60,12 +73,18 @@ def parse_load(text: str, *, ts_ns: int, server_port: int) -> EngineLoad | None:
             if sample.name.endswith(("_created", "_bucket", "_count", "_sum")):
                 continue
             name = sample.name.removesuffix("_total")
+            if name in _ABORT_NAMES:
+                label, wanted = _ABORT_NAMES[name]
+                values.setdefault(name, 0.0)  # the engine counts aborts, none of them yet
+                if label is not None and sample.labels.get(label) != wanted:
+                    continue
             values[name] = values.get(name, 0.0) + sample.value
     for style, running, waiting, tokens in KNOWN_METRICS:
         if running in values:
+            abort_counter = ABORT_COUNTERS.get(style)
             return EngineLoad(ts_ns=ts_ns, server_port=server_port, running=int(values[running]),
                               waiting=int(values.get(waiting, 0.0)), generated_tokens=values.get(tokens),
-                              style=style)
+                              style=style, aborted=values.get(abort_counter[0]) if abort_counter else None)
     return None
 
 
@@ -87,6 +106,7 @@ class EngineMetricsScraper:
         self.clock = clock
         self.errors = 0
         self._skip_until: dict[int, float] = {}
+        self._connections: dict[int, HTTPConnection] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -94,10 +114,37 @@ class EngineMetricsScraper:
         # The gauges describe the engine at one moment between the request and its answer; both
         # ends are kept so a request that started or ended in between is never taken for an orphan.
         ts_ns = self.clock()
-        with urlopen(f"http://{self.host}:{port}{self.path}", timeout=self.timeout_s) as response:
-            text = response.read(4 * 1024 * 1024).decode("utf-8", errors="replace")
+        text = self._fetch(port)
         load = parse_load(text, ts_ns=ts_ns, server_port=port)
         return None if load is None else replace(load, answered_ns=max(ts_ns, self.clock()))
+
+    def _fetch(self, port: int) -> str:
+        """The page, over the port's kept-alive connection; a stale one is replaced once."""
+        for attempt in (0, 1):
+            reused = port in self._connections
+            connection = self._connections.pop(port, None) or HTTPConnection(self.host, port, timeout=self.timeout_s)
+            try:
+                connection.request("GET", self.path)
+                response = connection.getresponse()
+                body = response.read(MAX_PAGE_BYTES)
+                if response.status != 200:
+                    raise OSError(f"HTTP {response.status}")
+            except Exception:
+                connection.close()
+                if reused and attempt == 0:
+                    continue  # the engine closed the idle connection: one fresh try
+                raise
+            if response.isclosed() and not response.will_close:
+                self._connections[port] = connection  # read to the end and kept alive: reused
+            else:  # the server closes it, or a page over the size limit left it unusable
+                connection.close()
+            return body.decode("utf-8", errors="replace")
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        for connection in self._connections.values():
+            connection.close()
+        self._connections.clear()
 
     def scrape_all(self) -> list[EngineLoad]:
         loads = []
@@ -140,6 +187,7 @@ class EngineMetricsScraper:
             if delay < 0:  # skip missed ticks instead of bursting
                 next_tick, delay = time.monotonic(), 0.0
             self._stop.wait(delay)
+        self.close()
 
     def stop(self) -> None:
         self._stop.set()

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from auditor.model import SpanRecord, SpanRole
-from auditor.semconv import ENGINE_SPAN_NAMES, PEER_ADDR_KEYS, PEER_PORT_KEYS, SERVER_PORT_KEYS
+from auditor.semconv import PEER_ADDR_KEYS, PEER_PORT_KEYS, SERVER_PORT_KEYS
 from collectors.attributes import (
     as_count,
     as_float,
@@ -30,6 +30,7 @@ from collectors.attributes import (
     attributes_dict,
     cut_text,
     first_of,
+    is_engine_span,
     port_from_hostport,
     take,
     take_one,
@@ -71,8 +72,8 @@ class NormalizeResult:
     error_message: str = ""
 
 
-def _role(name: str, kind: str, has_http: bool) -> SpanRole:
-    if name in ENGINE_SPAN_NAMES:
+def _role(name: str, kind: str, has_http: bool, attrs: dict[str, Any]) -> SpanRole:
+    if is_engine_span(name, kind, attrs, has_http):
         return SpanRole.ENGINE
     if has_http and kind == "server":
         return SpanRole.HTTP_SERVER
@@ -198,7 +199,7 @@ def normalize_span(span: Any, head: tuple[str, str, str | None, int, int], *, se
         name = cut_text(name, _COLUMN_CHARS["name"])
     kind = _KIND_NAMES.get(span.kind, "unspecified")
     method = first_of(attrs, METHOD_KEYS)[1]  # not a column: stays in the attributes
-    role = _role(name, kind, method is not None)
+    role = _role(name, kind, method is not None, attrs)
 
     peer_addr, peer_port, server_port, peer_rewritten = _connection(attrs, role)
     has_genai = role is SpanRole.ENGINE or not _GENAI_KEYS.isdisjoint(attrs)

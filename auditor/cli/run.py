@@ -25,11 +25,13 @@ GC_FIRST_GENERATION = 20_000
 @click.option("--grace", type=float, metavar="SECONDS", help="Work after a disconnect beyond this is a zombie.")
 @click.option("--host-id", metavar="ID", help="This host's name in the store.")
 @click.option("--source", type=click.Choice(["auto", "bpf", "procfs"]), help="Disconnect source.")
+@click.option("--engine-span", "engine_spans", metavar="NAME", multiple=True,
+              help="Another engine span name besides vLLM's llm_request (repeatable; NAME* is a prefix).")
 @click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @common_options
 def run_command(config: Config, ports: tuple[int, ...], otlp_http: str | None, otlp_grpc: str | None,
                 metrics_listen: str | None, live_listen: str | None, grace: float | None,
-                host_id: str | None, source: str | None, verbose: bool) -> None:
+                host_id: str | None, source: str | None, verbose: bool, engine_spans: tuple[str, ...] = ()) -> None:
     """Run the daemon: probe, OTLP receivers, samplers, correlation and /metrics."""
     from auditor.daemon import Daemon
 
@@ -38,7 +40,8 @@ def run_command(config: Config, ports: tuple[int, ...], otlp_http: str | None, o
     with errors_as_click():
         overrides = {"probe.ports": list(ports) or None, "otlp.http": otlp_http, "otlp.grpc": otlp_grpc,
                      "metrics.listen": metrics_listen, "live.listen": live_listen,
-                     "correlate.grace_seconds": grace, "host_id": host_id, "probe.source": source}
+                     "correlate.grace_seconds": grace, "host_id": host_id, "probe.source": source,
+                     "spans.engine_names": list(engine_spans) or None}
         config = apply_overrides(config, overrides)
         daemon = Daemon(config)
         daemon.start()

@@ -162,6 +162,7 @@ class Correlator:
                 self._local_fin_by_tuple[tuple4].append(row.ts_ns)
             elif row.kind in (ConnEventKind.PEER_FIN.value, ConnEventKind.PEER_RST.value):
                 kind = "fin" if row.kind == ConnEventKind.PEER_FIN.value else "rst"
+                self.loads.note_departure(tuple4, row.ts_ns, self.local_fins(tuple4))
                 self._pending[row.id] = Disconnect(row.id, row.ts_ns, kind, tuple4, row.earliest_ns)
 
     # -- the round --------------------------------------------------------------------------

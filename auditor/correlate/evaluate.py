@@ -45,17 +45,12 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     details: dict[str, Any] = {"engine_span": engine is not None}
     work_end, provisional, known = _work_end(corr, request, root, subtree, engine, now, details)
     started = origin_span.start_ns if origin_span and origin_span.start_ns > origin.ts_ns else None
-    completed = None if engine else ev.completed_by(origin.ts_ns, origin_span, subtree,
+    # An engine span without a finish reason (a configured name) cannot say the response was complete.
+    completed = None if engine and engine.finish_reason else ev.completed_by(origin.ts_ns, origin_span, subtree,
                                                     corr.local_fins(origin.tuple4), CLOCK_ERROR_NS)
-    sends = origin_span is not None and (origin_span.service in corr.services_marking_sends or any(
-        s.parent_span_id == origin_span.span_id and ev.FINAL_SEND_ATTR in s.attributes for s in subtree))
-    spans_finishes = origin_span is not None and origin_span.service in corr.services_spanning_finishes
-    if known and completed is None and not sends and not spans_finishes and details.get("orphaned_scrapes") == 0 \
-            and origin_span is not None and origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS:
-        # The span ended as the client closed, and the gauges never saw the request held after:
-        # a client closing after the last byte and a server reacting at once look the same,
-        # unless the server records its sends (then no final send means not complete), or its
-        # engine spans every normal finish (then a missing engine span means not complete).
+    if completed is not None:
+        corr.loads.completed_departure(origin.tuple4[2], origin.ts_ns)
+    if known and completed is None and _close_races_span_end(corr, origin.ts_ns, origin_span, subtree, details):
         known, details["close_races_span_end"] = False, True
     decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now, started_ns=started,
                                completed_by=completed, work_stopped_known=known), corr.grace_seconds)
@@ -92,6 +87,22 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     if unchanged and decision.verdict is not Verdict.INFLIGHT_ZOMBIE:
         return None
     return verdict
+
+
+def _close_races_span_end(corr: Correlator, disconnect_ns: int, origin_span: SpanRecord | None,
+                          subtree: list[SpanRecord], details: dict[str, Any]) -> bool:
+    """The span ended as the client closed, and the gauges never saw the request held after: a
+    client closing after the last byte and a server reacting at once look the same, unless the
+    server records its sends (then no final send means not complete), its engine spans every normal
+    finish (then a missing engine span means not complete), or its abort counter rose by as many
+    as the clients that left (then each was aborted)."""
+    if origin_span is None or origin_span.end_ns - disconnect_ns > CLOCK_ERROR_NS:
+        return False
+    if details.get("orphaned_scrapes") != 0 or details.get("aborts_counted"):
+        return False
+    sends = origin_span.service in corr.services_marking_sends or any(
+        s.parent_span_id == origin_span.span_id and ev.FINAL_SEND_ATTR in s.attributes for s in subtree)
+    return not sends and origin_span.service not in corr.services_spanning_finishes
 
 
 def _add_hops(request: OpenRequest, origin: Any, http_spans: list[SpanRecord], origin_span: SpanRecord | None,
@@ -131,11 +142,17 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
     if live_end is not None:
         details["evidence"], details["work_end_exact"] = ev.LIVE_NOTICE, "live"
         return max(work_end, live_end), now - live_end < ENGINE_SETTLE_AFTER_LIVE_END_NS, True
-    by_metrics = _metrics_work_end(corr, request, subtree)
-    if by_metrics is not None:
+    scraped = _metrics_work_end(corr, request, subtree)
+    if scraped is not None:
+        by_metrics, port, disconnect, answered = scraped
+
+        def connected(start: int, end: int) -> int:
+            return corr.connected_at(port, start - CLOCK_ERROR_NS, end + CLOCK_ERROR_NS)
         details["evidence"], details["work_end_exact"] = ev.ENGINE_METRICS, "scrape"
         details["work_end_resolution_s"] = round(by_metrics.resolution_s, 3)
         details["orphaned_scrapes"] = by_metrics.orphaned_scrapes
+        if by_metrics.orphaned_scrapes == 0 and corr.loads.aborts_cover(port, disconnect, answered, connected):
+            details["aborts_counted"] = True
         if by_metrics.work_end_ns is None:
             return None, True, True
         end = max(work_end, by_metrics.work_end_ns)
@@ -146,8 +163,10 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
     return work_end, now - work_end < corr.late_ns, False
 
 
-def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[SpanRecord]) -> ev.MetricsEnd | None:
-    """The work end the engine's gauges tell, on the innermost scraped hop of the request.
+def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[SpanRecord]
+                      ) -> tuple[ev.MetricsEnd, int, int, int] | None:
+    """The work end the engine's gauges tell, on the innermost scraped hop of the request, with
+    that hop's port, disconnect and span end.
 
     A request that ended within the clock error of a scrape counts as connected at it: one orphan
     right at a completion (the next request taken up as the last one ends) is no evidence."""
@@ -161,9 +180,10 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     key = f"{request.key[0]}/{request.key[1]}"
     port = hop.server_port or 0
     corr.loads.register(port, key, disconnect)
-    return corr.loads.work_end(port, key, disconnect, max(disconnect, hop.start_ns),
-                               lambda start, end: corr.connected_at(port, start - CLOCK_ERROR_NS,
-                                                                    end + CLOCK_ERROR_NS))
+    ended = corr.loads.work_end(port, key, disconnect, max(disconnect, hop.start_ns),
+                                lambda start, end: corr.connected_at(port, start - CLOCK_ERROR_NS,
+                                                                     end + CLOCK_ERROR_NS))
+    return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))
 
 
 def _waste(corr: Correlator, origin: Any, started: int | None, end_ns: int, engine: SpanRecord | None,

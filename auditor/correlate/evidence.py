@@ -7,7 +7,9 @@ Two questions, each answered from what real servers do emit:
    that had already ended. Never by the absence of an engine span.
 2. Did the work stop? Told by the engine's own /metrics: requests it holds (running + waiting)
    above the requests still in flight on its port are orphans; while a disconnected request's
-   share of them lasts, its work goes on. The end is known to a scrape interval.
+   share of them lasts, its work goes on. The end is known to a scrape interval. Where the engine
+   counts its aborts (vLLM ``finished_reason="abort"``, SGLang), the counter rising between the
+   scrapes around a disconnect by as many as the requests that left then says their work stopped.
 
 Where neither tells, the answer is ``None`` and the verdict is ``unconfirmed``: never an abort.
 """
@@ -22,6 +24,9 @@ from dataclasses import dataclass
 from auditor.model import EngineLoad, SpanRecord
 
 FINAL_SEND_ATTR = "asgi.event.final"
+SERVER_CLOSED_FIRST_NS = 1_000_000_000  # a client's close this soon after the server's FIN answers it
+SAME_CONNECTION_NS = 30_000_000_000  # closes of one connection this close together are one departure
+ABORT_LOOKBACK_NS = 1_000_000_000  # departures counted before the first scrape, when there is none earlier
 
 # The evidence names a verdict records in details["evidence"].
 ENGINE_SPAN = "engine_span"
@@ -64,6 +69,8 @@ class EngineLoads:
     def __init__(self) -> None:
         self._loads: dict[int, list[EngineLoad]] = defaultdict(list)
         self._disconnects: dict[int, dict[str, int]] = defaultdict(dict)  # port -> request -> disconnect
+        self._departures: dict[int, list[int]] = defaultdict(list)  # port -> every client close (kernel)
+        self._departed: dict[tuple[str, int, int], int] = {}  # connection -> its last close
 
     def add(self, loads: Iterable[EngineLoad]) -> set[int]:
         """Record scrapes; returns the ports they concern."""
@@ -76,6 +83,33 @@ class EngineLoads:
                 series.append(load)
             ports.add(load.server_port)
         return ports
+
+    def note_departure(self, connection: tuple[str, int, int], ts_ns: int, server_fins: Iterable[int] = ()) -> None:
+        """A client closed (FIN or RST) ``connection`` (client address, client port, server port):
+        the kernel's word, whether or not a request was joined to it yet. Counted once per
+        connection (a half-close and the reset of the final close are one departure); a close
+        that answers the server's own FIN (``server_fins`` on that connection just before: a
+        finished response, the daemon's own scrape) is no departure while work went on."""
+        if any(ts_ns - SERVER_CLOSED_FIRST_NS <= fin <= ts_ns for fin in server_fins):
+            return
+        seen = self._departed.get(connection)
+        self._departed[connection] = ts_ns
+        if seen is not None and ts_ns - seen < SAME_CONNECTION_NS:
+            return
+        series = self._departures[connection[2]]
+        if series and ts_ns < series[-1]:
+            bisect.insort(series, ts_ns)
+        else:
+            series.append(ts_ns)
+
+    def completed_departure(self, port: int, ts_ns: int) -> None:
+        """The client that closed at ``ts_ns`` had its whole response (kernel order, final send,
+        span end): its close is no departure an abort could be for."""
+        closes = self._departures.get(port)
+        if closes:
+            index = bisect.bisect_left(closes, ts_ns)
+            if index < len(closes) and closes[index] == ts_ns:
+                del closes[index]
 
     def watched(self, port: int) -> bool:
         return bool(self._loads.get(port))
@@ -117,6 +151,32 @@ class EngineLoads:
             return None
         return MetricsEnd(None, 0.0, count)
 
+    def aborts_cover(self, port: int, disconnect_ns: int, answered_ns: int,
+                     connected_at: Callable[[int, int], int]) -> bool:
+        """Whether the engine's abort counter rose, between the scrape before ``disconnect_ns`` and
+        one of the two after ``answered_ns`` (the server's answer to the disconnect; the engine may
+        abort a step later), by at least the number of clients that closed a connection to
+        ``port`` from one scrape earlier to then (``note_departure``): each of them was aborted.
+        Fewer aborts than departures cannot say which were, and say nothing; nor can a rise while
+        the engine still held orphans at the scrape before (an abort that came late for an earlier
+        departure)."""
+        series = self._loads.get(port, [])
+        before = bisect.bisect_right(series, disconnect_ns, key=lambda item: item.ts_ns) - 1
+        after = bisect.bisect_left(series, answered_ns, key=lambda item: item.ts_ns)
+        if before < 0:
+            return False
+        first, aborted_before = series[before], series[before].aborted
+        if aborted_before is None or first.running + first.waiting > connected_at(
+                first.ts_ns, first.answered_ns or first.ts_ns):
+            return False
+        since = series[before - 1].ts_ns if before > 0 else first.ts_ns - ABORT_LOOKBACK_NS
+        closes = self._departures.get(port, [])
+        for last in series[after:after + 2]:
+            left = bisect.bisect_right(closes, last.ts_ns) - bisect.bisect_right(closes, since)
+            if last.aborted is not None and left > 0 and last.aborted - aborted_before >= left:
+                return True
+        return False
+
     def prune(self, cutoff_ns: int) -> None:
         for port, series in list(self._loads.items()):
             keep = bisect.bisect_left(series, cutoff_ns, key=lambda item: item.ts_ns)
@@ -128,3 +188,8 @@ class EngineLoads:
                 del requests[key]
             if not requests:
                 del self._disconnects[port]
+        self._departed = {connection: ts for connection, ts in self._departed.items() if ts >= cutoff_ns}
+        for port, closes in list(self._departures.items()):
+            del closes[:bisect.bisect_left(closes, cutoff_ns)]
+            if not closes:
+                del self._departures[port]

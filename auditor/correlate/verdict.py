@@ -51,7 +51,7 @@ def decide(evidence: Evidence, grace_seconds: float) -> Decision | None:
     # (evidence.completed_by). A server span that merely ended promptly proves neither.
     if engine is not None and engine.finish_reason in NORMAL_FINISH and engine.end_ns <= disconnect + CLOCK_ERROR_NS:
         return Decision(Verdict.COMPLETED, max(lag_ns, 0) / 1e9)
-    if engine is None and evidence.completed_by is not None:
+    if (engine is None or engine.finish_reason is None) and evidence.completed_by is not None:
         return Decision(Verdict.COMPLETED, max(lag_ns, 0) / 1e9)
     if not evidence.work_stopped_known:
         return Decision(Verdict.UNCONFIRMED, None)

@@ -5,7 +5,7 @@ million requests costs a handful of queries, not a Python loop over rows. Only t
 (one row per request that had a disconnect) and the few worst zombies come back row by row.
 
 What belongs to a window:
-- requests: HTTP server spans whose start falls in it;
+- requests: HTTP server spans whose start falls in it, each client request once (``requests``);
 - findings: verdicts whose disconnect falls in it;
 - coverage: coverage counts whose timestamp falls in it;
 - GPU time: the window's length for every GPU that reported whole-device NVML samples in it.
@@ -40,6 +40,7 @@ from auditor.report.model import (
     UtilPoint,
     ZombieTimeline,
 )
+from auditor.report.requests import count_requests
 from auditor.report.sqlite_json import request_json_column
 from auditor.store import Store
 from auditor.store.schema import CoverageRow, SpanRow, UtilSampleRow, VerdictRow
@@ -92,8 +93,7 @@ def _build(conn: Connection, query: ReportQuery, *, with_requests: bool, with_se
            requests_as_json: bool) -> Report:
     totals = Totals()
     breakdowns = _fold_verdict_groups(conn, query, totals)
-    totals.requests = int(conn.execute(
-        select(func.count()).select_from(spans).where(*_span_filter(query))).scalar_one())
+    totals.requests = count_requests(conn, _span_filter(query), query.host, query.since_ns, query.until_ns)
     _fill_coverage(conn, query, totals)
     _fill_gpu_time(conn, query, totals)
     report = Report(

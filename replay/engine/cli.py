@@ -80,18 +80,23 @@ def serve(app: object, sock: socket.socket, log_level: str) -> None:
               "socket, so zombies are flagged while they run.")
 @click.option("--trace-aborted", is_flag=True, help="Emit llm_request spans for aborted requests too.")
 @click.option("--engine-span", default="llm_request", show_default=True,
-              help="Name of the engine span; 'none' leaves HTTP server spans only.")
+              help="Name of the engine span; 'genai': the GenAI conventions' '{operation} {model}'; "
+              "'none' leaves HTTP server spans only.")
 @click.option("--metrics-names", type=click.Choice(METRIC_STYLES), default="ref", show_default=True,
               help="Also export running/waiting/tokens under this engine's metric names.")
 @click.option("--send-spans", is_flag=True, help="Record 'http send' sub-spans, the last one marked.")
 @click.option("--one-at-a-time", is_flag=True, help="Serve one request at a time; others wait unread.")
 @click.option("--no-process-pid", is_flag=True,
               help="Leave process.pid out of the span resource, as the OpenTelemetry SDK does by default.")
+@click.option("--duplicate-server-span", is_flag=True,
+              help="A second SERVER span per request, child of the first (FastAPI's own telemetry twice).")
 @click.option("--truth-log", type=click.Path(dir_okay=False), help="Append one JSON line per finished request.")
 @click.option("--gateway", "gateway_upstream", metavar="UPSTREAM_URL",
               help="Run as a gateway proxying to this engine instead of as an engine.")
 @click.option("--propagate", type=click.Choice(["yes", "no"]), default="yes", show_default=True,
               help="Gateway: cancel the upstream request when the client leaves.")
+@click.option("--trace-context", type=click.Choice(["yes", "no"]), default="yes", show_default=True,
+              help="Gateway: send the trace context (traceparent) upstream.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 def engine(host: str, port: int, port_file: str | None, behavior: str, late_seconds: float, max_batch: int,
@@ -99,7 +104,8 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
            service_name: str | None, live: str | None, trace_aborted: bool, truth_log: str | None,
            gateway_upstream: str | None, propagate: str, log_level: str, engine_span: str = "llm_request",
            metrics_names: str = "ref", send_spans: bool = False, one_at_a_time: bool = False,
-           no_process_pid: bool = False) -> None:
+           no_process_pid: bool = False, duplicate_server_span: bool = False,
+           trace_context: str = "yes") -> None:
     """Run the reference engine: an OpenAI-compatible server with real batching and compute.
 
     It reproduces how real engines treat a client that disconnects (--behavior), traces like
@@ -115,7 +121,7 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
 
             app: object = build_gateway(GatewaySettings(
                 upstream=gateway_upstream, propagate=propagate == "yes", otlp=otlp,
-                service_name=service_name or "ref-gateway", live=live))
+                service_name=service_name or "ref-gateway", live=live, trace_context=trace_context == "yes"))
             what = f"gateway to {gateway_upstream} (propagate={propagate})"
         else:
             from replay.engine.server import EngineServer, EngineSettings
@@ -125,7 +131,8 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
                 step_ms=step_ms, prefill_chunk=prefill_chunk, device=device, otlp=otlp, truth_log=truth_log,
                 service_name=service_name or "ref-engine", trace_aborted=trace_aborted, live=live,
                 engine_span=engine_span, metrics_names=metrics_names, send_spans=send_spans,
-                one_at_a_time=one_at_a_time, process_pid=not no_process_pid))
+                one_at_a_time=one_at_a_time, process_pid=not no_process_pid,
+                duplicate_server_span=duplicate_server_span))
             app = server.app()
             what = (f"engine {model} behavior={behavior} max_batch={max_batch} step={step_ms}ms "
                     f"({server.engine.backend.layers} layers on {device})")

@@ -5,7 +5,8 @@ engine sees the disconnect too. ``--propagate no``: it keeps reading the upstrea
 end and throws it away - the classic gateway that turns every client timeout into a zombie.
 
 Traced like a production proxy: an ASGI server span (OpenTelemetry middleware) and, inside it, an
-HTTP client span per upstream call whose context goes upstream in ``traceparent``.
+HTTP client span per upstream call whose context goes upstream in ``traceparent`` (unless
+``--trace-context no``: a proxy that forwards no trace context).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class GatewaySettings:
     otlp: str | None = None
     service_name: str = "ref-gateway"
     live: str | None = None
+    trace_context: bool = True  # send traceparent upstream; False: the engine's spans start traces of their own
 
 
 class Gateway:
@@ -80,7 +82,7 @@ class Gateway:
         starlette = Starlette(routes=routes, lifespan=self.lifespan)
         return OpenTelemetryMiddleware(
             starlette, tracer_provider=self.tracing.provider, exclude_spans=["receive", "send"],
-            excluded_urls="health", http_capture_headers_server_request=["x-request-id"])
+            excluded_urls="health,metrics", http_capture_headers_server_request=["x-request-id"])
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "upstream": self.upstream, "propagate": self.settings.propagate})
@@ -117,7 +119,8 @@ class ProxyResponse(Response):
             with gateway.tracing.tracer.start_as_current_span(
                     self.method, kind=SpanKind.CLIENT, attributes=span_attributes) as span:
                 headers = dict(self.forward_headers)
-                PROPAGATOR.inject(headers)  # the client span is current: upstream becomes its child
+                if gateway.settings.trace_context:
+                    PROPAGATOR.inject(headers)  # the client span is current: upstream becomes its child
                 upstream_request = gateway.client.build_request(self.method, url, headers=headers,
                                                                 content=self.request_body)
                 sending = asyncio.create_task(gateway.client.send(upstream_request, stream=True))

@@ -52,7 +52,7 @@ from replay.engine.protocol import (
     parse_completion,
     usage,
 )
-from replay.engine.signals import OneAtATime, add_style_metrics, mark_final_send
+from replay.engine.signals import ContextBreak, OneAtATime, StyleMetrics, mark_final_send
 from replay.engine.tokens import prompt_seed
 from replay.engine.tracing import Tracing, emit_llm_request_span, trace_headers_of, work_key_of
 from replay.engine.truth import TruthLog, truth_record
@@ -82,6 +82,7 @@ class EngineSettings:
     send_spans: bool = False
     one_at_a_time: bool = False
     process_pid: bool = True  # process.pid in the span resource
+    duplicate_server_span: bool = False
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -112,7 +113,7 @@ class EngineMetrics:
         waiting = Gauge("ref_engine_num_requests_waiting", "Requests in the waiting queue.", registry=self.registry)
         running.set_function(lambda: engine.counts()[0])
         waiting.set_function(lambda: engine.counts()[1])
-        self.style_tokens = add_style_metrics(self.registry, style, engine.counts)
+        self.style = StyleMetrics(self.registry, style, engine.counts)
 
 
 class EngineServer:
@@ -132,13 +133,13 @@ class EngineServer:
     def _on_step(self, seconds: float, tokens: int) -> None:
         self.metrics.step_seconds.observe(seconds)
         self.metrics.generation_tokens.inc(tokens)
-        if self.metrics.style_tokens is not None:
-            self.metrics.style_tokens.inc(tokens)
+        self.metrics.style.step(tokens)
 
     def _on_finish(self, request: RequestHandle) -> None:
         self.tracing.work_ended(request)
         reason = request.finish_reason or "abort"
         self.metrics.requests.labels(reason).inc()
+        self.metrics.style.finish(reason)
         self.metrics.prompt_tokens.inc(request.prompt_tokens)
         if request.tokens_after_disconnect:
             self.metrics.tokens_after_disconnect.inc(request.tokens_after_disconnect)
@@ -171,8 +172,13 @@ class EngineServer:
         ]
         starlette = Starlette(routes=routes, lifespan=self.lifespan,
                               exception_handlers={HTTPException: self._http_error, Exception: self._crash})
+        inner: ASGIApp = starlette
+        if self.settings.duplicate_server_span:
+            inner = ContextBreak(OpenTelemetryMiddleware(
+                starlette, tracer_provider=self.tracing.provider, exclude_spans=["receive", "send"],
+                excluded_urls="health,metrics", http_capture_headers_server_request=["x-request-id"]))
         traced = OpenTelemetryMiddleware(
-            starlette, tracer_provider=self.tracing.provider,
+            inner, tracer_provider=self.tracing.provider,
             exclude_spans=["receive"] if self.settings.send_spans else ["receive", "send"],
             client_response_hook=mark_final_send if self.settings.send_spans else None,
             excluded_urls="health,metrics", http_capture_headers_server_request=["x-request-id"])

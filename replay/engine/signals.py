@@ -8,9 +8,10 @@ verdicts can be checked against the truth log for every combination:
 | flag | effect |
 |---|---|
 | ``--engine-span NAME`` | the engine span's name (``llm_request`` as vLLM; ``none``: HTTP server spans only) |
-| ``--metrics-names STYLE`` | running/waiting gauges and token counter also under ``vllm``, ``sglang``, ``tgi`` or ``llamacpp`` names |
+| ``--metrics-names STYLE`` | running/waiting gauges, token counter and (where the engine has one) finished/aborted counter also under ``vllm``, ``sglang``, ``tgi`` or ``llamacpp`` names |
 | ``--send-spans`` | the HTTP server span gets ``http send`` sub-spans; the one that ends the response says so |
 | ``--one-at-a-time`` | one request is served at a time; the rest wait before the HTTP handler (llama.cpp ``-np 1``) |
+| ``--duplicate-server-span`` | a second ASGI instrumentation adds a second SERVER span, child of the first, per request (FastAPI's own telemetry over a hand-added middleware) |
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from opentelemetry import context
+from opentelemetry.context import Context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+PROPAGATOR = TraceContextTextMapPropagator()
 METRIC_STYLES = ("ref", "vllm", "sglang", "tgi", "llamacpp")
 # (running gauge, waiting gauge, generated-token counter) in each engine's own names.
 METRIC_NAMES: dict[str, tuple[str, str, str]] = {
@@ -30,19 +35,49 @@ METRIC_NAMES: dict[str, tuple[str, str, str]] = {
     "tgi": ("tgi_batch_current_size", "tgi_queue_size", "tgi_request_generated_tokens"),
     "llamacpp": ("llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:tokens_predicted"),
 }
+# How each engine counts finished requests: vLLM by ``finished_reason`` (stop, length, abort),
+# SGLang all requests and aborted ones apart; TGI and llama.cpp count no aborts.
+FINISH_COUNTERS: dict[str, tuple[str, str]] = {
+    "vllm": ("vllm:request_success", "Finished requests by finish reason (engine's own name)."),
+}
+ABORT_COUNTERS: dict[str, tuple[str, str]] = {
+    "sglang": ("sglang:num_aborted_requests", "Aborted requests (engine's own name)."),
+}
 # Marks the send that ends the response (ASGI ``more_body`` false), so an observer can tell a
 # complete response from one the handler abandoned.
 ATTR_FINAL_SEND = "asgi.event.final"
 
 
-def add_style_metrics(registry: CollectorRegistry, style: str, counts: Callable[[], tuple[int, int]]) -> Counter | None:
-    """Running/waiting gauges and a token counter named as ``style``'s engine names them."""
-    if style not in METRIC_NAMES:
-        return None
-    running, waiting, tokens = METRIC_NAMES[style]
-    Gauge(running, "Requests running (engine's own name).", registry=registry).set_function(lambda: counts()[0])
-    Gauge(waiting, "Requests waiting (engine's own name).", registry=registry).set_function(lambda: counts()[1])
-    return Counter(tokens.removesuffix("_total"), "Generated tokens (engine's own name).", registry=registry)
+class StyleMetrics:
+    """Running/waiting gauges, a token counter and the finish counters named as ``style``'s engine names them."""
+
+    def __init__(self, registry: CollectorRegistry, style: str, counts: Callable[[], tuple[int, int]]) -> None:
+        self.tokens: Counter | None = None
+        self.finished: Counter | None = None
+        self.aborted: Counter | None = None
+        if style not in METRIC_NAMES:
+            return
+        running, waiting, tokens = METRIC_NAMES[style]
+        Gauge(running, "Requests running (engine's own name).", registry=registry).set_function(lambda: counts()[0])
+        Gauge(waiting, "Requests waiting (engine's own name).", registry=registry).set_function(lambda: counts()[1])
+        self.tokens = Counter(tokens, "Generated tokens (engine's own name).", registry=registry)
+        if style in FINISH_COUNTERS:
+            name, text = FINISH_COUNTERS[style]
+            self.finished = Counter(name, text, ["finished_reason"], registry=registry)
+            for reason in ("stop", "length", "abort"):  # every series from the start, as vLLM does
+                self.finished.labels(reason)
+        if style in ABORT_COUNTERS:
+            self.aborted = Counter(*ABORT_COUNTERS[style], registry=registry)
+
+    def step(self, tokens: int) -> None:
+        if self.tokens is not None:
+            self.tokens.inc(tokens)
+
+    def finish(self, reason: str) -> None:
+        if self.finished is not None:
+            self.finished.labels(reason).inc()
+        if self.aborted is not None and reason == "abort":
+            self.aborted.inc()
 
 
 def mark_final_send(span: Any, scope: dict[str, Any], message: dict[str, Any]) -> None:
@@ -68,3 +103,28 @@ class OneAtATime:
             self._lock = asyncio.Lock()
         async with self._lock:
             await self.app(scope, receive, send)
+
+
+class ContextBreak:
+    """Runs the app in an empty OpenTelemetry context, the current span's ``traceparent`` put in
+    the request headers: what an app behind a context break sees (a sub-application, a second
+    instrumentation that starts from the headers, as FastAPI's own instrumentation does over a
+    hand-added middleware). The ASGI instrumentation inside then starts a second SERVER span, a
+    child of the first, on the same connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        carrier: dict[str, str] = {}
+        PROPAGATOR.inject(carrier)
+        headers = [(k, v) for k, v in scope["headers"] if k not in (b"traceparent", b"tracestate")]
+        headers += [(k.encode(), v.encode()) for k, v in carrier.items()]
+        token = context.attach(Context())
+        try:
+            await self.app({**scope, "headers": headers}, receive, send)
+        finally:
+            context.detach(token)

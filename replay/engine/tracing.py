@@ -49,6 +49,10 @@ ATTR_TEMPERATURE = "gen_ai.request.temperature"
 ATTR_TOP_P = "gen_ai.request.top_p"
 ATTR_N = "gen_ai.request.n"
 ATTR_FINISH_REASONS = "gen_ai.response.finish_reasons"
+# GenAI semantic conventions: the operation, and the span name "{operation} {model}".
+GENAI_STYLE = "genai"
+ATTR_OPERATION = "gen_ai.operation.name"
+ATTR_REQUEST_MODEL = "gen_ai.request.model"
 # Optional extension: lets the auditor call tokens-after-disconnect exact instead of estimated.
 ATTR_TOKENS_AFTER_DISCONNECT = "auditor.tokens_after_disconnect"
 
@@ -154,10 +158,16 @@ def work_key_of(request_id: str) -> tuple[str, str] | None:
 
 
 def emit_llm_request_span(tracer: trace.Tracer, request: RequestHandle, name: str = LLM_REQUEST_SPAN) -> None:
-    """The ``llm_request`` span for a finished request, shaped like vLLM's (``name``: another engine's)."""
+    """The ``llm_request`` span for a finished request, shaped like vLLM's (``name``: another engine's;
+    ``genai``: the GenAI conventions' "{operation} {model}" with ``gen_ai.operation.name``)."""
     assert request.finished_at is not None
     seconds = 1e-9
-    attributes: dict[str, object] = {
+    attributes: dict[str, object] = {}
+    if name == GENAI_STYLE:
+        operation = "chat" if request.request_id.startswith("chatcmpl-") else "text_completion"
+        name = f"{operation} {request.model}"
+        attributes.update({ATTR_OPERATION: operation, ATTR_REQUEST_MODEL: request.model})
+    attributes |= {
         ATTR_REQUEST_ID: request.request_id,
         ATTR_PROMPT_TOKENS: request.prompt_tokens,
         ATTR_COMPLETION_TOKENS: request.tokens_generated,

@@ -1,0 +1,66 @@
+"""The report's ``requests``: each client request once, whatever server spans it left."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from auditor.model import SpanRecord, SpanRole
+from auditor.report.model import ReportQuery
+from auditor.report.query import build_report
+from auditor.store import Store
+
+S = 1_000_000_000
+T0 = 1_800_000_000 * S
+
+
+def server(trace: str, span: str, parent: str | None = None, port: int = 8000, start: float = 0.0,
+           peer: str = "127.0.0.1", service: str = "engine") -> SpanRecord:
+    return SpanRecord(trace_id=trace * 32, span_id=span * 16, parent_span_id=parent * 16 if parent else None,
+                      name="POST /v1/completions", kind="server", start_ns=T0 + int(start * S),
+                      end_ns=T0 + int((start + 1) * S), service=service, host="h", role=SpanRole.HTTP_SERVER,
+                      peer_addr=peer, peer_port=40000, server_port=port, http_status=200)
+
+
+def client(trace: str, span: str, parent: str | None, port: int = 8000, start: float = 0.0,
+           address: str = "127.0.0.1") -> SpanRecord:
+    return replace(server(trace, span, parent, port, start), name="POST", kind="client", role=SpanRole.HTTP_CLIENT,
+                   peer_addr=address, peer_port=None, service="gateway")
+
+
+def requests(store: Store, *spans: SpanRecord, service: str | None = None) -> int:
+    store.insert_spans(list(spans))
+    return build_report(store, ReportQuery(since_ns=T0 - S, until_ns=T0 + 60 * S, service=service),
+                        with_requests=False).totals.requests
+
+
+def test_a_plain_server_span_is_a_request(store: Store) -> None:
+    assert requests(store, server("a", "1"), server("b", "2", start=2)) == 2
+
+
+def test_a_server_span_nested_in_another_counts_once(store: Store) -> None:
+    assert requests(store, server("a", "1"), server("a", "2", parent="1")) == 1
+
+
+def test_a_gateway_hop_with_trace_context_counts_once(store: Store) -> None:
+    assert requests(store, server("a", "1", port=9000, service="gateway"), client("a", "2", "1"),
+                    server("a", "3", parent="2")) == 1
+
+
+def test_a_gateway_hop_without_trace_context_counts_once(store: Store) -> None:
+    # The engine's span starts a trace of its own; the gateway's client span to a local port tells the hop.
+    assert requests(store, server("a", "1", port=9000, service="gateway"), client("a", "2", "1", start=0.1),
+                    server("b", "3", start=0.2)) == 1
+
+
+def test_a_callers_client_span_or_a_remote_hop_takes_nothing_off(store: Store) -> None:
+    # An instrumented load client (its client span in no server span), and a gateway calling another
+    # host: the local engine's requests are requests of their own.
+    assert requests(store, client("a", "1", None, start=0.1), server("a", "2", parent="1", start=0.2),
+                    server("c", "5", port=9000, service="gateway", start=5), client("c", "6", "5", start=5.1,
+                                                                                      address="10.0.0.9"),
+                    server("d", "7", start=5.2, peer="10.0.0.7")) == 3
+
+
+def test_a_service_filter_counts_that_services_edge_requests(store: Store) -> None:
+    spans = [server("a", "1", port=9000, service="gateway"), client("a", "2", "1"), server("a", "3", parent="2")]
+    assert requests(store, *spans, service="gateway") == 1
