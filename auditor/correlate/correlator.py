@@ -372,13 +372,8 @@ class Correlator:
         settled = min(self._pending, default=self._event_cursor + 1) - 1
         if settled == self._saved_position:
             return
-        now = time.time_ns()
-        with self.store.session() as session, session.begin():
-            state = session.get(CorrelatorStateRow, self.host)
-            if state is None:
-                session.add(CorrelatorStateRow(host=self.host, settled_event_id=settled, updated_ns=now))
-            else:
-                state.settled_event_id, state.updated_ns = settled, now
+        with self.store.session() as session, session.begin():  # one row per host, inserted or updated
+            session.merge(CorrelatorStateRow(host=self.host, settled_event_id=settled, updated_ns=time.time_ns()))
         self._saved_position = settled
 
     def _prune(self, now: int) -> None:
