@@ -120,7 +120,11 @@ def test_http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: 
 
 def test_one_at_a_time_request_cancelled_while_waiting_is_no_zombie_and_costs_nothing(tmp_path: Path) -> None:
     truth_log = tmp_path / "truth.jsonl"
-    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S}) as daemon, running_engine(
+    with running_daemon(tmp_path, **{
+            "engine_metrics.interval_seconds": SCRAPE_S,
+            # The waiting requests are read only after the one ahead ends (about 1.7 s, more on a
+            # busy machine): the join waits for a span that late (3 s in tests, 60 s by default).
+            "correlate.late_span_seconds": 8.0}) as daemon, running_engine(
             behavior="abort", otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
             step_ms=10, max_batch=1, extra_args=["--one-at-a-time"]) as engine:
         daemon.set_ports({engine.port})
@@ -130,8 +134,10 @@ def test_one_at_a_time_request_cancelled_while_waiting_is_no_zombie_and_costs_no
                    for kind in ("fin", "rst")]
         for thread in [ahead, *waiting]:
             thread.join()
-        assert wait_for(lambda: len([r for r in verdict_rows(daemon) if not r.details.get("provisional")]) >= 2,
-                        timeout_s=30), [(r.request_id, r.verdict, r.details) for r in verdict_rows(daemon)]
+        # Both waiting requests judged for good (the one ahead gets a verdict of its own).
+        assert wait_for(lambda: {"waiting-fin", "waiting-rst"} <= {
+            r.request_id for r in verdict_rows(daemon) if not r.details.get("provisional")}, timeout_s=30), \
+            [(r.request_id, r.verdict, r.details) for r in verdict_rows(daemon)]
         rows = {r.request_id: r for r in verdict_rows(daemon)}
         truths = {t["request_id"]: t for t in engine.truth()}
     for kind in ("fin", "rst"):

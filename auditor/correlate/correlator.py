@@ -335,7 +335,7 @@ class Correlator:
         """Requests in flight on ``port`` at any moment of [``ts_ns``, ``until_ns``]: their server
         spans, or their start notices while the spans have not arrived."""
         until = ts_ns if until_ns is None else max(ts_ns, until_ns)
-        return len(self.spans.server_spans_on(port, ts_ns, until) | self.live.running_on(port, ts_ns, until))
+        return self.spans.server_spans_on(port, ts_ns, until, also=self.live.running_on(port, ts_ns, until))
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _settle(self, now: int) -> None:

@@ -61,6 +61,35 @@ def disconnect_instant(span: SpanRecord, ts_ns: int, earliest_ns: int | None) ->
     return max(min(ts_ns, span.end_ns), min(earliest_ns, ts_ns))
 
 
+class PortSpans:
+    """The server spans of one port, for counting those in flight during an interval."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._spans: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def add(self, span: SpanRecord) -> None:
+        self._spans[(span.trace_id, span.span_id)] = (span.start_ns, span.end_ns)
+        bisect.insort(self._starts, span.start_ns)
+        bisect.insort(self._ends, span.end_ns)
+
+    def in_flight(self, ts_ns: int, until_ns: int) -> int:
+        return bisect.bisect_right(self._starts, until_ns) - bisect.bisect_left(self._ends, ts_ns)
+
+    def covers(self, key: tuple[str, str], ts_ns: int, until_ns: int) -> bool:
+        extent = self._spans.get(key)
+        return extent is not None and extent[0] <= until_ns and extent[1] >= ts_ns
+
+    def keep(self, traces: Iterable[str]) -> bool:
+        """Forget the spans of traces not in ``traces``; False when none is left."""
+        kept = set(traces)
+        self._spans = {key: extent for key, extent in self._spans.items() if key[0] in kept}
+        self._starts = sorted(start for start, _ in self._spans.values())
+        self._ends = sorted(end for _, end in self._spans.values())
+        return bool(self._spans)
+
+
 class TraceIndex:
     def __init__(self) -> None:
         self._by_trace: dict[str, dict[str, SpanRecord]] = defaultdict(dict)
@@ -73,9 +102,10 @@ class TraceIndex:
         self._engine_by_request_id: dict[str, SpanRecord] = {}
         # Server spans without a peer address, by server port, until a close claims them.
         self._peerless: dict[int, list[SpanRecord]] = defaultdict(list)
-        # Server spans by server port, ordered by end: who was connected at a moment is a bisect
-        # and a walk over the spans that ended after it, not a pass over every trace.
-        self._http_by_port: dict[int, list[tuple[int, int, str, str]]] = defaultdict(list)
+        # Server spans by server port: their starts and their ends, each list sorted. Spans in flight
+        # at some moment of [ts, until] are those started by ``until`` less those ended before
+        # ``ts`` (which all started before it): two bisects, however many spans the port has seen.
+        self._http_by_port: dict[int, PortSpans] = defaultdict(PortSpans)
         self.runs = RunIndex()  # when each request ran, for sharing its cost
 
     def add(self, span: SpanRecord, arrived_ns: int) -> bool:
@@ -89,7 +119,7 @@ class TraceIndex:
         self._arrivals.append((max(arrived_ns, last), span.trace_id))  # monotonic even if the clock steps back
         self._entries[span.trace_id] += 1
         if span.role is SpanRole.HTTP_SERVER and span.server_port:
-            bisect.insort(self._http_by_port[span.server_port], (span.end_ns, span.start_ns, span.trace_id, span.span_id))
+            self._http_by_port[span.server_port].add(span)
         if span.role is SpanRole.HTTP_SERVER and not span.peer_rewritten and span.peer_port and span.server_port:
             self._http_by_tuple[span_tuple(span)].append(span)
         elif span.role is SpanRole.HTTP_SERVER and not span.peer_rewritten and not span.peer_port and span.server_port:
@@ -114,13 +144,13 @@ class TraceIndex:
                 seen.add(trace_id)
                 yield self._by_trace[trace_id]
 
-    def server_spans_on(self, port: int, ts_ns: int, until_ns: int) -> set[tuple[str, str]]:
-        """(trace, span) of the server spans on ``port`` in flight at any moment of [ts, until]."""
+    def server_spans_on(self, port: int, ts_ns: int, until_ns: int, also: set[tuple[str, str]]) -> int:
+        """How many server spans on ``port`` were in flight at any moment of [ts, until], counting
+        too the (trace, span) keys in ``also`` (live notices) that are not among them."""
         spans = self._http_by_port.get(port)
-        if not spans:
-            return set()
-        first = bisect.bisect_left(spans, (ts_ns,))
-        return {(trace_id, span_id) for _, start, trace_id, span_id in spans[first:] if start <= until_ns}
+        if spans is None:
+            return len(also)
+        return spans.in_flight(ts_ns, until_ns) + sum(1 for key in also if not spans.covers(key, ts_ns, until_ns))
 
     def on_connection(self, tuple4: Tuple4) -> list[SpanRecord]:
         return self._http_by_tuple.get(tuple4, [])
@@ -234,8 +264,7 @@ class TraceIndex:
             self._arrivals.append((newest, trace_id))
             self._entries[trace_id] = 1
         for port, spans in list(self._http_by_port.items()):
-            spans[:] = [entry for entry in spans if entry[2] in self._by_trace]
-            if not spans:
+            if not spans.keep(self._by_trace.keys()):
                 del self._http_by_port[port]
 
     def _forget(self, trace_id: str) -> None:

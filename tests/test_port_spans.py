@@ -1,0 +1,41 @@
+"""The per-port count of server spans in flight during an interval, against counting them one by one."""
+
+from __future__ import annotations
+
+import random
+
+from auditor.correlate.traces import PortSpans
+from auditor.model import SpanRecord, SpanRole
+
+
+def span(index: int, start: int, end: int) -> SpanRecord:
+    return SpanRecord(trace_id=f"{index:032x}", span_id=f"{index:016x}", parent_span_id=None, name="POST",
+                      kind=2, start_ns=start, end_ns=end, service="s", host="h", status=0,
+                      role=SpanRole.HTTP_SERVER, server_port=8000)
+
+
+def test_in_flight_counts_equal_a_pass_over_every_span() -> None:
+    rng = random.Random(7)
+    spans = []
+    for index in range(400):
+        start = rng.randrange(0, 10_000)
+        spans.append(span(index, start, start + rng.choice([0, 1, 5, 50, 500, 5000])))
+    index = PortSpans()
+    for item in spans:
+        index.add(item)
+    for _ in range(500):
+        ts = rng.randrange(-100, 16_000)
+        until = ts + rng.choice([0, 1, 10, 300])
+        brute = sum(1 for s in spans if s.start_ns <= until and s.end_ns >= ts)
+        assert index.in_flight(ts, until) == brute, (ts, until)
+
+
+def test_keep_forgets_other_traces_and_covers_only_the_interval() -> None:
+    index = PortSpans()
+    for i, (start, end) in enumerate([(0, 10), (5, 20), (30, 40)]):
+        index.add(span(i, start, end))
+    assert index.in_flight(8, 8) == 2 and index.in_flight(21, 29) == 0 and index.in_flight(0, 100) == 3
+    assert index.covers((f"{1:032x}", f"{1:016x}"), 15, 16) and not index.covers((f"{1:032x}", f"{1:016x}"), 21, 25)
+    assert index.keep({f"{2:032x}"})
+    assert index.in_flight(0, 100) == 1 and not index.covers((f"{0:032x}", f"{0:016x}"), 0, 100)
+    assert not index.keep(set())
