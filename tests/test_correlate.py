@@ -424,13 +424,29 @@ def test_client_that_resets_before_the_server_reads_the_request(store: Store) ->
 
 def test_a_close_between_a_disconnect_and_a_later_span_means_another_connection(store: Store) -> None:
     clock = Clock()
-    # The server closed the socket the client left, then a new connection on the same 4-tuple
-    # carried a request that completed: not the one the client left.
-    store.insert_spans([http_span("r", 0.5, 0.6)])
+    # The server closed the socket the client left, then, once the client's TIME_WAIT could be
+    # taken over, a new connection on the same 4-tuple carried a request that completed: not the
+    # one the client left.
+    store.insert_spans([http_span("r", 1.5, 1.6)])
     store.insert_conn_events([close(0.0), close(0.01, ConnEventKind.CLOSED)])
-    clock.now = T0 + 2 * S
+    clock.now = T0 + 3 * S
     make(store, clock).tick()
     assert verdicts(store) == []
+
+
+def test_server_that_closes_at_the_fin_while_the_request_waits_for_the_app(store: Store) -> None:
+    clock = Clock()
+    # uvicorn closes a connection at the client's FIN, yet the request it had already parsed still
+    # reaches the (busy, one-at-a-time) application 0.95 s later: within the client's TIME_WAIT no
+    # other connection can hold the 4-tuple, so that span is the one the client left.
+    store.insert_spans([http_span("r", 0.95, 0.951)])
+    store.insert_conn_events([close(0.0), close(0.002, ConnEventKind.CLOSED)])
+    clock.now = T0 + 3 * S
+    correlator = make(store, clock)
+    correlator.add_engine_load([load(0.25 * i, 0) for i in range(1, 10)])
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "aborted" and row.details["waited_unread_s"] == 0.95
 
 
 def test_engine_span_in_a_trace_of_its_own_reopens_a_settled_verdict(store: Store) -> None:

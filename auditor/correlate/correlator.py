@@ -302,7 +302,7 @@ class Correlator:
     def _span_in_flight(self, disconnect: Disconnect) -> SpanRecord | None:
         return self.spans.in_flight(disconnect.tuple4, disconnect.ts_ns,
                                     self._closed_by_tuple.get(disconnect.tuple4, ()), self.late_ns,
-                                    disconnect.earliest_ns)
+                                    disconnect.earliest_ns, peer_fin=disconnect.kind == "fin")
 
     def _classify_unjoined(self, disconnect: Disconnect) -> CoverageKind:
         spans = self.spans.on_connection(disconnect.tuple4)

@@ -21,6 +21,10 @@ Tuple4 = tuple[str, int, int]  # (client address, client port, server port)
 # microseconds after tcp_receive_reset: that close is the reset's own, not the server letting go of
 # the socket, which still holds the request the server reads next.
 RESET_OWN_CLOSE_NS = 1_000_000
+# After an active close the client's 4-tuple sits in TIME_WAIT: 60 s, or, where the kernel lets a
+# new connection take it over (tcp_tw_reuse, loopback by default), not before its timestamp has
+# moved on by a second.
+TIME_WAIT_REUSE_NS = 1_000_000_000
 MAX_DEPTH = 64  # parent chains deeper than this are cut (a cycle or garbage)
 
 
@@ -156,7 +160,7 @@ class TraceIndex:
         return self._http_by_tuple.get(tuple4, [])
 
     def in_flight(self, tuple4: Tuple4, ts_ns: int, closed_at: Iterable[int], wait_ns: int,
-                  earliest_ns: int | None = None) -> SpanRecord | None:
+                  earliest_ns: int | None = None, peer_fin: bool = False) -> SpanRecord | None:
         """The server span in flight on this connection when the client left at ``ts_ns``.
 
         A polled close is an interval (``earliest_ns``, ``ts_ns``]: a span in flight at any moment
@@ -164,7 +168,10 @@ class TraceIndex:
         request was already in the server's receive buffer (a client that sends and leaves at
         once, AIPerf's delay 0), so a span that starts later on the same connection, with no close
         of the server's socket in between (which would mean the 4-tuple was reused), was in flight
-        too. The close a reset itself causes (within ``RESET_OWN_CLOSE_NS``) is not such a close.
+        too. The close a reset itself causes (within ``RESET_OWN_CLOSE_NS``) is not such a close;
+        nor, after the client's FIN, is any close within ``TIME_WAIT_REUSE_NS``: a server may close
+        at the FIN while its request still waits for the application (uvicorn does), and the
+        client, which closed first, holds the 4-tuple in TIME_WAIT at least that long.
         """
         spans = self._http_by_tuple.get(tuple4, [])
         earliest = ts_ns if earliest_ns is None else min(earliest_ns, ts_ns)
@@ -175,6 +182,8 @@ class TraceIndex:
         if not later:
             return None
         first = min(later, key=lambda s: s.start_ns)
+        if peer_fin and first.start_ns - ts_ns < TIME_WAIT_REUSE_NS:
+            return first  # the client's TIME_WAIT holds the 4-tuple: no new connection can have it yet
         if any(ts_ns + RESET_OWN_CLOSE_NS < closed <= first.start_ns for closed in closed_at):
             return None
         return first
