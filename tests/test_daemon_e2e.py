@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select
@@ -70,6 +71,21 @@ def drive(port: int, tag: str) -> None:
         time.sleep(0.2)
 
 
+def drive_and_judge(daemon: Any, engine: Any, behavior: str) -> tuple[set[str], list[dict[str, Any]], list[Any]]:
+    """Drive the four cancels of ``drive`` at a watched engine; (cancelled ids, truths of the
+    requests whose client left, verdict rows) once the daemon has judged them."""
+    daemon.set_ports({engine.port})
+    drive(engine.port, behavior)
+    cancelled = {f"cmpl-{behavior}-{name}" for name in ("queued", "decode-fin", "decode-rst", "prefill")}
+    # Behaviours that ignore the client finish their work later: wait for the engine's word.
+    assert wait_for(lambda: cancelled <= {t["request_id"] for t in engine.truth()}, timeout_s=20)
+    truths = [t for t in engine.truth() if t.get("disconnect_at")]
+    # Every disconnect the engine saw becomes a settled-enough verdict (engine spans may lag).
+    assert wait_for(lambda: len(verdict_rows(daemon)) >= len(truths), timeout_s=15)
+    time.sleep(1.0)
+    return cancelled, truths, verdict_rows(daemon)
+
+
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("behavior", ["abort", "detached", "no-check", "late", "queued-leak"])
 def test_verdicts_match_truth(tmp_path: Path, behavior: str, source: str) -> None:
@@ -80,16 +96,8 @@ def test_verdicts_match_truth(tmp_path: Path, behavior: str, source: str) -> Non
             step_ms=10, max_batch=2,
             extra_args=["--late-seconds", "1.0", "--prefill-chunk", "64", "--trace-aborted"]) as engine:
         assert daemon.source_name == source
-        daemon.set_ports({engine.port})
-        drive(engine.port, behavior)
-        cancelled = {f"cmpl-{behavior}-{name}" for name in ("queued", "decode-fin", "decode-rst", "prefill")}
-        # Behaviours that ignore the client finish their work later: wait for the engine's word.
-        assert wait_for(lambda: cancelled <= {t["request_id"] for t in engine.truth()}, timeout_s=20)
-        truths = [t for t in engine.truth() if t.get("disconnect_at")]
-        # Every disconnect the engine saw becomes a settled-enough verdict (engine spans may lag).
-        assert wait_for(lambda: len(verdict_rows(daemon)) >= len(truths), timeout_s=15)
-        time.sleep(1.0)
-        rows = {row.request_id: row for row in verdict_rows(daemon)}
+        cancelled, truths, judged = drive_and_judge(daemon, engine, behavior)
+        rows = {row.request_id: row for row in judged}
         all_truth = engine.truth()
     assert {t["request_id"] for t in truths} >= cancelled, [t for t in all_truth if t["request_id"] in cancelled]
     # The polling fallback cannot see a connection that opens and closes between two polls: the

@@ -5,15 +5,14 @@ only the configuration knows, and the verdicts still match its truth log as with
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from replay.engine.launch import running_engine
-from tests.e2e import running_daemon, verdict_rows, wait_for
-from tests.test_daemon_e2e import daemon_overrides, drive, mismatches
+from tests.e2e import running_daemon
+from tests.test_daemon_e2e import daemon_overrides, drive_and_judge, mismatches
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow]
 
@@ -25,14 +24,7 @@ def judged(tmp_path: Path, behavior: str, span: str, **config: Any) -> tuple[lis
             behavior=behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
             step_ms=10, max_batch=2, extra_args=["--late-seconds", "1.0", "--trace-aborted",
                                                  "--engine-span", span]) as engine:
-        daemon.set_ports({engine.port})
-        drive(engine.port, behavior)
-        cancelled = {f"cmpl-{behavior}-{name}" for name in ("queued", "decode-fin", "decode-rst", "prefill")}
-        assert wait_for(lambda: cancelled <= {t["request_id"] for t in engine.truth()}, timeout_s=20)
-        truths = [t for t in engine.truth() if t.get("disconnect_at")]
-        assert wait_for(lambda: len(verdict_rows(daemon)) >= len(truths), timeout_s=15)
-        time.sleep(1.0)
-        rows = verdict_rows(daemon)
+        _, truths, rows = drive_and_judge(daemon, engine, behavior)
     return mismatches(rows, truths, "bpf", set()), rows
 
 
