@@ -26,6 +26,7 @@ from typing import Any
 
 from auditor.config import Config, parse_address
 from auditor.correlate import Correlator
+from auditor.correlate.feed import SpanFeed
 from auditor.errors import AuditorError, StoreError
 from auditor.metrics import DaemonMetrics, SourceReadings
 from auditor.model import CoverageKind, EngineLoad, RequestVerdict, UtilSample
@@ -36,6 +37,10 @@ from auditor.upkeep import Upkeep
 log = logging.getLogger(__name__)
 
 PROBE_POLL_S = 0.25
+# Samples are committed by the correlation round, just before it reads them, rather than one
+# transaction per sampler tick (10 Hz): a commit costs far more than the sample. The sampler
+# commits on its own only when rounds stop coming (a wedged or failing correlator).
+SAMPLE_BACKSTOP_S = 5.0
 
 
 @dataclass
@@ -63,10 +68,15 @@ class Daemon:
         self._ports = set(config.probe.ports)
         self._lost_reported = 0
         self._failing = False
+        self._samples: list[UtilSample] = []  # taken, not yet committed
+        self._samples_lock = threading.Lock()
+        self._samples_commit_lock = threading.Lock()  # one commit at a time keeps row ids in time order
+        self._samples_committed_at = time.monotonic()
 
     # -- start ------------------------------------------------------------------------------
     def start(self) -> None:
         self.store = Store(self.config.db or None)
+        self._span_feed = SpanFeed()  # committed spans, to the correlator without a read back
         self._start_probe()
         self._start_receivers()
         self._start_samplers()
@@ -82,7 +92,8 @@ class Daemon:
             self.status.live_port = live.port
         self.correlator = Correlator(self.store, host=self.host, grace_seconds=self.config.correlate.grace_seconds,
                                      late_span_seconds=self.config.correlate.late_span_seconds,
-                                     watched_ports=lambda: set(self._ports), on_settled=self._settled)
+                                     watched_ports=lambda: set(self._ports), on_settled=self._settled,
+                                     feed=self._span_feed)
         procfs = self._parts.get("procfs")
         extra_pids = set(self.config.sampler.procfs_pids)
         self._upkeep = Upkeep(self.store, self.host, self.metrics, None if procfs is None else
@@ -137,7 +148,7 @@ class Daemon:
 
         configure_engine_spans(self.config.spans.engine_names)
         otlp = self.config.otlp
-        writer = SpanWriter(self.store).start()
+        writer = SpanWriter(self.store, on_commit=self._span_feed.committed).start()
         self._parts["span_writer"] = writer
         token = otlp.token or None
         if otlp.http:
@@ -203,10 +214,24 @@ class Daemon:
         return loads
 
     def _write_samples(self, samples: Iterable[UtilSample]) -> None:
-        try:
-            self.store.write(list(samples))
-        except AuditorError as exc:
-            log.warning("samples dropped: %s", exc)
+        """The sampling loop's sink: keep the tick's samples for the next commit."""
+        with self._samples_lock:
+            self._samples.extend(samples)
+            overdue = time.monotonic() - self._samples_committed_at >= SAMPLE_BACKSTOP_S
+        if overdue:
+            self._commit_samples()
+
+    def _commit_samples(self) -> None:
+        """Commit the samples taken so far in one transaction; the correlator's cost reads them by
+        row id, so commits never overlap (a later batch must not get its ids first)."""
+        with self._samples_commit_lock:
+            with self._samples_lock:
+                samples, self._samples = self._samples, []
+                self._samples_committed_at = time.monotonic()
+            try:
+                self.store.write(samples)
+            except AuditorError as exc:
+                log.warning("%d samples dropped: %s", len(samples), exc)
 
     def _start_findings(self) -> None:
         from auditor.findings import FindingsExporter
@@ -282,6 +307,7 @@ class Daemon:
     def correlate_once(self) -> None:
         started, failed = time.monotonic(), False
         try:
+            self._commit_samples()  # before the round: a zombie's cost needs its last samples
             live = self._parts["live"].drain() if "live" in self._parts else []
             self.correlator.add_engine_load(self._drain_engine_loads())
             self.correlator.tick(live)

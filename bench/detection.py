@@ -10,13 +10,18 @@ engine over loopback, as root (eBPF):
    the store and counted in /metrics.
 3. Load: an engine serving ~100 requests/s (10% cancelled); the daemon's CPU and peak RSS.
 
+With ``--compare REV`` only the load runs, alternately for the code of git revision REV and the
+working tree (fresh daemons each run, same engines), and the medians are printed side by side.
+
 Usage: .venv/bin/python bench/detection.py [--alarms 15] [--load-seconds 20] [--rate 100]
+                                           [--compare REV --rounds 3] [--profile stacks.txt]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -28,7 +33,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -80,6 +87,30 @@ def proc_cpu_seconds(pid: int) -> float:
 def proc_memory_mib(pid: int) -> tuple[float, float]:
     status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return int(status["VmRSS"].split()[0]) / 1024, int(status["VmHWM"].split()[0]) / 1024
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds of each of the process's threads, by thread id."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """Python thread names by thread id, from ``py-spy dump`` (empty without py-spy)."""
+    spy = Path(sys.executable).with_name("py-spy")
+    if not spy.exists():
+        return {}
+    try:
+        dump = subprocess.run([str(spy), "dump", "-p", str(pid)], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r'^Thread (?:0x)?(\d+) \([^)]*\): "([^"]*)"', dump, re.M)}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -146,57 +177,75 @@ async def paced_load(port: int, rate: float, seconds: float, cancel_every: int) 
     return total, total / (time.monotonic() - started)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--alarms", type=int, default=15)
-    parser.add_argument("--load-seconds", type=float, default=20)
-    parser.add_argument("--rate", type=float, default=100)
-    parser.add_argument("--profile", type=Path, help="record the daemon with py-spy during the load (raw stacks)")
-    args = parser.parse_args()
-    if os.geteuid() != 0:
-        print("needs root (eBPF probe)")
-        return 2
-    work = Path(tempfile.mkdtemp(prefix="bench-detection-"))
-    db = work / "auditor.db"
-    otlp, metrics_port, live = free_port(), free_port(), free_port(socket.SOCK_DGRAM)
-    with running_engine(behavior="detached", otlp=f"http://127.0.0.1:{otlp}", step_ms=10, max_batch=16,
-                        extra_args=["--live", f"127.0.0.1:{live}"]) as zombie_engine, \
-            running_engine(behavior="abort", otlp=f"http://127.0.0.1:{otlp}", step_ms=2, max_batch=64) as busy_engine:
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{db}", "--port", str(zombie_engine.port),
-             "--port", str(busy_engine.port), "--otlp-http", f"127.0.0.1:{otlp}", "--otlp-grpc", "",
-             "--metrics", f"127.0.0.1:{metrics_port}", "--live", f"127.0.0.1:{live}", "--grace", str(GRACE_S)],
+@contextlib.contextmanager
+def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_port: int, live: int) -> Iterator[subprocess.Popen[bytes]]:
+    """``auditor run`` from the code in ``tree``, until it answers /metrics."""
+    command = [sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{db}", "--otlp-http", f"127.0.0.1:{otlp}",
+               "--otlp-grpc", "", "--metrics", f"127.0.0.1:{metrics_port}", "--live", f"127.0.0.1:{live}",
+               "--grace", str(GRACE_S)]
+    for port in ports:
+        command += ["--port", str(port)]
+    # cwd too: `python -m` puts the working directory first on the path, before PYTHONPATH.
+    daemon = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tree,
+                              env=dict(os.environ, PYTHONPATH=str(tree)))
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                scrape(metrics_port)
+                break
+            except OSError:
+                time.sleep(0.2)
+        yield daemon
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=15)
+
+
+def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The daemon's CPU (in all and per thread) and memory over a paced load."""
+    profiler = None
+    if args.profile:
+        profiler = subprocess.Popen(
+            [str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(daemon.pid), "-r", "250",
+             "-d", str(int(args.load_seconds)), "-f", "raw", "-o", str(args.profile), "--gil"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.time() + 60
-            while time.time() < deadline:
-                try:
-                    scrape(metrics_port)
-                    break
-                except OSError:
-                    time.sleep(0.2)
-            latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
-            profiler = None
-            if args.profile:
-                profiler = subprocess.Popen(
-                    [str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(daemon.pid), "-r", "250",
-                     "-d", str(int(args.load_seconds)), "-f", "raw", "-o", str(args.profile), "--nonblocking"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            cpu_before, wall_before = proc_cpu_seconds(daemon.pid), time.monotonic()
-            sent, achieved = asyncio.run(paced_load(busy_engine.port, args.rate, args.load_seconds, cancel_every=10))
-            cpu = proc_cpu_seconds(daemon.pid) - cpu_before
-            wall = time.monotonic() - wall_before
-            rss, peak = proc_memory_mib(daemon.pid)
-            if profiler is not None:
-                profiler.wait(timeout=30)
-            time.sleep(3)
-            with sqlite3.connect(db) as conn:
-                spans = conn.execute("SELECT count(*) FROM spans").fetchone()[0]
-                verdicts = conn.execute("SELECT count(*) FROM verdicts WHERE request_id LIKE 'load-%'").fetchone()[0]
-        finally:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(timeout=15)
-    print(f"\nDetection latency (grace {GRACE_S} s; {args.alarms} zombies, live notices on)")
+    cpu_before, wall_before = proc_cpu_seconds(daemon.pid), time.monotonic()
+    threads_before = thread_cpu_seconds(daemon.pid)
+    sent, achieved = asyncio.run(paced_load(port, args.rate, args.load_seconds, cancel_every=10))
+    cpu = proc_cpu_seconds(daemon.pid) - cpu_before
+    threads = {tid: spent - threads_before.get(tid, 0.0) for tid, spent in thread_cpu_seconds(daemon.pid).items()}
+    wall = time.monotonic() - wall_before
+    names = thread_names(daemon.pid)
+    rss, peak = proc_memory_mib(daemon.pid)
+    if profiler is not None:
+        profiler.wait(timeout=30)
+    time.sleep(3)
+    with sqlite3.connect(db) as conn:
+        spans = conn.execute("SELECT count(*) FROM spans").fetchone()[0]
+        verdicts = conn.execute("SELECT count(*) FROM verdicts WHERE request_id LIKE 'load-%'").fetchone()[0]
+    # Threads that ended during the load (the OTLP receiver's per-connection ones) are in the total only.
+    by_name: dict[str, float] = {}
+    for tid, spent in threads.items():
+        name = re.sub(r"^Thread-\d+ \((.*)\)$", r"\1", names.get(tid, f"thread {tid}"))
+        by_name[name] = by_name.get(name, 0.0) + spent / wall * 100
+    by_name["(threads that ended)"] = max(0.0, (cpu - sum(threads.values())) / wall * 100)
+    return {"sent": sent, "achieved": achieved, "cpu": cpu, "wall": wall, "cpu_percent": cpu / wall * 100,
+            "rss": rss, "peak": peak, "spans": spans, "verdicts": verdicts, "threads": by_name}
+
+
+def print_load(load: dict[str, Any], rate: float) -> None:
+    print(f"\nDaemon under load ({load['sent']} requests, {load['achieved']:.0f} req/s achieved of {rate:.0f} asked, "
+          "10% cancelled)")
+    print(f"  daemon CPU      {load['cpu_percent']:6.1f} % of one core ({load['cpu']:.2f} CPU-s over {load['wall']:.1f} s)")
+    print(f"  daemon RSS      {load['rss']:6.1f} MiB now, {load['peak']:.1f} MiB peak")
+    print(f"  stored          {load['spans']} spans, {load['verdicts']} verdicts of load requests")
+    print("  by thread, % of one core: " + ", ".join(
+        f"{name} {share:.2f}" for name, share in sorted(load["threads"].items(), key=lambda kv: -kv[1]) if share))
+
+
+def print_latencies(latencies: dict[str, list[float]], count: int) -> None:
+    print(f"\nDetection latency (grace {GRACE_S} s; {count} zombies, live notices on)")
     print(f"  {'measure':<28}{'n':>4}{'p50 s':>9}{'p99 s':>9}{'max s':>9}   target")
     for name, values in latencies.items():
         if not values:
@@ -205,10 +254,67 @@ def main() -> int:
         target = f"p99 <= {GRACE_S + 1:.1f} s" if name.startswith("alarm") else "-"
         print(f"  {name:<28}{len(values):>4}{statistics.median(values):>9.3f}{percentile(values, 0.99):>9.3f}"
               f"{max(values):>9.3f}   {target}")
-    print(f"\nDaemon under load ({sent} requests, {achieved:.0f} req/s achieved of {args.rate:.0f} asked, 10% cancelled)")
-    print(f"  daemon CPU      {cpu / wall * 100:6.1f} % of one core ({cpu:.2f} CPU-s over {wall:.1f} s)")
-    print(f"  daemon RSS      {rss:6.1f} MiB now, {peak:.1f} MiB peak")
-    print(f"  stored          {spans} spans, {verdicts} verdicts for the cancelled load requests")
+
+
+def print_comparison(results: dict[str, list[dict[str, Any]]], rate: float) -> None:
+    labels = list(results)
+    print(f"\nDaemon at {rate:.0f} req/s (10% cancelled), median of {len(results[labels[0]])} alternating runs")
+    print(f"  {'':<30}" + "".join(f"{label:>16}" for label in labels))
+    rows = [("CPU, % of one core", lambda r: r["cpu_percent"], "{:.2f}"), ("RSS, MiB", lambda r: r["rss"], "{:.1f}"),
+            ("peak RSS, MiB", lambda r: r["peak"], "{:.1f}")]
+    threads = sorted({name for runs in results.values() for run in runs for name in run["threads"]},
+                     key=lambda name: -statistics.median(run["threads"].get(name, 0.0) for run in results[labels[-1]]))
+    rows += [(f"  {name}", lambda r, name=name: r["threads"].get(name, 0.0), "{:.2f}") for name in threads]
+    for title, value, fmt in rows:
+        cells = [fmt.format(statistics.median(value(run) for run in results[label])) for label in labels]
+        print(f"  {title[:30]:<30}" + "".join(f"{cell:>16}" for cell in cells))
+    print("  runs, CPU %: " + "; ".join(f"{label} " + ", ".join(f"{run['cpu_percent']:.2f}" for run in runs)
+                                        for label, runs in results.items()))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--alarms", type=int, default=15)
+    parser.add_argument("--load-seconds", type=float, default=20)
+    parser.add_argument("--rate", type=float, default=100)
+    parser.add_argument("--profile", type=Path, help="record the daemon with py-spy during the load (raw stacks)")
+    parser.add_argument("--compare", metavar="REV", help="also load a daemon of git revision REV's code, "
+                        "alternating with the working tree's (latency is not measured then)")
+    parser.add_argument("--rounds", type=int, default=3, help="load runs of each tree with --compare")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (eBPF probe)")
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="bench-detection-"))
+    here = Path(__file__).resolve().parents[1]
+    trees = {"working tree": here}
+    if args.compare:
+        from bench.ingest import export_tree
+
+        trees = {args.compare: export_tree(args.compare, work / "old"), "working tree": here}
+    otlp, metrics_port, live = free_port(), free_port(), free_port(socket.SOCK_DGRAM)
+    with running_engine(behavior="detached", otlp=f"http://127.0.0.1:{otlp}", step_ms=10, max_batch=16,
+                        extra_args=["--live", f"127.0.0.1:{live}"]) as zombie_engine, \
+            running_engine(behavior="abort", otlp=f"http://127.0.0.1:{otlp}", step_ms=2, max_batch=64) as busy_engine:
+        ports = [zombie_engine.port, busy_engine.port]
+        if not args.compare:
+            db = work / "auditor.db"
+            with running_daemon(here, db, ports, otlp, metrics_port, live) as daemon:
+                latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
+                load = measure_load(daemon, db, busy_engine.port, args)
+            print_latencies(latencies, args.alarms)
+            print_load(load, args.rate)
+            return 0
+        results: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
+        for round_no in range(1, args.rounds + 1):
+            for index, (label, tree) in enumerate(trees.items()):
+                db = work / f"auditor-{round_no}-{index}.db"
+                with running_daemon(tree, db, ports, otlp, metrics_port, live) as daemon:
+                    time.sleep(2)  # past start-up
+                    results[label].append(measure_load(daemon, db, busy_engine.port, args))
+                print(f"round {round_no} {label:<14} {results[label][-1]['cpu_percent']:.2f} % of one core, "
+                      f"{results[label][-1]['rss']:.1f} MiB", flush=True)
+    print_comparison(results, args.rate)
     return 0
 
 

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from auditor.errors import StoreError
@@ -54,8 +54,10 @@ class SpanWriter:
 
     def __init__(self, sink: Sink, *, max_queue_spans: int = 32_768, max_queue_bytes: int = 128 << 20,
                  max_batch_spans: int = 16_384, retry_after_s: float = 1.0, max_retry_after_s: float = 30.0,
-                 submit_timeout_s: float = 30.0, queue_wait_s: float = 1.0) -> None:
+                 submit_timeout_s: float = 30.0, queue_wait_s: float = 1.0,
+                 on_commit: Callable[[Sequence[SpanRecord]], None] | None = None) -> None:
         self.sink = sink
+        self.on_commit = on_commit  # told of every batch once it is committed (the daemon's correlator)
         self.max_queue_spans = max_queue_spans
         self.max_queue_bytes = max_queue_bytes
         self.max_batch_spans = max_batch_spans
@@ -224,6 +226,14 @@ class SpanWriter:
         self.commits += 1
         self.committed_spans += len(spans)
         self._failing_since = None
+        self._committed(spans)
+
+    def _committed(self, spans: Sequence[SpanRecord]) -> None:
+        if self.on_commit is not None:
+            try:
+                self.on_commit(spans)
+            except Exception:  # the spans are stored: a failing listener must not undo that
+                log.exception("span commit listener failed")
 
     def _commit_one_by_one(self, batch: list[_Pending], first_error: Exception) -> None:
         for item in batch:
@@ -236,6 +246,7 @@ class SpanWriter:
                 continue
             self.commits += 1
             self.committed_spans += len(item.spans)
+            self._committed(item.spans)
 
     def _fail(self, batch: list[_Pending], message: str) -> None:
         self.failed_commits += 1

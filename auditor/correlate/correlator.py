@@ -32,6 +32,7 @@ from sqlalchemy import func, select
 
 from auditor.correlate.evaluate import clock_dependent, evaluate
 from auditor.correlate.evidence import FINAL_SEND_ATTR, EngineLoads
+from auditor.correlate.feed import SpanFeed
 from auditor.correlate.live import LiveState
 from auditor.correlate.requests import CorrelatorStats, Disconnect, OpenRequest, RequestKey
 from auditor.correlate.traces import TraceIndex, Tuple4, disconnect_instant, norm_addr, span_tuple
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 
 HORIZON_NS = 15 * 60 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
+READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
 # How long before a peerless span's start its client's close may lie (accept queue and read).
 PEERLESS_BEFORE_NS = 1_000_000_000
 
@@ -62,7 +64,7 @@ class Correlator:
     def __init__(self, store: Store, *, host: str, grace_seconds: float = 0.5,
                  late_span_seconds: float = 60.0, watched_ports: Callable[[], set[int]] | None = None,
                  on_settled: Callable[[RequestVerdict], None] | None = None,
-                 clock: Callable[[], int] = time.time_ns) -> None:
+                 clock: Callable[[], int] = time.time_ns, feed: SpanFeed | None = None) -> None:
         self.store = store
         self.host = host
         self.grace_seconds = grace_seconds
@@ -89,12 +91,15 @@ class Correlator:
         self._settled: dict[str, dict[str, OpenRequest]] = defaultdict(dict)  # a late span reopens them
         self._settled_by_request_id: dict[str, RequestKey] = {}  # engine spans in traces of their own
         self.live = LiveState()
-        self._unchecked_spans: list[tuple[int, SpanRecord]] = []
+        self._unchecked_spans: list[SpanRecord] = []
         self._touched: set[str] = set()  # traces with new evidence this round
         self._counted: set[str] = set()
         self._event_cursor = 0
         self._saved_position: int | None = None  # what correlator_state holds; written only on change
         self._span_cursor = 0
+        # With a feed, spans come from the daemon's writer once the store's backlog is read.
+        self._feed = feed
+        self._reading_store = True
         self._next_prune_ns = 0
         self._resume()
 
@@ -109,49 +114,68 @@ class Correlator:
                 select(CoverageRow.detail).where(CoverageRow.host == self.host,
                                                  CoverageRow.ts_ns > now - HORIZON_NS,
                                                  CoverageRow.detail.is_not(None))))
+        self._span_cursor = self._horizon_cursor(now)
+
+    def _horizon_cursor(self, now: int) -> int:
+        """The span id just below this host's spans of the horizon: where reading them starts."""
+        with self.store.session() as session:
             first_span = session.scalar(select(SpanRow.id).where(SpanRow.host == self.host,
                                                                  SpanRow.end_ns > now - HORIZON_NS)
                                         .order_by(SpanRow.id).limit(1))
             last_span = session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0
-        self._span_cursor = (first_span - 1) if first_span else int(last_span)
+        return (first_span - 1) if first_span else int(last_span)
 
     # -- input ------------------------------------------------------------------------------
     def add_live(self, events: list[LiveEvent]) -> None:
         self._touched |= self.live.add(events)
 
     def _read_spans(self) -> None:
+        arrived_ns = self.clock()
+        if self._feed is not None and not self._reading_store:
+            spans = self._feed.take()
+            if spans is not None:
+                for span in spans:
+                    self._add_span(span, arrived_ns)
+                return
+            log.warning("spans arrived faster than correlation rounds took them; catching up from the store")
+            self._feed.rearm()  # before the read: a span committed meanwhile comes both ways, and is known once
+            self._span_cursor = self._horizon_cursor(arrived_ns)
+            self._reading_store = True
         with self.store.session() as session:
             # Only this host's: with several daemons on one database each judges its own requests.
             # Plain rows, not ORM objects: the identity map bought nothing here and cost a third.
             rows = session.execute(select(SpanRow.__table__).where(SpanRow.id > self._span_cursor,
                                                                    SpanRow.host == self.host)
-                                   .order_by(SpanRow.id).limit(50_000)).all()
-        arrived_ns = self.clock()
+                                   .order_by(SpanRow.id).limit(READ_ROWS)).all()
         for row in rows:
             self._span_cursor = row.id
-            span = span_from_row(row)
-            if not self.spans.add(span, arrived_ns):
-                continue
-            for request in self._settled.pop(span.trace_id, {}).values():
-                self._open[request.key] = request  # evidence after settling reopens the verdict
-            if span.role is SpanRole.ENGINE and span.request_id:
-                self._reopen_by_request_id(span.request_id)
-            if span.service and span.attributes.get(FINAL_SEND_ATTR) is True:
-                self.services_marking_sends.add(span.service)
-            if span.role in (SpanRole.ENGINE, SpanRole.HTTP_SERVER):
-                self._learn_spanning_service(span)
-            if span.role is SpanRole.HTTP_SERVER:
-                if span.peer_rewritten:
-                    self._count(CoverageKind.PROXY_REWRITTEN_PEER, f"span:{row.id}", span.end_ns)
-                elif span.peer_port and span.server_port:
-                    self._unchecked_spans.append((row.id, span))
-            self._touched.add(span.trace_id)
+            self._add_span(span_from_row(row), arrived_ns)
+        if len(rows) < READ_ROWS:
+            self._reading_store = False  # caught up: from now on the feed, where there is one
+
+    def _add_span(self, span: SpanRecord, arrived_ns: int) -> None:
+        if not self.spans.add(span, arrived_ns):
+            return
+        for request in self._settled.pop(span.trace_id, {}).values():
+            self._open[request.key] = request  # evidence after settling reopens the verdict
+        if span.role is SpanRole.ENGINE and span.request_id:
+            self._reopen_by_request_id(span.request_id)
+        if span.service and span.attributes.get(FINAL_SEND_ATTR) is True:
+            self.services_marking_sends.add(span.service)
+        if span.role in (SpanRole.ENGINE, SpanRole.HTTP_SERVER):
+            self._learn_spanning_service(span)
+        if span.role is SpanRole.HTTP_SERVER:
+            if span.peer_rewritten:
+                self._count(CoverageKind.PROXY_REWRITTEN_PEER, f"span:{span.trace_id}:{span.span_id}", span.end_ns)
+            elif span.peer_port and span.server_port:
+                self._unchecked_spans.append(span)
+        self._touched.add(span.trace_id)
 
     def _read_events(self) -> None:
         with self.store.session() as session:
             rows = session.execute(select(ConnEventRow.__table__).where(ConnEventRow.id > self._event_cursor,
                                                                         ConnEventRow.host == self.host)
-                                   .order_by(ConnEventRow.id).limit(50_000)).all()
+                                   .order_by(ConnEventRow.id).limit(READ_ROWS)).all()
         for row in rows:
             self._event_cursor = row.id
             tuple4 = (norm_addr(row.client_addr), row.client_port, row.server_port)
@@ -313,13 +337,13 @@ class Correlator:
     def _check_unjoined_spans(self, now: int) -> None:
         watched = self.watched_ports()
         keep = []
-        for span_row_id, span in self._unchecked_spans:
+        for span in self._unchecked_spans:
             if now - span.end_ns <= self.late_ns:
-                keep.append((span_row_id, span))
+                keep.append(span)
                 continue
             seen = self._events_by_tuple.get(span_tuple(span), ())
             if span.server_port in watched and not any(ts >= span.start_ns for ts in seen):
-                self._count(CoverageKind.UNJOINED_SPAN, f"span:{span_row_id}", span.end_ns)
+                self._count(CoverageKind.UNJOINED_SPAN, f"span:{span.trace_id}:{span.span_id}", span.end_ns)
         self._unchecked_spans = keep
 
     # -- evaluation (auditor.correlate.evaluate) --------------------------------------------

@@ -88,6 +88,7 @@ class Store:
         self.url = url or default_db_url()
         self.engine = _make_engine(self.url, create=create)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._verdict_statement: Any = None  # built on first use (False: this database has none)
         if check:
             self.check_schema(upgrade=upgrade)
 
@@ -230,18 +231,39 @@ class Store:
         return len(verdicts)
 
     def _upsert_verdicts(self, verdicts: Sequence[RequestVerdict], now: int) -> None:
+        # The last verdict of a request in the batch wins (a row can be upserted once per statement).
+        rows = list({v.request_key: row_dict(v) | {"updated_ns": now} for v in verdicts}.values())
+        statement = self._verdict_upsert()
+        if statement is not None:  # one INSERT .. ON CONFLICT DO UPDATE per row, no ORM round trip
+            with self.engine.begin() as conn:
+                conn.execute(statement, rows)
+            return
         with self.session() as session, session.begin():
-            keys = [v.request_key for v in verdicts]
             existing = {row.request_key: row for row in
-                        session.query(VerdictRow).filter(VerdictRow.request_key.in_(keys))}
-            for verdict in verdicts:
-                values = row_dict(verdict) | {"updated_ns": now}
-                row = existing.get(verdict.request_key)
+                        session.query(VerdictRow).filter(VerdictRow.request_key.in_([r["request_key"] for r in rows]))}
+            for values in rows:
+                row = existing.get(values["request_key"])
                 if row is None:
                     session.add(VerdictRow(**values))
                 else:
                     for name, value in values.items():
                         setattr(row, name, value)
+
+    def _verdict_upsert(self) -> Any:
+        """``INSERT .. ON CONFLICT (request_key) DO UPDATE`` on SQLite and PostgreSQL, built once;
+        None on other databases (the ORM's select-then-update)."""
+        if self._verdict_statement is None:
+            from sqlalchemy.dialects import postgresql, sqlite
+
+            dialect_insert: Any = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}.get(self.engine.dialect.name)
+            if dialect_insert is None:
+                self._verdict_statement = False
+                return None
+            table: Any = VerdictRow.__table__
+            statement = dialect_insert(table)
+            updated = {c.name: statement.excluded[c.name] for c in table.columns if c.name not in ("id", "request_key")}
+            self._verdict_statement = statement.on_conflict_do_update(index_elements=["request_key"], set_=updated)
+        return None if self._verdict_statement is False else self._verdict_statement
 
     def delete_verdict(self, request_key: str) -> None:
         with self.engine.begin() as conn:
