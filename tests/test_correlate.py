@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from sqlalchemy import event, func, select
 
 from auditor.correlate import Correlator
@@ -497,3 +498,41 @@ def test_a_daemon_judges_only_its_own_hosts_requests(store: Store) -> None:
     clock.now = T0 + 5 * S
     make(store, clock).tick()
     assert [(r.host, r.trace_id, r.verdict) for r in verdicts(store)] == [("h", "m" * 32, "zombie")]
+
+
+def test_an_untouched_provisional_verdict_is_rechecked_less_often_but_settles_on_time(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    import auditor.correlate.correlator as correlator_module
+
+    evaluated: list[float] = []
+    original = correlator_module.evaluate
+
+    def counting(corr: Correlator, request: object, now: int) -> object:
+        evaluated.append((now - T0) / S)
+        return original(corr, request, now)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(correlator_module, "evaluate", counting)
+    clock = Clock()
+    settled: list[RequestVerdict] = []
+    correlator = Correlator(store, host="h", grace_seconds=0.5, late_span_seconds=30, clock=clock,
+                            watched_ports=lambda: {SERVER_PORT}, on_settled=settled.append)
+    store.insert_spans([http_span("b", 0, 1.02)])
+    store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST)])
+    correlator.add_engine_load([load(0.75, 1), load(1.0, 1), load(1.25, 0), load(1.5, 0)])
+    # Work ended at 1.125 s by the scrapes: provisional until 31.125 s, when the window closes.
+    for second in range(2, 40):
+        clock.now = T0 + second * S
+        correlator.tick()
+    assert [v.verdict for v in settled] == [Verdict.ABORTED]
+    # Every round until the verdict was written and once after, then 1, 2, 4, 8, 8 s apart, then
+    # at the end of the window (31.125 s: the first round after it), where it settles.
+    assert evaluated == [2, 3, 4, 6, 10, 18, 26, 32]
+    [row] = verdicts(store)
+    assert row.verdict == "aborted" and not row.details["provisional"]
+    # New evidence of its trace is looked at in the next round, whatever the wait.
+    evaluated.clear()
+    store.insert_spans([replace(http_span("b", 0.5, 0.6, span="6"), parent_span_id="5" * 16, kind="internal",
+                                role=SpanRole.OTHER, peer_addr=None, peer_port=None)])
+    clock.now = T0 + 40 * S
+    correlator.tick()
+    assert evaluated == [40]

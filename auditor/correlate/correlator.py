@@ -202,8 +202,9 @@ class Correlator:
         self._check_unjoined_spans(now)
         changed: list[tuple[OpenRequest, RequestVerdict]] = []
         for request in list(self._open.values()):
-            if request.key[0] in self._touched or clock_dependent(request):
+            if request.key[0] in self._touched or (clock_dependent(request) and request.due(now)):
                 verdict = evaluate(self, request, now)
+                request.checked(now, changed=verdict is not None)
                 if verdict is not None:
                     changed.append((request, verdict))
         # Only a committed verdict counts as written: if the store refuses (locked, disk full),

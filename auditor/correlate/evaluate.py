@@ -122,6 +122,7 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
     """When the request's work ended on this host, whether that may still change, and whether
     anything tells that it stopped at all."""
     trace_id = request.key[0]
+    request.settles_at_ns = None  # known only where the clock alone settles the verdict
     mine = {s.span_id for s in subtree} | {request.key[1]}
     if corr.live.running(trace_id, mine):
         details["evidence"], details["work_end_exact"] = ev.LIVE_NOTICE, "live"
@@ -141,7 +142,8 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
     live_end = corr.live.engine_end(trace_id)
     if live_end is not None:
         details["evidence"], details["work_end_exact"] = ev.LIVE_NOTICE, "live"
-        return max(work_end, live_end), now - live_end < ENGINE_SETTLE_AFTER_LIVE_END_NS, True
+        request.settles_at_ns = live_end + ENGINE_SETTLE_AFTER_LIVE_END_NS
+        return max(work_end, live_end), now < request.settles_at_ns, True
     scraped = _metrics_work_end(corr, request, subtree)
     if scraped is not None:
         by_metrics, port, disconnect, answered = scraped
@@ -157,10 +159,12 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
             return None, True, True
         end = max(work_end, by_metrics.work_end_ns)
         # An engine span may still arrive and say exactly; until then the scrape's word stands.
-        return end, now - end < corr.late_ns, True
+        request.settles_at_ns = end + corr.late_ns
+        return end, now < request.settles_at_ns, True
     # Nothing says whether the work stopped: an engine span may yet arrive (vLLM emits none for
     # an abort, so its absence proves nothing); until then, and after, the verdict is unconfirmed.
-    return work_end, now - work_end < corr.late_ns, False
+    request.settles_at_ns = work_end + corr.late_ns
+    return work_end, now < request.settles_at_ns, False
 
 
 def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[SpanRecord]

@@ -20,6 +20,11 @@ class Disconnect:
     earliest_ns: int | None = None  # a polled close: it happened in (earliest_ns, ts_ns]
 
 
+# An untouched provisional verdict is re-evaluated after these, doubling (OpenRequest.checked).
+RECHECK_FIRST_NS = 1_000_000_000
+RECHECK_MAX_NS = 8_000_000_000
+
+
 @dataclass(slots=True)
 class OpenRequest:
     """A request that had a client disconnect while in flight, until its verdict settles."""
@@ -30,7 +35,26 @@ class OpenRequest:
     written: RequestVerdict | None = None
     reported: Verdict | None = None  # the verdict last handed to on_settled: a reopen that ends
     # in the same verdict is not reported (or counted) again
+    # When the clock alone settles the written verdict (the late-span window ends); set by evaluate.
+    settles_at_ns: int | None = None
+    recheck_at_ns: int = 0  # an untouched provisional verdict is not evaluated again before this
+    recheck_backoff_ns: int = 0
 
+    def due(self, now_ns: int) -> bool:
+        return now_ns >= self.recheck_at_ns
+
+    def checked(self, now_ns: int, *, changed: bool) -> None:
+        """After an evaluation: a provisional verdict that did not change is looked at again after
+        1, 2, 4, 8 s (new evidence of its trace re-evaluates it at once), and never after the moment
+        the clock alone settles it. Anything else is looked at every round."""
+        written = self.written
+        if changed or written is None or not written.details.get("provisional"):
+            self.recheck_at_ns = self.recheck_backoff_ns = 0
+            return
+        self.recheck_backoff_ns = min(max(2 * self.recheck_backoff_ns, RECHECK_FIRST_NS), RECHECK_MAX_NS)
+        self.recheck_at_ns = now_ns + self.recheck_backoff_ns
+        if self.settles_at_ns is not None:
+            self.recheck_at_ns = min(self.recheck_at_ns, self.settles_at_ns)
 
     def origin(self) -> Disconnect:
         return min(self.disconnects.values(), key=lambda d: d.ts_ns)
