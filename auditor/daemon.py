@@ -8,7 +8,8 @@ Threads, each isolated so one failing part degrades the daemon instead of stoppi
   it also pings the systemd watchdog, so a wedged correlator gets the service restarted;
 - metrics: prometheus_client's HTTP server.
 
-Data moves one way: sources -> store -> correlator -> verdicts and metrics. ``stop()`` (SIGTERM)
+Data moves one way: sources -> store -> correlator -> verdicts and metrics. Spans reach the
+correlator from the span writer once committed (``auditor.correlate.feed``), not read back. ``stop()`` (SIGTERM)
 stops intake first, flushes every queue to the store, runs a last correlation round and exits.
 """
 
@@ -312,7 +313,7 @@ class Daemon:
             self.correlator.add_engine_load(self._drain_engine_loads())
             self.correlator.tick(live)
             self._report_lost_events()
-            self._upkeep.round()
+            self._upkeep.round(self.correlator.arrived, self.correlator.spans.get)
             self.status.ticks += 1
             if self._failing:
                 log.info("correlation works again")

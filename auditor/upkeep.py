@@ -1,8 +1,8 @@
 """The daemon's per-round bookkeeping beside the verdicts: completed requests for /metrics, the
 engine pids the CPU sampler follows, and the minute's mean utilization.
 
-Each round reads only the span rows that are new since the last (a cursor on the row id). A
-completion counts once its span has settled (``SPAN_SETTLE_NS``), so that a server span inside
+Each round looks at the spans the correlator took in that round. A completion counts once its
+span has settled (``SPAN_SETTLE_NS``), so that a server span inside
 another (FastAPI's own telemetry beside the ASGI middleware, a traced gateway hop) is known as
 such and not counted twice. The minute's utilization moves slowly and is re-read every
 ``UTILIZATION_REFRESH_S``.
@@ -17,10 +17,10 @@ from typing import Any
 from sqlalchemy import func, select
 
 from auditor.metrics import DaemonMetrics
-from auditor.model import SpanRole
-from auditor.report.requests import inner_server_span
+from auditor.model import SpanRecord, SpanRole
+from auditor.report.requests import is_inner_server_span
 from auditor.store import Store
-from auditor.store.schema import SpanRow, UtilSampleRow
+from auditor.store.schema import UtilSampleRow
 
 UTILIZATION_REFRESH_S = 10.0
 SPAN_SETTLE_NS = 5_000_000_000  # completions are counted once the spans around them have arrived
@@ -39,53 +39,36 @@ def completed_requests(rows: Sequence[Any], engine_spans_seen: bool) -> tuple[in
 
 
 class Upkeep:
-    """Called once per correlation round from the correlator's thread."""
+    """Called once per correlation round from the correlator's thread, with the spans that round
+    took in (``arrived``) and a way to find a span of a trace the correlator holds (``lookup``)."""
 
     def __init__(self, store: Store, host: str, metrics: DaemonMetrics,
                  follow_pids: Callable[[set[int]], None] | None,
                  find_engines: Callable[[], set[int]] = set) -> None:
         self.store, self.host, self.metrics = store, host, metrics
         self._follow, self._find_engines = follow_pids, find_engines
-        with store.session() as session:
-            self._cursor = int(session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0)
         self._engine_spans_seen = False  # then completions are counted from engine spans only
-        self._unsettled: list[Any] = []  # new span rows whose surrounding spans may not have arrived
+        self._unsettled: list[SpanRecord] = []  # new spans whose surrounding spans may not have arrived
         self._pids: dict[int, int] = {}  # engine pid -> when a span last named it (wall ns)
         self._following: set[int] | None = None
         self._next_utilization = 0.0
 
-    def round(self) -> None:
+    def round(self, arrived: Sequence[SpanRecord] = (),
+              lookup: Callable[[str, str], SpanRecord | None] = lambda trace, span: None) -> None:
         now_ns = time.time_ns()
-        with self.store.session() as session:
-            rows = session.execute(select(SpanRow.id, SpanRow.role, SpanRow.http_status, SpanRow.finish_reason,
-                                          SpanRow.end_ns, SpanRow.process_pid)
-                                   .where(SpanRow.id > self._cursor,
-                                          SpanRow.role.in_((SpanRole.HTTP_SERVER.value, SpanRole.ENGINE.value)))
-                                   ).all()
-            if rows:
-                self._cursor = max(r.id for r in rows)
-            self._unsettled.extend(rows)
-            settled = [r for r in self._unsettled if r.end_ns < now_ns - SPAN_SETTLE_NS]
-            if settled:
-                self._unsettled = [r for r in self._unsettled if r.end_ns >= now_ns - SPAN_SETTLE_NS]
-                inner = self._inner(session, [r.id for r in settled if r.role == SpanRole.HTTP_SERVER.value])
+        self._unsettled.extend(s for s in arrived if s.role in (SpanRole.HTTP_SERVER, SpanRole.ENGINE))
+        settled = [s for s in self._unsettled if s.end_ns < now_ns - SPAN_SETTLE_NS]
         if settled:
-            requests = [r for r in settled if r.id not in inner]
+            self._unsettled = [s for s in self._unsettled if s.end_ns >= now_ns - SPAN_SETTLE_NS]
+            # A server span inside another (a second instrumentation, a traced gateway hop) is no
+            # request of its own; asked once the spans around it have arrived.
+            requests = [s for s in settled if s.role is not SpanRole.HTTP_SERVER or not is_inner_server_span(s, lookup)]
             count, self._engine_spans_seen = completed_requests(requests, self._engine_spans_seen)
             self.metrics.completed(count)
-        self._follow_pids({r.process_pid for r in rows if r.process_pid}, now_ns)
+        self._follow_pids({s.process_pid for s in arrived if s.process_pid}, now_ns)
         if time.monotonic() >= self._next_utilization:
             self._next_utilization = time.monotonic() + UTILIZATION_REFRESH_S
             self._refresh_utilization(now_ns)
-
-    @staticmethod
-    def _inner(session: Any, server_ids: list[int]) -> set[int]:
-        """Which of these server spans sit inside another (a second instrumentation, a traced
-        gateway hop): no request of their own. Asked once the spans around them have arrived."""
-        if not server_ids:
-            return set()
-        return set(session.scalars(select(SpanRow.id).where(SpanRow.id.in_(server_ids),
-                                                            inner_server_span(SpanRow.__table__))))
 
     def _follow_pids(self, seen: set[int], now_ns: int) -> None:
         """A pid a new span names, or that listens on a watched port, is followed at once; one

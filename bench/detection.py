@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -212,7 +213,17 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cpu_before, wall_before = proc_cpu_seconds(daemon.pid), time.monotonic()
     threads_before = thread_cpu_seconds(daemon.pid)
+    rss_series: list[float] = []
+    done = threading.Event()
+
+    def watch_rss() -> None:  # every 10 s: memory that grows with the run's length shows here
+        while not done.wait(10):
+            rss_series.append(proc_memory_mib(daemon.pid)[0])
+
+    watcher = threading.Thread(target=watch_rss, daemon=True)
+    watcher.start()
     sent, achieved = asyncio.run(paced_load(port, args.rate, args.load_seconds, cancel_every=10))
+    done.set()
     cpu = proc_cpu_seconds(daemon.pid) - cpu_before
     threads = {tid: spent - threads_before.get(tid, 0.0) for tid, spent in thread_cpu_seconds(daemon.pid).items()}
     wall = time.monotonic() - wall_before
@@ -231,14 +242,15 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
         by_name[name] = by_name.get(name, 0.0) + spent / wall * 100
     by_name["(threads that ended)"] = max(0.0, (cpu - sum(threads.values())) / wall * 100)
     return {"sent": sent, "achieved": achieved, "cpu": cpu, "wall": wall, "cpu_percent": cpu / wall * 100,
-            "rss": rss, "peak": peak, "spans": spans, "verdicts": verdicts, "threads": by_name}
+            "rss": rss, "peak": peak, "rss_series": rss_series, "spans": spans, "verdicts": verdicts, "threads": by_name}
 
 
 def print_load(load: dict[str, Any], rate: float) -> None:
     print(f"\nDaemon under load ({load['sent']} requests, {load['achieved']:.0f} req/s achieved of {rate:.0f} asked, "
           "10% cancelled)")
     print(f"  daemon CPU      {load['cpu_percent']:6.1f} % of one core ({load['cpu']:.2f} CPU-s over {load['wall']:.1f} s)")
-    print(f"  daemon RSS      {load['rss']:6.1f} MiB now, {load['peak']:.1f} MiB peak")
+    print(f"  daemon RSS      {load['rss']:6.1f} MiB now, {load['peak']:.1f} MiB peak; every 10 s: "
+          + ", ".join(f"{mib:.0f}" for mib in load["rss_series"]))
     print(f"  stored          {load['spans']} spans, {load['verdicts']} verdicts of load requests")
     print("  by thread, % of one core: " + ", ".join(
         f"{name} {share:.2f}" for name, share in sorted(load["threads"].items(), key=lambda kv: -kv[1]) if share))

@@ -15,13 +15,12 @@ and the correlator counts client closes there (abort counters are matched to dep
 from __future__ import annotations
 
 import logging
+import re
+import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
-from http.client import HTTPConnection
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from auditor.model import EngineLoad
 
@@ -46,21 +45,43 @@ ABORT_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {
 }
 NOT_AN_ENGINE_BACKOFF_S = 30.0
 MAX_PAGE_BYTES = 4 * 1024 * 1024
+MAX_HEAD_BYTES = 64 * 1024
 
 
 _WANTED = tuple(name for entry in KNOWN_METRICS for name in entry[1:]) + tuple(
     counter for counter, _, _ in ABORT_COUNTERS.values())
 _ABORT_NAMES = {counter: (label, value) for counter, label, value in ABORT_COUNTERS.values()}
-_COMMENTS = ("# HELP ", "# TYPE ")
 
 
-def known_lines(text: str) -> str:
-    """Only the lines of the known gauges and counters (with their HELP and TYPE): an engine's page
-    is mostly histograms the daemon never reads, and the text parser is pure Python, so at a few
-    scrapes a second the page's size, not the few gauges, would set the daemon's CPU."""
-    kept = [line for line in text.splitlines()
-            if (line[7:] if line.startswith(_COMMENTS) else line).startswith(_WANTED)]
-    return "\n".join(kept) + "\n" if kept else ""
+_SERIES = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)(?:[ \t]+-?[0-9]+)?[ \t]*")
+_LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"[ \t]*(?:,|$)')
+_ESCAPE = re.compile(r"\\(.)")
+
+
+def known_series(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample line of the known gauges and counters, in the
+    Prometheus text format. An engine's page is mostly histograms the daemon never reads: only
+    lines of known names are parsed, here rather than by prometheus_client's parser, which at a few
+    scrapes a second cost more than everything else the scrape does. A known line that does not
+    parse raises ValueError (the scraper counts it)."""
+    for line in text.splitlines():
+        if not line.startswith(_WANTED):
+            continue
+        match = _SERIES.fullmatch(line)
+        if match is None:
+            raise ValueError(f"unreadable series line: {line[:120]!r}")
+        name, label_text, value = match.groups()
+        labels: dict[str, str] = {}
+        if label_text:
+            position = 0
+            for label in _LABEL.finditer(label_text):
+                if label.start() != position:
+                    break
+                labels[label.group(1)] = _ESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), label.group(2))
+                position = label.end()
+            if label_text[position:].strip():
+                raise ValueError(f"unreadable labels: {line[:120]!r}")
+        yield name, labels, float(value)
 
 
 def parse_load(text: str, *, ts_ns: int, server_port: int) -> EngineLoad | None:
@@ -68,17 +89,16 @@ def parse_load(text: str, *, ts_ns: int, server_port: int) -> EngineLoad | None:
 
     Several series of one gauge (one per model, or per label) add up."""
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(known_lines(text)):
-        for sample in family.samples:
-            if sample.name.endswith(("_created", "_bucket", "_count", "_sum")):
+    for sample_name, labels, value in known_series(text):
+        if sample_name.endswith(("_created", "_bucket", "_count", "_sum")):
+            continue
+        name = sample_name.removesuffix("_total")
+        if name in _ABORT_NAMES:
+            label, wanted = _ABORT_NAMES[name]
+            values.setdefault(name, 0.0)  # the engine counts aborts, none of them yet
+            if label is not None and labels.get(label) != wanted:
                 continue
-            name = sample.name.removesuffix("_total")
-            if name in _ABORT_NAMES:
-                label, wanted = _ABORT_NAMES[name]
-                values.setdefault(name, 0.0)  # the engine counts aborts, none of them yet
-                if label is not None and sample.labels.get(label) != wanted:
-                    continue
-            values[name] = values.get(name, 0.0) + sample.value
+        values[name] = values.get(name, 0.0) + value
     for style, running, waiting, tokens in KNOWN_METRICS:
         if running in values:
             abort_counter = ABORT_COUNTERS.get(style)
@@ -86,6 +106,93 @@ def parse_load(text: str, *, ts_ns: int, server_port: int) -> EngineLoad | None:
                               waiting=int(values.get(waiting, 0.0)), generated_tokens=values.get(tokens),
                               style=style, aborted=values.get(abort_counter[0]) if abort_counter else None)
     return None
+
+
+class PageConnection:
+    """One kept-alive HTTP/1.1 connection that GETs one path: status, body, and whether the
+    connection may be used again. http.client parses each answer's headers with the email
+    package, which cost most of a scrape; a metrics answer needs its status line, its length
+    (Content-Length, chunked, or up to the close) and Connection."""
+
+    def __init__(self, host: str, port: int, path: str, timeout_s: float) -> None:
+        self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._request = (f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: text/plain\r\n"
+                         "User-Agent: zombie-auditor\r\n\r\n").encode()
+        self._buffer = bytearray()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def get(self) -> tuple[int, bytes, bool]:
+        self._buffer.clear()
+        self._sock.sendall(self._request)
+        head = self._until(b"\r\n\r\n", MAX_HEAD_BYTES).decode("latin-1").split("\r\n")
+        version, _, rest = head[0].partition(" ")
+        if not version.startswith("HTTP/1.") or not rest[:3].isdigit():
+            raise OSError(f"not an HTTP answer: {head[0][:60]!r}")
+        headers = {}
+        for line in head[1:]:
+            name, colon, value = line.partition(":")
+            if colon:
+                headers[name.strip().lower()] = value.strip().lower()
+        keep_alive = version == "HTTP/1.1" and headers.get("connection") != "close"
+        if "chunked" in headers.get("transfer-encoding", ""):
+            body = self._chunked()
+        elif "content-length" in headers:
+            length = int(headers["content-length"])
+            if not 0 <= length <= MAX_PAGE_BYTES:
+                raise OSError(f"page of {length} bytes (at most {MAX_PAGE_BYTES})")
+            body = self._exactly(length)
+        else:
+            body, keep_alive = self._to_close(), False
+        return int(rest[:3]), body, keep_alive
+
+    def _fill(self) -> None:
+        data = self._sock.recv(65536)
+        if not data:
+            raise OSError("connection closed in the middle of an answer")
+        self._buffer += data
+
+    def _until(self, marker: bytes, limit: int) -> bytes:
+        while (end := self._buffer.find(marker)) < 0:
+            if len(self._buffer) > limit:
+                raise OSError(f"no {marker!r} within {limit} bytes")
+            self._fill()
+        out = bytes(self._buffer[:end])
+        del self._buffer[:end + len(marker)]
+        return out
+
+    def _exactly(self, length: int) -> bytes:
+        while len(self._buffer) < length:
+            self._fill()
+        out = bytes(self._buffer[:length])
+        del self._buffer[:length]
+        return out
+
+    def _chunked(self) -> bytes:
+        parts, total = [], 0
+        while True:
+            size = int(self._until(b"\r\n", 1024).split(b";")[0].strip() or b"x", 16)
+            if size == 0:
+                while self._until(b"\r\n", MAX_HEAD_BYTES):  # trailer fields, up to an empty line
+                    pass
+                return b"".join(parts)
+            total += size
+            if total > MAX_PAGE_BYTES:
+                raise OSError(f"page over {MAX_PAGE_BYTES} bytes")
+            parts.append(self._exactly(size))
+            if self._exactly(2) != b"\r\n":
+                raise OSError("malformed chunk")
+
+    def _to_close(self) -> bytes:
+        while True:
+            data = self._sock.recv(65536)
+            if not data:
+                return bytes(self._buffer)
+            self._buffer += data
+            if len(self._buffer) > MAX_PAGE_BYTES:
+                raise OSError(f"page over {MAX_PAGE_BYTES} bytes")
 
 
 class EngineMetricsScraper:
@@ -106,7 +213,7 @@ class EngineMetricsScraper:
         self.clock = clock
         self.errors = 0
         self._skip_until: dict[int, float] = {}
-        self._connections: dict[int, HTTPConnection] = {}
+        self._connections: dict[int, PageConnection] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -122,21 +229,19 @@ class EngineMetricsScraper:
         """The page, over the port's kept-alive connection; a stale one is replaced once."""
         for attempt in (0, 1):
             reused = port in self._connections
-            connection = self._connections.pop(port, None) or HTTPConnection(self.host, port, timeout=self.timeout_s)
+            connection = self._connections.pop(port, None) or PageConnection(self.host, port, self.path, self.timeout_s)
             try:
-                connection.request("GET", self.path)
-                response = connection.getresponse()
-                body = response.read(MAX_PAGE_BYTES)
-                if response.status != 200:
-                    raise OSError(f"HTTP {response.status}")
+                status, body, keep_alive = connection.get()
+                if status != 200:
+                    raise OSError(f"HTTP {status}")
             except Exception:
                 connection.close()
                 if reused and attempt == 0:
                     continue  # the engine closed the idle connection: one fresh try
                 raise
-            if response.isclosed() and not response.will_close:
-                self._connections[port] = connection  # read to the end and kept alive: reused
-            else:  # the server closes it, or a page over the size limit left it unusable
+            if keep_alive:
+                self._connections[port] = connection
+            else:
                 connection.close()
             return body.decode("utf-8", errors="replace")
         raise AssertionError("unreachable")

@@ -536,3 +536,46 @@ def test_an_untouched_provisional_verdict_is_rechecked_less_often_but_settles_on
     clock.now = T0 + 40 * S
     correlator.tick()
     assert evaluated == [40]
+
+
+@pytest.mark.parametrize("own_trace", [False, True], ids=["same trace", "trace of its own"])
+def test_a_settled_request_leaves_memory_and_a_late_engine_span_brings_it_back(store: Store, own_trace: bool) -> None:
+    clock = Clock()
+    settled: list[RequestVerdict] = []
+    correlator = make(store, clock, settled)
+    store.insert_spans([http_span("a", 0, 1.02, request_id="long"),
+                        http_span("b", 0, 1.02, client=("127.0.0.1", 40002))])
+    store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST),
+                              close(1.0, ConnEventKind.PEER_RST, client=("127.0.0.1", 40002))])
+    clock.now = T0 + 7 * S
+    correlator.tick()
+    assert [v.verdict for v in settled] == [Verdict.UNCONFIRMED] * 2  # HTTP spans only: nothing says more
+    # Past a few late-span windows, the settled requests' spans and events leave memory.
+    clock.now = T0 + int(8 * S + correlator.memory_ns)
+    correlator.tick()
+    assert len(correlator.forgotten) == 2 and list(correlator.spans.trace("a" * 32)) == []
+    # The engine sends its span when the work at last ends, minutes after the client left.
+    engine = engine_span("f" if own_trace else "a", 0, 250.0, "length", request_id="cmpl-long")
+    store.insert_spans([engine])
+    clock.now += S
+    correlator.tick()
+    by_trace = {row.trace_id: row for row in verdicts(store)}
+    assert by_trace["a" * 32].verdict == "zombie" and abs(by_trace["a" * 32].lag_seconds - 249.0) < 1e-6
+    assert by_trace["b" * 32].verdict == "unconfirmed"  # not recalled: nothing new for it
+    assert correlator.forgotten.recalled == 1 and len(correlator.forgotten) == 1
+    assert [v.verdict for v in settled] == [Verdict.UNCONFIRMED] * 2 + [Verdict.ZOMBIE]
+
+
+def test_a_forgotten_trace_is_not_recalled_past_the_horizon(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span("a", 0, 1.02)])
+    store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST)])
+    clock.now = T0 + 7 * S
+    correlator.tick()
+    clock.now = T0 + int(8 * S + correlator.memory_ns)
+    correlator.tick()
+    assert len(correlator.forgotten) == 1
+    clock.now = T0 + 16 * 60 * S  # the horizon (15 min) is past: nothing of it is kept
+    correlator.tick()
+    assert len(correlator.forgotten) == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from collectors.enginemetrics import known_lines, parse_load
+from collectors.enginemetrics import known_series, parse_load
 
 VLLM_PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -69,7 +69,30 @@ def test_a_broken_known_series_is_an_error_the_scraper_counts() -> None:
         parse_load("vllm:num_requests_running{broken 3\n", ts_ns=0, server_port=1)
 
 
-def test_only_the_known_series_reach_the_parser() -> None:
-    kept = known_lines(VLLM_PAGE).splitlines()
-    assert "# TYPE vllm:num_requests_running gauge" in kept and len(kept) == 10
-    assert not any("e2e_request_latency" in line for line in kept)
+TRICKY_PAGE = VLLM_PAGE + """\
+vllm:num_requests_waiting{model_name="a \\"quoted\\" }, and \\\\ back",} 1.5 1700000000000
+vllm:num_requests_waiting   +Inf
+vllm:generation_tokens_total{model_name="a"} NaN
+"""
+
+
+@pytest.mark.parametrize("page", [VLLM_PAGE, LLAMACPP_PAGE, TGI_PAGE, TRICKY_PAGE])
+def test_the_known_series_read_as_prometheus_clients_own_parser_reads_them(page: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def comparable(value: float) -> object:
+        return "nan" if value != value else value
+
+    ours = [(name, labels, comparable(value)) for name, labels, value in known_series(page)]
+    theirs = [(sample.name, sample.labels, comparable(sample.value))
+              for family in text_string_to_metric_families(page) for sample in family.samples
+              if sample.name.startswith(tuple(name for name, _, _ in known_series(page)))]
+    assert ours == theirs and ours
+    assert not any("e2e_request_latency" in name for name, _, _ in ours)  # histograms are not read
+
+
+@pytest.mark.parametrize("line", ["vllm:num_requests_running{model_name=\"a} 1", "vllm:num_requests_running 1 2 3",
+                                  "vllm:num_requests_running{a=\"1\" b=\"2\"} 1", "vllm:num_requests_running one"])
+def test_a_malformed_known_line_is_an_error(line: str) -> None:
+    with pytest.raises(ValueError):
+        list(known_series(line + "\n"))

@@ -64,3 +64,24 @@ def test_a_callers_client_span_or_a_remote_hop_takes_nothing_off(store: Store) -
 def test_a_service_filter_counts_that_services_edge_requests(store: Store) -> None:
     spans = [server("a", "1", port=9000, service="gateway"), client("a", "2", "1"), server("a", "3", parent="2")]
     assert requests(store, *spans, service="gateway") == 1
+
+
+def test_the_in_memory_twin_of_inner_server_span_agrees_with_the_sql(store: Store) -> None:
+    from sqlalchemy import select
+
+    from auditor.report.requests import inner_server_span, is_inner_server_span, spans
+
+    shapes = [server("a", "1"), server("a", "2", parent="1"),  # nested
+              server("b", "1", port=9000), client("b", "2", "1"), server("b", "3", parent="2"),  # traced hop
+              client("c", "1", None), server("c", "2", parent="1"),  # behind a caller's client span only
+              server("d", "2", parent="9"),  # its parent never arrived
+              replace(server("e", "1"), role=SpanRole.OTHER), server("e", "2", parent="1")]  # parent no server
+    store.insert_spans(shapes)
+    with store.engine.connect() as conn:
+        by_sql = {(row.trace_id, row.span_id) for row in conn.execute(
+            select(spans.c.trace_id, spans.c.span_id).where(spans.c.role == SpanRole.HTTP_SERVER.value,
+                                                            inner_server_span(spans)))}
+    known = {(s.trace_id, s.span_id): s for s in shapes}
+    in_memory = {(s.trace_id, s.span_id) for s in shapes if s.role is SpanRole.HTTP_SERVER
+                 and is_inner_server_span(s, lambda trace, span: known.get((trace, span)))}
+    assert in_memory == by_sql == {("a" * 32, "2" * 16), ("b" * 32, "3" * 16)}

@@ -99,8 +99,12 @@ def test_the_backlog_is_read_from_the_store_then_the_feed_and_a_span_seen_both_w
         store.insert_conn_events([close(1.0, client=client(1)), close(1.0, client=client(2))])
         clock.now = T0 + 5 * S
         judge.tick()
+        assert judge.arrived == []  # what was stored before the first round is no news (nor counted)
         writer.submit(request(3, zombie=False))  # after the backlog: through the feed only
         store.insert_conn_events([close(1.0, client=client(3))])
+        clock.now = T0 + 5 * S + 1
+        judge.tick()
+        assert sorted(span.trace_id[0] for span in judge.arrived) == ["3", "3"]
         for at in (6, 12, 20):
             clock.now = T0 + at * S
             judge.tick()

@@ -28,15 +28,16 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select, update
 
 from auditor.correlate.evaluate import clock_dependent, evaluate
 from auditor.correlate.evidence import FINAL_SEND_ATTR, EngineLoads
 from auditor.correlate.feed import SpanFeed
 from auditor.correlate.live import LiveState
+from auditor.correlate.recall import Forgotten
 from auditor.correlate.requests import CorrelatorStats, Disconnect, OpenRequest, RequestKey
 from auditor.correlate.traces import TraceIndex, Tuple4, disconnect_instant, norm_addr, span_tuple
-from auditor.correlate.verdict import NORMAL_FINISH
+from auditor.correlate.verdict import NORMAL_FINISH, TOKENS_AFTER_DISCONNECT_ATTR
 from auditor.correlate.waste import CostSources
 from auditor.model import (
     ConnEventKind,
@@ -54,8 +55,13 @@ from auditor.store.schema import ConnEventRow, CorrelatorStateRow, CoverageRow, 
 log = logging.getLogger(__name__)
 
 HORIZON_NS = 15 * 60 * 1_000_000_000
+# How long a settled request's spans and its connections' events stay in memory: a few late-span
+# windows. Later evidence for it is read back from the store (auditor.correlate.recall).
+MIN_MEMORY_NS = 180 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
+# The only span attributes a verdict reads: a span is held without the rest (most of its memory).
+JUDGED_ATTRIBUTES = frozenset({FINAL_SEND_ATTR, TOKENS_AFTER_DISCONNECT_ATTR})
 # How long before a peerless span's start its client's close may lie (accept queue and read).
 PEERLESS_BEFORE_NS = 1_000_000_000
 
@@ -69,6 +75,7 @@ class Correlator:
         self.host = host
         self.grace_seconds = grace_seconds
         self.late_ns = int(late_span_seconds * 1e9)
+        self.memory_ns = min(HORIZON_NS, max(MIN_MEMORY_NS, 3 * self.late_ns))
         self.watched_ports = watched_ports or (lambda: set())
         self.on_settled = on_settled or (lambda verdict: None)
         self.clock = clock
@@ -90,6 +97,7 @@ class Correlator:
         self._open: dict[RequestKey, OpenRequest] = {}
         self._settled: dict[str, dict[str, OpenRequest]] = defaultdict(dict)  # a late span reopens them
         self._settled_by_request_id: dict[str, RequestKey] = {}  # engine spans in traces of their own
+        self.forgotten = Forgotten(store, host)  # settled traces no longer in memory
         self.live = LiveState()
         self._unchecked_spans: list[SpanRecord] = []
         self._touched: set[str] = set()  # traces with new evidence this round
@@ -100,6 +108,8 @@ class Correlator:
         # With a feed, spans come from the daemon's writer once the store's backlog is read.
         self._feed = feed
         self._reading_store = True
+        self._backlog = True  # the first read: spans from before this start, not new arrivals
+        self.arrived: list[SpanRecord] = []  # the spans new in the last round (auditor.upkeep counts them)
         self._next_prune_ns = 0
         self._resume()
 
@@ -152,10 +162,16 @@ class Correlator:
             self._add_span(span_from_row(row), arrived_ns)
         if len(rows) < READ_ROWS:
             self._reading_store = False  # caught up: from now on the feed, where there is one
+            self._backlog = False
 
     def _add_span(self, span: SpanRecord, arrived_ns: int) -> None:
+        if span.trace_id in self.forgotten:
+            self._recall(span.trace_id, arrived_ns, arriving=span.span_id)
+        span = _lean(span)
         if not self.spans.add(span, arrived_ns):
             return
+        if not self._backlog:
+            self.arrived.append(span)
         for request in self._settled.pop(span.trace_id, {}).values():
             self._open[request.key] = request  # evidence after settling reopens the verdict
         if span.role is SpanRole.ENGINE and span.request_id:
@@ -193,6 +209,7 @@ class Correlator:
     def tick(self, live: list[LiveEvent] | None = None) -> list[RequestVerdict]:
         """One round: read new evidence, join, decide, write. Returns the verdicts written."""
         self._touched = set()
+        self.arrived = []
         self.add_live(live or [])
         self._read_spans()
         self._read_events()
@@ -220,6 +237,19 @@ class Correlator:
                                           and r.written.verdict is Verdict.INFLIGHT_ZOMBIE)
         return [verdict for _, verdict in changed]
 
+    def _recall(self, trace_id: str, arrived_ns: int, arriving: str | None = None) -> None:
+        """Bring a settled trace back from the store: its spans (but the ``arriving`` one, already
+        stored, which is new evidence), and its requests as settled."""
+        spans, requests = self.forgotten.recall(trace_id)
+        for span in spans:
+            if span.span_id == arriving:
+                continue
+            self.spans.add(_lean(span), arrived_ns)
+        for request in requests:
+            self._settled[trace_id][request.key[1]] = request
+            if request.written is not None and request.written.request_id:
+                self._settled_by_request_id[request.written.request_id] = request.key
+
     def _learn_spanning_service(self, arrived: SpanRecord) -> None:
         """An engine span of a normal finish marks its service, and the HTTP services of its trace
         (whichever of them arrives last), as ones that span every finish."""
@@ -235,6 +265,9 @@ class Correlator:
         for prefix in ("", "cmpl-", "chatcmpl-"):
             if not engine_request_id.startswith(prefix):
                 continue
+            forgotten = self.forgotten.trace_of(engine_request_id[len(prefix):])
+            if forgotten is not None:
+                self._recall(forgotten, self.clock())
             key = self._settled_by_request_id.pop(engine_request_id[len(prefix):], None)
             request = self._settled.get(key[0], {}).pop(key[1], None) if key else None
             if request is not None:
@@ -397,8 +430,10 @@ class Correlator:
         settled = min(self._pending, default=self._event_cursor + 1) - 1
         if settled == self._saved_position:
             return
-        with self.store.session() as session, session.begin():  # one row per host, inserted or updated
-            session.merge(CorrelatorStateRow(host=self.host, settled_event_id=settled, updated_ns=time.time_ns()))
+        row, values = CorrelatorStateRow, {"settled_event_id": settled, "updated_ns": time.time_ns()}
+        with self.store.engine.begin() as conn:  # one row per host: updated, or inserted the first time
+            if not conn.execute(update(row).where(row.host == self.host).values(**values)).rowcount:
+                conn.execute(insert(row).values(host=self.host, **values))
         self._saved_position = settled
 
     def _prune(self, now: int) -> None:
@@ -406,19 +441,34 @@ class Correlator:
         if now < self._next_prune_ns:
             return
         self._next_prune_ns = now + PRUNE_EVERY_NS
-        cutoff = now - HORIZON_NS
-        self.spans.prune(cutoff, keep={key[0] for key in self._open})
+        cutoff, memory_cutoff = now - HORIZON_NS, now - self.memory_ns
+        # Spans of traces with no open request leave memory after a few late-span windows; their
+        # settled requests are remembered by trace id until the horizon, and recalled if need be.
+        self.spans.prune(memory_cutoff, keep={key[0] for key in self._open})
         for trace_id in [t for t, requests in self._settled.items()
-                         if all(r.origin().ts_ns < cutoff for r in requests.values())]:
-            del self._settled[trace_id]
+                         if all(r.origin().ts_ns < memory_cutoff for r in requests.values())]:
+            requests = self._settled.pop(trace_id)
+            if requests and max(r.origin().ts_ns for r in requests.values()) >= cutoff:
+                self.forgotten.add(trace_id, list(requests.values()))
+        self.forgotten.prune(cutoff)
         for request_id in [r for r, key in self._settled_by_request_id.items() if key[0] not in self._settled]:
             del self._settled_by_request_id[request_id]
-        self.loads.prune(cutoff)
+        self.loads.prune(cutoff)  # an open request's whole run: a long zombie needs them all
         for table in (self._events_by_tuple, self._closed_by_tuple, self._local_fin_by_tuple):
-            for tuple4 in [k for k, stamps in table.items() if max(stamps) < cutoff]:
+            for tuple4 in [k for k, stamps in table.items() if max(stamps) < memory_cutoff]:
                 del table[tuple4]
         self.live.prune(cutoff)
-        for event_id in [k for k, (d, _) in self._recent_unjoined.items() if d.ts_ns < cutoff]:
+        for event_id in [k for k, (d, _) in self._recent_unjoined.items() if d.ts_ns < memory_cutoff]:
             del self._recent_unjoined[event_id]
 
 
+def _lean(span: SpanRecord) -> SpanRecord:
+    """The span as the correlator holds it: without the attributes no verdict reads. The record is
+    the correlator's (read from the store, or handed over once committed), so its attribute dict is
+    trimmed in place: a copy of the record cost as much as the rest of indexing it."""
+    attributes = span.attributes
+    if attributes and not attributes.keys() <= JUDGED_ATTRIBUTES:
+        judged = {k: attributes[k] for k in JUDGED_ATTRIBUTES if k in attributes}
+        attributes.clear()
+        attributes.update(judged)
+    return span

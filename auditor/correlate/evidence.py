@@ -69,6 +69,7 @@ class EngineLoads:
     def __init__(self) -> None:
         self._loads: dict[int, list[EngineLoad]] = defaultdict(list)
         self._disconnects: dict[int, dict[str, int]] = defaultdict(dict)  # port -> request -> disconnect
+        self._disconnect_times: dict[int, list[int]] = defaultdict(list)  # port -> those times, sorted
         self._departures: dict[int, list[int]] = defaultdict(list)  # port -> every client close (kernel)
         self._departed: dict[tuple[str, int, int], int] = {}  # connection -> its last close
 
@@ -115,7 +116,14 @@ class EngineLoads:
         return bool(self._loads.get(port))
 
     def register(self, port: int, request: str, disconnect_ns: int) -> None:
+        known = self._disconnects[port].get(request)
+        if known == disconnect_ns:
+            return
+        times = self._disconnect_times[port]
+        if known is not None:
+            del times[bisect.bisect_left(times, known)]
         self._disconnects[port][request] = disconnect_ns
+        bisect.insort(times, disconnect_ns)
 
     def running_at(self, port: int, ts_ns: int) -> int | None:
         """Requests the engine was running at ``ts_ns`` (the scrape before it), None without scrapes."""
@@ -135,11 +143,14 @@ class EngineLoads:
         older one. The work ends between the last scrape that still counted it and the next."""
         series = self._loads.get(port, [])
         start = bisect.bisect_right(series, started_ns, key=lambda item: item.ts_ns)
-        others = [ts for key, ts in self._disconnects.get(port, {}).items() if key != request and ts > disconnect_ns]
+        # Requests that left after this one (its own disconnect is not after itself): counted by
+        # bisection, the registered requests being every disconnected one of the horizon.
+        times = self._disconnect_times.get(port, [])
+        left_before = bisect.bisect_right(times, disconnect_ns)
         last_orphaned: int | None = None
         count = 0
         for load in series[start:]:
-            newer = sum(1 for ts in others if ts <= load.ts_ns)
+            newer = max(0, bisect.bisect_right(times, load.ts_ns) - left_before)
             orphans = load.running + load.waiting - connected_at(load.ts_ns, load.answered_ns or load.ts_ns)
             if orphans > newer:
                 last_orphaned, count = load.ts_ns, count + 1
@@ -186,8 +197,10 @@ class EngineLoads:
         for port, requests in list(self._disconnects.items()):
             for key in [k for k, ts in requests.items() if ts < cutoff_ns]:
                 del requests[key]
+            times = self._disconnect_times[port]
+            del times[:bisect.bisect_left(times, cutoff_ns)]
             if not requests:
-                del self._disconnects[port]
+                del self._disconnects[port], self._disconnect_times[port]
         self._departed = {connection: ts for connection, ts in self._departed.items() if ts >= cutoff_ns}
         for port, closes in list(self._departures.items()):
             del closes[:bisect.bisect_left(closes, cutoff_ns)]

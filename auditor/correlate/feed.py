@@ -4,6 +4,7 @@ Reading every committed span back from the store (a query, then a row turned bac
 was the largest single cost of a correlation round under load. The writer already holds each
 span as a record: after its commit it puts them here, and the correlator takes them each round.
 Only committed spans come through, so what the correlator judges is what a restart would read.
+The records are the correlator's from then on (it trims their attributes to what it reads).
 
 Bounded: a correlator that stops taking (a round stuck on a locked database) must not let the
 daemon's memory grow with the ingest rate. Past ``max_spans`` waiting, further spans are not kept

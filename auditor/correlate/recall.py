@@ -1,0 +1,76 @@
+"""Settled requests whose spans the correlator no longer holds, brought back when a late span comes.
+
+Holding every span of the horizon (15 minutes) in memory made the daemon grow with its request
+rate, about 5 KB a request: at 100 requests/s, past any sane memory limit within ten minutes. The
+correlator holds the spans of a settled request only for a few late-span windows; after that it
+keeps just the trace id (and the engine's request id), here. A span that arrives later for such a
+trace (vLLM's span for a request its client left long ago, sent when the work at last ended) brings
+the trace's stored spans and verdicts back from the store, and the request is judged again as if
+it had never left memory. The store keeps everything of the horizon anyway: this is a cache policy.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from auditor.correlate.requests import Disconnect, OpenRequest
+from auditor.correlate.traces import norm_addr
+from auditor.model import Phase, RequestVerdict, SpanRecord, Verdict
+from auditor.store import Store, span_from_row
+from auditor.store.schema import SpanRow, VerdictRow
+
+
+class Forgotten:
+    def __init__(self, store: Store, host: str) -> None:
+        self.store = store
+        self.host = host
+        self._traces: dict[str, int] = {}  # trace id -> its requests' first disconnect
+        self._request_ids: dict[str, str] = {}  # the engine's request id -> trace id
+        self.recalled = 0
+
+    def __len__(self) -> int:
+        return len(self._traces)
+
+    def __contains__(self, trace_id: str) -> bool:
+        return trace_id in self._traces
+
+    def add(self, trace_id: str, requests: list[OpenRequest]) -> None:
+        self._traces[trace_id] = min(r.origin().ts_ns for r in requests)
+        for request in requests:
+            if request.written is not None and request.written.request_id:
+                self._request_ids[request.written.request_id] = trace_id
+
+    def trace_of(self, request_id: str) -> str | None:
+        trace_id = self._request_ids.get(request_id)
+        return trace_id if trace_id in self._traces else None
+
+    def prune(self, cutoff_ns: int) -> None:
+        self._traces = {trace: ts for trace, ts in self._traces.items() if ts >= cutoff_ns}
+        self._request_ids = {rid: trace for rid, trace in self._request_ids.items() if trace in self._traces}
+
+    def recall(self, trace_id: str) -> tuple[list[SpanRecord], list[OpenRequest]]:
+        """The trace's stored spans and its settled requests as they were written; forgotten no more."""
+        self._traces.pop(trace_id, None)
+        self.recalled += 1
+        prefix = f"{self.host}/{trace_id}/"
+        with self.store.session() as session:
+            spans = [span_from_row(row) for row in session.execute(select(SpanRow.__table__).where(
+                SpanRow.trace_id == trace_id, SpanRow.host == self.host))]
+            rows = session.execute(select(VerdictRow.__table__).where(
+                VerdictRow.request_key >= prefix, VerdictRow.request_key < prefix[:-1] + "0")).all()
+        return spans, [_request_from_row(row) for row in rows]
+
+
+def _request_from_row(row: object) -> OpenRequest:
+    """A settled request as its verdict row tells: its key, the client's disconnect, the verdict."""
+    r: object = row
+    columns = {name: getattr(r, name) for name in RequestVerdict.__dataclass_fields__}
+    verdict = RequestVerdict(**(columns | {"verdict": Verdict(columns["verdict"]),
+                                           "phase": Phase(columns["phase"] or Phase.UNKNOWN.value),
+                                           "details": columns["details"] or {}}))
+    _host, trace_id, root_id = verdict.request_key.rsplit("/", 2)
+    tuple4 = (norm_addr(verdict.client_addr or ""), verdict.client_port or 0, verdict.server_port or 0)
+    request = OpenRequest((trace_id, root_id), written=verdict, reported=verdict.verdict)
+    # The event id is gone with the event's memory; a settled request is never pending again.
+    request.add(Disconnect(0, verdict.disconnect_at_ns, verdict.disconnect_kind, tuple4))
+    return request

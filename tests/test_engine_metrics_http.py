@@ -1,0 +1,123 @@
+"""The scraper's own HTTP/1.1 client against a real socket server answering the ways engines do:
+Content-Length or chunked, kept alive or closed, and answers that are no metrics page at all."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from collectors.enginemetrics import MAX_PAGE_BYTES, EngineMetricsScraper
+
+PAGE = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"
+
+
+def content_length(body: bytes = PAGE, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+def chunked(body: bytes = PAGE) -> bytes:
+    half = len(body) // 2
+    return (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"%x;ext=1\r\n%s\r\n%x\r\n%s\r\n0\r\nX-Trailer: 1\r\n\r\n" % (half, body[:half], len(body) - half, body[half:]))
+
+
+class Server:
+    """Answers each GET on a connection with the next of ``answers`` (a callable may close instead)."""
+
+    def __init__(self, answers: list[bytes | Callable[[socket.socket], None]]) -> None:
+        self.answers = answers
+        self.connections = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while self.answers:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                while self.answers:
+                    request = b""
+                    while b"\r\n\r\n" not in request:
+                        data = conn.recv(4096)
+                        if not data:
+                            break
+                        request += data
+                    if not request:
+                        break
+                    answer = self.answers.pop(0)
+                    if callable(answer):
+                        answer(conn)
+                        break
+                    conn.sendall(answer)
+                    if b"Connection: close" in answer or (b"Content-Length" not in answer and b"chunked" not in answer):
+                        break
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[list[bytes | Callable[[socket.socket], None]]], Server]]:
+    servers: list[Server] = []
+
+    def start(answers: list[bytes | Callable[[socket.socket], None]]) -> Server:
+        servers.append(Server(answers))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def scraper() -> EngineMetricsScraper:
+    return EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=2)
+
+
+@pytest.mark.parametrize("answer", [content_length(), chunked()], ids=["content-length", "chunked"])
+def test_pages_are_read_over_one_kept_alive_connection(serve: Callable[..., Server], answer: bytes) -> None:
+    server = serve([answer] * 3)
+    client = scraper()
+    loads = [client.scrape(server.port) for _ in range(3)]
+    client.close()
+    assert [(load.running, load.waiting) for load in loads if load] == [(2, 1)] * 3
+    assert server.connections == 1
+
+
+def test_an_answer_without_length_is_read_to_the_close_and_the_next_scrape_reconnects(serve: Callable[..., Server]) -> None:
+    server = serve([b"HTTP/1.1 200 OK\r\n\r\n" + PAGE, content_length(extra=b"Connection: close\r\n"), content_length()])
+    client = scraper()
+    assert [client.scrape(server.port) is not None for _ in range(3)] == [True] * 3
+    client.close()
+    assert server.connections == 3
+
+
+def test_a_connection_the_engine_closed_while_idle_is_replaced_once(serve: Callable[..., Server]) -> None:
+    server = serve([content_length(), lambda conn: None, content_length()])  # the second GET finds it closed
+    client = scraper()
+    assert client.scrape(server.port) is not None
+    assert client.scrape(server.port) is not None
+    client.close()
+    assert server.connections == 2
+
+
+@pytest.mark.parametrize(("answer", "error"), [
+    (b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", "HTTP 404"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (MAX_PAGE_BYTES + 1), "bytes (at most"),
+    (b"SSH-2.0-OpenSSH_9.2\r\n\r\n", "not an HTTP answer"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "invalid literal"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\nshort", "closed in the middle"),
+], ids=["not found", "too large", "not http", "bad chunk", "cut short"])
+def test_an_answer_that_is_no_page_is_an_error_naming_why(serve: Callable[..., Server], answer: bytes, error: str) -> None:
+    server = serve([answer])
+    client = scraper()
+    with pytest.raises(Exception, match=error.replace("(", r"\(")):
+        client.scrape(server.port)
+    client.close()
