@@ -23,6 +23,7 @@ kernel event is settled, so a restart resumes from there and upserts change noth
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -55,13 +56,16 @@ from auditor.store.schema import ConnEventRow, CorrelatorStateRow, CoverageRow, 
 log = logging.getLogger(__name__)
 
 HORIZON_NS = 15 * 60 * 1_000_000_000
-# How long a settled request's spans and its connections' events stay in memory: a few late-span
-# windows. Later evidence for it is read back from the store (auditor.correlate.recall).
-MIN_MEMORY_NS = 180 * 1_000_000_000
+# How long at least a settled request's spans and its connections' events stay in memory. Later
+# evidence for it is read back from the store (auditor.correlate.recall).
+MIN_MEMORY_NS = 60 * 1_000_000_000
+MEMORY_MARGIN_NS = 30 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
 # The only span attributes a verdict reads: a span is held without the rest (most of its memory).
 JUDGED_ATTRIBUTES = frozenset({FINAL_SEND_ATTR, TOKENS_AFTER_DISCONNECT_ATTR})
+# Span texts that repeat across spans: held once each (a span's memory is mostly its texts).
+SHARED_TEXTS = ("name", "kind", "service", "host", "status", "peer_addr", "route", "model", "finish_reason")
 # How long before a peerless span's start its client's close may lie (accept queue and read).
 PEERLESS_BEFORE_NS = 1_000_000_000
 
@@ -75,7 +79,9 @@ class Correlator:
         self.host = host
         self.grace_seconds = grace_seconds
         self.late_ns = int(late_span_seconds * 1e9)
-        self.memory_ns = min(HORIZON_NS, max(MIN_MEMORY_NS, 3 * self.late_ns))
+        # A settled request's spans and events: its late-span window, then a margin (a verdict that
+        # waits for the window is looked at up to 8 s after it; scrapes around it still need them).
+        self.memory_ns = min(HORIZON_NS, max(MIN_MEMORY_NS, self.late_ns + MEMORY_MARGIN_NS))
         self.watched_ports = watched_ports or (lambda: set())
         self.on_settled = on_settled or (lambda verdict: None)
         self.clock = clock
@@ -442,7 +448,7 @@ class Correlator:
             return
         self._next_prune_ns = now + PRUNE_EVERY_NS
         cutoff, memory_cutoff = now - HORIZON_NS, now - self.memory_ns
-        # Spans of traces with no open request leave memory after a few late-span windows; their
+        # Spans of traces with no open request leave memory after the late-span window and a margin; their
         # settled requests are remembered by trace id until the horizon, and recalled if need be.
         self.spans.prune(memory_cutoff, keep={key[0] for key in self._open})
         for trace_id in [t for t, requests in self._settled.items()
@@ -463,12 +469,19 @@ class Correlator:
 
 
 def _lean(span: SpanRecord) -> SpanRecord:
-    """The span as the correlator holds it: without the attributes no verdict reads. The record is
-    the correlator's (read from the store, or handed over once committed), so its attribute dict is
-    trimmed in place: a copy of the record cost as much as the rest of indexing it."""
+    """The span as the correlator holds it: without the attributes no verdict reads, and with one
+    copy of each of the texts most spans repeat (service, name, route, ...). The record is the
+    correlator's (read from the store, or handed over once committed), so it is changed in place:
+    a copy of the record cost as much as the rest of indexing it."""
     attributes = span.attributes
     if attributes and not attributes.keys() <= JUDGED_ATTRIBUTES:
         judged = {k: attributes[k] for k in JUDGED_ATTRIBUTES if k in attributes}
         attributes.clear()
         attributes.update(judged)
+    for name in SHARED_TEXTS:
+        value = getattr(span, name)
+        if value is not None:
+            shared = sys.intern(value)
+            if shared is not value:
+                object.__setattr__(span, name, shared)  # the frozen record's own field, same value
     return span

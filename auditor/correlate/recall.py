@@ -2,8 +2,8 @@
 
 Holding every span of the horizon (15 minutes) in memory made the daemon grow with its request
 rate, about 5 KB a request: at 100 requests/s, past any sane memory limit within ten minutes. The
-correlator holds the spans of a settled request only for a few late-span windows; after that it
-keeps just the trace id (and the engine's request id), here. A span that arrives later for such a
+correlator holds the spans of a settled request only for its late-span window and a margin; after
+that it keeps just the trace id (and the engine's request id), here. A span that arrives later for such a
 trace (vLLM's span for a request its client left long ago, sent when the work at last ended) brings
 the trace's stored spans and verdicts back from the store, and the request is judged again as if
 it had never left memory. The store keeps everything of the horizon anyway: this is a cache policy.
