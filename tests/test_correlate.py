@@ -579,3 +579,34 @@ def test_a_forgotten_trace_is_not_recalled_past_the_horizon(store: Store) -> Non
     clock.now = T0 + 16 * 60 * S  # the horizon (15 min) is past: nothing of it is kept
     correlator.tick()
     assert len(correlator.forgotten) == 0
+
+
+def test_a_waiting_disconnect_is_looked_at_again_only_on_news_of_its_connection(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    looked: list[float] = []
+    original = correlator._span_in_flight
+
+    def counting(disconnect: object) -> object:
+        looked.append((clock.now - T0) / S)
+        return original(disconnect)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(correlator, "_span_in_flight", counting)
+    other = ("127.0.0.1", 40009)
+    store.insert_spans([http_span("a", 0, 0.5)])  # finished before its client closed: an idle close
+    store.insert_conn_events([close(1.0)])
+    for second in range(2, 6):  # nothing new on that connection: the close waits unlooked at
+        clock.now = T0 + second * S
+        if second == 3:
+            store.insert_spans([http_span("b", 2.5, 2.9, client=other)])  # news elsewhere only
+        correlator.tick()
+    assert looked == [2]
+    clock.now = T0 + 7 * S  # the late-span window (5 s) is over: counted as an idle close
+    correlator.tick()
+    assert looked == [2, 7] and coverage(store, "idle_close") == 1
+    # A span that comes later still for that connection claims the close back.
+    store.insert_spans([http_span("c", 0.6, 1.5)])
+    clock.now = T0 + 8 * S
+    correlator.tick()
+    assert coverage(store, "idle_close") == 0 and [(r.trace_id, r.verdict) for r in verdicts(store)] == [("c" * 32, "unconfirmed")]

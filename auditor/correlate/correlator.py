@@ -107,6 +107,8 @@ class Correlator:
         self.live = LiveState()
         self._unchecked_spans: list[SpanRecord] = []
         self._touched: set[str] = set()  # traces with new evidence this round
+        self._news: set[Tuple4] = set()  # connections with a new span or kernel event this round
+        self._live_news = False  # live notices came this round
         self._counted: set[str] = set()
         self._event_cursor = 0
         self._saved_position: int | None = None  # what correlator_state holds; written only on change
@@ -144,6 +146,7 @@ class Correlator:
     # -- input ------------------------------------------------------------------------------
     def add_live(self, events: list[LiveEvent]) -> None:
         self._touched |= self.live.add(events)
+        self._live_news = self._live_news or bool(events)
 
     def _read_spans(self) -> None:
         arrived_ns = self.clock()
@@ -186,6 +189,8 @@ class Correlator:
             self.services_marking_sends.add(span.service)
         if span.role in (SpanRole.ENGINE, SpanRole.HTTP_SERVER):
             self._learn_spanning_service(span)
+        if span.role is SpanRole.HTTP_SERVER and span.peer_port:
+            self._news.add(span_tuple(span))
         if span.role is SpanRole.HTTP_SERVER:
             if span.peer_rewritten:
                 self._count(CoverageKind.PROXY_REWRITTEN_PEER, f"span:{span.trace_id}:{span.span_id}", span.end_ns)
@@ -201,6 +206,7 @@ class Correlator:
         for row in rows:
             self._event_cursor = row.id
             tuple4 = (norm_addr(row.client_addr), row.client_port, row.server_port)
+            self._news.add(tuple4)
             self._events_by_tuple[tuple4].append(row.ts_ns)
             if row.kind == ConnEventKind.CLOSED.value:
                 self._closed_by_tuple[tuple4].append(row.ts_ns)
@@ -235,6 +241,7 @@ class Correlator:
         self.store.upsert_verdicts([verdict for _, verdict in changed])
         for request, verdict in changed:
             request.written = verdict
+        self._news, self._live_news = set(), False  # joined with: kept when the round fails before
         self._settle(now)
         self._save_state()
         self._prune(now)
@@ -289,7 +296,12 @@ class Correlator:
         return request
 
     def _join_pending(self, now: int) -> None:
+        # A disconnect's join can change only with news on its connection (a span, a close) or a
+        # live notice: thousands of closes after a finished request wait out the late-span window
+        # without either, and are looked at again only when it ends.
         for event_id, disconnect in list(self._pending.items()):
+            if not (self._live_news or disconnect.tuple4 in self._news or now - disconnect.ts_ns > self.late_ns):
+                continue
             span = self._span_in_flight(disconnect)
             if span is not None:
                 self._join(disconnect, span)
@@ -311,6 +323,8 @@ class Correlator:
         self._join_peerless()
         # A span that arrived after its disconnect was written off claims it back.
         for event_id, (disconnect, kind) in list(self._recent_unjoined.items()):
+            if disconnect.tuple4 not in self._news:
+                continue
             span = self._span_in_flight(disconnect)
             if span is not None:
                 self._count(kind, f"ev:{event_id}:undo", disconnect.ts_ns, count=-1)
