@@ -610,3 +610,19 @@ def test_a_waiting_disconnect_is_looked_at_again_only_on_news_of_its_connection(
     clock.now = T0 + 8 * S
     correlator.tick()
     assert coverage(store, "idle_close") == 0 and [(r.trace_id, r.verdict) for r in verdicts(store)] == [("c" * 32, "unconfirmed")]
+
+
+def test_what_coverage_counted_is_remembered_for_the_horizon_only(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span("a", 0, 0.5)])
+    store.insert_conn_events([close(1.0)])  # after its request ended: an idle close, counted once
+    clock.now = T0 + 7 * S
+    correlator.tick()
+    assert coverage(store, "idle_close") == 1 and len(correlator._counted) == 1
+    restarted = make(store, clock)  # a restart within the horizon knows it: no second count
+    restarted.tick()
+    assert coverage(store, "idle_close") == 1 and "ev:1" in restarted._counted
+    clock.now = T0 + 16 * 60 * S
+    restarted.tick()
+    assert restarted._counted == {}  # a daemon that runs for days does not keep every count's id

@@ -109,7 +109,7 @@ class Correlator:
         self._touched: set[str] = set()  # traces with new evidence this round
         self._news: set[Tuple4] = set()  # connections with a new span or kernel event this round
         self._live_news = False  # live notices came this round
-        self._counted: set[str] = set()
+        self._counted: dict[str, int] = {}  # what coverage counted (its source id), and when: never twice
         self._event_cursor = 0
         self._saved_position: int | None = None  # what correlator_state holds; written only on change
         self._span_cursor = 0
@@ -128,10 +128,10 @@ class Correlator:
             state = session.get(CorrelatorStateRow, self.host)
             self._event_cursor = state.settled_event_id if state else 0
             self._saved_position = state.settled_event_id if state else None
-            self._counted = set(session.scalars(
-                select(CoverageRow.detail).where(CoverageRow.host == self.host,
-                                                 CoverageRow.ts_ns > now - HORIZON_NS,
-                                                 CoverageRow.detail.is_not(None))))
+            self._counted = {detail: ts for detail, ts in session.execute(
+                select(CoverageRow.detail, CoverageRow.ts_ns).where(CoverageRow.host == self.host,
+                                                                    CoverageRow.ts_ns > now - HORIZON_NS,
+                                                                    CoverageRow.detail.is_not(None))) if detail}
         self._span_cursor = self._horizon_cursor(now)
 
     def _horizon_cursor(self, now: int) -> int:
@@ -439,7 +439,7 @@ class Correlator:
         if detail in self._counted:
             return
         self.store.add_coverage(kind, count, host=self.host, ts_ns=ts_ns, detail=detail)
-        self._counted.add(detail)
+        self._counted[detail] = ts_ns
         attr = {CoverageKind.IDLE_CLOSE: "idle_closes", CoverageKind.UNJOINED_DISCONNECT: "unjoined_disconnects",
                 CoverageKind.UNJOINED_SPAN: "unjoined_spans",
                 CoverageKind.PROXY_REWRITTEN_PEER: "proxy_rewritten"}.get(kind)
@@ -471,9 +471,12 @@ class Correlator:
             if requests and max(r.origin().ts_ns for r in requests.values()) >= cutoff:
                 self.forgotten.add(trace_id, list(requests.values()))
         self.forgotten.prune(cutoff)
+        self._counted = {detail: ts for detail, ts in self._counted.items() if ts >= cutoff}
         for request_id in [r for r, key in self._settled_by_request_id.items() if key[0] not in self._settled]:
             del self._settled_by_request_id[request_id]
-        self.loads.prune(cutoff)  # an open request's whole run: a long zombie needs them all
+        # Scrapes for an open request's whole run (a long zombie needs them all); connections' last
+        # closes for the memory window (well past SAME_CONNECTION_NS).
+        self.loads.prune(cutoff, closes_cutoff_ns=memory_cutoff)
         for table in (self._events_by_tuple, self._closed_by_tuple, self._local_fin_by_tuple):
             for tuple4 in [k for k, stamps in table.items() if max(stamps) < memory_cutoff]:
                 del table[tuple4]

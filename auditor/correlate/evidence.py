@@ -188,7 +188,8 @@ class EngineLoads:
                 return True
         return False
 
-    def prune(self, cutoff_ns: int) -> None:
+    def prune(self, cutoff_ns: int, closes_cutoff_ns: int | None = None) -> None:
+        closes_cutoff_ns = cutoff_ns if closes_cutoff_ns is None else max(cutoff_ns, closes_cutoff_ns)
         for port, series in list(self._loads.items()):
             keep = bisect.bisect_left(series, cutoff_ns, key=lambda item: item.ts_ns)
             del series[:keep]
@@ -201,7 +202,8 @@ class EngineLoads:
             del times[:bisect.bisect_left(times, cutoff_ns)]
             if not requests:
                 del self._disconnects[port], self._disconnect_times[port]
-        self._departed = {connection: ts for connection, ts in self._departed.items() if ts >= cutoff_ns}
+        # A connection's last close matters for SAME_CONNECTION_NS only: kept from ``closes_cutoff_ns``.
+        self._departed = {connection: ts for connection, ts in self._departed.items() if ts >= closes_cutoff_ns}
         for port, closes in list(self._departures.items()):
             del closes[:bisect.bisect_left(closes, cutoff_ns)]
             if not closes:
