@@ -45,6 +45,7 @@ class ProcfsSampler:
         self._lock = threading.Lock()
         self._pids: frozenset[int] = frozenset()
         self._previous: dict[int, _Reading] = {}
+        self._files: dict[int, int] = {}  # pid -> its open stat file (read only by the sampling thread)
         self.unreadable = 0  # stat files that existed but could not be parsed
 
     def set_pids(self, pids: Iterable[int]) -> None:
@@ -54,12 +55,22 @@ class ProcfsSampler:
             self._pids = wanted
 
     def _read(self, pid: int) -> tuple[int, int, int] | None:
-        """(utime+stime, starttime, rss pages) or None when the process is gone."""
+        """(utime+stime, starttime, rss pages) or None when the process is gone.
+
+        The stat file stays open between readings and is read again from its start: one system
+        call a reading instead of five (open, fstat, two reads, close), which on a virtual machine
+        was most of the sampler's cost at 10 Hz. An open stat file belongs to its process: once
+        that exits, reading fails (ESRCH) even if the pid is taken again, and the file is reopened."""
         try:
-            raw = (self.proc_root / str(pid) / "stat").read_bytes()
+            fd = self._files.get(pid)
+            if fd is None:
+                fd = self._files[pid] = os.open(self.proc_root / str(pid) / "stat", os.O_RDONLY | os.O_CLOEXEC)
+            raw = os.pread(fd, 4096, 0)
         except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            self._close(pid)
             return None
         except OSError:
+            self._close(pid)
             self.unreadable += 1
             return None
         # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
@@ -93,7 +104,18 @@ class ProcfsSampler:
                 interval_s=elapsed,
             ))
         self._previous = current
+        for pid in [p for p in self._files if p not in pids]:
+            self._close(pid)
         return samples
+
+    def _close(self, pid: int) -> None:
+        fd = self._files.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        for pid in list(self._files):
+            self._close(pid)
 
     def health(self) -> str:
         if not self.proc_root.is_dir():

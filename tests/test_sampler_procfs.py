@@ -59,8 +59,9 @@ def test_busy_child_measures_about_one_core() -> None:
     sample = by_pid[busy.pid]
     assert sample.source == "procfs" and sample.gpu_index is None and sample.host == "h"
     assert sample.interval_s == pytest.approx(1.0, abs=0.2) and (sample.memory_bytes or 0) > 1 << 20
-    # Both gone now: dropped quietly.
+    # Both gone now: dropped quietly, and their stat files (kept open between readings) closed.
     assert sampler.sample(time.time_ns()) == []
+    assert sampler._files == {}
     assert sampler.unreadable == 0
 
 
