@@ -415,4 +415,4 @@ class Daemon:
 
     def wait(self) -> None:
         while not self._stop.is_set():
-            self._stop.wait(0.5)
+            self._stop.wait(5.0)  # a signal handler's request_stop ends the wait at once

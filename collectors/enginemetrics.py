@@ -44,6 +44,7 @@ ABORT_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {
     "ref": ("ref_engine_requests", "finish_reason", "abort"),
 }
 NOT_AN_ENGINE_BACKOFF_S = 30.0
+IDLE_RECHECK_S = 2.0  # with no engine to scrape, how soon a newly watched port is tried
 MAX_PAGE_BYTES = 4 * 1024 * 1024
 MAX_HEAD_BYTES = 64 * 1024
 
@@ -288,6 +289,13 @@ class EngineMetricsScraper:
             except Exception:
                 log.exception("engine metrics round failed; continuing")
             next_tick += self.interval_s
+            # Every port waiting out its back-off (none is an engine): sleep until the first retry,
+            # or IDLE_RECHECK_S for a port newly watched, rather than waking at the scrape rate.
+            now = time.monotonic()
+            ports = set(self.ports())
+            if all(self._skip_until.get(port, 0.0) > now for port in ports):
+                waits = [self._skip_until[port] for port in ports] + [now + IDLE_RECHECK_S]
+                next_tick = max(next_tick, min(waits))
             delay = next_tick - time.monotonic()
             if delay < 0:  # skip missed ticks instead of bursting
                 next_tick, delay = time.monotonic(), 0.0

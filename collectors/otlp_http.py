@@ -206,7 +206,8 @@ class OtlpHttpReceiver:
     def start(self) -> OtlpHttpReceiver:
         """Bind and serve; raises OSError (e.g. address in use) so the daemon can say so."""
         self._server = _Server((self.host, self.requested_port), self)
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+        # The serving loop wakes this often only to see a stop; each wake-up costs CPU on an idle host.
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 1.0},
                                         name="otlp-http", daemon=True)
         self._thread.start()
         return self
