@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import bindparam, func, insert, select, update
 
 from auditor.correlate.evaluate import clock_dependent, evaluate
 from auditor.correlate.evidence import FINAL_SEND_ATTR, EngineLoads
@@ -62,6 +62,9 @@ MIN_MEMORY_NS = 60 * 1_000_000_000
 MEMORY_MARGIN_NS = 30 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
+_events = ConnEventRow.__table__
+_NEW_EVENTS = (select(_events).where(_events.c.id > bindparam("cursor"), _events.c.host == bindparam("host"))
+               .order_by(_events.c.id).limit(READ_ROWS))
 # The only span attributes a verdict reads: a span is held without the rest (most of its memory).
 JUDGED_ATTRIBUTES = frozenset({FINAL_SEND_ATTR, TOKENS_AFTER_DISCONNECT_ATTR})
 # Span texts that repeat across spans: held once each (a span's memory is mostly its texts).
@@ -199,10 +202,10 @@ class Correlator:
         self._touched.add(span.trace_id)
 
     def _read_events(self) -> None:
-        with self.store.session() as session:
-            rows = session.execute(select(ConnEventRow.__table__).where(ConnEventRow.id > self._event_cursor,
-                                                                        ConnEventRow.host == self.host)
-                                   .order_by(ConnEventRow.id).limit(READ_ROWS)).all()
+        # A plain connection and a statement built once: this read runs every round, idle or not,
+        # and an ORM session and a fresh statement cost twice what the read itself does.
+        with self.store.engine.connect() as conn:
+            rows = conn.execute(_NEW_EVENTS, {"cursor": self._event_cursor, "host": self.host}).all()
         for row in rows:
             self._event_cursor = row.id
             tuple4 = (norm_addr(row.client_addr), row.client_port, row.server_port)
