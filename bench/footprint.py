@@ -9,7 +9,10 @@ the columns, not figures from different runs.
 - child: the default; a short-lived child compiles and attaches, the daemon keeps descriptors.
 - inprocess: bcc compiles and attaches inside the daemon (the path kept for other machines).
 
+With ``--compare REV`` a daemon of git revision REV's code (child loader) runs beside them.
+
 Usage: .venv/bin/python bench/footprint.py [--seconds 30] [--settle 5] [--grpc] [--loaders child,inprocess]
+                                           [--compare REV]
 """
 
 from __future__ import annotations
@@ -69,18 +72,18 @@ def llvm_mapped(pid: int) -> bool:
 
 
 class Daemon:
-    def __init__(self, loader: str, work: Path, grpc: bool) -> None:
-        self.loader = loader
+    def __init__(self, loader: str, work: Path, grpc: bool, tree: Path = REPO, label: str = "") -> None:
+        self.loader = label or loader
         self.metrics_port = free_port()
         self.idle = socket.create_server(("127.0.0.1", 0))  # a watched port nobody uses
-        command = [sys.executable, "-c", ENTRY, loader, "run", "--db", f"sqlite:///{work / loader}.db",
+        command = [sys.executable, "-c", ENTRY, loader, "run", "--db", f"sqlite:///{work / self.loader.replace(' ', '-')}.db",
                    "--port", str(self.idle.getsockname()[1]), "--otlp-http", "127.0.0.1:0",
                    "--otlp-grpc", "127.0.0.1:0" if grpc else "", "--live", "",
                    "--metrics", f"127.0.0.1:{self.metrics_port}"]
-        self.log = (work / f"{loader}.log").open("wb")
+        self.log = (work / f"{self.loader.replace(' ', '-')}.log").open("wb")
         self.started = time.monotonic()
         self.process = subprocess.Popen(command, cwd=work, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "PYTHONPATH": str(REPO)})
+                                        env={**os.environ, "PYTHONPATH": str(tree)})
         self.ready_s: float | None = None
 
     def check_ready(self) -> bool:
@@ -131,12 +134,19 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=5)
     parser.add_argument("--grpc", action="store_true", help="also listen for OTLP/gRPC (imports grpc)")
     parser.add_argument("--loaders", default="child,inprocess")
+    parser.add_argument("--compare", metavar="REV", help="also run git revision REV's daemon (child loader) beside them")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (eBPF probe)")
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench-footprint-"))
     daemons = [Daemon(loader, work, args.grpc) for loader in args.loaders.split(",")]
+    if args.compare:
+        sys.path.insert(0, str(REPO))
+        from bench.ingest import export_tree
+
+        old = export_tree(args.compare, work / "old")
+        daemons.insert(0, Daemon("child", work, args.grpc, tree=old, label=f"child {args.compare}"))
     try:
         deadline = time.monotonic() + 120
         while not all(d.check_ready() for d in daemons):
