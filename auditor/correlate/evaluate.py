@@ -9,7 +9,6 @@ notices, the engine's own /metrics, and for completion what the server had sent.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from auditor.correlate import evidence as ev
@@ -30,6 +29,8 @@ if TYPE_CHECKING:
     from auditor.correlate.correlator import Correlator
 
 ENGINE_SETTLE_AFTER_LIVE_END_NS = 2_000_000_000
+# A verdict whose only change is its lag (an in-flight zombie's grows every round) is no change.
+_COMPARED = tuple(name for name in RequestVerdict.__dataclass_fields__ if name != "lag_seconds")
 
 
 def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict | None:
@@ -83,7 +84,7 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
         wasted_cpu_seconds=cpu_s, details=details,
     )
     written = request.written
-    unchanged = written is not None and replace(written, lag_seconds=None) == replace(verdict, lag_seconds=None)
+    unchanged = written is not None and all(getattr(written, name) == getattr(verdict, name) for name in _COMPARED)
     if unchanged and decision.verdict is not Verdict.INFLIGHT_ZOMBIE:
         return None
     return verdict
