@@ -380,6 +380,9 @@ class Daemon:
         source = self._parts.get("probe")
         if source is not None:
             source.set_ports(sorted(ports))
+        scraper = self._parts.get("engine_metrics")
+        if scraper is not None:
+            scraper.ports_changed()
 
     # -- stop -------------------------------------------------------------------------------
     def stop(self) -> None:

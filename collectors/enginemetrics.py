@@ -216,6 +216,7 @@ class EngineMetricsScraper:
         self._skip_until: dict[int, float] = {}
         self._connections: dict[int, PageConnection] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by stop() and by ports_changed()
         self._thread: threading.Thread | None = None
 
     def scrape(self, port: int) -> EngineLoad | None:
@@ -299,10 +300,18 @@ class EngineMetricsScraper:
             delay = next_tick - time.monotonic()
             if delay < 0:  # skip missed ticks instead of bursting
                 next_tick, delay = time.monotonic(), 0.0
-            self._stop.wait(delay)
+            if self._wake.wait(delay):  # woken early (new ports, or stop): the rate starts again from now
+                self._wake.clear()
+                next_tick = time.monotonic()
         self.close()
+
+    def ports_changed(self) -> None:
+        """Scrape at once: a newly watched port needs a scrape before its first disconnect, and the
+        loop may be sleeping out every old port's back-off."""
+        self._wake.set()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=2)

@@ -121,3 +121,28 @@ def test_an_answer_that_is_no_page_is_an_error_naming_why(serve: Callable[..., S
     with pytest.raises(Exception, match=error.replace("(", r"\(")):
         client.scrape(server.port)
     client.close()
+
+
+def test_a_newly_watched_port_is_scraped_at_once_while_the_old_ones_back_off(serve: Callable[..., Server]) -> None:
+    import time
+
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: refused, so backed off
+    ports = [dead.getsockname()[1]]
+    loads: list[object] = []
+    scraper = EngineMetricsScraper(lambda: list(ports), loads.extend, interval_s=0.25, timeout_s=2).start()
+    try:
+        time.sleep(0.5)  # the dead port failed and backs off: the loop sleeps
+        server = serve([content_length()] * 50)
+        ports.append(server.port)
+        changed_at = time.monotonic()
+        scraper.ports_changed()
+        while not loads and time.monotonic() - changed_at < 5:
+            time.sleep(0.01)
+        assert loads and time.monotonic() - changed_at < 0.5
+        first = len(loads)
+        time.sleep(0.6)
+        assert len(loads) - first >= 2  # and then at the scrape rate, not after the old back-off
+    finally:
+        scraper.stop()
+        dead.close()

@@ -484,7 +484,11 @@ class Correlator:
             for tuple4 in [k for k, stamps in table.items() if max(stamps) < memory_cutoff]:
                 del table[tuple4]
         self.live.prune(cutoff)
-        for event_id in [k for k, (d, _) in self._recent_unjoined.items() if d.ts_ns < memory_cutoff]:
+        # Written-off disconnects a late span may claim back: idle closes (most of them, one per
+        # request whose client closed after its answer) for the memory window; the rare unjoined
+        # ones for the horizon, which also covers a wall clock stepped forward and back.
+        for event_id in [k for k, (d, kind) in self._recent_unjoined.items()
+                         if d.ts_ns < (memory_cutoff if kind is CoverageKind.IDLE_CLOSE else cutoff)]:
             del self._recent_unjoined[event_id]
 
 
