@@ -516,19 +516,18 @@ def test_an_untouched_provisional_verdict_is_rechecked_less_often_but_settles_on
     settled: list[RequestVerdict] = []
     correlator = Correlator(store, host="h", grace_seconds=0.5, late_span_seconds=30, clock=clock,
                             watched_ports=lambda: {SERVER_PORT}, on_settled=settled.append)
+    # HTTP spans only, no scrapes of its port: only its own trace or the clock can change the verdict.
     store.insert_spans([http_span("b", 0, 1.02)])
     store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST)])
-    correlator.add_engine_load([load(0.75, 1), load(1.0, 1), load(1.25, 0), load(1.5, 0)])
-    # Work ended at 1.125 s by the scrapes: provisional until 31.125 s, when the window closes.
     for second in range(2, 40):
         clock.now = T0 + second * S
         correlator.tick()
-    assert [v.verdict for v in settled] == [Verdict.ABORTED]
+    assert [v.verdict for v in settled] == [Verdict.UNCONFIRMED]
     # Every round until the verdict was written and once after, then 1, 2, 4, 8, 8 s apart, then
-    # at the end of the window (31.125 s: the first round after it), where it settles.
+    # at the end of the window (31.02 s: the first round after it), where it settles.
     assert evaluated == [2, 3, 4, 6, 10, 18, 26, 32]
     [row] = verdicts(store)
-    assert row.verdict == "aborted" and not row.details["provisional"]
+    assert not row.details["provisional"]
     # New evidence of its trace is looked at in the next round, whatever the wait.
     evaluated.clear()
     store.insert_spans([replace(http_span("b", 0.5, 0.6, span="6"), parent_span_id="5" * 16, kind="internal",
@@ -536,6 +535,16 @@ def test_an_untouched_provisional_verdict_is_rechecked_less_often_but_settles_on
     clock.now = T0 + 40 * S
     correlator.tick()
     assert evaluated == [40]
+    # A verdict the engine's scrapes decide is looked at every round: new scrapes, other requests'
+    # spans and disconnects change it without touching it.
+    evaluated.clear()
+    store.insert_spans([http_span("c", 40, 41.02, client=("127.0.0.1", 40003))])
+    store.insert_conn_events([close(41.0, ConnEventKind.PEER_RST, client=("127.0.0.1", 40003))])
+    correlator.add_engine_load([load(40.75, 1), load(41.0, 1), load(41.25, 0), load(41.5, 0)])
+    for second in range(42, 48):
+        clock.now = T0 + second * S
+        correlator.tick()
+    assert evaluated == [42, 43, 44, 45, 46, 47]
 
 
 @pytest.mark.parametrize("own_trace", [False, True], ids=["same trace", "trace of its own"])

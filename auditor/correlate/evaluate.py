@@ -123,7 +123,7 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
     """When the request's work ended on this host, whether that may still change, and whether
     anything tells that it stopped at all."""
     trace_id = request.key[0]
-    request.settles_at_ns = None  # known only where the clock alone settles the verdict
+    request.settles_at_ns = None  # set only where nothing but new evidence of its trace or the clock changes it
     mine = {s.span_id for s in subtree} | {request.key[1]}
     if corr.live.running(trace_id, mine):
         details["evidence"], details["work_end_exact"] = ev.LIVE_NOTICE, "live"
@@ -159,13 +159,15 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
         if by_metrics.work_end_ns is None:
             return None, True, True
         end = max(work_end, by_metrics.work_end_ns)
-        # An engine span may still arrive and say exactly; until then the scrape's word stands.
-        request.settles_at_ns = end + corr.late_ns
-        return end, now < request.settles_at_ns, True
+        # An engine span may still arrive and say exactly; until then the scrape's word stands. New
+        # scrapes, and other requests' spans and disconnects, change it without touching this
+        # request: looked at every round (no settles_at_ns).
+        return end, now - end < corr.late_ns, True
     # Nothing says whether the work stopped: an engine span may yet arrive (vLLM emits none for
     # an abort, so its absence proves nothing); until then, and after, the verdict is unconfirmed.
-    request.settles_at_ns = work_end + corr.late_ns
-    return work_end, now < request.settles_at_ns, False
+    if not corr.loads.watched(request.origin().tuple4[2]):  # no scrapes to come that could change it
+        request.settles_at_ns = work_end + corr.late_ns
+    return work_end, now - work_end < corr.late_ns, False
 
 
 def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[SpanRecord]

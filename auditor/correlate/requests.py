@@ -35,7 +35,8 @@ class OpenRequest:
     written: RequestVerdict | None = None
     reported: Verdict | None = None  # the verdict last handed to on_settled: a reopen that ends
     # in the same verdict is not reported (or counted) again
-    # When the clock alone settles the written verdict (the late-span window ends); set by evaluate.
+    # When the clock settles the written verdict, where only the clock and new evidence of its own
+    # trace can change it (no engine scrapes on its port); set by evaluate, None otherwise.
     settles_at_ns: int | None = None
     recheck_at_ns: int = 0  # an untouched provisional verdict is not evaluated again before this
     recheck_backoff_ns: int = 0
@@ -44,17 +45,16 @@ class OpenRequest:
         return now_ns >= self.recheck_at_ns
 
     def checked(self, now_ns: int, *, changed: bool) -> None:
-        """After an evaluation: a provisional verdict that did not change is looked at again after
-        1, 2, 4, 8 s (new evidence of its trace re-evaluates it at once), and never after the moment
-        the clock alone settles it. Anything else is looked at every round."""
+        """After an evaluation: a provisional verdict that did not change, and that only the clock or
+        new evidence of its trace can change, is looked at again after 1, 2, 4, 8 s (new evidence
+        re-evaluates it at once), and never after the moment the clock settles it. Anything else,
+        a verdict that scrapes of its engine decide among them, is looked at every round."""
         written = self.written
-        if changed or written is None or not written.details.get("provisional"):
+        if changed or written is None or not written.details.get("provisional") or self.settles_at_ns is None:
             self.recheck_at_ns = self.recheck_backoff_ns = 0
             return
         self.recheck_backoff_ns = min(max(2 * self.recheck_backoff_ns, RECHECK_FIRST_NS), RECHECK_MAX_NS)
-        self.recheck_at_ns = now_ns + self.recheck_backoff_ns
-        if self.settles_at_ns is not None:
-            self.recheck_at_ns = min(self.recheck_at_ns, self.settles_at_ns)
+        self.recheck_at_ns = min(now_ns + self.recheck_backoff_ns, self.settles_at_ns)
 
     def origin(self) -> Disconnect:
         return min(self.disconnects.values(), key=lambda d: d.ts_ns)
