@@ -187,7 +187,7 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     key = f"{request.key[0]}/{request.key[1]}"
     port = hop.server_port or 0
     corr.loads.register(port, key, disconnect)
-    ended = corr.loads.work_end(port, key, disconnect, max(disconnect, hop.start_ns),
+    ended = corr.loads.work_end(port, disconnect, max(disconnect, hop.start_ns),
                                 lambda start, end: corr.connected_at(port, start - CLOCK_ERROR_NS,
                                                                      end + CLOCK_ERROR_NS))
     return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))

@@ -133,7 +133,7 @@ class EngineLoads:
         index = bisect.bisect_right(series, ts_ns, key=lambda item: item.ts_ns) - 1
         return series[index].running if index >= 0 else None
 
-    def work_end(self, port: int, request: str, disconnect_ns: int, started_ns: int,
+    def work_end(self, port: int, disconnect_ns: int, started_ns: int,
                  connected_at: Callable[[int, int], int]) -> MetricsEnd | None:
         """When this request's work ended, as the gauges tell; None when no scrape came after it left.
 

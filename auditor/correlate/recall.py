@@ -63,8 +63,7 @@ class Forgotten:
 
 def _request_from_row(row: object) -> OpenRequest:
     """A settled request as its verdict row tells: its key, the client's disconnect, the verdict."""
-    r: object = row
-    columns = {name: getattr(r, name) for name in RequestVerdict.__dataclass_fields__}
+    columns = {name: getattr(row, name) for name in RequestVerdict.__dataclass_fields__}
     verdict = RequestVerdict(**(columns | {"verdict": Verdict(columns["verdict"]),
                                            "phase": Phase(columns["phase"] or Phase.UNKNOWN.value),
                                            "details": columns["details"] or {}}))
