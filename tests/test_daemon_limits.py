@@ -122,8 +122,10 @@ def test_daemon_within_the_unit_limits_judges_every_cancel(tmp_path: Path) -> No
         engine = stack.enter_context(running_engine(behavior="detached", otlp=f"http://127.0.0.1:{otlp}",
                                                     truth_log=tmp_path / "truth.jsonl", step_ms=5, max_batch=64))
         with daemon_in(cgroup, tmp_path, engine.port, otlp, metrics) as db:
+            # 300 tokens of 5 ms steps outlive every cancel by about a second: well past the grace
+            # whatever the machine's load, so the six are zombies by the truth log, not by luck
             long = [cancel_after(engine.port, 0.2 + 0.05 * i, "fin" if i % 2 else "rst", stream=i % 2 == 0,
-                                 max_tokens=120, request_id=f"long-{i}") for i in range(6)]
+                                 max_tokens=300, request_id=f"long-{i}") for i in range(6)]
             asyncio.run(paced_load(engine.port, rate=100, seconds=5))
             for thread in long:
                 thread.join()
