@@ -76,7 +76,7 @@ class Daemon:
 
     # -- start ------------------------------------------------------------------------------
     def start(self) -> None:
-        self.store = Store(self.config.db or None)
+        self.store = Store(self.config.db or None, migrate_in_child=True)
         self._span_feed = SpanFeed()  # committed spans, to the correlator without a read back
         self._start_probe()
         self._start_receivers()

@@ -77,16 +77,52 @@ def test_models_match_the_migrations(store: Store) -> None:
     assert diff == [], f"schema.py and the migrations differ; write a migration: {diff}"
 
 
-def test_older_schema_is_migrated_at_open(tmp_path: Path) -> None:
-    from alembic import command
-
+@pytest.mark.parametrize("in_child", [False, True])
+def test_older_schema_is_migrated_at_open(tmp_path: Path, in_child: bool) -> None:
     path = tmp_path / "auditor.db"
     store = Store(f"sqlite:///{path}", check=False)
-    config = store._alembic_config()
-    with store.engine.begin() as conn:
-        config.attributes["connection"] = conn
-        command.upgrade(config, "0001")
+    store.upgrade("0001")
     assert store.current_revision() == "0001"
     store.close()
-    reopened = Store(f"sqlite:///{path}")
+    reopened = Store(f"sqlite:///{path}", migrate_in_child=in_child)
     assert reopened.current_revision() == reopened.head_revision() != "0001"
+
+
+def test_revisions_read_from_the_scripts_are_alembics() -> None:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    from auditor.store.db import MIGRATIONS_DIR, revisions
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    scripts = ScriptDirectory.from_config(config)
+    known, head = revisions()
+    assert head == scripts.get_current_head()
+    assert known == {script.revision for script in scripts.walk_revisions()}
+
+
+def test_a_daemons_store_migrates_in_a_child_and_never_imports_alembic(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "auditor.db"
+    check = ("import sys; from auditor.store import Store; "
+             f"s = Store('sqlite:///{path}', migrate_in_child=True); "
+             "print(s.current_revision() == s.head_revision(), 'alembic' in sys.modules, 'mako' in sys.modules)")
+    for _ in range(2):  # a new database, then one already at the head
+        done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=False,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["True", "False", "False"]
+    assert set(inspect(Store(f"sqlite:///{path}").engine).get_table_names()) >= set(Base.metadata.tables)
+
+
+def test_a_failed_child_migration_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "auditor.db"
+    monkeypatch.setattr("auditor.store.db.sys.executable", str(tmp_path / "no-python"))
+    with pytest.raises(StoreError, match=r"could not migrate .*auditor\.db: the migration process failed"):
+        Store(f"sqlite:///{path}", migrate_in_child=True)
+    monkeypatch.setattr("auditor.store.db.sys.executable", "/bin/false")  # exits 1, says nothing
+    with pytest.raises(StoreError, match=r"could not migrate .*auditor\.db: exit status 1"):
+        Store(f"sqlite:///{path}", migrate_in_child=True)

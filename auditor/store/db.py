@@ -5,23 +5,27 @@ tuples through the driver, elsewhere SQLAlchemy Core);
 correlation and the report read through ``session()``. Opening a store checks its schema first:
 a file that is not a database, or a database written by a newer auditor, is refused with an error
 that says what to do, and nothing is overwritten.
+
+Alembic is imported only to migrate: the schema check reads the revision files and the version
+table itself, and the daemon migrates a new database in a short-lived child
+(``auditor.store.migrate``), so a long-running process never holds Alembic and Mako (about 11 MiB).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 from typing import Any
 
-from alembic import command
-from alembic.config import Config as AlembicConfig
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, delete, event, insert, inspect
+from sqlalchemy import Engine, create_engine, delete, event, insert, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -38,6 +42,23 @@ from auditor.store.rows import (
 from auditor.store.schema import ConnEventRow, CoverageRow, SpanRow, UtilSampleRow, VerdictRow
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+_REVISION_LINE = re.compile(r"^(down_revision|revision)\s*(?::[^=]*)?=\s*(None|\"([^\"]*)\"|'([^']*)')", re.M)
+MIGRATE_TIMEOUT_S = 600.0
+
+
+@cache
+def revisions() -> tuple[frozenset[str], str]:
+    """(every revision the migration scripts know, the head): read from the scripts' own
+    ``revision``/``down_revision`` lines, without importing Alembic."""
+    parents: dict[str, str | None] = {}
+    for script in sorted((MIGRATIONS_DIR / "versions").glob("*.py")):
+        found = {m.group(1): m.group(3) or m.group(4) for m in _REVISION_LINE.finditer(script.read_text())}
+        if "revision" in found:
+            parents[found["revision"]] = found.get("down_revision")
+    heads = set(parents) - {parent for parent in parents.values() if parent}
+    if len(heads) != 1:
+        raise StoreError(f"the migration scripts in {MIGRATIONS_DIR} have heads {sorted(heads)}, not one")
+    return frozenset(parents), heads.pop()
 
 
 # The systemd unit's state directory (StateDirectory=auditor). Tests move it by patching this;
@@ -84,29 +105,28 @@ class Store:
     """A migrated database and the batch writes the sources use."""
 
     def __init__(self, url: str | None = None, *, upgrade: bool = True, create: bool = True,
-                 check: bool = True) -> None:
+                 check: bool = True, migrate_in_child: bool = False) -> None:
         self.url = url or default_db_url()
         self.engine = _make_engine(self.url, create=create)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._verdict_statement: Any = None  # built on first use (False: this database has none)
         if check:
-            self.check_schema(upgrade=upgrade)
+            self.check_schema(upgrade=upgrade, in_child=migrate_in_child)
 
     # -- schema -----------------------------------------------------------------------------
-    def _alembic_config(self) -> AlembicConfig:
-        cfg = AlembicConfig()
-        cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-        return cfg
-
     def head_revision(self) -> str:
-        head = ScriptDirectory.from_config(self._alembic_config()).get_current_head()
-        assert head is not None
-        return head
+        return revisions()[1]
 
     def current_revision(self) -> str | None:
         try:
             with self.engine.connect() as conn:
-                return MigrationContext.configure(conn).get_current_revision()
+                if not inspect(conn).has_table("alembic_version"):
+                    return None
+                found = conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
+            if len(found) > 1:
+                raise StoreError(f"{self.where()} records several schema revisions {sorted(found)}; "
+                                 "it was migrated by something else: pass another --db")
+            return found[0] if found else None
         except OperationalError as exc:
             if self.engine.dialect.name != "sqlite":
                 raise StoreError(f"cannot reach {self.where()} ({_short(exc)}); check that the server "
@@ -119,10 +139,9 @@ class Store:
                 "move it aside or pass another --db"
             ) from exc
 
-    def check_schema(self, *, upgrade: bool = True) -> None:
+    def check_schema(self, *, upgrade: bool = True, in_child: bool = False) -> None:
         current = self.current_revision()
-        head = self.head_revision()
-        known = {rev.revision for rev in ScriptDirectory.from_config(self._alembic_config()).walk_revisions()}
+        known, head = revisions()
         if current is not None and current not in known:
             raise StoreError(
                 f"{self.where()} has schema {current}, newer than this auditor knows (head {head}); "
@@ -140,15 +159,42 @@ class Store:
                 )
         if not upgrade:
             raise StoreError(f"{self.where()} needs migrating to {head}: run `auditor db upgrade`")
-        self.upgrade()
+        if in_child and self._reachable_from_a_child():
+            self._upgrade_in_child()
+        else:
+            self.upgrade()
 
-    def upgrade(self) -> None:
+    def _reachable_from_a_child(self) -> bool:
+        url = make_url(self.url)
+        return not (url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:"))
+
+    def _upgrade_in_child(self) -> None:
+        """Migrate in a short-lived interpreter: what Alembic maps stays out of this process. The
+        URL travels in the environment, never on a command line others can read."""
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "AUDITOR_MIGRATE_DB": self.url,
+               "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+        try:
+            done = subprocess.run([sys.executable, "-m", "auditor.store.migrate"], env=env, capture_output=True,
+                                  text=True, timeout=MIGRATE_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise StoreError(f"could not migrate {self.where()}: the migration process failed ({exc})") from exc
+        if done.returncode != 0:
+            said = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            raise StoreError(said if said.startswith("could not migrate") else f"could not migrate {self.where()}: {said}")
+        self.engine.dispose()  # connections opened before the migration may hold the old schema
+
+    def upgrade(self, revision: str = "head") -> None:
+        from alembic import command
+        from alembic.config import Config as AlembicConfig
+
         logging.getLogger("alembic").setLevel(logging.WARNING)  # per-step INFO lines are noise here
-        cfg = self._alembic_config()
+        cfg = AlembicConfig()
+        cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
         try:
             with self.engine.begin() as conn:
                 cfg.attributes["connection"] = conn
-                command.upgrade(cfg, "head")
+                command.upgrade(cfg, revision)
         except SQLAlchemyError as exc:
             raise StoreError(f"could not migrate {self.where()}: {_short(exc)}") from exc
 
