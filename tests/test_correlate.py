@@ -535,16 +535,27 @@ def test_an_untouched_provisional_verdict_is_rechecked_less_often_but_settles_on
     clock.now = T0 + 40 * S
     correlator.tick()
     assert evaluated == [40]
-    # A verdict the engine's scrapes decide is looked at every round: new scrapes, other requests'
-    # spans and disconnects change it without touching it.
+    # A verdict the engine's scrapes decide is looked at every round until its utilization samples
+    # are in (5 s past the newest scrape it read), then only on news as old as what it read.
     evaluated.clear()
-    store.insert_spans([http_span("c", 40, 41.02, client=("127.0.0.1", 40003))])
-    store.insert_conn_events([close(41.0, ConnEventKind.PEER_RST, client=("127.0.0.1", 40003))])
-    correlator.add_engine_load([load(40.75, 1), load(41.0, 1), load(41.25, 0), load(41.5, 0)])
-    for second in range(42, 48):
+    c, d = ("127.0.0.1", 40003), ("127.0.0.1", 40004)
+    store.insert_spans([http_span("c", 40, 41.02, client=c)])
+    store.insert_conn_events([close(41.0, ConnEventKind.PEER_RST, client=c)])
+    # Held past its client's reset for two scrapes: ended at about 41.625 s, a zombie.
+    correlator.add_engine_load([load(40.75, 1), load(41.0, 1), load(41.25, 1), load(41.5, 1), load(41.75, 0)])
+    by_round: dict[int, str] = {}
+    for second in range(42, 76):
         clock.now = T0 + second * S
+        correlator.add_engine_load([load(second - 0.1, 0)])  # new scrapes, of moments it never read
+        if second == 52:
+            # Another request's span arrives late: it was in flight at those scrapes, so the request
+            # they held was that one, and this one's work stopped at its client's reset.
+            store.insert_spans([http_span("d", 40.9, 41.6, client=d)])
         correlator.tick()
-    assert evaluated == [42, 43, 44, 45, 46, 47]
+        by_round[second] = {r.trace_id[0]: r for r in verdicts(store)}["c"].verdict
+    assert evaluated == [42, 43, 44, 45, 46, 47, 52, 53, 72]
+    assert by_round[51] == "zombie" and by_round[52] == "aborted"
+    assert [v.verdict for v in settled][-1] == Verdict.ABORTED  # settled at 72 s: 30 s after its end
 
 
 @pytest.mark.parametrize("own_trace", [False, True], ids=["same trace", "trace of its own"])

@@ -112,6 +112,7 @@ class Correlator:
         self._touched: set[str] = set()  # traces with new evidence this round
         self._news: set[Tuple4] = set()  # connections with a new span or kernel event this round
         self._live_news = False  # live notices came this round
+        self._news_ns: int | None = None  # the oldest moment new evidence concerns, since the last evaluation
         self._counted: dict[str, int] = {}  # what coverage counted (its source id), and when: never twice
         self._event_cursor = 0
         self._saved_position: int | None = None  # what correlator_state holds; written only on change
@@ -150,6 +151,22 @@ class Correlator:
     def add_live(self, events: list[LiveEvent]) -> None:
         self._touched |= self.live.add(events)
         self._live_news = self._live_news or bool(events)
+        for event in events:
+            self._news_at(event.ts_ns)
+
+    def _news_at(self, ts_ns: int) -> None:
+        if self._news_ns is None or ts_ns < self._news_ns:
+            self._news_ns = ts_ns
+
+    def _take_news(self) -> int | None:
+        """The oldest moment that evidence new since the last evaluation concerns: spans (from
+        their start), kernel events, live notices, scrapes and the load records evaluation itself
+        changed (those of one round's evaluation count in the next)."""
+        news, self._news_ns = self._news_ns, None
+        changed = self.loads.take_changed()
+        if self.cost.changed:  # another engine process behind a port: every cost may change
+            self.cost.changed, changed = False, 0
+        return changed if news is None else news if changed is None else min(news, changed)
 
     def _read_spans(self) -> None:
         arrived_ns = self.clock()
@@ -182,14 +199,17 @@ class Correlator:
         span = _lean(span)
         if not self.spans.add(span, arrived_ns):
             return
+        self._news_at(span.start_ns)
         if not self._backlog:
             self.arrived.append(span)
         for request in self._settled.pop(span.trace_id, {}).values():
             self._open[request.key] = request  # evidence after settling reopens the verdict
         if span.role is SpanRole.ENGINE and span.request_id:
             self._reopen_by_request_id(span.request_id)
-        if span.service and span.attributes.get(FINAL_SEND_ATTR) is True:
+        if span.service and span.attributes.get(FINAL_SEND_ATTR) is True \
+                and span.service not in self.services_marking_sends:
             self.services_marking_sends.add(span.service)
+            self._news_at(0)  # what a service marks changes how every verdict of it reads
         if span.role in (SpanRole.ENGINE, SpanRole.HTTP_SERVER):
             self._learn_spanning_service(span)
         if span.role is SpanRole.HTTP_SERVER and span.peer_port:
@@ -210,6 +230,7 @@ class Correlator:
             self._event_cursor = row.id
             tuple4 = (norm_addr(row.client_addr), row.client_port, row.server_port)
             self._news.add(tuple4)
+            self._news_at(row.earliest_ns or row.ts_ns)
             self._events_by_tuple[tuple4].append(row.ts_ns)
             if row.kind == ConnEventKind.CLOSED.value:
                 self._closed_by_tuple[tuple4].append(row.ts_ns)
@@ -233,8 +254,9 @@ class Correlator:
         self._rekey()
         self._check_unjoined_spans(now)
         changed: list[tuple[OpenRequest, RequestVerdict]] = []
+        news = self._take_news()
         for request in list(self._open.values()):
-            if request.key[0] in self._touched or (clock_dependent(request) and request.due(now)):
+            if request.key[0] in self._touched or (clock_dependent(request) and request.due(now, news)):
                 verdict = evaluate(self, request, now)
                 request.checked(now, changed=verdict is not None)
                 if verdict is not None:
@@ -261,6 +283,7 @@ class Correlator:
             if span.span_id == arriving:
                 continue
             self.spans.add(_lean(span), arrived_ns)
+            self._news_at(span.start_ns)
         for request in requests:
             self._settled[trace_id][request.key[1]] = request
             if request.written is not None and request.written.request_id:
@@ -272,8 +295,10 @@ class Correlator:
         trace = list(self.spans.trace(arrived.trace_id))
         if not any(s.role is SpanRole.ENGINE and s.finish_reason in NORMAL_FINISH for s in trace):
             return
-        self.services_spanning_finishes.update(s.service for s in trace if s.service and s.role in (
-            SpanRole.ENGINE, SpanRole.HTTP_SERVER))
+        learned = {s.service for s in trace if s.service and s.role in (SpanRole.ENGINE, SpanRole.HTTP_SERVER)}
+        if not learned <= self.services_spanning_finishes:
+            self.services_spanning_finishes |= learned
+            self._news_at(0)
 
     def _reopen_by_request_id(self, engine_request_id: str) -> None:
         """An engine span whose request came without ``traceparent`` is a trace of its own (vLLM
@@ -406,7 +431,8 @@ class Correlator:
     # -- evaluation (auditor.correlate.evaluate) --------------------------------------------
     def add_engine_load(self, loads: list[EngineLoad]) -> None:
         """Scrapes of the engines' own /metrics. The requests they judge are provisional until
-        their work end is past, so every round re-reads them; no touch is needed."""
+        their work end is past; a scrape is news for those whose deciding scrapes it falls among
+        (``EngineLoads.changed_ns``), and those still waiting on scrapes are looked at every round."""
         self.loads.add(loads)
 
     def local_fins(self, tuple4: Tuple4) -> list[int]:

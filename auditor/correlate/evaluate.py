@@ -123,7 +123,8 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
     """When the request's work ended on this host, whether that may still change, and whether
     anything tells that it stopped at all."""
     trace_id = request.key[0]
-    request.settles_at_ns = None  # set only where nothing but new evidence of its trace or the clock changes it
+    # Set only where the clock and news as old as what the verdict read are all that can change it.
+    request.settles_at_ns = request.reads_until_ns = None
     mine = {s.span_id for s in subtree} | {request.key[1]}
     if corr.live.running(trace_id, mine):
         details["evidence"], details["work_end_exact"] = ev.LIVE_NOTICE, "live"
@@ -159,9 +160,16 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
         if by_metrics.work_end_ns is None:
             return None, True, True
         end = max(work_end, by_metrics.work_end_ns)
-        # An engine span may still arrive and say exactly; until then the scrape's word stands. New
-        # scrapes, and other requests' spans and disconnects, change it without touching this
-        # request: looked at every round (no settles_at_ns).
+        # An engine span may still arrive and say exactly; until then the scrape's word stands.
+        # Other requests' spans and disconnects, and scrapes, change it without touching this
+        # request, but only those that concern the moments its deciding scrapes span: once the
+        # scrapes it reads have all come, it is looked at again on news that old (OpenRequest.due).
+        reads = by_metrics.read_until_ns
+        if by_metrics.orphaned_scrapes == 0:  # aborts_cover reads two scrapes after the answer
+            covered = corr.loads.read_until(port, answered)
+            reads = None if covered is None or reads is None else max(reads, covered)
+        if reads is not None:
+            request.reads_until_ns, request.settles_at_ns = reads + CLOCK_ERROR_NS, end + corr.late_ns
         return end, now - end < corr.late_ns, True
     # Nothing says whether the work stopped: an engine span may yet arrive (vLLM emits none for
     # an abort, so its absence proves nothing); until then, and after, the verdict is unconfirmed.

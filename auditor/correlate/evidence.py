@@ -61,6 +61,7 @@ class MetricsEnd:
     work_end_ns: int | None  # None: still orphaned at the latest scrape
     resolution_s: float  # the scrape interval around the end
     orphaned_scrapes: int  # scrapes that counted it as running after its client left
+    read_until_ns: int | None = None  # the latest moment the scrapes that decided it span
 
 
 class EngineLoads:
@@ -72,6 +73,17 @@ class EngineLoads:
         self._disconnect_times: dict[int, list[int]] = defaultdict(list)  # port -> those times, sorted
         self._departures: dict[int, list[int]] = defaultdict(list)  # port -> every client close (kernel)
         self._departed: dict[tuple[str, int, int], int] = {}  # connection -> its last close
+        # The earliest moment any change concerns (a scrape, a close, a registered disconnect)
+        # since the correlator last took it: verdicts that read nothing that old stay as they are.
+        self.changed_ns: int | None = None
+
+    def _changed(self, ts_ns: int) -> None:
+        if self.changed_ns is None or ts_ns < self.changed_ns:
+            self.changed_ns = ts_ns
+
+    def take_changed(self) -> int | None:
+        changed, self.changed_ns = self.changed_ns, None
+        return changed
 
     def add(self, loads: Iterable[EngineLoad]) -> set[int]:
         """Record scrapes; returns the ports they concern."""
@@ -83,6 +95,7 @@ class EngineLoads:
             else:
                 series.append(load)
             ports.add(load.server_port)
+            self._changed(load.ts_ns)
         return ports
 
     def note_departure(self, connection: tuple[str, int, int], ts_ns: int, server_fins: Iterable[int] = ()) -> None:
@@ -97,6 +110,7 @@ class EngineLoads:
         self._departed[connection] = ts_ns
         if seen is not None and ts_ns - seen < SAME_CONNECTION_NS:
             return
+        self._changed(ts_ns)
         series = self._departures[connection[2]]
         if series and ts_ns < series[-1]:
             bisect.insort(series, ts_ns)
@@ -111,6 +125,7 @@ class EngineLoads:
             index = bisect.bisect_left(closes, ts_ns)
             if index < len(closes) and closes[index] == ts_ns:
                 del closes[index]
+                self._changed(ts_ns)
 
     def watched(self, port: int) -> bool:
         return bool(self._loads.get(port))
@@ -122,6 +137,8 @@ class EngineLoads:
         times = self._disconnect_times[port]
         if known is not None:
             del times[bisect.bisect_left(times, known)]
+            self._changed(known)
+        self._changed(disconnect_ns)
         self._disconnects[port][request] = disconnect_ns
         bisect.insort(times, disconnect_ns)
 
@@ -155,12 +172,24 @@ class EngineLoads:
             if orphans > newer:
                 last_orphaned, count = load.ts_ns, count + 1
                 continue
+            read_until = max(load.ts_ns, load.answered_ns or load.ts_ns)
             if last_orphaned is None:
-                return MetricsEnd(max(started_ns, disconnect_ns), (load.ts_ns - started_ns) / 1e9, 0)
-            return MetricsEnd((last_orphaned + load.ts_ns) // 2, (load.ts_ns - last_orphaned) / 1e9, count)
+                return MetricsEnd(max(started_ns, disconnect_ns), (load.ts_ns - started_ns) / 1e9, 0, read_until)
+            return MetricsEnd((last_orphaned + load.ts_ns) // 2, (load.ts_ns - last_orphaned) / 1e9, count,
+                              read_until)
         if last_orphaned is None:
             return None
         return MetricsEnd(None, 0.0, count)
+
+    def read_until(self, port: int, answered_ns: int) -> int | None:
+        """The latest scrape ``aborts_cover`` reads for a request answered at ``answered_ns`` (the
+        second after it), None while it has not come: until then a new scrape may change the answer."""
+        series = self._loads.get(port, [])
+        after = bisect.bisect_left(series, answered_ns, key=lambda item: item.ts_ns)
+        if after + 1 >= len(series):
+            return None
+        last = series[after + 1]
+        return max(last.ts_ns, last.answered_ns or last.ts_ns)
 
     def aborts_cover(self, port: int, disconnect_ns: int, answered_ns: int,
                      connected_at: Callable[[int, int], int]) -> bool:

@@ -23,6 +23,9 @@ class Disconnect:
 # An untouched provisional verdict is re-evaluated after these, doubling (OpenRequest.checked).
 RECHECK_FIRST_NS = 1_000_000_000
 RECHECK_MAX_NS = 8_000_000_000
+# A verdict the engine's scrapes decided is evaluated every round until this long after the newest
+# evidence it read (its utilization samples are committed within it); then only on news that old.
+SCRAPE_QUIET_AFTER_NS = 5_000_000_000
 
 
 @dataclass(slots=True)
@@ -38,20 +41,33 @@ class OpenRequest:
     # When the clock settles the written verdict, where only the clock and new evidence of its own
     # trace can change it (no engine scrapes on its port); set by evaluate, None otherwise.
     settles_at_ns: int | None = None
+    # A verdict the engine's scrapes decided: the latest moment of the evidence it read (the
+    # scrapes that decided it, the spans, closes and disconnects around them); set by evaluate.
+    reads_until_ns: int | None = None
     recheck_at_ns: int = 0  # an untouched provisional verdict is not evaluated again before this
     recheck_backoff_ns: int = 0
 
-    def due(self, now_ns: int) -> bool:
+    def due(self, now_ns: int, news_ns: int | None = None) -> bool:
+        """Whether to evaluate it this round, untouched by its own trace; ``news_ns`` is the oldest
+        moment that the round's new spans, closes, scrapes and live notices concern."""
+        if self.reads_until_ns is not None and news_ns is not None and news_ns <= self.reads_until_ns:
+            return True
         return now_ns >= self.recheck_at_ns
 
     def checked(self, now_ns: int, *, changed: bool) -> None:
         """After an evaluation: a provisional verdict that did not change, and that only the clock or
         new evidence of its trace can change, is looked at again after 1, 2, 4, 8 s (new evidence
-        re-evaluates it at once), and never after the moment the clock settles it. Anything else,
-        a verdict that scrapes of its engine decide among them, is looked at every round."""
+        re-evaluates it at once), and never after the moment the clock settles it. A verdict the
+        engine's scrapes decided is looked at every round until SCRAPE_QUIET_AFTER_NS past what it
+        read, then only on news as old as that (``due``) and when it settles. Anything else, a
+        scrape-decided verdict still waiting on scrapes, is looked at every round."""
         written = self.written
         if changed or written is None or not written.details.get("provisional") or self.settles_at_ns is None:
             self.recheck_at_ns = self.recheck_backoff_ns = 0
+            return
+        if self.reads_until_ns is not None:
+            quiet = now_ns >= self.reads_until_ns + SCRAPE_QUIET_AFTER_NS
+            self.recheck_at_ns = self.settles_at_ns if quiet else now_ns
             return
         self.recheck_backoff_ns = min(max(2 * self.recheck_backoff_ns, RECHECK_FIRST_NS), RECHECK_MAX_NS)
         self.recheck_at_ns = min(now_ns + self.recheck_backoff_ns, self.settles_at_ns)

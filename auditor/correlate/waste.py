@@ -123,10 +123,12 @@ class CostSources:
         self.samples = SampleCache(store, host)
         self.pid_by_port: dict[int, int] = {}
         self.unresolved: dict[int, str] = {}  # port -> why its process is not known
+        self.changed = False  # the listeners changed since the correlator last looked
 
     def set_listeners(self, pid_by_port: dict[int, int], unresolved: dict[int, str]) -> None:
         """The engine processes found behind the watched ports (by whoever can look: the daemon)."""
-        self.pid_by_port, self.unresolved = dict(pid_by_port), dict(unresolved)
+        if pid_by_port != self.pid_by_port or unresolved != self.unresolved:
+            self.pid_by_port, self.unresolved, self.changed = dict(pid_by_port), dict(unresolved), True
 
 
 def running_part(span: SpanRecord) -> tuple[int, int]:
