@@ -535,8 +535,8 @@ def test_an_untouched_provisional_verdict_is_rechecked_less_often_but_settles_on
     clock.now = T0 + 40 * S
     correlator.tick()
     assert evaluated == [40]
-    # A verdict the engine's scrapes decide is looked at every round until its utilization samples
-    # are in (5 s past the newest scrape it read), then only on news as old as what it read.
+    # A verdict the engine's scrapes decided, once every scrape it reads has come, is looked at
+    # only on news as old as what it read: a span that started then, a close, a scrape, a sample.
     evaluated.clear()
     c, d = ("127.0.0.1", 40003), ("127.0.0.1", 40004)
     store.insert_spans([http_span("c", 40, 41.02, client=c)])
@@ -551,9 +551,13 @@ def test_an_untouched_provisional_verdict_is_rechecked_less_often_but_settles_on
             # Another request's span arrives late: it was in flight at those scrapes, so the request
             # they held was that one, and this one's work stopped at its client's reset.
             store.insert_spans([http_span("d", 40.9, 41.6, client=d)])
+        if second in (60, 61):  # utilization samples, of its window and of now
+            at = 41.2 if second == 60 else second - 0.2
+            store.write([UtilSample(ts_ns=T0 + int(at * S), source="procfs", host="h", pid=4242, util_percent=50.0,
+                                    interval_s=0.1)])
         correlator.tick()
         by_round[second] = {r.trace_id[0]: r for r in verdicts(store)}["c"].verdict
-    assert evaluated == [42, 43, 44, 45, 46, 47, 52, 53, 72]
+    assert evaluated == [42, 43, 52, 53, 60, 72]
     assert by_round[51] == "zombie" and by_round[52] == "aborted"
     assert [v.verdict for v in settled][-1] == Verdict.ABORTED  # settled at 72 s: 30 s after its end
 

@@ -160,13 +160,18 @@ class Correlator:
 
     def _take_news(self) -> int | None:
         """The oldest moment that evidence new since the last evaluation concerns: spans (from
-        their start), kernel events, live notices, scrapes and the load records evaluation itself
-        changed (those of one round's evaluation count in the next)."""
-        news, self._news_ns = self._news_ns, None
-        changed = self.loads.take_changed()
+        their start), kernel events, live notices, scrapes, utilization samples (from the start
+        of what they cover) and the load records evaluation itself changed (those of one round's
+        evaluation count in the next)."""
+        if self._open:  # a verdict's cost reads the samples of its window: new ones are news too
+            self.cost.samples.refresh(self.clock())
+        found = [ts for ts in (self._news_ns, self.loads.take_changed(), self.cost.samples.take_news())
+                 if ts is not None]
+        self._news_ns = None
         if self.cost.changed:  # another engine process behind a port: every cost may change
-            self.cost.changed, changed = False, 0
-        return changed if news is None else news if changed is None else min(news, changed)
+            self.cost.changed = False
+            found.append(0)
+        return min(found, default=None)
 
     def _read_spans(self) -> None:
         arrived_ns = self.clock()

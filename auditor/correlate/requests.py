@@ -23,9 +23,6 @@ class Disconnect:
 # An untouched provisional verdict is re-evaluated after these, doubling (OpenRequest.checked).
 RECHECK_FIRST_NS = 1_000_000_000
 RECHECK_MAX_NS = 8_000_000_000
-# A verdict the engine's scrapes decided is evaluated every round until this long after the newest
-# evidence it read (its utilization samples are committed within it); then only on news that old.
-SCRAPE_QUIET_AFTER_NS = 5_000_000_000
 
 
 @dataclass(slots=True)
@@ -58,16 +55,15 @@ class OpenRequest:
         """After an evaluation: a provisional verdict that did not change, and that only the clock or
         new evidence of its trace can change, is looked at again after 1, 2, 4, 8 s (new evidence
         re-evaluates it at once), and never after the moment the clock settles it. A verdict the
-        engine's scrapes decided is looked at every round until SCRAPE_QUIET_AFTER_NS past what it
-        read, then only on news as old as that (``due``) and when it settles. Anything else, a
-        scrape-decided verdict still waiting on scrapes, is looked at every round."""
+        engine's scrapes decided, once every scrape it reads has come, is looked at again on news
+        as old as what it read (``due``) and when it settles. Anything else, a scrape-decided
+        verdict still waiting on scrapes, is looked at every round."""
         written = self.written
         if changed or written is None or not written.details.get("provisional") or self.settles_at_ns is None:
             self.recheck_at_ns = self.recheck_backoff_ns = 0
             return
         if self.reads_until_ns is not None:
-            quiet = now_ns >= self.reads_until_ns + SCRAPE_QUIET_AFTER_NS
-            self.recheck_at_ns = self.settles_at_ns if quiet else now_ns
+            self.recheck_at_ns = self.settles_at_ns
             return
         self.recheck_backoff_ns = min(max(2 * self.recheck_backoff_ns, RECHECK_FIRST_NS), RECHECK_MAX_NS)
         self.recheck_at_ns = min(now_ns + self.recheck_backoff_ns, self.settles_at_ns)

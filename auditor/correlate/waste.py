@@ -82,6 +82,7 @@ class SampleCache:
         self._cursor: int | None = None
         self._read_at = -REFRESH_NS
         self.queries = 0
+        self.news_ns: int | None = None  # the earliest moment new samples cover, since last taken
 
     def refresh(self, now_ns: int) -> None:
         if now_ns - self._read_at < REFRESH_NS:
@@ -103,10 +104,16 @@ class SampleCache:
             self._cursor = max(self._cursor, row.id)
             if row.util_percent is None:
                 continue  # the source could not tell: no sample, not an idle one
-            covered_ns = int((row.interval_s or DEFAULT_INTERVAL_S) * 1e9)
-            self._series[(row.source, row.pid)].add(row.ts_ns, row.ts_ns - covered_ns, row.util_percent)
+            covered_from = row.ts_ns - int((row.interval_s or DEFAULT_INTERVAL_S) * 1e9)
+            self._series[(row.source, row.pid)].add(row.ts_ns, covered_from, row.util_percent)
+            if self.news_ns is None or covered_from < self.news_ns:
+                self.news_ns = covered_from
         for series in self._series.values():
             series.prune(now_ns - HORIZON_NS)
+
+    def take_news(self) -> int | None:
+        news, self.news_ns = self.news_ns, None
+        return news
 
     def series(self, source: str, pid: int | None) -> _Series | None:
         found = self._series.get((source, pid))
