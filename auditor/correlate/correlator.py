@@ -163,7 +163,8 @@ class Correlator:
         their start), kernel events, live notices, scrapes, utilization samples (from the start
         of what they cover) and the load records evaluation itself changed (those of one round's
         evaluation count in the next)."""
-        if self._open:  # a verdict's cost reads the samples of its window: new ones are news too
+        # A waiting scrape-decided verdict's cost reads the samples of its window: new ones are news.
+        if any(request.reads_until_ns is not None for request in self._open.values()):
             self.cost.samples.refresh(self.clock())
         found = [ts for ts in (self._news_ns, self.loads.take_changed(), self.cost.samples.take_news())
                  if ts is not None]
