@@ -317,6 +317,29 @@ def test_live_notice_gives_inflight_zombie_before_any_span(store: Store) -> None
     assert row.verdict == "zombie" and abs(row.lag_seconds - 2.0) < 1e-6
 
 
+def test_a_live_notice_after_the_close_joins_it(store: Store) -> None:
+    """The close is read a round before the start notice of its server span (notices travel by
+    UDP, kernel events through the store): the notice is news on that connection and joins it."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_conn_events([close(1.0)])
+    clock.now = T0 + int(1.1 * S)
+    correlator.tick()
+    assert correlator.stats.pending_disconnects == 1
+    start = LiveEvent("start", "9" * 32, "8" * 16, "POST", "server", T0, CLIENT[0], CLIENT[1], SERVER_PORT,
+                      123, "engine", False)
+    other = LiveEvent("start", "7" * 32, "6" * 16, "POST", "server", T0, CLIENT[0], CLIENT[1] + 1, SERVER_PORT,
+                      123, "engine", False)
+    clock.now = T0 + int(1.2 * S)
+    correlator.tick([other])  # another connection's notice changes nothing for this close
+    assert correlator.stats.pending_disconnects == 1 and verdicts(store) == []
+    correlator.tick([start])
+    clock.now = T0 + int(1.7 * S)
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "inflight_zombie" and row.trace_id == "9" * 32
+
+
 def test_late_span_claims_back_a_written_off_disconnect(store: Store) -> None:
     clock = Clock()
     correlator = make(store, clock)

@@ -36,7 +36,13 @@ from auditor.correlate.evidence import FINAL_SEND_ATTR, EngineLoads
 from auditor.correlate.feed import SpanFeed
 from auditor.correlate.live import LiveState
 from auditor.correlate.recall import Forgotten
-from auditor.correlate.requests import CorrelatorStats, Disconnect, OpenRequest, RequestKey
+from auditor.correlate.requests import (
+    CorrelatorStats,
+    Disconnect,
+    Disconnects,
+    OpenRequest,
+    RequestKey,
+)
 from auditor.correlate.traces import TraceIndex, Tuple4, disconnect_instant, norm_addr, span_tuple
 from auditor.correlate.verdict import NORMAL_FINISH, TOKENS_AFTER_DISCONNECT_ATTR
 from auditor.correlate.waste import CostSources
@@ -101,8 +107,9 @@ class Correlator:
         self.services_spanning_finishes: set[str] = set()
         self.loads = EngineLoads()
         self.cost = CostSources(store, host)  # samples and engine processes, for what zombies cost
-        self._pending: dict[int, Disconnect] = {}
-        self._recent_unjoined: dict[int, tuple[Disconnect, CoverageKind]] = {}
+        self._pending = Disconnects()
+        self._recent_unjoined = Disconnects()  # written off: a late span may still claim them back
+        self._unjoined_kind: dict[int, CoverageKind] = {}  # how each of those was counted
         self._open: dict[RequestKey, OpenRequest] = {}
         self._settled: dict[str, dict[str, OpenRequest]] = defaultdict(dict)  # a late span reopens them
         self._settled_by_request_id: dict[str, RequestKey] = {}  # engine spans in traces of their own
@@ -110,8 +117,8 @@ class Correlator:
         self.live = LiveState()
         self._unchecked_spans: list[SpanRecord] = []
         self._touched: set[str] = set()  # traces with new evidence this round
-        self._news: set[Tuple4] = set()  # connections with a new span or kernel event this round
-        self._live_news = False  # live notices came this round
+        # Connections with a new span, kernel event or live notice of their server span this round.
+        self._news: set[Tuple4] = set()
         self._news_ns: int | None = None  # the oldest moment new evidence concerns, since the last evaluation
         self._counted: dict[str, int] = {}  # what coverage counted (its source id), and when: never twice
         self._event_cursor = 0
@@ -149,8 +156,7 @@ class Correlator:
 
     # -- input ------------------------------------------------------------------------------
     def add_live(self, events: list[LiveEvent]) -> None:
-        self._touched |= self.live.add(events)
-        self._live_news = self._live_news or bool(events)
+        self._touched |= self.live.add(events, self._news)
         for event in events:
             self._news_at(event.ts_ns)
 
@@ -245,7 +251,7 @@ class Correlator:
             elif row.kind in (ConnEventKind.PEER_FIN.value, ConnEventKind.PEER_RST.value):
                 kind = "fin" if row.kind == ConnEventKind.PEER_FIN.value else "rst"
                 self.loads.note_departure(tuple4, row.ts_ns, self.local_fins(tuple4))
-                self._pending[row.id] = Disconnect(row.id, row.ts_ns, kind, tuple4, row.earliest_ns)
+                self._pending.add(Disconnect(row.id, row.ts_ns, kind, tuple4, row.earliest_ns))
 
     # -- the round --------------------------------------------------------------------------
     def tick(self, live: list[LiveEvent] | None = None) -> list[RequestVerdict]:
@@ -272,7 +278,7 @@ class Correlator:
         self.store.upsert_verdicts([verdict for _, verdict in changed])
         for request, verdict in changed:
             request.written = verdict
-        self._news, self._live_news = set(), False  # joined with: kept when the round fails before
+        self._news = set()  # joined with: kept when the round fails before
         self._settle(now)
         self._save_state()
         self._prune(now)
@@ -330,16 +336,19 @@ class Correlator:
         return request
 
     def _join_pending(self, now: int) -> None:
-        # A disconnect's join can change only with news on its connection (a span, a close) or a
-        # live notice: thousands of closes after a finished request wait out the late-span window
-        # without either, and are looked at again only when it ends.
-        for event_id, disconnect in list(self._pending.items()):
-            if not (self._live_news or disconnect.tuple4 in self._news or now - disconnect.ts_ns > self.late_ns):
-                continue
+        # A disconnect's join can change only with news on its connection (a span, a close, a live
+        # notice of its server span): thousands of closes after a finished request wait out the
+        # late-span window without any, and are looked at again only when it ends.
+        due = {d.event_id: d for d in self._pending.on(self._news)}
+        for disconnect in self._pending:  # oldest first: those whose window ends
+            if now - disconnect.ts_ns <= self.late_ns:
+                break
+            due[disconnect.event_id] = disconnect
+        for event_id, disconnect in sorted(due.items()):
             span = self._span_in_flight(disconnect)
             if span is not None:
                 self._join(disconnect, span)
-                del self._pending[event_id]
+                self._pending.remove(disconnect)
                 continue
             live = self.live.in_flight_on(disconnect.tuple4, disconnect.ts_ns)
             if live is not None:  # known only live: keep it pending so the span, once here, joins it
@@ -352,17 +361,17 @@ class Correlator:
                 if live is None:
                     kind = self._classify_unjoined(disconnect)
                     self._count(kind, f"ev:{event_id}", disconnect.ts_ns)  # raises before anything is forgotten
-                    self._recent_unjoined[event_id] = (disconnect, kind)
-                del self._pending[event_id]
+                    self._recent_unjoined.add(disconnect)
+                    self._unjoined_kind[event_id] = kind
+                self._pending.remove(disconnect)
         self._join_peerless()
         # A span that arrived after its disconnect was written off claims it back.
-        for event_id, (disconnect, kind) in list(self._recent_unjoined.items()):
-            if disconnect.tuple4 not in self._news:
-                continue
+        for disconnect in self._recent_unjoined.on(self._news):
             span = self._span_in_flight(disconnect)
             if span is not None:
-                self._count(kind, f"ev:{event_id}:undo", disconnect.ts_ns, count=-1)
-                del self._recent_unjoined[event_id]
+                kind = self._unjoined_kind.pop(disconnect.event_id)
+                self._count(kind, f"ev:{disconnect.event_id}:undo", disconnect.ts_ns, count=-1)
+                self._recent_unjoined.remove(disconnect)
                 self._join(disconnect, span)
 
     def _join_peerless(self) -> None:
@@ -373,7 +382,7 @@ class Correlator:
         Only a reset: after a FIN the socket is still there and the server learns its peer, so a
         FIN belongs to a span that names it, and may simply not have arrived yet."""
         for span in self.spans.peerless():
-            candidates = [d for d in self._pending.values()
+            candidates = [d for d in self._pending
                           if d.kind == "rst" and d.tuple4[2] == span.server_port
                           and not self.spans.on_connection(d.tuple4)
                           and span.start_ns - PEERLESS_BEFORE_NS <= min(d.ts_ns, d.earliest_ns or d.ts_ns) <= span.start_ns]
@@ -381,7 +390,7 @@ class Correlator:
                 continue
             disconnect = max(candidates, key=lambda d: min(d.ts_ns, d.earliest_ns or d.ts_ns))
             self.spans.claim_peerless(span)
-            del self._pending[disconnect.event_id]
+            self._pending.remove(disconnect)
             self._count(CoverageKind.PEERLESS_SPAN_JOINED, f"peerless:{span.trace_id}:{span.span_id}", span.start_ns)
             self._join(disconnect, span)
 
@@ -482,7 +491,7 @@ class Correlator:
             setattr(self.stats, attr, getattr(self.stats, attr) + count)
 
     def _save_state(self) -> None:
-        settled = min(self._pending, default=self._event_cursor + 1) - 1
+        settled = min(self._pending.by_id, default=self._event_cursor + 1) - 1
         if settled == self._saved_position:
             return
         row, values = CorrelatorStateRow, {"settled_event_id": settled, "updated_ns": time.time_ns()}
@@ -519,9 +528,10 @@ class Correlator:
         # Written-off disconnects a late span may claim back: idle closes (most of them, one per
         # request whose client closed after its answer) for the memory window; the rare unjoined
         # ones for the horizon, which also covers a wall clock stepped forward and back.
-        for event_id in [k for k, (d, kind) in self._recent_unjoined.items()
-                         if d.ts_ns < (memory_cutoff if kind is CoverageKind.IDLE_CLOSE else cutoff)]:
-            del self._recent_unjoined[event_id]
+        for disconnect in [d for d in self._recent_unjoined if d.ts_ns < (
+                memory_cutoff if self._unjoined_kind[d.event_id] is CoverageKind.IDLE_CLOSE else cutoff)]:
+            self._recent_unjoined.remove(disconnect)
+            del self._unjoined_kind[disconnect.event_id]
 
 
 def _lean(span: SpanRecord) -> SpanRecord:

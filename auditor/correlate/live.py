@@ -17,20 +17,27 @@ class LiveState:
         self._span_end: dict[tuple[str, str], int] = {}
         self._by_tuple: dict[Tuple4, list[LiveEvent]] = defaultdict(list)
 
-    def add(self, events: list[LiveEvent]) -> set[str]:
-        """Apply notices; returns the traces they concern."""
+    def add(self, events: list[LiveEvent], connections: set[Tuple4] | None = None) -> set[str]:
+        """Apply notices; returns the traces they concern, and adds to ``connections`` those whose
+        server span they start or end (what ``in_flight_on`` answers for)."""
         for event in events:
             key = (event.trace_id, event.span_id)
             if event.event == "start":
                 self._running[key] = event
                 if not event.engine and event.peer_addr and event.peer_port and event.server_port:
-                    self._by_tuple[(norm_addr(event.peer_addr), event.peer_port, event.server_port)].append(event)
+                    tuple4 = (norm_addr(event.peer_addr), event.peer_port, event.server_port)
+                    self._by_tuple[tuple4].append(event)
+                    if connections is not None:
+                        connections.add(tuple4)
                 continue
             started = self._running.pop(key, None)
             if event.engine or (started is not None and started.engine):
                 self._engine_end[event.trace_id] = event.ts_ns
             else:
                 self._span_end[key] = event.ts_ns
+                if connections is not None and started is not None and started.peer_addr and started.peer_port \
+                        and started.server_port:
+                    connections.add((norm_addr(started.peer_addr), started.peer_port, started.server_port))
         return {event.trace_id for event in events}
 
     def in_flight_on(self, tuple4: Tuple4, ts_ns: int) -> LiveEvent | None:

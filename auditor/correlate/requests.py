@@ -3,6 +3,8 @@ and the counts it keeps for /metrics."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from auditor.correlate.traces import Tuple4
@@ -18,6 +20,37 @@ class Disconnect:
     kind: str  # "fin" or "rst"
     tuple4: Tuple4
     earliest_ns: int | None = None  # a polled close: it happened in (earliest_ns, ts_ns]
+
+
+class Disconnects:
+    """Disconnects by event id, oldest first, and by connection: a round looks up only those on the
+    connections it has news of, and the oldest, whose window ends."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, Disconnect] = {}
+        self._on: dict[Tuple4, set[int]] = defaultdict(set)
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def __iter__(self) -> Iterator[Disconnect]:
+        return iter(self.by_id.values())
+
+    def add(self, disconnect: Disconnect) -> None:
+        self.by_id[disconnect.event_id] = disconnect
+        self._on[disconnect.tuple4].add(disconnect.event_id)
+
+    def remove(self, disconnect: Disconnect) -> None:
+        del self.by_id[disconnect.event_id]
+        others = self._on[disconnect.tuple4]
+        others.discard(disconnect.event_id)
+        if not others:
+            del self._on[disconnect.tuple4]
+
+    def on(self, connections: Iterable[Tuple4]) -> list[Disconnect]:
+        """Those on ``connections``, oldest first."""
+        ids = sorted(event_id for tuple4 in connections for event_id in self._on.get(tuple4, ()))
+        return [self.by_id[event_id] for event_id in ids]
 
 
 # An untouched provisional verdict is re-evaluated after these, doubling (OpenRequest.checked).
