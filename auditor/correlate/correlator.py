@@ -69,8 +69,12 @@ MEMORY_MARGIN_NS = 30 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
 _events = ConnEventRow.__table__
-_NEW_EVENTS = (select(_events).where(_events.c.id > bindparam("cursor"), _events.c.host == bindparam("host"))
+_NEW_EVENTS = (select(_events.c.id, _events.c.ts_ns, _events.c.kind, _events.c.client_addr, _events.c.client_port,
+                      _events.c.server_port, _events.c.earliest_ns)
+               .where(_events.c.id > bindparam("cursor"), _events.c.host == bindparam("host"))
                .order_by(_events.c.id).limit(READ_ROWS))
+_CLOSED, _LOCAL_FIN = ConnEventKind.CLOSED.value, ConnEventKind.LOCAL_FIN.value
+_DEPARTURES = {ConnEventKind.PEER_FIN.value: "fin", ConnEventKind.PEER_RST.value: "rst"}
 # The only span attributes a verdict reads: a span is held without the rest (most of its memory).
 JUDGED_ATTRIBUTES = frozenset({FINAL_SEND_ATTR, TOKENS_AFTER_DISCONNECT_ATTR})
 # Span texts that repeat across spans: held once each (a span's memory is mostly its texts).
@@ -222,7 +226,8 @@ class Correlator:
                 and span.service not in self.services_marking_sends:
             self.services_marking_sends.add(span.service)
             self._news_at(0)  # what a service marks changes how every verdict of it reads
-        if span.role in (SpanRole.ENGINE, SpanRole.HTTP_SERVER):
+        if span.role is SpanRole.ENGINE or (span.role is SpanRole.HTTP_SERVER
+                                            and span.service not in self.services_spanning_finishes):
             self._learn_spanning_service(span)
         if span.role is SpanRole.HTTP_SERVER and span.peer_port:
             self._news.add(span_tuple(span))
@@ -238,20 +243,19 @@ class Correlator:
         # and an ORM session and a fresh statement cost twice what the read itself does.
         with self.store.engine.connect() as conn:
             rows = conn.execute(_NEW_EVENTS, {"cursor": self._event_cursor, "host": self.host}).all()
-        for row in rows:
-            self._event_cursor = row.id
-            tuple4 = (norm_addr(row.client_addr), row.client_port, row.server_port)
+        for event_id, ts_ns, event_kind, client_addr, client_port, server_port, earliest_ns in rows:
+            self._event_cursor = event_id
+            tuple4 = (norm_addr(client_addr), client_port, server_port)
             self._news.add(tuple4)
-            self._news_at(row.earliest_ns or row.ts_ns)
-            self._events_by_tuple[tuple4].append(row.ts_ns)
-            if row.kind == ConnEventKind.CLOSED.value:
-                self._closed_by_tuple[tuple4].append(row.ts_ns)
-            elif row.kind == ConnEventKind.LOCAL_FIN.value:  # the server closed first: evidence of completion
-                self._local_fin_by_tuple[tuple4].append(row.ts_ns)
-            elif row.kind in (ConnEventKind.PEER_FIN.value, ConnEventKind.PEER_RST.value):
-                kind = "fin" if row.kind == ConnEventKind.PEER_FIN.value else "rst"
-                self.loads.note_departure(tuple4, row.ts_ns, self.local_fins(tuple4))
-                self._pending.add(Disconnect(row.id, row.ts_ns, kind, tuple4, row.earliest_ns))
+            self._news_at(earliest_ns or ts_ns)
+            self._events_by_tuple[tuple4].append(ts_ns)
+            if event_kind == _CLOSED:
+                self._closed_by_tuple[tuple4].append(ts_ns)
+            elif event_kind == _LOCAL_FIN:  # the server closed first: evidence of completion
+                self._local_fin_by_tuple[tuple4].append(ts_ns)
+            elif event_kind in _DEPARTURES:
+                self.loads.note_departure(tuple4, ts_ns, self.local_fins(tuple4))
+                self._pending.add(Disconnect(event_id, ts_ns, _DEPARTURES[event_kind], tuple4, earliest_ns))
 
     # -- the round --------------------------------------------------------------------------
     def tick(self, live: list[LiveEvent] | None = None) -> list[RequestVerdict]:
@@ -406,6 +410,8 @@ class Correlator:
         """Merge requests whose outermost span became known (a gateway's span arriving after the
         engine hop's), so one request keeps one verdict."""
         for key, request in list(self._open.items()):
+            if key[0] not in self._touched:  # only a new span of its trace can give it a new root
+                continue
             span = self.spans.get(*key)
             if span is None:
                 continue
