@@ -659,17 +659,46 @@ def test_a_waiting_disconnect_is_looked_at_again_only_on_news_of_its_connection(
     assert coverage(store, "idle_close") == 0 and [(r.trace_id, r.verdict) for r in verdicts(store)] == [("c" * 32, "unconfirmed")]
 
 
-def test_what_coverage_counted_is_remembered_for_the_horizon_only(store: Store) -> None:
+def test_what_coverage_counted_is_remembered_only_while_a_restart_could_count_it_again(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    other = ("127.0.0.1", 40002)
+    store.insert_spans([http_span("a", 0, 0.5)])
+    # Event 1, a close still in its window, comes before event 2, an idle close of long ago (a
+    # poller's order): the saved position stays before event 1, so a restart reads both again.
+    store.insert_conn_events([close(6.5, client=other), close(1.0)])
+    clock.now = T0 + 7 * S
+    correlator.tick()
+    assert coverage(store, "idle_close") == 1 and set(correlator._counted) == {"ev:2"}
+    restarted = make(store, clock)  # a restart within the horizon knows it: no second count
+    restarted.tick()
+    assert coverage(store, "idle_close") == 1 and "ev:2" in restarted._counted
+    # Once event 1 is settled too, the position passes both: no restart reads them again.
+    clock.now = T0 + 30 * S
+    restarted.tick()
+    assert coverage(store, "idle_close") == 1 and coverage(store, "unjoined_disconnect") == 1
+    assert restarted._counted == {}  # a daemon that runs for days does not keep every count's id
+
+
+def test_coverage_the_store_refused_is_written_in_a_later_round_once(store: Store,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from auditor.errors import StoreError
+
     clock = Clock()
     correlator = make(store, clock)
     store.insert_spans([http_span("a", 0, 0.5)])
-    store.insert_conn_events([close(1.0)])  # after its request ended: an idle close, counted once
+    store.insert_conn_events([close(1.0)])
     clock.now = T0 + 7 * S
+    real = store.add_coverage_rows
+
+    def locked(rows: list[dict[str, object]]) -> int:
+        raise StoreError("database is locked")
+
+    monkeypatch.setattr(store, "add_coverage_rows", locked)
+    with pytest.raises(StoreError):
+        correlator.tick()
+    monkeypatch.setattr(store, "add_coverage_rows", real)
+    clock.now = T0 + 8 * S
     correlator.tick()
-    assert coverage(store, "idle_close") == 1 and len(correlator._counted) == 1
-    restarted = make(store, clock)  # a restart within the horizon knows it: no second count
-    restarted.tick()
-    assert coverage(store, "idle_close") == 1 and "ev:1" in restarted._counted
-    clock.now = T0 + 16 * 60 * S
-    restarted.tick()
-    assert restarted._counted == {}  # a daemon that runs for days does not keep every count's id
+    correlator.tick()
+    assert coverage(store, "idle_close") == 1

@@ -125,6 +125,7 @@ class Correlator:
         self._news: set[Tuple4] = set()
         self._news_ns: int | None = None  # the oldest moment new evidence concerns, since the last evaluation
         self._counted: dict[str, int] = {}  # what coverage counted (its source id), and when: never twice
+        self._coverage: list[dict[str, object]] = []  # counted, written with the round's verdicts
         self._event_cursor = 0
         self._saved_position: int | None = None  # what correlator_state holds; written only on change
         self._span_cursor = 0
@@ -280,6 +281,9 @@ class Correlator:
         # Only a committed verdict counts as written: if the store refuses (locked, disk full),
         # the next round computes and writes it again.
         self.store.upsert_verdicts([verdict for _, verdict in changed])
+        if self._coverage:  # one transaction a round; kept for the next round if the store refuses
+            self.store.add_coverage_rows(self._coverage)
+            self._coverage = []
         for request, verdict in changed:
             request.written = verdict
         self._news = set()  # joined with: kept when the round fails before
@@ -364,7 +368,7 @@ class Correlator:
             if now - disconnect.ts_ns > self.late_ns:
                 if live is None:
                     kind = self._classify_unjoined(disconnect)
-                    self._count(kind, f"ev:{event_id}", disconnect.ts_ns)  # raises before anything is forgotten
+                    self._count(kind, f"ev:{event_id}", disconnect.ts_ns)
                     self._recent_unjoined.add(disconnect)
                     self._unjoined_kind[event_id] = kind
                 self._pending.remove(disconnect)
@@ -488,7 +492,8 @@ class Correlator:
     def _count(self, kind: CoverageKind, detail: str, ts_ns: int, count: int = 1) -> None:
         if detail in self._counted:
             return
-        self.store.add_coverage(kind, count, host=self.host, ts_ns=ts_ns, detail=detail)
+        self._coverage.append({"ts_ns": ts_ns, "host": self.host, "kind": kind.value, "count": count,
+                               "detail": detail})
         self._counted[detail] = ts_ns
         attr = {CoverageKind.IDLE_CLOSE: "idle_closes", CoverageKind.UNJOINED_DISCONNECT: "unjoined_disconnects",
                 CoverageKind.UNJOINED_SPAN: "unjoined_spans",
@@ -521,7 +526,10 @@ class Correlator:
             if requests and max(r.origin().ts_ns for r in requests.values()) >= cutoff:
                 self.forgotten.add(trace_id, list(requests.values()))
         self.forgotten.prune(cutoff)
-        self._counted = {detail: ts for detail, ts in self._counted.items() if ts >= cutoff}
+        # A close's count ("ev:<event id>") guards against counting it again after a restart, which
+        # reads the events after the saved position again: those at or before it need no guard.
+        self._counted = {detail: ts for detail, ts in self._counted.items()
+                         if ts >= cutoff and not _event_at_or_before(detail, self._saved_position)}
         for request_id in [r for r, key in self._settled_by_request_id.items() if key[0] not in self._settled]:
             del self._settled_by_request_id[request_id]
         # Scrapes for an open request's whole run (a long zombie needs them all); connections' last
@@ -538,6 +546,15 @@ class Correlator:
                 memory_cutoff if self._unjoined_kind[d.event_id] is CoverageKind.IDLE_CLOSE else cutoff)]:
             self._recent_unjoined.remove(disconnect)
             del self._unjoined_kind[disconnect.event_id]
+
+
+def _event_at_or_before(detail: str, position: int | None) -> bool:
+    """Whether a coverage detail names a kernel event ("ev:<id>", "ev:<id>:undo") at or before
+    ``position``."""
+    if position is None or not detail.startswith("ev:"):
+        return False
+    number = detail[3:].split(":", 1)[0]
+    return number.isdigit() and int(number) <= position
 
 
 def _lean(span: SpanRecord) -> SpanRecord:

@@ -260,10 +260,12 @@ class Store:
 
     def add_coverage(self, kind: CoverageKind, count: int = 1, *, host: str = "",
                      ts_ns: int | None = None, detail: str | None = None) -> None:
-        self._insert(CoverageRow, [{
-            "ts_ns": ts_ns if ts_ns is not None else time.time_ns(), "host": host,
-            "kind": kind.value, "count": count, "detail": detail,
-        }])
+        self.add_coverage_rows([{"ts_ns": ts_ns if ts_ns is not None else time.time_ns(), "host": host,
+                                 "kind": kind.value, "count": count, "detail": detail}])
+
+    def add_coverage_rows(self, rows: list[dict[str, Any]]) -> int:
+        """Coverage rows (``ts_ns``, ``host``, ``kind``, ``count``, ``detail``), one transaction."""
+        return self._insert(CoverageRow, rows)
 
     def upsert_verdicts(self, verdicts: Sequence[RequestVerdict]) -> int:
         """Write verdicts keyed by request; a later verdict for the same request replaces the earlier."""
