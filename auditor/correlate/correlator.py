@@ -161,9 +161,10 @@ class Correlator:
 
     # -- input ------------------------------------------------------------------------------
     def add_live(self, events: list[LiveEvent]) -> None:
+        for event in events:  # an end changes what was running from its start on
+            started = self.live.started_at(event.trace_id, event.span_id) if event.event == "end" else None
+            self._news_at(event.ts_ns if started is None else min(started, event.ts_ns))
         self._touched |= self.live.add(events, self._news)
-        for event in events:
-            self._news_at(event.ts_ns)
 
     def _news_at(self, ts_ns: int) -> None:
         if self._news_ns is None or ts_ns < self._news_ns:

@@ -40,6 +40,11 @@ class LiveState:
                     connections.add((norm_addr(started.peer_addr), started.peer_port, started.server_port))
         return {event.trace_id for event in events}
 
+    def started_at(self, trace_id: str, span_id: str) -> int | None:
+        """When a span still running, as notices tell, started."""
+        started = self._running.get((trace_id, span_id))
+        return None if started is None else started.ts_ns
+
     def in_flight_on(self, tuple4: Tuple4, ts_ns: int) -> LiveEvent | None:
         """The server span running on this connection at ``ts_ns``, as far as notices tell."""
         for live in self._by_tuple.get(tuple4, ()):
