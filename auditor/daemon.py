@@ -38,6 +38,9 @@ from auditor.upkeep import Upkeep
 log = logging.getLogger(__name__)
 
 PROBE_POLL_S = 0.25
+# Kernel events are committed by each correlation round just before it reads them; the probe loop
+# commits them itself only when no round has for this long (a round stuck on a locked store).
+EVENT_FLUSH_BACKSTOP_S = 1.0
 # Samples are committed by the correlation round, just before it reads them, rather than one
 # transaction per sampler tick (10 Hz): a commit costs far more than the sample. The sampler
 # commits on its own only when rounds stop coming (a wedged or failing correlator).
@@ -73,6 +76,7 @@ class Daemon:
         self._samples_lock = threading.Lock()
         self._samples_commit_lock = threading.Lock()  # one commit at a time keeps row ids in time order
         self._samples_committed_at = time.monotonic()
+        self._events_flushed_at = time.monotonic()
 
     # -- start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -222,6 +226,14 @@ class Daemon:
         if overdue:
             self._commit_samples()
 
+    def _flush_events(self) -> None:
+        writer = self._parts.get("event_writer")
+        if writer is None:
+            return
+        self._events_flushed_at = time.monotonic()
+        with contextlib.suppress(StoreError):  # kept queued; the writer logs once
+            writer.flush()
+
     def _commit_samples(self) -> None:
         """Commit the samples taken so far in one transaction; the correlator's cost reads them by
         row id, so commits never overlap (a later batch must not get its ids first)."""
@@ -252,7 +264,6 @@ class Daemon:
     # -- loops ------------------------------------------------------------------------------
     def _probe_loop(self) -> None:
         source, writer = self._parts["probe"], self._parts["event_writer"]
-        next_flush = time.monotonic()
         while not self._stop.is_set():
             try:
                 # A lone event waits for the timeout (the kernel wakes the reader only for a full
@@ -264,10 +275,8 @@ class Daemon:
                     for event in events:
                         if event.kind.value in ("peer_fin", "peer_rst"):
                             self.metrics.disconnect(event.kind.value.removeprefix("peer_"))
-                if time.monotonic() >= next_flush:  # a disconnect must not wait for a full batch
-                    next_flush = time.monotonic() + 0.1
-                    with contextlib.suppress(StoreError):  # kept queued; the writer logs once
-                        writer.flush()
+                if time.monotonic() - self._events_flushed_at >= EVENT_FLUSH_BACKSTOP_S:
+                    self._flush_events()
             except Exception:
                 log.exception("probe loop error; continuing")
                 time.sleep(0.1)
@@ -308,6 +317,7 @@ class Daemon:
     def correlate_once(self) -> None:
         started, failed = time.monotonic(), False
         try:
+            self._flush_events()  # before the round reads them: a disconnect waits for no batch
             self._commit_samples()  # before the round: a zombie's cost needs its last samples
             live = self._parts["live"].drain() if "live" in self._parts else []
             self.correlator.add_engine_load(self._drain_engine_loads())

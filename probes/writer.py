@@ -4,13 +4,15 @@ The daemon's poll loop calls ``add()`` with whatever a source returned (an empty
 time-based flush happens on quiet hosts). Rows go to a ``auditor.sink.Sink`` (the daemon hands
 it the store): one transaction per batch. A failed write never raises out of
 ``add()``: the batch is kept and retried on the next flush, up to ``max_pending`` events, beyond
-which the oldest are dropped and counted in ``dropped``.
+which the oldest are dropped and counted in ``dropped``. ``add`` and ``flush`` may be called from
+different threads (the daemon's probe loop adds, its correlation round flushes).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -38,6 +40,7 @@ class ConnEventWriter:
         self.max_pending = max(max_pending, batch_size)
         self._monotonic = monotonic
         self._pending: deque[ConnEvent] = deque()
+        self._lock = threading.Lock()
         self._last_flush = monotonic()
         self._failing = False
         self.written = 0  # events stored so far
@@ -50,21 +53,23 @@ class ConnEventWriter:
 
     def add(self, events: Iterable[ConnEvent]) -> None:
         """Queue events; writes full batches, and everything once the interval has passed."""
-        self._pending.extend(events)
-        overflow = len(self._pending) - self.max_pending
-        if overflow > 0:
-            for _ in range(overflow):
-                self._pending.popleft()
-            self.dropped += overflow
-        interval_due = self._monotonic() - self._last_flush >= self.flush_interval_s
-        if interval_due or len(self._pending) >= self.batch_size:
-            # A failure is logged and counted in _write(); the events stay queued for the next try.
-            with contextlib.suppress(StoreError):
-                self._write(full_batches_only=not interval_due)
+        with self._lock:
+            self._pending.extend(events)
+            overflow = len(self._pending) - self.max_pending
+            if overflow > 0:
+                for _ in range(overflow):
+                    self._pending.popleft()
+                self.dropped += overflow
+            interval_due = self._monotonic() - self._last_flush >= self.flush_interval_s
+            if interval_due or len(self._pending) >= self.batch_size:
+                # A failure is logged and counted in _write(); the events stay queued for the next try.
+                with contextlib.suppress(StoreError):
+                    self._write(full_batches_only=not interval_due)
 
     def flush(self) -> int:
         """Write everything queued now; returns how many were written. Raises StoreError."""
-        return self._write(full_batches_only=False)
+        with self._lock:
+            return self._write(full_batches_only=False)
 
     def _write(self, *, full_batches_only: bool) -> int:
         written = 0

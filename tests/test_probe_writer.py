@@ -80,3 +80,28 @@ def test_bad_settings_are_refused(store: Store) -> None:
         ConnEventWriter(store, batch_size=0)
     with pytest.raises(ValueError, match="flush_interval_s"):
         ConnEventWriter(store, flush_interval_s=0)
+
+
+def test_events_added_on_one_thread_and_flushed_on_another_are_stored_once_in_order(store: Store) -> None:
+    import threading
+
+    writer = ConnEventWriter(store, batch_size=50, flush_interval_s=60)
+    done = threading.Event()
+
+    def flusher() -> None:
+        while not done.is_set():
+            writer.flush()
+
+    thread = threading.Thread(target=flusher)
+    thread.start()
+    try:
+        for start in range(0, 5000, 7):
+            writer.add(make_events(min(7, 5000 - start), start))
+    finally:
+        done.set()
+        thread.join()
+    writer.flush()
+    with store.session() as session:
+        cookies = session.scalars(select(ConnEventRow.cookie).order_by(ConnEventRow.id)).all()
+    assert cookies == [0x7FFF_8881_05BA_5340 + i for i in range(5000)]
+    assert writer.written == 5000 and writer.pending == 0
