@@ -22,6 +22,8 @@ kernel event is settled, so a restart resumes from there and upserts change noth
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import sys
 import time
@@ -119,7 +121,9 @@ class Correlator:
         self._settled_by_request_id: dict[str, RequestKey] = {}  # engine spans in traces of their own
         self.forgotten = Forgotten(store, host)  # settled traces no longer in memory
         self.live = LiveState()
-        self._unchecked_spans: list[SpanRecord] = []
+        # Server spans whose connection's kernel events may still come: (end, arrival, span), a heap.
+        self._unchecked_spans: list[tuple[int, int, SpanRecord]] = []
+        self._unchecked_seq = itertools.count()  # ties on the end go by arrival
         self._touched: set[str] = set()  # traces with new evidence this round
         # Connections with a new span, kernel event or live notice of their server span this round.
         self._news: set[Tuple4] = set()
@@ -237,7 +241,7 @@ class Correlator:
             if span.peer_rewritten:
                 self._count(CoverageKind.PROXY_REWRITTEN_PEER, f"span:{span.trace_id}:{span.span_id}", span.end_ns)
             elif span.peer_port and span.server_port:
-                self._unchecked_spans.append(span)
+                heapq.heappush(self._unchecked_spans, (span.end_ns, next(self._unchecked_seq), span))
         self._touched.add(span.trace_id)
 
     def _read_events(self) -> None:
@@ -443,16 +447,15 @@ class Correlator:
         return CoverageKind.UNJOINED_DISCONNECT
 
     def _check_unjoined_spans(self, now: int) -> None:
+        unchecked = self._unchecked_spans
+        if not unchecked or now - unchecked[0][0] <= self.late_ns:
+            return
         watched = self.watched_ports()
-        keep = []
-        for span in self._unchecked_spans:
-            if now - span.end_ns <= self.late_ns:
-                keep.append(span)
-                continue
+        while unchecked and now - unchecked[0][0] > self.late_ns:  # ended a late-span window ago
+            span = heapq.heappop(unchecked)[2]
             seen = self._events_by_tuple.get(span_tuple(span), ())
             if span.server_port in watched and not any(ts >= span.start_ns for ts in seen):
                 self._count(CoverageKind.UNJOINED_SPAN, f"span:{span.trace_id}:{span.span_id}", span.end_ns)
-        self._unchecked_spans = keep
 
     # -- evaluation (auditor.correlate.evaluate) --------------------------------------------
     def add_engine_load(self, loads: list[EngineLoad]) -> None:

@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select
 
 from auditor.model import SpanRecord, SpanRole
 from auditor.store import Store
@@ -72,6 +72,16 @@ class _Series:
             del self.ts[:keep], self.start[:keep], self.util[:keep]
 
 
+_SAMPLE_COLUMNS = (UtilSampleRow.id, UtilSampleRow.ts_ns, UtilSampleRow.source, UtilSampleRow.pid,
+                   UtilSampleRow.util_percent, UtilSampleRow.interval_s)
+_NEWEST_SAMPLE = select(func.coalesce(func.max(UtilSampleRow.id), 0))
+_HORIZON_SAMPLES = select(*_SAMPLE_COLUMNS).where(UtilSampleRow.id <= bindparam("cursor"),
+                                                  UtilSampleRow.host == bindparam("host"),
+                                                  UtilSampleRow.ts_ns > bindparam("since"))
+_NEW_SAMPLES = select(*_SAMPLE_COLUMNS).where(UtilSampleRow.id > bindparam("cursor"),
+                                              UtilSampleRow.host == bindparam("host"))
+
+
 class SampleCache:
     """The host's utilization samples of the horizon, read from the store by row id, once per round."""
 
@@ -89,23 +99,20 @@ class SampleCache:
             return
         self._read_at = now_ns
         self.queries += 1
-        columns = (UtilSampleRow.id, UtilSampleRow.ts_ns, UtilSampleRow.source, UtilSampleRow.pid,
-                   UtilSampleRow.util_percent, UtilSampleRow.interval_s)
-        with self.store.session() as session:
+        # A plain connection and statements built once: under load this runs every round.
+        with self.store.engine.connect() as conn:
             if self._cursor is None:  # the horizon, up to the newest row now (later ones come next round)
-                self._cursor = int(session.scalar(select(func.coalesce(func.max(UtilSampleRow.id), 0))) or 0)
-                rows = session.execute(select(*columns).where(
-                    UtilSampleRow.id <= self._cursor, UtilSampleRow.host == self.host,
-                    UtilSampleRow.ts_ns > now_ns - HORIZON_NS)).all()
+                self._cursor = int(conn.execute(_NEWEST_SAMPLE).scalar() or 0)
+                rows = conn.execute(_HORIZON_SAMPLES, {"cursor": self._cursor, "host": self.host,
+                                                       "since": now_ns - HORIZON_NS}).all()
             else:
-                rows = session.execute(select(*columns).where(
-                    UtilSampleRow.id > self._cursor, UtilSampleRow.host == self.host)).all()
-        for row in rows:
-            self._cursor = max(self._cursor, row.id)
-            if row.util_percent is None:
+                rows = conn.execute(_NEW_SAMPLES, {"cursor": self._cursor, "host": self.host}).all()
+        for row_id, ts_ns, source, pid, util_percent, interval_s in rows:
+            self._cursor = max(self._cursor, row_id)
+            if util_percent is None:
                 continue  # the source could not tell: no sample, not an idle one
-            covered_from = row.ts_ns - int((row.interval_s or DEFAULT_INTERVAL_S) * 1e9)
-            self._series[(row.source, row.pid)].add(row.ts_ns, covered_from, row.util_percent)
+            covered_from = ts_ns - int((interval_s or DEFAULT_INTERVAL_S) * 1e9)
+            self._series[(source, pid)].add(ts_ns, covered_from, util_percent)
             if self.news_ns is None or covered_from < self.news_ns:
                 self.news_ns = covered_from
         for series in self._series.values():
