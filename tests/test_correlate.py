@@ -702,3 +702,23 @@ def test_coverage_the_store_refused_is_written_in_a_later_round_once(store: Stor
     correlator.tick()
     correlator.tick()
     assert coverage(store, "idle_close") == 1
+
+
+def test_a_server_span_no_kernel_event_saw_is_counted_once_its_window_ends(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)  # late-span window 5 s
+    seen, unseen, later = ("127.0.0.1", 40002), ("127.0.0.1", 40003), ("127.0.0.1", 40004)
+    # Arrival order is not end order: the span that ended last arrives first.
+    store.insert_spans([http_span("c", 3.0, 4.0, client=later), http_span("a", 0, 1.0, client=seen),
+                        http_span("b", 0, 2.0, client=unseen)])
+    store.insert_conn_events([close(1.5, client=seen)])
+    clock.now = T0 + int(6.5 * S)  # only a's window ended (1.0 + 5 s); a had its close
+    correlator.tick()
+    assert coverage(store, "unjoined_span") == 0
+    clock.now = T0 + int(7.5 * S)  # b's ended: no event of its connection
+    correlator.tick()
+    assert coverage(store, "unjoined_span") == 1
+    clock.now = T0 + 20 * S  # c's too
+    correlator.tick()
+    correlator.tick()
+    assert coverage(store, "unjoined_span") == 2
