@@ -172,7 +172,8 @@ class PageConnection:
         return out
 
     def _chunked(self) -> bytes:
-        parts, total = [], 0
+        parts: list[bytes] = []
+        total = 0
         while True:
             size = int(self._until(b"\r\n", 1024).split(b";")[0].strip() or b"x", 16)
             if size == 0:

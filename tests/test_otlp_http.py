@@ -220,6 +220,31 @@ def chunked_post(body: bytes, chunk_size: int, *, close: bool = False) -> bytes:
             b"Transfer-Encoding: chunked\r\n" + (b"Connection: close\r\n" if close else b"") + b"\r\n" + framed)
 
 
+def test_headers_are_read_in_any_case_and_bad_ones_refused(receiver: OtlpHttpReceiver, store: Store) -> None:
+    body = json_body([json_span("headers-a", "00000000000000b1")])
+    # Names in any case, a repeated header's first value, spaces around values, two requests on
+    # one keep-alive connection, and Expect: 100-continue answered before the body.
+    request = (b"POST /v1/traces HTTP/1.1\r\nhOsT: t\r\ncontent-TYPE:   application/json  \r\n"
+               b"Content-Type: application/x-protobuf\r\nCONTENT-LENGTH: %d\r\n\r\n%s" % (len(body), body))
+    expect = request.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n", 1)
+    answer = raw_exchange(receiver.port, request + expect)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.count(b" 200 OK") == 2, answer
+    assert b"HTTP/1.1 100 Continue" in answer and answer.index(b"100 Continue") < answer.rindex(b" 200 OK")
+    assert [r[0] for r in rows(store)] == ["headers-a"]
+    # A line without a colon is refused (the email package took it for the end of the headers),
+    # as are a space before the colon and a folded line (RFC 9112 5.1, 5.2).
+    head = b"POST /v1/traces HTTP/1.1\r\nHost: t\r\n"
+    for headers, status in ((b"No colon here\r\n", b" 400 "), (b"Name : value\r\n", b" 400 "),
+                            (b"X-A: 1\r\n folded\r\n", b" 400 "), (b": nameless\r\n", b" 400 "),
+                            (b"X-Long: " + b"a" * 70_000 + b"\r\n", b" 431 "),
+                            (b"".join(b"X-%d: 1\r\n" % i for i in range(101)), b" 431 ")):
+        answer = raw_exchange(receiver.port, head + headers + b"Content-Length: 0\r\n\r\n")
+        assert status in answer.split(b"\r\n", 1)[0], (headers[:30], answer[:200])
+    answer = raw_exchange(receiver.port, b"POST /v1/traces HTTP/2.0\r\nHost: t\r\n\r\n")
+    assert b" 505 " in answer.split(b"\r\n", 1)[0], answer
+    assert post(receiver.port, b"")[0] == 200  # still up
+
+
 def test_chunked_bodies_are_read_and_bad_framing_is_refused(receiver: OtlpHttpReceiver, store: Store) -> None:
     body = json_body([json_span("chunked-a", "00000000000000a1"), json_span("chunked-b", "00000000000000a2")])
     # Two chunked requests on one keep-alive connection: both answered 200, both stored.
