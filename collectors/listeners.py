@@ -1,11 +1,11 @@
 """The process behind a listening TCP port, for engines whose spans carry no ``process.pid``.
 
 The OpenTelemetry SDK leaves ``process.pid`` out of the resource unless a detector adds it, so the
-auditor finds the engine itself: the port's LISTEN rows in ``/proc/net/tcp`` and ``/proc/net/tcp6``
-give the socket inodes, and the process holding one of them is found by reading the
-``socket:[inode]`` links under ``/proc/<pid>/fd``.
+auditor finds the engine itself: the kernel's LISTEN sockets on the port (sock_diag netlink, else
+``/proc/net/tcp`` and ``/proc/net/tcp6``) give the socket inodes, and the process holding one of
+them is found by reading the ``socket:[inode]`` links under ``/proc/<pid>/fd``.
 
-Privileges: ``/proc/net/tcp*`` is world-readable. Listing another user's ``/proc/<pid>/fd`` needs
+Privileges: sock_diag's socket dumps and ``/proc/net/tcp*`` are open to every user. Listing another user's ``/proc/<pid>/fd`` needs
 CAP_DAC_READ_SEARCH, and reading its links is a ptrace read-access check (``PTRACE_MODE_READ``),
 which for a process of another user needs CAP_SYS_PTRACE. The unit runs as its own user, so it
 finds engines of other users this way only with CAP_SYS_PTRACE in its capability set
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import struct
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -33,9 +35,65 @@ LISTEN = "0A"
 CLOSERS_HINT = "; the eBPF probe names it once the engine has closed a connection on the port"
 
 
+# NETLINK_SOCK_DIAG (linux/sock_diag.h, linux/inet_diag.h): the kernel lists the sockets asked for.
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+TCP_LISTEN = 10
+_NLMSG_HEADER = struct.Struct("=IHHII")  # length, type, flags, sequence, port id
+_DIAG_REQUEST = struct.Struct("=BBBBI48x")  # family, protocol, extensions, pad, states; a zero socket id
+_DIAG_PORT = struct.Struct("!H")  # inet_diag_msg: the socket id's source port, at offset 4, big-endian
+_DIAG_INODE = struct.Struct("=I")  # inet_diag_msg: the inode, at offset 68
+
+
 def listening_inodes(ports: Iterable[int], proc_root: Path = Path("/proc")) -> dict[int, set[int]]:
-    """Port -> inodes of the sockets listening on it (IPv4 and IPv6)."""
-    wanted = set(ports)
+    """Port -> inodes of the sockets listening on it (IPv4 and IPv6).
+
+    Asked of the kernel over sock_diag netlink for LISTEN sockets only: reading ``/proc/net/tcp``
+    walks the whole connection hash, whose size grows with the host's memory (8 ms of CPU here
+    with two sockets in it). ``/proc/net/tcp`` is read where netlink is refused, and for another
+    ``proc_root``."""
+    if proc_root == Path("/proc"):
+        try:
+            return _listening_inodes_netlink(set(ports))
+        except OSError as exc:
+            log.debug("sock_diag netlink refused (%s); reading /proc/net/tcp", exc)
+    return _listening_inodes_proc(set(ports), proc_root)
+
+
+def _listening_inodes_netlink(wanted: set[int]) -> dict[int, set[int]]:
+    found: dict[int, set[int]] = {}
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as sock:
+        sock.settimeout(2.0)
+        for sequence, family in enumerate((socket.AF_INET, socket.AF_INET6), start=1):
+            request = _DIAG_REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, 1 << TCP_LISTEN)
+            sock.send(_NLMSG_HEADER.pack(_NLMSG_HEADER.size + len(request), SOCK_DIAG_BY_FAMILY,
+                                         NLM_F_REQUEST | NLM_F_DUMP, sequence, 0) + request)
+            done = False
+            while not done:
+                data = sock.recv(1 << 16)
+                offset = 0
+                while offset + _NLMSG_HEADER.size <= len(data):
+                    length, kind, _flags, _seq, _pid = _NLMSG_HEADER.unpack_from(data, offset)
+                    if length < _NLMSG_HEADER.size:
+                        raise OSError(f"sock_diag answered a message of {length} bytes")
+                    body = offset + _NLMSG_HEADER.size
+                    if kind == NLMSG_DONE:
+                        done = True
+                        break
+                    if kind == NLMSG_ERROR:
+                        raise OSError(f"sock_diag answered error {-struct.unpack_from('=i', data, body)[0]}")
+                    if kind == SOCK_DIAG_BY_FAMILY and length >= _NLMSG_HEADER.size + 72:
+                        port = _DIAG_PORT.unpack_from(data, body + 4)[0]
+                        inode = _DIAG_INODE.unpack_from(data, body + 68)[0]
+                        if port in wanted and inode:
+                            found.setdefault(port, set()).add(inode)
+                    offset += (length + 3) & ~3
+    return found
+
+
+def _listening_inodes_proc(wanted: set[int], proc_root: Path) -> dict[int, set[int]]:
     found: dict[int, set[int]] = {}
     for table in ("tcp", "tcp6"):
         try:
@@ -110,8 +168,8 @@ class ListenerPids:
     def resolve(self, ports: Iterable[int], closers: Callable[[], dict[int, int]] | None = None
                 ) -> tuple[dict[int, int], dict[int, str]]:
         """(port -> pid, port -> why unknown) for the ports asked; the same answer for ``refresh_s``,
-        and up to ``verify_s`` while every port has a process and they all live (reading
-        ``/proc/net/tcp`` costs milliseconds on a busy host: it lists every connection).
+        and up to ``verify_s`` while every port has a process and they all live (the scan of
+        ``/proc/*/fd`` for a new inode costs milliseconds on a busy host).
         ``closers`` (port -> pid of a process seen closing a connection on it) is asked, on every
         call, for the ports this lookup leaves unknown."""
         asked, now = frozenset(ports), self._monotonic()
