@@ -102,7 +102,7 @@ class Daemon:
         procfs = self._parts.get("procfs")
         extra_pids = set(self.config.sampler.procfs_pids)
         self._upkeep = Upkeep(self.store, self.host, self.metrics, None if procfs is None else
-                              lambda pids: procfs.set_pids(extra_pids | pids), find_engines=self._find_engines)
+                              lambda pids: self._sample_pids(extra_pids | pids), find_engines=self._find_engines)
         self._start_engine_metrics()
         self._spawn("correlator", self._correlate_loop)
         self._start_retention()
@@ -193,6 +193,11 @@ class Daemon:
         loop = SamplingLoop(samplers, sink=self._write_samples, interval_s=self.config.sampler.interval_ms / 1000)
         loop.start()
         self._parts["sampling"] = loop
+
+    def _sample_pids(self, pids: set[int]) -> None:
+        """Follow these processes' CPU; the sampling loop, idle while it followed none, wakes."""
+        self._parts["procfs"].set_pids(pids)
+        self._parts["sampling"].wake()
 
     def _start_engine_metrics(self) -> None:
         if not self.config.engine_metrics.scrape:

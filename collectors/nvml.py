@@ -135,6 +135,10 @@ class NvmlSampler:
         self._initialized = False
 
     # -- sampling ---------------------------------------------------------------------------
+    def idle(self) -> bool:
+        """NVML is not up (no driver, no GPU): retried on its own back-off, at idle ticks."""
+        return not self._initialized
+
     def sample(self, ts_ns: int) -> list[UtilSample]:
         now = self._monotonic()
         if not self._init(now):

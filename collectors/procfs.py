@@ -54,6 +54,11 @@ class ProcfsSampler:
         with self._lock:
             self._pids = wanted
 
+    def idle(self) -> bool:
+        """No process to sample."""
+        with self._lock:
+            return not self._pids
+
     def _read(self, pid: int) -> tuple[int, int, int] | None:
         """(utime+stime, starttime, rss pages) or None when the process is gone.
 

@@ -20,6 +20,11 @@ from auditor.model import UtilSample
 
 log = logging.getLogger(__name__)
 
+# While every sampler says it has nothing to sample (``idle()``: no process followed, no NVML), the
+# loop ticks this seldom, or at once when woken (``wake``: a process to follow): each idle
+# wake-up costs CPU on a host that has nothing to measure.
+IDLE_INTERVAL_S = 1.0
+
 OK = "ok"
 
 
@@ -52,6 +57,7 @@ class SamplingLoop:
         self._monotonic = monotonic
         self._wall_clock_ns = wall_clock_ns
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by wake() and stop(): ends an idle wait
         self._thread: threading.Thread | None = None
         self._failures: dict[str, str] = {}
         self.ticks = 0
@@ -67,8 +73,18 @@ class SamplingLoop:
             self._thread.start()
         return self
 
+    def wake(self) -> None:
+        """A sampler has something to sample again (a process to follow): tick now, not after an idle wait."""
+        self._wake.set()
+
+    def idle(self) -> bool:
+        """Whether every sampler says it has nothing to sample (those that cannot say are busy)."""
+        return all(callable(getattr(sampler, "idle", None)) and sampler.idle()  # type: ignore[attr-defined]
+                   for sampler in self.samplers)
+
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
         self._thread = None
@@ -129,6 +145,11 @@ class SamplingLoop:
         while not self._stop.is_set():
             self.run_once()
             tick += 1
+            if self.idle():
+                self._wake.wait(IDLE_INTERVAL_S)
+                self._wake.clear()
+                start, tick = self._monotonic(), 0  # a new schedule from the end of the idle wait
+                continue
             now = self._monotonic()
             due = start + tick * self.interval_s
             if now > due:

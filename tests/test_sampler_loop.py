@@ -89,3 +89,28 @@ def test_procfs_samples_reach_the_store(store: Store) -> None:
         count = session.execute(text(
             "SELECT count(*) FROM util_samples WHERE source = 'procfs' AND pid = :pid"), {"pid": os.getpid()}).scalar()
     assert count and count >= 3
+
+
+def test_a_loop_with_nothing_to_sample_ticks_seldom_and_wakes_for_a_process() -> None:
+    from collectors.sampling import IDLE_INTERVAL_S
+
+    procfs = ProcfsSampler(host="h")  # follows no process: idle
+    recorder = Recorder()
+    stored: list[UtilSample] = []
+    loop = SamplingLoop([procfs], sink=stored.extend, interval_s=0.05).start()
+    try:
+        time.sleep(1.5)
+        assert loop.ticks <= 1 + 1.5 / IDLE_INTERVAL_S + 1  # not 30 ticks of 50 ms
+        idle_ticks = loop.ticks
+        procfs.set_pids([os.getpid()])
+        loop.wake()
+        time.sleep(0.5)
+        assert loop.ticks - idle_ticks >= 5  # back to 50 ms at once
+        assert any(s.pid == os.getpid() for s in stored)
+    finally:
+        loop.stop()
+    # A sampler that cannot say whether it is idle keeps the loop at its rate.
+    busy = SamplingLoop([procfs := ProcfsSampler(host="h"), recorder], sink=stored.extend, interval_s=0.05).start()
+    time.sleep(0.5)
+    busy.stop()
+    assert len(recorder.ticks) >= 5 and procfs.idle()
