@@ -23,28 +23,16 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import struct
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from probes.sockdiag import SockDiag
 
 log = logging.getLogger(__name__)
 
 LISTEN = "0A"
 CLOSERS_HINT = "; the eBPF probe names it once the engine has closed a connection on the port"
-
-
-# NETLINK_SOCK_DIAG (linux/sock_diag.h, linux/inet_diag.h): the kernel lists the sockets asked for.
-NETLINK_SOCK_DIAG = 4
-SOCK_DIAG_BY_FAMILY = 20
-NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
-NLMSG_ERROR, NLMSG_DONE = 2, 3
-TCP_LISTEN = 10
-_NLMSG_HEADER = struct.Struct("=IHHII")  # length, type, flags, sequence, port id
-_DIAG_REQUEST = struct.Struct("=BBBBI48x")  # family, protocol, extensions, pad, states; a zero socket id
-_DIAG_PORT = struct.Struct("!H")  # inet_diag_msg: the socket id's source port, at offset 4, big-endian
-_DIAG_INODE = struct.Struct("=I")  # inet_diag_msg: the inode, at offset 68
 
 
 def listening_inodes(ports: Iterable[int], proc_root: Path = Path("/proc")) -> dict[int, set[int]]:
@@ -64,32 +52,13 @@ def listening_inodes(ports: Iterable[int], proc_root: Path = Path("/proc")) -> d
 
 def _listening_inodes_netlink(wanted: set[int]) -> dict[int, set[int]]:
     found: dict[int, set[int]] = {}
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as sock:
-        sock.settimeout(2.0)
-        for sequence, family in enumerate((socket.AF_INET, socket.AF_INET6), start=1):
-            request = _DIAG_REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, 1 << TCP_LISTEN)
-            sock.send(_NLMSG_HEADER.pack(_NLMSG_HEADER.size + len(request), SOCK_DIAG_BY_FAMILY,
-                                         NLM_F_REQUEST | NLM_F_DUMP, sequence, 0) + request)
-            done = False
-            while not done:
-                data = sock.recv(1 << 16)
-                offset = 0
-                while offset + _NLMSG_HEADER.size <= len(data):
-                    length, kind, _flags, _seq, _pid = _NLMSG_HEADER.unpack_from(data, offset)
-                    if length < _NLMSG_HEADER.size:
-                        raise OSError(f"sock_diag answered a message of {length} bytes")
-                    body = offset + _NLMSG_HEADER.size
-                    if kind == NLMSG_DONE:
-                        done = True
-                        break
-                    if kind == NLMSG_ERROR:
-                        raise OSError(f"sock_diag answered error {-struct.unpack_from('=i', data, body)[0]}")
-                    if kind == SOCK_DIAG_BY_FAMILY and length >= _NLMSG_HEADER.size + 72:
-                        port = _DIAG_PORT.unpack_from(data, body + 4)[0]
-                        inode = _DIAG_INODE.unpack_from(data, body + 68)[0]
-                        if port in wanted and inode:
-                            found.setdefault(port, set()).add(inode)
-                    offset += (length + 3) & ~3
+    diag = SockDiag()
+    try:
+        for (_family, _local, port, _peer, _peer_port), _state, inode in diag.listening(frozenset(wanted)):
+            if inode:
+                found.setdefault(port, set()).add(inode)
+    finally:
+        diag.close()
     return found
 
 

@@ -84,10 +84,7 @@ class SockDiag:
         """Every non-listening TCP socket (IPv4 and IPv6) whose local port is in ``ports``."""
         if not ports:
             return
-        bytecode = self._filters.get(ports)
-        if bytecode is None:
-            bytecode = self._filters[ports] = port_filter(ports)
-        attribute = struct.pack("=HH", 4 + len(bytecode), INET_DIAG_REQ_BYTECODE) + bytecode
+        attribute = self._port_attribute(ports)
         if self._one_walk:
             try:
                 # Collected first: a refusal arrives before any socket, and must not duplicate any.
@@ -101,6 +98,22 @@ class SockDiag:
         for family in (socket.AF_INET, socket.AF_INET6):
             body = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, STATES) + attribute
             yield from self._dump(SOCK_DIAG_BY_FAMILY, body, ports)
+
+    def listening(self, ports: frozenset[int]) -> Iterator[DiagEntry]:
+        """Every LISTEN TCP socket (IPv4 and IPv6) whose local port is in ``ports``: the kernel walks
+        only its listening hash for these, not the established one."""
+        if not ports:
+            return
+        attribute = self._port_attribute(ports)
+        for family in (socket.AF_INET, socket.AF_INET6):
+            body = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, 1 << TCP_LISTEN) + attribute
+            yield from self._dump(SOCK_DIAG_BY_FAMILY, body, ports, states=1 << TCP_LISTEN)
+
+    def _port_attribute(self, ports: frozenset[int]) -> bytes:
+        bytecode = self._filters.get(ports)
+        if bytecode is None:
+            bytecode = self._filters[ports] = port_filter(ports)
+        return struct.pack("=HH", 4 + len(bytecode), INET_DIAG_REQ_BYTECODE) + bytecode
 
     def state_of(self, key: SocketKey) -> int | None:
         """The TCP state of the one socket ``key`` names, whatever it is (TIME_WAIT included), or
@@ -129,7 +142,7 @@ class SockDiag:
         return found[0] if found else None
 
     def _dump(self, request: int, body: bytes, ports: frozenset[int],
-              flags: int = NLM_F_REQUEST | NLM_F_DUMP) -> Iterator[DiagEntry]:
+              flags: int = NLM_F_REQUEST | NLM_F_DUMP, states: int = ~(1 << TCP_LISTEN)) -> Iterator[DiagEntry]:
         self._seq += 1
         self._sock.send(_HEADER.pack(_HEADER.size + len(body), request, flags, self._seq, 0) + body)
         single = not flags & NLM_F_DUMP  # one answer and no NLMSG_DONE
@@ -151,13 +164,13 @@ class SockDiag:
                     raise OSError(errno, f"sock_diag refused the dump: {os.strerror(errno)}")
                 if kind != request or length - _HEADER.size < MSG_BYTES:
                     continue
-                entry = self._entry(data, payload, ports)
+                entry = self._entry(data, payload, ports, states)
                 if entry is not None:
                     yield entry
                 if single:
                     return
 
-    def _entry(self, data: bytes, payload: int, ports: frozenset[int]) -> DiagEntry | None:
+    def _entry(self, data: bytes, payload: int, ports: frozenset[int], states: int) -> DiagEntry | None:
         """One struct inet_diag_msg: family, state, then the socket id (ports and addresses)."""
         state = data[payload + 1]
         ident = data[payload:payload + 1] + data[payload + 4:payload + 40]
@@ -170,7 +183,7 @@ class SockDiag:
             if len(self._decoded) >= DECODED_CACHE_MAX:
                 self._decoded.clear()
             self._decoded[ident] = key
-        if key[2] not in ports or state == TCP_LISTEN:
+        if key[2] not in ports or not states & (1 << state):
             return None  # the kernel filtered already; this only guards a filter it ignored
         return key, state, struct.unpack_from("=I", data, payload + 68)[0]
 
