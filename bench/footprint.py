@@ -11,8 +11,12 @@ the columns, not figures from different runs.
 
 With ``--compare REV`` a daemon of git revision REV's code (child loader) runs beside them.
 
+The watched port listens by default (this process holds it), so each daemon finds an "engine" and
+samples its CPU at 10 Hz, as on a host with an idle engine. ``--engine none`` leaves the port
+bound but not listening: a host whose engine has not started, or is gone.
+
 Usage: .venv/bin/python bench/footprint.py [--seconds 30] [--settle 5] [--grpc] [--loaders child,inprocess]
-                                           [--compare REV]
+                                           [--compare REV] [--engine idle|none]
 """
 
 from __future__ import annotations
@@ -72,10 +76,14 @@ def llvm_mapped(pid: int) -> bool:
 
 
 class Daemon:
-    def __init__(self, loader: str, work: Path, grpc: bool, tree: Path = REPO, label: str = "") -> None:
+    def __init__(self, loader: str, work: Path, grpc: bool, tree: Path = REPO, label: str = "",
+                 engine: bool = True) -> None:
         self.loader = label or loader
         self.metrics_port = free_port()
-        self.idle = socket.create_server(("127.0.0.1", 0))  # a watched port nobody uses
+        # A watched port nobody uses: listening (an idle engine, this process), or only bound.
+        self.idle = socket.create_server(("127.0.0.1", 0)) if engine else socket.socket()
+        if not engine:
+            self.idle.bind(("127.0.0.1", 0))
         command = [sys.executable, "-c", ENTRY, loader, "run", "--db", f"sqlite:///{work / self.loader.replace(' ', '-')}.db",
                    "--port", str(self.idle.getsockname()[1]), "--otlp-http", "127.0.0.1:0",
                    "--otlp-grpc", "127.0.0.1:0" if grpc else "", "--live", "",
@@ -115,9 +123,11 @@ def measure(daemons: list[Daemon], seconds: float) -> dict[str, dict[str, float]
     return results
 
 
-def report(results: dict[str, dict[str, float]], seconds: float, grpc: bool) -> None:
+def report(results: dict[str, dict[str, float]], seconds: float, grpc: bool, engine: bool = True) -> None:
     loaders = list(results)
-    print(f"\nIdle daemon with the eBPF source, {seconds:g} s window, gRPC listener {'on' if grpc else 'off'}")
+    print(f"\nIdle daemon with the eBPF source, {seconds:g} s window, gRPC listener {'on' if grpc else 'off'}, "
+          + ("an idle engine on the watched port (followed, sampled at 10 Hz)" if engine else
+             "nothing listening on the watched port"))
     print(f"  {'':<22}" + "".join(f"{name:>14}" for name in loaders))
     rows = [("CPU, % of one core", "cpu_percent", "{:.2f}"), ("RSS, MiB", "VmRSS", "{:.1f}"),
             ("PSS, MiB", "Pss", "{:.1f}"), ("private, MiB", "Private", "{:.1f}"),
@@ -135,18 +145,21 @@ def main() -> int:
     parser.add_argument("--grpc", action="store_true", help="also listen for OTLP/gRPC (imports grpc)")
     parser.add_argument("--loaders", default="child,inprocess")
     parser.add_argument("--compare", metavar="REV", help="also run git revision REV's daemon (child loader) beside them")
+    parser.add_argument("--engine", choices=("idle", "none"), default="idle",
+                        help="idle: the watched port listens (an idle engine, followed); none: nothing listens")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (eBPF probe)")
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench-footprint-"))
-    daemons = [Daemon(loader, work, args.grpc) for loader in args.loaders.split(",")]
+    engine = args.engine == "idle"
+    daemons = [Daemon(loader, work, args.grpc, engine=engine) for loader in args.loaders.split(",")]
     if args.compare:
         sys.path.insert(0, str(REPO))
         from bench.ingest import export_tree
 
         old = export_tree(args.compare, work / "old")
-        daemons.insert(0, Daemon("child", work, args.grpc, tree=old, label=f"child {args.compare}"))
+        daemons.insert(0, Daemon("child", work, args.grpc, tree=old, label=f"child {args.compare}", engine=engine))
     try:
         deadline = time.monotonic() + 120
         while not all(d.check_ready() for d in daemons):
@@ -159,7 +172,7 @@ def main() -> int:
     finally:
         for daemon in daemons:
             daemon.stop()
-    report(results, args.seconds, args.grpc)
+    report(results, args.seconds, args.grpc, engine)
     return 0
 
 

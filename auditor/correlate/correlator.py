@@ -277,12 +277,17 @@ class Correlator:
         self._check_unjoined_spans(now)
         changed: list[tuple[OpenRequest, RequestVerdict]] = []
         news = self._take_news()
-        for request in list(self._open.values()):
-            if request.key[0] in self._touched or (clock_dependent(request) and request.due(now, news)):
-                verdict = evaluate(self, request, now)
-                request.checked(now, changed=verdict is not None)
-                if verdict is not None:
-                    changed.append((request, verdict))
+        try:
+            for request in list(self._open.values()):
+                if request.key[0] in self._touched or (clock_dependent(request) and request.due(now, news)):
+                    verdict = evaluate(self, request, now)
+                    request.checked(now, changed=verdict is not None)
+                    if verdict is not None:
+                        changed.append((request, verdict))
+        except Exception:
+            if news is not None:  # the round failed part-way: its news counts again in the next
+                self._news_at(news)
+            raise
         # Only a committed verdict counts as written: if the store refuses (locked, disk full),
         # the next round computes and writes it again.
         self.store.upsert_verdicts([verdict for _, verdict in changed])
