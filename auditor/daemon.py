@@ -185,7 +185,10 @@ class Daemon:
             from collectors.nvml import NvmlSampler
 
             samplers.append(NvmlSampler(host=self.host))
-        self._parts["listeners"] = ListenerPids()  # engines whose spans name no process
+        from probes.sockdiag import listening_inodes
+
+        # Engines whose spans name no process; their sockets asked of the kernel, not /proc/net/tcp.
+        self._parts["listeners"] = ListenerPids(listening=listening_inodes)
         procfs = ProcfsSampler(host=self.host)
         procfs.set_pids(self.config.sampler.procfs_pids)
         samplers.append(procfs)

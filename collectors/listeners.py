@@ -1,13 +1,14 @@
 """The process behind a listening TCP port, for engines whose spans carry no ``process.pid``.
 
 The OpenTelemetry SDK leaves ``process.pid`` out of the resource unless a detector adds it, so the
-auditor finds the engine itself: the kernel's LISTEN sockets on the port (sock_diag netlink, else
-``/proc/net/tcp`` and ``/proc/net/tcp6``) give the socket inodes, and the process holding one of
-them is found by reading the ``socket:[inode]`` links under ``/proc/<pid>/fd``.
+auditor finds the engine itself: the kernel's LISTEN sockets on the port (asked over sock_diag
+netlink where the daemon passes ``listening``, else read from ``/proc/net/tcp`` and
+``/proc/net/tcp6``) give the socket inodes, and the process holding one of them is found by
+reading the ``socket:[inode]`` links under ``/proc/<pid>/fd``.
 
-Privileges: sock_diag's socket dumps and ``/proc/net/tcp*`` are open to every user. Listing another user's ``/proc/<pid>/fd`` needs
-CAP_DAC_READ_SEARCH, and reading its links is a ptrace read-access check (``PTRACE_MODE_READ``),
-which for a process of another user needs CAP_SYS_PTRACE. The unit runs as its own user, so it
+Privileges: sock_diag's socket dumps and ``/proc/net/tcp*`` are open to every user. Listing
+another user's ``/proc/<pid>/fd`` needs CAP_DAC_READ_SEARCH, and reading its links is a ptrace
+read-access check (``PTRACE_MODE_READ``), which for a process of another user needs CAP_SYS_PTRACE. The unit runs as its own user, so it
 finds engines of other users this way only with CAP_SYS_PTRACE in its capability set
 (docs/verdicts.md, "Cost"). Without it, ``resolve`` takes the process a ``closers`` callable names
 (the eBPF probe sees which process closes a connection on the port, no ptrace needed); a port still
@@ -27,8 +28,6 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from probes.sockdiag import SockDiag
-
 log = logging.getLogger(__name__)
 
 LISTEN = "0A"
@@ -36,30 +35,12 @@ CLOSERS_HINT = "; the eBPF probe names it once the engine has closed a connectio
 
 
 def listening_inodes(ports: Iterable[int], proc_root: Path = Path("/proc")) -> dict[int, set[int]]:
-    """Port -> inodes of the sockets listening on it (IPv4 and IPv6).
+    """Port -> inodes of the sockets listening on it (IPv4 and IPv6), from ``/proc/net/tcp*``.
 
-    Asked of the kernel over sock_diag netlink for LISTEN sockets only: reading ``/proc/net/tcp``
-    walks the whole connection hash, whose size grows with the host's memory (8 ms of CPU here
-    with two sockets in it). ``/proc/net/tcp`` is read where netlink is refused, and for another
-    ``proc_root``."""
-    if proc_root == Path("/proc"):
-        try:
-            return _listening_inodes_netlink(set(ports))
-        except OSError as exc:
-            log.debug("sock_diag netlink refused (%s); reading /proc/net/tcp", exc)
+    Reading those walks the kernel's whole connection hash, whose size grows with the host's
+    memory (8 ms of CPU on a small VM with two sockets in it): ``ListenerPids`` takes a cheaper
+    way where it is given one (the daemon gives the kernel's sock_diag, ``probes.sockdiag``)."""
     return _listening_inodes_proc(set(ports), proc_root)
-
-
-def _listening_inodes_netlink(wanted: set[int]) -> dict[int, set[int]]:
-    found: dict[int, set[int]] = {}
-    diag = SockDiag()
-    try:
-        for (_family, _local, port, _peer, _peer_port), _state, inode in diag.listening(frozenset(wanted)):
-            if inode:
-                found.setdefault(port, set()).add(inode)
-    finally:
-        diag.close()
-    return found
 
 
 def _listening_inodes_proc(wanted: set[int], proc_root: Path) -> dict[int, set[int]]:
@@ -114,8 +95,11 @@ class ListenerPids:
 
     def __init__(self, proc_root: str | os.PathLike[str] = "/proc", *, refresh_s: float = 2.0,
                  verify_s: float = 60.0, rescan_s: float = 10.0,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 listening: Callable[[set[int]], dict[int, set[int]]] | None = None) -> None:
         self.proc_root = Path(proc_root)
+        # Port -> listening inodes, a cheaper way than /proc/net/tcp (which stays the fallback).
+        self._listening = listening
         self.refresh_s = refresh_s
         self.verify_s = verify_s
         self.rescan_s = rescan_s
@@ -172,7 +156,14 @@ class ListenerPids:
         return pids, still
 
     def _resolve(self, ports: set[int]) -> tuple[dict[int, int], dict[int, str]]:
-        inodes = listening_inodes(ports, self.proc_root)
+        inodes: dict[int, set[int]] | None = None
+        if self._listening is not None:
+            try:
+                inodes = self._listening(ports)
+            except OSError as exc:
+                log.debug("listening sockets not told (%s); reading /proc/net/tcp", exc)
+        if inodes is None:
+            inodes = listening_inodes(ports, self.proc_root)
         self._pid_by_inode = {i: p for i, p in self._pid_by_inode.items()
                               if any(i in found for found in inodes.values()) and self._still_holds(p, i)}
         missing = {i for found in inodes.values() for i in found} - self._pid_by_inode.keys()

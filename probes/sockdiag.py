@@ -58,6 +58,21 @@ def port_filter(ports: frozenset[int]) -> bytes:
     return program
 
 
+def listening_inodes(ports: set[int]) -> dict[int, set[int]]:
+    """Port -> inodes of the TCP sockets listening on it (IPv4 and IPv6), asked of the kernel: it
+    walks only its listening hash (tens of microseconds, where /proc/net/tcp walks every
+    connection bucket). Raises OSError when netlink is refused."""
+    found: dict[int, set[int]] = {}
+    diag = SockDiag()
+    try:
+        for (_family, _local, port, _peer, _peer_port), _state, inode in diag.listening(frozenset(ports)):
+            if inode:
+                found.setdefault(port, set()).add(inode)
+    finally:
+        diag.close()
+    return found
+
+
 def _address(family: int, raw: bytes) -> str:
     if family == socket.AF_INET:
         return socket.inet_ntop(socket.AF_INET, raw[:4])

@@ -55,21 +55,21 @@ def test_a_connection_on_the_port_is_not_taken_for_the_listener() -> None:
     assert len(inodes[port]) == 1  # the LISTEN row only
 
 
-def test_the_kernels_netlink_answer_is_proc_net_tcps(monkeypatch: pytest.MonkeyPatch) -> None:
-    from collectors import listeners
+def test_the_kernels_sock_diag_answer_is_proc_net_tcps() -> None:
+    from probes import sockdiag
 
     with listener() as v4, listener(socket.AF_INET6) as v6, socket.create_connection(v4.getsockname()):
         ports = {v4.getsockname()[1], v6.getsockname()[1], free_port()}
-        by_netlink = listeners._listening_inodes_netlink(ports)
-        by_proc = listeners._listening_inodes_proc(ports, Path("/proc"))
-        assert by_netlink == by_proc and len(by_netlink) == 2
-        assert listening_inodes(ports) == by_netlink
+        by_netlink = sockdiag.listening_inodes(ports)
+        assert by_netlink == listening_inodes(ports) and len(by_netlink) == 2
 
         def refused(wanted: set[int]) -> dict[int, set[int]]:
             raise PermissionError("netlink refused")
 
-        monkeypatch.setattr(listeners, "_listening_inodes_netlink", refused)
-        assert listening_inodes(ports) == by_proc  # where netlink is refused: /proc/net/tcp
+        # Given the kernel's answer, the finder takes it; where netlink is refused, /proc/net/tcp's.
+        for way in (sockdiag.listening_inodes, refused):
+            pids, unknown = ListenerPids(listening=way).resolve(ports)
+            assert set(pids) == ports - set(unknown) and set(pids.values()) == {os.getpid()} and len(pids) == 2
 
 
 def test_found_pids_are_cached_and_a_new_listener_is_found_again() -> None:
