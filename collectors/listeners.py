@@ -38,8 +38,8 @@ def listening_inodes(ports: Iterable[int], proc_root: Path = Path("/proc")) -> d
     """Port -> inodes of the sockets listening on it (IPv4 and IPv6), from ``/proc/net/tcp*``.
 
     Reading those walks the kernel's whole connection hash, whose size grows with the host's
-    memory (8 ms of CPU on a small VM with two sockets in it): ``ListenerPids`` takes a cheaper
-    way where it is given one (the daemon gives the kernel's sock_diag, ``probes.sockdiag``)."""
+    memory however few sockets it holds: ``ListenerPids`` takes a cheaper way where it is given
+    one (the daemon gives the kernel's sock_diag, ``probes.sockdiag``)."""
     return _listening_inodes_proc(set(ports), proc_root)
 
 

@@ -60,8 +60,8 @@ def port_filter(ports: frozenset[int]) -> bytes:
 
 def listening_inodes(ports: set[int]) -> dict[int, set[int]]:
     """Port -> inodes of the TCP sockets listening on it (IPv4 and IPv6), asked of the kernel: it
-    walks only its listening hash (tens of microseconds, where /proc/net/tcp walks every
-    connection bucket). Raises OSError when netlink is refused."""
+    walks only its listening hash, where /proc/net/tcp walks every
+    connection bucket. Raises OSError when netlink is refused."""
     found: dict[int, set[int]] = {}
     diag = SockDiag()
     try:
