@@ -165,6 +165,27 @@ def test_http_spans_only_orphan_in_the_gauges_is_a_zombie_to_a_scrape(store: Sto
     assert row.details["work_end_resolution_s"] == 0.25
 
 
+def test_a_polled_close_the_span_end_falls_inside_orders_nothing(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    zombie, raced = ("127.0.0.1", 40040), ("127.0.0.1", 40041)
+    # The /proc source saw each connection open 50 ms before it saw it closed, and each server span
+    # ended inside that interval: the zombie's server ended it on hearing of the disconnect and its
+    # engine held the request on to about 2 s; the other's engine never held it after.
+    store.insert_spans([http_span("z", 0, 0.98, client=zombie), http_span("r", 3.0, 3.98, span="7", client=raced)])
+    store.insert_conn_events([replace(close(at, client=client), earliest_ns=T0 + int((at - 0.05) * S))
+                              for at, client in ((1.0, zombie), (4.0, raced))])
+    # A scrape 1 ms after the zombie's span ended counts it as connected: no evidence either way.
+    correlator.add_engine_load([load(0.981, 1)] + [load(1.0 + 0.1 * i, 1 if i < 10 else 0) for i in range(40)])
+    clock.now = T0 + 12 * S
+    correlator.tick()
+    rows = {r.client_port: r for r in verdicts(store)}
+    assert rows[zombie[1]].verdict == "zombie" and rows[zombie[1]].details["evidence"] == "engine_metrics"
+    assert rows[zombie[1]].details["orphaned_scrapes"] == 10
+    # Closed after the last byte or cancelled: the order is unknown, and nothing else tells.
+    assert (rows[raced[1]].verdict, rows[raced[1]].details["evidence"]) == ("unconfirmed", "http_only")
+
+
 def test_http_spans_only_connected_requests_are_not_orphans(store: Store) -> None:
     clock = Clock()
     correlator = make(store, clock)

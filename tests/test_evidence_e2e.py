@@ -76,9 +76,25 @@ def drive(port: int, tag: str) -> None:
     ("abort", "vllm", False),
     ("abort", "sglang", False)])
 def test_http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool) -> None:
+    http_spans_only(tmp_path, behavior, names, send_spans, source="bpf")
+
+
+@pytest.mark.parametrize(("behavior", "names", "send_spans"), [
+    ("detached", "vllm", False),
+    ("abort", "tgi", True),
+    ("abort", "llamacpp", False),
+    ("abort", "vllm", False)])
+def test_http_spans_only_polled_closes(tmp_path: Path, behavior: str, names: str, send_spans: bool) -> None:
+    """The /proc source knows a close only to a poll interval, which the server span's end, prompt
+    on a disconnect, falls inside: that order is no evidence that the response was complete."""
+    http_spans_only(tmp_path, behavior, names, send_spans, source="procfs")
+
+
+def http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool, source: str) -> None:
     truth_log = tmp_path / "truth.jsonl"
     args = ["--engine-span", "none", "--metrics-names", names] + (["--send-spans"] if send_spans else [])
-    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S}) as daemon, running_engine(
+    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S,
+                                     "probe.source": source}) as daemon, running_engine(
             behavior=behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
             step_ms=10, extra_args=args) as engine:
         daemon.set_ports({engine.port})

@@ -47,8 +47,8 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     work_end, provisional, known = _work_end(corr, request, root, subtree, engine, now, details)
     started = origin_span.start_ns if origin_span and origin_span.start_ns > origin.ts_ns else None
     # An engine span without a finish reason (a configured name) cannot say the response was complete.
-    completed = None if engine and engine.finish_reason else ev.completed_by(origin.ts_ns, origin_span, subtree,
-                                                    corr.local_fins(origin.tuple4), CLOCK_ERROR_NS)
+    completed = None if engine and engine.finish_reason else ev.completed_by(
+        origin.ts_ns, origin_span, subtree, corr.local_fins(origin.tuple4), CLOCK_ERROR_NS, origin.earliest_ns)
     if completed is not None:
         corr.loads.completed_departure(origin.tuple4[2], origin.ts_ns)
     if known and completed is None and _close_races_span_end(corr, origin.ts_ns, origin_span, subtree, details):
@@ -197,7 +197,8 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     corr.loads.register(port, key, disconnect)
     ended = corr.loads.work_end(port, disconnect, max(disconnect, hop.start_ns),
                                 lambda start, end: corr.connected_at(port, start - CLOCK_ERROR_NS,
-                                                                     end + CLOCK_ERROR_NS))
+                                                                     end + CLOCK_ERROR_NS),
+                                connected_until_ns=hop.end_ns + CLOCK_ERROR_NS)
     return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))
 
 

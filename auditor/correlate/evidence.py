@@ -39,8 +39,12 @@ HTTP_ONLY = "http_only"
 
 
 def completed_by(disconnect_ns: int, http_span: SpanRecord | None, subtree: Iterable[SpanRecord],
-                 local_fins: Iterable[int], clock_error_ns: int) -> str | None:
-    """The evidence that the response was complete when the client left, or None."""
+                 local_fins: Iterable[int], clock_error_ns: int, earliest_ns: int | None = None) -> str | None:
+    """The evidence that the response was complete when the client left, or None.
+
+    ``earliest_ns`` is set for a polled close, known only to lie after it: a span that ended
+    after that moment may have ended because the client left (a server ends its span as soon as it
+    hears of the disconnect), so its end orders nothing."""
     if http_span is None:
         return None
     if any(http_span.start_ns <= fin <= disconnect_ns for fin in local_fins):
@@ -49,7 +53,7 @@ def completed_by(disconnect_ns: int, http_span: SpanRecord | None, subtree: Iter
         if span.parent_span_id == http_span.span_id and span.attributes.get(FINAL_SEND_ATTR) is True \
                 and span.start_ns <= disconnect_ns + clock_error_ns:
             return LAST_SEND
-    if http_span.end_ns <= disconnect_ns:
+    if http_span.end_ns <= disconnect_ns and (earliest_ns is None or http_span.end_ns <= earliest_ns):
         return SPAN_END  # the server was done before it heard of the disconnect
     return None
 
@@ -151,15 +155,20 @@ class EngineLoads:
         return series[index].running if index >= 0 else None
 
     def work_end(self, port: int, disconnect_ns: int, started_ns: int,
-                 connected_at: Callable[[int, int], int]) -> MetricsEnd | None:
+                 connected_at: Callable[[int, int], int], connected_until_ns: int | None = None) -> MetricsEnd | None:
         """When this request's work ended, as the gauges tell; None when no scrape came after it left.
 
         At each scrape after ``started_ns``, orphans = held - connected, where connected counts every
         request in flight at any moment the scrape spans (``connected_at(start, end)``). Requests that left later
         claim orphans first: an engine finishes what it started first, so a newer orphan outlives an
-        older one. The work ends between the last scrape that still counted it and the next."""
+        older one. The work ends between the last scrape that still counted it and the next.
+
+        Scrapes up to ``connected_until_ns`` count this request itself as connected (its server span
+        had not ended, give or take the clock error), so they cannot show it orphaned: they say
+        nothing of its work and are skipped."""
         series = self._loads.get(port, [])
-        start = bisect.bisect_right(series, started_ns, key=lambda item: item.ts_ns)
+        start = bisect.bisect_right(series, max(started_ns, connected_until_ns or started_ns),
+                                    key=lambda item: item.ts_ns)
         # Requests that left after this one (its own disconnect is not after itself): counted by
         # bisection, the registered requests being every disconnected one of the horizon.
         times = self._disconnect_times.get(port, [])
