@@ -743,3 +743,34 @@ def test_a_server_span_no_kernel_event_saw_is_counted_once_its_window_ends(store
     correlator.tick()
     correlator.tick()
     assert coverage(store, "unjoined_span") == 2
+
+
+def test_a_close_read_after_later_ones_is_written_off_when_its_own_window_ends(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)  # late-span window 5 s
+    first, skewed = ("127.0.0.1", 40005), ("127.0.0.1", 40006)
+    # The second close read carries the earlier time (a poller's, or a clock stepped back).
+    store.insert_conn_events([close(4.0, client=first), close(1.0, client=skewed)])
+    clock.now = T0 + int(4.5 * S)
+    correlator.tick()
+    assert correlator.stats.pending_disconnects == 2
+    clock.now = T0 + int(6.5 * S)  # the skewed close's window ended, the first's did not
+    correlator.tick()
+    assert coverage(store, "unjoined_disconnect") == 1 and correlator.stats.pending_disconnects == 1
+    clock.now = T0 + int(9.5 * S)
+    correlator.tick()
+    assert coverage(store, "unjoined_disconnect") == 2 and correlator.stats.pending_disconnects == 0
+
+
+def test_disconnects_by_time_stay_bounded_and_right_as_most_are_removed() -> None:
+    from auditor.correlate.requests import Disconnect, Disconnects
+
+    pending = Disconnects()
+    for i in range(5000):  # event ids in one order, times in the reverse
+        pending.add(Disconnect(i, T0 + (5000 - i) * S, "fin", ("127.0.0.1", 1000 + i, SERVER_PORT)))
+    for i in range(5000):
+        if i % 1000:
+            pending.remove(pending.by_id[i])
+    assert len(pending._by_time) <= 2 * len(pending) + 1024
+    assert [d.event_id for d in pending.closed_before(T0 + 3500 * S)] == [4000, 3000, 2000]
+    assert pending.closed_before(T0 + 3500 * S) == []  # each returned once

@@ -358,9 +358,7 @@ class Correlator:
         # notice of its server span): thousands of closes after a finished request wait out the
         # late-span window without any, and are looked at again only when it ends.
         due = {d.event_id: d for d in self._pending.on(self._news)}
-        for disconnect in self._pending:  # oldest first: those whose window ends
-            if now - disconnect.ts_ns <= self.late_ns:
-                break
+        for disconnect in self._pending.closed_before(now - self.late_ns):  # their window ends: each is removed below
             due[disconnect.event_id] = disconnect
         for event_id, disconnect in sorted(due.items()):
             span = self._span_in_flight(disconnect)

@@ -3,6 +3,7 @@ and the counts it keeps for /metrics."""
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -23,12 +24,14 @@ class Disconnect:
 
 
 class Disconnects:
-    """Disconnects by event id, oldest first, and by connection: a round looks up only those on the
-    connections it has news of, and the oldest, whose window ends."""
+    """Disconnects by event id, oldest first, by connection, and by time: a round looks up only those
+    on the connections it has news of, and those whose window ends (``closed_before``)."""
 
     def __init__(self) -> None:
         self.by_id: dict[int, Disconnect] = {}
         self._on: dict[Tuple4, set[int]] = defaultdict(set)
+        # (ts, event id) of each added; entries of removed ones are dropped when they reach the top.
+        self._by_time: list[tuple[int, int]] = []
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -39,6 +42,7 @@ class Disconnects:
     def add(self, disconnect: Disconnect) -> None:
         self.by_id[disconnect.event_id] = disconnect
         self._on[disconnect.tuple4].add(disconnect.event_id)
+        heapq.heappush(self._by_time, (disconnect.ts_ns, disconnect.event_id))
 
     def remove(self, disconnect: Disconnect) -> None:
         del self.by_id[disconnect.event_id]
@@ -46,6 +50,22 @@ class Disconnects:
         others.discard(disconnect.event_id)
         if not others:
             del self._on[disconnect.tuple4]
+        if len(self._by_time) > 2 * len(self.by_id) + 1024:  # mostly entries of removed ones: rebuilt
+            self._by_time = [(d.ts_ns, d.event_id) for d in self.by_id.values()]
+            heapq.heapify(self._by_time)
+
+    def closed_before(self, cutoff_ns: int) -> list[Disconnect]:
+        """Those that closed before ``cutoff_ns``, each returned once: the caller removes them.
+
+        By time, not event id: a polled close, or one stamped by a clock stepped back, may carry an
+        earlier time than events read before it."""
+        heap, found = self._by_time, []
+        while heap and heap[0][0] < cutoff_ns:
+            ts_ns, event_id = heapq.heappop(heap)
+            disconnect = self.by_id.get(event_id)
+            if disconnect is not None and disconnect.ts_ns == ts_ns:
+                found.append(disconnect)
+        return found
 
     def on(self, connections: Iterable[Tuple4]) -> list[Disconnect]:
         """Those on ``connections``, oldest first."""
