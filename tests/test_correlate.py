@@ -388,6 +388,30 @@ def test_restart_resumes_without_duplicates(tmp_path: Path) -> None:
     assert len(verdicts(store)) == 1 and coverage(store, "idle_close") == 1
 
 
+def test_restart_finishes_an_in_flight_zombie_and_counts_no_span_it_saw_as_unjoined(tmp_path: Path) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'a.db'}")
+    clock = Clock()
+    done = ("127.0.0.1", 40009)
+    # A finished request whose client closed after the answer (an idle close), and an HTTP-only
+    # zombie the gauges still hold when the daemon restarts.
+    store.insert_spans([http_span("b", 0, 1.0, client=done), http_span("z", 0, 6.001)])
+    store.insert_conn_events([close(1.5, client=done), close(6.0)])
+    first = make(store, clock)
+    first.add_engine_load([load(5.5 + 0.25 * i, 1) for i in range(20)])
+    clock.now = T0 + int(10.5 * S)
+    first.tick()
+    assert [r.verdict for r in verdicts(store)] == ["inflight_zombie"]
+    assert coverage(store, "idle_close") == 1 and coverage(store, "unjoined_span") == 0
+    restarted = make(store, clock)  # scrapes are not stored: the new run's own show the end
+    restarted.add_engine_load([load(10.75 + 0.25 * i, 1 if i < 4 else 0) for i in range(30)])
+    clock.now = T0 + 20 * S
+    restarted.tick()
+    restarted.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "zombie" and row.work_end_ns == T0 + int(11.625 * S)
+    assert coverage(store, "idle_close") == 1 and coverage(store, "unjoined_span") == 0
+
+
 def test_idle_rounds_write_nothing(store: Store) -> None:
     clock = Clock()
     correlator = make(store, clock)

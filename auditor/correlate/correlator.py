@@ -75,6 +75,12 @@ _NEW_EVENTS = (select(_events.c.id, _events.c.ts_ns, _events.c.kind, _events.c.c
                       _events.c.server_port, _events.c.earliest_ns)
                .where(_events.c.id > bindparam("cursor"), _events.c.host == bindparam("host"))
                .order_by(_events.c.id).limit(READ_ROWS))
+# At a restart: the events already read before it, for what they tell about their connections.
+_KNOWN_EVENTS = (select(_events.c.ts_ns, _events.c.kind, _events.c.client_addr, _events.c.client_port,
+                        _events.c.server_port)
+                 .where(_events.c.id <= bindparam("cursor"), _events.c.host == bindparam("host"),
+                        _events.c.ts_ns > bindparam("since"))
+                 .order_by(_events.c.id))
 _CLOSED, _LOCAL_FIN = ConnEventKind.CLOSED.value, ConnEventKind.LOCAL_FIN.value
 _DEPARTURES = {ConnEventKind.PEER_FIN.value: "fin", ConnEventKind.PEER_RST.value: "rst"}
 # The only span attributes a verdict reads: a span is held without the rest (most of its memory).
@@ -153,6 +159,27 @@ class Correlator:
                                                                     CoverageRow.ts_ns > now - HORIZON_NS,
                                                                     CoverageRow.detail.is_not(None))) if detail}
         self._span_cursor = self._horizon_cursor(now)
+        if self._event_cursor:
+            self._read_known_events(now)
+
+    def _read_known_events(self, now: int) -> None:
+        """The connections' events of the memory window that the last run read already (at or
+        before the saved position): they are no new disconnects, but the spans read back for the
+        horizon are checked against them (a span whose connection no event saw is counted)."""
+        with self.store.engine.connect() as conn:
+            rows = conn.execute(_KNOWN_EVENTS, {"cursor": self._event_cursor, "host": self.host,
+                                                "since": now - self.memory_ns}).all()
+        for ts_ns, event_kind, client_addr, client_port, server_port in rows:
+            self._note_event((norm_addr(client_addr), client_port, server_port), ts_ns, event_kind)
+
+    def _note_event(self, tuple4: Tuple4, ts_ns: int, event_kind: str) -> None:
+        self._events_by_tuple[tuple4].append(ts_ns)
+        if event_kind == _CLOSED:
+            self._closed_by_tuple[tuple4].append(ts_ns)
+        elif event_kind == _LOCAL_FIN:  # the server closed first: evidence of completion
+            self._local_fin_by_tuple[tuple4].append(ts_ns)
+        elif event_kind in _DEPARTURES:
+            self.loads.note_departure(tuple4, ts_ns, self.local_fins(tuple4))
 
     def _horizon_cursor(self, now: int) -> int:
         """The span id just below this host's spans of the horizon: where reading them starts."""
@@ -254,13 +281,8 @@ class Correlator:
             tuple4 = (norm_addr(client_addr), client_port, server_port)
             self._news.add(tuple4)
             self._news_at(earliest_ns or ts_ns)
-            self._events_by_tuple[tuple4].append(ts_ns)
-            if event_kind == _CLOSED:
-                self._closed_by_tuple[tuple4].append(ts_ns)
-            elif event_kind == _LOCAL_FIN:  # the server closed first: evidence of completion
-                self._local_fin_by_tuple[tuple4].append(ts_ns)
-            elif event_kind in _DEPARTURES:
-                self.loads.note_departure(tuple4, ts_ns, self.local_fins(tuple4))
+            self._note_event(tuple4, ts_ns, event_kind)
+            if event_kind in _DEPARTURES:
                 self._pending.add(Disconnect(event_id, ts_ns, _DEPARTURES[event_kind], tuple4, earliest_ns))
 
     # -- the round --------------------------------------------------------------------------
@@ -509,7 +531,15 @@ class Correlator:
             setattr(self.stats, attr, getattr(self.stats, attr) + count)
 
     def _save_state(self) -> None:
+        # The position a restart reads on from: before every close still waiting for its span, and
+        # every close of a request whose verdict was never reported final (an in-flight zombie),
+        # so that a restarted daemon joins them again and finishes their verdicts.
         settled = min(self._pending.by_id, default=self._event_cursor + 1) - 1
+        for request in self._open.values():
+            if request.reported is None:
+                for disconnect in request.disconnects.values():
+                    if disconnect.event_id <= settled:
+                        settled = disconnect.event_id - 1
         if settled == self._saved_position:
             return
         row, values = CorrelatorStateRow, {"settled_event_id": settled, "updated_ns": time.time_ns()}
