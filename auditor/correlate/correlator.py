@@ -534,7 +534,8 @@ class Correlator:
         # The position a restart reads on from: before every close still waiting for its span, and
         # every close of a request whose verdict was never reported final (an in-flight zombie),
         # so that a restarted daemon joins them again and finishes their verdicts.
-        settled = min(self._pending.by_id, default=self._event_cursor + 1) - 1
+        first = self._pending.first_id()
+        settled = self._event_cursor if first is None else first - 1
         for request in self._open.values():
             if request.reported is None:
                 for disconnect in request.disconnects.values():

@@ -54,6 +54,10 @@ class Disconnects:
             self._by_time = [(d.ts_ns, d.event_id) for d in self.by_id.values()]
             heapq.heapify(self._by_time)
 
+    def first_id(self) -> int | None:
+        """The lowest event id held: the first added, as events are added in the order of their ids."""
+        return next(iter(self.by_id), None)
+
     def closed_before(self, cutoff_ns: int) -> list[Disconnect]:
         """Those that closed before ``cutoff_ns``, each returned once: the caller removes them.
 
