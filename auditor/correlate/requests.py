@@ -100,6 +100,7 @@ class OpenRequest:
     reads_until_ns: int | None = None
     recheck_at_ns: int = 0  # an untouched provisional verdict is not evaluated again before this
     recheck_backoff_ns: int = 0
+    first: Disconnect | None = None  # the earliest of ``disconnects`` (kept by ``add``)
 
     def due(self, now_ns: int, news_ns: int | None = None) -> bool:
         """Whether to evaluate it this round, untouched by its own trace; ``news_ns`` is the oldest
@@ -126,12 +127,17 @@ class OpenRequest:
         self.recheck_at_ns = min(now_ns + self.recheck_backoff_ns, self.settles_at_ns)
 
     def origin(self) -> Disconnect:
-        return min(self.disconnects.values(), key=lambda d: d.ts_ns)
+        """The client's own disconnect: the earliest (the others are the hops it set off)."""
+        if self.first is None:
+            raise LookupError(f"request {self.key} has no disconnect")
+        return self.first
 
     def add(self, disconnect: Disconnect) -> None:
         known = self.disconnects.get(disconnect.tuple4)
         if known is None or disconnect.ts_ns < known.ts_ns:  # a FIN then an RST: the FIN counts
             self.disconnects[disconnect.tuple4] = disconnect
+            if self.first is None or disconnect.ts_ns < self.first.ts_ns:
+                self.first = disconnect
 
 
 @dataclass
