@@ -29,7 +29,8 @@ class Disconnects:
 
     def __init__(self) -> None:
         self.by_id: dict[int, Disconnect] = {}
-        self._on: dict[Tuple4, set[int]] = defaultdict(set)
+        # Event ids per connection: a list, as a connection has one or two (a set costs 3x the memory).
+        self._on: dict[Tuple4, list[int]] = defaultdict(list)
         # (ts, event id) of each added; entries of removed ones are dropped when they reach the top.
         self._by_time: list[tuple[int, int]] = []
 
@@ -40,14 +41,17 @@ class Disconnects:
         return iter(self.by_id.values())
 
     def add(self, disconnect: Disconnect) -> None:
+        if disconnect.event_id in self.by_id:
+            self.remove(self.by_id[disconnect.event_id])
         self.by_id[disconnect.event_id] = disconnect
-        self._on[disconnect.tuple4].add(disconnect.event_id)
+        self._on[disconnect.tuple4].append(disconnect.event_id)
         heapq.heappush(self._by_time, (disconnect.ts_ns, disconnect.event_id))
 
     def remove(self, disconnect: Disconnect) -> None:
         del self.by_id[disconnect.event_id]
         others = self._on[disconnect.tuple4]
-        others.discard(disconnect.event_id)
+        if disconnect.event_id in others:
+            others.remove(disconnect.event_id)
         if not others:
             del self._on[disconnect.tuple4]
         if len(self._by_time) > 2 * len(self.by_id) + 1024:  # mostly entries of removed ones: rebuilt

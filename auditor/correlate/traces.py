@@ -119,9 +119,11 @@ class TraceIndex:
             return False
         spans[span.span_id] = span
         self.runs.add(span)
-        last = self._arrivals[-1][0] if self._arrivals else arrived_ns
-        self._arrivals.append((max(arrived_ns, last), span.trace_id))  # monotonic even if the clock steps back
-        self._entries[span.trace_id] += 1
+        newest = self._arrivals[-1] if self._arrivals else (arrived_ns, "")
+        arrival = (max(arrived_ns, newest[0]), span.trace_id)  # monotonic even if the clock steps back
+        if arrival != newest:  # a trace's spans mostly come together: one entry for them
+            self._arrivals.append(arrival)
+            self._entries[span.trace_id] += 1
         if span.role is SpanRole.HTTP_SERVER and span.server_port:
             self._http_by_port[span.server_port].add(span)
         if span.role is SpanRole.HTTP_SERVER and not span.peer_rewritten and span.peer_port and span.server_port:
