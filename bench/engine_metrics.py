@@ -2,13 +2,18 @@
 known series, side by side, for a page the size of a busy vLLM's (many histogram buckets).
 
 The scraper reads every watched port a few times a second, so this is CPU the daemon spends
-continuously. Usage: .venv/bin/python bench/engine_metrics.py [--buckets 2000]
+continuously. With ``--compare REV`` the page is also read by git revision REV's code, in a
+process of its own, in the same run.
+
+Usage: .venv/bin/python bench/engine_metrics.py [--buckets 2000] [--rounds 20] [--compare REV]
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors.enginemetrics import known_lines, parse_load
+from collectors.enginemetrics import parse_load
 
 
 def page(bucket_lines: int) -> str:
@@ -46,18 +51,37 @@ def main() -> None:
     parser.add_argument("--buckets", type=int, default=2000, help="histogram lines on the page")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--hz", type=float, default=4.0, help="scrapes per second per port")
+    parser.add_argument("--compare", metavar="REV", help="also read the page with git revision REV's parse_load")
     args = parser.parse_args()
     text = page(args.buckets)
     whole = per_call_ms(lambda t: list(text_string_to_metric_families(t)), text, args.rounds)
     filtered = per_call_ms(lambda t: parse_load(t, ts_ns=0, server_port=1), text, args.rounds)
-    only_filter = per_call_ms(known_lines, text, args.rounds)
+    rows = [("parse the whole page", whole), ("the engine's known series (used)", filtered)]
+    if args.compare:
+        rows.insert(1, (f"known series, {args.compare}", revision_ms(args.compare, text, args.rounds)))
     print(f"page: {len(text.splitlines())} lines, {len(text) / 1024:.0f} KiB; {args.hz:g} scrapes/s per port")
-    print(f"{'':28} {'ms / page':>10} {'% of a core':>12}")
-    for label, ms in (("parse the whole page", whole), ("known series only (used)", filtered),
-                      ("  of which the line filter", only_filter)):
-        print(f"{label:28} {ms:10.2f} {ms * args.hz / 10:12.2f}")
+    print(f"{'':32} {'ms / page':>10} {'% of a core':>12}")
+    for label, ms in rows:
+        print(f"{label:32} {ms:10.2f} {ms * args.hz / 10:12.2f}")
     print(f"ratio whole / known only: {whole / filtered:.0f}x")
+    if args.compare:
+        print(f"ratio {args.compare} / now: {rows[1][1] / filtered:.1f}x")
 
+
+def revision_ms(rev: str, text: str, rounds: int) -> float:
+    """ms per page of REV's parse_load, in a process that imports only REV's collectors."""
+    from bench.ingest import export_tree
+
+    with tempfile.TemporaryDirectory() as tmp:
+        old = export_tree(rev, Path(tmp))
+        code = ("import sys, time; sys.path.insert(0, sys.argv[1]); "
+                "from collectors.enginemetrics import parse_load; text = sys.stdin.read(); "
+                "started = time.process_time(); rounds = int(sys.argv[2])\n"
+                "for _ in range(rounds): parse_load(text, ts_ns=0, server_port=1)\n"
+                "print((time.process_time() - started) * 1000 / rounds)")
+        out = subprocess.run([sys.executable, "-c", code, str(old), str(rounds)], input=text, cwd=tmp,
+                             check=True, capture_output=True, text=True).stdout
+    return float(out.split()[-1])
 
 if __name__ == "__main__":
     main()

@@ -12,22 +12,27 @@ the columns, not figures from different runs.
 With ``--compare REV`` a daemon of git revision REV's code (child loader) runs beside them.
 
 The watched port listens by default (this process holds it), so each daemon finds an "engine" and
-samples its CPU at 10 Hz, as on a host with an idle engine. ``--engine none`` leaves the port
-bound but not listening: a host whose engine has not started, or is gone.
+samples its CPU at 10 Hz, as on a host with an idle engine; that engine answers nothing, so the
+daemon soon stops scraping it. ``--engine vllm`` serves an idle vLLM's /metrics page there (no
+request running or waiting; histograms as bench/engine_metrics.py builds them), which the daemon
+scrapes at its configured rate: a host with an idle engine, all of it. ``--engine none`` leaves
+the port bound but not listening: a host whose engine has not started, or is gone.
 
 Usage: .venv/bin/python bench/footprint.py [--seconds 30] [--settle 5] [--grpc] [--loaders child,inprocess]
-                                           [--compare REV] [--engine idle|none]
+                                           [--compare REV] [--engine idle|vllm|none]
 """
 
 from __future__ import annotations
 
 import argparse
+import http.server
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -75,14 +80,48 @@ def llvm_mapped(pid: int) -> bool:
     return any(lib in maps for lib in LLVM_LIBS)
 
 
+def idle_vllm_page() -> bytes:
+    """An idle vLLM's /metrics: nothing running or waiting, its histograms as a busy one's."""
+    sys.path.insert(0, str(REPO))
+    from bench.engine_metrics import page
+
+    text = page(2000).replace('num_requests_running{model_name="m"} 3.0', 'num_requests_running{model_name="m"} 0.0')
+    return text.replace('num_requests_waiting{model_name="m"} 1.0', 'num_requests_waiting{model_name="m"} 0.0').encode()
+
+
+class MetricsOnly(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as a real engine's server
+    body = b""
+
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/metrics" else 404)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(self.body) if self.path == "/metrics" else 0))
+        self.end_headers()
+        if self.path == "/metrics":
+            self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
 class Daemon:
     def __init__(self, loader: str, work: Path, grpc: bool, tree: Path = REPO, label: str = "",
-                 engine: bool = True) -> None:
+                 engine: str = "idle") -> None:
         self.loader = label or loader
         self.metrics_port = free_port()
-        # A watched port nobody uses: listening (an idle engine, this process), or only bound.
-        self.idle = socket.create_server(("127.0.0.1", 0)) if engine else socket.socket()
-        if not engine:
+        self.server: http.server.ThreadingHTTPServer | None = None
+        # A watched port nobody uses: listening (an idle engine, this process), or only bound; or
+        # an idle vLLM's /metrics served from this process (its CPU is not the daemon's).
+        if engine == "vllm":
+            MetricsOnly.body = MetricsOnly.body or idle_vllm_page()
+            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), MetricsOnly)
+            self.server.daemon_threads = True
+            threading.Thread(target=self.server.serve_forever, daemon=True).start()
+            self.idle = self.server.socket
+        else:
+            self.idle = socket.create_server(("127.0.0.1", 0)) if engine == "idle" else socket.socket()
+        if engine == "none":
             self.idle.bind(("127.0.0.1", 0))
         command = [sys.executable, "-c", ENTRY, loader, "run", "--db", f"sqlite:///{work / self.loader.replace(' ', '-')}.db",
                    "--port", str(self.idle.getsockname()[1]), "--otlp-http", "127.0.0.1:0",
@@ -105,7 +144,11 @@ class Daemon:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.process.kill()
-        self.idle.close()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+        else:
+            self.idle.close()
         self.log.close()
 
 
@@ -123,11 +166,15 @@ def measure(daemons: list[Daemon], seconds: float) -> dict[str, dict[str, float]
     return results
 
 
-def report(results: dict[str, dict[str, float]], seconds: float, grpc: bool, engine: bool = True) -> None:
+ENGINES = {"idle": "an idle engine on the watched port (followed, sampled at 10 Hz; it answers no scrape)",
+           "vllm": "an idle vLLM's /metrics on the watched port (followed and scraped)",
+           "none": "nothing listening on the watched port"}
+
+
+def report(results: dict[str, dict[str, float]], seconds: float, grpc: bool, engine: str = "idle") -> None:
     loaders = list(results)
     print(f"\nIdle daemon with the eBPF source, {seconds:g} s window, gRPC listener {'on' if grpc else 'off'}, "
-          + ("an idle engine on the watched port (followed, sampled at 10 Hz)" if engine else
-             "nothing listening on the watched port"))
+          + ENGINES[engine])
     print(f"  {'':<22}" + "".join(f"{name:>14}" for name in loaders))
     rows = [("CPU, % of one core", "cpu_percent", "{:.2f}"), ("RSS, MiB", "VmRSS", "{:.1f}"),
             ("PSS, MiB", "Pss", "{:.1f}"), ("private, MiB", "Private", "{:.1f}"),
@@ -145,14 +192,15 @@ def main() -> int:
     parser.add_argument("--grpc", action="store_true", help="also listen for OTLP/gRPC (imports grpc)")
     parser.add_argument("--loaders", default="child,inprocess")
     parser.add_argument("--compare", metavar="REV", help="also run git revision REV's daemon (child loader) beside them")
-    parser.add_argument("--engine", choices=("idle", "none"), default="idle",
-                        help="idle: the watched port listens (an idle engine, followed); none: nothing listens")
+    parser.add_argument("--engine", choices=tuple(ENGINES), default="idle",
+                        help="idle: the watched port listens (an idle engine, followed); vllm: it serves an "
+                             "idle vLLM's /metrics; none: nothing listens")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (eBPF probe)")
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench-footprint-"))
-    engine = args.engine == "idle"
+    engine = args.engine
     daemons = [Daemon(loader, work, args.grpc, engine=engine) for loader in args.loaders.split(",")]
     if args.compare:
         sys.path.insert(0, str(REPO))
