@@ -280,9 +280,15 @@ class Daemon:
                 events = source.poll(timeout_s=PROBE_POLL_S)
                 if events:
                     writer.add(events)
+                    departed = False
                     for event in events:
                         if event.kind.value in ("peer_fin", "peer_rst"):
                             self.metrics.disconnect(event.kind.value.removeprefix("peer_"))
+                            departed = True
+                    if departed and "sampling" in self._parts:
+                        # A sampler that found its engine quiet samples once a second: a sample
+                        # now ends the quiet one at the disconnect, where a zombie's cost begins.
+                        self._parts["sampling"].wake()
                 if time.monotonic() - self._events_flushed_at >= EVENT_FLUSH_BACKSTOP_S:
                     self._flush_events()
             except Exception:

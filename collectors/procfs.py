@@ -21,6 +21,12 @@ from auditor.model import UtilSample
 
 log = logging.getLogger(__name__)
 
+# A followed process using less than this much of one core is running no request: while every one
+# is this quiet, the sampler says it is idle and the loop samples once a second. A sample covers
+# the whole time since the one before, so nothing a process spends goes uncounted; a request that
+# starts in a quiet second is only measured in a coarser step until the next sample shows it.
+QUIET_PERCENT = 2.0
+
 
 @dataclass(frozen=True)
 class _Reading:
@@ -46,6 +52,7 @@ class ProcfsSampler:
         self._pids: frozenset[int] = frozenset()
         self._previous: dict[int, _Reading] = {}
         self._files: dict[int, int] = {}  # pid -> its open stat file (read only by the sampling thread)
+        self._quiet: dict[int, bool] = {}  # pid -> under QUIET_PERCENT at its latest reading, or gone
         self.unreadable = 0  # stat files that existed but could not be parsed
 
     def set_pids(self, pids: Iterable[int]) -> None:
@@ -55,9 +62,10 @@ class ProcfsSampler:
             self._pids = wanted
 
     def idle(self) -> bool:
-        """No process to sample."""
+        """No process to sample, or every one followed quiet (``QUIET_PERCENT``) or gone."""
         with self._lock:
-            return not self._pids
+            pids = self._pids
+        return all(self._quiet.get(pid, False) for pid in pids)
 
     def _read(self, pid: int) -> tuple[int, int, int] | None:
         """(utime+stime, starttime, rss pages) or None when the process is gone.
@@ -91,9 +99,11 @@ class ProcfsSampler:
             pids = self._pids
         samples: list[UtilSample] = []
         current: dict[int, _Reading] = {}
+        quiet: dict[int, bool] = {}
         for pid in sorted(pids):
             reading = self._read(pid)
             if reading is None:
+                quiet[pid] = True
                 continue  # vanished: nothing to report, and its baseline goes
             now = self._monotonic()
             cpu_ticks, start_ticks, rss_pages = reading
@@ -103,12 +113,14 @@ class ProcfsSampler:
                 continue
             elapsed = now - before.taken_at
             busy_s = max(0, cpu_ticks - before.cpu_ticks) / self.clock_ticks
+            util = 100.0 * busy_s / elapsed
+            quiet[pid] = util < QUIET_PERCENT
             samples.append(UtilSample(
                 ts_ns=ts_ns, source="procfs", host=self.host, gpu_index=None, pid=pid,
-                util_percent=100.0 * busy_s / elapsed, memory_bytes=rss_pages * self.page_size,
-                interval_s=elapsed,
+                util_percent=util, memory_bytes=rss_pages * self.page_size, interval_s=elapsed,
             ))
         self._previous = current
+        self._quiet = quiet
         for pid in [p for p in self._files if p not in pids]:
             self._close(pid)
         return samples

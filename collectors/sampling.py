@@ -20,9 +20,10 @@ from auditor.model import UtilSample
 
 log = logging.getLogger(__name__)
 
-# While every sampler says it has nothing to sample (``idle()``: no process followed, no NVML), the
-# loop ticks this seldom, or at once when woken (``wake``: a process to follow): each idle
-# wake-up costs CPU on a host that has nothing to measure.
+# While every sampler says it has nothing to sample (``idle()``: no NVML, no process followed or
+# every one quiet), the loop ticks this seldom, or at once when woken (``wake``: a process to
+# follow): each wake-up costs CPU (most on a virtual machine) on a host with nothing to
+# measure. A sample covers the time since the one before, so a quiet second is still counted.
 IDLE_INTERVAL_S = 1.0
 
 OK = "ok"

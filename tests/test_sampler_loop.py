@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import os
+import contextlib
+import subprocess
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from sqlalchemy import text
 
 from auditor.model import UtilSample
 from auditor.store import Store
-from collectors.procfs import ProcfsSampler
+from collectors.procfs import QUIET_PERCENT, ProcfsSampler
 from collectors.sampling import Sampler, SamplingLoop
 
 
@@ -78,16 +80,32 @@ def test_failing_sampler_and_sink_are_isolated(store: Store) -> None:
     assert "sink" not in loop.health() and loop.samples_written == 1
 
 
+@contextlib.contextmanager
+def child(code: str) -> Iterator[int]:
+    """A Python child running ``code`` (bounded to 30 s), killed on leaving."""
+    process = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        yield process.pid
+    finally:
+        process.kill()
+        process.wait()
+
+
+SPIN = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end:\n    pass\n"
+SLEEP = "import time\ntime.sleep(30)\n"
+
+
 def test_procfs_samples_reach_the_store(store: Store) -> None:
-    sampler = ProcfsSampler(host="h")
-    sampler.set_pids([os.getpid()])
-    loop = SamplingLoop([sampler], sink=store.insert_samples, interval_s=0.05).start()
-    time.sleep(0.4)
-    loop.stop()
+    with child(SPIN) as pid:
+        sampler = ProcfsSampler(host="h")
+        sampler.set_pids([pid])
+        loop = SamplingLoop([sampler], sink=store.insert_samples, interval_s=0.05).start()
+        time.sleep(0.4)
+        loop.stop()
     assert loop.health() == {"procfs": "ok"}
     with store.session() as session:
         count = session.execute(text(
-            "SELECT count(*) FROM util_samples WHERE source = 'procfs' AND pid = :pid"), {"pid": os.getpid()}).scalar()
+            "SELECT count(*) FROM util_samples WHERE source = 'procfs' AND pid = :pid"), {"pid": pid}).scalar()
     assert count and count >= 3
 
 
@@ -102,11 +120,23 @@ def test_a_loop_with_nothing_to_sample_ticks_seldom_and_wakes_for_a_process() ->
         time.sleep(1.5)
         assert loop.ticks <= 1 + 1.5 / IDLE_INTERVAL_S + 1  # not 30 ticks of 50 ms
         idle_ticks = loop.ticks
-        procfs.set_pids([os.getpid()])
-        loop.wake()
-        time.sleep(0.5)
-        assert loop.ticks - idle_ticks >= 5  # back to 50 ms at once
-        assert any(s.pid == os.getpid() for s in stored)
+        with child(SPIN) as busy:
+            procfs.set_pids([busy])
+            loop.wake()
+            time.sleep(0.5)
+            assert loop.ticks - idle_ticks >= 5  # back to 50 ms at once, and it stays there while busy
+            assert any(s.pid == busy and s.util_percent > QUIET_PERCENT for s in stored)
+        # A process that uses (almost) no CPU runs no request: sampled once a second, each sample
+        # covering the whole second, so what it spends is still all counted.
+        with child(SLEEP) as sleeping:
+            procfs.set_pids([sleeping])
+            loop.wake()
+            time.sleep(0.5)  # two readings: its baseline, then a quiet one
+            quiet_ticks = loop.ticks
+            time.sleep(1.5)
+            assert loop.ticks - quiet_ticks <= 1 + 1.5 / IDLE_INTERVAL_S
+            covering = [s for s in stored if s.pid == sleeping]
+            assert procfs.idle() and covering[-1].interval_s is not None and covering[-1].interval_s > 0.5
     finally:
         loop.stop()
     # A sampler that cannot say whether it is idle keeps the loop at its rate.
