@@ -12,9 +12,9 @@ the columns, not figures from different runs.
 With ``--compare REV`` a daemon of git revision REV's code (child loader) runs beside them.
 
 The watched port listens by default (this process holds it), so each daemon finds an "engine" and
-samples its CPU at 10 Hz, as on a host with an idle engine; that engine answers nothing, so the
+samples its CPU, as on a host with an idle engine; that engine answers nothing, so the
 daemon soon stops scraping it. ``--engine vllm`` serves an idle vLLM's /metrics page there (no
-request running or waiting; histograms as bench/engine_metrics.py builds them), which the daemon
+request running or waiting; 50 histograms), which the daemon
 scrapes at its configured rate: a host with an idle engine, all of it. ``--engine none`` leaves
 the port bound but not listening: a host whose engine has not started, or is gone.
 
@@ -34,8 +34,10 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 # `python -m auditor`, with the loader choice made before the daemon starts (no product setting).
@@ -80,29 +82,42 @@ def llvm_mapped(pid: int) -> bool:
     return any(lib in maps for lib in LLVM_LIBS)
 
 
-def idle_vllm_page() -> bytes:
-    """An idle vLLM's /metrics: nothing running or waiting, its histograms as a busy one's."""
-    sys.path.insert(0, str(REPO))
-    from bench.engine_metrics import page
+def idle_vllm() -> Any:
+    """An idle vLLM's /metrics as vLLM serves it: prometheus_client's registry behind a kept-alive
+    HTTP/1.1 server (uvicorn there), ``name[]`` answered with the named series only, as
+    prometheus_client's own apps do. Nothing running or waiting; 50 histograms of 38 buckets."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-    text = page(2000).replace('num_requests_running{model_name="m"} 3.0', 'num_requests_running{model_name="m"} 0.0')
-    return text.replace('num_requests_waiting{model_name="m"} 1.0', 'num_requests_waiting{model_name="m"} 0.0').encode()
+    registry = CollectorRegistry()
+    Gauge("vllm:num_requests_running", "Running.", ["model_name"], registry=registry).labels("m").set(0)
+    Gauge("vllm:num_requests_waiting", "Waiting.", ["model_name"], registry=registry).labels("m").set(0)
+    Counter("vllm:generation_tokens", "Tokens.", ["model_name"], registry=registry).labels("m").inc(0)
+    Counter("vllm:request_success", "Finished.", ["model_name", "finished_reason"],
+            registry=registry).labels("m", "abort").inc(0)
+    for i in range(50):
+        Histogram(f"vllm:latency_{i}_seconds", "A histogram.", ["model_name"], registry=registry,
+                  buckets=[0.01 * 2 ** (b / 3) for b in range(37)]).labels("m").observe(0.5)
 
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
 
-class MetricsOnly(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive, as a real engine's server
-    body = b""
+        def do_GET(self) -> None:
+            url = urllib.parse.urlsplit(self.path)
+            names = urllib.parse.parse_qs(url.query).get("name[]")
+            body = generate_latest(registry.restricted_registry(names) if names else registry)
+            self.send_response(200 if url.path == "/metrics" else 404)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
-    def do_GET(self) -> None:
-        self.send_response(200 if self.path == "/metrics" else 404)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(self.body) if self.path == "/metrics" else 0))
-        self.end_headers()
-        if self.path == "/metrics":
-            self.wfile.write(self.body)
+        def log_message(self, *args: object) -> None:
+            pass
 
-    def log_message(self, *args: object) -> None:
-        pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
 
 
 class Daemon:
@@ -110,14 +125,11 @@ class Daemon:
                  engine: str = "idle") -> None:
         self.loader = label or loader
         self.metrics_port = free_port()
-        self.server: http.server.ThreadingHTTPServer | None = None
+        self.server: Any = None
         # A watched port nobody uses: listening (an idle engine, this process), or only bound; or
         # an idle vLLM's /metrics served from this process (its CPU is not the daemon's).
         if engine == "vllm":
-            MetricsOnly.body = MetricsOnly.body or idle_vllm_page()
-            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), MetricsOnly)
-            self.server.daemon_threads = True
-            threading.Thread(target=self.server.serve_forever, daemon=True).start()
+            self.server = idle_vllm()
             self.idle = self.server.socket
         else:
             self.idle = socket.create_server(("127.0.0.1", 0)) if engine == "idle" else socket.socket()
@@ -153,7 +165,11 @@ class Daemon:
 
 
 def measure(daemons: list[Daemon], seconds: float) -> dict[str, dict[str, float]]:
+    sys.path.insert(0, str(REPO))
+    from bench.detection import thread_cpu_seconds, thread_names
+
     before = {d.loader: cpu_seconds(d.process.pid) for d in daemons}
+    threads_before = {d.loader: thread_cpu_seconds(d.process.pid) for d in daemons}
     started = time.monotonic()
     time.sleep(seconds)
     wall = time.monotonic() - started
@@ -163,10 +179,16 @@ def measure(daemons: list[Daemon], seconds: float) -> dict[str, dict[str, float]
         cpu = cpu_seconds(pid) - before[daemon.loader]
         results[daemon.loader] = {"cpu_percent": cpu / wall * 100, **memory_mib(pid),
                                   "llvm": float(llvm_mapped(pid)), "ready_s": daemon.ready_s or 0.0}
+        # Each thread's share, by its Python name (threads of one name add up).
+        names, spent = thread_names(pid), thread_cpu_seconds(pid)
+        for tid, seconds_now in spent.items():
+            key = "thread " + names.get(tid, "(unnamed)")
+            share = (seconds_now - threads_before[daemon.loader].get(tid, 0.0)) / wall * 100
+            results[daemon.loader][key] = results[daemon.loader].get(key, 0.0) + share
     return results
 
 
-ENGINES = {"idle": "an idle engine on the watched port (followed, sampled at 10 Hz; it answers no scrape)",
+ENGINES = {"idle": "an idle engine on the watched port (followed; it answers no scrape)",
            "vllm": "an idle vLLM's /metrics on the watched port (followed and scraped)",
            "none": "nothing listening on the watched port"}
 
@@ -183,6 +205,12 @@ def report(results: dict[str, dict[str, float]], seconds: float, grpc: bool, eng
     for label, key, fmt in rows:
         cells = [fmt.format(bool(results[n][key]) if key == "llvm" else results[n][key]) for n in loaders]
         print(f"  {label:<22}" + "".join(f"{cell:>14}" for cell in cells))
+    threads = sorted({k for n in loaders for k in results[n] if k.startswith("thread ")},
+                     key=lambda k: -max(results[n].get(k, 0.0) for n in loaders))
+    print("  CPU by thread, % of one core")
+    for key in threads:
+        cells = [f"{results[n].get(key, 0.0):.2f}" for n in loaders]
+        print(f"    {key.removeprefix('thread ')[:20]:<20}" + "".join(f"{cell:>14}" for cell in cells))
 
 
 def main() -> int:

@@ -10,6 +10,13 @@ A port that answers with no known metric is skipped quietly and retried less oft
 watched port is an engine (a gateway, an app). Each port is scraped over one kept-alive
 connection: a connection per scrape would add a client close on the inference port every scrape,
 and the correlator counts client closes there (abort counters are matched to departures).
+
+An engine's page is mostly histograms the daemon never reads (a vLLM's is over 100 KiB). Servers
+built on prometheus_client (vLLM, SGLang) answer ``?name[]=...`` with only the named series; others
+ignore the query. The first scrape of an engine reads its page both ways, and the short one is used
+from then on only if it holds every series the whole page gave (a registry that cannot tell its
+collectors' names, as in multiprocess mode, answers it with nothing); any failure reads the whole
+page again.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
+from urllib.parse import quote
 
 from auditor.model import EngineLoad
 
@@ -52,6 +60,17 @@ MAX_HEAD_BYTES = 64 * 1024
 _WANTED = tuple(name for entry in KNOWN_METRICS for name in entry[1:]) + tuple(
     counter for counter, _, _ in ABORT_COUNTERS.values())
 _ABORT_NAMES = {counter: (label, value) for counter, label, value in ABORT_COUNTERS.values()}
+# The sample names to ask a prometheus_client server for (``name[]``): counters as ``_total``.
+_SAMPLE_NAMES = tuple(dict.fromkeys(
+    name for style, running, waiting, tokens in KNOWN_METRICS
+    for name in (running, waiting, f"{tokens}_total")
+    + ((f"{ABORT_COUNTERS[style][0]}_total",) if style in ABORT_COUNTERS else ())))
+
+
+def filtered_path(path: str) -> str:
+    """``path`` asking a prometheus_client server for the known series only."""
+    query = "&".join(f"name%5B%5D={quote(name, safe=':')}" for name in _SAMPLE_NAMES)
+    return f"{path}{'&' if '?' in path else '?'}{query}"
 
 
 _SERIES = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)(?:[ \t]+-?[0-9]+)?[ \t]*")
@@ -103,16 +122,34 @@ def parse_load(text: str, *, ts_ns: int, server_port: int) -> EngineLoad | None:
 
     Several series of one gauge (one per model, or per label) add up. The first engine in
     ``KNOWN_METRICS`` whose running gauge the page has is the one read, and only its series."""
+    found = _engine_values(text)
+    if found is None:
+        return None
+    style, values = found
+    _, running, waiting, tokens = _STYLES[style]
+    abort_counter = ABORT_COUNTERS.get(style)
+    return EngineLoad(ts_ns=ts_ns, server_port=server_port, running=int(values[running]),
+                      waiting=int(values.get(waiting, 0.0)), generated_tokens=values.get(tokens),
+                      style=style, aborted=values.get(abort_counter[0]) if abort_counter else None)
+
+
+def page_series(text: str) -> tuple[str, frozenset[str]] | None:
+    """Whose page it is and which of that engine's known series it has, or None."""
+    found = _engine_values(text)
+    return None if found is None else (found[0], frozenset(found[1]))
+
+
+_STYLES = {entry[0]: entry for entry in KNOWN_METRICS}
+
+
+def _engine_values(text: str) -> tuple[str, dict[str, float]] | None:
     for style, running, waiting, tokens in KNOWN_METRICS:
         if running not in text:  # no series of this engine's (a scan that stops at the first)
             continue
         abort_counter = ABORT_COUNTERS.get(style)
         values = _values(text, (running, waiting, tokens) + ((abort_counter[0],) if abort_counter else ()))
-        if running not in values:  # the name only in a comment, a label, or another series' name
-            continue
-        return EngineLoad(ts_ns=ts_ns, server_port=server_port, running=int(values[running]),
-                          waiting=int(values.get(waiting, 0.0)), generated_tokens=values.get(tokens),
-                          style=style, aborted=values.get(abort_counter[0]) if abort_counter else None)
+        if running in values:  # else the name was only in a comment, a label, or another series' name
+            return style, values
     return None
 
 
@@ -138,19 +175,27 @@ class PageConnection:
     package, which cost most of a scrape; a metrics answer needs its status line, its length
     (Content-Length, chunked, or up to the close) and Connection."""
 
-    def __init__(self, host: str, port: int, path: str, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, timeout_s: float) -> None:
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._request = (f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: text/plain\r\n"
-                         "User-Agent: zombie-auditor\r\n\r\n").encode()
+        self._host = f"{host}:{port}"
+        self._requests: dict[str, bytes] = {}
         self._buffer = bytearray()
+
+    def _request(self, path: str) -> bytes:
+        request = self._requests.get(path)
+        if request is None:
+            request = self._requests[path] = (
+                f"GET {path} HTTP/1.1\r\nHost: {self._host}\r\nAccept: text/plain\r\n"
+                "User-Agent: zombie-auditor\r\n\r\n").encode()
+        return request
 
     def close(self) -> None:
         self._sock.close()
 
-    def get(self) -> tuple[int, bytes, bool]:
+    def get(self, path: str) -> tuple[int, bytes, bool]:
         self._buffer.clear()
-        self._sock.sendall(self._request)
+        self._sock.sendall(self._request(path))
         head = self._until(b"\r\n\r\n", MAX_HEAD_BYTES).decode("latin-1").split("\r\n")
         version, _, rest = head[0].partition(" ")
         if not version.startswith("HTTP/1.") or not rest[:3].isdigit():
@@ -228,7 +273,7 @@ class EngineMetricsScraper:
 
     def __init__(self, ports: Callable[[], Iterable[int]], sink: Callable[[list[EngineLoad]], None], *,
                  interval_s: float = 0.25, host: str = "127.0.0.1", path: str = "/metrics",
-                 timeout_s: float = 1.0, clock: Callable[[], int] = time.time_ns) -> None:
+                 timeout_s: float = 1.0, clock: Callable[[], int] = time.time_ns, filtered: bool = True) -> None:
         self.ports = ports
         self.sink = sink
         self.interval_s = interval_s
@@ -239,6 +284,11 @@ class EngineMetricsScraper:
         self.errors = 0
         self._skip_until: dict[int, float] = {}
         self._connections: dict[int, PageConnection] = {}
+        self._filtered_path = filtered_path(path)
+        # Per port: whether its engine answers the filtered path with every series it has (None:
+        # not known yet, read both ways at its next scrape). ``filtered=False``: never asked.
+        self._ask_filtered = filtered
+        self.filters: dict[int, bool] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by stop() and by ports_changed()
         self._thread: threading.Thread | None = None
@@ -247,17 +297,40 @@ class EngineMetricsScraper:
         # The gauges describe the engine at one moment between the request and its answer; both
         # ends are kept so a request that started or ended in between is never taken for an orphan.
         ts_ns = self.clock()
-        text = self._fetch(port)
+        filters = self.filters.get(port)
+        if filters:
+            try:
+                load = parse_load(self._fetch(port, self._filtered_path), ts_ns=ts_ns, server_port=port)
+            except (OSError, ValueError):
+                load = None
+            if load is not None:
+                return replace(load, answered_ns=max(ts_ns, self.clock()))
+            del self.filters[port]  # the short page failed: the whole page, and ask again next time
+            ts_ns = self.clock()
+        text = self._fetch(port, self.path)
         load = parse_load(text, ts_ns=ts_ns, server_port=port)
-        return None if load is None else replace(load, answered_ns=max(ts_ns, self.clock()))
+        if load is None:
+            return None
+        load = replace(load, answered_ns=max(ts_ns, self.clock()))
+        if filters is None and self._ask_filtered:
+            self.filters[port] = self._filters_alike(port, text)
+        return load
 
-    def _fetch(self, port: int) -> str:
+    def _filters_alike(self, port: int, whole: str) -> bool:
+        """Whether the port's filtered page has the same engine's same series as its whole page."""
+        try:
+            short = page_series(self._fetch(port, self._filtered_path))
+        except (OSError, ValueError):
+            return False
+        return short is not None and short == page_series(whole)
+
+    def _fetch(self, port: int, path: str) -> str:
         """The page, over the port's kept-alive connection; a stale one is replaced once."""
         for attempt in (0, 1):
             reused = port in self._connections
-            connection = self._connections.pop(port, None) or PageConnection(self.host, port, self.path, self.timeout_s)
+            connection = self._connections.pop(port, None) or PageConnection(self.host, port, self.timeout_s)
             try:
-                status, body, keep_alive = connection.get()
+                status, body, keep_alive = connection.get(path)
                 if status != 200:
                     raise OSError(f"HTTP {status}")
             except Exception:
@@ -287,12 +360,14 @@ class EngineMetricsScraper:
                 load = self.scrape(port)
             except Exception as exc:  # a port that is down or not HTTP: try again later
                 self.errors += 1
+                self.filters.pop(port, None)  # whatever answers next is asked both ways again
                 if port not in self._skip_until:
                     log.info("no engine metrics on port %d (%s); retrying every %.0f s", port, exc,
                              NOT_AN_ENGINE_BACKOFF_S)
                 self._skip_until[port] = now + NOT_AN_ENGINE_BACKOFF_S
                 continue
             if load is None:
+                self.filters.pop(port, None)
                 self._skip_until[port] = now + NOT_AN_ENGINE_BACKOFF_S
                 continue
             self._skip_until.pop(port, None)

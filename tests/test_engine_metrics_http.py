@@ -78,7 +78,8 @@ def serve() -> Iterator[Callable[[list[bytes | Callable[[socket.socket], None]]]
 
 
 def scraper() -> EngineMetricsScraper:
-    return EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=2)
+    # One GET a scrape (the filtered page is asked for in tests of its own, below).
+    return EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=2, filtered=False)
 
 
 @pytest.mark.parametrize("answer", [content_length(), chunked()], ids=["content-length", "chunked"])
@@ -146,3 +147,81 @@ def test_a_newly_watched_port_is_scraped_at_once_while_the_old_ones_back_off(ser
     finally:
         scraper.stop()
         dead.close()
+
+
+class DescribelessCollector:
+    """vLLM's gauges from a collector that cannot name its series in advance, as prometheus_client's
+    multiprocess collector: a registry answers ``name[]`` for it with nothing."""
+
+    def __init__(self, running: float) -> None:
+        self.running = running
+
+    def collect(self) -> Iterator[object]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        yield GaugeMetricFamily("vllm:num_requests_running", "Running.", value=self.running)
+        yield GaugeMetricFamily("vllm:num_requests_waiting", "Waiting.", value=1)
+        aborts = CounterMetricFamily("vllm:request_success", "Finished.", labels=["finished_reason"])
+        aborts.add_metric(["abort"], 2)
+        yield aborts
+
+
+@pytest.fixture
+def vllm_registry() -> Iterator[tuple[object, int]]:
+    """A real prometheus_client server (the library vLLM and SGLang serve /metrics with) of a
+    vLLM-like registry: its gauges, its abort counter and many histograms."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+    registry = CollectorRegistry()
+    Gauge("vllm:num_requests_running", "Running.", registry=registry).set(3)
+    Gauge("vllm:num_requests_waiting", "Waiting.", registry=registry).set(1)
+    Counter("vllm:generation_tokens", "Tokens.", registry=registry).inc(1234)
+    Counter("vllm:request_success", "Finished.", ["finished_reason"], registry=registry).labels("abort").inc(2)
+    for i in range(40):
+        Histogram(f"vllm:latency_{i}_seconds", "A histogram.", registry=registry,
+                  buckets=[0.01 * 2 ** (b / 3) for b in range(38)]).observe(0.5)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        yield registry, server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_a_prometheus_client_engine_is_scraped_for_its_known_series_only(vllm_registry: tuple[object, int]) -> None:
+    import urllib.request
+
+    from collectors.enginemetrics import filtered_path
+
+    _, port = vllm_registry
+    client = EngineMetricsScraper(lambda: [port], lambda loads: None, timeout_s=2)
+    first = client.scrape(port)
+    assert client.filters == {port: True}  # its short page has every series its whole page has
+    loads = [first] + [client.scrape(port) for _ in range(3)]
+    client.close()
+    assert {(x.running, x.waiting, x.generated_tokens, x.aborted) for x in loads if x} == {(3, 1, 1234.0, 2.0)}
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        whole = answer.read()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{filtered_path('/metrics')}", timeout=5) as answer:
+        short = answer.read()
+    assert len(short) * 20 < len(whole)  # what each scrape reads from now on
+
+
+def test_an_engine_whose_short_page_lacks_series_is_read_whole(vllm_registry: tuple[object, int]) -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry, port = vllm_registry
+    assert isinstance(registry, CollectorRegistry)
+    client = EngineMetricsScraper(lambda: [port], lambda loads: None, timeout_s=2)
+    assert client.scrape(port) is not None and client.filters[port] is True
+    # The engine is replaced by one whose registry answers name[] with nothing (multiprocess mode).
+    for collector in list(registry._collector_to_names):
+        registry.unregister(collector)
+    registry.register(DescribelessCollector(running=5))
+    load = client.scrape(port)  # the short page fails: the whole page, in the same scrape
+    assert load is not None and (load.running, load.waiting, load.aborted) == (5, 1, 2.0)
+    assert port not in client.filters
+    load = client.scrape(port)  # asked both ways again: the short page is not used
+    assert load is not None and load.running == 5 and client.filters[port] is False
+    client.close()
