@@ -202,6 +202,15 @@ class Daemon:
         self._parts["procfs"].set_pids(pids)
         self._parts["sampling"].wake()
 
+    def _departed(self) -> None:
+        """A client left a watched port. A sampler that found its engine quiet samples once a
+        second: a sample now ends the quiet one at the disconnect, where a zombie's cost begins.
+        A scraper whose engines were quiet scrapes at once, and at its rate from then on."""
+        if "sampling" in self._parts:
+            self._parts["sampling"].wake()
+        if "engine_metrics" in self._parts:
+            self._parts["engine_metrics"].activity()
+
     def _start_engine_metrics(self) -> None:
         if not self.config.engine_metrics.scrape:
             return
@@ -285,10 +294,8 @@ class Daemon:
                         if event.kind.value in ("peer_fin", "peer_rst"):
                             self.metrics.disconnect(event.kind.value.removeprefix("peer_"))
                             departed = True
-                    if departed and "sampling" in self._parts:
-                        # A sampler that found its engine quiet samples once a second: a sample
-                        # now ends the quiet one at the disconnect, where a zombie's cost begins.
-                        self._parts["sampling"].wake()
+                    if departed:
+                        self._departed()
                 if time.monotonic() - self._events_flushed_at >= EVENT_FLUSH_BACKSTOP_S:
                     self._flush_events()
             except Exception:

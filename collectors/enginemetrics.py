@@ -52,6 +52,12 @@ ABORT_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {
     "ref": ("ref_engine_requests", "finish_reason", "abort"),
 }
 NOT_AN_ENGINE_BACKOFF_S = 30.0
+# Engines that have held no request (nothing running or waiting) and seen no client leave for
+# QUIET_AFTER_S are scraped every QUIET_INTERVAL_S until a scrape shows a request or a client leaves
+# (``activity``): an idle host's scrapes cost CPU for nothing. The first second of a request that
+# comes to a quiet engine is read at that coarser step; a disconnect is scraped at once.
+QUIET_AFTER_S = 10.0
+QUIET_INTERVAL_S = 1.0
 IDLE_RECHECK_S = 2.0  # with no engine to scrape, how soon a newly watched port is tried
 MAX_PAGE_BYTES = 4 * 1024 * 1024
 MAX_HEAD_BYTES = 64 * 1024
@@ -273,7 +279,8 @@ class EngineMetricsScraper:
 
     def __init__(self, ports: Callable[[], Iterable[int]], sink: Callable[[list[EngineLoad]], None], *,
                  interval_s: float = 0.25, host: str = "127.0.0.1", path: str = "/metrics",
-                 timeout_s: float = 1.0, clock: Callable[[], int] = time.time_ns, filtered: bool = True) -> None:
+                 timeout_s: float = 1.0, clock: Callable[[], int] = time.time_ns, filtered: bool = True,
+                 quiet_after_s: float = QUIET_AFTER_S, quiet_interval_s: float = QUIET_INTERVAL_S) -> None:
         self.ports = ports
         self.sink = sink
         self.interval_s = interval_s
@@ -290,7 +297,11 @@ class EngineMetricsScraper:
         self._ask_filtered = filtered
         self.filters: dict[int, bool] = {}
         self._stop = threading.Event()
-        self._wake = threading.Event()  # set by stop() and by ports_changed()
+        self._wake = threading.Event()  # set by stop(), ports_changed() and activity() while quiet
+        self.quiet_after_s = quiet_after_s
+        self.quiet_interval_s = max(quiet_interval_s, interval_s)
+        self._active_at = time.monotonic()  # the last scrape that showed a request held, or a departure
+        self.quiet = False
         self._thread: threading.Thread | None = None
 
     def scrape(self, port: int) -> EngineLoad | None:
@@ -387,8 +398,13 @@ class EngineMetricsScraper:
                 if loads:
                     self.sink(loads)
             except Exception:
+                loads = []
                 log.exception("engine metrics round failed; continuing")
-            next_tick += self.interval_s
+            now = time.monotonic()
+            if not loads or any(load.running or load.waiting for load in loads):
+                self._active_at = now
+            self.quiet = now - self._active_at >= self.quiet_after_s
+            next_tick += self.quiet_interval_s if self.quiet else self.interval_s
             # Every port waiting out its back-off (none is an engine): sleep until the first retry,
             # or IDLE_RECHECK_S for a port newly watched, rather than waking at the scrape rate.
             now = time.monotonic()
@@ -403,6 +419,14 @@ class EngineMetricsScraper:
                 self._wake.clear()
                 next_tick = time.monotonic()
         self.close()
+
+    def activity(self) -> None:
+        """A client left a watched port: back to the scrape rate, at once if it was quiet (the
+        scrapes after a disconnect tell whether its work stopped)."""
+        self._active_at = time.monotonic()
+        if self.quiet:
+            self.quiet = False
+            self._wake.set()
 
     def ports_changed(self) -> None:
         """Scrape at once: a newly watched port needs a scrape before its first disconnect, and the

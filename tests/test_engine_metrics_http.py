@@ -225,3 +225,35 @@ def test_an_engine_whose_short_page_lacks_series_is_read_whole(vllm_registry: tu
     load = client.scrape(port)  # asked both ways again: the short page is not used
     assert load is not None and load.running == 5 and client.filters[port] is False
     client.close()
+
+
+def test_quiet_engines_are_scraped_seldom_until_a_request_or_a_departure(vllm_registry: tuple[object, int]) -> None:
+    import time
+
+    from prometheus_client import CollectorRegistry, Gauge
+
+    registry, port = vllm_registry
+    assert isinstance(registry, CollectorRegistry)
+    gauges = {name: c for c, names in registry._collector_to_names.items() for name in names}
+    running, waiting = gauges["vllm:num_requests_running"], gauges["vllm:num_requests_waiting"]
+    assert isinstance(running, Gauge) and isinstance(waiting, Gauge)
+    running.set(0)
+    waiting.set(0)  # the engine holds nothing
+    scraped: list[float] = []
+    scraper = EngineMetricsScraper(lambda: [port], lambda loads: scraped.append(time.monotonic()),
+                                   interval_s=0.05, timeout_s=2, quiet_after_s=0.5, quiet_interval_s=1.0).start()
+    try:
+        time.sleep(2.5)  # 0.5 s at the rate, then quiet: about two more scrapes, not forty
+        assert scraper.quiet and sum(1 for t in scraped if t > scraped[0] + 1.0) <= 3
+        scraper.activity()  # a client left: scraped at once, and at the rate again
+        left_at = time.monotonic()
+        time.sleep(0.3)
+        after = [t for t in scraped if t >= left_at]
+        assert after and after[0] - left_at < 0.2 and len(after) >= 3 and not scraper.quiet
+        time.sleep(1.0)  # quiet again; then the engine takes a request: seen at the next quiet scrape
+        assert scraper.quiet
+        running.set(2)
+        time.sleep(1.3)
+        assert not scraper.quiet
+    finally:
+        scraper.stop()
