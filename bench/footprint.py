@@ -249,6 +249,14 @@ def main() -> int:
         for daemon in daemons:
             daemon.stop()
     report(results, args.seconds, args.grpc, engine)
+    if engine == "vllm":
+        from collectors.enginemetrics import filtered_path
+
+        server = idle_vllm()
+        sizes = [len(urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}{path}", timeout=5).read())
+                 for path in ("/metrics", filtered_path("/metrics"))]
+        server.shutdown()
+        print(f"  the idle vLLM's page: {sizes[0]:,} bytes whole, {sizes[1]:,} bytes with the known series only")
     return 0
 
 

@@ -123,6 +123,9 @@ def _known_lines(text: str, names: tuple[str, ...]) -> list[str]:
     return [found[at] for at in sorted(found)]
 
 
+_STYLES = {entry[0]: entry for entry in KNOWN_METRICS}  # style -> its KNOWN_METRICS entry
+
+
 def parse_load(text: str, *, ts_ns: int, server_port: int) -> EngineLoad | None:
     """The engine load in a /metrics page, or None when no known running gauge is there.
 
@@ -143,9 +146,6 @@ def page_series(text: str) -> tuple[str, frozenset[str]] | None:
     """Whose page it is and which of that engine's known series it has, or None."""
     found = _engine_values(text)
     return None if found is None else (found[0], frozenset(found[1]))
-
-
-_STYLES = {entry[0]: entry for entry in KNOWN_METRICS}
 
 
 def _engine_values(text: str) -> tuple[str, dict[str, float]] | None:
