@@ -35,6 +35,7 @@ from collectors.attributes import (
     take,
     take_one,
 )
+from collectors.otlp_wire import read_request
 
 # Column widths of the spans table (auditor.store.schema.SpanRow): longer values are cut, never refused.
 _COLUMN_CHARS = {"name": 255, "service": 255, "host": 255, "request_id": 255, "route": 255,
@@ -100,19 +101,21 @@ class _Rejections:
 
 def _span_head(span: Any) -> str | tuple[str, str, str | None, int, int]:
     """The span's ids (as hex) and times, each read from the message once; or why it is rejected."""
-    trace_id = span.trace_id
+    return check_head(span.trace_id, span.span_id, span.parent_span_id, span.start_time_unix_nano,
+                      span.end_time_unix_nano)
+
+
+def check_head(trace_id: bytes, span_id: bytes, parent: bytes, start: int,
+               end: int) -> str | tuple[str, str, str | None, int, int]:
+    """A span's ids (as hex) and times; or why the span is rejected."""
     if len(trace_id) != 16 or not any(trace_id):
         return "with an invalid trace id (need 16 non-zero bytes, 32 hex digits in JSON)"
-    span_id = span.span_id
     if len(span_id) != 8 or not any(span_id):
         return "with an invalid span id (need 8 non-zero bytes, 16 hex digits in JSON)"
-    parent = span.parent_span_id
     if parent and (len(parent) != 8 or not any(parent)):
         return "with an invalid parent span id"
-    start = span.start_time_unix_nano
     if start == 0:
         return "without a start time"
-    end = span.end_time_unix_nano
     if end > _MAX_NS:
         return "with a time past the year 2262 (not a signed 64-bit nanosecond count)"
     if end < start:
@@ -167,11 +170,7 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
     total = 0
     for resource_spans in request.resource_spans:
         resource, _ = attributes_dict(resource_spans.resource.attributes)
-        service = cut_text(as_str(resource.get("service.name")) or "", _COLUMN_CHARS["service"])
-        host = cut_text(service_host or as_str(resource.get("host.name")) or fallback_host, _COLUMN_CHARS["host"])
-        pid = as_pid(resource.get("process.pid"))
-        if pid is None:
-            pid = as_pid(resource.get("vllm.process_id"))
+        service, host, pid = _resource_columns(resource, service_host, fallback_host)
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 total += 1
@@ -180,7 +179,10 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
                     if isinstance(head, str):
                         rejections.add(head)
                         continue
-                    append(normalize_span(span, head, service=service, host=host, process_pid=pid))
+                    attrs, dropped = attributes_dict(span.attributes)
+                    status = span.status.code if span.HasField("status") else None
+                    append(build_span(head, span.name, span.kind, status, attrs, dropped,
+                                      service=service, host=host, process_pid=pid))
                 except Exception as exc:  # a bug here must cost one span, never the request
                     rejections.add(f"that could not be read ({type(exc).__name__})")
     result.rejected = rejections.count
@@ -188,16 +190,51 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
     return result
 
 
-def normalize_span(span: Any, head: tuple[str, str, str | None, int, int], *, service: str, host: str,
-                   process_pid: int | None) -> SpanRecord:
-    """One valid OTLP span to a SpanRecord; ``head`` is what ``_span_head`` read and checked."""
-    # ``attrs`` is this span's own dict: values that become columns are removed from it, and
-    # what is left is stored as the span's attributes.
-    attrs, dropped = attributes_dict(span.attributes)
-    name = span.name
+def normalize_body(body: bytes, *, service_host: str = "", fallback_host: str = "") -> NormalizeResult:
+    """:func:`normalize_request` of a protobuf body, read without building the message
+    (``collectors.otlp_wire``): the same spans and rejections. Raises ``otlp_wire.Unusual`` for a
+    body that reader does not take; the caller then parses it (``otlp_codec.decode_request``)."""
+    result = NormalizeResult()
+    append = result.spans.append
+    rejections = _Rejections()
+    total = 0
+    for resource, spans in read_request(body):
+        service, host, pid = _resource_columns(resource, service_host, fallback_host)
+        for trace_id, span_id, parent, start_ns, end_ns, name, kind, status, attrs in spans:
+            total += 1
+            try:
+                head = check_head(trace_id, span_id, parent, start_ns, end_ns)
+                if isinstance(head, str):
+                    rejections.add(head)
+                    continue
+                append(build_span(head, name, kind, status, attrs, 0,
+                                  service=service, host=host, process_pid=pid))
+            except Exception as exc:  # as normalize_request: one span, never the request
+                rejections.add(f"that could not be read ({type(exc).__name__})")
+    result.rejected = rejections.count
+    result.error_message = rejections.message(total)
+    return result
+
+
+def _resource_columns(resource: dict[str, Any], service_host: str,
+                      fallback_host: str) -> tuple[str, str, int | None]:
+    service = cut_text(as_str(resource.get("service.name")) or "", _COLUMN_CHARS["service"])
+    host = cut_text(service_host or as_str(resource.get("host.name")) or fallback_host, _COLUMN_CHARS["host"])
+    pid = as_pid(resource.get("process.pid"))
+    if pid is None:
+        pid = as_pid(resource.get("vllm.process_id"))
+    return service, host, pid
+
+
+def build_span(head: tuple[str, str, str | None, int, int], name: str, kind_code: int, status_code: int | None,
+               attrs: dict[str, Any], dropped: int, *, service: str, host: str,
+               process_pid: int | None) -> SpanRecord:
+    """One valid span to a SpanRecord: ``head`` is what ``check_head`` returned, ``status_code``
+    None where the span has no status, ``attrs`` the span's own attribute dict (values that become
+    columns are removed from it; what is left is stored) and ``dropped`` how many were cut."""
     if len(name) > _COLUMN_CHARS["name"]:
         name = cut_text(name, _COLUMN_CHARS["name"])
-    kind = _KIND_NAMES.get(span.kind, "unspecified")
+    kind = _KIND_NAMES.get(kind_code, "unspecified")
     method = first_of(attrs, METHOD_KEYS)[1]  # not a column: stays in the attributes
     role = _role(name, kind, method is not None, attrs)
 
@@ -227,7 +264,7 @@ def normalize_span(span: Any, head: tuple[str, str, str | None, int, int], *, se
         end_ns,  # end_ns
         service,  # service
         host,  # host
-        _STATUS_NAMES.get(span.status.code, "unset") if span.HasField("status") else "unset",  # status
+        "unset" if status_code is None else _STATUS_NAMES.get(status_code, "unset"),  # status
         role,  # role
         _opt_cut(peer_addr, "peer_addr"),  # peer_addr
         peer_port,  # peer_port

@@ -22,24 +22,28 @@ from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service_pb2_grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from collectors.normalize import normalize_request
+from collectors.normalize import NormalizeResult, normalize_body, normalize_request
 from collectors.otlp_codec import count_items
+from collectors.otlp_wire import Unusual
 from collectors.spanwriter import QUEUE_FULL, BackPressure, SpanWriter
 
 log = logging.getLogger(__name__)
 
 
-class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, receiver: OtlpGrpcReceiver) -> None:
-        self.receiver = receiver
-
-    def Export(self, request: Any, context: Any) -> Any:  # the gRPC method name
-        return self.receiver._export(request, context)
+def _trace_service(receiver: OtlpGrpcReceiver) -> Any:
+    """``TraceService/Export`` taking the request's bytes as they came: ``collectors.otlp_wire``
+    reads the usual body without building the message, as the HTTP receiver does."""
+    export = grpc.unary_unary_rpc_method_handler(
+        receiver._export, request_deserializer=None,
+        response_serializer=trace_service_pb2.ExportTraceServiceResponse.SerializeToString)
+    return grpc.method_handlers_generic_handler("opentelemetry.proto.collector.trace.v1.TraceService",
+                                                {"Export": export})
 
 
 class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
@@ -95,8 +99,7 @@ class OtlpGrpcReceiver:
             options=[("grpc.max_receive_message_length", self.max_message_bytes),
                      ("grpc.so_reuseport", 0)],
         )
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(  # type: ignore[no-untyped-call]
-            _TraceService(self), server)
+        server.add_generic_rpc_handlers((_trace_service(self),))
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(  # type: ignore[no-untyped-call]
             _MetricsService(self), server)
         logs_service_pb2_grpc.add_LogsServiceServicer_to_server(  # type: ignore[no-untyped-call]
@@ -141,14 +144,13 @@ class OtlpGrpcReceiver:
         return hmac.compare_digest(str(header).strip().encode("utf-8", "replace"),
                                    f"Bearer {self.token}".encode())
 
-    def _export(self, request: Any, context: Any) -> Any:
+    def _export(self, body: bytes, context: Any) -> Any:
         if not self._authorized(context):
             self._count(grpc.StatusCode.UNAUTHENTICATED)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        result = normalize_request(request, service_host=self.service_host,
-                                   fallback_host=self._fallback_host)
+        result = self._normalize(body, context)
         try:
-            self.writer.submit(result.spans, request.ByteSize())
+            self.writer.submit(result.spans, len(body))
         except BackPressure as exc:
             self._refuse(context, exc)
         with self._lock:
@@ -160,6 +162,19 @@ class OtlpGrpcReceiver:
             response.partial_success.rejected_spans = result.rejected
             response.partial_success.error_message = result.error_message
         return response
+
+    def _normalize(self, body: bytes, context: Any) -> NormalizeResult:
+        try:
+            return normalize_body(body, service_host=self.service_host, fallback_host=self._fallback_host)
+        except Unusual:
+            pass
+        try:
+            request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+        except (DecodeError, RecursionError, ValueError) as exc:
+            self._count(grpc.StatusCode.INVALID_ARGUMENT)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"request is not a valid ExportTraceServiceRequest protobuf ({exc})")
+        return normalize_request(request, service_host=self.service_host, fallback_host=self._fallback_host)
 
     def _drop(self, signal: str, request: Any, context: Any) -> None:
         """Count a metrics or logs export and keep nothing; the token is still required."""

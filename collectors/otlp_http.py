@@ -35,7 +35,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from collectors import otlp_codec as codec
-from collectors.normalize import normalize_request
+from collectors.normalize import NormalizeResult, normalize_body, normalize_request
+from collectors.otlp_wire import Unusual
 from collectors.spanwriter import QUEUE_FULL, BackPressure, SpanWriter
 
 log = logging.getLogger(__name__)
@@ -323,7 +324,7 @@ class OtlpHttpReceiver:
             if exchange.signal in DROPPED_SIGNALS:
                 self._drop(exchange, codec.decode_dropped(plain, exchange.content_type, exchange.signal))
                 return
-            request = codec.decode_request(plain, exchange.content_type)
+            result = self._normalize(plain, exchange.content_type)
         except codec.BodyError as exc:
             exchange.fail(exc.status, codec.RPC_INVALID_ARGUMENT, exc.message)
             return
@@ -331,7 +332,7 @@ class OtlpHttpReceiver:
             log.warning("OTLP/HTTP body could not be decoded: %r", exc)
             exchange.fail(400, codec.RPC_INVALID_ARGUMENT, f"body could not be decoded ({type(exc).__name__})")
             return
-        self._store(exchange, request, len(plain))
+        self._store(exchange, result, len(plain))
 
     def _admitted(self, exchange: _Exchange) -> bool:
         """Bearer token and media type, checked before any of the body is read."""
@@ -404,11 +405,19 @@ class OtlpHttpReceiver:
             return None
         return bytes(body)
 
-    def _store(self, exchange: _Exchange, request: Any, plain_bytes: int) -> None:
-        """Normalize and commit the spans; answer 200 only once they are committed."""
-        result = normalize_request(request, service_host=self.service_host,
-                                   fallback_host=self._fallback_host)
-        del request
+    def _normalize(self, plain: bytes, content_type: str) -> NormalizeResult:
+        """The body's spans: a protobuf body read from its bytes where it has the usual shape,
+        anything else parsed into the message (which names what is wrong with a bad body)."""
+        if content_type == codec.PROTOBUF:
+            try:
+                return normalize_body(plain, service_host=self.service_host, fallback_host=self._fallback_host)
+            except Unusual:
+                pass
+        request = codec.decode_request(plain, content_type)
+        return normalize_request(request, service_host=self.service_host, fallback_host=self._fallback_host)
+
+    def _store(self, exchange: _Exchange, result: NormalizeResult, plain_bytes: int) -> None:
+        """Commit the spans; answer 200 only once they are committed."""
         try:
             self.writer.submit(result.spans, plain_bytes)
         except BackPressure as exc:

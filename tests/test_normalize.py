@@ -1,5 +1,8 @@
 """Span normalization: join columns under old, new and duplicated HTTP conventions, vLLM and GenAI
-attributes, gateway client spans, proxy-rewritten peers, and bounded handling of hostile values."""
+attributes, gateway client spans, proxy-rewritten peers, and bounded handling of hostile values.
+
+Every case runs both ways: from the parsed message and from the body's bytes
+(``collectors.otlp_wire``), which must agree wherever the byte reader takes the body."""
 
 from __future__ import annotations
 
@@ -12,10 +15,24 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from auditor.model import SpanRole
 from collectors.attributes import MAX_ATTRIBUTES, MAX_STRING_CHARS, TOO_DEEP_MARK
-from collectors.normalize import normalize_request
+from collectors.normalize import NormalizeResult, normalize_body
+from collectors.normalize import normalize_request as from_message
+from collectors.otlp_wire import Unusual
 
 TRACE = bytes.fromhex("0af7651916cd43dd8448eb211c80319c")
 SERVER, CLIENT, INTERNAL = Span.SPAN_KIND_SERVER, Span.SPAN_KIND_CLIENT, Span.SPAN_KIND_INTERNAL
+
+
+def normalize_request(req: ExportTraceServiceRequest, **hosts: str) -> NormalizeResult:
+    """The message path's result, checked against the byte reader's on the serialized body."""
+    expected = from_message(req, **hosts)
+    try:
+        got = normalize_body(req.SerializeToString(), **hosts)
+    except Unusual:
+        return expected
+    assert (got.spans, got.rejected, got.error_message) == (expected.spans, expected.rejected,
+                                                           expected.error_message)
+    return expected
 
 
 def value(v: Any) -> AnyValue:

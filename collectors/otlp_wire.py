@@ -1,0 +1,454 @@
+"""OTLP trace bodies read straight from their protobuf bytes: the fast path of span normalization.
+
+upb parses a body in C, but every field read from Python then builds a wrapper object: about
+1 us per attribute (iterate, key, value, which member, the member), most of what normalizing a
+span cost. This reader walks the wire format itself and hands ``collectors.normalize`` the same
+parts the message path reads from a parsed message, so both paths share every rule after that.
+
+It reads the shapes exporters send. Anything else raises :class:`Unusual` and the caller parses
+the body with upb as before, so every body gets the message path's answer, garbage included:
+a group, a known field with an unexpected wire type or one this reader does not handle, an
+AnyValue with two members, a truncated field, invalid UTF-8, more attributes or array items than
+normalization keeps, containers nested deeper than it keeps. Sub-messages that normalization
+does not read (events, links, the instrumentation scope) are still checked by upb, on their own
+bytes, so a body this reader takes is one upb takes too.
+
+Repeated occurrences of a field follow protobuf's parse rules: the last scalar wins, repeated
+fields append, a message field's occurrences merge (here: Status, read field by field in order).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
+
+from collectors.attributes import (
+    MAX_ARRAY_ITEMS,
+    MAX_ATTRIBUTES,
+    MAX_DEPTH,
+    MAX_KEY_CHARS,
+    MAX_STRING_CHARS,
+    cut_text,
+)
+
+_U64 = (1 << 64) - 1
+_DOUBLE = struct.Struct("<d")
+_FIXED64 = struct.Struct("<Q")
+
+# Attribute key-values seen before, by their bytes: (key, value) for values that cannot be changed
+# in place. Most attributes repeat exactly from span to span (method, route, model, scheme).
+_KV_CACHE: dict[bytes, tuple[str, Any]] = {}
+_KV_CACHE_MAX = 4096
+_KV_CACHE_BYTES = 256  # longer key-values are rarely repeated; not kept
+_KEYS: dict[bytes, str] = {}  # attribute keys by their bytes
+
+
+class Unusual(Exception):
+    """The body is not in a shape this reader takes; parse it with upb instead."""
+
+
+def _known(message: Any) -> frozenset[int]:
+    return frozenset(field.number for field in message.DESCRIPTOR.fields)
+
+
+# Field numbers each message defines in the installed schema: a known field this reader does not
+# handle (or one with another wire type) is Unusual; an unknown one is skipped, as upb skips it.
+_KNOWN_REQUEST = _known(ExportTraceServiceRequest)
+_KNOWN_RESOURCE_SPANS = _known(ResourceSpans)
+_KNOWN_RESOURCE = _known(Resource)
+_KNOWN_SCOPE_SPANS = _known(ScopeSpans)
+_KNOWN_SPAN = _known(Span)
+_KNOWN_STATUS = _known(Status)
+_KNOWN_ANY_VALUE = _known(AnyValue)
+_KNOWN_KEY_VALUE = frozenset({1, 2, 3})  # key, value, key_strindex (newer schemas)
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = data[pos]  # IndexError past the end: the caller treats it as Unusual
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise Unusual("varint longer than 10 bytes")
+
+
+def _length(data: bytes, pos: int, stop: int) -> tuple[int, int]:
+    """A length-delimited field's (start, end), checked to lie inside ``stop``."""
+    size = data[pos]
+    if size < 0x80:
+        pos += 1
+    else:
+        size, pos = _varint(data, pos)
+    end = pos + size
+    if end > stop:
+        raise Unusual("field runs past its message")
+    return pos, end
+
+
+def _skip(data: bytes, pos: int, stop: int, tag: int, known: frozenset[int]) -> int:
+    """Past an unknown field; a known one this reader does not handle is Unusual."""
+    field, wire = tag >> 3, tag & 7
+    if field == 0 or field in known:
+        raise Unusual(f"field {field} (wire type {wire})")
+    if wire == 0:
+        _, pos = _varint(data, pos)
+    elif wire == 1:
+        pos += 8
+    elif wire == 2:
+        _, pos = _length(data, pos, stop)
+    elif wire == 5:
+        pos += 4
+    else:
+        raise Unusual(f"wire type {wire}")
+    if pos > stop:
+        raise Unusual("field runs past its message")
+    return pos
+
+
+def _tag(data: bytes, pos: int) -> tuple[int, int]:
+    tag = data[pos]
+    if tag < 0x80:
+        return tag, pos + 1
+    return _varint(data, pos)
+
+
+def _text(data: bytes, start: int, end: int) -> str:
+    try:
+        return data[start:end].decode()
+    except UnicodeDecodeError as exc:
+        raise Unusual("invalid UTF-8") from exc
+
+
+def _signed(value: int, bits: int) -> int:
+    value &= (1 << bits) - 1
+    return value - (1 << bits) if value >> (bits - 1) else value
+
+
+def _check(message: Any, data: bytes, start: int, end: int) -> None:
+    """upb's verdict on a sub-message this reader does not read."""
+    try:
+        message.FromString(data[start:end])
+    except Exception as exc:
+        raise Unusual(f"invalid {message.DESCRIPTOR.name}") from exc
+
+
+# -- the request, its resources, scopes and spans ------------------------------------------------
+# A span's parts, in the order normalize.build_span takes them.
+SpanParts = tuple[bytes, bytes, bytes, int, int, str, int, "int | None", dict[str, Any]]
+
+
+def read_request(data: bytes) -> list[tuple[dict[str, Any], list[SpanParts]]]:
+    """Every ResourceSpans of a body as (resource attributes, its spans' parts); Unusual when the
+    body is not in a shape this reader takes."""
+    try:
+        return _request(data)
+    except (IndexError, struct.error, RecursionError, UnicodeDecodeError) as exc:
+        raise Unusual(type(exc).__name__) from exc
+
+
+def _request(data: bytes) -> list[tuple[dict[str, Any], list[SpanParts]]]:
+    out = []
+    pos, stop = 0, len(data)
+    while pos < stop:
+        tag, pos = _tag(data, pos)
+        if tag == 0x0A:
+            start, pos = _length(data, pos, stop)
+            out.append(_resource_spans(data, start, pos))
+        else:
+            pos = _skip(data, pos, stop, tag, _KNOWN_REQUEST)
+    return out
+
+
+def _resource_spans(data: bytes, pos: int, stop: int) -> tuple[dict[str, Any], list[SpanParts]]:
+    resource: dict[str, Any] = {}
+    resource_count = 0
+    spans: list[SpanParts] = []
+    while pos < stop:
+        tag, pos = _tag(data, pos)
+        if tag == 0x12:  # scope_spans
+            start, pos = _length(data, pos, stop)
+            _scope_spans(data, start, pos, spans)
+        elif tag == 0x0A:  # resource (occurrences merge: their attributes append)
+            start, pos = _length(data, pos, stop)
+            resource_count = _resource(data, start, pos, resource, resource_count)
+        elif tag == 0x1A:  # schema_url
+            start, pos = _length(data, pos, stop)
+            _text(data, start, pos)
+        else:
+            pos = _skip(data, pos, stop, tag, _KNOWN_RESOURCE_SPANS)
+    return resource, spans
+
+
+def _resource(data: bytes, pos: int, stop: int, attrs: dict[str, Any], count: int) -> int:
+    while pos < stop:
+        tag, pos = _tag(data, pos)
+        if tag == 0x0A:
+            start, pos = _length(data, pos, stop)
+            count += 1
+            if count > MAX_ATTRIBUTES:
+                raise Unusual("more attributes than are kept")
+            key, value = _key_value(data[start:pos])
+            if key not in attrs:
+                attrs[key] = value
+        elif tag == 0x10:  # dropped_attributes_count
+            _, pos = _varint(data, pos)
+        else:
+            pos = _skip(data, pos, stop, tag, _KNOWN_RESOURCE)
+    return count
+
+
+def _scope_spans(data: bytes, pos: int, stop: int, spans: list[SpanParts]) -> None:
+    while pos < stop:
+        tag, pos = _tag(data, pos)
+        if tag == 0x12:
+            start, pos = _length(data, pos, stop)
+            spans.append(_span(data, start, pos))
+        elif tag == 0x0A:  # scope: not read, but upb must take it
+            start, pos = _length(data, pos, stop)
+            _check(InstrumentationScope, data, start, pos)
+        elif tag == 0x1A:  # schema_url
+            start, pos = _length(data, pos, stop)
+            _text(data, start, pos)
+        else:
+            pos = _skip(data, pos, stop, tag, _KNOWN_SCOPE_SPANS)
+
+
+def _span(data: bytes, pos: int, stop: int) -> SpanParts:
+    trace_id = span_id = parent = b""
+    name = ""
+    kind = start_ns = end_ns = 0
+    status: int | None = None
+    attrs: dict[str, Any] = {}
+    count = 0
+    cache_get = _KV_CACHE.get
+    while pos < stop:
+        tag = data[pos]
+        pos += 1
+        if tag & 7 == 2 and tag < 0x80:  # length-delimited: its bounds first, read inline
+            size = data[pos]
+            if size < 0x80:
+                pos += 1
+            else:
+                size, pos = _varint(data, pos)
+            start = pos
+            pos += size
+            if pos > stop:
+                raise Unusual("field runs past its span")
+            if tag == 0x4A:  # attributes, the most frequent field first
+                count += 1
+                raw = data[start:pos]
+                pair = cache_get(raw)
+                if pair is None:
+                    if count > MAX_ATTRIBUTES:
+                        raise Unusual("more attributes than are kept")
+                    pair = _key_value(raw)
+                key = pair[0]
+                if key not in attrs:
+                    attrs[key] = pair[1]
+            elif tag == 0x0A:
+                trace_id = data[start:pos]
+            elif tag == 0x12:
+                span_id = data[start:pos]
+            elif tag == 0x22:
+                parent = data[start:pos]
+            elif tag == 0x2A:
+                name = _text(data, start, pos)
+            elif tag == 0x7A:  # status: occurrences merge, field by field
+                status = _status(data, start, pos, 0 if status is None else status)
+            elif tag == 0x1A:  # trace_state
+                _text(data, start, pos)
+            elif tag == 0x5A or tag == 0x6A:  # events, links: not read, but upb must take them
+                _check(Span.Event if tag == 0x5A else Span.Link, data, start, pos)
+            elif tag >> 3 in _KNOWN_SPAN:
+                raise Unusual(f"field {tag >> 3} (wire type 2)")
+        elif tag == 0x39:
+            start_ns = _FIXED64.unpack_from(data, pos)[0]
+            pos += 8
+        elif tag == 0x41:
+            end_ns = _FIXED64.unpack_from(data, pos)[0]
+            pos += 8
+        elif tag == 0x30:
+            value, pos = _varint(data, pos)
+            kind = _signed(value, 32)
+        elif tag == 0x50 or tag == 0x60 or tag == 0x70:  # dropped counts
+            _, pos = _varint(data, pos)
+        elif tag == 0x85 and data[pos] == 0x01:  # flags (field 16, fixed32)
+            pos += 5
+        else:
+            tag, pos = _tag(data, pos - 1)
+            pos = _skip(data, pos, stop, tag, _KNOWN_SPAN)
+        if pos > stop:
+            raise Unusual("field runs past its span")
+    if count > MAX_ATTRIBUTES:
+        raise Unusual("more attributes than are kept")
+    return trace_id, span_id, parent, start_ns, end_ns, name, kind, status, attrs
+
+
+def _status(data: bytes, pos: int, stop: int, code: int) -> int:
+    while pos < stop:
+        tag, pos = _tag(data, pos)
+        if tag == 0x18:
+            value, pos = _varint(data, pos)
+            code = _signed(value, 32)
+        elif tag == 0x12:
+            start, pos = _length(data, pos, stop)
+            _text(data, start, pos)
+        else:
+            pos = _skip(data, pos, stop, tag, _KNOWN_STATUS)
+    if pos > stop:
+        raise Unusual("field runs past its status")
+    return code
+
+
+# -- attributes ---------------------------------------------------------------------------------
+def _key_value(raw: bytes) -> tuple[str, Any]:
+    """A span's or resource's key-value, from its own bytes: (key, value), remembered by those
+    bytes when the value cannot be changed in place."""
+    hit = _KV_CACHE.get(raw)
+    if hit is not None:
+        return hit
+    pair = _plain_key_value(raw)
+    if pair is None:
+        key, value_at = _kv_parts(raw, 0, len(raw))
+        pair = (key, None if value_at is None else _any_value(raw, value_at[0], value_at[1], 0))
+    value = pair[1]
+    if type(value) is not list and type(value) is not dict and len(raw) <= _KV_CACHE_BYTES:
+        if len(_KV_CACHE) >= _KV_CACHE_MAX:
+            _KV_CACHE.clear()
+        _KV_CACHE[raw] = pair
+    return pair
+
+
+def _plain_key_value(raw: bytes) -> tuple[str, Any] | None:
+    """The usual key-value read by position: a key, then a string or int value, every length
+    under 128 bytes; None for any other layout (then read field by field)."""
+    size = len(raw)
+    if size < 5 or raw[0] != 0x0A or raw[1] >= 0x80:
+        return None
+    key_end = 2 + raw[1]
+    if key_end + 3 > size or raw[key_end] != 0x12 or raw[key_end + 1] != size - key_end - 2:
+        return None
+    key = _key_text(raw[2:key_end])
+    value_tag = raw[key_end + 2]
+    if value_tag == 0x0A:
+        if raw[key_end + 3] != size - key_end - 4:
+            return None
+        return key, _text(raw, key_end + 4, size)  # under 128 bytes: never cut
+    if value_tag == 0x18:
+        value, end = _varint(raw, key_end + 3)
+        return (key, _signed(value, 64)) if end == size else None
+    return None
+
+
+def _key_text(raw: bytes) -> str:
+    key = _KEYS.get(raw)
+    if key is None:
+        key = raw.decode()  # UnicodeDecodeError: Unusual, through read_request
+        if len(_KEYS) >= _KV_CACHE_MAX:
+            _KEYS.clear()
+        _KEYS[raw] = key
+    return key
+
+
+def _any_value(data: bytes, pos: int, stop: int, depth: int) -> Any:
+    """An AnyValue as plain Python, as ``collectors.attributes.any_value`` makes it."""
+    result: Any = None
+    seen = False
+    while pos < stop:
+        tag, pos = _tag(data, pos)
+        field = tag >> 3
+        if 1 <= field <= 8:
+            if seen:
+                raise Unusual("an AnyValue with two members")
+            seen = True
+        if tag == 0x0A:
+            start, pos = _length(data, pos, stop)
+            result = _text(data, start, pos)
+            if len(result) > MAX_STRING_CHARS:
+                result = cut_text(result, MAX_STRING_CHARS)
+        elif tag == 0x18:
+            value, pos = _varint(data, pos)
+            result = _signed(value, 64)
+        elif tag == 0x10:
+            value, pos = _varint(data, pos)
+            result = (value & _U64) != 0
+        elif tag == 0x21:
+            number = _DOUBLE.unpack_from(data, pos)[0]
+            pos += 8
+            result = number if math.isfinite(number) else str(number)
+        elif tag == 0x3A:
+            start, pos = _length(data, pos, stop)
+            result = cut_text(data[start:pos].hex(), MAX_STRING_CHARS)
+        elif tag == 0x2A or tag == 0x32:
+            start, pos = _length(data, pos, stop)
+            if depth >= MAX_DEPTH:
+                raise Unusual("values nested deeper than are kept")
+            result = (_array if tag == 0x2A else _kvlist)(data, start, pos, depth + 1)
+        else:
+            pos = _skip(data, pos, stop, tag, _KNOWN_ANY_VALUE)
+    if pos > stop:
+        raise Unusual("field runs past its value")
+    return result
+
+
+def _array(data: bytes, pos: int, stop: int, depth: int) -> list[Any]:
+    items: list[Any] = []
+    while pos < stop:
+        tag, pos = _tag(data, pos)
+        if tag == 0x0A:
+            start, pos = _length(data, pos, stop)
+            if len(items) == MAX_ARRAY_ITEMS:
+                raise Unusual("more array items than are kept")
+            items.append(_any_value(data, start, pos, depth))
+        else:
+            pos = _skip(data, pos, stop, tag, frozenset({1}))
+    return items
+
+
+def _kvlist(data: bytes, pos: int, stop: int, depth: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    count = 0
+    while pos < stop:
+        tag, pos = _tag(data, pos)
+        if tag == 0x0A:
+            start, pos = _length(data, pos, stop)
+            count += 1
+            if count > MAX_ARRAY_ITEMS:
+                raise Unusual("more key-values than are kept")
+            key, value_at = _kv_parts(data, start, pos)
+            out[key] = None if value_at is None else _any_value(data, value_at[0], value_at[1], depth)
+        else:
+            pos = _skip(data, pos, stop, tag, frozenset({1}))
+    return out
+
+
+def _kv_parts(data: bytes, pos: int, stop: int) -> tuple[str, tuple[int, int] | None]:
+    """A key-value's key (cut) and where its value lies (values are read at their depth)."""
+    key = ""
+    value_at: tuple[int, int] | None = None
+    while pos < stop:
+        tag, pos = _tag(data, pos)
+        if tag == 0x0A:
+            start, pos = _length(data, pos, stop)
+            key = _text(data, start, pos)
+        elif tag == 0x12:
+            if value_at is not None:
+                raise Unusual("a key-value with two values")
+            value_at = _length(data, pos, stop)
+            pos = value_at[1]
+        else:
+            pos = _skip(data, pos, stop, tag, _KNOWN_KEY_VALUE)
+    if pos > stop:
+        raise Unusual("field runs past its key-value")
+    return (cut_text(key, MAX_KEY_CHARS) if len(key) > MAX_KEY_CHARS else key), value_at
+
