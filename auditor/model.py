@@ -1,15 +1,15 @@
 """Domain records shared by every part of the auditor.
 
 Sources (probes, collectors) produce these; the store persists them; correlation turns them into
-verdicts. They are plain frozen dataclasses so that every layer can build and compare them without
-a database. All times are wall-clock nanoseconds since the Unix epoch (``time.time_ns()``).
+verdicts. They are plain frozen dataclasses (kernel events: named tuples) so that every layer can
+build and compare them without a database. All times are wall-clock nanoseconds since the Unix epoch (``time.time_ns()``).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class ConnEventKind(str, enum.Enum):
@@ -72,9 +72,12 @@ class CoverageKind(str, enum.Enum):
     PEERLESS_SPAN_JOINED = "peerless_span_joined"
 
 
-@dataclass(frozen=True, slots=True)
-class ConnEvent:
-    """One kernel-observed state change of a server-side socket on a watched port."""
+class ConnEvent(NamedTuple):
+    """One kernel-observed state change of a server-side socket on a watched port.
+
+    A named tuple rather than a frozen dataclass like the other records: the probe reader builds
+    one per kernel event (hundreds of thousands a second at its limit), and a tuple is built in
+    one step where a dataclass sets each field on its own. Change it with ``_replace``."""
 
     ts_ns: int
     kind: ConnEventKind

@@ -173,7 +173,7 @@ def test_a_polled_close_the_span_end_falls_inside_orders_nothing(store: Store) -
     # ended inside that interval: the zombie's server ended it on hearing of the disconnect and its
     # engine held the request on to about 2 s; the other's engine never held it after.
     store.insert_spans([http_span("z", 0, 0.98, client=zombie), http_span("r", 3.0, 3.98, span="7", client=raced)])
-    store.insert_conn_events([replace(close(at, client=client), earliest_ns=T0 + int((at - 0.05) * S))
+    store.insert_conn_events([close(at, client=client)._replace(earliest_ns=T0 + int((at - 0.05) * S))
                               for at, client in ((1.0, zombie), (4.0, raced))])
     # A scrape 1 ms after the zombie's span ended counts it as connected: no evidence either way.
     correlator.add_engine_load([load(0.981, 1)] + [load(1.0 + 0.1 * i, 1 if i < 10 else 0) for i in range(40)])
@@ -562,7 +562,7 @@ def test_a_daemon_judges_only_its_own_hosts_requests(store: Store) -> None:
     store.insert_spans([replace(http_span("o", 0, 1.0), host="other"),
                         replace(engine_span("o", 0, 4.0, "length"), host="other"), http_span("m", 0, 1.0),
                         engine_span("m", 0, 4.0, "length")])
-    store.insert_conn_events([replace(close(0.5), host="other"), close(0.6)])
+    store.insert_conn_events([close(0.5)._replace(host="other"), close(0.6)])
     clock.now = T0 + 5 * S
     make(store, clock).tick()
     assert [(r.host, r.trace_id, r.verdict) for r in verdicts(store)] == [("h", "m" * 32, "zombie")]

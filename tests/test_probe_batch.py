@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from auditor.model import ConnEvent, ConnEventKind
-from probes.decode import AF_INET, AF_INET6, EventBuilder, slots_match
+from probes.decode import _FIELDS, AF_INET, AF_INET6, EventBuilder
 from probes.ringbuf import BUSY_BIT, DISCARD_BIT, MappedRingBuffer
 
 PAGE = mmap.PAGESIZE
@@ -90,7 +90,7 @@ def test_records_that_wrap_around_the_end_read_whole(ring: Ring) -> None:
     assert ring.consumer() == ring.producer > DATA
 
 
-def test_event_builder_fills_slots_exactly_as_the_constructor_would() -> None:
+def test_event_builder_by_position_builds_what_the_constructor_would() -> None:
     v4 = socket.inet_pton(socket.AF_INET, "10.0.0.7").ljust(16, b"\0")
     v6 = socket.inet_pton(socket.AF_INET6, "::ffff:10.0.0.8")
     records = [
@@ -99,8 +99,8 @@ def test_event_builder_fills_slots_exactly_as_the_constructor_would() -> None:
         (300, 44, v4, v4, 8000, 40002, AF_INET, 99, 0),  # no such kind
         (400, 45, v4, v4, 8000, 40003, 7, 4, 0),  # no such family
     ]
-    fast, fast_bad = EventBuilder(use_slots=True)(records, 5, "gpu-1")
-    slow, slow_bad = EventBuilder(use_slots=False)(records, 5, "gpu-1")
+    fast, fast_bad = EventBuilder(by_position=True)(records, 5, "gpu-1")
+    slow, slow_bad = EventBuilder(by_position=False)(records, 5, "gpu-1")
     assert fast == slow == [
         ConnEvent(105, ConnEventKind.PEER_FIN, 4, "10.0.0.7", 40000, "10.0.0.7", 8000, 42, "gpu-1"),
         ConnEvent(205, ConnEventKind.PEER_RST, 6, "::ffff:10.0.0.8", 40001, "::ffff:10.0.0.8", 8000,
@@ -108,4 +108,4 @@ def test_event_builder_fills_slots_exactly_as_the_constructor_would() -> None:
     ]
     assert [hash(e) for e in fast] == [hash(e) for e in slow]
     assert [r for r, _ in fast_bad] == [r for r, _ in slow_bad] == records[2:]
-    assert slots_match()  # the model still has the shape the fast path fills
+    assert ConnEvent._fields == _FIELDS  # the model still has the order the fast path fills

@@ -1,4 +1,4 @@
-"""Records as rows: how a dataclass record becomes a column dict (SQLAlchemy Core) or a plain
+"""Records as rows: how a dataclass (or named tuple) record becomes a column dict (SQLAlchemy Core) or a plain
 tuple (the SQLite driver, the hot path of every batch insert), and the batched driver statements."""
 
 from __future__ import annotations
@@ -54,14 +54,20 @@ def shape_of(cls: type) -> Shape:
     shape = _SHAPES.get(cls)
     if shape is None:
         hints = typing.get_type_hints(cls)
-        names = tuple(f.name for f in dataclasses.fields(cls))
+        kind: Any = cls
+        names = tuple(kind._fields if issubclass(cls, tuple) else (f.name for f in dataclasses.fields(kind)))
         enums = tuple(n for n in names if any(isinstance(t, type) and issubclass(t, enum.Enum)
                                                for t in (hints[n], *typing.get_args(hints[n]))))
         converters = tuple((i, _enum_value if n in enums else dumps_json) for i, n in enumerate(names)
                            if n in enums or typing.get_origin(hints[n]) is dict)
-        getter = operator.attrgetter(*names)
+        # A named tuple already holds its fields in order.
+        getter = _itself if issubclass(cls, tuple) else operator.attrgetter(*names)
         shape = _SHAPES[cls] = Shape(names, getter, enums, converters)
     return shape
+
+
+def _itself(record: Any) -> Any:
+    return record
 
 
 def _enum_value(value: Any) -> Any:
