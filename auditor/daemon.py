@@ -135,7 +135,8 @@ class Daemon:
 
         try:
             source = open_source(ports=sorted(self._ports), prefer=self.config.probe.source, host=self.host,
-                                 poll_hz=self.config.probe.poll_hz)
+                                 poll_hz=self.config.probe.poll_hz,
+                                 ringbuf_pages=self.config.probe.ring_buffer_pages)
             source.start()
         except AuditorError as exc:
             log.error("no disconnect source: %s", exc)

@@ -43,6 +43,9 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
         ("[otlp]\nhttp = 'localhost'\n", "otlp.http = 'localhost': expected HOST:PORT"),
         ("probe = 3\n", "probe must be a table"),
         ("[probe\n", "is not valid TOML"),
+        ("[probe]\nring_buffer_mib = 3\n", "probe.ring_buffer_mib = 3: must be a power of two"),
+        ("[probe]\nring_buffer_mib = 0\n", "probe.ring_buffer_mib = 0: must be a power of two"),
+        ("[probe]\nring_buffer_mib = 2048\n", "probe.ring_buffer_mib = 2048: must be a power of two"),
     ],
 )
 def test_bad_file_names_the_key(tmp_path: Path, text: str, message: str) -> None:

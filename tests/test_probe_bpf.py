@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 import socket
 import struct
 import threading
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from auditor.config import Config
 from auditor.errors import ConfigError
 from auditor.model import ConnEvent, ConnEventKind
 from auditor.store import ConnEventRow, Store
@@ -372,6 +374,29 @@ def test_a_full_ring_buffer_counts_every_lost_event() -> None:
         tiny.stop()
         server.close()
     assert tiny.lost_events() == lost  # still readable after stop
+
+
+def test_the_configured_ring_buffer_is_what_the_reader_maps() -> None:
+    """The whole ring buffer is mapped into the reader and counts in its RSS: its size is the
+    configured one (``probe.ring_buffer_mib``), and nothing maps a second copy."""
+    config = Config()
+    config.probe.ring_buffer_mib = 2
+    server = listener()
+    source = open_source([port_of(server)], prefer="bpf", ringbuf_pages=config.probe.ring_buffer_pages)
+    source.start()
+    try:
+        sizes = []
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                start_end, *rest = line.split(maxsplit=5)
+                if "-" in start_end and rest and "bpf-map" in line:
+                    start, end = (int(x, 16) for x in start_end.split("-"))
+                    sizes.append(end - start)
+        assert 2 * 2**20 + mmap.PAGESIZE in sizes  # the producer page, then the data area once
+        assert max(sizes) < 4 * 2**20
+    finally:
+        source.stop()
+        server.close()
 
 
 def test_events_from_the_kernel_land_in_the_store(probe: Probe, store: Store) -> None:
