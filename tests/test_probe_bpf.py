@@ -378,7 +378,7 @@ def test_a_full_ring_buffer_counts_every_lost_event() -> None:
 
 def test_the_configured_ring_buffer_is_what_the_reader_maps() -> None:
     """The whole ring buffer is mapped into the reader and counts in its RSS: its size is the
-    configured one (``probe.ring_buffer_mib``), and nothing maps a second copy."""
+    configured one (``probe.ring_buffer_mib``), mapped once (libbpf maps the data area twice)."""
     config = Config()
     config.probe.ring_buffer_mib = 2
     server = listener()
@@ -393,7 +393,6 @@ def test_the_configured_ring_buffer_is_what_the_reader_maps() -> None:
                     start, end = (int(x, 16) for x in start_end.split("-"))
                     sizes.append(end - start)
         assert 2 * 2**20 + mmap.PAGESIZE in sizes  # the producer page, then the data area once
-        assert max(sizes) < 4 * 2**20
     finally:
         source.stop()
         server.close()
