@@ -133,3 +133,20 @@ def test_grouped_statements_keep_sixteen_rows_apiece() -> None:
     assert groups == [tuple(v for r in rows[:16] for v in r), tuple(v for r in rows[16:32] for v in r)]
     assert rest == rows[32:]
     assert grouped_inserts(sql, rows[:5]) == [(sql, rows[:5])]
+
+
+def test_generated_row_makers_give_the_converted_fields() -> None:
+    """``Shape.row`` (one generated expression a record) against the plain way: every field by
+    the getter, enums and dicts converted in place."""
+    from auditor.model import ConnEvent, ConnEventKind
+    from auditor.store.rows import rows_as_tuples, shape_of
+
+    spans = normalize_request(body()).spans
+    event = ConnEvent(5, ConnEventKind.PEER_RST, 4, "10.0.0.7", 40_000, "10.0.0.1", 8000, 42, "gpu-1")
+    for records in (spans, [event, event._replace(earliest_ns=3, source="procfs")]):
+        shape = shape_of(type(records[0]))
+        assert shape.row is not None
+        plain = rows_as_tuples(records, dataclasses.replace(shape, row=None))
+        assert rows_as_tuples(records, shape) == plain
+        assert all(type(row) is tuple for row in plain)
+    assert rows_as_tuples([event], shape_of(ConnEvent))[0][1] == "peer_rst"
