@@ -8,6 +8,7 @@
    events stored per second, lost events, and this process's CPU per 1,000 events.
 
     .venv/bin/python bench/probe_overhead.py [--seconds 4] [--rounds 3] [--generators 3]
+    .venv/bin/python bench/probe_overhead.py --compare REV [--rounds 3]   # the reader, REV beside now
 """
 
 from __future__ import annotations
@@ -322,6 +323,101 @@ def drain_rate(args: argparse.Namespace, workdir: Path) -> dict[str, dict[str, f
     return figures
 
 
+def drain_child(port: int, with_store: bool) -> None:
+    """One tree's mapped reader in its own process (``--compare``): attach, say ready, wait for
+    "drain" on stdin, empty the ring buffer and print what it cost as JSON."""
+    import json
+
+    from probes.bpf import BpfConnEventSource
+    from probes.writer import ConnEventWriter
+
+    source = BpfConnEventSource([port], ringbuf_pages=16384, mapped_reader=True)
+    source.start()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    writer = None
+    if with_store:
+        from auditor.store import Store
+
+        store = Store(f"sqlite:///{tempfile.mkdtemp(prefix='drain-')}/drain.db")
+        writer = ConnEventWriter(store, batch_size=5000)
+    cpu_before, wall_before, drained = cpu_seconds(), time.monotonic(), 0
+    while events := source.poll(timeout_s=0):
+        drained += len(events)
+        if writer is not None:
+            writer.add(events)
+    if writer is not None:
+        writer.flush()
+    wall = time.monotonic() - wall_before
+    user = cpu_seconds()[0] - cpu_before[0]
+    print(json.dumps({"drained": drained, "lost": source.lost_events(), "seconds": wall,
+                      "user_ms_per_1k": 1e6 * user / max(drained, 1)}), flush=True)
+    source.stop()
+
+
+def drain_compare(args: argparse.Namespace) -> None:
+    """The mapped reader of revision ``args.compare`` and of the working tree on the same backlog:
+    each in its own process, both attached before the connections are made (every probe sees
+    every event), then each drains its own ring buffer in turn, the first to drain alternating
+    from round to round. Prints the medians side by side."""
+    import io
+    import json
+    import tarfile
+
+    here = Path(__file__).resolve().parent.parent
+    figures: dict[tuple[str, str], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="probe-old-") as scratch:
+        archive = subprocess.run(["git", "-C", str(here), "archive", "--format=tar", args.compare, "auditor",
+                                  "collectors", "probes"], check=True, capture_output=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(scratch, filter="data")
+        trees = {args.compare: scratch, "working tree": str(here)}
+        ctx = multiprocessing.get_context("spawn")
+        for round_no in range(args.rounds):
+            for with_store in (False, True):
+                listener, address = loopback_listener()
+                children = {label: subprocess.Popen(
+                    [sys.executable, __file__, "--drain-child", str(address[1]), *(["--store"] if with_store else [])],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                    env={**os.environ, "PYTHONPATH": tree}) for label, tree in trees.items()}
+                for child in children.values():
+                    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+                results, ready, go, stop = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+                acceptor_process = ctx.Process(target=acceptor, args=(listener, stop))
+                acceptor_process.start()
+                generators = [ctx.Process(target=reset_generator,
+                                          args=(address, ready, go, args.backlog_seconds, results))
+                              for _ in range(args.generators)]
+                start_together(generators, ready, go)
+                for _ in generators:
+                    results.get(timeout=args.backlog_seconds + 60)
+                stop.set()
+                acceptor_process.join()
+                for worker in generators:
+                    worker.join()
+                time.sleep(0.3)  # the last resets land
+                order = list(children) if round_no % 2 == 0 else list(children)[::-1]
+                for label in order:
+                    child = children[label]
+                    assert child.stdin is not None and child.stdout is not None
+                    child.stdin.write("drain\n")
+                    child.stdin.flush()
+                    result = json.loads(child.stdout.readline())
+                    child.wait(timeout=60)
+                    variant = "mapped+store" if with_store else "mapped"
+                    figures.setdefault((variant, label), []).append(result["user_ms_per_1k"])
+                    figures.setdefault((f"{variant} events/s", label), []).append(
+                        result["drained"] / result["seconds"])
+                    print(f"round {round_no + 1} {label:<14} {variant:<13} {result['drained']:>9,} events, "
+                          f"lost {result['lost']}, user {result['user_ms_per_1k']:.2f} ms / 1,000 events",
+                          flush=True)
+                listener.close()
+    print(f"\nreader user CPU per 1,000 events (target <= 2 ms) and drain rate, median of {args.rounds} rounds")
+    for variant in ("mapped", "mapped events/s", "mapped+store", "mapped+store events/s"):
+        old, new = (statistics.median(figures[(variant, label)]) for label in trees)
+        print(f"  {variant:<22} {args.compare}: {old:>10,.2f}   working tree: {new:>10,.2f}   x{new / old:.2f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each measured phase")
@@ -334,10 +430,18 @@ def main() -> int:
     parser.add_argument("--backlog-seconds", type=float, default=2.0,
                         help="how long to fill the ring buffer before timing the drain")
     parser.add_argument("--http-only", action="store_true", help="skip the event-rate phases")
+    parser.add_argument("--compare", metavar="REV",
+                        help="only the drain phase: revision REV's mapped reader and the working tree's on "
+                             "the same backlog, --rounds times")
     parser.add_argument("--serve-fd", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--drain-child", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--store", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_fd is not None:
         serve(args.serve_fd)
+        return 0
+    if args.drain_child is not None:
+        drain_child(args.drain_child, args.store)
         return 0
 
     from probes.bpf import bpf_unavailable_reason
@@ -345,6 +449,9 @@ def main() -> int:
     problem = bpf_unavailable_reason()
     if problem is not None:
         print(f"probe_overhead: not measured: {problem}")
+        return 0
+    if args.compare:
+        drain_compare(args)
         return 0
     load_before = os.getloadavg()[0]  # other work on the machine skews every figure
     with tempfile.TemporaryDirectory(prefix="probe-bench-") as tmp:
