@@ -89,6 +89,27 @@ def test_partial_success(writer: SpanWriter, store: Store) -> None:
         receiver.stop()
 
 
+def test_bodies_that_are_not_a_request_are_invalid_arguments(writer: SpanWriter, store: Store) -> None:
+    """The trace method takes the request's bytes as they came: a body neither reader takes gets
+    INVALID_ARGUMENT naming the problem, and the receiver goes on serving."""
+    receiver = OtlpGrpcReceiver(writer, port=0).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{receiver.port}")
+    export = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+    try:
+        with channel:
+            for garbage in (b"\x0a\x05\x12", b"\xff" * 7, b"\x0a\x03\x12\x01\xff"):
+                with pytest.raises(grpc.RpcError) as refused:
+                    export(garbage, timeout=5)
+                assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                assert "not a valid ExportTraceServiceRequest" in (refused.value.details() or "")
+            answer = export(encode_spans(sdk_spans()).SerializeToString(), timeout=5)
+        assert answer == b""  # an empty ExportTraceServiceResponse: no partial success
+        assert names(store) == [("s0", "http_server"), ("s1", "http_client")]
+        assert receiver.stats()["requests_by_status"]["INVALID_ARGUMENT"] == 3
+    finally:
+        receiver.stop()
+
+
 def _retry_delay(error: grpc.RpcError) -> int:
     details = dict(error.trailing_metadata() or ())["grpc-status-details-bin"]
     status = status_pb2.Status.FromString(details)
