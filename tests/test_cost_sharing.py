@@ -134,3 +134,22 @@ def test_an_empty_window_reads_no_samples(store: Store) -> None:
     judge(store, clock, 30.0, correlator)
     assert correlator.cost.samples.queries == before
 
+
+
+def test_the_run_index_counts_each_request_running_at_a_moment_once() -> None:
+    """What cost sharing reads: the requests a service was running at a moment, each once (a run
+    filed in every one-second bucket it spans, the live work not yet spanned, the zombie itself),
+    held as 8-byte integers rather than strings for the whole horizon."""
+    from auditor.correlate.waste import RunIndex, sharers_at, trace_key
+
+    runs = RunIndex()
+    for trace, start, end in (("a", 0.0, 3.5), ("b", 1.2, 1.8), ("c", 2.5, 4.0), ("d", 5.0, 6.0)):
+        runs.add(engine(trace, start, end, queued_s=0.0))
+    assert runs.running_at("engine", T0 + int(1.5 * S)) == {trace_key("a" * 32), trace_key("b" * 32)}
+    assert runs.running_at("engine", T0 + int(3.0 * S)) == {trace_key("a" * 32), trace_key("c" * 32)}
+    assert runs.running_at("other", T0 + int(3.0 * S)) == set()
+    count = sharers_at(runs, "engine", "a" * 32, {"e" * 32: T0 + 3 * S, "a" * 32: T0}, gauge=None)
+    assert count(T0 + int(1.5 * S)) == 2  # a (its run, its live work, itself: once) and b
+    assert count(T0 + int(3.2 * S)) == 3  # a, c, e
+    assert count(T0 + int(4.5 * S)) == 2  # a itself (its run is over) and e
+    assert all(type(bucket.traces).__name__ == "array" for bucket in runs._buckets.values())

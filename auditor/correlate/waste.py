@@ -153,6 +153,31 @@ def running_part(span: SpanRecord) -> tuple[int, int]:
     return start, span.end_ns
 
 
+def trace_key(trace_id: str) -> int:
+    """A trace as RunIndex files it: its id's hash, 8 bytes. Two of the few requests in flight at
+    one moment would have to share a 64-bit hash to be counted once."""
+    return hash(trace_id)
+
+
+class _Runs:
+    """The runs filed in one bucket, as three arrays of 8-byte integers: starts, ends and trace
+    keys. They are kept for the whole horizon (15 minutes, 90,000 requests at 100 req/s): a run as
+    a tuple of two ints and its trace id's string, which the run alone kept alive once the spans
+    had left memory, cost about 230 bytes a request; this is 24 bytes a bucket it is filed in."""
+
+    __slots__ = ("ends", "starts", "traces")
+
+    def __init__(self) -> None:
+        self.starts = array("q")
+        self.ends = array("q")
+        self.traces = array("q")
+
+    def add(self, start: int, end: int, trace_id: str) -> None:
+        self.starts.append(start)
+        self.ends.append(end)
+        self.traces.append(trace_key(trace_id))
+
+
 class RunIndex:
     """Per service, when each request was running, in one-second buckets: fed as spans arrive.
 
@@ -161,7 +186,7 @@ class RunIndex:
     """
 
     def __init__(self) -> None:
-        self._buckets: dict[tuple[str, bool, int], list[tuple[int, int, str]]] = defaultdict(list)
+        self._buckets: dict[tuple[str, bool, int], _Runs] = defaultdict(_Runs)
         self._engines: set[str] = set()  # services seen sending engine spans
         self._oldest_bucket: int | None = None
         self.spans = 0
@@ -178,14 +203,17 @@ class RunIndex:
         last = end // BUCKET_NS
         first = max(start // BUCKET_NS, last - _BUCKET_SPAN_MAX)
         for bucket in range(first, last + 1):
-            self._buckets[(span.service, engine, bucket)].append((start, end, span.trace_id))
+            self._buckets[(span.service, engine, bucket)].add(start, end, span.trace_id)
         self.spans += 1
         self._prune(last)
 
-    def running_at(self, service: str, ts_ns: int) -> set[str]:
-        """The traces whose request ``service`` was running at ``ts_ns``."""
+    def running_at(self, service: str, ts_ns: int) -> set[int]:
+        """The traces (``trace_key``) whose request ``service`` was running at ``ts_ns``."""
         engine = service in self._engines
-        return {trace for start, end, trace in self._buckets.get((service, engine, ts_ns // BUCKET_NS), ())
+        runs = self._buckets.get((service, engine, ts_ns // BUCKET_NS))
+        if runs is None:
+            return set()
+        return {trace for start, end, trace in zip(runs.starts, runs.ends, runs.traces, strict=True)
                 if start <= ts_ns <= end}
 
     def _prune(self, newest_bucket: int) -> None:
@@ -210,8 +238,8 @@ def sharers_at(runs: RunIndex, service: str, trace_id: str, live: dict[str, int]
             if counted is not None:
                 return max(1, counted)
         traces = runs.running_at(service, ts_ns)
-        traces.update(trace for trace, since in live.items() if since <= ts_ns)
-        traces.add(trace_id)
+        traces.update(trace_key(trace) for trace, since in live.items() if since <= ts_ns)
+        traces.add(trace_key(trace_id))
         return len(traces)
 
     return count
