@@ -186,6 +186,8 @@ def _resource_spans(data: bytes, pos: int, stop: int) -> tuple[dict[str, Any], l
             _text(data, start, pos)
         else:
             pos = _skip(data, pos, stop, tag, _KNOWN_RESOURCE_SPANS)
+    if pos > stop:
+        raise Unusual("field runs past its resource spans")
     return resource, spans
 
 
@@ -204,6 +206,8 @@ def _resource(data: bytes, pos: int, stop: int, attrs: dict[str, Any], count: in
             _, pos = _varint(data, pos)
         else:
             pos = _skip(data, pos, stop, tag, _KNOWN_RESOURCE)
+    if pos > stop:
+        raise Unusual("field runs past its resource")
     return count
 
 
@@ -221,6 +225,8 @@ def _scope_spans(data: bytes, pos: int, stop: int, spans: list[SpanParts]) -> No
             _text(data, start, pos)
         else:
             pos = _skip(data, pos, stop, tag, _KNOWN_SCOPE_SPANS)
+    if pos > stop:
+        raise Unusual("field runs past its scope spans")
 
 
 def _span(data: bytes, pos: int, stop: int) -> SpanParts:
@@ -412,6 +418,8 @@ def _array(data: bytes, pos: int, stop: int, depth: int) -> list[Any]:
             items.append(_any_value(data, start, pos, depth))
         else:
             pos = _skip(data, pos, stop, tag, frozenset({1}))
+    if pos > stop:
+        raise Unusual("field runs past its array")
     return items
 
 
@@ -429,6 +437,8 @@ def _kvlist(data: bytes, pos: int, stop: int, depth: int) -> dict[str, Any]:
             out[key] = None if value_at is None else _any_value(data, value_at[0], value_at[1], depth)
         else:
             pos = _skip(data, pos, stop, tag, frozenset({1}))
+    if pos > stop:
+        raise Unusual("field runs past its key-value list")
     return out
 
 

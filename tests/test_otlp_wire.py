@@ -248,6 +248,15 @@ def test_values_are_bounded_as_the_message_path_bounds_them() -> None:
     assert _outcome(_body(_span_bytes() + over))[0] == "unusual"
 
 
+def test_a_field_that_runs_past_its_message_is_refused() -> None:
+    """A varint at the end of a sub-message whose last byte says "more follows": upb refuses the
+    body, and the byte reader must not read on into the next field."""
+    resource = b"\x10\x80"  # dropped_attributes_count, unfinished
+    assert _outcome(_field(1, _field(1, resource) + _field(2, b"")))[0] == "refused"
+    status = b"\x18\x80"  # the status code, unfinished
+    assert _outcome(_body(_span_bytes() + _field(15, status) + b"\x28\x01"))[0] in ("refused", "unusual")
+
+
 def test_sub_messages_it_skips_are_still_checked() -> None:
     bad_event = _field(11, _field(2, b"\xff\xfe"))  # an event whose name is not UTF-8
     bad_scope = _field(1, _field(1, b"\xff"))
