@@ -275,7 +275,7 @@ def _span(data: bytes, pos: int, stop: int) -> SpanParts:
                 _text(data, start, pos)
             elif tag == 0x5A or tag == 0x6A:  # events, links: not read, but upb must take them
                 _check(Span.Event if tag == 0x5A else Span.Link, data, start, pos)
-            elif tag >> 3 in _KNOWN_SPAN:
+            elif tag < 8 or tag >> 3 in _KNOWN_SPAN:  # field 0 is invalid; a known one unhandled
                 raise Unusual(f"field {tag >> 3} (wire type 2)")
         elif tag == 0x39:
             start_ns = _FIXED64.unpack_from(data, pos)[0]

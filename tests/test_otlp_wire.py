@@ -253,6 +253,7 @@ def test_a_field_that_runs_past_its_message_is_refused() -> None:
     body, and the byte reader must not read on into the next field."""
     resource = b"\x10\x80"  # dropped_attributes_count, unfinished
     assert _outcome(_field(1, _field(1, resource) + _field(2, b"")))[0] == "refused"
+    assert _outcome(_body(_span_bytes() + b"\x02\x00"))[0] == "refused"  # field number 0
     status = b"\x18\x80"  # the status code, unfinished
     assert _outcome(_body(_span_bytes() + _field(15, status) + b"\x28\x01"))[0] in ("refused", "unusual")
 
