@@ -19,6 +19,7 @@ fields append, a message field's occurrences merge (here: Status, read field by 
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
 from typing import Any
@@ -47,6 +48,10 @@ _KV_CACHE: dict[bytes, tuple[str, Any]] = {}
 _KV_CACHE_MAX = 4096
 _KV_CACHE_BYTES = 256  # longer key-values are rarely repeated; not kept
 _KEYS: dict[bytes, str] = {}  # attribute keys by their bytes
+
+
+log = logging.getLogger(__name__)
+_faults = 0  # bodies this reader failed on with an error of its own (a bug): logged once
 
 
 class Unusual(Exception):
@@ -152,7 +157,15 @@ def read_request(data: bytes) -> list[tuple[dict[str, Any], list[SpanParts]]]:
     body is not in a shape this reader takes."""
     try:
         return _request(data)
+    except Unusual:
+        raise
     except (IndexError, struct.error, RecursionError, UnicodeDecodeError) as exc:
+        raise Unusual(type(exc).__name__) from exc
+    except Exception as exc:  # a fault of this reader must cost speed, never a body
+        global _faults
+        _faults += 1
+        if _faults == 1:
+            log.warning("the OTLP byte reader failed (%r); such bodies are parsed with upb instead", exc)
         raise Unusual(type(exc).__name__) from exc
 
 

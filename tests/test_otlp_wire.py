@@ -316,3 +316,21 @@ def test_the_sdk_encoders_bodies_take_the_fast_path() -> None:
 def test_empty_requests(body: bytes) -> None:
     how, result = _outcome(body)
     assert how == "read" and result.spans == [] and result.rejected == 0
+
+
+def test_a_fault_of_the_reader_costs_speed_not_the_body(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    from collectors import otlp_wire
+
+    def broken(*_args: Any) -> Any:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(otlp_wire, "_span", broken)
+    monkeypatch.setattr(otlp_wire, "_faults", 0)
+    body = _body(_span_bytes(http_method="POST"))
+    for _ in range(2):
+        with pytest.raises(Unusual):
+            normalize_body(body)
+    assert [r.message for r in caplog.records].count(
+        "the OTLP byte reader failed (ZeroDivisionError('a bug')); such bodies are parsed with upb instead") == 1
+    assert len(normalize_request(ExportTraceServiceRequest.FromString(body)).spans) == 1
