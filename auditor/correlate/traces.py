@@ -65,6 +65,12 @@ def disconnect_instant(span: SpanRecord, ts_ns: int, earliest_ns: int | None) ->
     return max(min(ts_ns, span.end_ns), min(earliest_ns, ts_ns))
 
 
+def _share(span: SpanRecord, name: str, held: str) -> None:
+    """Point the frozen record's field at an equal string already held, so one copy stays."""
+    if getattr(span, name) is not held:
+        object.__setattr__(span, name, held)
+
+
 class PortSpans:
     """The server spans of one port, for counting those in flight during an interval."""
 
@@ -117,6 +123,11 @@ class TraceIndex:
         spans = self._by_trace[span.trace_id]
         if span.span_id in spans:
             return False
+        if spans:  # hold the trace's id, and a parent's span id, once (the record is the correlator's)
+            _share(span, "trace_id", next(iter(spans.values())).trace_id)
+            parent = spans.get(span.parent_span_id) if span.parent_span_id else None
+            if parent is not None:
+                _share(span, "parent_span_id", parent.span_id)
         spans[span.span_id] = span
         self.runs.add(span)
         newest = self._arrivals[-1] if self._arrivals else (arrived_ns, "")
