@@ -108,9 +108,11 @@ class Correlator:
         self.clock = clock
         self.stats = CorrelatorStats()
         self.spans = TraceIndex()
-        self._events_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # every event's time
-        self._closed_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # server socket closes
-        self._local_fin_by_tuple: dict[Tuple4, list[int]] = defaultdict(list)  # server FINs first
+        # A connection's event times, as tuples: most connections have one or two events, and a
+        # tuple of them is one allocation where a list is two.
+        self._events_by_tuple: dict[Tuple4, tuple[int, ...]] = {}  # every event's time
+        self._closed_by_tuple: dict[Tuple4, tuple[int, ...]] = {}  # server socket closes
+        self._local_fin_by_tuple: dict[Tuple4, tuple[int, ...]] = {}  # server FINs first
         # Services seen marking the send that ends a response: from them, no final send means the
         # response was not complete (a cancelled non-streaming response sends nothing at all).
         self.services_marking_sends: set[str] = set()
@@ -173,11 +175,11 @@ class Correlator:
             self._note_event((norm_addr(client_addr), client_port, server_port), ts_ns, event_kind)
 
     def _note_event(self, tuple4: Tuple4, ts_ns: int, event_kind: str) -> None:
-        self._events_by_tuple[tuple4].append(ts_ns)
+        _append(self._events_by_tuple, tuple4, ts_ns)
         if event_kind == _CLOSED:
-            self._closed_by_tuple[tuple4].append(ts_ns)
+            _append(self._closed_by_tuple, tuple4, ts_ns)
         elif event_kind == _LOCAL_FIN:  # the server closed first: evidence of completion
-            self._local_fin_by_tuple[tuple4].append(ts_ns)
+            _append(self._local_fin_by_tuple, tuple4, ts_ns)
         elif event_kind in _DEPARTURES:
             self.loads.note_departure(tuple4, ts_ns, self.local_fins(tuple4))
 
@@ -276,9 +278,13 @@ class Correlator:
         # and an ORM session and a fresh statement cost twice what the read itself does.
         with self.store.engine.connect() as conn:
             rows = conn.execute(_NEW_EVENTS, {"cursor": self._event_cursor, "host": self.host}).all()
+        previous: Tuple4 | None = None
         for event_id, ts_ns, event_kind, client_addr, client_port, server_port, earliest_ns in rows:
             self._event_cursor = event_id
             tuple4 = (norm_addr(client_addr), client_port, server_port)
+            if tuple4 == previous:  # a connection's events mostly come together: one object for them
+                tuple4 = previous
+            previous = tuple4
             self._news.add(tuple4)
             self._news_at(earliest_ns or ts_ns)
             self._note_event(tuple4, ts_ns, event_kind)
@@ -489,8 +495,8 @@ class Correlator:
         (``EngineLoads.changed_ns``), and those still waiting on scrapes are looked at every round."""
         self.loads.add(loads)
 
-    def local_fins(self, tuple4: Tuple4) -> list[int]:
-        return self._local_fin_by_tuple.get(tuple4, [])
+    def local_fins(self, tuple4: Tuple4) -> tuple[int, ...]:
+        return self._local_fin_by_tuple.get(tuple4, ())
 
     def connected_at(self, port: int, ts_ns: int, until_ns: int | None = None) -> int:
         """Requests in flight on ``port`` at any moment of [``ts_ns``, ``until_ns``]: their server
@@ -584,6 +590,10 @@ class Correlator:
                 memory_cutoff if self._unjoined_kind[d.event_id] is CoverageKind.IDLE_CLOSE else cutoff)]:
             self._recent_unjoined.remove(disconnect)
             del self._unjoined_kind[disconnect.event_id]
+
+
+def _append(table: dict[Tuple4, tuple[int, ...]], tuple4: Tuple4, ts_ns: int) -> None:
+    table[tuple4] = (*table.get(tuple4, ()), ts_ns)
 
 
 def _event_at_or_before(detail: str, position: int | None) -> bool:
