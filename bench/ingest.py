@@ -189,8 +189,8 @@ def body_normalizer() -> Any:
         return normalize_request(decode_request(body, PROTOBUF), service_host="bench")
 
     try:
-        from collectors.normalize import normalize_body  # type: ignore[attr-defined]
-        from collectors.otlp_wire import Unusual  # type: ignore[import-not-found]
+        from collectors.normalize import normalize_body
+        from collectors.otlp_wire import Unusual
     except ImportError:
         return parsed
 
