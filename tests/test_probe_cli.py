@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import selectors
 import signal
@@ -19,6 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from auditor.cli import cli
+from auditor.config import Config
 
 # The --json line schema, as documented in docs/probe.md.
 EVENT_LINE_SCHEMA: dict[str, Any] = {
@@ -57,11 +59,16 @@ def test_bad_ports_are_one_line_errors(value: str, message: str) -> None:
     assert "Traceback" not in result.output
 
 
-def test_dump_bpf_prints_the_program_that_is_loaded() -> None:
+def test_dump_bpf_prints_the_program_that_is_loaded(tmp_path: Path) -> None:
+    config = tmp_path / "auditor.toml"
+    config.write_text("[probe]\nring_buffer_mib = 1\n")
+    result = CliRunner().invoke(cli, ["probe", "--dump-bpf", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"#define RINGBUF_PAGES {2**20 // mmap.PAGESIZE}\n")  # the configured size
     result = CliRunner().invoke(cli, ["probe", "--dump-bpf"])
     assert result.exit_code == 0, result.output
     text = result.output
-    assert text.startswith("#define RINGBUF_PAGES 4096\n#define WAKEUP_EVERY ")
+    assert text.startswith(f"#define RINGBUF_PAGES {Config().probe.ring_buffer_pages}\n#define WAKEUP_EVERY ")
     assert '#include "disconnect.h"' in text  # the shared header, included as bcc compiles it
     assert "struct event {" in (Path(__file__).parents[1] / "probes" / "disconnect.h").read_text()
     assert "TRACEPOINT_PROBE(sock, inet_sock_set_state)" in text

@@ -86,14 +86,15 @@ def probe(config: Config, ports: tuple[int, ...], as_json: bool, dump_bpf: bool,
     if dump_bpf:
         from probes.bpf import program_text
 
-        click.echo(program_text(), nl=False)
+        click.echo(program_text(config.probe.ring_buffer_pages), nl=False)
         return
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s", stream=sys.stderr)
     watched = list(ports) or list(config.probe.ports)
     try:
         with errors_as_click():
             src = open_source(watched, prefer=source or config.probe.source,
-                              host=config.host_id or None, poll_hz=config.probe.poll_hz)
+                              host=config.host_id or None, poll_hz=config.probe.poll_hz,
+                              ringbuf_pages=config.probe.ring_buffer_pages)
     except KeyboardInterrupt:  # Ctrl-C while the program compiles: nothing to clean up yet
         click.echo("stopped before the probe was loaded", err=True)
         sys.exit(130)
