@@ -272,6 +272,21 @@ DRAIN_VARIANTS = (("callback", False, False), ("mapped", True, False),
                   ("callback+store", False, True), ("mapped+store", True, True))
 
 
+def drain(source: Any, writer: Any) -> dict[str, float]:
+    """Empty ``source``'s ring buffer (into ``writer`` when there is one) and say what it cost."""
+    cpu_before, wall_before, drained = cpu_seconds(), time.monotonic(), 0
+    while events := source.poll(timeout_s=0):
+        drained += len(events)
+        if writer is not None:
+            writer.add(events)
+    if writer is not None:
+        writer.flush()
+    wall = time.monotonic() - wall_before
+    user, system = (after - before for after, before in zip(cpu_seconds(), cpu_before, strict=True))
+    return {"stored": drained, "lost": source.lost_events(), "seconds": wall,
+            "user_ms_per_1k": 1e6 * user / max(drained, 1), "sys_ms_per_1k": 1e6 * system / max(drained, 1)}
+
+
 def drain_rate(args: argparse.Namespace, workdir: Path) -> dict[str, dict[str, float]]:
     """Fill ring buffers with nobody reading, then time each reader alone emptying its own: the
     pipeline's capacity, free of the CPU the connection generators take. Four probes are attached
@@ -303,20 +318,7 @@ def drain_rate(args: argparse.Namespace, workdir: Path) -> dict[str, dict[str, f
         source = sources[name]
         store = Store(f"sqlite:///{workdir / f'drain-{name}.db'}") if with_store else None
         writer = ConnEventWriter(store, batch_size=5000) if store is not None else None
-        cpu_before = cpu_seconds()
-        wall_before = time.monotonic()
-        drained = 0
-        while events := source.poll(timeout_s=0):
-            drained += len(events)
-            if writer is not None:
-                writer.add(events)
-        if writer is not None:
-            writer.flush()
-        wall = time.monotonic() - wall_before
-        user, system = (after - before for after, before in zip(cpu_seconds(), cpu_before, strict=True))
-        figures[name] = {"connections": connections, "stored": drained, "lost": source.lost_events(),
-                         "seconds": wall, "user_ms_per_1k": 1e6 * user / max(drained, 1),
-                         "sys_ms_per_1k": 1e6 * system / max(drained, 1)}
+        figures[name] = {"connections": connections, **drain(source, writer)}
         source.stop()
         if store is not None:
             store.close()
@@ -341,17 +343,7 @@ def drain_child(port: int, with_store: bool) -> None:
 
         store = Store(f"sqlite:///{tempfile.mkdtemp(prefix='drain-')}/drain.db")
         writer = ConnEventWriter(store, batch_size=5000)
-    cpu_before, wall_before, drained = cpu_seconds(), time.monotonic(), 0
-    while events := source.poll(timeout_s=0):
-        drained += len(events)
-        if writer is not None:
-            writer.add(events)
-    if writer is not None:
-        writer.flush()
-    wall = time.monotonic() - wall_before
-    user = cpu_seconds()[0] - cpu_before[0]
-    print(json.dumps({"drained": drained, "lost": source.lost_events(), "seconds": wall,
-                      "user_ms_per_1k": 1e6 * user / max(drained, 1)}), flush=True)
+    print(json.dumps(drain(source, writer)), flush=True)
     source.stop()
 
 
@@ -407,8 +399,8 @@ def drain_compare(args: argparse.Namespace) -> None:
                     variant = "mapped+store" if with_store else "mapped"
                     figures.setdefault((variant, label), []).append(result["user_ms_per_1k"])
                     figures.setdefault((f"{variant} events/s", label), []).append(
-                        result["drained"] / result["seconds"])
-                    print(f"round {round_no + 1} {label:<14} {variant:<13} {result['drained']:>9,} events, "
+                        result["stored"] / result["seconds"])
+                    print(f"round {round_no + 1} {label:<14} {variant:<13} {result['stored']:>9,} events, "
                           f"lost {result['lost']}, user {result['user_ms_per_1k']:.2f} ms / 1,000 events",
                           flush=True)
                 listener.close()

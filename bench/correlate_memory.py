@@ -1,0 +1,79 @@
+"""What the correlator holds per request, by allocation site (tracemalloc), after N requests.
+
+Requests arrive as the daemon sees them at 100 a second: each second, 100 requests' server and
+engine spans and their clients' closes (FIN then the socket's close, after the answer) go into a
+SQLite store, and one correlation round reads them. With the default 60 s late-span window a
+request's spans and events stay about 90 s (9,000 requests); what is kept for the 15-minute
+horizon grows past that, so compare N = 9,000 with N = 30,000.
+
+Usage: .venv/bin/python bench/correlate_memory.py [--requests 9000 30000] [--top 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from correlate import S, spans_for  # the same requests bench/correlate.py holds
+
+from auditor.correlate import Correlator
+from auditor.model import ConnEvent, ConnEventKind
+from auditor.store import Store
+
+
+def closes(index: int, t0: int) -> list[ConnEvent]:
+    at = t0 + index * S // 100 + S // 2 + 1_000  # just after the answer (spans_for: half a second)
+    connection = {"family": 4, "client_addr": "127.0.0.1", "client_port": 10_000 + index % 50_000,
+                  "server_addr": "127.0.0.1", "server_port": 8000, "cookie": index}
+    return [ConnEvent(ts_ns=at, kind=ConnEventKind.PEER_FIN, **connection),
+            ConnEvent(ts_ns=at + 1_000, kind=ConnEventKind.CLOSED, **connection)]
+
+
+def held(requests: int, top: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(f"sqlite:///{tmp}/memory.db")
+        t0 = time.time_ns() - (requests // 100 + 10) * S
+        clock = [t0]
+        correlator = Correlator(store, host="", late_span_seconds=60, clock=lambda: clock[0])
+        gc.collect()
+        tracemalloc.start(1)
+        before = tracemalloc.take_snapshot()
+        for first in range(0, requests, 100):
+            batch = range(first, min(requests, first + 100))
+            store.insert_spans([span for i in batch for span in spans_for(i, t0, False)])
+            store.insert_conn_events([event for i in batch for event in closes(i, t0)])
+            clock[0] = t0 + (first + 100) * S // 100 + S // 2
+            correlator.tick()
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        stats = after.compare_to(before, "lineno")
+        total = sum(stat.size_diff for stat in stats)
+        print(f"{requests:,} requests: {total / 2**20:.1f} MiB held, {total / requests:,.0f} bytes a request")
+        for stat in stats[:top]:
+            frame = stat.traceback[0]
+            where = frame.filename.split("/site-packages/")[-1].replace(str(Path.cwd()) + "/", "")
+            print(f"  {stat.size_diff / requests:7.0f} B {stat.count_diff / requests:6.2f} objects a request  "
+                  f"{where}:{frame.lineno}")
+        store.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, nargs="+", default=[9000, 30000])
+    parser.add_argument("--top", type=int, default=12, help="allocation sites shown")
+    args = parser.parse_args()
+    for requests in args.requests:
+        held(requests, args.top)
+
+
+if __name__ == "__main__":
+    main()
