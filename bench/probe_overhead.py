@@ -272,6 +272,25 @@ DRAIN_VARIANTS = (("callback", False, False), ("mapped", True, False),
                   ("callback+store", False, True), ("mapped+store", True, True))
 
 
+def fill_backlog(args: argparse.Namespace, listener: socket.socket, address: tuple[str, int]) -> int:
+    """Open and reset connections for ``args.backlog_seconds`` with nobody reading the probes'
+    ring buffers; returns how many were made once their last resets have landed."""
+    ctx = multiprocessing.get_context("spawn")
+    results, ready, go, stop = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    acceptor_process = ctx.Process(target=acceptor, args=(listener, stop))
+    acceptor_process.start()
+    generators = [ctx.Process(target=reset_generator, args=(address, ready, go, args.backlog_seconds, results))
+                  for _ in range(args.generators)]
+    start_together(generators, ready, go)
+    connections = sum(int(results.get(timeout=args.backlog_seconds + 60)) for _ in generators)
+    stop.set()
+    acceptor_process.join()
+    for worker in generators:
+        worker.join()
+    time.sleep(0.3)  # the last resets land
+    return connections
+
+
 def drain(source: Any, writer: Any) -> dict[str, float]:
     """Empty ``source``'s ring buffer (into ``writer`` when there is one) and say what it cost."""
     cpu_before, wall_before, drained = cpu_seconds(), time.monotonic(), 0
@@ -296,23 +315,12 @@ def drain_rate(args: argparse.Namespace, workdir: Path) -> dict[str, dict[str, f
     from probes.bpf import BpfConnEventSource
     from probes.writer import ConnEventWriter
 
-    ctx = multiprocessing.get_context("spawn")
     listener, address = loopback_listener()
     sources = {name: BpfConnEventSource([address[1]], ringbuf_pages=16384, mapped_reader=mapped)
                for name, mapped, _ in DRAIN_VARIANTS}  # 64 MiB each: room for the backlog
     for source in sources.values():
         source.start()
-    results, ready, go, stop = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
-    acceptor_process = ctx.Process(target=acceptor, args=(listener, stop))
-    acceptor_process.start()
-    generators = [ctx.Process(target=reset_generator,
-                              args=(address, ready, go, args.backlog_seconds, results))
-                  for _ in range(args.generators)]
-    start_together(generators, ready, go)
-    connections = sum(results.get(timeout=args.backlog_seconds + 60) for _ in generators)
-    stop.set()
-    acceptor_process.join()
-    time.sleep(0.3)  # the last resets land
+    connections = fill_backlog(args, listener, address)
     figures: dict[str, dict[str, float]] = {}
     for name, _, with_store in DRAIN_VARIANTS:
         source = sources[name]
@@ -364,7 +372,6 @@ def drain_compare(args: argparse.Namespace) -> None:
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(scratch, filter="data")
         trees = {args.compare: scratch, "working tree": str(here)}
-        ctx = multiprocessing.get_context("spawn")
         for round_no in range(args.rounds):
             for with_store in (False, True):
                 listener, address = loopback_listener()
@@ -374,20 +381,7 @@ def drain_compare(args: argparse.Namespace) -> None:
                     env={**os.environ, "PYTHONPATH": tree}) for label, tree in trees.items()}
                 for child in children.values():
                     assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-                results, ready, go, stop = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
-                acceptor_process = ctx.Process(target=acceptor, args=(listener, stop))
-                acceptor_process.start()
-                generators = [ctx.Process(target=reset_generator,
-                                          args=(address, ready, go, args.backlog_seconds, results))
-                              for _ in range(args.generators)]
-                start_together(generators, ready, go)
-                for _ in generators:
-                    results.get(timeout=args.backlog_seconds + 60)
-                stop.set()
-                acceptor_process.join()
-                for worker in generators:
-                    worker.join()
-                time.sleep(0.3)  # the last resets land
+                fill_backlog(args, listener, address)
                 order = list(children) if round_no % 2 == 0 else list(children)[::-1]
                 for label in order:
                     child = children[label]
