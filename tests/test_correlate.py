@@ -798,3 +798,36 @@ def test_disconnects_by_time_stay_bounded_and_right_as_most_are_removed() -> Non
     assert len(pending._by_time) <= 2 * len(pending) + 1024
     assert [d.event_id for d in pending.closed_before(T0 + 3500 * S)] == [4000, 3000, 2000]
     assert pending.closed_before(T0 + 3500 * S) == []  # each returned once
+
+
+def test_forgotten_traces_are_pruned_oldest_first_up_to_the_first_kept(store: Store) -> None:
+    from auditor.correlate.recall import Forgotten
+    from auditor.correlate.requests import Disconnect, OpenRequest
+
+    def settled(trace_id: str, at_s: float, request_id: str) -> OpenRequest:
+        request = OpenRequest((trace_id, "1" * 16))
+        request.add(Disconnect(1, T0 + int(at_s * S), "fin", ("127.0.0.1", 40000, 8000)))
+        request.written = RequestVerdict(f"h/{trace_id}/{'1' * 16}", "h", Verdict.COMPLETED, T0, "fin", T0,
+                                         None, None, request_id=request_id)
+        return request
+
+    forgotten = Forgotten(store, "h")
+    for index, (trace_id, at_s) in enumerate([("a" * 32, 10), ("b" * 32, 5), ("e" * 32, 20), ("c" * 32, 30)]):
+        forgotten.add(trace_id, [settled(trace_id, at_s, f"req-{index}")])
+    assert len(forgotten) == 4 and "b" * 32 in forgotten and "d" * 32 not in forgotten
+    assert forgotten.trace_of("req-2") == "e" * 32 and forgotten.trace_of("req-9") is None
+    forgotten.prune(T0 + 8 * S)
+    # Pruning stops at the first trace it keeps: "b", forgotten after "a", goes with it, a pass later.
+    assert len(forgotten) == 4
+    forgotten.prune(T0 + 12 * S)
+    assert "a" * 32 not in forgotten and "b" * 32 not in forgotten and len(forgotten) == 2
+    assert forgotten.trace_of("req-0") is None and forgotten.trace_of("req-1") is None
+    assert list(forgotten._request_ids) == ["req-2", "req-3"]
+    forgotten.recall("c" * 32)  # recalled: forgotten no more, and its request id leads nowhere
+    assert "c" * 32 not in forgotten and forgotten.trace_of("req-3") is None and len(forgotten) == 1
+    forgotten.add("c" * 32, [settled("c" * 32, 30, "req-3")])  # settled again: at the end of the line
+    forgotten.prune(T0 + 25 * S)
+    assert list(forgotten._traces) == ["c" * 32] and list(forgotten._request_ids) == ["req-3"]
+    assert forgotten.trace_of("req-3") == "c" * 32
+    forgotten.prune(T0 + 31 * S)
+    assert len(forgotten) == 0 and forgotten._request_ids == {}
