@@ -1,8 +1,11 @@
 """What the correlator holds per request, by allocation site (tracemalloc), after N requests.
 
 Requests arrive as the daemon sees them at 100 a second: each second, 100 requests' server and
-engine spans and their clients' closes (FIN then the socket's close, after the answer) go into a
-SQLite store, and one correlation round reads them. With the default 60 s late-span window a
+engine spans and their clients' closes (FIN then the socket's close) go into a SQLite store, and
+one correlation round reads them. As under bench/detection.py's load, most clients close after
+the answer (an idle close), every tenth leaves mid-request and every second one closes as its
+answer ends, before the server span does (a verdict: completed): both kinds are settled requests,
+which the correlator remembers for the horizon. With the default 60 s late-span window a
 request's spans and events stay about 90 s (9,000 requests); what is kept for the 15-minute
 horizon grows past that, so compare N = 9,000 with N = 30,000.
 
@@ -31,6 +34,10 @@ from auditor.store import Store
 
 def closes(index: int, t0: int) -> list[ConnEvent]:
     at = t0 + index * S // 100 + S // 2 + 1_000  # just after the answer (spans_for: half a second)
+    if index % 10 == 0:
+        at -= S // 4  # mid-request
+    elif index % 2:
+        at -= 2_000  # as the answer ends, before the server span does
     connection = {"family": 4, "client_addr": "127.0.0.1", "client_port": 10_000 + index % 50_000,
                   "server_addr": "127.0.0.1", "server_port": 8000, "cookie": index}
     return [ConnEvent(ts_ns=at, kind=ConnEventKind.PEER_FIN, **connection),
