@@ -73,8 +73,11 @@ class EngineLoads:
 
     def __init__(self) -> None:
         self._loads: dict[int, list[EngineLoad]] = defaultdict(list)
-        self._disconnects: dict[int, dict[str, int]] = defaultdict(dict)  # port -> request -> disconnect
-        self._disconnect_times: dict[int, list[int]] = defaultdict(list)  # port -> those times, sorted
+        # port -> request -> (its disconnect, until when the connected count holds its span)
+        self._disconnects: dict[int, dict[str, tuple[int, int]]] = defaultdict(dict)
+        self._disconnect_times: dict[int, list[int]] = defaultdict(list)  # port -> those disconnects, sorted
+        self._connected_until: dict[int, list[int]] = defaultdict(list)  # port -> their "until", alike
+        self._longest_connected: dict[int, int] = defaultdict(int)  # port -> the most "until" passes a disconnect
         self._departures: dict[int, list[int]] = defaultdict(list)  # port -> every client close (kernel)
         self._departed: dict[tuple[str, int, int], int] = {}  # connection -> its last close
         # The earliest moment any change concerns (a scrape, a close, a registered disconnect)
@@ -134,17 +137,28 @@ class EngineLoads:
     def watched(self, port: int) -> bool:
         return bool(self._loads.get(port))
 
-    def register(self, port: int, request: str, disconnect_ns: int) -> None:
+    def register(self, port: int, request: str, disconnect_ns: int, connected_until_ns: int | None = None) -> None:
+        """A disconnected request that may own orphans; ``connected_until_ns``: the connected count
+        (``connected_at`` in ``work_end``) holds its server span at every scrape up to then (its
+        span's end and the clock error), so no scrape before then counts it as an orphan too."""
+        until = disconnect_ns - 1 if connected_until_ns is None else connected_until_ns
         known = self._disconnects[port].get(request)
-        if known == disconnect_ns:
+        if known == (disconnect_ns, until):
             return
-        times = self._disconnect_times[port]
+        times, untils = self._disconnect_times[port], self._connected_until[port]
         if known is not None:
-            del times[bisect.bisect_left(times, known)]
-            self._changed(known)
+            index = bisect.bisect_left(times, known[0])
+            while index < len(times) and times[index] == known[0] and untils[index] != known[1]:
+                index += 1
+            if index < len(times) and times[index] == known[0]:
+                del times[index], untils[index]
+            self._changed(known[0])
         self._changed(disconnect_ns)
-        self._disconnects[port][request] = disconnect_ns
-        bisect.insort(times, disconnect_ns)
+        self._disconnects[port][request] = (disconnect_ns, until)
+        index = bisect.bisect_right(times, disconnect_ns)
+        times.insert(index, disconnect_ns)
+        untils.insert(index, until)
+        self._longest_connected[port] = max(self._longest_connected[port], until - disconnect_ns)
 
     def running_at(self, port: int, ts_ns: int) -> int | None:
         """Requests the engine was running at ``ts_ns`` (the scrape before it), None without scrapes."""
@@ -171,12 +185,19 @@ class EngineLoads:
                                     key=lambda item: item.ts_ns)
         # Requests that left after this one (its own disconnect is not after itself): counted by
         # bisection, the registered requests being every disconnected one of the horizon.
-        times = self._disconnect_times.get(port, [])
+        times, untils = self._disconnect_times.get(port, []), self._connected_until.get(port, [])
+        longest = self._longest_connected.get(port, 0)
         left_before = bisect.bisect_right(times, disconnect_ns)
         last_orphaned: int | None = None
         count = 0
         for load in series[start:]:
-            newer = max(0, bisect.bisect_right(times, load.ts_ns) - left_before)
+            left_by_then = bisect.bisect_right(times, load.ts_ns)
+            newer = max(0, left_by_then - left_before)
+            # One that left by this scrape but whose span the connected count still holds is no
+            # orphan of it: counted as both, it claimed this request's orphan and ended its work early.
+            for index in range(max(left_before, bisect.bisect_left(times, load.ts_ns - longest)), left_by_then):
+                if untils[index] >= load.ts_ns:
+                    newer -= 1
             orphans = load.running + load.waiting - connected_at(load.ts_ns, load.answered_ns or load.ts_ns)
             if orphans > newer:
                 last_orphaned, count = load.ts_ns, count + 1
@@ -234,12 +255,14 @@ class EngineLoads:
             if not series:
                 del self._loads[port]
         for port, requests in list(self._disconnects.items()):
-            for key in [k for k, ts in requests.items() if ts < cutoff_ns]:
+            for key in [k for k, (ts, _) in requests.items() if ts < cutoff_ns]:
                 del requests[key]
-            times = self._disconnect_times[port]
-            del times[:bisect.bisect_left(times, cutoff_ns)]
+            times, untils = self._disconnect_times[port], self._connected_until[port]
+            gone = bisect.bisect_left(times, cutoff_ns)
+            del times[:gone], untils[:gone]
             if not requests:
-                del self._disconnects[port], self._disconnect_times[port]
+                del self._disconnects[port], self._disconnect_times[port], self._connected_until[port]
+                self._longest_connected.pop(port, None)
         # A connection's last close matters for SAME_CONNECTION_NS only: kept from ``closes_cutoff_ns``.
         self._departed = {connection: ts for connection, ts in self._departed.items() if ts >= closes_cutoff_ns}
         for port, closes in list(self._departures.items()):

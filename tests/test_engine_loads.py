@@ -1,0 +1,68 @@
+"""The engine's gauges as evidence: when a disconnected request's work ended (EngineLoads.work_end)."""
+
+from __future__ import annotations
+
+from auditor.correlate.evidence import EngineLoads
+from auditor.model import EngineLoad
+
+S = 1_000_000_000
+MS = 1_000_000
+CLOCK_ERROR = 20 * MS
+PORT = 8000
+
+
+def at(seconds: float) -> int:
+    return round(seconds * S)
+
+
+def scraped(runs: dict[str, tuple[float, float]]) -> EngineLoads:
+    """Scrapes every 100 ms for 3 s of an engine running each request over its (start, end) seconds."""
+    loads = EngineLoads()
+    loads.add([EngineLoad(at(tenth / 10), PORT, running=sum(1 for start, end in runs.values()
+                                                            if at(start) <= at(tenth / 10) < at(end)))
+               for tenth in range(31)])
+    return loads
+
+
+def connected_counter(spans: dict[str, tuple[float, float]]):  # type: ignore[no-untyped-def]
+    """The connected count as the correlator gives it: server spans in flight at any moment of the
+    scrape's interval, widened by the clock error."""
+    def connected(start_ns: int, end_ns: int) -> int:
+        return sum(1 for first, last in spans.values()
+                   if at(first) <= end_ns + CLOCK_ERROR and at(last) >= start_ns - CLOCK_ERROR)
+    return connected
+
+
+def test_a_request_that_left_but_whose_span_is_still_counted_connected_claims_no_orphan() -> None:
+    # A's client left at 0.25 s and its work ran on to 1.95 s. B started at 0.9 s; its client left at
+    # 1.2995 s, its server noticed at 1.31 s (its span's end), its work ran on to 2.5 s.
+    runs = {"A": (0.0, 1.95), "B": (0.9, 2.5)}
+    spans = {"A": (0.0, 0.26), "B": (0.9, 1.31)}
+    loads = scraped(runs)
+    loads.register(PORT, "A", at(0.25), connected_until_ns=at(0.26) + CLOCK_ERROR)
+    loads.register(PORT, "B", at(1.2995), connected_until_ns=at(1.31) + CLOCK_ERROR)
+    ended = loads.work_end(PORT, at(0.25), at(0.25), connected_counter(spans),
+                           connected_until_ns=at(0.26) + CLOCK_ERROR)
+    # The scrape at 1.3 s counts B as connected (its span ends after it): two running, one
+    # connected, one orphan, A's. Counting B as a newer orphan too ended A's work at 1.25 s.
+    assert ended is not None and ended.work_end_ns == at(1.95) and ended.orphaned_scrapes == 17
+    # B's own work end: the newest orphan, past A's end.
+    ended_b = loads.work_end(PORT, at(1.2995), at(1.2995), connected_counter(spans),
+                             connected_until_ns=at(1.31) + CLOCK_ERROR)
+    assert ended_b is not None and ended_b.work_end_ns == at(2.45)
+
+
+def test_a_request_registered_again_replaces_its_disconnect() -> None:
+    runs = {"A": (0.0, 1.95), "B": (0.9, 2.5)}
+    spans = {"A": (0.0, 0.26), "B": (0.9, 1.31)}
+    loads = scraped(runs)
+    loads.register(PORT, "A", at(0.25), connected_until_ns=at(0.26) + CLOCK_ERROR)
+    loads.register(PORT, "B", at(0.1), connected_until_ns=at(0.2))  # first seen with another close
+    loads.register(PORT, "B", at(1.2995), connected_until_ns=at(1.31) + CLOCK_ERROR)
+    loads.register(PORT, "B", at(1.2995), connected_until_ns=at(1.31) + CLOCK_ERROR)  # no change
+    ended = loads.work_end(PORT, at(0.25), at(0.25), connected_counter(spans),
+                           connected_until_ns=at(0.26) + CLOCK_ERROR)
+    assert ended is not None and ended.work_end_ns == at(1.95)
+    loads.prune(at(1.0))  # A's registration leaves with the horizon; B's stays
+    assert loads._disconnect_times[PORT] == [at(1.2995)]
+    assert loads._connected_until[PORT] == [at(1.31) + CLOCK_ERROR]
