@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from auditor.correlate.evidence import EngineLoads
 from auditor.model import EngineLoad
 
@@ -33,14 +35,15 @@ def connected_counter(spans: dict[str, tuple[float, float]]):  # type: ignore[no
     return connected
 
 
-def test_a_request_that_left_but_whose_span_is_still_counted_connected_claims_no_orphan() -> None:
+@pytest.mark.parametrize("b_span_end", [1.31, 1.75], ids=["noticed at once", "noticed late"])
+def test_a_request_that_left_but_whose_span_is_still_counted_connected_claims_no_orphan(b_span_end: float) -> None:
     # A's client left at 0.25 s and its work ran on to 1.95 s. B started at 0.9 s; its client left at
-    # 1.2995 s, its server noticed at 1.31 s (its span's end), its work ran on to 2.5 s.
+    # 1.2995 s, its server noticed at once (its span's end) or only at 1.75 s; its work ran on to 2.5 s.
     runs = {"A": (0.0, 1.95), "B": (0.9, 2.5)}
-    spans = {"A": (0.0, 0.26), "B": (0.9, 1.31)}
+    spans = {"A": (0.0, 0.26), "B": (0.9, b_span_end)}
     loads = scraped(runs)
     loads.register(PORT, "A", at(0.25), connected_until_ns=at(0.26) + CLOCK_ERROR)
-    loads.register(PORT, "B", at(1.2995), connected_until_ns=at(1.31) + CLOCK_ERROR)
+    loads.register(PORT, "B", at(1.2995), connected_until_ns=at(b_span_end) + CLOCK_ERROR)
     ended = loads.work_end(PORT, at(0.25), at(0.25), connected_counter(spans),
                            connected_until_ns=at(0.26) + CLOCK_ERROR)
     # The scrape at 1.3 s counts B as connected (its span ends after it): two running, one
@@ -48,7 +51,7 @@ def test_a_request_that_left_but_whose_span_is_still_counted_connected_claims_no
     assert ended is not None and ended.work_end_ns == at(1.95) and ended.orphaned_scrapes == 17
     # B's own work end: the newest orphan, past A's end.
     ended_b = loads.work_end(PORT, at(1.2995), at(1.2995), connected_counter(spans),
-                             connected_until_ns=at(1.31) + CLOCK_ERROR)
+                             connected_until_ns=at(b_span_end) + CLOCK_ERROR)
     assert ended_b is not None and ended_b.work_end_ns == at(2.45)
 
 

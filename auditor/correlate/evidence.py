@@ -17,6 +17,7 @@ Where neither tells, the answer is ``None`` and the verdict is ``unconfirmed``: 
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -77,7 +78,6 @@ class EngineLoads:
         self._disconnects: dict[int, dict[str, tuple[int, int]]] = defaultdict(dict)
         self._disconnect_times: dict[int, list[int]] = defaultdict(list)  # port -> those disconnects, sorted
         self._connected_until: dict[int, list[int]] = defaultdict(list)  # port -> their "until", alike
-        self._longest_connected: dict[int, int] = defaultdict(int)  # port -> the most "until" passes a disconnect
         self._departures: dict[int, list[int]] = defaultdict(list)  # port -> every client close (kernel)
         self._departed: dict[tuple[str, int, int], int] = {}  # connection -> its last close
         # The earliest moment any change concerns (a scrape, a close, a registered disconnect)
@@ -158,7 +158,6 @@ class EngineLoads:
         index = bisect.bisect_right(times, disconnect_ns)
         times.insert(index, disconnect_ns)
         untils.insert(index, until)
-        self._longest_connected[port] = max(self._longest_connected[port], until - disconnect_ns)
 
     def running_at(self, port: int, ts_ns: int) -> int | None:
         """Requests the engine was running at ``ts_ns`` (the scrape before it), None without scrapes."""
@@ -186,18 +185,23 @@ class EngineLoads:
         # Requests that left after this one (its own disconnect is not after itself): counted by
         # bisection, the registered requests being every disconnected one of the horizon.
         times, untils = self._disconnect_times.get(port, []), self._connected_until.get(port, [])
-        longest = self._longest_connected.get(port, 0)
         left_before = bisect.bisect_right(times, disconnect_ns)
+        # Of those that left after this one and by the scrape, the ones whose span the connected
+        # count still holds there are no orphans of it: counted as both, one claimed this request's
+        # orphan and ended its work early. Swept along the scrapes (their times only grow): when
+        # each such one stops being connected, as a heap of those "until"s.
+        still_connected: list[int] = []
+        taken = left_before
         last_orphaned: int | None = None
         count = 0
         for load in series[start:]:
             left_by_then = bisect.bisect_right(times, load.ts_ns)
-            newer = max(0, left_by_then - left_before)
-            # One that left by this scrape but whose span the connected count still holds is no
-            # orphan of it: counted as both, it claimed this request's orphan and ended its work early.
-            for index in range(max(left_before, bisect.bisect_left(times, load.ts_ns - longest)), left_by_then):
-                if untils[index] >= load.ts_ns:
-                    newer -= 1
+            for index in range(taken, left_by_then):
+                heapq.heappush(still_connected, untils[index])
+            taken = max(taken, left_by_then)
+            while still_connected and still_connected[0] < load.ts_ns:
+                heapq.heappop(still_connected)
+            newer = max(0, left_by_then - left_before - len(still_connected))
             orphans = load.running + load.waiting - connected_at(load.ts_ns, load.answered_ns or load.ts_ns)
             if orphans > newer:
                 last_orphaned, count = load.ts_ns, count + 1
@@ -262,7 +266,6 @@ class EngineLoads:
             del times[:gone], untils[:gone]
             if not requests:
                 del self._disconnects[port], self._disconnect_times[port], self._connected_until[port]
-                self._longest_connected.pop(port, None)
         # A connection's last close matters for SAME_CONNECTION_NS only: kept from ``closes_cutoff_ns``.
         self._departed = {connection: ts for connection, ts in self._departed.items() if ts >= closes_cutoff_ns}
         for port, closes in list(self._departures.items()):
