@@ -30,8 +30,7 @@ S = 1_000_000_000
 
 def run(minutes: int) -> list[float]:
     """Round CPU, in ms per simulated second, for each simulated minute."""
-    from correlate import spans_for  # after the tree's ``auditor`` is imported
-    from correlate_memory import closes
+    from correlate_memory import arrive  # after the tree's ``auditor`` is imported
 
     from auditor.correlate import Correlator
     from auditor.store import Store
@@ -47,10 +46,7 @@ def run(minutes: int) -> list[float]:
         gc.set_threshold(20_000, 10, 10)
         spent = 0.0
         for first in range(0, requests, 100):
-            batch = range(first, first + 100)
-            store.insert_spans([span for i in batch for span in spans_for(i, t0, False)])
-            store.insert_conn_events([event for i in batch for event in closes(i, t0)])
-            clock[0] = t0 + (first + 100) * S // 100 + S // 2
+            clock[0] = arrive(store, t0, first, requests)
             started = time.thread_time()
             correlator.tick()
             spent += time.thread_time() - started

@@ -44,6 +44,15 @@ def closes(index: int, t0: int) -> list[ConnEvent]:
             ConnEvent(ts_ns=at + 1_000, kind=ConnEventKind.CLOSED, **connection)]
 
 
+def arrive(store: Store, t0: int, first: int, requests: int) -> int:
+    """Requests ``first`` to ``first + 99`` (fewer past ``requests``): their spans and closes are
+    stored; returns the end of their second, when a correlation round reads them."""
+    batch = range(first, min(requests, first + 100))
+    store.insert_spans([span for i in batch for span in spans_for(i, t0, False)])
+    store.insert_conn_events([event for i in batch for event in closes(i, t0)])
+    return t0 + (first + 100) * S // 100 + S // 2
+
+
 def held(requests: int, top: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(f"sqlite:///{tmp}/memory.db")
@@ -54,10 +63,7 @@ def held(requests: int, top: int) -> None:
         tracemalloc.start(1)
         before = tracemalloc.take_snapshot()
         for first in range(0, requests, 100):
-            batch = range(first, min(requests, first + 100))
-            store.insert_spans([span for i in batch for span in spans_for(i, t0, False)])
-            store.insert_conn_events([event for i in batch for event in closes(i, t0)])
-            clock[0] = t0 + (first + 100) * S // 100 + S // 2
+            clock[0] = arrive(store, t0, first, requests)
             correlator.tick()
         gc.collect()
         after = tracemalloc.take_snapshot()
