@@ -42,10 +42,8 @@ class Base(DeclarativeBase):
 
 class ConnEventRow(Base):
     __tablename__ = "conn_events"
-    __table_args__ = (
-        Index("ix_conn_events_tuple_ts", "server_port", "client_port", "client_addr", "ts_ns"),
-        Index("ix_conn_events_ts", "ts_ns"),
-    )
+    # Read by id (the correlator) and by time (its restart, retention); never by connection.
+    __table_args__ = (Index("ix_conn_events_ts", "ts_ns"),)
 
     id: Mapped[int_pk]
     ts_ns: Mapped[ns_time]
