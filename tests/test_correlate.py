@@ -831,3 +831,48 @@ def test_forgotten_traces_are_pruned_oldest_first_up_to_the_first_kept(store: St
     assert forgotten.trace_of("req-3") == "c" * 32
     forgotten.prune(T0 + 31 * S)
     assert len(forgotten) == 0 and forgotten._request_ids == {}
+
+
+def test_pruning_from_the_oldest_keeps_what_a_full_pass_keeps(store: Store) -> None:
+    """Connections, settled traces and per-port spans are forgotten from the oldest up to the first
+    kept; a connection or trace with news moves to the back of the line and stays. After each prune
+    what is held equals what a pass over everything would keep, give or take the one 10 s pass that
+    an entry behind a kept one may wait."""
+    clock = Clock()
+    settled: list[RequestVerdict] = []
+    correlator = make(store, clock, settled)
+    reused = ("127.0.0.1", 39999)
+    for second in range(120):
+        client = ("127.0.0.1", 41000 + second)
+        trace = f"{second:032x}"
+        store.insert_spans([SpanRecord(
+            trace_id=trace, span_id="5" * 16, parent_span_id=None, name="POST /v1/completions", kind="server",
+            start_ns=T0 + second * S, end_ns=T0 + second * S + S // 2, service="engine", host="h",
+            role=SpanRole.HTTP_SERVER, peer_addr=client[0], peer_port=client[1], server_port=SERVER_PORT,
+            route="/v1/completions", http_status=200)])
+        events = [close(second + 0.25, ConnEventKind.PEER_RST, client=client)]  # a disconnect each
+        if second % 30 == 0:  # one connection seen again and again: always kept
+            events.append(close(second + 0.1, ConnEventKind.CLOSED, client=reused))
+        store.insert_conn_events(events)
+        clock.now = T0 + (second + 1) * S
+        correlator.tick()
+        cutoff = clock.now - correlator.memory_ns
+        for table in (correlator._events_by_tuple, correlator._closed_by_tuple):
+            stale = [t for t, stamps in table.items() if max(stamps) < cutoff - correlator_prune_slack()]
+            assert stale == [], (second, stale)
+        assert (*reused, SERVER_PORT) in correlator._events_by_tuple  # its first event is long gone, its last is not
+        assert all(max((r.origin().ts_ns for r in requests.values()), default=cutoff)
+                   >= cutoff - correlator_prune_slack() for requests in correlator._settled.values())
+        # Per port, only spans of traces still held are counted.
+        in_index = sum(1 for t in range(second + 1) if list(correlator.spans.trace(f"{t:032x}")))
+        assert correlator.connected_at(SERVER_PORT, T0, T0 + 200 * S) == in_index
+    # Settled: all but the last late-span window's. Each is held or forgotten (recallable), never lost;
+    # held are those of the memory window (60 s) and at most a prune's 10 s more.
+    assert len(settled) == 115 and len(correlator._settled) + len(correlator.forgotten) == 115
+    assert 60 <= len(correlator._settled) <= 70 and len(correlator._events_by_tuple) <= 71
+    assert correlator._settled_by_request_id == {}  # none of these requests had an id
+
+
+def correlator_prune_slack() -> int:
+    from auditor.correlate.correlator import PRUNE_EVERY_NS
+    return PRUNE_EVERY_NS

@@ -59,13 +59,16 @@ def test_a_request_registered_again_replaces_its_disconnect() -> None:
     runs = {"A": (0.0, 1.95), "B": (0.9, 2.5)}
     spans = {"A": (0.0, 0.26), "B": (0.9, 1.31)}
     loads = scraped(runs)
-    loads.register(PORT, "A", at(0.25), connected_until_ns=at(0.26) + CLOCK_ERROR)
     loads.register(PORT, "B", at(0.1), connected_until_ns=at(0.2))  # first seen with another close
+    loads.register(PORT, "A", at(0.25), connected_until_ns=at(0.26) + CLOCK_ERROR)
     loads.register(PORT, "B", at(1.2995), connected_until_ns=at(1.31) + CLOCK_ERROR)
     loads.register(PORT, "B", at(1.2995), connected_until_ns=at(1.31) + CLOCK_ERROR)  # no change
     ended = loads.work_end(PORT, at(0.25), at(0.25), connected_counter(spans),
                            connected_until_ns=at(0.26) + CLOCK_ERROR)
     assert ended is not None and ended.work_end_ns == at(1.95)
     loads.prune(at(1.0))  # A's registration leaves with the horizon; B's stays
+    # B, registered again, went to the end of the line: pruning from the first registration on
+    # reached A (which it would not, past a B still at the front).
+    assert list(loads._disconnects[PORT]) == ["B"]
     assert loads._disconnect_times[PORT] == [at(1.2995)]
     assert loads._connected_until[PORT] == [at(1.31) + CLOCK_ERROR]

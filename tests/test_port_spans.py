@@ -30,12 +30,32 @@ def test_in_flight_counts_equal_a_pass_over_every_span() -> None:
         assert index.in_flight(ts, until) == brute, (ts, until)
 
 
-def test_keep_forgets_other_traces_and_covers_only_the_interval() -> None:
+def test_remove_forgets_one_span_and_covers_only_the_interval() -> None:
     index = PortSpans()
     for i, (start, end) in enumerate([(0, 10), (5, 20), (30, 40)]):
         index.add(span(i, start, end))
     assert index.in_flight(8, 8) == 2 and index.in_flight(21, 29) == 0 and index.in_flight(0, 100) == 3
     assert index.covers((f"{1:032x}", f"{1:016x}"), 15, 16) and not index.covers((f"{1:032x}", f"{1:016x}"), 21, 25)
-    assert index.keep({f"{2:032x}"})
+    assert index.remove((f"{0:032x}", f"{0:016x}")) and index.remove((f"{1:032x}", f"{1:016x}"))
+    assert index.remove((f"{1:032x}", f"{1:016x}"))  # already gone: nothing changes
     assert index.in_flight(0, 100) == 1 and not index.covers((f"{0:032x}", f"{0:016x}"), 0, 100)
-    assert not index.keep(set())
+    assert not index.remove((f"{2:032x}", f"{2:016x}"))
+
+
+def test_counts_after_removals_equal_a_pass_over_the_spans_left() -> None:
+    """Spans with equal starts or ends: removing one removes one of the equal times, never more."""
+    rng = random.Random(11)
+    spans = [span(index, start, start + rng.choice([0, 3, 30])) for index in range(300)
+             for start in [rng.randrange(0, 200)]]
+    index = PortSpans()
+    for item in spans:
+        index.add(item)
+    left = list(spans)
+    rng.shuffle(left)
+    while left:
+        gone = left.pop()
+        index.remove((gone.trace_id, gone.span_id))
+        for _ in range(5):
+            ts = rng.randrange(-5, 240)
+            until = ts + rng.choice([0, 2, 40])
+            assert index.in_flight(ts, until) == sum(1 for s in left if s.start_ns <= until and s.end_ns >= ts)

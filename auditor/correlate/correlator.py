@@ -27,8 +27,7 @@ import itertools
 import logging
 import sys
 import time
-from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from sqlalchemy import bindparam, func, insert, select, update
@@ -125,7 +124,7 @@ class Correlator:
         self._recent_unjoined = Disconnects()  # written off: a late span may still claim them back
         self._unjoined_kind: dict[int, CoverageKind] = {}  # how each of those was counted
         self._open: dict[RequestKey, OpenRequest] = {}
-        self._settled: dict[str, dict[str, OpenRequest]] = defaultdict(dict)  # a late span reopens them
+        self._settled: dict[str, dict[str, OpenRequest]] = {}  # a late span reopens them (by trace id)
         self._settled_by_request_id: dict[str, RequestKey] = {}  # engine spans in traces of their own
         self.forgotten = Forgotten(store, host)  # settled traces no longer in memory
         self.live = LiveState()
@@ -253,7 +252,7 @@ class Correlator:
         self._news_at(span.start_ns)
         if not self._backlog:
             self.arrived.append(span)
-        for request in self._settled.pop(span.trace_id, {}).values():
+        for request in self._unsettle(span.trace_id):
             self._open[request.key] = request  # evidence after settling reopens the verdict
         if span.role is SpanRole.ENGINE and span.request_id:
             self._reopen_by_request_id(span.request_id)
@@ -343,9 +342,7 @@ class Correlator:
             self.spans.add(_lean(span), arrived_ns)
             self._news_at(span.start_ns)
         for request in requests:
-            self._settled[trace_id][request.key[1]] = request
-            if request.written is not None and request.written.request_id:
-                self._settled_by_request_id[request.written.request_id] = request.key
+            self._keep_settled(request)
 
     def _learn_spanning_service(self, arrived: SpanRecord) -> None:
         """An engine span of a normal finish marks its service, and the HTTP services of its trace
@@ -376,7 +373,11 @@ class Correlator:
     def _open_request(self, key: RequestKey) -> OpenRequest:
         request = self._open.get(key)
         if request is None:
-            request = self._settled.get(key[0], {}).pop(key[1], None) or OpenRequest(key)
+            request = self._settled.get(key[0], {}).pop(key[1], None)
+            if request is None:
+                request = OpenRequest(key)
+            elif request.written is not None and request.written.request_id:
+                self._settled_by_request_id.pop(request.written.request_id, None)
             self._open[key] = request
         self._touched.add(key[0])
         return request
@@ -517,12 +518,29 @@ class Correlator:
             if unsettled and not expired:
                 continue
             del self._open[key]
-            self._settled[key[0]][key[1]] = request
-            if written.request_id:
-                self._settled_by_request_id[written.request_id] = key
+            self._keep_settled(request)
             if request.reported is not written.verdict:
                 request.reported = written.verdict
                 self.on_settled(written)
+
+    def _keep_settled(self, request: OpenRequest) -> None:
+        """Hold a settled request for a late span of its trace. Traces are in the order their last
+        request settled, so that pruning goes from the first and stops at the first it keeps."""
+        trace_id, span_id = request.key
+        requests = self._settled.pop(trace_id, None) or {}
+        requests[span_id] = request
+        self._settled[trace_id] = requests
+        if request.written is not None and request.written.request_id:
+            self._settled_by_request_id[request.written.request_id] = request.key
+
+    def _unsettle(self, trace_id: str) -> Iterable[OpenRequest]:
+        """Take a trace's settled requests out of the settled ones (to reopen or to forget them)."""
+        requests = self._settled.pop(trace_id, {}).values()
+        for request in requests:
+            request_id = request.written.request_id if request.written is not None else None
+            if request_id and self._settled_by_request_id.get(request_id) == request.key:
+                del self._settled_by_request_id[request_id]
+        return requests
 
     def _count(self, kind: CoverageKind, detail: str, ts_ns: int, count: int = 1) -> None:
         if detail in self._counted:
@@ -564,24 +582,23 @@ class Correlator:
         # Spans of traces with no open request leave memory after the late-span window and a margin; their
         # settled requests are remembered by trace id until the horizon, and recalled if need be.
         self.spans.prune(memory_cutoff, keep={key[0] for key in self._open})
-        for trace_id in [t for t, requests in self._settled.items()
-                         if all(r.origin().ts_ns < memory_cutoff for r in requests.values())]:
-            requests = self._settled.pop(trace_id)
-            if requests and max(r.origin().ts_ns for r in requests.values()) >= cutoff:
-                self.forgotten.add(trace_id, list(requests.values()))
+        # From the trace whose request settled first, up to the first one still in its window.
+        expired = list(itertools.takewhile(
+            lambda item: all(r.origin().ts_ns < memory_cutoff for r in item[1].values()), self._settled.items()))
+        for trace_id, _ in expired:
+            requests = list(self._unsettle(trace_id))
+            if requests and max(r.origin().ts_ns for r in requests) >= cutoff:
+                self.forgotten.add(trace_id, requests)
         self.forgotten.prune(cutoff)
         # A close's count ("ev:<event id>") guards against counting it again after a restart, which
         # reads the events after the saved position again: those at or before it need no guard.
         self._counted = {detail: ts for detail, ts in self._counted.items()
                          if ts >= cutoff and not _event_at_or_before(detail, self._saved_position)}
-        for request_id in [r for r, key in self._settled_by_request_id.items() if key[0] not in self._settled]:
-            del self._settled_by_request_id[request_id]
         # Scrapes for an open request's whole run (a long zombie needs them all); connections' last
         # closes for the memory window (well past SAME_CONNECTION_NS).
         self.loads.prune(cutoff, closes_cutoff_ns=memory_cutoff)
         for table in (self._events_by_tuple, self._closed_by_tuple, self._local_fin_by_tuple):
-            for tuple4 in [k for k, stamps in table.items() if max(stamps) < memory_cutoff]:
-                del table[tuple4]
+            _drop_oldest(table, memory_cutoff)
         self.live.prune(cutoff)
         # Written-off disconnects a late span may claim back: idle closes (most of them, one per
         # request whose client closed after its answer) for the memory window; the rare unjoined
@@ -593,7 +610,18 @@ class Correlator:
 
 
 def _append(table: dict[Tuple4, tuple[int, ...]], tuple4: Tuple4, ts_ns: int) -> None:
-    table[tuple4] = (*table.get(tuple4, ()), ts_ns)
+    """Add an event time; the connection moves to the end (tables are in the order of their
+    latest event, for :func:`_drop_oldest`)."""
+    table[tuple4] = (*table.pop(tuple4, ()), ts_ns)
+
+
+def _drop_oldest(table: dict[Tuple4, tuple[int, ...]], cutoff_ns: int) -> None:
+    """Forget connections whose events are all before ``cutoff_ns``: from the one whose latest event
+    came first, up to the first one kept. Events come in about time order, so the few behind a
+    kept one wait a pass at most for the ones ahead, and a pass touches only what it forgets."""
+    stale = list(itertools.takewhile(lambda item: max(item[1]) < cutoff_ns, table.items()))
+    for tuple4, _ in stale:
+        del table[tuple4]
 
 
 def _event_at_or_before(detail: str, position: int | None) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -113,8 +114,8 @@ class EngineLoads:
         finished response, the daemon's own scrape) is no departure while work went on."""
         if any(ts_ns - SERVER_CLOSED_FIRST_NS <= fin <= ts_ns for fin in server_fins):
             return
-        seen = self._departed.get(connection)
-        self._departed[connection] = ts_ns
+        seen = self._departed.pop(connection, None)
+        self._departed[connection] = ts_ns  # at the end: in the order of their last close, for prune
         if seen is not None and ts_ns - seen < SAME_CONNECTION_NS:
             return
         self._changed(ts_ns)
@@ -154,6 +155,7 @@ class EngineLoads:
                 del times[index], untils[index]
             self._changed(known[0])
         self._changed(disconnect_ns)
+        self._disconnects[port].pop(request, None)  # to the end: in registration order, for prune
         self._disconnects[port][request] = (disconnect_ns, until)
         index = bisect.bisect_right(times, disconnect_ns)
         times.insert(index, disconnect_ns)
@@ -258,8 +260,10 @@ class EngineLoads:
             del series[:keep]
             if not series:
                 del self._loads[port]
+        # Registrations and last closes go from the first made up to the first kept: they are made in
+        # about time order, and a pass then touches only what it forgets.
         for port, requests in list(self._disconnects.items()):
-            for key in [k for k, (ts, _) in requests.items() if ts < cutoff_ns]:
+            for key, _ in list(itertools.takewhile(lambda item: item[1][0] < cutoff_ns, requests.items())):
                 del requests[key]
             times, untils = self._disconnect_times[port], self._connected_until[port]
             gone = bisect.bisect_left(times, cutoff_ns)
@@ -267,7 +271,8 @@ class EngineLoads:
             if not requests:
                 del self._disconnects[port], self._disconnect_times[port], self._connected_until[port]
         # A connection's last close matters for SAME_CONNECTION_NS only: kept from ``closes_cutoff_ns``.
-        self._departed = {connection: ts for connection, ts in self._departed.items() if ts >= closes_cutoff_ns}
+        for connection, _ in list(itertools.takewhile(lambda item: item[1] < closes_cutoff_ns, self._departed.items())):
+            del self._departed[connection]
         for port, closes in list(self._departures.items()):
             del closes[:bisect.bisect_left(closes, cutoff_ns)]
             if not closes:

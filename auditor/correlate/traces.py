@@ -91,12 +91,12 @@ class PortSpans:
         extent = self._spans.get(key)
         return extent is not None and extent[0] <= until_ns and extent[1] >= ts_ns
 
-    def keep(self, traces: Iterable[str]) -> bool:
-        """Forget the spans of traces not in ``traces``; False when none is left."""
-        kept = set(traces)
-        self._spans = {key: extent for key, extent in self._spans.items() if key[0] in kept}
-        self._starts = sorted(start for start, _ in self._spans.values())
-        self._ends = sorted(end for _, end in self._spans.values())
+    def remove(self, key: tuple[str, str]) -> bool:
+        """Forget one span (by trace and span id); False when none is left."""
+        extent = self._spans.pop(key, None)
+        if extent is not None:  # any equal time will do: only how many are below a time counts
+            del self._starts[bisect.bisect_left(self._starts, extent[0])]
+            del self._ends[bisect.bisect_left(self._ends, extent[1])]
         return bool(self._spans)
 
 
@@ -285,12 +285,13 @@ class TraceIndex:
         for trace_id in kept:
             self._arrivals.append((newest, trace_id))
             self._entries[trace_id] = 1
-        for port, spans in list(self._http_by_port.items()):
-            if not spans.keep(self._by_trace.keys()):
-                del self._http_by_port[port]
 
     def _forget(self, trace_id: str) -> None:
         for span in self._by_trace.pop(trace_id, {}).values():
+            if span.role is SpanRole.HTTP_SERVER and span.server_port:
+                on_port = self._http_by_port.get(span.server_port)
+                if on_port is not None and not on_port.remove((span.trace_id, span.span_id)):
+                    del self._http_by_port[span.server_port]
             if span.role is SpanRole.ENGINE and span.request_id:
                 if self._engine_by_request_id.get(span.request_id) is span:
                     del self._engine_by_request_id[span.request_id]
