@@ -22,6 +22,7 @@ def test_migrations_build_every_model_table(store: Store) -> None:
 def test_sqlite_runs_in_wal_mode(store: Store) -> None:
     with store.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 10000
 
 
 def test_corrupt_file_is_refused_and_left_alone(tmp_path: Path) -> None:
