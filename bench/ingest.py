@@ -9,7 +9,9 @@ Four runs side by side, each into a fresh SQLite file:
   much as they can (the goal: at least ten times the sustained rate), with 1024-span requests;
   memory must stay bounded and the excess be refused with 429/503.
 
-Prints a table (or ``--json``). Figures depend on the machine and on what else runs on it.
+Trace ids are random, as exporters make them (``--ordered-ids``: in counting order, as this bench
+sent them before; an index takes those on one page per body). Prints a table (or ``--json``).
+Figures depend on the machine and on what else runs on it.
 ``--phases`` picks the phases. ``--compare REV`` measures the receiver code of git revision REV
 and of the working tree alternately, ``--rounds`` times each, each run in its own process with
 the same bench driving it: on a shared machine only figures taken side by side compare.
@@ -47,6 +49,7 @@ TIME_BASE = 0x17970000  # upper 32 bits of real times around late 2023
 TARGET_SPANS_PER_S = 60_000  # per second of one core, sustained over HTTP
 PHASES = ("stages", "in-process", "sustained", "flood")
 PAGE = os.sysconf("SC_PAGE_SIZE")
+ORDERED_IDS = False  # --ordered-ids: trace ids in order, as this bench sent them before
 
 
 def template_body(batch: int) -> bytes:
@@ -91,12 +94,18 @@ def template_body(batch: int) -> bytes:
 
 
 class Bodies:
-    """Unique bodies from one template: the trace-id prefix is replaced by a fresh 8-byte value."""
+    """Unique bodies from one template. Every span gets a random trace id, as exporters make them:
+    the store's trace-id index then takes each span on a page of its own, as it does in service.
+    With ``ordered_ids`` the ids are a counter instead (each body's prefix), which inserts them in
+    order: the figures of this bench before it sent random ids."""
 
-    def __init__(self, batch: int, seed: int) -> None:
+    def __init__(self, batch: int, seed: int, ordered_ids: bool | None = None) -> None:
         self.template = template_body(batch)
         self.lock = threading.Lock()
         self.counter = seed << 40
+        self.ordered_ids = ORDERED_IDS if ordered_ids is None else ordered_ids
+        self.random = random.Random(seed)
+        self.trace_ids_at = [self.template.index(MARKER + i.to_bytes(8, "big")) for i in range(batch)]
 
     def next(self) -> bytes:
         with self.lock:
@@ -106,7 +115,15 @@ class Bodies:
         body = body.replace(ID_MARKER.encode(), f"{counter:016x}".encode())
         # Each request is ~4.3 s later than the one before (upper dword + 1): times only move forward.
         moved = (TIME_BASE + (counter & 0xFFFFF)).to_bytes(4, "little")
-        return body.replace(TIME_MARKER.to_bytes(4, "little"), moved)
+        body = body.replace(TIME_MARKER.to_bytes(4, "little"), moved)
+        if self.ordered_ids:
+            return body
+        with self.lock:
+            ids = self.random.randbytes(16 * len(self.trace_ids_at))
+        out = bytearray(body)  # every replacement above keeps lengths: the ids are where they were
+        for n, at in enumerate(self.trace_ids_at):
+            out[at:at + 16] = ids[16 * n:16 * n + 16]
+        return bytes(out)
 
 
 def rss_bytes() -> int:
@@ -272,7 +289,8 @@ def over_http(phase: str, senders: int, processes: int, batch: int, seconds: flo
     per_process = [senders // processes + (1 if i < senders % processes else 0) for i in range(processes)]
     children = [subprocess.Popen(
         [sys.executable, __file__, "--sender", "--port", str(receiver.port), "--senders", str(count),
-         "--seconds", str(seconds), "--batch", str(batch), "--seed", str(random.randrange(1, 10**6))],
+         "--seconds", str(seconds), "--batch", str(batch), "--seed", str(random.randrange(1, 10**6)),
+         *(["--ordered-ids"] if ORDERED_IDS else [])],
         stdout=subprocess.PIPE, text=True,
         preexec_fn=(lambda: os.sched_setaffinity(0, sender_cpus)) if sender_cpus else None)
         for count in per_process if count]
@@ -365,7 +383,7 @@ def compare(args: argparse.Namespace) -> None:
     here = Path(__file__).resolve().parent.parent
     forwarded = ["--phases", ",".join(args.phases), "--seconds", str(args.seconds), "--batch", str(args.batch),
                  "--senders", str(args.senders), "--max-queue-spans", str(args.max_queue_spans),
-                 "--gc-threshold", str(args.gc_threshold), "--json"]
+                 "--gc-threshold", str(args.gc_threshold), "--json", *(["--ordered-ids"] if args.ordered_ids else [])]
     results: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="ingest-old-") as scratch:
         trees = {args.compare: export_tree(args.compare, Path(scratch)), "working tree": here}
@@ -404,10 +422,14 @@ def main() -> None:
     parser.add_argument("--gc-threshold", type=int, default=0, help="the receiver's first GC generation "
                         "threshold (default: Python's 700)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--ordered-ids", action="store_true",
+                        help="trace ids in counting order (one index page takes a body's spans), not random")
     parser.add_argument("--sender", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global ORDERED_IDS
+    ORDERED_IDS = args.ordered_ids
     if args.sender:
         print(json.dumps(run_senders(args.port, args.senders, args.seconds, args.batch, args.seed)))
     elif args.compare:
