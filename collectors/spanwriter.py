@@ -1,9 +1,12 @@
 """Durable, batched span writes with back-pressure: the only way the receivers reach the store.
 
 ``SpanWriter.submit`` returns only once the spans are committed, so an OTLP request is acknowledged
-only after its data is safe. One writer thread drains a bounded queue and commits everything
-waiting in a single transaction (group commit): many concurrent requests share one commit, which
-is what makes SQLite fast enough. The queue is bounded in spans and bytes; when it is full, or the
+only after its data is safe. Requests wait in a bounded queue, and everything waiting is committed
+in a single transaction (group commit): many concurrent requests share one commit, which is what
+makes SQLite fast enough. The commit is made by a submitting thread, not by a writer thread of
+its own: a submitter that finds no commit under way takes the queue and commits it (the leader);
+those that come meanwhile wait, and one of them leads the next commit. A lone exporter's request
+is committed by the thread that read it, with no hand-off to wake another thread for. The queue is bounded in spans and bytes; when it is full, or the
 database cannot be written (locked past its busy timeout, disk full), ``submit`` raises
 :class:`BackPressure` with a retry delay that the receivers turn into 429/503 + ``Retry-After``.
 After a failed commit, new work is refused for ``retry_after_s`` so a locked database is not
@@ -19,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from auditor.errors import StoreError
 from auditor.model import SpanRecord
@@ -45,12 +48,12 @@ class BackPressure(Exception):
 class _Pending:
     spans: Sequence[SpanRecord]
     nbytes: int
-    done: threading.Event = field(default_factory=threading.Event)
+    done: bool = False  # under the writer's lock
     error: BackPressure | None = None
 
 
 class SpanWriter:
-    """Bounded queue + one writer thread committing batches of spans to a ``auditor.sink.Sink``."""
+    """Bounded queue of spans, committed in batches to a ``auditor.sink.Sink`` by its submitters."""
 
     def __init__(self, sink: Sink, *, max_queue_spans: int = 32_768, max_queue_bytes: int = 128 << 20,
                  max_batch_spans: int = 16_384, retry_after_s: float = 1.0, max_retry_after_s: float = 30.0,
@@ -72,8 +75,8 @@ class SpanWriter:
         self._refuse_until = 0.0  # monotonic time before which new work is refused after a failure
         self._failing_since: float | None = None  # monotonic start of the current store outage
         self._last_error = ""
-        self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._running = False
+        self._committing = False  # a leader is committing a batch
         # Counters for /metrics.
         self.committed_spans = 0
         self.commits = 0
@@ -84,28 +87,31 @@ class SpanWriter:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> SpanWriter:
         with self._cond:
-            if self._thread is None:
-                self._stopping = False
-                self._thread = threading.Thread(target=self._run, name="span-writer", daemon=True)
-                self._thread.start()
+            self._running = True
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Commit what is queued, then stop; anything left after ``timeout_s`` is refused."""
+        """Refuse new work, commit what is queued, then stop; anything left after ``timeout_s``
+        (a commit that does not finish) is refused."""
+        deadline = time.monotonic() + timeout_s
         with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
-        with self._cond:
-            self._thread = None
-            leftovers = list(self._queue)
-            self._queue.clear()
-            self._queued_spans = self._queued_bytes = 0
-        for item in leftovers:
-            item.error = BackPressure(self.retry_after_s, "span writer stopped", STORE_UNAVAILABLE)
-            item.done.set()
+            self._running = False
+        while True:
+            with self._cond:
+                while self._committing and time.monotonic() < deadline:
+                    self._cond.wait(max(0.0, deadline - time.monotonic()))
+                if self._committing or not self._queue:
+                    leftovers = list(self._queue)
+                    self._queue.clear()
+                    for item in leftovers:
+                        self._queued_spans -= len(item.spans)
+                        self._queued_bytes -= item.nbytes
+                        item.error = BackPressure(self.retry_after_s, "span writer stopped", STORE_UNAVAILABLE)
+                        item.done = True
+                    self._cond.notify_all()
+                    return
+                batch = self._lead()
+            self._commit_and_release(batch)
 
     # -- producer side ----------------------------------------------------------------------
     def check_capacity(self, nbytes: int = 0) -> None:
@@ -155,7 +161,7 @@ class SpanWriter:
         with self._cond:
             deadline = time.monotonic() + self.queue_wait_s
             while True:
-                if self._thread is None or self._stopping:
+                if not self._running:
                     raise BackPressure(self.retry_after_s, "span writer is not running", STORE_UNAVAILABLE)
                 self._raise_if_store_refusing()
                 if not self._over_capacity(len(spans), nbytes):
@@ -168,46 +174,46 @@ class SpanWriter:
             self._queue.append(item)
             self._queued_spans += len(spans)
             self._queued_bytes += nbytes
-            self._cond.notify_all()
-        if not item.done.wait(self.submit_timeout_s):
-            raise BackPressure(self.retry_after_s, "commit did not finish in time", STORE_UNAVAILABLE)
+        give_up = time.monotonic() + self.submit_timeout_s
+        while True:
+            with self._cond:
+                # Wait while another thread commits; lead the next commit if this item still waits.
+                while not item.done and self._committing:
+                    remaining = give_up - time.monotonic()
+                    if remaining <= 0:
+                        raise BackPressure(self.retry_after_s, "commit did not finish in time", STORE_UNAVAILABLE)
+                    self._cond.wait(remaining)
+                if item.done:
+                    break
+                batch = self._lead()
+            self._commit_and_release(batch)
         if item.error is not None:
             raise item.error
         return len(spans)
 
-    # -- writer thread ----------------------------------------------------------------------
-    def _take_batch(self) -> list[_Pending] | None:
-        with self._cond:
-            while not self._queue and not self._stopping:
-                self._cond.wait()
-            if not self._queue:
-                return None
-            batch: list[_Pending] = []
-            count = 0
-            while self._queue and (not batch or count + len(self._queue[0].spans) <= self.max_batch_spans):
-                item = self._queue.popleft()
-                batch.append(item)
-                count += len(item.spans)
-            return batch
+    # -- the leader's commit ----------------------------------------------------------------
+    def _lead(self) -> list[_Pending]:
+        """Take the queue's first batch to commit it (under the lock; the queue is not empty)."""
+        self._committing = True
+        batch: list[_Pending] = []
+        count = 0
+        while self._queue and (not batch or count + len(self._queue[0].spans) <= self.max_batch_spans):
+            item = self._queue.popleft()
+            batch.append(item)
+            count += len(item.spans)
+        return batch
 
-    def _release(self, batch: list[_Pending]) -> None:
-        with self._cond:
-            for item in batch:
-                self._queued_spans -= len(item.spans)
-                self._queued_bytes -= item.nbytes
-            self._cond.notify_all()  # submitters waiting for room
-
-    def _run(self) -> None:
-        while True:
-            batch = self._take_batch()
-            if batch is None:
-                return
-            try:
-                self._commit(batch)
-            finally:
-                self._release(batch)
+    def _commit_and_release(self, batch: list[_Pending]) -> None:
+        try:
+            self._commit(batch)
+        finally:
+            with self._cond:
+                self._committing = False
                 for item in batch:
-                    item.done.set()
+                    self._queued_spans -= len(item.spans)
+                    self._queued_bytes -= item.nbytes
+                    item.done = True
+                self._cond.notify_all()  # the batch's submitters, the next leader, those waiting for room
 
     def _insert(self, spans: Sequence[SpanRecord]) -> None:
         self.sink.write(spans)  # one transaction; raises StoreError when it cannot write

@@ -5,12 +5,14 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from sqlalchemy import text
 
 from auditor.model import SpanRecord, SpanRole
+from auditor.sink import Record
 from auditor.store import Store
 from collectors.spanwriter import QUEUE_FULL, STORE_UNAVAILABLE, BackPressure, SpanWriter
 
@@ -105,3 +107,39 @@ def test_waits_briefly_for_room_then_refuses(tmp_path: Path) -> None:
         store.close()
     with pytest.raises(BackPressure, match="not running"):
         writer.submit([record(4)])
+
+
+def test_submitters_commit_in_turn_each_request_once_with_no_thread_of_its_own(store: Store) -> None:
+    """Concurrent submitters: one commits (the leader) while the others wait, and one of those
+    commits what came meanwhile. Every span lands once, requests share commits, the commits are
+    made by the submitting threads, and nothing is left queued or waiting."""
+    committed_by: list[str] = []
+
+    class Slow:  # the real store, each commit taking a little longer, so that submitters overlap
+        def write(self, records: Sequence[Record]) -> int:
+            committed_by.append(threading.current_thread().name)
+            time.sleep(0.005)
+            return store.write(records)
+
+    threads_before = threading.active_count()
+    writer = SpanWriter(Slow()).start()
+    assert threading.active_count() == threads_before
+    failures: list[BaseException] = []
+
+    def send(sender: int) -> None:
+        try:
+            for n in range(20):
+                assert writer.submit([record(sender * 1000 + n)]) == 1
+        except BaseException as exc:  # reported by the test thread
+            failures.append(exc)
+
+    senders = [threading.Thread(target=send, args=(i,), name=f"sender-{i}") for i in range(16)]
+    for thread in senders:
+        thread.start()
+    for thread in senders:
+        thread.join(30)
+    writer.stop()
+    assert failures == [] and not any(thread.is_alive() for thread in senders)
+    assert len(stored(store)) == 320 and writer.stats()["committed_spans"] == 320
+    assert writer.stats()["queue_spans"] == 0 and writer.stats()["commits"] == len(committed_by) < 320
+    assert set(committed_by) <= {f"sender-{i}" for i in range(16)}
