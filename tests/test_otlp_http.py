@@ -354,3 +354,36 @@ def test_connection_storm_beyond_the_cap_gets_503(writer: SpanWriter) -> None:
     else:
         pytest.fail("receiver did not accept connections again")
     receiver.stop()
+
+
+@pytest.mark.parametrize("line", [
+    b"POST /v1/traces HTTP/1.1\r\n", b"POST /v1/traces HTTP/1.0\r\n", b"POST //v1//traces HTTP/1.1\r\n",
+    b"POST /v1/traces HTTP/01.1\r\n", b"POST /v1/traces HTTP/1.01\r\n", b"POST /v1/traces HTTP/1.1\n",
+    b"post /v1/traces HTTP/1.1\r\n", b"POST /v1/traces\xa0x HTTP/1.1\r\n", b"POST /v1/traces HTTP/1.12345678901\r\n",
+    b"POST /v1/traces HTTP/1.1x\r\n", b"POST /v1/traces http/1.1\r\n", b"POST /v1/traces HTTP/1\r\n",
+    b"POST /v1/traces HTTP/0.9\r\n", b"POST /v1/traces HTTP/2.0\r\n", b"POST /v1/traces HTTP/1.\xb2\r\n",
+])
+def test_request_lines_are_read_as_http_server_reads_them(line: bytes) -> None:
+    """The receiver reads an HTTP/1.x request line itself (``http.server`` parses even an empty
+    header block with the email package): what it sets is what the standard library sets, and any
+    other line is left to the standard library."""
+    import io
+    from http.server import BaseHTTPRequestHandler
+
+    from collectors.otlp_http import _Handler
+
+    fields = ("command", "path", "request_version", "requestline", "close_connection")
+    standard = BaseHTTPRequestHandler.__new__(BaseHTTPRequestHandler)
+    standard.protocol_version = "HTTP/1.1"
+    standard.raw_requestline = line  # type: ignore[attr-defined]  # set by handle_one_request
+    standard.rfile, standard.wfile = io.BytesIO(b"\r\n"), io.BytesIO()
+    standard.client_address, standard.request_version = ("127.0.0.1", 1), "HTTP/0.9"
+    standard.log_message = lambda *args: None  # type: ignore[method-assign]
+    took = standard.parse_request()
+    ours = _Handler.__new__(_Handler)
+    ours.raw_requestline = line
+    if ours._http_1_request_line():
+        assert took and {f: getattr(ours, f) for f in fields} == {f: getattr(standard, f) for f in fields}
+    else:
+        assert not any(hasattr(ours, f) for f in fields if f != "close_connection")
+        assert not took or not standard.request_version.startswith("HTTP/1.")
