@@ -72,3 +72,28 @@ def test_a_request_registered_again_replaces_its_disconnect() -> None:
     assert list(loads._disconnects[PORT]) == ["B"]
     assert loads._disconnect_times[PORT] == [at(1.2995)]
     assert loads._connected_until[PORT] == [at(1.31) + CLOCK_ERROR]
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["arrivals-skipped", "arrivals-counted"])
+def test_a_request_that_arrives_while_a_scrape_is_answered_ends_no_orphans_work(guarded: bool) -> None:
+    """A's client left at 0.3 s; its work ran on to 2.0 s. B's request arrived 2 ms after the scrape
+    of 0.5 s was sent, and the engine took it up 1 ms later, after it had read its gauges for that
+    scrape (running 1: A). The connected count, widened by the clock error, holds B at that scrape:
+    A's orphan is not in it, which is no evidence that A's work ended (a CI run's case: the zombie
+    was judged aborted, its work end 1.06 s early)."""
+    runs = {"A": (0.0, 2.0), "B": (0.503, 2.6)}
+    spans = {"A": (0.0, 0.301), "B": (0.502, 0.8)}
+    loads = scraped(runs)
+    loads.register(PORT, "A", at(0.3), connected_until_ns=at(0.301) + CLOCK_ERROR)
+    loads.register(PORT, "B", at(0.8), connected_until_ns=at(0.8) + CLOCK_ERROR)
+
+    def arrived(start_ns: int, end_ns: int) -> int:
+        return sum(1 for first, _ in spans.values() if start_ns < at(first) <= end_ns + CLOCK_ERROR)
+
+    ended = loads.work_end(PORT, at(0.3), at(0.3), connected_counter(spans),
+                           connected_until_ns=at(0.301) + CLOCK_ERROR, arrived=arrived if guarded else None)
+    assert ended is not None and ended.work_end_ns is not None
+    if guarded:
+        assert ended.work_end_ns == at(1.95) and ended.orphaned_scrapes == 15  # 0.4 s and 0.6-1.9 s
+    else:  # what the daemon judged before: the scrape of 0.5 s ended A's work
+        assert ended.work_end_ns == at(0.45) and ended.orphaned_scrapes == 1

@@ -198,7 +198,9 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     ended = corr.loads.work_end(port, disconnect, max(disconnect, hop.start_ns),
                                 lambda start, end: corr.connected_at(port, start - CLOCK_ERROR_NS,
                                                                      end + CLOCK_ERROR_NS),
-                                connected_until_ns=hop.end_ns + CLOCK_ERROR_NS)
+                                connected_until_ns=hop.end_ns + CLOCK_ERROR_NS,
+                                arrived=lambda start, end: corr.spans.server_spans_started(
+                                    port, start, end + CLOCK_ERROR_NS))
     return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))
 
 

@@ -170,7 +170,8 @@ class EngineLoads:
         return series[index].running if index >= 0 else None
 
     def work_end(self, port: int, disconnect_ns: int, started_ns: int,
-                 connected_at: Callable[[int, int], int], connected_until_ns: int | None = None) -> MetricsEnd | None:
+                 connected_at: Callable[[int, int], int], connected_until_ns: int | None = None,
+                 arrived: Callable[[int, int], int] | None = None) -> MetricsEnd | None:
         """When this request's work ended, as the gauges tell; None when no scrape came after it left.
 
         At each scrape after ``started_ns``, orphans = held - connected, where connected counts every
@@ -180,7 +181,14 @@ class EngineLoads:
 
         Scrapes up to ``connected_until_ns`` count this request itself as connected (its server span
         had not ended, give or take the clock error), so they cannot show it orphaned: they say
-        nothing of its work and are skipped."""
+        nothing of its work and are skipped.
+
+        ``arrived(start, end)``: server spans that started after the scrape was sent (up to its
+        answer and the clock error). The connected count holds them, but the engine may not have
+        taken them up when it read its gauges: a scrape that shows no orphan only because of them
+        says neither, and is skipped too. The work then ends between the last scrape that counted
+        it and the first that shows it gone whatever those requests were, and the resolution says
+        how far apart those are."""
         series = self._loads.get(port, [])
         start = bisect.bisect_right(series, max(started_ns, connected_until_ns or started_ns),
                                     key=lambda item: item.ts_ns)
@@ -207,6 +215,8 @@ class EngineLoads:
             orphans = load.running + load.waiting - connected_at(load.ts_ns, load.answered_ns or load.ts_ns)
             if orphans > newer:
                 last_orphaned, count = load.ts_ns, count + 1
+                continue
+            if arrived is not None and orphans + arrived(load.ts_ns, load.answered_ns or load.ts_ns) > newer:
                 continue
             read_until = max(load.ts_ns, load.answered_ns or load.ts_ns)
             if last_orphaned is None:

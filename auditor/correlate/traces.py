@@ -87,6 +87,10 @@ class PortSpans:
     def in_flight(self, ts_ns: int, until_ns: int) -> int:
         return bisect.bisect_right(self._starts, until_ns) - bisect.bisect_left(self._ends, ts_ns)
 
+    def started(self, after_ns: int, until_ns: int) -> int:
+        """Spans that started in (after, until]."""
+        return bisect.bisect_right(self._starts, until_ns) - bisect.bisect_right(self._starts, after_ns)
+
     def covers(self, key: tuple[str, str], ts_ns: int, until_ns: int) -> bool:
         extent = self._spans.get(key)
         return extent is not None and extent[0] <= until_ns and extent[1] >= ts_ns
@@ -160,6 +164,11 @@ class TraceIndex:
             if trace_id not in seen and trace_id in self._by_trace:
                 seen.add(trace_id)
                 yield self._by_trace[trace_id]
+
+    def server_spans_started(self, port: int, after_ns: int, until_ns: int) -> int:
+        """How many server spans on ``port`` started in (after, until]."""
+        spans = self._http_by_port.get(port)
+        return 0 if spans is None else spans.started(after_ns, until_ns)
 
     def server_spans_on(self, port: int, ts_ns: int, until_ns: int, also: set[tuple[str, str]]) -> int:
         """How many server spans on ``port`` were in flight at any moment of [ts, until], counting
