@@ -36,6 +36,7 @@ from auditor.correlate.evaluate import clock_dependent, evaluate
 from auditor.correlate.evidence import FINAL_SEND_ATTR, EngineLoads
 from auditor.correlate.feed import SpanFeed
 from auditor.correlate.live import LiveState
+from auditor.correlate.prune import drop_front
 from auditor.correlate.recall import Forgotten
 from auditor.correlate.requests import (
     CorrelatorStats,
@@ -533,9 +534,10 @@ class Correlator:
         if request.written is not None and request.written.request_id:
             self._settled_by_request_id[request.written.request_id] = request.key
 
-    def _unsettle(self, trace_id: str) -> Iterable[OpenRequest]:
-        """Take a trace's settled requests out of the settled ones (to reopen or to forget them)."""
-        requests = self._settled.pop(trace_id, {}).values()
+    def _unsettle(self, trace_id: str, taken: dict[str, OpenRequest] | None = None) -> Iterable[OpenRequest]:
+        """Take a trace's settled requests out of the settled ones (to reopen or to forget them);
+        ``taken``: those already taken out."""
+        requests = (self._settled.pop(trace_id, {}) if taken is None else taken).values()
         for request in requests:
             request_id = request.written.request_id if request.written is not None else None
             if request_id and self._settled_by_request_id.get(request_id) == request.key:
@@ -583,10 +585,9 @@ class Correlator:
         # settled requests are remembered by trace id until the horizon, and recalled if need be.
         self.spans.prune(memory_cutoff, keep={key[0] for key in self._open})
         # From the trace whose request settled first, up to the first one still in its window.
-        expired = list(itertools.takewhile(
-            lambda item: all(r.origin().ts_ns < memory_cutoff for r in item[1].values()), self._settled.items()))
-        for trace_id, _ in expired:
-            requests = list(self._unsettle(trace_id))
+        for trace_id, settled in drop_front(
+                self._settled, lambda requests: all(r.origin().ts_ns < memory_cutoff for r in requests.values())):
+            requests = list(self._unsettle(trace_id, settled))
             if requests and max(r.origin().ts_ns for r in requests) >= cutoff:
                 self.forgotten.add(trace_id, requests)
         self.forgotten.prune(cutoff)
@@ -598,7 +599,7 @@ class Correlator:
         # closes for the memory window (well past SAME_CONNECTION_NS).
         self.loads.prune(cutoff, closes_cutoff_ns=memory_cutoff)
         for table in (self._events_by_tuple, self._closed_by_tuple, self._local_fin_by_tuple):
-            _drop_oldest(table, memory_cutoff)
+            drop_front(table, lambda stamps: max(stamps) < memory_cutoff)  # in the order of their last event
         self.live.prune(cutoff)
         # Written-off disconnects a late span may claim back: idle closes (most of them, one per
         # request whose client closed after its answer) for the memory window; the rare unjoined
@@ -611,17 +612,8 @@ class Correlator:
 
 def _append(table: dict[Tuple4, tuple[int, ...]], tuple4: Tuple4, ts_ns: int) -> None:
     """Add an event time; the connection moves to the end (tables are in the order of their
-    latest event, for :func:`_drop_oldest`)."""
+    latest event, pruned by ``drop_front``)."""
     table[tuple4] = (*table.pop(tuple4, ()), ts_ns)
-
-
-def _drop_oldest(table: dict[Tuple4, tuple[int, ...]], cutoff_ns: int) -> None:
-    """Forget connections whose events are all before ``cutoff_ns``: from the one whose latest event
-    came first, up to the first one kept. Events come in about time order, so the few behind a
-    kept one wait a pass at most for the ones ahead, and a pass touches only what it forgets."""
-    stale = list(itertools.takewhile(lambda item: max(item[1]) < cutoff_ns, table.items()))
-    for tuple4, _ in stale:
-        del table[tuple4]
 
 
 def _event_at_or_before(detail: str, position: int | None) -> bool:

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from auditor.correlate.prune import drop_front
 from auditor.model import EngineLoad, SpanRecord
 
 FINAL_SEND_ATTR = "asgi.event.final"
@@ -273,16 +273,14 @@ class EngineLoads:
         # Registrations and last closes go from the first made up to the first kept: they are made in
         # about time order, and a pass then touches only what it forgets.
         for port, requests in list(self._disconnects.items()):
-            for key, _ in list(itertools.takewhile(lambda item: item[1][0] < cutoff_ns, requests.items())):
-                del requests[key]
+            drop_front(requests, lambda registered: registered[0] < cutoff_ns)
             times, untils = self._disconnect_times[port], self._connected_until[port]
             gone = bisect.bisect_left(times, cutoff_ns)
             del times[:gone], untils[:gone]
             if not requests:
                 del self._disconnects[port], self._disconnect_times[port], self._connected_until[port]
         # A connection's last close matters for SAME_CONNECTION_NS only: kept from ``closes_cutoff_ns``.
-        for connection, _ in list(itertools.takewhile(lambda item: item[1] < closes_cutoff_ns, self._departed.items())):
-            del self._departed[connection]
+        drop_front(self._departed, lambda last_close: last_close < closes_cutoff_ns)
         for port, closes in list(self._departures.items()):
             del closes[:bisect.bisect_left(closes, cutoff_ns)]
             if not closes:

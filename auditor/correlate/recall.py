@@ -11,11 +11,9 @@ it had never left memory. The store keeps everything of the horizon anyway: this
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from sqlalchemy import select
 
+from auditor.correlate.prune import drop_front
 from auditor.correlate.requests import Disconnect, OpenRequest
 from auditor.correlate.traces import norm_addr
 from auditor.model import Phase, RequestVerdict, SpanRecord, Verdict
@@ -55,8 +53,8 @@ class Forgotten:
     def prune(self, cutoff_ns: int) -> None:
         """Forget traces whose requests left before ``cutoff_ns``, from the oldest on, up to the first
         one kept (a trace forgotten later that left earlier goes a pass or so after its time)."""
-        _drop_front(self._traces, lambda first_disconnect: first_disconnect < cutoff_ns)
-        _drop_front(self._request_ids, lambda trace_id: trace_id not in self._traces)
+        drop_front(self._traces, lambda first_disconnect: first_disconnect < cutoff_ns)
+        drop_front(self._request_ids, lambda trace_id: trace_id not in self._traces)
 
     def recall(self, trace_id: str) -> tuple[list[SpanRecord], list[OpenRequest]]:
         """The trace's stored spans and its settled requests as they were written; forgotten no more."""
@@ -69,17 +67,6 @@ class Forgotten:
             rows = session.execute(select(VerdictRow.__table__).where(
                 VerdictRow.request_key >= prefix, VerdictRow.request_key < prefix[:-1] + "0")).all()
         return spans, [_request_from_row(row) for row in rows]
-
-
-def _drop_front(entries: dict[str, Any], gone: Callable[[Any], bool]) -> None:
-    """Remove the entries from the first on while ``gone(value)``: the work is what is removed."""
-    expired = []
-    for key, value in entries.items():
-        if not gone(value):
-            break
-        expired.append(key)
-    for key in expired:
-        del entries[key]
 
 
 def _request_from_row(row: object) -> OpenRequest:
