@@ -3,16 +3,17 @@
 ``SpanWriter.submit`` returns only once the spans are committed, so an OTLP request is acknowledged
 only after its data is safe. Requests wait in a bounded queue, and everything waiting is committed
 in a single transaction (group commit): many concurrent requests share one commit, which is what
-makes SQLite fast enough. The commit is made by a submitting thread, not by a writer thread of
-its own: a submitter that finds no commit under way takes the queue and commits it (the leader);
-those that come meanwhile wait, and one of them leads the next commit. A lone exporter's request
-is committed by the thread that read it, with no hand-off to wake another thread for. The queue is bounded in spans and bytes; when it is full, or the
-database cannot be written (locked past its busy timeout, disk full), ``submit`` raises
-:class:`BackPressure` with a retry delay that the receivers turn into 429/503 + ``Retry-After``.
-After a failed commit, new work is refused for ``retry_after_s`` so a locked database is not
-hammered; later submissions land normally once it is writable again. The advertised retry delay
-grows with the outage (up to ``max_retry_after_s``): exporters honour ``Retry-After`` and give up
-after a handful of retries, so a fixed 1 s would make them drop spans after a few seconds.
+makes SQLite fast enough. The commit is made by a submitting thread, not by a writer thread of its
+own: a submitter that finds no commit under way takes the queue and commits it (the leader); those
+that come meanwhile wait, and one of them leads the next commit. A lone exporter's request is
+committed by the thread that read it, with no hand-off to wake another thread for. The queue is
+bounded in spans and bytes; when it is full, or the database cannot be written (locked past its
+busy timeout, disk full), ``submit`` raises :class:`BackPressure` with a retry delay that the
+receivers turn into 429/503 + ``Retry-After``. After a failed commit, new work is refused for
+``retry_after_s`` so a locked database is not hammered; later submissions land normally once it is
+writable again. The advertised retry delay grows with the outage (up to ``max_retry_after_s``):
+exporters honour ``Retry-After`` and give up after a handful of retries, so a fixed 1 s would make
+them drop spans after a few seconds.
 """
 
 from __future__ import annotations
