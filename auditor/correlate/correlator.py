@@ -253,7 +253,7 @@ class Correlator:
         self._news_at(span.start_ns)
         if not self._backlog:
             self.arrived.append(span)
-        for request in self._unsettle(span.trace_id):
+        for request in self._unsettle(self._settled.pop(span.trace_id, {})):
             self._open[request.key] = request  # evidence after settling reopens the verdict
         if span.role is SpanRole.ENGINE and span.request_id:
             self._reopen_by_request_id(span.request_id)
@@ -534,10 +534,10 @@ class Correlator:
         if request.written is not None and request.written.request_id:
             self._settled_by_request_id[request.written.request_id] = request.key
 
-    def _unsettle(self, trace_id: str, taken: dict[str, OpenRequest] | None = None) -> Iterable[OpenRequest]:
-        """Take a trace's settled requests out of the settled ones (to reopen or to forget them);
-        ``taken``: those already taken out."""
-        requests = (self._settled.pop(trace_id, {}) if taken is None else taken).values()
+    def _unsettle(self, taken: dict[str, OpenRequest]) -> Iterable[OpenRequest]:
+        """A trace's settled requests, taken out of the settled ones (to reopen or to forget them),
+        no longer found by their request ids either."""
+        requests = taken.values()
         for request in requests:
             request_id = request.written.request_id if request.written is not None else None
             if request_id and self._settled_by_request_id.get(request_id) == request.key:
@@ -587,7 +587,7 @@ class Correlator:
         # From the trace whose request settled first, up to the first one still in its window.
         for trace_id, settled in drop_front(
                 self._settled, lambda requests: all(r.origin().ts_ns < memory_cutoff for r in requests.values())):
-            requests = list(self._unsettle(trace_id, settled))
+            requests = list(self._unsettle(settled))
             if requests and max(r.origin().ts_ns for r in requests) >= cutoff:
                 self.forgotten.add(trace_id, requests)
         self.forgotten.prune(cutoff)
