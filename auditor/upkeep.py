@@ -19,8 +19,7 @@ from sqlalchemy import func, select
 from auditor.metrics import DaemonMetrics
 from auditor.model import SpanRecord, SpanRole
 from auditor.report.requests import is_inner_server_span
-from auditor.store import Store
-from auditor.store.schema import UtilSampleRow
+from auditor.store import Store, tables
 
 UTILIZATION_REFRESH_S = 10.0
 SPAN_SETTLE_NS = 5_000_000_000  # completions are counted once the spans around them have arrived
@@ -82,9 +81,10 @@ class Upkeep:
             self._follow(set(self._following))
 
     def _refresh_utilization(self, now_ns: int) -> None:
-        with self.store.session() as session:
-            util = session.execute(select(UtilSampleRow.source, func.avg(UtilSampleRow.util_percent)).where(
-                UtilSampleRow.ts_ns > now_ns - PID_FOLLOW_NS, UtilSampleRow.host == self.host,
-                (UtilSampleRow.pid.is_(None)) | (UtilSampleRow.source == "procfs"))
-                .group_by(UtilSampleRow.source)).all()
+        samples = tables.util_samples.c
+        with self.store.connect() as conn:
+            util = conn.execute(select(samples.source, func.avg(samples.util_percent)).where(
+                samples.ts_ns > now_ns - PID_FOLLOW_NS, samples.host == self.host,
+                (samples.pid.is_(None)) | (samples.source == "procfs"))
+                .group_by(samples.source)).all()
         self.metrics.set_utilization({source: (mean or 0.0) / 100.0 for source, mean in util})

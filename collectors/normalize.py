@@ -37,7 +37,7 @@ from collectors.attributes import (
 )
 from collectors.otlp_wire import read_request
 
-# Column widths of the spans table (auditor.store.schema.SpanRow): longer values are cut, never refused.
+# Column widths of the spans table (auditor.store.tables.spans): longer values are cut, never refused.
 _COLUMN_CHARS = {"name": 255, "service": 255, "host": 255, "request_id": 255, "route": 255,
                  "model": 255, "finish_reason": 32, "peer_addr": 64}
 

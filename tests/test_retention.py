@@ -20,7 +20,7 @@ from auditor.model import (
     UtilSample,
     Verdict,
 )
-from auditor.store import ConnEventRow, CoverageRow, SpanRow, Store, UtilSampleRow, VerdictRow
+from auditor.store import SpanRow, Store, tables
 from auditor.store.retention import HOUR_NS, RetentionPolicy, prune
 from tests.e2e import running_daemon, wait_for
 
@@ -45,10 +45,9 @@ def fill(store: Store, host: str, ages_h: list[float], *, tag: str = "", now_ns:
 
 
 def counts(store: Store, host: str) -> dict[str, int]:
-    with store.session() as session:
-        return {table.__tablename__: session.scalar(select(func.count()).select_from(table)
-                                                    .where(table.host == host)) or 0
-                for table in (SpanRow, ConnEventRow, UtilSampleRow, VerdictRow, CoverageRow)}
+    with store.connect() as conn:
+        return {table.name: conn.scalar(select(func.count()).select_from(table).where(table.c.host == host)) or 0
+                for table in (tables.spans, tables.conn_events, tables.util_samples, tables.verdicts, tables.coverage)}
 
 
 def test_old_raw_rows_go_recent_stay_and_verdicts_outlive_spans(store: Store) -> None:

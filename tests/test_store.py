@@ -75,7 +75,7 @@ def test_models_match_the_migrations(store: Store) -> None:
 
     with store.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
-    assert diff == [], f"schema.py and the migrations differ; write a migration: {diff}"
+    assert diff == [], f"tables.py and the migrations differ; write a migration: {diff}"
 
 
 @pytest.mark.parametrize("in_child", [False, True])

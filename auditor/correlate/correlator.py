@@ -58,8 +58,7 @@ from auditor.model import (
     SpanRole,
     Verdict,
 )
-from auditor.store import Store, span_from_row
-from auditor.store.schema import ConnEventRow, CorrelatorStateRow, CoverageRow, SpanRow
+from auditor.store import Store, span_from_row, tables
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +69,13 @@ MIN_MEMORY_NS = 60 * 1_000_000_000
 MEMORY_MARGIN_NS = 30 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
-_events = ConnEventRow.__table__
+_events, _spans, _coverage, _state = tables.conn_events, tables.spans, tables.coverage, tables.correlator_state
 _NEW_EVENTS = (select(_events.c.id, _events.c.ts_ns, _events.c.kind, _events.c.client_addr, _events.c.client_port,
                       _events.c.server_port, _events.c.earliest_ns)
                .where(_events.c.id > bindparam("cursor"), _events.c.host == bindparam("host"))
                .order_by(_events.c.id).limit(READ_ROWS))
+_NEW_SPANS = (select(_spans).where(_spans.c.id > bindparam("cursor"), _spans.c.host == bindparam("host"))
+              .order_by(_spans.c.id).limit(READ_ROWS))
 # At a restart: the events already read before it, for what they tell about their connections.
 _KNOWN_EVENTS = (select(_events.c.ts_ns, _events.c.kind, _events.c.client_addr, _events.c.client_port,
                         _events.c.server_port)
@@ -152,14 +153,14 @@ class Correlator:
     # -- start-up ---------------------------------------------------------------------------
     def _resume(self) -> None:
         now = self.clock()
-        with self.store.session() as session:
-            state = session.get(CorrelatorStateRow, self.host)
-            self._event_cursor = state.settled_event_id if state else 0
-            self._saved_position = state.settled_event_id if state else None
-            self._counted = {detail: ts for detail, ts in session.execute(
-                select(CoverageRow.detail, CoverageRow.ts_ns).where(CoverageRow.host == self.host,
-                                                                    CoverageRow.ts_ns > now - HORIZON_NS,
-                                                                    CoverageRow.detail.is_not(None))) if detail}
+        with self.store.connect() as conn:
+            saved = conn.scalar(select(_state.c.settled_event_id).where(_state.c.host == self.host))
+            self._event_cursor = saved if saved is not None else 0
+            self._saved_position = saved
+            self._counted = {detail: ts for detail, ts in conn.execute(
+                select(_coverage.c.detail, _coverage.c.ts_ns).where(_coverage.c.host == self.host,
+                                                                    _coverage.c.ts_ns > now - HORIZON_NS,
+                                                                    _coverage.c.detail.is_not(None))) if detail}
         self._span_cursor = self._horizon_cursor(now)
         if self._event_cursor:
             self._read_known_events(now)
@@ -185,11 +186,11 @@ class Correlator:
 
     def _horizon_cursor(self, now: int) -> int:
         """The span id just below this host's spans of the horizon: where reading them starts."""
-        with self.store.session() as session:
-            first_span = session.scalar(select(SpanRow.id).where(SpanRow.host == self.host,
-                                                                 SpanRow.end_ns > now - HORIZON_NS)
-                                        .order_by(SpanRow.id).limit(1))
-            last_span = session.scalar(select(func.coalesce(func.max(SpanRow.id), 0))) or 0
+        with self.store.connect() as conn:
+            first_span = conn.scalar(select(_spans.c.id).where(_spans.c.host == self.host,
+                                                               _spans.c.end_ns > now - HORIZON_NS)
+                                     .order_by(_spans.c.id).limit(1))
+            last_span = conn.scalar(select(func.coalesce(func.max(_spans.c.id), 0))) or 0
         return (first_span - 1) if first_span else int(last_span)
 
     # -- input ------------------------------------------------------------------------------
@@ -231,12 +232,9 @@ class Correlator:
             self._feed.rearm()  # before the read: a span committed meanwhile comes both ways, and is known once
             self._span_cursor = self._horizon_cursor(arrived_ns)
             self._reading_store = True
-        with self.store.session() as session:
+        with self.store.connect() as conn:
             # Only this host's: with several daemons on one database each judges its own requests.
-            # Plain rows, not ORM objects: the identity map bought nothing here and cost a third.
-            rows = session.execute(select(SpanRow.__table__).where(SpanRow.id > self._span_cursor,
-                                                                   SpanRow.host == self.host)
-                                   .order_by(SpanRow.id).limit(READ_ROWS)).all()
+            rows = conn.execute(_NEW_SPANS, {"cursor": self._span_cursor, "host": self.host}).all()
         for row in rows:
             self._span_cursor = row.id
             self._add_span(span_from_row(row), arrived_ns)
@@ -274,8 +272,8 @@ class Correlator:
         self._touched.add(span.trace_id)
 
     def _read_events(self) -> None:
-        # A plain connection and a statement built once: this read runs every round, idle or not,
-        # and an ORM session and a fresh statement cost twice what the read itself does.
+        # A plain connection and a statement built once (as for spans): this read runs every round,
+        # idle or not, and an ORM session and a fresh statement cost twice what the read itself does.
         with self.store.engine.connect() as conn:
             rows = conn.execute(_NEW_EVENTS, {"cursor": self._event_cursor, "host": self.host}).all()
         previous: Tuple4 | None = None
@@ -569,10 +567,10 @@ class Correlator:
                         settled = disconnect.event_id - 1
         if settled == self._saved_position:
             return
-        row, values = CorrelatorStateRow, {"settled_event_id": settled, "updated_ns": time.time_ns()}
+        values = {"settled_event_id": settled, "updated_ns": time.time_ns()}
         with self.store.engine.begin() as conn:  # one row per host: updated, or inserted the first time
-            if not conn.execute(update(row).where(row.host == self.host).values(**values)).rowcount:
-                conn.execute(insert(row).values(host=self.host, **values))
+            if not conn.execute(update(_state).where(_state.c.host == self.host).values(**values)).rowcount:
+                conn.execute(insert(_state).values(host=self.host, **values))
         self._saved_position = settled
 
     def _prune(self, now: int) -> None:

@@ -17,8 +17,9 @@ from auditor.correlate.prune import drop_front
 from auditor.correlate.requests import Disconnect, OpenRequest
 from auditor.correlate.traces import norm_addr
 from auditor.model import Phase, RequestVerdict, SpanRecord, Verdict
-from auditor.store import Store, span_from_row
-from auditor.store.schema import SpanRow, VerdictRow
+from auditor.store import Store, span_from_row, tables
+
+_spans, _verdicts = tables.spans, tables.verdicts
 
 
 class Forgotten:
@@ -61,11 +62,11 @@ class Forgotten:
         self._traces.pop(trace_id, None)
         self.recalled += 1
         prefix = f"{self.host}/{trace_id}/"
-        with self.store.session() as session:
-            spans = [span_from_row(row) for row in session.execute(select(SpanRow.__table__).where(
-                SpanRow.trace_id == trace_id, SpanRow.host == self.host))]
-            rows = session.execute(select(VerdictRow.__table__).where(
-                VerdictRow.request_key >= prefix, VerdictRow.request_key < prefix[:-1] + "0")).all()
+        with self.store.connect() as conn:
+            spans = [span_from_row(row) for row in conn.execute(select(_spans).where(
+                _spans.c.trace_id == trace_id, _spans.c.host == self.host))]
+            rows = conn.execute(select(_verdicts).where(
+                _verdicts.c.request_key >= prefix, _verdicts.c.request_key < prefix[:-1] + "0")).all()
         return spans, [_request_from_row(row) for row in rows]
 
 

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import bindparam, func, select
 
 from auditor.model import SpanRecord, SpanRole
-from auditor.store import Store
-from auditor.store.schema import UtilSampleRow
+from auditor.store import Store, tables
 
 DEFAULT_INTERVAL_S = 0.1
 BUCKET_NS = 1_000_000_000
@@ -72,14 +71,15 @@ class _Series:
             del self.ts[:keep], self.start[:keep], self.util[:keep]
 
 
-_SAMPLE_COLUMNS = (UtilSampleRow.id, UtilSampleRow.ts_ns, UtilSampleRow.source, UtilSampleRow.pid,
-                   UtilSampleRow.util_percent, UtilSampleRow.interval_s)
-_NEWEST_SAMPLE = select(func.coalesce(func.max(UtilSampleRow.id), 0))
-_HORIZON_SAMPLES = select(*_SAMPLE_COLUMNS).where(UtilSampleRow.id <= bindparam("cursor"),
-                                                  UtilSampleRow.host == bindparam("host"),
-                                                  UtilSampleRow.ts_ns > bindparam("since"))
-_NEW_SAMPLES = select(*_SAMPLE_COLUMNS).where(UtilSampleRow.id > bindparam("cursor"),
-                                              UtilSampleRow.host == bindparam("host"))
+_samples = tables.util_samples.c
+_SAMPLE_COLUMNS = (_samples.id, _samples.ts_ns, _samples.source, _samples.pid, _samples.util_percent,
+                   _samples.interval_s)
+_NEWEST_SAMPLE = select(func.coalesce(func.max(_samples.id), 0))
+_HORIZON_SAMPLES = select(*_SAMPLE_COLUMNS).where(_samples.id <= bindparam("cursor"),
+                                                  _samples.host == bindparam("host"),
+                                                  _samples.ts_ns > bindparam("since"))
+_NEW_SAMPLES = select(*_SAMPLE_COLUMNS).where(_samples.id > bindparam("cursor"),
+                                              _samples.host == bindparam("host"))
 
 
 class SampleCache:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from math import isfinite
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Table, and_, case, func, select, union_all
+from sqlalchemy import and_, case, func, select, union_all
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.sql.elements import ColumnElement
@@ -42,13 +42,9 @@ from auditor.report.model import (
 )
 from auditor.report.requests import count_requests
 from auditor.report.sqlite_json import request_json_column
-from auditor.store import Store
-from auditor.store.schema import CoverageRow, SpanRow, UtilSampleRow, VerdictRow
+from auditor.store import Store, tables
 
-spans = cast(Table, SpanRow.__table__)
-verdicts = cast(Table, VerdictRow.__table__)
-coverage = cast(Table, CoverageRow.__table__)
-samples = cast(Table, UtilSampleRow.__table__)
+spans, verdicts, coverage, samples = tables.spans, tables.verdicts, tables.coverage, tables.util_samples
 
 NS = 1_000_000_000
 # Bucket widths for the over-time plots, from which the smallest giving <= MAX_BUCKETS is chosen.

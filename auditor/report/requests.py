@@ -14,17 +14,17 @@ server span below it, and each one takes one request off the count.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Table, and_, exists, func, not_, or_, select
+from sqlalchemy import and_, exists, func, not_, or_, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.util import ClauseAdapter
 
 from auditor.model import SpanRecord, SpanRole
-from auditor.store.schema import SpanRow
+from auditor.store import tables
 
-spans = cast(Table, SpanRow.__table__)
+spans = tables.spans
 SERVER, CLIENT = SpanRole.HTTP_SERVER.value, SpanRole.HTTP_CLIENT.value
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 HOP_SLACK_NS = 1_000_000_000  # a hop may start before the window its inner span starts in

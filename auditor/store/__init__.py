@@ -1,25 +1,46 @@
-"""The store's public face: the ``Store`` and the table models the report, capture and replay query.
+"""The store's public face: the ``Store``, its Core tables, and the ORM classes the report, capture and
+replay query.
 
-Everything outside ``auditor`` imports from here, never from the modules inside.
+Everything outside ``auditor`` imports from here, never from the modules inside. The ORM classes
+(``SpanRow`` and the rest) are loaded on first use, so that a process which never asks for them (the
+daemon) never imports SQLAlchemy's ORM.
 """
 
+from typing import TYPE_CHECKING, Any
+
+from auditor.store import tables
 from auditor.store.db import Store, default_db_url, span_from_row
-from auditor.store.schema import (
-    Base,
-    CapturedRequestRow,
-    CaptureRow,
-    ConnEventRow,
-    CorrelatorStateRow,
-    CoverageRow,
-    ReplayResultRow,
-    ReplayRunRow,
-    SpanRow,
-    UtilSampleRow,
-    VerdictRow,
-)
+
+if TYPE_CHECKING:
+    from auditor.store.schema import (
+        Base,
+        CapturedRequestRow,
+        CaptureRow,
+        ConnEventRow,
+        CorrelatorStateRow,
+        CoverageRow,
+        ReplayResultRow,
+        ReplayRunRow,
+        SpanRow,
+        UtilSampleRow,
+        VerdictRow,
+    )
+
+_ORM_NAMES = frozenset({
+    "Base", "CaptureRow", "CapturedRequestRow", "ConnEventRow", "CorrelatorStateRow", "CoverageRow",
+    "ReplayResultRow", "ReplayRunRow", "SpanRow", "UtilSampleRow", "VerdictRow",
+})
 
 __all__ = [
     "Base", "CaptureRow", "CapturedRequestRow", "ConnEventRow", "CorrelatorStateRow", "CoverageRow",
     "ReplayResultRow", "ReplayRunRow", "SpanRow", "Store", "UtilSampleRow", "VerdictRow",
-    "default_db_url", "span_from_row",
+    "default_db_url", "span_from_row", "tables",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ORM_NAMES:
+        from auditor.store import schema
+
+        return getattr(schema, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,9 @@
 """The store: one SQLAlchemy engine over SQLite (default) or PostgreSQL, migrated by Alembic.
 
 Sources write through the batch ``insert_*`` methods (one transaction a batch; on SQLite plain
-tuples through the driver, elsewhere SQLAlchemy Core);
-correlation and the report read through ``session()``. Opening a store checks its schema first:
+tuples through the driver, elsewhere SQLAlchemy Core); correlation reads through ``connect()``
+(Core, on the tables of ``auditor.store.tables``), the report, capture and replay through
+``session()`` (the ORM, imported on first use: the daemon never loads it). Opening a store checks its schema first:
 a file that is not a database, or a database written by a newer auditor, is refused with an error
 that says what to do, and nothing is overwritten.
 
@@ -23,15 +24,15 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, create_engine, delete, event, insert, inspect, text
+from sqlalchemy import Connection, Engine, create_engine, delete, event, insert, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError, SQLAlchemyError
-from sqlalchemy.orm import Session, sessionmaker
 
 from auditor.errors import StoreError
 from auditor.model import ConnEvent, CoverageKind, RequestVerdict, SpanRecord, SpanRole, UtilSample
+from auditor.store import tables
 from auditor.store.rows import (
     grouped_inserts,
     row_dict,
@@ -39,7 +40,9 @@ from auditor.store.rows import (
     shape_of,
     sqlite_insert_sql,
 )
-from auditor.store.schema import ConnEventRow, CoverageRow, SpanRow, UtilSampleRow, VerdictRow
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 _REVISION_LINE = re.compile(r"^(down_revision|revision)\s*(?::[^=]*)?=\s*(None|\"([^\"]*)\"|'([^']*)')", re.M)
@@ -112,7 +115,7 @@ class Store:
                  check: bool = True, migrate_in_child: bool = False) -> None:
         self.url = url or default_db_url()
         self.engine = _make_engine(self.url, create=create)
-        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._sessions: Any = None  # an ORM sessionmaker, made on first use
         self._verdict_statement: Any = None  # built on first use (False: this database has none)
         if check:
             self.check_schema(upgrade=upgrade, in_child=migrate_in_child)
@@ -241,14 +244,14 @@ class Store:
         return self._insert(table, rows_as_tuples(records, shape_of(record_type)), sql)
 
     def insert_conn_events(self, events: Iterable[ConnEvent]) -> int:
-        return self._insert_records(ConnEventRow, events)
+        return self._insert_records(tables.conn_events, events)
 
     def insert_spans(self, spans: Iterable[SpanRecord]) -> int:
         """Insert spans; a span already stored (same trace and span id) is skipped, not duplicated."""
-        return self._insert_records(SpanRow, spans, skip_duplicates=True)
+        return self._insert_records(tables.spans, spans, skip_duplicates=True)
 
     def insert_samples(self, samples: Iterable[UtilSample]) -> int:
-        return self._insert_records(UtilSampleRow, samples)
+        return self._insert_records(tables.util_samples, samples)
 
     def write(self, records: Sequence[ConnEvent | SpanRecord | UtilSample]) -> int:
         """The sources' sink (``auditor.sink.Sink``): one batch of one record type, one transaction."""
@@ -269,7 +272,7 @@ class Store:
 
     def add_coverage_rows(self, rows: list[dict[str, Any]]) -> int:
         """Coverage rows (``ts_ns``, ``host``, ``kind``, ``count``, ``detail``), one transaction."""
-        return self._insert(CoverageRow, rows)
+        return self._insert(tables.coverage, rows)
 
     def upsert_verdicts(self, verdicts: Sequence[RequestVerdict]) -> int:
         """Write verdicts keyed by request; a later verdict for the same request replaces the earlier."""
@@ -290,6 +293,8 @@ class Store:
             with self.engine.begin() as conn:
                 conn.execute(statement, rows)
             return
+        from auditor.store.schema import VerdictRow
+
         with self.session() as session, session.begin():
             existing = {row.request_key: row for row in
                         session.query(VerdictRow).filter(VerdictRow.request_key.in_([r["request_key"] for r in rows]))}
@@ -311,7 +316,7 @@ class Store:
             if dialect_insert is None:
                 self._verdict_statement = False
                 return None
-            table: Any = VerdictRow.__table__
+            table = tables.verdicts
             statement = dialect_insert(table)
             updated = {c.name: statement.excluded[c.name] for c in table.columns if c.name not in ("id", "request_key")}
             self._verdict_statement = statement.on_conflict_do_update(index_elements=["request_key"], set_=updated)
@@ -319,11 +324,22 @@ class Store:
 
     def delete_verdict(self, request_key: str) -> None:
         with self.engine.begin() as conn:
-            conn.execute(delete(VerdictRow).where(VerdictRow.request_key == request_key))
+            conn.execute(delete(tables.verdicts).where(tables.verdicts.c.request_key == request_key))
 
     # -- reads ------------------------------------------------------------------------------
     @contextmanager
+    def connect(self) -> Iterator[Connection]:
+        """A Core connection for reads (its transaction is rolled back at the end)."""
+        with self.engine.connect() as conn:
+            yield conn
+
+    @contextmanager
     def session(self) -> Iterator[Session]:
+        """An ORM session (the report, capture, replay): SQLAlchemy's ORM is imported here, on first use."""
+        if self._sessions is None:
+            from sqlalchemy.orm import sessionmaker
+
+            self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         with self._sessions() as session:
             yield session
 
@@ -360,8 +376,8 @@ def _short(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def span_from_row(row: SpanRow | Any) -> SpanRecord:
-    """A stored span back as the domain record, from an ORM object or a plain row of its table."""
+def span_from_row(row: Any) -> SpanRecord:
+    """A stored span back as the domain record, from a row of its table or an ORM object."""
     return SpanRecord(
         trace_id=row.trace_id, span_id=row.span_id, parent_span_id=row.parent_span_id, name=row.name,
         kind=row.kind, start_ns=row.start_ns, end_ns=row.end_ns, service=row.service, host=row.host,

@@ -17,22 +17,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import Table, delete, select
 from sqlalchemy.exc import OperationalError
 
 from auditor.errors import StoreError
+from auditor.store import tables
 from auditor.store.db import Store
-from auditor.store.schema import ConnEventRow, CoverageRow, SpanRow, UtilSampleRow, VerdictRow
 
 log = logging.getLogger(__name__)
 
 HOUR_NS = 3600 * 1_000_000_000
 
 # Each table with the indexed time column its age is read from.
-RAW_TABLES: tuple[tuple[Any, Any], ...] = (
-    (SpanRow, SpanRow.end_ns), (ConnEventRow, ConnEventRow.ts_ns), (UtilSampleRow, UtilSampleRow.ts_ns))
-FINDING_TABLES: tuple[tuple[Any, Any], ...] = (
-    (VerdictRow, VerdictRow.disconnect_at_ns), (CoverageRow, CoverageRow.ts_ns))
+RAW_TABLES: tuple[tuple[Table, Any], ...] = (
+    (tables.spans, tables.spans.c.end_ns), (tables.conn_events, tables.conn_events.c.ts_ns),
+    (tables.util_samples, tables.util_samples.c.ts_ns))
+FINDING_TABLES: tuple[tuple[Table, Any], ...] = (
+    (tables.verdicts, tables.verdicts.c.disconnect_at_ns), (tables.coverage, tables.coverage.c.ts_ns))
 
 
 @dataclass(frozen=True)
@@ -42,19 +43,19 @@ class RetentionPolicy:
     batch_rows: int = 5000
 
 
-def prune_table(store: Store, table: Any, time_column: Any, *, host: str, older_than_ns: int,
+def prune_table(store: Store, table: Table, time_column: Any, *, host: str, older_than_ns: int,
                 batch_rows: int, pause: Callable[[], bool] = lambda: False) -> int:
     """Delete ``host``'s rows of ``table`` older than ``older_than_ns``, ``batch_rows`` at a time.
     ``pause`` runs between batches (the daemon waits there, letting writers in) and returns True
     to stop early. Returns the rows deleted."""
     deleted = 0
-    oldest = select(table.id).where(table.host == host, time_column < older_than_ns).limit(batch_rows)
+    oldest = select(table.c.id).where(table.c.host == host, time_column < older_than_ns).limit(batch_rows)
     while True:
         try:
             with store.engine.begin() as conn:
-                count = conn.execute(delete(table).where(table.id.in_(oldest))).rowcount
+                count = conn.execute(delete(table).where(table.c.id.in_(oldest))).rowcount
         except OperationalError as exc:
-            raise StoreError(f"pruning {table.__tablename__} in {store.where()} failed: "
+            raise StoreError(f"pruning {table.name} in {store.where()} failed: "
                              f"{str(exc.orig).splitlines()[0]}") from exc
         deleted += count
         if count < batch_rows or pause():
@@ -73,14 +74,14 @@ def prune(store: Store, policy: RetentionPolicy, *, host: str, now_ns: int | Non
         stopped = stopped or pause()
         return stopped
 
-    for tables, window_ns in ((RAW_TABLES, policy.raw_hours * HOUR_NS),
-                              (FINDING_TABLES, policy.verdict_days * 24 * HOUR_NS)):
+    for bounded, window_ns in ((RAW_TABLES, policy.raw_hours * HOUR_NS),
+                               (FINDING_TABLES, policy.verdict_days * 24 * HOUR_NS)):
         if window_ns <= 0:
             continue
-        for table, time_column in tables:
+        for table, time_column in bounded:
             if stopped:
                 return deleted
-            deleted[table.__tablename__] = prune_table(
+            deleted[table.name] = prune_table(
                 store, table, time_column, host=host, older_than_ns=now_ns - int(window_ns),
                 batch_rows=policy.batch_rows, pause=pause_or_stop)
     return deleted

@@ -123,15 +123,15 @@ def rows_as_tuples(records: Iterable[Any], shape: Shape) -> list[tuple[Any, ...]
 
 
 def sqlite_insert_sql(table: Any, record_type: type, skip_duplicates: bool) -> str:
-    """The driver-level insert of ``record_type`` rows in its field order (built per batch: a few
-    microseconds against thousands of rows)."""
+    """The driver-level insert of ``record_type`` rows into the Core ``table``, in the record's
+    field order (built per batch: a few microseconds against thousands of rows)."""
     names = shape_of(record_type).names
-    columns = {c.name for c in table.__table__.columns} - {"id"}
-    if columns != set(names):  # a model and its record drifted apart: a bug, fail loudly
-        raise TypeError(f"{table.__tablename__} columns {sorted(columns ^ set(names))} differ from the "
+    columns = {c.name for c in table.columns} - {"id"}
+    if columns != set(names):  # a table and its record drifted apart: a bug, fail loudly
+        raise TypeError(f"{table.name} columns {sorted(columns ^ set(names))} differ from the "
                         "record's fields")
     verb = "INSERT OR IGNORE" if skip_duplicates else "INSERT"
-    return f"{verb} INTO {table.__tablename__} ({', '.join(names)}) VALUES ({', '.join('?' for _ in names)})"
+    return f"{verb} INTO {table.name} ({', '.join(names)}) VALUES ({', '.join('?' for _ in names)})"
 
 
 _ROWS_PER_STATEMENT = 16  # 16 x 27 span columns: far below SQLite's 999 parameters of old builds

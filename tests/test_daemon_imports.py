@@ -1,0 +1,93 @@
+"""What the running daemon imports: a process that runs for weeks on every GPU host never loads
+what it does not use. SQLAlchemy's ORM (about 6 MiB) serves the report, capture and replay; the
+daemon reads and writes through Core tables (auditor.store.tables), and Alembic only migrates, in
+a child.
+
+The daemon runs in a fresh interpreter (the test process has imported everything): the /proc
+source, the reference engine exporting its spans over OTLP/HTTP, one request cancelled mid-decode
+and one completed, until the cancelled one has its verdict; then one retention pass.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import json, socket, sys, time
+from sqlalchemy import select
+
+from auditor.config import apply_overrides, load_config
+from auditor.daemon import Daemon
+from auditor.store import tables
+from auditor.store.retention import RetentionPolicy, prune
+from replay.engine.launch import running_engine
+
+config = load_config(environ={})
+apply_overrides(config, {
+    "db": "sqlite:///" + sys.argv[1], "probe.ports": [1], "probe.source": "procfs", "probe.poll_hz": 20.0,
+    "otlp.http": "127.0.0.1:0", "otlp.grpc": "", "metrics.listen": "127.0.0.1:0", "live.listen": "127.0.0.1:0",
+    "correlate.grace_seconds": 0.5, "correlate.interval_seconds": 0.2, "correlate.late_span_seconds": 3.0,
+    "sampler.nvml": False,
+})
+daemon = Daemon(config)
+daemon.start()
+
+
+def request(port, request_id, max_tokens):
+    body = json.dumps({"model": "ref-llm-1b", "prompt": "a b c", "max_tokens": max_tokens, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: e\r\nContent-Type: application/json\r\n"
+                 + f"X-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+verdicts = []
+try:
+    with running_engine(behavior="detached", otlp=f"http://127.0.0.1:{daemon.status.http_port}",
+                        step_ms=10, max_batch=2) as engine:
+        daemon.set_ports({engine.port})
+        done, answer = request(engine.port, "done", 3), b""
+        done.settimeout(10)
+        while b"[DONE]" not in answer:
+            chunk = done.recv(65536)
+            if not chunk:
+                raise SystemExit("the engine closed without finishing: " + repr(answer[-200:]))
+            answer += chunk
+        cancelled = request(engine.port, "left", 150)
+        time.sleep(0.3)
+        cancelled.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and ("left", "zombie") not in verdicts:
+            time.sleep(0.2)
+            with daemon.store.connect() as conn:
+                verdicts = [tuple(row) for row in conn.execute(
+                    select(tables.verdicts.c.request_id, tables.verdicts.c.verdict))]
+        cancelled.close()
+        done.close()
+    prune(daemon.store, RetentionPolicy(), host=daemon.config.host_id)
+finally:
+    daemon.request_stop()
+    daemon.stop()
+loaded = sorted(name for name in sys.modules if name.split(".")[:2] == ["sqlalchemy", "orm"]
+                or name.split(".")[0] in ("alembic", "mako", "bcc"))
+print(json.dumps({"verdicts": verdicts, "loaded": loaded}))
+"""
+
+
+def test_the_running_daemon_never_imports_the_orm(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "auditor.db")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # The paths ran: spans in, a disconnect joined, a verdict written and read back.
+    assert ["left", "zombie"] in result["verdicts"], (result, done.stderr[-3000:])
+    assert result["loaded"] == [], "the daemon imported " + ", ".join(result["loaded"])
