@@ -876,3 +876,22 @@ def test_pruning_from_the_oldest_keeps_what_a_full_pass_keeps(store: Store) -> N
 def correlator_prune_slack() -> int:
     from auditor.correlate.correlator import PRUNE_EVERY_NS
     return PRUNE_EVERY_NS
+
+
+def test_held_spans_keep_only_judged_attributes_and_share_one_empty_dict(tmp_path: Path) -> None:
+    store, clock = Store(f"sqlite:///{tmp_path / 'a.db'}"), Clock()
+    correlator = make(store, clock)
+    noisy = {"http.method": "POST", "net.peer.name": "client"}
+    store.insert_spans([replace(http_span("a", 0.0, 1.0), attributes=dict(noisy)),
+                        replace(http_span("b", 0.0, 1.0), attributes={}),
+                        replace(http_span("c", 0.0, 1.0), attributes=noisy | {"asgi.event.final": True}),
+                        replace(engine_span("c", 0.1, 0.9, "length"), attributes={"k": 1})])
+    clock.now = T0 + 2 * S
+    correlator.tick()
+    held = {trace[0]: list(correlator.spans.trace(trace)) for trace in ("a" * 32, "b" * 32, "c" * 32)}
+    plain = [held["a"][0], held["b"][0], *(s for s in held["c"] if s.role is SpanRole.ENGINE)]
+    assert all(span.attributes == {} for span in plain)
+    assert len({id(span.attributes) for span in plain}) == 1  # one dict for all of them
+    final = next(s for s in held["c"] if s.role is SpanRole.HTTP_SERVER)
+    assert final.attributes == {"asgi.event.final": True}
+    assert final.attributes is not plain[0].attributes

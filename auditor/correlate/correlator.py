@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from typing import Any
 
 from sqlalchemy import bindparam, func, insert, select, update
 
@@ -86,6 +87,7 @@ _CLOSED, _LOCAL_FIN = ConnEventKind.CLOSED.value, ConnEventKind.LOCAL_FIN.value
 _DEPARTURES = {ConnEventKind.PEER_FIN.value: "fin", ConnEventKind.PEER_RST.value: "rst"}
 # The only span attributes a verdict reads: a span is held without the rest (most of its memory).
 JUDGED_ATTRIBUTES = frozenset({FINAL_SEND_ATTR, TOKENS_AFTER_DISCONNECT_ATTR})
+_NO_ATTRIBUTES: dict[str, Any] = {}  # the attributes of every held span that keeps none: never changed
 # Span texts that repeat across spans: held once each (a span's memory is mostly its texts).
 SHARED_TEXTS = ("name", "kind", "service", "host", "status", "peer_addr", "route", "model", "finish_reason")
 # How long before a peerless span's start its client's close may lie (accept queue and read).
@@ -627,12 +629,14 @@ def _lean(span: SpanRecord) -> SpanRecord:
     """The span as the correlator holds it: without the attributes no verdict reads, and with one
     copy of each of the texts most spans repeat (service, name, route, ...). The record is the
     correlator's (read from the store, or handed over once committed), so it is changed in place:
-    a copy of the record cost as much as the rest of indexing it."""
+    a copy of the record cost as much as the rest of indexing it. Most spans keep no attribute:
+    they share one empty dict (which nothing changes) instead of one each."""
     attributes = span.attributes
     if attributes and not attributes.keys() <= JUDGED_ATTRIBUTES:
-        judged = {k: attributes[k] for k in JUDGED_ATTRIBUTES if k in attributes}
-        attributes.clear()
-        attributes.update(judged)
+        attributes = {k: attributes[k] for k in JUDGED_ATTRIBUTES if k in attributes}
+        object.__setattr__(span, "attributes", attributes or _NO_ATTRIBUTES)
+    elif not attributes and attributes is not _NO_ATTRIBUTES:
+        object.__setattr__(span, "attributes", _NO_ATTRIBUTES)
     for name in SHARED_TEXTS:
         value = getattr(span, name)
         if value is not None:
