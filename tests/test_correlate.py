@@ -800,6 +800,18 @@ def test_disconnects_by_time_stay_bounded_and_right_as_most_are_removed() -> Non
     assert pending.closed_before(T0 + 3500 * S) == []  # each returned once
 
 
+def test_forgotten_trace_ids_are_held_as_numbers_only_where_the_number_gives_the_text_back() -> None:
+    from auditor.correlate.recall import trace_key, trace_text
+
+    ids = ["0af7651916cd43dd8448eb211c80319c", "0" * 32, "A" * 32, "a" * 32, "1_" + "0" * 30, " " + "f" * 31,
+           "+" + "1" * 31, "-" + "1" * 31, "g" * 32, "abc", "", "f" * 33]
+    keys = [trace_key(trace_id) for trace_id in ids]
+    # "-1111...": a negative number, whose text is that id again: exact all the same.
+    assert [isinstance(key, int) for key in keys] == [True, True, False, True, False, False, False, True] + [False] * 4
+    assert [trace_text(key) for key in keys] == ids
+    assert len(set(keys)) == len(ids)  # no two texts share a key
+
+
 def test_forgotten_traces_are_pruned_oldest_first_up_to_the_first_kept(store: Store) -> None:
     from auditor.correlate.recall import Forgotten
     from auditor.correlate.requests import Disconnect, OpenRequest
@@ -822,15 +834,22 @@ def test_forgotten_traces_are_pruned_oldest_first_up_to_the_first_kept(store: St
     forgotten.prune(T0 + 12 * S)
     assert "a" * 32 not in forgotten and "b" * 32 not in forgotten and len(forgotten) == 2
     assert forgotten.trace_of("req-0") is None and forgotten.trace_of("req-1") is None
-    assert list(forgotten._request_ids) == ["req-2", "req-3"]
+    assert list(forgotten._request_ids) == [hash("req-2"), hash("req-3")]
     forgotten.recall("c" * 32)  # recalled: forgotten no more, and its request id leads nowhere
     assert "c" * 32 not in forgotten and forgotten.trace_of("req-3") is None and len(forgotten) == 1
     forgotten.add("c" * 32, [settled("c" * 32, 30, "req-3")])  # settled again: at the end of the line
     forgotten.prune(T0 + 25 * S)
-    assert list(forgotten._traces) == ["c" * 32] and list(forgotten._request_ids) == ["req-3"]
+    assert list(forgotten._traces) == [int("c" * 32, 16)] and list(forgotten._request_ids) == [hash("req-3")]
     assert forgotten.trace_of("req-3") == "c" * 32
     forgotten.prune(T0 + 31 * S)
     assert len(forgotten) == 0 and forgotten._request_ids == {}
+    # Kept by the second their first disconnect falls in, rounded up: one object for that second.
+    forgotten.add("1" * 32, [settled("1" * 32, 40.2, "req-4")])
+    forgotten.add("2" * 32, [settled("2" * 32, 40.7, "req-5")])
+    first, second = forgotten._traces.values()
+    assert first == T0 + 41 * S and first is second
+    forgotten.prune(T0 + 41 * S)
+    assert len(forgotten) == 2  # still within that second
 
 
 def test_pruning_from_the_oldest_keeps_what_a_full_pass_keeps(store: Store) -> None:

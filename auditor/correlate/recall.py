@@ -7,6 +7,12 @@ that it keeps just the trace id (and the engine's request id), here. A span that
 trace (vLLM's span for a request its client left long ago, sent when the work at last ended) brings
 the trace's stored spans and verdicts back from the store, and the request is judged again as if
 it had never left memory. The store keeps everything of the horizon anyway: this is a cache policy.
+
+What stays is the one thing that grows with the horizon at a steady request rate (a forgotten trace
+for each request a client closed), so it is kept small: a trace id as the number its 32 hex digits
+spell (44 bytes where the text takes 81), the engine's request id as its hash (a collision only
+recalls a trace that is then judged again as it was), and the time a trace is kept by, rounded up
+to the second, one object for all the traces of that second.
 """
 
 from __future__ import annotations
@@ -20,6 +26,28 @@ from auditor.model import Phase, RequestVerdict, SpanRecord, Verdict
 from auditor.store import Store, span_from_row, tables
 
 _spans, _verdicts = tables.spans, tables.verdicts
+_S = 1_000_000_000
+
+TraceKey = int | str
+
+
+def trace_key(trace_id: str) -> TraceKey:
+    """A trace id as the index holds it: the number its 32 lowercase hex digits spell, or the text
+    itself for anything else (``int`` also reads upper case, signs, spaces and underscores, which
+    would make two texts one key)."""
+    if len(trace_id) == 32:
+        try:
+            number = int(trace_id, 16)
+        except ValueError:
+            return trace_id
+        if f"{number:032x}" == trace_id:
+            return number
+    return trace_id
+
+
+def trace_text(key: TraceKey) -> str:
+    """The trace id a key was made from."""
+    return f"{key:032x}" if isinstance(key, int) else key
 
 
 class Forgotten:
@@ -29,27 +57,35 @@ class Forgotten:
         # Both in the order traces were forgotten, oldest first give or take a pruning pass, so that
         # pruning stops at the first trace it keeps: rebuilding them every pass, tens of thousands
         # of entries at 100 req/s, made the correlator's rounds cost more the longer it ran.
-        self._traces: dict[str, int] = {}  # trace id -> its requests' first disconnect
-        self._request_ids: dict[str, str] = {}  # the engine's request id -> trace id
+        self._traces: dict[TraceKey, int] = {}  # trace key -> its requests' first disconnect, to the second
+        self._request_ids: dict[int, TraceKey] = {}  # hash of the engine's request id -> trace key
+        self._second = 0  # the latest of those seconds: traces forgotten in the same second share it
         self.recalled = 0
 
     def __len__(self) -> int:
         return len(self._traces)
 
     def __contains__(self, trace_id: str) -> bool:
-        return trace_id in self._traces
+        return trace_key(trace_id) in self._traces
 
     def add(self, trace_id: str, requests: list[OpenRequest]) -> None:
-        self._traces.pop(trace_id, None)  # forgotten again (recalled, then settled): to the end of the line
-        self._traces[trace_id] = min(r.origin().ts_ns for r in requests)
+        key = trace_key(trace_id)
+        first = min(r.origin().ts_ns for r in requests)
+        second = -(-first // _S) * _S  # up: a trace is kept a little longer, never less
+        if second == self._second:
+            second = self._second
+        self._second = second
+        self._traces.pop(key, None)  # forgotten again (recalled, then settled): to the end of the line
+        self._traces[key] = second
         for request in requests:
             if request.written is not None and request.written.request_id:
-                self._request_ids.pop(request.written.request_id, None)
-                self._request_ids[request.written.request_id] = trace_id
+                request_key = hash(request.written.request_id)
+                self._request_ids.pop(request_key, None)
+                self._request_ids[request_key] = key
 
     def trace_of(self, request_id: str) -> str | None:
-        trace_id = self._request_ids.get(request_id)
-        return trace_id if trace_id in self._traces else None
+        key = self._request_ids.get(hash(request_id))
+        return None if key is None or key not in self._traces else trace_text(key)
 
     def prune(self, cutoff_ns: int) -> None:
         """Forget traces whose requests left before ``cutoff_ns``, from the oldest on, up to the first
@@ -59,7 +95,7 @@ class Forgotten:
 
     def recall(self, trace_id: str) -> tuple[list[SpanRecord], list[OpenRequest]]:
         """The trace's stored spans and its settled requests as they were written; forgotten no more."""
-        self._traces.pop(trace_id, None)
+        self._traces.pop(trace_key(trace_id), None)
         self.recalled += 1
         prefix = f"{self.host}/{trace_id}/"
         with self.store.connect() as conn:
