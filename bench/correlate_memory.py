@@ -9,13 +9,18 @@ which the correlator remembers for the horizon. With the default 60 s late-span 
 request's spans and events stay about 90 s (9,000 requests); what is kept for the 15-minute
 horizon grows past that, so compare N = 9,000 with N = 30,000.
 
-Usage: .venv/bin/python bench/correlate_memory.py [--requests 9000 30000] [--top 12]
+With ``--live`` each request also sends the live notices a server sends with auditor.live (its
+server span's start and end, and its engine work's), decoded from their datagrams as the daemon's
+receiver does, each arriving in the round of its second.
+
+Usage: .venv/bin/python bench/correlate_memory.py [--requests 9000 30000] [--top 12] [--live]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 import tempfile
 import time
@@ -28,8 +33,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from correlate import S, spans_for  # the same requests bench/correlate.py holds
 
 from auditor.correlate import Correlator
-from auditor.model import ConnEvent, ConnEventKind
+from auditor.model import ConnEvent, ConnEventKind, LiveEvent
 from auditor.store import Store
+from collectors.live import parse_datagram
+
+
+def notices(index: int, t0: int) -> list[LiveEvent]:
+    """The live notices of request ``index``'s spans (bench/correlate.spans_for), as datagrams read."""
+    start = t0 + index * S // 100
+    end = start + S // 2
+    server = {"v": 1, "trace": f"{index:032x}", "span": f"{index:015x}1", "name": "POST /v1/completions",
+              "kind": "server", "peer": "127.0.0.1", "peer_port": 10_000 + index % 50_000, "port": 8000,
+              "pid": 4242, "service": "engine", "engine": False}
+    work = server | {"span": f"{index:015x}3", "name": "llm_request", "kind": "internal", "peer": None,
+                     "peer_port": None, "port": None, "engine": True}
+    datagrams = [server | {"ev": "start", "ts": start}, work | {"ev": "start", "ts": start + S // 100},
+                 work | {"ev": "end", "ts": end - S // 100}, server | {"ev": "end", "ts": end}]
+    events = [parse_datagram(json.dumps(d).encode()) for d in datagrams]
+    return [event for event in events if event is not None]
 
 
 def closes(index: int, t0: int) -> list[ConnEvent]:
@@ -53,7 +74,7 @@ def arrive(store: Store, t0: int, first: int, requests: int) -> int:
     return t0 + (first + 100) * S // 100 + S // 2
 
 
-def held(requests: int, top: int) -> None:
+def held(requests: int, top: int, live: bool = False) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(f"sqlite:///{tmp}/memory.db")
         t0 = time.time_ns() - (requests // 100 + 10) * S
@@ -64,13 +85,14 @@ def held(requests: int, top: int) -> None:
         before = tracemalloc.take_snapshot()
         for first in range(0, requests, 100):
             clock[0] = arrive(store, t0, first, requests)
-            correlator.tick()
+            correlator.tick([e for i in range(first, min(requests, first + 100)) for e in notices(i, t0)]
+                            if live else None)
         gc.collect()
         after = tracemalloc.take_snapshot()
         tracemalloc.stop()
         stats = after.compare_to(before, "lineno")
         total = sum(stat.size_diff for stat in stats)
-        print(f"{requests:,} requests: {total / 2**20:.1f} MiB held, {total / requests:,.0f} bytes a request")
+        print(f"{requests:,} requests{' with live notices' if live else ''}: {total / 2**20:.1f} MiB held, {total / requests:,.0f} bytes a request")
         for stat in stats[:top]:
             frame = stat.traceback[0]
             where = frame.filename.split("/site-packages/")[-1].replace(str(Path.cwd()) + "/", "")
@@ -83,9 +105,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, nargs="+", default=[9000, 30000])
     parser.add_argument("--top", type=int, default=12, help="allocation sites shown")
+    parser.add_argument("--live", action="store_true", help="each request also sends live notices")
     args = parser.parse_args()
     for requests in args.requests:
-        held(requests, args.top)
+        held(requests, args.top, args.live)
 
 
 if __name__ == "__main__":

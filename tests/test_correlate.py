@@ -361,6 +361,36 @@ def test_a_live_notice_after_the_close_joins_it(store: Store) -> None:
     assert row.verdict == "inflight_zombie" and row.trace_id == "9" * 32
 
 
+def test_start_notices_leave_before_the_horizon_once_their_span_ended_end_times_stay() -> None:
+    """A server's start notice joins a close on its connection to the span running there; a close
+    waits no longer than the late-span window, so a span that ended before every waiting close
+    needs its start notice no more. Its end time stays for the horizon (a request known only
+    live is judged by it)."""
+    from auditor.correlate.live import LiveState
+
+    def notice(event: str, trace: str, at_s: float, port: int = CLIENT[1], engine: bool = False) -> LiveEvent:
+        return LiveEvent(event, trace * 32, "8" * 16, "POST", "server", T0 + int(at_s * S), CLIENT[0], port,
+                         SERVER_PORT, 123, "engine", engine)
+
+    live = LiveState()
+    tuple4 = (CLIENT[0], CLIENT[1], SERVER_PORT)
+    # Keep-alive: two requests one after the other on one connection, a third still running on another.
+    live.add([notice("start", "a", 0), notice("end", "a", 2), notice("start", "b", 3), notice("end", "b", 50),
+              notice("start", "c", 1, port=CLIENT[1] + 1), notice("end", "e", 40, engine=True)])
+    assert live.in_flight_on(tuple4, T0 + 1 * S).trace_id == "a" * 32
+    live.prune(T0 - 900 * S, ended_before_ns=T0 + 10 * S)
+    assert [e.trace_id for e in live._by_tuple[tuple4]] == ["b" * 32]  # "a" ended before any waiting close
+    assert live.in_flight_on(tuple4, T0 + 40 * S).trace_id == "b" * 32
+    assert live.in_flight_on((CLIENT[0], CLIENT[1] + 1, SERVER_PORT), T0 + 60 * S).trace_id == "c" * 32
+    assert live.span_end("a" * 32, "8" * 16) == T0 + 2 * S and live.engine_end("e" * 32) == T0 + 40 * S
+    live.prune(T0 - 900 * S, ended_before_ns=T0 + 60 * S)
+    assert list(live._by_tuple) == [(CLIENT[0], CLIENT[1] + 1, SERVER_PORT)]  # only the running one's
+    assert live.span_end("b" * 32, "8" * 16) == T0 + 50 * S
+    live.prune(T0 + 45 * S, ended_before_ns=T0 + 60 * S)  # the horizon: end times go, in order
+    assert live.span_end("a" * 32, "8" * 16) is None and live.engine_end("e" * 32) is None
+    assert live.span_end("b" * 32, "8" * 16) == T0 + 50 * S
+
+
 def test_late_span_claims_back_a_written_off_disconnect(store: Store) -> None:
     clock = Clock()
     correlator = make(store, clock)
@@ -800,16 +830,23 @@ def test_disconnects_by_time_stay_bounded_and_right_as_most_are_removed() -> Non
     assert pending.closed_before(T0 + 3500 * S) == []  # each returned once
 
 
-def test_forgotten_trace_ids_are_held_as_numbers_only_where_the_number_gives_the_text_back() -> None:
-    from auditor.correlate.recall import trace_key, trace_text
+def test_ids_kept_for_the_horizon_are_numbers_only_where_the_number_gives_the_text_back() -> None:
+    from auditor.correlate.ids import hex_key, hex_text, span_key
 
     ids = ["0af7651916cd43dd8448eb211c80319c", "0" * 32, "A" * 32, "a" * 32, "1_" + "0" * 30, " " + "f" * 31,
            "+" + "1" * 31, "-" + "1" * 31, "g" * 32, "abc", "", "f" * 33]
-    keys = [trace_key(trace_id) for trace_id in ids]
+    keys = [hex_key(trace_id) for trace_id in ids]
     # "-1111...": a negative number, whose text is that id again: exact all the same.
     assert [isinstance(key, int) for key in keys] == [True, True, False, True, False, False, False, True] + [False] * 4
-    assert [trace_text(key) for key in keys] == ids
+    assert [hex_text(key) for key in keys] == ids
     assert len(set(keys)) == len(ids)  # no two texts share a key
+    # A span: one number for a trace id of 32 digits and a span id of 16, else the pair.
+    spans = [("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"), ("a" * 31, "a" * 17), ("a" * 32, "A" * 16),
+             ("a" * 32, "a" * 16), ("a" * 32, "a" * 15)]
+    span_keys = [span_key(*pair) for pair in spans]
+    assert [isinstance(key, int) for key in span_keys] == [True, False, False, True, False]
+    assert span_keys[0] == int("0af7651916cd43dd8448eb211c80319cb7ad6b7169203331", 16)
+    assert len(set(span_keys)) == len(spans)
 
 
 def test_forgotten_traces_are_pruned_oldest_first_up_to_the_first_kept(store: Store) -> None:

@@ -600,7 +600,10 @@ class Correlator:
         self.loads.prune(cutoff, closes_cutoff_ns=memory_cutoff)
         for table in (self._events_by_tuple, self._closed_by_tuple, self._local_fin_by_tuple):
             drop_front(table, lambda stamps: max(stamps) < memory_cutoff)  # in the order of their last event
-        self.live.prune(cutoff)
+        # Start notices are what joins a waiting close to a span known only live: kept while a close
+        # as old as the span's end may still wait (the memory window, or the oldest waiting close).
+        oldest = self._pending.oldest_ns()
+        self.live.prune(cutoff, ended_before_ns=memory_cutoff if oldest is None else min(memory_cutoff, oldest))
         # Written-off disconnects a late span may claim back: idle closes (most of them, one per
         # request whose client closed after its answer) for the memory window; the rare unjoined
         # ones for the horizon, which also covers a wall clock stepped forward and back.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from auditor.correlate.ids import HexKey, SpanKey, hex_key, span_key
+from auditor.correlate.prune import drop_front
 from auditor.correlate.traces import Tuple4, norm_addr
 from auditor.model import LiveEvent
 
@@ -13,8 +15,9 @@ class LiveState:
 
     def __init__(self) -> None:
         self._running: dict[tuple[str, str], LiveEvent] = {}
-        self._engine_end: dict[str, int] = {}  # trace -> when its engine work last ended
-        self._span_end: dict[tuple[str, str], int] = {}
+        # Kept for the horizon, one entry a request: by number, not by text (auditor.correlate.ids).
+        self._engine_end: dict[HexKey, int] = {}  # trace -> when its engine work last ended
+        self._span_end: dict[SpanKey, int] = {}  # server span -> when it ended
         self._by_tuple: dict[Tuple4, list[LiveEvent]] = defaultdict(list)
 
     def add(self, events: list[LiveEvent], connections: set[Tuple4] | None = None) -> set[str]:
@@ -32,9 +35,13 @@ class LiveState:
                 continue
             started = self._running.pop(key, None)
             if event.engine or (started is not None and started.engine):
-                self._engine_end[event.trace_id] = event.ts_ns
+                trace = hex_key(event.trace_id)
+                self._engine_end.pop(trace, None)  # to the end: both are pruned from the front
+                self._engine_end[trace] = event.ts_ns
             else:
-                self._span_end[key] = event.ts_ns
+                span = span_key(*key)
+                self._span_end.pop(span, None)
+                self._span_end[span] = event.ts_ns
                 if connections is not None and started is not None and started.peer_addr and started.peer_port \
                         and started.server_port:
                     connections.add((norm_addr(started.peer_addr), started.peer_port, started.server_port))
@@ -49,7 +56,7 @@ class LiveState:
         """The server span running on this connection at ``ts_ns``, as far as notices tell."""
         for live in self._by_tuple.get(tuple4, ()):
             key = (live.trace_id, live.span_id)
-            if key in self._running or self._span_end.get(key, 0) >= ts_ns:
+            if key in self._running or self._span_end.get(span_key(*key), 0) >= ts_ns:
                 return live
         return None
 
@@ -59,10 +66,10 @@ class LiveState:
                    for (trace, span_id), live in self._running.items())
 
     def span_end(self, trace_id: str, span_id: str) -> int | None:
-        return self._span_end.get((trace_id, span_id))
+        return self._span_end.get(span_key(trace_id, span_id))
 
     def engine_end(self, trace_id: str) -> int | None:
-        return self._engine_end.get(trace_id)
+        return self._engine_end.get(hex_key(trace_id))
 
     def running_on(self, port: int, ts_ns: int, until_ns: int | None = None) -> set[tuple[str, str]]:
         """Server spans running on ``port`` and started by ``until_ns`` (default ``ts_ns``), as far
@@ -79,10 +86,22 @@ class LiveState:
             return engine
         return {e.trace_id: e.ts_ns for e in self._running.values() if e.service == service}
 
-    def prune(self, cutoff_ns: int) -> None:
-        for tuple4 in [k for k, lives in self._by_tuple.items() if max(e.ts_ns for e in lives) < cutoff_ns]:
-            del self._by_tuple[tuple4]
-        for key in [k for k, ts in self._span_end.items() if ts < cutoff_ns]:
-            del self._span_end[key]
-        for trace_id in [t for t, ts in self._engine_end.items() if ts < cutoff_ns]:
-            del self._engine_end[trace_id]
+    def prune(self, cutoff_ns: int, ended_before_ns: int | None = None) -> None:
+        """Forget what notices told before ``cutoff_ns`` (the horizon). A server span's start notice,
+        held to join a client's close to the span running on its connection, goes sooner: once the
+        span ended before ``ended_before_ns``, when no close still waiting to be joined is that old
+        (the caller's guarantee). End times stay for the horizon: a request known only from its
+        notices is judged by them, again if its trace is recalled."""
+        for tuple4, lives in list(self._by_tuple.items()):
+            if max(e.ts_ns for e in lives) < cutoff_ns:
+                del self._by_tuple[tuple4]
+            elif ended_before_ns is not None:
+                kept = [e for e in lives if (e.trace_id, e.span_id) in self._running
+                        or self._span_end.get(span_key(e.trace_id, e.span_id), -1) >= ended_before_ns]
+                if not kept:
+                    del self._by_tuple[tuple4]
+                elif len(kept) < len(lives):
+                    self._by_tuple[tuple4] = kept
+        # Both in the order the notices ended, give or take a clock: from the front.
+        drop_front(self._span_end, lambda ended: ended < cutoff_ns)
+        drop_front(self._engine_end, lambda ended: ended < cutoff_ns)

@@ -9,8 +9,8 @@ the trace's stored spans and verdicts back from the store, and the request is ju
 it had never left memory. The store keeps everything of the horizon anyway: this is a cache policy.
 
 What stays is the one thing that grows with the horizon at a steady request rate (a forgotten trace
-for each request a client closed), so it is kept small: a trace id as the number its 32 hex digits
-spell (44 bytes where the text takes 81), the engine's request id as its hash (a collision only
+for each request a client closed), so it is kept small: a trace id as the number its hex digits
+spell (``auditor.correlate.ids``), the engine's request id as its hash (a collision only
 recalls a trace that is then judged again as it was), and the time a trace is kept by, rounded up
 to the second, one object for all the traces of that second.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
+from auditor.correlate.ids import HexKey, hex_key, hex_text
 from auditor.correlate.prune import drop_front
 from auditor.correlate.requests import Disconnect, OpenRequest
 from auditor.correlate.traces import norm_addr
@@ -28,27 +29,6 @@ from auditor.store import Store, span_from_row, tables
 _spans, _verdicts = tables.spans, tables.verdicts
 _S = 1_000_000_000
 
-TraceKey = int | str
-
-
-def trace_key(trace_id: str) -> TraceKey:
-    """A trace id as the index holds it: the number its 32 lowercase hex digits spell, or the text
-    itself for anything else (``int`` also reads upper case, signs, spaces and underscores, which
-    would make two texts one key)."""
-    if len(trace_id) == 32:
-        try:
-            number = int(trace_id, 16)
-        except ValueError:
-            return trace_id
-        if f"{number:032x}" == trace_id:
-            return number
-    return trace_id
-
-
-def trace_text(key: TraceKey) -> str:
-    """The trace id a key was made from."""
-    return f"{key:032x}" if isinstance(key, int) else key
-
 
 class Forgotten:
     def __init__(self, store: Store, host: str) -> None:
@@ -57,8 +37,8 @@ class Forgotten:
         # Both in the order traces were forgotten, oldest first give or take a pruning pass, so that
         # pruning stops at the first trace it keeps: rebuilding them every pass, tens of thousands
         # of entries at 100 req/s, made the correlator's rounds cost more the longer it ran.
-        self._traces: dict[TraceKey, int] = {}  # trace key -> its requests' first disconnect, to the second
-        self._request_ids: dict[int, TraceKey] = {}  # hash of the engine's request id -> trace key
+        self._traces: dict[HexKey, int] = {}  # trace key -> its requests' first disconnect, to the second
+        self._request_ids: dict[int, HexKey] = {}  # hash of the engine's request id -> trace key
         self._second = 0  # the latest of those seconds: traces forgotten in the same second share it
         self.recalled = 0
 
@@ -66,10 +46,10 @@ class Forgotten:
         return len(self._traces)
 
     def __contains__(self, trace_id: str) -> bool:
-        return trace_key(trace_id) in self._traces
+        return hex_key(trace_id) in self._traces
 
     def add(self, trace_id: str, requests: list[OpenRequest]) -> None:
-        key = trace_key(trace_id)
+        key = hex_key(trace_id)
         first = min(r.origin().ts_ns for r in requests)
         second = -(-first // _S) * _S  # up: a trace is kept a little longer, never less
         if second == self._second:
@@ -85,7 +65,7 @@ class Forgotten:
 
     def trace_of(self, request_id: str) -> str | None:
         key = self._request_ids.get(hash(request_id))
-        return None if key is None or key not in self._traces else trace_text(key)
+        return None if key is None or key not in self._traces else hex_text(key)
 
     def prune(self, cutoff_ns: int) -> None:
         """Forget traces whose requests left before ``cutoff_ns``, from the oldest on, up to the first
@@ -95,7 +75,7 @@ class Forgotten:
 
     def recall(self, trace_id: str) -> tuple[list[SpanRecord], list[OpenRequest]]:
         """The trace's stored spans and its settled requests as they were written; forgotten no more."""
-        self._traces.pop(trace_key(trace_id), None)
+        self._traces.pop(hex_key(trace_id), None)
         self.recalled += 1
         prefix = f"{self.host}/{trace_id}/"
         with self.store.connect() as conn:

@@ -62,6 +62,10 @@ class Disconnects:
         """The lowest event id held: the first added, as events are added in the order of their ids."""
         return next(iter(self.by_id), None)
 
+    def oldest_ns(self) -> int | None:
+        """No disconnect held closed before this (an entry of a removed one may make it earlier)."""
+        return self._by_time[0][0] if self._by_time else None
+
     def closed_before(self, cutoff_ns: int) -> list[Disconnect]:
         """Those that closed before ``cutoff_ns``, each returned once: the caller removes them.
 
