@@ -12,9 +12,12 @@ engine over loopback, as root (eBPF):
 
 With ``--compare REV`` only the load runs, alternately for the code of git revision REV and the
 working tree (fresh daemons each run, same engines), and the medians are printed side by side.
+With ``--live-load`` the load's engine also sends live notices (auditor.live), as a server
+instrumented with them does.
 
 Usage: .venv/bin/python bench/detection.py [--alarms 15] [--load-seconds 20] [--rate 100]
                                            [--compare REV --rounds 3] [--profile stacks.txt]
+                                           [--live-load]
 """
 
 from __future__ import annotations
@@ -293,6 +296,7 @@ def main() -> int:
     parser.add_argument("--compare", metavar="REV", help="also load a daemon of git revision REV's code, "
                         "alternating with the working tree's (latency is not measured then)")
     parser.add_argument("--rounds", type=int, default=3, help="load runs of each tree with --compare")
+    parser.add_argument("--live-load", action="store_true", help="the load's engine sends live notices too")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (eBPF probe)")
@@ -307,7 +311,8 @@ def main() -> int:
     otlp, metrics_port, live = free_port(), free_port(), free_port(socket.SOCK_DGRAM)
     with running_engine(behavior="detached", otlp=f"http://127.0.0.1:{otlp}", step_ms=10, max_batch=16,
                         extra_args=["--live", f"127.0.0.1:{live}"]) as zombie_engine, \
-            running_engine(behavior="abort", otlp=f"http://127.0.0.1:{otlp}", step_ms=2, max_batch=64) as busy_engine:
+            running_engine(behavior="abort", otlp=f"http://127.0.0.1:{otlp}", step_ms=2, max_batch=64,
+                           extra_args=["--live", f"127.0.0.1:{live}"] if args.live_load else ()) as busy_engine:
         ports = [zombie_engine.port, busy_engine.port]
         if not args.compare:
             db = work / "auditor.db"
