@@ -8,6 +8,7 @@ build and compare them without a database. All times are wall-clock nanoseconds 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -125,6 +126,21 @@ class SpanRecord:
     process_pid: int | None = None
     peer_rewritten: bool = False  # the peer came from X-Forwarded-For (port 0): never joined
     attributes: dict[str, Any] = field(default_factory=dict)
+
+
+def is_inner_server_span(span: SpanRecord, lookup: Callable[[str, str], SpanRecord | None]) -> bool:
+    """A server span inside another server span of its trace, directly or behind one client span
+    (a second instrumentation, a traced gateway hop): no request of its own. ``lookup(trace_id,
+    span_id)`` finds its relatives. The report asks the same in SQL
+    (``auditor.report.requests.inner_server_span``); tests hold the two equal."""
+    parent = lookup(span.trace_id, span.parent_span_id) if span.parent_span_id else None
+    if parent is None:
+        return False
+    if parent.role == SpanRole.HTTP_SERVER:
+        return True
+    grand = (lookup(span.trace_id, parent.parent_span_id)
+             if parent.role == SpanRole.HTTP_CLIENT and parent.parent_span_id else None)
+    return grand is not None and grand.role == SpanRole.HTTP_SERVER
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,16 +14,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy import func, select
-
 from auditor.metrics import DaemonMetrics
-from auditor.model import SpanRecord, SpanRole
-from auditor.report.requests import is_inner_server_span
-from auditor.store import Store, tables
+from auditor.model import SpanRecord, SpanRole, is_inner_server_span
+from auditor.store.db import Store
 
 UTILIZATION_REFRESH_S = 10.0
 SPAN_SETTLE_NS = 5_000_000_000  # completions are counted once the spans around them have arrived
 PID_FOLLOW_NS = 60 * 1_000_000_000  # how long the CPU sampler follows a pid no span names any more
+# Each source's mean over the minute: whole GPUs (no pid) and the engine processes' CPU (procfs).
+_MEAN_UTILIZATION = ("SELECT source, avg(util_percent) FROM util_samples "
+                     "WHERE ts_ns > :since AND host = :host AND (pid IS NULL OR source = 'procfs') "
+                     "GROUP BY source")
 
 
 def completed_requests(rows: Sequence[Any], engine_spans_seen: bool) -> tuple[int, bool]:
@@ -81,10 +82,6 @@ class Upkeep:
             self._follow(set(self._following))
 
     def _refresh_utilization(self, now_ns: int) -> None:
-        samples = tables.util_samples.c
         with self.store.connect() as conn:
-            util = conn.execute(select(samples.source, func.avg(samples.util_percent)).where(
-                samples.ts_ns > now_ns - PID_FOLLOW_NS, samples.host == self.host,
-                (samples.pid.is_(None)) | (samples.source == "procfs"))
-                .group_by(samples.source)).all()
+            util = conn.all(_MEAN_UTILIZATION, {"since": now_ns - PID_FOLLOW_NS, "host": self.host})
         self.metrics.set_utilization({source: (mean or 0.0) / 100.0 for source, mean in util})

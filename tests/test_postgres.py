@@ -44,3 +44,17 @@ def _as_zombie(verdict: RequestVerdict) -> dict[str, object]:
     values = asdict(verdict)
     values.update(verdict=Verdict.ZOMBIE, work_end_ns=3_000_000_010, lag_seconds=3.0)
     return values
+
+
+def test_the_daemons_statements_on_postgres(pg_url: str) -> None:
+    """The daemon's SQL text (recall, retention, its reads) on PostgreSQL, through the engine."""
+    from tests.test_store import check_daemon_reads
+
+    store = Store(pg_url)
+    try:
+        with store.sql.begin() as conn:
+            for table in ("spans", "verdicts"):
+                conn.run(f"DELETE FROM {table}")
+        check_daemon_reads(store)
+    finally:
+        store.close()

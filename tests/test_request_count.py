@@ -69,7 +69,8 @@ def test_a_service_filter_counts_that_services_edge_requests(store: Store) -> No
 def test_the_in_memory_twin_of_inner_server_span_agrees_with_the_sql(store: Store) -> None:
     from sqlalchemy import select
 
-    from auditor.report.requests import inner_server_span, is_inner_server_span, spans
+    from auditor.model import is_inner_server_span
+    from auditor.report.requests import inner_server_span, spans
 
     shapes = [server("a", "1"), server("a", "2", parent="1"),  # nested
               server("b", "1", port=9000), client("b", "2", "1"), server("b", "3", parent="2"),  # traced hop

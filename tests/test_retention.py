@@ -45,7 +45,7 @@ def fill(store: Store, host: str, ages_h: list[float], *, tag: str = "", now_ns:
 
 
 def counts(store: Store, host: str) -> dict[str, int]:
-    with store.connect() as conn:
+    with store.engine.connect() as conn:
         return {table.name: conn.scalar(select(func.count()).select_from(table).where(table.c.host == host)) or 0
                 for table in (tables.spans, tables.conn_events, tables.util_samples, tables.verdicts, tables.coverage)}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import inspect
@@ -127,3 +128,115 @@ def test_a_failed_child_migration_says_why(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr("auditor.store.db.sys.executable", "/bin/false")  # exits 1, says nothing
     with pytest.raises(StoreError, match=r"could not migrate .*auditor\.db: exit status 1"):
         Store(f"sqlite:///{path}", migrate_in_child=True)
+
+
+def test_records_are_their_tables_columns() -> None:
+    """The driver's inserts and reads name the records' fields as columns: a table and its record
+    that drift apart fail here, not in a daemon's write."""
+    from auditor.model import RequestVerdict, UtilSample
+    from auditor.store import tables
+    from auditor.store.rows import shape_of
+
+    for table, record, extra in ((tables.spans, SpanRecord, ()), (tables.conn_events, ConnEvent, ()),
+                                 (tables.util_samples, UtilSample, ()),
+                                 (tables.verdicts, RequestVerdict, ("updated_ns",))):
+        assert {c.name for c in table.columns} - {"id"} == set(shape_of(record).names) | set(extra), table.name
+
+
+def _judged_span_and_verdict() -> tuple[SpanRecord, Any]:
+    from auditor.model import RequestVerdict, Verdict
+
+    span = SpanRecord(trace_id="c" * 32, span_id="d" * 16, parent_span_id=None, name="POST /v1/completions",
+                      kind="server", start_ns=1, end_ns=2, role=SpanRole.HTTP_SERVER, host="h",
+                      peer_addr="10.0.0.1", peer_port=0, peer_rewritten=True,
+                      attributes={"auditor.final_send": True, "k": [1, "é"]})
+    verdict = RequestVerdict(request_key=f"h/{'c' * 32}/{'d' * 16}", host="h", verdict=Verdict.ZOMBIE,
+                             disconnect_at_ns=10, disconnect_kind="rst", request_start_ns=1, work_end_ns=40,
+                             lag_seconds=3.0, trace_id="c" * 32, tokens_after_disconnect=7, tokens_exact=True,
+                             details={"joined_by": "tuple", "scrapes": [1, 2]})
+    return span, verdict
+
+
+def check_daemon_reads(store: Store) -> None:
+    """What the daemon writes, it reads back as it was: a forgotten trace's span and verdict (JSON
+    and boolean columns included), the correlator's position, a retention pass."""
+    from auditor.correlate.recall import Forgotten
+    from auditor.store.retention import prune_table
+
+    span, verdict = _judged_span_and_verdict()
+    store.insert_spans([span])
+    store.upsert_verdicts([verdict])
+    store.upsert_verdicts([verdict])  # the second replaces the first
+    spans, requests = Forgotten(store, "h").recall("c" * 32)
+    assert spans == [span] and spans[0].peer_rewritten is True
+    assert [r.written for r in requests] == [verdict] and requests[0].written.tokens_exact is True
+    assert prune_table(store, "spans", "end_ns", host="h", older_than_ns=3, batch_rows=10) == 1
+    with store.connect() as conn:
+        assert conn.scalar("SELECT count(*) FROM spans") == 0
+        assert conn.scalar("SELECT count(*) FROM verdicts") == 1
+
+
+def test_a_sqlite_file_is_read_and_written_without_sqlalchemy(store: Store) -> None:
+    from auditor.store.sql import SqliteSql
+
+    assert isinstance(store.sql, SqliteSql)
+    check_daemon_reads(store)
+    with store.connect() as conn:  # the driver's connections carry the store's settings
+        assert conn.scalar("PRAGMA journal_mode") == "wal"
+        assert conn.scalar("PRAGMA wal_autocheckpoint") == 10000
+
+
+def test_sqlite_in_memory_goes_through_one_engine() -> None:
+    from auditor.store.sql import EngineSql
+
+    store = Store("sqlite://")
+    try:
+        assert isinstance(store.sql, EngineSql)
+        check_daemon_reads(store)
+    finally:
+        store.close()
+
+
+def test_a_failed_transaction_leaves_nothing_and_its_connection_serves_again(store: Store) -> None:
+    from auditor.store.sql import SqlError
+
+    with pytest.raises(SqlError, match="no such table"), store.sql.begin() as conn:
+        conn.run("INSERT INTO coverage (ts_ns, host, kind, count) VALUES (1, 'h', 'x', 1)")
+        conn.run("INSERT INTO no_such_table VALUES (1)")
+    with pytest.raises(RuntimeError), store.sql.begin() as conn:
+        conn.run("INSERT INTO coverage (ts_ns, host, kind, count) VALUES (2, 'h', 'x', 1)")
+        raise RuntimeError("the caller failed")
+    with store.connect() as conn:
+        assert conn.scalar("SELECT count(*) FROM coverage") == 0
+
+
+def test_connections_are_shared_by_threads_one_at_a_time(store: Store) -> None:
+    """The span writer, event writer, sampler and correlator each take a connection when they
+    need one: concurrent writers each commit, and no more connections stay open than were busy."""
+    import threading
+
+    def write(n: int) -> None:
+        for i in range(50):
+            store.add_coverage_rows([{"ts_ns": n * 1000 + i, "host": "h", "kind": "x", "count": 1, "detail": None}])
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with store.connect() as conn:
+        assert conn.scalar("SELECT count(*) FROM coverage") == 200
+    assert 1 <= len(store.sql._idle) <= 4  # type: ignore[attr-defined]
+
+
+def test_a_locked_database_is_a_store_error_naming_it(store: Store) -> None:
+    blocker = sqlite3.connect(store.url.removeprefix("sqlite:///"), timeout=0)
+    blocker.execute("BEGIN EXCLUSIVE")
+    store.sql.timeout_s = 0.1  # type: ignore[attr-defined]
+    store.sql.close()
+    try:
+        with pytest.raises(StoreError, match=r"write to sqlite:///.*auditor\.db failed: database is locked"):
+            store.add_coverage_rows([{"ts_ns": 1, "host": "h", "kind": "x", "count": 1, "detail": None}])
+    finally:
+        blocker.rollback()
+        blocker.close()

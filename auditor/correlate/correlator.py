@@ -31,8 +31,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, select, update
-
 from auditor.correlate.evaluate import clock_dependent, evaluate
 from auditor.correlate.evidence import FINAL_SEND_ATTR, EngineLoads
 from auditor.correlate.feed import SpanFeed
@@ -59,7 +57,7 @@ from auditor.model import (
     SpanRole,
     Verdict,
 )
-from auditor.store import Store, span_from_row, tables
+from auditor.store.db import SPAN_COLUMNS, Store, span_from_values
 
 log = logging.getLogger(__name__)
 
@@ -70,19 +68,22 @@ MIN_MEMORY_NS = 60 * 1_000_000_000
 MEMORY_MARGIN_NS = 30 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
-_events, _spans, _coverage, _state = tables.conn_events, tables.spans, tables.coverage, tables.correlator_state
-_NEW_EVENTS = (select(_events.c.id, _events.c.ts_ns, _events.c.kind, _events.c.client_addr, _events.c.client_port,
-                      _events.c.server_port, _events.c.earliest_ns)
-               .where(_events.c.id > bindparam("cursor"), _events.c.host == bindparam("host"))
-               .order_by(_events.c.id).limit(READ_ROWS))
-_NEW_SPANS = (select(_spans).where(_spans.c.id > bindparam("cursor"), _spans.c.host == bindparam("host"))
-              .order_by(_spans.c.id).limit(READ_ROWS))
+_NEW_EVENTS = ("SELECT id, ts_ns, kind, client_addr, client_port, server_port, earliest_ns FROM conn_events "
+               f"WHERE id > :cursor AND host = :host ORDER BY id LIMIT {READ_ROWS}")
+_NEW_SPANS = (f"SELECT id, {', '.join(SPAN_COLUMNS)} FROM spans "
+              f"WHERE id > :cursor AND host = :host ORDER BY id LIMIT {READ_ROWS}")
 # At a restart: the events already read before it, for what they tell about their connections.
-_KNOWN_EVENTS = (select(_events.c.ts_ns, _events.c.kind, _events.c.client_addr, _events.c.client_port,
-                        _events.c.server_port)
-                 .where(_events.c.id <= bindparam("cursor"), _events.c.host == bindparam("host"),
-                        _events.c.ts_ns > bindparam("since"))
-                 .order_by(_events.c.id))
+_KNOWN_EVENTS = ("SELECT ts_ns, kind, client_addr, client_port, server_port FROM conn_events "
+                 "WHERE id <= :cursor AND host = :host AND ts_ns > :since ORDER BY id")
+_FIRST_SPAN_SINCE = "SELECT id FROM spans WHERE host = :host AND end_ns > :since ORDER BY id LIMIT 1"
+_LAST_SPAN = "SELECT coalesce(max(id), 0) FROM spans"
+_SAVED_POSITION = "SELECT settled_event_id FROM correlator_state WHERE host = :host"
+_COUNTED = ("SELECT detail, ts_ns FROM coverage "
+            "WHERE host = :host AND ts_ns > :since AND detail IS NOT NULL")
+_SAVE_POSITION = ("UPDATE correlator_state SET settled_event_id = :settled_event_id, updated_ns = :updated_ns "
+                  "WHERE host = :host")
+_FIRST_POSITION = ("INSERT INTO correlator_state (host, settled_event_id, updated_ns) "
+                   "VALUES (:host, :settled_event_id, :updated_ns)")
 _CLOSED, _LOCAL_FIN = ConnEventKind.CLOSED.value, ConnEventKind.LOCAL_FIN.value
 _DEPARTURES = {ConnEventKind.PEER_FIN.value: "fin", ConnEventKind.PEER_RST.value: "rst"}
 # The only span attributes a verdict reads: a span is held without the rest (most of its memory).
@@ -156,13 +157,11 @@ class Correlator:
     def _resume(self) -> None:
         now = self.clock()
         with self.store.connect() as conn:
-            saved = conn.scalar(select(_state.c.settled_event_id).where(_state.c.host == self.host))
+            saved = conn.scalar(_SAVED_POSITION, {"host": self.host})
             self._event_cursor = saved if saved is not None else 0
             self._saved_position = saved
-            self._counted = {detail: ts for detail, ts in conn.execute(
-                select(_coverage.c.detail, _coverage.c.ts_ns).where(_coverage.c.host == self.host,
-                                                                    _coverage.c.ts_ns > now - HORIZON_NS,
-                                                                    _coverage.c.detail.is_not(None))) if detail}
+            self._counted = {detail: ts for detail, ts in conn.all(
+                _COUNTED, {"host": self.host, "since": now - HORIZON_NS}) if detail}
         self._span_cursor = self._horizon_cursor(now)
         if self._event_cursor:
             self._read_known_events(now)
@@ -171,9 +170,9 @@ class Correlator:
         """The connections' events of the memory window that the last run read already (at or
         before the saved position): they are no new disconnects, but the spans read back for the
         horizon are checked against them (a span whose connection no event saw is counted)."""
-        with self.store.engine.connect() as conn:
-            rows = conn.execute(_KNOWN_EVENTS, {"cursor": self._event_cursor, "host": self.host,
-                                                "since": now - self.memory_ns}).all()
+        with self.store.connect() as conn:
+            rows = conn.all(_KNOWN_EVENTS, {"cursor": self._event_cursor, "host": self.host,
+                                            "since": now - self.memory_ns})
         for ts_ns, event_kind, client_addr, client_port, server_port in rows:
             self._note_event((norm_addr(client_addr), client_port, server_port), ts_ns, event_kind)
 
@@ -189,10 +188,8 @@ class Correlator:
     def _horizon_cursor(self, now: int) -> int:
         """The span id just below this host's spans of the horizon: where reading them starts."""
         with self.store.connect() as conn:
-            first_span = conn.scalar(select(_spans.c.id).where(_spans.c.host == self.host,
-                                                               _spans.c.end_ns > now - HORIZON_NS)
-                                     .order_by(_spans.c.id).limit(1))
-            last_span = conn.scalar(select(func.coalesce(func.max(_spans.c.id), 0))) or 0
+            first_span = conn.scalar(_FIRST_SPAN_SINCE, {"host": self.host, "since": now - HORIZON_NS})
+            last_span = conn.scalar(_LAST_SPAN) or 0
         return (first_span - 1) if first_span else int(last_span)
 
     # -- input ------------------------------------------------------------------------------
@@ -236,10 +233,10 @@ class Correlator:
             self._reading_store = True
         with self.store.connect() as conn:
             # Only this host's: with several daemons on one database each judges its own requests.
-            rows = conn.execute(_NEW_SPANS, {"cursor": self._span_cursor, "host": self.host}).all()
+            rows = conn.all(_NEW_SPANS, {"cursor": self._span_cursor, "host": self.host})
         for row in rows:
-            self._span_cursor = row.id
-            self._add_span(span_from_row(row), arrived_ns)
+            self._span_cursor = row[0]
+            self._add_span(span_from_values(row[1:]), arrived_ns)
         if len(rows) < READ_ROWS:
             self._reading_store = False  # caught up: from now on the feed, where there is one
             self._backlog = False
@@ -274,10 +271,9 @@ class Correlator:
         self._touched.add(span.trace_id)
 
     def _read_events(self) -> None:
-        # A plain connection and a statement built once (as for spans): this read runs every round,
-        # idle or not, and an ORM session and a fresh statement cost twice what the read itself does.
-        with self.store.engine.connect() as conn:
-            rows = conn.execute(_NEW_EVENTS, {"cursor": self._event_cursor, "host": self.host}).all()
+        # This read runs every round, idle or not: plain SQL, a pooled connection.
+        with self.store.connect() as conn:
+            rows = conn.all(_NEW_EVENTS, {"cursor": self._event_cursor, "host": self.host})
         previous: Tuple4 | None = None
         for event_id, ts_ns, event_kind, client_addr, client_port, server_port, earliest_ns in rows:
             self._event_cursor = event_id
@@ -569,10 +565,10 @@ class Correlator:
                         settled = disconnect.event_id - 1
         if settled == self._saved_position:
             return
-        values = {"settled_event_id": settled, "updated_ns": time.time_ns()}
-        with self.store.engine.begin() as conn:  # one row per host: updated, or inserted the first time
-            if not conn.execute(update(_state).where(_state.c.host == self.host).values(**values)).rowcount:
-                conn.execute(insert(_state).values(host=self.host, **values))
+        values = {"host": self.host, "settled_event_id": settled, "updated_ns": time.time_ns()}
+        with self.store.sql.begin() as conn:  # one row per host: updated, or inserted the first time
+            if not conn.run(_SAVE_POSITION, values):
+                conn.run(_FIRST_POSITION, values)
         self._saved_position = settled
 
     def _prune(self, now: int) -> None:

@@ -17,16 +17,21 @@ to the second, one object for all the traces of that second.
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from typing import Any
 
 from auditor.correlate.ids import HexKey, hex_key, hex_text
 from auditor.correlate.prune import drop_front
 from auditor.correlate.requests import Disconnect, OpenRequest
 from auditor.correlate.traces import norm_addr
 from auditor.model import Phase, RequestVerdict, SpanRecord, Verdict
-from auditor.store import Store, span_from_row, tables
+from auditor.store.db import SPAN_COLUMNS, Store, span_from_values
+from auditor.store.sql import json_value
 
-_spans, _verdicts = tables.spans, tables.verdicts
+_VERDICT_COLUMNS = tuple(RequestVerdict.__dataclass_fields__)
+_TRACE_SPANS = f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE trace_id = :trace_id AND host = :host"
+# A trace's requests: their keys are "host/trace/root", so the trace's keys lie between two texts.
+_TRACE_VERDICTS = (f"SELECT {', '.join(_VERDICT_COLUMNS)} FROM verdicts "
+                   "WHERE request_key >= :first AND request_key < :after")
 _S = 1_000_000_000
 
 
@@ -79,19 +84,19 @@ class Forgotten:
         self.recalled += 1
         prefix = f"{self.host}/{trace_id}/"
         with self.store.connect() as conn:
-            spans = [span_from_row(row) for row in conn.execute(select(_spans).where(
-                _spans.c.trace_id == trace_id, _spans.c.host == self.host))]
-            rows = conn.execute(select(_verdicts).where(
-                _verdicts.c.request_key >= prefix, _verdicts.c.request_key < prefix[:-1] + "0")).all()
+            spans = [span_from_values(row) for row in conn.all(
+                _TRACE_SPANS, {"trace_id": trace_id, "host": self.host})]
+            rows = conn.all(_TRACE_VERDICTS, {"first": prefix, "after": prefix[:-1] + "0"})
         return spans, [_request_from_row(row) for row in rows]
 
 
-def _request_from_row(row: object) -> OpenRequest:
+def _request_from_row(row: tuple[object, ...]) -> OpenRequest:
     """A settled request as its verdict row tells: its key, the client's disconnect, the verdict."""
-    columns = {name: getattr(row, name) for name in RequestVerdict.__dataclass_fields__}
+    columns: dict[str, Any] = dict(zip(_VERDICT_COLUMNS, row, strict=True))
     verdict = RequestVerdict(**(columns | {"verdict": Verdict(columns["verdict"]),
                                            "phase": Phase(columns["phase"] or Phase.UNKNOWN.value),
-                                           "details": columns["details"] or {}}))
+                                           "tokens_exact": bool(columns["tokens_exact"]),
+                                           "details": json_value(columns["details"]) or {}}))
     _host, trace_id, root_id = verdict.request_key.rsplit("/", 2)
     tuple4 = (norm_addr(verdict.client_addr or ""), verdict.client_port or 0, verdict.server_port or 0)
     request = OpenRequest((trace_id, root_id), written=verdict, reported=verdict.verdict)

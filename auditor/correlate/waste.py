@@ -20,10 +20,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sqlalchemy import bindparam, func, select
-
 from auditor.model import SpanRecord, SpanRole
-from auditor.store import Store, tables
+from auditor.store.db import Store
 
 DEFAULT_INTERVAL_S = 0.1
 BUCKET_NS = 1_000_000_000
@@ -71,15 +69,11 @@ class _Series:
             del self.ts[:keep], self.start[:keep], self.util[:keep]
 
 
-_samples = tables.util_samples.c
-_SAMPLE_COLUMNS = (_samples.id, _samples.ts_ns, _samples.source, _samples.pid, _samples.util_percent,
-                   _samples.interval_s)
-_NEWEST_SAMPLE = select(func.coalesce(func.max(_samples.id), 0))
-_HORIZON_SAMPLES = select(*_SAMPLE_COLUMNS).where(_samples.id <= bindparam("cursor"),
-                                                  _samples.host == bindparam("host"),
-                                                  _samples.ts_ns > bindparam("since"))
-_NEW_SAMPLES = select(*_SAMPLE_COLUMNS).where(_samples.id > bindparam("cursor"),
-                                              _samples.host == bindparam("host"))
+_SAMPLE_COLUMNS = "id, ts_ns, source, pid, util_percent, interval_s"
+_NEWEST_SAMPLE = "SELECT coalesce(max(id), 0) FROM util_samples"
+_HORIZON_SAMPLES = (f"SELECT {_SAMPLE_COLUMNS} FROM util_samples "
+                    "WHERE id <= :cursor AND host = :host AND ts_ns > :since")
+_NEW_SAMPLES = f"SELECT {_SAMPLE_COLUMNS} FROM util_samples WHERE id > :cursor AND host = :host"
 
 
 class SampleCache:
@@ -99,14 +93,13 @@ class SampleCache:
             return
         self._read_at = now_ns
         self.queries += 1
-        # A plain connection and statements built once: under load this runs every round.
-        with self.store.engine.connect() as conn:
+        with self.store.connect() as conn:  # under load this runs every round
             if self._cursor is None:  # the horizon, up to the newest row now (later ones come next round)
-                self._cursor = int(conn.execute(_NEWEST_SAMPLE).scalar() or 0)
-                rows = conn.execute(_HORIZON_SAMPLES, {"cursor": self._cursor, "host": self.host,
-                                                       "since": now_ns - HORIZON_NS}).all()
+                self._cursor = int(conn.scalar(_NEWEST_SAMPLE) or 0)
+                rows = conn.all(_HORIZON_SAMPLES, {"cursor": self._cursor, "host": self.host,
+                                                   "since": now_ns - HORIZON_NS})
             else:
-                rows = conn.execute(_NEW_SAMPLES, {"cursor": self._cursor, "host": self.host}).all()
+                rows = conn.all(_NEW_SAMPLES, {"cursor": self._cursor, "host": self.host})
         for row_id, ts_ns, source, pid, util_percent, interval_s in rows:
             self._cursor = max(self._cursor, row_id)
             if util_percent is None:

@@ -13,7 +13,6 @@ server span below it, and each one takes one request off the count.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import and_, exists, func, not_, or_, select
@@ -21,7 +20,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.util import ClauseAdapter
 
-from auditor.model import SpanRecord, SpanRole
+from auditor.model import SpanRole
 from auditor.store import tables
 
 spans = tables.spans
@@ -39,18 +38,6 @@ def inner_server_span(span: Any) -> ColumnElement[bool]:
                                 parent.c.role == CLIENT, grand.c.trace_id == parent.c.trace_id,
                                 grand.c.span_id == parent.c.parent_span_id, grand.c.role == SERVER)
     return or_(nested, behind_hop)
-
-
-def is_inner_server_span(span: SpanRecord, lookup: Callable[[str, str], SpanRecord | None]) -> bool:
-    """``inner_server_span`` for spans in memory, ``lookup(trace_id, span_id)`` finding its relatives
-    (the daemon's completed count; tests hold the two equal)."""
-    parent = lookup(span.trace_id, span.parent_span_id) if span.parent_span_id else None
-    if parent is None:
-        return False
-    if parent.role == SERVER:
-        return True
-    grand = lookup(span.trace_id, parent.parent_span_id) if parent.role == CLIENT and parent.parent_span_id else None
-    return grand is not None and grand.role == SERVER
 
 
 def count_requests(conn: Connection, where: list[ColumnElement[bool]], host: str | None,

@@ -1,17 +1,17 @@
 """The store's public face: the ``Store``, its Core tables, and the ORM classes the report, capture and
 replay query.
 
-Everything outside ``auditor`` imports from here, never from the modules inside. The ORM classes
-(``SpanRow`` and the rest) are loaded on first use, so that a process which never asks for them (the
-daemon) never imports SQLAlchemy's ORM.
+Everything outside ``auditor`` imports from here, never from the modules inside. The Core tables
+and the ORM classes (``SpanRow`` and the rest) are loaded on first use, so that a process which
+never asks for them (the daemon on a SQLite file) never imports SQLAlchemy.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from auditor.store import tables
 from auditor.store.db import Store, default_db_url, span_from_row
 
 if TYPE_CHECKING:
+    from auditor.store import tables
     from auditor.store.schema import (
         Base,
         CapturedRequestRow,
@@ -39,6 +39,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "tables":
+        import importlib
+
+        return importlib.import_module("auditor.store.tables")
     if name in _ORM_NAMES:
         from auditor.store import schema
 

@@ -1,11 +1,12 @@
-"""The store: one SQLAlchemy engine over SQLite (default) or PostgreSQL, migrated by Alembic.
+"""The store: SQLite (default) or PostgreSQL, migrated by Alembic.
 
-Sources write through the batch ``insert_*`` methods (one transaction a batch; on SQLite plain
-tuples through the driver, elsewhere SQLAlchemy Core); correlation reads through ``connect()``
-(Core, on the tables of ``auditor.store.tables``), the report, capture and replay through
-``session()`` (the ORM, imported on first use: the daemon never loads it). Opening a store checks its schema first:
-a file that is not a database, or a database written by a newer auditor, is refused with an error
-that says what to do, and nothing is overwritten.
+A SQLite file is reached through the standard library's driver (``auditor.store.sql``): the daemon
+never imports SQLAlchemy. Other databases, and SQLite in memory, go through a SQLAlchemy engine.
+Sources write through the batch ``insert_*`` methods (one transaction a batch); correlation reads
+through ``connect()`` (SQL text, ``auditor.store.sql``); the report, capture and replay through
+``engine`` and ``session()`` (SQLAlchemy Core and ORM, imported on first use). Opening a store
+checks its schema first: a file that is not a database, or a database written by a newer auditor,
+is refused with an error that says what to do, and nothing is overwritten.
 
 Alembic is imported only to migrate: the schema check reads the revision files and the version
 table itself, and the daemon migrates a new database in a short-lived child
@@ -26,22 +27,29 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine, create_engine, delete, event, insert, inspect, text
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError, SQLAlchemyError
-
 from auditor.errors import StoreError
 from auditor.model import ConnEvent, CoverageKind, RequestVerdict, SpanRecord, SpanRole, UtilSample
-from auditor.store import tables
 from auditor.store.rows import (
+    dumps_json,
     grouped_inserts,
     row_dict,
     rows_as_tuples,
     shape_of,
     sqlite_insert_sql,
 )
+from auditor.store.sql import (
+    Conn,
+    EngineSql,
+    Sql,
+    SqlError,
+    SqliteSql,
+    SqlUnavailable,
+    json_value,
+    sqlite_pragmas,
+)
 
 if TYPE_CHECKING:
+    from sqlalchemy import Engine
     from sqlalchemy.orm import Session
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
@@ -94,18 +102,15 @@ def default_db_url(*, find_service_db: bool = False) -> str:
     return "sqlite:///auditor.db"
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    # WAL lets the report read while the daemon writes; NORMAL sync is durable across app crashes.
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute("PRAGMA busy_timeout=5000")
-    # Checkpoint every 10,000 pages (40 MiB of WAL) rather than 1,000: the spans' trace-id index
-    # takes its inserts on random pages, and a page written many times between two checkpoints is
-    # copied back once (bench figures in docs/footprint.md). The WAL file keeps its size on disk.
-    cursor.execute("PRAGMA wal_autocheckpoint=10000")
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.close()
+def sqlite_file(url: str) -> str | None:
+    """The file of a plain ``sqlite:///PATH`` URL, which the sqlite3 driver opens without
+    SQLAlchemy; None for any other URL (in memory, ``file:`` URIs, options, another database)."""
+    for scheme in ("sqlite:///", "sqlite+pysqlite:///"):
+        if url.startswith(scheme):
+            path = url[len(scheme):]
+            if path and path != ":memory:" and not path.startswith("file:") and not any(c in path for c in "?%#"):
+                return path
+    return None
 
 
 class Store:
@@ -114,11 +119,32 @@ class Store:
     def __init__(self, url: str | None = None, *, upgrade: bool = True, create: bool = True,
                  check: bool = True, migrate_in_child: bool = False) -> None:
         self.url = url or default_db_url()
-        self.engine = _make_engine(self.url, create=create)
+        path = sqlite_file(self.url)
+        self._engine: Engine | None = None
+        self._native = path is not None  # a SQLite file, through the driver
+        self.sql: Sql
+        if path is not None:
+            _check_sqlite_path(path, create=create)
+            self.sql = SqliteSql(path)
+        else:
+            self._engine = _make_engine(self.url, create=create)
+            self.sql = EngineSql(self._engine)
         self._sessions: Any = None  # an ORM sessionmaker, made on first use
         self._verdict_statement: Any = None  # built on first use (False: this database has none)
         if check:
             self.check_schema(upgrade=upgrade, in_child=migrate_in_child)
+
+    @property
+    def engine(self) -> Engine:
+        """A SQLAlchemy engine on the store (the report, capture, replay, migrations): on a SQLite
+        file, made on first use, beside the driver's own connections."""
+        if self._engine is None:
+            self._engine = _make_engine(self.url, create=True)
+        return self._engine
+
+    @property
+    def dialect(self) -> str:
+        return self.sql.dialect
 
     # -- schema -----------------------------------------------------------------------------
     def head_revision(self) -> str:
@@ -126,23 +152,23 @@ class Store:
 
     def current_revision(self) -> str | None:
         try:
-            with self.engine.connect() as conn:
-                if not inspect(conn).has_table("alembic_version"):
+            with self.sql.connect() as conn:
+                if "alembic_version" not in conn.table_names():
                     return None
-                found = conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
+                found = [version for (version,) in conn.all("SELECT version_num FROM alembic_version")]
             if len(found) > 1:
                 raise StoreError(f"{self.where()} records several schema revisions {sorted(found)}; "
                                  "it was migrated by something else: pass another --db")
             return found[0] if found else None
-        except OperationalError as exc:
-            if self.engine.dialect.name != "sqlite":
-                raise StoreError(f"cannot reach {self.where()} ({_short(exc)}); check that the server "
+        except SqlUnavailable as exc:
+            if self.dialect != "sqlite":
+                raise StoreError(f"cannot reach {self.where()} ({exc}); check that the server "
                                  "is up and the URL, user and password are right") from exc
-            raise StoreError(f"cannot open {self.where()} ({_short(exc)}); check the path and its "
+            raise StoreError(f"cannot open {self.where()} ({exc}); check the path and its "
                              "permissions") from exc
-        except DatabaseError as exc:
+        except SqlError as exc:
             raise StoreError(
-                f"{self.where()} is not a readable auditor database ({_short(exc)}); "
+                f"{self.where()} is not a readable auditor database ({exc}); "
                 "move it aside or pass another --db"
             ) from exc
 
@@ -157,8 +183,8 @@ class Store:
         if current == head:
             return
         if current is None:
-            with self.engine.connect() as conn:
-                tables = set(inspect(conn).get_table_names())
+            with self.sql.connect() as conn:
+                tables = conn.table_names()
             if tables:
                 raise StoreError(
                     f"{self.where()} holds tables {sorted(tables)[:3]} but no auditor schema; "
@@ -166,12 +192,14 @@ class Store:
                 )
         if not upgrade:
             raise StoreError(f"{self.where()} needs migrating to {head}: run `auditor db upgrade`")
-        if in_child and self._reachable_from_a_child():
+        if in_child and (self._native or self._reachable_from_a_child()):
             self._upgrade_in_child()
         else:
             self.upgrade()
 
     def _reachable_from_a_child(self) -> bool:
+        from sqlalchemy.engine import make_url
+
         url = make_url(self.url)
         return not (url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:"))
 
@@ -189,11 +217,15 @@ class Store:
         if done.returncode != 0:
             said = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
             raise StoreError(said if said.startswith("could not migrate") else f"could not migrate {self.where()}: {said}")
-        self.engine.dispose()  # connections opened before the migration may hold the old schema
+        # Connections opened before the migration may hold the old schema.
+        self.sql.close()
+        if self._engine is not None:
+            self._engine.dispose()
 
     def upgrade(self, revision: str = "head") -> None:
         from alembic import command
         from alembic.config import Config as AlembicConfig
+        from sqlalchemy.exc import SQLAlchemyError
 
         logging.getLogger("alembic").setLevel(logging.WARNING)  # per-step INFO lines are noise here
         cfg = AlembicConfig()
@@ -204,54 +236,79 @@ class Store:
                 command.upgrade(cfg, revision)
         except SQLAlchemyError as exc:
             raise StoreError(f"could not migrate {self.where()}: {_short(exc)}") from exc
+        if self._native:
+            self.sql.close()  # the driver's idle connections may have read the old schema
 
     def where(self) -> str:
         """The store's URL with any password hidden: what error messages name."""
+        if sqlite_file(self.url) is not None:
+            return self.url  # a file's URL holds no password
+        from sqlalchemy.engine import make_url
+
         return make_url(self.url).render_as_string(hide_password=True)
 
     # -- writes -----------------------------------------------------------------------------
-    def _insert(self, table: Any, rows: list[Any], statement: Any = None) -> int:
-        """One transaction: ``rows`` as dicts for a Core statement (default: a plain insert), or
-        as tuples when ``statement`` is driver SQL text."""
+    def _write(self, sql: str, rows: Sequence[Any]) -> int:
+        """One transaction: ``sql`` once per row (dicts for ``:name`` parameters, or tuples)."""
         if not rows:
             return 0
         try:
+            with self.sql.begin() as conn:
+                conn.run_many(sql, rows)
+        except SqlUnavailable as exc:
+            raise StoreError(f"write to {self.where()} failed: {exc}") from exc
+        return len(rows)
+
+    def _insert_records(self, table: str, records: Iterable[Any], *, skip_duplicates: bool = False) -> int:
+        """Insert dataclass records whose fields are the table's columns (less the ``id`` key).
+        SQLite gets plain tuples through the driver, sixteen rows a statement; other databases go
+        through SQLAlchemy Core (its column types encode the JSON columns)."""
+        records = list(records)
+        if not records:
+            return 0
+        if not self._native:
+            return self._insert_core(table, [row_dict(r) for r in records], skip_duplicates)
+        record_type = type(records[0])
+        sql = sqlite_insert_sql(table, record_type, skip_duplicates)
+        rows = rows_as_tuples(records, shape_of(record_type))
+        try:
+            with self.sql.begin() as conn:
+                for statement, params in grouped_inserts(sql, rows):
+                    conn.run_many(statement, params)
+        except SqlUnavailable as exc:
+            raise StoreError(f"write to {self.where()} failed: {exc}") from exc
+        return len(rows)
+
+    def _insert_core(self, table_name: str, rows: list[dict[str, Any]], skip_duplicates: bool) -> int:
+        from sqlalchemy import insert
+        from sqlalchemy.exc import OperationalError
+
+        from auditor.store import tables
+
+        table = tables.metadata.tables[table_name]
+        statement: Any = insert(table)
+        if skip_duplicates and self.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            statement = pg_insert(table).on_conflict_do_nothing()
+        elif skip_duplicates and self.dialect == "sqlite":
+            statement = insert(table).prefix_with("OR IGNORE")
+        try:
             with self.engine.begin() as conn:
-                if isinstance(statement, str):
-                    for sql, params in grouped_inserts(statement, rows):
-                        conn.exec_driver_sql(sql, params)
-                else:
-                    conn.execute(insert(table) if statement is None else statement, rows)
+                conn.execute(statement, rows)
         except OperationalError as exc:
             raise StoreError(f"write to {self.where()} failed: {_short(exc)}") from exc
         return len(rows)
 
-    def _insert_records(self, table: Any, records: Iterable[Any], *, skip_duplicates: bool = False) -> int:
-        """Insert dataclass records whose fields are the table's columns (less the ``id`` key).
-        SQLite gets plain tuples through the driver; other databases go through SQLAlchemy Core."""
-        records = list(records)
-        if not records:
-            return 0
-        if self.engine.dialect.name != "sqlite":
-            statement: Any = None
-            if skip_duplicates and self.engine.dialect.name == "postgresql":
-                from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-                statement = pg_insert(table).on_conflict_do_nothing()
-            return self._insert(table, [row_dict(r) for r in records], statement)
-        record_type = type(records[0])
-        sql = sqlite_insert_sql(table, record_type, skip_duplicates)
-        return self._insert(table, rows_as_tuples(records, shape_of(record_type)), sql)
-
     def insert_conn_events(self, events: Iterable[ConnEvent]) -> int:
-        return self._insert_records(tables.conn_events, events)
+        return self._insert_records("conn_events", events)
 
     def insert_spans(self, spans: Iterable[SpanRecord]) -> int:
         """Insert spans; a span already stored (same trace and span id) is skipped, not duplicated."""
-        return self._insert_records(tables.spans, spans, skip_duplicates=True)
+        return self._insert_records("spans", spans, skip_duplicates=True)
 
     def insert_samples(self, samples: Iterable[UtilSample]) -> int:
-        return self._insert_records(tables.util_samples, samples)
+        return self._insert_records("util_samples", samples)
 
     def write(self, records: Sequence[ConnEvent | SpanRecord | UtilSample]) -> int:
         """The sources' sink (``auditor.sink.Sink``): one batch of one record type, one transaction."""
@@ -272,22 +329,28 @@ class Store:
 
     def add_coverage_rows(self, rows: list[dict[str, Any]]) -> int:
         """Coverage rows (``ts_ns``, ``host``, ``kind``, ``count``, ``detail``), one transaction."""
-        return self._insert(tables.coverage, rows)
+        return self._write(_COVERAGE_INSERT, rows)
 
     def upsert_verdicts(self, verdicts: Sequence[RequestVerdict]) -> int:
         """Write verdicts keyed by request; a later verdict for the same request replaces the earlier."""
         if not verdicts:
             return 0
         now = time.time_ns()
-        try:
-            self._upsert_verdicts(verdicts, now)
-        except OperationalError as exc:
-            raise StoreError(f"write to {self.where()} failed: {_short(exc)}") from exc
-        return len(verdicts)
-
-    def _upsert_verdicts(self, verdicts: Sequence[RequestVerdict], now: int) -> None:
         # The last verdict of a request in the batch wins (a row can be upserted once per statement).
         rows = list({v.request_key: row_dict(v) | {"updated_ns": now} for v in verdicts}.values())
+        if self._native:  # a SQLite file: the driver, details as JSON text
+            for row in rows:
+                row["details"] = dumps_json(row["details"])
+            return self._write(_verdict_upsert_sql(tuple(rows[0])), rows)
+        from sqlalchemy.exc import OperationalError
+
+        try:
+            self._upsert_verdicts_core(rows)
+        except OperationalError as exc:
+            raise StoreError(f"write to {self.where()} failed: {_short(exc)}") from exc
+        return len(rows)
+
+    def _upsert_verdicts_core(self, rows: list[dict[str, Any]]) -> None:
         statement = self._verdict_upsert()
         if statement is not None:  # one INSERT .. ON CONFLICT DO UPDATE per row, no ORM round trip
             with self.engine.begin() as conn:
@@ -312,7 +375,9 @@ class Store:
         if self._verdict_statement is None:
             from sqlalchemy.dialects import postgresql, sqlite
 
-            dialect_insert: Any = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}.get(self.engine.dialect.name)
+            from auditor.store import tables
+
+            dialect_insert: Any = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}.get(self.dialect)
             if dialect_insert is None:
                 self._verdict_statement = False
                 return None
@@ -323,14 +388,14 @@ class Store:
         return None if self._verdict_statement is False else self._verdict_statement
 
     def delete_verdict(self, request_key: str) -> None:
-        with self.engine.begin() as conn:
-            conn.execute(delete(tables.verdicts).where(tables.verdicts.c.request_key == request_key))
+        with self.sql.begin() as conn:
+            conn.run("DELETE FROM verdicts WHERE request_key = :key", {"key": request_key})
 
     # -- reads ------------------------------------------------------------------------------
     @contextmanager
-    def connect(self) -> Iterator[Connection]:
-        """A Core connection for reads (its transaction is rolled back at the end)."""
-        with self.engine.connect() as conn:
+    def connect(self) -> Iterator[Conn]:
+        """A connection for the daemon's reads (``auditor.store.sql.Conn``: SQL text, tuples)."""
+        with self.sql.connect() as conn:
             yield conn
 
     @contextmanager
@@ -344,25 +409,46 @@ class Store:
             yield session
 
     def close(self) -> None:
-        self.engine.dispose()
+        self.sql.close()
+        if self._engine is not None:
+            self._engine.dispose()
+
+
+_COVERAGE_INSERT = ("INSERT INTO coverage (ts_ns, host, kind, count, detail) "
+                    "VALUES (:ts_ns, :host, :kind, :count, :detail)")
+
+
+@cache
+def _verdict_upsert_sql(columns: tuple[str, ...]) -> str:
+    """``INSERT .. ON CONFLICT (request_key) DO UPDATE``, as SQLite (3.24 on) and PostgreSQL write it."""
+    updated = ", ".join(f"{c} = excluded.{c}" for c in columns if c != "request_key")
+    return (f"INSERT INTO verdicts ({', '.join(columns)}) VALUES ({', '.join(':' + c for c in columns)}) "
+            f"ON CONFLICT (request_key) DO UPDATE SET {updated}")
+
+
+def _check_sqlite_path(database: str, *, create: bool) -> None:
+    if database and database != ":memory:" and not database.startswith("file:"):
+        path = Path(database)
+        if not path.exists() and not create:
+            raise StoreError(f"no database at {path}; run `auditor run` first or pass --db")
+        if not path.parent.exists():
+            raise StoreError(f"directory {path.parent} does not exist; create it or pass another --db")
 
 
 def _make_engine(url: str, *, create: bool) -> Engine:
+    from sqlalchemy import create_engine, event
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
         raise StoreError(f"--db {url!r} is not a database URL; try sqlite:///auditor.db "
                          "or postgresql+psycopg://user@host/db") from exc
     if parsed.get_backend_name() == "sqlite":
-        database = parsed.database or ""
-        if database and database != ":memory:" and not database.startswith("file:"):
-            path = Path(database)
-            if not path.exists() and not create:
-                raise StoreError(f"no database at {path}; run `auditor run` first or pass --db")
-            if not path.parent.exists():
-                raise StoreError(f"directory {path.parent} does not exist; create it or pass another --db")
+        _check_sqlite_path(parsed.database or "", create=create)
         engine = create_engine(parsed, connect_args={"timeout": 5})
-        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "connect", lambda dbapi_connection, _record: sqlite_pragmas(dbapi_connection))
         return engine
     try:
         return create_engine(parsed, pool_pre_ping=True)
@@ -376,15 +462,20 @@ def _short(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+# A span's columns in the order ``span_from_values`` reads them: the record's fields.
+SPAN_COLUMNS: tuple[str, ...] = tuple(SpanRecord.__dataclass_fields__)
+_SPAN_ROLE, _SPAN_REWRITTEN, _SPAN_ATTRIBUTES = (SPAN_COLUMNS.index(n) for n in ("role", "peer_rewritten", "attributes"))
+
+
+def span_from_values(values: Sequence[Any]) -> SpanRecord:
+    """A stored span back as the domain record, from its columns in ``SPAN_COLUMNS`` order."""
+    fields = dict(zip(SPAN_COLUMNS, values, strict=True))
+    fields["role"] = SpanRole(values[_SPAN_ROLE])
+    fields["peer_rewritten"] = bool(values[_SPAN_REWRITTEN])
+    fields["attributes"] = json_value(values[_SPAN_ATTRIBUTES]) or {}
+    return SpanRecord(**fields)
+
+
 def span_from_row(row: Any) -> SpanRecord:
     """A stored span back as the domain record, from a row of its table or an ORM object."""
-    return SpanRecord(
-        trace_id=row.trace_id, span_id=row.span_id, parent_span_id=row.parent_span_id, name=row.name,
-        kind=row.kind, start_ns=row.start_ns, end_ns=row.end_ns, service=row.service, host=row.host,
-        status=row.status, role=SpanRole(row.role), peer_addr=row.peer_addr, peer_port=row.peer_port,
-        server_port=row.server_port, request_id=row.request_id, route=row.route, model=row.model,
-        http_status=row.http_status, finish_reason=row.finish_reason, prompt_tokens=row.prompt_tokens,
-        completion_tokens=row.completion_tokens, max_tokens=row.max_tokens,
-        time_in_queue_s=row.time_in_queue_s, time_to_first_token_s=row.time_to_first_token_s,
-        process_pid=row.process_pid, peer_rewritten=row.peer_rewritten, attributes=row.attributes or {},
-    )
+    return span_from_values([getattr(row, name) for name in SPAN_COLUMNS])

@@ -15,25 +15,18 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-from sqlalchemy import Table, delete, select
-from sqlalchemy.exc import OperationalError
 
 from auditor.errors import StoreError
-from auditor.store import tables
 from auditor.store.db import Store
+from auditor.store.sql import SqlUnavailable
 
 log = logging.getLogger(__name__)
 
 HOUR_NS = 3600 * 1_000_000_000
 
 # Each table with the indexed time column its age is read from.
-RAW_TABLES: tuple[tuple[Table, Any], ...] = (
-    (tables.spans, tables.spans.c.end_ns), (tables.conn_events, tables.conn_events.c.ts_ns),
-    (tables.util_samples, tables.util_samples.c.ts_ns))
-FINDING_TABLES: tuple[tuple[Table, Any], ...] = (
-    (tables.verdicts, tables.verdicts.c.disconnect_at_ns), (tables.coverage, tables.coverage.c.ts_ns))
+RAW_TABLES: tuple[tuple[str, str], ...] = (("spans", "end_ns"), ("conn_events", "ts_ns"), ("util_samples", "ts_ns"))
+FINDING_TABLES: tuple[tuple[str, str], ...] = (("verdicts", "disconnect_at_ns"), ("coverage", "ts_ns"))
 
 
 @dataclass(frozen=True)
@@ -43,20 +36,22 @@ class RetentionPolicy:
     batch_rows: int = 5000
 
 
-def prune_table(store: Store, table: Table, time_column: Any, *, host: str, older_than_ns: int,
+def prune_table(store: Store, table: str, time_column: str, *, host: str, older_than_ns: int,
                 batch_rows: int, pause: Callable[[], bool] = lambda: False) -> int:
     """Delete ``host``'s rows of ``table`` older than ``older_than_ns``, ``batch_rows`` at a time.
     ``pause`` runs between batches (the daemon waits there, letting writers in) and returns True
     to stop early. Returns the rows deleted."""
     deleted = 0
-    oldest = select(table.c.id).where(table.c.host == host, time_column < older_than_ns).limit(batch_rows)
+    # Table and column names come from the constants above, never from outside.
+    statement = (f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} "
+                 f"WHERE host = :host AND {time_column} < :before LIMIT :rows)")
+    params = {"host": host, "before": older_than_ns, "rows": batch_rows}
     while True:
         try:
-            with store.engine.begin() as conn:
-                count = conn.execute(delete(table).where(table.c.id.in_(oldest))).rowcount
-        except OperationalError as exc:
-            raise StoreError(f"pruning {table.name} in {store.where()} failed: "
-                             f"{str(exc.orig).splitlines()[0]}") from exc
+            with store.sql.begin() as conn:
+                count = conn.run(statement, params)
+        except SqlUnavailable as exc:
+            raise StoreError(f"pruning {table} in {store.where()} failed: {exc}") from exc
         deleted += count
         if count < batch_rows or pause():
             return deleted
@@ -81,7 +76,7 @@ def prune(store: Store, policy: RetentionPolicy, *, host: str, now_ns: int | Non
         for table, time_column in bounded:
             if stopped:
                 return deleted
-            deleted[table.name] = prune_table(
+            deleted[table] = prune_table(
                 store, table, time_column, host=host, older_than_ns=now_ns - int(window_ns),
                 batch_rows=policy.batch_rows, pause=pause_or_stop)
     return deleted
