@@ -5,10 +5,11 @@ when the correlator fell behind (real SQLite store, controlled clock)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
-from sqlalchemy import event
 
 from auditor.correlate import Correlator
 from auditor.correlate.feed import SpanFeed
@@ -48,6 +49,35 @@ def judged(store: Store) -> list[tuple[str, str]]:
     return sorted((row.trace_id or "", row.verdict) for row in verdicts(store))
 
 
+class _Counted:
+    """A store connection that tells ``seen`` each statement it reads with."""
+
+    def __init__(self, conn: Any, seen: Callable[[str], None]) -> None:
+        self._conn, self._seen = conn, seen
+
+    def all(self, sql: str, params: Any = None) -> list[Any]:
+        self._seen(sql)
+        return list(self._conn.all(sql, params))
+
+    def scalar(self, sql: str, params: Any = None) -> Any:
+        self._seen(sql)
+        return self._conn.scalar(sql, params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def count_reads(store: Store, seen: Callable[[str], None]) -> None:
+    connect = store.sql.connect
+
+    @contextmanager
+    def counted() -> Iterator[_Counted]:
+        with connect() as conn:
+            yield _Counted(conn, seen)
+
+    store.sql.connect = counted  # type: ignore[method-assign]
+
+
 def test_fed_spans_give_the_verdicts_of_spans_read_back(tmp_path: pytest.TempPathFactory) -> None:
     stores = {name: Store(f"sqlite:///{tmp_path}/{name}.db") for name in ("read", "fed")}
     feed = SpanFeed()
@@ -58,8 +88,8 @@ def test_fed_spans_give_the_verdicts_of_spans_read_back(tmp_path: pytest.TempPat
     writer = SpanWriter(stores["fed"], on_commit=feed.committed).start()
     span_reads: dict[str, int] = {"read": 0, "fed": 0}
     for name, store in stores.items():
-        event.listen(store.engine, "before_cursor_execute", lambda _c, _cur, statement, *_, name=name:
-                     span_reads.__setitem__(name, span_reads[name] + ("FROM spans" in statement)))
+        count_reads(store, lambda statement, name=name:
+                    span_reads.__setitem__(name, span_reads[name] + ("FROM spans" in statement)))
     try:
         for round_ in range(3):
             spans = [s for n in range(round_ * 4, round_ * 4 + 4) for s in request(n, zombie=n % 2 == 0)]
