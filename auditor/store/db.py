@@ -44,6 +44,7 @@ from auditor.store.sql import (
     SqlError,
     SqliteSql,
     SqlUnavailable,
+    first_line,
     json_value,
     sqlite_pragmas,
 )
@@ -235,7 +236,7 @@ class Store:
                 cfg.attributes["connection"] = conn
                 command.upgrade(cfg, revision)
         except SQLAlchemyError as exc:
-            raise StoreError(f"could not migrate {self.where()}: {_short(exc)}") from exc
+            raise StoreError(f"could not migrate {self.where()}: {first_line(exc)}") from exc
         if self._native:
             self.sql.close()  # the driver's idle connections may have read the old schema
 
@@ -248,16 +249,15 @@ class Store:
         return make_url(self.url).render_as_string(hide_password=True)
 
     # -- writes -----------------------------------------------------------------------------
-    def _write(self, sql: str, rows: Sequence[Any]) -> int:
-        """One transaction: ``sql`` once per row (dicts for ``:name`` parameters, or tuples)."""
-        if not rows:
-            return 0
+    def _write(self, statements: Iterable[tuple[str, Sequence[Any]]]) -> None:
+        """One transaction: each statement once per row of its own (dicts for ``:name`` parameters,
+        or tuples)."""
         try:
             with self.sql.begin() as conn:
-                conn.run_many(sql, rows)
+                for sql, rows in statements:
+                    conn.run_many(sql, rows)
         except SqlUnavailable as exc:
             raise StoreError(f"write to {self.where()} failed: {exc}") from exc
-        return len(rows)
 
     def _insert_records(self, table: str, records: Iterable[Any], *, skip_duplicates: bool = False) -> int:
         """Insert dataclass records whose fields are the table's columns (less the ``id`` key).
@@ -271,12 +271,7 @@ class Store:
         record_type = type(records[0])
         sql = sqlite_insert_sql(table, record_type, skip_duplicates)
         rows = rows_as_tuples(records, shape_of(record_type))
-        try:
-            with self.sql.begin() as conn:
-                for statement, params in grouped_inserts(sql, rows):
-                    conn.run_many(statement, params)
-        except SqlUnavailable as exc:
-            raise StoreError(f"write to {self.where()} failed: {exc}") from exc
+        self._write(grouped_inserts(sql, rows))
         return len(rows)
 
     def _insert_core(self, table_name: str, rows: list[dict[str, Any]], skip_duplicates: bool) -> int:
@@ -297,7 +292,7 @@ class Store:
             with self.engine.begin() as conn:
                 conn.execute(statement, rows)
         except OperationalError as exc:
-            raise StoreError(f"write to {self.where()} failed: {_short(exc)}") from exc
+            raise StoreError(f"write to {self.where()} failed: {first_line(exc)}") from exc
         return len(rows)
 
     def insert_conn_events(self, events: Iterable[ConnEvent]) -> int:
@@ -329,7 +324,9 @@ class Store:
 
     def add_coverage_rows(self, rows: list[dict[str, Any]]) -> int:
         """Coverage rows (``ts_ns``, ``host``, ``kind``, ``count``, ``detail``), one transaction."""
-        return self._write(_COVERAGE_INSERT, rows)
+        if rows:
+            self._write([(_COVERAGE_INSERT, rows)])
+        return len(rows)
 
     def upsert_verdicts(self, verdicts: Sequence[RequestVerdict]) -> int:
         """Write verdicts keyed by request; a later verdict for the same request replaces the earlier."""
@@ -341,13 +338,14 @@ class Store:
         if self._native:  # a SQLite file: the driver, details as JSON text
             for row in rows:
                 row["details"] = dumps_json(row["details"])
-            return self._write(_verdict_upsert_sql(tuple(rows[0])), rows)
+            self._write([(_verdict_upsert_sql(tuple(rows[0])), rows)])
+            return len(rows)
         from sqlalchemy.exc import OperationalError
 
         try:
             self._upsert_verdicts_core(rows)
         except OperationalError as exc:
-            raise StoreError(f"write to {self.where()} failed: {_short(exc)}") from exc
+            raise StoreError(f"write to {self.where()} failed: {first_line(exc)}") from exc
         return len(rows)
 
     def _upsert_verdicts_core(self, rows: list[dict[str, Any]]) -> None:
@@ -455,11 +453,6 @@ def _make_engine(url: str, *, create: bool) -> Engine:
     except (ImportError, ArgumentError) as exc:
         raise StoreError(f"cannot use {parsed.render_as_string(hide_password=True)}: {exc}; "
                          "for PostgreSQL install the extra: pip install 'zombie-auditor[postgres]'") from exc
-
-
-def _short(exc: BaseException) -> str:
-    text = str(getattr(exc, "orig", None) or exc)
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # A span's columns in the order ``span_from_values`` reads them: the record's fields.
