@@ -76,10 +76,28 @@ def sqlite_pragmas(connection: Any) -> None:
     cursor.close()
 
 
-def _raise(exc: sqlite3.Error) -> None:
-    if isinstance(exc, sqlite3.OperationalError):
+@contextmanager
+def _sqlite_errors() -> Iterator[None]:
+    """The driver's errors as ``SqlUnavailable`` (operational) or ``SqlError`` (the rest)."""
+    try:
+        yield
+    except sqlite3.OperationalError as exc:
         raise SqlUnavailable(first_line(exc)) from exc
-    raise SqlError(first_line(exc)) from exc
+    except sqlite3.Error as exc:
+        raise SqlError(first_line(exc)) from exc
+
+
+@contextmanager
+def _engine_errors() -> Iterator[None]:
+    """SQLAlchemy's driver errors, mapped as the sqlite3 driver's are."""
+    from sqlalchemy.exc import DBAPIError, OperationalError
+
+    try:
+        yield
+    except OperationalError as exc:
+        raise SqlUnavailable(first_line(exc)) from exc
+    except DBAPIError as exc:
+        raise SqlError(first_line(exc)) from exc
 
 
 class _SqliteConn:
@@ -89,33 +107,21 @@ class _SqliteConn:
         self._conn = conn
 
     def all(self, sql: str, params: Params = None) -> list[Any]:
-        try:
+        with _sqlite_errors():
             return self._conn.execute(sql, params or ()).fetchall()
-        except sqlite3.Error as exc:
-            _raise(exc)
-            raise
 
     def scalar(self, sql: str, params: Params = None) -> Any:
-        try:
+        with _sqlite_errors():
             row = self._conn.execute(sql, params or ()).fetchone()
-        except sqlite3.Error as exc:
-            _raise(exc)
-            raise
         return None if row is None else row[0]
 
     def run(self, sql: str, params: Params = None) -> int:
-        try:
+        with _sqlite_errors():
             return self._conn.execute(sql, params or ()).rowcount
-        except sqlite3.Error as exc:
-            _raise(exc)
-            raise
 
     def run_many(self, sql: str, rows: Sequence[Any]) -> None:
-        try:
+        with _sqlite_errors():
             self._conn.executemany(sql, rows)
-        except sqlite3.Error as exc:
-            _raise(exc)
-            raise
 
     def table_names(self) -> set[str]:
         return {name for (name,) in self.all(
@@ -139,27 +145,25 @@ class SqliteSql:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        try:
+        with _sqlite_errors():
             conn = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None,
                                    check_same_thread=False)
-        except sqlite3.Error as exc:
-            _raise(exc)
-            raise
-        try:
-            sqlite_pragmas(conn)
-        except sqlite3.Error as exc:
-            conn.close()
-            _raise(exc)
+            try:
+                sqlite_pragmas(conn)
+            except sqlite3.Error:
+                conn.close()
+                raise
         return conn
 
-    def _checkin(self, conn: sqlite3.Connection, *, broken: bool = False) -> None:
+    def _checkin(self, conn: sqlite3.Connection) -> None:
+        keep = True
         if conn.in_transaction:
             try:
                 conn.rollback()
             except sqlite3.Error:
-                broken = True
+                keep = False
         with self._lock:
-            if not broken and len(self._idle) < MAX_IDLE:
+            if keep and len(self._idle) < MAX_IDLE:
                 self._idle.append(conn)
                 return
         conn.close()
@@ -176,12 +180,10 @@ class SqliteSql:
     def begin(self) -> Iterator[_SqliteConn]:
         conn = self._checkout()
         try:
-            try:
+            with _sqlite_errors():
                 conn.execute("BEGIN")
                 yield _SqliteConn(conn)
                 conn.commit()
-            except sqlite3.Error as exc:
-                _raise(exc)
         finally:
             self._checkin(conn)
 
@@ -199,14 +201,8 @@ class _EngineConn:
         self._conn, self._text = conn, text
 
     def _execute(self, sql: str, params: Any) -> Any:
-        from sqlalchemy.exc import DBAPIError, OperationalError
-
-        try:
+        with _engine_errors():
             return self._conn.execute(self._text(sql), params)
-        except OperationalError as exc:
-            raise SqlUnavailable(first_line(exc)) from exc
-        except DBAPIError as exc:
-            raise SqlError(first_line(exc)) from exc
 
     def all(self, sql: str, params: Params = None) -> list[Any]:
         return list(self._execute(sql, params or {}).all())
@@ -245,24 +241,13 @@ class EngineSql:
         return statement
 
     @contextmanager
-    def _mapped(self) -> Iterator[None]:
-        from sqlalchemy.exc import DBAPIError, OperationalError
-
-        try:
-            yield
-        except OperationalError as exc:
-            raise SqlUnavailable(first_line(exc)) from exc
-        except DBAPIError as exc:
-            raise SqlError(first_line(exc)) from exc
-
-    @contextmanager
     def connect(self) -> Iterator[_EngineConn]:
-        with self._mapped(), self.engine.connect() as conn:
+        with _engine_errors(), self.engine.connect() as conn:
             yield _EngineConn(conn, self._text)
 
     @contextmanager
     def begin(self) -> Iterator[_EngineConn]:
-        with self._mapped(), self.engine.begin() as conn:
+        with _engine_errors(), self.engine.begin() as conn:
             yield _EngineConn(conn, self._text)
 
     def close(self) -> None:
