@@ -675,7 +675,9 @@ def test_a_settled_request_leaves_memory_and_a_late_engine_span_brings_it_back(s
     # Past a few late-span windows, the settled requests' spans and events leave memory.
     clock.now = T0 + int(8 * S + correlator.memory_ns)
     correlator.tick()
-    assert len(correlator.forgotten) == 2 and list(correlator.spans.trace("a" * 32)) == []
+    assert correlator._settled == {} and list(correlator.spans.trace("a" * 32)) == []
+    assert correlator.forgotten.traces(["a" * 32, "b" * 32, "c" * 32]) == {"a" * 32, "b" * 32}
+    assert correlator.forgotten.by_request_id(["long", "other"]) == {"long": "a" * 32}
     # The engine sends its span when the work at last ends, minutes after the client left.
     engine = engine_span("f" if own_trace else "a", 0, 250.0, "length", request_id="cmpl-long")
     store.insert_spans([engine])
@@ -684,7 +686,7 @@ def test_a_settled_request_leaves_memory_and_a_late_engine_span_brings_it_back(s
     by_trace = {row.trace_id: row for row in verdicts(store)}
     assert by_trace["a" * 32].verdict == "zombie" and abs(by_trace["a" * 32].lag_seconds - 249.0) < 1e-6
     assert by_trace["b" * 32].verdict == "unconfirmed"  # not recalled: nothing new for it
-    assert correlator.forgotten.recalled == 1 and len(correlator.forgotten) == 1
+    assert correlator.forgotten.recalled == 1 and correlator.forgotten.traces(["a" * 32, "b" * 32]) == {"b" * 32}
     assert [v.verdict for v in settled] == [Verdict.UNCONFIRMED] * 2 + [Verdict.ZOMBIE]
 
 
@@ -697,10 +699,14 @@ def test_a_forgotten_trace_is_not_recalled_past_the_horizon(store: Store) -> Non
     correlator.tick()
     clock.now = T0 + int(8 * S + correlator.memory_ns)
     correlator.tick()
-    assert len(correlator.forgotten) == 1
-    clock.now = T0 + 16 * 60 * S  # the horizon (15 min) is past: nothing of it is kept
+    assert correlator.forgotten.traces(["a" * 32]) == {"a" * 32}
+    clock.now = T0 + 16 * 60 * S  # the horizon (15 min) is past: nothing of it is recalled
     correlator.tick()
-    assert len(correlator.forgotten) == 0
+    assert correlator.forgotten.traces(["a" * 32]) == set()
+    store.insert_spans([engine_span("a", 0, 950.0, "length")])
+    clock.now += S
+    correlator.tick()
+    assert correlator.forgotten.recalled == 0
 
 
 def test_a_waiting_disconnect_is_looked_at_again_only_on_news_of_its_connection(
@@ -849,44 +855,38 @@ def test_ids_kept_for_the_horizon_are_numbers_only_where_the_number_gives_the_te
     assert len(set(span_keys)) == len(spans)
 
 
-def test_forgotten_traces_are_pruned_oldest_first_up_to_the_first_kept(store: Store) -> None:
+def test_forgotten_traces_are_the_stores_verdicts_of_this_run_that_memory_does_not_hold(store: Store) -> None:
+    """A trace is forgotten when this run wrote a verdict of it that the correlator does not hold,
+    and every such request of it disconnected within the horizon; found by trace id or request id,
+    many at a time."""
     from auditor.correlate.recall import Forgotten
-    from auditor.correlate.requests import Disconnect, OpenRequest
 
-    def settled(trace_id: str, at_s: float, request_id: str) -> OpenRequest:
-        request = OpenRequest((trace_id, "1" * 16))
-        request.add(Disconnect(1, T0 + int(at_s * S), "fin", ("127.0.0.1", 40000, 8000)))
-        request.written = RequestVerdict(f"h/{trace_id}/{'1' * 16}", "h", Verdict.COMPLETED, T0, "fin", T0,
-                                         None, None, request_id=request_id)
-        return request
+    def verdict(trace_id: str, root: str, at_s: float, request_id: str | None = None,
+                host: str = "h") -> RequestVerdict:
+        return RequestVerdict(f"{host}/{trace_id}/{root}", host, Verdict.COMPLETED, T0 + int(at_s * S), "fin", T0,
+                              None, None, trace_id=trace_id, request_id=request_id)
 
-    forgotten = Forgotten(store, "h")
-    for index, (trace_id, at_s) in enumerate([("a" * 32, 10), ("b" * 32, 5), ("e" * 32, 20), ("c" * 32, 30)]):
-        forgotten.add(trace_id, [settled(trace_id, at_s, f"req-{index}")])
-    assert len(forgotten) == 4 and "b" * 32 in forgotten and "d" * 32 not in forgotten
-    assert forgotten.trace_of("req-2") == "e" * 32 and forgotten.trace_of("req-9") is None
-    forgotten.prune(T0 + 8 * S)
-    # Pruning stops at the first trace it keeps: "b", forgotten after "a", goes with it, a pass later.
-    assert len(forgotten) == 4
-    forgotten.prune(T0 + 12 * S)
-    assert "a" * 32 not in forgotten and "b" * 32 not in forgotten and len(forgotten) == 2
-    assert forgotten.trace_of("req-0") is None and forgotten.trace_of("req-1") is None
-    assert list(forgotten._request_ids) == [hash("req-2"), hash("req-3")]
-    forgotten.recall("c" * 32)  # recalled: forgotten no more, and its request id leads nowhere
-    assert "c" * 32 not in forgotten and forgotten.trace_of("req-3") is None and len(forgotten) == 1
-    forgotten.add("c" * 32, [settled("c" * 32, 30, "req-3")])  # settled again: at the end of the line
-    forgotten.prune(T0 + 25 * S)
-    assert list(forgotten._traces) == [int("c" * 32, 16)] and list(forgotten._request_ids) == [hash("req-3")]
-    assert forgotten.trace_of("req-3") == "c" * 32
-    forgotten.prune(T0 + 31 * S)
-    assert len(forgotten) == 0 and forgotten._request_ids == {}
-    # Kept by the second their first disconnect falls in, rounded up: one object for that second.
-    forgotten.add("1" * 32, [settled("1" * 32, 40.2, "req-4")])
-    forgotten.add("2" * 32, [settled("2" * 32, 40.7, "req-5")])
-    first, second = forgotten._traces.values()
-    assert first == T0 + 41 * S and first is second
-    forgotten.prune(T0 + 41 * S)
-    assert len(forgotten) == 2  # still within that second
+    store.upsert_verdicts([verdict("0" * 32, "1" * 16, 50, "req-old")])  # a run before this one
+    held: set[tuple[str, str]] = set()
+    horizon_start = [T0 + 10 * S]
+    forgotten = Forgotten(store, "h", lambda trace, root: (trace, root) in held, lambda: horizon_start[0])
+    store.upsert_verdicts([
+        verdict("a" * 32, "1" * 16, 20, "req-a"),
+        verdict("b" * 32, "1" * 16, 5, "req-b"),  # disconnected before the horizon
+        verdict("c" * 32, "1" * 16, 30), verdict("c" * 32, "2" * 16, 31),  # two requests, one held
+        verdict("d" * 32, "1" * 16, 5), verdict("d" * 32, "2" * 16, 40),  # one before the horizon
+        verdict("e" * 32, "1" * 16, 30, "req-e", host="other"),  # another host's
+        *(verdict(f"{i:032x}", "1" * 16, 60) for i in range(1, 1001)),  # more than one query's worth
+    ])
+    held.add(("c" * 32, "2" * 16))
+    asked = ["0" * 32, "a" * 32, "b" * 32, "c" * 32, "d" * 32, "e" * 32, "f" * 32]
+    assert forgotten.traces(asked) == {"a" * 32, "c" * 32}
+    assert forgotten.traces(f"{i:032x}" for i in range(1, 1001)) == {f"{i:032x}" for i in range(1, 1001)}
+    assert forgotten.by_request_id(["req-old", "req-a", "req-b", "req-e", "", "req-x"]) == {"req-a": "a" * 32}
+    held.add(("c" * 32, "1" * 16))  # every request of it held: not forgotten
+    horizon_start[0] = T0 + 25 * S  # the horizon moved past "a"
+    assert forgotten.traces(asked) == set() and forgotten.by_request_id(["req-a"]) == {}
+    assert forgotten.traces([]) == set()
 
 
 def test_pruning_from_the_oldest_keeps_what_a_full_pass_keeps(store: Store) -> None:
@@ -924,7 +924,9 @@ def test_pruning_from_the_oldest_keeps_what_a_full_pass_keeps(store: Store) -> N
         assert correlator.connected_at(SERVER_PORT, T0, T0 + 200 * S) == in_index
     # Settled: all but the last late-span window's. Each is held or forgotten (recallable), never lost;
     # held are those of the memory window (60 s) and at most a prune's 10 s more.
-    assert len(settled) == 115 and len(correlator._settled) + len(correlator.forgotten) == 115
+    forgotten = correlator.forgotten.traces(f"{second:032x}" for second in range(120))
+    assert len(settled) == 115 and len(correlator._settled) + len(forgotten) == 115
+    assert not forgotten & set(correlator._settled)
     assert 60 <= len(correlator._settled) <= 70 and len(correlator._events_by_tuple) <= 71
     assert correlator._settled_by_request_id == {}  # none of these requests had an id
 

@@ -152,7 +152,7 @@ def _judged_span_and_verdict() -> tuple[SpanRecord, Any]:
                       attributes={"auditor.final_send": True, "k": [1, "é"]})
     verdict = RequestVerdict(request_key=f"h/{'c' * 32}/{'d' * 16}", host="h", verdict=Verdict.ZOMBIE,
                              disconnect_at_ns=10, disconnect_kind="rst", request_start_ns=1, work_end_ns=40,
-                             lag_seconds=3.0, trace_id="c" * 32, tokens_after_disconnect=7, tokens_exact=True,
+                             lag_seconds=3.0, trace_id="c" * 32, request_id="req-c", tokens_after_disconnect=7, tokens_exact=True,
                              details={"joined_by": "tuple", "scrapes": [1, 2]})
     return span, verdict
 
@@ -164,10 +164,13 @@ def check_daemon_reads(store: Store) -> None:
     from auditor.store.retention import prune_table
 
     span, verdict = _judged_span_and_verdict()
+    forgotten = Forgotten(store, "h", holds=lambda trace_id, root_id: False, horizon_start=lambda: 0)
     store.insert_spans([span])
     store.upsert_verdicts([verdict])
     store.upsert_verdicts([verdict])  # the second replaces the first
-    spans, requests = Forgotten(store, "h").recall("c" * 32)
+    assert forgotten.traces(["c" * 32, "d" * 32]) == {"c" * 32}
+    assert forgotten.by_request_id(["req-c", "req-d"]) == {"req-c": "c" * 32}
+    spans, requests = forgotten.recall("c" * 32)
     assert spans == [span] and spans[0].peer_rewritten is True
     assert [r.written for r in requests] == [verdict] and requests[0].written.tokens_exact is True
     assert prune_table(store, "spans", "end_ns", host="h", older_than_ns=3, batch_rows=10) == 1

@@ -131,7 +131,11 @@ class Correlator:
         self._open: dict[RequestKey, OpenRequest] = {}
         self._settled: dict[str, dict[str, OpenRequest]] = {}  # a late span reopens them (by trace id)
         self._settled_by_request_id: dict[str, RequestKey] = {}  # engine spans in traces of their own
-        self.forgotten = Forgotten(store, host)  # settled traces no longer in memory
+        # Settled traces no longer in memory, as the store tells.
+        self.forgotten = Forgotten(store, host, self._holds, lambda: self.clock() - HORIZON_NS)
+        # Of the spans being added: the forgotten traces among theirs, and by engine request id.
+        self._forgotten_traces: set[str] = set()
+        self._forgotten_by_request_id: dict[str, str] = {}
         self.live = LiveState()
         # Server spans whose connection's kernel events may still come: (end, arrival, span), a heap.
         self._unchecked_spans: list[tuple[int, int, SpanRecord]] = []
@@ -224,8 +228,7 @@ class Correlator:
         if self._feed is not None and not self._reading_store:
             spans = self._feed.take()
             if spans is not None:
-                for span in spans:
-                    self._add_span(span, arrived_ns)
+                self._add_spans(spans, arrived_ns)
                 return
             log.warning("spans arrived faster than correlation rounds took them; catching up from the store")
             self._feed.rearm()  # before the read: a span committed meanwhile comes both ways, and is known once
@@ -234,16 +237,37 @@ class Correlator:
         with self.store.connect() as conn:
             # Only this host's: with several daemons on one database each judges its own requests.
             rows = conn.all(_NEW_SPANS, {"cursor": self._span_cursor, "host": self.host})
-        for row in rows:
-            self._span_cursor = row[0]
-            self._add_span(span_from_values(row[1:]), arrived_ns)
+        self._add_spans([span_from_values(row[1:]) for row in rows], arrived_ns, ids=[row[0] for row in rows])
         if len(rows) < READ_ROWS:
             self._reading_store = False  # caught up: from now on the feed, where there is one
             self._backlog = False
 
+    def _add_spans(self, spans: list[SpanRecord], arrived_ns: int, ids: list[int] | None = None) -> None:
+        """New spans; those of traces whose settled requests left memory bring them back first. The
+        store says which traces those are, for the whole batch at once. ``ids``: the spans' row ids,
+        the read cursor moved past each as it is taken (one that fails is not read again)."""
+        if not spans:
+            return
+        self._forgotten_traces = self.forgotten.traces(
+            {span.trace_id for span in spans if span.trace_id not in self._settled})
+        self._forgotten_by_request_id = self.forgotten.by_request_id(
+            {candidate for span in spans if span.role is SpanRole.ENGINE and span.request_id
+             for candidate in _settled_request_ids(span.request_id)})
+        try:
+            for index, span in enumerate(spans):
+                if ids is not None:
+                    self._span_cursor = ids[index]
+                if span.trace_id in self._forgotten_traces:
+                    self._recall(span.trace_id, arrived_ns, arriving=span.span_id)
+                self._add_span(span, arrived_ns)
+        finally:
+            self._forgotten_traces, self._forgotten_by_request_id = set(), {}
+
+    def _holds(self, trace_id: str, root_id: str) -> bool:
+        """Whether a request is in memory: open, or its trace settled and held."""
+        return trace_id in self._settled or (trace_id, root_id) in self._open
+
     def _add_span(self, span: SpanRecord, arrived_ns: int) -> None:
-        if span.trace_id in self.forgotten:
-            self._recall(span.trace_id, arrived_ns, arriving=span.span_id)
         span = _lean(span)
         if not self.spans.add(span, arrived_ns):
             return
@@ -333,6 +357,10 @@ class Correlator:
         """Bring a settled trace back from the store: its spans (but the ``arriving`` one, already
         stored, which is new evidence), and its requests as settled."""
         spans, requests = self.forgotten.recall(trace_id)
+        self._forgotten_traces.discard(trace_id)  # once: its requests are held from now on
+        if trace_id in self._forgotten_by_request_id.values():
+            self._forgotten_by_request_id = {request_id: trace for request_id, trace
+                                             in self._forgotten_by_request_id.items() if trace != trace_id}
         for span in spans:
             if span.span_id == arriving:
                 continue
@@ -355,13 +383,11 @@ class Correlator:
     def _reopen_by_request_id(self, engine_request_id: str) -> None:
         """An engine span whose request came without ``traceparent`` is a trace of its own (vLLM
         does this); it reaches its settled request through the id the engine derived."""
-        for prefix in ("", "cmpl-", "chatcmpl-"):
-            if not engine_request_id.startswith(prefix):
-                continue
-            forgotten = self.forgotten.trace_of(engine_request_id[len(prefix):])
+        for request_id in _settled_request_ids(engine_request_id):
+            forgotten = self._forgotten_by_request_id.pop(request_id, None)
             if forgotten is not None:
                 self._recall(forgotten, self.clock())
-            key = self._settled_by_request_id.pop(engine_request_id[len(prefix):], None)
+            key = self._settled_by_request_id.pop(request_id, None)
             request = self._settled.get(key[0], {}).pop(key[1], None) if key else None
             if request is not None:
                 self._open[request.key] = request
@@ -581,12 +607,9 @@ class Correlator:
         # settled requests are remembered by trace id until the horizon, and recalled if need be.
         self.spans.prune(memory_cutoff, keep={key[0] for key in self._open})
         # From the trace whose request settled first, up to the first one still in its window.
-        for trace_id, settled in drop_front(
+        for _trace_id, settled in drop_front(
                 self._settled, lambda requests: all(r.origin().ts_ns < memory_cutoff for r in requests.values())):
-            requests = list(self._unsettle(settled))
-            if requests and max(r.origin().ts_ns for r in requests) >= cutoff:
-                self.forgotten.add(trace_id, requests)
-        self.forgotten.prune(cutoff)
+            self._unsettle(settled)
         # A close's count ("ev:<event id>") guards against counting it again after a restart, which
         # reads the events after the saved position again: those at or before it need no guard.
         self._counted = {detail: ts for detail, ts in self._counted.items()
@@ -622,6 +645,13 @@ def _event_at_or_before(detail: str, position: int | None) -> bool:
         return False
     number = detail[3:].split(":", 1)[0]
     return number.isdigit() and int(number) <= position
+
+
+def _settled_request_ids(engine_request_id: str) -> list[str]:
+    """The request ids a settled request may hold for an engine's request id: the id itself, and
+    the id less the prefix the OpenAI server adds (vLLM's \"cmpl-\" and \"chatcmpl-\")."""
+    return [engine_request_id[len(prefix):] for prefix in ("", "cmpl-", "chatcmpl-")
+            if engine_request_id.startswith(prefix)]
 
 
 def _lean(span: SpanRecord) -> SpanRecord:

@@ -2,25 +2,24 @@
 
 Holding every span of the horizon (15 minutes) in memory made the daemon grow with its request
 rate, about 5 KB a request: at 100 requests/s, past any sane memory limit within ten minutes. The
-correlator holds the spans of a settled request only for its late-span window and a margin; after
-that it keeps just the trace id (and the engine's request id), here. A span that arrives later for such a
-trace (vLLM's span for a request its client left long ago, sent when the work at last ended) brings
-the trace's stored spans and verdicts back from the store, and the request is judged again as if
-it had never left memory. The store keeps everything of the horizon anyway: this is a cache policy.
+correlator holds a settled request only for its late-span window and a margin. A span that arrives
+later for its trace (vLLM's span for a request its client left long ago, sent when the work at last
+ended) brings the trace's stored spans and verdicts back from the store, and the request is judged
+again as if it had never left memory.
 
-What stays is the one thing that grows with the horizon at a steady request rate (a forgotten trace
-for each request a client closed), so it is kept small: a trace id as the number its hex digits
-spell (``auditor.correlate.ids``), the engine's request id as its hash (a collision only
-recalls a trace that is then judged again as it was), and the time a trace is kept by, rounded up
-to the second, one object for all the traces of that second.
+Which traces those are is the store's to say, not memory's: every settled request has its verdict
+row. A trace is forgotten when this run wrote a verdict of it that the correlator no longer holds,
+its requests disconnected within the horizon. Asking costs one indexed query for all of a round's
+new spans; remembering them cost about 110 bytes a request for the whole horizon, the one part of
+the correlator's memory that grew with it (9 MiB at 100 req/s by the fifteenth minute).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from auditor.correlate.ids import HexKey, hex_key, hex_text
-from auditor.correlate.prune import drop_front
 from auditor.correlate.requests import Disconnect, OpenRequest
 from auditor.correlate.traces import norm_addr
 from auditor.model import Phase, RequestVerdict, SpanRecord, Verdict
@@ -32,55 +31,65 @@ _TRACE_SPANS = f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE trace_id = :t
 # A trace's requests: their keys are "host/trace/root", so the trace's keys lie between two texts.
 _TRACE_VERDICTS = (f"SELECT {', '.join(_VERDICT_COLUMNS)} FROM verdicts "
                    "WHERE request_key >= :first AND request_key < :after")
-_S = 1_000_000_000
+# This run's verdicts of some traces (by trace id or by the engine's request id): the candidates.
+_WRITTEN = ("SELECT {match}, request_key, disconnect_at_ns FROM verdicts "
+            "WHERE host = :host AND updated_ns >= :since AND {match} IN ({names})")
+_CHUNK = 400  # ids a query: far below any driver's parameter limit
+
+# Whether the correlator holds a request (by trace id and root span id): open, or settled in memory.
+Holds = Callable[[str, str], bool]
 
 
 class Forgotten:
-    def __init__(self, store: Store, host: str) -> None:
+    """The settled traces the correlator no longer holds, as the store tells, and their recall."""
+
+    def __init__(self, store: Store, host: str, holds: Holds, horizon_start: Callable[[], int]) -> None:
         self.store = store
         self.host = host
-        # Both in the order traces were forgotten, oldest first give or take a pruning pass, so that
-        # pruning stops at the first trace it keeps: rebuilding them every pass, tens of thousands
-        # of entries at 100 req/s, made the correlator's rounds cost more the longer it ran.
-        self._traces: dict[HexKey, int] = {}  # trace key -> its requests' first disconnect, to the second
-        self._request_ids: dict[int, HexKey] = {}  # hash of the engine's request id -> trace key
-        self._second = 0  # the latest of those seconds: traces forgotten in the same second share it
+        self.holds = holds
+        self.horizon_start = horizon_start  # requests that disconnected before it are not recalled
+        # This run's: verdicts written from now on. A restarted daemon reads the horizon's spans
+        # back without the requests it settled before (they stay as written, as they did).
+        self.since_ns = time.time_ns()
         self.recalled = 0
 
-    def __len__(self) -> int:
-        return len(self._traces)
+    def traces(self, trace_ids: Iterable[str]) -> set[str]:
+        """Those of ``trace_ids`` that are forgotten."""
+        return set(self._find("trace_id", set(trace_ids)).values())
 
-    def __contains__(self, trace_id: str) -> bool:
-        return hex_key(trace_id) in self._traces
+    def by_request_id(self, request_ids: Iterable[str]) -> dict[str, str]:
+        """Request ids (the engine's, as settled verdicts hold them) -> their forgotten trace."""
+        return self._find("request_id", set(request_ids))
 
-    def add(self, trace_id: str, requests: list[OpenRequest]) -> None:
-        key = hex_key(trace_id)
-        first = min(r.origin().ts_ns for r in requests)
-        second = -(-first // _S) * _S  # up: a trace is kept a little longer, never less
-        if second == self._second:
-            second = self._second
-        self._second = second
-        self._traces.pop(key, None)  # forgotten again (recalled, then settled): to the end of the line
-        self._traces[key] = second
-        for request in requests:
-            if request.written is not None and request.written.request_id:
-                request_key = hash(request.written.request_id)
-                self._request_ids.pop(request_key, None)
-                self._request_ids[request_key] = key
-
-    def trace_of(self, request_id: str) -> str | None:
-        key = self._request_ids.get(hash(request_id))
-        return None if key is None or key not in self._traces else hex_text(key)
-
-    def prune(self, cutoff_ns: int) -> None:
-        """Forget traces whose requests left before ``cutoff_ns``, from the oldest on, up to the first
-        one kept (a trace forgotten later that left earlier goes a pass or so after its time)."""
-        drop_front(self._traces, lambda first_disconnect: first_disconnect < cutoff_ns)
-        drop_front(self._request_ids, lambda trace_id: trace_id not in self._traces)
+    def _find(self, match: str, values: set[str]) -> dict[str, str]:
+        """``match`` value -> trace id, for the forgotten traces of this run's verdict rows."""
+        values.discard("")
+        if not values:
+            return {}
+        rows: list[Any] = []
+        ordered = sorted(values)
+        with self.store.connect() as conn:
+            for i in range(0, len(ordered), _CHUNK):
+                chunk = ordered[i:i + _CHUNK]
+                params: dict[str, Any] = {f"v{j}": value for j, value in enumerate(chunk)}
+                params |= {"host": self.host, "since": self.since_ns}
+                rows += conn.all(_WRITTEN.format(match=match, names=", ".join(f":v{j}" for j in range(len(chunk)))),
+                                 params)
+        # A trace is forgotten while every request of it that memory does not hold disconnected
+        # within the horizon (one older than it leaves the trace to the store for good).
+        cutoff = self.horizon_start()
+        by_trace: dict[str, bool] = {}
+        found: dict[str, str] = {}
+        for value, request_key, disconnect_ns in rows:
+            _host, trace_id, root_id = request_key.rsplit("/", 2)
+            if self.holds(trace_id, root_id):
+                continue
+            by_trace[trace_id] = by_trace.get(trace_id, True) and disconnect_ns >= cutoff
+            found[value] = trace_id
+        return {value: trace_id for value, trace_id in found.items() if by_trace[trace_id]}
 
     def recall(self, trace_id: str) -> tuple[list[SpanRecord], list[OpenRequest]]:
-        """The trace's stored spans and its settled requests as they were written; forgotten no more."""
-        self._traces.pop(hex_key(trace_id), None)
+        """The trace's stored spans and its settled requests as they were written."""
         self.recalled += 1
         prefix = f"{self.host}/{trace_id}/"
         with self.store.connect() as conn:

@@ -155,6 +155,9 @@ verdicts = Table(
     Index("uq_verdicts_request_key", "request_key", unique=True),
     Index("ix_verdicts_disconnect", "disconnect_at_ns"),
     Index("ix_verdicts_verdict", "verdict"),
+    # The correlator's questions about traces it no longer holds (auditor.correlate.recall).
+    Index("ix_verdicts_trace_id", "trace_id"),
+    Index("ix_verdicts_request_id", "request_id"),
 )
 
 # Counts of what could not become a verdict, per host and moment, summed over any window.
