@@ -69,9 +69,9 @@ def test_a_request_registered_again_replaces_its_disconnect() -> None:
     loads.prune(at(1.0))  # A's registration leaves with the horizon; B's stays
     # B, registered again, went to the end of the line: pruning from the first registration on
     # reached A (which it would not, past a B still at the front).
-    assert list(loads._disconnects[PORT]) == ["B"]
-    assert loads._disconnect_times[PORT] == [at(1.2995)]
-    assert loads._connected_until[PORT] == [at(1.31) + CLOCK_ERROR]
+    assert list(loads._disconnects[PORT]) == [hash("B")]
+    assert list(loads._disconnect_times[PORT]) == [at(1.2995)]
+    assert list(loads._connected_until[PORT]) == [at(1.31) + CLOCK_ERROR]
 
 
 @pytest.mark.parametrize("guarded", [True, False], ids=["arrivals-skipped", "arrivals-counted"])

@@ -192,9 +192,8 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
         return None
     hop = hops[-1]
     disconnect = request.disconnects.get(span_tuple(hop), origin).ts_ns
-    key = f"{request.key[0]}/{request.key[1]}"
     port = hop.server_port or 0
-    corr.loads.register(port, key, disconnect, connected_until_ns=hop.end_ns + CLOCK_ERROR_NS)
+    corr.loads.register(port, request.key, disconnect, connected_until_ns=hop.end_ns + CLOCK_ERROR_NS)
     ended = corr.loads.work_end(port, disconnect, max(disconnect, hop.start_ns),
                                 lambda start, end: corr.connected_at(port, start - CLOCK_ERROR_NS,
                                                                      end + CLOCK_ERROR_NS),

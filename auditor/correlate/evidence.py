@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from array import array
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from auditor.correlate.prune import drop_front
@@ -70,16 +71,40 @@ class MetricsEnd:
     read_until_ns: int | None = None  # the latest moment the scrapes that decided it span
 
 
+def _times() -> array[int]:
+    """Nanosecond times kept for the horizon: 8-byte integers (an int object in a list takes 40)."""
+    return array("q")
+
+
+_NO_TIMES = _times()  # read only
+_HALF = 1 << 64
+
+
+def _pair(first: int, second: int) -> int:
+    """Two nanosecond times (within 64 bits each) as one number: 44 bytes where a tuple of them takes 120."""
+    return first * _HALF + (second % _HALF)
+
+
+def _unpair(pair: int) -> tuple[int, int]:
+    first, second = divmod(pair, _HALF)
+    return first, second - _HALF if second >= _HALF // 2 else second
+
+
 class EngineLoads:
     """Recent scrapes per inference port, and the disconnected requests that may own their orphans."""
 
     def __init__(self) -> None:
         self._loads: dict[int, list[EngineLoad]] = defaultdict(list)
-        # port -> request -> (its disconnect, until when the connected count holds its span)
-        self._disconnects: dict[int, dict[str, tuple[int, int]]] = defaultdict(dict)
-        self._disconnect_times: dict[int, list[int]] = defaultdict(list)  # port -> those disconnects, sorted
-        self._connected_until: dict[int, list[int]] = defaultdict(list)  # port -> their "until", alike
-        self._departures: dict[int, list[int]] = defaultdict(list)  # port -> every client close (kernel)
+        # Registrations are kept for the horizon, one a disconnected request: as numbers, not objects.
+        # port -> hash of the request -> its disconnect and until when the connected count holds its
+        # span, as one number (``_pair``); two of the horizon's requests would have to share a
+        # 64-bit hash for one to take the other's place.
+        self._disconnects: dict[int, dict[int, int]] = defaultdict(dict)
+        self._disconnect_times: dict[int, array[int]] = defaultdict(_times)  # port -> those disconnects, sorted
+        self._connected_until: dict[int, array[int]] = defaultdict(_times)  # port -> their "until", alike
+        # port -> every client close (kernel), sorted; kept for the horizon, one a request: 8-byte
+        # integers in an array, not int objects in a list (40 bytes each)
+        self._departures: dict[int, array[int]] = defaultdict(_times)
         self._departed: dict[tuple[str, int, int], int] = {}  # connection -> its last close
         # The earliest moment any change concerns (a scrape, a close, a registered disconnect)
         # since the correlator last took it: verdicts that read nothing that old stay as they are.
@@ -138,16 +163,18 @@ class EngineLoads:
     def watched(self, port: int) -> bool:
         return bool(self._loads.get(port))
 
-    def register(self, port: int, request: str, disconnect_ns: int, connected_until_ns: int | None = None) -> None:
+    def register(self, port: int, request: Hashable, disconnect_ns: int, connected_until_ns: int | None = None) -> None:
         """A disconnected request that may own orphans; ``connected_until_ns``: the connected count
         (``connected_at`` in ``work_end``) holds its server span at every scrape up to then (its
         span's end and the clock error), so no scrape before then counts it as an orphan too."""
         until = disconnect_ns - 1 if connected_until_ns is None else connected_until_ns
-        known = self._disconnects[port].get(request)
-        if known == (disconnect_ns, until):
+        key, registered = hash(request), _pair(disconnect_ns, until)
+        packed = self._disconnects[port].get(key)
+        if packed == registered:
             return
         times, untils = self._disconnect_times[port], self._connected_until[port]
-        if known is not None:
+        if packed is not None:
+            known = _unpair(packed)
             index = bisect.bisect_left(times, known[0])
             while index < len(times) and times[index] == known[0] and untils[index] != known[1]:
                 index += 1
@@ -155,8 +182,8 @@ class EngineLoads:
                 del times[index], untils[index]
             self._changed(known[0])
         self._changed(disconnect_ns)
-        self._disconnects[port].pop(request, None)  # to the end: in registration order, for prune
-        self._disconnects[port][request] = (disconnect_ns, until)
+        self._disconnects[port].pop(key, None)  # to the end: in registration order, for prune
+        self._disconnects[port][key] = registered
         index = bisect.bisect_right(times, disconnect_ns)
         times.insert(index, disconnect_ns)
         untils.insert(index, until)
@@ -194,7 +221,7 @@ class EngineLoads:
                                     key=lambda item: item.ts_ns)
         # Requests that left after this one (its own disconnect is not after itself): counted by
         # bisection, the registered requests being every disconnected one of the horizon.
-        times, untils = self._disconnect_times.get(port, []), self._connected_until.get(port, [])
+        times, untils = self._disconnect_times.get(port, _NO_TIMES), self._connected_until.get(port, _NO_TIMES)
         left_before = bisect.bisect_right(times, disconnect_ns)
         # Of those that left after this one and by the scrape, the ones whose span the connected
         # count still holds there are no orphans of it: counted as both, one claimed this request's
@@ -256,7 +283,7 @@ class EngineLoads:
                 first.ts_ns, first.answered_ns or first.ts_ns):
             return False
         since = series[before - 1].ts_ns if before > 0 else first.ts_ns - ABORT_LOOKBACK_NS
-        closes = self._departures.get(port, [])
+        closes = self._departures.get(port, _NO_TIMES)
         for last in series[after:after + 2]:
             left = bisect.bisect_right(closes, last.ts_ns) - bisect.bisect_right(closes, since)
             if last.aborted is not None and left > 0 and last.aborted - aborted_before >= left:
@@ -273,7 +300,7 @@ class EngineLoads:
         # Registrations and last closes go from the first made up to the first kept: they are made in
         # about time order, and a pass then touches only what it forgets.
         for port, requests in list(self._disconnects.items()):
-            drop_front(requests, lambda registered: registered[0] < cutoff_ns)
+            drop_front(requests, lambda registered: _unpair(registered)[0] < cutoff_ns)
             times, untils = self._disconnect_times[port], self._connected_until[port]
             gone = bisect.bisect_left(times, cutoff_ns)
             del times[:gone], untils[:gone]
