@@ -604,12 +604,12 @@ class Correlator:
         self._next_prune_ns = now + PRUNE_EVERY_NS
         cutoff, memory_cutoff = now - HORIZON_NS, now - self.memory_ns
         # Spans of traces with no open request leave memory after the late-span window and a margin; their
-        # settled requests are remembered by trace id until the horizon, and recalled if need be.
+        # settled requests too, which the store's verdicts bring back if need be (auditor.correlate.recall).
         self.spans.prune(memory_cutoff, keep={key[0] for key in self._open})
         # From the trace whose request settled first, up to the first one still in its window.
         for _trace_id, settled in drop_front(
                 self._settled, lambda requests: all(r.origin().ts_ns < memory_cutoff for r in requests.values())):
-            self._unsettle(settled)
+            self._unsettle(settled)  # no longer found by request id either
         # A close's count ("ev:<event id>") guards against counting it again after a restart, which
         # reads the events after the saved position again: those at or before it need no guard.
         self._counted = {detail: ts for detail, ts in self._counted.items()
