@@ -2,7 +2,10 @@
  *   sock:inet_sock_set_state  -> peer_fin, local_fin, closed
  *   tcp:tcp_receive_reset     -> peer_rst
  * A reset also moves the socket to CLOSE, which is reported as `closed`, never as a second
- * peer_rst: peer_rst comes from tcp_receive_reset alone.
+ * peer_rst: peer_rst comes from tcp_receive_reset alone. A socket whose server closed first
+ * (local_fin) reaches CLOSE from FIN_WAIT1, FIN_WAIT2 or CLOSING: that close is not reported, the
+ * local_fin already says the connection ended on the server's side (one record a connection on
+ * the commonest close, the server's, instead of two).
  *
  * Only server-side sockets are reported: the local port (sport) must be in watched_ports, which
  * user space updates at run time. Loopback clients of a watched port have it as dport, not sport.
@@ -33,10 +36,12 @@
 #define TCP_ESTABLISHED_ 1
 #define TCP_SYN_RECV_ 3
 #define TCP_FIN_WAIT1_ 4
+#define TCP_FIN_WAIT2_ 5
 #define TCP_CLOSE_ 7
 #define TCP_CLOSE_WAIT_ 8
 #define TCP_LAST_ACK_ 9
 #define TCP_LISTEN_ 10
+#define TCP_CLOSING_ 11
 #define AF_INET_ 2
 #define AF_INET6_ 10
 #define IPPROTO_TCP_ 6
@@ -118,8 +123,9 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     } else if (newstate == TCP_LAST_ACK_ && oldstate == TCP_CLOSE_WAIT_) {
         note_server(sport); /* the server's close() after the client's FIN: no event */
         return 0;
-    } else if (newstate == TCP_CLOSE_ && oldstate != TCP_LISTEN_) {
-        kind = EVENT_CLOSED; /* a listener closing is not a connection */
+    } else if (newstate == TCP_CLOSE_ && oldstate != TCP_LISTEN_ && oldstate != TCP_FIN_WAIT1_
+               && oldstate != TCP_FIN_WAIT2_ && oldstate != TCP_CLOSING_) {
+        kind = EVENT_CLOSED; /* a listener closing is not a connection; after local_fin: not news */
     } else {
         return 0;
     }

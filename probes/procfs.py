@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 OPEN = {0x01, 0x03}  # ESTABLISHED, SYN_RECV
 PEER_CLOSED = {0x08, 0x09}  # CLOSE_WAIT, LAST_ACK
 LOCAL_CLOSED = {0x04, 0x05, 0x0B}  # FIN_WAIT1, FIN_WAIT2, CLOSING
-DONE = {0x06, 0x07}  # TIME_WAIT, CLOSE: the full socket is gone (the probe reports `closed` here)
+DONE = {0x06, 0x07}  # TIME_WAIT, CLOSE: the full socket is gone
 LISTEN = 0x0A
 # Up to this many known sockets, asking for each (a hash lookup, ~15 us) beats a dump.
 LOOKUPS_INSTEAD_OF_DUMP = 8
@@ -62,19 +62,18 @@ def _phase(state: int | None) -> str:
 
 P, R, L, C = (ConnEventKind.PEER_FIN, ConnEventKind.PEER_RST, ConnEventKind.LOCAL_FIN,
               ConnEventKind.CLOSED)
-# (phase before, phase now) -> events; "new" is a socket first seen after the baseline.
+# (phase before, phase now) -> events; "new" is a socket first seen after the baseline. As the
+# probe does, a socket the server closed first ends with its local_fin: no `closed` after it.
 TRANSITIONS: dict[tuple[str, str], tuple[ConnEventKind, ...]] = {
     ("open", "peer_closed"): (P,),
     ("open", "local_closed"): (L,),
-    ("open", "done"): (L, C),
+    ("open", "done"): (L,),
     ("open", "gone"): (R, C),  # reset, or FIN both ways within one interval: cannot tell
     ("peer_closed", "done"): (C,),
     ("peer_closed", "gone"): (C,),
-    ("local_closed", "done"): (C,),
-    ("local_closed", "gone"): (C,),
     ("new", "peer_closed"): (P,),
     ("new", "local_closed"): (L,),
-    ("new", "done"): (L, C),
+    ("new", "done"): (L,),
 }
 
 

@@ -521,13 +521,16 @@ def test_client_that_resets_before_the_server_reads_the_request(store: Store) ->
     assert row.verdict == "aborted" and row.disconnect_kind == "rst" and abs(row.lag_seconds - 0.0006) < 1e-6
 
 
-def test_a_close_between_a_disconnect_and_a_later_span_means_another_connection(store: Store) -> None:
+@pytest.mark.parametrize("server_close", [ConnEventKind.CLOSED, ConnEventKind.LOCAL_FIN])
+def test_a_close_between_a_disconnect_and_a_later_span_means_another_connection(
+        store: Store, server_close: ConnEventKind) -> None:
     clock = Clock()
     # The server closed the socket the client left, then, once the client's TIME_WAIT could be
     # taken over, a new connection on the same 4-tuple carried a request that completed: not the
-    # one the client left.
+    # one the client left. A connection the server closes first ends with its local_fin (no
+    # `closed` follows it from either source): that close counts the same.
     store.insert_spans([http_span("r", 1.5, 1.6)])
-    store.insert_conn_events([close(0.0), close(0.01, ConnEventKind.CLOSED)])
+    store.insert_conn_events([close(0.0), close(0.01, server_close)])
     clock.now = T0 + 3 * S
     make(store, clock).tick()
     assert verdicts(store) == []

@@ -186,6 +186,8 @@ class Correlator:
             _append(self._closed_by_tuple, tuple4, ts_ns)
         elif event_kind == _LOCAL_FIN:  # the server closed first: evidence of completion
             _append(self._local_fin_by_tuple, tuple4, ts_ns)
+            # and the server's socket closed: sources report no `closed` after a local_fin
+            _append(self._closed_by_tuple, tuple4, ts_ns)
         elif event_kind in _DEPARTURES:
             self.loads.note_departure(tuple4, ts_ns, self.local_fins(tuple4))
 
