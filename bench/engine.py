@@ -13,9 +13,17 @@ Run: .venv/bin/python bench/engine.py [--step-ms 20] [--tokens 32]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
+
+# This script's own tree first (not the one the virtualenv was installed from), unless
+# PYTHONPATH names one.
+if not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from replay.engine.compute import ComputeBackend, ComputeUnavailable, make_backend
 from replay.engine.core import Engine, RequestHandle

@@ -11,10 +11,18 @@ first). The /proc fallback runs with both of its readers: sock_diag and /proc/ne
 from __future__ import annotations
 
 import argparse
+import os
 import socket
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+# This script's own tree first (not the one the virtualenv was installed from), unless
+# PYTHONPATH names one.
+if not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probes.procfs import ProcfsConnEventSource
 

@@ -37,6 +37,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+# This script's own tree first (not the one the virtualenv was installed from), unless
+# PYTHONPATH names one: the children --compare starts for another revision.
+if not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 # Parts of the template replaced in every request, so that each request carries new, realistic

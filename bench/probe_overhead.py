@@ -28,6 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+# This script's own tree first (not the one the virtualenv was installed from), unless
+# PYTHONPATH names one: the children --compare starts for another revision.
+if not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 REQUEST = b"GET / HTTP/1.1\r\nHost: bench\r\n\r\n"
 LAST_REQUEST = b"GET / HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n"
 

@@ -14,10 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sqlite3
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+# This script's own tree first (not the one the virtualenv was installed from), unless
+# PYTHONPATH names one.
+if not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from auditor.model import (
     ConnEvent,
