@@ -152,8 +152,9 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def http_round(address: tuple[str, int], clients: int, seconds: float, server_pid: int,
-               per_connection: int = 1) -> tuple[float, float]:
-    """Requests per second, and CPU seconds per request of server, clients and this process.
+               per_connection: int = 1) -> tuple[float, float, float, int]:
+    """Requests per second; CPU seconds per request of server, clients and this process; of this
+    process alone (the reader); and the requests done.
 
     The CPU figure counts only the processes of the benchmark, so it holds on a machine shared
     with other work, where requests per second swing by several percent from round to round.
@@ -172,7 +173,7 @@ def http_round(address: tuple[str, int], clients: int, seconds: float, server_pi
         worker.join()
     requests = sum(done for done, _ in reports)
     cpu = server_cpu + own_cpu + sum(client_cpu for _, client_cpu in reports)
-    return requests / seconds, cpu / max(requests, 1)
+    return requests / seconds, cpu / max(requests, 1), own_cpu / max(requests, 1), requests
 
 
 def loopback_listener() -> tuple[socket.socket, tuple[str, int]]:
@@ -194,7 +195,9 @@ def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) 
     configs = ("without", "probe", "probe+store")
     rates: dict[str, list[float]] = {name: [] for name in configs}
     cpu_per_request: dict[str, list[float]] = {name: [] for name in configs}
+    reader_cpu: dict[str, list[float]] = {name: [] for name in configs}  # this process, per request
     events = lost = 0
+    requests_probed = 0
     try:
         time.sleep(1.5)  # uvicorn start-up
         http_round(address, args.clients, 1.0, server.pid)  # warm-up
@@ -202,24 +205,27 @@ def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) 
             # Rotate the order each round so drift in the machine's load falls on all three.
             for name in configs[round_index % 3:] + configs[:round_index % 3]:
                 if name == "without":
-                    rate, cpu = http_round(address, args.clients, args.seconds, server.pid,
-                                   per_connection)
+                    rate, cpu, own, _ = http_round(address, args.clients, args.seconds, server.pid,
+                                                   per_connection)
                     rates[name].append(rate)
                     cpu_per_request[name].append(cpu)
+                    reader_cpu[name].append(own)
                     continue
                 source = BpfConnEventSource([address[1]])  # loaded fresh, detached after
                 source.start()
                 consumer = Consumer(source, ConnEventWriter(store) if name == "probe+store" else None)
                 consumer.thread.start()
-                rate, cpu = http_round(address, args.clients, args.seconds, server.pid,
-                                   per_connection)
+                rate, cpu, own, requests = http_round(address, args.clients, args.seconds, server.pid,
+                                                      per_connection)
                 drain_before = sum(cpu_seconds())
                 consumer.stopping.set()
                 consumer.thread.join()
                 # The reader's final drain after the round belongs to the round's requests.
-                cpu += (sum(cpu_seconds()) - drain_before) / max(rate * args.seconds, 1)
+                final_drain = (sum(cpu_seconds()) - drain_before) / max(requests, 1)
                 rates[name].append(rate)
-                cpu_per_request[name].append(cpu)
+                cpu_per_request[name].append(cpu + final_drain)
+                reader_cpu[name].append(own + final_drain)
+                requests_probed += requests
                 events += consumer.received
                 lost += source.lost_events()
                 source.stop()
@@ -229,6 +235,8 @@ def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) 
         store.close()
     return {**{name: statistics.median(values) for name, values in rates.items()},
             **{f"{name} cpu": statistics.median(values) for name, values in cpu_per_request.items()},
+            **{f"{name} reader cpu": statistics.median(values) for name, values in reader_cpu.items()},
+            "events per request": events / max(requests_probed, 1),
             **{f"{name} rounds": " ".join(f"{value:,.0f}" for value in values)
                for name, values in rates.items()},
             "events": events, "lost": lost}
@@ -489,6 +497,13 @@ def http_rows(http: dict[str, Any]) -> list[tuple[str, str, str]]:
          f"capacity ratio {http['without cpu'] / http['probe cpu']:.3f}"),
         ("CPU per request, probe + store", f"{http['probe+store cpu'] * 1e6:.0f} µs",
          f"capacity ratio {http['without cpu'] / http['probe+store cpu']:.3f}"),
+        # The reader's own CPU is measured in this process alone, without the noise of the server's
+        # and clients' (which swing by several percent a round): what the probe adds in user space.
+        ("reader CPU per request, polled", f"{http['probe reader cpu'] * 1e6:.1f} µs",
+         f"{http['events per request']:.2f} events a request; "
+         f"{http['probe reader cpu'] / http['without cpu']:.2%} of a request without the probe"),
+        ("reader CPU per request, + store", f"{http['probe+store reader cpu'] * 1e6:.1f} µs",
+         f"{http['probe+store reader cpu'] / http['without cpu']:.2%} of a request without the probe"),
     ]
 
 
