@@ -182,10 +182,14 @@ async def paced_load(port: int, rate: float, seconds: float, cancel_every: int) 
 
 
 @contextlib.contextmanager
-def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_port: int, live: int) -> Iterator[subprocess.Popen[bytes]]:
-    """``auditor run`` from the code in ``tree``, until it answers /metrics."""
-    command = [sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{db}", "--otlp-http", f"127.0.0.1:{otlp}",
-               "--otlp-grpc", "", "--metrics", f"127.0.0.1:{metrics_port}", "--live", f"127.0.0.1:{live}",
+def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_port: int, live: int,
+                   protocol: str = "http") -> Iterator[subprocess.Popen[bytes]]:
+    """``auditor run`` from the code in ``tree``, until it answers /metrics; its OTLP receiver on
+    ``otlp`` speaks ``protocol`` (the other one is off)."""
+    receivers = ["--otlp-http", f"127.0.0.1:{otlp}", "--otlp-grpc", ""] if protocol == "http" else \
+        ["--otlp-http", "", "--otlp-grpc", f"127.0.0.1:{otlp}"]
+    command = [sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{db}", *receivers,
+               "--metrics", f"127.0.0.1:{metrics_port}", "--live", f"127.0.0.1:{live}",
                "--grace", str(GRACE_S)]
     for port in ports:
         command += ["--port", str(port)]
@@ -248,9 +252,9 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
             "rss": rss, "peak": peak, "rss_series": rss_series, "spans": spans, "verdicts": verdicts, "threads": by_name}
 
 
-def print_load(load: dict[str, Any], rate: float) -> None:
+def print_load(load: dict[str, Any], rate: float, protocol: str = "http") -> None:
     print(f"\nDaemon under load ({load['sent']} requests, {load['achieved']:.0f} req/s achieved of {rate:.0f} asked, "
-          "10% cancelled)")
+          f"10% cancelled, spans over OTLP/{'HTTP' if protocol == 'http' else 'gRPC'})")
     print(f"  daemon CPU      {load['cpu_percent']:6.1f} % of one core ({load['cpu']:.2f} CPU-s over {load['wall']:.1f} s)")
     print(f"  daemon RSS      {load['rss']:6.1f} MiB now, {load['peak']:.1f} MiB peak; every 10 s: "
           + ", ".join(f"{mib:.0f}" for mib in load["rss_series"]))
@@ -297,6 +301,9 @@ def main() -> int:
                         "alternating with the working tree's (latency is not measured then)")
     parser.add_argument("--rounds", type=int, default=3, help="load runs of each tree with --compare")
     parser.add_argument("--live-load", action="store_true", help="the load's engine sends live notices too")
+    parser.add_argument("--otlp", choices=("http", "grpc"), default="http",
+                        help="how the engines export their spans, and the daemon's receiver (vLLM's "
+                             "exporter defaults to gRPC; the daemon then imports grpc)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (eBPF probe)")
@@ -309,24 +316,25 @@ def main() -> int:
 
         trees = {args.compare: export_tree(args.compare, work / "old"), "working tree": here}
     otlp, metrics_port, live = free_port(), free_port(), free_port(socket.SOCK_DGRAM)
-    with running_engine(behavior="detached", otlp=f"http://127.0.0.1:{otlp}", step_ms=10, max_batch=16,
+    export = f"{args.otlp}://127.0.0.1:{otlp}"
+    with running_engine(behavior="detached", otlp=export, step_ms=10, max_batch=16,
                         extra_args=["--live", f"127.0.0.1:{live}"]) as zombie_engine, \
-            running_engine(behavior="abort", otlp=f"http://127.0.0.1:{otlp}", step_ms=2, max_batch=64,
+            running_engine(behavior="abort", otlp=export, step_ms=2, max_batch=64,
                            extra_args=["--live", f"127.0.0.1:{live}"] if args.live_load else ()) as busy_engine:
         ports = [zombie_engine.port, busy_engine.port]
         if not args.compare:
             db = work / "auditor.db"
-            with running_daemon(here, db, ports, otlp, metrics_port, live) as daemon:
+            with running_daemon(here, db, ports, otlp, metrics_port, live, args.otlp) as daemon:
                 latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
                 load = measure_load(daemon, db, busy_engine.port, args)
             print_latencies(latencies, args.alarms)
-            print_load(load, args.rate)
+            print_load(load, args.rate, args.otlp)
             return 0
         results: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
         for round_no in range(1, args.rounds + 1):
             for index, (label, tree) in enumerate(trees.items()):
                 db = work / f"auditor-{round_no}-{index}.db"
-                with running_daemon(tree, db, ports, otlp, metrics_port, live) as daemon:
+                with running_daemon(tree, db, ports, otlp, metrics_port, live, args.otlp) as daemon:
                     time.sleep(2)  # past start-up
                     results[label].append(measure_load(daemon, db, busy_engine.port, args))
                 print(f"round {round_no} {label:<14} {results[label][-1]['cpu_percent']:.2f} % of one core, "
