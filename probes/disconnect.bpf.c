@@ -2,10 +2,15 @@
  *   sock:inet_sock_set_state  -> peer_fin, local_fin, closed
  *   tcp:tcp_receive_reset     -> peer_rst
  * A reset also moves the socket to CLOSE, which is reported as `closed`, never as a second
- * peer_rst: peer_rst comes from tcp_receive_reset alone. A socket whose server closed first
- * (local_fin) reaches CLOSE from FIN_WAIT1, FIN_WAIT2 or CLOSING: that close is not reported, the
- * local_fin already says the connection ended on the server's side (one record a connection on
- * the commonest close, the server's, instead of two).
+ * peer_rst: peer_rst comes from tcp_receive_reset alone. Two closes are not reported, as they
+ * tell nothing the connection's previous record did not (one record a connection instead of two):
+ *  - after a local_fin: the socket reaches CLOSE from FIN_WAIT1, FIN_WAIT2 or CLOSING;
+ *  - the one a received reset causes: tcp_reset() fires tcp_receive_reset, then moves the socket
+ *    to CLOSE, in the same softirq on the same CPU, with no other socket's transition between.
+ *    The reset handler leaves the socket's address in a per-CPU slot; the next transition on a
+ *    watched port on that CPU takes it (and clears it), and a CLOSE of that same socket is the
+ *    reset's own. A reset that finds the socket closed already (no transition follows) leaves a
+ *    slot that the next transition clears: it only ever matches its own socket's close.
  *
  * Only server-side sockets are reported: the local port (sport) must be in watched_ports, which
  * user space updates at run time. Loopback clients of a watched port have it as dport, not sport.
@@ -51,6 +56,7 @@ BPF_HASH(server_pids, u16, u32, 1024); /* server port -> tgid; user space delete
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost_events, u64, 1);
 BPF_PERCPU_ARRAY(unsignalled, u32, 1);
+BPF_PERCPU_ARRAY(reset_sock, u64, 1); /* the socket a reset was just received on, or 0 */
 
 static __always_inline void count_lost(void)
 {
@@ -112,6 +118,14 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     if (!watched_ports.lookup(&sport))
         return 0;
 
+    u32 zero = 0;
+    u64 reset = 0;
+    u64 *slot = reset_sock.lookup(&zero);
+    if (slot) {
+        reset = *slot;
+        *slot = 0;
+    }
+
     int oldstate = args->oldstate;
     int newstate = args->newstate;
     u8 kind = 0;
@@ -124,8 +138,9 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         note_server(sport); /* the server's close() after the client's FIN: no event */
         return 0;
     } else if (newstate == TCP_CLOSE_ && oldstate != TCP_LISTEN_ && oldstate != TCP_FIN_WAIT1_
-               && oldstate != TCP_FIN_WAIT2_ && oldstate != TCP_CLOSING_) {
-        kind = EVENT_CLOSED; /* a listener closing is not a connection; after local_fin: not news */
+               && oldstate != TCP_FIN_WAIT2_ && oldstate != TCP_CLOSING_
+               && reset != (u64)args->skaddr) {
+        kind = EVENT_CLOSED; /* not a listener; not after local_fin; not the reset's own close */
     } else {
         return 0;
     }
@@ -145,6 +160,11 @@ TRACEPOINT_PROBE(tcp, tcp_receive_reset)
     u16 sport = args->sport;
     if (!watched_ports.lookup(&sport))
         return 0;
+
+    u32 zero = 0;
+    u64 *slot = reset_sock.lookup(&zero);
+    if (slot)
+        *slot = (u64)args->skaddr; /* the CLOSE that follows is this reset's: see the top */
 
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
     if (!e) {

@@ -6,7 +6,7 @@ parsed from /proc/net/tcp and /proc/net/tcp6. What it cannot know, it says (docs
 event is an interval, not an instant: the socket was last seen unchanged at ``earliest_ns`` and
 first seen changed at ``ts_ns``, and joins and verdicts use both; a connection that vanishes from
 ESTABLISHED between two polls was either reset or closed by both sides within one interval, and is
-reported as ``peer_rst`` (then ``closed``); a connection that opens and closes within one interval
+reported as ``peer_rst``; a connection that opens and closes within one interval
 is never seen. Sockets present when a port starts being watched are taken as the baseline and
 produce no events.
 """
@@ -63,12 +63,13 @@ def _phase(state: int | None) -> str:
 P, R, L, C = (ConnEventKind.PEER_FIN, ConnEventKind.PEER_RST, ConnEventKind.LOCAL_FIN,
               ConnEventKind.CLOSED)
 # (phase before, phase now) -> events; "new" is a socket first seen after the baseline. As the
-# probe does, a socket the server closed first ends with its local_fin: no `closed` after it.
+# probe does, a socket the server closed first ends with its local_fin, and one the client reset
+# with its peer_rst: no `closed` after either.
 TRANSITIONS: dict[tuple[str, str], tuple[ConnEventKind, ...]] = {
     ("open", "peer_closed"): (P,),
     ("open", "local_closed"): (L,),
     ("open", "done"): (L,),
-    ("open", "gone"): (R, C),  # reset, or FIN both ways within one interval: cannot tell
+    ("open", "gone"): (R,),  # reset, or FIN both ways within one interval: cannot tell
     ("peer_closed", "done"): (C,),
     ("peer_closed", "gone"): (C,),
     ("new", "peer_closed"): (P,),

@@ -55,19 +55,24 @@ class Probe:
         return [e.kind for e in self.of(server_port, client_port)]
 
     def wait_closed(self, server_port: int, client_port: int) -> list[ConnEventKind]:
-        self.wait_for(lambda _: CLOSED in self.kinds(server_port, client_port))
+        """The connection's records once its last has come: `closed` after a FIN, the `peer_rst`
+        of a reset (its own close is not reported; a moment more lets one show if it were)."""
+        self.wait_for(lambda _: {CLOSED, PEER_RST} & set(self.kinds(server_port, client_port)))
+        if PEER_RST in self.kinds(server_port, client_port):
+            self.wait_for(lambda _: False, timeout_s=0.2)
         return self.kinds(server_port, client_port)
 
 
 def wait_time_wait(server_port: int, client_port: int, host: str = "127.0.0.1") -> None:
-    """Until the server's end of the connection is in TIME_WAIT (its full socket is closed)."""
+    """Until the server's end of the connection is in TIME_WAIT, or gone (a host out of TIME_WAIT
+    buckets closes it at once): either way its full socket went to CLOSE."""
     from probes.sockdiag import SockDiag
 
     diag = SockDiag()
     try:
         deadline = time.monotonic() + 5
-        while diag.state_of((4, host, server_port, host, client_port)) != TCP_TIME_WAIT:
-            assert time.monotonic() < deadline, "the server's socket never reached TIME_WAIT"
+        while (state := diag.state_of((4, host, server_port, host, client_port))) not in (TCP_TIME_WAIT, None):
+            assert time.monotonic() < deadline, f"the server's socket never reached TIME_WAIT (state {state})"
             time.sleep(0.01)
     finally:
         diag.close()
@@ -171,7 +176,9 @@ def test_client_fin_mid_response_is_a_peer_fin_timed_to_the_close(probe: Probe, 
 
     kinds = probe.wait_closed(http_port, client_port)
     assert kinds[0] == PEER_FIN, kinds
-    assert kinds[-1] == CLOSED
+    # It ends with the server's close, or with the client's reset where the close found the
+    # stream's unread bytes (peer_fin, peer_rst: the reset's own close is not reported).
+    assert kinds[1:] in ([CLOSED], [PEER_RST]), kinds
     assert LOCAL_FIN not in kinds  # the server closed only after the client did
     fin = probe.of(http_port, client_port)[0]
     # Loose here (a loaded host may defer loopback softirqs); the tight bound is tested below on
@@ -182,7 +189,7 @@ def test_client_fin_mid_response_is_a_peer_fin_timed_to_the_close(probe: Probe, 
     assert len({e.cookie for e in probe.of(http_port, client_port)}) == 1
 
 
-def test_client_rst_is_a_peer_rst_then_closed(probe: Probe, http_port: int) -> None:
+def test_client_rst_is_one_peer_rst(probe: Probe, http_port: int) -> None:
     probe.source.set_ports([http_port])
     client = socket.create_connection(("127.0.0.1", http_port))
     client.sendall(b"GET /stream HTTP/1.1\r\nHost: test\r\n\r\n")
@@ -194,7 +201,7 @@ def test_client_rst_is_a_peer_rst_then_closed(probe: Probe, http_port: int) -> N
     after = time.time_ns()
 
     kinds = probe.wait_closed(http_port, client_port)
-    assert kinds == [PEER_RST, CLOSED]  # one reset, reported once
+    assert kinds == [PEER_RST]  # one reset, reported once; the close it causes is not news
     rst = probe.of(http_port, client_port)[0]
     assert before - MS < rst.ts_ns < after + 500 * MS
 
@@ -338,8 +345,8 @@ def test_burst_of_20000_connections_loses_nothing(probe: Probe) -> None:
     stop = threading.Event()
 
     def accept_and_close() -> None:
-        # Close only after the client's reset has arrived: the server never closes first, so
-        # every connection is exactly one peer_rst and one closed.
+        # Close only after the client's reset has arrived: the server never closes first, and
+        # the reset closed the socket already, so every connection is exactly one peer_rst.
         server.settimeout(0.2)
         while not stop.is_set():
             try:
@@ -362,8 +369,9 @@ def test_burst_of_20000_connections_loses_nothing(probe: Probe) -> None:
             client.close()
             if len(client_ports) % 2000 == 0:
                 probe.events += probe.source.poll(timeout_s=0)
-        probe.wait_for(lambda _: sum(e.kind == CLOSED for e in probe.of(port)) >= total,
+        probe.wait_for(lambda _: sum(e.kind == PEER_RST for e in probe.of(port)) >= total,
                        timeout_s=30)
+        probe.wait_for(lambda _: False, timeout_s=0.3)
     finally:
         stop.set()
         acceptor.join(timeout=2)
@@ -372,8 +380,7 @@ def test_burst_of_20000_connections_loses_nothing(probe: Probe) -> None:
     mine = probe.of(port)
     assert probe.source.lost_events() == lost_before == 0
     assert Counter(e.client_port for e in mine if e.kind == PEER_RST) == client_ports
-    assert Counter(e.client_port for e in mine if e.kind == CLOSED) == client_ports
-    assert not [e for e in mine if e.kind == PEER_FIN]
+    assert not [e for e in mine if e.kind != PEER_RST]  # no reset's own close among 20,000
 
 
 def test_a_full_ring_buffer_counts_every_lost_event() -> None:

@@ -84,7 +84,7 @@ _SAVE_POSITION = ("UPDATE correlator_state SET settled_event_id = :settled_event
                   "WHERE host = :host")
 _FIRST_POSITION = ("INSERT INTO correlator_state (host, settled_event_id, updated_ns) "
                    "VALUES (:host, :settled_event_id, :updated_ns)")
-_CLOSED, _LOCAL_FIN = ConnEventKind.CLOSED.value, ConnEventKind.LOCAL_FIN.value
+_CLOSED, _LOCAL_FIN, _PEER_RST = ConnEventKind.CLOSED.value, ConnEventKind.LOCAL_FIN.value, ConnEventKind.PEER_RST.value
 _DEPARTURES = {ConnEventKind.PEER_FIN.value: "fin", ConnEventKind.PEER_RST.value: "rst"}
 # The only span attributes a verdict reads: a span is held without the rest (most of its memory).
 JUDGED_ATTRIBUTES = frozenset({FINAL_SEND_ATTR, TOKENS_AFTER_DISCONNECT_ATTR})
@@ -186,10 +186,12 @@ class Correlator:
             _append(self._closed_by_tuple, tuple4, ts_ns)
         elif event_kind == _LOCAL_FIN:  # the server closed first: evidence of completion
             _append(self._local_fin_by_tuple, tuple4, ts_ns)
-            # and the server's socket closed: sources report no `closed` after a local_fin
+            # and the server's socket closed: sources report no `closed` after it
             _append(self._closed_by_tuple, tuple4, ts_ns)
         elif event_kind in _DEPARTURES:
             self.loads.note_departure(tuple4, ts_ns, self.local_fins(tuple4))
+            if event_kind == _PEER_RST:  # the reset closed the server's socket: no `closed` follows
+                _append(self._closed_by_tuple, tuple4, ts_ns)
 
     def _horizon_cursor(self, now: int) -> int:
         """The span id just below this host's spans of the horizon: where reading them starts."""
