@@ -509,14 +509,17 @@ def http_rows(http: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 def event_rows(args: argparse.Namespace, rate: dict[str, float],
                drain: dict[str, dict[str, float]]) -> list[tuple[str, str, str]]:
+    per_connection = rate["stored"] / max(rate["connections"], 1)  # a reset: one record, two before
     rows = [
         ("connections opened and reset", f"{rate['connections']:,.0f}",
          f"{rate['connections'] / rate['seconds']:,.0f}/s by {args.generators} processes"),
-        ("events kernel -> store", f"{rate['stored']:,.0f}", f"lost {rate['lost']:,.0f}"),
+        ("events kernel -> store", f"{rate['stored']:,.0f}",
+         f"lost {rate['lost']:,.0f}; {per_connection:.2f} a connection"),
         ("sustained events/s to store", f"{rate['stored'] / rate['seconds']:,.0f}",
          "live, sharing the CPUs with the generators; target >= 50,000, zero loss"),
         ("  reader user CPU / 1,000 events", f"{rate['user_ms_per_1k']:.1f} ms",
-         f"system {rate['sys_ms_per_1k']:.1f} ms"),
+         f"system {rate['sys_ms_per_1k']:.1f} ms; user {rate['user_ms_per_1k'] * per_connection:.1f} ms "
+         "/ 1,000 connections"),
     ]
     rows.append((f"backlog of {drain['mapped']['connections']:,.0f} connections drained by the "
                  "reader alone (its capacity):", "", ""))
