@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import sqlite3
@@ -309,6 +311,7 @@ def main() -> int:
         print("needs root (eBPF probe)")
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench-detection-"))
+    atexit.register(shutil.rmtree, work, True)  # a 15-minute run leaves 150 MiB of databases
     here = Path(__file__).resolve().parents[1]
     trees = {"working tree": here}
     if args.compare:

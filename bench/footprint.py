@@ -25,8 +25,10 @@ Usage: .venv/bin/python bench/footprint.py [--seconds 30] [--settle 5] [--grpc] 
 from __future__ import annotations
 
 import argparse
+import atexit
 import http.server
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -228,6 +230,7 @@ def main() -> int:
         print("needs root (eBPF probe)")
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench-footprint-"))
+    atexit.register(shutil.rmtree, work, True)
     engine = args.engine
     daemons = [Daemon(loader, work, args.grpc, engine=engine) for loader in args.loaders.split(",")]
     if args.compare:

@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import multiprocessing
 import os
 import resource
+import shutil
 import socket
 import statistics
 import struct
@@ -362,7 +364,9 @@ def drain_child(port: int, with_store: bool) -> None:
     if with_store:
         from auditor.store import Store
 
-        store = Store(f"sqlite:///{tempfile.mkdtemp(prefix='drain-')}/drain.db")
+        scratch = tempfile.mkdtemp(prefix="drain-")
+        atexit.register(shutil.rmtree, scratch, True)
+        store = Store(f"sqlite:///{scratch}/drain.db")
         writer = ConnEventWriter(store, batch_size=5000)
     print(json.dumps(drain(source, writer)), flush=True)
     source.stop()
