@@ -7,10 +7,13 @@
  *  - after a local_fin: the socket reaches CLOSE from FIN_WAIT1, FIN_WAIT2 or CLOSING;
  *  - the one a received reset causes: tcp_reset() fires tcp_receive_reset, then moves the socket
  *    to CLOSE, in the same softirq on the same CPU, with no other socket's transition between.
- *    The reset handler leaves the socket's address in a per-CPU slot; the next transition on a
- *    watched port on that CPU takes it (and clears it), and a CLOSE of that same socket is the
- *    reset's own. A reset that finds the socket closed already (no transition follows) leaves a
- *    slot that the next transition clears: it only ever matches its own socket's close.
+ *    The reset handler leaves the socket's address and the time in a per-CPU slot; the next
+ *    transition on a watched port on that CPU takes it (and clears it), and a CLOSE of that same
+ *    socket within RESET_CLOSE_NS is the reset's own. A slot left behind (a reset that found the
+ *    socket closed already, so no transition follows) can match nothing later: it is cleared by
+ *    the next transition, and too old by then in any case. Where the two are split (a reset
+ *    read from a socket's backlog in process context, then preempted or moved), the close is
+ *    reported as before: a record too many, never one missing.
  *
  * Only server-side sockets are reported: the local port (sport) must be in watched_ports, which
  * user space updates at run time. Loopback clients of a watched port have it as dport, not sport.
@@ -36,6 +39,8 @@
 #ifndef WAKEUP_EVERY
 #define WAKEUP_EVERY 1024
 #endif
+/* A reset's own close follows it within microseconds (the same softirq): a generous bound. */
+#define RESET_CLOSE_NS 1000000ULL
 
 /* Copied from include/net/tcp_states.h, which is kernel-internal (not uapi). */
 #define TCP_ESTABLISHED_ 1
@@ -56,7 +61,11 @@ BPF_HASH(server_pids, u16, u32, 1024); /* server port -> tgid; user space delete
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost_events, u64, 1);
 BPF_PERCPU_ARRAY(unsignalled, u32, 1);
-BPF_PERCPU_ARRAY(reset_sock, u64, 1); /* the socket a reset was just received on, or 0 */
+struct reset_slot {
+    u64 skaddr; /* the socket a reset was just received on, or 0 */
+    u64 ts_ns;
+};
+BPF_PERCPU_ARRAY(reset_sock, struct reset_slot, 1);
 
 static __always_inline void count_lost(void)
 {
@@ -119,11 +128,12 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         return 0;
 
     u32 zero = 0;
-    u64 reset = 0;
-    u64 *slot = reset_sock.lookup(&zero);
-    if (slot) {
-        reset = *slot;
-        *slot = 0;
+    u64 reset = 0, reset_ts = 0;
+    struct reset_slot *slot = reset_sock.lookup(&zero);
+    if (slot && slot->skaddr) {
+        reset = slot->skaddr;
+        reset_ts = slot->ts_ns;
+        slot->skaddr = 0;
     }
 
     int oldstate = args->oldstate;
@@ -139,7 +149,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         return 0;
     } else if (newstate == TCP_CLOSE_ && oldstate != TCP_LISTEN_ && oldstate != TCP_FIN_WAIT1_
                && oldstate != TCP_FIN_WAIT2_ && oldstate != TCP_CLOSING_
-               && reset != (u64)args->skaddr) {
+               && !(reset == (u64)args->skaddr && bpf_ktime_get_ns() - reset_ts < RESET_CLOSE_NS)) {
         kind = EVENT_CLOSED; /* not a listener; not after local_fin; not the reset's own close */
     } else {
         return 0;
@@ -162,9 +172,11 @@ TRACEPOINT_PROBE(tcp, tcp_receive_reset)
         return 0;
 
     u32 zero = 0;
-    u64 *slot = reset_sock.lookup(&zero);
-    if (slot)
-        *slot = (u64)args->skaddr; /* the CLOSE that follows is this reset's: see the top */
+    struct reset_slot *slot = reset_sock.lookup(&zero);
+    if (slot) { /* the CLOSE that follows is this reset's: see the top */
+        slot->skaddr = (u64)args->skaddr;
+        slot->ts_ns = bpf_ktime_get_ns();
+    }
 
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
     if (!e) {
