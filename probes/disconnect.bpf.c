@@ -1,17 +1,18 @@
 /* Client disconnects on watched server ports, from two tracepoints only (no kprobes):
  *   sock:inet_sock_set_state  -> peer_fin, local_fin, closed
  *   tcp:tcp_receive_reset     -> peer_rst
- * A reset also moves the socket to CLOSE, which is reported as `closed`, never as a second
- * peer_rst: peer_rst comes from tcp_receive_reset alone. Two closes are not reported, as they
- * tell nothing the connection's previous record did not (one record a connection instead of two):
+ * peer_rst comes from tcp_receive_reset alone, never from the move to CLOSE a reset causes. Two
+ * closes are not reported, as they tell nothing the connection's previous record did not (one
+ * record a connection instead of two):
  *  - after a local_fin: the socket reaches CLOSE from FIN_WAIT1, FIN_WAIT2 or CLOSING;
  *  - the one a received reset causes: tcp_reset() fires tcp_receive_reset, then moves the socket
  *    to CLOSE, in the same softirq on the same CPU, with no other socket's transition between.
  *    The reset handler leaves the socket's address and the time in a per-CPU slot; the next
  *    transition on a watched port on that CPU takes it (and clears it), and a CLOSE of that same
  *    socket within RESET_CLOSE_NS is the reset's own. A slot left behind (a reset that found the
- *    socket closed already, so no transition follows) can match nothing later: it is cleared by
- *    the next transition, and too old by then in any case. Where the two are split (a reset
+ *    socket closed already, so no transition follows) is cleared by the next transition on that
+ *    CPU; to match, that would have to be the close of a new socket at the same address within
+ *    the same millisecond. Where the two are split (a reset
  *    read from a socket's backlog in process context, then preempted or moved), the close is
  *    reported as before: a record too many, never one missing.
  *
