@@ -66,7 +66,7 @@ class Probe:
 def wait_time_wait(server_port: int, client_port: int, host: str = "127.0.0.1") -> None:
     """Until the server's end of the connection is in TIME_WAIT, or gone (a host out of TIME_WAIT
     buckets closes it at once): either way its full socket went to CLOSE."""
-    from probes.sockdiag import SockDiag
+    from probes.sockdiag import TCP_TIME_WAIT, SockDiag
 
     diag = SockDiag()
     try:
@@ -77,8 +77,6 @@ def wait_time_wait(server_port: int, client_port: int, host: str = "127.0.0.1") 
     finally:
         diag.close()
 
-
-TCP_TIME_WAIT = 6
 
 
 @pytest.fixture(scope="module", params=["child", "inprocess"])
