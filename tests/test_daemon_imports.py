@@ -3,9 +3,13 @@ what it does not use. SQLAlchemy (about 15 MiB with the asyncio it imports) serv
 capture and replay; the daemon on a SQLite file reads and writes through the sqlite3 driver
 (auditor.store.sql), and Alembic only migrates, in a child.
 
+grpcio (about 11 MiB and seven threads) is not imported even with the OTLP/gRPC listener on, as
+the unit runs it: the receiver speaks HTTP/2 through h2.
+
 The daemon runs in a fresh interpreter (the test process has imported everything): the /proc
-source, the reference engine exporting its spans over OTLP/HTTP, one request cancelled mid-decode
-and one completed, until the cancelled one has its verdict; then one retention pass.
+source, the reference engine exporting its spans over OTLP/HTTP or OTLP/gRPC, one request
+cancelled mid-decode and one completed, until the cancelled one has its verdict; then one
+retention pass.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = r"""
 import json, socket, sys, time
 
+transport = sys.argv[2]
+
 from auditor.config import apply_overrides, load_config
 from auditor.daemon import Daemon
 from auditor.store.retention import RetentionPolicy, prune
@@ -32,7 +38,7 @@ from replay.engine.launch import running_engine
 config = load_config(environ={})
 apply_overrides(config, {
     "db": "sqlite:///" + sys.argv[1], "probe.ports": [1], "probe.source": "procfs", "probe.poll_hz": 20.0,
-    "otlp.http": "127.0.0.1:0", "otlp.grpc": "", "metrics.listen": "127.0.0.1:0", "live.listen": "127.0.0.1:0",
+    "otlp.http": "127.0.0.1:0", "otlp.grpc": "127.0.0.1:0" if transport == "grpc" else "", "metrics.listen": "127.0.0.1:0", "live.listen": "127.0.0.1:0",
     "correlate.grace_seconds": 0.5, "correlate.interval_seconds": 0.2, "correlate.late_span_seconds": 3.0,
     "sampler.nvml": False,
 })
@@ -50,7 +56,9 @@ def request(port, request_id, max_tokens):
 
 verdicts = []
 try:
-    with running_engine(behavior="detached", otlp=f"http://127.0.0.1:{daemon.status.http_port}",
+    otlp = (f"grpc://127.0.0.1:{daemon.status.grpc_port}" if transport == "grpc"
+            else f"http://127.0.0.1:{daemon.status.http_port}")
+    with running_engine(behavior="detached", otlp=otlp,
                         step_ms=10, max_batch=2) as engine:
         daemon.set_ports({engine.port})
         done, answer = request(engine.port, "done", 3), b""
@@ -75,13 +83,14 @@ finally:
     daemon.request_stop()
     daemon.stop()
 loaded = sorted(name for name in sys.modules
-                if name.split(".")[0] in ("sqlalchemy", "asyncio", "alembic", "mako", "bcc"))
+                if name.split(".")[0] in ("sqlalchemy", "asyncio", "alembic", "mako", "bcc", "grpc"))
 print(json.dumps({"verdicts": verdicts, "loaded": loaded}))
 """
 
 
-def test_the_running_daemon_never_imports_sqlalchemy(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "auditor.db")], capture_output=True,
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_the_running_daemon_never_imports_sqlalchemy_nor_grpcio(transport: str, tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "auditor.db"), transport], capture_output=True,
                           text=True, timeout=120, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
