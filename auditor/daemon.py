@@ -166,11 +166,11 @@ class Daemon:
             self._parts["otlp_http"] = http
             self.status.http_port = http.port
         if otlp.grpc:
-            # grpc is about 20 MiB: imported only when its listener is configured.
             from collectors.otlp_grpc import OtlpGrpcReceiver
 
             host, port = parse_address(otlp.grpc, "otlp.grpc")
-            grpc = OtlpGrpcReceiver(writer, host=host, port=port, token=token, service_host=self.host)
+            grpc = OtlpGrpcReceiver(writer, host=host, port=port, token=token, service_host=self.host,
+                                    max_message_bytes=otlp.max_body_bytes, http_hint=otlp.http)
             with listening("otlp.grpc", otlp.grpc):
                 grpc.start()
             self._parts["otlp_grpc"] = grpc

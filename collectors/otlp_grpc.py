@@ -140,7 +140,9 @@ class _Connection:
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW_BYTES,
         })
         self.lock = threading.Lock()  # h2's state and the socket's writes
+        self.answered = threading.Condition(self.lock)
         self.calls: dict[int, _Call] = {}  # streams still being read (touched by the reading thread only)
+        self.pending = 0  # calls handed to workers and not yet answered
 
     # -- reading ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -162,6 +164,9 @@ class _Connection:
                 except TimeoutError:
                     self._goaway(h2.errors.ErrorCodes.NO_ERROR, b"idle" if not self.calls else b"stalled request")
                     return
+            # The client is done sending (or stop() shut the socket): its calls still get their answers.
+            with self.answered:
+                self.answered.wait_for(lambda: self.pending == 0, timeout=self.receiver.socket_timeout_s)
         except OSError as exc:
             log.debug("OTLP/gRPC connection from %s ended: %s", self.peer, exc)
         except Exception:  # a fault of ours: this connection ends, the receiver goes on
@@ -293,6 +298,8 @@ class _Connection:
     def answer(self, stream_id: int, result: bytes | CallError) -> None:
         """From a worker: the call's answer, sent on this connection."""
         with self.lock:
+            self.pending -= 1
+            self.answered.notify_all()
             self._finish(stream_id, result)
             try:
                 self._flush()
@@ -425,7 +432,7 @@ class OtlpGrpcReceiver:
             return {"accepted_spans": self.accepted_spans, "rejected_spans": self.rejected_spans,
                     "requests_by_status": dict(self.requests_by_status),
                     "connection_errors": dict(self.connection_errors),
-                    "connections": len(self._connections),
+                    "connections": len(self._connections), "calls_in_flight": self._in_flight,
                     "dropped_requests": dict(self.dropped_requests),
                     "dropped_items": dict(self.dropped_items),
                     "queue_spans": self.writer.queue_depth_spans}
@@ -518,6 +525,7 @@ class OtlpGrpcReceiver:
             if pool is None:
                 raise RuntimeError("stopped")
             pool.submit(self._serve, connection, stream_id, call, message)
+            connection.pending += 1  # the reading thread holds the connection's lock
         except RuntimeError:  # the pool is shut down: stop() is under way
             connection._finish(stream_id, CallError(UNAVAILABLE, "the receiver is stopping"))
             self._release()
