@@ -9,6 +9,10 @@ Four runs side by side, each into a fresh SQLite file:
   much as they can (the goal: at least ten times the sustained rate), with 1024-span requests;
   memory must stay bounded and the excess be refused with 429/503.
 
+``--otlp grpc`` sends the over-the-wire phases as OTLP/gRPC calls (grpcio's client, a channel per
+sender) to the gRPC receiver instead; refusals are counted in the 429/503 columns by their gRPC
+codes (RESOURCE_EXHAUSTED, UNAVAILABLE).
+
 Trace ids are random, as exporters make them (``--ordered-ids``: in counting order, as this bench
 sent them before; an index takes those on one page per body). Prints a table (or ``--json``).
 Figures depend on the machine and on what else runs on it.
@@ -137,11 +141,33 @@ def rss_bytes() -> int:
 
 
 # -- sender process ---------------------------------------------------------------------------------
-def run_senders(port: int, senders: int, seconds: float, batch: int, seed: int) -> dict[str, Any]:
+TRACE_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+
+
+def run_senders(port: int, senders: int, seconds: float, batch: int, seed: int, otlp: str = "http") -> dict[str, Any]:
     bodies = Bodies(batch, seed)
     statuses: Counter[int] = Counter()
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
+
+    def grpc_sender() -> None:
+        import grpc  # the sender's client only; the receiver under test never imports it
+
+        local: Counter[int] = Counter()
+        as_http = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503}
+        body = bodies.next()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            export = channel.unary_unary(TRACE_METHOD)
+            while time.monotonic() < deadline:
+                try:
+                    export(body, timeout=60)
+                except grpc.RpcError as exc:
+                    local[as_http.get(exc.code(), 1000 + exc.code().value[0])] += 1
+                    continue  # a refused body is sent again, as exporters do
+                local[200] += 1
+                body = bodies.next()
+        with lock:
+            statuses.update(local)
 
     def sender() -> None:
         conn: http.client.HTTPConnection | None = None
@@ -170,7 +196,7 @@ def run_senders(port: int, senders: int, seconds: float, batch: int, seed: int) 
         with lock:
             statuses.update(local)
 
-    threads = [threading.Thread(target=sender) for _ in range(senders)]
+    threads = [threading.Thread(target=grpc_sender if otlp == "grpc" else sender) for _ in range(senders)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -279,14 +305,19 @@ def stages(batch: int, seconds: float, workdir: Path) -> dict[str, Any]:
 
 
 def over_http(phase: str, senders: int, processes: int, batch: int, seconds: float, workdir: Path,
-              sender_cpus: set[int] | None, max_queue_spans: int) -> dict[str, Any]:
+              sender_cpus: set[int] | None, max_queue_spans: int, otlp: str = "http") -> dict[str, Any]:
     from auditor.store import Store
-    from collectors.otlp_http import OtlpHttpReceiver
     from collectors.spanwriter import SpanWriter
 
     store = Store(f"sqlite:///{workdir / f'{phase}.db'}")
     writer = SpanWriter(store, max_queue_spans=max_queue_spans).start()
-    receiver = OtlpHttpReceiver(writer, port=0).start()  # default connection cap (64)
+    receiver: Any
+    if otlp == "grpc":
+        from collectors.otlp_grpc import OtlpGrpcReceiver
+        receiver = OtlpGrpcReceiver(writer, port=0).start()  # default limits (64 calls at once)
+    else:
+        from collectors.otlp_http import OtlpHttpReceiver
+        receiver = OtlpHttpReceiver(writer, port=0).start()  # default connection cap (64)
     watch = Watch(writer)
     before = writer.committed_spans
     cpu_started, started = time.process_time(), time.perf_counter()
@@ -295,7 +326,7 @@ def over_http(phase: str, senders: int, processes: int, batch: int, seconds: flo
     children = [subprocess.Popen(
         [sys.executable, __file__, "--sender", "--port", str(receiver.port), "--senders", str(count),
          "--seconds", str(seconds), "--batch", str(batch), "--seed", str(random.randrange(1, 10**6)),
-         *(["--ordered-ids"] if ORDERED_IDS else [])],
+         "--otlp", otlp, *(["--ordered-ids"] if ORDERED_IDS else [])],
         stdout=subprocess.PIPE, text=True,
         preexec_fn=(lambda: os.sched_setaffinity(0, sender_cpus)) if sender_cpus else None)
         for count in per_process if count]
@@ -333,20 +364,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(in_process(args.batch, args.seconds, workdir))
         if "sustained" in args.phases:
             rows.append(over_http("sustained", args.senders, 1, args.batch, args.seconds, workdir,
-                                  sender_cpus, args.max_queue_spans))
+                                  sender_cpus, args.max_queue_spans, args.otlp))
         if "flood" in args.phases:
             rows.append(over_http("flood", args.flood_senders, args.flood_processes, args.flood_batch,
-                                  args.seconds, workdir, sender_cpus, args.max_queue_spans))
+                                  args.seconds, workdir, sender_cpus, args.max_queue_spans, args.otlp))
     by_phase = {row["phase"]: row for row in rows}
     sustained, flood = by_phase.get("sustained"), by_phase.get("flood")
-    return {"cpus": len(cpus), "receiver_cpu": cpus[0], "load_average": os.getloadavg()[0],
+    return {"cpus": len(cpus), "receiver_cpu": cpus[0], "load_average": os.getloadavg()[0], "otlp": args.otlp,
             "batch": args.batch, "flood_batch": args.flood_batch, "target_spans_per_s": TARGET_SPANS_PER_S,
             "flood_vs_sustained": flood["offered"] / sustained["committed"] if sustained and flood else None,
             "rows": rows}
 
 
 def print_table(summary: dict[str, Any]) -> None:
-    print(f"span ingest, {summary['batch']} spans/request ({summary['flood_batch']} in the flood), receiver "
+    print(f"span ingest over OTLP/{summary['otlp'].upper()}, {summary['batch']} spans/request ({summary['flood_batch']} in the flood), receiver "
           f"pinned to cpu {summary['receiver_cpu']} of {summary['cpus']}, load average {summary['load_average']:.1f}")
     header = (f"{'phase':<11} {'senders':>7} {'offered/s':>10} {'committed/s':>11} {'per CPU-s':>10} "
               f"{'CPU':>5} {'429':>6} {'503':>5} {'peak RSS MiB':>12} {'peak queue':>10}")
@@ -388,7 +419,8 @@ def compare(args: argparse.Namespace) -> None:
     here = Path(__file__).resolve().parent.parent
     forwarded = ["--phases", ",".join(args.phases), "--seconds", str(args.seconds), "--batch", str(args.batch),
                  "--senders", str(args.senders), "--max-queue-spans", str(args.max_queue_spans),
-                 "--gc-threshold", str(args.gc_threshold), "--json", *(["--ordered-ids"] if args.ordered_ids else [])]
+                 "--gc-threshold", str(args.gc_threshold), "--otlp", args.otlp, "--json",
+                 *(["--ordered-ids"] if args.ordered_ids else [])]
     results: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="ingest-old-") as scratch:
         trees = {args.compare: export_tree(args.compare, Path(scratch)), "working tree": here}
@@ -427,6 +459,8 @@ def main() -> None:
     parser.add_argument("--gc-threshold", type=int, default=0, help="the receiver's first GC generation "
                         "threshold (default: Python's 700)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--otlp", choices=("http", "grpc"), default="http",
+                        help="the protocol of the sustained and flood phases")
     parser.add_argument("--ordered-ids", action="store_true",
                         help="trace ids in counting order (one index page takes a body's spans), not random")
     parser.add_argument("--sender", action="store_true", help=argparse.SUPPRESS)
@@ -436,7 +470,7 @@ def main() -> None:
     global ORDERED_IDS
     ORDERED_IDS = args.ordered_ids
     if args.sender:
-        print(json.dumps(run_senders(args.port, args.senders, args.seconds, args.batch, args.seed)))
+        print(json.dumps(run_senders(args.port, args.senders, args.seconds, args.batch, args.seed, args.otlp)))
     elif args.compare:
         compare(args)
     elif args.json:
