@@ -219,7 +219,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--settle", type=float, default=5)
-    parser.add_argument("--grpc", action="store_true", help="also listen for OTLP/gRPC (imports grpc)")
+    parser.add_argument("--grpc", action="store_true", help="also listen for OTLP/gRPC, as the unit does")
     parser.add_argument("--loaders", default="child,inprocess")
     parser.add_argument("--compare", metavar="REV", help="also run git revision REV's daemon (child loader) beside them")
     parser.add_argument("--engine", choices=tuple(ENGINES), default="idle",
