@@ -57,9 +57,10 @@ from collectors.spanwriter import QUEUE_FULL, BackPressure, SpanWriter
 log = logging.getLogger(__name__)
 
 # gRPC status codes (grpc/doc/statuscodes.md), by the names grpcio gives them.
-OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, UNAUTHENTICATED = (
-    0, 3, 8, 12, 13, 14, 16)
-CODE_NAMES = {OK: "OK", INVALID_ARGUMENT: "INVALID_ARGUMENT", RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
+OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, \
+    UNAUTHENTICATED = 0, 3, 4, 8, 12, 13, 14, 16
+CODE_NAMES = {OK: "OK", INVALID_ARGUMENT: "INVALID_ARGUMENT", DEADLINE_EXCEEDED: "DEADLINE_EXCEEDED",
+              RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
               UNIMPLEMENTED: "UNIMPLEMENTED", INTERNAL: "INTERNAL", UNAVAILABLE: "UNAVAILABLE",
               UNAUTHENTICATED: "UNAUTHENTICATED"}
 
@@ -134,6 +135,7 @@ class _Call:
 
     signal: str
     encoding: str
+    deadline: float  # cut off unless more of it arrives by then (monotonic)
     buffer: bytearray = field(default_factory=bytearray)
     expected: int | None = None  # the message's length, once its prefix is in
     compressed: bool = False
@@ -172,11 +174,8 @@ class _Connection:
             while data:
                 if not self._feed(data):
                     return
-                self.sock.settimeout(self.receiver.socket_timeout_s if self.calls else self.receiver.idle_timeout_s)
-                try:
-                    data = self.sock.recv(65536)
-                except TimeoutError:
-                    self._goaway(h2.errors.ErrorCodes.NO_ERROR, b"idle" if not self.calls else b"stalled request")
+                data = self._receive()
+                if data is None:
                     return
             # The client is done sending (or stop() shut the socket): its calls still get their answers.
             with self.answered:
@@ -189,6 +188,32 @@ class _Connection:
             self.receiver._discard(self)
             with contextlib.suppress(OSError):
                 self.sock.close()
+
+    def _receive(self) -> bytes | None:
+        """The next bytes (b"" when the client is done), cutting off calls that stalled meanwhile;
+        None after closing a connection that sat idle for ``idle_timeout_s``."""
+        while True:
+            with self.lock:
+                self._expire()
+                self._flush()
+            if self.calls:
+                wait = max(0.01, min(call.deadline for call in self.calls.values()) - time.monotonic())
+            else:
+                wait = self.receiver.idle_timeout_s
+            self.sock.settimeout(wait)
+            try:
+                return self.sock.recv(65536)
+            except TimeoutError:
+                if not self.calls:
+                    self._goaway(h2.errors.ErrorCodes.NO_ERROR, b"idle")
+                    return None
+
+    def _expire(self) -> None:
+        """Answer the calls that no byte of has arrived for ``socket_timeout_s`` (the lock is held)."""
+        now = time.monotonic()
+        for stream_id in [sid for sid, call in self.calls.items() if call.deadline <= now]:
+            self._early(stream_id, CallError(DEADLINE_EXCEEDED, "the request stalled: nothing of it arrived for "
+                                                                f"{self.receiver.socket_timeout_s:g} s"))
 
     def _preface(self) -> bytes | None:
         """The first bytes, once they are HTTP/2's preface; None after refusing anything else."""
@@ -256,7 +281,8 @@ class _Connection:
             self._early(stream_id, refusal)
             return
         call = _Call(signal=METHODS.get(meta.get(":path", ""), ""),
-                     encoding=meta.get("grpc-encoding", "identity").strip().lower())
+                     encoding=meta.get("grpc-encoding", "identity").strip().lower(),
+                     deadline=time.monotonic() + self.receiver.socket_timeout_s)
         self.calls[stream_id] = call
         content_type = meta.get("content-type", "")
         if meta.get(":method") != "POST" or not (content_type == "application/grpc"
@@ -274,6 +300,7 @@ class _Connection:
         call = self.calls.get(stream_id)
         if call is None:  # answered early, refused, or reset: the rest is discarded
             return
+        call.deadline = time.monotonic() + self.receiver.socket_timeout_s
         call.buffer += data
         if call.expected is None and len(call.buffer) >= _PREFIX.size:
             flag, length = _PREFIX.unpack_from(call.buffer)
@@ -379,7 +406,7 @@ class OtlpGrpcReceiver:
         self.max_workers = max_workers
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self.max_connections = max_connections
-        self.socket_timeout_s = socket_timeout_s  # a request that stalls mid-message
+        self.socket_timeout_s = socket_timeout_s  # a call none of whose bytes arrive for this long
         self.idle_timeout_s = idle_timeout_s  # a connection with no call (clients reconnect on GOAWAY)
         self.http_hint = http_hint  # the OTLP/HTTP address, named to HTTP/1.x clients that come here
         self._listener: socket.socket | None = None
