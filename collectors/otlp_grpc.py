@@ -170,13 +170,13 @@ class _Connection:
                 self.h2.initiate_connection()
                 self.h2.increment_flow_control_window(WINDOW_BYTES - 65535)
                 self._flush()
-            data = first
+            data: bytes | None = first
             while data:
                 if not self._feed(data):
                     return
                 data = self._receive()
-                if data is None:
-                    return
+            if data is None:
+                return  # closed as idle
             # The client is done sending (or stop() shut the socket): its calls still get their answers.
             with self.answered:
                 self.answered.wait_for(lambda: self.pending == 0, timeout=self.receiver.socket_timeout_s)
