@@ -14,9 +14,10 @@ UNAUTHENTICATED for a bad or missing bearer token, INVALID_ARGUMENT for a body t
 method's message, RESOURCE_EXHAUSTED for a message over the size limit, for too many calls at once
 and for a full write queue (the last two with a ``RetryInfo`` detail, which is what makes it
 retryable for OTLP exporters), UNAVAILABLE when the store cannot be written, UNIMPLEMENTED for
-other methods and compressions, INTERNAL for broken gRPC framing, and HTTP 415 for requests that
-are not gRPC. The queue and the size limit are checked from the message's length prefix, before
-its body is buffered. A connection that does not start with HTTP/2's preface is closed (an
+other methods and compressions, INTERNAL for broken gRPC framing, DEADLINE_EXCEEDED for a call
+none of whose bytes arrive for ``socket_timeout_s``, and HTTP 415 for requests that are not gRPC.
+The queue and the size limit are checked from the message's length prefix, before its body is
+buffered. A connection that does not start with HTTP/2's preface is closed (an
 HTTP/1.x request first gets a 400 saying where OTLP/HTTP goes); one that breaks HTTP/2 gets a
 GOAWAY; neither touches any other connection.
 """
