@@ -156,6 +156,7 @@ class _Connection:
             h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST_BYTES,
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW_BYTES,
         })
+        self.h2.decoder.max_header_list_size = MAX_HEADER_LIST_BYTES  # enforced as advertised
         self.lock = threading.Lock()  # h2's state and the socket's writes
         self.answered = threading.Condition(self.lock)
         self.calls: dict[int, _Call] = {}  # streams still being read (touched by the reading thread only)

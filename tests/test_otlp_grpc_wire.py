@@ -201,6 +201,17 @@ def test_a_broken_frame_gets_a_goaway_and_only_that_connection_ends(receiver: Ot
     assert settled(receiver)["connection_errors"] == {"HTTP/2 protocol error": 1}
 
 
+def test_a_header_list_over_the_advertised_limit_ends_the_connection(receiver: OtlpGrpcReceiver) -> None:
+    client = Client(receiver.port)
+    with pytest.raises(ConnectionError):
+        client.start(extra=(("x-padding", "p" * (20 << 10)),))
+        client.read(lambda: False)
+    assert client.terminated is not None
+    client.close()
+    assert settled(receiver)["connection_errors"] == {"HTTP/2 protocol error": 1}
+    still_serves(receiver)
+
+
 def test_other_methods_and_media_types(receiver: OtlpGrpcReceiver) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{receiver.port}") as channel:
         with pytest.raises(grpc.RpcError) as unknown:
