@@ -1,7 +1,8 @@
 """`auditor run` inside the systemd unit's own MemoryMax and CPUQuota still judges correctly.
 
 The limits are read from systemd/auditor.service and applied with a real cgroup (v2, or the v1
-memory and cpu hierarchies). The daemon serves a paced load of about 100 requests/s, a tenth of them
+memory and cpu hierarchies). Both OTLP listeners are on, as in systemd/auditor.toml, and the engine
+exports its spans over gRPC, as vLLM does by default. The daemon serves a paced load of about 100 requests/s, a tenth of them
 cancelled, beside long requests whose clients leave mid-decode; every cancelled request must get the
 engine's truth-log verdict, and the daemon must never have been OOM-killed nor reach its limit.
 """
@@ -82,10 +83,11 @@ def stored_verdicts(db: Path) -> dict[str, tuple[str, bool]]:
 
 @contextmanager
 def daemon_in(cgroup: Limits, tmp_path: Path, engine_port: int, otlp: int, metrics: int) -> Iterator[Path]:
-    """`auditor run` moved into ``cgroup`` before it execs; yields its database."""
+    """`auditor run` moved into ``cgroup`` before it execs; yields its database. ``otlp``: the
+    gRPC listener's port."""
     db, log = tmp_path / "auditor.db", tmp_path / "daemon.log"
     command = [sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{db}", "--port", str(engine_port),
-               "--otlp-http", f"127.0.0.1:{otlp}", "--otlp-grpc", "", "--live", "",
+               "--otlp-http", f"127.0.0.1:{free_port()}", "--otlp-grpc", f"127.0.0.1:{otlp}", "--live", "",
                "--metrics", f"127.0.0.1:{metrics}", "--grace", str(GRACE_S)]
     with log.open("wb") as out:
         daemon = subprocess.Popen(command, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
@@ -119,7 +121,7 @@ def test_daemon_within_the_unit_limits_judges_every_cancel(tmp_path: Path) -> No
             cgroup = stack.enter_context(limited(memory_max, cpu_quota))
         except CgroupsUnavailable as exc:
             pytest.skip(f"no cgroup to apply the unit's limits in: {exc}")
-        engine = stack.enter_context(running_engine(behavior="detached", otlp=f"http://127.0.0.1:{otlp}",
+        engine = stack.enter_context(running_engine(behavior="detached", otlp=f"grpc://127.0.0.1:{otlp}",
                                                     truth_log=tmp_path / "truth.jsonl", step_ms=5, max_batch=64))
         with daemon_in(cgroup, tmp_path, engine.port, otlp, metrics) as db:
             # 300 tokens of 5 ms steps outlive every cancel by about a second: well past the grace
@@ -133,8 +135,11 @@ def test_daemon_within_the_unit_limits_judges_every_cancel(tmp_path: Path) -> No
                          for t in engine.wait_for_truth(506, timeout=60) if t.get("disconnect_at")}
             wait_for(lambda: all(rid in (s := stored_verdicts(db)) and not s[rid][1] for rid in cancelled), 30)
             stored = stored_verdicts(db)
+            with sqlite3.connect(db, timeout=10) as conn:
+                spans = conn.execute("SELECT count(*) FROM spans").fetchone()[0]
             peak, ooms, cpu = cgroup.memory_peak_bytes(), cgroup.oom_kills(), cgroup.cpu_throttled()
     assert len(cancelled) >= 50 + 6
+    assert spans >= 506, f"only {spans} spans came over OTLP/gRPC"
     assert sum(1 for t in cancelled.values() if expected_verdict(t) == "zombie") >= 6
     wrong = wrong_verdicts(cancelled, stored)
     assert not wrong, f"{len(wrong)} of {len(cancelled)} wrong under the limits (cpu.stat {cpu}):\n" + "\n".join(wrong)
