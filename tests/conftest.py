@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from auditor.store import Store
+from collectors.spanwriter import SpanWriter
 from tests.pgserver import find_pg_bin, postgres_server
 
 
@@ -65,6 +66,14 @@ def store(tmp_path: Path) -> Iterator[Store]:
     s = Store(f"sqlite:///{tmp_path / 'auditor.db'}")
     yield s
     s.close()
+
+
+@pytest.fixture
+def writer(store: Store) -> Iterator[SpanWriter]:
+    """A running SpanWriter on the fresh store, as the OTLP receivers are given."""
+    w = SpanWriter(store).start()
+    yield w
+    w.stop()
 
 
 @pytest.fixture(scope="module")

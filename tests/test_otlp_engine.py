@@ -8,7 +8,6 @@ import http.client
 import json
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,13 +20,6 @@ from collectors.spanwriter import SpanWriter
 from replay.engine.launch import running_engine
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
-
-
-@pytest.fixture
-def writer(store: Store) -> Iterator[SpanWriter]:
-    w = SpanWriter(store).start()
-    yield w
-    w.stop()
 
 
 def _complete(port: int, request_id: str) -> tuple[int, dict[str, Any]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +41,6 @@ def sdk_spans(count: int = 2) -> list[Any]:
 def names(store: Store) -> list[tuple[str, str]]:
     with store.engine.connect() as conn:
         return [tuple(r) for r in conn.execute(text("SELECT name, role FROM spans ORDER BY name"))]
-
-
-@pytest.fixture
-def writer(store: Store) -> Iterator[SpanWriter]:
-    w = SpanWriter(store).start()
-    yield w
-    w.stop()
 
 
 def stub(port: int) -> Any:

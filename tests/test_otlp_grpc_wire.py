@@ -131,13 +131,6 @@ class Client:
 
 
 @pytest.fixture
-def writer(store: Store) -> Iterator[SpanWriter]:
-    w = SpanWriter(store).start()
-    yield w
-    w.stop()
-
-
-@pytest.fixture
 def receiver(writer: SpanWriter, request: pytest.FixtureRequest) -> Iterator[OtlpGrpcReceiver]:
     options = getattr(request, "param", {})
     r = OtlpGrpcReceiver(writer, port=0, **options).start()

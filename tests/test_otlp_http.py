@@ -80,13 +80,6 @@ def json_span(name: str, span_id: str, trace_id: str = "5b8efff798038103d269b633
 
 
 @pytest.fixture
-def writer(store: Store) -> Iterator[SpanWriter]:
-    w = SpanWriter(store).start()
-    yield w
-    w.stop()
-
-
-@pytest.fixture
 def receiver(writer: SpanWriter) -> Iterator[OtlpHttpReceiver]:
     r = OtlpHttpReceiver(writer, port=0, max_body_bytes=1 << 20, service_host="node-a").start()
     yield r

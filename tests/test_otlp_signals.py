@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.client
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -84,13 +83,6 @@ def log_records() -> list[Any]:
 def stored_span_names(store: Store) -> list[str]:
     with store.engine.connect() as conn:
         return [r[0] for r in conn.execute(text("SELECT name FROM spans"))]
-
-
-@pytest.fixture
-def writer(store: Store) -> Iterator[SpanWriter]:
-    w = SpanWriter(store).start()
-    yield w
-    w.stop()
 
 
 def test_http_generic_endpoint_takes_all_three_signals(writer: SpanWriter, store: Store,
