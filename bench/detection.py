@@ -305,7 +305,7 @@ def main() -> int:
     parser.add_argument("--live-load", action="store_true", help="the load's engine sends live notices too")
     parser.add_argument("--otlp", choices=("http", "grpc"), default="http",
                         help="how the engines export their spans, and the daemon's receiver (vLLM's "
-                             "exporter defaults to gRPC; the daemon then imports grpc)")
+                             "exporter defaults to gRPC, and the unit listens for it)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (eBPF probe)")

@@ -12,9 +12,9 @@
  *    socket within RESET_CLOSE_NS is the reset's own. A slot left behind (a reset that found the
  *    socket closed already, so no transition follows) is cleared by the next transition on that
  *    CPU; to match, that would have to be the close of a new socket at the same address within
- *    the same millisecond. Where the two are split (a reset
- *    read from a socket's backlog in process context, then preempted or moved), the close is
- *    reported as before: a record too many, never one missing.
+ *    the same millisecond. Where the two are split (a reset read from a socket's backlog in
+ *    process context, then preempted or moved), the close is reported as before: a record too
+ *    many, never one missing.
  *
  * Only server-side sockets are reported: the local port (sport) must be in watched_ports, which
  * user space updates at run time. Loopback clients of a watched port have it as dport, not sport.

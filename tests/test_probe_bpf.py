@@ -78,7 +78,6 @@ def wait_time_wait(server_port: int, client_port: int, host: str = "127.0.0.1") 
         diag.close()
 
 
-
 @pytest.fixture(scope="module", params=["child", "inprocess"])
 def probe(request: pytest.FixtureRequest) -> Iterator[Probe]:
     # Both loaders: the default (a child compiles, the process keeps descriptors) and bcc kept
