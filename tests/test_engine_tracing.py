@@ -236,6 +236,29 @@ def test_standard_otel_variables_choose_the_exporter_without_otlp_flag(otlp_http
         sink.wait_for(by_request_id("cmpl-from-env"))
 
 
+@pytest.mark.parametrize("delay_ms", [None, 60_000])
+def test_otel_bsp_schedule_delay_sets_how_long_spans_wait(delay_ms: int | None, otlp_http: tuple[str, SpanSink],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine exports every 200 ms unless OTEL_BSP_SCHEDULE_DELAY, the SDK's own setting, says
+    otherwise (the load benches export as vLLM does with it)."""
+    from replay.engine.tracing import Tracing
+
+    endpoint, sink = otlp_http
+    if delay_ms is None:
+        monkeypatch.delenv("OTEL_BSP_SCHEDULE_DELAY", raising=False)
+    else:
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", str(delay_ms))
+    tracing = Tracing("delay-test", endpoint)
+    try:
+        tracing.tracer.start_span("waits").end()
+        time.sleep(1.5)  # several of the engine's own export periods
+        assert len(sink.matching(lambda s: s["name"] == "waits")) == (1 if delay_ms is None else 0)
+        tracing.provider.force_flush()
+        sink.wait_for(lambda s: s["name"] == "waits", timeout=5)
+    finally:
+        tracing.provider.shutdown()
+
+
 @pytest.mark.parametrize("propagate", [True, False])
 def test_gateway_propagates_the_cancel_or_not(propagate: bool, otlp_http: tuple[str, SpanSink],
                                               tmp_path: Path) -> None:

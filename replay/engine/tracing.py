@@ -32,6 +32,8 @@ from replay.engine.core import RequestHandle
 
 log = logging.getLogger(__name__)
 
+# Spans leave every 200 ms, so verdicts settle soon after the work ends; OTEL_BSP_SCHEDULE_DELAY,
+# the SDK's own setting, overrides it (unset, the SDK waits 5 s: what vLLM's exporter does).
 SCHEDULE_DELAY_MS = 200
 LLM_REQUEST_SPAN = "llm_request"
 PROPAGATOR = TraceContextTextMapPropagator()
@@ -112,7 +114,8 @@ class Tracing:
         self.exporting = False
         exporter = exporter_for(otlp)
         if exporter is not None:
-            self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=SCHEDULE_DELAY_MS))
+            delay = None if os.environ.get("OTEL_BSP_SCHEDULE_DELAY") else SCHEDULE_DELAY_MS  # None: the SDK reads it
+            self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=delay))
             self.exporting = True
         self.tracer = self.provider.get_tracer("replay.engine")
         self.live: LiveReporter | None = None
