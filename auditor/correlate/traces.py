@@ -206,7 +206,10 @@ class TraceIndex:
         first = min(later, key=lambda s: s.start_ns)
         if peer_fin and first.start_ns - ts_ns < TIME_WAIT_REUSE_NS:
             return first  # the client's TIME_WAIT holds the 4-tuple: no new connection can have it yet
-        if any(ts_ns + RESET_OWN_CLOSE_NS < closed <= first.start_ns for closed in closed_at):
+        # After a FIN any close of the server's socket counts, however soon: a server that is idle
+        # on a keep-alive connection closes within a fraction of a millisecond of the FIN.
+        own_close_ns = -1 if peer_fin else RESET_OWN_CLOSE_NS
+        if any(ts_ns + own_close_ns < closed <= first.start_ns for closed in closed_at):
             return None
         return first
 
