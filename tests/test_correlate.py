@@ -539,6 +539,21 @@ def test_a_close_between_a_disconnect_and_a_later_span_means_another_connection(
     assert verdicts(store) == []
 
 
+@pytest.mark.parametrize("kind", [ConnEventKind.PEER_RST, ConnEventKind.PEER_FIN])
+def test_a_span_long_after_a_reset_or_a_fin_and_close_is_another_connections(store: Store, kind: ConnEventKind) -> None:
+    clock = Clock()
+    # A reset frees the 4-tuple at once (no TIME_WAIT), and the probe keeps no `closed` for the
+    # reset's own close: a request that starts 1.5 s later on the same 4-tuple came on a new
+    # connection, not out of the reset one's buffer. The /proc source reads a FIN and the server's
+    # close within one poll as such a reset; the probe sees the FIN and the close.
+    store.insert_spans([http_span("r", 1.5, 2.4)])
+    events = [close(0.0, kind)] + ([close(0.0002, ConnEventKind.CLOSED)] if kind is ConnEventKind.PEER_FIN else [])
+    store.insert_conn_events(events)
+    clock.now = T0 + 3 * S
+    make(store, clock).tick()
+    assert verdicts(store) == []
+
+
 def test_server_that_closes_at_the_fin_while_the_request_waits_for_the_app(store: Store) -> None:
     clock = Clock()
     # uvicorn closes a connection at the client's FIN, yet the request it had already parsed still

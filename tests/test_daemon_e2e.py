@@ -10,6 +10,7 @@ and the polling fallback, which needs no privilege, so CI without eBPF still run
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import pytest
 from sqlalchemy import func, select
 
 from auditor.model import CoverageKind
-from auditor.store import CoverageRow
+from auditor.store import ConnEventRow, CoverageRow, SpanRow
 from replay.engine.launch import running_engine
 from tests.e2e import (
     GRACE_S,
@@ -263,3 +264,75 @@ def test_cancel_matrix_matches_truth(tmp_path: Path, behavior: str, source: str)
     # A client that resets right after sending may leave a span without a peer address (the
     # socket was gone when the server asked); joined by port, each such join is counted.
     assert peerless <= len([c for c in cases if c[0] == "rst" and c[2] == 0])
+
+
+def connect_from(port: int, client_port: int = 0, timeout_s: float = 10.0) -> socket.socket:
+    """A connection to ``port`` from ``client_port`` (any when 0). A port the last connection left
+    in TIME_WAIT is taken over once the kernel allows it (loopback: a second after its last segment)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", client_port))
+            sock.connect(("127.0.0.1", port))
+            return sock
+        except OSError:
+            sock.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def close_with_fin(sock: socket.socket) -> None:
+    """Close with nothing unread, so the kernel sends FIN, and wait for the server's own close."""
+    sock.shutdown(socket.SHUT_WR)
+    sock.settimeout(5)
+    while sock.recv(65536):
+        pass
+    sock.close()
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_a_request_on_a_reused_4_tuple_is_not_the_one_the_client_left(tmp_path: Path, source: str) -> None:
+    """A client closes an idle keep-alive connection (the server closes it within a millisecond);
+    a second later a new connection from the same port carries a long request that completes.
+    Joined to the old FIN, that request would read as one whose client had left before it was
+    read, running on for most of a second: a false zombie. The engine's truth log: no disconnect."""
+    with running_daemon(tmp_path, **daemon_overrides(source)) as daemon, running_engine(
+            behavior="abort", otlp=f"http://127.0.0.1:{daemon.status.http_port}", step_ms=10,
+            truth_log=tmp_path / "truth.jsonl") as engine:
+        daemon.set_ports({engine.port})
+        first = connect_from(engine.port)
+        client_port = first.getsockname()[1]
+        send_request(engine.port, stream=False, max_tokens=3, request_id="reuse-first", sock=first)
+        read_response(first)
+        time.sleep(0.2)  # idle on keep-alive, then the client leaves
+        close_with_fin(first)
+        time.sleep(1.2)  # past the client's TIME_WAIT takeover
+        second = connect_from(engine.port, client_port)
+        reused_port = second.getsockname()[1]
+        send_request(engine.port, stream=True, max_tokens=80, request_id="reuse-second", sock=second)
+        read_response(second)
+        close_with_fin(second)
+        assert wait_for(lambda: {"cmpl-reuse-first", "cmpl-reuse-second"} <= {t["request_id"] for t in engine.truth()},
+                        timeout_s=10)
+        truths = {t["request_id"]: t for t in engine.truth()}
+
+        def judged() -> bool:  # both requests' server spans read, and rounds run since
+            with daemon.store.session() as session:
+                ids = set(session.scalars(select(SpanRow.request_id).where(SpanRow.role == "http_server")))
+            return {"reuse-first", "reuse-second"} <= ids
+
+        assert wait_for(judged, timeout_s=15)
+        time.sleep(1.0)  # several correlation rounds (0.2 s each) after the spans arrived
+        rows = verdict_rows(daemon)
+        with daemon.store.session() as session:
+            kinds = list(session.scalars(select(ConnEventRow.kind).where(ConnEventRow.client_port == client_port)))
+    assert truths["cmpl-reuse-second"]["disconnect_at"] is None and truths["cmpl-reuse-second"]["finish_reason"] == "length"
+    assert reused_port == client_port
+    # Each connection's departure: a FIN, which the /proc source reads as a reset when the server's
+    # close follows within one poll (docs/probe.md).
+    assert sum(kind in ("peer_fin", "peer_rst") for kind in kinds) == 2, kinds
+    wrong = [(r.request_id, r.verdict, r.lag_seconds) for r in rows if r.verdict != "completed"]
+    assert not wrong, wrong

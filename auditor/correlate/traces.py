@@ -25,6 +25,11 @@ RESET_OWN_CLOSE_NS = 1_000_000
 # new connection take it over (tcp_tw_reuse, loopback by default), not before its timestamp has
 # moved on by a second.
 TIME_WAIT_REUSE_NS = 1_000_000_000
+# A reset leaves no TIME_WAIT: the 4-tuple is free at once. The request a client sent before it
+# reset is read as soon as the server's loop gets to the socket; a span that starts later than
+# this after the reset is taken for a new connection's (clients from one address reuse ports
+# within seconds at a hundred connections a second), not for a request left unread that long.
+RESET_UNREAD_NS = 1_000_000_000
 MAX_DEPTH = 64  # parent chains deeper than this are cut (a cycle or garbage)
 
 
@@ -193,7 +198,10 @@ class TraceIndex:
         too. The close a reset itself causes (within ``RESET_OWN_CLOSE_NS``) is not such a close;
         nor, after the client's FIN, is any close within ``TIME_WAIT_REUSE_NS``: a server may close
         at the FIN while its request still waits for the application (uvicorn does), and the
-        client, which closed first, holds the 4-tuple in TIME_WAIT at least that long.
+        client, which closed first, holds the 4-tuple in TIME_WAIT at least that long. After a
+        reset nothing holds the 4-tuple: only a span that starts within ``RESET_UNREAD_NS`` of it
+        qualifies (the /proc source's ambiguous "gone", a FIN and the server's close within one
+        poll, reads as a reset and is judged the same way).
         """
         spans = self._http_by_tuple.get(tuple4, [])
         earliest = ts_ns if earliest_ns is None else min(earliest_ns, ts_ns)
@@ -206,6 +214,8 @@ class TraceIndex:
         first = min(later, key=lambda s: s.start_ns)
         if peer_fin and first.start_ns - ts_ns < TIME_WAIT_REUSE_NS:
             return first  # the client's TIME_WAIT holds the 4-tuple: no new connection can have it yet
+        if not peer_fin and first.start_ns - ts_ns >= RESET_UNREAD_NS:
+            return None
         # After a FIN any close of the server's socket counts, however soon: a server that is idle
         # on a keep-alive connection closes within a fraction of a millisecond of the FIN.
         own_close_ns = -1 if peer_fin else RESET_OWN_CLOSE_NS
