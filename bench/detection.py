@@ -8,7 +8,9 @@ engine over loopback, as root (eBPF):
    rising in /metrics (target: p99 <= grace + 1 s).
 2. Settled verdict: time from the engine's end of work (its truth log) to the zombie verdict in
    the store and counted in /metrics.
-3. Load: an engine serving ~100 requests/s (10% cancelled); the daemon's CPU and peak RSS.
+3. Load: an engine serving ~100 requests/s (10% cancelled); the daemon's CPU and peak RSS, and
+   the load's verdicts against the engine's truth log (a verdict judged otherwise than the engine
+   saw it, or a finding for a request that finished with its client, is listed).
 
 With ``--compare REV`` only the load runs, alternately for the code of git revision REV and the
 working tree (fresh daemons each run, same engines), and the medians are printed side by side.
@@ -17,7 +19,7 @@ instrumented with them does.
 
 Usage: .venv/bin/python bench/detection.py [--alarms 15] [--load-seconds 20] [--rate 100]
                                            [--compare REV --rounds 3] [--profile stacks.txt]
-                                           [--live-load]
+                                           [--live-load] [--otlp grpc] [--export-delay-ms 5000]
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from replay.client import RequestPlan, run_load
 from replay.engine.launch import running_engine
 
 GRACE_S = 0.5
+RACE_S = 0.005  # a close this near the end of the work races it (kernel and engine clocks, one step)
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
@@ -183,6 +186,13 @@ async def paced_load(port: int, rate: float, seconds: float, cancel_every: int) 
     return total, total / (time.monotonic() - started)
 
 
+def load_engine_env(export_delay_ms: int | None) -> dict[str, str] | None:
+    """The load engine's environment: this one, with its span export delay where one is asked."""
+    if export_delay_ms is None:
+        return None
+    return dict(os.environ, OTEL_BSP_SCHEDULE_DELAY=str(export_delay_ms))
+
+
 @contextlib.contextmanager
 def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_port: int, live: int,
                    protocol: str = "http") -> Iterator[subprocess.Popen[bytes]]:
@@ -217,7 +227,7 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
     profiler = None
     if args.profile:
         profiler = subprocess.Popen(
-            [str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(daemon.pid), "-r", "250",
+            [str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(daemon.pid), "-r", str(args.profile_rate),
              "-d", str(int(args.load_seconds)), "-f", "raw", "-o", str(args.profile), "--gil"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cpu_before, wall_before = proc_cpu_seconds(daemon.pid), time.monotonic()
@@ -254,9 +264,54 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
             "rss": rss, "peak": peak, "rss_series": rss_series, "spans": spans, "verdicts": verdicts, "threads": by_name}
 
 
-def print_load(load: dict[str, Any], rate: float, protocol: str = "http") -> None:
+def expected_verdict(truth: dict[str, Any]) -> str:
+    """What became of a request whose client left, by the engine's own log."""
+    lag_s = (truth["finished_at"] - truth["disconnect_at"]) / 1e9
+    if truth["finish_reason"] in ("stop", "length") and lag_s <= 0:
+        return "completed"
+    return "aborted" if lag_s <= GRACE_S else "zombie"
+
+
+def judge_load(db: Path, truths: list[dict[str, Any]]) -> dict[str, Any]:
+    """The load's verdicts against the load engine's truth log: disconnects it saw and how each was
+    judged, and findings for requests whose client never left while they ran (the engine finished
+    them normally and saw no disconnect). Within 20 ms of the grace, aborted and zombie are one call;
+    completed against aborted where the work ended within ``RACE_S`` of the disconnect is listed
+    apart, as a race of the close with the response's end (DESIGN: such a race is completed)."""
+    with sqlite3.connect(db) as conn:
+        rows = dict(conn.execute("SELECT request_id, verdict FROM verdicts WHERE request_id LIKE 'load-%'").fetchall())
+    left = [t for t in truths if t["disconnect_at"] is not None]
+    wrong, races, missed = [], [], 0
+    for truth in left:
+        request_id = truth["request_id"].removeprefix("cmpl-")
+        verdict, want = rows.get(request_id), expected_verdict(truth)
+        lag_s = (truth["finished_at"] - truth["disconnect_at"]) / 1e9
+        if verdict is None:
+            missed += 1
+        elif {verdict, want} == {"completed", "aborted"} and abs(lag_s) <= RACE_S:
+            races.append(f"{request_id} {verdict} (truth {want}, lag {lag_s:.3f} s)")
+        elif verdict != want and not ({verdict, want} <= {"aborted", "zombie"} and abs(lag_s - GRACE_S) <= 0.02):
+            wrong.append(f"{request_id} {verdict} (truth {want}, lag {lag_s:.3f} s)")
+    stayed = {t["request_id"].removeprefix("cmpl-") for t in truths
+              if t["disconnect_at"] is None and t["finish_reason"] in ("stop", "length")}
+    false = [f"{rid} {verdict} (truth: finished, no disconnect)" for rid, verdict in rows.items()
+             if rid in stayed and verdict not in ("completed", "unconfirmed")]
+    return {"left": len(left), "missed": missed, "wrong": wrong, "races": races, "false": false}
+
+
+def print_judged(judged: dict[str, Any]) -> None:
+    print(f"  against truth   {judged['left']} disconnects the engine saw: {judged['missed']} without a verdict, "
+          f"{len(judged['wrong'])} judged otherwise, {len(judged['races'])} completed/aborted within "
+          f"{RACE_S * 1000:.0f} ms of the end; {len(judged['false'])} findings for requests that finished with "
+          "their client")
+    for line in (judged["wrong"] + judged["false"])[:5] + judged["races"][:2]:
+        print(f"    {line}")
+
+
+def print_load(load: dict[str, Any], rate: float, protocol: str = "http", export_delay_ms: int | None = None) -> None:
     print(f"\nDaemon under load ({load['sent']} requests, {load['achieved']:.0f} req/s achieved of {rate:.0f} asked, "
-          f"10% cancelled, spans over OTLP/{'HTTP' if protocol == 'http' else 'gRPC'})")
+          f"10% cancelled, spans over OTLP/{'HTTP' if protocol == 'http' else 'gRPC'} "
+          f"every {export_delay_ms or 200} ms)")
     print(f"  daemon CPU      {load['cpu_percent']:6.1f} % of one core ({load['cpu']:.2f} CPU-s over {load['wall']:.1f} s)")
     print(f"  daemon RSS      {load['rss']:6.1f} MiB now, {load['peak']:.1f} MiB peak; every 10 s: "
           + ", ".join(f"{mib:.0f}" for mib in load["rss_series"]))
@@ -299,6 +354,7 @@ def main() -> int:
     parser.add_argument("--load-seconds", type=float, default=20)
     parser.add_argument("--rate", type=float, default=100)
     parser.add_argument("--profile", type=Path, help="record the daemon with py-spy during the load (raw stacks)")
+    parser.add_argument("--profile-rate", type=int, default=250, help="py-spy samples per second with --profile")
     parser.add_argument("--compare", metavar="REV", help="also load a daemon of git revision REV's code, "
                         "alternating with the working tree's (latency is not measured then)")
     parser.add_argument("--rounds", type=int, default=3, help="load runs of each tree with --compare")
@@ -306,6 +362,9 @@ def main() -> int:
     parser.add_argument("--otlp", choices=("http", "grpc"), default="http",
                         help="how the engines export their spans, and the daemon's receiver (vLLM's "
                              "exporter defaults to gRPC, and the unit listens for it)")
+    parser.add_argument("--export-delay-ms", type=int, help="the load engine's span export delay "
+                        "(OTEL_BSP_SCHEDULE_DELAY; the engine's own is 200 ms, the SDK's default, "
+                        "which vLLM exports with, 5000 ms)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (eBPF probe)")
@@ -323,15 +382,20 @@ def main() -> int:
     with running_engine(behavior="detached", otlp=export, step_ms=10, max_batch=16,
                         extra_args=["--live", f"127.0.0.1:{live}"]) as zombie_engine, \
             running_engine(behavior="abort", otlp=export, step_ms=2, max_batch=64,
-                           extra_args=["--live", f"127.0.0.1:{live}"] if args.live_load else ()) as busy_engine:
+                           extra_args=["--live", f"127.0.0.1:{live}"] if args.live_load else (),
+                           truth_log=None if args.compare else work / "load-truth.jsonl",
+                           env=load_engine_env(args.export_delay_ms)) as busy_engine:
         ports = [zombie_engine.port, busy_engine.port]
         if not args.compare:
             db = work / "auditor.db"
             with running_daemon(here, db, ports, otlp, metrics_port, live, args.otlp) as daemon:
                 latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
                 load = measure_load(daemon, db, busy_engine.port, args)
+                time.sleep((args.export_delay_ms or 200) / 1000 + 2)  # the last spans, and rounds after
+                judged = judge_load(db, busy_engine.truth())
             print_latencies(latencies, args.alarms)
-            print_load(load, args.rate, args.otlp)
+            print_load(load, args.rate, args.otlp, args.export_delay_ms)
+            print_judged(judged)
             return 0
         results: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
         for round_no in range(1, args.rounds + 1):
