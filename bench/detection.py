@@ -195,14 +195,14 @@ def load_engine_env(export_delay_ms: int | None) -> dict[str, str] | None:
 
 @contextlib.contextmanager
 def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_port: int, live: int,
-                   protocol: str = "http") -> Iterator[subprocess.Popen[bytes]]:
+                   protocol: str = "http", source: str = "bpf") -> Iterator[subprocess.Popen[bytes]]:
     """``auditor run`` from the code in ``tree``, until it answers /metrics; its OTLP receiver on
     ``otlp`` speaks ``protocol`` (the other one is off)."""
     receivers = ["--otlp-http", f"127.0.0.1:{otlp}", "--otlp-grpc", ""] if protocol == "http" else \
         ["--otlp-http", "", "--otlp-grpc", f"127.0.0.1:{otlp}"]
     command = [sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{db}", *receivers,
                "--metrics", f"127.0.0.1:{metrics_port}", "--live", f"127.0.0.1:{live}",
-               "--grace", str(GRACE_S)]
+               "--grace", str(GRACE_S), "--source", source]
     for port in ports:
         command += ["--port", str(port)]
     # cwd too: `python -m` puts the working directory first on the path, before PYTHONPATH.
@@ -308,10 +308,10 @@ def print_judged(judged: dict[str, Any]) -> None:
         print(f"    {line}")
 
 
-def print_load(load: dict[str, Any], rate: float, protocol: str = "http", export_delay_ms: int | None = None) -> None:
-    print(f"\nDaemon under load ({load['sent']} requests, {load['achieved']:.0f} req/s achieved of {rate:.0f} asked, "
-          f"10% cancelled, spans over OTLP/{'HTTP' if protocol == 'http' else 'gRPC'} "
-          f"every {export_delay_ms or 200} ms)")
+def print_load(load: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"\nDaemon under load ({load['sent']} requests, {load['achieved']:.0f} req/s achieved of {args.rate:.0f} "
+          f"asked, 10% cancelled, spans over OTLP/{'HTTP' if args.otlp == 'http' else 'gRPC'} every "
+          f"{args.export_delay_ms or 200} ms, disconnects from {args.source})")
     print(f"  daemon CPU      {load['cpu_percent']:6.1f} % of one core ({load['cpu']:.2f} CPU-s over {load['wall']:.1f} s)")
     print(f"  daemon RSS      {load['rss']:6.1f} MiB now, {load['peak']:.1f} MiB peak; every 10 s: "
           + ", ".join(f"{mib:.0f}" for mib in load["rss_series"]))
@@ -362,6 +362,8 @@ def main() -> int:
     parser.add_argument("--otlp", choices=("http", "grpc"), default="http",
                         help="how the engines export their spans, and the daemon's receiver (vLLM's "
                              "exporter defaults to gRPC, and the unit listens for it)")
+    parser.add_argument("--source", choices=("bpf", "procfs"), default="bpf",
+                        help="the daemon's disconnect source (procfs: the fallback of a daemon without CAP_BPF)")
     parser.add_argument("--export-delay-ms", type=int, help="the load engine's span export delay "
                         "(OTEL_BSP_SCHEDULE_DELAY; the engine's own is 200 ms, the SDK's default, "
                         "which vLLM exports with, 5000 ms)")
@@ -388,20 +390,20 @@ def main() -> int:
         ports = [zombie_engine.port, busy_engine.port]
         if not args.compare:
             db = work / "auditor.db"
-            with running_daemon(here, db, ports, otlp, metrics_port, live, args.otlp) as daemon:
+            with running_daemon(here, db, ports, otlp, metrics_port, live, args.otlp, args.source) as daemon:
                 latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
                 load = measure_load(daemon, db, busy_engine.port, args)
                 time.sleep((args.export_delay_ms or 200) / 1000 + 2)  # the last spans, and rounds after
                 judged = judge_load(db, busy_engine.truth())
             print_latencies(latencies, args.alarms)
-            print_load(load, args.rate, args.otlp, args.export_delay_ms)
+            print_load(load, args)
             print_judged(judged)
             return 0
         results: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
         for round_no in range(1, args.rounds + 1):
             for index, (label, tree) in enumerate(trees.items()):
                 db = work / f"auditor-{round_no}-{index}.db"
-                with running_daemon(tree, db, ports, otlp, metrics_port, live, args.otlp) as daemon:
+                with running_daemon(tree, db, ports, otlp, metrics_port, live, args.otlp, args.source) as daemon:
                     time.sleep(2)  # past start-up
                     results[label].append(measure_load(daemon, db, busy_engine.port, args))
                 print(f"round {round_no} {label:<14} {results[label][-1]['cpu_percent']:.2f} % of one core, "
