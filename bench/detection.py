@@ -47,6 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from auditor.config import ProbeConfig
 from replay.client import RequestPlan, run_load
 from replay.engine.launch import running_engine
 
@@ -272,22 +273,25 @@ def expected_verdict(truth: dict[str, Any]) -> str:
     return "aborted" if lag_s <= GRACE_S else "zombie"
 
 
-def judge_load(db: Path, truths: list[dict[str, Any]]) -> dict[str, Any]:
+def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0) -> dict[str, Any]:
     """The load's verdicts against the load engine's truth log: disconnects it saw and how each was
     judged, and findings for requests whose client never left while they ran (the engine finished
     them normally and saw no disconnect). Within 20 ms of the grace, aborted and zombie are one call;
     completed against aborted where the work ended within ``RACE_S`` of the disconnect is listed
-    apart, as a race of the close with the response's end (DESIGN: such a race is completed)."""
+    apart, as a race of the close with the response's end (DESIGN: such a race is completed).
+    ``poll_s``: a polled source's interval; disconnects of requests that arrived less than that
+    before them (connections a poll can miss: docs/probe.md) are counted apart when missed."""
     with sqlite3.connect(db) as conn:
         rows = dict(conn.execute("SELECT request_id, verdict FROM verdicts WHERE request_id LIKE 'load-%'").fetchall())
     left = [t for t in truths if t["disconnect_at"] is not None]
-    wrong, races, missed = [], [], 0
+    wrong, races, missed, missed_short = [], [], 0, 0
     for truth in left:
         request_id = truth["request_id"].removeprefix("cmpl-")
         verdict, want = rows.get(request_id), expected_verdict(truth)
         lag_s = (truth["finished_at"] - truth["disconnect_at"]) / 1e9
         if verdict is None:
             missed += 1
+            missed_short += truth["disconnect_at"] - truth["arrival_at"] < poll_s * 1e9
         elif {verdict, want} == {"completed", "aborted"} and abs(lag_s) <= RACE_S:
             races.append(f"{request_id} {verdict} (truth {want}, lag {lag_s:.3f} s)")
         elif verdict != want and not ({verdict, want} <= {"aborted", "zombie"} and abs(lag_s - GRACE_S) <= 0.02):
@@ -296,11 +300,13 @@ def judge_load(db: Path, truths: list[dict[str, Any]]) -> dict[str, Any]:
               if t["disconnect_at"] is None and t["finish_reason"] in ("stop", "length")}
     false = [f"{rid} {verdict} (truth: finished, no disconnect)" for rid, verdict in rows.items()
              if rid in stayed and verdict not in ("completed", "unconfirmed")]
-    return {"left": len(left), "missed": missed, "wrong": wrong, "races": races, "false": false}
+    return {"left": len(left), "missed": missed, "missed_short": missed_short, "wrong": wrong, "races": races,
+            "false": false}
 
 
 def print_judged(judged: dict[str, Any]) -> None:
-    print(f"  against truth   {judged['left']} disconnects the engine saw: {judged['missed']} without a verdict, "
+    short = f" ({judged['missed_short']} within one poll of their arrival)" if judged["missed_short"] else ""
+    print(f"  against truth   {judged['left']} disconnects the engine saw: {judged['missed']} without a verdict{short}, "
           f"{len(judged['wrong'])} judged otherwise, {len(judged['races'])} completed/aborted within "
           f"{RACE_S * 1000:.0f} ms of the end; {len(judged['false'])} findings for requests that finished with "
           "their client")
@@ -394,7 +400,7 @@ def main() -> int:
                 latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
                 load = measure_load(daemon, db, busy_engine.port, args)
                 time.sleep((args.export_delay_ms or 200) / 1000 + 2)  # the last spans, and rounds after
-                judged = judge_load(db, busy_engine.truth())
+                judged = judge_load(db, busy_engine.truth(), 1 / ProbeConfig().poll_hz if args.source == "procfs" else 0.0)
             print_latencies(latencies, args.alarms)
             print_load(load, args)
             print_judged(judged)
