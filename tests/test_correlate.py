@@ -554,6 +554,38 @@ def test_a_span_long_after_a_reset_or_a_fin_and_close_is_another_connections(sto
     assert verdicts(store) == []
 
 
+def test_a_span_soon_after_a_reset_is_another_connections_when_that_one_closes_later(store: Store) -> None:
+    clock = Clock()
+    # The client's port is free again the moment it resets, and a new connection takes it 0.3 s
+    # later; its request completes, and the client closes it at 0.6 s. A reset socket makes no
+    # event after its own close, so the close at 0.6 s says the span is the new connection's.
+    store.insert_spans([http_span("r", 0.3, 0.5)])
+    store.insert_conn_events([close(0.0, ConnEventKind.PEER_RST), close(0.6), close(0.6002, ConnEventKind.CLOSED)])
+    clock.now = T0 + 3 * S
+    make(store, clock).tick()
+    assert verdicts(store) == []
+
+
+@pytest.mark.parametrize("new_connection", [True, False])
+def test_a_span_soon_after_a_reset_waits_for_the_events_of_its_time(store: Store, new_connection: bool) -> None:
+    clock = Clock()
+    # The span arrives 0.2 s after its end, before the daemon has stored the kernel events of that
+    # moment. Whether a new connection took the port (its close at 0.6 s, stored later) or the
+    # server read the request out of the reset socket's buffer is told once they are in.
+    store.insert_spans([http_span("r", 0.3, 0.5)])
+    store.insert_conn_events([close(0.0, ConnEventKind.PEER_RST)])
+    correlator = make(store, clock)
+    clock.now = T0 + int(0.7 * S)
+    correlator.tick()
+    assert verdicts(store) == []
+    if new_connection:
+        store.insert_conn_events([close(0.6), close(0.6002, ConnEventKind.CLOSED)])
+    clock.now = T0 + int(2.1 * S)
+    correlator.tick()
+    # Joined, the request is judged: unconfirmed, as nothing here says when its work ended.
+    assert [row.verdict for row in verdicts(store)] == ([] if new_connection else ["unconfirmed"])
+
+
 def test_server_that_closes_at_the_fin_while_the_request_waits_for_the_app(store: Store) -> None:
     clock = Clock()
     # uvicorn closes a connection at the client's FIN, yet the request it had already parsed still

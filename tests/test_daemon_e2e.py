@@ -25,6 +25,7 @@ from tests.e2e import (
     GRACE_S,
     cancel_after,
     complete,
+    disconnect,
     expected_verdict,
     read_response,
     running_daemon,
@@ -294,11 +295,15 @@ def close_with_fin(sock: socket.socket) -> None:
 
 
 @pytest.mark.parametrize("source", SOURCES)
-def test_a_request_on_a_reused_4_tuple_is_not_the_one_the_client_left(tmp_path: Path, source: str) -> None:
-    """A client closes an idle keep-alive connection (the server closes it within a millisecond);
-    a second later a new connection from the same port carries a long request that completes.
-    Joined to the old FIN, that request would read as one whose client had left before it was
-    read, running on for most of a second: a false zombie. The engine's truth log: no disconnect."""
+@pytest.mark.parametrize("first_close, reuse_after_s", [("fin", 1.2), ("rst", 0.3)])
+def test_a_request_on_a_reused_4_tuple_is_not_the_one_the_client_left(tmp_path: Path, source: str, first_close: str,
+                                                                      reuse_after_s: float) -> None:
+    """A client closes an idle keep-alive connection, with a FIN (the server closes it within a
+    millisecond; the client's TIME_WAIT can be taken over a second later) or a reset (nothing
+    holds the port); then a new connection from the same port carries a long request that
+    completes. Joined to the old disconnect, that request would read as one whose client had left
+    before it was read, running on for most of a second: a false zombie. The engine's truth log:
+    no disconnect."""
     with running_daemon(tmp_path, **daemon_overrides(source)) as daemon, running_engine(
             behavior="abort", otlp=f"http://127.0.0.1:{daemon.status.http_port}", step_ms=10,
             truth_log=tmp_path / "truth.jsonl") as engine:
@@ -308,8 +313,11 @@ def test_a_request_on_a_reused_4_tuple_is_not_the_one_the_client_left(tmp_path: 
         send_request(engine.port, stream=False, max_tokens=3, request_id="reuse-first", sock=first)
         read_response(first)
         time.sleep(0.2)  # idle on keep-alive, then the client leaves
-        close_with_fin(first)
-        time.sleep(1.2)  # past the client's TIME_WAIT takeover
+        if first_close == "fin":
+            close_with_fin(first)
+        else:
+            disconnect(first, "rst")
+        time.sleep(reuse_after_s)
         second = connect_from(engine.port, client_port)
         reused_port = second.getsockname()[1]
         send_request(engine.port, stream=True, max_tokens=80, request_id="reuse-second", sock=second)

@@ -93,6 +93,9 @@ _NO_ATTRIBUTES: dict[str, Any] = {}  # the attributes of every held span that ke
 SHARED_TEXTS = ("name", "kind", "service", "host", "status", "peer_addr", "route", "model", "finish_reason")
 # How long before a peerless span's start its client's close may lie (accept queue and read).
 PEERLESS_BEFORE_NS = 1_000_000_000
+# How long after a span's end the kernel events of its time are surely in the store: the daemon
+# flushes the probe's events within a second (docs/daemon.md), and polls every 50 ms.
+EVENTS_SETTLE_NS = 1_500_000_000
 
 
 class Correlator:
@@ -126,6 +129,9 @@ class Correlator:
         self.loads = EngineLoads()
         self.cost = CostSources(store, host)  # samples and engine processes, for what zombies cost
         self._pending = Disconnects()
+        # Resets whose span started after them and ended too recently to tell whether a later event
+        # shows a new connection on the 4-tuple (TraceIndex.in_flight): looked at again each round.
+        self._undecided: dict[int, Disconnect] = {}
         self._recent_unjoined = Disconnects()  # written off: a late span may still claim them back
         self._unjoined_kind: dict[int, CoverageKind] = {}  # how each of those was counted
         self._open: dict[RequestKey, OpenRequest] = {}
@@ -414,10 +420,16 @@ class Correlator:
         # notice of its server span): thousands of closes after a finished request wait out the
         # late-span window without any, and are looked at again only when it ends.
         due = {d.event_id: d for d in self._pending.on(self._news)}
+        due.update((i, d) for i, d in self._undecided.items() if self._pending.by_id.get(i) is d)
+        self._undecided = {}
         for disconnect in self._pending.closed_before(now - self.late_ns):  # their window ends: each is removed below
             due[disconnect.event_id] = disconnect
         for event_id, disconnect in sorted(due.items()):
             span = self._span_in_flight(disconnect)
+            if span is not None and disconnect.kind == "rst" and span.start_ns > disconnect.ts_ns \
+                    and now - span.end_ns < EVENTS_SETTLE_NS and now - disconnect.ts_ns <= self.late_ns:
+                self._undecided[event_id] = disconnect  # a new connection's close may still come
+                continue
             if span is not None:
                 self._join(disconnect, span)
                 self._pending.remove(disconnect)
@@ -497,7 +509,8 @@ class Correlator:
     def _span_in_flight(self, disconnect: Disconnect) -> SpanRecord | None:
         return self.spans.in_flight(disconnect.tuple4, disconnect.ts_ns,
                                     self._closed_by_tuple.get(disconnect.tuple4, ()), self.late_ns,
-                                    disconnect.earliest_ns, peer_fin=disconnect.kind == "fin")
+                                    disconnect.earliest_ns, peer_fin=disconnect.kind == "fin",
+                                    events_at=self._events_by_tuple.get(disconnect.tuple4, ()))
 
     def _classify_unjoined(self, disconnect: Disconnect) -> CoverageKind:
         spans = self.spans.on_connection(disconnect.tuple4)

@@ -187,7 +187,8 @@ class TraceIndex:
         return self._http_by_tuple.get(tuple4, [])
 
     def in_flight(self, tuple4: Tuple4, ts_ns: int, closed_at: Iterable[int], wait_ns: int,
-                  earliest_ns: int | None = None, peer_fin: bool = False) -> SpanRecord | None:
+                  earliest_ns: int | None = None, *, peer_fin: bool = False,
+                  events_at: Iterable[int]) -> SpanRecord | None:
         """The server span in flight on this connection when the client left at ``ts_ns``.
 
         A polled close is an interval (``earliest_ns``, ``ts_ns``]: a span in flight at any moment
@@ -200,7 +201,9 @@ class TraceIndex:
         at the FIN while its request still waits for the application (uvicorn does), and the
         client, which closed first, holds the 4-tuple in TIME_WAIT at least that long. After a
         reset nothing holds the 4-tuple: only a span that starts within ``RESET_UNREAD_NS`` of it
-        qualifies (the /proc source's ambiguous "gone", a FIN and the server's close within one
+        qualifies, and only while no later event on the 4-tuple (``events_at``: the times of every
+        event on it) shows another connection there, since the reset socket makes none after its
+        own close (the /proc source's ambiguous "gone", a FIN and the server's close within one
         poll, reads as a reset and is judged the same way).
         """
         spans = self._http_by_tuple.get(tuple4, [])
@@ -214,12 +217,13 @@ class TraceIndex:
         first = min(later, key=lambda s: s.start_ns)
         if peer_fin and first.start_ns - ts_ns < TIME_WAIT_REUSE_NS:
             return first  # the client's TIME_WAIT holds the 4-tuple: no new connection can have it yet
-        if not peer_fin and first.start_ns - ts_ns >= RESET_UNREAD_NS:
-            return None
+        if not peer_fin:  # a reset: any later event but its own close is another connection's
+            if first.start_ns - ts_ns >= RESET_UNREAD_NS or any(at > ts_ns + RESET_OWN_CLOSE_NS for at in events_at):
+                return None
+            return first
         # After a FIN any close of the server's socket counts, however soon: a server that is idle
         # on a keep-alive connection closes within a fraction of a millisecond of the FIN.
-        own_close_ns = -1 if peer_fin else RESET_OWN_CLOSE_NS
-        if any(ts_ns + own_close_ns < closed <= first.start_ns for closed in closed_at):
+        if any(ts_ns <= closed <= first.start_ns for closed in closed_at):
             return None
         return first
 
