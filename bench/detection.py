@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from auditor.config import ProbeConfig
 from replay.client import RequestPlan, run_load
 from replay.engine.launch import running_engine
+from replay.engine.truth import expected_verdict
 
 GRACE_S = 0.5
 RACE_S = 0.005  # a close this near the end of the work races it (kernel and engine clocks, one step)
@@ -265,14 +266,6 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
             "rss": rss, "peak": peak, "rss_series": rss_series, "spans": spans, "verdicts": verdicts, "threads": by_name}
 
 
-def expected_verdict(truth: dict[str, Any]) -> str:
-    """What became of a request whose client left, by the engine's own log."""
-    lag_s = (truth["finished_at"] - truth["disconnect_at"]) / 1e9
-    if truth["finish_reason"] in ("stop", "length") and lag_s <= 0:
-        return "completed"
-    return "aborted" if lag_s <= GRACE_S else "zombie"
-
-
 def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0) -> dict[str, Any]:
     """The load's verdicts against the load engine's truth log: disconnects it saw and how each was
     judged, and findings for requests whose client never left while they ran (the engine finished
@@ -287,7 +280,7 @@ def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0) -> d
     wrong, races, missed, missed_short = [], [], 0, 0
     for truth in left:
         request_id = truth["request_id"].removeprefix("cmpl-")
-        verdict, want = rows.get(request_id), expected_verdict(truth)
+        verdict, want = rows.get(request_id), expected_verdict(truth, GRACE_S)
         lag_s = (truth["finished_at"] - truth["disconnect_at"]) / 1e9
         if verdict is None:
             missed += 1

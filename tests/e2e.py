@@ -17,6 +17,7 @@ from sqlalchemy import select
 from auditor.config import apply_overrides, load_config
 from auditor.daemon import Daemon
 from auditor.store import VerdictRow
+from replay.engine.truth import expected_verdict as truth_verdict
 
 GRACE_S = 0.5
 
@@ -123,7 +124,4 @@ def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.1) -> bool:
 
 def expected_verdict(truth: dict[str, Any], grace_s: float = GRACE_S) -> str:
     """What really happened to a request whose client left, from the engine's own log."""
-    lag_s = (truth["finished_at"] - truth["disconnect_at"]) / 1e9
-    if truth["finish_reason"] in ("stop", "length") and lag_s <= 0:
-        return "completed"
-    return "aborted" if lag_s <= grace_s else "zombie"
+    return truth_verdict(truth, grace_s)

@@ -44,6 +44,15 @@ def truth_record(request: RequestHandle, behavior: str) -> dict[str, Any]:
     }
 
 
+def expected_verdict(truth: dict[str, Any], grace_s: float) -> str:
+    """What became of a request whose client left (``disconnect_at`` set), by the engine's own
+    record: the verdict the auditor owes it (DESIGN §5)."""
+    lag_s = (truth["finished_at"] - truth["disconnect_at"]) / 1e9
+    if truth["finish_reason"] in ("stop", "length") and lag_s <= 0:
+        return "completed"
+    return "aborted" if lag_s <= grace_s else "zombie"
+
+
 class TruthLogError(AuditorError):
     """The truth log cannot be opened."""
 
