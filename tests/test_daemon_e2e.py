@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
+from auditor.correlate.correlator import EVENTS_SETTLE_NS
 from auditor.model import CoverageKind
 from auditor.store import ConnEventRow, CoverageRow, SpanRow
 from replay.engine.launch import running_engine
@@ -333,7 +334,9 @@ def test_a_request_on_a_reused_4_tuple_is_not_the_one_the_client_left(tmp_path: 
             return {"reuse-first", "reuse-second"} <= ids
 
         assert wait_for(judged, timeout_s=15)
-        time.sleep(1.0)  # several correlation rounds (0.2 s each) after the spans arrived
+        # Past the wait of a join after a reset (the events of the span's end surely stored), and a
+        # few correlation rounds (0.2 s each) after it.
+        time.sleep(EVENTS_SETTLE_NS / 1e9 + 1.0)
         rows = verdict_rows(daemon)
         with daemon.store.session() as session:
             kinds = list(session.scalars(select(ConnEventRow.kind).where(ConnEventRow.client_port == client_port)))
