@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import atexit
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -275,7 +276,10 @@ def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0) -> d
     ``poll_s``: a polled source's interval; disconnects of requests that arrived less than that
     before them (connections a poll can miss: docs/probe.md) are counted apart when missed."""
     with sqlite3.connect(db) as conn:
-        rows = dict(conn.execute("SELECT request_id, verdict FROM verdicts WHERE request_id LIKE 'load-%'").fetchall())
+        found = conn.execute("SELECT request_id, verdict, disconnect_at_ns FROM verdicts "
+                             "WHERE request_id LIKE 'load-%'").fetchall()
+    rows = {request_id: verdict for request_id, verdict, _ in found}
+    closed_at = {request_id: ts for request_id, _, ts in found}
     left = [t for t in truths if t["disconnect_at"] is not None]
     wrong, races, missed, missed_short = [], [], 0, 0
     for truth in left:
@@ -289,10 +293,18 @@ def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0) -> d
             races.append(f"{request_id} {verdict} (truth {want}, lag {lag_s:.3f} s)")
         elif verdict != want and not ({verdict, want} <= {"aborted", "zombie"} and abs(lag_s - GRACE_S) <= 0.02):
             wrong.append(f"{request_id} {verdict} (truth {want}, lag {lag_s:.3f} s)")
-    stayed = {t["request_id"].removeprefix("cmpl-") for t in truths
+    # A request the engine finished without seeing its client leave: a finding for it is false,
+    # unless the close it was joined to came within RACE_S of the finish (a cancel that raced the
+    # last step: the engine finished before it looked).
+    stayed = {t["request_id"].removeprefix("cmpl-"): t for t in truths
               if t["disconnect_at"] is None and t["finish_reason"] in ("stop", "length")}
-    false = [f"{rid} {verdict} (truth: finished, no disconnect)" for rid, verdict in rows.items()
-             if rid in stayed and verdict not in ("completed", "unconfirmed")]
+    false = []
+    for rid, verdict in rows.items():
+        if rid not in stayed or verdict in ("completed", "unconfirmed"):
+            continue
+        lag_s = (stayed[rid]["finished_at"] - closed_at[rid]) / 1e9 if closed_at[rid] else math.inf
+        line = f"{rid} {verdict} (truth: finished {lag_s:.3f} s after the close, which the engine did not see)"
+        (races if abs(lag_s) <= RACE_S else false).append(line)
     return {"left": len(left), "missed": missed, "missed_short": missed_short, "wrong": wrong, "races": races,
             "false": false}
 
@@ -300,8 +312,8 @@ def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0) -> d
 def print_judged(judged: dict[str, Any]) -> None:
     short = f" ({judged['missed_short']} within one poll of their arrival)" if judged["missed_short"] else ""
     print(f"  against truth   {judged['left']} disconnects the engine saw: {judged['missed']} without a verdict{short}, "
-          f"{len(judged['wrong'])} judged otherwise, {len(judged['races'])} completed/aborted within "
-          f"{RACE_S * 1000:.0f} ms of the end; {len(judged['false'])} findings for requests that finished with "
+          f"{len(judged['wrong'])} judged otherwise, {len(judged['races'])} closes within "
+          f"{RACE_S * 1000:.0f} ms of the work's end (races); {len(judged['false'])} findings for requests that finished with "
           "their client")
     for line in (judged["wrong"] + judged["false"])[:5] + judged["races"][:2]:
         print(f"    {line}")
@@ -366,6 +378,9 @@ def main() -> int:
     parser.add_argument("--export-delay-ms", type=int, help="the load engine's span export delay "
                         "(OTEL_BSP_SCHEDULE_DELAY; the engine's own is 200 ms, the SDK's default, "
                         "which vLLM exports with, 5000 ms)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the database and the load engine's truth log when a verdict disagrees "
+                             "with the truth log (their folder is printed)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (eBPF probe)")
@@ -397,6 +412,9 @@ def main() -> int:
             print_latencies(latencies, args.alarms)
             print_load(load, args)
             print_judged(judged)
+            if args.keep and (judged["wrong"] or judged["false"]):
+                atexit.unregister(shutil.rmtree)
+                print(f"  kept: {work}")
             return 0
         results: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
         for round_no in range(1, args.rounds + 1):
