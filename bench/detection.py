@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import atexit
 import contextlib
+import functools
 import math
 import os
 import re
@@ -42,7 +43,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -281,7 +282,9 @@ def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0) -> d
     rows = {request_id: verdict for request_id, verdict, _ in found}
     closed_at = {request_id: ts for request_id, _, ts in found}
     left = [t for t in truths if t["disconnect_at"] is not None]
-    wrong, races, missed, missed_short = [], [], 0, 0
+    wrong: list[str] = []
+    races: list[str] = []
+    missed = missed_short = 0
     for truth in left:
         request_id = truth["request_id"].removeprefix("cmpl-")
         verdict, want = rows.get(request_id), expected_verdict(truth, GRACE_S)
@@ -298,7 +301,7 @@ def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0) -> d
     # last step: the engine finished before it looked).
     stayed = {t["request_id"].removeprefix("cmpl-"): t for t in truths
               if t["disconnect_at"] is None and t["finish_reason"] in ("stop", "length")}
-    false = []
+    false: list[str] = []
     for rid, verdict in rows.items():
         if rid not in stayed or verdict in ("completed", "unconfirmed"):
             continue
@@ -343,15 +346,20 @@ def print_latencies(latencies: dict[str, list[float]], count: int) -> None:
               f"{max(values):>9.3f}   {target}")
 
 
+def _thread_share(name: str, run: dict[str, Any]) -> float:
+    return float(run["threads"].get(name, 0.0))
+
+
 def print_comparison(results: dict[str, list[dict[str, Any]]], rate: float) -> None:
     labels = list(results)
     print(f"\nDaemon at {rate:.0f} req/s (10% cancelled), median of {len(results[labels[0]])} alternating runs")
     print(f"  {'':<30}" + "".join(f"{label:>16}" for label in labels))
-    rows = [("CPU, % of one core", lambda r: r["cpu_percent"], "{:.2f}"), ("RSS, MiB", lambda r: r["rss"], "{:.1f}"),
-            ("peak RSS, MiB", lambda r: r["peak"], "{:.1f}")]
+    rows: list[tuple[str, Callable[[dict[str, Any]], float], str]] = [
+        ("CPU, % of one core", lambda r: r["cpu_percent"], "{:.2f}"), ("RSS, MiB", lambda r: r["rss"], "{:.1f}"),
+        ("peak RSS, MiB", lambda r: r["peak"], "{:.1f}")]
     threads = sorted({name for runs in results.values() for run in runs for name in run["threads"]},
                      key=lambda name: -statistics.median(run["threads"].get(name, 0.0) for run in results[labels[-1]]))
-    rows += [(f"  {name}", lambda r, name=name: r["threads"].get(name, 0.0), "{:.2f}") for name in threads]
+    rows += [(f"  {name}", functools.partial(_thread_share, name), "{:.2f}") for name in threads]
     for title, value, fmt in rows:
         cells = [fmt.format(statistics.median(value(run) for run in results[label])) for label in labels]
         print(f"  {title[:30]:<30}" + "".join(f"{cell:>16}" for cell in cells))

@@ -99,7 +99,7 @@ def template_body(batch: int) -> bytes:
                 attribute.value.int_value = value
             else:
                 attribute.value.double_value = value
-    return request.SerializeToString()
+    return bytes(request.SerializeToString())
 
 
 class Bodies:
