@@ -203,14 +203,14 @@ class Daemon:
         self._parts["procfs"].set_pids(pids)
         self._parts["sampling"].wake()
 
-    def _departed(self) -> None:
-        """A client left a watched port. A sampler that found its engine quiet samples once a
+    def _departed(self, ports: set[int]) -> None:
+        """Clients left these watched ports. A sampler that found its engine quiet samples once a
         second: a sample now ends the quiet one at the disconnect, where a zombie's cost begins.
-        A scraper whose engines were quiet scrapes at once, and at its rate from then on."""
+        The scraper scrapes a quiet one of these engines at once, and at its rate from then on."""
         if "sampling" in self._parts:
             self._parts["sampling"].wake()
         if "engine_metrics" in self._parts:
-            self._parts["engine_metrics"].activity()
+            self._parts["engine_metrics"].activity(ports)
 
     def _start_engine_metrics(self) -> None:
         if not self.config.engine_metrics.scrape:
@@ -290,13 +290,13 @@ class Daemon:
                 events = source.poll(timeout_s=PROBE_POLL_S)
                 if events:
                     writer.add(events)
-                    departed = False
+                    departed: set[int] = set()
                     for event in events:
                         if event.kind.value in ("peer_fin", "peer_rst"):
                             self.metrics.disconnect(event.kind.value.removeprefix("peer_"))
-                            departed = True
+                            departed.add(event.server_port)
                     if departed:
-                        self._departed()
+                        self._departed(departed)
                 if time.monotonic() - self._events_flushed_at >= EVENT_FLUSH_BACKSTOP_S:
                     self._flush_events()
             except Exception:

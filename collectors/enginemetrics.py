@@ -52,10 +52,11 @@ ABORT_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {
     "ref": ("ref_engine_requests", "finish_reason", "abort"),
 }
 NOT_AN_ENGINE_BACKOFF_S = 30.0
-# Engines that have held no request (nothing running or waiting) and seen no client leave for
-# QUIET_AFTER_S are scraped every QUIET_INTERVAL_S until a scrape shows a request or a client leaves
-# (``activity``): an idle host's scrapes cost CPU for nothing. The first second of a request that
-# comes to a quiet engine is read at that coarser step; a disconnect is scraped at once.
+# An engine that has held no request (nothing running or waiting) and seen no client leave for
+# QUIET_AFTER_S is scraped every QUIET_INTERVAL_S until a scrape shows a request or a client leaves
+# it (``activity``): an idle engine's scrapes cost CPU for nothing. Each port on its own, so the idle
+# engines of a host with several are not scraped at the rate of its busy one. The first second of a
+# request that comes to a quiet engine is read at that coarser step; a disconnect is scraped at once.
 QUIET_AFTER_S = 10.0
 QUIET_INTERVAL_S = 1.0
 IDLE_RECHECK_S = 2.0  # with no engine to scrape, how soon a newly watched port is tried
@@ -300,8 +301,11 @@ class EngineMetricsScraper:
         self._wake = threading.Event()  # set by stop(), ports_changed() and activity() while quiet
         self.quiet_after_s = quiet_after_s
         self.quiet_interval_s = max(quiet_interval_s, interval_s)
-        self._active_at = time.monotonic()  # the last scrape that showed a request held, or a departure
-        self.quiet = False
+        # Per port: the last scrape that showed a request held (or failed), or a client leaving;
+        # and when it is scraped next (a port not in it: at once).
+        self._active_at: dict[int, float] = {}
+        self._next_at: dict[int, float] = {}
+        self._lock = threading.Lock()  # the two above: the loop schedules, departures wake
         self._thread: threading.Thread | None = None
 
     def scrape(self, port: int) -> EngineLoad | None:
@@ -361,10 +365,11 @@ class EngineMetricsScraper:
             connection.close()
         self._connections.clear()
 
-    def scrape_all(self) -> list[EngineLoad]:
+    def scrape_all(self, ports: Iterable[int] | None = None) -> list[EngineLoad]:
+        """A scrape of each of ``ports`` (every watched port by default) not in its back-off."""
         loads = []
         now = time.monotonic()
-        for port in sorted(set(self.ports())):
+        for port in sorted(set(self.ports() if ports is None else ports)):
             if self._skip_until.get(port, 0.0) > now:
                 continue
             try:
@@ -391,42 +396,67 @@ class EngineMetricsScraper:
         return self
 
     def _loop(self) -> None:
-        next_tick = time.monotonic()
         while not self._stop.is_set():
+            now = time.monotonic()
+            ports = set(self.ports())
+            with self._lock:
+                for gone in set(self._next_at) - ports:
+                    self._next_at.pop(gone)
+                    self._active_at.pop(gone, None)
+            due = sorted(port for port in ports if self._next_at.get(port, now) <= now)
             try:
-                loads = self.scrape_all()
+                loads = self.scrape_all(due)
                 if loads:
                     self.sink(loads)
             except Exception:
                 loads = []
                 log.exception("engine metrics round failed; continuing")
-            now = time.monotonic()
-            if not loads or any(load.running or load.waiting for load in loads):
-                self._active_at = now
-            self.quiet = now - self._active_at >= self.quiet_after_s
-            next_tick += self.quiet_interval_s if self.quiet else self.interval_s
-            # Every port waiting out its back-off (none is an engine): sleep until the first retry,
-            # or IDLE_RECHECK_S for a port newly watched, rather than waking at the scrape rate.
-            now = time.monotonic()
-            ports = set(self.ports())
-            if all(self._skip_until.get(port, 0.0) > now for port in ports):
-                waits = [self._skip_until[port] for port in ports] + [now + IDLE_RECHECK_S]
-                next_tick = max(next_tick, min(waits))
-            delay = next_tick - time.monotonic()
-            if delay < 0:  # skip missed ticks instead of bursting
-                next_tick, delay = time.monotonic(), 0.0
-            if self._wake.wait(delay):  # woken early (new ports, or stop): the rate starts again from now
+            self._schedule(due, {load.server_port: load for load in loads}, now)
+            # A port in its back-off (not an engine) waits until its retry; the loop looks again
+            # within IDLE_RECHECK_S whatever it waits for. Missed ticks are skipped, not burst.
+            waits = [max(self._next_at[port], self._skip_until.get(port, 0.0)) for port in ports]
+            delay = min([*waits, now + IDLE_RECHECK_S]) - time.monotonic()
+            if self._wake.wait(max(0.0, delay)):  # woken early: new ports, a departure, or stop
                 self._wake.clear()
-                next_tick = time.monotonic()
         self.close()
 
-    def activity(self) -> None:
-        """A client left a watched port: back to the scrape rate, at once if it was quiet (the
-        scrapes after a disconnect tell whether its work stopped)."""
-        self._active_at = time.monotonic()
-        if self.quiet:
-            self.quiet = False
-            self._wake.set()
+    def _schedule(self, scraped: list[int], loads: dict[int, EngineLoad], began: float) -> None:
+        """Each scraped port's next scrape: at the rate, or the quiet rate once its engine has held
+        nothing for ``quiet_after_s`` (a port whose scrape failed counts as busy: its back-off
+        decides when it is tried again)."""
+        now = time.monotonic()
+        with self._lock:
+            for port in scraped:
+                load = loads.get(port)
+                if load is None or load.running or load.waiting:
+                    self._active_at[port] = now
+                active_at = self._active_at.setdefault(port, now)
+                step = self.quiet_interval_s if now - active_at >= self.quiet_after_s else self.interval_s
+                self._next_at[port] = max(self._next_at.get(port, began) + step, now)
+
+    def quiet_ports(self) -> set[int]:
+        """The watched ports scraped at the quiet rate now."""
+        now = time.monotonic()
+        return {port for port, active_at in list(self._active_at.items()) if now - active_at >= self.quiet_after_s}
+
+    @property
+    def quiet(self) -> bool:
+        """Every watched port's engine quiet (none scraped at the rate)."""
+        ports = set(self._active_at)
+        return bool(ports) and self.quiet_ports() == ports
+
+    def activity(self, ports: Iterable[int] | None = None) -> None:
+        """A client left these watched ports (every one by default): each is back to the scrape
+        rate, and a quiet one is scraped at once (the scrapes after a disconnect tell whether its
+        work stopped)."""
+        with self._lock:
+            quiet = self.quiet_ports()
+            now = time.monotonic()
+            for port in set(self._next_at) if ports is None else set(ports) & set(self._next_at):
+                self._active_at[port] = now
+                if port in quiet:
+                    self._next_at[port] = now
+                    self._wake.set()
 
     def ports_changed(self) -> None:
         """Scrape at once: a newly watched port needs a scrape before its first disconnect, and the

@@ -3,12 +3,14 @@ Content-Length or chunked, kept alive or closed, and answers that are no metrics
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from auditor.model import EngineLoad
 from collectors.enginemetrics import MAX_PAGE_BYTES, EngineMetricsScraper
 
 PAGE = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"
@@ -170,11 +172,17 @@ class DescribelessCollector:
 def vllm_registry() -> Iterator[tuple[object, int]]:
     """A real prometheus_client server (the library vLLM and SGLang serve /metrics with) of a
     vLLM-like registry: its gauges, its abort counter and many histograms."""
+    with serving_vllm_registry(running=3, waiting=1) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serving_vllm_registry(running: int, waiting: int) -> Iterator[tuple[object, int]]:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
     registry = CollectorRegistry()
-    Gauge("vllm:num_requests_running", "Running.", registry=registry).set(3)
-    Gauge("vllm:num_requests_waiting", "Waiting.", registry=registry).set(1)
+    Gauge("vllm:num_requests_running", "Running.", registry=registry).set(running)
+    Gauge("vllm:num_requests_waiting", "Waiting.", registry=registry).set(waiting)
     Counter("vllm:generation_tokens", "Tokens.", registry=registry).inc(1234)
     Counter("vllm:request_success", "Finished.", ["finished_reason"], registry=registry).labels("abort").inc(2)
     for i in range(40):
@@ -257,3 +265,32 @@ def test_quiet_engines_are_scraped_seldom_until_a_request_or_a_departure(vllm_re
         assert not scraper.quiet
     finally:
         scraper.stop()
+
+
+def test_an_idle_engine_beside_a_busy_one_is_scraped_at_the_quiet_rate() -> None:
+    import time
+
+    scraped: dict[int, list[float]] = {}
+
+    def keep(loads: list[EngineLoad]) -> None:
+        for load in loads:
+            scraped.setdefault(load.server_port, []).append(time.monotonic())
+
+    with serving_vllm_registry(running=2, waiting=0) as (_, busy), \
+            serving_vllm_registry(running=0, waiting=0) as (_, idle):
+        scraper = EngineMetricsScraper(lambda: [busy, idle], keep, interval_s=0.05, timeout_s=2,
+                                       quiet_after_s=0.5, quiet_interval_s=1.0).start()
+        try:
+            time.sleep(3.0)  # the idle one: 0.5 s at the rate, then about once a second
+            later = {port: [t for t in times if t > times[0] + 1.0] for port, times in scraped.items()}
+            assert len(later[busy]) >= 20 and 1 <= len(later[idle]) <= 3
+            assert scraper.quiet_ports() == {idle} and not scraper.quiet
+            scraper.activity({busy})  # a client left the busy engine: the idle one stays quiet
+            assert scraper.quiet_ports() == {idle}
+            left_at = time.monotonic()
+            scraper.activity({idle})  # and now the idle one: scraped at once, then at the rate
+            time.sleep(0.3)
+            after = [t for t in scraped[idle] if t >= left_at]
+            assert after and after[0] - left_at < 0.2 and len(after) >= 3 and not scraper.quiet_ports()
+        finally:
+            scraper.stop()
