@@ -3,11 +3,11 @@ accept, count and drop (servers pointed at the generic ``OTEL_EXPORTER_OTLP_ENDP
 three signals and would log UNIMPLEMENTED otherwise).
 
 The three methods are unary calls with one small message each way, so the receiver speaks gRPC's
-HTTP/2 mapping itself, over ``h2`` (a pure-Python HTTP/2 state machine, about 1 MiB), instead of
-loading grpcio's C core (about 11 MiB of a daemon that runs for weeks, and seven threads). Per
-connection: one thread reads and feeds the state machine; a finished request goes to a small pool
-of workers, which normalize, wait for the store's commit and answer on the same connection (so a
-slow commit never holds up the other requests on it).
+HTTP/2 mapping itself, over ``collectors.http2`` (the server side of HTTP/2 that such calls need),
+instead of loading grpcio's C core (about 11 MiB of a daemon that runs for weeks, and seven
+threads). Per connection: one thread reads and feeds the connection's frames; a finished request
+goes to a small pool of workers, which normalize, wait for the store's commit and answer on the
+same connection (so a slow commit never holds up the other requests on it).
 
 Answers follow the OTLP and gRPC specifications: OK with ``partial_success`` for rejected spans,
 UNAUTHENTICATED for a bad or missing bearer token, INVALID_ARGUMENT for a body that is not the
@@ -40,17 +40,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
-import hyperframe.frame
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
+from collectors import http2
 from collectors import otlp_codec as codec
+from collectors.http2 import ErrorCode
 from collectors.normalize import NormalizeResult, normalize_body, normalize_request
 from collectors.otlp_wire import Unusual
 from collectors.spanwriter import QUEUE_FULL, BackPressure, SpanWriter
@@ -74,24 +69,17 @@ METHODS = {
 COMPRESSIONS = ("identity", "gzip", "deflate")
 ACCEPT_ENCODING = ",".join(COMPRESSIONS)
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+PREFACE = http2.PREFACE
 _HTTP1_REQUEST = re.compile(rb"[A-Z]{3,10} ")
 _PREFIX = struct.Struct(">BI")  # a gRPC message: compressed flag, length, then the message
 MAX_STREAMS_PER_CONNECTION = 32  # advertised; gRPC clients queue calls beyond it
 MAX_HEADER_LIST_BYTES = 16 << 10  # as grpc-core's hard limit on a request's metadata
 WINDOW_BYTES = 1 << 20  # per stream and per connection: a typical export arrives without waiting
 MAX_MESSAGE_TEXT = 1024  # grpc-message stays small, so an answer never waits for flow control
-
-
-
-def _data_frame_repr(self: hyperframe.frame.DataFrame) -> str:
-    return f"<{len(self.data)} bytes>"
-
-
-# h2 traces every frame it receives as repr(frame), and builds that text even when nothing logs
-# it; a DATA frame's repr copies and hex-encodes its whole payload (about 6% of the receiver's
-# CPU under a flood of exports). Its length says as much to anyone tracing h2.
-hyperframe.frame.DataFrame._body_repr = _data_frame_repr  # type: ignore[method-assign,assignment]
+# An OK answer's header blocks are the same bytes every time (no dynamic table is used).
+_OK_HEADERS = http2.encode_headers([(":status", "200"), ("content-type", "application/grpc"),
+                                    ("grpc-accept-encoding", ACCEPT_ENCODING)])
+_OK_TRAILERS = http2.encode_headers([("grpc-status", "0")])
 
 
 def percent_encode(message: str) -> str:
@@ -143,21 +131,16 @@ class _Call:
 
 
 class _Connection:
-    """One client connection: a reading thread feeding h2; workers answer through :meth:`answer`."""
+    """One client connection: a reading thread feeding its frames to the HTTP/2 state; workers
+    answer through :meth:`answer`."""
 
     def __init__(self, receiver: OtlpGrpcReceiver, sock: socket.socket, peer: Any) -> None:
         self.receiver = receiver
         self.sock = sock
         self.peer = peer
-        self.h2 = h2.connection.H2Connection(config=h2.config.H2Configuration(
-            client_side=False, header_encoding=None))
-        self.h2.local_settings = h2.settings.Settings(client=False, initial_values={
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_STREAMS_PER_CONNECTION,
-            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST_BYTES,
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW_BYTES,
-        })
-        self.h2.decoder.max_header_list_size = MAX_HEADER_LIST_BYTES  # enforced as advertised
-        self.lock = threading.Lock()  # h2's state and the socket's writes
+        self.h2 = http2.ServerConnection(max_concurrent_streams=MAX_STREAMS_PER_CONNECTION,
+                                         initial_window=WINDOW_BYTES, max_header_list_size=MAX_HEADER_LIST_BYTES)
+        self.lock = threading.Lock()  # the HTTP/2 state and the socket's writes
         self.answered = threading.Condition(self.lock)
         self.calls: dict[int, _Call] = {}  # streams still being read (touched by the reading thread only)
         self.pending = 0  # calls handed to workers and not yet answered
@@ -207,7 +190,7 @@ class _Connection:
                 return self.sock.recv(65536)
             except TimeoutError:
                 if not self.calls:
-                    self._goaway(h2.errors.ErrorCodes.NO_ERROR, b"idle")
+                    self._goaway(ErrorCode.NO_ERROR, b"idle")
                     return None
 
     def _expire(self) -> None:
@@ -245,30 +228,31 @@ class _Connection:
         log.debug("OTLP/gRPC connection from %s does not speak HTTP/2: %r", self.peer, data[:24])
 
     def _feed(self, data: bytes) -> bool:
-        """Hand bytes to h2 and act on its events; False once the connection is to be closed."""
+        """Hand bytes to the HTTP/2 state and act on its events; False once the connection is to
+        be closed."""
         with self.lock:
             try:
                 events = self.h2.receive_data(data)
             except Exception as exc:
-                # h2 raises ProtocolError for framing and HPACK faults; odd frames can surface as
-                # other errors from its parsers. Either way this connection cannot go on.
+                # ProtocolError for a frame that breaks HTTP/2 or a header block that cannot be
+                # decoded; anything else is a fault of ours. Either way this connection cannot go on.
                 self.receiver._count_connection_error("HTTP/2 protocol error")
                 log.debug("OTLP/gRPC connection from %s broke HTTP/2: %r", self.peer, exc)
-                error = getattr(exc, "error_code", None) or h2.errors.ErrorCodes.PROTOCOL_ERROR
+                error = getattr(exc, "error_code", None) or ErrorCode.PROTOCOL_ERROR
                 self._goaway(error, str(exc)[:200].encode(), locked=True)
                 return False
             for event in events:
-                if isinstance(event, h2.events.RequestReceived):
-                    self._begin(event.stream_id, event.headers)
-                elif isinstance(event, h2.events.DataReceived):
+                if isinstance(event, http2.DataReceived):
                     self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                     self._data(event.stream_id, event.data)
-                elif isinstance(event, h2.events.StreamEnded):
+                elif isinstance(event, http2.RequestReceived):
+                    self._begin(event.stream_id, event.headers)
+                elif isinstance(event, http2.StreamEnded):
                     self._end(event.stream_id)
-                elif isinstance(event, h2.events.StreamReset):
+                elif isinstance(event, http2.StreamReset):
                     if self.calls.pop(event.stream_id, None) is not None:
                         self.receiver._release()
-                elif isinstance(event, h2.events.ConnectionTerminated):
+                elif isinstance(event, http2.ConnectionTerminated):
                     self._flush()
                     return False
             self._flush()
@@ -276,7 +260,7 @@ class _Connection:
 
     def _begin(self, stream_id: int, headers: Any) -> None:
         meta: dict[str, str] = {}
-        for name, value in headers:  # bytes: HTTP/2 checked the names, values may be anything
+        for name, value in headers:  # bytes: HTTP/2 checked the names and values
             meta.setdefault(name.decode("latin-1"), value.decode("latin-1"))
         refusal = self.receiver._admit()
         if refusal is not None:
@@ -334,8 +318,8 @@ class _Connection:
         if self.calls.pop(stream_id, None) is not None:
             self.receiver._release()
         self._finish(stream_id, error)
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+        with contextlib.suppress(http2.StreamClosed):
+            self.h2.reset_stream(stream_id, ErrorCode.NO_ERROR)
 
     # -- answering --------------------------------------------------------------------------
     def answer(self, stream_id: int, result: bytes | CallError) -> None:
@@ -360,15 +344,14 @@ class _Connection:
             if result.retry_after_s is not None:
                 headers.append(("grpc-status-details-bin",
                                 retry_details(result.code, result.message, result.retry_after_s)))
-            with contextlib.suppress(h2.exceptions.ProtocolError):  # trailers-only
+            with contextlib.suppress(http2.StreamClosed):  # trailers-only
                 self.h2.send_headers(stream_id, headers, end_stream=True)
             return
         self.receiver._count(OK)
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            self.h2.send_headers(stream_id, [(":status", "200"), ("content-type", "application/grpc"),
-                                             ("grpc-accept-encoding", ACCEPT_ENCODING)])
+        with contextlib.suppress(http2.StreamClosed):
+            self.h2.send_headers(stream_id, _OK_HEADERS)
             self.h2.send_data(stream_id, frame(result))
-            self.h2.send_headers(stream_id, [("grpc-status", "0")], end_stream=True)
+            self.h2.send_headers(stream_id, _OK_TRAILERS, end_stream=True)
 
     def _flush(self) -> None:
         out = self.h2.data_to_send()
@@ -377,14 +360,14 @@ class _Connection:
 
     def _goaway(self, error: int, text: bytes, *, locked: bool = False) -> None:
         with contextlib.nullcontext() if locked else self.lock:
-            with contextlib.suppress(h2.exceptions.ProtocolError):
+            if not self.h2.closed:
                 self.h2.close_connection(error_code=error, additional_data=text)
             with contextlib.suppress(OSError):
                 self._flush()
 
     def close(self) -> None:
         """From stop(): say goodbye and wake the reading thread."""
-        self._goaway(h2.errors.ErrorCodes.NO_ERROR, b"shutting down")
+        self._goaway(ErrorCode.NO_ERROR, b"shutting down")
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
 
@@ -511,7 +494,7 @@ class OtlpGrpcReceiver:
             connection.sock.settimeout(2)
             with connection.lock:
                 connection.h2.initiate_connection()
-            connection._goaway(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, b"too many connections")
+            connection._goaway(ErrorCode.ENHANCE_YOUR_CALM, b"too many connections")
         with contextlib.suppress(OSError):
             connection.sock.close()
 

@@ -4,7 +4,8 @@ capture and replay; the daemon on a SQLite file reads and writes through the sql
 (auditor.store.sql), and Alembic only migrates, in a child.
 
 grpcio (about 11 MiB and seven threads) is not imported even with the OTLP/gRPC listener on, as
-the unit runs it: the receiver speaks HTTP/2 through h2.
+the unit runs it: the receiver speaks HTTP/2 itself (collectors.http2; tests/test_http2.py checks
+that it loads no HTTP/2 library but hpack).
 
 The daemon runs in a fresh interpreter (the test process has imported everything): the /proc
 source, the reference engine exporting its spans over OTLP/HTTP or OTLP/gRPC, one request
