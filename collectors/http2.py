@@ -176,8 +176,9 @@ def malformed(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
 
 
 class ServerConnection:
-    """One HTTP/2 connection, server side. ``settings``: what we advertise (ours take effect at
-    once for what we accept: a client may only send less before it has seen them)."""
+    """One HTTP/2 connection, server side. The three settings are what :meth:`initiate_connection`
+    advertises, and they hold for what we accept from the start: before a client has seen them it
+    may only send less (the defaults)."""
 
     def __init__(self, *, max_concurrent_streams: int = 100, initial_window: int = DEFAULT_WINDOW,
                  max_header_list_size: int = 16 << 10) -> None:
