@@ -349,8 +349,8 @@ def _key_value(raw: bytes) -> tuple[str, Any]:
 
 
 def _plain_key_value(raw: bytes) -> tuple[str, Any] | None:
-    """The usual key-value read by position: a key, then a string or int value, every length
-    under 128 bytes; None for any other layout (then read field by field)."""
+    """The usual key-value read by position: a key, then a string, int, double or bool value,
+    every length under 128 bytes; None for any other layout (then read field by field)."""
     size = len(raw)
     if size < 5 or raw[0] != 0x0A or raw[1] >= 0x80:
         return None
@@ -366,6 +366,12 @@ def _plain_key_value(raw: bytes) -> tuple[str, Any] | None:
     if value_tag == 0x18:
         value, end = _varint(raw, key_end + 3)
         return (key, _signed(value, 64)) if end == size else None
+    if value_tag == 0x21 and size - key_end == 11:  # a double: the tag and 8 bytes, nothing else
+        number = _DOUBLE.unpack_from(raw, key_end + 3)[0]
+        return key, number if math.isfinite(number) else str(number)
+    if value_tag == 0x10:
+        value, end = _varint(raw, key_end + 3)
+        return (key, (value & _U64) != 0) if end == size else None
     return None
 
 
