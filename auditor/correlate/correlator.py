@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import operator
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -91,6 +92,7 @@ JUDGED_ATTRIBUTES = frozenset({FINAL_SEND_ATTR, TOKENS_AFTER_DISCONNECT_ATTR})
 _NO_ATTRIBUTES: dict[str, Any] = {}  # the attributes of every held span that keeps none: never changed
 # Span texts that repeat across spans: held once each (a span's memory is mostly its texts).
 SHARED_TEXTS = ("name", "kind", "service", "host", "status", "peer_addr", "route", "model", "finish_reason")
+_shared_texts = operator.attrgetter(*SHARED_TEXTS)  # all of them in one call
 # How long before a peerless span's start its client's close may lie (accept queue and read).
 PEERLESS_BEFORE_NS = 1_000_000_000
 # How long after a span's end the kernel events of its time are surely in the store: the daemon
@@ -664,11 +666,15 @@ def _event_at_or_before(detail: str, position: int | None) -> bool:
     return number.isdigit() and int(number) <= position
 
 
-def _settled_request_ids(engine_request_id: str) -> list[str]:
+def _settled_request_ids(engine_request_id: str) -> tuple[str, ...]:
     """The request ids a settled request may hold for an engine's request id: the id itself, and
-    the id less the prefix the OpenAI server adds (vLLM's \"cmpl-\" and \"chatcmpl-\")."""
-    return [engine_request_id[len(prefix):] for prefix in ("", "cmpl-", "chatcmpl-")
-            if engine_request_id.startswith(prefix)]
+    the id less the prefix the OpenAI server adds (vLLM's \"cmpl-\" and \"chatcmpl-\"). Called
+    for every engine span: plain tests, not a loop over the prefixes."""
+    if engine_request_id.startswith("cmpl-"):
+        return engine_request_id, engine_request_id[5:]
+    if engine_request_id.startswith("chatcmpl-"):
+        return engine_request_id, engine_request_id[9:]
+    return (engine_request_id,)
 
 
 def _lean(span: SpanRecord) -> SpanRecord:
@@ -683,8 +689,7 @@ def _lean(span: SpanRecord) -> SpanRecord:
         object.__setattr__(span, "attributes", attributes or _NO_ATTRIBUTES)
     elif not attributes and attributes is not _NO_ATTRIBUTES:
         object.__setattr__(span, "attributes", _NO_ATTRIBUTES)
-    for name in SHARED_TEXTS:
-        value = getattr(span, name)
+    for name, value in zip(SHARED_TEXTS, _shared_texts(span), strict=True):
         if value is not None:
             shared = sys.intern(value)
             if shared is not value:
