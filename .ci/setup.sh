@@ -46,6 +46,8 @@ headers_package() {
 if command -v apt-get >/dev/null 2>&1; then
     wanted=(python3-bpfcc bpfcc-tools)
     [ "$postgres" = 1 ] && wanted+=(postgresql)
+    # The tests' independent HTTP/2 client (nghttp2) for the OTLP/gRPC receiver.
+    [ "$extras" = dev ] && wanted+=(curl)
     have_headers=$( { [ -e "/lib/modules/$kernel_release/build" ] || ls -d /usr/src/linux-headers-*-"$arch" >/dev/null 2>&1; } && echo yes || true)
     missing=$(missing_packages "${wanted[@]}")
     if [ -n "$missing" ] || [ -z "$have_headers" ]; then

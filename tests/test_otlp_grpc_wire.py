@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import gzip
 import logging
+import shutil
 import socket
 import sqlite3
 import struct
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -462,3 +464,29 @@ def test_after_the_fuzz_the_receiver_holds_nothing_and_serves(fuzz_target: OtlpG
     assert stats["calls_in_flight"] == 0 and stats["connections"] == 0, stats
     assert stats["requests_by_status"].get("OK", 0) >= 1
     still_serves(fuzz_target)
+
+
+def test_curl_an_independent_http2_client_gets_its_answers(receiver: OtlpGrpcReceiver, store: Store,
+                                                           tmp_path: Path) -> None:
+    """curl speaks HTTP/2 through nghttp2, the library behind most HTTP/2 stacks outside Python:
+    a call, and a 3 MiB one that only gets through if our windows are given back as it arrives."""
+    curl = shutil.which("curl")
+    assert curl, "curl is missing: make setup installs it (the tests' independent HTTP/2 client)"
+
+    def post(message: bytes) -> tuple[str, bytes]:
+        body, answer = tmp_path / "body", tmp_path / "answer"
+        body.write_bytes(grpc_frame(message))
+        done = subprocess.run([curl, "-sS", "--http2-prior-knowledge", "--data-binary", f"@{body}",
+                               "-H", "content-type: application/grpc", "-H", "te: trailers",
+                               "-D", "-", "-o", str(answer), f"http://127.0.0.1:{receiver.port}{TRACES}"],
+                              capture_output=True, text=True, timeout=30, check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.replace("\r", ""), answer.read_bytes()
+
+    head, answer = post(request_bytes(3))
+    assert head.startswith("HTTP/2 200") and "grpc-status: 0" in head, head
+    assert answer == grpc_frame(b"") and span_count(store) == 3
+    head, answer = post(b"\xff" * (3 << 20))  # not a request: refused, after all of it was read
+    assert "grpc-status: 3" in head and answer == b"", head
+    assert settled(receiver)["requests_by_status"] == {"OK": 1, "INVALID_ARGUMENT": 1}
+    still_serves(receiver)
