@@ -128,14 +128,13 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
     return _HEAD.pack(length >> 8, length & 0xFF, kind, flags, stream_id) + payload
 
 
-def _integer(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    """HPACK's integer encoding (RFC 7541 5.1), ``first`` holding the bits above the prefix."""
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes([first | value])
-    out = bytearray([first | limit])
-    value -= limit
-    while value >= 128:
+def _length(value: int) -> bytes:
+    """A string's length in HPACK's integer encoding, 7-bit prefix, no Huffman (RFC 7541 5.1, 5.2)."""
+    if value < 0x7F:
+        return bytes([value])
+    out = bytearray([0x7F])
+    value -= 0x7F
+    while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
         value >>= 7
     out.append(value)
@@ -147,7 +146,7 @@ def encode_headers(headers: list[tuple[str, str]]) -> bytes:
     out = bytearray()
     for name, value in headers:
         raw_name, raw_value = name.encode("latin-1"), value.encode("latin-1")
-        out += b"\x00" + _integer(len(raw_name), 7) + raw_name + _integer(len(raw_value), 7) + raw_value
+        out += b"\x00" + _length(len(raw_name)) + raw_name + _length(len(raw_value)) + raw_value
     return bytes(out)
 
 
@@ -274,18 +273,21 @@ class ServerConnection:
                 room = min(self.send_window, stream.send_window)
                 if room <= 0:
                     return  # the rest waits for a WINDOW_UPDATE
-                if len(payload) > room:
+                if len(payload) > room:  # what fits goes now; the rest keeps its place and END_STREAM
                     stream.pending[0] = (DATA, payload[room:], flags)
-                    payload, flags = payload[:room], 0
-                    stream.pending.insert(0, (DATA, payload, flags))
-                self._out += _frame(DATA, flags, stream_id, payload)
-                self.send_window -= len(payload)
-                stream.send_window -= len(payload)
+                    self._data_frame(stream_id, stream, payload[:room], 0)
+                    continue
+                self._data_frame(stream_id, stream, payload, flags)
             else:
-                self._out += _frame(DATA, flags, stream_id)
+                self._out += _frame(DATA, flags, stream_id)  # empty: no window needed
             stream.pending.pop(0)
         if stream.local_closed and stream.remote_closed:
             self.streams.pop(stream_id, None)
+
+    def _data_frame(self, stream_id: int, stream: _Stream, payload: bytes, flags: int) -> None:
+        self._out += _frame(DATA, flags, stream_id, payload)
+        self.send_window -= len(payload)
+        stream.send_window -= len(payload)
 
     # -- what we receive --------------------------------------------------------------------
     def acknowledge_received_data(self, length: int, stream_id: int) -> None:
