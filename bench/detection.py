@@ -260,7 +260,7 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
         verdicts = conn.execute("SELECT count(*) FROM verdicts WHERE request_id LIKE 'load-%'").fetchone()[0]
     # The rest of the process's CPU: threads that ended during the load (a connection's reader),
     # and each thread's clock-tick rounding (up to a tick of 10 ms each, against the process's
-    # own count): about 0.05-0.15% of a core over a 90 s load when no thread ended at all.
+    # own count): 0.04-0.17% of a core in the loads measured, in which no daemon thread ended.
     by_name: dict[str, float] = {}
     for tid, spent in threads.items():
         name = re.sub(r"^Thread-\d+ \((.*)\)$", r"\1", names.get(tid, f"thread {tid}"))
