@@ -4,6 +4,7 @@ receiver's socket-level behaviour is tests/test_otlp_grpc_wire.py."""
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import h2.events
 import h2.settings
 import hpack
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from collectors import http2
 from collectors.http2 import ErrorCode, ProtocolError, ServerConnection, StreamClosed
@@ -259,3 +262,45 @@ def test_the_receiver_loads_no_http2_library_but_hpack() -> None:
             "print(sorted({n.split('.')[0] for n in sys.modules} & {'h2', 'hyperframe', 'hpack', 'grpc'}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "['hpack']"
+
+
+_STREAMS = st.sampled_from([0, 1, 3, 5, 2, 2**31 - 1])
+_BLOCK = b"\x83\x86\x84"  # :method POST, :scheme http, :path / (static table: no encoder state)
+_U32S = st.integers(0, 2**32 - 1).map(lambda n: struct.pack(">I", n))
+# Frames near the valid ones (a random header's frames mostly fail at once): each type with the
+# fields it expects, sometimes of the wrong size or on the wrong stream.
+_FRAMES = st.one_of(
+    st.tuples(st.just(http2.DATA), st.sampled_from([0, 1, 8, 9]), _STREAMS, st.binary(max_size=40)),
+    st.tuples(st.just(http2.HEADERS), st.sampled_from([4, 5, 0, 1, 0x24, 0x2C]), _STREAMS,
+              st.one_of(st.just(_BLOCK), st.binary(max_size=12).map(lambda pad: bytes([len(pad)]) + _BLOCK + pad))),
+    st.tuples(st.just(http2.CONTINUATION), st.sampled_from([0, 4]), _STREAMS, st.just(_BLOCK)),
+    st.tuples(st.just(http2.PRIORITY), st.just(0), _STREAMS, st.binary(min_size=4, max_size=6)),
+    st.tuples(st.just(http2.RST_STREAM), st.just(0), _STREAMS, st.one_of(_U32S, st.binary(max_size=6))),
+    st.tuples(st.just(http2.SETTINGS), st.sampled_from([0, 1]), _STREAMS,
+              st.lists(st.tuples(st.integers(0, 8), st.integers(0, 2**32 - 1)), max_size=3).map(
+                  lambda pairs: b"".join(struct.pack(">HI", k, v) for k, v in pairs))),
+    st.tuples(st.just(http2.PING), st.sampled_from([0, 1]), _STREAMS, st.binary(min_size=6, max_size=10)),
+    st.tuples(st.just(http2.GOAWAY), st.just(0), _STREAMS, st.binary(max_size=12)),
+    st.tuples(st.just(http2.WINDOW_UPDATE), st.just(0), _STREAMS, st.one_of(_U32S, st.binary(max_size=6))),
+    st.tuples(st.sampled_from([http2.PUSH_PROMISE, 0x20]), st.integers(0, 255), _STREAMS, st.binary(max_size=8)),
+)
+
+
+@settings(max_examples=1000, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_FRAMES, max_size=12), st.integers(0, 3))
+def test_any_frames_end_in_events_or_a_protocol_error(frames: list[tuple[int, int, int, bytes]], answers: int) -> None:
+    """Whatever frames come, the connection raises nothing but ProtocolError, and answering the
+    requests it reported raises nothing but StreamClosed."""
+    conn, encoder = opened()
+    wire = frame(http2.HEADERS, http2.END_HEADERS, 1, encoder.encode(REQUEST))  # one real request first
+    wire += b"".join(frame(kind, flags, stream, payload) for kind, flags, stream, payload in frames)
+    try:
+        events = conn.receive_data(wire)
+    except ProtocolError:
+        return
+    for event in events:
+        if isinstance(event, http2.RequestReceived) and answers:
+            answers -= 1
+            with contextlib.suppress(StreamClosed):
+                answer(conn, event.stream_id, b"\x00" * 10)
+    conn.data_to_send()
