@@ -233,13 +233,15 @@ class _Connection:
         with self.lock:
             try:
                 events = self.h2.receive_data(data)
-            except Exception as exc:
-                # ProtocolError for a frame that breaks HTTP/2 or a header block that cannot be
-                # decoded; anything else is a fault of ours. Either way this connection cannot go on.
+            except http2.ProtocolError as exc:  # a frame that breaks HTTP/2, or an undecodable header block
                 self.receiver._count_connection_error("HTTP/2 protocol error")
                 log.debug("OTLP/gRPC connection from %s broke HTTP/2: %r", self.peer, exc)
-                error = getattr(exc, "error_code", None) or ErrorCode.PROTOCOL_ERROR
-                self._goaway(error, str(exc)[:200].encode(), locked=True)
+                self._goaway(exc.error_code, str(exc)[:200].encode(), locked=True)
+                return False
+            except Exception:  # a fault of ours: said so, and only this connection ends
+                self.receiver._count_connection_error("receiver fault")
+                log.warning("OTLP/gRPC connection from %s: the HTTP/2 layer failed", self.peer, exc_info=True)
+                self._goaway(ErrorCode.INTERNAL_ERROR, b"internal error", locked=True)
                 return False
             for event in events:
                 if isinstance(event, http2.DataReceived):
