@@ -211,7 +211,8 @@ def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_po
         command += ["--port", str(port)]
     # cwd too: `python -m` puts the working directory first on the path, before PYTHONPATH.
     daemon = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tree,
-                              env=dict(os.environ, PYTHONPATH=str(tree)))
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                  filter(None, [str(tree), os.environ.get("PYTHONPATH")]))))
     try:
         deadline = time.time() + 60
         while time.time() < deadline:
@@ -385,6 +386,8 @@ def main() -> int:
                              "exporter defaults to gRPC, and the unit listens for it)")
     parser.add_argument("--source", choices=("bpf", "procfs"), default="bpf",
                         help="the daemon's disconnect source (procfs: the fallback of a daemon without CAP_BPF)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="the engines' compute (cuda: PyTorch on this host's GPU, sampled by NVML)")
     parser.add_argument("--export-delay-ms", type=int, help="the load engine's span export delay "
                         "(OTEL_BSP_SCHEDULE_DELAY; the engine's own is 200 ms, the SDK's default, "
                         "which vLLM exports with, 5000 ms)")
@@ -392,8 +395,8 @@ def main() -> int:
                         help="keep the database and the load engine's truth log when a verdict disagrees "
                              "with the truth log (their folder is printed)")
     args = parser.parse_args()
-    if os.geteuid() != 0:
-        print("needs root (eBPF probe)")
+    if os.geteuid() != 0 and args.source == "bpf":
+        print("needs root (eBPF probe); --source procfs runs without it")
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench-detection-"))
     atexit.register(shutil.rmtree, work, True)  # a 15-minute run leaves 150 MiB of databases
@@ -406,9 +409,9 @@ def main() -> int:
     otlp, metrics_port, live = free_port(), free_port(), free_port(socket.SOCK_DGRAM)
     export = f"{args.otlp}://127.0.0.1:{otlp}"
     with running_engine(behavior="detached", otlp=export, step_ms=10, max_batch=16,
-                        extra_args=["--live", f"127.0.0.1:{live}"]) as zombie_engine, \
+                        extra_args=["--live", f"127.0.0.1:{live}", "--device", args.device]) as zombie_engine, \
             running_engine(behavior="abort", otlp=export, step_ms=2, max_batch=64,
-                           extra_args=["--live", f"127.0.0.1:{live}"] if args.live_load else (),
+                           extra_args=["--device", args.device] + (["--live", f"127.0.0.1:{live}"] if args.live_load else []),
                            truth_log=None if args.compare else work / "load-truth.jsonl",
                            env=load_engine_env(args.export_delay_ms)) as busy_engine:
         ports = [zombie_engine.port, busy_engine.port]

@@ -1,4 +1,5 @@
-"""What the idle daemon costs the host: its memory and CPU with the eBPF source, per BPF loader.
+"""What the idle daemon costs the host: its memory and CPU with the eBPF source, per BPF loader
+(or with the /proc source: ``--loaders procfs``, which needs no root, as on a host without bcc).
 
 Starts `auditor run` once per loader at the same time (needs root: eBPF), each watching its own
 idle port, waits until both report source=bpf, lets them settle, then reads /proc over the same
@@ -126,6 +127,8 @@ class Daemon:
     def __init__(self, loader: str, work: Path, grpc: bool, tree: Path = REPO, label: str = "",
                  engine: str = "idle") -> None:
         self.loader = label or loader
+        # "procfs" is no BPF loader: the daemon's /proc source, as a host without bcc or CAP_BPF runs.
+        self.source = "procfs" if loader == "procfs" else "bpf"
         self.metrics_port = free_port()
         self.server: Any = None
         # A watched port nobody uses: listening (an idle engine, this process), or only bound; or
@@ -140,15 +143,17 @@ class Daemon:
         command = [sys.executable, "-c", ENTRY, loader, "run", "--db", f"sqlite:///{work / self.loader.replace(' ', '-')}.db",
                    "--port", str(self.idle.getsockname()[1]), "--otlp-http", "127.0.0.1:0",
                    "--otlp-grpc", "127.0.0.1:0" if grpc else "", "--live", "",
-                   "--metrics", f"127.0.0.1:{self.metrics_port}"]
+                   "--metrics", f"127.0.0.1:{self.metrics_port}", "--source", self.source]
         self.log = (work / f"{self.loader.replace(' ', '-')}.log").open("wb")
         self.started = time.monotonic()
         self.process = subprocess.Popen(command, cwd=work, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "PYTHONPATH": str(tree)})
+                                        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                            filter(None, [str(tree), os.environ.get("PYTHONPATH")]))})
         self.ready_s: float | None = None
 
     def check_ready(self) -> bool:
-        if self.ready_s is None and 'auditor_disconnect_source_info{source="bpf"} 1.0' in metrics(self.metrics_port):
+        ready = f'auditor_disconnect_source_info{{source="{self.source}"}} 1.0'
+        if self.ready_s is None and ready in metrics(self.metrics_port):
             self.ready_s = time.monotonic() - self.started
         return self.ready_s is not None
 
@@ -197,7 +202,8 @@ ENGINES = {"idle": "an idle engine on the watched port (followed; it answers no 
 
 def report(results: dict[str, dict[str, float]], seconds: float, grpc: bool, engine: str = "idle") -> None:
     loaders = list(results)
-    print(f"\nIdle daemon with the eBPF source, {seconds:g} s window, gRPC listener {'on' if grpc else 'off'}, "
+    print(f"\nIdle daemon ('procfs': the /proc source, else the eBPF source by that loader), {seconds:g} s window, "
+          f"gRPC listener {'on' if grpc else 'off'}, "
           + ENGINES[engine])
     print(f"  {'':<22}" + "".join(f"{name:>14}" for name in loaders))
     rows = [("CPU, % of one core", "cpu_percent", "{:.2f}"), ("RSS, MiB", "VmRSS", "{:.1f}"),
@@ -220,14 +226,15 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--settle", type=float, default=5)
     parser.add_argument("--grpc", action="store_true", help="also listen for OTLP/gRPC, as the unit does")
-    parser.add_argument("--loaders", default="child,inprocess")
+    parser.add_argument("--loaders", default="child,inprocess",
+                        help="comma-separated: child, inprocess (BPF loaders), procfs (the /proc source)")
     parser.add_argument("--compare", metavar="REV", help="also run git revision REV's daemon (child loader) beside them")
     parser.add_argument("--engine", choices=tuple(ENGINES), default="idle",
                         help="idle: the watched port listens (an idle engine, followed); vllm: it serves an "
                              "idle vLLM's /metrics; none: nothing listens")
     args = parser.parse_args()
-    if os.geteuid() != 0:
-        print("needs root (eBPF probe)")
+    if os.geteuid() != 0 and set(args.loaders.split(",")) - {"procfs"}:
+        print("needs root (eBPF probe); --loaders procfs runs without it")
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench-footprint-"))
     atexit.register(shutil.rmtree, work, True)
@@ -243,7 +250,7 @@ def main() -> int:
         deadline = time.monotonic() + 120
         while not all(d.check_ready() for d in daemons):
             if time.monotonic() > deadline or any(d.process.poll() is not None for d in daemons):
-                print(f"a daemon did not come up with source=bpf; logs in {work}")
+                print(f"a daemon did not come up with its source; logs in {work}")
                 return 1
             time.sleep(0.2)
         time.sleep(args.settle)

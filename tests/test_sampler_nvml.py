@@ -287,4 +287,7 @@ def test_real_nvml_per_process_cost_of_a_known_busy_spell(store: Any) -> None:
     assert cache.series("nvml", os.getpid()) is not None, "NVML gave no per-process reading of this process"
     cost = wasted(cache, start_ns=begin - 500_000_000, end_ns=end + 500_000_000, pid=os.getpid(), sharers=lambda ts: 1)
     busy_s = (end - begin) / 1e9
+    # Shown with `pytest -rA`: what docs/gpu-validation.md records of each GPU this ran on.
+    print(f"busy {busy_s:.2f} s, NVML's per-process GPU-seconds {cost.gpu_seconds:.2f}, "
+          f"update period seen per GPU (s): {periods}")
     assert cost.gpu_seconds == pytest.approx(busy_s, rel=0.10), (cost.gpu_seconds, busy_s, periods)

@@ -46,13 +46,15 @@ def _count_verdicts(daemon: Any, since_ns: int) -> dict[str, int]:
     return {verdict: count for verdict, count in rows}
 
 
-def _act(daemon: Any, behavior: str, spec: Any, title: str) -> tuple[dict[str, int], int]:
+def _act(daemon: Any, behavior: str, spec: Any, title: str, device: str) -> tuple[dict[str, int], int]:
     from replay.client import plan_load, run_load, summarize
     from replay.engine.launch import running_engine
 
     otlp = f"http://127.0.0.1:{daemon.status.http_port}"
     started_ns = time.time_ns()
-    extra = ["--live", f"127.0.0.1:{daemon.status.live_port}"] if daemon.status.live_port else []
+    extra = ["--device", device]
+    if daemon.status.live_port:
+        extra += ["--live", f"127.0.0.1:{daemon.status.live_port}"]
     click.secho(f"\n{title}", bold=True)
     with running_engine(behavior=behavior, otlp=otlp, step_ms=15, max_batch=8, extra_args=extra) as engine:
         daemon.set_ports({engine.port})
@@ -84,7 +86,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _gate(config: Any, capture_path: Path) -> Any:
+def _gate(config: Any, capture_path: Path, device: str) -> Any:
     """Replay the capture, its own disconnects included, against the fixed engine."""
     from auditor.cli.replay import run_replay_here
     from replay.engine.launch import running_engine
@@ -92,7 +94,8 @@ def _gate(config: Any, capture_path: Path) -> Any:
     from replay.session import ReplaySettings
 
     otlp_port = _free_port()
-    with running_engine(behavior=FIXED, otlp=f"http://127.0.0.1:{otlp_port}", step_ms=15, max_batch=8) as engine:
+    with running_engine(behavior=FIXED, otlp=f"http://127.0.0.1:{otlp_port}", step_ms=15, max_batch=8,
+                        extra_args=["--device", device]) as engine:
         summary, _capture = run_replay_here(config, ReplaySettings(
             capture_file=capture_path, host="127.0.0.1", port=engine.port,
             options=ReplayOptions(as_captured=True, speed=0.0, concurrency=8), otlp_http=f"127.0.0.1:{otlp_port}",
@@ -100,7 +103,7 @@ def _gate(config: Any, capture_path: Path) -> Any:
     return summary
 
 
-def run_demo(output_dir: Path) -> int:
+def run_demo(output_dir: Path, device: str = "cpu") -> int:
     from auditor.daemon import Daemon
     from auditor.report.model import ReportQuery
     from auditor.report.query import build_report
@@ -127,7 +130,8 @@ def run_demo(output_dir: Path) -> int:
         spec = LoadSpec(requests=48, concurrency=8, cancel_fraction=0.35, cancel_delays_s=(0.0, 0.3, 0.8),
                         max_tokens=(48, 96, 160))
         before, cancelled = _act(daemon, BUGGY, replace(spec, tag="buggy"),
-                                 f"1. An engine that keeps generating after the client left (--behavior {BUGGY})")
+                                 f"1. An engine that keeps generating after the client left (--behavior {BUGGY}, "
+                                 f"--device {device})", device)
         end_ns = time.time_ns()
         report = build_report(daemon.store, ReportQuery(since_ns=start_ns, until_ns=end_ns, top=5),
                               with_requests=True, with_series=True)
@@ -144,7 +148,7 @@ def run_demo(output_dir: Path) -> int:
         _capture_id, captured = export_capture(Store(f"sqlite:///{db_path}"), capture_path, since_ns=start_ns,
                                                until_ns=end_ns)
         click.echo(f"  auditor capture export: {captured} requests -> {capture_path}")
-        summary = _gate(config, capture_path)
+        summary = _gate(config, capture_path, device)
     from replay.run import gate
 
     zombies_before = sum(before.get(v, 0) for v in ZOMBIE_VERDICTS)
@@ -168,9 +172,18 @@ def run_demo(output_dir: Path) -> int:
 @click.command("demo")
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where the store and the HTML report go [default: a new temporary directory].")
-def demo_command(output_dir: Path | None) -> None:
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="The engine's compute: cpu (NumPy), or cuda (PyTorch on this host's GPU, so the zombies' "
+              "cost is NVML's GPU-seconds).")
+def demo_command(output_dir: Path | None, device: str) -> None:
     """Run the whole story on this machine: zombies found, costed, then fixed (about a minute)."""
+    if device == "cuda":
+        from replay.engine.compute import cuda_unavailable_reason
+
+        problem = cuda_unavailable_reason()
+        if problem:
+            raise click.UsageError(problem)
     directory = output_dir or Path(tempfile.mkdtemp(prefix="auditor-demo-"))
     # The daemon's one journal line per zombie: the demo shows them in its own table instead.
     logging.getLogger("auditor.findings").setLevel(logging.ERROR)
-    raise SystemExit(run_demo(directory))
+    raise SystemExit(run_demo(directory, device))

@@ -111,20 +111,30 @@ class NumpyBackend:
         return self._run(rows, self.layers)
 
 
+def cuda_unavailable_reason() -> str | None:
+    """Why ``--device cuda`` cannot run here, or None. Creates no CUDA context, so a caller that
+    only checks (``auditor demo``) does not show up in NVML as a GPU process."""
+    try:
+        import torch
+    except ImportError:
+        return ("--device cuda needs PyTorch with CUDA, which is not installed here; "
+                "install torch (e.g. `pip install torch`) or use --device cpu")
+    if not torch.cuda.is_available():
+        return "--device cuda: PyTorch finds no CUDA GPU here; use --device cpu"
+    return None
+
+
 class TorchCudaBackend:
     """GPU compute with PyTorch on CUDA; half precision like a real serving stack."""
 
     device = "cuda"
 
     def __init__(self, step_ms: float, hidden: int = CUDA_HIDDEN, seed: int = 0) -> None:
-        try:
-            import torch
-        except ImportError as exc:
-            raise ComputeUnavailable(
-                "--device cuda needs PyTorch with CUDA, which is not installed here; "
-                "install torch (e.g. `pip install torch`) or use --device cpu") from exc
-        if not torch.cuda.is_available():
-            raise ComputeUnavailable("--device cuda: PyTorch finds no CUDA GPU here; use --device cpu")
+        problem = cuda_unavailable_reason()
+        if problem:
+            raise ComputeUnavailable(problem)
+        import torch
+
         self._torch: Any = torch
         generator = torch.Generator(device="cuda").manual_seed(seed)
         self.hidden = hidden

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The checks only a GPU host can run, in one go, each bounded in time; logs go to DIR.
+# What they showed is recorded in docs/gpu-validation.md.
+#
+#   bench/gpu_check.sh [DIR]     (python3 with this project's requirements and PyTorch on CUDA)
+set -u
+out=${1:-gpu-check}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+section() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
+
+section "host"
+nvidia-smi --query-gpu=name,driver_version,memory.total,utilization.gpu --format=csv 2>&1 | tee "$out/host.log"
+"$py" -c "import sys, torch, pynvml; print(sys.version.split()[0], 'torch', torch.__version__,
+'cuda', torch.cuda.is_available(), 'nvml', pynvml.__name__)" 2>&1 | tee -a "$out/host.log"
+
+section "gpu-marked tests"
+timeout 180 "$py" -m pytest -m gpu -rA -p no:cacheprovider tests/test_sampler_nvml.py 2>&1 | tee "$out/gpu-tests.log"
+
+section "reference engine, cpu and cuda"
+timeout 120 "$py" bench/engine.py 2>&1 | tee "$out/engine.log"
+
+section "auditor demo --device cuda"
+rm -rf "$out/demo"
+timeout 240 "$py" -m auditor demo --device cuda -o "$out/demo" 2>&1 | tee "$out/demo.log"
+
+section "idle daemon, /proc source, NVML sampling this host's GPU"
+timeout 90 "$py" bench/footprint.py --loaders procfs --seconds 30 --settle 5 --grpc 2>&1 | tee "$out/footprint.log"
+
+section "detection and load, /proc source, engines on cuda"
+timeout 240 "$py" bench/detection.py --source procfs --device cuda --alarms 10 --load-seconds 60 --otlp grpc \
+    2>&1 | tee "$out/detection.log"
+section "done"
