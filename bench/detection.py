@@ -116,11 +116,12 @@ def thread_cpu_seconds(pid: int) -> dict[int, float]:
 
 def thread_names(pid: int) -> dict[int, str]:
     """Python thread names by thread id, from ``py-spy dump`` (empty without py-spy)."""
-    spy = Path(sys.executable).with_name("py-spy")
-    if not spy.exists():
+    beside = Path(sys.executable).with_name("py-spy")
+    spy = str(beside) if beside.exists() else shutil.which("py-spy")
+    if spy is None:
         return {}
     try:
-        dump = subprocess.run([str(spy), "dump", "-p", str(pid)], capture_output=True, text=True, timeout=30).stdout
+        dump = subprocess.run([spy, "dump", "-p", str(pid)], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
         return {}
     return {int(m.group(1)): m.group(2) for m in re.finditer(r'^Thread (?:0x)?(\d+) \([^)]*\): "([^"]*)"', dump, re.M)}
@@ -405,7 +406,9 @@ def main() -> int:
     if args.compare:
         from bench.ingest import export_tree
 
-        trees = {args.compare: export_tree(args.compare, work / "old"), "working tree": here}
+        # REV, or a folder that holds an exported tree (where the checkout has no git history).
+        old = Path(args.compare) if Path(args.compare).is_dir() else export_tree(args.compare, work / "old")
+        trees = {args.compare: old, "working tree": here}
     otlp, metrics_port, live = free_port(), free_port(), free_port(socket.SOCK_DGRAM)
     export = f"{args.otlp}://127.0.0.1:{otlp}"
     with running_engine(behavior="detached", otlp=export, step_ms=10, max_batch=16,

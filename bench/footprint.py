@@ -228,7 +228,8 @@ def main() -> int:
     parser.add_argument("--grpc", action="store_true", help="also listen for OTLP/gRPC, as the unit does")
     parser.add_argument("--loaders", default="child,inprocess",
                         help="comma-separated: child, inprocess (BPF loaders), procfs (the /proc source)")
-    parser.add_argument("--compare", metavar="REV", help="also run git revision REV's daemon (child loader) beside them")
+    parser.add_argument("--compare", metavar="REV", help="also run git revision REV's daemon beside them (the /proc "
+                        "source when the first loader is procfs, else the child loader)")
     parser.add_argument("--engine", choices=tuple(ENGINES), default="idle",
                         help="idle: the watched port listens (an idle engine, followed); vllm: it serves an "
                              "idle vLLM's /metrics; none: nothing listens")
@@ -244,8 +245,11 @@ def main() -> int:
         sys.path.insert(0, str(REPO))
         from bench.ingest import export_tree
 
-        old = export_tree(args.compare, work / "old")
-        daemons.insert(0, Daemon("child", work, args.grpc, tree=old, label=f"child {args.compare}", engine=engine))
+        # REV, or a folder that holds an exported tree (where the checkout has no git history).
+        old = Path(args.compare) if Path(args.compare).is_dir() else export_tree(args.compare, work / "old")
+        # REV's daemon with the first loader's source: its child loader, or the /proc source.
+        kind = "procfs" if args.loaders.split(",")[0] == "procfs" else "child"
+        daemons.insert(0, Daemon(kind, work, args.grpc, tree=old, label=f"{kind} {args.compare}", engine=engine))
     try:
         deadline = time.monotonic() + 120
         while not all(d.check_ready() for d in daemons):

@@ -6,6 +6,13 @@ sampler degraded and retried with exponential backoff; a GPU that errors (fallen
 ``NVMLError_GpuIsLost``, or ``Unknown``) is degraded on its own and retried, while the other GPUs
 keep being sampled. Optional readings a board does not support (power on some boards, per-process
 figures without permission) are simply left empty.
+
+A GPU with nothing running costs nothing to miss: once every GPU has read 0 % and no process has
+shown any use for ``quiet_after_s``, the sampler says it is idle and the sampling loop ticks about
+once a second instead of ten times (each tick is several NVML calls and a store write; on a GPU
+host at rest that was most of the daemon's CPU). The first tick that sees use again puts it back
+at the full rate; what NVML buffered meanwhile is read then, and each sample covers the time since
+the one before, so a quiet second is still counted.
 """
 
 from __future__ import annotations
@@ -80,7 +87,7 @@ class NvmlSampler:
 
     def __init__(self, nvml: Any = None, host: str = "", *, monotonic: Callable[[], float] = time.monotonic,
                  backoff_initial_s: float = 1.0, backoff_max_s: float = 60.0,
-                 per_process: bool = True, default_period_s: float = 0.2) -> None:
+                 per_process: bool = True, default_period_s: float = 0.2, quiet_after_s: float = 1.0) -> None:
         self._nvml = nvml
         self.default_period_s = default_period_s  # NVML's update period until seen
         self.host = host
@@ -94,6 +101,9 @@ class NvmlSampler:
         self._init_error = ""
         self._gpus: list[_Gpu] = []
         self.errors = 0  # NVML calls that failed, for /metrics
+        self.quiet_after_s = quiet_after_s
+        self._quiet_since: float | None = None  # since when every reading said nothing runs
+        self._used = False  # this tick saw some use (a GPU above 0 %, or a process's reading)
 
     def _backoff(self, failures: int) -> float:
         return float(min(self.backoff_max_s, self.backoff_initial_s * 2 ** max(0, failures - 1)))
@@ -136,14 +146,18 @@ class NvmlSampler:
 
     # -- sampling ---------------------------------------------------------------------------
     def idle(self) -> bool:
-        """NVML is not up (no driver, no GPU): retried on its own back-off, at idle ticks."""
-        return not self._initialized
+        """NVML is not up (no driver, no GPU): retried on its own back-off, at idle ticks; or every
+        GPU has been at rest for ``quiet_after_s``: looked at once a second until one is not."""
+        if not self._initialized:
+            return True
+        return self._quiet_since is not None and self._monotonic() - self._quiet_since >= self.quiet_after_s
 
     def sample(self, ts_ns: int) -> list[UtilSample]:
         now = self._monotonic()
         if not self._init(now):
             return []
         samples: list[UtilSample] = []
+        self._used = False
         for gpu in self._gpus:
             if gpu.handle is None and now < gpu.retry_at:
                 continue
@@ -160,6 +174,11 @@ class NvmlSampler:
             if gpu.failures:
                 log.info("GPU %d is back after %d failed attempts", gpu.index, gpu.failures)
             gpu.failures, gpu.error = 0, ""
+        # A failing GPU counts as in use: its retries keep their own back-off, at the full rate.
+        if self._used or any(g.handle is None for g in self._gpus):
+            self._quiet_since = None
+        elif self._quiet_since is None:
+            self._quiet_since = now
         return samples
 
     def _gpu_failed(self, gpu: _Gpu, exc: BaseException, now: float) -> None:
@@ -186,6 +205,8 @@ class NvmlSampler:
         interval_s = None if gpu.last_sample_at is None else now - gpu.last_sample_at
         gpu.last_sample_at = now
         rates = nvml.nvmlDeviceGetUtilizationRates(handle)
+        if rates.gpu:
+            self._used = True
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
         milliwatts = self._optional(nvml.nvmlDeviceGetPowerUsage, handle)
         samples = [UtilSample(
@@ -239,6 +260,8 @@ class NvmlSampler:
             gpu.seen_by_pid[pid] = stamp_us
             period_us = gpu.period_us or (self.default_period_s * 1e6)
             covered_us = period_us if previous is None else min(stamp_us - previous, period_us)
+            if row.smUtil:
+                self._used = True
             samples.append(UtilSample(
                 ts_ns=gpu.wall_ns(stamp_us, ts_ns), source="nvml", host=self.host, gpu_index=gpu.index,
                 pid=pid, util_percent=float(row.smUtil), memory_util_percent=float(row.memUtil),

@@ -291,3 +291,69 @@ def test_real_nvml_per_process_cost_of_a_known_busy_spell(store: Any) -> None:
     print(f"busy {busy_s:.2f} s, NVML's per-process GPU-seconds {cost.gpu_seconds:.2f}, "
           f"update period seen per GPU (s): {periods}")
     assert cost.gpu_seconds == pytest.approx(busy_s, rel=0.10), (cost.gpu_seconds, busy_s, periods)
+
+
+@dataclass
+class RestingNvml(FakeNvml):
+    """One GPU whose whole-device utilization is ``util``, and no process on it."""
+
+    count: int = 1
+    util: int = 0
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        return SimpleNamespace(gpu=self.util, memory=0)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
+        return []
+
+
+def test_a_gpu_at_rest_is_looked_at_once_a_second_and_at_full_rate_once_used() -> None:
+    """A GPU host with nothing running: ten NVML ticks a second were most of the idle daemon's CPU
+    there. After a second of 0 % the sampler is idle (the loop ticks about once a second); the
+    first tick that sees use, whole-GPU or one process's reading, brings the full rate back."""
+    from collectors.sampling import IDLE_INTERVAL_S, SamplingLoop
+
+    clock = Clock()
+    fake = RestingNvml()
+    sampler = NvmlSampler(nvml=fake, monotonic=clock, quiet_after_s=1.0)
+    assert not sampler.idle() or not sampler._initialized
+    sampler.sample(1)
+    assert not sampler.idle()  # at rest, but not for a second yet
+    clock.now += 1.0
+    sampler.sample(2)
+    assert sampler.idle()
+    fake.process_samples = [SimpleNamespace(pid=7, timeStamp=50, smUtil=12, memUtil=1)]
+    sampler.sample(3)
+    assert not sampler.idle()  # one process's reading of use is enough
+    clock.now += 5.0
+    sampler.sample(4)  # that reading was read already: nothing new, 0 % whole
+    assert not sampler.idle()
+    clock.now += 1.0
+    sampler.sample(5)
+    assert sampler.idle()
+    fake.broken = {0: pynvml.NVML_ERROR_GPU_IS_LOST}
+    sampler.sample(6)
+    clock.now += 10.0
+    sampler.sample(7)  # backing off: a failing GPU keeps the full rate, not an idle one
+    assert not sampler.idle()
+
+    # The loop: about one tick a second at rest, back to its rate within a second of use.
+    fake = RestingNvml()
+    stored: list[Any] = []
+    loop = SamplingLoop([NvmlSampler(nvml=fake, quiet_after_s=0.3)], sink=stored.extend, interval_s=0.05).start()
+    try:
+        time.sleep(0.5)
+        at_rest = loop.ticks
+        time.sleep(2.0)
+        assert loop.ticks - at_rest <= 1 + 2.0 / IDLE_INTERVAL_S  # not 40 ticks of 50 ms
+        fake.util = 35
+        time.sleep(IDLE_INTERVAL_S + 0.1)  # the idle wait in progress ends
+        used = loop.ticks
+        time.sleep(0.5)
+        assert loop.ticks - used >= 6
+    finally:
+        loop.stop()
+    whole = [s for s in stored if s.pid is None]
+    assert whole[-1].util_percent == 35.0
+    quiet = [s for s in whole if s.util_percent == 0.0 and s.interval_s is not None]
+    assert max(s.interval_s for s in quiet) > 0.8  # each quiet sample covers its whole second

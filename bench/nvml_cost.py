@@ -1,0 +1,171 @@
+"""What NVML costs the sampler on this host, and how its per-process readings compare with the GPU's
+own account of a busy spell. Needs a GPU (and PyTorch on CUDA for the second part).
+
+1. Each NVML call the sampler makes on a tick, at rest: wall and CPU microseconds (median of many),
+   then a whole ``NvmlSampler.sample`` tick and the store write of its samples.
+2. A busy spell of this process (synchronized half-precision matrix products, ``--spell`` seconds)
+   with CUDA events around every product: the GPU's busy time by the events, against the
+   GPU-seconds integrated from the sampler's samples (ticking every 100 ms, as the daemon does) and
+   from NVML's whole buffer of this process's readings (read once after the spell). Also shows
+   how far back NVML's buffer reaches, which decides what an idle sampler can read late.
+
+    python bench/nvml_cost.py [--calls 200] [--spell 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pynvml
+
+from auditor.store import Store
+from collectors.nvml import NvmlSampler
+
+
+def cost_us(call: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """(median wall us, median CPU us) of ``call``; NVML errors (NotFound, NotSupported) count as calls."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        with contextlib.suppress(pynvml.NVMLError):
+            call()
+        cpus.append((time.thread_time() - cpu) * 1e6)
+        walls.append((time.perf_counter() - wall) * 1e6)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def calls_at_rest(repeats: int) -> None:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    calls: dict[str, Callable[[], Any]] = {
+        "GetUtilizationRates": lambda: pynvml.nvmlDeviceGetUtilizationRates(handle),
+        "GetMemoryInfo": lambda: pynvml.nvmlDeviceGetMemoryInfo(handle),
+        "GetPowerUsage": lambda: pynvml.nvmlDeviceGetPowerUsage(handle),
+        "GetComputeRunningProcesses": lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(handle),
+        "GetProcessUtilization": lambda: pynvml.nvmlDeviceGetProcessUtilization(handle, int(time.time() * 1e6)),
+    }
+    print(f"NVML calls at rest on GPU 0 ({pynvml.nvmlDeviceGetName(handle)}), median of {repeats}")
+    print(f"  {'call':<28}{'wall us':>10}{'CPU us':>10}")
+    for name, call in calls.items():
+        wall, cpu = cost_us(call, repeats)
+        print(f"  {name:<28}{wall:>10.0f}{cpu:>10.0f}")
+    sampler = NvmlSampler(nvml=pynvml, host="bench")
+    with tempfile.TemporaryDirectory() as scratch:
+        store = Store(f"sqlite:///{scratch}/a.db")
+        sampler.sample(time.time_ns())
+        wall, cpu = cost_us(lambda: sampler.sample(time.time_ns()), repeats)
+        print(f"  {'whole tick (sample())':<28}{wall:>10.0f}{cpu:>10.0f}")
+        rows = sampler.sample(time.time_ns())
+        wall, cpu = cost_us(lambda: store.insert_samples(rows), repeats)
+        print(f"  {'store write of its samples':<28}{wall:>10.0f}{cpu:>10.0f}   ({len(rows)} samples)")
+        store.close()
+    sampler.close()
+
+
+def busy_spell(seconds: float) -> None:
+    try:
+        import torch
+    except ImportError:
+        print("\nbusy spell: skipped, no PyTorch here")
+        return
+    if not torch.cuda.is_available():
+        print("\nbusy spell: skipped, PyTorch sees no CUDA GPU")
+        return
+    from auditor.correlate.waste import SampleCache, wasted
+
+    with tempfile.TemporaryDirectory() as scratch:
+        store = Store(f"sqlite:///{scratch}/a.db")
+        sampler = NvmlSampler(nvml=pynvml, host="bench")
+        stop = threading.Event()
+        tick_cpu: list[float] = []
+
+        def tick() -> None:
+            while not stop.is_set():
+                cpu = time.thread_time()
+                store.insert_samples(sampler.sample(time.time_ns()))
+                tick_cpu.append((time.thread_time() - cpu) * 1e6)
+                time.sleep(0.1)
+
+        a = torch.randn((8192, 8192), device="cuda", dtype=torch.float16)
+        (a @ a).sum().item()  # warm: the first product loads its kernels
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        time.sleep(1.0)
+        events: list[tuple[Any, Any]] = []
+        begin = time.time_ns()
+        while time.time_ns() - begin < seconds * 1e9:
+            started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            started.record()
+            a = (a @ a).clamp_(-1, 1)
+            ended.record()
+            torch.cuda.synchronize()
+            events.append((started, ended))
+        end = time.time_ns()
+        time.sleep(1.0)
+        stop.set()
+        ticker.join()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        try:
+            buffered = [r for r in pynvml.nvmlDeviceGetProcessUtilization(handle, 0) if r.pid == os.getpid()]
+        except pynvml.NVMLError:
+            buffered = []
+        period = sampler.update_period_s(0)
+        sampler.close()
+        cache = SampleCache(store, "bench")
+        cache.refresh(time.time_ns())
+        cost = wasted(cache, start_ns=begin - 500_000_000, end_ns=end + 500_000_000, pid=os.getpid(),
+                      sharers=lambda ts: 1)
+        store.close()
+    wall_s = (end - begin) / 1e9
+    gpu_busy_s = sum(s.elapsed_time(e) for s, e in events) / 1000
+    stamps = sorted(int(r.timeStamp) for r in buffered)
+    in_spell = [r for r in buffered if begin / 1000 <= int(r.timeStamp) <= end / 1000 + (period or 0.2) * 1e6]
+    buffer_s = sum(int(r.smUtil) / 100 * (period or 0.2) for r in in_spell)
+    print(f"\nBusy spell of this process: {len(events)} products over {wall_s:.2f} s wall")
+    print(f"  GPU busy by CUDA events            {gpu_busy_s:8.3f} s  ({gpu_busy_s / wall_s:.1%} of the wall)")
+    print(f"  NVML, the sampler's samples        {cost.gpu_seconds:8.3f} GPU-s  (ratio to events "
+          f"{cost.gpu_seconds / gpu_busy_s:.3f})")
+    print(f"  NVML, its buffer x the period      {buffer_s:8.3f} GPU-s  ({len(in_spell)} readings in the spell, "
+          f"smUtil {sorted(int(r.smUtil) for r in in_spell)})")
+    print(f"  NVML update period seen            {period} s")
+    if stamps:
+        print(f"  NVML's buffer of this process      {len(stamps)} readings over {(stamps[-1] - stamps[0]) / 1e6:.2f} s, "
+              f"the oldest {time.time() - stamps[0] / 1e6:.2f} s ago")
+    print(f"  sampler tick while busy            {statistics.median(tick_cpu):.0f} us CPU (median of {len(tick_cpu)})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--spell", type=float, default=2.0)
+    args = parser.parse_args()
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        print(f"NVML unavailable here: {exc}")
+        return 2
+    try:
+        if pynvml.nvmlDeviceGetCount() == 0:
+            print("NVML sees no GPU")
+            return 2
+        calls_at_rest(args.calls)
+        busy_spell(args.spell)
+    finally:
+        pynvml.nvmlShutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
