@@ -263,6 +263,11 @@ def main() -> int:
         for daemon in daemons:
             daemon.stop()
     report(results, args.seconds, args.grpc, engine)
+    for daemon in daemons:  # what the daemon said of its GPU samplers, where it said anything
+        said = [line for line in (work / f"{daemon.loader.replace(' ', '-')}.log").read_text(errors="replace").splitlines()
+                if "NVML" in line or "GPU" in line]
+        for line in said[:3]:
+            print(f"  {daemon.loader}: {line.strip()[:150]}")
     if engine == "vllm":
         from collectors.enginemetrics import filtered_path
 
