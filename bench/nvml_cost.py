@@ -5,9 +5,9 @@ own account of a busy spell. Needs a GPU (and PyTorch on CUDA for the second par
    then a whole ``NvmlSampler.sample`` tick and the store write of its samples.
 2. A busy spell of this process (synchronized half-precision matrix products, ``--spell`` seconds)
    with CUDA events around every product: the GPU's busy time by the events, against the
-   GPU-seconds integrated from the sampler's samples (ticking every 100 ms, as the daemon does) and
-   from NVML's whole buffer of this process's readings (read once after the spell). Also shows
-   how far back NVML's buffer reaches, which decides what an idle sampler can read late.
+   GPU-seconds integrated from the sampler's samples (ticking every 100 ms, as the daemon does).
+   Then NVML is asked for everything it holds of this process (lastSeen 0): how many readings it
+   answers says whether a reading not asked for in time can be read later.
 
     python bench/nvml_cost.py [--calls 200] [--spell 2]
 """
@@ -131,18 +131,13 @@ def busy_spell(seconds: float) -> None:
     wall_s = (end - begin) / 1e9
     gpu_busy_s = sum(s.elapsed_time(e) for s, e in events) / 1000
     stamps = sorted(int(r.timeStamp) for r in buffered)
-    in_spell = [r for r in buffered if begin / 1000 <= int(r.timeStamp) <= end / 1000 + (period or 0.2) * 1e6]
-    buffer_s = sum(int(r.smUtil) / 100 * (period or 0.2) for r in in_spell)
     print(f"\nBusy spell of this process: {len(events)} products over {wall_s:.2f} s wall")
     print(f"  GPU busy by CUDA events            {gpu_busy_s:8.3f} s  ({gpu_busy_s / wall_s:.1%} of the wall)")
     print(f"  NVML, the sampler's samples        {cost.gpu_seconds:8.3f} GPU-s  (ratio to events "
           f"{cost.gpu_seconds / gpu_busy_s:.3f})")
-    print(f"  NVML, its buffer x the period      {buffer_s:8.3f} GPU-s  ({len(in_spell)} readings in the spell, "
-          f"smUtil {sorted(int(r.smUtil) for r in in_spell)})")
     print(f"  NVML update period seen            {period} s")
-    if stamps:
-        print(f"  NVML's buffer of this process      {len(stamps)} readings over {(stamps[-1] - stamps[0]) / 1e6:.2f} s, "
-              f"the oldest {time.time() - stamps[0] / 1e6:.2f} s ago")
+    print(f"  asked for all it holds (lastSeen 0) {len(stamps)} reading(s) of this process"
+          + (f", the oldest {time.time() - stamps[0] / 1e6:.2f} s old" if stamps else ""))
     print(f"  sampler tick while busy            {statistics.median(tick_cpu):.0f} us CPU (median of {len(tick_cpu)})")
 
 

@@ -18,7 +18,7 @@ the one before, so a quiet second is still counted.
 from __future__ import annotations
 
 import logging
-import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +35,7 @@ _DEVICE_GONE = frozenset({
     "NVMLError_Timeout", "NVMLError_IrqIssue",
 })
 PERIOD_WINDOW = 16  # NVML update gaps kept to estimate its period
+PERIOD_MIN_GAPS = 3  # gaps seen before the shortest is taken for the period (until then: the default)
 CLOCK_AGREES_NS = 60 * 1_000_000_000
 _NEEDS_REINIT = frozenset({"NVMLError_Uninitialized", "NVMLError_DriverNotLoaded"})
 
@@ -65,24 +66,33 @@ class _Gpu:
     updates: list[int] = field(default_factory=list)  # recent gaps between NVML's updates, in us
     period_us: float | None = None  # NVML's update period as observed (shortest recent gap)
     clock_offset_ns: int | None = None  # NVML's clock to the wall clock, when they differ
-    asked_us: int = 0  # when per-process utilization was last asked for, on NVML's clock
-    processes_used: bool = False  # that answer had a process with some use
+    used_at_us: int | None = None  # when this GPU last showed use (above 0 % whole, or a process's reading)
 
     def note_update(self, stamp_us: int) -> None:
-        """A newer NVML update: its gap to the last one tells NVML's period (idle gaps only lengthen it)."""
+        """A newer NVML update: its gap to the last one tells NVML's period. Idle spells and missed
+        updates make a gap of several periods, and each update comes a few ms early or late, so the
+        period is the median of the recent gaps that are one period long (under 1.5 times the
+        shortest). None is trusted before PERIOD_MIN_GAPS gaps: the first is often an idle spell
+        (an engine's first allocation, then nothing for a second), and as the period it would let
+        one reading cover the whole spell."""
         if self.last_seen_us:
             self.updates = [*self.updates[-(PERIOD_WINDOW - 1):], stamp_us - self.last_seen_us]
-            self.period_us = float(min(self.updates))
+            if len(self.updates) >= PERIOD_MIN_GAPS:
+                shortest = min(self.updates)
+                self.period_us = float(statistics.median([g for g in self.updates if g < 1.5 * shortest]))
         self.last_seen_us = stamp_us
 
-    def reading_due(self, now_us: int) -> bool:
-        """Whether NVML can have a per-process reading newer than the last answer: it updates every
-        ``period_us`` from ``last_seen_us`` on, so asking again before the next update finds nothing
-        (and the call is by far NVML's dearest: 2.4 ms of CPU on an H200 against 2-7 us for the others)."""
-        if not (self.last_seen_us and self.period_us and self.asked_us):
+    def reading_due(self, now_us: int, longest_period_us: float) -> bool:
+        """Whether NVML can have a per-process reading newer than the last one read. It updates
+        about every ``period_us`` and answers only its newest reading of each process, so a reading
+        not asked for before the next update is lost: from the expected update on, ask at every
+        tick until a newer one comes. The period is the shortest gap seen, capped: a gap seen across
+        an idle spell or a missed update is longer than the period, and waiting that long between
+        asks would lose the readings in between. (This is NVML's dearest call by far: 2.4 ms of
+        CPU on an H200, against 2-7 us for each of the others.)"""
+        if not (self.last_seen_us and self.period_us):
             return True
-        updates_since = math.floor((self.asked_us - self.last_seen_us) / self.period_us) + 1
-        return now_us >= self.last_seen_us + updates_since * self.period_us
+        return now_us >= self.last_seen_us + min(self.period_us, longest_period_us)
 
     def nvml_us(self, now_ns: int) -> int:
         """The wall clock on NVML's clock (see ``wall_ns``)."""
@@ -233,28 +243,36 @@ class NvmlSampler:
             interval_s=interval_s,
         )]
         if self.per_process:
-            samples.extend(self._sample_processes(gpu, ts_ns, interval_s, busy=bool(rates.gpu)))
+            if rates.gpu:
+                gpu.used_at_us = gpu.nvml_us(ts_ns)
+            samples.extend(self._sample_processes(gpu, ts_ns, interval_s))
         return samples
 
-    def _sample_processes(self, gpu: _Gpu, ts_ns: int, interval_s: float | None, busy: bool) -> list[UtilSample]:
+    def _sample_processes(self, gpu: _Gpu, ts_ns: int, interval_s: float | None) -> list[UtilSample]:
         nvml, handle = self._nvml, gpu.handle
         memory_by_pid: dict[int, int | None] = {}
         for process in self._optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle) or []:
             used = getattr(process, "usedGpuMemory", None)
             memory_by_pid[int(process.pid)] = None if used is None else int(used)
-        # Asked for only when a reading can be new (once per NVML update, not every tick), and not
-        # at all while the whole GPU reads 0 % and the last answer showed no process using it.
+        # Asked for only when a reading can be new (about once per NVML update, not every tick),
+        # and only while the GPU is in use or was in the last two updates: the reading of a spell's
+        # last moments comes after the whole GPU already reads 0 %.
         util_rows: list[Any] = []
         now_us = gpu.nvml_us(ts_ns)
-        if (busy or gpu.processes_used) and gpu.reading_due(now_us):
-            gpu.asked_us = now_us
+        longest_us = self.default_period_s * 1e6
+        in_use = gpu.used_at_us is not None and now_us < gpu.used_at_us + 2 * min(gpu.period_us or longest_us,
+                                                                                longest_us)
+        if in_use and gpu.reading_due(now_us, longest_us):
             # Only samples newer than the last one read; NotFound just means "none since then".
             try:
                 util_rows = list(nvml.nvmlDeviceGetProcessUtilization(handle, gpu.last_seen_us))
             except Exception as exc:
                 if _device_gone(exc):
                     raise
-            gpu.processes_used = any(row.smUtil for row in util_rows)
+            if any(row.smUtil for row in util_rows):
+                gpu.used_at_us = now_us
+        if in_use:
+            self._used = True
         samples = self._utilization_samples(gpu, util_rows, ts_ns, memory_by_pid)
         sampled = {s.pid for s in samples}
         for pid in sorted(memory_by_pid.keys() - sampled):
@@ -280,8 +298,11 @@ class NvmlSampler:
                 gpu.note_update(stamp_us)
             previous = gpu.seen_by_pid.get(pid)
             gpu.seen_by_pid[pid] = stamp_us
+            # Readings one update apart tile the time exactly; after a longer gap (the process idle,
+            # so NVML left it out) a reading covers one period.
             period_us = gpu.period_us or (self.default_period_s * 1e6)
-            covered_us = period_us if previous is None else min(stamp_us - previous, period_us)
+            gap_us = None if previous is None else stamp_us - previous
+            covered_us = gap_us if gap_us is not None and gap_us < 1.5 * period_us else period_us
             if row.smUtil:
                 self._used = True
             samples.append(UtilSample(

@@ -3,6 +3,7 @@ plus one ``gpu``-marked test against the real library."""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -252,6 +253,70 @@ def test_nvml_updating_every_200ms_sampled_every_100ms_costs_what_ran(store: Any
     assert 50 <= fake.calls.count("procutil") <= 53  # 100 ticks, 50 updates
 
 
+@dataclass
+class JitteryNvml(UpdatingNvml):
+    """NVML as seen on an H200: an update about every 197.5 ms, each a few ms late or early, the
+    newest reading only in each answer, a process left out of the readings while it is idle, and
+    the whole GPU at 0 % then."""
+
+    period_s: float = 0.1975
+    jitter_s: float = 0.004
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        return SimpleNamespace(gpu=round(self.util_at(self.now_s - 0.05)), memory=10)
+
+    def update_at(self, k: int) -> float:
+        return k * self.period_s + self.jitter_s * math.sin(k * 2.39996)  # spread, repeatable
+
+    def nvmlDeviceGetProcessUtilization(self, handle: int, last_seen: int) -> list[Any]:
+        self.calls.append("procutil")
+        k = int(self.now_s / self.period_s) + 1
+        while self.update_at(k) > self.now_s:
+            k -= 1
+        stamp = round(self.update_at(k) * 1e6)
+        used = self.util_at(self.update_at(k) - self.period_s / 2)
+        if stamp <= last_seen or not used:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        return [SimpleNamespace(pid=self.pid, timeStamp=stamp, smUtil=round(used), memUtil=5)]
+
+
+def test_per_process_readings_asked_once_an_update_lose_none_across_jitter_and_idle_spells(store: Any) -> None:
+    """Asking once per NVML update saves half of NVML's dearest call, but NVML answers only its
+    newest reading: an ask that comes too early or waits too long loses one. On an H200 a first
+    version lost 6-11 % of a busy spell's GPU-seconds: it skipped a whole period after an early ask,
+    and after an idle spell it took the idle gap (1.2 s) for the period. Every busy update here
+    must be read, through updates a few ms off their period and a second of idleness."""
+    from auditor.correlate.waste import SampleCache, wasted
+
+    start_s = 1_700_000_000.0
+
+    def util_at(t: float) -> float:  # a blip (the engine's first allocation), idle, busy 80 % for 3 s,
+        offset = t - start_s        # idle for 1.2 s, busy 60 % for 3 s
+        return (30.0 if 0.0 <= offset < 0.2 else 80.0 if 1.0 <= offset < 4.0 else 60.0 if 5.2 <= offset < 8.2
+                else 0.0)
+
+    fake = JitteryNvml(count=1, now_s=start_s, util_at=util_at)
+    clock = Clock()
+    sampler = NvmlSampler(nvml=fake, host="h", monotonic=clock)
+    read: set[int] = set()
+    for _ in range(100):  # ten seconds of 100 ms ticks
+        fake.now_s += 0.1
+        clock.now += 0.1
+        samples = sampler.sample(int(fake.now_s * 1e9))
+        read |= {s.ts_ns // 1000 for s in samples if s.pid == fake.pid and s.util_percent}
+        store.insert_samples(samples)
+    busy_updates = {round(fake.update_at(k) * 1e6) for k in range(int(start_s / fake.period_s), int(fake.now_s / fake.period_s))
+                    if fake.update_at(k) <= fake.now_s and util_at(fake.update_at(k) - fake.period_s / 2)}
+    assert busy_updates - read == set(), f"{len(busy_updates - read)} of {len(busy_updates)} readings lost"
+    assert sampler.update_period_s(0) == pytest.approx(fake.period_s, abs=0.01)
+    assert fake.calls.count("procutil") <= 50  # not one a tick (100): about one an update while in use
+    cache = SampleCache(store, "h")
+    cache.refresh(int(fake.now_s * 1e9))
+    cost = wasted(cache, start_ns=int(start_s * 1e9), end_ns=int(fake.now_s * 1e9), pid=fake.pid, sharers=lambda ts: 1)
+    # What every busy reading says, each over its period: all of it is counted.
+    readings_say = sum(util_at(stamp / 1e6 - fake.period_s / 2) / 100 * fake.period_s for stamp in busy_updates)
+    assert cost.gpu_seconds == pytest.approx(readings_say, rel=0.03)
+
+
 @pytest.mark.gpu
 def test_real_nvml_per_process_cost_of_a_known_busy_spell(store: Any) -> None:
     """On a real GPU: this process keeps the GPU busy for 2 s (synchronized matrix products) while
@@ -318,35 +383,40 @@ class RestingNvml(FakeNvml):
 
 
 def test_a_gpu_at_rest_is_looked_at_once_a_second_and_at_full_rate_once_used() -> None:
-    """A GPU host with nothing running: ten NVML ticks a second were most of the idle daemon's CPU
-    there. After a second of 0 % the sampler is idle (the loop ticks about once a second); the
-    first tick that sees use, whole-GPU or one process's reading, brings the full rate back."""
+    """A GPU host with nothing running: nothing to cost, so after a second of 0 % the sampler is
+    idle (the loop ticks about once a second) and asks for no per-process readings (NVML's dearest
+    call: 2.4 ms of CPU on an H200). The first tick that sees use brings the full rate back, and
+    per-process readings are asked for until two updates after the last use seen."""
     from collectors.sampling import IDLE_INTERVAL_S, SamplingLoop
 
     clock = Clock()
     fake = RestingNvml()
     sampler = NvmlSampler(nvml=fake, monotonic=clock, quiet_after_s=1.0)
-    assert not sampler.idle() or not sampler._initialized
-    sampler.sample(1)
+    wall_ns = 1_700_000_000 * 10**9  # NVML stamps readings with the wall clock, in microseconds
+
+    def tick(seconds: float) -> None:
+        clock.now += seconds
+        sampler.sample(wall_ns + round((clock.now - 100.0) * 1e9))
+
+    tick(0.0)
     assert not sampler.idle()  # at rest, but not for a second yet
-    clock.now += 1.0
-    sampler.sample(2)
+    tick(1.0)
     assert sampler.idle()
     assert not any(call.startswith("procutil") for call in fake.calls)  # 0 %: nothing to ask a process
-    fake.util, fake.process_samples = 12, [SimpleNamespace(pid=7, timeStamp=50, smUtil=12, memUtil=1)]
-    sampler.sample(3)
+    stamp = wall_ns // 1000 + 1_100_000
+    fake.util, fake.process_samples = 12, [SimpleNamespace(pid=7, timeStamp=stamp, smUtil=12, memUtil=1)]
+    tick(0.2)
     assert not sampler.idle() and "procutil 0 since 0" in fake.calls
     fake.util = 0
-    clock.now += 5.0
-    sampler.sample(400)  # 0 % whole, but the last answer showed a process at work: asked again
-    assert not sampler.idle() and "procutil 0 since 50" in fake.calls
-    clock.now += 1.0
-    sampler.sample(500)  # that was all: nothing new, 0 % whole
-    assert sampler.idle()
+    tick(0.1)  # 0 % whole, but in use a tick ago: the spell's last reading may be still to come
+    assert not sampler.idle() and f"procutil 0 since {stamp}" in fake.calls
+    asked = len(fake.calls)
+    tick(1.0)  # two updates without use: nothing asked, at rest again
+    tick(1.0)
+    assert sampler.idle() and len(fake.calls) == asked
     fake.broken = {0: pynvml.NVML_ERROR_GPU_IS_LOST}
-    sampler.sample(6)
-    clock.now += 10.0
-    sampler.sample(7)  # backing off: a failing GPU keeps the full rate, not an idle one
+    tick(0.1)
+    tick(10.0)  # backing off: a failing GPU keeps the full rate, not an idle one
     assert not sampler.idle()
 
     # The loop: about one tick a second at rest, back to its rate within a second of use.
