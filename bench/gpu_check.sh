@@ -19,6 +19,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,utilization.gpu --format
 section "gpu-marked tests"
 timeout 180 "$py" -m pytest -m gpu -rA -p no:cacheprovider tests/test_sampler_nvml.py 2>&1 | tee "$out/gpu-tests.log"
 
+section "what NVML costs, and its readings against CUDA events"
+timeout 90 "$py" bench/nvml_cost.py 2>&1 | tee "$out/nvml-cost.log"
+
 section "reference engine, cpu and cuda"
 timeout 120 "$py" bench/engine.py 2>&1 | tee "$out/engine.log"
 
