@@ -35,7 +35,8 @@ _DEVICE_GONE = frozenset({
     "NVMLError_Timeout", "NVMLError_IrqIssue",
 })
 PERIOD_WINDOW = 16  # NVML update gaps kept to estimate its period
-PERIOD_MIN_GAPS = 3  # gaps seen before the shortest is taken for the period (until then: the default)
+PERIOD_MIN_GAPS = 3  # gaps seen before the period is estimated from them (until then: the default)
+SHORTEST_PERIOD_US = 20_000  # NVML documents periods of 1/6 s to 1 s; a shorter gap is no period
 CLOCK_AGREES_NS = 60 * 1_000_000_000
 _NEEDS_REINIT = frozenset({"NVMLError_Uninitialized", "NVMLError_DriverNotLoaded"})
 
@@ -64,7 +65,7 @@ class _Gpu:
     last_sample_at: float | None = None
     seen_by_pid: dict[int, int] = field(default_factory=dict)  # newest NVML timestamp per process
     updates: list[int] = field(default_factory=list)  # recent gaps between NVML's updates, in us
-    period_us: float | None = None  # NVML's update period as observed (shortest recent gap)
+    period_us: float | None = None  # NVML's update period as observed (see note_update)
     clock_offset_ns: int | None = None  # NVML's clock to the wall clock, when they differ
     used_at_us: int | None = None  # when this GPU last showed use (above 0 % whole, or a process's reading)
 
@@ -75,7 +76,7 @@ class _Gpu:
         shortest). None is trusted before PERIOD_MIN_GAPS gaps: the first is often an idle spell
         (an engine's first allocation, then nothing for a second), and as the period it would let
         one reading cover the whole spell."""
-        if self.last_seen_us:
+        if self.last_seen_us and stamp_us - self.last_seen_us >= SHORTEST_PERIOD_US:
             self.updates = [*self.updates[-(PERIOD_WINDOW - 1):], stamp_us - self.last_seen_us]
             if len(self.updates) >= PERIOD_MIN_GAPS:
                 shortest = min(self.updates)
@@ -86,9 +87,8 @@ class _Gpu:
         """Whether NVML can have a per-process reading newer than the last one read. It updates
         about every ``period_us`` and answers only its newest reading of each process, so a reading
         not asked for before the next update is lost: from the expected update on, ask at every
-        tick until a newer one comes. The period is the shortest gap seen, capped: a gap seen across
-        an idle spell or a missed update is longer than the period, and waiting that long between
-        asks would lose the readings in between. (This is NVML's dearest call by far: 2.4 ms of
+        tick until a newer one comes. The period as estimated is capped: were it too long, waiting
+        that long between asks would lose the readings in between. (This is NVML's dearest call by far: 2.4 ms of
         CPU on an H200, against 2-7 us for each of the others.)"""
         if not (self.last_seen_us and self.period_us):
             return True
@@ -290,12 +290,15 @@ class NvmlSampler:
         process's previous reading, at most one NVML update period (a process NVML skipped
         was idle: NVML lists only processes with some use in its last period)."""
         samples = []
+        # One answer is one NVML update as far as the period goes: its processes' readings may be
+        # stamped a little apart, and those gaps are not periods.
+        newest = max((int(row.timeStamp) for row in rows), default=0)
+        if newest > gpu.last_seen_us:
+            gpu.note_update(newest)
         for row in sorted(rows, key=lambda r: int(r.timeStamp)):
             stamp_us, pid = int(row.timeStamp), int(row.pid)
             if stamp_us <= gpu.seen_by_pid.get(pid, 0):
                 continue  # read already
-            if stamp_us > gpu.last_seen_us:
-                gpu.note_update(stamp_us)
             previous = gpu.seen_by_pid.get(pid)
             gpu.seen_by_pid[pid] = stamp_us
             # Readings one update apart tile the time exactly; after a longer gap (the process idle,

@@ -439,3 +439,42 @@ def test_a_gpu_at_rest_is_looked_at_once_a_second_and_at_full_rate_once_used() -
     assert whole[-1].util_percent == 35.0
     quiet = [s for s in whole if s.util_percent == 0.0 and s.interval_s is not None]
     assert max(s.interval_s for s in quiet) > 0.8  # each quiet sample covers its whole second
+
+
+@dataclass
+class TwoProcessNvml(UpdatingNvml):
+    """Two engines on one GPU, each update's readings stamped 3 ms apart."""
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
+        return [SimpleNamespace(pid=pid, usedGpuMemory=1 << 30) for pid in (11, 12)]
+
+    def nvmlDeviceGetProcessUtilization(self, handle: int, last_seen: int) -> list[Any]:
+        latest = int(self.now_s / self.period_s) * self.period_s
+        rows = [SimpleNamespace(pid=11, timeStamp=round(latest * 1e6), smUtil=50, memUtil=5),
+                SimpleNamespace(pid=12, timeStamp=round(latest * 1e6) + 3_000, smUtil=25, memUtil=5)]
+        rows = [row for row in rows if row.timeStamp > last_seen and row.timeStamp <= self.now_s * 1e6]
+        if not rows:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        return rows
+
+
+def test_readings_of_one_update_stamped_apart_are_no_period(store: Any) -> None:
+    """Each answer is one update: the few ms between two processes' stamps in it are not NVML's
+    period (taken as the period, every reading would cover 3 ms and the cost all but vanish)."""
+    from auditor.correlate.waste import SampleCache, wasted
+
+    start_s = 1_700_000_000.0
+    fake = TwoProcessNvml(count=1, now_s=start_s)
+    clock = Clock()
+    sampler = NvmlSampler(nvml=fake, host="h", monotonic=clock)
+    for _ in range(50):
+        fake.now_s += 0.1
+        clock.now += 0.1
+        store.insert_samples(sampler.sample(int(fake.now_s * 1e9)))
+    assert sampler.update_period_s(0) == pytest.approx(0.2, abs=0.005)
+    cache = SampleCache(store, "h")
+    cache.refresh(int(fake.now_s * 1e9))
+    window = (int((start_s + 1.0) * 1e9), int((start_s + 4.0) * 1e9))
+    for pid, share in ((11, 0.5), (12, 0.25)):
+        cost = wasted(cache, start_ns=window[0], end_ns=window[1], pid=pid, sharers=lambda ts: 1)
+        assert cost.gpu_seconds == pytest.approx(3.0 * share, rel=0.05), (pid, cost.gpu_seconds)
