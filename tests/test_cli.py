@@ -116,3 +116,19 @@ def test_run_with_a_busy_address_says_so_in_one_line(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stderr
     assert f"Error: cannot listen on otlp.http {address}: Address already in use" in result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_demo_on_cuda_without_a_gpu_says_so_before_starting_anything(tmp_path: Path) -> None:
+    """`auditor demo --device cuda` where PyTorch or its GPU is missing: a usage error naming what
+    is missing and the way out (--device cpu), and nothing started or written."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("PyTorch sees a CUDA GPU here: the demo would run")
+    except ImportError:
+        pass
+    result = CliRunner().invoke(cli, ["demo", "--device", "cuda", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "--device cuda" in result.output and "use --device cpu" in result.output
+    assert not (tmp_path / "out").exists()
