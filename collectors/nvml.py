@@ -7,12 +7,14 @@ sampler degraded and retried with exponential backoff; a GPU that errors (fallen
 keep being sampled. Optional readings a board does not support (power on some boards, per-process
 figures without permission) are simply left empty.
 
-A GPU with nothing running costs nothing to miss: once every GPU has read 0 % and no process has
-shown any use for ``quiet_after_s``, the sampler says it is idle and the sampling loop ticks about
-once a second instead of ten times (each tick is several NVML calls and a store write; on a GPU
-host at rest that was most of the daemon's CPU). The first tick that sees use again puts it back
-at the full rate; what NVML buffered meanwhile is read then, and each sample covers the time since
-the one before, so a quiet second is still counted.
+Per-process utilization is NVML's dearest call by far (2.4 ms of CPU on an H200, against 2-7 us
+for each of the others), and NVML answers only its newest reading of each process. So it is asked
+for about once per NVML update, from when the next one is due until it comes, and only while the
+GPU is in use or was within the last two updates. Once every GPU has read 0 % for
+``quiet_after_s``, the sampler says it is idle and the sampling loop ticks about once a second
+instead of ten times; the first tick that sees use puts it back at the full rate. A GPU at rest
+has no per-process readings to miss, and each whole-GPU sample covers the time since the one
+before, so a quiet second is still counted.
 """
 
 from __future__ import annotations
@@ -88,8 +90,7 @@ class _Gpu:
         about every ``period_us`` and answers only its newest reading of each process, so a reading
         not asked for before the next update is lost: from the expected update on, ask at every
         tick until a newer one comes. The period as estimated is capped: were it too long, waiting
-        that long between asks would lose the readings in between. (This is NVML's dearest call by far: 2.4 ms of
-        CPU on an H200, against 2-7 us for each of the others.)"""
+        that long between asks would lose the readings in between."""
         if not (self.last_seen_us and self.period_us):
             return True
         return now_us >= self.last_seen_us + min(self.period_us, longest_period_us)
@@ -287,8 +288,8 @@ class NvmlSampler:
     def _utilization_samples(self, gpu: _Gpu, rows: list[Any], ts_ns: int,
                              memory_by_pid: dict[int, int | None]) -> list[UtilSample]:
         """One sample per NVML reading, at NVML's own timestamp, covering the time since the
-        process's previous reading, at most one NVML update period (a process NVML skipped
-        was idle: NVML lists only processes with some use in its last period)."""
+        process's previous reading when that was the update before, else one update period (a
+        process NVML skipped was idle: NVML lists only processes with some use in its last period)."""
         samples = []
         # One answer is one NVML update as far as the period goes: its processes' readings may be
         # stamped a little apart, and those gaps are not periods.
