@@ -3,6 +3,7 @@
 # What they showed is recorded in docs/gpu-validation.md.
 #
 #   bench/gpu_check.sh [DIR]     (python3 with this project's requirements and PyTorch on CUDA)
+#   LOAD_SECONDS=600 bench/gpu_check.sh   a longer load, to see whether the daemon's RSS levels off
 set -u
 out=${1:-gpu-check}
 mkdir -p "$out"
@@ -33,6 +34,7 @@ section "idle daemon, /proc source, NVML sampling this host's GPU"
 timeout 90 "$py" bench/footprint.py --loaders procfs --seconds 30 --settle 5 --grpc 2>&1 | tee "$out/footprint.log"
 
 section "detection and load, /proc source, engines on cuda"
-timeout 240 "$py" bench/detection.py --source procfs --device cuda --alarms 10 --load-seconds 60 --otlp grpc \
+load=${LOAD_SECONDS:-60}
+timeout $((load + 180)) "$py" bench/detection.py --source procfs --device cuda --alarms 10 --load-seconds "$load" --otlp grpc \
     2>&1 | tee "$out/detection.log"
 section "done"
