@@ -70,6 +70,7 @@ class _Gpu:
     period_us: float | None = None  # NVML's update period as observed (see note_update)
     clock_offset_ns: int | None = None  # NVML's clock to the wall clock, when they differ
     used_at_us: int | None = None  # when this GPU last showed use (above 0 % whole, or a process's reading)
+    no_utilization: bool = False  # NVML gives no utilization for it (a MIG-enabled GPU): memory only
 
     def note_update(self, stamp_us: int) -> None:
         """A newer NVML update: its gap to the last one tells NVML's period. Idle spells and missed
@@ -231,20 +232,26 @@ class NvmlSampler:
         nvml, handle = self._nvml, gpu.handle
         interval_s = None if gpu.last_sample_at is None else now - gpu.last_sample_at
         gpu.last_sample_at = now
-        rates = nvml.nvmlDeviceGetUtilizationRates(handle)
-        if rates.gpu:
+        # None on a GPU NVML measures no utilization of (MIG enabled): its memory is still read.
+        rates = self._optional(nvml.nvmlDeviceGetUtilizationRates, handle)
+        if rates is None and not gpu.no_utilization:
+            log.warning("GPU %d: NVML gives no utilization for it (MIG mode?); its processes' GPU time "
+                        "is not costed, their memory still is", gpu.index)
+        gpu.no_utilization = rates is None
+        if rates is not None and rates.gpu:
             self._used = True
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
         milliwatts = self._optional(nvml.nvmlDeviceGetPowerUsage, handle)
         samples = [UtilSample(
             ts_ns=ts_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=None,
-            util_percent=float(rates.gpu), memory_util_percent=float(rates.memory),
+            util_percent=None if rates is None else float(rates.gpu),
+            memory_util_percent=None if rates is None else float(rates.memory),
             memory_bytes=int(memory.used),
             power_watts=None if milliwatts is None else float(milliwatts) / 1000.0,
             interval_s=interval_s,
         )]
         if self.per_process:
-            if rates.gpu:
+            if rates is not None and rates.gpu:
                 gpu.used_at_us = gpu.nvml_us(ts_ns)
             samples.extend(self._sample_processes(gpu, ts_ns, interval_s))
         return samples
@@ -333,4 +340,6 @@ class NvmlSampler:
             return "degraded: NVML sees no GPU"
         broken = [f"gpu {g.index}: {g.error} (retry in {max(0.0, g.retry_at - now):.0f} s)"
                   for g in self._gpus if g.error]
+        broken += [f"gpu {g.index}: NVML gives no utilization for it (MIG mode?): GPU time not costed"
+                   for g in self._gpus if g.no_utilization and not g.error]
         return "degraded: " + "; ".join(broken) if broken else "ok"

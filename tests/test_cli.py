@@ -132,3 +132,24 @@ def test_demo_on_cuda_without_a_gpu_says_so_before_starting_anything(tmp_path: P
     assert result.exit_code == 2, result.output
     assert "--device cuda" in result.output and "use --device cpu" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_doctor_says_when_nvml_measures_no_utilization_of_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MIG-enabled GPU: NVML lists it but measures no utilization, so zombies on it cannot be
+    costed in GPU time. The doctor says which GPU, and why."""
+    import pynvml
+
+    from auditor.cli.doctor import DEGRADED, check_nvml
+
+    def unsupported(handle: object) -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    for name, fake in {"nvmlInit": lambda: None, "nvmlShutdown": lambda: None, "nvmlDeviceGetCount": lambda: 2,
+                       "nvmlDeviceGetHandleByIndex": lambda index: index,
+                       "nvmlDeviceGetName": lambda handle: "NVIDIA A100-SXM4-80GB",
+                       "nvmlDeviceGetUtilizationRates": lambda handle: unsupported(handle) if handle == 1 else None,
+                       }.items():
+        monkeypatch.setattr(pynvml, name, fake)
+    check = check_nvml()
+    assert check.state == DEGRADED, check
+    assert "no utilization for GPU 1 (MIG mode?)" in check.detail and "GPU 0," not in check.detail

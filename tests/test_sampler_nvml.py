@@ -478,3 +478,35 @@ def test_readings_of_one_update_stamped_apart_are_no_period(store: Any) -> None:
     for pid, share in ((11, 0.5), (12, 0.25)):
         cost = wasted(cache, start_ns=window[0], end_ns=window[1], pid=pid, sharers=lambda ts: 1)
         assert cost.gpu_seconds == pytest.approx(3.0 * share, rel=0.05), (pid, cost.gpu_seconds)
+
+
+@dataclass
+class MigNvml(FakeNvml):
+    """A MIG-enabled GPU: NVML measures no utilization of it, whole or per process."""
+
+    count: int = 1
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    def nvmlDeviceGetProcessUtilization(self, handle: int, last_seen: int) -> list[Any]:
+        self.calls.append("procutil")
+        raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+
+def test_a_gpu_without_utilization_keeps_its_memory_and_says_its_time_is_not_costed() -> None:
+    """NVML supports no utilization query on a MIG-enabled GPU. That is no lost device to retry
+    forever: its memory and its processes' memory are still sampled, and health says plainly that
+    its GPU time is not costed."""
+    clock = Clock()
+    fake = MigNvml()
+    sampler = NvmlSampler(nvml=fake, host="h", monotonic=clock)
+    samples = sampler.sample(1_700_000_000 * 10**9)
+    whole = [s for s in samples if s.pid is None]
+    assert len(whole) == 1 and whole[0].util_percent is None and whole[0].memory_bytes == 10 << 30
+    assert {s.pid: s.memory_bytes for s in samples if s.pid} == {1000: 2 << 30, 2000: None}
+    assert sampler.health() == "degraded: gpu 0: NVML gives no utilization for it (MIG mode?): GPU time not costed"
+    clock.now += 1.0
+    sampler.sample(1_700_000_001 * 10**9)
+    assert fake.calls.count("handle 0") == 1 and "procutil" not in fake.calls  # not retried as lost
+    assert sampler.idle()  # nothing it can measure runs: once a second

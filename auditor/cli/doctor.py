@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -127,12 +128,26 @@ def check_nvml() -> Check:
                      "install the NVIDIA driver (libnvidia-ml.so) on GPU hosts")
     try:
         count = pynvml.nvmlDeviceGetCount()
-        names = [str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        names = [str(pynvml.nvmlDeviceGetName(handle)) for handle in handles]
+        unmeasured = [index for index, handle in enumerate(handles) if not _utilization_readable(pynvml, handle)]
     finally:
         pynvml.nvmlShutdown()
     if count == 0:
         return Check("nvml", DEGRADED, "NVML found no GPU: waste is measured in CPU-seconds")
+    if unmeasured:
+        return Check("nvml", DEGRADED, f"{count} GPU(s): {', '.join(names)}; NVML gives no utilization for GPU "
+                     f"{', '.join(map(str, unmeasured))} (MIG mode?): GPU time on it is not costed",
+                     "NVML measures no utilization of MIG-enabled GPUs; disable MIG there to cost zombies' GPU time")
     return Check("nvml", OK, f"{count} GPU(s): {', '.join(names)}")
+
+
+def _utilization_readable(pynvml: Any, handle: Any) -> bool:
+    try:
+        pynvml.nvmlDeviceGetUtilizationRates(handle)
+    except pynvml.NVMLError_NotSupported:
+        return False
+    return True
 
 
 # Where each listener's socket lives: TCP servers (SO_REUSEADDR, like Python's HTTP servers) and
