@@ -406,8 +406,7 @@ def main() -> int:
     if args.compare:
         from bench.ingest import export_tree
 
-        # REV, or a folder that holds an exported tree (where the checkout has no git history).
-        old = Path(args.compare) if Path(args.compare).is_dir() else export_tree(args.compare, work / "old")
+        old = export_tree(args.compare, work / "old")
         trees = {args.compare: old, "working tree": here}
     otlp, metrics_port, live = free_port(), free_port(), free_port(socket.SOCK_DGRAM)
     export = f"{args.otlp}://127.0.0.1:{otlp}"

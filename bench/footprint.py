@@ -245,8 +245,7 @@ def main() -> int:
         sys.path.insert(0, str(REPO))
         from bench.ingest import export_tree
 
-        # REV, or a folder that holds an exported tree (where the checkout has no git history).
-        old = Path(args.compare) if Path(args.compare).is_dir() else export_tree(args.compare, work / "old")
+        old = export_tree(args.compare, work / "old")
         # REV's daemon with the first loader's source: its child loader, or the /proc source.
         kind = "procfs" if args.loaders.split(",")[0] == "procfs" else "child"
         daemons.insert(0, Daemon(kind, work, args.grpc, tree=old, label=f"{kind} {args.compare}", engine=engine))

@@ -405,7 +405,10 @@ def print_table(summary: dict[str, Any]) -> None:
 
 
 def export_tree(rev: str, into: Path) -> Path:
-    """The packages the receiver imports, as they were at ``rev`` (git archive, no checkout)."""
+    """The packages the receiver imports, as they were at ``rev`` (git archive, no checkout); or
+    ``rev`` itself when it names a folder holding such a tree (a checkout with no git history)."""
+    if Path(rev).is_dir():
+        return Path(rev)
     root = Path(__file__).resolve().parent.parent
     archive = subprocess.run(["git", "-C", str(root), "archive", "--format=tar", rev, "auditor", "collectors",
                               "probes", "replay"], check=True, capture_output=True).stdout

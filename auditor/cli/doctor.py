@@ -143,10 +143,14 @@ def check_nvml() -> Check:
 
 
 def _utilization_readable(pynvml: Any, handle: Any) -> bool:
+    """False only where NVML says it cannot measure this GPU; another failure is the sampler's to
+    retry (it backs off), not a reason for this check to fail."""
     try:
         pynvml.nvmlDeviceGetUtilizationRates(handle)
     except pynvml.NVMLError_NotSupported:
         return False
+    except pynvml.NVMLError:
+        pass
     return True
 
 
