@@ -56,6 +56,7 @@ from replay.engine.truth import expected_verdict
 
 GRACE_S = 0.5
 RACE_S = 0.005  # a close this near the end of the work races it (kernel and engine clocks, one step)
+SETTLE_S = 10.0  # how long after the last export the load's last verdicts may take (see judge_settled)
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
@@ -102,15 +103,24 @@ def proc_memory_mib(pid: int) -> tuple[float, float]:
     return int(status["VmRSS"].split()[0]) / 1024, int(status["VmHWM"].split()[0]) / 1024
 
 
-def thread_cpu_seconds(pid: int) -> dict[int, float]:
-    """CPU seconds of each of the process's threads, by thread id."""
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[float, int]]:
+    """Each of the process's threads, by thread id: its CPU seconds (the scheduler's nanoseconds
+    where the kernel keeps them, else clock ticks) and how many times it slept and woke
+    (voluntary context switches). On a virtual machine a wake-up costs the waking thread tens to
+    hundreds of microseconds, so a thread that wakes often costs CPU even with little to do."""
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            status = (task / "status").read_text()
+            try:
+                cpu = int((task / "schedstat").read_text().split()[0]) / 1e9
+            except (OSError, IndexError, ValueError):
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except OSError:
             continue  # the thread ended
-        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        wakeups = re.search(r"^voluntary_ctxt_switches:\s*(\d+)", status, re.M)
+        out[int(task.name)] = (cpu, int(wakeups.group(1)) if wakeups else 0)
     return out
 
 
@@ -173,7 +183,9 @@ def measure_alarms(db: Path, engine_port: int, metrics_port: int, count: int) ->
             "settled zombie: store": settle_store, "settled zombie: /metrics": settle_metrics}
 
 
-async def paced_load(port: int, rate: float, seconds: float, cancel_every: int) -> tuple[int, float]:
+async def paced_load(port: int, rate: float, seconds: float, cancel_every: int) -> tuple[int, float, dict[str, int]]:
+    """Send the load; returns how many requests, the rate achieved, and the requests whose client
+    left before it had read the whole answer, with when it cancelled (wall-clock ns)."""
     plans = []
     total = int(rate * seconds)
     for index in range(total):
@@ -182,13 +194,16 @@ async def paced_load(port: int, rate: float, seconds: float, cancel_every: int) 
                                  body={"model": "ref-llm-1b", "prompt": "a b", "max_tokens": 4, "stream": index % 2 == 0},
                                  cancel_after_s=0.005 if cancelled else None, close_with="rst" if index % 4 else "fin"))
     started = time.monotonic()
+    left: dict[str, int] = {}
 
     async def paced(index: int, plan: RequestPlan) -> None:
         await asyncio.sleep(max(0.0, started + index / rate - time.monotonic()))
-        await run_load("127.0.0.1", port, [plan], concurrency=1)
+        for outcome in await run_load("127.0.0.1", port, [plan], concurrency=1):
+            if outcome.cancelled_at_ns is not None and not outcome.completed:
+                left[plan.request_id] = outcome.cancelled_at_ns
 
     await asyncio.gather(*(paced(i, p) for i, p in enumerate(plans)))
-    return total, total / (time.monotonic() - started)
+    return total, total / (time.monotonic() - started), left
 
 
 def load_engine_env(export_delay_ms: int | None) -> dict[str, str] | None:
@@ -247,10 +262,11 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
 
     watcher = threading.Thread(target=watch_rss, daemon=True)
     watcher.start()
-    sent, achieved = asyncio.run(paced_load(port, args.rate, args.load_seconds, cancel_every=10))
+    sent, achieved, client_left = asyncio.run(paced_load(port, args.rate, args.load_seconds, cancel_every=10))
     done.set()
     cpu = proc_cpu_seconds(daemon.pid) - cpu_before
-    threads = {tid: spent - threads_before.get(tid, 0.0) for tid, spent in thread_cpu_seconds(daemon.pid).items()}
+    threads = {tid: (spent - threads_before.get(tid, (0.0, 0))[0], woke - threads_before.get(tid, (0.0, 0))[1])
+               for tid, (spent, woke) in thread_cpu_seconds(daemon.pid).items()}
     wall = time.monotonic() - wall_before
     names = thread_names(daemon.pid)
     rss, peak = proc_memory_mib(daemon.pid)
@@ -261,23 +277,31 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
         spans = conn.execute("SELECT count(*) FROM spans").fetchone()[0]
         verdicts = conn.execute("SELECT count(*) FROM verdicts WHERE request_id LIKE 'load-%'").fetchone()[0]
     # The rest of the process's CPU: threads that ended during the load (a connection's reader),
-    # and each thread's clock-tick rounding (up to a tick of 10 ms each, against the process's
-    # own count): 0.04-0.17% of a core in the loads measured, in which no daemon thread ended.
+    # and the process's own count in clock ticks against the threads' nanoseconds.
     by_name: dict[str, float] = {}
-    for tid, spent in threads.items():
+    wakeups: dict[str, float] = {}
+    for tid, (spent, woke) in threads.items():
         name = re.sub(r"^Thread-\d+ \((.*)\)$", r"\1", names.get(tid, f"thread {tid}"))
         by_name[name] = by_name.get(name, 0.0) + spent / wall * 100
-    by_name["(unattributed)"] = max(0.0, (cpu - sum(threads.values())) / wall * 100)
+        wakeups[name] = wakeups.get(name, 0.0) + woke / wall
+    by_name["(unattributed)"] = max(0.0, (cpu - sum(spent for spent, _ in threads.values())) / wall * 100)
     return {"sent": sent, "achieved": achieved, "cpu": cpu, "wall": wall, "cpu_percent": cpu / wall * 100,
-            "rss": rss, "peak": peak, "rss_series": rss_series, "spans": spans, "verdicts": verdicts, "threads": by_name}
+            "rss": rss, "peak": peak, "rss_series": rss_series, "spans": spans, "verdicts": verdicts, "threads": by_name,
+            "wakeups": wakeups, "client_left": client_left}
 
 
-def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0) -> dict[str, Any]:
+def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0,
+               client_left: dict[str, int] | None = None) -> dict[str, Any]:
     """The load's verdicts against the load engine's truth log: disconnects it saw and how each was
     judged, and findings for requests whose client never left while they ran (the engine finished
-    them normally and saw no disconnect). Within 20 ms of the grace, aborted and zombie are one call;
+    them normally and saw no disconnect). ``client_left``: the requests the load's client cancelled
+    before reading the whole answer, with when. A cancel the engine did not see before it finished
+    (its truth has no disconnect: the work ended first, under a busy CPU several ms after the close)
+    is judged by the client's cancel instead, as DESIGN §5 judges it: not completed, since the work
+    ended after the client left. Within 20 ms of the grace, aborted and zombie are one call;
     completed against aborted where the work ended within ``RACE_S`` of the disconnect is listed
-    apart, as a race of the close with the response's end (DESIGN: such a race is completed).
+    apart, as a race of the close with the response's end (DESIGN: such a race is completed), and
+    so is no verdict there (the daemon put the close after the response: an idle close).
     ``poll_s``: a polled source's interval; disconnects of requests that arrived less than that
     before them (connections a poll can miss: docs/probe.md) are counted apart when missed."""
     with sqlite3.connect(db) as conn:
@@ -285,16 +309,27 @@ def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0) -> d
                              "WHERE request_id LIKE 'load-%'").fetchall()
     rows = {request_id: verdict for request_id, verdict, _ in found}
     closed_at = {request_id: ts for request_id, _, ts in found}
-    left = [t for t in truths if t["disconnect_at"] is not None]
+    client_left = client_left or {}
+    unseen = [dict(t, disconnect_at=client_left[rid]) for t in truths
+              if t["disconnect_at"] is None and t["finish_reason"] in ("stop", "length")
+              and (rid := t["request_id"].removeprefix("cmpl-")) in client_left and client_left[rid] < t["finished_at"]]
+    left = [t for t in truths if t["disconnect_at"] is not None] + unseen
     wrong: list[str] = []
     races: list[str] = []
     missed = missed_short = 0
+    missed_ids: list[str] = []
+    ended_ns = max((t["disconnect_at"] for t in left), default=0)
     for truth in left:
         request_id = truth["request_id"].removeprefix("cmpl-")
         verdict, want = rows.get(request_id), expected_verdict(truth, GRACE_S)
         lag_s = (truth["finished_at"] - truth["disconnect_at"]) / 1e9
-        if verdict is None:
+        if verdict is None and abs(lag_s) <= RACE_S:
+            # By the daemon's clocks the close came after the response's end: an idle close, no verdict.
+            races.append(f"{request_id} no verdict, an idle close (truth {want}, lag {lag_s:.3f} s)")
+        elif verdict is None:
             missed += 1
+            missed_ids.append(f"{request_id} without a verdict (left {(ended_ns - truth['disconnect_at']) / 1e9:.1f} s "
+                              f"before the last disconnect; the work ended {lag_s:.3f} s after it)")
             missed_short += truth["disconnect_at"] - truth["arrival_at"] < poll_s * 1e9
         elif {verdict, want} == {"completed", "aborted"} and abs(lag_s) <= RACE_S:
             races.append(f"{request_id} {verdict} (truth {want}, lag {lag_s:.3f} s)")
@@ -303,8 +338,10 @@ def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0) -> d
     # A request the engine finished without seeing its client leave: a finding for it is false,
     # unless the close it was joined to came within RACE_S of the finish (a cancel that raced the
     # last step: the engine finished before it looked).
+    unseen_ids = {t["request_id"] for t in unseen}
     stayed = {t["request_id"].removeprefix("cmpl-"): t for t in truths
-              if t["disconnect_at"] is None and t["finish_reason"] in ("stop", "length")}
+              if t["disconnect_at"] is None and t["finish_reason"] in ("stop", "length")
+              and t["request_id"] not in unseen_ids}
     false: list[str] = []
     for rid, verdict in rows.items():
         if rid not in stayed or verdict in ("completed", "unconfirmed"):
@@ -312,17 +349,33 @@ def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0) -> d
         lag_s = (stayed[rid]["finished_at"] - closed_at[rid]) / 1e9 if closed_at[rid] else math.inf
         line = f"{rid} {verdict} (truth: finished {lag_s:.3f} s after the close, which the engine did not see)"
         (races if abs(lag_s) <= RACE_S else false).append(line)
-    return {"left": len(left), "missed": missed, "missed_short": missed_short, "wrong": wrong, "races": races,
-            "false": false}
+    return {"left": len(left), "unseen": len(unseen), "missed": missed, "missed_short": missed_short,
+            "missed_ids": missed_ids,
+            "wrong": wrong, "races": races, "false": false}
+
+
+def judge_settled(db: Path, engine: Any, args: argparse.Namespace, client_left: dict[str, int]) -> dict[str, Any]:
+    """The load judged once its last disconnects have had time to be: every one has a verdict, or
+    ``SETTLE_S`` past the last export passed (the last spans come up to one export delay after the
+    load, a reset's verdict waits for the events of its span's end, and then a round writes it)."""
+    poll_s = 1 / ProbeConfig().poll_hz if args.source == "procfs" else 0.0
+    deadline = time.monotonic() + (args.export_delay_ms or 200) / 1000 + SETTLE_S
+    time.sleep((args.export_delay_ms or 200) / 1000 + 2)
+    while True:
+        judged = judge_load(db, engine.truth(), poll_s, client_left)
+        if not judged["missed"] or time.monotonic() > deadline:
+            return judged
+        time.sleep(0.5)
 
 
 def print_judged(judged: dict[str, Any]) -> None:
     short = f" ({judged['missed_short']} within one poll of their arrival)" if judged["missed_short"] else ""
-    print(f"  against truth   {judged['left']} disconnects the engine saw: {judged['missed']} without a verdict{short}, "
+    unseen = f" ({judged['unseen']} of them cancels it finished before seeing)" if judged.get("unseen") else ""
+    print(f"  against truth   {judged['left']} disconnects{unseen}: {judged['missed']} without a verdict{short}, "
           f"{len(judged['wrong'])} judged otherwise, {len(judged['races'])} closes within "
           f"{RACE_S * 1000:.0f} ms of the work's end (races); {len(judged['false'])} findings for requests that finished with "
           "their client")
-    for line in (judged["wrong"] + judged["false"])[:5] + judged["races"][:2]:
+    for line in (judged["wrong"] + judged["false"] + judged["missed_ids"])[:5] + judged["races"][:2]:
         print(f"    {line}")
 
 
@@ -334,8 +387,9 @@ def print_load(load: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"  daemon RSS      {load['rss']:6.1f} MiB now, {load['peak']:.1f} MiB peak; every 10 s: "
           + ", ".join(f"{mib:.0f}" for mib in load["rss_series"]))
     print(f"  stored          {load['spans']} spans, {load['verdicts']} verdicts of load requests")
-    print("  by thread, % of one core: " + ", ".join(
-        f"{name} {share:.2f}" for name, share in sorted(load["threads"].items(), key=lambda kv: -kv[1]) if share))
+    print("  by thread, % of one core (wake-ups a second): " + ", ".join(
+        f"{name} {share:.2f}" + (f" ({load['wakeups'][name]:.1f})" if load["wakeups"].get(name) else "")
+        for name, share in sorted(load["threads"].items(), key=lambda kv: -kv[1]) if share >= 0.005))
 
 
 def print_latencies(latencies: dict[str, list[float]], count: int) -> None:
@@ -422,12 +476,11 @@ def main() -> int:
             with running_daemon(here, db, ports, otlp, metrics_port, live, args.otlp, args.source) as daemon:
                 latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
                 load = measure_load(daemon, db, busy_engine.port, args)
-                time.sleep((args.export_delay_ms or 200) / 1000 + 2)  # the last spans, and rounds after
-                judged = judge_load(db, busy_engine.truth(), 1 / ProbeConfig().poll_hz if args.source == "procfs" else 0.0)
+                judged = judge_settled(db, busy_engine, args, load["client_left"])
             print_latencies(latencies, args.alarms)
             print_load(load, args)
             print_judged(judged)
-            if args.keep and (judged["wrong"] or judged["false"]):
+            if args.keep and (judged["wrong"] or judged["false"] or judged["missed"]):
                 atexit.unregister(shutil.rmtree)
                 print(f"  kept: {work}")
             return 0
