@@ -52,6 +52,7 @@ ABORT_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {
     "ref": ("ref_engine_requests", "finish_reason", "abort"),
 }
 NOT_AN_ENGINE_BACKOFF_S = 30.0
+_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux's
 # An engine that has held no request (nothing running or waiting) and seen no client leave for
 # QUIET_AFTER_S is scraped every QUIET_INTERVAL_S until a scrape shows a request or a client leaves
 # it (``activity``): an idle engine's scrapes cost CPU for nothing. Each port on its own, so the idle
@@ -180,7 +181,16 @@ class PageConnection:
     """One kept-alive HTTP/1.1 connection that GETs one path: status, body, and whether the
     connection may be used again. http.client parses each answer's headers with the email
     package, which cost most of a scrape; a metrics answer needs its status line, its length
-    (Content-Length, chunked, or up to the close) and Connection."""
+    (Content-Length, chunked, or up to the close) and Connection.
+
+    Every read first asks the kernel to acknowledge at once (``TCP_QUICKACK``, which does not
+    stick). A Starlette app under uvicorn writes an answer's headers and its body apart, and on a
+    socket its server bound itself (as vLLM's does, and the reference engine's) asyncio leaves
+    Nagle on: it sets ``TCP_NODELAY`` only on sockets made with the TCP protocol number. Nagle then
+    holds the body until the headers are acknowledged, and on a kept-alive connection Linux delays
+    that acknowledgement by 40 ms: every scrape of the reference engine after the first took 44 ms,
+    asked and answered that far apart, and the wait cost more CPU than the parse (docs/footprint.md).
+    A server with Nagle off answers as fast either way; the option costs one system call a read."""
 
     def __init__(self, host: str, port: int, timeout_s: float) -> None:
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
@@ -225,6 +235,8 @@ class PageConnection:
         return int(rest[:3]), body, keep_alive
 
     def _fill(self) -> None:
+        if _QUICKACK is not None:
+            self._sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
         data = self._sock.recv(65536)
         if not data:
             raise OSError("connection closed in the middle of an answer")
