@@ -1,0 +1,49 @@
+"""The daemon's live-notice receiver on a real UDP socket: notices are queued, garbage is counted,
+an idle receiver sleeps in its read (no wake-ups), and stop ends that read at once."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+from collectors.live import LiveReceiver
+from tests.e2e import wait_for
+
+
+def notice(ev: str = "start") -> bytes:
+    return json.dumps({"v": 1, "ev": ev, "trace": "ab" * 16, "span": "cd" * 8, "name": "POST /v1/completions",
+                       "kind": "server", "ts": time.time_ns(), "peer": "127.0.0.1", "peer_port": 40000,
+                       "port": 8000, "pid": 4242, "service": "engine", "engine": False}).encode()
+
+
+def wakeups(thread_id: int) -> int:
+    status = Path(f"/proc/self/task/{thread_id}/status").read_text()
+    return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+
+def test_notices_are_queued_garbage_is_counted_and_an_idle_receiver_sleeps_until_stopped() -> None:
+    receiver = LiveReceiver("127.0.0.1", 0)
+    receiver.start()
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for data in (notice("start"), b"\xff not json", b"", notice("end")):
+            sender.sendto(data, ("127.0.0.1", receiver.port))
+        assert wait_for(lambda: receiver.received == 2 and receiver.rejected == 2, 5, 0.01)
+        assert [event.event for event in receiver.drain()] == ["start", "end"]
+
+        thread_id = receiver._thread.native_id
+        assert thread_id is not None
+        before = wakeups(thread_id)
+        time.sleep(1.0)
+        # A read with a timeout woke the thread five times a second with nothing to read.
+        assert wakeups(thread_id) - before <= 1
+
+        started = time.monotonic()
+        receiver.stop()
+        assert not receiver._thread.is_alive()
+        assert time.monotonic() - started < 1.0
+    finally:
+        sender.close()
+        receiver.stop()
