@@ -187,10 +187,11 @@ class PageConnection:
     stick). A Starlette app under uvicorn writes an answer's headers and its body apart, and on a
     socket its server bound itself (as vLLM's does, and the reference engine's) asyncio leaves
     Nagle on: it sets ``TCP_NODELAY`` only on sockets made with the TCP protocol number. Nagle then
-    holds the body until the headers are acknowledged, and on a kept-alive connection Linux delays
-    that acknowledgement by 40 ms: every scrape of the reference engine after the first took 44 ms,
-    asked and answered that far apart, and the wait cost more CPU than the parse (docs/footprint.md).
-    A server with Nagle off answers as fast either way; the option costs one system call a read."""
+    holds the body until the headers are acknowledged, and Linux delays that acknowledgement by
+    40 ms when the connection looks interactive (a request sent soon after an answer): a GET right
+    after another, as an engine's first scrape makes (its whole page, then the short one), waited
+    44 ms for its body. Scrapes 50 ms or more apart were not delayed (docs/footprint.md). A server
+    with Nagle off answers as fast either way; the option costs one system call a read."""
 
     def __init__(self, host: str, port: int, timeout_s: float) -> None:
         self._sock = socket.create_connection((host, port), timeout=timeout_s)

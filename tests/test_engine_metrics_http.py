@@ -106,9 +106,9 @@ def test_pages_are_read_over_one_kept_alive_connection(serve: Callable[..., Serv
 @pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="Linux's delayed acknowledgement")
 def test_an_answer_written_in_two_parts_is_read_without_waiting_for_a_delayed_ack(serve: Callable[..., Server]) -> None:
     # As uvicorn answers on a socket its server bound itself: the headers, then the body, with Nagle
-    # on. Nagle holds the body until the headers are acknowledged, which Linux delays by 40 ms or
-    # more on a kept-alive connection: without asking for a quick acknowledgement every scrape after
-    # the first two took 44 ms from asked to answered.
+    # on. Nagle holds the body until the headers are acknowledged, which Linux delays by 40 ms once
+    # requests follow answers at once (as an engine's first scrape sends two): without asking for a
+    # quick acknowledgement, scrapes back to back after the first two took 44 ms each.
     head, body = content_length().split(b"\r\n\r\n", 1)
     server = serve([(head + b"\r\n\r\n", body)] * 9)
     client = scraper()
