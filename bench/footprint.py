@@ -49,8 +49,8 @@ ENTRY = ("import sys, probes.bpf as bpf; loader = sys.argv.pop(1); "
 LLVM_LIBS = ("libbcc", "libLLVM", "libclang")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
@@ -142,7 +142,8 @@ class Daemon:
             self.idle.bind(("127.0.0.1", 0))
         command = [sys.executable, "-c", ENTRY, loader, "run", "--db", f"sqlite:///{work / self.loader.replace(' ', '-')}.db",
                    "--port", str(self.idle.getsockname()[1]), "--otlp-http", "127.0.0.1:0",
-                   "--otlp-grpc", "127.0.0.1:0" if grpc else "", "--live", "",
+                   "--otlp-grpc", "127.0.0.1:0" if grpc else "",
+                   "--live", f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}",  # on, as by default
                    "--metrics", f"127.0.0.1:{self.metrics_port}", "--source", self.source]
         self.log = (work / f"{self.loader.replace(' ', '-')}.log").open("wb")
         self.started = time.monotonic()
@@ -188,10 +189,13 @@ def measure(daemons: list[Daemon], seconds: float) -> dict[str, dict[str, float]
                                   "llvm": float(llvm_mapped(pid)), "ready_s": daemon.ready_s or 0.0}
         # Each thread's share, by its Python name (threads of one name add up).
         names, spent = thread_names(pid), thread_cpu_seconds(pid)
-        for tid, seconds_now in spent.items():
-            key = "thread " + names.get(tid, "(unnamed)")
-            share = (seconds_now - threads_before[daemon.loader].get(tid, 0.0)) / wall * 100
-            results[daemon.loader][key] = results[daemon.loader].get(key, 0.0) + share
+        for tid, (seconds_now, woke_now) in spent.items():
+            name = names.get(tid, "(unnamed)")
+            seconds_then, woke_then = threads_before[daemon.loader].get(tid, (0.0, 0))
+            key = "thread " + name
+            results[daemon.loader][key] = results[daemon.loader].get(key, 0.0) + (seconds_now - seconds_then) / wall * 100
+            key = "wake-ups/s " + name
+            results[daemon.loader][key] = results[daemon.loader].get(key, 0.0) + (woke_now - woke_then) / wall
     return results
 
 
@@ -215,10 +219,11 @@ def report(results: dict[str, dict[str, float]], seconds: float, grpc: bool, eng
         print(f"  {label:<22}" + "".join(f"{cell:>14}" for cell in cells))
     threads = sorted({k for n in loaders for k in results[n] if k.startswith("thread ")},
                      key=lambda k: -max(results[n].get(k, 0.0) for n in loaders))
-    print("  CPU by thread, % of one core")
+    print("  CPU by thread, % of one core (wake-ups a second)")
     for key in threads:
-        cells = [f"{results[n].get(key, 0.0):.2f}" for n in loaders]
-        print(f"    {key.removeprefix('thread ')[:20]:<20}" + "".join(f"{cell:>14}" for cell in cells))
+        name = key.removeprefix("thread ")
+        cells = [f"{results[n].get(key, 0.0):.2f} ({results[n].get('wake-ups/s ' + name, 0.0):4.1f})" for n in loaders]
+        print(f"    {name[:20]:<20}" + "".join(f"{cell:>14}" for cell in cells))
 
 
 def main() -> int:
