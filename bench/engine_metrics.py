@@ -5,12 +5,18 @@ The scraper reads every watched port a few times a second, so this is CPU the da
 continuously. With ``--compare REV`` the page is also read by git revision REV's code, in a
 process of its own, in the same run.
 
-Usage: .venv/bin/python bench/engine_metrics.py [--buckets 2000] [--rounds 20] [--compare REV]
+With ``--served``, it also scrapes the reference engine's /metrics (Starlette under uvicorn, on a
+socket the server bound itself, as vLLM's) over one kept-alive connection, back to back and at
+spaced intervals, with and without the quick ACK the scraper asks for before each read: how long
+from asked to answered, and the scraper's CPU a scrape.
+
+Usage: .venv/bin/python bench/engine_metrics.py [--buckets 2000] [--rounds 20] [--compare REV] [--served]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +58,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--hz", type=float, default=4.0, help="scrapes per second per port")
     parser.add_argument("--compare", metavar="REV", help="also read the page with git revision REV's parse_load")
+    parser.add_argument("--served", action="store_true",
+                        help="also scrape the reference engine's /metrics, with and without the quick ACK")
     args = parser.parse_args()
     text = page(args.buckets)
     whole = per_call_ms(lambda t: list(text_string_to_metric_families(t)), text, args.rounds)
@@ -66,6 +74,39 @@ def main() -> None:
     print(f"ratio whole / known only: {whole / filtered:.0f}x")
     if args.compare:
         print(f"ratio {args.compare} / now: {rows[1][1] / filtered:.1f}x")
+    if args.served:
+        served()
+
+
+SCRAPES = 12
+
+
+def served() -> None:
+    """The reference engine's page, scraped as the daemon does, at several spacings."""
+    from collectors import enginemetrics
+    from replay.engine.launch import running_engine
+
+    quickack = enginemetrics._QUICKACK
+    print(f"\nthe reference engine's /metrics over one kept-alive connection, {SCRAPES} scrapes each, medians")
+    print(f"{'spacing':>10} {'quick ACK':>10} {'asked to answered, ms':>22} {'CPU us / scrape':>16}")
+    with running_engine(behavior="abort", step_ms=2) as engine:
+        for spacing_s in (0.0, 0.05, 0.25):
+            for option in (quickack, None):
+                enginemetrics._QUICKACK = option  # the module's switch, as the scraper reads it
+                scraper = enginemetrics.EngineMetricsScraper(lambda: {engine.port}, lambda loads: None)
+                scraper.scrape(engine.port)  # the first scrape reads the page both ways
+                waits, cpus = [], []
+                for _ in range(SCRAPES):
+                    time.sleep(spacing_s)
+                    started = time.thread_time()
+                    load = scraper.scrape(engine.port)
+                    cpus.append((time.thread_time() - started) * 1e6)
+                    if load is not None and load.answered_ns is not None:
+                        waits.append((load.answered_ns - load.ts_ns) / 1e6)
+                scraper.close()
+                print(f"{spacing_s * 1000:>7.0f} ms {'yes' if option else 'no':>10} "
+                      f"{statistics.median(waits) if waits else float('nan'):>22.2f} {statistics.median(cpus):>16.0f}")
+    enginemetrics._QUICKACK = quickack
 
 
 def revision_ms(rev: str, text: str, rounds: int) -> float:
