@@ -42,17 +42,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.detection import free_port, thread_cpu_seconds, thread_names
+
 REPO = Path(__file__).resolve().parents[1]
 # `python -m auditor`, with the loader choice made before the daemon starts (no product setting).
 ENTRY = ("import sys, probes.bpf as bpf; loader = sys.argv.pop(1); "
          "bpf.default_loader = lambda: loader; from auditor.cli import main; main()")
 LLVM_LIBS = ("libbcc", "libLLVM", "libclang")
-
-
-def free_port(kind: int = socket.SOCK_STREAM) -> int:
-    with socket.socket(socket.AF_INET, kind) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def metrics(port: int) -> str:
@@ -173,9 +171,6 @@ class Daemon:
 
 
 def measure(daemons: list[Daemon], seconds: float) -> dict[str, dict[str, float]]:
-    sys.path.insert(0, str(REPO))
-    from bench.detection import thread_cpu_seconds, thread_names
-
     before = {d.loader: cpu_seconds(d.process.pid) for d in daemons}
     threads_before = {d.loader: thread_cpu_seconds(d.process.pid) for d in daemons}
     started = time.monotonic()
@@ -247,7 +242,6 @@ def main() -> int:
     engine = args.engine
     daemons = [Daemon(loader, work, args.grpc, engine=engine) for loader in args.loaders.split(",")]
     if args.compare:
-        sys.path.insert(0, str(REPO))
         from bench.ingest import export_tree
 
         old = export_tree(args.compare, work / "old")
