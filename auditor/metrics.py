@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -31,6 +31,7 @@ from prometheus_client.utils import floatToGoString
 
 from auditor import __version__
 from auditor.model import RequestVerdict
+from auditor.ownstats import OwnCostCollector
 
 ZOMBIE_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
 TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -93,6 +94,9 @@ class DaemonMetrics:
         self._ticks = _Buckets(TICK_BUCKETS)
         self._tick_errors = 0
         self.registry.register(_Collector(self))
+        # The daemon's own cost: process_* (CPU, RSS, files), CPU by thread, its cgroup's limits.
+        ProcessCollector(registry=self.registry)
+        self.registry.register(OwnCostCollector())
 
     # -- what the daemon tells ----------------------------------------------------------------
     def _label(self, name: str, value: str | None) -> str:

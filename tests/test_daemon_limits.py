@@ -74,6 +74,15 @@ async def paced_load(port: int, rate: float, seconds: float) -> None:
     await asyncio.gather(*(paced(i, p) for i, p in enumerate(plans)))
 
 
+def own_cost(port: int) -> dict[str, float]:
+    """The daemon's figures of itself from one scrape: series (with labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    wanted = ("process_", "auditor_thread_cpu", "auditor_memory_limit", "auditor_cpu_limit", "auditor_cpu_throttled")
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(wanted)}
+
+
 def stored_verdicts(db: Path) -> dict[str, tuple[str, bool]]:
     with sqlite3.connect(db, timeout=10) as conn:
         rows = conn.execute("SELECT request_id, verdict, details FROM verdicts").fetchall()
@@ -138,12 +147,24 @@ def test_daemon_within_the_unit_limits_judges_every_cancel(tmp_path: Path) -> No
             with sqlite3.connect(db, timeout=10) as conn:
                 spans = conn.execute("SELECT count(*) FROM spans").fetchone()[0]
             peak, ooms, cpu = cgroup.memory_peak_bytes(), cgroup.oom_kills(), cgroup.cpu_throttled()
+            own = own_cost(metrics)
     assert len(cancelled) >= 50 + 6
     assert spans >= 506, f"only {spans} spans came over OTLP/gRPC"
     assert sum(1 for t in cancelled.values() if expected_verdict(t) == "zombie") >= 6
     wrong = wrong_verdicts(cancelled, stored)
     assert not wrong, f"{len(wrong)} of {len(cancelled)} wrong under the limits (cpu.stat {cpu}):\n" + "\n".join(wrong)
     assert ooms == 0
+    # The daemon tells its own cost and the limits it runs under, as the cgroup set them.
+    assert own["auditor_memory_limit_bytes"] == memory_max
+    assert own["auditor_cpu_limit_cores"] == pytest.approx(cpu_quota / 100)
+    assert 0 < own["process_resident_memory_bytes"] < memory_max
+    assert own['auditor_thread_cpu_seconds_total{thread="correlator"}'] > 0
+    assert own['auditor_thread_cpu_seconds_total{thread="otlp-grpc"}'] > 0
+    threads = sum(v for k, v in own.items() if k.startswith("auditor_thread_cpu_seconds_total"))
+    assert threads <= own["process_cpu_seconds_total"] + 0.5  # ticks against nanoseconds
+    assert "auditor_cpu_throttled_seconds_total" in own
     assert peak is None or peak < memory_max, f"memory peak {peak} reached MemoryMax {memory_max}"
     print(f"under MemoryMax={memory_max >> 20} MiB, CPUQuota={cpu_quota:.0f}%: memory peak "
-          f"{(peak or 0) >> 20} MiB, cpu.stat {cpu}")
+          f"{(peak or 0) >> 20} MiB, cpu.stat {cpu}; the daemon's own figures: RSS "
+          f"{own['process_resident_memory_bytes'] / 2**20:.0f} MiB, CPU {own['process_cpu_seconds_total']:.2f} s, "
+          f"throttled {own['auditor_cpu_throttled_seconds_total']:.2f} s")
