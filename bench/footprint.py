@@ -4,8 +4,10 @@
 Starts `auditor run` once per loader at the same time (needs root: eBPF), each watching its own
 idle port, waits until both report source=bpf, lets them settle, then reads /proc over the same
 window: CPU as % of one core, RSS, PSS, private memory, peak RSS, and whether libbcc/LLVM is
-mapped. Side by side in one run, so load from elsewhere on the host falls on both alike; compare
-the columns, not figures from different runs.
+mapped; then the daemon's CPU for one scrape of its own /metrics, and the figures it gives of
+itself there (RSS, the sum of its threads' CPU) against /proc's. Side by side in one run, so
+load from elsewhere on the host falls on both alike; compare the columns, not figures from
+different runs.
 
 - child: the default; a short-lived child compiles and attaches, the daemon keeps descriptors.
 - inprocess: bcc compiles and attaches inside the daemon (the path kept for other machines).
@@ -76,6 +78,39 @@ def memory_mib(pid: int) -> dict[str, float]:
                 values[key] = int(rest.split()[0]) / 1024
     values["Private"] = values.pop("Private_Clean", 0) + values.pop("Private_Dirty", 0)
     return values
+
+
+def own_figures(text: str) -> dict[str, float]:
+    """What the daemon says of itself on /metrics: RSS (MiB) and the sum of its threads' CPU (s),
+    where it says them."""
+    figures: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("process_resident_memory_bytes "):
+            figures["own_rss"] = float(line.split()[1]) / 2**20
+        elif line.startswith("auditor_thread_cpu_seconds_total{"):
+            figures["own_threads_cpu"] = figures.get("own_threads_cpu", 0.0) + float(line.rsplit(" ", 1)[1])
+    return figures  # empty from a revision that did not say
+
+
+SCRAPES = 200
+SCRAPE_SPACING_S = 0.02
+
+
+def scrape_cost(daemon: Daemon, idle_percent: float) -> dict[str, float]:
+    """The daemon's CPU for one scrape of its /metrics (its idle rate taken out) and the scrape's
+    median time; then its own figures against /proc's, read at the same moment."""
+    pid = daemon.process.pid
+    before, started, took = cpu_seconds(pid), time.monotonic(), []
+    for _ in range(SCRAPES):
+        asked = time.monotonic()
+        metrics(daemon.metrics_port)
+        took.append(time.monotonic() - asked)
+        time.sleep(SCRAPE_SPACING_S)
+    wall = time.monotonic() - started
+    spent = cpu_seconds(pid) - before - idle_percent / 100 * wall
+    own = own_figures(metrics(daemon.metrics_port))
+    return {"scrape_cpu_ms": spent / SCRAPES * 1000, "scrape_ms": sorted(took)[len(took) // 2] * 1000, **own,
+            "proc_rss": memory_mib(pid)["VmRSS"], "proc_cpu": cpu_seconds(pid)}
 
 
 def llvm_mapped(pid: int) -> bool:
@@ -208,9 +243,16 @@ def report(results: dict[str, dict[str, float]], seconds: float, grpc: bool, eng
     rows = [("CPU, % of one core", "cpu_percent", "{:.2f}"), ("RSS, MiB", "VmRSS", "{:.1f}"),
             ("PSS, MiB", "Pss", "{:.1f}"), ("private, MiB", "Private", "{:.1f}"),
             ("peak RSS, MiB", "VmHWM", "{:.1f}"), ("libbcc/LLVM mapped", "llvm", "{}"),
-            ("ready after, s", "ready_s", "{:.1f}")]
+            ("ready after, s", "ready_s", "{:.1f}"),
+            (f"CPU a scrape, ms ({SCRAPES})", "scrape_cpu_ms", "{:.2f}"), ("a scrape takes, ms", "scrape_ms", "{:.2f}"),
+            ("RSS, MiB: /metrics", "own_rss", "{:.1f}"), ("RSS, MiB: /proc", "proc_rss", "{:.1f}"),
+            ("CPU, s: /metrics", "own_threads_cpu", "{:.2f}"), ("CPU, s: /proc", "proc_cpu", "{:.2f}")]
     for label, key, fmt in rows:
-        cells = [fmt.format(bool(results[n][key]) if key == "llvm" else results[n][key]) for n in loaders]
+        if not any(key in results[n] for n in loaders):
+            continue
+        # "-": a revision whose /metrics gives no figures of its own
+        cells = [fmt.format(bool(results[n][key]) if key == "llvm" else results[n][key]) if key in results[n]
+                 else "-" for n in loaders]
         print(f"  {label:<22}" + "".join(f"{cell:>14}" for cell in cells))
     threads = sorted({k for n in loaders for k in results[n] if k.startswith("thread ")},
                      key=lambda k: -max(results[n].get(k, 0.0) for n in loaders))
@@ -257,6 +299,8 @@ def main() -> int:
             time.sleep(0.2)
         time.sleep(args.settle)
         results = measure(daemons, args.seconds)
+        for daemon in daemons:
+            results[daemon.loader] |= scrape_cost(daemon, results[daemon.loader]["cpu_percent"])
     finally:
         for daemon in daemons:
             daemon.stop()
