@@ -225,8 +225,13 @@ class Daemon:
             with self._loads_lock:
                 self._engine_loads.extend(loads)
 
+        def own_connections(endpoints: frozenset[tuple[str, int]]) -> None:
+            probe = self._parts.get("probe")  # started before the scraper
+            if probe is not None:
+                probe.set_own_endpoints(endpoints)
+
         scraper = EngineMetricsScraper(lambda: set(self._ports), keep, interval_s=settings.interval_seconds,
-                                       path=settings.path)
+                                       path=settings.path, on_connections=own_connections)
         self._parts["engine_metrics"] = scraper.start()
 
     def _drain_engine_loads(self) -> list[EngineLoad]:

@@ -196,6 +196,7 @@ class PageConnection:
     def __init__(self, host: str, port: int, timeout_s: float) -> None:
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.local: tuple[str, int] = self._sock.getsockname()[:2]  # this end: (address, port)
         self._host = f"{host}:{port}"
         self._requests: dict[str, bytes] = {}
         self._buffer = bytearray()
@@ -289,13 +290,17 @@ class EngineMetricsScraper:
     """Scrapes ``http://HOST:PORT/metrics`` for every watched port every ``interval_s``, in a thread.
 
     ``sink`` receives each round's loads; it must not block. Failures are counted and logged once
-    per port, never raised."""
+    per port, never raised. ``on_connections`` is told the local (address, port) of every
+    connection the scraper holds open, whenever that changes: they are the auditor's own, on the
+    watched ports, and a disconnect source that polls leaves them out."""
 
     def __init__(self, ports: Callable[[], Iterable[int]], sink: Callable[[list[EngineLoad]], None], *,
                  interval_s: float = 0.25, host: str = "127.0.0.1", path: str = "/metrics",
                  timeout_s: float = 1.0, clock: Callable[[], int] = time.time_ns, filtered: bool = True,
-                 quiet_after_s: float = QUIET_AFTER_S, quiet_interval_s: float = QUIET_INTERVAL_S) -> None:
+                 quiet_after_s: float = QUIET_AFTER_S, quiet_interval_s: float = QUIET_INTERVAL_S,
+                 on_connections: Callable[[frozenset[tuple[str, int]]], None] | None = None) -> None:
         self.ports = ports
+        self.on_connections = on_connections
         self.sink = sink
         self.interval_s = interval_s
         self.host = host
@@ -305,6 +310,7 @@ class EngineMetricsScraper:
         self.errors = 0
         self._skip_until: dict[int, float] = {}
         self._connections: dict[int, PageConnection] = {}
+        self._locals: set[tuple[str, int]] = set()  # the local ends of the connections open now
         self._filtered_path = filtered_path(path)
         # Per port: whether its engine answers the filtered path with every series it has (None:
         # not known yet, read both ways at its next scrape). ``filtered=False``: never asked.
@@ -356,26 +362,41 @@ class EngineMetricsScraper:
         """The page, over the port's kept-alive connection; a stale one is replaced once."""
         for attempt in (0, 1):
             reused = port in self._connections
-            connection = self._connections.pop(port, None) or PageConnection(self.host, port, self.timeout_s)
+            connection = self._connections.pop(port, None) or self._open(port)
             try:
                 status, body, keep_alive = connection.get(path)
                 if status != 200:
                     raise OSError(f"HTTP {status}")
             except Exception:
-                connection.close()
+                self._close(connection)
                 if reused and attempt == 0:
                     continue  # the engine closed the idle connection: one fresh try
                 raise
             if keep_alive:
                 self._connections[port] = connection
             else:
-                connection.close()
+                self._close(connection)
             return body.decode("utf-8", errors="replace")
         raise AssertionError("unreachable")
 
+    def _open(self, port: int) -> PageConnection:
+        connection = PageConnection(self.host, port, self.timeout_s)
+        self._locals.add(connection.local)
+        self._tell_connections()
+        return connection
+
+    def _close(self, connection: PageConnection) -> None:
+        connection.close()
+        self._locals.discard(connection.local)
+        self._tell_connections()
+
+    def _tell_connections(self) -> None:
+        if self.on_connections is not None:
+            self.on_connections(frozenset(self._locals))
+
     def close(self) -> None:
-        for connection in self._connections.values():
-            connection.close()
+        for connection in list(self._connections.values()):
+            self._close(connection)
         self._connections.clear()
 
     def scrape_all(self, ports: Iterable[int] | None = None) -> list[EngineLoad]:

@@ -38,6 +38,10 @@ DONE = {0x06, 0x07}  # TIME_WAIT, CLOSE: the full socket is gone
 LISTEN = 0x0A
 # Up to this many known sockets, asking for each (a hash lookup, ~15 us) beats a dump.
 LOOKUPS_INSTEAD_OF_DUMP = 8
+STOP_CHECK_S = 0.25  # the longest the poller sleeps without looking whether it should stop
+# A connection of the daemon's own that closed is still left out this long: its server end closes
+# after it, and its local port is not reused by another connection to the same port before.
+OWN_LINGER_S = 120.0
 
 SocketKey = tuple[int, str, int, str, int]  # family, server addr, server port, client addr, client port
 
@@ -144,6 +148,10 @@ class ProcfsConnEventSource:
         self._opens: TcpOpens | None = None
         self._opens_at_dump: int | None = None  # read just before the last full dump
         self._dumped_ports: frozenset[int] = frozenset()
+        # The daemon's own connections to watched ports, by their local (address, port): left out.
+        self._own_open: frozenset[tuple[str, int]] = frozenset()
+        self._own_closed: dict[tuple[str, int], float] = {}  # -> monotonic time it stops being left out
+        self._own: frozenset[tuple[str, int]] = frozenset()  # both of the above
         if sock_diag if sock_diag is not None else proc_root == Path("/proc"):
             try:
                 self._diag = SockDiag()
@@ -170,6 +178,33 @@ class ProcfsConnEventSource:
         with self._lock:
             self._baseline_ports |= new_ports - self._ports
             self._ports = new_ports
+
+    def set_own_endpoints(self, endpoints: Iterable[tuple[str, int]]) -> None:
+        """Leave out the server ends of this process's own connections (the daemon's scrapes of its
+        engines), named by their local (address, port). Without them an idle engine's port lists
+        nothing, and its poll costs a counter read instead of a lookup of the scrape's socket."""
+        # A dual-stack (IPv6) listener's end of an IPv4 connection names its peer v4-mapped.
+        endpoints = frozenset(endpoints)
+        endpoints |= {(f"::ffff:{address}", port) for address, port in endpoints if ":" not in address}
+        until = time.monotonic() + OWN_LINGER_S
+        with self._lock:
+            for closed in self._own_open - endpoints:
+                self._own_closed[closed] = until
+            for endpoint in endpoints:
+                self._own_closed.pop(endpoint, None)
+            self._own_open = endpoints
+            self._own = endpoints | frozenset(self._own_closed)
+
+    def _own_now(self) -> frozenset[tuple[str, int]]:
+        """The endpoints left out now (under ``_lock``): those that closed long enough ago are not."""
+        if self._own_closed:
+            now = time.monotonic()
+            expired = [endpoint for endpoint, until in self._own_closed.items() if until <= now]
+            if expired:
+                for endpoint in expired:
+                    del self._own_closed[endpoint]
+                self._own = self._own_open | frozenset(self._own_closed)
+        return self._own
 
     def poll(self, timeout_s: float = 0.1) -> list[ConnEvent]:
         events: list[ConnEvent] = []
@@ -206,8 +241,15 @@ class ProcfsConnEventSource:
     # -- scanning ---------------------------------------------------------------------------
     def _run(self) -> None:
         # Drift-free: ticks are fixed on the monotonic clock; a slow scan skips ticks, not drifts.
+        # A plain sleep, not a wait on the stop event: twenty wake-ups a second, idle or not, and
+        # one from time.sleep costs about half the CPU here (bench/wakeup_cost.py). A stop is seen
+        # within a tick, or STOP_CHECK_S at slow rates.
         next_tick = time.monotonic() + self.interval_s
-        while not self._stop.wait(max(0.0, next_tick - time.monotonic())):
+        while True:
+            while (remaining := next_tick - time.monotonic()) > 0 and not self._stop.is_set():
+                time.sleep(min(remaining, STOP_CHECK_S))
+            if self._stop.is_set():
+                return
             try:
                 self.scan()
             except Exception:  # one bad scan must not end the poller
@@ -226,8 +268,14 @@ class ProcfsConnEventSource:
         with self._lock:
             ports = self._ports
             baseline_ports, self._baseline_ports = self._baseline_ports, set()
+            own = self._own_now()
         scan_started_ns = time.time_ns()
+        if not self._seen and not baseline_ports and self._none_opened(ports):
+            self._last_scan_ns = scan_started_ns  # nothing to list, and no socket opened since
+            return []
         current = self._snapshot(ports)
+        if own:
+            current = {key: seen for key, seen in current.items() if (key[3], key[4]) not in own}
         scan_ns = time.time_ns()
         # The change happened after the previous snapshot began and before this one ended.
         earliest_ns = self._last_scan_ns if self._last_scan_ns is not None else scan_ns
@@ -244,7 +292,7 @@ class ProcfsConnEventSource:
                 transition = (_phase(before.state), _phase(now.state))
             events += self._events(key, transition, now.cookie, earliest_ns, scan_ns)
         for key, before in self._seen.items():
-            if key not in current and key[2] in ports:
+            if key not in current and key[2] in ports and (key[3], key[4]) not in own:
                 after = self._vanished(key, before)
                 if _phase(after) == "open":
                     current[key] = before  # came back between the dump and the lookup
@@ -266,6 +314,14 @@ class ProcfsConnEventSource:
             return self._diag.state_of(key)
         except OSError:
             return None  # the next snapshot falls back to /proc/net/tcp if netlink broke
+
+    def _none_opened(self, ports: frozenset[int]) -> bool:
+        """No TCP connection was opened since the last dump of these ports. With none listed then,
+        none can be listed now: the idle poll, which costs a counter read and nothing more."""
+        if self._diag is None or self._opens is None or ports != self._dumped_ports:
+            return False
+        opens = self._opens.read()
+        return opens is not None and opens == self._opens_at_dump
 
     def _diag_entries(self, ports: frozenset[int]) -> list[tuple[SocketKey, int, int]]:
         """A dump, or, when no TCP connection was opened since the last one, a lookup of each

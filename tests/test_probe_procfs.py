@@ -312,3 +312,95 @@ def test_no_connection_opened_means_known_sockets_are_asked_about_not_dumped(ser
     assert kinds_for(source.scan(), client_port) == [CLOSED] and len(dumps) == 2
     second_accepted.close()
     source.stop()
+
+
+def test_an_idle_port_costs_a_counter_read_and_a_new_connection_is_still_seen(server: socket.socket) -> None:
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=True)
+    opens = FixedOpens()
+    source._opens = opens  # type: ignore[assignment]
+    assert source._diag is not None
+    dump, dumps = source._diag.sockets, []
+    source._diag.sockets = lambda ports: dumps.append(ports) or dump(ports)  # type: ignore[method-assign]
+    looked, lookups = source._diag.still_listed, []
+    source._diag.still_listed = lambda keys: lookups.append(keys) or looked(keys)  # type: ignore[method-assign]
+    source.scan()  # the baseline: a dump, which lists nothing
+    for _ in range(5):
+        assert source.scan() == []
+    assert (len(dumps), lookups) == (1, [])  # idle: neither a dump nor a lookup
+    idle_scan_ns = source._last_scan_ns
+    assert idle_scan_ns is not None
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    opens.value += 2
+    client_port = port_of(client)
+    client.close()
+    events = source.scan()  # opened and closed by the client since the last idle scan
+    assert len(dumps) == 2
+    assert kinds_for(events, client_port) == [PEER_FIN]
+    assert events[0].earliest_ns == idle_scan_ns  # the interval starts at the last idle scan
+    accepted.close()
+    source.stop()
+
+
+def test_the_poller_stops_within_a_check_at_a_slow_rate(server: socket.socket) -> None:
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=True, poll_hz=0.2)  # a scan every 5 s
+    source.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+    source.stop()
+    assert source._thread is not None and not source._thread.is_alive()
+    assert time.monotonic() - started < 0.25 + 0.2
+
+
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
+def test_the_daemons_own_connections_are_left_out_and_cost_no_lookup(family: int, reader: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # The daemon scrapes its engine over 127.0.0.1; a dual-stack engine's end names it v4-mapped.
+    server = listener(family, "127.0.0.1" if family == socket.AF_INET else "::")
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=reader == "sock_diag")
+    opens = FixedOpens()
+    if reader == "sock_diag":
+        source._opens = opens  # type: ignore[assignment]
+        assert source._diag is not None
+        looked, lookups = source._diag.still_listed, []
+        source._diag.still_listed = lambda keys: lookups.append(dict(keys)) or looked(keys)  # type: ignore[method-assign]
+    source.scan()
+    own = socket.create_connection(("127.0.0.1", port_of(server)))
+    own_accepted, _ = server.accept()
+    opens.value += 2
+    source.scan()  # seen before the scraper says it is its own
+    source.set_own_endpoints({own.getsockname()[:2]})
+    client = socket.create_connection(("127.0.0.1", port_of(server)))
+    accepted, _ = server.accept()
+    opens.value += 2
+    assert source.scan() == []
+    assert [key[4] for key in source._seen] == [port_of(client)]  # the scrape's socket is not listed
+    client_port = port_of(client)
+    client.close()
+    own.close()  # the scraper closes too, and says so
+    source.set_own_endpoints(set())
+    events = source.scan()
+    assert [(e.kind, e.client_port) for e in events] == [(PEER_FIN, client_port)]
+    accepted.close()
+    own_accepted.close()
+    assert [e.client_port for e in source.scan()] == [client_port]  # its server end closed: only the client's
+    if reader == "sock_diag":
+        lookups.clear()
+        for _ in range(3):
+            assert source.scan() == []
+        assert lookups == []  # nothing left to list: the idle poll
+    source.stop()
+    server.close()
+
+
+def test_a_closed_own_connection_is_left_out_only_for_a_while(server: socket.socket,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    source = ProcfsConnEventSource([port_of(server)])
+    source.set_own_endpoints({("127.0.0.1", 40001), ("::1", 40002)})
+    assert source._own_now() == {("127.0.0.1", 40001), ("::ffff:127.0.0.1", 40001), ("::1", 40002)}
+    monkeypatch.setattr("probes.procfs.OWN_LINGER_S", 0.05)
+    source.set_own_endpoints({("::1", 40002)})
+    assert ("127.0.0.1", 40001) in source._own_now()  # closed just now: still left out
+    time.sleep(0.06)
+    assert source._own_now() == {("::1", 40002)}
+    source.stop()
