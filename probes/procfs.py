@@ -270,10 +270,13 @@ class ProcfsConnEventSource:
             baseline_ports, self._baseline_ports = self._baseline_ports, set()
             own = self._own_now()
         scan_started_ns = time.time_ns()
-        if not self._seen and not baseline_ports and self._none_opened(ports):
-            self._last_scan_ns = scan_started_ns  # nothing to list, and no socket opened since
+        # No TCP connection opened since the last dump of these ports: no socket can have appeared.
+        opens = self._opens.read() if self._diag is not None and self._opens is not None else None
+        unchanged = opens is not None and opens == self._opens_at_dump and ports == self._dumped_ports
+        if unchanged and not self._seen and not baseline_ports:
+            self._last_scan_ns = scan_started_ns  # the idle poll: nothing was listed, nothing can be now
             return []
-        current = self._snapshot(ports)
+        current = self._snapshot(ports, opens, unchanged)
         if own:
             current = {key: seen for key, seen in current.items() if (key[3], key[4]) not in own}
         scan_ns = time.time_ns()
@@ -315,30 +318,21 @@ class ProcfsConnEventSource:
         except OSError:
             return None  # the next snapshot falls back to /proc/net/tcp if netlink broke
 
-    def _none_opened(self, ports: frozenset[int]) -> bool:
-        """No TCP connection was opened since the last dump of these ports. With none listed then,
-        none can be listed now: the idle poll, which costs a counter read and nothing more."""
-        if self._diag is None or self._opens is None or ports != self._dumped_ports:
-            return False
-        opens = self._opens.read()
-        return opens is not None and opens == self._opens_at_dump
-
-    def _diag_entries(self, ports: frozenset[int]) -> list[tuple[SocketKey, int, int]]:
-        """A dump, or, when no TCP connection was opened since the last one, a lookup of each
-        socket it listed: an idle port costs a counter read instead of a walk of the whole
-        established hash (0.2 ms, most of the fallback's idle CPU)."""
+    def _diag_entries(self, ports: frozenset[int], opens: int | None, unchanged: bool) -> list[tuple[SocketKey, int, int]]:
+        """A dump, or, when no TCP connection was opened since the last one (``unchanged``), a
+        lookup of each socket it listed: a quiet port costs a counter read and a few lookups
+        instead of a walk of the whole established hash (0.2 ms, most of the fallback's idle CPU)."""
         assert self._diag is not None
-        opens = self._opens.read() if self._opens is not None else None
-        if (opens is not None and opens == self._opens_at_dump and ports == self._dumped_ports
-                and len(self._seen) <= LOOKUPS_INSTEAD_OF_DUMP):
+        if unchanged and len(self._seen) <= LOOKUPS_INSTEAD_OF_DUMP:
             return self._diag.still_listed(self._seen)
         self._opens_at_dump, self._dumped_ports = opens, ports
         return list(self._diag.sockets(ports))
 
-    def _snapshot(self, ports: frozenset[int]) -> dict[SocketKey, _Seen]:
+    def _snapshot(self, ports: frozenset[int], opens: int | None, unchanged: bool) -> dict[SocketKey, _Seen]:
         if self._diag is not None:
             try:
-                return {key: _Seen(state, inode or None) for key, state, inode in self._diag_entries(ports)}
+                return {key: _Seen(state, inode or None)
+                        for key, state, inode in self._diag_entries(ports, opens, unchanged)}
             except OSError as exc:
                 log.warning("sock_diag failed (%s); parsing /proc/net/tcp from now on", exc)
                 self._diag.close()
