@@ -7,7 +7,8 @@ close the daemon runs to the limits of its unit (``MemoryMax=``, ``CPUQuota=``) 
 - ``auditor_thread_cpu_seconds_total{thread}``: the scheduler's time of each of the daemon's
   threads (correlator, probe, OTLP receivers, samplers ...), summed by name with worker numbers
   dropped (``otlp-grpc_3`` counts as ``otlp-grpc``). A thread that ends leaves its time in the sum,
-  so the counter never goes back.
+  so the counter never goes back; one that ended before any scrape saw it (start-up work) is only
+  in ``process_cpu_seconds_total``.
 - ``auditor_memory_limit_bytes``, ``auditor_cpu_limit_cores``: the tightest limit of the daemon's
   cgroup and its ancestors, cgroup v2 or v1; +Inf where none is set.
 - ``auditor_cpu_throttled_seconds_total``: how long the CPU limit held the daemon back. A daemon
