@@ -278,6 +278,21 @@ class FixedOpens:
         pass
 
 
+def counting_source(port: int) -> tuple[ProcfsConnEventSource, FixedOpens, list, list]:
+    """A sock_diag source whose TCP open counters move only when the test says, counting its dumps
+    and its lookups of the sockets it knows."""
+    source = ProcfsConnEventSource([port], sock_diag=True)
+    opens = FixedOpens()
+    source._opens = opens  # type: ignore[assignment]
+    assert source._diag is not None
+    dumps: list = []
+    lookups: list = []
+    dump, look = source._diag.sockets, source._diag.still_listed
+    source._diag.sockets = lambda ports: dumps.append(ports) or dump(ports)  # type: ignore[method-assign]
+    source._diag.still_listed = lambda keys: lookups.append(dict(keys)) or look(keys)  # type: ignore[method-assign]
+    return source, opens, dumps, lookups
+
+
 def test_no_connection_opened_means_known_sockets_are_asked_about_not_dumped(server: socket.socket) -> None:
     from probes.sockdiag import TcpOpens
 
@@ -289,12 +304,7 @@ def test_no_connection_opened_means_known_sockets_are_asked_about_not_dumped(ser
     real.close()
     assert before is not None and after is not None and after >= before + 2  # active and passive
 
-    source = ProcfsConnEventSource([port_of(server)], sock_diag=True)
-    opens = FixedOpens()
-    source._opens = opens  # type: ignore[assignment]
-    assert source._diag is not None
-    dump, dumps = source._diag.sockets, []
-    source._diag.sockets = lambda ports: dumps.append(ports) or dump(ports)  # type: ignore[method-assign]
+    source, opens, dumps, _ = counting_source(port_of(server))
     source.scan()  # the baseline: a dump
     opens.value += 2
     second = socket.create_connection(server.getsockname())
@@ -315,14 +325,7 @@ def test_no_connection_opened_means_known_sockets_are_asked_about_not_dumped(ser
 
 
 def test_an_idle_port_costs_a_counter_read_and_a_new_connection_is_still_seen(server: socket.socket) -> None:
-    source = ProcfsConnEventSource([port_of(server)], sock_diag=True)
-    opens = FixedOpens()
-    source._opens = opens  # type: ignore[assignment]
-    assert source._diag is not None
-    dump, dumps = source._diag.sockets, []
-    source._diag.sockets = lambda ports: dumps.append(ports) or dump(ports)  # type: ignore[method-assign]
-    looked, lookups = source._diag.still_listed, []
-    source._diag.still_listed = lambda keys: lookups.append(keys) or looked(keys)  # type: ignore[method-assign]
+    source, opens, dumps, lookups = counting_source(port_of(server))
     source.scan()  # the baseline: a dump, which lists nothing
     for _ in range(5):
         assert source.scan() == []
