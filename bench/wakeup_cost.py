@@ -1,6 +1,6 @@
 """What one timer wake-up of a Python thread costs this host: the thread's own CPU for each sleep
 and wake, side by side for the sleeps the daemon's threads take (the sampler's 100 ms, the
-scraper's 250 ms, the correlator's 1 s) and for short ones.
+scraper's 250 ms, the correlator's 1 s, the /proc poller's 50 ms) and for short ones.
 
 A thread that wakes to find little to do still pays this each time, so on a host where it is
 large the daemon's fixed rates cost more than their work: `bench/detection.py` prints each
@@ -18,7 +18,7 @@ import os
 import threading
 import time
 
-SLEEPS_S = (0.001, 0.01, 0.1, 0.25, 1.0)
+SLEEPS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 1.0)
 
 
 def wake_cost(sleep_s: float, seconds: float, wait: str) -> float:
