@@ -1,0 +1,156 @@
+"""What the /proc fallback's poller thread costs, poll by poll: its own CPU (the scheduler's
+nanoseconds of that one thread), so the load and the rest of the process are not in the figure.
+
+Scenarios, each in a fresh process, the poller at 20 Hz on a loopback listener's port:
+
+- idle: nothing on the port (the idle poll: a read of the TCP open counters);
+- listed: one kept-alive connection on the port, which every poll looks up;
+- own: the same connection, named as the daemon's own (its scrape of the engine), so left out;
+- load: 100 short connections a second (send, answer, close) from another thread.
+
+With ``--compare REV`` git revision REV's poller runs too, alternately, each tree in its own
+processes (``--rounds``); a tree whose poller cannot be told its own connections shows "-" there.
+
+Usage: .venv/bin/python bench/poller_cost.py [--seconds 6] [--rounds 3] [--compare REV]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCENARIOS = ("idle", "listed", "own", "load")
+POLL_HZ = 20.0
+LOAD_PER_S = 100.0
+
+
+def serve(listener: socket.socket, stop: threading.Event) -> None:
+    listener.settimeout(0.2)
+    while not stop.is_set():
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        with conn:
+            conn.recv(64)
+            conn.sendall(b"ok")
+
+
+def load(port: int, stop: threading.Event) -> None:
+    next_at = time.monotonic()
+    while not stop.is_set():
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"hi")
+            sock.recv(8)
+        next_at += 1.0 / LOAD_PER_S
+        time.sleep(max(0.0, next_at - time.monotonic()))
+
+
+def measure(scenario: str, seconds: float) -> dict[str, float] | None:
+    """The poller thread's CPU, in this process (whose ``probes`` is the tree under test)."""
+    from probes.procfs import ProcfsConnEventSource
+
+    listener = socket.create_server(("127.0.0.1", 0), backlog=256)
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+    held: list[socket.socket] = []
+    if scenario in ("listed", "own"):
+        held.append(socket.create_connection(("127.0.0.1", port)))
+        held.append(listener.accept()[0])
+    else:
+        threading.Thread(target=serve, args=(listener, stop), daemon=True).start()
+    source = ProcfsConnEventSource([port], poll_hz=POLL_HZ)
+    if scenario == "own":
+        if not hasattr(source, "set_own_endpoints"):
+            return None
+        source.set_own_endpoints({held[0].getsockname()[:2]})
+    source.start()
+    threading.Thread(target=lambda: [source.poll(0.05) for _ in iter(stop.is_set, True)], daemon=True).start()
+    if scenario == "load":
+        threading.Thread(target=load, args=(port, stop), daemon=True).start()
+    time.sleep(1.0)
+    thread = source._thread
+    assert thread is not None and thread.native_id is not None
+    schedstat = Path(f"/proc/self/task/{thread.native_id}/schedstat")
+
+    def cpu_s() -> float:
+        return int(schedstat.read_text().split()[0]) / 1e9
+
+    before, started = cpu_s(), time.monotonic()
+    time.sleep(seconds)
+    spent, wall = cpu_s() - before, time.monotonic() - started
+    stop.set()
+    source.stop()
+    for sock in held:
+        sock.close()
+    listener.close()
+    return {"percent": spent / wall * 100, "us_per_poll": spent / (wall * POLL_HZ) * 1e6}
+
+
+def child(tree: Path, scenario: str, seconds: float) -> dict[str, float] | None:
+    result = subprocess.run([sys.executable, __file__, "--child", scenario, "--seconds", str(seconds)],
+                            env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree,
+                            check=True, capture_output=True, text=True)
+    answer: dict[str, float] | None = json.loads(result.stdout)
+    return answer
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=6.0, help="measured time of each run")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each tree and scenario")
+    parser.add_argument("--compare", metavar="REV", help="also run git revision REV's poller, alternately")
+    parser.add_argument("--child", choices=SCENARIOS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child, args.seconds)))
+        return 0
+    trees = {"working tree": REPO}
+    work = None
+    if args.compare:
+        sys.path.insert(0, str(REPO))
+        from bench.ingest import export_tree
+
+        work = tempfile.TemporaryDirectory(prefix="poller-cost-")
+        trees = {args.compare: export_tree(args.compare, Path(work.name)), "working tree": REPO}
+    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for round_no in range(1, args.rounds + 1):
+        for scenario in SCENARIOS:
+            for label, tree in trees.items():
+                figure = child(tree, scenario, args.seconds)
+                if figure is not None:
+                    results.setdefault((label, scenario), []).append(figure)
+        print(f"round {round_no} of {args.rounds} done", file=sys.stderr, flush=True)
+    print(f"/proc poller thread at {POLL_HZ:g} Hz, its own CPU: % of one core (us a poll), "
+          f"medians of {args.rounds} runs of {args.seconds:g} s")
+    print(f"  {'':<34}" + "".join(f"{label:>22}" for label in trees))
+    titles = {"idle": "idle port", "listed": "one connection, looked up", "own": "one connection, the daemon's own",
+              "load": f"{LOAD_PER_S:g} connections/s"}
+    for scenario in SCENARIOS:
+        cells = []
+        for label in trees:
+            runs = results.get((label, scenario))
+            if not runs:
+                cells.append("-")
+                continue
+            percent = statistics.median(run["percent"] for run in runs)
+            per_poll = statistics.median(run["us_per_poll"] for run in runs)
+            cells.append(f"{percent:.2f} ({per_poll:.0f})")
+        print(f"  {titles[scenario]:<34}" + "".join(f"{cell:>22}" for cell in cells))
+    if work is not None:
+        work.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
