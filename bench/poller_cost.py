@@ -11,7 +11,7 @@ Scenarios, each in a fresh process, the poller at 20 Hz on a loopback listener's
 With ``--compare REV`` git revision REV's poller runs too, alternately, each tree in its own
 processes (``--rounds``); a tree whose poller cannot be told its own connections shows "-" there.
 
-Usage: .venv/bin/python bench/poller_cost.py [--seconds 6] [--rounds 3] [--compare REV]
+Usage: .venv/bin/python bench/poller_cost.py [--seconds 6] [--rounds 3] [--compare REV] [--scenarios idle,load]
 """
 
 from __future__ import annotations
@@ -110,11 +110,13 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=6.0, help="measured time of each run")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each tree and scenario")
     parser.add_argument("--compare", metavar="REV", help="also run git revision REV's poller, alternately")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of " + ", ".join(SCENARIOS))
     parser.add_argument("--child", choices=SCENARIOS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args.child, args.seconds)))
         return 0
+    scenarios = [name for name in SCENARIOS if name in args.scenarios.split(",")]
     trees = {"working tree": REPO}
     work = None
     if args.compare:
@@ -125,7 +127,7 @@ def main() -> int:
         trees = {args.compare: export_tree(args.compare, Path(work.name)), "working tree": REPO}
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     for round_no in range(1, args.rounds + 1):
-        for scenario in SCENARIOS:
+        for scenario in scenarios:
             for label, tree in trees.items():
                 figure = child(tree, scenario, args.seconds)
                 if figure is not None:
@@ -136,7 +138,7 @@ def main() -> int:
     print(f"  {'':<34}" + "".join(f"{label:>22}" for label in trees))
     titles = {"idle": "idle port", "listed": "one connection, looked up", "own": "one connection, the daemon's own",
               "load": f"{LOAD_PER_S:g} connections/s"}
-    for scenario in SCENARIOS:
+    for scenario in scenarios:
         cells = []
         for label in trees:
             runs = results.get((label, scenario))
