@@ -28,32 +28,12 @@ import threading
 import time
 from pathlib import Path
 
+from fallback_cpu import load, serve  # the same listener and load as the polled sources' bench
+
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = ("idle", "listed", "own", "load")
 POLL_HZ = 20.0
 LOAD_PER_S = 100.0
-
-
-def serve(listener: socket.socket, stop: threading.Event) -> None:
-    listener.settimeout(0.2)
-    while not stop.is_set():
-        try:
-            conn, _ = listener.accept()
-        except TimeoutError:
-            continue
-        with conn:
-            conn.recv(64)
-            conn.sendall(b"ok")
-
-
-def load(port: int, stop: threading.Event) -> None:
-    next_at = time.monotonic()
-    while not stop.is_set():
-        with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(b"hi")
-            sock.recv(8)
-        next_at += 1.0 / LOAD_PER_S
-        time.sleep(max(0.0, next_at - time.monotonic()))
 
 
 def measure(scenario: str, seconds: float) -> dict[str, float] | None:
@@ -77,7 +57,7 @@ def measure(scenario: str, seconds: float) -> dict[str, float] | None:
     source.start()
     threading.Thread(target=lambda: [source.poll(0.05) for _ in iter(stop.is_set, True)], daemon=True).start()
     if scenario == "load":
-        threading.Thread(target=load, args=(port, stop), daemon=True).start()
+        threading.Thread(target=load, args=(port, LOAD_PER_S, stop), daemon=True).start()
     time.sleep(1.0)
     thread = source._thread
     assert thread is not None and thread.native_id is not None
