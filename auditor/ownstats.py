@@ -20,7 +20,6 @@ what cannot be read is left out of that scrape, never guessed.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import re
@@ -30,8 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
-log = logging.getLogger(__name__)
 
 MAX_THREAD_LABELS = 40  # then "other": names come from code, but a library may start threads of its own
 # v1 writes "no limit" as the largest multiple of the page size below 2**63.

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from auditor.ownstats import own_cgroups
+
 ROOT = Path("/sys/fs/cgroup")
 CPU_PERIOD_US = 100_000
 
@@ -24,11 +26,10 @@ class CgroupsUnavailable(Exception):
 
 
 def _own_path(controller: str) -> str:
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controller in controllers.split(","):
-            return path
-    raise CgroupsUnavailable(f"this process is in no {controller} cgroup")
+    path = own_cgroups(Path("/proc/self/cgroup").read_text()).get(controller)
+    if path is None:
+        raise CgroupsUnavailable(f"this process is in no {controller} cgroup")
+    return path
 
 
 @dataclass
