@@ -4,6 +4,8 @@
 #
 #   bench/gpu_check.sh [DIR]     (python3 with this project's requirements and PyTorch on CUDA)
 #   LOAD_SECONDS=600 bench/gpu_check.sh   a longer load, to see whether the daemon's RSS levels off
+#   CHECKS="tests nvml poller" bench/gpu_check.sh   only those checks, of:
+#       tests nvml engine demo footprint poller detection   (all by default)
 set -u
 out=${1:-gpu-check}
 mkdir -p "$out"
@@ -11,30 +13,49 @@ py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 section() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
+checks=" ${CHECKS:-tests nvml engine demo footprint poller detection} "
+wanted() { [[ $checks == *" $1 "* ]]; }
 
 section "host"
 nvidia-smi --query-gpu=name,driver_version,memory.total,utilization.gpu --format=csv 2>&1 | tee "$out/host.log"
 "$py" -c "import sys, torch, pynvml; print(sys.version.split()[0], 'torch', torch.__version__,
 'cuda', torch.cuda.is_available(), 'nvml', pynvml.__name__)" 2>&1 | tee -a "$out/host.log"
 
+if wanted tests; then
 section "gpu-marked tests"
 timeout 180 "$py" -m pytest -m gpu -rA -p no:cacheprovider tests/test_sampler_nvml.py 2>&1 | tee "$out/gpu-tests.log"
+fi
 
+if wanted nvml; then
 section "what NVML costs, and its readings against CUDA events"
 timeout 90 "$py" bench/nvml_cost.py 2>&1 | tee "$out/nvml-cost.log"
+fi
 
+if wanted engine; then
 section "reference engine, cpu and cuda"
 timeout 120 "$py" bench/engine.py 2>&1 | tee "$out/engine.log"
+fi
 
+if wanted demo; then
 section "auditor demo --device cuda"
 rm -rf "$out/demo"
 timeout 240 "$py" -m auditor demo --device cuda -o "$out/demo" 2>&1 | tee "$out/demo.log"
+fi
 
+if wanted footprint; then
 section "idle daemon, /proc source, NVML sampling this host's GPU"
 timeout 90 "$py" bench/footprint.py --loaders procfs --seconds 30 --settle 5 --grpc 2>&1 | tee "$out/footprint.log"
+fi
 
+if wanted poller; then
+section "the /proc poller's own CPU per poll"
+timeout 150 "$py" bench/poller_cost.py --rounds 2 2>&1 | tee "$out/poller-cost.log"
+fi
+
+if wanted detection; then
 section "detection and load, /proc source, engines on cuda"
 load=${LOAD_SECONDS:-60}
 timeout $((load + 180)) "$py" bench/detection.py --source procfs --device cuda --alarms 10 --load-seconds "$load" --otlp grpc \
     2>&1 | tee "$out/detection.log"
+fi
 section "done"
