@@ -4,6 +4,7 @@ libsystemd, listeners that fail in one line, and shutdown steps that never stop 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import socket
@@ -13,6 +14,28 @@ from typing import Any
 from auditor.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+M_ARENA_MAX = -8  # glibc's <malloc.h>
+MALLOC_ARENAS = 2
+
+
+def limit_malloc_arenas(count: int = MALLOC_ARENAS) -> bool:
+    """Cap glibc's malloc arenas for the rest of the process (mallopt M_ARENA_MAX), unless
+    MALLOC_ARENA_MAX already set it. Call before the daemon starts its threads.
+
+    glibc gives each new thread an arena of its own, up to eight per core, and each arena keeps the
+    memory its thread freed. Python's own allocator serves small objects under the GIL, so only
+    the larger blocks (span batches, gRPC's buffers, SQLite's pages) land there, and two arenas are
+    enough for them; on a many-core GPU host the default let the daemon's RSS grow by more
+    (docs/footprint.md). Returns whether the cap was set: not on a libc without mallopt."""
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return bool(mallopt(M_ARENA_MAX, count))
 
 
 @contextlib.contextmanager
