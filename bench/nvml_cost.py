@@ -2,7 +2,8 @@
 own account of a busy spell. Needs a GPU (and PyTorch on CUDA for the second part).
 
 1. Each NVML call the sampler makes on a tick, at rest: wall and CPU microseconds (median of many),
-   then a whole ``NvmlSampler.sample`` tick and the store write of its samples.
+   then a whole ``NvmlSampler.sample`` tick and the store write of its samples. Per-process
+   utilization both ways: pynvml's wrapper (two driver calls) and the sampler's one call.
 2. A busy spell of this process (synchronized half-precision matrix products, ``--spell`` seconds)
    with CUDA events around every product: the GPU's busy time by the events, against the
    GPU-seconds integrated from the sampler's samples (ticking every 100 ms, as the daemon does).
@@ -32,7 +33,7 @@ if not os.environ.get("PYTHONPATH"):
 import pynvml
 
 from auditor.store import Store
-from collectors.nvml import NvmlSampler
+from collectors.nvml import NvmlSampler, ProcessUtilization
 
 
 def cost_us(call: Callable[[], Any], repeats: int) -> tuple[float, float]:
@@ -56,20 +57,26 @@ def calls_at_rest(repeats: int) -> None:
         "GetComputeRunningProcesses": lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(handle),
         "GetProcessUtilization": lambda: pynvml.nvmlDeviceGetProcessUtilization(handle, int(time.time() * 1e6)),
     }
+    # pynvml's wrapper above calls the driver twice (the count, then the readings); the sampler's
+    # reader once, with room for the readings it last needed. Asked for all held (lastSeen 0).
+    one_call = ProcessUtilization(pynvml)
+    if one_call.one_call:
+        calls["GetProcessUtilization, 1 call"] = lambda: one_call(handle, 0)
+        calls["the same by pynvml, lastSeen 0"] = lambda: pynvml.nvmlDeviceGetProcessUtilization(handle, 0)
     print(f"NVML calls at rest on GPU 0 ({pynvml.nvmlDeviceGetName(handle)}), median of {repeats}")
-    print(f"  {'call':<28}{'wall us':>10}{'CPU us':>10}")
+    print(f"  {'call':<32}{'wall us':>10}{'CPU us':>10}")
     for name, call in calls.items():
         wall, cpu = cost_us(call, repeats)
-        print(f"  {name:<28}{wall:>10.0f}{cpu:>10.0f}")
+        print(f"  {name:<32}{wall:>10.0f}{cpu:>10.0f}")
     sampler = NvmlSampler(nvml=pynvml, host="bench")
     with tempfile.TemporaryDirectory() as scratch:
         store = Store(f"sqlite:///{scratch}/a.db")
         sampler.sample(time.time_ns())
         wall, cpu = cost_us(lambda: sampler.sample(time.time_ns()), repeats)
-        print(f"  {'whole tick (sample())':<28}{wall:>10.0f}{cpu:>10.0f}")
+        print(f"  {'whole tick (sample())':<32}{wall:>10.0f}{cpu:>10.0f}")
         rows = sampler.sample(time.time_ns())
         wall, cpu = cost_us(lambda: store.insert_samples(rows), repeats)
-        print(f"  {'store write of its samples':<28}{wall:>10.0f}{cpu:>10.0f}   ({len(rows)} samples)")
+        print(f"  {'store write of its samples':<32}{wall:>10.0f}{cpu:>10.0f}   ({len(rows)} samples)")
         store.close()
     sampler.close()
 
@@ -121,6 +128,11 @@ def busy_spell(seconds: float) -> None:
             buffered = [r for r in pynvml.nvmlDeviceGetProcessUtilization(handle, 0) if r.pid == os.getpid()]
         except pynvml.NVMLError:
             buffered = []
+        # With a reading to return, pynvml's wrapper makes both of its driver calls.
+        one_call = ProcessUtilization(pynvml)
+        read_costs = {"pynvml's wrapper (2 calls)": cost_us(lambda: pynvml.nvmlDeviceGetProcessUtilization(handle, 0), 20)}
+        if one_call.one_call:
+            read_costs["the sampler's (1 call)"] = cost_us(lambda: one_call(handle, 0), 20)
         period = sampler.update_period_s(0)
         sampler.close()
         cache = SampleCache(store, "bench")
@@ -139,6 +151,8 @@ def busy_spell(seconds: float) -> None:
     print(f"  asked for all it holds (lastSeen 0) {len(stamps)} reading(s) of this process"
           + (f", the oldest {time.time() - stamps[0] / 1e6:.2f} s old" if stamps else ""))
     print(f"  sampler tick while busy            {statistics.median(tick_cpu):.0f} us CPU (median of {len(tick_cpu)})")
+    for way, (wall, cpu) in read_costs.items():
+        print(f"  a read with readings, {way:<27} {wall:.0f} us wall, {cpu:.0f} us CPU (median of 20)")
 
 
 def main() -> int:

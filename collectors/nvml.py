@@ -7,8 +7,9 @@ sampler degraded and retried with exponential backoff; a GPU that errors (fallen
 keep being sampled. Optional readings a board does not support (power on some boards, per-process
 figures without permission) are simply left empty.
 
-Per-process utilization is NVML's dearest call by far (2.4 ms of CPU on an H200, against 2-7 us
-for each of the others), and NVML answers only its newest reading of each process. So it is asked
+Per-process utilization is NVML's dearest call by far (1.4-2.4 ms of CPU on an H200, against 2-9
+us for each of the others), and NVML answers only its newest reading of each process. pynvml's
+wrapper calls it twice per read (the count, then the readings); ``ProcessUtilization`` once. It is asked
 for about once per NVML update, from when the next one is due until it comes, and only while the
 GPU is in use or was within the last two updates. Once every GPU has read 0 % for
 ``quiet_after_s``, the sampler says it is idle and the sampling loop ticks about once a second
@@ -19,6 +20,7 @@ before, so a quiet second is still counted.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import statistics
 import time
@@ -54,6 +56,50 @@ def _describe(exc: BaseException) -> str:
 
 def _device_gone(exc: BaseException) -> bool:
     return type(exc).__name__ in _DEVICE_GONE or not type(exc).__name__.startswith("NVMLError")
+
+
+NVML_SUCCESS, NVML_ERROR_INSUFFICIENT_SIZE = 0, 7
+FIRST_CAPACITY = 8  # process readings room for at first; grown to what NVML says it needs
+
+
+class ProcessUtilization:
+    """``nvmlDeviceGetProcessUtilization`` in one driver call. pynvml's wrapper makes two: one that
+    asks how many readings there are, then one that fetches them, and each is the dear call
+    (bench/nvml_cost.py times both). Here the array has room for as many readings as the last
+    answer needed (NVML's documented in-out count), and grows when NVML says it is too small.
+    Falls back to pynvml's wrapper when the module has no raw function pointers (a test double)."""
+
+    def __init__(self, nvml: Any) -> None:
+        self._nvml = nvml
+        self._capacity = FIRST_CAPACITY
+        self._fn: Any = None
+        self._sample_type: Any = getattr(nvml, "c_nvmlProcessUtilizationSample_t", None)
+        pointer = getattr(nvml, "_nvmlGetFunctionPointer", None)
+        if self._sample_type is not None and pointer is not None:
+            try:
+                self._fn = pointer("nvmlDeviceGetProcessUtilization")
+            except Exception:  # an NVML without it: the wrapper raises the same as before
+                self._fn = None
+
+    @property
+    def one_call(self) -> bool:
+        return self._fn is not None
+
+    def __call__(self, handle: Any, last_seen_us: int) -> list[Any]:
+        """The readings newer than ``last_seen_us``; raises NVMLError as pynvml's wrapper does
+        (NotFound: none newer)."""
+        if self._fn is None:
+            return list(self._nvml.nvmlDeviceGetProcessUtilization(handle, last_seen_us))
+        while True:
+            samples = (self._sample_type * self._capacity)()  # fresh: the rows returned point into it
+            count = ctypes.c_uint(self._capacity)
+            ret = self._fn(handle, samples, ctypes.byref(count), ctypes.c_ulonglong(last_seen_us))
+            if ret == NVML_SUCCESS:
+                rows: list[Any] = samples[:count.value]
+                return rows
+            if ret != NVML_ERROR_INSUFFICIENT_SIZE or count.value <= self._capacity:
+                raise self._nvml.NVMLError(ret)
+            self._capacity = count.value + FIRST_CAPACITY  # room for a few more processes next time
 
 
 @dataclass
@@ -128,6 +174,7 @@ class NvmlSampler:
         self._init_retry_at = 0.0
         self._init_error = ""
         self._gpus: list[_Gpu] = []
+        self._process_utilization: ProcessUtilization | None = None
         self.errors = 0  # NVML calls that failed, for /metrics
         self.quiet_after_s = quiet_after_s
         self._quiet_since: float | None = None  # since when every reading said nothing runs
@@ -162,6 +209,7 @@ class NvmlSampler:
         self._init_failures = 0
         self._init_error = ""
         self._gpus = [_Gpu(index) for index in range(count)]
+        self._process_utilization = ProcessUtilization(self._nvml)
         return True
 
     def close(self) -> None:
@@ -273,7 +321,8 @@ class NvmlSampler:
         if in_use and gpu.reading_due(now_us, longest_us):
             # Only samples newer than the last one read; NotFound just means "none since then".
             try:
-                util_rows = list(nvml.nvmlDeviceGetProcessUtilization(handle, gpu.last_seen_us))
+                assert self._process_utilization is not None
+                util_rows = self._process_utilization(handle, gpu.last_seen_us)
             except Exception as exc:
                 if _device_gone(exc):
                     raise

@@ -3,6 +3,7 @@ plus one ``gpu``-marked test against the real library."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import threading
@@ -513,3 +514,88 @@ def test_a_gpu_without_utilization_keeps_its_memory_and_says_its_time_is_not_cos
     sampler.sample(1_700_000_001 * 10**9)
     assert fake.calls.count("handle 0") == 1 and "procutil" not in fake.calls  # not retried as lost
     assert sampler.idle()  # nothing it can measure runs: once a second
+
+
+_SampleArray = ctypes.POINTER(pynvml.c_nvmlProcessUtilizationSample_t)
+_RAW_PROTOTYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, _SampleArray, ctypes.POINTER(ctypes.c_uint),
+                                  ctypes.c_ulonglong)
+
+
+@dataclass
+class RawNvml(FakeNvml):
+    """FakeNvml that also hands out a C function with nvmlDeviceGetProcessUtilization's contract,
+    as pynvml's ``_nvmlGetFunctionPointer`` does: a null array or a count too small for the readings
+    newer than ``lastSeen`` answers INSUFFICIENT_SIZE with the count needed; none newer answers
+    NOT_FOUND. ``raw_error`` makes every raw call answer that code."""
+
+    c_nvmlProcessUtilizationSample_t: Any = pynvml.c_nvmlProcessUtilizationSample_t
+    NVMLError: Any = pynvml.NVMLError
+    raw_calls: list[tuple[int, int]] = field(default_factory=list)  # (room given, readings newer)
+    raw_error: int | None = None
+    _keep: Any = None
+
+    def _nvmlGetFunctionPointer(self, name: str) -> Any:
+        assert name == "nvmlDeviceGetProcessUtilization"
+
+        def call(handle: int | None, array: Any, count: Any, last_seen: int) -> int:
+            rows = [r for r in self.process_samples if r.timeStamp > last_seen]
+            room = count[0] if array else 0
+            self.raw_calls.append((room, len(rows)))
+            if self.raw_error is not None:
+                return self.raw_error
+            if not rows:
+                return pynvml.NVML_ERROR_NOT_FOUND
+            count[0] = len(rows)
+            if room < len(rows):
+                return pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+            for i, row in enumerate(rows):
+                array[i].pid, array[i].timeStamp, array[i].smUtil, array[i].memUtil = (
+                    row.pid, row.timeStamp, row.smUtil, row.memUtil)
+            return pynvml.NVML_SUCCESS
+
+        self._keep = _RAW_PROTOTYPE(call)
+        return self._keep
+
+
+def readings(count: int, start: int) -> list[Any]:
+    return [SimpleNamespace(pid=3000 + i, timeStamp=start + i, smUtil=10 + i, memUtil=i) for i in range(count)]
+
+
+def test_per_process_readings_come_in_one_driver_call_and_match_the_wrapper() -> None:
+    """pynvml's wrapper asks NVML twice per read (the count, then the readings), and each is the
+    dear call; the sampler's raw call asks once, with room for what the last answer needed."""
+    from collectors.nvml import FIRST_CAPACITY
+
+    raw, wrapped = RawNvml(count=1), FakeNvml(count=1)
+    raw_sampler = NvmlSampler(nvml=raw, monotonic=Clock())
+    wrapped_sampler = NvmlSampler(nvml=wrapped, monotonic=Clock())
+    seen = []
+    for tick, many in enumerate((FIRST_CAPACITY + 4, 3, FIRST_CAPACITY + 6)):
+        raw.process_samples = wrapped.process_samples = readings(many, start=1_000 * (tick + 1))
+        ts = 1_000_000 * (tick + 1)
+        raw_samples, wrapped_samples = raw_sampler.sample(ts), wrapped_sampler.sample(ts)
+        assert raw_samples == wrapped_samples
+        seen.append(sorted(s.pid for s in raw_samples if s.pid is not None and s.util_percent is not None))
+    assert seen == [list(range(3000, 3000 + n)) for n in (FIRST_CAPACITY + 4, 3, FIRST_CAPACITY + 6)]
+    # The first read found its room too small once; after that, one call a read, the room grown
+    # to what NVML asked for (and a little more), and a larger answer fits it.
+    assert raw.raw_calls == [(FIRST_CAPACITY, FIRST_CAPACITY + 4), (2 * FIRST_CAPACITY + 4, FIRST_CAPACITY + 4),
+                             (2 * FIRST_CAPACITY + 4, 3), (2 * FIRST_CAPACITY + 4, FIRST_CAPACITY + 6)]
+
+
+def test_raw_call_errors_mean_what_the_wrapper_s_did() -> None:
+    """NOT_FOUND (nothing newer) leaves the process's utilization unknown; a lost GPU degrades that
+    GPU, as when pynvml's wrapper raised them."""
+    raw = RawNvml(count=1, process_samples=readings(2, start=1_000))
+    clock = Clock()
+    sampler = NvmlSampler(nvml=raw, monotonic=clock)
+    sampler.sample(1_000_000)
+    raw.process_samples = []
+    clock.now += 1.0
+    samples = sampler.sample(2_000_000)
+    assert [s.util_percent for s in samples if s.pid is not None] == [None, None]  # FakeNvml's two processes
+    assert sampler.health() == "ok"
+    raw.raw_error = pynvml.NVML_ERROR_GPU_IS_LOST
+    clock.now += 1.0
+    assert sampler.sample(3_000_000) == []
+    assert sampler.health().startswith("degraded: gpu 0: NVMLError_GpuIsLost")
