@@ -58,7 +58,7 @@ def _device_gone(exc: BaseException) -> bool:
     return type(exc).__name__ in _DEVICE_GONE or not type(exc).__name__.startswith("NVMLError")
 
 
-NVML_SUCCESS, NVML_ERROR_INSUFFICIENT_SIZE = 0, 7
+NVML_SUCCESS, NVML_ERROR_NOT_FOUND, NVML_ERROR_INSUFFICIENT_SIZE = 0, 6, 7
 FIRST_CAPACITY = 8  # process readings room for at first; grown to what NVML says it needs
 
 
@@ -67,7 +67,8 @@ class ProcessUtilization:
     asks how many readings there are, then one that fetches them, and each is the dear call
     (bench/nvml_cost.py times both). Here the array has room for as many readings as the last
     answer needed (NVML's documented in-out count), and grows when NVML says it is too small.
-    Falls back to pynvml's wrapper when the module has no raw function pointers (a test double)."""
+    Falls back to pynvml's wrapper when the module has no raw function pointers (a test double),
+    and for good when the one call fails where the wrapper does not: readings are never lost to it."""
 
     def __init__(self, nvml: Any) -> None:
         self._nvml = nvml
@@ -98,8 +99,20 @@ class ProcessUtilization:
                 rows: list[Any] = samples[:count.value]
                 return rows
             if ret != NVML_ERROR_INSUFFICIENT_SIZE or count.value <= self._capacity:
-                raise self._nvml.NVMLError(ret)
+                error = self._nvml.NVMLError(ret)
+                if ret == NVML_ERROR_NOT_FOUND or _device_gone(error):
+                    raise error
+                return self._wrapper_instead(handle, last_seen_us, ret)
             self._capacity = count.value + FIRST_CAPACITY  # room for a few more processes next time
+
+    def _wrapper_instead(self, handle: Any, last_seen_us: int, ret: int) -> list[Any]:
+        """The one call failed (``ret``): ask pynvml's wrapper. If it answers, this driver wants the
+        two calls, and gets them from now on; if it fails too, its error is the GPU's."""
+        rows = list(self._nvml.nvmlDeviceGetProcessUtilization(handle, last_seen_us))
+        log.warning("NVML per-process utilization in one call failed (code %s) where two calls work; "
+                    "using two from now on", ret)
+        self._fn = None
+        return rows
 
 
 @dataclass

@@ -599,3 +599,20 @@ def test_raw_call_errors_mean_what_the_wrapper_s_did() -> None:
     clock.now += 1.0
     assert sampler.sample(3_000_000) == []
     assert sampler.health().startswith("degraded: gpu 0: NVMLError_GpuIsLost")
+
+
+def test_a_driver_that_refuses_the_one_call_gets_the_wrapper_and_loses_no_reading() -> None:
+    """Should a driver answer the one call with an error where pynvml's two calls work, the read is
+    made again with the wrapper, and every later read too."""
+    raw = RawNvml(count=1, process_samples=readings(2, start=1_000), raw_error=pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    clock = Clock()
+    sampler = NvmlSampler(nvml=raw, monotonic=clock)
+    samples = sampler.sample(1_000_000)
+    assert sorted(s.pid for s in samples if s.pid is not None and s.util_percent is not None) == [3000, 3001]
+    assert len(raw.raw_calls) == 1 and raw.calls.count("procutil 0 since 0") == 1
+    raw.process_samples = readings(2, start=2_000)
+    clock.now += 1.0
+    samples = sampler.sample(2_000_000)
+    assert sorted(s.pid for s in samples if s.pid is not None and s.util_percent is not None) == [3000, 3001]
+    assert len(raw.raw_calls) == 1  # the wrapper from then on
+    assert sampler.health() == "ok"
