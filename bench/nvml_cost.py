@@ -6,7 +6,9 @@ own account of a busy spell. Needs a GPU (and PyTorch on CUDA for the second par
    utilization both ways: pynvml's wrapper (two driver calls) and the sampler's one call.
 2. A busy spell of this process (synchronized half-precision matrix products, ``--spell`` seconds)
    with CUDA events around every product: the GPU's busy time by the events, against the
-   GPU-seconds integrated from the sampler's samples (ticking every 100 ms, as the daemon does).
+   GPU-seconds integrated from the sampler's samples (ticking every 100 ms, as the daemon does),
+   and from the whole GPU's utilization (what a process alone on its GPU could be costed by,
+   without the dear per-process call).
    Then NVML is asked for everything it holds of this process (lastSeen 0): how many readings it
    answers says whether a reading not asked for in time can be read later.
 
@@ -98,11 +100,16 @@ def busy_spell(seconds: float) -> None:
         stop = threading.Event()
         tick_cpu: list[float] = []
 
+        whole: list[tuple[int, float, float]] = []  # GPU 0's own readings: (ts_ns, util %, interval s)
+
         def tick() -> None:
             while not stop.is_set():
                 cpu = time.thread_time()
-                store.insert_samples(sampler.sample(time.time_ns()))
+                samples = sampler.sample(time.time_ns())
+                store.insert_samples(samples)
                 tick_cpu.append((time.thread_time() - cpu) * 1e6)
+                whole.extend((s.ts_ns, s.util_percent, s.interval_s) for s in samples
+                             if s.pid is None and s.gpu_index == 0 and s.util_percent is not None and s.interval_s)
                 time.sleep(0.1)
 
         a = torch.randn((8192, 8192), device="cuda", dtype=torch.float16)
@@ -147,6 +154,11 @@ def busy_spell(seconds: float) -> None:
     print(f"  GPU busy by CUDA events            {gpu_busy_s:8.3f} s  ({gpu_busy_s / wall_s:.1%} of the wall)")
     print(f"  NVML, the sampler's samples        {cost.gpu_seconds:8.3f} GPU-s  (ratio to events "
           f"{cost.gpu_seconds / gpu_busy_s:.3f})")
+    # Were this process the GPU's only one, the whole GPU's utilization (a cheap call) would be its
+    # share: how close does it come?
+    whole_s = sum(util / 100 * interval for ts, util, interval in whole
+                  if begin - 500_000_000 <= ts <= end + 500_000_000)
+    print(f"  NVML, the whole GPU's utilization  {whole_s:8.3f} GPU-s  (ratio to events {whole_s / gpu_busy_s:.3f})")
     print(f"  NVML update period seen            {period} s")
     print(f"  asked for all it holds (lastSeen 0) {len(stamps)} reading(s) of this process"
           + (f", the oldest {time.time() - stamps[0] / 1e6:.2f} s old" if stamps else ""))
