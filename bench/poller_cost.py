@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import statistics
 import subprocess
@@ -82,35 +81,6 @@ def measure(scenario: str, seconds: float) -> dict[str, float] | None:
     return {"percent": spent / wall * 100, "us_per_poll": spent / (wall * POLL_HZ) * 1e6}
 
 
-def sockstat() -> dict[str, int]:
-    """This namespace's TCP sockets by /proc/net/sockstat: inuse, orphan, tw (TIME_WAIT), alloc."""
-    for line in Path("/proc/net/sockstat").read_text().splitlines():
-        if line.startswith("TCP:"):
-            fields = line.split()[1:]
-            return {name: int(value) for name, value in zip(fields[::2], fields[1::2], strict=True)}
-    return {}
-
-
-def walk_us(repeats: int = 300) -> float:
-    """CPU of one sock_diag dump for a port nobody uses: the kernel's walk of the whole established
-    hash (every bucket, and every socket in this namespace, TIME_WAIT included), which each poll
-    that follows a newly opened connection pays."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    from probes.sockdiag import SockDiag
-
-    diag, unused = SockDiag(), frozenset({1})
-    try:
-        list(diag.sockets(unused))
-        before = resource.getrusage(resource.RUSAGE_THREAD)
-        for _ in range(repeats):
-            list(diag.sockets(unused))
-        after = resource.getrusage(resource.RUSAGE_THREAD)
-    finally:
-        diag.close()
-    return (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) / repeats * 1e6
-
-
 def child(tree: Path, scenario: str, seconds: float) -> dict[str, float] | None:
     result = subprocess.run([sys.executable, __file__, "--child", scenario, "--seconds", str(seconds)],
                             env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree,
@@ -163,8 +133,11 @@ def main() -> int:
             per_poll = statistics.median(run["us_per_poll"] for run in runs)
             cells.append(f"{percent:.2f} ({per_poll:.0f})")
         print(f"  {titles[scenario]:<34}" + "".join(f"{cell:>22}" for cell in cells))
-    counts = sockstat()
-    print(f"  one walk of the established hash (a dump for an unused port): {walk_us():.0f} us of CPU, "
+    sys.path.insert(0, str(REPO))
+    from probes.sockdiag import tcp_socket_counts, walk_cpu_us
+
+    counts = tcp_socket_counts()
+    print(f"  one walk of the established hash (a dump for an unused port): {walk_cpu_us(300):.0f} us of CPU, "
           f"this namespace holding {counts.get('inuse', 0)} TCP sockets in use and {counts.get('tw', 0)} in TIME_WAIT")
     if work is not None:
         work.cleanup()

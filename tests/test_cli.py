@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -69,12 +70,48 @@ def test_doctor_json_schema(tmp_path: Path) -> None:
     doc = json.loads(result.output)
     assert doc["schema"] == "auditor.cli.doctor/v1"
     names = [c["name"] for c in doc["checks"]]
-    assert names == ["privileges", "bpf_syscall", "tracefs", "kernel_headers", "bcc", "nvml", "ports",
+    assert names == ["privileges", "bpf_syscall", "tracefs", "kernel_headers", "bcc", "fallback", "nvml", "ports",
                      "database", "postgres_driver"]
     for check in doc["checks"]:
         assert check["state"] in ("ok", "degraded", "failed")
         assert check["state"] == "ok" or check["fix"] or check["name"] in ("nvml",)
     assert doc["can_run"] is True and result.exit_code == 0
+
+
+def test_doctor_measures_what_the_proc_fallback_would_cost_here() -> None:
+    """A real sock_diag walk on this host; the share of a core is the walk at the configured rate."""
+    from auditor.cli.doctor import check_fallback
+
+    check = check_fallback(poll_hz=10.0, walks=20)
+    assert check.state == "ok", check
+    found = re.search(r"costs (\d+) us of CPU here \((\d+) TCP sockets in use, (\d+) in TIME_WAIT\): "
+                      r"([\d.]+)% of a core at the /proc fallback's 10 polls a second", check.detail)
+    assert found, check.detail
+    walk_us, share = int(found[1]), float(found[4])
+    assert walk_us > 0
+    assert share == pytest.approx(walk_us * 10 / 1e4, abs=0.006)
+
+
+def test_doctor_says_when_sock_diag_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import probes.sockdiag
+    from auditor.cli.doctor import check_fallback
+
+    def refused() -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(probes.sockdiag, "SockDiag", refused)
+    check = check_fallback(poll_hz=20.0)
+    assert check.state == "degraded" and "sock_diag refused" in check.detail and "/proc/net/tcp" in check.detail
+    assert "NETLINK_SOCK_DIAG" in check.fix
+
+
+@pytest.mark.parametrize("text", ["", "TCP: inuse x tw 3\n", "TCP: inuse 1 tw\n", "UDP: inuse 4\n"])
+def test_socket_counts_of_an_odd_sockstat_are_empty(tmp_path: Path, text: str) -> None:
+    from probes.sockdiag import tcp_socket_counts
+
+    (tmp_path / "sockstat").write_text(text)
+    assert tcp_socket_counts(str(tmp_path / "sockstat")) == {}
+    assert tcp_socket_counts(str(tmp_path / "missing")) == {}
 
 
 def test_doctor_fails_when_a_port_is_taken(tmp_path: Path) -> None:

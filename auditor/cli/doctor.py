@@ -118,6 +118,27 @@ def check_bcc(timeout_s: float = 60.0) -> Check:
                  "see the kernel_headers and tracefs checks; run as root")
 
 
+def check_fallback(poll_hz: float, walks: int = 100) -> Check:
+    """What the unprivileged /proc fallback would cost on this host, measured: every poll that
+    follows a newly opened connection has the kernel walk its whole TCP established table
+    (sock_diag), and that walk grows with the host's memory (the table's size) and with the
+    sockets in it, TIME_WAIT included (docs/footprint.md)."""
+    from probes.sockdiag import tcp_socket_counts, walk_cpu_us
+
+    try:
+        walk_us = walk_cpu_us(walks)
+    except OSError as exc:
+        return Check("fallback", DEGRADED, f"sock_diag refused ({exc}): the /proc fallback would parse "
+                     "/proc/net/tcp and /proc/net/tcp6 on every poll instead, at several times the CPU",
+                     "allow AF_NETLINK sockets of protocol NETLINK_SOCK_DIAG (a seccomp filter or sandbox refuses them)")
+    counts = tcp_socket_counts()
+    sockets = (f"{counts['inuse']} TCP sockets in use, {counts['tw']} in TIME_WAIT" if {"inuse", "tw"} <= counts.keys()
+               else "socket counts unreadable")
+    return Check("fallback", OK, f"a walk of the kernel's TCP table costs {walk_us:.0f} us of CPU here ({sockets}): "
+                 f"{walk_us * poll_hz / 1e4:.2f}% of a core at the /proc fallback's {poll_hz:g} polls a second "
+                 "while connections open")
+
+
 def check_nvml() -> Check:
     try:
         import pynvml
@@ -280,7 +301,8 @@ def check_postgres_driver() -> Check:
 def run_checks(config: Config) -> list[Check]:
     checks: list[Callable[[], Check]] = [
         check_privileges, check_bpf_syscall, check_tracefs, check_kernel_headers, check_bcc,
-        check_nvml, lambda: check_ports(config), lambda: check_database(config),
+        lambda: check_fallback(config.probe.poll_hz), check_nvml, lambda: check_ports(config),
+        lambda: check_database(config),
         check_postgres_driver,
     ]
     results = []
