@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from auditor.model import ConnEvent, ConnEventKind
-from probes.sockdiag import SockDiag, TcpOpens
+from probes.sockdiag import SockDiag, TcpAccepts
 from probes.source import validate_ports
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class ProcfsConnEventSource:
         self._thread: threading.Thread | None = None
         self._read_errors = 0
         self._diag: SockDiag | None = None
-        self._opens: TcpOpens | None = None
+        self._opens: TcpAccepts | None = None
         self._opens_at_dump: int | None = None  # read just before the last full dump
         self._dumped_ports: frozenset[int] = frozenset()
         # The daemon's own connections to watched ports, by their local (address, port): left out.
@@ -155,7 +155,7 @@ class ProcfsConnEventSource:
         if sock_diag if sock_diag is not None else proc_root == Path("/proc"):
             try:
                 self._diag = SockDiag()
-                self._opens = TcpOpens()
+                self._opens = TcpAccepts()
             except OSError as exc:
                 if sock_diag:
                     raise
@@ -313,7 +313,7 @@ class ProcfsConnEventSource:
             return None  # the next snapshot falls back to /proc/net/tcp if netlink broke
 
     def _diag_entries(self, ports: frozenset[int]) -> list[tuple[SocketKey, int, int]]:
-        """A dump, or, when no TCP connection was opened since the last one, a lookup of each
+        """A dump, or, when no TCP connection was accepted since the last one, a lookup of each
         socket it listed: an idle port costs a counter read instead of a walk of the whole
         established hash (0.2 ms, most of the fallback's idle CPU)."""
         assert self._diag is not None

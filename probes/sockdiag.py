@@ -140,7 +140,7 @@ class SockDiag:
 
     def still_listed(self, keys: Iterable[SocketKey]) -> list[DiagEntry]:
         """Those of ``keys`` a dump would list now, asked one by one: what a dump would return
-        when no connection was opened since the last one (see ``TcpOpens``)."""
+        when no connection was opened since the last one (see ``TcpAccepts``)."""
         found = (self.lookup(key) for key in keys)
         return [entry for entry in found if entry is not None and STATES & (1 << entry[1])]
 
@@ -205,11 +205,13 @@ class SockDiag:
         return key, state, struct.unpack_from("=I", data, payload + 68)[0]
 
 
-class TcpOpens:
-    """How many TCP connections this network namespace has opened (ActiveOpens + PassiveOpens of
-    /proc/net/snmp): read in microseconds, where a dump walks the whole established hash. Unchanged
-    since a dump means no socket appeared since: the sockets a dump would list are the ones it
-    listed, in whatever state they are now. None when the counters cannot be read."""
+class TcpAccepts:
+    """How many TCP connections this network namespace's listeners have accepted (PassiveOpens of
+    /proc/net/snmp): read in microseconds, where a dump walks the whole established hash. A watched
+    socket is a server's end, made only by a passive open, so unchanged since a dump means none
+    appeared since: the sockets a dump would list are the ones it listed, in whatever state they
+    are now. Outgoing connections (ActiveOpens: an engine's calls out, an agent's pushes, a
+    refused connect) do not move it, and cost no walk. None when the counter cannot be read."""
 
     def __init__(self, path: str = "/proc/net/snmp") -> None:
         self._fd: int | None = os.open(path, os.O_RDONLY)
@@ -221,7 +223,7 @@ class TcpOpens:
             data = os.pread(self._fd, 1 << 16, 0)
             names, values = (line.split()[1:] for line in data.splitlines() if line.startswith(b"Tcp:"))
             fields = dict(zip(names, values, strict=True))
-            return int(fields[b"ActiveOpens"]) + int(fields[b"PassiveOpens"])
+            return int(fields[b"PassiveOpens"])
         except (OSError, ValueError, KeyError):
             return None
 

@@ -266,7 +266,7 @@ def test_sock_diag_dump_leaves_time_wait_to_a_lookup_of_the_one_socket(server: s
 
 
 class FixedOpens:
-    """A TcpOpens that changes only when the test says a connection was opened."""
+    """A TcpAccepts that changes only when the test says a connection was accepted."""
 
     def __init__(self) -> None:
         self.value = 0
@@ -294,15 +294,15 @@ def counting_source(port: int) -> tuple[ProcfsConnEventSource, FixedOpens, list,
 
 
 def test_no_connection_opened_means_known_sockets_are_asked_about_not_dumped(server: socket.socket) -> None:
-    from probes.sockdiag import TcpOpens
+    from probes.sockdiag import TcpAccepts
 
-    real = TcpOpens()
+    real = TcpAccepts()
     before = real.read()
     client = socket.create_connection(server.getsockname())
     accepted, _ = server.accept()
     after = real.read()
     real.close()
-    assert before is not None and after is not None and after >= before + 2  # active and passive
+    assert before is not None and after is not None and after >= before + 1  # the listener's accept
 
     source, opens, dumps, _ = counting_source(port_of(server))
     source.scan()  # the baseline: a dump
@@ -321,6 +321,35 @@ def test_no_connection_opened_means_known_sockets_are_asked_about_not_dumped(ser
     accepted.close()
     assert kinds_for(source.scan(), client_port) == [CLOSED] and len(dumps) == 2
     second_accepted.close()
+    source.stop()
+
+
+def test_outgoing_connections_cost_no_walk_and_an_accepted_one_does(server: socket.socket) -> None:
+    """The real counter: a connect to a closed port is an active open only (the host calling out),
+    and no socket on a watched port can come of it; a connection the watched listener accepts is a
+    passive open, and a dump finds it."""
+    from probes.sockdiag import TcpAccepts
+
+    closed = socket.create_server(("127.0.0.1", 0))
+    refused_port = port_of(closed)
+    closed.close()
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=True)
+    assert isinstance(source._opens, TcpAccepts) and source._diag is not None
+    dumps: list = []
+    dump = source._diag.sockets
+    source._diag.sockets = lambda ports: dumps.append(ports) or dump(ports)  # type: ignore[method-assign]
+    source.scan()
+    for _ in range(3):
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", refused_port)):
+            pass
+        assert source.scan() == []
+    assert len(dumps) == 1  # three calls out, no walk
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    source.scan()
+    assert len(dumps) == 2 and [key[4] for key in source._seen] == [port_of(client)]
+    client.close()
+    accepted.close()
     source.stop()
 
 
