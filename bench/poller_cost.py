@@ -6,6 +6,8 @@ Scenarios, each in a fresh process, the poller at 20 Hz on a loopback listener's
 - idle: nothing on the port (the idle poll: a read of the TCP open counters);
 - listed: one kept-alive connection on the port, which every poll looks up;
 - own: the same connection, named as the daemon's own (its scrape of the engine), so left out;
+- out: nothing on the port, while this host calls out 20 times a second (connects to a closed
+  loopback port: outgoing opens with no accept, as an engine's or an agent's calls elsewhere);
 - load: 100 short connections a second (send, answer, close) from another thread.
 
 Then what one walk of the kernel's established hash costs here, and how many TCP sockets this
@@ -15,12 +17,13 @@ host's memory) and with the sockets in it (TIME_WAIT included).
 With ``--compare REV`` git revision REV's poller runs too, alternately, each tree in its own
 processes (``--rounds``); a tree whose poller cannot be told its own connections shows "-" there.
 
-Usage: .venv/bin/python bench/poller_cost.py [--seconds 6] [--rounds 3] [--compare REV] [--scenarios idle,load]
+Usage: .venv/bin/python bench/poller_cost.py [--seconds 6] [--rounds 3] [--compare REV] [--scenarios idle,out,load]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -35,9 +38,20 @@ from pathlib import Path
 from fallback_cpu import load, serve  # the same listener and load as the polled sources' bench
 
 REPO = Path(__file__).resolve().parents[1]
-SCENARIOS = ("idle", "listed", "own", "load")
+SCENARIOS = ("idle", "listed", "own", "out", "load")
+CALLS_OUT_PER_S = 20.0
 POLL_HZ = 20.0
 LOAD_PER_S = 100.0
+
+
+def call_out(per_s: float, stop: threading.Event) -> None:
+    """Connects to a closed loopback port ``per_s`` times a second: each an outgoing open, refused."""
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    while not stop.wait(1 / per_s):
+        with contextlib.suppress(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port)).close()
 
 
 def measure(scenario: str, seconds: float) -> dict[str, float] | None:
@@ -62,6 +76,8 @@ def measure(scenario: str, seconds: float) -> dict[str, float] | None:
     threading.Thread(target=lambda: [source.poll(0.05) for _ in iter(stop.is_set, True)], daemon=True).start()
     if scenario == "load":
         threading.Thread(target=load, args=(port, LOAD_PER_S, stop), daemon=True).start()
+    if scenario == "out":
+        threading.Thread(target=call_out, args=(CALLS_OUT_PER_S, stop), daemon=True).start()
     time.sleep(1.0)
     thread = source._thread
     assert thread is not None and thread.native_id is not None
@@ -121,6 +137,7 @@ def main() -> int:
           f"medians of {args.rounds} runs of {args.seconds:g} s")
     print(f"  {'':<34}" + "".join(f"{label:>22}" for label in trees))
     titles = {"idle": "idle port", "listed": "one connection, looked up", "own": "one connection, the daemon's own",
+              "out": f"idle, {CALLS_OUT_PER_S:g} calls out/s",
               "load": f"{LOAD_PER_S:g} connections/s"}
     for scenario in scenarios:
         cells = []
