@@ -3,7 +3,7 @@ nanoseconds of that one thread), so the load and the rest of the process are not
 
 Scenarios, each in a fresh process, the poller at 20 Hz on a loopback listener's port:
 
-- idle: nothing on the port (the idle poll: a read of the TCP open counters);
+- idle: nothing on the port (the idle poll: a read of the namespace's accept counter);
 - listed: one kept-alive connection on the port, which every poll looks up;
 - own: the same connection, named as the daemon's own (its scrape of the engine), so left out;
 - out: nothing on the port, while this host calls out 20 times a second (connects to a closed

@@ -145,8 +145,8 @@ class ProcfsConnEventSource:
         self._thread: threading.Thread | None = None
         self._read_errors = 0
         self._diag: SockDiag | None = None
-        self._opens: TcpAccepts | None = None
-        self._opens_at_dump: int | None = None  # read just before the last full dump
+        self._accepts: TcpAccepts | None = None
+        self._accepts_at_dump: int | None = None  # read just before the last full dump
         self._dumped_ports: frozenset[int] = frozenset()
         # The daemon's own connections to watched ports, by their local (address, port): left out.
         self._own_open: frozenset[tuple[str, int]] = frozenset()
@@ -155,7 +155,7 @@ class ProcfsConnEventSource:
         if sock_diag if sock_diag is not None else proc_root == Path("/proc"):
             try:
                 self._diag = SockDiag()
-                self._opens = TcpAccepts()
+                self._accepts = TcpAccepts()
             except OSError as exc:
                 if sock_diag:
                     raise
@@ -235,8 +235,8 @@ class ProcfsConnEventSource:
             if self._diag is not None:
                 self._diag.close()
                 self._diag = None
-            if self._opens is not None:
-                self._opens.close()
+            if self._accepts is not None:
+                self._accepts.close()
 
     # -- scanning ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -317,11 +317,11 @@ class ProcfsConnEventSource:
         socket it listed: an idle port costs a counter read instead of a walk of the whole
         established hash (0.2 ms, most of the fallback's idle CPU)."""
         assert self._diag is not None
-        opens = self._opens.read() if self._opens is not None else None
-        if (opens is not None and opens == self._opens_at_dump and ports == self._dumped_ports
+        accepts = self._accepts.read() if self._accepts is not None else None
+        if (accepts is not None and accepts == self._accepts_at_dump and ports == self._dumped_ports
                 and len(self._seen) <= LOOKUPS_INSTEAD_OF_DUMP):
             return self._diag.still_listed(self._seen)
-        self._opens_at_dump, self._dumped_ports = opens, ports
+        self._accepts_at_dump, self._dumped_ports = accepts, ports
         return list(self._diag.sockets(ports))
 
     def _snapshot(self, ports: frozenset[int]) -> dict[SocketKey, _Seen]:

@@ -140,7 +140,7 @@ class SockDiag:
 
     def still_listed(self, keys: Iterable[SocketKey]) -> list[DiagEntry]:
         """Those of ``keys`` a dump would list now, asked one by one: what a dump would return
-        when no connection was opened since the last one (see ``TcpAccepts``)."""
+        when no connection was accepted since the last one (see ``TcpAccepts``)."""
         found = (self.lookup(key) for key in keys)
         return [entry for entry in found if entry is not None and STATES & (1 << entry[1])]
 
@@ -253,7 +253,7 @@ def tcp_socket_counts(path: str = "/proc/net/sockstat") -> dict[str, int]:
 def walk_cpu_us(repeats: int = 100) -> float:
     """CPU (user + system, this thread) of one dump for a port nobody uses: the kernel's walk of the
     whole established hash, every bucket and every socket of the namespace, TIME_WAIT included.
-    The /proc fallback pays it on each poll that follows a newly opened connection. Raises OSError
+    The /proc fallback pays it on each poll that follows a newly accepted connection. Raises OSError
     when sock_diag is refused."""
     diag, unused = SockDiag(), frozenset({1})
     try:

@@ -283,7 +283,7 @@ def counting_source(port: int) -> tuple[ProcfsConnEventSource, FixedOpens, list,
     and its lookups of the sockets it knows."""
     source = ProcfsConnEventSource([port], sock_diag=True)
     opens = FixedOpens()
-    source._opens = opens  # type: ignore[assignment]
+    source._accepts = opens  # type: ignore[assignment]
     assert source._diag is not None
     dumps: list = []
     lookups: list = []
@@ -334,7 +334,7 @@ def test_outgoing_connections_cost_no_walk_and_an_accepted_one_does(server: sock
     refused_port = port_of(closed)
     closed.close()
     source = ProcfsConnEventSource([port_of(server)], sock_diag=True)
-    assert isinstance(source._opens, TcpAccepts) and source._diag is not None
+    assert isinstance(source._accepts, TcpAccepts) and source._diag is not None
     dumps: list = []
     dump = source._diag.sockets
     source._diag.sockets = lambda ports: dumps.append(ports) or dump(ports)  # type: ignore[method-assign]
@@ -392,7 +392,7 @@ def test_the_daemons_own_connections_are_left_out_and_cost_no_lookup(family: int
     source = ProcfsConnEventSource([port_of(server)], sock_diag=reader == "sock_diag")
     opens = FixedOpens()
     if reader == "sock_diag":
-        source._opens = opens  # type: ignore[assignment]
+        source._accepts = opens  # type: ignore[assignment]
         assert source._diag is not None
         looked, lookups = source._diag.still_listed, []
         source._diag.still_listed = lambda keys: lookups.append(dict(keys)) or looked(keys)  # type: ignore[method-assign]

@@ -120,7 +120,7 @@ def check_bcc(timeout_s: float = 60.0) -> Check:
 
 def check_fallback(poll_hz: float, walks: int = 100) -> Check:
     """What the unprivileged /proc fallback would cost on this host, measured: every poll that
-    follows a newly opened connection has the kernel walk its whole TCP established table
+    follows a newly accepted connection has the kernel walk its whole TCP established table
     (sock_diag), and that walk grows with the host's memory (the table's size) and with the
     sockets in it, TIME_WAIT included (docs/footprint.md)."""
     from probes.sockdiag import tcp_socket_counts, walk_cpu_us
@@ -136,7 +136,7 @@ def check_fallback(poll_hz: float, walks: int = 100) -> Check:
                else "socket counts unreadable")
     return Check("fallback", OK, f"a walk of the kernel's TCP table costs {walk_us:.0f} us of CPU here ({sockets}): "
                  f"{walk_us * poll_hz / 1e4:.2f}% of a core at the /proc fallback's {poll_hz:g} polls a second "
-                 "while connections open")
+                 "while connections arrive")
 
 
 def check_nvml() -> Check:
