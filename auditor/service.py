@@ -26,8 +26,8 @@ def limit_malloc_arenas(count: int = MALLOC_ARENAS) -> bool:
     glibc gives each new thread an arena of its own, up to eight per core, and each arena keeps the
     memory its thread freed. Python's own allocator serves small objects under the GIL, so only
     the larger blocks (span batches, the receivers' buffers, SQLite's pages) land there, and two
-    arenas are enough for them. On a 16-core GPU host the daemon under load held 14 MiB less with
-    two (docs/footprint.md). Returns whether the cap was set: not on a libc without mallopt."""
+    arenas are enough for them. On a 16-core GPU host the daemon under load held up to 14 MiB less
+    with two (one run each, docs/footprint.md). Returns whether the cap was set: not on a libc without mallopt."""
     if os.environ.get("MALLOC_ARENA_MAX"):
         return False
     try:

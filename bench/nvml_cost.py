@@ -2,15 +2,17 @@
 own account of a busy spell. Needs a GPU (and PyTorch on CUDA for the second part).
 
 1. Each NVML call the sampler makes on a tick, at rest: wall and CPU microseconds (median of many),
-   then a whole ``NvmlSampler.sample`` tick and the store write of its samples. Per-process
-   utilization both ways: pynvml's wrapper (two driver calls) and the sampler's one call.
+   then a whole ``NvmlSampler.sample`` tick and the store write of its samples. At rest no process
+   has a reading, so the per-process call is a single driver call that finds nothing.
 2. A busy spell of this process (synchronized half-precision matrix products, ``--spell`` seconds)
    with CUDA events around every product: the GPU's busy time by the events, against the
    GPU-seconds integrated from the sampler's samples (ticking every 100 ms, as the daemon does),
    and from the whole GPU's utilization (what a process alone on its GPU could be costed by,
    without the dear per-process call).
    Then NVML is asked for everything it holds of this process (lastSeen 0): how many readings it
-   answers says whether a reading not asked for in time can be read later.
+   answers says whether a reading not asked for in time can be read later. While that reading is
+   held, a read is timed both ways: pynvml's wrapper (two driver calls: the count, then the
+   readings) and the sampler's ``ProcessUtilization`` (one).
 
     python bench/nvml_cost.py [--calls 200] [--spell 2]
 """
@@ -59,12 +61,6 @@ def calls_at_rest(repeats: int) -> None:
         "GetComputeRunningProcesses": lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(handle),
         "GetProcessUtilization": lambda: pynvml.nvmlDeviceGetProcessUtilization(handle, int(time.time() * 1e6)),
     }
-    # pynvml's wrapper above calls the driver twice (the count, then the readings); the sampler's
-    # reader once, with room for the readings it last needed. Asked for all held (lastSeen 0).
-    one_call = ProcessUtilization(pynvml)
-    if one_call.one_call:
-        calls["GetProcessUtilization, 1 call"] = lambda: one_call(handle, 0)
-        calls["the same by pynvml, lastSeen 0"] = lambda: pynvml.nvmlDeviceGetProcessUtilization(handle, 0)
     print(f"NVML calls at rest on GPU 0 ({pynvml.nvmlDeviceGetName(handle)}), median of {repeats}")
     print(f"  {'call':<32}{'wall us':>10}{'CPU us':>10}")
     for name, call in calls.items():

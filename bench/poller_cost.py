@@ -117,10 +117,10 @@ def main() -> int:
         print(json.dumps(measure(args.child, args.seconds)))
         return 0
     scenarios = [name for name in SCENARIOS if name in args.scenarios.split(",")]
+    sys.path.insert(0, str(REPO))
     trees = {"working tree": REPO}
     work = None
     if args.compare:
-        sys.path.insert(0, str(REPO))
         from bench.ingest import export_tree
 
         work = tempfile.TemporaryDirectory(prefix="poller-cost-")
@@ -150,7 +150,6 @@ def main() -> int:
             per_poll = statistics.median(run["us_per_poll"] for run in runs)
             cells.append(f"{percent:.2f} ({per_poll:.0f})")
         print(f"  {titles[scenario]:<34}" + "".join(f"{cell:>22}" for cell in cells))
-    sys.path.insert(0, str(REPO))
     from probes.sockdiag import tcp_socket_counts, walk_cpu_us
 
     counts = tcp_socket_counts()
