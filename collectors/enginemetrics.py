@@ -196,7 +196,8 @@ class PageConnection:
     def __init__(self, host: str, port: int, timeout_s: float) -> None:
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.local: tuple[str, int] = self._sock.getsockname()[:2]  # this end: (address, port)
+        address, local_port = self._sock.getsockname()[:2]
+        self.end: tuple[str, int, int] = (address, local_port, port)  # this end's address and port, the server's port
         self._host = f"{host}:{port}"
         self._requests: dict[str, bytes] = {}
         self._buffer = bytearray()
@@ -290,15 +291,15 @@ class EngineMetricsScraper:
     """Scrapes ``http://HOST:PORT/metrics`` for every watched port every ``interval_s``, in a thread.
 
     ``sink`` receives each round's loads; it must not block. Failures are counted and logged once
-    per port, never raised. ``on_connections`` is told the local (address, port) of every
-    connection the scraper holds open, whenever that changes: they are the auditor's own, on the
-    watched ports, and a disconnect source that polls leaves them out."""
+    per port, never raised. ``on_connections`` is told (local address, local port, server port) of
+    every connection the scraper holds open, whenever that changes: they are the auditor's own, on
+    the watched ports, and a disconnect source that polls leaves them out."""
 
     def __init__(self, ports: Callable[[], Iterable[int]], sink: Callable[[list[EngineLoad]], None], *,
                  interval_s: float = 0.25, host: str = "127.0.0.1", path: str = "/metrics",
                  timeout_s: float = 1.0, clock: Callable[[], int] = time.time_ns, filtered: bool = True,
                  quiet_after_s: float = QUIET_AFTER_S, quiet_interval_s: float = QUIET_INTERVAL_S,
-                 on_connections: Callable[[frozenset[tuple[str, int]]], None] | None = None) -> None:
+                 on_connections: Callable[[frozenset[tuple[str, int, int]]], None] | None = None) -> None:
         self.ports = ports
         self.on_connections = on_connections
         self.sink = sink
@@ -310,7 +311,7 @@ class EngineMetricsScraper:
         self.errors = 0
         self._skip_until: dict[int, float] = {}
         self._connections: dict[int, PageConnection] = {}
-        self._locals: set[tuple[str, int]] = set()  # the local ends of the connections open now
+        self._ends: set[tuple[str, int, int]] = set()  # the connections open now (see on_connections)
         self._filtered_path = filtered_path(path)
         # Per port: whether its engine answers the filtered path with every series it has (None:
         # not known yet, read both ways at its next scrape). ``filtered=False``: never asked.
@@ -381,18 +382,18 @@ class EngineMetricsScraper:
 
     def _open(self, port: int) -> PageConnection:
         connection = PageConnection(self.host, port, self.timeout_s)
-        self._locals.add(connection.local)
+        self._ends.add(connection.end)
         self._tell_connections()
         return connection
 
     def _close(self, connection: PageConnection) -> None:
         connection.close()
-        self._locals.discard(connection.local)
+        self._ends.discard(connection.end)
         self._tell_connections()
 
     def _tell_connections(self) -> None:
         if self.on_connections is not None:
-            self.on_connections(frozenset(self._locals))
+            self.on_connections(frozenset(self._ends))
 
     def close(self) -> None:
         for connection in list(self._connections.values()):

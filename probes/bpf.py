@@ -207,7 +207,7 @@ class BpfConnEventSource:
             self._apply_ports(new_ports, self._ports)
         self._ports = new_ports
 
-    def set_own_endpoints(self, endpoints: Iterable[tuple[str, int]]) -> None:
+    def set_own_endpoints(self, endpoints: Iterable[tuple[str, int, int]]) -> None:
         """Kept: the kernel reports the daemon's own connections at no cost to it, and their closes
         are idle closes to the correlator (the /proc poller leaves them out to save its lookups)."""
 

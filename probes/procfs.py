@@ -44,6 +44,7 @@ STOP_CHECK_S = 0.25  # the longest the poller sleeps without looking whether it 
 OWN_LINGER_S = 120.0
 
 SocketKey = tuple[int, str, int, str, int]  # family, server addr, server port, client addr, client port
+OwnEnd = tuple[str, int, int]  # the daemon's own connection: its address, its port, the server's port
 
 
 @dataclass(slots=True)
@@ -148,10 +149,10 @@ class ProcfsConnEventSource:
         self._accepts: TcpAccepts | None = None
         self._accepts_at_dump: int | None = None  # read just before the last full dump
         self._dumped_ports: frozenset[int] = frozenset()
-        # The daemon's own connections to watched ports, by their local (address, port): left out.
-        self._own_open: frozenset[tuple[str, int]] = frozenset()
-        self._own_closed: dict[tuple[str, int], float] = {}  # -> monotonic time it stops being left out
-        self._own: frozenset[tuple[str, int]] = frozenset()  # both of the above
+        # The daemon's own connections to watched ports, by (its address, its port, server port): left out.
+        self._own_open: frozenset[OwnEnd] = frozenset()
+        self._own_closed: dict[OwnEnd, float] = {}  # -> monotonic time it stops being left out at the latest
+        self._own: frozenset[OwnEnd] = frozenset()  # both of the above
         if sock_diag if sock_diag is not None else proc_root == Path("/proc"):
             try:
                 self._diag = SockDiag()
@@ -179,13 +180,19 @@ class ProcfsConnEventSource:
             self._baseline_ports |= new_ports - self._ports
             self._ports = new_ports
 
-    def set_own_endpoints(self, endpoints: Iterable[tuple[str, int]]) -> None:
+    def set_own_endpoints(self, endpoints: Iterable[OwnEnd]) -> None:
         """Leave out the server ends of this process's own connections (the daemon's scrapes of its
-        engines), named by their local (address, port). Without them an idle engine's port lists
-        nothing, and its poll costs a counter read, not also a lookup of the scrape's socket."""
+        engines), each named by (its local address, its local port, the server's port). Without
+        them an idle engine's port lists nothing, and its poll costs a counter read, not also a
+        lookup of the scrape's socket.
+
+        One that closed stays out until a full snapshot no longer lists its server end, or for
+        OWN_LINGER_S at most: a client of another port, or a later one of the same port on the
+        same local port (loopback reuses a TIME_WAIT pair at once), is watched as any other."""
         # A dual-stack (IPv6) listener's end of an IPv4 connection names its peer v4-mapped.
         endpoints = frozenset(endpoints)
-        endpoints |= {(f"::ffff:{address}", port) for address, port in endpoints if ":" not in address}
+        endpoints |= {(f"::ffff:{address}", port, server_port)
+                      for address, port, server_port in endpoints if ":" not in address}
         until = time.monotonic() + OWN_LINGER_S
         with self._lock:
             for closed in self._own_open - endpoints:
@@ -195,7 +202,7 @@ class ProcfsConnEventSource:
             self._own_open = endpoints
             self._own = endpoints | frozenset(self._own_closed)
 
-    def _own_now(self) -> frozenset[tuple[str, int]]:
+    def _own_now(self) -> frozenset[OwnEnd]:
         """The endpoints left out now (under ``_lock``): those that closed long enough ago are not."""
         if self._own_closed:
             now = time.monotonic()
@@ -270,9 +277,11 @@ class ProcfsConnEventSource:
             baseline_ports, self._baseline_ports = self._baseline_ports, set()
             own = self._own_now()
         scan_started_ns = time.time_ns()
-        current = self._snapshot(ports)
+        current, whole = self._snapshot(ports)
         if own:
-            current = {key: seen for key, seen in current.items() if (key[3], key[4]) not in own}
+            if whole and self._own_closed:
+                self._forget_own_gone(current)
+            current = {key: seen for key, seen in current.items() if (key[3], key[4], key[2]) not in own}
         scan_ns = time.time_ns()
         # The change happened after the previous snapshot began and before this one ended.
         earliest_ns = self._last_scan_ns if self._last_scan_ns is not None else scan_ns
@@ -289,7 +298,7 @@ class ProcfsConnEventSource:
                 transition = (_phase(before.state), _phase(now.state))
             events += self._events(key, transition, now.cookie, earliest_ns, scan_ns)
         for key, before in self._seen.items():
-            if key not in current and key[2] in ports and (key[3], key[4]) not in own:
+            if key not in current and key[2] in ports and (key[3], key[4], key[2]) not in own:
                 after = self._vanished(key, before)
                 if _phase(after) == "open":
                     current[key] = before  # came back between the dump and the lookup
@@ -300,6 +309,17 @@ class ProcfsConnEventSource:
         for event in events:
             self._queue.put(event)
         return events
+
+    def _forget_own_gone(self, listed: dict[SocketKey, _Seen]) -> None:
+        """Stop leaving out the closed own connections whose server end a whole snapshot no longer
+        lists: the next socket on that address pair is someone else's."""
+        present = {(key[3], key[4], key[2]) for key in listed}
+        with self._lock:
+            gone = [end for end in self._own_closed if end not in present]
+            if gone:
+                for end in gone:
+                    del self._own_closed[end]
+                self._own = self._own_open | frozenset(self._own_closed)
 
     def _vanished(self, key: SocketKey, before: _Seen) -> int | None:
         """The state of a socket missing from this snapshot: None (gone) from /proc/net/tcp, which
@@ -312,27 +332,30 @@ class ProcfsConnEventSource:
         except OSError:
             return None  # the next snapshot falls back to /proc/net/tcp if netlink broke
 
-    def _diag_entries(self, ports: frozenset[int]) -> list[tuple[SocketKey, int, int]]:
+    def _diag_entries(self, ports: frozenset[int]) -> tuple[list[tuple[SocketKey, int, int]], bool]:
         """A dump, or, when no TCP connection was accepted since the last one, a lookup of each
         socket it listed: an idle port costs a counter read instead of a walk of the whole
-        established hash (0.2 ms, most of the fallback's idle CPU)."""
+        established hash (0.2 ms, most of the fallback's idle CPU). True with a dump."""
         assert self._diag is not None
         accepts = self._accepts.read() if self._accepts is not None else None
         if (accepts is not None and accepts == self._accepts_at_dump and ports == self._dumped_ports
                 and len(self._seen) <= LOOKUPS_INSTEAD_OF_DUMP):
-            return self._diag.still_listed(self._seen)
+            return self._diag.still_listed(self._seen), False
         self._accepts_at_dump, self._dumped_ports = accepts, ports
-        return list(self._diag.sockets(ports))
+        return list(self._diag.sockets(ports)), True
 
-    def _snapshot(self, ports: frozenset[int]) -> dict[SocketKey, _Seen]:
+    def _snapshot(self, ports: frozenset[int]) -> tuple[dict[SocketKey, _Seen], bool]:
+        """The sockets on the ports, and whether that is every one of them (not only those looked up)."""
         if self._diag is not None:
             try:
-                return {key: _Seen(state, inode or None) for key, state, inode in self._diag_entries(ports)}
+                entries, whole = self._diag_entries(ports)
+                return {key: _Seen(state, inode or None) for key, state, inode in entries}, whole
             except OSError as exc:
                 log.warning("sock_diag failed (%s); parsing /proc/net/tcp from now on", exc)
                 self._diag.close()
                 self._diag = None
         current: dict[SocketKey, _Seen] = {}
+        whole = True
         for family, path in self._tables:
             try:
                 text = path.read_text()
@@ -340,9 +363,10 @@ class ProcfsConnEventSource:
                 if self._read_errors == 0:
                     log.warning("cannot read %s (%s); its sockets are not watched", path, exc)
                 self._read_errors += 1
+                whole = False
                 continue
             current.update(parse_proc_net_tcp(text, family, ports))
-        return current
+        return current, whole
 
     def _events(self, key: SocketKey, transition: tuple[str, str], cookie: int | None,
                 earliest_ns: int, ts_ns: int) -> list[ConnEvent]:

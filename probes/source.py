@@ -45,9 +45,9 @@ class ConnEventSource(Protocol):
 
     def server_pids(self) -> dict[int, int]: ...  # port -> the serving process, where known
 
-    # The local (address, port) of this process's own connections to watched ports (the daemon's
-    # scrapes of its engines' /metrics): not clients. A source may leave them out.
-    def set_own_endpoints(self, endpoints: Iterable[tuple[str, int]]) -> None: ...
+    # This process's own connections to watched ports (the daemon's scrapes of its engines'
+    # /metrics), as (local address, local port, server port): not clients. A source may leave them out.
+    def set_own_endpoints(self, endpoints: Iterable[tuple[str, int, int]]) -> None: ...
 
     def stop(self) -> None: ...
 

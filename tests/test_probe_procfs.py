@@ -401,7 +401,7 @@ def test_the_daemons_own_connections_are_left_out_and_cost_no_lookup(family: int
     own_accepted, _ = server.accept()
     opens.value += 2
     source.scan()  # seen before the scraper says it is its own
-    source.set_own_endpoints({own.getsockname()[:2]})
+    source.set_own_endpoints({(*own.getsockname()[:2], port_of(server))})
     client = socket.create_connection(("127.0.0.1", port_of(server)))
     accepted, _ = server.accept()
     opens.value += 2
@@ -428,11 +428,63 @@ def test_the_daemons_own_connections_are_left_out_and_cost_no_lookup(family: int
 def test_a_closed_own_connection_is_left_out_only_for_a_while(server: socket.socket,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     source = ProcfsConnEventSource([port_of(server)])
-    source.set_own_endpoints({("127.0.0.1", 40001), ("::1", 40002)})
-    assert source._own_now() == {("127.0.0.1", 40001), ("::ffff:127.0.0.1", 40001), ("::1", 40002)}
+    source.set_own_endpoints({("127.0.0.1", 40001, 8000), ("::1", 40002, 8000)})
+    assert source._own_now() == {("127.0.0.1", 40001, 8000), ("::ffff:127.0.0.1", 40001, 8000), ("::1", 40002, 8000)}
     monkeypatch.setattr("probes.procfs.OWN_LINGER_S", 0.05)
-    source.set_own_endpoints({("::1", 40002)})
-    assert ("127.0.0.1", 40001) in source._own_now()  # closed just now: still left out
+    source.set_own_endpoints({("::1", 40002, 8000)})
+    assert ("127.0.0.1", 40001, 8000) in source._own_now()  # closed just now: still left out
     time.sleep(0.06)
-    assert source._own_now() == {("::1", 40002)}
+    assert source._own_now() == {("::1", 40002, 8000)}
     source.stop()
+
+
+def test_a_client_of_another_port_is_watched_on_an_own_local_port(reader: str) -> None:
+    # The daemon's scrape of one engine and a client of another engine may share a local port (the
+    # kernel picks ephemeral ports by destination): only the scrape is the daemon's.
+    scraped, other = listener(), listener()
+    source = ProcfsConnEventSource([port_of(scraped), port_of(other)], sock_diag=reader == "sock_diag")
+    source.scan()
+    client = socket.create_connection(("127.0.0.1", port_of(other)))
+    accepted, _ = other.accept()
+    source.set_own_endpoints({("127.0.0.1", port_of(client), port_of(scraped))})
+    assert source.scan() == []
+    assert [key[4] for key in source._seen] == [port_of(client)]
+    client_port = port_of(client)
+    client.close()
+    assert [(e.kind, e.client_port, e.server_port) for e in source.scan()] == [(PEER_FIN, client_port, port_of(other))]
+    accepted.close()
+    source.stop()
+    scraped.close()
+    other.close()
+
+
+def test_a_closed_own_connection_is_watched_again_once_its_server_end_is_gone(reader: str) -> None:
+    # Loopback reuses an address pair in TIME_WAIT at once: a later client on the scrape's old local
+    # port is someone else, and must not wait out the 120 s linger unseen.
+    server = listener()
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=reader == "sock_diag")
+    opens = FixedOpens()
+    if reader == "sock_diag":
+        source._accepts = opens  # type: ignore[assignment]
+    source.scan()
+    own = socket.create_connection(("127.0.0.1", port_of(server)))
+    own_accepted, _ = server.accept()
+    end = (*own.getsockname()[:2], port_of(server))
+    source.set_own_endpoints({end})
+    opens.value += 1
+    source.scan()
+    own.close()
+    source.set_own_endpoints(set())
+    opens.value += 1  # a dump: the server end is still there, in CLOSE_WAIT
+    assert source.scan() == []
+    assert end in source._own_now()
+    own_accepted.close()  # its server end: LAST_ACK, gone once the scrape's end acknowledges
+    for _ in range(100):
+        opens.value += 1
+        assert source.scan() == []  # the own connection's close is never reported
+        if end not in source._own_now():
+            break
+        time.sleep(0.01)
+    assert end not in source._own_now()
+    source.stop()
+    server.close()
