@@ -389,6 +389,12 @@ class Daemon:
                 readings.lost_kernel_events = max(source.lost_events(), self._lost_reported)
             except Exception:  # a scrape shows the last figure the correlator stored rather than failing
                 readings.lost_kernel_events = self._lost_reported
+            if hasattr(source, "program_runs"):  # the eBPF probe: its own cost in the kernel
+                from probes.bpfsys import stats_enabled
+
+                readings.probe_runs = {tracepoint: (runs.run_ns, runs.runs)
+                                       for tracepoint, runs in source.program_runs().items()}
+                readings.probe_run_stats = stats_enabled()
         writer = self._parts.get("span_writer")
         if writer is not None:
             writer_stats = writer.stats()

@@ -52,6 +52,10 @@ class SourceReadings:
     spans_received: int = 0
     ingest_queue_spans: int = 0
     store_write_errors: dict[str, int] = field(default_factory=dict)  # by writer
+    # The eBPF probe's programs, per tracepoint: (kernel ns, runs), counted by the kernel only while
+    # kernel.bpf_stats_enabled is 1 (probe_run_stats; None: unreadable). Empty with other sources.
+    probe_runs: dict[str, tuple[int, int]] = field(default_factory=dict)
+    probe_run_stats: bool | None = None
 
 
 class _Buckets:
@@ -231,7 +235,26 @@ def readings_families(r: SourceReadings) -> Iterator[Metric]:
     for writer, count in sorted(r.store_write_errors.items()):
         errors.add_metric([writer], count)
     yield errors
+    if r.probe_runs:
+        yield from _probe_runs_families(r)
     source = GaugeMetricFamily("auditor_disconnect_source_info", "Disconnect source in use (none: no "
                                "disconnects are seen)", labels=["source"])
     source.add_metric([r.source], 1)
     yield source
+
+
+def _probe_runs_families(r: SourceReadings) -> Iterator[Metric]:
+    """The eBPF probe's own cost in the kernel: time its programs ran, on the CPUs of whichever
+    processes hit the tracepoints, so it shows in no process's CPU, the daemon's included."""
+    seconds = CounterMetricFamily("auditor_probe_kernel_seconds", "Time the probe's BPF programs ran in the "
+                                  "kernel, counted while kernel.bpf_stats_enabled is 1", labels=["tracepoint"])
+    runs = CounterMetricFamily("auditor_probe_runs", "Runs of the probe's BPF programs, counted while "
+                               "kernel.bpf_stats_enabled is 1", labels=["tracepoint"])
+    for tracepoint, (run_ns, count) in sorted(r.probe_runs.items()):
+        seconds.add_metric([tracepoint], run_ns / 1e9)
+        runs.add_metric([tracepoint], count)
+    yield seconds
+    yield runs
+    if r.probe_run_stats is not None:
+        yield GaugeMetricFamily("auditor_probe_run_stats_enabled", "1 while the kernel counts BPF programs' "
+                                "runs (sysctl kernel.bpf_stats_enabled)", value=int(r.probe_run_stats))

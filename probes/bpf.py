@@ -25,6 +25,7 @@ from typing import Any
 from auditor.errors import ConfigError
 from auditor.model import ConnEvent
 from probes import bpfsys, ringbuf
+from probes.bpfsys import ProgramRuns
 from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
 from probes.clock import MonotonicToWall
 from probes.decode import EventBuilder
@@ -273,6 +274,19 @@ class BpfConnEventSource:
         if self._stopped:
             return self._lost_at_stop + malformed
         return self._read_lost() + malformed
+
+    def program_runs(self) -> dict[str, ProgramRuns]:
+        """Per tracepoint, the kernel's run time and count of the probe's program there: the
+        probe's own cost, charged to whichever process hit the tracepoint (an engine, a client),
+        never to the daemon. Counted only while ``kernel.bpf_stats_enabled`` is 1 (see
+        ``bpfsys.stats_enabled``); empty before start, after stop or when unreadable."""
+        if not self._started or self._stopped:
+            return {}
+        try:
+            return self._program.program_runs()
+        except (OSError, ValueError):
+            log.debug("reading the program's run counts failed", exc_info=True)
+            return {}
 
     # -- internals --------------------------------------------------------------------------
     def _on_event(self, _ctx: Any, data: Any, size: int) -> int:

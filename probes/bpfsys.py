@@ -130,3 +130,35 @@ def possible_cpus(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:
         low, _, high = part.partition("-")
         count += int(high or low) - int(low) + 1
     return count
+
+
+STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
+
+
+@dataclass(frozen=True)
+class ProgramRuns:
+    """What the kernel counted of one program's runs: only while ``kernel.bpf_stats_enabled`` is 1."""
+
+    run_ns: int
+    runs: int
+
+
+def program_runs(fd: int, fdinfo: Path = Path("/proc/self/fdinfo")) -> ProgramRuns:
+    """The run time and count the kernel keeps for the program behind ``fd`` (its fdinfo); a
+    ValueError when ``fd`` is not a BPF program or the kernel predates these fields (5.1)."""
+    fields: dict[str, str] = {}
+    for line in (fdinfo / str(fd)).read_text().splitlines():
+        name, _, value = line.partition(":")
+        fields[name] = value.strip()
+    try:
+        return ProgramRuns(int(fields["run_time_ns"]), int(fields["run_cnt"]))
+    except (KeyError, ValueError):
+        raise ValueError(f"descriptor {fd} shows no BPF program run counts") from None
+
+
+def stats_enabled(path: Path = STATS_SYSCTL) -> bool | None:
+    """Whether the kernel counts BPF programs' runs now; None when it cannot be read."""
+    try:
+        return path.read_text().strip() not in ("", "0")
+    except OSError:
+        return None

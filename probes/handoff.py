@@ -82,6 +82,12 @@ class LoadedProgram:
         raw = bpfsys.map_lookup(self.fds["map:lost_events"], _INDEX.pack(0), 8 * self._cpus)
         return sum(value for (value,) in _COUNTER.iter_unpack(raw))
 
+    def program_runs(self) -> dict[str, bpfsys.ProgramRuns]:
+        """Per tracepoint, the run time and count the kernel keeps of its program (zero and still
+        while ``kernel.bpf_stats_enabled`` is 0)."""
+        return {name.removeprefix("program:"): bpfsys.program_runs(fd)
+                for name, fd in self.fds.items() if name.startswith("program:")}
+
     def close(self) -> None:
         close_all(self.fds)
         self.fds = {}
@@ -203,12 +209,13 @@ def _garbage(what: str) -> ProbeUnavailable:
 
 
 def _named_fds(message: dict[str, Any], fds: list[int]) -> dict[str, int]:
-    """name -> descriptor for the maps and the attached tracepoints; each descriptor used once."""
-    maps, attached = message.get("maps"), message.get("attached")
-    if not isinstance(maps, dict) or not isinstance(attached, dict):
-        raise _garbage("maps or attached missing")
+    """name -> descriptor for the maps, the attached tracepoints and their programs; each
+    descriptor used once."""
+    maps, attached, programs = message.get("maps"), message.get("attached"), message.get("programs")
+    if not isinstance(maps, dict) or not isinstance(attached, dict) or not isinstance(programs, dict):
+        raise _garbage("maps, attached or programs missing")
     named: dict[str, int] = {}
-    for group, entries in (("map", maps), ("tracepoint", attached)):
+    for group, entries in (("map", maps), ("tracepoint", attached), ("program", programs)):
         for name, index in entries.items():
             if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(fds):
                 raise _garbage(f"{group} {name!r} names descriptor {index!r} of {len(fds)}")
@@ -227,8 +234,9 @@ def _check_kernel_objects(named: dict[str, int], ringbuf_bytes: int,
         "map:server_pids": (bpfsys.BPF_MAP_TYPE_HASH, 2, 4, None),
     }
     attached = {f"tracepoint:{tp}" for tp in tracepoints}
-    if set(named) != set(expected) | attached:
-        raise _garbage(f"expected {sorted(set(expected) | attached)}, got {sorted(named)}")
+    programs = {f"program:{tp}" for tp in tracepoints}
+    if set(named) != set(expected) | attached | programs:
+        raise _garbage(f"expected {sorted(set(expected) | attached | programs)}, got {sorted(named)}")
     for name, (map_type, key, value, entries) in expected.items():
         try:
             info = bpfsys.map_info(named[name])
@@ -238,10 +246,12 @@ def _check_kernel_objects(named: dict[str, int], ringbuf_bytes: int,
                 entries is not None and info.max_entries != entries):
             raise _garbage(f"{name} is {info}, expected type {map_type}, key {key}, value {value}"
                            f", entries {entries}")
-    for name in attached:
-        target = os.readlink(f"/proc/self/fd/{named[name]}")
-        if target != "anon_inode:[perf_event]":
-            raise _garbage(f"{name} is {target}, not a perf event")
+    for names, kind, what in ((attached, "anon_inode:[perf_event]", "a perf event"),
+                              (programs, "anon_inode:bpf-prog", "a BPF program")):
+        for name in names:
+            target = os.readlink(f"/proc/self/fd/{named[name]}")
+            if target != kind:
+                raise _garbage(f"{name} is {target}, not {what}")
 
 
 def _record(fmt: object) -> struct.Struct:

@@ -15,7 +15,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from probes.bpfsys import ProgramRuns, program_runs
 from probes.decode import struct_format
+from probes.loader import TRACEPOINT_FUNCTION_PREFIX
 from probes.source import ProbeUnavailable
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,12 @@ class BccProgram:
 
     def lost(self) -> int:
         return int(sum(self._lost[ctypes.c_int(0)]))
+
+    def program_runs(self) -> dict[str, ProgramRuns]:
+        """As ``LoadedProgram.program_runs``: the kernel's counts for each tracepoint's program."""
+        return {tracepoint.decode(): program_runs(
+                    self._bpf.funcs[TRACEPOINT_FUNCTION_PREFIX + tracepoint.replace(b":", b"__")].fd)
+                for tracepoint in self._bpf.tracepoint_fds}
 
     def close(self) -> None:
         self._bpf.cleanup()

@@ -8,6 +8,9 @@ answer plus, with SCM_RIGHTS, the descriptors that keep the program alive and us
 
 - the perf-event descriptor of each attached tracepoint (a tracepoint program stays attached
   while any descriptor refers to its perf event),
+- the program descriptor behind each tracepoint: its fdinfo carries the run time and count the
+  kernel keeps while ``kernel.bpf_stats_enabled`` is 1 (the probe's own cost, which is charged to
+  whichever process hit the tracepoint, not to the daemon),
 - the ``events`` ring buffer, ``watched_ports``, ``lost_events`` and ``server_pids`` maps.
 
 Then it leaves with ``os._exit``: bcc's exit handler would otherwise detach the tracepoints
@@ -29,6 +32,7 @@ from typing import Any
 
 MAX_REQUEST_BYTES = 1 << 20
 MAP_NAMES = ("events", "watched_ports", "lost_events", "server_pids")
+TRACEPOINT_FUNCTION_PREFIX = b"tracepoint__"  # bcc's name for TRACEPOINT_PROBE(category, event)
 
 
 class LoadFailed(Exception):
@@ -85,10 +89,17 @@ def load(text: str, cflags: list[str]) -> tuple[dict[str, Any], list[int], Any]:
     except Exception as exc:  # a map of another kind, or a layout bcc cannot give
         raise LoadFailed(f"the program lacks what the probe reads ({first_line(exc)})") from None
     attached: dict[str, int] = {}
+    programs: dict[str, int] = {}
     for tracepoint, fd in bpf.tracepoint_fds.items():
         attached[tracepoint.decode()] = len(fds)
         fds.append(int(fd))
-    return {"ok": True, "maps": maps, "attached": attached, "record_format": record.format}, fds, bpf
+        function = bpf.funcs.get(TRACEPOINT_FUNCTION_PREFIX + tracepoint.replace(b":", b"__"))
+        if function is None:
+            raise LoadFailed(f"no TRACEPOINT_PROBE function runs on {tracepoint.decode()}")
+        programs[tracepoint.decode()] = len(fds)
+        fds.append(int(function.fd))
+    return ({"ok": True, "maps": maps, "attached": attached, "programs": programs,
+             "record_format": record.format}, fds, bpf)
 
 
 def answer(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> None:

@@ -61,6 +61,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.fixture
+def bpf_run_stats() -> Iterator[None]:
+    """The kernel counts BPF programs' runs (kernel.bpf_stats_enabled) during the test; as it was after."""
+    from probes.bpfsys import STATS_SYSCTL
+
+    before = STATS_SYSCTL.read_text()
+    STATS_SYSCTL.write_text("1")
+    try:
+        yield
+    finally:
+        STATS_SYSCTL.write_text(before)
+
+
+@pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
     """A fresh SQLite store built by running the migrations."""
     s = Store(f"sqlite:///{tmp_path / 'auditor.db'}")

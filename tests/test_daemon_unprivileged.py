@@ -76,7 +76,7 @@ def state_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_unit_capabilities_without_root_load_the_probe(state_dir: Path) -> None:
+def test_unit_capabilities_without_root_load_the_probe(state_dir: Path, bpf_run_stats: None) -> None:
     caps = unit_capabilities()
     metrics_port = free_port()
     with socket.create_server(("127.0.0.1", 0)) as server:
@@ -103,6 +103,14 @@ def test_unit_capabilities_without_root_load_the_probe(state_dir: Path) -> None:
             assert wait_for(lambda: 'auditor_disconnects_total{kind="rst"} 1.0' in metrics(metrics_port),
                             timeout_s=20), metrics(metrics_port)[-2000:]
             accepted.close()  # already reset: a close of the engine's, but no transition it makes
+            # The probe's own cost in the kernel, read from descriptors a non-root daemon holds.
+            own = metrics(metrics_port)
+            assert "auditor_probe_run_stats_enabled 1.0" in own
+            runs = {line.split("}")[0].split('"')[1]: float(line.rsplit(" ", 1)[1])
+                    for line in own.splitlines() if line.startswith("auditor_probe_runs_total{")}
+            assert runs.keys() == {"sock:inet_sock_set_state", "tcp:tcp_receive_reset"} and min(runs.values()) >= 1, own
+            assert float(own.split("auditor_probe_kernel_seconds_total{tracepoint=\"tcp:tcp_receive_reset\"} ")[1]
+                         .split()[0]) > 0
             named = f"port {watched}: engine process {os.getpid()}, seen closing a connection by the eBPF probe"
             assert named not in log.read_text()
             client = socket.create_connection(("127.0.0.1", watched))

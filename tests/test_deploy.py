@@ -15,6 +15,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from auditor.metrics import SourceReadings, readings_families
 from tests.e2e import running_daemon
 
 DEPLOY = Path(__file__).resolve().parent.parent / "docs" / "deploy"
@@ -49,7 +50,12 @@ def exported_series_names(port: int) -> dict[str, set[str]]:
 def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
     with running_daemon(tmp_path_factory.mktemp("deploy"), **{"probe.source": "procfs"}) as daemon:
         assert daemon.status.metrics_port
-        return exported_series_names(daemon.status.metrics_port)
+        names = exported_series_names(daemon.status.metrics_port)
+    # What only the eBPF source adds (the probe's kernel time), from the same code, with its readings.
+    ebpf = SourceReadings(source="bpf", probe_runs={"sock:inet_sock_set_state": (1, 1)}, probe_run_stats=True)
+    for family in readings_families(ebpf):
+        names.setdefault(family.name, {family.name + suffix for suffix in SUFFIXES.get(family.type, ("",))})
+    return names
 
 
 def dashboard_exprs() -> list[str]:

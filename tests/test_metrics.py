@@ -82,6 +82,25 @@ def test_sources_are_read_when_prometheus_scrapes() -> None:
         server.shutdown()
 
 
+def test_the_probes_kernel_time_shows_with_the_ebpf_source_only() -> None:
+    readings = SourceReadings(source="procfs")
+    metrics = DaemonMetrics(lambda: readings)
+    server, _thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+    try:
+        assert not [name for name in scrape(server.server_port) if name.startswith("auditor_probe_")]
+        readings.source, readings.probe_run_stats = "bpf", False
+        readings.probe_runs = {"sock:inet_sock_set_state": (2_500_000_000, 40), "tcp:tcp_receive_reset": (0, 0)}
+        shown = scrape(server.server_port)
+        assert shown["auditor_probe_kernel_seconds_total"] == {
+            (("tracepoint", "sock:inet_sock_set_state"),): 2.5, (("tracepoint", "tcp:tcp_receive_reset"),): 0}
+        assert shown["auditor_probe_runs_total"][(("tracepoint", "sock:inet_sock_set_state"),)] == 40
+        assert shown["auditor_probe_run_stats_enabled"] == {(): 0}
+        readings.probe_run_stats = None  # the sysctl unreadable: no claim either way
+        assert "auditor_probe_run_stats_enabled" not in scrape(server.server_port)
+    finally:
+        server.shutdown()
+
+
 def test_label_values_are_bounded() -> None:
     metrics = DaemonMetrics()
     labels = [metrics._label("route", f"/r{i}") for i in range(MAX_LABEL_VALUES + 5)]

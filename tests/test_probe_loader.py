@@ -101,6 +101,50 @@ def test_child_loaded_probe_sees_fin_and_rst_after_the_child_is_gone() -> None:
 
 
 @pytest.mark.privileged
+@pytest.mark.parametrize("loader", ["child", "inprocess"])
+def test_the_kernel_counts_the_probes_runs_while_asked(loader: str, bpf_run_stats: None) -> None:
+    # Every state change of every TCP socket on the host runs the program, watched port or not.
+    server = socket.create_server(("127.0.0.1", 0))
+    source = BpfConnEventSource([server.getsockname()[1]], host="loader-test", loader=loader)
+    assert source.program_runs() == {}  # not started
+    try:
+        source.start()
+        before = source.program_runs()
+        assert set(before) == set(TRACEPOINT_NAMES)
+        for _ in range(20):
+            closes(server, reset=False)
+        closes(server, reset=True)
+        after = source.program_runs()
+        states = TRACEPOINT_NAMES[0]
+        # A FIN close on loopback walks both ends through at least six states between them.
+        assert after[states].runs - before[states].runs >= 20 * 6
+        assert after[states].run_ns > before[states].run_ns
+        bpfsys.STATS_SYSCTL.write_text("0")  # not asked: the kernel counts nothing
+        stopped_at = source.program_runs()
+        closes(server, reset=False)
+        assert source.program_runs() == stopped_at
+    finally:
+        source.stop()
+        server.close()
+    assert source.program_runs() == {}
+
+
+def test_run_counts_come_from_a_programs_fdinfo_and_nothing_else(tmp_path: Path) -> None:
+    (tmp_path / "7").write_text("pos:\t0\nprog_type:\t5\nrun_time_ns:\t1234\nrun_cnt:\t9\n")
+    (tmp_path / "8").write_text("pos:\t0\nflags:\t02\n")  # a map, a file: no run counts
+    (tmp_path / "9").write_text("run_time_ns:\tmany\nrun_cnt:\t1\n")
+    assert bpfsys.program_runs(7, tmp_path) == bpfsys.ProgramRuns(1234, 9)
+    for fd in (8, 9):
+        with pytest.raises(ValueError, match=f"descriptor {fd} shows no BPF program run counts"):
+            bpfsys.program_runs(fd, tmp_path)
+    (tmp_path / "on").write_text("1\n")
+    (tmp_path / "off").write_text("0\n")
+    assert bpfsys.stats_enabled(tmp_path / "on") is True
+    assert bpfsys.stats_enabled(tmp_path / "off") is False
+    assert bpfsys.stats_enabled(tmp_path / "absent") is None
+
+
+@pytest.mark.privileged
 def test_stop_frees_the_program_and_its_maps() -> None:
     # The kernel frees a map once nothing refers to it: not the child (gone), not a perf event
     # (detached), not the daemon (closed). Freeing is deferred, hence the wait.
@@ -182,8 +226,9 @@ def test_a_child_that_dies_is_named_with_its_exit_status_and_last_words() -> Non
     (b"garbage", "not JSON"),
     (b"[1, 2]", "not an answer object"),
     (b'{"ok": false}', "a failure without a reason"),
-    (b'{"ok": true, "maps": {"events": 0}, "attached": {}}', "descriptor 0 of 0"),
-    (b'{"ok": true}', "maps or attached missing"),
+    (b'{"ok": true, "maps": {"events": 0}, "attached": {}, "programs": {}}', "descriptor 0 of 0"),
+    (b'{"ok": true, "maps": {}, "attached": {}}', "maps, attached or programs missing"),
+    (b'{"ok": true}', "maps, attached or programs missing"),
 ])
 def test_garbage_from_the_child_is_a_clear_error(answer: bytes, message: str) -> None:
     with pytest.raises(ProbeUnavailable, match="the BPF loader's answer is not usable") as caught:
@@ -199,10 +244,11 @@ def test_a_failure_the_child_reports_is_passed_on_as_its_reason() -> None:
 
 
 def test_descriptors_that_are_not_the_probes_maps_are_refused_and_closed() -> None:
-    # Six descriptors under the right names, but files: the kernel says they are not BPF maps.
-    code = ("fds = [os.open('/dev/null', os.O_RDONLY) for _ in range(6)]\n"
+    # Eight descriptors under the right names, but files: the kernel says they are not BPF maps.
+    code = ("fds = [os.open('/dev/null', os.O_RDONLY) for _ in range(8)]\n"
             "names = {'maps': {'events': 0, 'watched_ports': 1, 'lost_events': 2, 'server_pids': 5},\n"
             f"         'attached': {{{TRACEPOINT_NAMES[0]!r}: 3, {TRACEPOINT_NAMES[1]!r}: 4}},\n"
+            f"         'programs': {{{TRACEPOINT_NAMES[0]!r}: 6, {TRACEPOINT_NAMES[1]!r}: 7}},\n"
             "         'ok': True, 'record_format': '=QQ16s16sHHHBB'}\n"
             "socket.send_fds(sock, [json.dumps(names).encode()], fds)\n")
     before = len(os.listdir("/proc/self/fd"))
