@@ -62,9 +62,12 @@ class BccProgram:
 
     def program_runs(self) -> dict[str, ProgramRuns]:
         """As ``LoadedProgram.program_runs``: the kernel's counts for each tracepoint's program."""
-        return {tracepoint.decode(): program_runs(
-                    self._bpf.funcs[TRACEPOINT_FUNCTION_PREFIX + tracepoint.replace(b":", b"__")].fd)
-                for tracepoint in self._bpf.tracepoint_fds}
+        runs = {}
+        for tracepoint in self._bpf.tracepoint_fds:
+            function = self._bpf.funcs.get(TRACEPOINT_FUNCTION_PREFIX + tracepoint.replace(b":", b"__"))
+            if function is not None:  # attached otherwise than by TRACEPOINT_PROBE: not counted here
+                runs[tracepoint.decode()] = program_runs(function.fd)
+        return runs
 
     def close(self) -> None:
         self._bpf.cleanup()
