@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import selectors
 import signal
 import socket
@@ -21,6 +22,7 @@ from click.testing import CliRunner
 
 from auditor.cli import cli
 from auditor.config import Config
+from probes import bpfsys
 
 # The --json line schema, as documented in docs/probe.md.
 EVENT_LINE_SCHEMA: dict[str, Any] = {
@@ -172,6 +174,8 @@ def run_stream(server: socket.socket, source: str, sig: int) -> None:
     assert mine[0]["server_port"] == port and mine[0]["family"] == 4
     assert code == 0, stderr
     assert ("0 lost" if source == "bpf" else "losses not countable") in stderr
+    if source == "bpf" and bpfsys.stats_enabled() is False:
+        assert "in the kernel" not in stderr  # not counted, so not told
     assert "Traceback" not in stderr
 
 
@@ -179,6 +183,23 @@ def run_stream(server: socket.socket, source: str, sig: int) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_json_stream_from_the_kernel_stops_cleanly(server: socket.socket, sig: int) -> None:
     run_stream(server, "bpf", sig)
+
+
+@pytest.mark.privileged
+def test_the_kernel_time_of_the_probe_is_told_at_stop_where_counted(server: socket.socket,
+                                                                    bpf_run_stats: None) -> None:
+    port = server.getsockname()[1]
+    child = Probe("--port", str(port), "--json", "--source", "bpf")
+    try:
+        child.wait_stderr("with bpf")
+        client_port = one_connection(server)
+        child.read_json_until(lambda rs: any(r["kind"] == "closed" and r["client_port"] == client_port for r in rs))
+    finally:
+        code, stderr = child.stop()
+    assert code == 0, stderr
+    told = re.search(r"; in the kernel: ([\d,]+) program runs, ([\d.,]+) ms, ([\d,]+) ns a run$", stderr.strip())
+    assert told, stderr
+    assert int(told.group(1).replace(",", "")) >= 5  # the one connection's server end alone changed state 5 times
 
 
 def test_json_stream_from_the_fallback(server: socket.socket) -> None:

@@ -118,9 +118,21 @@ def probe(config: Config, ports: tuple[int, ...], as_json: bool, dump_bpf: bool,
             # about stdout again at exit.
             sys.stdout = open("/dev/null", "w")  # noqa: SIM115
         finally:
+            kernel = kernel_time_text(src)
             src.stop()
     if src.name == "procfs":
         lost_text = "losses not countable: /proc polling misses what happens between polls"
     else:
         lost_text = f"{src.lost_events()} lost"
-    click.echo(f"stopped: {shown} events shown, {lost_text} ({src.name})", err=True)
+    click.echo(f"stopped: {shown} events shown, {lost_text} ({src.name}){kernel}", err=True)
+
+
+def kernel_time_text(src: object) -> str:
+    """The eBPF probe's runs in the kernel while it watched, where the kernel counted them
+    (kernel.bpf_stats_enabled=1); empty otherwise."""
+    runs: dict[str, Any] = getattr(src, "program_runs", dict)()
+    count = sum(run.runs for run in runs.values())
+    if not count:
+        return ""
+    run_ns = sum(run.run_ns for run in runs.values())
+    return f"; in the kernel: {count:,} program runs, {run_ns / 1e6:,.1f} ms, {run_ns / count:,.0f} ns a run"
