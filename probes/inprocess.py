@@ -17,7 +17,7 @@ from typing import Any
 
 from probes.bpfsys import ProgramRuns, program_runs
 from probes.decode import struct_format
-from probes.loader import TRACEPOINT_FUNCTION_PREFIX
+from probes.loader import tracepoint_function
 from probes.source import ProbeUnavailable
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class BccProgram:
         """As ``LoadedProgram.program_runs``: the kernel's counts for each tracepoint's program."""
         runs = {}
         for tracepoint in self._bpf.tracepoint_fds:
-            function = self._bpf.funcs.get(TRACEPOINT_FUNCTION_PREFIX + tracepoint.replace(b":", b"__"))
+            function = self._bpf.funcs.get(tracepoint_function(tracepoint))
             if function is not None:  # attached otherwise than by TRACEPOINT_PROBE: not counted here
                 runs[tracepoint.decode()] = program_runs(function.fd)
         return runs

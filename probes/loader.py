@@ -32,7 +32,11 @@ from typing import Any
 
 MAX_REQUEST_BYTES = 1 << 20
 MAP_NAMES = ("events", "watched_ports", "lost_events", "server_pids")
-TRACEPOINT_FUNCTION_PREFIX = b"tracepoint__"  # bcc's name for TRACEPOINT_PROBE(category, event)
+
+
+def tracepoint_function(tracepoint: bytes) -> bytes:
+    """bcc's name for the function of ``TRACEPOINT_PROBE(category, event)``, by ``category:event``."""
+    return b"tracepoint__" + tracepoint.replace(b":", b"__")
 
 
 class LoadFailed(Exception):
@@ -93,7 +97,7 @@ def load(text: str, cflags: list[str]) -> tuple[dict[str, Any], list[int], Any]:
     for tracepoint, fd in bpf.tracepoint_fds.items():
         attached[tracepoint.decode()] = len(fds)
         fds.append(int(fd))
-        function = bpf.funcs.get(TRACEPOINT_FUNCTION_PREFIX + tracepoint.replace(b":", b"__"))
+        function = bpf.funcs.get(tracepoint_function(tracepoint))
         if function is None:
             raise LoadFailed(f"no TRACEPOINT_PROBE function runs on {tracepoint.decode()}")
         programs[tracepoint.decode()] = len(fds)
