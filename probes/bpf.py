@@ -31,7 +31,7 @@ from probes.clock import MonotonicToWall
 from probes.decode import EventBuilder
 from probes.handoff import LoadedProgram, load_in_child
 from probes.inprocess import BccProgram
-from probes.source import ProbeUnavailable, validate_ports
+from probes.source import OwnEnd, ProbeUnavailable, validate_ports
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class BpfConnEventSource:
             self._apply_ports(new_ports, self._ports)
         self._ports = new_ports
 
-    def set_own_endpoints(self, endpoints: Iterable[tuple[str, int, int]]) -> None:
+    def set_own_endpoints(self, endpoints: Iterable[OwnEnd]) -> None:
         """Kept: the kernel reports the daemon's own connections at no cost to it, and their closes
         are idle closes to the correlator (the /proc poller leaves them out to save its lookups)."""
 

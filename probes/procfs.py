@@ -25,7 +25,7 @@ from pathlib import Path
 
 from auditor.model import ConnEvent, ConnEventKind
 from probes.sockdiag import SockDiag, TcpAccepts
-from probes.source import validate_ports
+from probes.source import OwnEnd, validate_ports
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,6 @@ STOP_CHECK_S = 0.25  # the longest the poller sleeps without looking whether it 
 OWN_LINGER_S = 120.0
 
 SocketKey = tuple[int, str, int, str, int]  # family, server addr, server port, client addr, client port
-OwnEnd = tuple[str, int, int]  # the daemon's own connection: its address, its port, the server's port
 
 
 @dataclass(slots=True)

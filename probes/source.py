@@ -19,6 +19,10 @@ log = logging.getLogger(__name__)
 
 SOURCE_CHOICES = ("auto", "bpf", "procfs")
 
+# One of the daemon's own connections, as the server sees it: (the daemon's address, its local
+# port, the server's port), the shape the correlator joins connections by.
+OwnEnd = tuple[str, int, int]
+
 
 class ProbeUnavailable(AuditorError):
     """The eBPF probe cannot run here; the message says why and how to fix it."""
@@ -46,8 +50,8 @@ class ConnEventSource(Protocol):
     def server_pids(self) -> dict[int, int]: ...  # port -> the serving process, where known
 
     # This process's own connections to watched ports (the daemon's scrapes of its engines'
-    # /metrics), as (local address, local port, server port): not clients. A source may leave them out.
-    def set_own_endpoints(self, endpoints: Iterable[tuple[str, int, int]]) -> None: ...
+    # /metrics): not clients. A source may leave them out.
+    def set_own_endpoints(self, endpoints: Iterable[OwnEnd]) -> None: ...
 
     def stop(self) -> None: ...
 
