@@ -297,7 +297,7 @@ def event_rate(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     lost = source.lost_events()
     source.stop()
     with store.engine.connect() as conn:
-        stored = conn.exec_driver_sql("SELECT count(*) FROM conn_events").scalar_one()
+        stored = conn.exec_driver_sql("SELECT coalesce(sum(count), 0) FROM conn_event_blocks").scalar_one()
     store.close()
     return {"connections": connections, "stored": stored, "written": writer.written,
             "lost": lost, "seconds": wall, "user_ms_per_1k": 1e6 * user / max(stored, 1),

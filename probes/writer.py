@@ -1,10 +1,11 @@
 """Batched writes of connection events to the store.
 
 The daemon's poll loop calls ``add()`` with whatever a source returned (an empty list too, so the
-time-based flush happens on quiet hosts). Rows go to a ``auditor.sink.Sink`` (the daemon hands
-it the store): one transaction per batch. A failed write never raises out of
-``add()``: the batch is kept and retried on the next flush, up to ``max_pending`` events, beyond
-which the oldest are dropped and counted in ``dropped``. ``add`` and ``flush`` may be called from
+time-based flush happens on quiet hosts). Batches go to a ``auditor.sink.Sink`` (the daemon hands
+it the store, which keeps a batch as one row): one transaction per batch. A failed write never
+raises out of ``add()``: the batch is kept and retried on the next flush, up to ``max_pending``
+events, beyond which the oldest are dropped and counted in ``dropped`` (with any event the sink
+said it could never store). ``add`` and ``flush`` may be called from
 different threads (the daemon's probe loop adds, its correlation round flushes).
 """
 
@@ -44,7 +45,7 @@ class ConnEventWriter:
         self._last_flush = monotonic()
         self._failing = False
         self.written = 0  # events stored so far
-        self.dropped = 0  # events given up on because the store kept failing
+        self.dropped = 0  # events given up on: the store kept failing, or could never hold them
         self.write_errors = 0
 
     @property
@@ -79,7 +80,7 @@ class ConnEventWriter:
             count = min(self.batch_size, len(self._pending))
             batch = [self._pending[i] for i in range(count)]
             try:
-                self._sink.write(batch)
+                stored = self._sink.write(batch)
             except StoreError as exc:
                 self.write_errors += 1
                 if not self._failing:
@@ -90,7 +91,8 @@ class ConnEventWriter:
             for _ in range(count):
                 self._pending.popleft()
             written += count
-            self.written += count
+            self.written += stored
+            self.dropped += count - stored  # events the store could never hold (it logged them)
         if self._failing and written:
             log.info("storing connection events works again")
             self._failing = False

@@ -21,6 +21,7 @@ from auditor.model import (
     Verdict,
 )
 from auditor.store import CoverageRow, Store, VerdictRow
+from auditor.store.eventblocks import event_id
 
 S = 1_000_000_000
 T0 = 1_800_000_000 * S
@@ -798,15 +799,17 @@ def test_what_coverage_counted_is_remembered_only_while_a_restart_could_count_it
     correlator = make(store, clock)
     other = ("127.0.0.1", 40002)
     store.insert_spans([http_span("a", 0, 0.5)])
-    # Event 1, a close still in its window, comes before event 2, an idle close of long ago (a
-    # poller's order): the saved position stays before event 1, so a restart reads both again.
+    # The first event, a close still in its window, comes before the second, an idle close of long
+    # ago (a poller's order): the saved position stays before the first, so a restart reads both
+    # again, the part of their block read before it too.
     store.insert_conn_events([close(6.5, client=other), close(1.0)])
     clock.now = T0 + 7 * S
     correlator.tick()
-    assert coverage(store, "idle_close") == 1 and set(correlator._counted) == {"ev:2"}
+    second = f"ev:{event_id(1, 1)}"
+    assert coverage(store, "idle_close") == 1 and set(correlator._counted) == {second}
     restarted = make(store, clock)  # a restart within the horizon knows it: no second count
     restarted.tick()
-    assert coverage(store, "idle_close") == 1 and "ev:2" in restarted._counted
+    assert coverage(store, "idle_close") == 1 and second in restarted._counted
     # Once event 1 is settled too, the position passes both: no restart reads them again.
     clock.now = T0 + 30 * S
     restarted.tick()

@@ -20,7 +20,7 @@ from sqlalchemy import func, select
 
 from auditor.correlate.correlator import EVENTS_SETTLE_NS
 from auditor.model import CoverageKind
-from auditor.store import ConnEventRow, CoverageRow, SpanRow
+from auditor.store import CoverageRow, SpanRow
 from replay.engine.launch import running_engine
 from tests.e2e import (
     GRACE_S,
@@ -338,8 +338,7 @@ def test_a_request_on_a_reused_4_tuple_is_not_the_one_the_client_left(tmp_path: 
         # few correlation rounds (0.2 s each) after it.
         time.sleep(EVENTS_SETTLE_NS / 1e9 + 1.0)
         rows = verdict_rows(daemon)
-        with daemon.store.session() as session:
-            kinds = list(session.scalars(select(ConnEventRow.kind).where(ConnEventRow.client_port == client_port)))
+        kinds = [event.kind.value for event in daemon.store.conn_events() if event.client_port == client_port]
     assert truths["cmpl-reuse-second"]["disconnect_at"] is None and truths["cmpl-reuse-second"]["finish_reason"] == "length"
     assert reused_port == client_port
     # Each connection's departure: a FIN, which the /proc source reads as a reset when the server's

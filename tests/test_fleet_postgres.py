@@ -13,6 +13,7 @@ read across them. The figures are printed (``pytest -s`` shows them).
 
 from __future__ import annotations
 
+import collections
 import http.client
 import json
 import os
@@ -135,11 +136,10 @@ def span_summary(store: Store) -> list[Any]:
 def dump(store: Store) -> str:
     """What each host holds, for a failure message."""
     with store.engine.connect() as conn:
-        events = conn.execute(text("SELECT host, server_port, kind, count(*) FROM conn_events "
-                                   "GROUP BY host, server_port, kind ORDER BY host")).all()
         verdicts = conn.execute(text("SELECT host, server_port, request_id, verdict FROM verdicts "
                                      "ORDER BY host, request_id")).all()
-    return f"events {events}\nverdicts {verdicts}"
+    events = collections.Counter((e.host, e.server_port, e.kind.value) for e in store.conn_events())
+    return f"events {sorted(events.items())}\nverdicts {verdicts}"
 
 
 def verdicts_by_host(store: Store) -> dict[str, dict[str, str]]:

@@ -22,7 +22,7 @@ import pytest
 from auditor.config import Config
 from auditor.errors import ConfigError
 from auditor.model import ConnEvent, ConnEventKind
-from auditor.store import ConnEventRow, Store
+from auditor.store import Store
 from probes import open_source
 from probes.bpf import BpfConnEventSource
 from probes.writer import ConnEventWriter
@@ -430,9 +430,8 @@ def test_events_from_the_kernel_land_in_the_store(probe: Probe, store: Store) ->
     writer = ConnEventWriter(store, batch_size=4)
     writer.add(probe.of(port_of(server)))
     writer.close()
-    with store.session() as session:
-        rows = session.query(ConnEventRow).filter_by(server_port=port_of(server)).all()
-    assert sorted((r.client_port, r.kind) for r in rows) == sorted(
+    rows = [event for event in store.conn_events() if event.server_port == port_of(server)]
+    assert sorted((r.client_port, r.kind.value) for r in rows) == sorted(
         (p, k) for p in client_ports for k in ("peer_fin", "closed"))
     assert all(r.cookie is not None and r.cookie > 0 and r.source == "bpf" for r in rows)
     server.close()

@@ -5,11 +5,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-from sqlalchemy import func, select
 
 from auditor.errors import StoreError
 from auditor.model import ConnEvent, ConnEventKind
-from auditor.store import ConnEventRow, Store
+from auditor.store import Store
 from probes.writer import ConnEventWriter
 
 
@@ -22,8 +21,7 @@ def make_events(count: int, start: int = 0) -> list[ConnEvent]:
 
 
 def stored(store: Store) -> int:
-    with store.session() as session:
-        return int(session.scalar(select(func.count()).select_from(ConnEventRow)) or 0)
+    return len(store.conn_events())
 
 
 def test_full_batches_are_written_as_they_fill(store: Store) -> None:
@@ -32,11 +30,10 @@ def test_full_batches_are_written_as_they_fill(store: Store) -> None:
     assert (stored(store), writer.pending, writer.written) == (6, 1, 6)
     assert writer.flush() == 1
     assert stored(store) == 7
-    with store.session() as session:
-        first = session.scalars(select(ConnEventRow).order_by(ConnEventRow.ts_ns)).first()
-    assert first is not None
+    assert store.conn_events() == make_events(7)
+    first = store.conn_events()[0]
     assert (first.kind, first.cookie, first.client_port, first.source) == (
-        "peer_fin", 0x7FFF_8881_05BA_5340, 40_000, "bpf")
+        ConnEventKind.PEER_FIN, 0x7FFF_8881_05BA_5340, 40_000, "bpf")
 
 
 def test_interval_flush_on_a_quiet_host(store: Store) -> None:
@@ -53,7 +50,7 @@ def test_a_failing_store_keeps_events_and_never_raises_from_add(
         store: Store, caplog: pytest.LogCaptureFixture) -> None:
     writer = ConnEventWriter(store, batch_size=2, flush_interval_s=60)
     with store.engine.begin() as conn:  # make every insert fail, for real
-        conn.exec_driver_sql("ALTER TABLE conn_events RENAME TO conn_events_away")
+        conn.exec_driver_sql("ALTER TABLE conn_event_blocks RENAME TO away")
     with caplog.at_level(logging.ERROR):
         writer.add(make_events(5))
         writer.add(make_events(1, start=5))
@@ -62,14 +59,14 @@ def test_a_failing_store_keeps_events_and_never_raises_from_add(
     with pytest.raises(StoreError):
         writer.flush()
     with store.engine.begin() as conn:
-        conn.exec_driver_sql("ALTER TABLE conn_events_away RENAME TO conn_events")
+        conn.exec_driver_sql("ALTER TABLE away RENAME TO conn_event_blocks")
     writer.close()
     assert stored(store) == 6 and writer.pending == 0 and writer.dropped == 0
 
 
 def test_pending_is_bounded_and_drops_are_counted(store: Store) -> None:
     with store.engine.begin() as conn:
-        conn.exec_driver_sql("ALTER TABLE conn_events RENAME TO conn_events_away")
+        conn.exec_driver_sql("ALTER TABLE conn_event_blocks RENAME TO away")
     writer = ConnEventWriter(store, batch_size=10, flush_interval_s=60, max_pending=25)
     writer.add(make_events(40))
     assert writer.pending == 25 and writer.dropped == 15
@@ -101,7 +98,19 @@ def test_events_added_on_one_thread_and_flushed_on_another_are_stored_once_in_or
         done.set()
         thread.join()
     writer.flush()
-    with store.session() as session:
-        cookies = session.scalars(select(ConnEventRow.cookie).order_by(ConnEventRow.id)).all()
+    cookies = [event.cookie for event in store.conn_events()]
     assert cookies == [0x7FFF_8881_05BA_5340 + i for i in range(5000)]
     assert writer.written == 5000 and writer.pending == 0
+
+
+def test_an_event_the_store_cannot_hold_is_dropped_and_counted_the_rest_stored(
+        store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    writer = ConnEventWriter(store, batch_size=3, flush_interval_s=60)
+    odd = make_events(1, start=3)[0]._replace(client_addr="127.0.0.1\n")  # no source makes this
+    with caplog.at_level(logging.ERROR):
+        writer.add([*make_events(2), odd])
+        writer.add(make_events(3, start=4))
+    assert "dropped 1 kernel events the store cannot hold: an event's address holds a line break" in caplog.text
+    assert (writer.dropped, writer.written, writer.pending) == (1, 5, 0)
+    writer.flush()
+    assert store.conn_events() == [*make_events(2), *make_events(3, start=4)]

@@ -47,7 +47,7 @@ def fill(store: Store, host: str, ages_h: list[float], *, tag: str = "", now_ns:
 def counts(store: Store, host: str) -> dict[str, int]:
     with store.engine.connect() as conn:
         return {table.name: conn.scalar(select(func.count()).select_from(table).where(table.c.host == host)) or 0
-                for table in (tables.spans, tables.conn_events, tables.util_samples, tables.verdicts, tables.coverage)}
+                for table in (tables.spans, tables.conn_event_blocks, tables.util_samples, tables.verdicts, tables.coverage)}
 
 
 def test_old_raw_rows_go_recent_stay_and_verdicts_outlive_spans(store: Store) -> None:
@@ -57,14 +57,17 @@ def test_old_raw_rows_go_recent_stay_and_verdicts_outlive_spans(store: Store) ->
     pauses = []
     policy = RetentionPolicy(raw_hours=6, verdict_days=30, batch_rows=2)
     deleted = prune(store, policy, host="h1", now_ns=NOW, pause=lambda: pauses.append(1) is not None)
-    assert deleted == {"spans": 6, "conn_events": 6, "util_samples": 3, "verdicts": 1, "coverage": 1}
-    assert counts(store, "h1") == {"spans": 4, "conn_events": 4, "util_samples": 2, "verdicts": 4, "coverage": 4}
-    assert counts(store, "other") == {"spans": 2, "conn_events": 2, "util_samples": 1, "verdicts": 1, "coverage": 1}
+    # A request's two kernel events were stored together: one block.
+    assert deleted == {"spans": 6, "conn_event_blocks": 3, "util_samples": 3, "verdicts": 1, "coverage": 1}
+    assert counts(store, "h1") == {"spans": 4, "conn_event_blocks": 2, "util_samples": 2, "verdicts": 4,
+                                   "coverage": 4}
+    assert counts(store, "other") == {"spans": 2, "conn_event_blocks": 1, "util_samples": 1, "verdicts": 1,
+                                      "coverage": 1}
     with store.session() as session:
         kept = session.scalars(select(SpanRow.end_ns).where(SpanRow.host == "h1")).all()
     assert min(kept) >= NOW - 6 * HOUR_NS
-    # Bounded batches, a pause after each full one: 6 spans and 6 events at 2 a batch, 3 samples.
-    assert len(pauses) == 3 + 3 + 1
+    # Bounded batches, a pause after each full one: 6 spans at 2 a batch, 3 blocks, 3 samples.
+    assert len(pauses) == 3 + 1 + 1
     assert prune(store, policy, host="h1", now_ns=NOW) == dict.fromkeys(deleted, 0)
 
 
@@ -88,7 +91,7 @@ def test_the_daemon_prunes_in_the_background(tmp_path: Path) -> None:
     seeded.close()
     with running_daemon(tmp_path, **{"probe.source": "procfs", "host_id": "h1", "retention.interval_seconds": 0.2,
                                      "retention.raw_hours": 6, "sampler.interval_ms": 10_000}) as daemon:
-        assert wait_for(lambda: counts(daemon.store, "h1")["conn_events"] == 2, timeout_s=20), counts(daemon.store, "h1")
+        assert wait_for(lambda: counts(daemon.store, "h1")["conn_event_blocks"] == 1, timeout_s=20), counts(daemon.store, "h1")
         assert counts(daemon.store, "h1")["spans"] == 2 and counts(daemon.store, "h1")["verdicts"] == 2
 
 

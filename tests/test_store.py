@@ -61,13 +61,93 @@ def test_spans_are_not_duplicated(store: Store) -> None:
         assert conn.exec_driver_sql("SELECT count(*) FROM spans").scalar() == 1
 
 
-def test_conn_events_round_trip(store: Store) -> None:
+def test_conn_events_round_trip_a_block_a_host(store: Store) -> None:
     event = ConnEvent(ts_ns=123, kind=ConnEventKind.PEER_RST, family=6, client_addr="::1", client_port=5000,
                       server_addr="::1", server_port=8000, cookie=42, host="h")
-    assert store.insert_conn_events([event, event]) == 2
+    other = event._replace(ts_ns=100, host="g", source="procfs", earliest_ns=90, cookie=None)
+    assert store.insert_conn_events([event, other, event._replace(ts_ns=150)]) == 3
     with store.engine.connect() as conn:
-        row = conn.exec_driver_sql("SELECT kind, family, cookie FROM conn_events").first()
-    assert tuple(row) == ("peer_rst", 6, 42)
+        rows = conn.exec_driver_sql("SELECT host, source, format, count, first_ts_ns, last_ts_ns "
+                                    "FROM conn_event_blocks ORDER BY id").all()
+    assert [tuple(row) for row in rows] == [("h", "bpf", 1, 2, 123, 150), ("g", "procfs", 1, 1, 100, 100)]
+    assert store.conn_events(host="h") == [event, event._replace(ts_ns=150)]
+    assert store.conn_events(host="g") == [other]
+    assert store.conn_events(since_ns=124) == [event._replace(ts_ns=150)]
+
+
+def test_a_damaged_block_is_skipped_and_named_the_rest_read(store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    first = ConnEvent(ts_ns=1, kind=ConnEventKind.PEER_FIN, family=4, client_addr="10.0.0.1", client_port=1,
+                      server_addr="10.0.0.2", server_port=8000, host="h")
+    store.insert_conn_events([first])
+    store.insert_conn_events([first._replace(ts_ns=2)])
+    store.insert_conn_events([first._replace(ts_ns=3)])
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE conn_event_blocks SET body = substr(body, 1, 20) WHERE id = 2")
+    with caplog.at_level(logging.ERROR):
+        assert [event.ts_ns for event in store.conn_events()] == [1, 3]
+    assert "skipped 1 stored kernel events that do not decode (block 2: its checksum does not match" in caplog.text
+
+
+def test_block_ids_are_not_handed_out_again_once_retention_emptied_the_table(store: Store) -> None:
+    event = ConnEvent(ts_ns=1, kind=ConnEventKind.PEER_FIN, family=4, client_addr="10.0.0.1", client_port=1,
+                      server_addr="10.0.0.2", server_port=8000, host="h")
+    store.insert_conn_events([event])
+    store.insert_conn_events([event])
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql("DELETE FROM conn_event_blocks")
+    store.insert_conn_events([event])
+    with store.engine.connect() as conn:  # the correlator's position is past 2: a new 1 would be skipped
+        assert conn.exec_driver_sql("SELECT id FROM conn_event_blocks").scalar_one() == 3
+
+
+def _downgrade(store: Store, revision: str) -> None:
+    from alembic import command
+    from alembic.config import Config as AlembicConfig
+
+    from auditor.store.db import MIGRATIONS_DIR
+
+    config = AlembicConfig()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with store.engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, revision)
+
+
+def test_events_stored_as_rows_migrate_to_blocks_with_positions_and_details_kept(tmp_path: Path) -> None:
+    """An older store's events become one-event blocks; the correlator's saved position and the
+    coverage details that name events still name the same events (and back down again)."""
+    path = tmp_path / "auditor.db"
+    old = Store(f"sqlite:///{path}", check=False)
+    old.upgrade("0006")
+    rows = [(10 + i, "peer_fin" if i % 2 else "closed", 4, "127.0.0.1", 40000 + i, "127.0.0.1", 8000,
+             None if i == 2 else 7 + i, "h" if i < 4 else "g", "bpf" if i < 3 else "procfs",
+             None if i < 3 else 5 + i) for i in range(6)]
+    with old.engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO conn_events (ts_ns, kind, family, client_addr, client_port, server_addr, "
+                             "server_port, cookie, host, source, earliest_ns) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+        conn.exec_driver_sql("INSERT INTO correlator_state (host, settled_event_id, updated_ns) VALUES ('h', 3, 1)")
+        conn.exec_driver_sql("INSERT INTO coverage (ts_ns, host, kind, count, detail) VALUES "
+                             "(1, 'h', 'no_span', 1, 'ev:4'), (1, 'h', 'no_span', -1, 'ev:4:undo'), "
+                             "(1, 'h', 'no_span', 1, 'other')")
+    old.close()
+    store = Store(f"sqlite:///{path}")
+    assert store.current_revision() == store.head_revision()
+    assert [tuple(event) for event in store.conn_events()] == [
+        (ts, ConnEventKind(kind), *rest) for ts, kind, *rest in rows]
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT settled_event_id FROM correlator_state").scalar_one() == (3 << 16) | 0xFFFF
+        assert [d for (d,) in conn.exec_driver_sql("SELECT detail FROM coverage ORDER BY id")] == [
+            f"ev:{4 << 16}", f"ev:{4 << 16}:undo", "other"]
+    store.insert_conn_events([store.conn_events()[0]])
+    _downgrade(store, "0006")  # and back: rows again, the position and details on the same events
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM conn_events").scalar_one() == 7
+        assert conn.exec_driver_sql("SELECT settled_event_id FROM correlator_state").scalar_one() == 3
+        assert [d for (d,) in conn.exec_driver_sql("SELECT detail FROM coverage ORDER BY id")] == [
+            "ev:4", "ev:4:undo", "other"]
+    store.close()
 
 
 def test_models_match_the_migrations(store: Store) -> None:
@@ -137,8 +217,7 @@ def test_records_are_their_tables_columns() -> None:
     from auditor.store import tables
     from auditor.store.rows import shape_of
 
-    for table, record, extra in ((tables.spans, SpanRecord, ()), (tables.conn_events, ConnEvent, ()),
-                                 (tables.util_samples, UtilSample, ()),
+    for table, record, extra in ((tables.spans, SpanRecord, ()), (tables.util_samples, UtilSample, ()),
                                  (tables.verdicts, RequestVerdict, ("updated_ns",))):
         assert {c.name for c in table.columns} - {"id"} == set(shape_of(record).names) | set(extra), table.name
 

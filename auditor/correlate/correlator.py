@@ -58,7 +58,8 @@ from auditor.model import (
     SpanRole,
     Verdict,
 )
-from auditor.store.db import SPAN_COLUMNS, Store, span_from_values
+from auditor.store.db import BLOCK_COLUMNS, SPAN_COLUMNS, Store, span_from_values, stored_events
+from auditor.store.eventblocks import block_of, block_read
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +70,16 @@ MIN_MEMORY_NS = 60 * 1_000_000_000
 MEMORY_MARGIN_NS = 30 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
-_NEW_EVENTS = ("SELECT id, ts_ns, kind, client_addr, client_port, server_port, earliest_ns FROM conn_events "
-               f"WHERE id > :cursor AND host = :host ORDER BY id LIMIT {READ_ROWS}")
+# The probe's events are stored a batch to a row (auditor.store.eventblocks); the cursor is an
+# event id, and the block it lies in is read again only while it was read part way (a restart).
+_NEW_EVENTS = (f"SELECT {BLOCK_COLUMNS} FROM conn_event_blocks "
+               "WHERE id >= :block AND host = :host ORDER BY id LIMIT :blocks")
+BLOCKS_READ = 25  # blocks per store read (the writer's batches: up to 2,000 events each)
 _NEW_SPANS = (f"SELECT id, {', '.join(SPAN_COLUMNS)} FROM spans "
               f"WHERE id > :cursor AND host = :host ORDER BY id LIMIT {READ_ROWS}")
 # At a restart: the events already read before it, for what they tell about their connections.
-_KNOWN_EVENTS = ("SELECT ts_ns, kind, client_addr, client_port, server_port FROM conn_events "
-                 "WHERE id <= :cursor AND host = :host AND ts_ns > :since ORDER BY id")
+_KNOWN_EVENTS = (f"SELECT {BLOCK_COLUMNS} FROM conn_event_blocks "
+                 "WHERE id <= :block AND host = :host AND last_ts_ns > :since ORDER BY id")
 _FIRST_SPAN_SINCE = "SELECT id FROM spans WHERE host = :host AND end_ns > :since ORDER BY id LIMIT 1"
 _LAST_SPAN = "SELECT coalesce(max(id), 0) FROM spans"
 _SAVED_POSITION = "SELECT settled_event_id FROM correlator_state WHERE host = :host"
@@ -182,11 +186,14 @@ class Correlator:
         """The connections' events of the memory window that the last run read already (at or
         before the saved position): they are no new disconnects, but the spans read back for the
         horizon are checked against them (a span whose connection no event saw is counted)."""
+        since = now - self.memory_ns
         with self.store.connect() as conn:
-            rows = conn.all(_KNOWN_EVENTS, {"cursor": self._event_cursor, "host": self.host,
-                                            "since": now - self.memory_ns})
-        for ts_ns, event_kind, client_addr, client_port, server_port in rows:
-            self._note_event((norm_addr(client_addr), client_port, server_port), ts_ns, event_kind)
+            blocks = conn.all(_KNOWN_EVENTS, {"block": block_of(self._event_cursor), "host": self.host,
+                                              "since": since})
+        for event_id, event in stored_events(blocks):
+            if event_id <= self._event_cursor and event.ts_ns > since:
+                self._note_event((norm_addr(event.client_addr), event.client_port, event.server_port),
+                                 event.ts_ns, event.kind.value)
 
     def _note_event(self, tuple4: Tuple4, ts_ns: int, event_kind: str) -> None:
         _append(self._events_by_tuple, tuple4, ts_ns)
@@ -308,12 +315,18 @@ class Correlator:
 
     def _read_events(self) -> None:
         # This read runs every round, idle or not: plain SQL, a pooled connection.
+        cursor = self._event_cursor
+        first = block_of(cursor) + (block_read(block_of(cursor)) == cursor)  # a block read whole: the next
         with self.store.connect() as conn:
-            rows = conn.all(_NEW_EVENTS, {"cursor": self._event_cursor, "host": self.host})
+            blocks = conn.all(_NEW_EVENTS, {"block": first, "host": self.host, "blocks": BLOCKS_READ})
+        if not blocks:
+            return
         previous: Tuple4 | None = None
-        for event_id, ts_ns, event_kind, client_addr, client_port, server_port, earliest_ns in rows:
-            self._event_cursor = event_id
-            tuple4 = (norm_addr(client_addr), client_port, server_port)
+        for event_id, event in stored_events(blocks):
+            if event_id <= cursor:  # the part of a block read before a restart
+                continue
+            ts_ns, event_kind, earliest_ns = event.ts_ns, event.kind.value, event.earliest_ns
+            tuple4 = (norm_addr(event.client_addr), event.client_port, event.server_port)
             if tuple4 == previous:  # a connection's events mostly come together: one object for them
                 tuple4 = previous
             previous = tuple4
@@ -322,6 +335,7 @@ class Correlator:
             self._note_event(tuple4, ts_ns, event_kind)
             if event_kind in _DEPARTURES:
                 self._pending.add(Disconnect(event_id, ts_ns, _DEPARTURES[event_kind], tuple4, earliest_ns))
+        self._event_cursor = block_read(blocks[-1][0])
 
     # -- the round --------------------------------------------------------------------------
     def tick(self, live: list[LiveEvent] | None = None) -> list[RequestVerdict]:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
         Base,
         CapturedRequestRow,
         CaptureRow,
-        ConnEventRow,
+        ConnEventBlockRow,
         CorrelatorStateRow,
         CoverageRow,
         ReplayResultRow,
@@ -27,12 +27,12 @@ if TYPE_CHECKING:
     )
 
 _ORM_NAMES = frozenset({
-    "Base", "CaptureRow", "CapturedRequestRow", "ConnEventRow", "CorrelatorStateRow", "CoverageRow",
+    "Base", "CaptureRow", "CapturedRequestRow", "ConnEventBlockRow", "CorrelatorStateRow", "CoverageRow",
     "ReplayResultRow", "ReplayRunRow", "SpanRow", "UtilSampleRow", "VerdictRow",
 })
 
 __all__ = [
-    "Base", "CaptureRow", "CapturedRequestRow", "ConnEventRow", "CorrelatorStateRow", "CoverageRow",
+    "Base", "CaptureRow", "CapturedRequestRow", "ConnEventBlockRow", "CorrelatorStateRow", "CoverageRow",
     "ReplayResultRow", "ReplayRunRow", "SpanRow", "Store", "UtilSampleRow", "VerdictRow",
     "default_db_url", "span_from_row", "tables",
 ]

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from auditor.errors import StoreError
 from auditor.model import ConnEvent, CoverageKind, RequestVerdict, SpanRecord, SpanRole, UtilSample
+from auditor.store import eventblocks
 from auditor.store.rows import (
     dumps_json,
     grouped_inserts,
@@ -52,6 +53,8 @@ from auditor.store.sql import (
 if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session
+
+log = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 _REVISION_LINE = re.compile(r"^(down_revision|revision)\s*(?::[^=]*)?=\s*(None|\"([^\"]*)\"|'([^']*)')", re.M)
@@ -296,7 +299,35 @@ class Store:
         return len(rows)
 
     def insert_conn_events(self, events: Iterable[ConnEvent]) -> int:
-        return self._insert_records("conn_events", events)
+        """Store events as blocks (``auditor.store.eventblocks``): a row per host and source,
+        one transaction. Returns how many were stored: an event the format cannot hold is
+        logged and left out."""
+        events = list(events)
+        try:
+            rows = eventblocks.block_rows(events)
+        except ValueError as exc:  # no source makes such an event; the others are still stored
+            kept = [event for event in events if eventblocks.storable(event)]
+            log.error("dropped %d kernel events the store cannot hold: %s", len(events) - len(kept), exc)
+            rows = eventblocks.block_rows(kept)
+        if not rows:
+            return 0
+        if not self._native:
+            self._insert_core("conn_event_blocks", rows, False)
+        else:
+            self._write([(_BLOCK_INSERT, rows)])
+        return sum(row["count"] for row in rows)
+
+    def conn_events(self, *, host: str | None = None, since_ns: int | None = None) -> list[ConnEvent]:
+        """The stored events (of ``host``, at or after ``since_ns``), in the order they were stored.
+        A block that does not decode is left out and logged."""
+        where = " AND ".join(clause for clause, wanted in (("host = :host", host is not None),
+                                                           ("last_ts_ns >= :since", since_ns is not None))
+                             if wanted)
+        sql = f"SELECT {BLOCK_COLUMNS} FROM conn_event_blocks {'WHERE ' + where if where else ''} ORDER BY id"
+        with self.connect() as conn:
+            blocks = conn.all(sql, {"host": host, "since": since_ns})
+        return [event for _, event in stored_events(blocks)
+                if since_ns is None or event.ts_ns >= since_ns]
 
     def insert_spans(self, spans: Iterable[SpanRecord]) -> int:
         """Insert spans; a span already stored (same trace and span id) is skipped, not duplicated."""
@@ -410,6 +441,21 @@ class Store:
         self.sql.close()
         if self._engine is not None:
             self._engine.dispose()
+
+
+BLOCK_COLUMNS = "id, format, count, body, host, source"
+_BLOCK_INSERT = ("INSERT INTO conn_event_blocks (host, source, format, count, first_ts_ns, last_ts_ns, body) "
+                 "VALUES (:host, :source, :format, :count, :first_ts_ns, :last_ts_ns, :body)")
+
+
+def stored_events(blocks: Iterable[Sequence[Any]]) -> Iterator[tuple[int, ConnEvent]]:
+    """(event id, event) for every event of ``blocks`` (rows of BLOCK_COLUMNS, in id order); a
+    block that does not decode is logged and skipped."""
+    for block_id, fmt, count, body, host, source in blocks:
+        try:
+            yield from eventblocks.events_of(block_id, fmt, count, body, host=host, source=source)
+        except eventblocks.BlockError as exc:
+            log.error("skipped %d stored kernel events that do not decode (%s)", count, exc)
 
 
 _COVERAGE_INSERT = ("INSERT INTO coverage (ts_ns, host, kind, count, detail) "

@@ -24,8 +24,10 @@ log = logging.getLogger(__name__)
 
 HOUR_NS = 3600 * 1_000_000_000
 
-# Each table with the indexed time column its age is read from.
-RAW_TABLES: tuple[tuple[str, str], ...] = (("spans", "end_ns"), ("conn_events", "ts_ns"), ("util_samples", "ts_ns"))
+# Each table with the indexed time column its age is read from. A block of kernel events goes
+# once its last event is old.
+RAW_TABLES: tuple[tuple[str, str], ...] = (("spans", "end_ns"), ("conn_event_blocks", "last_ts_ns"),
+                                           ("util_samples", "ts_ns"))
 FINDING_TABLES: tuple[tuple[str, str], ...] = (("verdicts", "disconnect_at_ns"), ("coverage", "ts_ns"))
 
 

@@ -18,21 +18,20 @@ class Base(DeclarativeBase):
     metadata = tables.metadata
 
 
-class ConnEventRow(Base):
-    __table__ = tables.conn_events
+class ConnEventBlockRow(Base):
+    """A batch of the probe's events; ``auditor.store.eventblocks`` reads its body
+    (``Store.conn_events()`` gives the events themselves)."""
+
+    __table__ = tables.conn_event_blocks
 
     id: Mapped[int]
-    ts_ns: Mapped[int]
-    kind: Mapped[str]
-    family: Mapped[int]
-    client_addr: Mapped[str]
-    client_port: Mapped[int]
-    server_addr: Mapped[str]
-    server_port: Mapped[int]
-    cookie: Mapped[int | None]
     host: Mapped[str]
     source: Mapped[str]
-    earliest_ns: Mapped[int | None]
+    format: Mapped[int]
+    count: Mapped[int]
+    first_ts_ns: Mapped[int]
+    last_ts_ns: Mapped[int]
+    body: Mapped[bytes]
 
 
 class SpanRow(Base):

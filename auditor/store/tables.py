@@ -22,6 +22,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -60,21 +61,20 @@ def _json(name: str) -> Column[Any]:
     return Column(name, JSON, nullable=False, default=dict)
 
 
-conn_events = Table(
-    "conn_events", metadata,
-    _id(), _ns("ts_ns"),
-    _text("kind", 16),
-    Column("family", Integer, nullable=False),
-    _text("client_addr", 64),
-    Column("client_port", Integer, nullable=False),
-    _text("server_addr", 64),
-    Column("server_port", Integer, nullable=False),
-    Column("cookie", BigInteger),
-    _host(),
+# The probe's events, a batch to a row (the body's layout: auditor.store.eventblocks). Read by id
+# (the correlator) and by time (its restart, retention); never by connection. AUTOINCREMENT: an id
+# is never handed out twice, even once retention has emptied the table, since the correlator's
+# saved position is one.
+conn_event_blocks = Table(
+    "conn_event_blocks", metadata,
+    _id(), _host(),
     _text("source", 16, default="bpf"),
-    Column("earliest_ns", BigInteger),  # polled events: seen unchanged then
-    # Read by id (the correlator) and by time (its restart, retention); never by connection.
-    Index("ix_conn_events_ts", "ts_ns"),
+    Column("format", Integer, nullable=False),
+    Column("count", Integer, nullable=False),
+    _ns("first_ts_ns"), _ns("last_ts_ns"),
+    Column("body", LargeBinary, nullable=False),
+    Index("ix_conn_event_blocks_last_ts_ns", "last_ts_ns"),
+    sqlite_autoincrement=True,
 )
 
 spans = Table(
