@@ -125,7 +125,9 @@ def _optional(values: tuple[int | None, ...]) -> bytes:
     missing = values.count(None)
     if missing == len(values):
         return _column("q", [NONE]) * missing
-    return _column("q", values if not missing else [NONE if value is None else value for value in values])
+    if not missing:
+        return _column("q", values)  # type: ignore[arg-type]  # no None in it: counted above
+    return _column("q", [NONE if value is None else value for value in values])
 
 
 def seal(body: bytes) -> bytes:
