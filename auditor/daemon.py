@@ -29,8 +29,9 @@ from auditor.config import Config, parse_address
 from auditor.correlate import Correlator
 from auditor.correlate.feed import SpanFeed
 from auditor.errors import AuditorError, StoreError
+from auditor.kernelrecord import departures
 from auditor.metrics import DaemonMetrics, SourceReadings
-from auditor.model import CoverageKind, EngineLoad, RequestVerdict, UtilSample
+from auditor.model import ConnEvent, CoverageKind, EngineLoad, EventRun, RequestVerdict, UtilSample
 from auditor.service import listening, notify_systemd, quietly
 from auditor.store import Store
 from auditor.upkeep import Upkeep
@@ -287,26 +288,49 @@ class Daemon:
     # -- loops ------------------------------------------------------------------------------
     def _probe_loop(self) -> None:
         source, writer = self._parts["probe"], self._parts["event_writer"]
+        # The eBPF probe's records go to the store undecoded where their layout allows: the
+        # correlator decodes them once, when it reads them (auditor.store.eventblocks).
+        runs = bool(getattr(source, "reads_runs", False))
         while not self._stop.is_set():
             try:
                 # A lone event waits for the timeout (the kernel wakes the reader only for a full
                 # batch); its timestamp is the kernel's, so waiting moves no verdict, only its
                 # discovery, well inside a correlation round. Each idle wake-up costs CPU.
-                events = source.poll(timeout_s=PROBE_POLL_S)
-                if events:
-                    writer.add(events)
-                    departed: set[int] = set()
-                    for event in events:
-                        if event.kind.value in ("peer_fin", "peer_rst"):
-                            self.metrics.disconnect(event.kind.value.removeprefix("peer_"))
-                            departed.add(event.server_port)
-                    if departed:
-                        self._departed(departed)
+                if runs:
+                    self._take_runs(source.poll_runs(timeout_s=PROBE_POLL_S), writer)
+                else:
+                    self._take_events(source.poll(timeout_s=PROBE_POLL_S), writer)
                 if time.monotonic() - self._events_flushed_at >= EVENT_FLUSH_BACKSTOP_S:
                     self._flush_events()
             except Exception:
                 log.exception("probe loop error; continuing")
                 time.sleep(0.1)
+
+    def _take_events(self, events: list[ConnEvent], writer: Any) -> None:
+        if not events:
+            return
+        writer.add(events)
+        departed: set[int] = set()
+        for event in events:
+            if event.kind.value in ("peer_fin", "peer_rst"):
+                self.metrics.disconnect(event.kind.value.removeprefix("peer_"))
+                departed.add(event.server_port)
+        if departed:
+            self._departed(departed)
+
+    def _take_runs(self, runs: list[EventRun], writer: Any) -> None:
+        if not runs:
+            return
+        writer.add(runs)
+        departed: set[int] = set()
+        for run in runs:
+            fins, resets, ports = departures(run.records, run.stride)
+            for kind, count in (("fin", fins), ("rst", resets)):
+                if count:
+                    self.metrics.disconnect(kind, count)
+            departed |= ports
+        if departed:
+            self._departed(departed)
 
     def _correlate_loop(self) -> None:
         interval = self.config.correlate.interval_seconds

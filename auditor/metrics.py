@@ -123,10 +123,10 @@ class DaemonMetrics:
                 self._wasted["cpu"] += verdict.wasted_cpu_seconds
                 self._wasted["tokens"] += verdict.tokens_after_disconnect or 0
 
-    def disconnect(self, kind: str) -> None:
-        """A peer FIN or RST the probe saw (``fin``/``rst``)."""
+    def disconnect(self, kind: str, count: int = 1) -> None:
+        """Peer FINs or RSTs the probe saw (``fin``/``rst``)."""
         with self._lock:
-            self._disconnects[kind] += 1
+            self._disconnects[kind] += count
 
     def completed(self, count: int) -> None:
         """Requests that finished normally, found in this correlation round."""

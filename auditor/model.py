@@ -95,6 +95,25 @@ class ConnEvent(NamedTuple):
     earliest_ns: int | None = None
 
 
+class EventRun(NamedTuple):
+    """The probe's kernel event records as its ring buffer held them, not yet decoded.
+
+    The daemon stores these as they are (``auditor.store.eventblocks``, format 2): decoding
+    waits for the one reader that needs the events, the correlator. ``records`` is ``record_count``
+    records ``stride`` bytes apart, each the ring's 8-byte header and a ``struct event``
+    (``auditor.kernelrecord.RECORD``); the kernel's monotonic timestamps plus ``offset_ns`` are
+    wall-clock time, ``first_ts_ns`` and ``last_ts_ns`` the earliest and latest of them."""
+
+    records: bytes
+    record_count: int
+    stride: int
+    offset_ns: int
+    first_ts_ns: int
+    last_ts_ns: int
+    host: str = ""
+    source: str = "bpf"
+
+
 @dataclass(frozen=True, slots=True)
 class SpanRecord:
     """A span reduced to the columns correlation joins on (DESIGN §4); the rest stays in ``attributes``."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from auditor.model import ConnEvent, SpanRecord, UtilSample
+from auditor.model import ConnEvent, EventRun, SpanRecord, UtilSample
 
-Record = ConnEvent | SpanRecord | UtilSample
+Record = ConnEvent | EventRun | SpanRecord | UtilSample
 
 
 class Sink(Protocol):

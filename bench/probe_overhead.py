@@ -121,16 +121,42 @@ class Consumer:
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            self.handle(self.source.poll(timeout_s=0.05))
-        while events := self.source.poll(timeout_s=0.1):  # drain what is left
-            self.handle(events)
+            self.received += take(self.source, self.writer, 0.05)
+        while taken := take(self.source, self.writer, 0.1):  # drain what is left
+            self.received += taken
         if self.writer is not None:
             self.writer.flush()
 
-    def handle(self, events: list[Any]) -> None:
-        self.received += len(events)
-        if self.writer is not None:
-            self.writer.add(events)
+
+def take(source: Any, writer: Any | None, timeout_s: float) -> int:
+    """One poll as the daemon's probe loop makes it; returns the events taken. With a store, the
+    probe's records go to it undecoded where the probe offers that (``poll_runs``), and the
+    disconnects are counted from the records, as the daemon counts them for /metrics."""
+    if writer is not None and getattr(source, "reads_runs", False):
+        from auditor.kernelrecord import departures
+
+        runs = source.poll_runs(timeout_s=timeout_s)
+        for run in runs:
+            departures(run.records, run.stride)
+        writer.add(runs)
+        return sum(run.record_count for run in runs)
+    events = source.poll(timeout_s=timeout_s)
+    if writer is not None:
+        writer.add(events)
+    return len(events)
+
+
+def read_back(store: Any, after_id: int) -> tuple[float, int, int]:
+    """What the correlator spends reading the stored events back: (CPU seconds of this thread,
+    events, the last block id read), for the blocks after ``after_id``."""
+    from auditor.store.db import BLOCK_COLUMNS, stored_events
+
+    started = time.thread_time()
+    with store.connect() as conn:
+        blocks = conn.all(f"SELECT {BLOCK_COLUMNS} FROM conn_event_blocks WHERE id > :after ORDER BY id",
+                          {"after": after_id})
+    count = sum(1 for _ in stored_events(blocks))
+    return time.thread_time() - started, count, (blocks[-1][0] if blocks else after_id)
 
 
 def cpu_seconds() -> tuple[float, float]:
@@ -201,6 +227,8 @@ def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) 
     reader_cpu: dict[str, list[float]] = {name: [] for name in configs}  # this process, per request
     kernel_ns: dict[str, list[float]] = {name: [] for name in configs[1:]}  # the program's, per request
     kernel_runs: dict[str, list[float]] = {name: [] for name in configs[1:]}
+    read_back_cpu: list[float] = []  # the correlator's decoding of a round's stored events, per request
+    last_block = 0
     events = lost = 0
     requests_probed = 0
     try:  # the kernel counts the programs' runs (a clock read or two each)
@@ -242,6 +270,9 @@ def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) 
                 rates[name].append(rate)
                 cpu_per_request[name].append(cpu + final_drain)
                 reader_cpu[name].append(own + final_drain)
+                if name == "probe+store":
+                    seconds, _, last_block = read_back(store, last_block)
+                    read_back_cpu.append(seconds / max(requests, 1))
                 requests_probed += requests
                 events += consumer.received
                 lost += source.lost_events()
@@ -260,6 +291,7 @@ def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) 
             **{f"{name} cpu": statistics.median(values) for name, values in cpu_per_request.items()},
             **{f"{name} reader cpu": statistics.median(values) for name, values in reader_cpu.items()},
             "events per request": events / max(requests_probed, 1),
+            "read back cpu": statistics.median(read_back_cpu),
             **{f"{name} rounds": " ".join(f"{value:,.0f}" for value in values)
                for name, values in rates.items()},
             "events": events, "lost": lost}
@@ -330,10 +362,8 @@ def fill_backlog(args: argparse.Namespace, listener: socket.socket, address: tup
 def drain(source: Any, writer: Any) -> dict[str, float]:
     """Empty ``source``'s ring buffer (into ``writer`` when there is one) and say what it cost."""
     cpu_before, wall_before, drained = cpu_seconds(), time.monotonic(), 0
-    while events := source.poll(timeout_s=0):
-        drained += len(events)
-        if writer is not None:
-            writer.add(events)
+    while taken := take(source, writer, 0):
+        drained += taken
     if writer is not None:
         writer.flush()
     wall = time.monotonic() - wall_before
@@ -547,14 +577,18 @@ def kernel_rows(http: dict[str, Any]) -> list[tuple[str, str, str]]:
         ("capacity ratio, accounted", f"{accounted(http, 'probe'):.4f}",
          "polled: CPU a request without the probe, over that plus the probe's kernel time and the reader's CPU"),
         ("capacity ratio, accounted", f"{accounted(http, 'probe+store'):.4f}", "+ store"),
+        ("  + read back", f"{accounted(http, 'probe+store', read_back=True):.4f}",
+         f"and the correlator's read of the stored events, {http['read back cpu'] * 1e6:.2f} µs a request"),
     ]
 
 
-def accounted(http: dict[str, Any], config: str) -> float:
+def accounted(http: dict[str, Any], config: str, *, read_back: bool = False) -> float:
     """The capacity ratio from what the probe itself costs a request (its programs' kernel time,
-    its reader's CPU), not from the difference of two noisy totals."""
+    its reader's CPU, and with ``read_back`` the correlator's read of what was stored), not from
+    the difference of two noisy totals."""
     without = float(http["without cpu"])
-    return without / (without + http[f"{config} kernel ns"] / 1e9 + max(reader(http, config), 0.0))
+    extra = http["read back cpu"] if read_back else 0.0
+    return without / (without + http[f"{config} kernel ns"] / 1e9 + max(reader(http, config), 0.0) + extra)
 
 
 def reader(http: dict[str, Any], config: str) -> float:

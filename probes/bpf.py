@@ -18,17 +18,18 @@ import logging
 import mmap
 import os
 import platform
+from array import array
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from auditor.errors import ConfigError
-from auditor.model import ConnEvent
+from auditor.model import ConnEvent, EventRun
 from probes import bpfsys, ringbuf
 from probes.bpfsys import ProgramRuns
 from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
 from probes.clock import MonotonicToWall
-from probes.decode import EventBuilder
+from probes.decode import EventBuilder, is_stored_layout
 from probes.handoff import LoadedProgram, load_in_child
 from probes.inprocess import BccProgram
 from probes.source import OwnEnd, ProbeUnavailable, validate_ports
@@ -250,6 +251,37 @@ class BpfConnEventSource:
         # A read is bounded: what it left waits for the next poll, which then does not sleep.
         self._backlog = mapped.pending_bytes() > 0 and len(records) >= ringbuf.MAX_BATCH_RECORDS
         return self._decode(records)
+
+    @property
+    def reads_runs(self) -> bool:
+        """Whether ``poll_runs`` works here: the mapped reader, and bcc's record is the layout the
+        store keeps (``auditor.kernelrecord.RECORD``) on a little-endian machine."""
+        return self._use_mapped and is_stored_layout(self._unpack)
+
+    def poll_runs(self, timeout_s: float = 0.1) -> list[EventRun]:
+        """``poll``, undecoded: the records as the ring buffer held them, for the store to keep
+        as they are (the daemon's path; see ``reads_runs``). Waits as ``poll`` does."""
+        if not self._started or self._stopped or not self.reads_runs:
+            return []
+        mapped = self._mapped
+        assert mapped is not None
+        if not self._backlog:
+            mapped.wait(timeout_s)
+        runs = mapped.read_runs()
+        stride = mapped.stride
+        count = sum(len(run) for run in runs) // stride
+        self._backlog = mapped.pending_bytes() > 0 and count >= ringbuf.MAX_BATCH_RECORDS
+        if not runs:
+            return []
+        self._clock.maybe_recalibrate()
+        offset, found = self._clock.offset_ns, []
+        for run in runs:
+            words = array("Q")
+            words.frombytes(run)
+            times = words[1::stride // 8]  # ts_ns, just past each record's 8-byte header
+            found.append(EventRun(run, len(run) // stride, stride, offset, min(times) + offset,
+                                  max(times) + offset, self._host, "bpf"))
+        return found
 
     def server_pids(self) -> dict[int, int]:
         """Watched port -> the process last seen closing one of its connections itself (its

@@ -26,6 +26,7 @@ import mmap
 import platform
 import select
 import struct
+from collections.abc import Callable
 from typing import Any
 
 BUSY_BIT = 1 << 31
@@ -33,7 +34,7 @@ DISCARD_BIT = 1 << 30
 HEADER_BYTES = 8
 _POSITION = struct.Struct("=Q")
 _HEADER_LEN = struct.Struct("=I")
-MAX_BATCH_RECORDS = 65_536  # per read: bounds the memory one read holds on a full ring buffer
+MAX_BATCH_RECORDS = 32_768  # per read: bounds the memory one read holds on a full ring buffer (2 MiB)
 
 
 def supported() -> bool:
@@ -91,17 +92,31 @@ class MappedRingBuffer:
         """The committed records from the consumer position on (at most MAX_BATCH_RECORDS), as
         tuples of the record struct; the consumer position moves past them."""
         out: list[tuple[Any, ...]] = []
+        self._consume(lambda run: out.extend(self._record.iter_unpack(run)))
+        return out
+
+    def read_runs(self) -> list[bytes]:
+        """The same records undecoded: runs of whole records, ``stride`` bytes each with its
+        header, as the ring held them (a discarded record splits a run)."""
+        runs: list[bytes] = []
+        self._consume(runs.append)
+        return runs
+
+    @property
+    def stride(self) -> int:
+        return self._stride
+
+    def _consume(self, take: Callable[[bytes], object]) -> None:
         available = min(self.pending_bytes(), MAX_BATCH_RECORDS * self._stride, self._data_bytes)
         done = 0
         while done < available:
-            done += self._read_run(done, available - done, out)
+            done += self._read_run(done, available - done, take)
             if done >= available or self._busy(done):
                 break
             done += self._skip(done)
         if done:
             self._position += done
             _POSITION.pack_into(self._consumer, 0, self._position)  # frees the space for the kernel
-        return out
 
     def _slice(self, offset: int, length: int) -> bytes:
         """``length`` bytes of the data area from ``offset`` past the consumer position, joined
@@ -112,8 +127,8 @@ class MappedRingBuffer:
             return self._producer[base + start:base + start + length]
         return self._producer[base + start:base + start + head] + self._producer[base:base + length - head]
 
-    def _read_run(self, offset: int, length: int, out: list[tuple[Any, ...]]) -> int:
-        """Decode the run of committed, full-size records at ``offset``; returns its bytes."""
+    def _read_run(self, offset: int, length: int, take: Callable[[bytes], object]) -> int:
+        """Hand ``take`` the run of committed, full-size records at ``offset``; returns its bytes."""
         stride = self._stride
         count = length // stride
         if not count:
@@ -127,8 +142,7 @@ class MappedRingBuffer:
             good = min(good, len(column) - len(column.lstrip(expected)))
         if not good:
             return 0
-        run = self._slice(offset, good * stride)  # again: every record in it was committed before
-        out.extend(self._record.iter_unpack(run))
+        take(self._slice(offset, good * stride))  # again: every record in it was committed before
         return good * stride
 
     def _header(self, offset: int) -> int:

@@ -19,14 +19,16 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from auditor.errors import StoreError
-from auditor.model import ConnEvent
+from auditor.model import ConnEvent, EventRun
 from auditor.sink import Sink
 
 log = logging.getLogger(__name__)
 
 
 class ConnEventWriter:
-    """Buffers ConnEvents and inserts them in batches of ``batch_size`` or every ``flush_interval_s``."""
+    """Buffers ConnEvents (or the probe's undecoded EventRuns) and inserts them in batches of
+    about ``batch_size`` events or every ``flush_interval_s``. A run is never split: a batch of
+    runs holds whole runs up to ``batch_size`` events (one larger run alone)."""
 
     def __init__(self, sink: Sink, *, batch_size: int = 2000, flush_interval_s: float = 0.5,
                  max_pending: int = 1_000_000,
@@ -40,7 +42,8 @@ class ConnEventWriter:
         self.flush_interval_s = flush_interval_s
         self.max_pending = max(max_pending, batch_size)
         self._monotonic = monotonic
-        self._pending: deque[ConnEvent] = deque()
+        self._pending: deque[ConnEvent | EventRun] = deque()
+        self._queued = 0  # events in _pending (a run counts its records)
         self._lock = threading.Lock()
         self._last_flush = monotonic()
         self._failing = False
@@ -50,49 +53,64 @@ class ConnEventWriter:
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        """Events queued (a run counts its records)."""
+        return self._queued
 
-    def add(self, events: Iterable[ConnEvent]) -> None:
-        """Queue events; writes full batches, and everything once the interval has passed."""
+    def add(self, items: Iterable[ConnEvent | EventRun]) -> None:
+        """Queue events or runs; writes full batches, and everything once the interval has passed."""
         with self._lock:
-            self._pending.extend(events)
-            overflow = len(self._pending) - self.max_pending
-            if overflow > 0:
-                for _ in range(overflow):
-                    self._pending.popleft()
-                self.dropped += overflow
+            items = list(items)
+            self._pending.extend(items)
+            self._queued += sum(item.record_count if type(item) is EventRun else 1 for item in items)
+            while self._queued > self.max_pending:
+                dropped = _events_in(self._pending.popleft())
+                self._queued -= dropped
+                self.dropped += dropped
             interval_due = self._monotonic() - self._last_flush >= self.flush_interval_s
-            if interval_due or len(self._pending) >= self.batch_size:
+            if interval_due or self._queued >= self.batch_size:
                 # A failure is logged and counted in _write(); the events stay queued for the next try.
                 with contextlib.suppress(StoreError):
                     self._write(full_batches_only=not interval_due)
 
     def flush(self) -> int:
-        """Write everything queued now; returns how many were written. Raises StoreError."""
+        """Write everything queued now; returns how many events were written. Raises StoreError."""
         with self._lock:
             return self._write(full_batches_only=False)
+
+    def _next_batch(self) -> tuple[list[ConnEvent | EventRun], int]:
+        """The oldest queued items of one type, up to batch_size events (at least one item)."""
+        kind = type(self._pending[0])
+        batch: list[ConnEvent | EventRun] = []
+        events = 0
+        for item in self._pending:
+            weight = 1 if kind is ConnEvent else _events_in(item)
+            if batch and (type(item) is not kind or events + weight > self.batch_size):
+                break
+            batch.append(item)
+            events += weight
+        return batch, events
 
     def _write(self, *, full_batches_only: bool) -> int:
         written = 0
         if not full_batches_only:
             self._last_flush = self._monotonic()
-        while self._pending and (len(self._pending) >= self.batch_size or not full_batches_only):
-            count = min(self.batch_size, len(self._pending))
-            batch = [self._pending[i] for i in range(count)]
+        while self._pending and (self._queued >= self.batch_size or not full_batches_only):
+            batch, events = self._next_batch()
             try:
                 stored = self._sink.write(batch)
             except StoreError as exc:
                 self.write_errors += 1
                 if not self._failing:
                     log.error("storing connection events failed (%s); %d queued, retrying", exc,
-                              len(self._pending))
+                              self._queued)
                     self._failing = True
                 raise
-            for _ in range(count):
+            for _ in range(len(batch)):
                 self._pending.popleft()
-            written += count
+            self._queued -= events
+            written += events
             self.written += stored
-            self.dropped += count - stored  # events the store could never hold (it logged them)
+            self.dropped += events - stored  # events the store could never hold (it logged them)
         if self._failing and written:
             log.info("storing connection events works again")
             self._failing = False
@@ -101,3 +119,7 @@ class ConnEventWriter:
     def close(self) -> None:
         """Write what is left. Raises StoreError if it cannot; the caller reports the loss."""
         self.flush()
+
+
+def _events_in(item: ConnEvent | EventRun) -> int:
+    return item.record_count if type(item) is EventRun else 1

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+import struct
 from collections.abc import Callable
 
 import pytest
 
-from auditor.model import ConnEvent, ConnEventKind
+from auditor.kernelrecord import RECORD, departures
+from auditor.model import ConnEvent, ConnEventKind, EventRun
 from auditor.store import eventblocks
 from auditor.store.eventblocks import BlockError, block_of, block_read, event_id, pack, unpack
 
@@ -90,8 +93,8 @@ def test_a_body_that_does_not_hold_its_events_says_why(change: Callable[[bytes],
 
 
 def test_another_format_is_refused_by_number() -> None:
-    with pytest.raises(BlockError, match="block 7 has format 2; this auditor reads format 1"):
-        list(eventblocks.events_of(7, 2, 4, pack(events()), host="h", source="bpf"))
+    with pytest.raises(BlockError, match="block 7 has format 3; this auditor reads formats 1 and 2"):
+        list(eventblocks.events_of(7, 3, 4, pack(events()), host="h", source="bpf"))
 
 
 def test_event_ids_order_events_as_stored_and_positions_name_whole_blocks() -> None:
@@ -100,3 +103,74 @@ def test_event_ids_order_events_as_stored_and_positions_name_whole_blocks() -> N
     assert ids == sorted(ids) and ids[0] == event_id(3, 0) and ids[-1] < block_read(3) < event_id(4, 0)
     assert {block_of(number) for number in ids} == {3} and block_of(block_read(3)) == 3
     assert event_id(4, 0) - 1 == block_read(3)  # "before the first event of 4" is "3 read whole"
+
+
+# -- format 2: the probe's ring buffer records, kept as they were ---------------------------
+
+STRIDE = 64
+OFFSET = 1_700_000_000_000_000_000  # wall minus monotonic
+SKADDR = 0xFFFF_8881_05BA_5340
+
+
+def record(ts: int, kind: int, client_port: int, *, family: int = 2, server_port: int = 8000) -> bytes:
+    """One record as the kernel leaves it in the ring: header, ``struct event``, padding."""
+    if family == 2:
+        client, server = bytes([10, 0, 0, 1]).ljust(16, b"\0"), bytes([10, 0, 0, 2]).ljust(16, b"\0")
+    else:
+        client, server = socket.inet_pton(socket.AF_INET6, "2001:db8::1"), socket.inet_pton(socket.AF_INET6, "::1")
+    body = RECORD.pack(ts, SKADDR + client_port, server, client, server_port, client_port, family, kind, 1)
+    return struct.pack("<II", RECORD.size, 0) + body.ljust(STRIDE - 8, b"\0")
+
+
+def run(*records: bytes, host: str = "h") -> EventRun:
+    times = [struct.unpack_from("<Q", r, 8)[0] + OFFSET for r in records]
+    return EventRun(b"".join(records), len(records), STRIDE, OFFSET, min(times), max(times), host, "bpf")
+
+
+def stored(block_id: int, row: dict[str, object]) -> list[tuple[int, ConnEvent]]:
+    return list(eventblocks.events_of(block_id, row["format"], row["count"], row["body"],  # type: ignore[arg-type]
+                                      host=row["host"], source=row["source"]))  # type: ignore[arg-type]
+
+
+def test_ring_records_are_kept_as_they_were_and_decoded_when_read() -> None:
+    raw = run(record(5, 1, 40000), record(7, 4, 40000), record(6, 2, 40001, family=10, server_port=9000))
+    [row] = eventblocks.run_rows([raw, raw._replace(records=b"", record_count=0)])
+    assert (row["format"], row["count"], row["first_ts_ns"], row["last_ts_ns"]) == (2, 3, OFFSET + 5, OFFSET + 7)
+    back = stored(9, row)
+    assert [number for number, _ in back] == [event_id(9, i) for i in range(3)]
+    cookie = (SKADDR + 40000) & ((1 << 63) - 1)
+    assert back[0][1] == ConnEvent(OFFSET + 5, ConnEventKind.PEER_FIN, 4, "10.0.0.1", 40000, "10.0.0.2", 8000,
+                                   cookie, "h", "bpf", None)
+    assert back[2][1][1:7] == (ConnEventKind.PEER_RST, 6, "2001:db8::1", 40001, "::1", 9000)
+
+
+def test_a_ring_record_that_does_not_decode_is_left_out_and_the_others_keep_their_ids(
+        caplog: pytest.LogCaptureFixture) -> None:
+    [row] = eventblocks.run_rows([run(record(5, 1, 40000), record(6, 9, 40001), record(7, 4, 40002))])
+    with caplog.at_level("WARNING"):
+        back = stored(2, row)
+    assert [(number, event.client_port) for number, event in back] == [(event_id(2, 0), 40000),
+                                                                       (event_id(2, 2), 40002)]
+    assert "left out 1 kernel records of a stored block that do not decode" in caplog.text
+
+
+@pytest.mark.parametrize(("change", "count", "message"), [
+    (lambda b: b[:-1], 2, "checksum does not match"),
+    (lambda b: eventblocks.seal(b[:-4][:5]), 2, "too few for a header"),
+    (lambda b: eventblocks.seal(struct.pack("<qH", OFFSET, 40) + b[10:-4]), 2, "40 bytes apart cannot hold"),
+    (lambda b: eventblocks.seal(struct.pack("<qH", OFFSET, 72) + b[10:-4]), 2, "are not 2 records of 72"),
+    (lambda b: b, 3, "are not 3 records of 64"),
+    (lambda b: b, 70000, "cannot hold 70000 events"),
+])
+def test_a_ring_body_that_does_not_hold_its_records_says_why(change: Callable[[bytes], bytes], count: int,
+                                                             message: str) -> None:
+    [row] = eventblocks.run_rows([run(record(5, 1, 40000), record(7, 4, 40000))])
+    with pytest.raises(BlockError, match=f"block 4: .*{message}"):
+        list(eventblocks.events_of(4, 2, count, change(row["body"]), host="h", source="bpf"))
+
+
+def test_departures_are_read_from_the_records_without_decoding_them() -> None:
+    records = b"".join([record(1, 1, 40000), record(2, 4, 40000), record(3, 2, 40001, server_port=9000),
+                        record(4, 3, 40002, server_port=7000), record(5, 1, 40003)])
+    assert departures(records, STRIDE) == (2, 1, {8000, 9000})
+    assert departures(record(1, 4, 1), STRIDE) == (0, 0, set())

@@ -437,6 +437,35 @@ def test_events_from_the_kernel_land_in_the_store(probe: Probe, store: Store) ->
     server.close()
 
 
+def test_undecoded_runs_store_the_same_events_as_decoding_them(store: Store) -> None:
+    """The daemon's path: the ring's records stored as they were (format 2) read back as the
+    events ``poll`` decodes from the same kind of traffic, wall-clock times and all."""
+    server = listener()
+    port = port_of(server)
+    source = BpfConnEventSource([port], host="runs")  # the default loader: child, mapped
+    assert source.reads_runs  # bcc's struct event is the layout the store keeps
+    source.start()
+    try:
+        before = time.time_ns()
+        client_ports = [connect_and_close(server) for _ in range(5)]
+        writer = ConnEventWriter(store, batch_size=4)
+        deadline = time.monotonic() + 5
+        while writer.written + writer.pending < 10 and time.monotonic() < deadline:
+            runs = source.poll_runs(timeout_s=0.05)
+            assert all(run.stride == 64 and len(run.records) == 64 * run.record_count for run in runs)
+            writer.add(runs)
+        writer.close()
+        after = time.time_ns()
+    finally:
+        source.stop()
+        server.close()
+    events = [event for event in store.conn_events(host="runs") if event.server_port == port]
+    assert sorted((e.client_port, e.kind.value) for e in events) == sorted(
+        (p, k) for p in client_ports for k in ("peer_fin", "closed"))
+    assert all(before <= e.ts_ns <= after and e.cookie and e.family == 4 and e.client_addr == "127.0.0.1"
+               and e.source == "bpf" and e.earliest_ns is None for e in events)
+
+
 def test_bad_port_sets_are_refused_and_the_filter_is_kept(probe: Probe) -> None:
     server = listener()
     probe.source.set_ports([port_of(server)])

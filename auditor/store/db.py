@@ -28,7 +28,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from auditor.errors import StoreError
-from auditor.model import ConnEvent, CoverageKind, RequestVerdict, SpanRecord, SpanRole, UtilSample
+from auditor.model import (
+    ConnEvent,
+    CoverageKind,
+    EventRun,
+    RequestVerdict,
+    SpanRecord,
+    SpanRole,
+    UtilSample,
+)
 from auditor.store import eventblocks
 from auditor.store.rows import (
     dumps_json,
@@ -317,6 +325,18 @@ class Store:
             self._write([(_BLOCK_INSERT, rows)])
         return sum(row["count"] for row in rows)
 
+    def insert_event_runs(self, runs: Iterable[EventRun]) -> int:
+        """Store the probe's undecoded runs as they are, a block each, one transaction; returns
+        the events stored."""
+        rows = eventblocks.run_rows(runs)
+        if not rows:
+            return 0
+        if not self._native:
+            self._insert_core("conn_event_blocks", rows, False)
+        else:
+            self._write([(_BLOCK_INSERT, rows)])
+        return sum(row["count"] for row in rows)
+
     def conn_events(self, *, host: str | None = None, since_ns: int | None = None) -> list[ConnEvent]:
         """The stored events (of ``host``, at or after ``since_ns``), in the order they were stored.
         A block that does not decode is left out and logged."""
@@ -336,7 +356,7 @@ class Store:
     def insert_samples(self, samples: Iterable[UtilSample]) -> int:
         return self._insert_records("util_samples", samples)
 
-    def write(self, records: Sequence[ConnEvent | SpanRecord | UtilSample]) -> int:
+    def write(self, records: Sequence[ConnEvent | EventRun | SpanRecord | UtilSample]) -> int:
         """The sources' sink (``auditor.sink.Sink``): one batch of one record type, one transaction."""
         if not records:
             return 0
@@ -345,8 +365,8 @@ class Store:
             raise TypeError(f"the store keeps no {type(records[0]).__name__} records")
         return int(writer(self, records))
 
-    _writers: dict[type, Any] = {ConnEvent: insert_conn_events, SpanRecord: insert_spans,
-                                 UtilSample: insert_samples}
+    _writers: dict[type, Any] = {ConnEvent: insert_conn_events, EventRun: insert_event_runs,
+                                 SpanRecord: insert_spans, UtilSample: insert_samples}
 
     def add_coverage(self, kind: CoverageKind, count: int = 1, *, host: str = "",
                      ts_ns: int | None = None, detail: str | None = None) -> None:

@@ -22,6 +22,13 @@ All integers little-endian; n is the row's ``count``. The row also holds the eve
 and ``source`` (one of each a block), their first and last ``ts_ns`` (what restarts and
 retention select blocks by) and ``format`` (1: this layout).
 
+Format 2 is the probe's records as its ring buffer held them (``auditor.model.EventRun``), kept
+without decoding them in the daemon's reader: an int64 offset from the kernel's monotonic clock
+to wall-clock time, a uint16 stride, then n records of that stride (the ring's 8-byte header and
+a ``struct event``, ``auditor.kernelrecord.RECORD``), then the same CRC-32. They are decoded
+once, when read. A record that does not decode (a kind or family the probe never writes) is
+left out and logged; the rest of its block reads.
+
 An event is named by ``event_id(block id, index)``, a single integer that orders events as
 they were stored, and which the correlator's saved position and coverage details keep. A body
 that does not decode (a damaged file, another layout) raises :class:`BlockError`; readers skip
@@ -30,16 +37,21 @@ that block and say so, the rest of the store stays readable.
 
 from __future__ import annotations
 
+import logging
 import struct
 import sys
 import zlib
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from auditor.model import ConnEvent, ConnEventKind
+from auditor.kernelrecord import RECORD, RING_HEADER_BYTES, EventBuilder, ring_record
+from auditor.model import ConnEvent, ConnEventKind, EventRun
 
-FORMAT = 1
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # events packed column by column
+FORMAT_RING = 2  # the probe's ring buffer records as they were
 INDEX_BITS = 16
 MAX_BLOCK_EVENTS = (1 << INDEX_BITS) - 1  # index 0xFFFF never names an event: see block_read()
 NONE = -(1 << 63)  # int64 minimum: no value (None) in the earliest_ns and cookie columns
@@ -50,6 +62,8 @@ _LITTLE = sys.byteorder == "little"
 # Bytes an event takes in the fixed-width columns: three int64, two uint16, two uint8.
 _FIXED_BYTES = 3 * 8 + 2 * 2 + 2
 _CRC = struct.Struct("<I")
+_RING_HEADER = struct.Struct("<qH")  # offset_ns, stride
+_ring_builder = EventBuilder()  # its address cache lives as long as the process
 
 
 class BlockError(ValueError):
@@ -135,6 +149,14 @@ def seal(body: bytes) -> bytes:
     return body + _CRC.pack(zlib.crc32(body))
 
 
+def _checked(body: bytes) -> bytes:
+    """A sealed body without its checksum. Raises BlockError where the checksum does not match."""
+    if len(body) < _CRC.size or _CRC.unpack_from(body, len(body) - _CRC.size)[0] != zlib.crc32(
+            memoryview(body)[:-_CRC.size]):
+        raise BlockError("its checksum does not match: the body was damaged")
+    return body[:-_CRC.size]
+
+
 def storable(event: ConnEvent) -> bool:
     """Whether ``pack`` takes this event."""
     try:
@@ -152,10 +174,7 @@ def unpack(body: bytes, count: int, *, host: str, source: str) -> list[ConnEvent
         if body:
             raise BlockError(f"an empty block has a {len(body)}-byte body")
         return []
-    if len(body) < _CRC.size or _CRC.unpack_from(body, len(body) - _CRC.size)[0] != zlib.crc32(
-            memoryview(body)[:-_CRC.size]):
-        raise BlockError("its checksum does not match: the body was damaged")
-    body = body[:-_CRC.size]
+    body = _checked(body)
     if len(body) < count * _FIXED_BYTES + 2 * count - 1:
         raise BlockError(f"{len(body)} bytes are too few for {count} events")
     ts, at = _read_column("q", body, 0, count)
@@ -206,16 +225,51 @@ def _row(host: str, source: str, columns: list[tuple[Any, ...]]) -> dict[str, An
             "first_ts_ns": min(times), "last_ts_ns": max(times), "body": _pack(columns)}
 
 
+def run_rows(runs: Iterable[EventRun]) -> list[dict[str, Any]]:
+    """The ``conn_event_blocks`` rows (less ``id``) that keep ``runs`` as they are: one a run."""
+    return [{"host": run.host, "source": run.source, "format": FORMAT_RING, "count": run.record_count,
+             "first_ts_ns": run.first_ts_ns, "last_ts_ns": run.last_ts_ns,
+             "body": seal(_RING_HEADER.pack(run.offset_ns, run.stride) + run.records)}
+            for run in runs if run.record_count]
+
+
+def unpack_ring(body: bytes, count: int, *, host: str) -> tuple[list[ConnEvent], list[int] | None]:
+    """The events of a format-2 body's records that decode, with their records' indexes where
+    some did not (None: every record did, in order). Raises BlockError."""
+    if count < 0 or count > MAX_BLOCK_EVENTS:
+        raise BlockError(f"a block cannot hold {count} events")
+    body = _checked(body)
+    if len(body) < _RING_HEADER.size:
+        raise BlockError(f"{len(body)} bytes are too few for a header")
+    offset_ns, stride = _RING_HEADER.unpack_from(body)
+    if stride < RING_HEADER_BYTES + RECORD.size or stride % 8:
+        raise BlockError(f"records {stride} bytes apart cannot hold a {RECORD.size}-byte record and its header")
+    records = body[_RING_HEADER.size:]
+    if len(records) != count * stride:
+        raise BlockError(f"{len(records)} bytes of records are not {count} records of {stride}")
+    tuples = list(ring_record(stride).iter_unpack(records))
+    events, bad = _ring_builder(tuples, offset_ns, host)
+    if not bad:
+        return events, None
+    log.warning("left out %d kernel records of a stored block that do not decode (%s)", len(bad), bad[0][1])
+    indexes = [index for index, record in enumerate(tuples) if _ring_builder([record], offset_ns, host)[0]]
+    return events, indexes
+
+
 def events_of(block_id: int, fmt: int, count: int, body: bytes, *, host: str,
-              source: str) -> Iterator[tuple[int, ConnEvent]]:
+              source: str) -> Iterable[tuple[int, ConnEvent]]:
     """(event id, event) for each event of one stored block. Raises BlockError before yielding
     anything when the block does not decode."""
-    if fmt != FORMAT:
-        raise BlockError(f"block {block_id} has format {fmt}; this auditor reads format {FORMAT}")
+    first = event_id(block_id, 0)
     try:
-        events = unpack(bytes(body), count, host=host, source=source)
+        if fmt == FORMAT:
+            events = unpack(bytes(body), count, host=host, source=source)
+            return zip(range(first, first + len(events)), events, strict=True)
+        if fmt == FORMAT_RING:
+            events, indexes = unpack_ring(bytes(body), count, host=host)
+            if indexes is None:
+                return zip(range(first, first + len(events)), events, strict=True)
+            return zip((first + index for index in indexes), events, strict=True)
     except BlockError as exc:
         raise BlockError(f"block {block_id}: {exc}") from None
-    first = event_id(block_id, 0)
-    return zip(range(first, first + len(events)), events, strict=True)
-
+    raise BlockError(f"block {block_id} has format {fmt}; this auditor reads formats {FORMAT} and {FORMAT_RING}")
