@@ -301,7 +301,9 @@ class BpfConnEventSource:
         return found
 
     def lost_events(self) -> int:
-        """Events the kernel could not queue (ring buffer full) plus records that did not decode."""
+        """Events the kernel could not queue (ring buffer full) plus records that did not decode
+        here (``poll``; records handed over undecoded by ``poll_runs`` are checked where they are
+        read, and a bad one is logged there)."""
         malformed = self._malformed + (self._mapped.malformed if self._mapped else 0)
         if self._stopped:
             return self._lost_at_stop + malformed

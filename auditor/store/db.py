@@ -317,18 +317,14 @@ class Store:
             kept = [event for event in events if eventblocks.storable(event)]
             log.error("dropped %d kernel events the store cannot hold: %s", len(events) - len(kept), exc)
             rows = eventblocks.block_rows(kept)
-        if not rows:
-            return 0
-        if not self._native:
-            self._insert_core("conn_event_blocks", rows, False)
-        else:
-            self._write([(_BLOCK_INSERT, rows)])
-        return sum(row["count"] for row in rows)
+        return self._insert_blocks(rows)
 
     def insert_event_runs(self, runs: Iterable[EventRun]) -> int:
         """Store the probe's undecoded runs as they are, a block each, one transaction; returns
         the events stored."""
-        rows = eventblocks.run_rows(runs)
+        return self._insert_blocks(eventblocks.run_rows(runs))
+
+    def _insert_blocks(self, rows: list[dict[str, Any]]) -> int:
         if not rows:
             return 0
         if not self._native:
