@@ -66,9 +66,38 @@ def test_old_raw_rows_go_recent_stay_and_verdicts_outlive_spans(store: Store) ->
     with store.session() as session:
         kept = session.scalars(select(SpanRow.end_ns).where(SpanRow.host == "h1")).all()
     assert min(kept) >= NOW - 6 * HOUR_NS
-    # Bounded batches, a pause after each full one: 6 spans at 2 a batch, 3 blocks, 3 samples.
-    assert len(pauses) == 3 + 1 + 1
+    # Bounded batches, a pause after each full one: 6 spans at 2 a batch, 3 blocks of 2 events
+    # (one a batch), 3 samples.
+    assert len(pauses) == 3 + 2 + 1
     assert prune(store, policy, host="h1", now_ns=NOW) == dict.fromkeys(deleted, 0)
+
+
+def test_blocks_of_kernel_events_go_in_batches_of_about_as_many_events(store: Store) -> None:
+    """A block may hold thousands of events: a batch is sized by the events its blocks hold, so
+    one batch never holds the write lock for a thousand blocks' worth."""
+    old = NOW - 7 * HOUR_NS
+
+    def block(events: int, port: int) -> None:
+        store.insert_conn_events([ConnEvent(old + i, ConnEventKind.CLOSED, 4, "127.0.0.1", port, "127.0.0.1", 8000,
+                                            host="h1") for i in range(events)])
+
+    for events, port in ((3, 1), (3, 2), (1, 3), (9, 4), (1, 5)):
+        block(events, port)
+    block(1, 6)
+    store.insert_conn_events([ConnEvent(NOW, ConnEventKind.CLOSED, 4, "127.0.0.1", 7, "127.0.0.1", 8000, host="h1")])
+    batches: list[int] = []
+
+    def pause() -> bool:
+        batches.append(counts(store, "h1")["conn_event_blocks"])
+        return False
+
+    deleted = prune(store, RetentionPolicy(raw_hours=6, verdict_days=30, batch_rows=4), host="h1", now_ns=NOW,
+                    pause=pause)
+    assert deleted["conn_event_blocks"] == 6
+    # Blocks left after each full batch: {3}, then {3, 1}, then {9} alone (more than a batch),
+    # then {1, 1} and the pass ends (fewer than a batch's events were left).
+    assert batches[batches.index(6):batches.index(6) + 3] == [6, 4, 3]
+    assert [event.client_port for event in store.conn_events(host="h1")] == [7]
 
 
 def test_a_stop_ends_the_pass_between_batches(store: Store) -> None:

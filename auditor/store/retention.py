@@ -29,6 +29,9 @@ HOUR_NS = 3600 * 1_000_000_000
 RAW_TABLES: tuple[tuple[str, str], ...] = (("spans", "end_ns"), ("conn_event_blocks", "last_ts_ns"),
                                            ("util_samples", "ts_ns"))
 FINDING_TABLES: tuple[tuple[str, str], ...] = (("verdicts", "disconnect_at_ns"), ("coverage", "ts_ns"))
+# Tables whose rows hold many events each, with the column that counts them: batches are sized
+# by events there (a block of the probe's records may hold tens of thousands).
+EVENT_COUNTS = {"conn_event_blocks": "count"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ def prune_table(store: Store, table: str, time_column: str, *, host: str, older_
     """Delete ``host``'s rows of ``table`` older than ``older_than_ns``, ``batch_rows`` at a time.
     ``pause`` runs between batches (the daemon waits there, letting writers in) and returns True
     to stop early. Returns the rows deleted."""
+    if table in EVENT_COUNTS:
+        return _prune_blocks(store, table, time_column, host=host, older_than_ns=older_than_ns,
+                             batch_events=batch_rows, pause=pause)
     deleted = 0
     # Table and column names come from the constants above, never from outside.
     statement = (f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} "
@@ -56,6 +62,34 @@ def prune_table(store: Store, table: str, time_column: str, *, host: str, older_
             raise StoreError(f"pruning {table} in {store.where()} failed: {exc}") from exc
         deleted += count
         if count < batch_rows or pause():
+            return deleted
+
+
+def _prune_blocks(store: Store, table: str, time_column: str, *, host: str, older_than_ns: int,
+                  batch_events: int, pause: Callable[[], bool]) -> int:
+    """``prune_table`` for a table whose rows hold many events each: a batch is the oldest blocks
+    that hold about ``batch_events`` events together (at least one block), so that a batch holds
+    the write lock about as long as a batch of rows elsewhere. Returns the blocks deleted."""
+    deleted = 0
+    params = {"host": host, "before": older_than_ns, "rows": batch_events}
+    select = (f"SELECT id, {EVENT_COUNTS[table]} FROM {table} "
+              f"WHERE host = :host AND {time_column} < :before ORDER BY id LIMIT :rows")
+    delete = f"DELETE FROM {table} WHERE id <= :last AND host = :host AND {time_column} < :before"
+    while True:
+        try:
+            with store.sql.begin() as conn:
+                old = conn.all(select, params)
+                events = count = 0
+                for block_id, block_events in old:
+                    if count and events + block_events > batch_events:
+                        break
+                    events, count, last = events + block_events, count + 1, block_id
+                if count:
+                    conn.run(delete, {**params, "last": last})
+        except SqlUnavailable as exc:
+            raise StoreError(f"pruning {table} in {store.where()} failed: {exc}") from exc
+        deleted += count
+        if count == len(old) < batch_events or not count or pause():
             return deleted
 
 
