@@ -1009,3 +1009,25 @@ def test_held_spans_keep_only_judged_attributes_and_share_one_empty_dict(tmp_pat
     final = next(s for s in held["c"] if s.role is SpanRole.HTTP_SERVER)
     assert final.attributes == {"asgi.event.final": True}
     assert final.attributes is not plain[0].attributes
+
+
+def test_a_backlog_of_blocks_is_read_about_read_rows_events_a_round(store: Store,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks hold one to tens of thousands of events: a round takes whole blocks up to the
+    events it reads at most (one block at least), and the next round goes on from there."""
+    from auditor.correlate import correlator as module
+    from auditor.store.eventblocks import block_read
+
+    clock = Clock()
+    correlator = make(store, clock)
+    for first in (1, 3, 5, 7):  # four blocks of two closes each
+        store.insert_conn_events([close(1.0, client=("127.0.0.1", 40000 + first)),
+                                  close(1.0, client=("127.0.0.1", 40001 + first))])
+    store.insert_conn_events([close(1.0, client=("127.0.0.1", 40100 + n)) for n in range(7)])  # a large one
+    monkeypatch.setattr(module, "READ_ROWS", 5)
+    positions = []
+    for _ in range(5):
+        correlator._read_events()
+        positions.append(correlator._event_cursor)
+    assert positions == [block_read(2), block_read(4), block_read(5), block_read(5), block_read(5)]
+    assert len(correlator._pending.by_id) == 15  # every close read once

@@ -72,9 +72,12 @@ PRUNE_EVERY_NS = 10 * 1_000_000_000
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
 # The probe's events are stored a batch to a row (auditor.store.eventblocks); the cursor is an
 # event id, and the block it lies in is read again only while it was read part way (a restart).
+# A round reads blocks that hold about READ_ROWS events together (a block holds one to tens of
+# thousands): their sizes first, then the blocks themselves.
+_NEW_BLOCKS = ("SELECT id, count FROM conn_event_blocks WHERE id >= :block AND host = :host "
+               f"ORDER BY id LIMIT {READ_ROWS}")
 _NEW_EVENTS = (f"SELECT {BLOCK_COLUMNS} FROM conn_event_blocks "
-               "WHERE id >= :block AND host = :host ORDER BY id LIMIT :blocks")
-BLOCKS_READ = 25  # blocks per store read (the writer's batches: up to 2,000 events each)
+               "WHERE id >= :block AND id <= :last AND host = :host ORDER BY id")
 _NEW_SPANS = (f"SELECT id, {', '.join(SPAN_COLUMNS)} FROM spans "
               f"WHERE id > :cursor AND host = :host ORDER BY id LIMIT {READ_ROWS}")
 # At a restart: the events already read before it, for what they tell about their connections.
@@ -318,7 +321,15 @@ class Correlator:
         cursor = self._event_cursor
         first = block_of(cursor) + (block_read(block_of(cursor)) == cursor)  # a block read whole: the next
         with self.store.connect() as conn:
-            blocks = conn.all(_NEW_EVENTS, {"block": first, "host": self.host, "blocks": BLOCKS_READ})
+            sizes = conn.all(_NEW_BLOCKS, {"block": first, "host": self.host})
+            if not sizes:
+                return
+            last, events = sizes[0][0], 0
+            for block_id, count in sizes:
+                if events and events + count > READ_ROWS:  # the rest in the next round
+                    break
+                last, events = block_id, events + count
+            blocks = conn.all(_NEW_EVENTS, {"block": first, "last": last, "host": self.host})
         if not blocks:
             return
         previous: Tuple4 | None = None
