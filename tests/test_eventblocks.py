@@ -53,6 +53,7 @@ def test_rows_group_by_host_and_source_in_first_seen_order_and_split_at_the_limi
     ({"ts_ns": 2.5}, "does not fit the stored columns"),
     ({"cookie": 1 << 63}, "does not fit the stored columns"),
     ({"family": 300}, "does not fit the stored columns"),
+    ({"cookie": -(1 << 63)}, "the stored mark of no value"),
 ])
 def test_an_event_the_format_cannot_hold_is_refused_by_name(change: dict[str, object], message: str) -> None:
     bad = events()[0]._replace(**change)

@@ -137,6 +137,8 @@ def _pack(columns: list[tuple[Any, ...]]) -> bytes:
 def _optional(values: tuple[int | None, ...]) -> bytes:
     """An int64 column that may hold None: the probe's are all None (earliest) or none (cookie)."""
     missing = values.count(None)
+    if NONE in values:
+        raise ValueError(f"{NONE} is the stored mark of no value, not a value")
     if missing == len(values):
         return _column("q", [NONE]) * missing
     if not missing:
