@@ -186,6 +186,7 @@ class BpfConnEventSource:
         # Descriptors alone offer only the mapped read.
         self._use_mapped = self.loader == "child" or (
             ringbuf.supported() if mapped_reader is None else mapped_reader)
+        self._reads_runs = self._use_mapped and is_stored_layout(self._unpack)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -256,7 +257,7 @@ class BpfConnEventSource:
     def reads_runs(self) -> bool:
         """Whether ``poll_runs`` works here: the mapped reader, and bcc's record is the layout the
         store keeps (``auditor.kernelrecord.RECORD``) on a little-endian machine."""
-        return self._use_mapped and is_stored_layout(self._unpack)
+        return self._reads_runs
 
     def poll_runs(self, timeout_s: float = 0.1) -> list[EventRun]:
         """``poll``, undecoded: the records as the ring buffer held them, for the store to keep
