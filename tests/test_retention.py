@@ -100,6 +100,18 @@ def test_blocks_of_kernel_events_go_in_batches_of_about_as_many_events(store: St
     assert [event.client_port for event in store.conn_events(host="h1")] == [7]
 
 
+def test_a_tables_newest_row_stays_so_its_id_is_never_handed_out_again(store: Store) -> None:
+    """The correlator reads new samples by row id; a table emptied by retention would hand out
+    ids from 1 again, below its position, and those samples would never be read."""
+    store.insert_samples([UtilSample(NOW - 10 * HOUR_NS + i, "procfs", host="h1", pid=1, util_percent=50.0)
+                          for i in range(3)])
+    deleted = prune(store, RetentionPolicy(raw_hours=6, verdict_days=30), host="h1", now_ns=NOW)
+    assert deleted["util_samples"] == 2 and counts(store, "h1")["util_samples"] == 1
+    store.insert_samples([UtilSample(NOW, "procfs", host="h1", pid=1, util_percent=50.0)])
+    with store.engine.connect() as conn:
+        assert [i for (i,) in conn.exec_driver_sql("SELECT id FROM util_samples ORDER BY id")] == [3, 4]
+
+
 def test_a_stop_ends_the_pass_between_batches(store: Store) -> None:
     fill(store, "h1", [10.0, 11.0, 12.0])
     deleted = prune(store, RetentionPolicy(raw_hours=6, verdict_days=30, batch_rows=1), host="h1", now_ns=NOW,
@@ -116,7 +128,7 @@ def test_zero_keeps_forever(store: Store) -> None:
 
 def test_the_daemon_prunes_in_the_background(tmp_path: Path) -> None:
     seeded = Store(f"sqlite:///{tmp_path / 'auditor.db'}")
-    fill(seeded, "h1", [0.1, 8.0], now_ns=time.time_ns())
+    fill(seeded, "h1", [8.0, 0.1], now_ns=time.time_ns())  # the old rows first: a table's newest row stays
     seeded.close()
     with running_daemon(tmp_path, **{"probe.source": "procfs", "host_id": "h1", "retention.interval_seconds": 0.2,
                                      "retention.raw_hours": 6, "sampler.interval_ms": 10_000}) as daemon:

@@ -50,9 +50,13 @@ def prune_table(store: Store, table: str, time_column: str, *, host: str, older_
         return _prune_blocks(store, table, time_column, host=host, older_than_ns=older_than_ns,
                              batch_events=batch_rows, pause=pause)
     deleted = 0
-    # Table and column names come from the constants above, never from outside.
+    # Table and column names come from the constants above, never from outside. A table's newest
+    # row stays, however old: SQLite hands out the largest id plus one, so an emptied table would
+    # give out ids again that readers keeping a position by id (the correlator's cost, for
+    # samples) have passed, and would skip.
     statement = (f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} "
-                 f"WHERE host = :host AND {time_column} < :before LIMIT :rows)")
+                 f"WHERE host = :host AND {time_column} < :before "
+                 f"AND id < (SELECT max(id) FROM {table}) LIMIT :rows)")
     params = {"host": host, "before": older_than_ns, "rows": batch_rows}
     while True:
         try:
