@@ -297,34 +297,26 @@ class Daemon:
                 # batch); its timestamp is the kernel's, so waiting moves no verdict, only its
                 # discovery, well inside a correlation round. Each idle wake-up costs CPU.
                 if runs:
-                    self._take_runs(source.poll_runs(timeout_s=PROBE_POLL_S), writer)
+                    taken = source.poll_runs(timeout_s=PROBE_POLL_S)
+                    self._took(taken, [departures(run.records, run.stride) for run in taken], writer)
                 else:
-                    self._take_events(source.poll(timeout_s=PROBE_POLL_S), writer)
+                    taken = source.poll(timeout_s=PROBE_POLL_S)
+                    self._took(taken, [_departure(event) for event in taken], writer)
                 if time.monotonic() - self._events_flushed_at >= EVENT_FLUSH_BACKSTOP_S:
                     self._flush_events()
             except Exception:
                 log.exception("probe loop error; continuing")
                 time.sleep(0.1)
 
-    def _take_events(self, events: list[ConnEvent], writer: Any) -> None:
-        if not events:
+    def _took(self, taken: list[ConnEvent] | list[EventRun], found: list[tuple[int, int, set[int]]],
+              writer: Any) -> None:
+        """Queue what the probe gave for the store, count its disconnects, and wake the scrapes of
+        the ports clients left. ``found``: (peer FINs, peer resets, their server ports) of each item."""
+        if not taken:
             return
-        writer.add(events)
+        writer.add(taken)
         departed: set[int] = set()
-        for event in events:
-            if event.kind.value in ("peer_fin", "peer_rst"):
-                self.metrics.disconnect(event.kind.value.removeprefix("peer_"))
-                departed.add(event.server_port)
-        if departed:
-            self._departed(departed)
-
-    def _take_runs(self, runs: list[EventRun], writer: Any) -> None:
-        if not runs:
-            return
-        writer.add(runs)
-        departed: set[int] = set()
-        for run in runs:
-            fins, resets, ports = departures(run.records, run.stride)
+        for fins, resets, ports in found:
             for kind, count in (("fin", fins), ("rst", resets)):
                 if count:
                     self.metrics.disconnect(kind, count)
@@ -486,3 +478,13 @@ class Daemon:
     def wait(self) -> None:
         while not self._stop.is_set():
             self._stop.wait(5.0)  # a signal handler's request_stop ends the wait at once
+
+
+def _departure(event: ConnEvent) -> tuple[int, int, set[int]]:
+    """``auditor.kernelrecord.departures`` of one decoded event."""
+    kind = event.kind.value
+    if kind == "peer_fin":
+        return 1, 0, {event.server_port}
+    if kind == "peer_rst":
+        return 0, 1, {event.server_port}
+    return 0, 0, set()

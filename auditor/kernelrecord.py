@@ -4,8 +4,8 @@ The record's layout is the kernel's and the probe's contract; it is written down
 ``RECORD``, because two readers decode it: the probe reader (``probes.bpf``), and the store,
 which keeps the probe's records as the ring buffer held them (``auditor.store.eventblocks``,
 format 2) so that the daemon's reader does not decode them at all. The probe checks at load that
-bcc's view of ``struct event`` is ``RECORD`` (``probes.decode.struct_format``); where it is not,
-the probe decodes and stores events as before.
+bcc's view of ``struct event`` is ``RECORD`` (``probes.decode.is_stored_layout``); where it is
+not, the probe decodes and stores events as before.
 
 Decoding is a hot loop: at a close per request every microsecond here is a share of the
 server's capacity. Records arrive as tuples from ``struct.iter_unpack`` (no per-field access),

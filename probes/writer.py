@@ -61,7 +61,7 @@ class ConnEventWriter:
         with self._lock:
             items = list(items)
             self._pending.extend(items)
-            self._queued += sum(item.record_count if type(item) is EventRun else 1 for item in items)
+            self._queued += sum(map(_events_in, items))
             while self._queued > self.max_pending:
                 dropped = _events_in(self._pending.popleft())
                 self._queued -= dropped
@@ -83,7 +83,7 @@ class ConnEventWriter:
         batch: list[ConnEvent | EventRun] = []
         events = 0
         for item in self._pending:
-            weight = 1 if kind is ConnEvent else _events_in(item)
+            weight = _events_in(item)
             if batch and (type(item) is not kind or events + weight > self.batch_size):
                 break
             batch.append(item)

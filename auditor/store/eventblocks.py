@@ -1,9 +1,10 @@
 """Kernel events stored a batch to a row: the body format of ``conn_event_blocks``.
 
-A close per request is the probe's worst case, and there each stored event was a row of twelve
-columns: about 2.4 us of the daemon's CPU an event, most of it SQLite's per-row insert and
-index work, which no leaner row gets under 1.3 us. So the probe's events are stored as blocks,
-one row per batch the writer hands over, the events packed column by column in one ``body``:
+A close per request is the probe's worst case, and there a row of twelve columns per event cost
+more of the daemon's CPU than the probe's whole budget, most of it SQLite's per-row insert and
+index work (docs/footprint.md, the nineteenth and twentieth passes). So the probe's events are
+stored as blocks, one row per batch the writer hands over, the events packed column by column in
+one ``body``:
 
 ====================  ===========================================================
 ``ts_ns``             n x int64: wall-clock nanoseconds
@@ -168,10 +169,14 @@ def storable(event: ConnEvent) -> bool:
     return True
 
 
-def unpack(body: bytes, count: int, *, host: str, source: str) -> list[ConnEvent]:
-    """The events of one block, in the order they were stored. Raises BlockError."""
+def _check_count(count: int) -> None:
     if count < 0 or count > MAX_BLOCK_EVENTS:
         raise BlockError(f"a block cannot hold {count} events")
+
+
+def unpack(body: bytes, count: int, *, host: str, source: str) -> list[ConnEvent]:
+    """The events of one block, in the order they were stored. Raises BlockError."""
+    _check_count(count)
     if not count:
         if body:
             raise BlockError(f"an empty block has a {len(body)}-byte body")
@@ -238,8 +243,7 @@ def run_rows(runs: Iterable[EventRun]) -> list[dict[str, Any]]:
 def unpack_ring(body: bytes, count: int, *, host: str) -> tuple[list[ConnEvent], list[int] | None]:
     """The events of a format-2 body's records that decode, with their records' indexes where
     some did not (None: every record did, in order). Raises BlockError."""
-    if count < 0 or count > MAX_BLOCK_EVENTS:
-        raise BlockError(f"a block cannot hold {count} events")
+    _check_count(count)
     body = _checked(body)
     if len(body) < _RING_HEADER.size:
         raise BlockError(f"{len(body)} bytes are too few for a header")
