@@ -73,7 +73,11 @@ _SAMPLE_COLUMNS = "id, ts_ns, source, pid, util_percent, interval_s"
 _NEWEST_SAMPLE = "SELECT coalesce(max(id), 0) FROM util_samples"
 _HORIZON_SAMPLES = (f"SELECT {_SAMPLE_COLUMNS} FROM util_samples "
                     "WHERE id <= :cursor AND host = :host AND ts_ns > :since")
-_NEW_SAMPLES = f"SELECT {_SAMPLE_COLUMNS} FROM util_samples WHERE id > :cursor AND host = :host"
+# The new samples, every round: by row id. Written ``host = :host``, the host would pick the table's
+# index on (host, ts_ns), and the read would walk every sample the host has kept (hours of them) to
+# filter them by id: 66 ms a round at 860,000 samples. ``host || ''`` is no indexed column, so the
+# read starts at the first new row (SQLite and PostgreSQL alike).
+_NEW_SAMPLES = f"SELECT {_SAMPLE_COLUMNS} FROM util_samples WHERE id > :cursor AND host || '' = :host"
 
 
 class SampleCache:
