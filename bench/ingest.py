@@ -14,7 +14,10 @@ sender) to the gRPC receiver instead; refusals are counted in the 429/503 column
 codes (RESOURCE_EXHAUSTED, UNAVAILABLE).
 
 Trace ids are random, as exporters make them (``--ordered-ids``: in counting order, as this bench
-sent them before; an index takes those on one page per body). Prints a table (or ``--json``).
+sent them before; an index takes those on one page per body). The values that change from request
+to request in service (the client's port, token counts, latencies) change in every span too, so
+the reader's cache of key-values misses on them as it does there (``--repeated-values``: every
+body carries the template's, as this bench sent them before). Prints a table (or ``--json``).
 Figures depend on the machine and on what else runs on it.
 ``--phases`` picks the phases. ``--compare REV`` measures the receiver code of git revision REV
 and of the working tree alternately, ``--rounds`` times each, each run in its own process with
@@ -31,6 +34,7 @@ import json
 import os
 import random
 import statistics
+import struct
 import subprocess
 import sys
 import tarfile
@@ -59,10 +63,21 @@ TARGET_SPANS_PER_S = 60_000  # per second of one core, sustained over HTTP
 PHASES = ("stages", "in-process", "sustained", "flood")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 ORDERED_IDS = False  # --ordered-ids: trace ids in order, as this bench sent them before
+REPEATED_VALUES = False  # --repeated-values: the template's values in every body, as before
+# Attribute values that differ from request to request in service, each drawn anew for every span
+# of every body, in a range whose encoding has the template value's length (3-byte varints for
+# ports, 2-byte for token counts, 8 bytes for doubles), so each is written where the template's was.
+VARIED = {"net.peer.port": (16_384, 65_535), "gen_ai.usage.prompt_tokens": (128, 16_383),
+          "gen_ai.usage.completion_tokens": (128, 16_383), "gen_ai.latency.time_in_queue": (0.0, 0.5),
+          "gen_ai.latency.time_to_first_token": (0.0, 2.0), "gen_ai.latency.e2e": (0.5, 30.0)}
 
 
 def template_body(batch: int) -> bytes:
     """One request of ``batch`` spans, half ASGI server spans and half vLLM llm_request spans."""
+    return bytes(template_request(batch).SerializeToString())
+
+
+def template_request(batch: int) -> ExportTraceServiceRequest:
     request = ExportTraceServiceRequest()
     resource_spans = request.resource_spans.add()
     for key, value in {"service.name": "vllm", "host.name": "gpu-1", "process.pid": 4242}.items():
@@ -99,7 +114,33 @@ def template_body(batch: int) -> bytes:
                 attribute.value.int_value = value
             else:
                 attribute.value.double_value = value
-    return bytes(request.SerializeToString())
+    return request
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def varied_places(request: ExportTraceServiceRequest, body: bytes) -> list[tuple[int, int, Any]]:
+    """Where each VARIED value of ``body`` lies: (offset, encoded length, its range), found from
+    each span's own encoding (unique: its trace id) and its key-value's within it."""
+    places = []
+    for span in request.resource_spans[0].scope_spans[0].spans:
+        encoded = span.SerializeToString()
+        span_at = body.index(encoded)
+        for attribute in span.attributes:
+            if attribute.key not in VARIED:
+                continue
+            pair = attribute.SerializeToString()
+            is_int = attribute.value.WhichOneof("value") == "int_value"
+            size = len(varint(attribute.value.int_value)) if is_int else 8
+            places.append((span_at + encoded.index(pair) + len(pair) - size, size, VARIED[attribute.key]))
+    return places
 
 
 class Bodies:
@@ -108,13 +149,17 @@ class Bodies:
     With ``ordered_ids`` the ids are a counter instead (each body's prefix), which inserts them in
     order: the figures of this bench before it sent random ids."""
 
-    def __init__(self, batch: int, seed: int, ordered_ids: bool | None = None) -> None:
-        self.template = template_body(batch)
+    def __init__(self, batch: int, seed: int, ordered_ids: bool | None = None,
+                 repeated_values: bool | None = None) -> None:
+        request = template_request(batch)
+        self.template = bytes(request.SerializeToString())
         self.lock = threading.Lock()
         self.counter = seed << 40
         self.ordered_ids = ORDERED_IDS if ordered_ids is None else ordered_ids
+        repeated = REPEATED_VALUES if repeated_values is None else repeated_values
         self.random = random.Random(seed)
         self.trace_ids_at = [self.template.index(MARKER + i.to_bytes(8, "big")) for i in range(batch)]
+        self.varied_at = [] if repeated else varied_places(request, self.template)
 
     def next(self) -> bytes:
         with self.lock:
@@ -125,13 +170,19 @@ class Bodies:
         # Each request is ~4.3 s later than the one before (upper dword + 1): times only move forward.
         moved = (TIME_BASE + (counter & 0xFFFFF)).to_bytes(4, "little")
         body = body.replace(TIME_MARKER.to_bytes(4, "little"), moved)
-        if self.ordered_ids:
+        if self.ordered_ids and not self.varied_at:
             return body
-        with self.lock:
-            ids = self.random.randbytes(16 * len(self.trace_ids_at))
         out = bytearray(body)  # every replacement above keeps lengths: the ids are where they were
-        for n, at in enumerate(self.trace_ids_at):
-            out[at:at + 16] = ids[16 * n:16 * n + 16]
+        with self.lock:
+            if not self.ordered_ids:
+                ids = self.random.randbytes(16 * len(self.trace_ids_at))
+                for n, at in enumerate(self.trace_ids_at):
+                    out[at:at + 16] = ids[16 * n:16 * n + 16]
+            for at, size, (low, high) in self.varied_at:
+                if size == 8:
+                    out[at:at + 8] = struct.pack("<d", self.random.uniform(low, high))
+                else:
+                    out[at:at + size] = varint(self.random.randint(low, high))
         return bytes(out)
 
 
@@ -326,7 +377,8 @@ def over_http(phase: str, senders: int, processes: int, batch: int, seconds: flo
     children = [subprocess.Popen(
         [sys.executable, __file__, "--sender", "--port", str(receiver.port), "--senders", str(count),
          "--seconds", str(seconds), "--batch", str(batch), "--seed", str(random.randrange(1, 10**6)),
-         "--otlp", otlp, *(["--ordered-ids"] if ORDERED_IDS else [])],
+         "--otlp", otlp, *(["--ordered-ids"] if ORDERED_IDS else []),
+         *(["--repeated-values"] if REPEATED_VALUES else [])],
         stdout=subprocess.PIPE, text=True,
         preexec_fn=(lambda: os.sched_setaffinity(0, sender_cpus)) if sender_cpus else None)
         for count in per_process if count]
@@ -423,7 +475,8 @@ def compare(args: argparse.Namespace) -> None:
     forwarded = ["--phases", ",".join(args.phases), "--seconds", str(args.seconds), "--batch", str(args.batch),
                  "--senders", str(args.senders), "--max-queue-spans", str(args.max_queue_spans),
                  "--gc-threshold", str(args.gc_threshold), "--otlp", args.otlp, "--json",
-                 *(["--ordered-ids"] if args.ordered_ids else [])]
+                 *(["--ordered-ids"] if args.ordered_ids else []),
+                 *(["--repeated-values"] if args.repeated_values else [])]
     results: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="ingest-old-") as scratch:
         trees = {args.compare: export_tree(args.compare, Path(scratch)), "working tree": here}
@@ -466,12 +519,15 @@ def main() -> None:
                         help="the protocol of the sustained and flood phases")
     parser.add_argument("--ordered-ids", action="store_true",
                         help="trace ids in counting order (one index page takes a body's spans), not random")
+    parser.add_argument("--repeated-values", action="store_true",
+                        help="every body with the template's ports, token counts and latencies (the reader's "
+                             "cache of key-values then hits on them), not values drawn for each span")
     parser.add_argument("--sender", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global ORDERED_IDS
-    ORDERED_IDS = args.ordered_ids
+    global ORDERED_IDS, REPEATED_VALUES
+    ORDERED_IDS, REPEATED_VALUES = args.ordered_ids, args.repeated_values
     if args.sender:
         print(json.dumps(run_senders(args.port, args.senders, args.seconds, args.batch, args.seed, args.otlp)))
     elif args.compare:
