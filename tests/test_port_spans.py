@@ -59,3 +59,29 @@ def test_counts_after_removals_equal_a_pass_over_the_spans_left() -> None:
             ts = rng.randrange(-5, 240)
             until = ts + rng.choice([0, 2, 40])
             assert index.in_flight(ts, until) == sum(1 for s in left if s.start_ns <= until and s.end_ns >= ts)
+
+
+def test_removing_many_at_once_equals_removing_them_one_by_one() -> None:
+    """The prune's way: a port's oldest spans (and some others, and one already gone) taken out
+    in one pass leave the counts that taking them out one at a time leaves."""
+    rng = random.Random(23)
+    spans = [span(index, start, start + rng.choice([0, 3, 30, 3000])) for index in range(500)
+             for start in [rng.randrange(0, 400)]]
+    one_by_one, at_once = PortSpans(), PortSpans()
+    for item in spans:
+        one_by_one.add(item)
+        at_once.add(item)
+    by_start = sorted(spans, key=lambda s: s.start_ns)
+    gone = by_start[:150] + rng.sample(by_start[150:], 40)
+    keys = [(s.trace_id, s.span_id) for s in gone] + [("f" * 32, "f" * 16)]  # the last: never added
+    for key in keys:
+        one_by_one.remove(key)
+    assert at_once.remove_many(keys)
+    left = [s for s in spans if s not in gone]
+    for _ in range(400):
+        ts = rng.randrange(-5, 3500)
+        until = ts + rng.choice([0, 2, 40, 400])
+        brute = sum(1 for s in left if s.start_ns <= until and s.end_ns >= ts)
+        assert at_once.in_flight(ts, until) == one_by_one.in_flight(ts, until) == brute, (ts, until)
+        assert at_once.started(ts, until) == one_by_one.started(ts, until)
+    assert not at_once.remove_many([(s.trace_id, s.span_id) for s in left])

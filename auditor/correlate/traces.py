@@ -76,6 +76,20 @@ def _share(span: SpanRecord, name: str, held: str) -> None:
         object.__setattr__(span, name, held)
 
 
+def _without(values: list[int], drop: list[int]) -> list[int]:
+    """``values`` (sorted) less one occurrence of each of ``drop`` (which it holds): any equal
+    time will do, since only how many lie below a time counts."""
+    drop.sort()
+    kept: list[int] = []
+    at = 0
+    for gone in drop:
+        found = bisect.bisect_left(values, gone, at)
+        kept += values[at:found]
+        at = found + 1
+    kept += values[at:]
+    return kept
+
+
 class PortSpans:
     """The server spans of one port, for counting those in flight during an interval."""
 
@@ -102,10 +116,23 @@ class PortSpans:
 
     def remove(self, key: tuple[str, str]) -> bool:
         """Forget one span (by trace and span id); False when none is left."""
-        extent = self._spans.pop(key, None)
-        if extent is not None:  # any equal time will do: only how many are below a time counts
-            del self._starts[bisect.bisect_left(self._starts, extent[0])]
-            del self._ends[bisect.bisect_left(self._ends, extent[1])]
+        return self.remove_many([key])
+
+    def remove_many(self, keys: Iterable[tuple[str, str]]) -> bool:
+        """Forget these spans; False when none is left. The prune forgets the port's oldest spans,
+        whose times lie at the front of its sorted lists: deleting them one by one moved the whole
+        of both lists for each (a tenth of a round's time once the memory window was full), where
+        this walks the front once, up to the last time it drops."""
+        starts: list[int] = []
+        ends: list[int] = []
+        for key in keys:
+            extent = self._spans.pop(key, None)
+            if extent is not None:
+                starts.append(extent[0])
+                ends.append(extent[1])
+        if starts:
+            self._starts = _without(self._starts, starts)
+            self._ends = _without(self._ends, ends)
         return bool(self._spans)
 
 
@@ -296,6 +323,7 @@ class TraceIndex:
         """Forget traces whose spans all arrived before ``cutoff_ns``, except those in ``keep``
         (they go back in line as if they had just arrived)."""
         kept: list[str] = []
+        leaving: dict[int, list[tuple[str, str]]] = {}
         while self._arrivals and self._arrivals[0][0] < cutoff_ns:
             _, trace_id = self._arrivals.popleft()
             remaining = self._entries[trace_id] - 1
@@ -306,18 +334,22 @@ class TraceIndex:
             if trace_id in keep:
                 kept.append(trace_id)
             else:
-                self._forget(trace_id)
+                self._forget(trace_id, leaving)
+        for port, keys in leaving.items():
+            on_port = self._http_by_port.get(port)
+            if on_port is not None and not on_port.remove_many(keys):
+                del self._http_by_port[port]
         newest = self._arrivals[-1][0] if self._arrivals else cutoff_ns
         for trace_id in kept:
             self._arrivals.append((newest, trace_id))
             self._entries[trace_id] = 1
 
-    def _forget(self, trace_id: str) -> None:
+    def _forget(self, trace_id: str, leaving: dict[int, list[tuple[str, str]]]) -> None:
+        """Drop a trace's spans; its server spans are added to ``leaving`` (by port), for the
+        caller to take out of their ports' lists in one pass each."""
         for span in self._by_trace.pop(trace_id, {}).values():
             if span.role is SpanRole.HTTP_SERVER and span.server_port:
-                on_port = self._http_by_port.get(span.server_port)
-                if on_port is not None and not on_port.remove((span.trace_id, span.span_id)):
-                    del self._http_by_port[span.server_port]
+                leaving.setdefault(span.server_port, []).append((span.trace_id, span.span_id))
             if span.role is SpanRole.ENGINE and span.request_id:
                 if self._engine_by_request_id.get(span.request_id) is span:
                     del self._engine_by_request_id[span.request_id]
