@@ -121,7 +121,7 @@ class PortSpans:
     def remove_many(self, keys: Iterable[tuple[str, str]]) -> bool:
         """Forget these spans; False when none is left. The prune forgets the port's oldest spans,
         whose times lie at the front of its sorted lists: deleting them one by one moved the whole
-        of both lists for each (a tenth of a round's time once the memory window was full), where
+        of both lists for each (a twentieth of a round's time once the memory window was full), where
         this walks the front once, up to the last time it drops."""
         starts: list[int] = []
         ends: list[int] = []
