@@ -51,6 +51,7 @@ if not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 # Parts of the template replaced in every request, so that each request carries new, realistic
 # values: unique trace ids, unique request ids, and times that move forward (indexes see the
@@ -118,12 +119,8 @@ def template_request(batch: int) -> ExportTraceServiceRequest:
 
 
 def varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    """``value`` as protobuf writes an int64 field's value (the field's tag byte left off)."""
+    return bytes(AnyValue(int_value=value).SerializeToString()[1:])
 
 
 def varied_places(request: ExportTraceServiceRequest, body: bytes) -> list[tuple[int, int, Any]]:
