@@ -364,7 +364,7 @@ class Correlator:
         news = self._take_news()
         try:
             for request in list(self._open.values()):
-                if request.key[0] in self._touched or (clock_dependent(request) and request.due(now, news)):
+                if request.key[0] in self._touched or (request.due(now, news) and clock_dependent(request)):
                     verdict = evaluate(self, request, now)
                     request.checked(now, changed=verdict is not None)
                     if verdict is not None:
@@ -382,12 +382,10 @@ class Correlator:
         for request, verdict in changed:
             request.written = verdict
         self._news = set()  # joined with: kept when the round fails before
-        self._settle(now)
-        self._save_state()
+        first_unreported = self._settle(now)
+        self._save_state(first_unreported)
         self._prune(now)
         self.stats.pending_disconnects = len(self._pending)
-        self.stats.inflight_zombies = sum(1 for r in self._open.values() if r.written is not None
-                                          and r.written.verdict is Verdict.INFLIGHT_ZOMBIE)
         return [verdict for _, verdict in changed]
 
     def _recall(self, trace_id: str, arrived_ns: int, arriving: str | None = None) -> None:
@@ -573,22 +571,35 @@ class Correlator:
         return self.spans.server_spans_on(port, ts_ns, until, also=self.live.running_on(port, ts_ns, until))
 
     # -- bookkeeping ------------------------------------------------------------------------
-    def _settle(self, now: int) -> None:
+    def _settle(self, now: int) -> int | None:
+        """Let go of requests whose verdict is final (to the settled ones, held for a late span) or
+        that found no verdict within the horizon. One walk of the open requests a round, which
+        also counts the in-flight zombies and returns the first close of a request still open
+        whose verdict was never reported final (where a restart must read on from)."""
+        inflight = 0
+        first_unreported: int | None = None
         for key, request in list(self._open.items()):
             written = request.written
             expired = now - request.origin().ts_ns > HORIZON_NS
             if written is None:
                 if expired:
                     del self._open[key]
+                    continue
+            elif expired or not (written.verdict is Verdict.INFLIGHT_ZOMBIE or written.details.get("provisional")):
+                del self._open[key]
+                self._keep_settled(request)
+                if request.reported is not written.verdict:
+                    request.reported = written.verdict
+                    self.on_settled(written)
                 continue
-            unsettled = written.verdict is Verdict.INFLIGHT_ZOMBIE or written.details.get("provisional")
-            if unsettled and not expired:
-                continue
-            del self._open[key]
-            self._keep_settled(request)
-            if request.reported is not written.verdict:
-                request.reported = written.verdict
-                self.on_settled(written)
+            elif written.verdict is Verdict.INFLIGHT_ZOMBIE:
+                inflight += 1
+            if request.reported is None:
+                for disconnect in request.disconnects.values():
+                    if first_unreported is None or disconnect.event_id < first_unreported:
+                        first_unreported = disconnect.event_id
+        self.stats.inflight_zombies = inflight
+        return first_unreported
 
     def _keep_settled(self, request: OpenRequest) -> None:
         """Hold a settled request for a late span of its trace. Traces are in the order their last
@@ -622,17 +633,15 @@ class Correlator:
         if attr:
             setattr(self.stats, attr, getattr(self.stats, attr) + count)
 
-    def _save_state(self) -> None:
+    def _save_state(self, first_unreported: int | None) -> None:
         # The position a restart reads on from: before every close still waiting for its span, and
-        # every close of a request whose verdict was never reported final (an in-flight zombie),
-        # so that a restarted daemon joins them again and finishes their verdicts.
+        # every close of a request whose verdict was never reported final (an in-flight zombie;
+        # ``first_unreported``, from ``_settle``), so that a restarted daemon joins them again and
+        # finishes their verdicts.
         first = self._pending.first_id()
         settled = self._event_cursor if first is None else first - 1
-        for request in self._open.values():
-            if request.reported is None:
-                for disconnect in request.disconnects.values():
-                    if disconnect.event_id <= settled:
-                        settled = disconnect.event_id - 1
+        if first_unreported is not None and first_unreported <= settled:
+            settled = first_unreported - 1
         if settled == self._saved_position:
             return
         values = {"host": self.host, "settled_event_id": settled, "updated_ns": time.time_ns()}
