@@ -10,6 +10,8 @@ such and not counted twice. The minute's utilization moves slowly and is re-read
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,7 +50,9 @@ class Upkeep:
         self.store, self.host, self.metrics = store, host, metrics
         self._follow, self._find_engines = follow_pids, find_engines
         self._engine_spans_seen = False  # then completions are counted from engine spans only
-        self._unsettled: list[SpanRecord] = []  # new spans whose surrounding spans may not have arrived
+        # New spans whose surrounding spans may not have arrived: a heap by end (then arrival).
+        self._unsettled: list[tuple[int, int, SpanRecord]] = []
+        self._arrival = itertools.count()
         self._pids: dict[int, int] = {}  # engine pid -> when a span last named it (wall ns)
         self._following: set[int] | None = None
         self._next_utilization = 0.0
@@ -56,10 +60,14 @@ class Upkeep:
     def round(self, arrived: Sequence[SpanRecord] = (),
               lookup: Callable[[str, str], SpanRecord | None] = lambda trace, span: None) -> None:
         now_ns = time.time_ns()
-        self._unsettled.extend(s for s in arrived if s.role in (SpanRole.HTTP_SERVER, SpanRole.ENGINE))
-        settled = [s for s in self._unsettled if s.end_ns < now_ns - SPAN_SETTLE_NS]
+        unsettled = self._unsettled
+        for span in arrived:
+            if span.role is SpanRole.HTTP_SERVER or span.role is SpanRole.ENGINE:
+                heapq.heappush(unsettled, (span.end_ns, next(self._arrival), span))
+        settled = []
+        while unsettled and unsettled[0][0] < now_ns - SPAN_SETTLE_NS:
+            settled.append(heapq.heappop(unsettled)[2])
         if settled:
-            self._unsettled = [s for s in self._unsettled if s.end_ns >= now_ns - SPAN_SETTLE_NS]
             # A server span inside another (a second instrumentation, a traced gateway hop) is no
             # request of its own; asked once the spans around it have arrived.
             requests = [s for s in settled if s.role is not SpanRole.HTTP_SERVER or not is_inner_server_span(s, lookup)]
