@@ -249,7 +249,7 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
     if args.profile:
         profiler = subprocess.Popen(
             [str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(daemon.pid), "-r", str(args.profile_rate),
-             "-d", str(int(args.load_seconds)), "-f", "raw", "-o", str(args.profile), "--gil"],
+             "-d", str(int(args.load_seconds)), "-f", "raw", "-o", str(args.profile), "--gil", "--nonblocking"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cpu_before, wall_before = proc_cpu_seconds(daemon.pid), time.monotonic()
     threads_before = thread_cpu_seconds(daemon.pid)
@@ -430,7 +430,9 @@ def main() -> int:
     parser.add_argument("--alarms", type=int, default=15)
     parser.add_argument("--load-seconds", type=float, default=20)
     parser.add_argument("--rate", type=float, default=100)
-    parser.add_argument("--profile", type=Path, help="record the daemon with py-spy during the load (raw stacks)")
+    parser.add_argument("--profile", type=Path, help="record the daemon with py-spy during the load (raw stacks of "
+                        "the thread holding the GIL; py-spy does not stop the daemon to sample, which at 250 Hz "
+                        "doubled its CPU)")
     parser.add_argument("--profile-rate", type=int, default=250, help="py-spy samples per second with --profile")
     parser.add_argument("--compare", metavar="REV", help="also load a daemon of git revision REV's code, "
                         "alternating with the working tree's (latency is not measured then)")
