@@ -186,7 +186,8 @@ class Daemon:
         if self.config.sampler.nvml:
             from collectors.nvml import NvmlSampler
 
-            samplers.append(NvmlSampler(host=self.host))
+            samplers.append(NvmlSampler(host=self.host,
+                                        per_process_always=self.config.sampler.nvml_per_process_always))
         from probes.sockdiag import listening_inodes
 
         # Engines whose spans name no process; their sockets asked of the kernel, not /proc/net/tcp.

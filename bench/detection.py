@@ -445,6 +445,10 @@ def main() -> int:
                         help="the daemon's disconnect source (procfs: the fallback of a daemon without CAP_BPF)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="the engines' compute (cuda: PyTorch on this host's GPU, sampled by NVML)")
+    parser.add_argument("--load-engine-alone", action="store_true",
+                        help="with --device cuda, only the load's engine on the GPU (the alarms' engine on the "
+                             "CPU): one engine process a GPU, as most hosts run, where the daemon costs it by the "
+                             "whole GPU's utilization instead of NVML's per-process call")
     parser.add_argument("--export-delay-ms", type=int, help="the load engine's span export delay "
                         "(OTEL_BSP_SCHEDULE_DELAY; the engine's own is 200 ms, the SDK's default, "
                         "which vLLM exports with, 5000 ms)")
@@ -467,7 +471,8 @@ def main() -> int:
     otlp, metrics_port, live = free_port(), free_port(), free_port(socket.SOCK_DGRAM)
     export = f"{args.otlp}://127.0.0.1:{otlp}"
     with running_engine(behavior="detached", otlp=export, step_ms=10, max_batch=16,
-                        extra_args=["--live", f"127.0.0.1:{live}", "--device", args.device]) as zombie_engine, \
+                        extra_args=["--live", f"127.0.0.1:{live}", "--device",
+                                    "cpu" if args.load_engine_alone else args.device]) as zombie_engine, \
             running_engine(behavior="abort", otlp=export, step_ms=2, max_batch=64,
                            extra_args=["--device", args.device] + (["--live", f"127.0.0.1:{live}"] if args.live_load else []),
                            truth_log=None if args.compare else work / "load-truth.jsonl",

@@ -5,7 +5,7 @@
 #   bench/gpu_check.sh [DIR]     (python3 with this project's requirements and PyTorch on CUDA)
 #   LOAD_SECONDS=600 bench/gpu_check.sh   a longer load, to see whether the daemon's RSS levels off
 #   CHECKS="tests nvml poller" bench/gpu_check.sh   only those checks, of:
-#       tests nvml engine demo footprint poller detection   (all by default)
+#       tests nvml engine demo footprint poller detection alone   (all by default)
 set -u
 out=${1:-gpu-check}
 mkdir -p "$out"
@@ -13,7 +13,7 @@ py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 section() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
-checks=" ${CHECKS:-tests nvml engine demo footprint poller detection} "
+checks=" ${CHECKS:-tests nvml engine demo footprint poller detection alone} "
 wanted() { [[ $checks == *" $1 "* ]]; }
 
 section "host"
@@ -57,5 +57,15 @@ section "detection and load, /proc source, engines on cuda"
 load=${LOAD_SECONDS:-60}
 timeout $((load + 180)) "$py" bench/detection.py --source procfs --device cuda --alarms 10 --load-seconds "$load" --otlp grpc \
     2>&1 | tee "$out/detection.log"
+fi
+if wanted alone; then
+# One engine on the GPU, as most hosts run: the daemon costs it by the whole GPU's utilization. The
+# same load with per-process readings asked for, after it: the sampling thread's share side by side.
+load=${LOAD_SECONDS:-60}
+for always in false true; do
+    section "one engine on the GPU, sampler.nvml_per_process_always=$always"
+    AUDITOR_SAMPLER_NVML_PER_PROCESS_ALWAYS=$always timeout $((load + 120)) "$py" bench/detection.py --source procfs \
+        --device cuda --load-engine-alone --alarms 0 --load-seconds "$load" --otlp grpc 2>&1 | tee "$out/alone-$always.log"
+done
 fi
 section "done"

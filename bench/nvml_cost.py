@@ -6,9 +6,10 @@ own account of a busy spell. Needs a GPU (and PyTorch on CUDA for the second par
    has a reading, so the per-process call is a single driver call that finds nothing.
 2. A busy spell of this process (synchronized half-precision matrix products, ``--spell`` seconds)
    with CUDA events around every product: the GPU's busy time by the events, against the
-   GPU-seconds integrated from the sampler's samples (ticking every 100 ms, as the daemon does),
-   and from the whole GPU's utilization (what a process alone on its GPU could be costed by,
-   without the dear per-process call).
+   GPU-seconds integrated from two samplers' samples of this process (ticking every 100 ms, as
+   the daemon does): one asking NVML per process, one as the daemon does by default (this process,
+   alone on its GPU, costed by the whole GPU's utilization, without the dear per-process call),
+   and the CPU each spends a tick.
    Then NVML is asked for everything it holds of this process (lastSeen 0): how many readings it
    answers says whether a reading not asked for in time can be read later. While that reading is
    held, a read is timed both ways: pynvml's wrapper (two driver calls: the count, then the
@@ -92,20 +93,17 @@ def busy_spell(seconds: float) -> None:
 
     with tempfile.TemporaryDirectory() as scratch:
         store = Store(f"sqlite:///{scratch}/a.db")
-        sampler = NvmlSampler(nvml=pynvml, host="bench")
+        samplers = {"per-process": NvmlSampler(nvml=pynvml, host="per-process", per_process_always=True),
+                    "default": NvmlSampler(nvml=pynvml, host="default")}
         stop = threading.Event()
-        tick_cpu: list[float] = []
-
-        whole: list[tuple[int, float, float]] = []  # GPU 0's own readings: (ts_ns, util %, interval s)
+        tick_cpu: dict[str, list[float]] = {host: [] for host in samplers}
 
         def tick() -> None:
             while not stop.is_set():
-                cpu = time.thread_time()
-                samples = sampler.sample(time.time_ns())
-                store.insert_samples(samples)
-                tick_cpu.append((time.thread_time() - cpu) * 1e6)
-                whole.extend((s.ts_ns, s.util_percent, s.interval_s) for s in samples
-                             if s.pid is None and s.gpu_index == 0 and s.util_percent is not None and s.interval_s)
+                for host, sampler in samplers.items():
+                    cpu = time.thread_time()
+                    store.insert_samples(sampler.sample(time.time_ns()))
+                    tick_cpu[host].append((time.thread_time() - cpu) * 1e6)
                 time.sleep(0.1)
 
         a = torch.randn((8192, 8192), device="cuda", dtype=torch.float16)
@@ -136,29 +134,26 @@ def busy_spell(seconds: float) -> None:
         read_costs = {"pynvml's wrapper (2 calls)": cost_us(lambda: pynvml.nvmlDeviceGetProcessUtilization(handle, 0), 20)}
         if one_call.one_call:
             read_costs["the sampler's (1 call)"] = cost_us(lambda: one_call(handle, 0), 20)
-        period = sampler.update_period_s(0)
-        sampler.close()
-        cache = SampleCache(store, "bench")
-        cache.refresh(time.time_ns())
-        cost = wasted(cache, start_ns=begin - 500_000_000, end_ns=end + 500_000_000, pid=os.getpid(),
-                      sharers=lambda ts: 1)
+        period = samplers["per-process"].update_period_s(0)
+        costs = {}
+        for host, sampler in samplers.items():
+            sampler.close()
+            cache = SampleCache(store, host)
+            cache.refresh(time.time_ns())
+            costs[host] = wasted(cache, start_ns=begin - 500_000_000, end_ns=end + 500_000_000,
+                                 pid=os.getpid(), sharers=lambda ts: 1).gpu_seconds
         store.close()
     wall_s = (end - begin) / 1e9
     gpu_busy_s = sum(s.elapsed_time(e) for s, e in events) / 1000
     stamps = sorted(int(r.timeStamp) for r in buffered)
     print(f"\nBusy spell of this process: {len(events)} products over {wall_s:.2f} s wall")
     print(f"  GPU busy by CUDA events            {gpu_busy_s:8.3f} s  ({gpu_busy_s / wall_s:.1%} of the wall)")
-    print(f"  NVML, the sampler's samples        {cost.gpu_seconds:8.3f} GPU-s  (ratio to events "
-          f"{cost.gpu_seconds / gpu_busy_s:.3f})")
-    # Were this process the GPU's only one, the whole GPU's utilization (a cheap call) would be its
-    # share: how close does it come?
-    whole_s = sum(util / 100 * interval for ts, util, interval in whole
-                  if begin - 500_000_000 <= ts <= end + 500_000_000)
-    print(f"  NVML, the whole GPU's utilization  {whole_s:8.3f} GPU-s  (ratio to events {whole_s / gpu_busy_s:.3f})")
+    for host, label in (("per-process", "per-process readings"), ("default", "the daemon's default")):
+        print(f"  NVML, {label:<28}{costs[host]:8.3f} GPU-s  (ratio to events {costs[host] / gpu_busy_s:.3f}); "
+              f"a tick while busy {statistics.median(tick_cpu[host]):.0f} us CPU (median of {len(tick_cpu[host])})")
     print(f"  NVML update period seen            {period} s")
     print(f"  asked for all it holds (lastSeen 0) {len(stamps)} reading(s) of this process"
           + (f", the oldest {time.time() - stamps[0] / 1e6:.2f} s old" if stamps else ""))
-    print(f"  sampler tick while busy            {statistics.median(tick_cpu):.0f} us CPU (median of {len(tick_cpu)})")
     for way, (wall, cpu) in read_costs.items():
         print(f"  a read with readings, {way:<27} {wall:.0f} us wall, {cpu:.0f} us CPU (median of 20)")
 

@@ -318,23 +318,142 @@ def test_per_process_readings_asked_once_an_update_lose_none_across_jitter_and_i
     assert cost.gpu_seconds == pytest.approx(readings_say, rel=0.03)
 
 
+@dataclass
+class SharedLaterNvml(JitteryNvml):
+    """An H200-like NVML that lists graphics processes too, and whose whole-GPU utilization is the
+    mean of the last sixth of a second (NVML's shortest sample period). A second engine (pid
+    ``second_pid``, idle) gets a context from ``second_from_s``; ``graphics`` lists a graphics
+    process sharing the GPU."""
+
+    second_pid: int = 5151
+    second_from_s: float = math.inf
+    graphics: list[Any] = field(default_factory=list)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        steps = 20
+        mean = sum(self.util_at(self.now_s - (i + 0.5) / 6 / steps) for i in range(steps)) / steps
+        return SimpleNamespace(gpu=round(mean), memory=10)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
+        second = [SimpleNamespace(pid=self.second_pid, usedGpuMemory=1 << 20)] if self.now_s >= self.second_from_s else []
+        return [SimpleNamespace(pid=self.pid, usedGpuMemory=1 << 30), *second]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: int) -> list[Any]:
+        return self.graphics
+
+
+def busy_then_idle(start_s: float) -> Any:
+    def util_at(t: float) -> float:  # busy 80 % for 3 s, idle 0.8 s, busy 60 % for 3 s, idle; 50 % at 9.5 s
+        offset = t - start_s
+        return (80.0 if 0.3 <= offset < 3.3 else 60.0 if 4.1 <= offset < 7.1 else 50.0 if offset >= 9.5
+                else 0.0)
+    return util_at
+
+
+TRUTH_TO_8S = 3.0 * 0.8 + 3.0 * 0.6  # GPU-seconds the engine ran in its first 8 s
+
+
+def run_ticks(fake: SharedLaterNvml, sampler: NvmlSampler, clock: Clock, store: Any, seconds: float) -> None:
+    """The sampling loop's pace: 100 ms ticks while in use, a second apart once the sampler is idle
+    (its first tick, before NVML is up, at once)."""
+    if not fake.calls:
+        store.insert_samples(sampler.sample(int(fake.now_s * 1e9)))
+    end = fake.now_s + seconds
+    while fake.now_s < end - 0.05:  # the float sum of 0.1 steps wanders past 1.7e9 s
+        step = 1.0 if sampler.idle() else 0.1
+        fake.now_s += step
+        clock.now += step
+        store.insert_samples(sampler.sample(int(fake.now_s * 1e9)))
+
+
+def engine_cost(store: Any, fake: SharedLaterNvml, start_s: float) -> float:
+    """The engine's GPU-seconds in its first 8 s. The sampler rests from about 8.2 s (a second at
+    0 %), and what begins while it rests is seen from its next tick, a second later at most: the
+    spell from 9.5 s is not in the window."""
+    from auditor.correlate.waste import SampleCache, wasted
+
+    cache = SampleCache(store, "h")
+    cache.refresh(int(fake.now_s * 1e9))
+    return wasted(cache, start_ns=int(start_s * 1e9), end_ns=int((start_s + 8.0) * 1e9), pid=fake.pid,
+                  sharers=lambda ts: 1).gpu_seconds
+
+
+def engine_samples(store: Any, pid: int) -> list[tuple[float, float]]:
+    with store.connect() as conn:
+        return [(util, interval) for util, interval in conn.all(
+            "SELECT util_percent, interval_s FROM util_samples WHERE pid = :pid AND util_percent > 0 "
+            "AND interval_s IS NOT NULL", {"pid": pid})]
+
+
+def test_a_process_alone_on_its_gpu_is_costed_by_the_whole_gpu_without_the_per_process_call(store: Any) -> None:
+    """One engine on the GPU, no graphics process: the whole GPU's utilization (a 3 us call) is the
+    engine's, so NVML's per-process call (1.4 ms of CPU on an H200) is never made, and the engine's
+    GPU-seconds still come out as what it ran, idle spell and the sampler's one-second rest
+    included (a reading after a second at rest covers one period, not the whole second)."""
+    start_s = 1_700_000_000.0
+    fake = SharedLaterNvml(count=1, now_s=start_s, util_at=busy_then_idle(start_s))
+    clock = Clock()
+    sampler = NvmlSampler(nvml=fake, host="h", monotonic=clock)
+    run_ticks(fake, sampler, clock, store, 10.5)
+    assert "procutil" not in fake.calls
+    assert engine_cost(store, fake, start_s) == pytest.approx(TRUTH_TO_8S, rel=0.03)
+    # The spell that began while the sampler rested: its first sample covers one period, not the
+    # second since the tick before (at 50 % that would be 0.5 GPU-s, of which 0.35 never ran).
+    assert max(interval for _, interval in engine_samples(store, fake.pid)) <= 0.2 + 1e-9
+
+    # Asked to, it reads per process as before, and comes to the same.
+    store_b = type(store)(str(store.engine.url).replace("auditor.db", "b.db"))
+    fake = SharedLaterNvml(count=1, now_s=start_s, util_at=busy_then_idle(start_s))
+    sampler = NvmlSampler(nvml=fake, host="h", monotonic=Clock(), per_process_always=True)
+    run_ticks(fake, sampler, sampler._monotonic, store_b, 10.5)  # type: ignore[arg-type]
+    assert 20 <= fake.calls.count("procutil") <= 50
+    readings_cost = engine_cost(store_b, fake, start_s)
+    store_b.close()
+    assert readings_cost == pytest.approx(TRUTH_TO_8S, rel=0.05)
+
+
+@pytest.mark.parametrize("shared_by", ["a second engine", "a graphics process"])
+def test_a_process_that_stops_being_alone_is_read_per_process_and_no_time_counts_twice(store: Any, shared_by: str) -> None:
+    """From 2.5 s into the first busy spell, something else has the GPU too: from then on the
+    whole GPU's time is not the engine's alone, so its own readings are asked for. The first of
+    them covers a period of which the whole-GPU samples already counted part: that part is not
+    counted again (it would be up to 0.2 GPU-s at each change)."""
+    start_s = 1_700_000_000.0
+    fake = SharedLaterNvml(count=1, now_s=start_s, util_at=busy_then_idle(start_s))
+    if shared_by == "a second engine":
+        fake.second_from_s = start_s + 2.53
+    clock = Clock()
+    sampler = NvmlSampler(nvml=fake, host="h", monotonic=clock)
+    run_ticks(fake, sampler, clock, store, 2.5)
+    assert "procutil" not in fake.calls
+    if shared_by == "a graphics process":
+        fake.graphics = [SimpleNamespace(pid=77, usedGpuMemory=1 << 20)]
+    run_ticks(fake, sampler, clock, store, 8.0)
+    assert fake.calls.count("procutil") >= 20
+    assert engine_cost(store, fake, start_s) == pytest.approx(TRUTH_TO_8S, rel=0.03)
+
+
 @pytest.mark.gpu
 def test_real_nvml_per_process_cost_of_a_known_busy_spell(store: Any) -> None:
     """On a real GPU: this process keeps the GPU busy for 2 s (synchronized matrix products) while
-    the sampler ticks every 100 ms; the GPU-seconds integrated from NVML's own per-process readings
-    come within 10 % of the GPU's busy time by CUDA events around each product (drivers update the
-    readings about every 200 ms). On an H200: 97.6 % of the wall busy, NVML 0.94 of it."""
+    two samplers tick every 100 ms: one asking NVML per process, one as the daemon does by default
+    (a process alone on its GPU costed by the whole GPU's utilization; per process where it is not
+    alone). The GPU-seconds each integrates come within 10 % of the GPU's busy time by CUDA events
+    around each product (drivers update the readings about every 200 ms). On an H200: 97.6 % of the
+    wall busy, per-process readings 0.94 of it, the whole GPU 0.94."""
     torch = pytest.importorskip("torch", reason="the busy spell needs PyTorch with CUDA")
     if not torch.cuda.is_available():
         pytest.skip("PyTorch sees no CUDA GPU")
     from auditor.correlate.waste import SampleCache, wasted
 
-    sampler = NvmlSampler(nvml=pynvml, host="real")
+    samplers = {"per-process": NvmlSampler(nvml=pynvml, host="per-process", per_process_always=True),
+                "default": NvmlSampler(nvml=pynvml, host="default")}
     stop = threading.Event()
 
     def tick() -> None:
         while not stop.is_set():
-            store.insert_samples(sampler.sample(time.time_ns()))
+            for sampler in samplers.values():
+                store.insert_samples(sampler.sample(time.time_ns()))
             time.sleep(0.1)
 
     a = torch.randn((8192, 8192), device="cuda", dtype=torch.float16)
@@ -359,17 +478,23 @@ def test_real_nvml_per_process_cost_of_a_known_busy_spell(store: Any) -> None:
     finally:
         stop.set()
         ticker.join()
-        periods = [sampler.update_period_s(i) for i in range(4)]
-        sampler.close()
-    cache = SampleCache(store, "real")
-    cache.refresh(time.time_ns())
-    assert cache.series("nvml", os.getpid()) is not None, "NVML gave no per-process reading of this process"
-    cost = wasted(cache, start_ns=begin - 500_000_000, end_ns=end + 500_000_000, pid=os.getpid(), sharers=lambda ts: 1)
+        periods = [samplers["per-process"].update_period_s(i) for i in range(4)]
+        for sampler in samplers.values():
+            sampler.close()
     busy_s = sum(started.elapsed_time(ended) for started, ended in events) / 1000
+    costs = {}
+    for host in samplers:
+        cache = SampleCache(store, host)
+        cache.refresh(time.time_ns())
+        assert cache.series("nvml", os.getpid()) is not None, f"{host}: no sample of this process"
+        costs[host] = wasted(cache, start_ns=begin - 500_000_000, end_ns=end + 500_000_000, pid=os.getpid(),
+                             sharers=lambda ts: 1).gpu_seconds
     # Shown with `pytest -rA`: what docs/gpu-validation.md records of each GPU this ran on.
-    print(f"busy {busy_s:.3f} s by CUDA events in {(end - begin) / 1e9:.3f} s, NVML's per-process "
-          f"GPU-seconds {cost.gpu_seconds:.3f}, update period seen per GPU (s): {periods}")
-    assert cost.gpu_seconds == pytest.approx(busy_s, rel=0.10), (cost.gpu_seconds, busy_s, periods)
+    print(f"busy {busy_s:.3f} s by CUDA events in {(end - begin) / 1e9:.3f} s, GPU-seconds: NVML's "
+          f"per-process {costs['per-process']:.3f}, the daemon's default {costs['default']:.3f}; "
+          f"update period seen per GPU (s): {periods}")
+    for host, cost in costs.items():
+        assert cost == pytest.approx(busy_s, rel=0.10), (host, cost, busy_s, periods)
 
 
 @dataclass
