@@ -53,18 +53,22 @@ def cost_us(call: Callable[[], Any], repeats: int) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(cpus)
 
 
-def calls_at_rest(repeats: int) -> None:
-    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-    calls: dict[str, Callable[[], Any]] = {
+def tick_calls(handle: Any) -> dict[str, Callable[[], Any]]:
+    return {
         "GetUtilizationRates": lambda: pynvml.nvmlDeviceGetUtilizationRates(handle),
         "GetMemoryInfo": lambda: pynvml.nvmlDeviceGetMemoryInfo(handle),
         "GetPowerUsage": lambda: pynvml.nvmlDeviceGetPowerUsage(handle),
         "GetComputeRunningProcesses": lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(handle),
+        "GetGraphicsRunningProcesses": lambda: pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle),
         "GetProcessUtilization": lambda: pynvml.nvmlDeviceGetProcessUtilization(handle, int(time.time() * 1e6)),
     }
+
+
+def calls_at_rest(repeats: int) -> None:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
     print(f"NVML calls at rest on GPU 0 ({pynvml.nvmlDeviceGetName(handle)}), median of {repeats}")
     print(f"  {'call':<32}{'wall us':>10}{'CPU us':>10}")
-    for name, call in calls.items():
+    for name, call in tick_calls(handle).items():
         wall, cpu = cost_us(call, repeats)
         print(f"  {name:<32}{wall:>10.0f}{cpu:>10.0f}")
     sampler = NvmlSampler(nvml=pynvml, host="bench")
@@ -156,6 +160,23 @@ def busy_spell(seconds: float) -> None:
           + (f", the oldest {time.time() - stamps[0] / 1e6:.2f} s old" if stamps else ""))
     for way, (wall, cpu) in read_costs.items():
         print(f"  a read with readings, {way:<27} {wall:.0f} us wall, {cpu:.0f} us CPU (median of 20)")
+    calls_while_busy(torch)
+
+
+def calls_while_busy(torch: Any, repeats: int = 50) -> None:
+    """The same calls while this process keeps the GPU busy: products queued without waiting for
+    them, so the GPU works through them while the calls are timed."""
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    a = torch.randn((8192, 8192), device="cuda", dtype=torch.float16)
+    print(f"\nNVML calls while this process keeps GPU 0 busy, median of {repeats}")
+    print(f"  {'call':<32}{'wall us':>10}{'CPU us':>10}")
+    for name, call in tick_calls(handle).items():
+        for _ in range(300):  # about half a second of work on an H200, queued
+            a = (a @ a).clamp_(-1, 1)
+        wall, cpu = cost_us(call, repeats)
+        busy = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        print(f"  {name:<32}{wall:>10.0f}{cpu:>10.0f}" + ("" if busy else "   (the GPU ran out of work first)"))
 
 
 def main() -> int:
