@@ -6,7 +6,9 @@ a span of time, shared by the requests the engine ran in it, and by no request t
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +155,100 @@ def test_the_run_index_counts_each_request_running_at_a_moment_once() -> None:
     assert count(T0 + int(3.2 * S)) == 3  # a, c, e
     assert count(T0 + int(4.5 * S)) == 2  # a itself (its run is over) and e
     assert all(type(bucket.traces).__name__ == "array" for bucket in runs._buckets.values())
+
+
+def gpu_busy(store: Store, until_s: float, gpu: int, util: float, pid: int | None = None,
+             memory_only: bool = False) -> None:
+    """NVML's samples of one GPU (pid None) or of one process on it, every 100 ms."""
+    store.write([UtilSample(ts_ns=T0 + int(0.1 * i * S), source="nvml", host="h", gpu_index=gpu, pid=pid,
+                            util_percent=None if memory_only else util, memory_bytes=1 << 30, interval_s=0.1)
+                 for i in range(1, int(until_s * 10) + 1)])
+
+
+def judge_gpu(store: Store, clock: Clock, at_s: float, correlator: Correlator) -> tuple[float, dict[str, object]]:
+    clock.now = T0 + int(at_s * S)
+    correlator.tick()
+    (row,) = verdicts(store)
+    return row.wasted_gpu_seconds, row.details
+
+
+# A host with four GPUs busy at 20, 40, 60 and 80 %. vLLM-like: the spans and the port name the
+# process serving HTTP (PID); its children do the GPU work (CHILD on GPU 2, or two with tensor
+# parallelism). ``a`` runs 0-6 s alone, its client leaves at 2 s: 4 s of zombie work.
+CHILD, SIBLING, STRANGER = 5001, 5002, 6001
+PARENTS = {CHILD: PID, SIBLING: PID, STRANGER: 1, PID: 1}
+
+
+def four_gpu_host(store: Store) -> tuple[Correlator, Clock]:
+    store.insert_spans([http_span("a", 0, 2.0), engine("a", 0, 6.0, 0.0)])
+    store.insert_conn_events([close(2.0)])
+    for gpu, util in enumerate((20.0, 40.0, 60.0, 80.0)):
+        gpu_busy(store, 8.0, gpu, util)
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.cost.parent_of = PARENTS.get
+    return correlator, clock
+
+
+@pytest.mark.parametrize(("shape", "expected"), [
+    ("the child's own readings on GPU 2", 4.0 * 0.55),
+    ("the child listed on GPU 2 without readings: GPU 2 whole", 4.0 * 0.60),
+    ("two children, GPUs 1 and 3, listed without readings", 4.0 * (0.40 + 0.80)),
+    ("a grandchild's own readings", 4.0 * 0.55),
+])
+def test_an_engine_is_costed_by_the_gpus_its_own_processes_use_not_the_whole_host(store: Store, shape: str,
+                                                                                 expected: float) -> None:
+    """Summing every GPU of the host would cost this zombie 4 s x 2.0 = 8 GPU-s; the engine used
+    one GPU (or two): the GPU processes that descend from the process serving its port say which."""
+    correlator, clock = four_gpu_host(store)
+    gpu_busy(store, 8.0, 0, 20.0, pid=STRANGER)  # another engine's process, on GPU 0: not this one's
+    if shape == "the child's own readings on GPU 2":
+        gpu_busy(store, 8.0, 2, 55.0, pid=CHILD)
+    elif shape == "the child listed on GPU 2 without readings: GPU 2 whole":
+        gpu_busy(store, 8.0, 2, 0.0, pid=CHILD, memory_only=True)
+    elif shape == "two children, GPUs 1 and 3, listed without readings":
+        gpu_busy(store, 8.0, 1, 0.0, pid=CHILD, memory_only=True)
+        gpu_busy(store, 8.0, 3, 0.0, pid=SIBLING, memory_only=True)
+    else:
+        correlator.cost.parent_of = {7001: CHILD, **PARENTS}.get
+        gpu_busy(store, 8.0, 2, 55.0, pid=7001)
+    wasted_gpu, details = judge_gpu(store, clock, 10.0, correlator)
+    assert wasted_gpu == pytest.approx(expected, rel=0.03)
+    assert "cost_unmeasured" not in details
+
+
+def test_with_several_gpus_and_none_known_to_be_the_engines_it_is_not_costed_and_says_why(store: Store) -> None:
+    correlator, clock = four_gpu_host(store)
+    gpu_busy(store, 8.0, 0, 20.0, pid=STRANGER)
+    wasted_gpu, details = judge_gpu(store, clock, 10.0, correlator)
+    assert wasted_gpu == 0
+    assert details["cost_unmeasured"] == (f"4 GPUs here, and NVML lists neither process {PID} nor a process it "
+                                          "started on any: whose GPU time is not known")
+
+
+def test_with_one_gpu_an_engine_without_gpu_processes_of_its_own_is_costed_by_that_gpu(store: Store) -> None:
+    """The engine's GPU work in a process NVML shows under another pid (a container's namespace):
+    on a host with one GPU, that GPU is the engine's."""
+    store.insert_spans([http_span("a", 0, 2.0), engine("a", 0, 6.0, 0.0)])
+    store.insert_conn_events([close(2.0)])
+    gpu_busy(store, 8.0, 0, 70.0)
+    gpu_busy(store, 8.0, 0, 70.0, pid=STRANGER)
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.cost.parent_of = PARENTS.get
+    wasted_gpu, details = judge_gpu(store, clock, 10.0, correlator)
+    assert wasted_gpu == pytest.approx(4.0 * 0.70, rel=0.03)
+    assert "cost_unmeasured" not in details
+
+
+def test_a_parent_is_read_from_stat_whatever_the_process_name(tmp_path: Path) -> None:
+    from auditor.correlate.waste import parent_pid
+
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "stat").write_text("42 (vllm (Engine) 0) S 17 42 1 0 -1 4194560 1 0 0 0\n")
+    (tmp_path / "43").mkdir()
+    (tmp_path / "43" / "stat").write_text("garbage")
+    assert parent_pid(42, str(tmp_path)) == 17
+    assert parent_pid(43, str(tmp_path)) is None  # unreadable: no parent, not a crash
+    assert parent_pid(44, str(tmp_path)) is None  # gone
+    assert parent_pid(os.getpid()) == os.getppid()

@@ -217,16 +217,18 @@ def _waste(corr: Correlator, origin: Any, started: int | None, end_ns: int, engi
         or corr.cost.pid_by_port.get(port)
     samples = corr.cost.samples
     samples.refresh(corr.clock())
+    gpu = corr.cost.gpu_share(pid)
     if pid is None:
         details["cost_unmeasured"] = corr.cost.unresolved.get(
             port, f"the process serving port {port} is not known: no process.pid in its spans and no listener found")
-    elif samples.series("procfs", pid) is None and samples.series("nvml", pid) is None \
-            and samples.series("nvml", None) is None:
+    elif gpu.unmeasured:
+        details["cost_unmeasured"] = gpu.unmeasured
+    elif not gpu.series and samples.series("procfs", pid) is None:
         details["cost_unmeasured"] = f"no utilization samples of process {pid}"
     # The engine's own running gauge when scraped: a request waiting its turn shares nothing.
     gauge = (lambda ts: corr.loads.running_at(port, ts)) if corr.loads.watched(port) else None
     sharers = sharers_at(corr.spans.runs, service, trace_id, corr.live.running_work(service), gauge)
-    cost = wasted(samples, start_ns=start_ns, end_ns=end_ns, pid=pid, sharers=sharers)
+    cost = wasted(samples, start_ns=start_ns, end_ns=end_ns, pid=pid, sharers=sharers, gpu=gpu)
     return round(cost.gpu_seconds, 6), round(cost.cpu_seconds, 6)
 
 

@@ -1,8 +1,12 @@
 """What a zombie cost: utilization integrated over its zombie window, shared by who was really running.
 
-GPU-seconds come from NVML samples (the engine process's SM utilization when NVML reports it per
-process, else the whole GPU's); CPU-seconds from procfs samples of the engine process, on hosts
-without a GPU. Each sample covers ``(ts - interval, ts]``; the part inside the window counts, divided
+GPU-seconds come from NVML samples of the processes doing the engine's GPU work: the serving
+process itself, or the processes it started (vLLM serves HTTP from one process and runs the model
+in its children, one a GPU with tensor parallelism). Each such process is costed by its own
+readings (per process, or the whole GPU's when it is alone there); one NVML lists without
+readings, by the whole GPUs it is on. On a host with one GPU, an engine whose GPU processes are not
+known is costed by that GPU; with several, it is not costed (whose GPUs they are is not known).
+CPU-seconds come from procfs samples of the serving process, on hosts without a GPU. Each sample covers ``(ts - interval, ts]``; the part inside the window counts, divided
 by the number of requests the engine was *running* at that moment: its own running gauge when it is
 scraped, else the running part of its engine spans (after their time in queue) and the engine work
 live notices say is running, one per request. A request waiting in a queue shares nothing.
@@ -69,7 +73,7 @@ class _Series:
             del self.ts[:keep], self.start[:keep], self.util[:keep]
 
 
-_SAMPLE_COLUMNS = "id, ts_ns, source, pid, util_percent, interval_s"
+_SAMPLE_COLUMNS = "id, ts_ns, source, gpu_index, pid, util_percent, interval_s"
 _NEWEST_SAMPLE = "SELECT coalesce(max(id), 0) FROM util_samples"
 _HORIZON_SAMPLES = (f"SELECT {_SAMPLE_COLUMNS} FROM util_samples "
                     "WHERE id <= :cursor AND host = :host AND ts_ns > :since")
@@ -86,7 +90,10 @@ class SampleCache:
     def __init__(self, store: Store, host: str) -> None:
         self.store = store
         self.host = host
-        self._series: dict[tuple[str, int | None], _Series] = defaultdict(_Series)
+        # (source, pid), and ("nvml", None, GPU) for a whole GPU
+        self._series: dict[tuple[str, int | None] | tuple[str, None, int], _Series] = defaultdict(_Series)
+        self.gpus_of: dict[int, set[int]] = defaultdict(set)  # pid -> the GPUs NVML listed it on
+        self._listed_at: dict[int, int] = {}  # pid -> when NVML last listed it
         self._cursor: int | None = None
         self._read_at = -REFRESH_NS
         self.queries = 0
@@ -104,34 +111,77 @@ class SampleCache:
                                                    "since": now_ns - HORIZON_NS})
             else:
                 rows = conn.all(_NEW_SAMPLES, {"cursor": self._cursor, "host": self.host})
-        for row_id, ts_ns, source, pid, util_percent, interval_s in rows:
+        for row_id, ts_ns, source, gpu_index, pid, util_percent, interval_s in rows:
             self._cursor = max(self._cursor, row_id)
+            if source == "nvml" and pid is not None and gpu_index is not None:
+                self.gpus_of[pid].add(gpu_index)
+                self._listed_at[pid] = max(ts_ns, self._listed_at.get(pid, ts_ns))
             if util_percent is None:
                 continue  # the source could not tell: no sample, not an idle one
             covered_from = ts_ns - int((interval_s or DEFAULT_INTERVAL_S) * 1e9)
-            self._series[(source, pid)].add(ts_ns, covered_from, util_percent)
+            key = (source, pid) if pid is not None or gpu_index is None else (source, None, gpu_index)
+            self._series[key].add(ts_ns, covered_from, util_percent)
             if self.news_ns is None or covered_from < self.news_ns:
                 self.news_ns = covered_from
         for series in self._series.values():
             series.prune(now_ns - HORIZON_NS)
+        for pid in [pid for pid, at in self._listed_at.items() if at < now_ns - HORIZON_NS]:
+            del self._listed_at[pid], self.gpus_of[pid]
 
     def take_news(self) -> int | None:
         news, self.news_ns = self.news_ns, None
         return news
 
     def series(self, source: str, pid: int | None) -> _Series | None:
+        """A process's samples from ``source``; pid None: samples that named no process and no GPU."""
         found = self._series.get((source, pid))
         return found if found is not None and found.ts else None
 
+    def gpu_series(self, gpu_index: int) -> _Series | None:
+        """A whole GPU's NVML samples."""
+        found = self._series.get(("nvml", None, gpu_index))
+        return found if found is not None and found.ts else None
+
+    def gpus(self) -> set[int]:
+        """The GPUs with whole-GPU samples in the horizon."""
+        return {key[2] for key, series in self._series.items() if len(key) == 3 and series.ts}
+
     def pids(self, source: str) -> set[int]:
-        return {pid for (kind, pid), series in self._series.items() if kind == source and pid and series.ts}
+        return {key[1] for key, series in self._series.items()
+                if len(key) == 2 and key[0] == source and key[1] and series.ts}
+
+
+def parent_pid(pid: int, proc_root: str = "/proc") -> int | None:
+    """A process's parent, from its stat file (the field after the parenthesised name, which may
+    hold spaces and parentheses itself); None when it is gone or unreadable."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as stat:
+            raw = stat.read(4096)
+        return int(raw[raw.rindex(b")") + 2:].split(maxsplit=2)[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+MAX_DEPTH = 32  # ancestors looked at: an engine's GPU processes are its children or grandchildren
+
+
+@dataclass(slots=True)
+class GpuShare:
+    """Where an engine's GPU time is read: its GPU processes' own series, else whole GPUs; and why
+    none when neither is known."""
+
+    series: list[_Series]
+    unmeasured: str = ""
 
 
 class CostSources:
-    """What costing needs besides spans: the samples, and which process serves which port."""
+    """What costing needs besides spans: the samples, which process serves which port, and which
+    GPU processes belong to which serving process."""
 
-    def __init__(self, store: Store, host: str) -> None:
+    def __init__(self, store: Store, host: str, *, parent_of: Callable[[int], int | None] = parent_pid) -> None:
         self.samples = SampleCache(store, host)
+        self.parent_of = parent_of
+        self._ancestors: dict[int, tuple[int, ...]] = {}  # a GPU process -> its ancestors, once looked up
         self.pid_by_port: dict[int, int] = {}
         self.unresolved: dict[int, str] = {}  # port -> why its process is not known
         self.changed = False  # the listeners changed since the correlator last looked
@@ -140,6 +190,48 @@ class CostSources:
         """The engine processes found behind the watched ports (by whoever can look: the daemon)."""
         if pid_by_port != self.pid_by_port or unresolved != self.unresolved:
             self.pid_by_port, self.unresolved, self.changed = dict(pid_by_port), dict(unresolved), True
+
+    def ancestors(self, pid: int) -> tuple[int, ...]:
+        """A GPU process's ancestors, nearest first, looked up once: a process's parent does not
+        change while it runs (unless the parent exits first, and then the engine is gone too)."""
+        found = self._ancestors.get(pid)
+        if found is None:
+            chain: list[int] = []
+            at = pid
+            while len(chain) < MAX_DEPTH and (parent := self.parent_of(at)) not in (None, 0, at) \
+                    and parent not in chain:
+                chain.append(parent)
+                at = parent
+            found = self._ancestors[pid] = tuple(chain)
+        return found
+
+    def gpu_share(self, pid: int | None) -> GpuShare:
+        """The series that hold the GPU time of the engine served by ``pid``: its own and its
+        descendants' per-process series; else the whole GPUs NVML listed them on; else, on a host
+        with one GPU, that GPU."""
+        samples = self.samples
+        gpus = samples.gpus()
+        if pid is not None:
+            if len(self._ancestors) > 2 * len(samples.gpus_of) + 64:  # processes gone, their pids free
+                self._ancestors = {p: up for p, up in self._ancestors.items() if p in samples.gpus_of}
+            processes = {pid} | {gpu_pid for gpu_pid in samples.gpus_of
+                                 if gpu_pid != pid and pid in self.ancestors(gpu_pid)}
+            own = [found for p in sorted(processes) if (found := samples.series("nvml", p)) is not None]
+            if own:
+                return GpuShare(own)
+            listed_on = sorted(set().union(*(samples.gpus_of.get(p, set()) for p in processes)))
+            whole = [found for gpu in listed_on if (found := samples.gpu_series(gpu)) is not None]
+            if whole:
+                return GpuShare(whole)
+        if len(gpus) == 1:
+            (only,) = gpus
+            return GpuShare([samples.gpu_series(only)])  # type: ignore[list-item]
+        if not gpus:  # no GPU here; or samples that named no GPU, taken as the host's one
+            unnamed = samples.series("nvml", None)
+            return GpuShare([] if unnamed is None else [unnamed])
+        who = f"process {pid}" if pid is not None else "the engine's process"
+        return GpuShare([], f"{len(gpus)} GPUs here, and NVML lists neither {who} nor a process it "
+                            "started on any: whose GPU time is not known")
 
 
 def running_part(span: SpanRecord) -> tuple[int, int]:
@@ -243,13 +335,19 @@ def sharers_at(runs: RunIndex, service: str, trace_id: str, live: dict[str, int]
 
 
 def wasted(samples: SampleCache, *, start_ns: int, end_ns: int, pid: int | None,
-           sharers: Callable[[int], int]) -> Waste:
-    """Utilization-seconds spent in ``[start_ns, end_ns]``, this request's share of them."""
+           sharers: Callable[[int], int], gpu: GpuShare | None = None) -> Waste:
+    """Utilization-seconds spent in ``[start_ns, end_ns]``, this request's share of them. ``gpu``:
+    where the engine's GPU time is (``CostSources.gpu_share``); without it, the pid's own NVML
+    series, else the one GPU's of a host with one."""
     if end_ns <= start_ns:
         return Waste(0.0, 0.0)
-    gpu = (samples.series("nvml", pid) if pid is not None else None) or samples.series("nvml", None)
+    if gpu is None:
+        own = samples.series("nvml", pid) if pid is not None else None
+        gpus = samples.gpus()
+        whole = samples.gpu_series(next(iter(gpus))) if len(gpus) == 1 else samples.series("nvml", None)
+        gpu = GpuShare([found] if (found := own or whole) is not None else [])
     cpu = samples.series("procfs", pid) if pid is not None else None
-    return Waste(gpu_seconds=_integrate(gpu, start_ns, end_ns, sharers),
+    return Waste(gpu_seconds=sum(_integrate(series, start_ns, end_ns, sharers) for series in gpu.series),
                  cpu_seconds=_integrate(cpu, start_ns, end_ns, sharers))
 
 
