@@ -252,3 +252,77 @@ def test_a_parent_is_read_from_stat_whatever_the_process_name(tmp_path: Path) ->
     assert parent_pid(43, str(tmp_path)) is None  # unreadable: no parent, not a crash
     assert parent_pid(44, str(tmp_path)) is None  # gone
     assert parent_pid(os.getpid()) == os.getppid()
+
+
+@pytest.mark.parametrize(("named", "inner", "expected"), [
+    (1, {PID: 1, CHILD: 2}, 4.0 * 0.55),  # the engine is its container's first process: its child's readings
+    (2, {PID: 1, CHILD: 2}, 4.0 * 0.55),  # the spans come from the child, which is 2 in the container
+    (CHILD, {}, 4.0 * 0.55),  # a host process the listener started
+    (None, {}, 4.0 * 0.55),  # no process.pid: the listener
+])
+def test_a_pid_the_spans_name_inside_a_container_is_not_taken_for_this_hosts(store: Store, named: int | None,
+                                                                            inner: dict[int, int],
+                                                                            expected: float) -> None:
+    """A span's process.pid is the engine's pid in its container. Taken as this host's, pid 1 is
+    init, whose descendants are every GPU process here (all four GPUs' engines would be charged).
+    The listener on the port, or a GPU process it started, that has that pid in its own namespace
+    is the engine."""
+    store.insert_spans([http_span("a", 0, 2.0), engine("a", 0, 6.0, 0.0, pid=named)])
+    store.insert_conn_events([close(2.0)])
+    for gpu, util in enumerate((20.0, 40.0, 60.0, 80.0)):
+        gpu_busy(store, 8.0, gpu, util)
+    gpu_busy(store, 8.0, 2, 55.0, pid=CHILD)
+    gpu_busy(store, 8.0, 0, 20.0, pid=STRANGER)
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.cost.parent_of = PARENTS.get
+    correlator.cost.inner_pid_of = lambda pid: inner.get(pid, pid)
+    correlator.cost.set_listeners({SERVER_PORT: PID}, {})
+    wasted_gpu, details = judge_gpu(store, clock, 10.0, correlator)
+    assert wasted_gpu == pytest.approx(expected, rel=0.03)
+    assert "cost_unmeasured" not in details
+
+
+def test_an_engine_behind_a_proxy_that_holds_the_port_is_the_one_its_spans_name(store: Store) -> None:
+    """The port's listener is a proxy (its own process, no GPU); the spans name the engine, a host
+    process that is neither the proxy nor started by it, nor the proxy's pid in any namespace."""
+    proxy = 300
+    store.insert_spans([http_span("a", 0, 2.0), engine("a", 0, 6.0, 0.0, pid=CHILD)])
+    store.insert_conn_events([close(2.0)])
+    for gpu, util in enumerate((20.0, 40.0)):
+        gpu_busy(store, 8.0, gpu, util)
+    gpu_busy(store, 8.0, 1, 35.0, pid=CHILD)
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.cost.parent_of = {CHILD: 77, proxy: 1, 77: 1}.get
+    correlator.cost.inner_pid_of = lambda pid: pid
+    correlator.cost.set_listeners({SERVER_PORT: proxy}, {})
+    wasted_gpu, _details = judge_gpu(store, clock, 10.0, correlator)
+    assert wasted_gpu == pytest.approx(4.0 * 0.35, rel=0.03)
+
+
+def test_init_named_with_no_listener_known_is_no_engine(store: Store) -> None:
+    store.insert_spans([http_span("a", 0, 2.0), engine("a", 0, 6.0, 0.0, pid=1)])
+    store.insert_conn_events([close(2.0)])
+    for gpu in range(2):
+        gpu_busy(store, 8.0, gpu, 50.0)
+        gpu_busy(store, 8.0, gpu, 50.0, pid=STRANGER + gpu)
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.cost.parent_of = lambda pid: 1
+    wasted_gpu, details = judge_gpu(store, clock, 10.0, correlator)
+    assert wasted_gpu == 0
+    assert "not known" in str(details["cost_unmeasured"])
+
+
+def test_a_pid_in_its_own_namespace_is_read_from_status(tmp_path: Path) -> None:
+    from auditor.correlate.waste import innermost_pid
+
+    for pid, text in ((42, "Name:\tpython\nNSpid:\t42\t1\n"), (43, "Name:\tx\nNSpid:\t43\n"), (44, "garbage")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "status").write_text(text)
+    assert innermost_pid(42, str(tmp_path)) == 1
+    assert innermost_pid(43, str(tmp_path)) == 43
+    assert innermost_pid(44, str(tmp_path)) is None
+    assert innermost_pid(45, str(tmp_path)) is None
+    assert innermost_pid(os.getpid()) is not None

@@ -213,10 +213,10 @@ def _waste(corr: Correlator, origin: Any, started: int | None, end_ns: int, engi
         return 0.0, 0.0  # nothing ran for it: no window, or the gauges never held it after its client left
     span = engine or base
     service, trace_id = (span.service, span.trace_id) if span else ("", "")
-    pid = (engine.process_pid if engine else None) or (base.process_pid if base else None) \
-        or corr.cost.pid_by_port.get(port)
     samples = corr.cost.samples
     samples.refresh(corr.clock())
+    pid = corr.cost.engine_pid((engine.process_pid if engine else None) or (base.process_pid if base else None),
+                               port)
     gpu = corr.cost.gpu_share(pid)
     if pid is None:
         details["cost_unmeasured"] = corr.cost.unresolved.get(

@@ -162,6 +162,19 @@ def parent_pid(pid: int, proc_root: str = "/proc") -> int | None:
         return None
 
 
+def innermost_pid(pid: int, proc_root: str = "/proc") -> int | None:
+    """A process's pid in its own (innermost) pid namespace, from the ``NSpid`` line of its status:
+    inside a container, the pid its spans name as ``process.pid``. None when unreadable."""
+    try:
+        with open(f"{proc_root}/{pid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 MAX_DEPTH = 32  # ancestors looked at: an engine's GPU processes are its children or grandchildren
 
 
@@ -178,10 +191,13 @@ class CostSources:
     """What costing needs besides spans: the samples, which process serves which port, and which
     GPU processes belong to which serving process."""
 
-    def __init__(self, store: Store, host: str, *, parent_of: Callable[[int], int | None] = parent_pid) -> None:
+    def __init__(self, store: Store, host: str, *, parent_of: Callable[[int], int | None] = parent_pid,
+                 inner_pid_of: Callable[[int], int | None] = innermost_pid) -> None:
         self.samples = SampleCache(store, host)
         self.parent_of = parent_of
+        self.inner_pid_of = inner_pid_of
         self._ancestors: dict[int, tuple[int, ...]] = {}  # a GPU process -> its ancestors, once looked up
+        self._inner: dict[int, int | None] = {}  # a process -> its pid in its own namespace, once read
         self.pid_by_port: dict[int, int] = {}
         self.unresolved: dict[int, str] = {}  # port -> why its process is not known
         self.changed = False  # the listeners changed since the correlator last looked
@@ -205,13 +221,37 @@ class CostSources:
             found = self._ancestors[pid] = tuple(chain)
         return found
 
+    def engine_pid(self, named: int | None, port: int) -> int | None:
+        """The host process to cost, from the pid the spans name and the one listening on the port.
+        A span's ``process.pid`` is the engine's pid in its own pid namespace: inside a container
+        (often 1, or 7) it names an unrelated process of this host, or init itself, whose
+        descendants would be every engine here. So where the listener, or a GPU process it
+        started, has that pid in its own namespace, that host process is the one. Otherwise the
+        named process is taken (the engine behind a proxy that holds the port), but never init."""
+        listener = self.pid_by_port.get(port)
+        if named is None or named == listener:
+            return listener
+        if listener is not None and listener not in self.ancestors(named):
+            started = [gpu_pid for gpu_pid in sorted(self.samples.gpus_of) if listener in self.ancestors(gpu_pid)]
+            for candidate in (listener, *started):
+                if candidate != named and self._inner_pid(candidate) == named:
+                    return candidate
+        return named if named > 1 else listener
+
+    def _inner_pid(self, pid: int) -> int | None:
+        if pid not in self._inner:
+            if len(self._inner) > 256:  # processes come and go over days: keep the recent ones
+                self._inner.clear()
+            self._inner[pid] = self.inner_pid_of(pid)
+        return self._inner[pid]
+
     def gpu_share(self, pid: int | None) -> GpuShare:
         """The series that hold the GPU time of the engine served by ``pid``: its own and its
         descendants' per-process series; else the whole GPUs NVML listed them on; else, on a host
         with one GPU, that GPU."""
         samples = self.samples
         gpus = samples.gpus()
-        if pid is not None:
+        if pid is not None and pid > 1:
             if len(self._ancestors) > 2 * len(samples.gpus_of) + 64:  # processes gone, their pids free
                 self._ancestors = {p: up for p, up in self._ancestors.items() if p in samples.gpus_of}
             processes = {pid} | {gpu_pid for gpu_pid in samples.gpus_of
