@@ -326,3 +326,39 @@ def test_a_pid_in_its_own_namespace_is_read_from_status(tmp_path: Path) -> None:
     assert innermost_pid(44, str(tmp_path)) is None
     assert innermost_pid(45, str(tmp_path)) is None
     assert innermost_pid(os.getpid()) is not None
+
+
+def test_the_processes_an_engine_started_are_found_through_proc(store: Store) -> None:
+    """The same with this host's real process tree, read from /proc: a serving process (a shell)
+    and the process it started (its model worker, as NVML would list it on GPU 1)."""
+    import subprocess
+    import time
+
+    from auditor.correlate.waste import CostSources
+
+    server = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
+    children: list[int] = []
+    try:
+        for _ in range(100):
+            children = [int(pid) for pid in Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()]
+            if children:
+                break
+            time.sleep(0.01)
+        (worker,) = children
+        for gpu, util in enumerate((20.0, 40.0, 60.0)):
+            gpu_busy(store, 8.0, gpu, util)
+        gpu_busy(store, 8.0, 1, 30.0, pid=worker)
+        gpu_busy(store, 8.0, 2, 60.0, pid=os.getpid())  # this test's own process: not the engine's
+        cost = CostSources(store, "h")
+        cost.samples.refresh(T0 + 10 * S)
+        share = cost.gpu_share(server.pid)
+        assert share.series == [cost.samples.series("nvml", worker)] and not share.unmeasured
+        assert cost.engine_pid(server.pid, SERVER_PORT) == server.pid
+        cost.set_listeners({SERVER_PORT: server.pid}, {})
+        assert cost.engine_pid(worker, SERVER_PORT) == worker  # spans from the worker name it
+        assert cost.engine_pid(1, SERVER_PORT) == server.pid  # init never
+    finally:
+        for pid in children:
+            os.kill(pid, 9)
+        server.kill()
+        server.wait()
