@@ -384,7 +384,7 @@ class NvmlSampler:
         read_until = gpu.seen_by_pid.get(pid)
         if covered_s is not None and read_until is not None:
             covered_s = max(0.0, min(covered_s, (now_us - read_until) / 1e6))
-        gpu.alone_until_us[pid] = now_us
+        gpu.alone_until_us = {pid: now_us}  # no other process is on this GPU now: theirs are done
         return UtilSample(
             ts_ns=ts_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=pid,
             util_percent=float(rates.gpu), memory_util_percent=float(rates.memory),
