@@ -27,6 +27,7 @@ UNTIL = "2026-11-22T05:00:00Z"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 LLAMA, QWEN = "llama-3-8b", "qwen-2-7b"
 EVIL_ID = "<script>alert(1)</script>"
+UNCOSTED = "2 GPUs here, and NVML lists neither process 4242 nor a process it started on any"
 
 
 def at(seconds: float) -> int:
@@ -57,7 +58,7 @@ def _verdict(n: int, verdict: Verdict, *, start_s: float, disconnect_s: float, e
              lag: float | None, kind: str = "fin", phase: Phase = Phase.DECODE, host: str = "gpu-a",
              route: str = CHAT, model: str = LLAMA, max_tokens: int | None = 512,
              tokens: int | None = 0, exact: bool = True, gpu: float = 0.0,
-             request_id: str | None = None) -> RequestVerdict:
+             request_id: str | None = None, details: dict[str, str] | None = None) -> RequestVerdict:
     return RequestVerdict(
         request_key=f"{host}/{trace(n)}/{n:016x}", host=host, verdict=verdict,
         disconnect_at_ns=at(disconnect_s), disconnect_kind=kind, request_start_ns=at(start_s),
@@ -65,7 +66,7 @@ def _verdict(n: int, verdict: Verdict, *, start_s: float, disconnect_s: float, e
         trace_id=trace(n), request_id=request_id or f"req-{n}", service="vllm", route=route,
         model=model, client_addr="10.0.0.7", client_port=40000 + n, server_port=8000,
         max_tokens=max_tokens, tokens_after_disconnect=tokens, tokens_exact=exact,
-        wasted_gpu_seconds=gpu)
+        wasted_gpu_seconds=gpu, details=details or {})
 
 
 def fill(store: Store) -> None:
@@ -84,16 +85,18 @@ def fill(store: Store) -> None:
     spans += [_engine(n, 60.0 * n + 0.1, 60.0 * n + 1.9) for n in range(1, 5)]
     store.insert_spans(spans)
     store.upsert_verdicts([
-        _verdict(7, Verdict.COMPLETED, start_s=700, disconnect_s=702.0, end_s=702.0, lag=0.0),
+        _verdict(7, Verdict.COMPLETED, start_s=700, disconnect_s=702.0, end_s=702.0, lag=0.0,
+                 details={"cost_unmeasured": UNCOSTED}),  # not a zombie: not counted as one not costed
         _verdict(8, Verdict.ABORTED, start_s=800, disconnect_s=800.5, end_s=800.7, lag=0.2,
                  kind="rst", phase=Phase.PREFILL, route=COMPLETIONS, model=QWEN, tokens=0),
         _verdict(9, Verdict.ZOMBIE, start_s=900, disconnect_s=901.0, end_s=913.5, lag=12.5,
                  tokens=900, exact=True, gpu=10.0, request_id=EVIL_ID),
         _verdict(10, Verdict.ZOMBIE, start_s=1000, disconnect_s=1000.5, end_s=1003.5, lag=3.0,
-                 max_tokens=None, tokens=200, exact=False, gpu=2.5),
+                 max_tokens=None, tokens=200, exact=False, gpu=2.5, details={"cost_unmeasured": UNCOSTED}),
         _verdict(11, Verdict.INFLIGHT_ZOMBIE, start_s=1100, disconnect_s=1100.2, end_s=None, lag=30.0,
                  kind="rst", phase=Phase.QUEUED, host="gpu-b", tokens=None, gpu=1.5),
-        _verdict(13, Verdict.ZOMBIE, start_s=-3600, disconnect_s=-3599.5, end_s=-3500.0, lag=99.5),
+        _verdict(13, Verdict.ZOMBIE, start_s=-3600, disconnect_s=-3599.5, end_s=-3500.0, lag=99.5,
+                 details={"cost_unmeasured": UNCOSTED}),
     ])
     store.add_coverage(CoverageKind.IDLE_CLOSE, 3, host="gpu-a", ts_ns=at(100))
     store.add_coverage(CoverageKind.IDLE_CLOSE, 2, host="gpu-b", ts_ns=at(200))

@@ -49,6 +49,7 @@ def test_totals_are_summed_over_the_window_only(filled: Store) -> None:
     assert (t.wasted_tokens, t.wasted_tokens_estimated) == (1100, 200)
     assert t.wasted_gpu_seconds == pytest.approx(14.0)
     assert t.uncapped_disconnects == 1
+    assert t.uncosted_zombies == 1  # a zombie that says cost_unmeasured; not the completed one
     assert (t.idle_closes, t.unjoined_disconnects, t.unjoined_spans, t.lost_kernel_events,
             t.proxy_rewritten_peers, t.peerless_span_joins) == (5, 1, 4, 7, 1, 1)
     # Two GPUs x one hour; per-process and CPU samples are not GPUs.

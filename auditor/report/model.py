@@ -65,6 +65,7 @@ class Totals:
     wasted_gpu_seconds: float = 0.0
     wasted_cpu_seconds: float = 0.0
     uncapped_disconnects: int = 0  # disconnected requests sent without max_tokens
+    uncosted_zombies: int = 0  # zombies whose engine's GPU/CPU time could not be read (details.cost_unmeasured)
     idle_closes: int = 0
     unjoined_disconnects: int = 0
     unjoined_spans: int = 0

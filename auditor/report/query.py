@@ -193,7 +193,9 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
                _sum(_finite(v.wasted_cpu_seconds)).label("cpu"),
                # max_tokens comes from the engine span; without one (phase unknown) it is unknown,
                # which is not the same as uncapped.
-               _count_if(v.max_tokens.is_(None) & (v.phase != "unknown")).label("uncapped"))
+               _count_if(v.max_tokens.is_(None) & (v.phase != "unknown")).label("uncapped"),
+               _count_if(v.verdict.in_(ZOMBIE_VERDICTS)
+                         & v.details["cost_unmeasured"].as_string().is_not(None)).label("uncosted"))
         .where(*_verdict_filter(query)).group_by(*keys, v.verdict)).all()
     folded: dict[str, dict[str | None, list[float]]] = {d: {} for d in BREAKDOWN_DIMENSIONS}
     for row in rows:
@@ -209,6 +211,7 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
         totals.wasted_gpu_seconds += float(row.gpu)
         totals.wasted_cpu_seconds += float(row.cpu)
         totals.uncapped_disconnects += int(row.uncapped)
+        totals.uncosted_zombies += int(row.uncosted)
         for dimension in BREAKDOWN_DIMENSIONS:
             acc = folded[dimension].setdefault(row._mapping[dimension], [0.0] * 10)
             acc[0] += count

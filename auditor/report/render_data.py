@@ -152,6 +152,7 @@ def report_header_dict(report: Report) -> dict[str, Any]:
             "gpu_busy_seconds": _number(totals.gpu_busy_seconds, 6),
             "wasted_gpu_share": _number(share) if share is not None else None,
             "uncapped_disconnects": totals.uncapped_disconnects,
+            "uncosted_zombies": totals.uncosted_zombies,
             "idle_closes": totals.idle_closes,
             "unjoined_disconnects": totals.unjoined_disconnects,
             "unjoined_spans": totals.unjoined_spans,

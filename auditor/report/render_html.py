@@ -112,6 +112,7 @@ def _totals_table(report: Report) -> list[str]:
         ("wasted GPU time", f"{t.wasted_gpu_seconds:,.1f} GPU-s, {gpu}"),
         ("wasted CPU time", f"{t.wasted_cpu_seconds:,.1f} CPU-s"),
         ("disconnected requests without max_tokens", f"{t.uncapped_disconnects:,}"),
+        ("zombies not costed (details.cost_unmeasured says why)", f"{t.uncosted_zombies:,}"),
         ("coverage: idle closes", f"{t.idle_closes:,}"),
         ("coverage: unjoined disconnects", f"{t.unjoined_disconnects:,}"),
         ("coverage: unjoined spans", f"{t.unjoined_spans:,}"),

@@ -100,6 +100,9 @@ def _totals(report: Report) -> list[str]:
         row("wasted CPU time", f"{t.wasted_cpu_seconds:,.1f} CPU-s"),
         row("no max_tokens cap", f"{t.uncapped_disconnects:,}",
             "disconnected requests that could run unbounded"),
+        *([row("zombies not costed", f"{t.uncosted_zombies:,}",
+               "engine process unknown: details.cost_unmeasured")]
+          if t.uncosted_zombies else []),
         "",
         "Coverage (seen, but not a verdict)",
         row("idle closes", f"{t.idle_closes:,}", "keep-alive closes between requests (normal)"),
