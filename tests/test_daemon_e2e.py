@@ -109,6 +109,11 @@ def test_verdicts_match_truth(tmp_path: Path, behavior: str, source: str) -> Non
     problems = mismatches(list(rows.values()), truths, source, shorter_than_a_poll)
     for truth in truths:  # and, where an engine span tells the phase, the phase
         row = rows.get(truth["request_id"].removeprefix("cmpl-"))
+        # A close within one poll of the request's arrival is placed at that poll: which of queued
+        # and prefill it fell in is not known to the polling fallback (on a busy host the engine may
+        # not have taken the request up 30 ms after it came).
+        if truth["request_id"].removeprefix("cmpl-") in shorter_than_a_poll:
+            continue
         if row is not None and row.details.get("engine_span") and row.phase != truth["phase_at_disconnect"]:
             problems.append(f"{row.request_id}: phase {row.phase}, truth {truth['phase_at_disconnect']}")
     assert not problems, "\n".join(problems)
