@@ -14,6 +14,10 @@ own account of a busy spell. Needs a GPU (and PyTorch on CUDA for the second par
    answers says whether a reading not asked for in time can be read later. While that reading is
    held, a read is timed both ways: pynvml's wrapper (two driver calls: the count, then the
    readings) and the sampler's ``ProcessUtilization`` (one).
+3. The whole GPU's own buffer of utilization samples (``nvmlDeviceGetSamples``, GPU utilization),
+   read once after the spell: how many it holds and how far back, their period, what they add up
+   to against the events, and what a read costs. If it holds every period of the last seconds, a
+   sampler could read it once a second instead of ticking ten times, and lose nothing.
 
     python bench/nvml_cost.py [--calls 200] [--spell 2]
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import statistics
 import sys
@@ -160,7 +165,43 @@ def busy_spell(seconds: float) -> None:
           + (f", the oldest {time.time() - stamps[0] / 1e6:.2f} s old" if stamps else ""))
     for way, (wall, cpu) in read_costs.items():
         print(f"  a read with readings, {way:<27} {wall:.0f} us wall, {cpu:.0f} us CPU (median of 20)")
+    try:
+        buffered_whole_gpu(begin, end, gpu_busy_s)
+    except Exception as exc:  # a driver without the buffer must not cost the rest of the run
+        print(f"  the whole GPU's sample buffer: not read ({type(exc).__name__}: {exc})")
     calls_while_busy(torch)
+
+
+def _sample_value(sample: Any, value_type: int) -> float:
+    field = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}[value_type]
+    return float(getattr(sample.sampleValue, field))
+
+
+def buffered_whole_gpu(begin_ns: int, end_ns: int, gpu_busy_s: float) -> None:
+    """NVML's buffer of whole-GPU utilization samples, read once after the spell."""
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    now_us = time.time_ns() // 1000
+    value_type, samples = pynvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, 0)
+    points = sorted((int(s.timeStamp), _sample_value(s, value_type)) for s in samples)
+    print(f"\nThe whole GPU's sample buffer (nvmlDeviceGetSamples, GPU utilization), read {len(points)} samples")
+    if len(points) < 2:
+        return
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(points)]
+    low, high = (begin_ns - 500_000_000) // 1000, (end_ns + 500_000_000) // 1000
+    busy_s = 0.0
+    for (previous, _), (stamp, value) in itertools.pairwise(points):
+        overlap = min(stamp, high) - max(previous, low)
+        if overlap > 0:
+            busy_s += value / 100 * overlap / 1e6
+    print(f"  oldest {(now_us - points[0][0]) / 1e6:.2f} s old, newest {(now_us - points[-1][0]) / 1e6:.2f} s old; "
+          f"gaps median {statistics.median(gaps) / 1e3:.1f} ms, max {max(gaps) / 1e3:.1f} ms")
+    covers = points[0][0] <= low
+    print(f"  over the spell: {busy_s:.3f} GPU-s (ratio to events {busy_s / gpu_busy_s:.3f})"
+          + ("" if covers else "; the buffer does not reach back to the spell's start"))
+    for label, since in (("everything held", 0), ("nothing new", points[-1][0])):
+        wall, cpu = cost_us(lambda since=since: pynvml.nvmlDeviceGetSamples(
+            handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, since), 50)
+        print(f"  a read of {label:<16} {wall:.0f} us wall, {cpu:.0f} us CPU (median of 50)")
 
 
 def calls_while_busy(torch: Any, repeats: int = 50) -> None:
