@@ -73,7 +73,9 @@ class Upkeep:
             requests = [s for s in settled if s.role is not SpanRole.HTTP_SERVER or not is_inner_server_span(s, lookup)]
             count, self._engine_spans_seen = completed_requests(requests, self._engine_spans_seen)
             self.metrics.completed(count)
-        self._follow_pids({s.process_pid for s in arrived if s.process_pid}, now_ns)
+        # A pid of 1 is an engine that is its container's first process, named in its own
+        # namespace: on this host it is init. Its host process is the port's listener, followed below.
+        self._follow_pids({s.process_pid for s in arrived if s.process_pid and s.process_pid > 1}, now_ns)
         if time.monotonic() >= self._next_utilization:
             self._next_utilization = time.monotonic() + UTILIZATION_REFRESH_S
             self._refresh_utilization(now_ns)
