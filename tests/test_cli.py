@@ -185,8 +185,50 @@ def test_doctor_says_when_nvml_measures_no_utilization_of_a_gpu(monkeypatch: pyt
                        "nvmlDeviceGetHandleByIndex": lambda index: index,
                        "nvmlDeviceGetName": lambda handle: "NVIDIA A100-SXM4-80GB",
                        "nvmlDeviceGetUtilizationRates": lambda handle: unsupported(handle) if handle == 1 else None,
+                       "nvmlDeviceGetComputeRunningProcesses": lambda handle: [],
                        }.items():
         monkeypatch.setattr(pynvml, name, fake)
     check = check_nvml()
     assert check.state == DEGRADED, check
     assert "no utilization for GPU 1 (MIG mode?)" in check.detail and "GPU 0," not in check.detail
+
+
+def test_doctor_names_the_gpu_processes_each_engines_cost_is_read_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a host with two GPUs: the engine listening on a watched port (this test) started a
+    process that NVML lists on GPU 1 (vLLM's model worker): the doctor names it. An engine with no
+    process on any GPU is said to go uncosted before its zombies are."""
+    import os
+    import socket
+    import subprocess
+    from types import SimpleNamespace
+
+    import pynvml
+
+    from auditor.cli.doctor import DEGRADED, OK, check_nvml
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    port = listening.getsockname()[1]
+    worker = subprocess.Popen(["sleep", "30"])
+    listed: dict[int, list[int]] = {1: [worker.pid]}
+    for name, fake in {"nvmlInit": lambda: None, "nvmlShutdown": lambda: None, "nvmlDeviceGetCount": lambda: 2,
+                       "nvmlDeviceGetHandleByIndex": lambda index: index,
+                       "nvmlDeviceGetName": lambda handle: "NVIDIA H200",
+                       "nvmlDeviceGetUtilizationRates": lambda handle: None,
+                       "nvmlDeviceGetComputeRunningProcesses":
+                           lambda handle: [SimpleNamespace(pid=pid) for pid in listed.get(handle, [])],
+                       }.items():
+        monkeypatch.setattr(pynvml, name, fake)
+    try:
+        check = check_nvml([port])
+        assert check.state == OK, check
+        assert f"port {port}: pid {os.getpid()}, on the GPUs as {worker.pid} (GPU 1)" in check.detail
+        listed.clear()
+        check = check_nvml([port])
+        assert check.state == DEGRADED and f"port {port}: pid {os.getpid()}, no process on a GPU" in check.detail
+        assert check.fix and "not costed" in check.fix
+    finally:
+        worker.kill()
+        worker.wait()
+        listening.close()

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,7 +139,10 @@ def check_fallback(poll_hz: float, walks: int = 100) -> Check:
                  "while connections arrive")
 
 
-def check_nvml() -> Check:
+def check_nvml(ports: Iterable[int] = ()) -> Check:
+    """NVML and its GPUs; and, for each watched port whose engine is running, the GPU processes
+    its cost will be read from (the listener and the processes it started). On a host with several
+    GPUs, an engine with none is not costed: that is said here before its zombies are."""
     try:
         import pynvml
 
@@ -152,6 +155,7 @@ def check_nvml() -> Check:
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         names = [str(pynvml.nvmlDeviceGetName(handle)) for handle in handles]
         unmeasured = [index for index, handle in enumerate(handles) if not _utilization_readable(pynvml, handle)]
+        on_gpu = _gpu_processes(pynvml, handles)
     finally:
         pynvml.nvmlShutdown()
     if count == 0:
@@ -160,7 +164,57 @@ def check_nvml() -> Check:
         return Check("nvml", DEGRADED, f"{count} GPU(s): {', '.join(names)}; NVML gives no utilization for GPU "
                      f"{', '.join(map(str, unmeasured))} (MIG mode?): GPU time on it is not costed",
                      "NVML measures no utilization of MIG-enabled GPUs; disable MIG there to cost zombies' GPU time")
-    return Check("nvml", OK, f"{count} GPU(s): {', '.join(names)}")
+    engines, uncosted = _engines_on_gpus(ports, on_gpu)
+    detail = f"{count} GPU(s): {', '.join(names)}" + (f"; {'; '.join(engines)}" if engines else "")
+    if count > 1 and uncosted:
+        return Check("nvml", DEGRADED, detail, f"NVML lists no process of the engine on port(s) "
+                     f"{', '.join(map(str, uncosted))} or of one it started: with {count} GPUs here its zombies "
+                     "are not costed. Run the auditor where it sees the host's pids (a container needs hostPID), "
+                     "or ask again once the engine has loaded its model")
+    return Check("nvml", OK, detail)
+
+
+def _gpu_processes(pynvml: Any, handles: list[Any]) -> dict[int, list[int]]:
+    """pid -> the GPUs NVML lists it on (compute processes)."""
+    found: dict[int, list[int]] = {}
+    for index, handle in enumerate(handles):
+        try:
+            processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except Exception:  # unsupported, or no permission: the listing is this check's extra, not its verdict
+            continue
+        for process in processes:
+            found.setdefault(int(process.pid), []).append(index)
+    return found
+
+
+def _engines_on_gpus(ports: Iterable[int], on_gpu: dict[int, list[int]],
+                     proc_root: Path = Path("/proc")) -> tuple[list[str], list[int]]:
+    """Per watched port with a listener: its GPU processes, as the cost will find them; and the
+    ports whose engine has none."""
+    from auditor.correlate.waste import MAX_DEPTH, parent_pid
+
+    def ancestors(pid: int) -> set[int]:
+        chain: set[int] = set()
+        while len(chain) < MAX_DEPTH and (parent := parent_pid(pid, str(proc_root))) not in (None, 0, pid) \
+                and parent not in chain:
+            chain.add(parent)
+            pid = parent
+        return chain
+
+    lines, uncosted = [], []
+    for port in sorted(set(ports)):
+        holder = socket_holder(socket_inodes(port, socket.SOCK_STREAM, proc_root), proc_root)
+        if holder is None:
+            continue
+        listener = holder[0]
+        mine = sorted(pid for pid in on_gpu if pid == listener or listener in ancestors(pid))
+        if mine:
+            lines.append(f"port {port}: pid {listener}, on the GPUs as " + ", ".join(
+                f"{pid} (GPU {', '.join(map(str, on_gpu[pid]))})" for pid in mine))
+        else:
+            lines.append(f"port {port}: pid {listener}, no process on a GPU")
+            uncosted.append(port)
+    return lines, uncosted
 
 
 def _utilization_readable(pynvml: Any, handle: Any) -> bool:
@@ -301,7 +355,8 @@ def check_postgres_driver() -> Check:
 def run_checks(config: Config) -> list[Check]:
     checks: list[Callable[[], Check]] = [
         check_privileges, check_bpf_syscall, check_tracefs, check_kernel_headers, check_bcc,
-        lambda: check_fallback(config.probe.poll_hz), check_nvml, lambda: check_ports(config),
+        lambda: check_fallback(config.probe.poll_hz), lambda: check_nvml(config.probe.ports),
+        lambda: check_ports(config),
         lambda: check_database(config),
         check_postgres_driver,
     ]
