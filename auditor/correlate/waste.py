@@ -6,8 +6,10 @@ in its children, one a GPU with tensor parallelism). Each such process is costed
 readings (per process, or the whole GPU's when it is alone there); one NVML lists without
 readings, by the whole GPUs it is on. On a host with one GPU, an engine whose GPU processes are not
 known is costed by that GPU; with several, it is not costed (whose GPUs they are is not known).
-CPU-seconds come from procfs samples of the serving process, on hosts without a GPU. Each sample covers ``(ts - interval, ts]``; the part inside the window counts, divided
-by the number of requests the engine was *running* at that moment: its own running gauge when it is
+CPU-seconds come from procfs samples of the serving process, on hosts without a GPU.
+
+Each sample covers ``(ts - interval, ts]``; the part inside the window counts, divided by the
+number of requests the engine was *running* at that moment: its own running gauge when it is
 scraped, else the running part of its engine spans (after their time in queue) and the engine work
 live notices say is running, one per request. A request waiting in a queue shares nothing.
 
@@ -208,8 +210,8 @@ class CostSources:
             self.pid_by_port, self.unresolved, self.changed = dict(pid_by_port), dict(unresolved), True
 
     def ancestors(self, pid: int) -> tuple[int, ...]:
-        """A GPU process's ancestors, nearest first, looked up once: a process's parent does not
-        change while it runs (unless the parent exits first, and then the engine is gone too)."""
+        """A process's ancestors, nearest first, looked up once: a process's parent does not change
+        while it runs (unless the parent exits first, and then the engine is gone too)."""
         found = self._ancestors.get(pid)
         if found is None:
             chain: list[int] = []
