@@ -91,6 +91,7 @@ class DaemonMetrics:
         self._verdicts: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self._zombie_durations: dict[tuple[str, str], _Buckets] = {}
         self._wasted = {"gpu": 0.0, "cpu": 0.0, "tokens": 0.0}
+        self._uncosted = 0  # zombies whose engine's time could not be read (details.cost_unmeasured)
         self._disconnects: collections.Counter[str] = collections.Counter()
         self._completed_total = 0
         self._completions: collections.deque[tuple[float, int]] = collections.deque()
@@ -122,6 +123,8 @@ class DaemonMetrics:
                 self._wasted["gpu"] += verdict.wasted_gpu_seconds
                 self._wasted["cpu"] += verdict.wasted_cpu_seconds
                 self._wasted["tokens"] += verdict.tokens_after_disconnect or 0
+                if verdict.details.get("cost_unmeasured"):
+                    self._uncosted += 1
 
     def disconnect(self, kind: str, count: int = 1) -> None:
         """Peer FINs or RSTs the probe saw (``fin``/``rst``)."""
@@ -176,6 +179,9 @@ class DaemonMetrics:
                                   value=self._wasted["cpu"])
         yield CounterMetricFamily("auditor_wasted_tokens", "Tokens generated after the client left",
                                   value=self._wasted["tokens"])
+        yield CounterMetricFamily("auditor_zombies_uncosted", "Zombies whose engine's GPU or CPU time could not "
+                                  "be read (its process, or its GPU processes on a host of several GPUs, not "
+                                  "known): their wasted seconds count 0", value=self._uncosted)
         disconnects = CounterMetricFamily("auditor_disconnects", "Peer FIN/RST seen on watched ports",
                                           labels=["kind"])
         for kind in sorted(set(self._disconnects) | {"fin", "rst"}):

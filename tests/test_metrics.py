@@ -75,6 +75,12 @@ def test_sources_are_read_when_prometheus_scrapes() -> None:
         assert second["auditor_disconnect_verdicts_total"] == {
             (("model", "m"), ("route", "/v1/completions"), ("verdict", "zombie")): 1}
         assert second["auditor_wasted_gpu_seconds_total"] == {(): 1.5}
+        assert second["auditor_zombies_uncosted_total"] == {(): 0}
+        metrics.settled(RequestVerdict(request_key="h/t/u", host="h", verdict=Verdict.ZOMBIE, disconnect_at_ns=1,
+                                       disconnect_kind="fin", request_start_ns=0, work_end_ns=4, lag_seconds=3.0,
+                                       route="/v1/completions", model="m",
+                                       details={"cost_unmeasured": "2 GPUs here, and NVML lists neither ..."}))
+        assert scrape(server.server_port)["auditor_zombies_uncosted_total"] == {(): 1}
         buckets = second["auditor_zombie_duration_seconds_bucket"]
         assert buckets[(("le", "2.0"), ("model", "m"), ("route", "/v1/completions"))] == 0
         assert buckets[(("le", "5.0"), ("model", "m"), ("route", "/v1/completions"))] == 1
