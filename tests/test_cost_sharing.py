@@ -190,14 +190,14 @@ def four_gpu_host(store: Store) -> tuple[Correlator, Clock]:
     return correlator, clock
 
 
-@pytest.mark.parametrize(("shape", "expected"), [
-    ("the child's own readings on GPU 2", 4.0 * 0.55),
-    ("the child listed on GPU 2 without readings: GPU 2 whole", 4.0 * 0.60),
-    ("two children, GPUs 1 and 3, listed without readings", 4.0 * (0.40 + 0.80)),
-    ("a grandchild's own readings", 4.0 * 0.55),
+@pytest.mark.parametrize(("shape", "expected", "source"), [
+    ("the child's own readings on GPU 2", 4.0 * 0.55, f"pid {CHILD}"),
+    ("the child listed on GPU 2 without readings: GPU 2 whole", 4.0 * 0.60, "GPU 2"),
+    ("two children, GPUs 1 and 3, listed without readings", 4.0 * (0.40 + 0.80), "GPUs 1, 3"),
+    ("a grandchild's own readings", 4.0 * 0.55, "pid 7001"),
 ])
 def test_an_engine_is_costed_by_the_gpus_its_own_processes_use_not_the_whole_host(store: Store, shape: str,
-                                                                                 expected: float) -> None:
+                                                                                 expected: float, source: str) -> None:
     """Summing every GPU of the host would cost this zombie 4 s x 2.0 = 8 GPU-s; the engine used
     one GPU (or two): the GPU processes that descend from the process serving its port say which."""
     correlator, clock = four_gpu_host(store)
@@ -215,6 +215,7 @@ def test_an_engine_is_costed_by_the_gpus_its_own_processes_use_not_the_whole_hos
     wasted_gpu, details = judge_gpu(store, clock, 10.0, correlator)
     assert wasted_gpu == pytest.approx(expected, rel=0.03)
     assert "cost_unmeasured" not in details
+    assert details["gpu_time_of"] == source  # where the verdict's GPU time was read
 
 
 def test_with_several_gpus_and_none_known_to_be_the_engines_it_is_not_costed_and_says_why(store: Store) -> None:
@@ -239,6 +240,7 @@ def test_with_one_gpu_an_engine_without_gpu_processes_of_its_own_is_costed_by_th
     wasted_gpu, details = judge_gpu(store, clock, 10.0, correlator)
     assert wasted_gpu == pytest.approx(4.0 * 0.70, rel=0.03)
     assert "cost_unmeasured" not in details
+    assert details["gpu_time_of"] == "GPU 0, the host's one"
 
 
 def test_a_parent_is_read_from_stat_whatever_the_process_name(tmp_path: Path) -> None:

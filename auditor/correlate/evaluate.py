@@ -225,6 +225,8 @@ def _waste(corr: Correlator, origin: Any, started: int | None, end_ns: int, engi
         details["cost_unmeasured"] = gpu.unmeasured
     elif not gpu.series and samples.series("procfs", pid) is None:
         details["cost_unmeasured"] = f"no utilization samples of process {pid}"
+    if gpu.source:
+        details["gpu_time_of"] = gpu.source  # where the GPU time was read: "pid 5001", "GPUs 2, 3"
     # The engine's own running gauge when scraped: a request waiting its turn shares nothing.
     gauge = (lambda ts: corr.loads.running_at(port, ts)) if corr.loads.watched(port) else None
     sharers = sharers_at(corr.spans.runs, service, trace_id, corr.live.running_work(service), gauge)

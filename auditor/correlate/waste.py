@@ -187,6 +187,7 @@ class GpuShare:
 
     series: list[_Series]
     unmeasured: str = ""
+    source: str = ""  # what the series are, for the verdict's details: "pids 5001", "GPUs 2, 3"
 
 
 class CostSources:
@@ -258,22 +259,27 @@ class CostSources:
                 self._ancestors = {p: up for p, up in self._ancestors.items() if p in samples.gpus_of}
             processes = {pid} | {gpu_pid for gpu_pid in samples.gpus_of
                                  if gpu_pid != pid and pid in self.ancestors(gpu_pid)}
-            own = [found for p in sorted(processes) if (found := samples.series("nvml", p)) is not None]
+            own = [(p, found) for p in sorted(processes) if (found := samples.series("nvml", p)) is not None]
             if own:
-                return GpuShare(own)
+                return GpuShare([series for _, series in own], source=_numbered("pid", [p for p, _ in own]))
             listed_on = sorted(set().union(*(samples.gpus_of.get(p, set()) for p in processes)))
-            whole = [found for gpu in listed_on if (found := samples.gpu_series(gpu)) is not None]
+            whole = [(gpu, found) for gpu in listed_on if (found := samples.gpu_series(gpu)) is not None]
             if whole:
-                return GpuShare(whole)
+                return GpuShare([series for _, series in whole], source=_numbered("GPU", [g for g, _ in whole]))
         if len(gpus) == 1:
             (only,) = gpus
-            return GpuShare([samples.gpu_series(only)])  # type: ignore[list-item]
+            return GpuShare([samples.gpu_series(only)], source=f"GPU {only}, the host's one")  # type: ignore[list-item]
         if not gpus:  # no GPU here; or samples that named no GPU, taken as the host's one
             unnamed = samples.series("nvml", None)
             return GpuShare([] if unnamed is None else [unnamed])
         who = f"process {pid}" if pid is not None else "the engine's process"
         return GpuShare([], f"{len(gpus)} GPUs here, and NVML lists neither {who} nor a process it "
                             "started on any: whose GPU time is not known")
+
+
+def _numbered(kind: str, numbers: list[int]) -> str:
+    """``pid 5001``, ``GPUs 2, 3``."""
+    return f"{kind}{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers))}"
 
 
 def running_part(span: SpanRecord) -> tuple[int, int]:
