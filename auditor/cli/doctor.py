@@ -191,15 +191,10 @@ def _engines_on_gpus(ports: Iterable[int], on_gpu: dict[int, list[int]],
                      proc_root: Path = Path("/proc")) -> tuple[list[str], list[int]]:
     """Per watched port with a listener: its GPU processes, as the cost will find them; and the
     ports whose engine has none."""
-    from auditor.correlate.waste import MAX_DEPTH, parent_pid
+    from auditor.correlate.waste import ancestors_of, parent_pid
 
-    def ancestors(pid: int) -> set[int]:
-        chain: set[int] = set()
-        while len(chain) < MAX_DEPTH and (parent := parent_pid(pid, str(proc_root))) not in (None, 0, pid) \
-                and parent not in chain:
-            chain.add(parent)
-            pid = parent
-        return chain
+    def ancestors(pid: int) -> tuple[int, ...]:
+        return ancestors_of(pid, lambda child: parent_pid(child, str(proc_root)))
 
     lines, uncosted = [], []
     for port in sorted(set(ports)):

@@ -180,6 +180,16 @@ def innermost_pid(pid: int, proc_root: str = "/proc") -> int | None:
 MAX_DEPTH = 32  # ancestors looked at: an engine's GPU processes are its children or grandchildren
 
 
+def ancestors_of(pid: int, parent_of: Callable[[int], int | None] = parent_pid) -> tuple[int, ...]:
+    """A process's ancestors, nearest first, up to init (or as far as they can be read)."""
+    chain: list[int] = []
+    at = pid
+    while len(chain) < MAX_DEPTH and (parent := parent_of(at)) not in (None, 0, at) and parent not in chain:
+        chain.append(parent)
+        at = parent
+    return tuple(chain)
+
+
 @dataclass(slots=True)
 class GpuShare:
     """Where an engine's GPU time is read: its GPU processes' own series, else whole GPUs; and why
@@ -215,13 +225,7 @@ class CostSources:
         while it runs (unless the parent exits first, and then the engine is gone too)."""
         found = self._ancestors.get(pid)
         if found is None:
-            chain: list[int] = []
-            at = pid
-            while len(chain) < MAX_DEPTH and (parent := self.parent_of(at)) not in (None, 0, at) \
-                    and parent not in chain:
-                chain.append(parent)
-                at = parent
-            found = self._ancestors[pid] = tuple(chain)
+            found = self._ancestors[pid] = ancestors_of(pid, self.parent_of)
         return found
 
     def engine_pid(self, named: int | None, port: int) -> int | None:
