@@ -640,6 +640,31 @@ def test_a_peerless_span_takes_a_reset_never_a_fin_whose_span_is_still_coming(st
     assert coverage(store, "peerless_span_joined") == 1
 
 
+def test_a_polled_reset_is_never_taken_by_a_peerless_span(store: Store) -> None:
+    """The /proc source saw a connection open for a while, then gone within one poll: a reset, or
+    the client's FIN and the server's close (an aborting engine) within one 50 ms interval. A
+    peerless span started inside that interval; the connection's own span, which names it,
+    arrives later. Taken by the peerless span, the close was lost to its request (seen in CI)."""
+    clock = Clock()
+    correlator = make(store, clock)
+    other = ("127.0.0.1", 40002)
+    polled = ConnEvent(ts_ns=T0 + int(1.02 * S), kind=ConnEventKind.PEER_RST, family=4, client_addr=other[0],
+                       client_port=other[1], server_addr="127.0.0.1", server_port=SERVER_PORT, host="h",
+                       source="procfs", earliest_ns=T0 + int(0.97 * S))
+    store.insert_conn_events([polled])
+    peerless = replace(http_span("p", 0.98, 0.99, request_id="req-p"), peer_addr=None, peer_port=None)
+    store.insert_spans([peerless, engine_span("p", 0.98, 1.5, "abort", tokens=0)])
+    clock.now = T0 + int(1.5 * S)
+    correlator.tick()
+    store.insert_spans([http_span("q", 0.2, 1.0, client=other)])  # the polled close's own span, late
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    by_trace = {row.trace_id[0]: row for row in verdicts(store)}
+    assert "q" in by_trace and by_trace["q"].client_port == other[1], by_trace
+    assert "p" not in by_trace
+    assert coverage(store, "peerless_span_joined") == 0
+
+
 def test_a_daemon_judges_only_its_own_hosts_requests(store: Store) -> None:
     clock = Clock()
     # Another daemon on the same database wrote a cancelled request of its own host.

@@ -489,10 +489,14 @@ class Correlator:
         just before its start, of a connection that carried no other span. Counted: it is inferred.
 
         Only a reset: after a FIN the socket is still there and the server learns its peer, so a
-        FIN belongs to a span that names it, and may simply not have arrived yet."""
+        FIN belongs to a span that names it, and may simply not have arrived yet. And only a reset
+        seen when it happened: the /proc source's "reset" may be a FIN and the server's close
+        within one poll, of a connection it saw open for longer (whose own span is still to come),
+        and its interval of a poll can hold any peerless span's start. A client that sends and
+        resets at once is gone before a poll sees it anyway."""
         for span in self.spans.peerless():
             candidates = [d for d in self._pending
-                          if d.kind == "rst" and d.tuple4[2] == span.server_port
+                          if d.kind == "rst" and d.earliest_ns is None and d.tuple4[2] == span.server_port
                           and not self.spans.on_connection(d.tuple4)
                           and span.start_ns - PEERLESS_BEFORE_NS <= min(d.ts_ns, d.earliest_ns or d.ts_ns) <= span.start_ns]
             if not candidates:
