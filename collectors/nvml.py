@@ -13,8 +13,8 @@ wrapper calls it twice per read (the count, then the readings); ``ProcessUtiliza
 for about once per NVML update, from when the next one is due until it comes, and only while the
 GPU is in use or was within the last two updates; and not at all for a process alone on its GPU
 (the one compute process NVML lists there, no graphics one), whose utilization is then the whole
-GPU's: all the GPU's time is that process's, and on an H200 the two agreed within 0.5 % of a busy
-spell measured by CUDA events (0.936 and 0.939 of it). Once every GPU has read 0 % for
+GPU's: all the GPU's time is that process's. On an H200 (bench/nvml_cost.py, three runs) the whole
+GPU read 0.918-0.936 of a busy spell measured by CUDA events, per-process readings 0.889-0.939. Once every GPU has read 0 % for
 ``quiet_after_s``, the sampler says it is idle and the sampling loop ticks about once a second
 instead of ten times; the first tick that sees use puts it back at the full rate. A GPU at rest
 has no per-process readings to miss, and each whole-GPU sample covers the time since the one
