@@ -48,6 +48,11 @@ if command -v apt-get >/dev/null 2>&1; then
     [ "$postgres" = 1 ] && wanted+=(postgresql)
     # The tests' independent HTTP/2 client (nghttp2) for the OTLP/gRPC receiver.
     [ "$extras" = dev ] && wanted+=(curl)
+    # A C compiler and Python's headers build the compiled OTLP reader (collectors/_otlp_wire.c);
+    # without them the install still succeeds and bodies are read by the Python reader.
+    command -v cc >/dev/null 2>&1 || wanted+=(gcc libc6-dev)
+    "$python" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null \
+        || wanted+=(python3-dev)
     have_headers=$( { [ -e "/lib/modules/$kernel_release/build" ] || ls -d /usr/src/linux-headers-*-"$arch" >/dev/null 2>&1; } && echo yes || true)
     missing=$(missing_packages "${wanted[@]}")
     if [ -n "$missing" ] || [ -z "$have_headers" ]; then
@@ -98,14 +103,19 @@ if [ ! -x "$venv/bin/python" ]; then
     say "creating $venv"
     "$python" -m venv "$venv"
 fi
-hash=$( { cat pyproject.toml; ls -d -- */__init__.py; } | sha256sum | cut -c1-16)
+hash=$( { cat pyproject.toml setup.py collectors/_otlp_wire.c; ls -d -- */__init__.py; } | sha256sum | cut -c1-16)
 stamp="$venv/.installed-$hash-$extras"
 if [ ! -e "$stamp" ] && ! { [ "$extras" = engine ] && [ -e "$venv/.installed-$hash-dev" ]; }; then
     say "installing the project with extras [$extras]"
     "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q -e ".[$extras]"
+    # (the build backend warns of every editable install with an extension: not ours to act on)
+    PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install -q -e ".[$extras]"
     find "$venv" -maxdepth 1 -name '.installed-*' ! -name ".installed-$hash-*" -delete
     touch "$stamp"
+fi
+
+if ! "$venv/bin/python" -c 'import collectors._otlp_wire' 2>/dev/null; then
+    say "the compiled OTLP reader was not built (no C compiler or Python headers?): spans are read by the slower Python reader"
 fi
 
 # bcc comes from the OS; make it importable from the venv.

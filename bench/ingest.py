@@ -22,6 +22,9 @@ Figures depend on the machine and on what else runs on it.
 ``--phases`` picks the phases. ``--compare REV`` measures the receiver code of git revision REV
 and of the working tree alternately, ``--rounds`` times each, each run in its own process with
 the same bench driving it: on a shared machine only figures taken side by side compare.
+``--reader python|compiled`` reads bodies with that OTLP byte reader (``collectors.otlp_wire``;
+default: the compiled one where it was built); ``--compare-readers`` runs the working tree with
+each, alternately, as ``--compare`` does with two trees.
 """
 
 from __future__ import annotations
@@ -399,6 +402,12 @@ def over_http(phase: str, senders: int, processes: int, batch: int, seconds: flo
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """The chosen phases in this process, the receiver pinned to the first allowed core."""
+    if args.reader:
+        from collectors import otlp_wire
+
+        if args.reader not in otlp_wire.READERS:
+            raise SystemExit(f"no {args.reader} OTLP reader here: `make setup` builds the compiled one")
+        otlp_wire.use_reader(args.reader)
     cpus = sorted(os.sched_getaffinity(0))
     sender_cpus = set(cpus[1:]) or None
     os.sched_setaffinity(0, {cpus[0]})  # decode, normalize and commit share one core
@@ -467,7 +476,8 @@ def export_tree(rev: str, into: Path) -> Path:
 
 
 def compare(args: argparse.Namespace) -> None:
-    """Old (``--compare REV``) and current code alternately, each run a fresh process."""
+    """Old (``--compare REV``) and current code alternately, each run a fresh process; with
+    ``--compare-readers``, the current code with each OTLP byte reader."""
     here = Path(__file__).resolve().parent.parent
     forwarded = ["--phases", ",".join(args.phases), "--seconds", str(args.seconds), "--batch", str(args.batch),
                  "--senders", str(args.senders), "--max-queue-spans", str(args.max_queue_spans),
@@ -476,11 +486,15 @@ def compare(args: argparse.Namespace) -> None:
                  *(["--repeated-values"] if args.repeated_values else [])]
     results: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="ingest-old-") as scratch:
-        trees = {args.compare: export_tree(args.compare, Path(scratch)), "working tree": here}
+        runs: dict[str, tuple[Path, list[str]]]
+        if args.compare_readers:
+            runs = {"python reader": (here, ["--reader", "python"]), "compiled": (here, ["--reader", "compiled"])}
+        else:
+            runs = {args.compare: (export_tree(args.compare, Path(scratch)), []), "working tree": (here, [])}
         for round_no in range(1, args.rounds + 1):
-            for label, tree in trees.items():
+            for label, (tree, extra) in runs.items():
                 env = dict(os.environ, PYTHONPATH=str(tree))
-                out = subprocess.run([sys.executable, __file__, *forwarded], env=env, check=True,
+                out = subprocess.run([sys.executable, __file__, *forwarded, *extra], env=env, check=True,
                                      capture_output=True, text=True).stdout
                 for row in json.loads(out)["rows"]:
                     results.setdefault((row["phase"], label), []).append(row["per_cpu_second"])
@@ -489,9 +503,10 @@ def compare(args: argparse.Namespace) -> None:
                     print(f"round {round_no} {label:<14} {row['phase']:<11} {row['committed']:>9,.0f} committed/s "
                           f"{row['per_cpu_second']:>9,.0f} per CPU-s ({row['cpu_share']:.0%} of a core)", flush=True)
     print(f"\nmedian spans per CPU-second, load average now {os.getloadavg()[0]:.1f}")
+    before, after = runs
     for phase in sorted({phase for phase, _ in results}, key=[p for p, _ in results].index):
-        old, new = (statistics.median(results[(phase, label)]) for label in trees)
-        print(f"{phase:<18} {args.compare}: {old:>9,.2f}   working tree: {new:>9,.2f}   x{new / old:.2f}")
+        old, new = (statistics.median(results[(phase, label)]) for label in runs)
+        print(f"{phase:<18} {before}: {old:>9,.2f}   {after}: {new:>9,.2f}   x{new / old:.2f}")
 
 
 def main() -> None:
@@ -508,6 +523,10 @@ def main() -> None:
     parser.add_argument("--phases", type=lambda text: [p for p in PHASES if p in text.split(",")],
                         default=list(PHASES), help=f"comma-separated, of {','.join(PHASES)}")
     parser.add_argument("--compare", metavar="REV", help="also run git revision REV's code, alternately")
+    parser.add_argument("--compare-readers", action="store_true",
+                        help="run the working tree with the Python and the compiled OTLP reader, alternately")
+    parser.add_argument("--reader", choices=("python", "compiled"),
+                        help="the OTLP byte reader (default: the compiled one where it was built)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each tree with --compare")
     parser.add_argument("--gc-threshold", type=int, default=0, help="the receiver's first GC generation "
                         "threshold (default: Python's 700)")
@@ -527,7 +546,7 @@ def main() -> None:
     ORDERED_IDS, REPEATED_VALUES = args.ordered_ids, args.repeated_values
     if args.sender:
         print(json.dumps(run_senders(args.port, args.senders, args.seconds, args.batch, args.seed, args.otlp)))
-    elif args.compare:
+    elif args.compare or args.compare_readers:
         compare(args)
     elif args.json:
         print(json.dumps(measure(args), indent=2))

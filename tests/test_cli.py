@@ -71,11 +71,22 @@ def test_doctor_json_schema(tmp_path: Path) -> None:
     assert doc["schema"] == "auditor.cli.doctor/v1"
     names = [c["name"] for c in doc["checks"]]
     assert names == ["privileges", "bpf_syscall", "tracefs", "kernel_headers", "bcc", "fallback", "nvml", "ports",
-                     "database", "postgres_driver"]
+                     "database", "postgres_driver", "otlp_reader"]
     for check in doc["checks"]:
         assert check["state"] in ("ok", "degraded", "failed")
         assert check["state"] == "ok" or check["fix"] or check["name"] in ("nvml",)
     assert doc["can_run"] is True and result.exit_code == 0
+
+
+def test_doctor_says_which_otlp_reader_reads_spans(monkeypatch: pytest.MonkeyPatch) -> None:
+    from auditor.cli.doctor import DEGRADED, OK, check_otlp_reader
+    from collectors import otlp_wire
+
+    if "compiled" in otlp_wire.READERS:
+        assert check_otlp_reader().state == OK
+    monkeypatch.setattr(otlp_wire, "_read", otlp_wire.READERS["python"])
+    check = check_otlp_reader()
+    assert check.state == DEGRADED and "python3-dev" in check.fix
 
 
 def test_doctor_measures_what_the_proc_fallback_would_cost_here() -> None:

@@ -347,13 +347,25 @@ def check_postgres_driver() -> Check:
     return Check("postgres_driver", OK, f"psycopg {psycopg.__version__}")
 
 
+def check_otlp_reader() -> Check:
+    """Which reader takes the spans' bodies: the compiled one, or the Python one where the install
+    found no C compiler or Python headers to build it (the same answers, several times the CPU)."""
+    from collectors import otlp_wire
+
+    if otlp_wire.reader() == "compiled":
+        return Check("otlp_reader", OK, "compiled (collectors/_otlp_wire.c)")
+    return Check("otlp_reader", DEGRADED, "the Python reader: spans cost several times the CPU to read "
+                 "(the compiled reader was not built: no C compiler or Python headers at install)",
+                 "apt-get install gcc python3-dev, then reinstall (make setup, or pip install --force-reinstall .)")
+
+
 def run_checks(config: Config) -> list[Check]:
     checks: list[Callable[[], Check]] = [
         check_privileges, check_bpf_syscall, check_tracefs, check_kernel_headers, check_bcc,
         lambda: check_fallback(config.probe.poll_hz), lambda: check_nvml(config.probe.ports),
         lambda: check_ports(config),
         lambda: check_database(config),
-        check_postgres_driver,
+        check_postgres_driver, check_otlp_reader,
     ]
     results = []
     for check in checks:
