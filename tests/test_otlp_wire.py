@@ -175,19 +175,30 @@ def test_most_random_requests_were_read_from_their_bytes() -> None:
 def test_mutated_bodies_never_get_another_answer(request: ExportTraceServiceRequest, data: Any) -> None:
     body = bytearray(request.SerializeToString())
     for _ in range(data.draw(st.integers(1, 4))):
-        at = data.draw(st.integers(0, len(body) - 1))
-        action = data.draw(st.sampled_from(["flip", "insert", "delete", "truncate"]))
-        if action == "flip":
-            body[at] ^= data.draw(st.integers(1, 255))
-        elif action == "insert":
-            body[at:at] = data.draw(st.binary(min_size=1, max_size=3))
-        elif action == "delete" and len(body) > 1:
-            del body[at]
-        elif action == "truncate":
-            del body[at:]
+        _mutate(body, data)
         if not body:
             return
     _outcome(bytes(body))
+
+
+_LONG_VARINTS = [b"\xff" * 9 + b"\x01", b"\xff" * 9 + b"\x7f", b"\x80" * 10, b"\xff" * 11]
+
+
+def _mutate(body: bytearray, data: Any, long_varints: bool = False) -> None:
+    """One random change to ``body``, in place; with ``long_varints``, perhaps a varint of 10 or
+    more bytes (past 64 bits, or unfinished) where a tag or a length was."""
+    at = data.draw(st.integers(0, len(body) - 1))
+    action = data.draw(st.sampled_from(["flip", "insert", "delete", "truncate", *(["varint"] * long_varints)]))
+    if action == "flip":
+        body[at] ^= data.draw(st.integers(1, 255))
+    elif action == "insert":
+        body[at:at] = data.draw(st.binary(min_size=1, max_size=3))
+    elif action == "varint":
+        body[at:at + 1] = data.draw(st.sampled_from(_LONG_VARINTS))
+    elif action == "delete" and len(body) > 1:
+        del body[at]
+    elif action == "truncate":
+        del body[at:]
 
 
 # -- hand-built bodies: repeated and unknown fields ---------------------------------------------------
@@ -383,19 +394,7 @@ def test_the_compiled_reader_answers_as_the_python_one(reader: str, request: Exp
     body = bytearray(request.SerializeToString())
     _both(bytes(body))
     for _ in range(data.draw(st.integers(1, 6))):
-        at = data.draw(st.integers(0, len(body) - 1))
-        action = data.draw(st.sampled_from(["flip", "insert", "delete", "truncate", "varint"]))
-        if action == "flip":
-            body[at] ^= data.draw(st.integers(1, 255))
-        elif action == "insert":
-            body[at:at] = data.draw(st.binary(min_size=1, max_size=3))
-        elif action == "varint":  # a long varint where a tag or a length was
-            body[at:at + 1] = data.draw(st.sampled_from([b"\xff" * 9 + b"\x01", b"\xff" * 9 + b"\x7f",
-                                                          b"\x80" * 10, b"\xff" * 11]))
-        elif action == "delete" and len(body) > 1:
-            del body[at]
-        elif action == "truncate":
-            del body[at:]
+        _mutate(body, data, long_varints=True)
         if not body:
             return
         _both(bytes(body))
