@@ -2,9 +2,10 @@
  *
  * The same walk of the same wire format, field for field and check for check, with the same
  * answer for every body: the spans' parts, or Unusual (the caller then parses the body with upb).
- * otlp_wire.py is the reference; this file mirrors its functions one to one, under the same
- * names, so a change to one is made to the other (tests/test_otlp_wire.py runs every case on both
- * and compares them byte for byte on mutated bodies).
+ * otlp_wire.py is the reference; this file mirrors its functions one to one, under their names
+ * less the underscore (_tag is tag_at), so a change to one is made to the other
+ * (tests/test_otlp_wire.py runs every case on both; tests/test_otlp_wire_compiled.py compares
+ * their answers byte for byte on mutated bodies and random bytes).
  *
  * Three things are left to Python, through callables given to configure(): the upb check of the
  * sub-messages neither reader reads (scope, events, links), cutting long texts, and the hex of a

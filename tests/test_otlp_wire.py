@@ -13,7 +13,6 @@ which must also give the Python reader's answer exactly, value types and order i
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any
 
 import pytest
@@ -360,89 +359,3 @@ def test_a_fault_of_the_reader_costs_speed_not_the_body(monkeypatch: pytest.Monk
     assert [r.message for r in caplog.records].count(
         "the OTLP byte reader failed (ZeroDivisionError('a bug')); such bodies are parsed with upb instead") == 1
     assert len(normalize_request(ExportTraceServiceRequest.FromString(body)).spans) == 1
-
-
-# -- the compiled reader against the Python one -----------------------------------------------------
-# What read_request turns into Unusual from the Python reader: reading past the end of the body
-# is how it finds a body cut short. The compiled reader raises Unusual itself, and nothing else.
-_PYTHON_UNUSUAL = (Unusual, IndexError, struct.error, UnicodeDecodeError, RecursionError)
-
-
-def _both(body: bytes) -> str:
-    """The two readers' answers to ``body``, which must be the same: their parts' repr (so a bool is
-    not taken for an int, nor a dict's order ignored), or that both found it Unusual."""
-    answers = []
-    for name, unusual in (("python", _PYTHON_UNUSUAL), ("compiled", Unusual)):
-        try:
-            answers.append(repr(otlp_wire.READERS[name](body)))
-        except unusual:
-            answers.append("Unusual")
-    assert answers[0] == answers[1], body
-    return answers[0]
-
-
-def _needs_compiled(reader: str) -> None:
-    if reader != "compiled":
-        pytest.skip("compares the compiled reader with the Python one: once is enough")
-
-
-@CASES
-@given(_requests().filter(lambda r: r.ByteSize() > 0), st.data())
-def test_the_compiled_reader_answers_as_the_python_one(reader: str, request: ExportTraceServiceRequest,
-                                                      data: Any) -> None:
-    _needs_compiled(reader)
-    body = bytearray(request.SerializeToString())
-    _both(bytes(body))
-    for _ in range(data.draw(st.integers(1, 6))):
-        _mutate(body, data, long_varints=True)
-        if not body:
-            return
-        _both(bytes(body))
-
-
-@CASES
-@given(st.binary(max_size=64))
-def test_the_compiled_reader_answers_garbage_as_the_python_one(reader: str, body: bytes) -> None:
-    _needs_compiled(reader)
-    _both(body)
-    _both(_body(body))
-
-
-def test_the_compiled_reader_at_the_edges_of_its_buffers(reader: str) -> None:
-    _needs_compiled(reader)
-    span = _span_bytes(http_method="POST")
-    cases = [
-        b"\x0a" + b"\xff" * 9 + b"\x01",  # a length past 64 bits
-        b"\x0a" + b"\xff" * 9 + b"\x7f",
-        b"\xff" * 9 + b"\x02" + b"\x00",  # a tag past 64 bits: an unknown field of wire type 0
-        _body(span + b"\x39\x01\x02"),  # start time cut short at the end of the body
-        _body(span + b"\x85"),  # flags' tag cut short
-        _body(span + b"\x85\x01\x00"),
-        _body(span + _field(9, _field(1, b"d") + _field(2, b"\x21\x00\x00"))),  # a double cut short
-        _body(span + _field(9, _field(1, b"k") + _field(2, _field(5, _field(1, _field(5, b""))) * 3))),
-        _body(span + _field(9, _field(1, b"k" * 300) + _field(2, _field(1, b"v")))),  # a key cut
-        _body(span + _field(9, _field(1, b"b") + _field(2, _field(7, bytes(range(256)) * 10)))),
-    ]
-    nested = _field(1, b"")
-    for _ in range(8):  # deeper than kept
-        nested = _field(5, _field(1, nested))
-    cases.append(_body(span + _field(9, _field(1, b"n") + _field(2, nested))))
-    answers = [_both(body) for body in cases]
-    assert answers.count("Unusual") >= 5, answers
-    assert "kkk" in answers[8] and "...[truncated]" in answers[8]
-
-
-def test_the_compiled_reader_is_built_where_it_can_be(reader: str) -> None:
-    """Where a C compiler and Python's headers are, the install builds the compiled reader and
-    bodies are read by it: a build that fails there must fail this test, not pass unseen."""
-    if reader != "python":
-        pytest.skip("once is enough (the Python reader's run always runs)")
-    import os
-    import shutil
-    import sysconfig
-
-    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
-    compiler = shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0])
-    if not (headers and compiler):
-        pytest.skip(f"no {'C compiler' if headers else 'Python headers'} here: the Python reader reads bodies")
-    assert "compiled" in otlp_wire.READERS, "the install did not build collectors/_otlp_wire.c"
