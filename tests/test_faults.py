@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 
 from auditor.model import ConnEventKind, RequestVerdict
 from auditor.store import Store
@@ -99,7 +100,7 @@ def test_locked_database_back_pressure_then_recovery(tmp_path: Path) -> None:
         locker = sqlite3.connect(tmp_path / "auditor.db", isolation_level=None, timeout=10)
         locker.execute("BEGIN EXCLUSIVE")  # another writer holds the lock past the busy timeout
         try:
-            cancel_after(engine.port, 0.2, "fin", stream=True, max_tokens=100, request_id="locked").join()
+            cancel_after(engine.port, 0.2, "fin", stream=True, max_tokens=200, request_id="locked").join()
             # Held until the store has refused a write (after its 5 s busy timeout): the fault is hit.
             assert wait_for(lambda: store_write_errors(daemon) >= 1, timeout_s=30)
             assert verdict_rows(daemon) == []
@@ -108,8 +109,24 @@ def test_locked_database_back_pressure_then_recovery(tmp_path: Path) -> None:
             locker.close()
         # The span exporter retried the 503s; queued kernel events were kept: nothing is lost.
         assert wait_for(lambda: [(r.request_id, r.verdict) for r in verdict_rows(daemon)] == [("locked", "zombie")],
-                        timeout_s=40), [(r.request_id, r.verdict) for r in verdict_rows(daemon)]
+                        timeout_s=40), _told(daemon)
         assert [r.verdict for r in verdict_rows(daemon)] == ["zombie"]
+
+
+# The two store faults' requests run 200 tokens at 10 ms a token, cancelled after 0.2 s: a zombie
+# of about 1.7 s, far from the 0.5 s grace, so only lost evidence can judge it otherwise (with 100
+# tokens the lag was 0.66 s, and one CI run judged it aborted; its evidence was not kept).
+
+
+def _told(daemon: Any) -> list[tuple[Any, ...]]:
+    """What a failed wait saw: each verdict with the evidence it rests on, and the spans stored."""
+    from auditor.store.schema import SpanRow
+
+    with daemon.store.session() as session:
+        spans = [(s.name, s.role, s.start_ns, s.end_ns, s.finish_reason, s.completion_tokens)
+                 for s in session.scalars(select(SpanRow))]
+    return [(r.request_id, r.verdict, r.disconnect_kind, r.disconnect_at_ns, r.work_end_ns, r.lag_seconds,
+             r.details) for r in verdict_rows(daemon)] + [("spans", spans)]
 
 
 @pytest.mark.privileged
@@ -125,12 +142,12 @@ def test_full_disk_back_pressure_then_recovery(tmp_path: Path) -> None:
             filler = disk / "filler"
             subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)
             try:
-                cancel_after(engine.port, 0.2, "fin", stream=True, max_tokens=100, request_id="full").join()
+                cancel_after(engine.port, 0.2, "fin", stream=True, max_tokens=200, request_id="full").join()
                 time.sleep(4)
             finally:
                 filler.unlink()
             assert wait_for(lambda: [(r.request_id, r.verdict) for r in verdict_rows(daemon)] == [("full", "zombie")],
-                            timeout_s=40), [(r.request_id, r.verdict) for r in verdict_rows(daemon)]
+                            timeout_s=40), _told(daemon)
             assert [r.verdict for r in verdict_rows(daemon)] == ["zombie"]
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
