@@ -640,6 +640,40 @@ def test_a_peerless_span_takes_a_reset_never_a_fin_whose_span_is_still_coming(st
     assert coverage(store, "peerless_span_joined") == 1
 
 
+def test_a_peerless_span_takes_a_reset_on_a_client_port_an_earlier_connection_used(store: Store) -> None:
+    """At a hundred connections a second, a client port comes round again within the memory
+    window: the reset's 4-tuple carried an earlier connection's span, which ended and whose
+    socket closed seconds before. That span is no reason to refuse the join (seen in a load run:
+    the request was left without a verdict)."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span("o", 0.1, 0.3, request_id="req-o"), engine_span("o", 0.1, 0.3, "length")])
+    store.insert_conn_events([close(0.3, ConnEventKind.LOCAL_FIN), close(2.95, ConnEventKind.PEER_RST)])
+    peerless = replace(http_span("p", 3.0, 3.01, request_id="req-p"), peer_addr=None, peer_port=None)
+    store.insert_spans([peerless])
+    clock.now = T0 + 4 * S
+    correlator.tick()
+    clock.now = T0 + 12 * S
+    correlator.tick()
+    by_trace = {row.trace_id[0]: row for row in verdicts(store)}
+    assert "p" in by_trace and by_trace["p"].disconnect_kind == "rst", by_trace
+    assert coverage(store, "peerless_span_joined") == 1
+
+
+def test_a_peerless_span_never_takes_a_reset_of_a_connection_that_carried_a_span(store: Store) -> None:
+    """The same, with no close of the server's socket between the earlier span and the reset:
+    the reset may be that span's connection's, and the peerless span does not take it."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span("o", 0.1, 2.9, request_id="req-o"), engine_span("o", 0.1, 2.9, "length")])
+    store.insert_conn_events([close(2.95, ConnEventKind.PEER_RST)])
+    peerless = replace(http_span("p", 3.0, 3.01, request_id="req-p"), peer_addr=None, peer_port=None)
+    store.insert_spans([peerless])
+    clock.now = T0 + 12 * S
+    correlator.tick()
+    assert coverage(store, "peerless_span_joined") == 0
+
+
 def test_a_polled_reset_is_never_taken_by_a_peerless_span(store: Store) -> None:
     """The /proc source saw a connection open for a while, then gone within one poll: a reset, or
     the client's FIN and the server's close (an aborting engine) within one 50 ms interval. A

@@ -497,15 +497,24 @@ class Correlator:
         for span in self.spans.peerless():
             candidates = [d for d in self._pending
                           if d.kind == "rst" and d.earliest_ns is None and d.tuple4[2] == span.server_port
-                          and not self.spans.on_connection(d.tuple4)
-                          and span.start_ns - PEERLESS_BEFORE_NS <= min(d.ts_ns, d.earliest_ns or d.ts_ns) <= span.start_ns]
+                          and span.start_ns - PEERLESS_BEFORE_NS <= d.ts_ns <= span.start_ns
+                          and not self._may_have_carried_a_span(d)]
             if not candidates:
                 continue
-            disconnect = max(candidates, key=lambda d: min(d.ts_ns, d.earliest_ns or d.ts_ns))
+            disconnect = max(candidates, key=lambda d: d.ts_ns)
             self.spans.claim_peerless(span)
             self._pending.remove(disconnect)
             self._count(CoverageKind.PEERLESS_SPAN_JOINED, f"peerless:{span.trace_id}:{span.span_id}", span.start_ns)
             self._join(disconnect, span)
+
+    def _may_have_carried_a_span(self, reset: Disconnect) -> bool:
+        """Whether the reset's connection may have carried a span that names it: any span on its
+        4-tuple, but one that started before a close of the server's socket that came before the
+        reset. That one was an earlier connection's on the same client port, which comes round
+        again within the memory window at a hundred connections a second."""
+        closes = self._closed_by_tuple.get(reset.tuple4, ())
+        return any(span.start_ns > reset.ts_ns or not any(span.start_ns <= ts < reset.ts_ns for ts in closes)
+                   for span in self.spans.on_connection(reset.tuple4))
 
     def _join(self, disconnect: Disconnect, span: SpanRecord) -> None:
         """Add the close to the request of ``span``, at the instant its interval allows."""
