@@ -660,13 +660,17 @@ def test_a_peerless_span_takes_a_reset_on_a_client_port_an_earlier_connection_us
     assert coverage(store, "peerless_span_joined") == 1
 
 
-def test_a_peerless_span_never_takes_a_reset_of_a_connection_that_carried_a_span(store: Store) -> None:
-    """The same, with no close of the server's socket between the earlier span and the reset:
-    the reset may be that span's connection's, and the peerless span does not take it."""
+@pytest.mark.parametrize("server_fin", [None, 2.9])
+def test_a_peerless_span_never_takes_a_reset_of_a_connection_that_carried_a_span(
+        store: Store, server_fin: float | None) -> None:
+    """The same, with no close of the server's socket between the earlier span and the reset, or
+    only the server's FIN just before it (a client with unread data resets after it): the reset
+    is that span's connection's, and the peerless span does not take it."""
     clock = Clock()
     correlator = make(store, clock)
     store.insert_spans([http_span("o", 0.1, 2.9, request_id="req-o"), engine_span("o", 0.1, 2.9, "length")])
-    store.insert_conn_events([close(2.95, ConnEventKind.PEER_RST)])
+    fin = [close(server_fin, ConnEventKind.LOCAL_FIN)] if server_fin is not None else []
+    store.insert_conn_events([*fin, close(2.95, ConnEventKind.PEER_RST)])
     peerless = replace(http_span("p", 3.0, 3.01, request_id="req-p"), peer_addr=None, peer_port=None)
     store.insert_spans([peerless])
     clock.now = T0 + 12 * S

@@ -511,7 +511,8 @@ class Correlator:
         """Whether the reset's connection may have carried a span that names it: any span on its
         4-tuple, but one that started before a close of the server's socket that came before the
         reset. That one was an earlier connection's on the same client port, which comes round
-        again within the memory window at a hundred connections a second."""
+        again within the memory window at a hundred connections a second. (A reset after the
+        server's own FIN on the same connection joins that connection's span first.)"""
         closes = self._closed_by_tuple.get(reset.tuple4, ())
         return any(span.start_ns > reset.ts_ns or not any(span.start_ns <= ts < reset.ts_ns for ts in closes)
                    for span in self.spans.on_connection(reset.tuple4))
