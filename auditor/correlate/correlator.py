@@ -102,6 +102,11 @@ SHARED_TEXTS = ("name", "kind", "service", "host", "status", "peer_addr", "route
 _shared_texts = operator.attrgetter(*SHARED_TEXTS)  # all of them in one call
 # How long before a peerless span's start its client's close may lie (accept queue and read).
 PEERLESS_BEFORE_NS = 1_000_000_000
+# A close of the server's socket this long before a reset on its 4-tuple ended an earlier
+# connection. The server's FIN does not end its own connection's part: a client that has not read
+# the whole answer resets after it, at once (it reads the FIN, closes, and its unread data makes
+# the close a reset); a client port comes round again seconds later at the soonest.
+REUSED_AFTER_NS = 1_000_000_000
 # How long after a span's end the kernel events of its time are surely in the store: the daemon
 # flushes the probe's events within a second (docs/daemon.md), and polls every 50 ms.
 EVENTS_SETTLE_NS = 1_500_000_000
@@ -509,12 +514,12 @@ class Correlator:
 
     def _may_have_carried_a_span(self, reset: Disconnect) -> bool:
         """Whether the reset's connection may have carried a span that names it: any span on its
-        4-tuple, but one that started before a close of the server's socket that came before the
-        reset. That one was an earlier connection's on the same client port, which comes round
-        again within the memory window at a hundred connections a second. (A reset after the
-        server's own FIN on the same connection joins that connection's span first.)"""
+        4-tuple, but one that started before a close of the server's socket that came well before
+        the reset (``REUSED_AFTER_NS``). That one was an earlier connection's on the same client
+        port, which comes round again within the memory window at a hundred connections a second."""
         closes = self._closed_by_tuple.get(reset.tuple4, ())
-        return any(span.start_ns > reset.ts_ns or not any(span.start_ns <= ts < reset.ts_ns for ts in closes)
+        ended_by = reset.ts_ns - REUSED_AFTER_NS
+        return any(span.start_ns > reset.ts_ns or not any(span.start_ns <= ts < ended_by for ts in closes)
                    for span in self.spans.on_connection(reset.tuple4))
 
     def _join(self, disconnect: Disconnect, span: SpanRecord) -> None:
