@@ -1,4 +1,5 @@
-"""The one part of the build pyproject.toml cannot declare yet: the compiled OTLP byte reader.
+"""The one part of the build pyproject.toml declares only as an experimental setting: the
+compiled OTLP byte reader.
 
 ``collectors/otlp_wire.py`` is its reference and reads bodies wherever this extension was not
 built (no C compiler or Python headers): ``optional``, so an install never fails on it.

@@ -483,7 +483,6 @@ def _kv_parts(data: bytes, pos: int, stop: int) -> tuple[str, tuple[int, int] | 
     return (cut_text(key, MAX_KEY_CHARS) if len(key) > MAX_KEY_CHARS else key), value_at
 
 
-
 # -- the compiled reader -------------------------------------------------------------------------
 # collectors/_otlp_wire.c walks the same format with the same checks, function for function, in C
 # (about a sixth of the CPU a span); the functions above stay the reference, and the reader where
@@ -506,11 +505,16 @@ def _compiled() -> Any:
         from collectors import _otlp_wire  # type: ignore[attr-defined]
     except ImportError:
         return None
-    _otlp_wire.configure(
-        Unusual, _check_kind, cut_text, _hex_text, {},
-        (MAX_ATTRIBUTES, MAX_STRING_CHARS, MAX_ARRAY_ITEMS, MAX_DEPTH, MAX_KEY_CHARS, _KV_CACHE_MAX, _KV_CACHE_BYTES),
-        (_KNOWN_REQUEST, _KNOWN_RESOURCE_SPANS, _KNOWN_RESOURCE, _KNOWN_SCOPE_SPANS, _KNOWN_SPAN, _KNOWN_STATUS,
-         _KNOWN_ANY_VALUE, _KNOWN_KEY_VALUE))
+    try:
+        _otlp_wire.configure(
+            Unusual, _check_kind, cut_text, _hex_text, {},
+            (MAX_ATTRIBUTES, MAX_STRING_CHARS, MAX_ARRAY_ITEMS, MAX_DEPTH, MAX_KEY_CHARS, _KV_CACHE_MAX,
+             _KV_CACHE_BYTES),
+            (_KNOWN_REQUEST, _KNOWN_RESOURCE_SPANS, _KNOWN_RESOURCE, _KNOWN_SCOPE_SPANS, _KNOWN_SPAN, _KNOWN_STATUS,
+             _KNOWN_ANY_VALUE, _KNOWN_KEY_VALUE))
+    except Exception as exc:  # e.g. a schema with field numbers past 63: the Python reader reads
+        log.warning("the compiled OTLP reader could not be set up (%s); spans are read in Python", exc)
+        return None
     return _otlp_wire.read_request
 
 

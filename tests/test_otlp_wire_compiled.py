@@ -101,3 +101,16 @@ def test_the_compiled_reader_at_the_edges_of_its_buffers() -> None:
     answers = [_both(body) for body in cases]
     assert answers.count("Unusual") >= 5, answers
     assert "kkk" in answers[8] and "...[truncated]" in answers[8]
+
+
+@needs_compiled
+def test_a_compiled_reader_that_cannot_be_set_up_leaves_the_python_one(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    from collectors import _otlp_wire  # type: ignore[attr-defined]
+
+    def refuse(*_args: Any) -> None:
+        raise ValueError("field number 64 is outside 0-63")
+
+    monkeypatch.setattr(_otlp_wire, "configure", refuse)
+    assert otlp_wire._compiled() is None
+    assert "the compiled OTLP reader could not be set up (field number 64 is outside 0-63)" in caplog.text
