@@ -540,8 +540,6 @@ span(const Buf *b, Py_ssize_t pos, Py_ssize_t stop)
                     goto done;
             }
             else if (first == 0x7A) { /* status: occurrences merge, field by field */
-                if (!has_status)
-                    code = 0;
                 has_status = 1;
                 if (status(b, start, pos, &code) < 0)
                     goto done;

@@ -349,12 +349,13 @@ def check_postgres_driver() -> Check:
 
 def check_otlp_reader() -> Check:
     """Which reader takes the spans' bodies: the compiled one, or the Python one where the install
-    found no C compiler or Python headers to build it (the same answers, several times the CPU)."""
+    found no C compiler or Python headers to build it (the same answers, about twice the CPU a
+    span normalized: docs/footprint.md, twenty-fourth pass)."""
     from collectors import otlp_wire
 
     if otlp_wire.reader() == "compiled":
         return Check("otlp_reader", OK, "compiled (collectors/_otlp_wire.c)")
-    return Check("otlp_reader", DEGRADED, "the Python reader: spans cost several times the CPU to read "
+    return Check("otlp_reader", DEGRADED, "the Python reader: spans cost about twice the CPU to normalize "
                  "(the compiled reader was not built: no C compiler or Python headers at install)",
                  "apt-get install gcc python3-dev, then reinstall (make setup, or pip install --force-reinstall .)")
 
