@@ -24,7 +24,10 @@ pytestmark = pytest.mark.slow
 
 STEP_MS = 5.0
 LATE_SECONDS = 0.3
-VICTIM_TOKENS = 100
+# Long enough that a late abort (LATE_SECONDS after a disconnect 0.1 s in) lands well before the
+# victim's last token even when the calibrated step runs fast: 100 tokens once ended 0.3 s after
+# the disconnect, with the abort still pending.
+VICTIM_TOKENS = 200
 BLOCKER_TOKENS = 160
 LONG_PROMPT = list(range(800))  # 50 prefill chunks of 16 tokens
 SECOND = 1_000_000_000
