@@ -360,14 +360,19 @@ class Daemon:
 
     def correlate_once(self) -> None:
         started, failed = time.monotonic(), False
+        cpu = self.correlator.cpu
         try:
+            cpu.start()
             self._flush_events()  # before the round reads them: a disconnect waits for no batch
             self._commit_samples()  # before the round: a zombie's cost needs its last samples
+            cpu.mark("flush")
             live = self._parts["live"].drain() if "live" in self._parts else []
             self.correlator.add_engine_load(self._drain_engine_loads())
             self.correlator.tick(live)
+            cpu.start()
             self._report_lost_events()
             self._upkeep.round(self.correlator.arrived, self.correlator.spans.get)
+            cpu.mark("upkeep")
             self.status.ticks += 1
             if self._failing:
                 log.info("correlation works again")
@@ -400,6 +405,7 @@ class Daemon:
             stats = correlator.stats
             readings.inflight_zombies, readings.idle_closes = stats.inflight_zombies, stats.idle_closes
             readings.unjoined_disconnects, readings.unjoined_spans = stats.unjoined_disconnects, stats.unjoined_spans
+            readings.correlation_cpu = correlator.cpu.seconds()
         source = self._parts.get("probe")
         if source is not None:
             try:

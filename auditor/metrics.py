@@ -56,6 +56,8 @@ class SourceReadings:
     # kernel.bpf_stats_enabled is 1 (probe_run_stats; None: unreadable). Empty with other sources.
     probe_runs: dict[str, tuple[int, int]] = field(default_factory=dict)
     probe_run_stats: bool | None = None
+    # The correlator thread's CPU seconds by step of its rounds (auditor.correlate.roundcpu).
+    correlation_cpu: dict[str, float] = field(default_factory=dict)
 
 
 class _Buckets:
@@ -243,6 +245,13 @@ def readings_families(r: SourceReadings) -> Iterator[Metric]:
     yield errors
     if r.probe_runs:
         yield from _probe_runs_families(r)
+    if r.correlation_cpu:
+        steps = CounterMetricFamily("auditor_correlation_cpu_seconds", "The correlator thread's CPU by step of "
+                                    "its rounds (spans: taking them in; judge: computing verdicts; write: "
+                                    "storing them; ...)", labels=["step"])
+        for step, seconds in r.correlation_cpu.items():
+            steps.add_metric([step], seconds)
+        yield steps
     source = GaugeMetricFamily("auditor_disconnect_source_info", "Disconnect source in use (none: no "
                                "disconnects are seen)", labels=["source"])
     source.add_metric([r.source], 1)

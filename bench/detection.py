@@ -77,6 +77,19 @@ def metric(text: str, name: str) -> float:
     return total
 
 
+def correlation_steps(port: int | None) -> dict[str, float]:
+    """The correlator's CPU seconds by step of its rounds (``auditor_correlation_cpu_seconds_total``);
+    empty where the daemon has no such series (an older revision) or /metrics does not answer."""
+    if port is None:
+        return {}
+    try:
+        text = scrape(port)
+    except OSError:
+        return {}
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^auditor_correlation_cpu_seconds_total{step="([^"]+)"} ([0-9.e+-]+)$', text, re.M)}
+
+
 def first_seen(db: Path, request_id: str, verdict: str, metrics_port: int, metric_name: str, above: float,
                timeout_s: float) -> tuple[int | None, int | None]:
     """Wall-clock ns at which the store first held ``verdict`` for the request and /metrics first
@@ -243,8 +256,9 @@ def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_po
         daemon.wait(timeout=15)
 
 
-def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: argparse.Namespace) -> dict[str, Any]:
-    """The daemon's CPU (in all and per thread) and memory over a paced load."""
+def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: argparse.Namespace,
+                 metrics_port: int | None = None) -> dict[str, Any]:
+    """The daemon's CPU (in all, per thread, and the correlator's by step) and memory over a paced load."""
     profiler = None
     if args.profile:
         profiler = subprocess.Popen(
@@ -253,6 +267,7 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cpu_before, wall_before = proc_cpu_seconds(daemon.pid), time.monotonic()
     threads_before = thread_cpu_seconds(daemon.pid)
+    steps_before = correlation_steps(metrics_port)
     rss_series: list[float] = []
     done = threading.Event()
 
@@ -268,6 +283,8 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
     threads = {tid: (spent - threads_before.get(tid, (0.0, 0))[0], woke - threads_before.get(tid, (0.0, 0))[1])
                for tid, (spent, woke) in thread_cpu_seconds(daemon.pid).items()}
     wall = time.monotonic() - wall_before
+    steps = {step: (spent - steps_before.get(step, 0.0)) / wall * 100
+             for step, spent in correlation_steps(metrics_port).items()}
     names = thread_names(daemon.pid)
     rss, peak = proc_memory_mib(daemon.pid)
     if profiler is not None:
@@ -287,7 +304,7 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
     by_name["(unattributed)"] = max(0.0, (cpu - sum(spent for spent, _ in threads.values())) / wall * 100)
     return {"sent": sent, "achieved": achieved, "cpu": cpu, "wall": wall, "cpu_percent": cpu / wall * 100,
             "rss": rss, "peak": peak, "rss_series": rss_series, "spans": spans, "verdicts": verdicts, "threads": by_name,
-            "wakeups": wakeups, "client_left": client_left}
+            "wakeups": wakeups, "client_left": client_left, "steps": steps}
 
 
 def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0,
@@ -390,6 +407,9 @@ def print_load(load: dict[str, Any], args: argparse.Namespace) -> None:
     print("  by thread, % of one core (wake-ups a second): " + ", ".join(
         f"{name} {share:.2f}" + (f" ({load['wakeups'][name]:.1f})" if load["wakeups"].get(name) else "")
         for name, share in sorted(load["threads"].items(), key=lambda kv: -kv[1]) if share >= 0.005))
+    if load["steps"]:
+        print("  correlator by step of its rounds, % of one core: "
+              + ", ".join(f"{step} {share:.2f}" for step, share in load["steps"].items()))
 
 
 def print_latencies(latencies: dict[str, list[float]], count: int) -> None:
@@ -408,6 +428,10 @@ def _thread_share(name: str, run: dict[str, Any]) -> float:
     return float(run["threads"].get(name, 0.0))
 
 
+def _step_share(step: str, run: dict[str, Any]) -> float:
+    return float(run["steps"].get(step, 0.0))
+
+
 def print_comparison(results: dict[str, list[dict[str, Any]]], rate: float) -> None:
     labels = list(results)
     print(f"\nDaemon at {rate:.0f} req/s (10% cancelled), median of {len(results[labels[0]])} alternating runs")
@@ -418,6 +442,8 @@ def print_comparison(results: dict[str, list[dict[str, Any]]], rate: float) -> N
     threads = sorted({name for runs in results.values() for run in runs for name in run["threads"]},
                      key=lambda name: -statistics.median(run["threads"].get(name, 0.0) for run in results[labels[-1]]))
     rows += [(f"  {name}", functools.partial(_thread_share, name), "{:.2f}") for name in threads]
+    steps = list(dict.fromkeys(step for runs in results.values() for run in runs for step in run["steps"]))
+    rows += [(f"  correlator: {step}", functools.partial(_step_share, step), "{:.2f}") for step in steps]
     for title, value, fmt in rows:
         cells = [fmt.format(statistics.median(value(run) for run in results[label])) for label in labels]
         print(f"  {title[:30]:<30}" + "".join(f"{cell:>16}" for cell in cells))
@@ -482,7 +508,7 @@ def main() -> int:
             db = work / "auditor.db"
             with running_daemon(here, db, ports, otlp, metrics_port, live, args.otlp, args.source) as daemon:
                 latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
-                load = measure_load(daemon, db, busy_engine.port, args)
+                load = measure_load(daemon, db, busy_engine.port, args, metrics_port)
                 judged = judge_settled(db, busy_engine, args, load["client_left"])
             print_latencies(latencies, args.alarms)
             print_load(load, args)
@@ -497,7 +523,7 @@ def main() -> int:
                 db = work / f"auditor-{round_no}-{index}.db"
                 with running_daemon(tree, db, ports, otlp, metrics_port, live, args.otlp, args.source) as daemon:
                     time.sleep(2)  # past start-up
-                    results[label].append(measure_load(daemon, db, busy_engine.port, args))
+                    results[label].append(measure_load(daemon, db, busy_engine.port, args, metrics_port))
                 print(f"round {round_no} {label:<14} {results[label][-1]['cpu_percent']:.2f} % of one core, "
                       f"{results[label][-1]['rss']:.1f} MiB", flush=True)
     print_comparison(results, args.rate)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -1096,3 +1097,27 @@ def test_a_backlog_of_blocks_is_read_about_read_rows_events_a_round(store: Store
         positions.append(correlator._event_cursor)
     assert positions == [block_read(2), block_read(4), block_read(5), block_read(5), block_read(5)]
     assert len(correlator._pending.by_id) == 15  # every close read once
+
+
+def test_a_rounds_cpu_is_told_by_step(store: Store) -> None:
+    # /metrics shows the correlator's CPU by step of its rounds: every step of a round is counted,
+    # and nothing outside the round.
+    clock = Clock()
+    spans = [http_span(f"{i:x}", 0, 1.0, client=("127.0.0.1", 41000 + i)) for i in range(1, 16)]
+    spans += [replace(engine_span(f"{i:x}", 0, 4.0, "length"), request_id=f"cmpl-{i}") for i in range(1, 16)]
+    store.insert_spans(spans)
+    store.insert_conn_events([close(0.5, client=("127.0.0.1", 41000 + i)) for i in range(1, 16)])
+    corr = make(store, clock)
+    assert set(corr.cpu.ns) == {"flush", "spans", "events", "join", "judge", "write", "settle", "upkeep"}
+    assert not any(corr.cpu.ns.values())
+    clock.now = T0 + 5 * S
+    started = time.thread_time_ns()
+    corr.tick()
+    spent = time.thread_time_ns() - started
+    steps = corr.cpu.ns
+    assert all(steps[step] > 0 for step in ("spans", "events", "join", "judge", "write", "settle")), steps
+    assert steps["flush"] == steps["upkeep"] == 0  # the daemon's, around the round
+    assert sum(steps.values()) <= spent
+    assert sum(steps.values()) >= 0.9 * spent, (steps, spent)
+    assert len(verdicts(store)) == 15
+    assert corr.cpu.seconds()["judge"] == steps["judge"] / 1e9

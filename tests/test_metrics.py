@@ -9,6 +9,7 @@ from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from auditor import __version__
+from auditor.correlate.roundcpu import STEPS, RoundCpu
 from auditor.metrics import MAX_LABEL_VALUES, DaemonMetrics, SourceReadings
 from auditor.model import RequestVerdict, Verdict
 from auditor.upkeep import completed_requests
@@ -103,6 +104,22 @@ def test_the_probes_kernel_time_shows_with_the_ebpf_source_only() -> None:
         assert shown["auditor_probe_run_stats_enabled"] == {(): 0}
         readings.probe_run_stats = None  # the sysctl unreadable: no claim either way
         assert "auditor_probe_run_stats_enabled" not in scrape(server.server_port)
+    finally:
+        server.shutdown()
+
+
+def test_the_correlators_cpu_shows_by_step() -> None:
+    readings = SourceReadings()
+    metrics = DaemonMetrics(lambda: readings)
+    server, _thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+    try:
+        assert "auditor_correlation_cpu_seconds_total" not in scrape(server.server_port)  # no correlator yet
+        cpu = RoundCpu()
+        cpu.ns["judge"], cpu.ns["spans"] = 1_500_000_000, 250_000_000
+        readings.correlation_cpu = cpu.seconds()
+        shown = scrape(server.server_port)["auditor_correlation_cpu_seconds_total"]
+        assert shown[(("step", "judge"),)] == 1.5 and shown[(("step", "spans"),)] == 0.25
+        assert {dict(labels)["step"] for labels in shown} == set(STEPS)
     finally:
         server.shutdown()
 

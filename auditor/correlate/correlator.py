@@ -45,6 +45,7 @@ from auditor.correlate.requests import (
     OpenRequest,
     RequestKey,
 )
+from auditor.correlate.roundcpu import RoundCpu
 from auditor.correlate.traces import TraceIndex, Tuple4, disconnect_instant, norm_addr, span_tuple
 from auditor.correlate.verdict import NORMAL_FINISH, TOKENS_AFTER_DISCONNECT_ATTR
 from auditor.correlate.waste import CostSources
@@ -128,6 +129,7 @@ class Correlator:
         self.on_settled = on_settled or (lambda verdict: None)
         self.clock = clock
         self.stats = CorrelatorStats()
+        self.cpu = RoundCpu()  # the thread's CPU by step of the round (auditor.correlate.roundcpu)
         self.spans = TraceIndex()
         # A connection's event times, as tuples: most connections have one or two events, and a
         # tuple of them is one allocation where a list is two.
@@ -356,17 +358,22 @@ class Correlator:
     # -- the round --------------------------------------------------------------------------
     def tick(self, live: list[LiveEvent] | None = None) -> list[RequestVerdict]:
         """One round: read new evidence, join, decide, write. Returns the verdicts written."""
+        cpu = self.cpu
+        cpu.start()
         self._touched = set()
         self.arrived = []
         self.add_live(live or [])
         self._read_spans()
+        cpu.mark("spans")
         self._read_events()
+        cpu.mark("events")
         now = self.clock()
         self._join_pending(now)
         self._rekey()
         self._check_unjoined_spans(now)
         changed: list[tuple[OpenRequest, RequestVerdict]] = []
         news = self._take_news()
+        cpu.mark("join")
         try:
             for request in list(self._open.values()):
                 if request.key[0] in self._touched or (request.due(now, news) and clock_dependent(request)):
@@ -378,12 +385,14 @@ class Correlator:
             if news is not None:  # the round failed part-way: its news counts again in the next
                 self._news_at(news)
             raise
+        cpu.mark("judge")
         # Only a committed verdict counts as written: if the store refuses (locked, disk full),
         # the next round computes and writes it again.
         self.store.upsert_verdicts([verdict for _, verdict in changed])
         if self._coverage:  # one transaction a round; kept for the next round if the store refuses
             self.store.add_coverage_rows(self._coverage)
             self._coverage = []
+        cpu.mark("write")
         for request, verdict in changed:
             request.written = verdict
         self._news = set()  # joined with: kept when the round fails before
@@ -391,6 +400,7 @@ class Correlator:
         self._save_state(first_unreported)
         self._prune(now)
         self.stats.pending_disconnects = len(self._pending)
+        cpu.mark("settle")
         return [verdict for _, verdict in changed]
 
     def _recall(self, trace_id: str, arrived_ns: int, arriving: str | None = None) -> None:
