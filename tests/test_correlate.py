@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import event, func, select
 
 from auditor.correlate import Correlator
+from auditor.correlate.evidence import FINAL_SEND_ATTR
 from auditor.model import (
     ConnEvent,
     ConnEventKind,
@@ -1121,3 +1122,24 @@ def test_a_rounds_cpu_is_told_by_step(store: Store) -> None:
     assert sum(steps.values()) >= 0.9 * spent, (steps, spent)
     assert len(verdicts(store)) == 15
     assert corr.cpu.seconds()["judge"] == steps["judge"] / 1e9
+
+
+def test_held_spans_share_their_repeated_texts_and_keep_only_judged_attributes(store: Store) -> None:
+    # Memory: a held span's texts that repeat across spans are one copy each; its values unchanged.
+    def fresh(text: str) -> str:
+        return "".join(list(text))  # an equal string, not the same object
+
+    spans = [replace(http_span(trace, 0, 1.0, client=("127.0.0.1", port)), name=fresh("POST /v1/completions"),
+                     service=fresh("engine"), route=fresh("/v1/completions"), peer_addr=fresh("127.0.0.1"),
+                     attributes={"http.request.method": "POST", FINAL_SEND_ATTR: True})
+             for trace, port in (("a", 41001), ("b", 41002))]
+    assert spans[0].name is not spans[1].name and spans[0].service is not spans[1].service
+    corr = make(store, Clock())
+    corr._add_spans(spans, T0)
+    first, second = (corr.spans.get(trace * 32, "5" * 16) for trace in "ab")
+    assert first is not None and second is not None
+    for name in ("name", "kind", "service", "host", "status", "peer_addr", "route"):
+        assert getattr(first, name) is getattr(second, name), name
+    assert (first.name, first.service, first.route, first.peer_addr) == (
+        "POST /v1/completions", "engine", "/v1/completions", "127.0.0.1")
+    assert first.model is None and first.attributes == {FINAL_SEND_ATTR: True}
