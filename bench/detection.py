@@ -445,7 +445,9 @@ def print_comparison(results: dict[str, list[dict[str, Any]]], rate: float) -> N
     steps = list(dict.fromkeys(step for runs in results.values() for run in runs for step in run["steps"]))
     rows += [(f"  correlator: {step}", functools.partial(_step_share, step), "{:.2f}") for step in steps]
     for title, value, fmt in rows:
-        cells = [fmt.format(statistics.median(value(run) for run in results[label])) for label in labels]
+        # A revision from before the correlator told its steps has none: "-", not a zero.
+        cells = ["-" if title.startswith("  correlator: ") and not any(run["steps"] for run in results[label])
+                 else fmt.format(statistics.median(value(run) for run in results[label])) for label in labels]
         print(f"  {title[:30]:<30}" + "".join(f"{cell:>16}" for cell in cells))
     print("  runs, CPU %: " + "; ".join(f"{label} " + ", ".join(f"{run['cpu_percent']:.2f}" for run in runs)
                                         for label, runs in results.items()))
