@@ -90,6 +90,21 @@ def correlation_steps(port: int | None) -> dict[str, float]:
         r'^auditor_correlation_cpu_seconds_total{step="([^"]+)"} ([0-9.e+-]+)$', text, re.M)}
 
 
+def correlation_rounds(port: int | None) -> float:
+    """Correlation rounds run so far (the count of ``auditor_correlation_tick_seconds``)."""
+    if port is None:
+        return 0.0
+    try:
+        return metric(scrape(port), "auditor_correlation_tick_seconds_count")
+    except OSError:
+        return 0.0
+
+
+def stored_spans(db: Path) -> int:
+    with sqlite3.connect(db) as conn:
+        return int(conn.execute("SELECT count(*) FROM spans").fetchone()[0])
+
+
 def first_seen(db: Path, request_id: str, verdict: str, metrics_port: int, metric_name: str, above: float,
                timeout_s: float) -> tuple[int | None, int | None]:
     """Wall-clock ns at which the store first held ``verdict`` for the request and /metrics first
@@ -268,6 +283,7 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
     cpu_before, wall_before = proc_cpu_seconds(daemon.pid), time.monotonic()
     threads_before = thread_cpu_seconds(daemon.pid)
     steps_before = correlation_steps(metrics_port)
+    rounds_before, spans_before = correlation_rounds(metrics_port), stored_spans(db)
     rss_series: list[float] = []
     done = threading.Event()
 
@@ -283,8 +299,12 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
     threads = {tid: (spent - threads_before.get(tid, (0.0, 0))[0], woke - threads_before.get(tid, (0.0, 0))[1])
                for tid, (spent, woke) in thread_cpu_seconds(daemon.pid).items()}
     wall = time.monotonic() - wall_before
-    steps = {step: (spent - steps_before.get(step, 0.0)) / wall * 100
-             for step, spent in correlation_steps(metrics_port).items()}
+    step_seconds = {step: spent - steps_before.get(step, 0.0) for step, spent in correlation_steps(metrics_port).items()}
+    rounds, spans_taken = correlation_rounds(metrics_port) - rounds_before, stored_spans(db) - spans_before
+    steps = {step: spent / wall * 100 for step, spent in step_seconds.items()}
+    # A round's steps in ms, and the spans step a span (the spans stored meanwhile), where told.
+    per_round = {step: spent / rounds * 1e3 for step, spent in step_seconds.items()} if rounds else {}
+    span_us = step_seconds["spans"] / spans_taken * 1e6 if spans_taken and "spans" in step_seconds else None
     names = thread_names(daemon.pid)
     rss, peak = proc_memory_mib(daemon.pid)
     if profiler is not None:
@@ -304,7 +324,8 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
     by_name["(unattributed)"] = max(0.0, (cpu - sum(spent for spent, _ in threads.values())) / wall * 100)
     return {"sent": sent, "achieved": achieved, "cpu": cpu, "wall": wall, "cpu_percent": cpu / wall * 100,
             "rss": rss, "peak": peak, "rss_series": rss_series, "spans": spans, "verdicts": verdicts, "threads": by_name,
-            "wakeups": wakeups, "client_left": client_left, "steps": steps}
+            "wakeups": wakeups, "client_left": client_left, "steps": steps,
+            "rounds": rounds, "per_round": per_round, "spans_taken": spans_taken, "span_us": span_us}
 
 
 def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0,
@@ -410,6 +431,11 @@ def print_load(load: dict[str, Any], args: argparse.Namespace) -> None:
     if load["steps"]:
         print("  correlator by step of its rounds, % of one core: "
               + ", ".join(f"{step} {share:.2f}" for step, share in load["steps"].items()))
+    if load["per_round"]:
+        print(f"  correlator, ms a round ({load['rounds']:.0f} rounds): "
+              + ", ".join(f"{step} {ms:.2f}" for step, ms in load["per_round"].items()))
+    if load["span_us"] is not None:
+        print(f"  correlator's spans step: {load['span_us']:.1f} us a span ({load['spans_taken']} spans stored meanwhile)")
 
 
 def print_latencies(latencies: dict[str, list[float]], count: int) -> None:
@@ -428,8 +454,12 @@ def _thread_share(name: str, run: dict[str, Any]) -> float:
     return float(run["threads"].get(name, 0.0))
 
 
-def _step_share(step: str, run: dict[str, Any]) -> float:
-    return float(run["steps"].get(step, 0.0))
+def _step_share(step: str, run: dict[str, Any]) -> float | None:
+    return float(run["steps"][step]) if step in run["steps"] else None
+
+
+def _span_us(run: dict[str, Any]) -> float | None:
+    return run["span_us"]
 
 
 def print_comparison(results: dict[str, list[dict[str, Any]]], rate: float) -> None:
@@ -444,10 +474,11 @@ def print_comparison(results: dict[str, list[dict[str, Any]]], rate: float) -> N
     rows += [(f"  {name}", functools.partial(_thread_share, name), "{:.2f}") for name in threads]
     steps = list(dict.fromkeys(step for runs in results.values() for run in runs for step in run["steps"]))
     rows += [(f"  correlator: {step}", functools.partial(_step_share, step), "{:.2f}") for step in steps]
+    rows += [("  correlator: us a span taken", _span_us, "{:.1f}")] if steps else []
     for title, value, fmt in rows:
         # A revision from before the correlator told its steps has none: "-", not a zero.
-        cells = ["-" if title.startswith("  correlator: ") and not any(run["steps"] for run in results[label])
-                 else fmt.format(statistics.median(value(run) for run in results[label])) for label in labels]
+        told = [[v for v in map(value, results[label]) if v is not None] for label in labels]
+        cells = [fmt.format(statistics.median(values)) if values else "-" for values in told]
         print(f"  {title[:30]:<30}" + "".join(f"{cell:>16}" for cell in cells))
     print("  runs, CPU %: " + "; ".join(f"{label} " + ", ".join(f"{run['cpu_percent']:.2f}" for run in runs)
                                         for label, runs in results.items()))

@@ -486,10 +486,10 @@ def _kv_parts(data: bytes, pos: int, stop: int) -> tuple[str, tuple[int, int] | 
 # -- the compiled reader -------------------------------------------------------------------------
 # collectors/_otlp_wire.c walks the same format with the same checks, function for function, in C
 # (a span normalized, reading included, in about half the CPU: bench/ingest.py --compare-readers);
-# the functions above stay the reference, and the reader where
-# the extension was not built (no C compiler or Python headers at install). Both give the same
-# answer for every body (tests/test_otlp_wire.py runs its cases on each reader,
-# tests/test_otlp_wire_compiled.py compares the two on mutated bodies and random bytes).
+# the functions above stay the reference, and the reader where the extension was not built (no C
+# compiler or Python headers at install). Both give the same answer for every body
+# (tests/test_otlp_wire.py runs its cases on each reader; tests/test_otlp_wire_compiled.py
+# compares the two on mutated bodies and random bytes).
 _SKIPPED = (InstrumentationScope, Span.Event, Span.Link)  # the compiled reader's check kinds 0-2
 
 
