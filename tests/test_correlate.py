@@ -989,18 +989,21 @@ def test_forgotten_traces_are_the_stores_verdicts_of_this_run_that_memory_does_n
         return RequestVerdict(f"{host}/{trace_id}/{root}", host, Verdict.COMPLETED, T0 + int(at_s * S), "fin", T0,
                               None, None, trace_id=trace_id, request_id=request_id)
 
-    store.upsert_verdicts([verdict("0" * 32, "1" * 16, 50, "req-old")])  # a run before this one
+    before = verdict("0" * 32, "1" * 16, 50, "req-old")
+    store.upsert_verdicts([before])  # a run before this one
     held: set[tuple[str, str]] = set()
     horizon_start = [T0 + 10 * S]
     forgotten = Forgotten(store, "h", lambda trace, root: (trace, root) in held, lambda: horizon_start[0])
-    store.upsert_verdicts([
+    written = [
         verdict("a" * 32, "1" * 16, 20, "req-a"),
         verdict("b" * 32, "1" * 16, 5, "req-b"),  # disconnected before the horizon
         verdict("c" * 32, "1" * 16, 30), verdict("c" * 32, "2" * 16, 31),  # two requests, one held
         verdict("d" * 32, "1" * 16, 5), verdict("d" * 32, "2" * 16, 40),  # one before the horizon
         verdict("e" * 32, "1" * 16, 30, "req-e", host="other"),  # another host's
         *(verdict(f"{i:032x}", "1" * 16, 60) for i in range(1, 1001)),  # more than one query's worth
-    ])
+    ]
+    forgotten.written([before, *written])  # told of the earlier run's too: the store still says no
+    store.upsert_verdicts(written)
     held.add(("c" * 32, "2" * 16))
     asked = ["0" * 32, "a" * 32, "b" * 32, "c" * 32, "d" * 32, "e" * 32, "f" * 32]
     assert forgotten.traces(asked) == {"a" * 32, "c" * 32}
@@ -1010,6 +1013,53 @@ def test_forgotten_traces_are_the_stores_verdicts_of_this_run_that_memory_does_n
     horizon_start[0] = T0 + 25 * S  # the horizon moved past "a"
     assert forgotten.traces(asked) == set() and forgotten.by_request_id(["req-a"]) == {}
     assert forgotten.traces([]) == set()
+
+
+def test_the_store_is_asked_only_about_values_of_verdicts_this_run_wrote(store: Store) -> None:
+    """Spans of traces this run never judged (most of them) cost no query; once a verdict of a
+    trace is written, the store is asked about it again, and its answer stands."""
+    from auditor.correlate.recall import Forgotten
+
+    forgotten = Forgotten(store, "h", lambda trace, root: False, lambda: T0)
+    connects = []
+    connect = store.connect
+    store.connect = lambda: (connects.append(1), connect())[1]  # type: ignore[method-assign]
+    never = [f"{i:032x}" for i in range(2000)]
+    assert forgotten.traces(never) == set() and forgotten.by_request_id(["req-a", "cmpl-a"]) == {}
+    assert connects == []
+    judged = RequestVerdict(f"h/{'a' * 32}/{'1' * 16}", "h", Verdict.ABORTED, T0 + S, "rst", T0, None, None,
+                            trace_id="a" * 32, request_id="req-a")
+    forgotten.written([judged])
+    assert forgotten.traces(["a" * 32]) == set() and connects == [1]  # asked: not in the store yet
+    store.upsert_verdicts([judged])
+    assert forgotten.traces([*never, "a" * 32]) == {"a" * 32}
+    assert forgotten.by_request_id(["req-a", "req-b"]) == {"req-a": "a" * 32}
+
+
+def test_the_written_filter_never_forgets_a_value_while_its_verdict_can_be_recalled() -> None:
+    """No value added is missed while the horizon has not passed its disconnect; values never
+    added are rarely taken for added; a generation is let go once the horizon has passed all of
+    it, so memory does not grow with the run."""
+    from auditor.correlate.recall import WrittenFilter
+
+    horizon_start = [0]
+    kept = WrittenFilter(lambda: horizon_start[0])
+    added = [f"{i:032x}" for i in range(20_000)]
+    for i, value in enumerate(added):
+        kept.add(value, 1_000 + i)
+    assert all(kept.may_hold(value) for value in added)
+    strangers = sum(kept.may_hold(f"x{i:031x}") for i in range(20_000))
+    assert strangers <= 40  # about 4 expected (three positions of 2**20, 20,000 added)
+    horizon_start[0] = 10_000  # past the first generation's earliest: it becomes the previous
+    kept.add("late", 50_000)
+    assert all(kept.may_hold(value) for i, value in enumerate(added) if 1_000 + i >= 10_000)
+    horizon_start[0] = 25_000  # past every one of them, but not past the current's earliest ("late")
+    kept.add("later", 60_000)
+    assert kept.rotations == 1 and kept.may_hold("late") and kept.may_hold("later")
+    horizon_start[0] = 55_000  # past "late": the first generation is let go
+    kept.add("last", 70_000)
+    assert kept.rotations == 2 and kept.may_hold("later") and kept.may_hold("last")
+    assert sum(kept.may_hold(value) for value in added) <= 40
 
 
 def test_pruning_from_the_oldest_keeps_what_a_full_pass_keeps(store: Store) -> None:

@@ -246,6 +246,7 @@ def check_daemon_reads(store: Store) -> None:
     span, verdict = _judged_span_and_verdict()
     forgotten = Forgotten(store, "h", holds=lambda trace_id, root_id: False, horizon_start=lambda: 0)
     store.insert_spans([span])
+    forgotten.written([verdict])
     store.upsert_verdicts([verdict])
     store.upsert_verdicts([verdict])  # the second replaces the first
     assert forgotten.traces(["c" * 32, "d" * 32]) == {"c" * 32}

@@ -386,7 +386,9 @@ class Correlator:
         cpu.mark("judge")
         # Only a committed verdict counts as written: if the store refuses (locked, disk full),
         # the next round computes and writes it again.
-        self.store.upsert_verdicts([verdict for _, verdict in changed])
+        written = [verdict for _, verdict in changed]
+        self.forgotten.written(written)  # before the store has them: a late span asks it from then on
+        self.store.upsert_verdicts(written)
         if self._coverage:  # one transaction a round; kept for the next round if the store refuses
             self.store.add_coverage_rows(self._coverage)
             self._coverage = []
@@ -399,7 +401,7 @@ class Correlator:
         self._prune(now)
         self.stats.pending_disconnects = len(self._pending)
         cpu.mark("settle")
-        return [verdict for _, verdict in changed]
+        return written
 
     def _recall(self, trace_id: str, arrived_ns: int, arriving: str | None = None) -> None:
         """Bring a settled trace back from the store: its spans (but the ``arriving`` one, already
