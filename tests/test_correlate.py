@@ -1062,6 +1062,81 @@ def test_the_written_filter_never_forgets_a_value_while_its_verdict_can_be_recal
     assert sum(kept.may_hold(value) for value in added) <= 40
 
 
+def test_settling_only_what_changed_keeps_what_a_walk_of_every_open_request_finds(store: Store) -> None:
+    """Each round looks only at the requests opened, reopened, joined or judged since the last:
+    after every round, no open request holds a final verdict, the in-flight zombies are counted
+    and the restart position is the first close of an open request never reported, as a walk of
+    all of them finds; a request without a final verdict is let go at the horizon."""
+    from auditor.correlate.correlator import HORIZON_NS, PRUNE_EVERY_NS
+
+    clock = Clock()
+    settled: list[RequestVerdict] = []
+    correlator = make(store, clock, settled)
+
+    def walk_agrees() -> None:
+        held = list(correlator._open.values())
+        assert all(r.written is None or r.written.verdict is Verdict.INFLIGHT_ZOMBIE
+                   or r.written.details.get("provisional") for r in held)
+        assert correlator.stats.inflight_zombies == sum(
+            1 for r in held if r.written is not None and r.written.verdict is Verdict.INFLIGHT_ZOMBIE)
+        unreported = {(d.event_id, r.key) for r in held if r.reported is None for d in r.disconnects.values()}
+        assert unreported <= set(correlator._unreported)  # each such close, whatever the first is
+        assert correlator._first_unreported() == min((event_id for event_id, _ in unreported), default=None)
+        assert all(r.origin().ts_ns >= clock.now - HORIZON_NS - PRUNE_EVERY_NS for r in held)
+
+    def live(event: str, i: int, at: float) -> LiveEvent:
+        return LiveEvent(event, f"{i:032x}", "8" * 16, "POST", "server", T0 + int(at * S), CLIENT[0], 41000 + i,
+                         SERVER_PORT, 123, "engine", False)
+
+    spans_at: dict[int, list[SpanRecord]] = {}  # round -> spans that arrive then
+    live_at: dict[int, list[LiveEvent]] = {}
+    for i in range(40):
+        trace, client, at = f"{i:032x}", (CLIENT[0], 41000 + i), 0.5 * i
+        server = replace(http_span("x", at, at + 3.0, client=client), trace_id=trace, span_id="8" * 16)
+        store.insert_conn_events([close(at + 1.0, ConnEventKind.PEER_RST if i % 3 else ConnEventKind.PEER_FIN,
+                                       client=client)])
+        kind = i % 5
+        if kind == 0:  # running, known live, long after its client left: in flight, then a zombie
+            live_at.setdefault(i, []).append(live("start", i, at))
+            if i in (10, 20):  # its span comes while it runs, then a gateway's span above it: rekeyed
+                spans_at.setdefault(i + 2, []).append(replace(server, end_ns=server.start_ns + 6 * S,
+                                                              parent_span_id="7" * 16))
+                spans_at.setdefault(i + 4, []).append(replace(
+                    http_span("x", at - 0.01, at + 6.01, client=(CLIENT[0], 42000 + i), port=9000),
+                    trace_id=trace, span_id="7" * 16))
+                live_at.setdefault(i + 12, []).append(live("end", i, at + 6.0))
+            elif i < 30:
+                live_at.setdefault(i + 12, []).append(live("end", i, at + 6.0))
+                spans_at.setdefault(i + 14, []).append(replace(server, end_ns=server.start_ns + 6 * S))
+        elif kind == 1:  # the engine ran on: a zombie
+            spans_at.setdefault(i + 2, []).extend(
+                [server, replace(engine_span("x", at, at + 4.0, "length"), trace_id=trace)])
+        elif kind == 2:  # aborted at once, its engine span arrives late and reopens it
+            spans_at.setdefault(i + 2, []).extend([replace(server, end_ns=server.start_ns + int(1.06 * S)),
+                                                   replace(engine_span("x", at, at + 1.05, "abort"), trace_id=trace)])
+            spans_at.setdefault(i + 30, []).append(replace(http_span("x", at + 0.1, at + 0.2, span="6"),
+                                                           trace_id=trace, parent_span_id="8" * 16,
+                                                           role=SpanRole.OTHER, kind="internal"))
+        else:  # HTTP spans only: the scrapes decide, provisionally until the late-span window ends
+            spans_at.setdefault(i + 2, []).append(server)
+    correlator.add_engine_load([load(0.25 * i, 2) for i in range(200)])
+    rekeyed = False
+    for round_ in range(70):
+        clock.now = T0 + int((0.5 * round_ + 0.2) * S)
+        store.insert_spans(spans_at.get(round_, []))
+        correlator.tick(live_at.get(round_, []))
+        walk_agrees()
+        rekeyed = rekeyed or (f"{10:032x}", "7" * 16) in correlator._open
+    assert correlator.stats.inflight_zombies > 0 and settled and rekeyed
+    kinds = {r.verdict for r in verdicts(store)}
+    assert {"inflight_zombie", "zombie", "aborted"} <= kinds
+    for minutes in (14, 15, 15.1, 15.2, 15.5, 16, 17):  # the horizon passes the ones still in flight
+        clock.now = T0 + int(minutes * 60 * S)
+        correlator.tick()
+        walk_agrees()
+    assert correlator._open == {} and correlator.stats.inflight_zombies == 0
+
+
 def test_pruning_from_the_oldest_keeps_what_a_full_pass_keeps(store: Store) -> None:
     """Connections, settled traces and per-port spans are forgotten from the oldest up to the first
     kept; a connection or trace with news moves to the back of the line and stays. After each prune

@@ -149,6 +149,16 @@ class Correlator:
         self._recent_unjoined = Disconnects()  # written off: a late span may still claim them back
         self._unjoined_kind: dict[int, CoverageKind] = {}  # how each of those was counted
         self._open: dict[RequestKey, OpenRequest] = {}
+        # What ``_settle`` keeps of the open requests, so that a round looks only at those that
+        # changed, not at the hundreds that wait out their late-span window (ten cancels a second
+        # keep about 600 open): those opened, reopened, given a disconnect or a new verdict since
+        # the last settle (``_to_settle``); the in-flight zombies among them; and a heap of
+        # (event id, key) of every disconnect of an open request never reported final, where the
+        # restart position must stay (entries of requests since settled are dropped at its top).
+        self._to_settle: set[RequestKey] = set()
+        self._inflight: set[RequestKey] = set()
+        self._unreported: list[tuple[int, RequestKey]] = []
+        self._next_expiry_ns = 0
         self._settled: dict[str, dict[str, OpenRequest]] = {}  # a late span reopens them (by trace id)
         self._settled_by_request_id: dict[str, RequestKey] = {}  # engine spans in traces of their own
         # Settled traces no longer in memory, as the store tells.
@@ -301,8 +311,9 @@ class Correlator:
         self._news_at(span.start_ns)
         if not self._backlog:
             self.arrived.append(span)
-        for request in self._unsettle(self._settled.pop(span.trace_id, {})):
-            self._open[request.key] = request  # evidence after settling reopens the verdict
+        if span.trace_id in self._settled:
+            for request in self._unsettle(self._settled.pop(span.trace_id)):
+                self._reopen(request)  # evidence after settling reopens the verdict
         if span.role is SpanRole.ENGINE and span.request_id:
             self._reopen_by_request_id(span.request_id)
         if span.service and span.attributes.get(FINAL_SEND_ATTR) is True \
@@ -395,6 +406,7 @@ class Correlator:
         cpu.mark("write")
         for request, verdict in changed:
             request.written = verdict
+            self._to_settle.add(request.key)
         self._news = set()  # joined with: kept when the round fails before
         first_unreported = self._settle(now)
         self._save_state(first_unreported)
@@ -440,10 +452,16 @@ class Correlator:
             key = self._settled_by_request_id.pop(request_id, None)
             request = self._settled.get(key[0], {}).pop(key[1], None) if key else None
             if request is not None:
-                self._open[request.key] = request
+                self._reopen(request)
                 self._touched.add(request.key[0])
 
+    def _reopen(self, request: OpenRequest) -> None:
+        self._open[request.key] = request
+        self._to_settle.add(request.key)
+
     def _open_request(self, key: RequestKey) -> OpenRequest:
+        """The open request of ``key`` (opened, or reopened from the settled ones), about to be
+        given a disconnect."""
         request = self._open.get(key)
         if request is None:
             request = self._settled.get(key[0], {}).pop(key[1], None)
@@ -452,6 +470,7 @@ class Correlator:
             elif request.written is not None and request.written.request_id:
                 self._settled_by_request_id.pop(request.written.request_id, None)
             self._open[key] = request
+        self._to_settle.add(key)
         self._touched.add(key[0])
         return request
 
@@ -553,6 +572,7 @@ class Correlator:
             if root.span_id == key[1]:
                 continue
             del self._open[key]
+            self._inflight.discard(key)
             if request.written is not None:
                 self.store.delete_verdict(request.written.request_key)
             target = self._open_request((root.trace_id, root.span_id))
@@ -602,33 +622,65 @@ class Correlator:
     # -- bookkeeping ------------------------------------------------------------------------
     def _settle(self, now: int) -> int | None:
         """Let go of requests whose verdict is final (to the settled ones, held for a late span) or
-        that found no verdict within the horizon. One walk of the open requests a round, which
-        also counts the in-flight zombies and returns the first close of a request still open
-        whose verdict was never reported final (where a restart must read on from)."""
-        inflight = 0
-        first_unreported: int | None = None
-        for key, request in list(self._open.items()):
-            written = request.written
-            expired = now - request.origin().ts_ns > HORIZON_NS
-            if written is None:
-                if expired:
-                    del self._open[key]
-                    continue
-            elif expired or not (written.verdict is Verdict.INFLIGHT_ZOMBIE or written.details.get("provisional")):
-                del self._open[key]
-                self._keep_settled(request)
-                if request.reported is not written.verdict:
-                    request.reported = written.verdict
-                    self.on_settled(written)
-                continue
-            elif written.verdict is Verdict.INFLIGHT_ZOMBIE:
-                inflight += 1
-            if request.reported is None:
-                for disconnect in request.disconnects.values():
-                    if first_unreported is None or disconnect.event_id < first_unreported:
-                        first_unreported = disconnect.event_id
-        self.stats.inflight_zombies = inflight
-        return first_unreported
+        that found no verdict within the horizon; count the in-flight zombies; return the first
+        close of a request still open whose verdict was never reported final (where a restart must
+        read on from).
+
+        A verdict becomes final only when it is written, so only the requests that changed since
+        the last settle are looked at (``_to_settle``), in the order of their clients' closes; all
+        of them are walked for the horizon every ``PRUNE_EVERY_NS`` (a request is let go up to that
+        much after its fifteen minutes)."""
+        cutoff = now - HORIZON_NS
+        if now >= self._next_expiry_ns:
+            self._next_expiry_ns = now + PRUNE_EVERY_NS
+            looked_at = list(self._open.items())
+            self._to_settle = set()
+        else:
+            keys, self._to_settle = self._to_settle, set()
+            looked_at = sorted(((key, self._open[key]) for key in keys if key in self._open),
+                               key=lambda item: item[1].origin().ts_ns)
+        for key, request in looked_at:
+            self._settle_one(key, request, cutoff)
+        self.stats.inflight_zombies = len(self._inflight)
+        return self._first_unreported()
+
+    def _settle_one(self, key: RequestKey, request: OpenRequest, cutoff: int) -> None:
+        written = request.written
+        expired = request.origin().ts_ns < cutoff
+        if written is None and expired:  # no verdict within the horizon
+            del self._open[key]
+            return
+        if written is not None and (expired or not (written.verdict is Verdict.INFLIGHT_ZOMBIE
+                                                    or written.details.get("provisional"))):
+            del self._open[key]
+            self._inflight.discard(key)
+            self._keep_settled(request)
+            if request.reported is not written.verdict:
+                request.reported = written.verdict
+                self.on_settled(written)
+            return
+        if written is not None and written.verdict is Verdict.INFLIGHT_ZOMBIE:
+            self._inflight.add(key)
+        else:
+            self._inflight.discard(key)
+        if request.reported is None:
+            for disconnect in request.disconnects.values():
+                heapq.heappush(self._unreported, (disconnect.event_id, key))
+
+    def _first_unreported(self) -> int | None:
+        heap = self._unreported
+        if len(heap) > 4 * len(self._open) + 1024:  # mostly entries of requests since settled: rebuilt
+            heap[:] = [(d.event_id, key) for key, request in self._open.items() if request.reported is None
+                       for d in request.disconnects.values()]
+            heapq.heapify(heap)
+        while heap:
+            event_id, key = heap[0]
+            request = self._open.get(key)
+            if request is not None and request.reported is None and any(
+                    d.event_id == event_id for d in request.disconnects.values()):
+                return event_id
+            heapq.heappop(heap)
+        return None
 
     def _keep_settled(self, request: OpenRequest) -> None:
         """Hold a settled request for a late span of its trace. Traces are in the order their last
