@@ -16,7 +16,7 @@ the correlator's memory that grew with it (9 MiB at 100 req/s by the fifteenth m
 Most new spans are of traces this run never judged, so the store is asked only about those that
 ``WrittenFilter`` may hold: the trace ids and request ids of the verdicts this run wrote, in a
 fixed 1 MiB whatever the rate (a Bloom filter, so a yes may be wrong and the store then says no;
-a no never is). The two queries a round were a sixth of the correlator's time in taking in spans.
+a no never is). The two queries a round were about a fifth of the correlator's time in taking in spans.
 """
 
 from __future__ import annotations
