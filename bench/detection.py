@@ -17,7 +17,7 @@ working tree (fresh daemons each run, same engines), and the medians are printed
 With ``--live-load`` the load's engine also sends live notices (auditor.live), as a server
 instrumented with them does.
 
-Usage: .venv/bin/python bench/detection.py [--alarms 15] [--load-seconds 20] [--rate 100]
+Usage: .venv/bin/python bench/detection.py [--alarms 15] [--load-seconds 20] [--rate 100] [--cancel-every 10]
                                            [--compare REV --rounds 3] [--profile stacks.txt]
                                            [--live-load] [--otlp grpc] [--export-delay-ms 5000]
 """
@@ -293,7 +293,7 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
 
     watcher = threading.Thread(target=watch_rss, daemon=True)
     watcher.start()
-    sent, achieved, client_left = asyncio.run(paced_load(port, args.rate, args.load_seconds, cancel_every=10))
+    sent, achieved, client_left = asyncio.run(paced_load(port, args.rate, args.load_seconds, cancel_every=args.cancel_every))
     done.set()
     cpu = proc_cpu_seconds(daemon.pid) - cpu_before
     threads = {tid: (spent - threads_before.get(tid, (0.0, 0))[0], woke - threads_before.get(tid, (0.0, 0))[1])
@@ -419,7 +419,7 @@ def print_judged(judged: dict[str, Any]) -> None:
 
 def print_load(load: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"\nDaemon under load ({load['sent']} requests, {load['achieved']:.0f} req/s achieved of {args.rate:.0f} "
-          f"asked, 10% cancelled, spans over OTLP/{'HTTP' if args.otlp == 'http' else 'gRPC'} every "
+          f"asked, {cancelled_share(args)} cancelled, spans over OTLP/{'HTTP' if args.otlp == 'http' else 'gRPC'} every "
           f"{args.export_delay_ms or 200} ms, disconnects from {args.source})")
     print(f"  daemon CPU      {load['cpu_percent']:6.1f} % of one core ({load['cpu']:.2f} CPU-s over {load['wall']:.1f} s)")
     print(f"  daemon RSS      {load['rss']:6.1f} MiB now, {load['peak']:.1f} MiB peak; every 10 s: "
@@ -462,9 +462,13 @@ def _span_us(run: dict[str, Any]) -> float | None:
     return run["span_us"]
 
 
-def print_comparison(results: dict[str, list[dict[str, Any]]], rate: float) -> None:
+def cancelled_share(args: argparse.Namespace) -> str:
+    return f"{100 / args.cancel_every:.0f}%"
+
+
+def print_comparison(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
     labels = list(results)
-    print(f"\nDaemon at {rate:.0f} req/s (10% cancelled), median of {len(results[labels[0]])} alternating runs")
+    print(f"\nDaemon at {args.rate:.0f} req/s ({cancelled_share(args)} cancelled), median of {len(results[labels[0]])} alternating runs")
     print(f"  {'':<30}" + "".join(f"{label:>16}" for label in labels))
     rows: list[tuple[str, Callable[[dict[str, Any]], float], str]] = [
         ("CPU, % of one core", lambda r: r["cpu_percent"], "{:.2f}"), ("RSS, MiB", lambda r: r["rss"], "{:.1f}"),
@@ -489,6 +493,9 @@ def main() -> int:
     parser.add_argument("--alarms", type=int, default=15)
     parser.add_argument("--load-seconds", type=float, default=20)
     parser.add_argument("--rate", type=float, default=100)
+    parser.add_argument("--cancel-every", type=int, default=10, metavar="N",
+                        help="the load's client cancels every Nth request (default 10: the goal's 10%%); fewer "
+                             "show how a round's cost follows the requests waiting out their late-span window")
     parser.add_argument("--profile", type=Path, help="record the daemon with py-spy during the load (raw stacks of "
                         "the thread holding the GIL; py-spy does not stop the daemon to sample, which at 250 Hz "
                         "doubled its CPU)")
@@ -515,6 +522,8 @@ def main() -> int:
                         help="keep the database and the load engine's truth log when a verdict disagrees "
                              "with the truth log (their folder is printed)")
     args = parser.parse_args()
+    if args.cancel_every < 1:
+        parser.error("--cancel-every must be 1 or more")
     if os.geteuid() != 0 and args.source == "bpf":
         print("needs root (eBPF probe); --source procfs runs without it")
         return 2
@@ -559,7 +568,7 @@ def main() -> int:
                     results[label].append(measure_load(daemon, db, busy_engine.port, args, metrics_port))
                 print(f"round {round_no} {label:<14} {results[label][-1]['cpu_percent']:.2f} % of one core, "
                       f"{results[label][-1]['rss']:.1f} MiB", flush=True)
-    print_comparison(results, args.rate)
+    print_comparison(results, args)
     return 0
 
 
