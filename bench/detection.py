@@ -494,8 +494,8 @@ def main() -> int:
     parser.add_argument("--load-seconds", type=float, default=20)
     parser.add_argument("--rate", type=float, default=100)
     parser.add_argument("--cancel-every", type=int, default=10, metavar="N",
-                        help="the load's client cancels every Nth request (default 10: the goal's 10%%); fewer "
-                             "show how a round's cost follows the requests waiting out their late-span window")
+                        help="the load's client cancels every Nth request (default 10: the goal's 10%%); a smaller N "
+                             "shows how a round's cost follows the requests waiting out their late-span window")
     parser.add_argument("--profile", type=Path, help="record the daemon with py-spy during the load (raw stacks of "
                         "the thread holding the GIL; py-spy does not stop the daemon to sample, which at 250 Hz "
                         "doubled its CPU)")

@@ -637,7 +637,7 @@ class Correlator:
         if now >= self._next_expiry_ns:
             self._next_expiry_ns = now + PRUNE_EVERY_NS
             looked_at = list(self._open.items())
-            self._to_settle = set()
+            self._to_settle, self._unreported = set(), []  # the walk pushes every unreported close again
         else:
             keys, self._to_settle = self._to_settle, set()
             looked_at = sorted(((key, self._open[key]) for key in keys if key in self._open),

@@ -16,8 +16,8 @@ the correlator's memory that grew with it (9 MiB at 100 req/s by the fifteenth m
 Most new spans are of traces this run never judged, so the store is asked only about those that
 ``WrittenFilter`` may hold: the trace ids and request ids of the verdicts this run wrote, in a
 fixed 1 MiB whatever the rate (a Bloom filter, so a yes may be wrong and the store then says no;
-a no never is). The two queries a round were about a fifth of the correlator's time in taking in
-spans.
+a no never is). The two queries a round were about a fifth of the correlator's samples in taking in
+spans (py-spy: 34 of 181).
 """
 
 from __future__ import annotations
@@ -109,10 +109,11 @@ class Forgotten:
         """These verdicts of this run are (about to be) in the store."""
         add = self.filter.add
         for verdict in verdicts:
-            if verdict.host == self.host:
-                add(verdict.trace_id or verdict.request_key.rsplit("/", 2)[1], verdict.disconnect_at_ns)
-                if verdict.request_id:
-                    add(verdict.request_id, verdict.disconnect_at_ns)
+            if verdict.host != self.host:
+                continue
+            for value in (verdict.trace_id, verdict.request_id):  # the columns ``_find`` matches
+                if value:
+                    add(value, verdict.disconnect_at_ns)
 
     def traces(self, trace_ids: Iterable[str]) -> set[str]:
         """Those of ``trace_ids`` that are forgotten."""
