@@ -147,19 +147,50 @@ class SpanRecord:
     attributes: dict[str, Any] = field(default_factory=dict)
 
 
+# How far apart in start time a span and its relatives are looked for, in whole minutes (the store
+# keys spans by start minute first: auditor/store/spankeys.py). A span's parent and children within
+# one request (a second instrumentation's server span, a gateway's client call and the server span
+# it reached, an engine's span beside its server span) start milliseconds apart: a minute either
+# side always holds them. The server span around a gateway's client call may have started long
+# before it (an agent's request calling out for minutes): up to the correlator's horizon.
+MINUTE_NS = 60_000_000_000
+NEAR_MINUTES = 1
+ENCLOSING_MINUTES = 15
+
+
+def start_minute(start_ns: int) -> int:
+    """The minute a span that started at ``start_ns`` is keyed by (SQL's integer division)."""
+    return start_ns // MINUTE_NS if start_ns >= 0 else -(-start_ns // MINUTE_NS)
+
+
+def minutes_around(minute: Any, before: int, after: int = NEAR_MINUTES) -> list[Any]:
+    """The minutes a relative of a span that started in ``minute`` is looked for in, nearest first:
+    from ``after`` minutes after it to ``before`` minutes before. ``minute`` is a number or a
+    column expression (a correlated subquery's outer span)."""
+    return [minute + offset if offset else minute
+            for offset in sorted(range(-before, after + 1), key=lambda offset: (abs(offset), -offset))]
+
+
+def started_near(relative: SpanRecord, span: SpanRecord, before: int = NEAR_MINUTES) -> bool:
+    """``relative`` started in a minute a lookup from ``span`` names (``minutes_around``)."""
+    return -before <= start_minute(relative.start_ns) - start_minute(span.start_ns) <= NEAR_MINUTES
+
+
 def is_inner_server_span(span: SpanRecord, lookup: Callable[[str, str], SpanRecord | None]) -> bool:
     """A server span inside another server span of its trace, directly or behind one client span
     (a second instrumentation, a traced gateway hop): no request of its own. ``lookup(trace_id,
-    span_id)`` finds its relatives. The report asks the same in SQL
-    (``auditor.report.requests.inner_server_span``); tests hold the two equal."""
+    span_id)`` finds its relatives; they count where the report's lookups would find them (the
+    parent near the span, the server span around a client call up to ``ENCLOSING_MINUTES``
+    before it). The report asks the same in SQL (``auditor.report.requests.inner_server_span``);
+    tests hold the two equal."""
     parent = lookup(span.trace_id, span.parent_span_id) if span.parent_span_id else None
-    if parent is None:
+    if parent is None or not started_near(parent, span):
         return False
     if parent.role == SpanRole.HTTP_SERVER:
         return True
     grand = (lookup(span.trace_id, parent.parent_span_id)
              if parent.role == SpanRole.HTTP_CLIENT and parent.parent_span_id else None)
-    return grand is not None and grand.role == SpanRole.HTTP_SERVER
+    return grand is not None and grand.role == SpanRole.HTTP_SERVER and started_near(grand, parent, ENCLOSING_MINUTES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,13 +69,13 @@ def batched(rows: Iterator[dict[str, Any]], size: int = BATCH) -> Iterator[list[
         yield batch
 
 
-def span_rows(count: int, t0: int, rng: random.Random) -> Iterator[dict[str, Any]]:
+def span_rows(count: int, t0: int, rng: random.Random, remote_parents: bool = False) -> Iterator[dict[str, Any]]:
     for n in range(count):
         start = t0 + n * HOUR // count
         route, model = pick(rng, ROUTES), pick(rng, MODELS)
         yield {
             "trace_id": f"{rng.getrandbits(128):032x}", "span_id": f"{rng.getrandbits(64):016x}",
-            "parent_span_id": None, "name": f"POST {route}", "kind": "server", "role": "http_server",
+            "parent_span_id": f"{rng.getrandbits(64):016x}" if remote_parents else None, "name": f"POST {route}", "kind": "server", "role": "http_server",
             "start_ns": start, "end_ns": start + int(rng.lognormvariate(1.0, 0.8) * S),
             "service": "vllm", "host": HOSTS[n % 2], "status": "unset", "peer_addr": "10.1.2.3",
             "peer_port": 1024 + n % 60000, "server_port": 8000, "request_id": f"req-{n:08d}",
@@ -127,7 +127,7 @@ def bulk_insert(store: Store, table: Any, rows: Iterator[dict[str, Any]]) -> Non
     The column list comes from the table model, so the bench writes exactly the store's schema;
     JSON columns are written as their text, which is what the JSON type stores in SQLite.
     """
-    columns = [c.name for c in table.columns if c.name != "id"]
+    columns = [c.name for c in table.columns if c.name != "id" and c.computed is None]  # the database computes those
     json_columns = {c.name for c in table.columns if c.type.__class__.__name__ == "JSON"}
     sql = (f"INSERT INTO {table.name} ({', '.join(columns)}) "
            f"VALUES ({', '.join('?' for _ in columns)})")
@@ -138,11 +138,11 @@ def bulk_insert(store: Store, table: Any, rows: Iterator[dict[str, Any]]) -> Non
                 for row in batch])
 
 
-def generate(store: Store, requests: int, t0: int) -> dict[str, float]:
+def generate(store: Store, requests: int, t0: int, remote_parents: bool = False) -> dict[str, float]:
     rng = random.Random(7)
     seconds: dict[str, float] = {}
     for name, table, rows in (
-        ("spans", SpanRow.__table__, span_rows(requests, t0, rng)),
+        ("spans", SpanRow.__table__, span_rows(requests, t0, rng, remote_parents)),
         # The daemon writes a verdict when it is decided, shortly after the disconnect: in time order.
         ("verdicts", VerdictRow.__table__, iter(sorted(verdict_rows(requests // 10, t0, rng),
                                                        key=lambda row: row["disconnect_at_ns"]))),
@@ -185,6 +185,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1_000_000)
     parser.add_argument("--db", type=Path, help="store to (re)use; default: a temporary file")
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is shown")
+    parser.add_argument("--remote-parents", action="store_true",
+                        help="every server span a child of a span not stored (an instrumented client's), "
+                             "so that each lookup of its parent finds nothing")
     args = parser.parse_args()
 
     workdir = tempfile.TemporaryDirectory(prefix="bench-report-")
@@ -194,7 +197,7 @@ def main() -> None:
     store = Store(f"sqlite:///{path}")
     if fresh:
         started = time.perf_counter()
-        seconds = generate(store, args.requests, t0)
+        seconds = generate(store, args.requests, t0, args.remote_parents)
         print(f"generated {path} in {time.perf_counter() - started:.1f} s "
               + ", ".join(f"{name} {value:.1f} s" for name, value in seconds.items()))
     query = ReportQuery(since_ns=t0, until_ns=t0 + HOUR)

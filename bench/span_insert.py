@@ -1,11 +1,9 @@
 """Where a span's insert goes: the store's own write of normalized spans, side by side, as it is
-and without its unique (trace id, span id) index, at two commit sizes, into a table that already
-holds ``--rows`` spans. Trace ids are random, as exporters make them, so an index keyed by them
-takes each span on a page of its own.
+and without its unique (start minute, trace id, span id) index, at three commit sizes, into a table
+that already holds ``--rows`` spans.
 
-The index is the dedup of resent spans and the way to a trace's spans; recalling a forgotten trace
-needs an index on the trace id whatever the dedup does (docs/footprint.md, the thirteenth and
-sixteenth passes). So the run without it shows what this store format cannot save, not an option.
+The index is the dedup of resent spans and the way to a trace's spans (auditor/store/spankeys.py).
+So the run without it shows what this store format cannot save, not an option.
 
 Usage: .venv/bin/python bench/span_insert.py [--rows 200000] [--spans 100000]
 """
@@ -42,7 +40,7 @@ def insert_us(records: list[SpanRecord], rows: int, commit: int, with_index: boo
     store = Store(f"sqlite:///{path}")
     if not with_index:
         with sqlite3.connect(path) as conn:
-            conn.execute("DROP INDEX uq_spans_trace_span")
+            conn.execute("DROP INDEX uq_spans_start_minute_trace_span")
     for i in range(0, rows, 4096):
         store.write(records[i:min(rows, i + 4096)])
     measured = records[rows:]
@@ -61,7 +59,7 @@ def main() -> int:
     args = parser.parse_args()
     records = spans(args.rows + args.spans)
     print(f"CPU us a span of Store.write, {args.spans:,} spans into a table of {args.rows:,}, random trace ids")
-    print(f"{'spans a commit':>15} {'as the store is':>16} {'no (trace, span) index':>23}")
+    print(f"{'spans a commit':>15} {'as the store is':>16} {'no unique index':>23}")
     with tempfile.TemporaryDirectory(prefix="span-insert-") as scratch:
         for commit in (BATCH, 4 * BATCH, 64 * BATCH):
             with_index = insert_us(records, args.rows, commit, True, Path(scratch))

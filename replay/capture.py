@@ -25,7 +25,7 @@ from sqlalchemy import exists, func, select
 from sqlalchemy.orm import aliased
 
 from auditor.errors import AuditorError
-from auditor.model import SpanRole
+from auditor.model import NEAR_MINUTES, SpanRole, minutes_around
 from auditor.store import CapturedRequestRow, CaptureRow, SpanRow, Store, VerdictRow
 
 DEFAULT_PATH = "/v1/completions"
@@ -101,7 +101,10 @@ def _engine_by_request_id(session: Any, since_ns: int, until_ns: int) -> dict[st
     """(model, prompt tokens, max tokens) of the engine spans that are traces of their own (vLLM
     without a client ``traceparent``, as the openai SDK sends), by the X-Request-Id they came from."""
     engine, server = aliased(SpanRow), aliased(SpanRow)
-    in_a_request = exists().where(server.trace_id == engine.trace_id, server.role == SpanRole.HTTP_SERVER.value)
+    # Spans are keyed by start minute first (auditor/store/spankeys.py): a request's server span
+    # starts within a minute of its engine span.
+    in_a_request = exists().where(server.start_minute.in_(minutes_around(engine.start_minute, NEAR_MINUTES)),
+                                  server.trace_id == engine.trace_id, server.role == SpanRole.HTTP_SERVER.value)
     query = (select(engine.request_id, engine.model, engine.prompt_tokens, engine.max_tokens)
              .where(engine.role == SpanRole.ENGINE.value, engine.request_id.is_not(None),
                     engine.start_ns >= since_ns - ENGINE_MARGIN_NS, engine.start_ns < until_ns + ENGINE_MARGIN_NS,
@@ -118,9 +121,11 @@ def _entry_requests(store: Store, since_ns: int, until_ns: int, host: str | None
     server = aliased(SpanRow)
     hop = aliased(SpanRow)
     engine = aliased(SpanRow)
-    is_hop = exists().where(hop.trace_id == server.trace_id, hop.span_id == server.parent_span_id,
+    near = minutes_around(server.start_minute, NEAR_MINUTES)  # a request's spans (auditor/store/spankeys.py)
+    is_hop = exists().where(hop.start_minute.in_(near), hop.trace_id == server.trace_id,
+                            hop.span_id == server.parent_span_id,
                             hop.role == SpanRole.HTTP_CLIENT.value)
-    first_engine = (select(func.min(engine.id)).where(engine.trace_id == server.trace_id,
+    first_engine = (select(func.min(engine.id)).where(engine.start_minute.in_(near), engine.trace_id == server.trace_id,
                                                       engine.role == SpanRole.ENGINE.value)
                     .correlate(server).scalar_subquery())
     query = (select(server.trace_id, server.span_id, server.start_ns, server.route, server.model,

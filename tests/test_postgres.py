@@ -91,3 +91,20 @@ def test_stored_events_migrate_to_blocks_on_postgres(pg_url: str) -> None:
             assert conn.execute(text("SELECT settled_event_id FROM correlator_state")).scalar_one() == (2 << 16) | 0xFFFF
     finally:
         store.close()
+
+
+def test_spans_take_the_minute_key_on_postgres(pg_url: str) -> None:
+    """Migration 0008 on PostgreSQL: the stored start minute column is filled for the spans there."""
+    from sqlalchemy import create_engine, text
+
+    from tests.test_store import check_spans_take_the_minute_key
+
+    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text("DROP DATABASE IF EXISTS migrate8"))
+        conn.execute(text("CREATE DATABASE migrate8"))
+    admin.dispose()
+    url = pg_url.rsplit("/", 1)[0] + "/migrate8"
+    old = Store(url, check=False)
+    old.upgrade("0007")
+    check_spans_take_the_minute_key(old, lambda: Store(url)).close()

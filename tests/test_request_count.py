@@ -86,3 +86,33 @@ def test_the_in_memory_twin_of_inner_server_span_agrees_with_the_sql(store: Stor
     in_memory = {(s.trace_id, s.span_id) for s in shapes if s.role is SpanRole.HTTP_SERVER
                  and is_inner_server_span(s, lambda trace, span: known.get((trace, span)))}
     assert in_memory == by_sql == {("a" * 32, "2" * 16), ("b" * 32, "3" * 16)}
+
+
+
+def requests_of(store: Store, *spans: SpanRecord, hour: int) -> int:
+    """The requests of ``spans``, shifted ``hour`` hours on, counted over that hour's first minute."""
+    base = hour * 3600 * S
+    store.insert_spans([replace(s, start_ns=s.start_ns + base, end_ns=s.end_ns + base) for s in spans])
+    return build_report(store, ReportQuery(since_ns=T0 + base, until_ns=T0 + base + 60 * S),
+                        with_requests=False).totals.requests
+
+
+def test_relatives_are_found_in_the_minutes_the_key_names_and_not_beyond(store: Store) -> None:
+    """The store keys spans by start minute first, so the report looks for a span's parent in the
+    minutes around it (T0 starts a minute; each case in an hour of its own, its window that hour's
+    first minute): a nested span whose parent started in the minute before is inside it, one whose
+    parent started two minutes before counts on its own; the server span around a gateway's call
+    is found when it started up to 15 minutes before the call, not 16. The in-memory twin agrees."""
+    from auditor.model import is_inner_server_span
+
+    cases = [([server("a", "1", start=-50), server("a", "2", parent="1", start=5)], 0),
+             ([server("b", "1", start=-70), server("b", "2", parent="1", start=5)], 1),
+             ([server("c", "1", port=9000, service="gateway", start=-14 * 60), client("c", "2", "1", start=0.1),
+               server("c", "3", parent="2", start=0.2)], 0),
+             ([server("d", "1", port=9000, service="gateway", start=-16 * 60 - 1), client("d", "2", "1", start=0.1),
+               server("d", "3", parent="2", start=0.2)], 1)]
+    for hour, (spans, counted) in enumerate(cases):
+        assert requests_of(store, *spans, hour=hour + 1) == counted, spans[0].trace_id
+        known = {(s.trace_id, s.span_id): s for s in spans}
+        assert is_inner_server_span(spans[-1], lambda trace, span, known=known: known.get((trace, span))) \
+            is (counted == 0)

@@ -151,6 +151,46 @@ def test_events_stored_as_rows_migrate_to_blocks_with_positions_and_details_kept
     store.close()
 
 
+def check_spans_take_the_minute_key(old: Store, reopen: Any) -> Store:
+    """Spans stored before migration 0008 (``old``, at 0007) are keyed by their start minute after
+    it: the minute is computed for each, and a resent copy is dropped."""
+    minute, t0 = 60 * 10**9, 1_800_000_000 * 10**9
+    stored = [(f"{i:032x}", f"{i:016x}", t0 + i * 40 * 10**9) for i in range(4)]
+    with old.engine.begin() as conn:
+        for trace_id, span_id, start_ns in stored:
+            conn.exec_driver_sql(
+                "INSERT INTO spans (trace_id, span_id, name, kind, role, start_ns, end_ns, service, host, status, "
+                "peer_rewritten, attributes) VALUES (%(t)s, %(s)s, 'x', 'server', 'http_server', %(b)s, %(e)s, "
+                "'', 'h', 'unset', false, '{}')" if old.dialect == "postgresql" else
+                "INSERT INTO spans (trace_id, span_id, name, kind, role, start_ns, end_ns, service, host, status, "
+                "peer_rewritten, attributes) VALUES (:t, :s, 'x', 'server', 'http_server', :b, :e, '', 'h', 'unset', "
+                "0, '{}')", {"t": trace_id, "s": span_id, "b": start_ns, "e": start_ns + 1})
+    old.close()
+    store: Store = reopen()
+    assert store.current_revision() == store.head_revision()
+    with store.connect() as conn:
+        assert conn.all("SELECT start_ns, start_minute FROM spans ORDER BY id") == [
+            (start_ns, start_ns // minute) for _trace, _span, start_ns in stored]
+    trace_id, span_id, start_ns = stored[1]
+    store.insert_spans([SpanRecord(trace_id=trace_id, span_id=span_id, parent_span_id=None, name="x", kind="server",
+                                   start_ns=start_ns, end_ns=start_ns + 1, role=SpanRole.HTTP_SERVER, host="h")])
+    with store.connect() as conn:
+        assert conn.scalar("SELECT count(*) FROM spans") == len(stored)
+    return store
+
+
+def test_spans_stored_before_the_minute_key_take_it(tmp_path: Path) -> None:
+    path = tmp_path / "auditor.db"
+    old = Store(f"sqlite:///{path}", check=False)
+    old.upgrade("0007")
+    store = check_spans_take_the_minute_key(old, lambda: Store(f"sqlite:///{path}"))
+    _downgrade(store, "0007")  # and back: the (trace id, span id) key again, every span kept
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM spans").scalar_one() == 4
+        assert "uq_spans_trace_span" in {i["name"] for i in inspect(conn).get_indexes("spans")}
+    store.close()
+
+
 def test_models_match_the_migrations(store: Store) -> None:
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
@@ -213,12 +253,12 @@ def test_a_failed_child_migration_says_why(tmp_path: Path, monkeypatch: pytest.M
 
 def test_records_are_their_tables_columns() -> None:
     """The driver's inserts and reads name the records' fields as columns: a table and its record
-    that drift apart fail here, not in a daemon's write."""
+    that drift apart fail here, not in a daemon's write. (The database computes ``start_minute``.)"""
     from auditor.model import RequestVerdict, UtilSample
     from auditor.store import tables
     from auditor.store.rows import shape_of
 
-    for table, record, extra in ((tables.spans, SpanRecord, ()), (tables.util_samples, UtilSample, ()),
+    for table, record, extra in ((tables.spans, SpanRecord, ("start_minute",)), (tables.util_samples, UtilSample, ()),
                                  (tables.verdicts, RequestVerdict, ("updated_ns",))):
         assert {c.name for c in table.columns} - {"id"} == set(shape_of(record).names) | set(extra), table.name
 
@@ -254,12 +294,38 @@ def check_daemon_reads(store: Store) -> None:
     spans, requests = forgotten.recall("c" * 32)
     assert spans == [span] and spans[0].peer_rewritten is True
     assert [r.written for r in requests] == [verdict] and requests[0].written.tokens_exact is True
+    check_recall_by_minutes(store, forgotten)
     later = dataclasses.replace(span, span_id="e" * 16, start_ns=4, end_ns=5)  # the newest row stays anyway
     store.insert_spans([later])
     assert prune_table(store, "spans", "end_ns", host="h", older_than_ns=3, batch_rows=10) == 1
     with store.connect() as conn:
-        assert conn.scalar("SELECT span_id FROM spans") == "e" * 16
-        assert conn.scalar("SELECT count(*) FROM verdicts") == 1
+        assert conn.scalar("SELECT span_id FROM spans WHERE trace_id = :t", {"t": "c" * 32}) == "e" * 16
+        assert conn.scalar("SELECT count(*) FROM verdicts WHERE trace_id = :t", {"t": "c" * 32}) == 1
+
+
+def check_recall_by_minutes(store: Store, forgotten: Any) -> None:
+    """A recalled trace brings back its spans of every minute from the horizon before its
+    request's start to the horizon after its work's end (the key leads with the start minute),
+    and none of the trace's spans outside them."""
+    from auditor.model import RequestVerdict, Verdict
+
+    minute, t0 = 60 * 10**9, 1_800_000_000 * 10**9  # t0 starts a minute
+    root = SpanRecord(trace_id="f" * 32, span_id="1" * 16, parent_span_id=None, name="POST /v1/completions",
+                      kind="server", start_ns=t0 + 5 * 10**9, end_ns=t0 + 6 * 10**9, role=SpanRole.HTTP_SERVER,
+                      host="h")
+    at = {"2": t0 - 14 * minute, "3": t0 + 59 * 10**9, "4": t0 + 2 * minute + 16 * minute - 10**9,
+          "5": t0 - 16 * minute, "6": t0 + 2 * minute + 17 * minute}  # the work ends 2 min after t0
+    store.insert_spans([root, *(dataclasses.replace(root, span_id=k * 16, start_ns=ns, end_ns=ns + 1)
+                                for k, ns in at.items())])
+    verdict = RequestVerdict(request_key=f"h/{'f' * 32}/{'1' * 16}", host="h", verdict=Verdict.ZOMBIE,
+                             disconnect_at_ns=t0 + 5 * 10**9 + 1, disconnect_kind="rst",
+                             request_start_ns=root.start_ns, work_end_ns=t0 + 2 * minute, lag_seconds=1.0,
+                             trace_id="f" * 32)
+    forgotten.written([verdict])
+    store.upsert_verdicts([verdict])
+    spans, requests = forgotten.recall("f" * 32)
+    assert sorted(s.span_id[0] for s in spans) == ["1", "2", "3", "4"] and len(requests) == 1
+    assert forgotten.recall("9" * 32) == ([], [])  # no verdict: nothing
 
 
 def test_a_sqlite_file_is_read_and_written_without_sqlalchemy(store: Store) -> None:

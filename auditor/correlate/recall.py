@@ -28,12 +28,15 @@ from typing import Any
 
 from auditor.correlate.requests import Disconnect, OpenRequest
 from auditor.correlate.traces import norm_addr
-from auditor.model import Phase, RequestVerdict, SpanRecord, Verdict
+from auditor.model import ENCLOSING_MINUTES, MINUTE_NS, Phase, RequestVerdict, SpanRecord, Verdict
 from auditor.store.db import SPAN_COLUMNS, Store, span_from_values
+from auditor.store.spankeys import minutes_between
 from auditor.store.sql import json_value
 
 _VERDICT_COLUMNS = tuple(RequestVerdict.__dataclass_fields__)
-_TRACE_SPANS = f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE trace_id = :trace_id AND host = :host"
+# A trace's spans, in the minutes named (the key leads with them: auditor/store/spankeys.py).
+_TRACE_SPANS = (f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans "
+                "WHERE start_minute IN ({minutes}) AND trace_id = :trace_id AND host = :host")
 # A trace's requests: their keys are "host/trace/root", so the trace's keys lie between two texts.
 _TRACE_VERDICTS = (f"SELECT {', '.join(_VERDICT_COLUMNS)} FROM verdicts "
                    "WHERE request_key >= :first AND request_key < :after")
@@ -152,14 +155,26 @@ class Forgotten:
         return {value: trace_id for value, trace_id in found.items() if by_trace[trace_id]}
 
     def recall(self, trace_id: str) -> tuple[list[SpanRecord], list[OpenRequest]]:
-        """The trace's stored spans and its settled requests as they were written."""
+        """The trace's stored spans and its settled requests as they were written. The spans are
+        those that started from the horizon before its first request's start to the horizon after
+        its last request's disconnect or work end (``spankeys.ENCLOSING_MINUTES``): a request's
+        own spans all do."""
         self.recalled += 1
         prefix = f"{self.host}/{trace_id}/"
         with self.store.connect() as conn:
-            spans = [span_from_values(row) for row in conn.all(
-                _TRACE_SPANS, {"trace_id": trace_id, "host": self.host})]
-            rows = conn.all(_TRACE_VERDICTS, {"first": prefix, "after": prefix[:-1] + "0"})
-        return spans, [_request_from_row(row) for row in rows]
+            requests = [_request_from_row(row) for row in
+                        conn.all(_TRACE_VERDICTS, {"first": prefix, "after": prefix[:-1] + "0"})]
+            if not requests:
+                return [], []
+            verdicts = [request.written for request in requests if request.written is not None]
+            reach_ns = ENCLOSING_MINUTES * MINUTE_NS
+            minutes = minutes_between(
+                min(v.request_start_ns for v in verdicts) - reach_ns,
+                max(max(v.disconnect_at_ns, v.work_end_ns or 0, v.request_start_ns) for v in verdicts) + reach_ns)
+            params: dict[str, Any] = {f"m{i}": minute for i, minute in enumerate(minutes)}
+            sql = _TRACE_SPANS.format(minutes=", ".join(f":m{i}" for i in range(len(minutes))))
+            spans = [span_from_values(row) for row in conn.all(sql, params | {"trace_id": trace_id, "host": self.host})]
+        return spans, requests
 
 
 def _request_from_row(row: tuple[object, ...]) -> OpenRequest:

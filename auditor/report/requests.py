@@ -9,6 +9,12 @@ inside a server span (an upstream hop whose trace context was propagated). Where
 propagate trace context, the engine's span starts a trace of its own; such a hop is told by the
 gateway's client span to a local server's port, with a server span there starting during it and no
 server span below it, and each one takes one request off the count.
+
+Spans are keyed by their start minute first (``auditor.store.spankeys``): each lookup of a relative
+names the minutes it may have started in. A parent or child within the request is looked for a
+minute either side of the span; the server span around a gateway's client call up to the horizon
+(15 minutes) before it. A gateway request whose outer span started earlier still than its call
+counts its inner server span as a request of its own.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.util import ClauseAdapter
 
-from auditor.model import SpanRole
+from auditor.model import ENCLOSING_MINUTES, NEAR_MINUTES, SpanRole, minutes_around
 from auditor.store import tables
 
 spans = tables.spans
@@ -29,15 +35,25 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 HOP_SLACK_NS = 1_000_000_000  # a hop may start before the window its inner span starts in
 
 
+def _found(relative: Any, span: Any, before: int, *where: ColumnElement[bool]) -> ColumnElement[bool]:
+    """A ``relative`` that meets ``where`` started in one of the minutes around ``span``'s start,
+    from a minute after it to ``before`` minutes before: one lookup a minute, nearest first. (An
+    ``IN`` list of the minutes would have SQLite build and sort a temporary table for every row.)"""
+    return or_(*(exists().where(relative.c.start_minute == minute, *where)
+                 for minute in minutes_around(span.c.start_minute, before)))
+
+
 def inner_server_span(span: Any) -> ColumnElement[bool]:
-    """``span`` (a server span, a table or alias of spans) is inside another server span of its trace."""
+    """``span`` (a server span, a table or alias of spans) is inside another server span of its
+    trace: its parent, started near it, is one, or is a client span inside one that started up to
+    the horizon before it. The parent is looked up once."""
     parent, grand = spans.alias("parent"), spans.alias("grand")
-    nested = exists().where(parent.c.trace_id == span.c.trace_id, parent.c.span_id == span.c.parent_span_id,
-                            parent.c.role == SERVER)
-    behind_hop = exists().where(parent.c.trace_id == span.c.trace_id, parent.c.span_id == span.c.parent_span_id,
-                                parent.c.role == CLIENT, grand.c.trace_id == parent.c.trace_id,
-                                grand.c.span_id == parent.c.parent_span_id, grand.c.role == SERVER)
-    return or_(nested, behind_hop)
+    behind_hop = _found(grand, parent, ENCLOSING_MINUTES, grand.c.trace_id == parent.c.trace_id,
+                        grand.c.span_id == parent.c.parent_span_id, grand.c.role == SERVER)
+    in_server = _found(parent, span, NEAR_MINUTES, parent.c.trace_id == span.c.trace_id,
+                       parent.c.span_id == span.c.parent_span_id,
+                       or_(parent.c.role == SERVER, and_(parent.c.role == CLIENT, behind_hop)))
+    return and_(span.c.parent_span_id.is_not(None), in_server)
 
 
 def count_requests(conn: Connection, where: list[ColumnElement[bool]], host: str | None,
@@ -59,10 +75,10 @@ def _untraced_hops(conn: Connection, where: list[ColumnElement[bool]], host: str
         *inner_where, not_(inner_server_span(inner)), inner.c.host == hop.c.host,
         inner.c.server_port == hop.c.server_port, inner.c.start_ns >= hop.c.start_ns,
         inner.c.start_ns <= hop.c.end_ns, or_(hop.c.peer_addr.in_(LOOPBACK), inner.c.peer_addr == hop.c.peer_addr))
-    in_server = exists().where(caller.c.trace_id == hop.c.trace_id, caller.c.span_id == hop.c.parent_span_id,
-                               caller.c.role == SERVER)
-    traced = exists().where(below.c.trace_id == hop.c.trace_id, below.c.parent_span_id == hop.c.span_id,
-                            below.c.role == SERVER)
+    in_server = _found(caller, hop, ENCLOSING_MINUTES, caller.c.trace_id == hop.c.trace_id,
+                       caller.c.span_id == hop.c.parent_span_id, caller.c.role == SERVER)
+    traced = _found(below, hop, NEAR_MINUTES, below.c.trace_id == hop.c.trace_id,
+                    below.c.parent_span_id == hop.c.span_id, below.c.role == SERVER)
     hops = select(func.count()).select_from(hop).where(
         hop.c.role == CLIENT, hop.c.start_ns >= since_ns - HOP_SLACK_NS, hop.c.start_ns < until_ns,
         *([hop.c.host == host] if host is not None else []), in_server, not_(traced), reached)

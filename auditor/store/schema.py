@@ -65,6 +65,7 @@ class SpanRow(Base):
     process_pid: Mapped[int | None]
     peer_rewritten: Mapped[bool]
     attributes: Mapped[dict[str, Any]]
+    start_minute: Mapped[int]  # computed by the database (auditor/store/spankeys.py)
 
 
 class UtilSampleRow(Base):

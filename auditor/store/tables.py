@@ -18,6 +18,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
+    Computed,
     Float,
     ForeignKey,
     Index,
@@ -27,6 +28,8 @@ from sqlalchemy import (
     String,
     Table,
 )
+
+from auditor.store.spankeys import START_MINUTE_SQL
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -106,7 +109,11 @@ spans = Table(
     Column("process_pid", Integer),
     Column("peer_rewritten", Boolean, nullable=False, default=False),
     _json("attributes"),
-    Index("uq_spans_trace_span", "trace_id", "span_id", unique=True),
+    # The minute the span started in, computed by the database (spankeys.py): it leads the unique
+    # key, so the index pages that take inserts, and retention's deletes, are the newest and the
+    # oldest minutes', not a random page of hours of random trace ids each.
+    Column("start_minute", BigInteger, Computed(START_MINUTE_SQL, persisted=True), nullable=False),
+    Index("uq_spans_start_minute_trace_span", "start_minute", "trace_id", "span_id", unique=True),
     Index("ix_spans_end", "end_ns"),  # the report's window; correlation reads by id
 )
 

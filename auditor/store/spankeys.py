@@ -1,0 +1,36 @@
+"""How spans are keyed in the store, and how far apart in time a span and its relatives are looked for.
+
+A span's unique key is (start minute, trace id, span id): the minute the span started in, computed
+by the database from ``start_ns`` (the ``start_minute`` column), leads it. Trace ids are random, so
+an index led by them takes every new span on a page of its own, and retention's delete of every old
+one on another: with six hours of spans held, those two cost the span's writer more than everything
+else it does (bench/span_index_growth.py). Led by the minute, inserts go to the newest minute's
+pages and deletes to the oldest's.
+
+The price is that a span is found by its ids only where its minute is named too. Lookups of a
+span's relatives name the minutes they may lie in (``auditor.model.minutes_around``):
+
+- ``NEAR_MINUTES``: a span's parent and children within one request (a second instrumentation's
+  server span, a gateway's client call and the server span it reached, an engine's span beside its
+  server span) start milliseconds apart; any start within a minute either way is always found.
+- ``ENCLOSING_MINUTES``: the server span around a gateway's client call may have started long
+  before it (an agent's request that calls out for minutes); found when it started up to the
+  correlator's horizon (15 minutes) before.
+- A recalled trace (``auditor.correlate.recall``): the minutes from the horizon before its first
+  request's start to the horizon after its last disconnect or work end.
+
+A resent span (an exporter's retry) carries its start time unchanged, so it meets its stored copy
+in the same minute and is dropped as a duplicate, as before.
+"""
+
+from __future__ import annotations
+
+from auditor.model import MINUTE_NS, start_minute
+
+# The column's expression, the same on SQLite and PostgreSQL (integer division of two integers).
+START_MINUTE_SQL = f"start_ns / {MINUTE_NS}"
+
+
+def minutes_between(first_ns: int, last_ns: int) -> list[int]:
+    """Every minute from the one ``first_ns`` falls in to the one ``last_ns`` falls in."""
+    return list(range(start_minute(first_ns), start_minute(last_ns) + 1))
