@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import exists, func, select
+from sqlalchemy import and_, exists, func, or_, select
 from sqlalchemy.orm import aliased
 
 from auditor.errors import AuditorError
@@ -97,14 +97,19 @@ def _request_id_key(engine_request_id: str) -> str:
     return engine_request_id
 
 
+def _near(relative: Any, span: Any, *where: Any) -> Any:
+    """A ``relative`` that meets ``where`` started within a minute of ``span`` (the store keys spans
+    by start minute first: auditor/store/spankeys.py): one lookup a minute, nearest first (an
+    ``IN`` list of them would have SQLite build a temporary table for every row)."""
+    return or_(*(exists().where(relative.start_minute == minute, *where)
+                 for minute in minutes_around(span.start_minute, NEAR_MINUTES)))
+
+
 def _engine_by_request_id(session: Any, since_ns: int, until_ns: int) -> dict[str, tuple[Any, ...]]:
     """(model, prompt tokens, max tokens) of the engine spans that are traces of their own (vLLM
     without a client ``traceparent``, as the openai SDK sends), by the X-Request-Id they came from."""
     engine, server = aliased(SpanRow), aliased(SpanRow)
-    # Spans are keyed by start minute first (auditor/store/spankeys.py): a request's server span
-    # starts within a minute of its engine span.
-    in_a_request = exists().where(server.start_minute.in_(minutes_around(engine.start_minute, NEAR_MINUTES)),
-                                  server.trace_id == engine.trace_id, server.role == SpanRole.HTTP_SERVER.value)
+    in_a_request = _near(server, engine, server.trace_id == engine.trace_id, server.role == SpanRole.HTTP_SERVER.value)
     query = (select(engine.request_id, engine.model, engine.prompt_tokens, engine.max_tokens)
              .where(engine.role == SpanRole.ENGINE.value, engine.request_id.is_not(None),
                     engine.start_ns >= since_ns - ENGINE_MARGIN_NS, engine.start_ns < until_ns + ENGINE_MARGIN_NS,
@@ -121,13 +126,14 @@ def _entry_requests(store: Store, since_ns: int, until_ns: int, host: str | None
     server = aliased(SpanRow)
     hop = aliased(SpanRow)
     engine = aliased(SpanRow)
-    near = minutes_around(server.start_minute, NEAR_MINUTES)  # a request's spans (auditor/store/spankeys.py)
-    is_hop = exists().where(hop.start_minute.in_(near), hop.trace_id == server.trace_id,
-                            hop.span_id == server.parent_span_id,
-                            hop.role == SpanRole.HTTP_CLIENT.value)
-    first_engine = (select(func.min(engine.id)).where(engine.start_minute.in_(near), engine.trace_id == server.trace_id,
-                                                      engine.role == SpanRole.ENGINE.value)
-                    .correlate(server).scalar_subquery())
+    is_hop = and_(server.parent_span_id.is_not(None),
+                  _near(hop, server, hop.trace_id == server.trace_id, hop.span_id == server.parent_span_id,
+                        hop.role == SpanRole.HTTP_CLIENT.value))
+    # The first engine span of the trace stored in the nearest minute that holds one.
+    first_engine = func.coalesce(*(
+        select(func.min(engine.id)).where(engine.start_minute == minute, engine.trace_id == server.trace_id,
+                                          engine.role == SpanRole.ENGINE.value).correlate(server).scalar_subquery()
+        for minute in minutes_around(server.start_minute, NEAR_MINUTES)))
     query = (select(server.trace_id, server.span_id, server.start_ns, server.route, server.model,
                     server.request_id, server.attributes, engine.model.label("engine_model"), engine.prompt_tokens,
                     engine.max_tokens)

@@ -92,6 +92,23 @@ def test_export_takes_entry_requests_of_the_window(store: Store, tmp_path: Path)
     assert export(store, out, since_ns=T0, until_ns=T0 + 10 * S, force=True)[1] == 2
 
 
+def test_export_finds_a_requests_spans_across_a_minute_boundary(store: Store, tmp_path: Path) -> None:
+    """Spans are keyed by start minute first (T0 starts a minute): a request's engine span that
+    started in the next minute still gives its tokens, and a gateway's client span that started
+    in the minute before still marks its hop, which is no request of its own."""
+    store.insert_spans([
+        http_span("a", 59.9, 64.0, span="1"),
+        replace(engine_span("a", 60.1, 64.0, "length", tokens=7), max_tokens=333),
+        replace(http_span("b", 59.95, 70.0, span="4"), kind="client", role=SpanRole.HTTP_CLIENT),
+        replace(http_span("b", 60.05, 69.0, span="5", client=("127.0.0.1", 40003)), parent_span_id="4" * 16),
+    ])
+    out = tmp_path / "capture.db"
+    capture_id, count = export(store, out, since_ns=T0 + 59 * S, until_ns=T0 + 61 * S, stream_default=False)
+    assert count == 1
+    (request,) = read_capture(open_capture_store(out), capture_id).requests
+    assert request.body["max_tokens"] == 333
+
+
 @pytest.mark.slow
 def test_capture_garbage_is_refused_with_what_to_do(tmp_path: Path) -> None:
     junk = tmp_path / "junk.db"
