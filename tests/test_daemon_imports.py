@@ -69,7 +69,7 @@ try:
             if not chunk:
                 raise SystemExit("the engine closed without finishing: " + repr(answer[-200:]))
             answer += chunk
-        cancelled = request(engine.port, "left", 150)
+        cancelled = request(engine.port, "left", 400)  # 4 s of work: a starved poll cannot make it look aborted
         time.sleep(0.3)
         cancelled.shutdown(socket.SHUT_WR)
         deadline = time.monotonic() + 30
