@@ -64,14 +64,9 @@ def test_the_daemons_statements_on_postgres(pg_url: str) -> None:
 def test_stored_events_migrate_to_blocks_on_postgres(pg_url: str) -> None:
     """Migration 0007 on PostgreSQL: rows become blocks with their ids, and the id sequence
     moves past them (explicit ids leave it behind), so the next block gets a new id."""
-    from sqlalchemy import create_engine, text
+    from sqlalchemy import text
 
-    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text("DROP DATABASE IF EXISTS migrate7"))
-        conn.execute(text("CREATE DATABASE migrate7"))
-    admin.dispose()
-    url = pg_url.rsplit("/", 1)[0] + "/migrate7"
+    url = _fresh_database(pg_url, "migrate7")
     old = Store(url, check=False)
     old.upgrade("0006")
     with old.engine.begin() as conn:
@@ -95,16 +90,21 @@ def test_stored_events_migrate_to_blocks_on_postgres(pg_url: str) -> None:
 
 def test_spans_take_the_minute_key_on_postgres(pg_url: str) -> None:
     """Migration 0008 on PostgreSQL: the stored start minute column is filled for the spans there."""
-    from sqlalchemy import create_engine, text
-
     from tests.test_store import check_spans_take_the_minute_key
 
-    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text("DROP DATABASE IF EXISTS migrate8"))
-        conn.execute(text("CREATE DATABASE migrate8"))
-    admin.dispose()
-    url = pg_url.rsplit("/", 1)[0] + "/migrate8"
+    url = _fresh_database(pg_url, "migrate8")
     old = Store(url, check=False)
     old.upgrade("0007")
     check_spans_take_the_minute_key(old, lambda: Store(url)).close()
+
+
+def _fresh_database(pg_url: str, name: str) -> str:
+    """The URL of an empty database ``name`` on the server of ``pg_url``."""
+    from sqlalchemy import create_engine, text
+
+    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"DROP DATABASE IF EXISTS {name}"))
+        conn.execute(text(f"CREATE DATABASE {name}"))
+    admin.dispose()
+    return pg_url.rsplit("/", 1)[0] + "/" + name
