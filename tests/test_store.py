@@ -326,6 +326,12 @@ def check_recall_by_minutes(store: Store, forgotten: Any) -> None:
     spans, requests = forgotten.recall("f" * 32)
     assert sorted(s.span_id[0] for s in spans) == ["1", "2", "3", "4"] and len(requests) == 1
     assert forgotten.recall("9" * 32) == ([], [])  # no verdict: nothing
+    # A request start a bad clock put decades back: a day of minutes named, the trace's span found.
+    stray = dataclasses.replace(root, trace_id="8" * 32)
+    store.insert_spans([stray])
+    store.upsert_verdicts([dataclasses.replace(verdict, request_key=f"h/{'8' * 32}/{'1' * 16}", trace_id="8" * 32,
+                                               request_start_ns=1)])
+    assert [s.span_id for s in forgotten.recall("8" * 32)[0]] == ["1" * 16]
 
 
 def test_a_sqlite_file_is_read_and_written_without_sqlalchemy(store: Store) -> None:

@@ -43,6 +43,7 @@ _TRACE_VERDICTS = (f"SELECT {', '.join(_VERDICT_COLUMNS)} FROM verdicts "
 # This run's verdicts of some traces (by trace id or by the engine's request id): the candidates.
 _WRITTEN = ("SELECT {match}, request_key, disconnect_at_ns FROM verdicts "
             "WHERE host = :host AND updated_ns >= :since AND {match} IN ({names})")
+_RECALL_REACH_NS = 24 * 60 * MINUTE_NS  # the most minutes a recall names: a day
 _CHUNK = 400  # ids a query: far below any driver's parameter limit
 _FILTER_BITS = 20  # the written filter's positions: 2**20, a byte each (a bit for each generation)
 _MASK = (1 << _FILTER_BITS) - 1
@@ -157,8 +158,9 @@ class Forgotten:
     def recall(self, trace_id: str) -> tuple[list[SpanRecord], list[OpenRequest]]:
         """The trace's stored spans and its settled requests as they were written. The spans are
         those that started from the horizon before its first request's start to the horizon after
-        its last request's disconnect or work end (``spankeys.ENCLOSING_MINUTES``): a request's
-        own spans all do."""
+        its last request's disconnect or work end (``auditor.model.ENCLOSING_MINUTES``): a
+        request's own spans all do. At most a day of minutes is named (a request start that a bad
+        clock put years back must not make a query of millions)."""
         self.recalled += 1
         prefix = f"{self.host}/{trace_id}/"
         with self.store.connect() as conn:
@@ -168,9 +170,9 @@ class Forgotten:
                 return [], []
             verdicts = [request.written for request in requests if request.written is not None]
             reach_ns = ENCLOSING_MINUTES * MINUTE_NS
-            minutes = minutes_between(
-                min(v.request_start_ns for v in verdicts) - reach_ns,
-                max(max(v.disconnect_at_ns, v.work_end_ns or 0, v.request_start_ns) for v in verdicts) + reach_ns)
+            last_ns = max(max(v.disconnect_at_ns, v.work_end_ns or 0, v.request_start_ns) for v in verdicts) + reach_ns
+            first_ns = max(min(v.request_start_ns for v in verdicts) - reach_ns, last_ns - _RECALL_REACH_NS)
+            minutes = minutes_between(first_ns, last_ns)
             params: dict[str, Any] = {f"m{i}": minute for i, minute in enumerate(minutes)}
             sql = _TRACE_SPANS.format(minutes=", ".join(f":m{i}" for i in range(len(minutes))))
             spans = [span_from_values(row) for row in conn.all(sql, params | {"trace_id": trace_id, "host": self.host})]
