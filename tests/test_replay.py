@@ -239,7 +239,9 @@ def test_replay_finds_zombies_then_confirms_the_fix(tmp_path: Path) -> None:
     assert result["zombies"] == 6 and result["verdicts"] == {"zombie": 6}, result
     assert result["evidence"] == {"zombie": {"engine_span": 6}} and result["gate"] == "zombies", result
     assert result["planned_cancels"] == 6 and result["errors"] == 0, result
-    assert result["wasted_tokens"] > 6 * 150 and result["lag_max_s"] > 2.5 and result["provisional"] == 0
+    # The engine's steps set how long the zombies ran: 3.2-5.6 s of lag in runs alone, 2.4 s once in a
+    # clean-clone run. Three times the grace says the replay waited for them all the same.
+    assert result["wasted_tokens"] > 6 * 150 and result["lag_max_s"] > 1.5 and result["provisional"] == 0
     with running_engine(behavior="abort", otlp=f"http://127.0.0.1:{otlp_port}", step_ms=15) as engine:
         fixed = auditor("replay", str(capture), "--target", engine.url, *replay_args, "--baseline", "previous")
     assert fixed.returncode == 0, (fixed.stdout, fixed.stderr)
