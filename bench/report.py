@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from auditor.report import ReportQuery, build_report  # noqa: E402
 from auditor.report.render_data import write_json  # noqa: E402
+from auditor.report.requests import count_requests, spans  # noqa: E402
 from auditor.store import (  # noqa: E402
     CoverageRow,
     SpanRow,
@@ -215,6 +216,11 @@ def main() -> None:
                 "SELECT count(*) FROM spans WHERE role = 'http_server' AND start_ns >= :a "
                 "AND start_ns < :b"), {"a": query.since_ns, "b": query.until_ns}).scalar_one()
 
+    def requests_count() -> object:
+        with store.engine.connect() as conn:
+            return count_requests(conn, [spans.c.role == "http_server", spans.c.start_ns >= query.since_ns,
+                                         spans.c.start_ns < query.until_ns], None, query.since_ns, query.until_ns)
+
     def library(fmt: str, in_sqlite: bool = True) -> Callable[[], object]:
         def run() -> object:
             report = build_report(store, query, with_requests=fmt == "json",
@@ -236,6 +242,7 @@ def main() -> None:
     for label, action, note in (
         ("SELECT count(*) FROM spans", plain_count, "floor: every row counted once"),
         ("count of requests in window", window_count, "the report's requests query alone"),
+        ("requests, each counted once", requests_count, "count_requests: parents looked up"),
         ("library: build + JSON", library("json"), "build_report + write_json to memory"),
         ("library: ... encoded in Python", library("json", in_sqlite=False),
          "the same without SQLite's json_object"),
