@@ -173,7 +173,7 @@ def parse_address(text: str, key: str = "address") -> tuple[str, int]:
     """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) into its parts, or a ConfigError naming ``key``."""
     host, sep, port_text = text.rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+    if not sep or not host or not (port_text.isascii() and port_text.isdigit()) or not 0 <= int(port_text) <= 65535:
         raise ConfigError(f"{key} = {text!r}: expected HOST:PORT, e.g. 127.0.0.1:4318")
     return host, int(port_text)
 

@@ -103,7 +103,8 @@ def as_int(value: Any) -> int | None:
         return int(value)
     if isinstance(value, str):
         text = value.strip()
-        if text.isdigit() and len(text) < 19:
+        # ASCII digits only: str.isdigit() also takes "²", which int() refuses, and "١٢".
+        if text.isascii() and text.isdigit() and len(text) < 19:
             return int(text)
     return None
 

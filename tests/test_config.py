@@ -41,6 +41,7 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
         ("[probe]\nports = [70000]\n", "probe.ports: 70000 is not a TCP port"),
         ("[probe]\nsource = 'magic'\n", "allowed are auto, bpf, procfs"),
         ("[otlp]\nhttp = 'localhost'\n", "otlp.http = 'localhost': expected HOST:PORT"),
+        ("[otlp]\nhttp = 'localhost:\u00b2'\n", "otlp.http = 'localhost:\u00b2': expected HOST:PORT"),
         ("probe = 3\n", "probe must be a table"),
         ("[probe\n", "is not valid TOML"),
         ("[probe]\nring_buffer_mib = 3\n", "probe.ring_buffer_mib = 3: must be a power of two"),

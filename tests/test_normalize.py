@@ -162,6 +162,11 @@ def test_other_spans_and_wrong_types_read_as_missing() -> None:
     assert record.attributes["net.peer.port"] == "not a port"
     (other,) = normalize_request(request(span("work", INTERNAL, {"a": 1}))).spans
     assert other.role is SpanRole.OTHER and other.kind == "internal"
+    # Digits other than ASCII's read as missing too: "²" passes str.isdigit() but not int().
+    odd = {"http.method": "GET", "http.status_code": "\u00b2", "net.peer.port": "\u0661\u0662", "net.host.port": " 8000 "}
+    (record,) = normalize_request(request(span("GET", SERVER, odd))).spans
+    assert (record.http_status, record.peer_port, record.server_port) == (None, None, 8000)
+    assert record.attributes["http.status_code"] == "\u00b2"
 
 
 def test_bad_spans_are_rejected_one_by_one() -> None:

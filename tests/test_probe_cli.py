@@ -53,6 +53,7 @@ ENTRY_WITHOUT_BCC = "import sys\nsys.modules['bcc'] = None\nfrom auditor.cli imp
     ("abc", "'abc' is not a port number"),
     ("", "'' is not a port number"),
     ("-5", "'-5' is not a port number"),
+    ("\u00b2", "'\u00b2' is not a port number"),  # a digit to str.isdigit(), not to int()
 ])
 def test_bad_ports_are_one_line_errors(value: str, message: str) -> None:
     result = CliRunner().invoke(cli, ["probe", "--port", value])

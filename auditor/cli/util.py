@@ -88,7 +88,7 @@ class PortType(click.ParamType):  # type: ignore[type-arg]  # generic only in ne
             number = value
         else:
             text = str(value).strip()
-            if not text.isdigit():
+            if not (text.isascii() and text.isdigit()):  # int() refuses "²"
                 self.fail(f"{value!r} is not a port number; use 1-65535, e.g. --port 8000", param, ctx)
             number = int(text)
         if not 1 <= number <= 65535:

@@ -145,7 +145,7 @@ class Tracing:
 def live_address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` of the auditor's live-notice socket."""
     host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not (port.isascii() and port.isdigit()):
         raise TracingConfigError(f"--live {text!r} is not HOST:PORT, e.g. 127.0.0.1:4319")
     return host.strip("[]"), int(port)
 
