@@ -48,8 +48,9 @@ if command -v apt-get >/dev/null 2>&1; then
     [ "$postgres" = 1 ] && wanted+=(postgresql)
     # The tests' independent HTTP/2 client (nghttp2) for the OTLP/gRPC receiver.
     [ "$extras" = dev ] && wanted+=(curl)
-    # A C compiler and Python's headers build the compiled OTLP reader (collectors/_otlp_wire.c);
-    # without them the install still succeeds and bodies are read by the Python reader.
+    # A C compiler and Python's headers build the compiled OTLP reader and record builder
+    # (collectors/_otlp_wire.c, _normalize.c); without them the install still succeeds and bodies
+    # are read, and records built, in Python.
     command -v cc >/dev/null 2>&1 || wanted+=(gcc libc6-dev)
     "$python" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null \
         || wanted+=(python3-dev)
@@ -103,7 +104,7 @@ if [ ! -x "$venv/bin/python" ]; then
     say "creating $venv"
     "$python" -m venv "$venv"
 fi
-hash=$( { cat pyproject.toml setup.py collectors/_otlp_wire.c; ls -d -- */__init__.py; } | sha256sum | cut -c1-16)
+hash=$( { cat pyproject.toml setup.py collectors/_*.c; ls -d -- */__init__.py; } | sha256sum | cut -c1-16)
 stamp="$venv/.installed-$hash-$extras"
 if [ ! -e "$stamp" ] && ! { [ "$extras" = engine ] && [ -e "$venv/.installed-$hash-dev" ]; }; then
     say "installing the project with extras [$extras]"
@@ -114,8 +115,8 @@ if [ ! -e "$stamp" ] && ! { [ "$extras" = engine ] && [ -e "$venv/.installed-$ha
     touch "$stamp"
 fi
 
-if ! "$venv/bin/python" -c 'import collectors._otlp_wire' 2>/dev/null; then
-    say "the compiled OTLP reader was not built (no C compiler or Python headers?): spans are read by the slower Python reader"
+if ! "$venv/bin/python" -c 'import collectors._otlp_wire, collectors._normalize' 2>/dev/null; then
+    say "the compiled OTLP reader or record builder was not built (no C compiler or Python headers?): spans are read and built in slower Python"
 fi
 
 # bcc comes from the OS; make it importable from the venv.

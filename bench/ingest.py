@@ -24,7 +24,8 @@ and of the working tree alternately, ``--rounds`` times each, each run in its ow
 the same bench driving it: on a shared machine only figures taken side by side compare.
 ``--reader python|compiled`` reads bodies with that OTLP byte reader (``collectors.otlp_wire``;
 default: the compiled one where it was built); ``--compare-readers`` runs the working tree with
-each, alternately, as ``--compare`` does with two trees.
+each, alternately, as ``--compare`` does with two trees. ``--builder`` and ``--compare-builders``
+do the same with the span record builder (``collectors.normalize.build_span`` or its compiled twin).
 """
 
 from __future__ import annotations
@@ -408,6 +409,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if args.reader not in otlp_wire.READERS:
             raise SystemExit(f"no {args.reader} OTLP reader here: `make setup` builds the compiled one")
         otlp_wire.use_reader(args.reader)
+    if args.builder:
+        from collectors import normalize
+
+        if args.builder not in normalize.BUILDERS:
+            raise SystemExit(f"no {args.builder} span record builder here: `make setup` builds the compiled one")
+        normalize.use_builder(args.builder)
     cpus = sorted(os.sched_getaffinity(0))
     sender_cpus = set(cpus[1:]) or None
     os.sched_setaffinity(0, {cpus[0]})  # decode, normalize and commit share one core
@@ -477,7 +484,8 @@ def export_tree(rev: str, into: Path) -> Path:
 
 def compare(args: argparse.Namespace) -> None:
     """Old (``--compare REV``) and current code alternately, each run a fresh process; with
-    ``--compare-readers``, the current code with each OTLP byte reader."""
+    ``--compare-readers`` (``--compare-builders``), the current code with each OTLP byte reader
+    (span record builder)."""
     here = Path(__file__).resolve().parent.parent
     forwarded = ["--phases", ",".join(args.phases), "--seconds", str(args.seconds), "--batch", str(args.batch),
                  "--senders", str(args.senders), "--max-queue-spans", str(args.max_queue_spans),
@@ -489,6 +497,9 @@ def compare(args: argparse.Namespace) -> None:
         runs: dict[str, tuple[Path, list[str]]]
         if args.compare_readers:
             runs = {"python reader": (here, ["--reader", "python"]), "compiled": (here, ["--reader", "compiled"])}
+        elif args.compare_builders:
+            runs = {"python builder": (here, ["--builder", "python"]),
+                    "compiled": (here, ["--builder", "compiled"])}
         else:
             runs = {args.compare: (export_tree(args.compare, Path(scratch)), []), "working tree": (here, [])}
         for round_no in range(1, args.rounds + 1):
@@ -527,6 +538,10 @@ def main() -> None:
                         help="run the working tree with the Python and the compiled OTLP reader, alternately")
     parser.add_argument("--reader", choices=("python", "compiled"),
                         help="the OTLP byte reader (default: the compiled one where it was built)")
+    parser.add_argument("--compare-builders", action="store_true",
+                        help="run the working tree with the Python and the compiled span record builder, alternately")
+    parser.add_argument("--builder", choices=("python", "compiled"),
+                        help="the span record builder (default: the compiled one where it was built)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each tree with --compare")
     parser.add_argument("--gc-threshold", type=int, default=0, help="the receiver's first GC generation "
                         "threshold (default: Python's 700)")
@@ -546,7 +561,7 @@ def main() -> None:
     ORDERED_IDS, REPEATED_VALUES = args.ordered_ids, args.repeated_values
     if args.sender:
         print(json.dumps(run_senders(args.port, args.senders, args.seconds, args.batch, args.seed, args.otlp)))
-    elif args.compare or args.compare_readers:
+    elif args.compare or args.compare_readers or args.compare_builders:
         compare(args)
     elif args.json:
         print(json.dumps(measure(args), indent=2))

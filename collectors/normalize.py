@@ -13,6 +13,7 @@ counted (it becomes ``partial_success`` in the OTLP answer); the rest of the req
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -24,6 +25,7 @@ from auditor.semconv import PEER_ADDR_KEYS, PEER_PORT_KEYS, SERVER_PORT_KEYS
 from collectors.attributes import (
     as_count,
     as_float,
+    as_int,
     as_pid,
     as_port,
     as_str,
@@ -36,6 +38,8 @@ from collectors.attributes import (
     take_one,
 )
 from collectors.otlp_wire import read_request
+
+log = logging.getLogger(__name__)
 
 # Column widths of the spans table (auditor.store.tables.spans): longer values are cut, never refused.
 _COLUMN_CHARS = {"name": 255, "service": 255, "host": 255, "request_id": 255, "route": 255,
@@ -56,6 +60,17 @@ TARGET_KEYS = ("url.path", "http.target")
 REQUEST_ID_HEADER_KEYS = ("http.request.header.x_request_id", "http.request.header.x-request-id")
 CLIENT_PEER_ADDR_KEYS = ("server.address", "net.peer.name", "net.peer.ip")
 CLIENT_PEER_PORT_KEYS = ("server.port", "net.peer.port")
+PID_KEYS = ("process.pid", "vllm.process_id")
+ROUTE_KEY = "http.route"
+# The GenAI and vLLM engine columns.
+FINISH_KEYS = ("gen_ai.response.finish_reasons", "gen_ai.response.finish_reason")
+MODEL_KEYS = ("gen_ai.response.model", "gen_ai.request.model")
+PROMPT_KEYS = ("gen_ai.usage.prompt_tokens", "gen_ai.usage.input_tokens")
+COMPLETION_KEYS = ("gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens")
+GENAI_REQUEST_ID_KEY = "gen_ai.request.id"
+MAX_TOKENS_KEY = "gen_ai.request.max_tokens"
+TIME_IN_QUEUE_KEY = "gen_ai.latency.time_in_queue"
+TIME_TO_FIRST_TOKEN_KEY = "gen_ai.latency.time_to_first_token"
 _GENAI_KEYS = frozenset({
     "gen_ai.request.id", "gen_ai.response.finish_reasons", "gen_ai.response.finish_reason",
     "gen_ai.response.model", "gen_ai.request.model", "gen_ai.usage.prompt_tokens",
@@ -123,6 +138,14 @@ def check_head(trace_id: bytes, span_id: bytes, parent: bytes, start: int,
     return trace_id.hex(), span_id.hex(), parent.hex() or None, start, end
 
 
+def _slots_fillable(record_type: Any, fields: tuple[str, ...]) -> bool:
+    """Whether ``record_type``'s slots are exactly ``fields``, in order, and nothing checks them
+    after ``__init__``: then a record is made by filling its slots."""
+    names = tuple(f.name for f in dataclasses.fields(record_type))
+    return (names == fields and getattr(record_type, "__slots__", ()) == names
+            and not hasattr(record_type, "__post_init__"))
+
+
 def _slot_filler(record_type: Any, fields: tuple[str, ...]) -> Callable[..., Any]:
     """Build ``record_type`` from the values of ``fields`` in order, filling its slots directly.
 
@@ -134,10 +157,9 @@ def _slot_filler(record_type: Any, fields: tuple[str, ...]) -> Callable[..., Any
     longer ``fields`` in that order (then by keyword, so a reordered or added field can never
     receive another one's value).
     """
-    names = tuple(f.name for f in dataclasses.fields(record_type))
-    if (names != fields or getattr(record_type, "__slots__", ()) != names
-            or hasattr(record_type, "__post_init__")):
+    if not _slots_fillable(record_type, fields):
         return lambda *values: record_type(**dict(zip(fields, values, strict=True)))
+    names = fields
     namespace: dict[str, Any] = {"new": object.__new__, "record_type": record_type}
     lines = [f"def build({', '.join(f'v{i}' for i in range(len(names)))}):", "    record = new(record_type)"]
     for i, name in enumerate(names):
@@ -181,8 +203,7 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
                         continue
                     attrs, dropped = attributes_dict(span.attributes)
                     status = span.status.code if span.HasField("status") else None
-                    append(build_span(head, span.name, span.kind, status, attrs, dropped,
-                                      service=service, host=host, process_pid=pid))
+                    append(_build(head, span.name, span.kind, status, attrs, dropped, service, host, pid))
                 except Exception as exc:  # a bug here must cost one span, never the request
                     rejections.add(f"that could not be read ({type(exc).__name__})")
     result.rejected = rejections.count
@@ -207,8 +228,7 @@ def normalize_body(body: bytes, *, service_host: str = "", fallback_host: str = 
                 if isinstance(head, str):
                     rejections.add(head)
                     continue
-                append(build_span(head, name, kind, status, attrs, 0,
-                                  service=service, host=host, process_pid=pid))
+                append(_build(head, name, kind, status, attrs, 0, service, host, pid))
             except Exception as exc:  # as normalize_request: one span, never the request
                 rejections.add(f"that could not be read ({type(exc).__name__})")
     result.rejected = rejections.count
@@ -227,7 +247,7 @@ def _resource_columns(resource: dict[str, Any], service_host: str,
 
 
 def build_span(head: tuple[str, str, str | None, int, int], name: str, kind_code: int, status_code: int | None,
-               attrs: dict[str, Any], dropped: int, *, service: str, host: str,
+               attrs: dict[str, Any], dropped: int, service: str, host: str,
                process_pid: int | None) -> SpanRecord:
     """One valid span to a SpanRecord: ``head`` is what ``check_head`` returned, ``status_code``
     None where the span has no status, ``attrs`` the span's own attribute dict (values that become
@@ -243,12 +263,12 @@ def build_span(head: tuple[str, str, str | None, int, int], name: str, kind_code
     request_id = _request_id(attrs, role, method is not None, has_genai)
     route = http_status = None
     if method is not None:
-        route = take_one(attrs, "http.route", as_str)
+        route = take_one(attrs, ROUTE_KEY, as_str)
         if route is None:
             target = first_of(attrs, TARGET_KEYS)[1]
             route = target.split("?", 1)[0] if isinstance(target, str) else None
         http_status = take(attrs, STATUS_KEYS, as_count)
-    pid = process_pid if process_pid is not None else take(attrs, ("process.pid", "vllm.process_id"), as_pid)
+    pid = process_pid if process_pid is not None else take(attrs, PID_KEYS, as_pid)
     # The GenAI and vLLM engine columns; skipped for the many spans without them.
     engine = _engine_columns(attrs) if has_genai else _NO_ENGINE_COLUMNS
     if dropped:
@@ -313,7 +333,7 @@ def _request_id(attrs: dict[str, Any], role: SpanRole, is_http: bool, has_genai:
     if is_http and role is not SpanRole.ENGINE:
         request_id = take(attrs, REQUEST_ID_HEADER_KEYS, as_str)
     if request_id is None and (has_genai or role is SpanRole.ENGINE):
-        request_id = take_one(attrs, "gen_ai.request.id", as_str)
+        request_id = take_one(attrs, GENAI_REQUEST_ID_KEY, as_str)
     return request_id
 
 
@@ -332,13 +352,13 @@ _NO_ENGINE_COLUMNS = _EngineColumns()
 
 def _engine_columns(attrs: dict[str, Any]) -> _EngineColumns:
     return _EngineColumns(
-        finish=take(attrs, ("gen_ai.response.finish_reasons", "gen_ai.response.finish_reason"), as_str),
-        model=take(attrs, ("gen_ai.response.model", "gen_ai.request.model"), as_str),
-        prompt_tokens=take(attrs, ("gen_ai.usage.prompt_tokens", "gen_ai.usage.input_tokens"), as_count),
-        completion_tokens=take(attrs, ("gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens"), as_count),
-        max_tokens=take_one(attrs, "gen_ai.request.max_tokens", as_count),
-        time_in_queue_s=take_one(attrs, "gen_ai.latency.time_in_queue", as_float),
-        time_to_first_token_s=take_one(attrs, "gen_ai.latency.time_to_first_token", as_float),
+        finish=take(attrs, FINISH_KEYS, as_str),
+        model=take(attrs, MODEL_KEYS, as_str),
+        prompt_tokens=take(attrs, PROMPT_KEYS, as_count),
+        completion_tokens=take(attrs, COMPLETION_KEYS, as_count),
+        max_tokens=take_one(attrs, MAX_TOKENS_KEY, as_count),
+        time_in_queue_s=take_one(attrs, TIME_IN_QUEUE_KEY, as_float),
+        time_to_first_token_s=take_one(attrs, TIME_TO_FIRST_TOKEN_KEY, as_float),
     )
 
 
@@ -346,3 +366,50 @@ def _opt_cut(value: str | None, column: str) -> str | None:
     if value is None or len(value) <= 32:  # 32: the narrowest column, so no lookup needed
         return value
     return cut_text(value, _COLUMN_CHARS[column])
+
+
+# -- the compiled builder ------------------------------------------------------------------------
+# collectors/_normalize.c is build_span step for step in C, with every key, width and name taken
+# from this module (configure() below); build_span stays the reference, and the builder where the
+# extension was not built. tests/test_normalize_compiled.py holds the two equal on generated spans.
+def _compiled() -> Any:
+    try:
+        from collectors import _normalize  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        _normalize.configure(
+            (_new_span, is_engine_span, port_from_hostport, cut_text, as_int, as_float),
+            (_KIND_NAMES, _STATUS_NAMES),
+            (SpanRole.ENGINE, SpanRole.HTTP_SERVER, SpanRole.HTTP_CLIENT, SpanRole.OTHER),
+            ("unset", "unspecified", "", "auditor.dropped_attributes"),
+            tuple(_COLUMN_CHARS[column] for column in ("name", "peer_addr", "request_id", "route", "model",
+                                                          "finish_reason")),
+            (METHOD_KEYS, PEER_ADDR_KEYS, PEER_PORT_KEYS, SERVER_PORT_KEYS, HOST_HEADER_KEYS, URL_KEYS,
+             CLIENT_PEER_ADDR_KEYS, CLIENT_PEER_PORT_KEYS, REQUEST_ID_HEADER_KEYS, STATUS_KEYS, TARGET_KEYS,
+             PID_KEYS, FINISH_KEYS, MODEL_KEYS, PROMPT_KEYS, COMPLETION_KEYS),
+            (ROUTE_KEY, GENAI_REQUEST_ID_KEY, MAX_TOKENS_KEY, TIME_IN_QUEUE_KEY, TIME_TO_FIRST_TOKEN_KEY),
+            _GENAI_KEYS, _SPAN_FIELDS,
+            SpanRecord if _slots_fillable(SpanRecord, _SPAN_FIELDS) else None)
+    except Exception as exc:  # a rule's data this builder cannot hold: build_span builds
+        log.warning("the compiled span builder could not be set up (%s); records are built in Python", exc)
+        return None
+    return _normalize.build_span
+
+
+BUILDERS: dict[str, Callable[..., SpanRecord]] = {"python": build_span}
+_compiled_build = _compiled()
+if _compiled_build is not None:
+    BUILDERS["compiled"] = _compiled_build
+_build = BUILDERS.get("compiled", build_span)
+
+
+def builder() -> str:
+    """Which builder makes records: "compiled" or "python"."""
+    return "compiled" if _build is BUILDERS.get("compiled") else "python"
+
+
+def use_builder(name: str) -> None:
+    """Build records with the named builder of BUILDERS (tests and benches compare the two)."""
+    global _build
+    _build = BUILDERS[name]

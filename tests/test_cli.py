@@ -87,6 +87,14 @@ def test_doctor_says_which_otlp_reader_reads_spans(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(otlp_wire, "_read", otlp_wire.READERS["python"])
     check = check_otlp_reader()
     assert check.state == DEGRADED and "python3-dev" in check.fix
+    assert check.detail.startswith("the Python reader")
+    from collectors import normalize
+
+    monkeypatch.setattr(normalize, "_build", normalize.BUILDERS["python"])
+    assert check_otlp_reader().detail.startswith("the Python reader and record builder: ")
+    monkeypatch.setattr(otlp_wire, "_read", otlp_wire.READERS.get("compiled", otlp_wire.READERS["python"]))
+    if "compiled" in otlp_wire.READERS:
+        assert check_otlp_reader().detail.startswith("the Python record builder: ")
 
 
 def test_doctor_measures_what_the_proc_fallback_would_cost_here() -> None:

@@ -2,10 +2,12 @@
 attributes, gateway client spans, proxy-rewritten peers, and bounded handling of hostile values.
 
 Every case runs both ways: from the parsed message and from the body's bytes
-(``collectors.otlp_wire``), which must agree wherever the byte reader takes the body."""
+(``collectors.otlp_wire``), which must agree wherever the byte reader takes the body; and with
+each record builder (``normalize.build_span`` and its compiled twin, where it was built)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from auditor.model import SpanRole
+from collectors import normalize as normalization
 from collectors.attributes import MAX_ATTRIBUTES, MAX_STRING_CHARS, TOO_DEEP_MARK
 from collectors.normalize import NormalizeResult, normalize_body
 from collectors.normalize import normalize_request as from_message
@@ -21,6 +24,18 @@ from collectors.otlp_wire import Unusual
 
 TRACE = bytes.fromhex("0af7651916cd43dd8448eb211c80319c")
 SERVER, CLIENT, INTERNAL = Span.SPAN_KIND_SERVER, Span.SPAN_KIND_CLIENT, Span.SPAN_KIND_INTERNAL
+
+
+@pytest.fixture(autouse=True, params=["python", "compiled"])
+def builder(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each test with each record builder (tests/test_normalize_compiled.py says where the compiled
+    one must be built)."""
+    if request.param not in normalization.BUILDERS:
+        pytest.skip("the compiled span record builder is not built here")
+    before = normalization.builder()
+    normalization.use_builder(request.param)
+    yield request.param
+    normalization.use_builder(before)
 
 
 def normalize_request(req: ExportTraceServiceRequest, **hosts: str) -> NormalizeResult:

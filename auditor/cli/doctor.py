@@ -348,15 +348,18 @@ def check_postgres_driver() -> Check:
 
 
 def check_otlp_reader() -> Check:
-    """Which reader takes the spans' bodies: the compiled one, or the Python one where the install
-    found no C compiler or Python headers to build it (the same answers, about twice the CPU a
-    span normalized: docs/footprint.md, twenty-fourth pass)."""
-    from collectors import otlp_wire
+    """Whether the spans' bodies are read, and their records built, by the compiled code, or by
+    the Python where the install found no C compiler or Python headers to build it (the same
+    answers; the reader in Python doubles the CPU a span normalized, the builder in Python about
+    doubles it again: docs/footprint.md, twenty-fourth and twenty-eighth passes)."""
+    from collectors import normalize, otlp_wire
 
-    if otlp_wire.reader() == "compiled":
-        return Check("otlp_reader", OK, "compiled (collectors/_otlp_wire.c)")
-    return Check("otlp_reader", DEGRADED, "the Python reader: spans cost about twice the CPU to normalize "
-                 "(the compiled reader was not built: no C compiler or Python headers at install)",
+    in_python = [part for part, compiled in (("reader", otlp_wire.reader() == "compiled"),
+                                             ("record builder", normalize.builder() == "compiled")) if not compiled]
+    if not in_python:
+        return Check("otlp_reader", OK, "compiled (collectors/_otlp_wire.c, collectors/_normalize.c)")
+    return Check("otlp_reader", DEGRADED, f"the Python {' and '.join(in_python)}: spans cost two to three times "
+                 "the CPU to normalize (not built: no C compiler or Python headers at install)",
                  "apt-get install gcc python3-dev, then reinstall (make setup, or pip install --force-reinstall .)")
 
 
