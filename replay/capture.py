@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import and_, exists, func, or_, select
+from sqlalchemy import and_, func, select
 from sqlalchemy.orm import aliased
 
 from auditor.errors import AuditorError
 from auditor.model import NEAR_MINUTES, SpanRole, minutes_around
 from auditor.store import CapturedRequestRow, CaptureRow, SpanRow, Store, VerdictRow
+from auditor.store.spankeys import found_near
 
 DEFAULT_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
@@ -98,11 +99,9 @@ def _request_id_key(engine_request_id: str) -> str:
 
 
 def _near(relative: Any, span: Any, *where: Any) -> Any:
-    """A ``relative`` that meets ``where`` started within a minute of ``span`` (the store keys spans
-    by start minute first: auditor/store/spankeys.py): one lookup a minute, nearest first (an
-    ``IN`` list of them would have SQLite build a temporary table for every row)."""
-    return or_(*(exists().where(relative.start_minute == minute, *where)
-                 for minute in minutes_around(span.start_minute, NEAR_MINUTES)))
+    """A ``relative`` (a mapped alias of spans) that meets ``where`` started within a minute of
+    ``span`` (the store keys spans by start minute first: auditor/store/spankeys.py)."""
+    return found_near(relative.start_minute, span.start_minute, NEAR_MINUTES, *where)
 
 
 def _engine_by_request_id(session: Any, since_ns: int, until_ns: int) -> dict[str, tuple[Any, ...]]:

@@ -26,8 +26,9 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.util import ClauseAdapter
 
-from auditor.model import ENCLOSING_MINUTES, NEAR_MINUTES, SpanRole, minutes_around
+from auditor.model import ENCLOSING_MINUTES, NEAR_MINUTES, SpanRole
 from auditor.store import tables
+from auditor.store.spankeys import found_near
 
 spans = tables.spans
 SERVER, CLIENT = SpanRole.HTTP_SERVER.value, SpanRole.HTTP_CLIENT.value
@@ -36,11 +37,9 @@ HOP_SLACK_NS = 1_000_000_000  # a hop may start before the window its inner span
 
 
 def _found(relative: Any, span: Any, before: int, *where: ColumnElement[bool]) -> ColumnElement[bool]:
-    """A ``relative`` that meets ``where`` started in one of the minutes around ``span``'s start,
-    from a minute after it to ``before`` minutes before: one lookup a minute, nearest first. (An
-    ``IN`` list of the minutes would have SQLite build and sort a temporary table for every row.)"""
-    return or_(*(exists().where(relative.c.start_minute == minute, *where)
-                 for minute in minutes_around(span.c.start_minute, before)))
+    """A ``relative`` (a table or alias of spans) that meets ``where`` started from a minute after
+    ``span`` to ``before`` minutes before it."""
+    return found_near(relative.c.start_minute, span.c.start_minute, before, *where)
 
 
 def inner_server_span(span: Any) -> ColumnElement[bool]:

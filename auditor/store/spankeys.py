@@ -25,7 +25,12 @@ in the same minute and is dropped as a duplicate, as before.
 
 from __future__ import annotations
 
-from auditor.model import MINUTE_NS, start_minute
+from typing import TYPE_CHECKING, Any
+
+from auditor.model import MINUTE_NS, minutes_around, start_minute
+
+if TYPE_CHECKING:
+    from sqlalchemy.sql.elements import ColumnElement
 
 # The column's expression, the same on SQLite and PostgreSQL (integer division of two integers).
 START_MINUTE_SQL = f"start_ns / {MINUTE_NS}"
@@ -34,3 +39,16 @@ START_MINUTE_SQL = f"start_ns / {MINUTE_NS}"
 def minutes_between(first_ns: int, last_ns: int) -> list[int]:
     """Every minute from the one ``first_ns`` falls in to the one ``last_ns`` falls in."""
     return list(range(start_minute(first_ns), start_minute(last_ns) + 1))
+
+
+def found_near(relative_minute: Any, span_minute: Any, before: int, *where: Any) -> ColumnElement[bool]:
+    """A span meeting ``where``, whose ``start_minute`` column is ``relative_minute``, started in
+    one of the minutes around ``span_minute`` (an expression: the other span's column), from a
+    minute after it to ``before`` minutes before: one ``EXISTS`` a minute, nearest first. (An ``IN``
+    list of the minutes would have SQLite build and sort a temporary table for every row.) Used by
+    the report's request count and the capture, on tables, aliases and mapped classes alike.
+    (SQLAlchemy is imported here, not above: the daemon reads this module without it.)"""
+    from sqlalchemy import exists, or_
+
+    return or_(*(exists().where(relative_minute == minute, *where)
+                 for minute in minutes_around(span_minute, before)))
