@@ -477,6 +477,232 @@ done:
     return out;
 }
 
+/* -- the store's rows (auditor.store.rows.rows_as_tuples of SpanRecords), compiled ------------ */
+static PyObject *dumps_fn;          /* rows.dumps_json: the JSON text of what json_flat does not take */
+static PyObject *role_values[4];    /* the values of role_engine, role_server, role_client, role_other */
+#define FLAT_MAX 256                /* more attributes than normalization keeps go to dumps_fn */
+
+/* The length of text as a JSON string (quotes included), as json.dumps(ensure_ascii=False) writes
+ * it: \" \\ \b \f \n \r \t, other characters below 0x20 as \u00XX, the rest as they are. */
+static Py_ssize_t
+json_text_length(PyObject *text)
+{
+    int kind = PyUnicode_KIND(text);
+    const void *data = PyUnicode_DATA(text);
+    Py_ssize_t length = PyUnicode_GET_LENGTH(text), out = 2;
+    for (Py_ssize_t i = 0; i < length; i++) {
+        Py_UCS4 c = PyUnicode_READ(kind, data, i);
+        if (c == '"' || c == '\\' || c == '\b' || c == '\f' || c == '\n' || c == '\r' || c == '\t')
+            out += 2;
+        else if (c < 0x20)
+            out += 6;
+        else
+            out += 1;
+    }
+    return out;
+}
+
+typedef struct {
+    int kind;
+    void *data;
+    Py_ssize_t at;
+} Writer;
+
+static void
+put(Writer *w, Py_UCS4 c)
+{
+    PyUnicode_WRITE(w->kind, w->data, w->at, c);
+    w->at++;
+}
+
+static void
+put_ascii(Writer *w, const char *text)
+{
+    while (*text)
+        put(w, (unsigned char)*text++);
+}
+
+static void
+put_text(Writer *w, PyObject *text) /* as it is */
+{
+    int kind = PyUnicode_KIND(text);
+    const void *data = PyUnicode_DATA(text);
+    for (Py_ssize_t i = 0; i < PyUnicode_GET_LENGTH(text); i++)
+        put(w, PyUnicode_READ(kind, data, i));
+}
+
+static void
+put_json_text(Writer *w, PyObject *text)
+{
+    static const char hex[] = "0123456789abcdef";
+    int kind = PyUnicode_KIND(text);
+    const void *data = PyUnicode_DATA(text);
+    put(w, '"');
+    for (Py_ssize_t i = 0; i < PyUnicode_GET_LENGTH(text); i++) {
+        Py_UCS4 c = PyUnicode_READ(kind, data, i);
+        switch (c) {
+        case '"': put_ascii(w, "\\\""); break;
+        case '\\': put_ascii(w, "\\\\"); break;
+        case '\b': put_ascii(w, "\\b"); break;
+        case '\f': put_ascii(w, "\\f"); break;
+        case '\n': put_ascii(w, "\\n"); break;
+        case '\r': put_ascii(w, "\\r"); break;
+        case '\t': put_ascii(w, "\\t"); break;
+        default:
+            if (c < 0x20) {
+                put_ascii(w, "\\u00");
+                put(w, hex[c >> 4]);
+                put(w, hex[c & 0xF]);
+            }
+            else
+                put(w, c);
+        }
+    }
+    put(w, '"');
+}
+
+/* json.dumps(attrs, ensure_ascii=False, separators=(",", ":")) of a dict of str keys whose values
+ * are str, bool, None, int or finite float, as rows.dumps_json writes it; anything else (a list, a
+ * dict, NaN) goes to dumps_fn itself. */
+static PyObject *
+json_flat(PyObject *attrs)
+{
+    PyObject *numbers[FLAT_MAX] = {NULL}, *key, *value, *out = NULL;
+    Py_ssize_t pos = 0, length = 2, n = 0;
+    Py_UCS4 maxchar = 127;
+    if (PyDict_GET_SIZE(attrs) > FLAT_MAX)
+        return PyObject_CallOneArg(dumps_fn, attrs);
+    while (PyDict_Next(attrs, &pos, &key, &value)) {
+        if (!PyUnicode_CheckExact(key))
+            goto elsewhere;
+        length += json_text_length(key) + 1 + (n > 0);
+        maxchar = Py_MAX(maxchar, PyUnicode_MAX_CHAR_VALUE(key));
+        if (PyUnicode_CheckExact(value)) {
+            length += json_text_length(value);
+            maxchar = Py_MAX(maxchar, PyUnicode_MAX_CHAR_VALUE(value));
+        }
+        else if (value == Py_True || value == Py_None)
+            length += 4;
+        else if (value == Py_False)
+            length += 5;
+        else if (PyLong_CheckExact(value) ||
+                 (PyFloat_CheckExact(value) && isfinite(PyFloat_AS_DOUBLE(value)))) {
+            /* int.__repr__ and float.__repr__, as the json encoder calls them */
+            if ((numbers[n] = PyObject_Repr(value)) == NULL)
+                goto done;
+            length += PyUnicode_GET_LENGTH(numbers[n]);
+        }
+        else
+            goto elsewhere;
+        n++;
+    }
+    if ((out = PyUnicode_New(length, maxchar)) == NULL)
+        goto done;
+    Writer w = {PyUnicode_KIND(out), PyUnicode_DATA(out), 0};
+    put(&w, '{');
+    pos = 0;
+    for (Py_ssize_t i = 0; PyDict_Next(attrs, &pos, &key, &value); i++) {
+        if (i > 0)
+            put(&w, ',');
+        put_json_text(&w, key);
+        put(&w, ':');
+        if (numbers[i] != NULL)
+            put_text(&w, numbers[i]);
+        else if (PyUnicode_CheckExact(value))
+            put_json_text(&w, value);
+        else
+            put_ascii(&w, value == Py_True ? "true" : value == Py_False ? "false" : "null");
+    }
+    put(&w, '}');
+    assert(w.at == length);
+    goto done;
+elsewhere:
+    out = PyObject_CallOneArg(dumps_fn, attrs);
+done:
+    for (Py_ssize_t i = 0; i < FLAT_MAX && i <= n; i++)
+        Py_XDECREF(numbers[i]);
+    return out;
+}
+
+/* rows.rows_as_tuples(records, shape_of(SpanRecord)): each record's fields in order, its role as
+ * the role's value and its attributes as JSON text. Records of record_type only. */
+static PyObject *
+span_rows(PyObject *self, PyObject *records)
+{
+    PyObject *seq, *out;
+    if (record_type == NULL || dumps_fn == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "configure() was not given the record type and dumps");
+    if ((seq = PySequence_Fast(records, "records: a sequence")) == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if ((out = PyList_New(count)) == NULL)
+        goto fail;
+    for (Py_ssize_t r = 0; r < count; r++) {
+        PyObject *record = PySequence_Fast_GET_ITEM(seq, r), *row;
+        if (Py_TYPE(record) != record_type) {
+            PyErr_Format(PyExc_TypeError, "records: %.100s, not a SpanRecord", Py_TYPE(record)->tp_name);
+            goto fail;
+        }
+        if ((row = PyTuple_New(N_FIELDS)) == NULL)
+            goto fail;
+        PyList_SET_ITEM(out, r, row);
+        for (int i = 0; i < N_FIELDS; i++) {
+            PyObject *value = *(PyObject **)((char *)record + field_offsets[i]);
+            if (value == NULL) {
+                PyErr_Format(PyExc_AttributeError, "a SpanRecord without its %s", field_names[i]);
+                goto fail;
+            }
+            if (i == F_ROLE) {
+                PyObject *roles[] = {role_engine, role_server, role_client, role_other};
+                PyObject *found = NULL;
+                for (int k = 0; k < 4 && found == NULL; k++)
+                    if (value == roles[k])
+                        found = Py_NewRef(role_values[k]);
+                value = found != NULL ? found : value == Py_None ? Py_NewRef(Py_None)
+                                                                 : PyObject_GetAttrString(value, "value");
+            }
+            else if (i == F_ATTRIBUTES)
+                value = PyDict_CheckExact(value) ? json_flat(value) : PyObject_CallOneArg(dumps_fn, value);
+            else
+                Py_INCREF(value);
+            if (value == NULL)
+                goto fail;
+            PyTuple_SET_ITEM(row, i, value);
+        }
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+/* rows.dumps_json(attrs) by json_flat: the same text (tests/test_normalize_compiled.py). */
+static PyObject *
+attributes_json(PyObject *self, PyObject *attrs)
+{
+    if (dumps_fn == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "configure_rows() was not called");
+    return PyDict_CheckExact(attrs) ? json_flat(attrs) : PyObject_CallOneArg(dumps_fn, attrs);
+}
+
+static PyObject *
+configure_rows(PyObject *self, PyObject *args)
+{
+    PyObject *dumps, *values;
+    if (!PyArg_ParseTuple(args, "OO!:configure_rows", &dumps, &PyTuple_Type, &values))
+        return NULL;
+    if (!PyCallable_Check(dumps) || PyTuple_GET_SIZE(values) != 4)
+        return PyErr_Format(PyExc_TypeError, "configure_rows(dumps, the 4 roles' values)");
+    if (record_type == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "configure() was not given the record type");
+    for (int i = 0; i < 4; i++)
+        Py_XSETREF(role_values[i], Py_NewRef(PyTuple_GET_ITEM(values, i)));
+    Py_XSETREF(dumps_fn, Py_NewRef(dumps));
+    Py_RETURN_NONE;
+}
+
 /* -- set-up ---------------------------------------------------------------------------------------- */
 static int
 texts_of(PyObject *tuple, Py_ssize_t size, const char *what)
@@ -591,6 +817,10 @@ static PyMethodDef methods[] = {
     {"build_span", (PyCFunction)(void (*)(void))build_span, METH_FASTCALL,
      "build_span(head, name, kind_code, status_code, attrs, dropped, service, host, process_pid) -> SpanRecord;"
      " as normalize.build_span."},
+    {"configure_rows", configure_rows, METH_VARARGS,
+     "configure_rows(dumps, role_values): rows.dumps_json and the roles' values, after configure()."},
+    {"span_rows", span_rows, METH_O, "span_rows(records) -> [row tuple]; as rows.rows_as_tuples of SpanRecords."},
+    {"attributes_json", attributes_json, METH_O, "attributes_json(attrs) -> str; as rows.dumps_json."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -22,6 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from auditor.model import SpanRecord, SpanRole
 from auditor.semconv import PEER_ADDR_KEYS, PEER_PORT_KEYS, SERVER_PORT_KEYS
+from auditor.store.rows import _enum_value, dumps_json, shape_of, use_batch_rows
 from collectors.attributes import (
     as_count,
     as_float,
@@ -394,7 +395,31 @@ def _compiled() -> Any:
     except Exception as exc:  # a rule's data this builder cannot hold: build_span builds
         log.warning("the compiled span builder could not be set up (%s); records are built in Python", exc)
         return None
+    global _compiled_rows
+    _compiled_rows = _compiled_row_maker(_normalize)
+    use_batch_rows(SpanRecord, _compiled_rows)
     return _normalize.build_span
+
+
+_compiled_rows: Any = None
+
+
+def _compiled_row_maker(compiled: Any) -> Any:
+    """The compiled maker of the store's span rows, where the store makes them as it expects: the
+    record's fields in order, its role as the role's value, its attributes as ``dumps_json`` text
+    (``auditor.store.rows.shape_of``); else None (the rows are made in Python)."""
+    shape = shape_of(SpanRecord)
+    expected = ((_SPAN_FIELDS.index("role"), _enum_value), (_SPAN_FIELDS.index("attributes"), dumps_json))
+    if shape.names != _SPAN_FIELDS or shape.converters != expected:
+        log.warning("the store's span rows are not as the compiled row maker makes them; made in Python")
+        return None
+    try:
+        compiled.configure_rows(dumps_json, tuple(role.value for role in (
+            SpanRole.ENGINE, SpanRole.HTTP_SERVER, SpanRole.HTTP_CLIENT, SpanRole.OTHER)))
+    except Exception as exc:  # e.g. configure() without the record type: the rows are made in Python
+        log.warning("the compiled span row maker could not be set up (%s); rows are made in Python", exc)
+        return None
+    return compiled.span_rows
 
 
 BUILDERS: dict[str, Callable[..., SpanRecord]] = {"python": build_span}
@@ -410,6 +435,8 @@ def builder() -> str:
 
 
 def use_builder(name: str) -> None:
-    """Build records with the named builder of BUILDERS (tests and benches compare the two)."""
+    """Build records, and the store's rows of them, with the named builder of BUILDERS (tests and
+    benches compare the two)."""
     global _build
     _build = BUILDERS[name]
+    use_batch_rows(SpanRecord, _compiled_rows if name == "compiled" else None)

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from auditor.model import SpanRecord
+from auditor.model import SpanRecord, SpanRole
 from auditor.semconv import GENAI_OPERATION
 from collectors import normalize
 from collectors.attributes import configure_engine_spans
@@ -217,3 +217,65 @@ def _configuration() -> tuple[Any, ...]:
         patch.setattr(_normalize, "configure", lambda *args: captured.append(args))
         normalize._compiled()
     return captured[0]
+
+
+# -- the store's rows of spans -------------------------------------------------------------------
+JSON_TEXTS = st.text(alphabet=st.characters(codec="utf-8") | st.sampled_from('"\\\b\f\n\r\t\x00\x1f\x7f/'),
+                     max_size=8)
+JSON_VALUES = st.one_of(JSON_TEXTS, st.integers(), st.sampled_from([2**70, -2**70, True, False, None]),
+                        st.floats(), st.lists(st.integers(), max_size=2),
+                        st.dictionaries(JSON_TEXTS, st.integers(), max_size=2))
+
+
+def _rows_both(records: list[SpanRecord]) -> list[tuple[Any, ...]]:
+    from auditor.store.rows import rows_as_tuples, shape_of, use_batch_rows
+
+    try:
+        use_batch_rows(SpanRecord, None)
+        python = rows_as_tuples(records, shape_of(SpanRecord))
+    finally:
+        use_batch_rows(SpanRecord, normalize._compiled_rows)
+    compiled = rows_as_tuples(records, shape_of(SpanRecord))
+    assert repr(compiled) == repr(python)
+    return python
+
+
+needs_compiled_rows = pytest.mark.skipif(normalize._compiled_rows is None,
+                                         reason="the compiled span row maker is not set up here")
+
+
+@needs_compiled_rows
+@CASES
+@given(attrs=st.dictionaries(JSON_TEXTS | st.sampled_from(["http.flavor", "a\u00e9\u4e2d\U0001f600"]), JSON_VALUES,
+                             max_size=6), role=st.sampled_from(list(SpanRole)))
+def test_the_compiled_rows_are_the_store_s_rows(attrs: dict[str, Any], role: SpanRole) -> None:
+    """Every value type JSON has (texts with every character it escapes, and wide ones; ints past
+    64 bits; NaN, which the text writer leaves to json), in the row the store inserts."""
+    from collectors import _normalize
+
+    head = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b8", None, 1_000, 2_000)
+    record = normalize.BUILDERS["python"](head, "POST", 2, None, {}, 0, "svc", "gpu-1", None)
+    record = dataclasses.replace(record, role=role, attributes=attrs)
+    (row,) = _rows_both([record])
+    assert _normalize.attributes_json(attrs) == row[normalize._SPAN_FIELDS.index("attributes")]
+
+
+@needs_compiled_rows
+def test_the_compiled_rows_of_normalized_spans() -> None:
+    """The rows of the spans engines send, as normalized; and no record of another type."""
+    import sys
+    from pathlib import Path
+
+    from auditor.store.rows import rows_as_tuples, shape_of
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    try:
+        import ingest
+    finally:
+        sys.path.pop(0)
+    bodies = ingest.Bodies(64, seed=3)
+    records = [span for _ in range(4) for span in normalize.normalize_body(bodies.next(), service_host="h").spans]
+    rows = _rows_both(records)
+    assert len(rows) == 256 and rows[0][normalize._SPAN_FIELDS.index("role")] in ("engine", "http_server")
+    with pytest.raises(TypeError, match="not a SpanRecord"):
+        rows_as_tuples([*records[:1], ("a", "tuple")], shape_of(SpanRecord))

@@ -23,6 +23,7 @@ class Shape:
     enums: tuple[str, ...]
     converters: tuple[tuple[int, Any], ...]  # (position, function) for the tuple path
     row: Any = None  # one record to its row tuple, converters applied (the tuple path)
+    batch: Any = None  # records to their row tuples, all at once (a compiled maker: use_batch_rows)
 
 
 _SHAPES: dict[type, Shape] = {}
@@ -67,6 +68,13 @@ def shape_of(cls: type) -> Shape:
     return shape
 
 
+def use_batch_rows(cls: type, make_rows: Any) -> None:
+    """Make ``cls``'s row tuples with ``make_rows(records)`` (a compiled maker giving the same rows
+    as ``rows_as_tuples``: ``collectors.normalize`` offers one for SpanRecord), or, with None, in
+    Python again."""
+    _SHAPES[cls] = dataclasses.replace(shape_of(cls), batch=make_rows)
+
+
 def _row_maker(names: tuple[str, ...], converters: tuple[tuple[int, Any], ...]) -> Any:
     """``record -> row tuple`` as one generated expression, ``(r.a, convert(r.b), ...)``: reading
     the fields by name and converting in place costs about half of collecting them with an
@@ -107,6 +115,9 @@ def row_dict(record: Any) -> dict[str, Any]:
 def rows_as_tuples(records: Iterable[Any], shape: Shape) -> list[tuple[Any, ...]]:
     """Records as plain tuples in ``shape.names`` order, for the driver's executemany: the hot path
     of every batch insert on SQLite, where building a dict per row costs more than the insert."""
+    if shape.batch is not None:
+        rows: list[tuple[Any, ...]] = shape.batch(records)
+        return rows
     getter, converters = shape.getter, shape.converters
     if not converters:
         return [getter(r) for r in records]
