@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from auditor.model import SpanRecord, SpanRole
 from auditor.semconv import PEER_ADDR_KEYS, PEER_PORT_KEYS, SERVER_PORT_KEYS
-from auditor.store.rows import _enum_value, dumps_json, shape_of, use_batch_rows
+from auditor.store import dumps_json, row_layout, use_batch_rows
 from collectors.attributes import (
     as_count,
     as_float,
@@ -407,10 +407,8 @@ _compiled_rows: Any = None
 def _compiled_row_maker(compiled: Any) -> Any:
     """The compiled maker of the store's span rows, where the store makes them as it expects: the
     record's fields in order, its role as the role's value, its attributes as ``dumps_json`` text
-    (``auditor.store.rows.shape_of``); else None (the rows are made in Python)."""
-    shape = shape_of(SpanRecord)
-    expected = ((_SPAN_FIELDS.index("role"), _enum_value), (_SPAN_FIELDS.index("attributes"), dumps_json))
-    if shape.names != _SPAN_FIELDS or shape.converters != expected:
+    (``auditor.store.row_layout``); else None (the rows are made in Python)."""
+    if row_layout(SpanRecord) != (_SPAN_FIELDS, {"role": "enum value", "attributes": "json"}):
         log.warning("the store's span rows are not as the compiled row maker makes them; made in Python")
         return None
     try:

@@ -26,8 +26,7 @@ from sqlalchemy.orm import aliased
 
 from auditor.errors import AuditorError
 from auditor.model import NEAR_MINUTES, SpanRole, minutes_around
-from auditor.store import CapturedRequestRow, CaptureRow, SpanRow, Store, VerdictRow
-from auditor.store.spankeys import found_near
+from auditor.store import CapturedRequestRow, CaptureRow, SpanRow, Store, VerdictRow, found_near
 
 DEFAULT_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"

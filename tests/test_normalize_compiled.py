@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import shutil
-import sysconfig
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +23,7 @@ from auditor.model import SpanRecord, SpanRole
 from auditor.semconv import GENAI_OPERATION
 from collectors import normalize
 from collectors.attributes import configure_engine_spans
+from tests.test_otlp_wire_compiled import missing_build_tools
 
 CASES = settings(derandomize=True, deadline=None, database=None, max_examples=1500,
                  suppress_health_check=list(HealthCheck))
@@ -98,10 +96,9 @@ def _engine_names() -> Iterator[None]:
 def test_the_compiled_builder_is_built_where_it_can_be() -> None:
     """Where a C compiler and Python's headers are, the install builds the compiled builder and
     records are built by it: a build that fails there must fail this test, not pass unseen."""
-    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
-    compiler = shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0])
-    if not (headers and compiler):
-        pytest.skip(f"no {'C compiler' if headers else 'Python headers'} here: records are built in Python")
+    missing = missing_build_tools()
+    if missing:
+        pytest.skip(f"no {missing} here: records are built in Python")
     assert "compiled" in normalize.BUILDERS, "the install did not build collectors/_normalize.c"
     assert normalize.builder() == "compiled"
 

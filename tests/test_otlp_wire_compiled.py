@@ -25,13 +25,20 @@ from collectors.otlp_wire import Unusual
 from tests.test_otlp_wire import CASES, _body, _field, _mutate, _requests, _span_bytes
 
 
+def missing_build_tools() -> str | None:
+    """What this host lacks to build the project's C extensions at install ("C compiler" or
+    "Python headers"), or None where it has both."""
+    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    compiler = shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0])
+    return None if headers and compiler else "C compiler" if headers else "Python headers"
+
+
 def test_the_compiled_reader_is_built_where_it_can_be() -> None:
     """Where a C compiler and Python's headers are, the install builds the compiled reader and
     bodies are read by it: a build that fails there must fail this test, not pass unseen."""
-    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
-    compiler = shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0])
-    if not (headers and compiler):
-        pytest.skip(f"no {'C compiler' if headers else 'Python headers'} here: the Python reader reads bodies")
+    missing = missing_build_tools()
+    if missing:
+        pytest.skip(f"no {missing} here: the Python reader reads bodies")
     assert "compiled" in otlp_wire.READERS, "the install did not build collectors/_otlp_wire.c"
     assert otlp_wire.reader() == "compiled"
 

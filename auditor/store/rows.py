@@ -68,6 +68,14 @@ def shape_of(cls: type) -> Shape:
     return shape
 
 
+def row_layout(cls: type) -> tuple[tuple[str, ...], dict[str, str]]:
+    """``cls``'s row tuple as the SQLite insert takes it: its field names in order, and how each
+    converted field is converted ("enum value", or "json" for ``dumps_json`` text)."""
+    shape = shape_of(cls)
+    kinds = {_enum_value: "enum value", dumps_json: "json"}
+    return shape.names, {shape.names[i]: kinds.get(convert, repr(convert)) for i, convert in shape.converters}
+
+
 def use_batch_rows(cls: type, make_rows: Any) -> None:
     """Make ``cls``'s row tuples with ``make_rows(records)`` (a compiled maker giving the same rows
     as ``rows_as_tuples``: ``collectors.normalize`` offers one for SpanRecord), or, with None, in
