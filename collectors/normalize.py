@@ -72,12 +72,9 @@ GENAI_REQUEST_ID_KEY = "gen_ai.request.id"
 MAX_TOKENS_KEY = "gen_ai.request.max_tokens"
 TIME_IN_QUEUE_KEY = "gen_ai.latency.time_in_queue"
 TIME_TO_FIRST_TOKEN_KEY = "gen_ai.latency.time_to_first_token"
-_GENAI_KEYS = frozenset({
-    "gen_ai.request.id", "gen_ai.response.finish_reasons", "gen_ai.response.finish_reason",
-    "gen_ai.response.model", "gen_ai.request.model", "gen_ai.usage.prompt_tokens",
-    "gen_ai.usage.input_tokens", "gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens",
-    "gen_ai.request.max_tokens", "gen_ai.latency.time_in_queue", "gen_ai.latency.time_to_first_token",
-})
+# Any of these makes a span's engine columns worth reading.
+_GENAI_KEYS = frozenset({GENAI_REQUEST_ID_KEY, *FINISH_KEYS, *MODEL_KEYS, *PROMPT_KEYS, *COMPLETION_KEYS,
+                         MAX_TOKENS_KEY, TIME_IN_QUEUE_KEY, TIME_TO_FIRST_TOKEN_KEY})
 
 
 @dataclass
