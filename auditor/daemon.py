@@ -46,6 +46,9 @@ EVENT_FLUSH_BACKSTOP_S = 1.0
 # transaction per sampler tick (10 Hz): a commit costs far more than the sample. The sampler
 # commits on its own only when rounds stop coming (a wedged or failing correlator).
 SAMPLE_BACKSTOP_S = 5.0
+# The least time between a correlation round and an extra one run for an in-flight alarm: bounds
+# the extra rounds to a few a second however many clients leave running work.
+ALARM_ROUND_GAP_S = 0.2
 
 
 @dataclass
@@ -326,6 +329,9 @@ class Daemon:
             self._departed(departed)
 
     def _correlate_loop(self) -> None:
+        """Rounds on a fixed schedule (correlate.interval_seconds), and one in between when a request
+        whose work still runs leaves its grace before the next: its in-flight alarm then waits for
+        no scheduled round. Rounds are at least ALARM_ROUND_GAP_S apart."""
         interval = self.config.correlate.interval_seconds
         watchdog_usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
         next_tick = time.monotonic()
@@ -333,11 +339,15 @@ class Daemon:
             self.correlate_once()
             if watchdog_usec and self._ready.is_set():
                 notify_systemd("WATCHDOG=1")
-            next_tick += interval
-            delay = next_tick - time.monotonic()
-            if delay < 0:  # skip missed ticks rather than bursting to catch up
-                next_tick = time.monotonic()
-                delay = 0
+            now = time.monotonic()
+            if now >= next_tick:  # the scheduled round (an extra one that ran past it counts as it)
+                next_tick += interval
+                if next_tick < now:  # skip missed ticks rather than bursting to catch up
+                    next_tick = now
+            delay = next_tick - now
+            due = self.correlator.alarm_due_ns
+            if due is not None and not self._failing:  # a failed round's is not trusted
+                delay = min(delay, max((due - time.time_ns()) / 1e9, ALARM_ROUND_GAP_S))
             self._stop.wait(delay)
 
     def _retention_loop(self) -> None:

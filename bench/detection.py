@@ -12,8 +12,9 @@ engine over loopback, as root (eBPF):
    the load's verdicts against the engine's truth log (a verdict judged otherwise than the engine
    saw it, or a finding for a request that finished with its client, is listed).
 
-With ``--compare REV`` only the load runs, alternately for the code of git revision REV and the
-working tree (fresh daemons each run, same engines), and the medians are printed side by side.
+With ``--compare REV`` the load runs alternately for the code of git revision REV and the working
+tree (fresh daemons each run, same engines), and the medians are printed side by side; with
+``--alarms N`` as well, each of those daemons first takes N alarms, pooled by tree.
 With ``--live-load`` the load's engine also sends live notices (auditor.live), as a server
 instrumented with them does.
 
@@ -31,6 +32,7 @@ import contextlib
 import functools
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -189,6 +191,9 @@ def measure_alarms(db: Path, engine_port: int, metrics_port: int, count: int) ->
         request_id = f"alarm-{index}"
         gauge_before = metric(scrape(metrics_port), "auditor_inflight_zombies")
         zombies_before = metric(scrape(metrics_port), "auditor_disconnect_verdicts_total")
+        # Each close at a random moment of the daemon's 1 s round: started right after the round
+        # that settled the last one, every alarm would meet the rounds at the same phase.
+        time.sleep(random.uniform(0.0, 1.0))
         cancel_one(engine_port, request_id, 0.3, max_tokens=400)  # zombies of ~4 s: longer than a round
         seen_store, seen_metrics = first_seen(db, request_id, "inflight_zombie", metrics_port,
                                               "auditor_inflight_zombies", gauge_before, timeout_s=10)
@@ -450,6 +455,18 @@ def print_latencies(latencies: dict[str, list[float]], count: int) -> None:
               f"{max(values):>9.3f}   {target}")
 
 
+def print_alarm_comparison(alarms: dict[str, dict[str, list[float]]], count: int) -> None:
+    labels = list(alarms)
+    print(f"\nDetection latency, side by side (grace {GRACE_S} s; {count} zombies a tree, live notices on; "
+          f"target: alarm p99 <= {GRACE_S + 1:.1f} s)")
+    print(f"  {'measure, s':<30}" + "".join(f"{label:>16}" for label in labels))
+    for name in dict.fromkeys(name for by_name in alarms.values() for name in by_name):
+        for stat, value in (("p50", statistics.median), ("p99", lambda v: percentile(v, 0.99)), ("max", max)):
+            cells = [f"{value(alarms[label][name]):.3f}" if alarms[label].get(name) else "-" for label in labels]
+            print(f"  {name + ' ' + stat:<30}" + "".join(f"{cell:>16}" for cell in cells))
+        print(f"  {name + ' n':<30}" + "".join(f"{len(alarms[label].get(name, [])):>16}" for label in labels))
+
+
 def _thread_share(name: str, run: dict[str, Any]) -> float:
     return float(run["threads"].get(name, 0.0))
 
@@ -490,7 +507,8 @@ def print_comparison(results: dict[str, list[dict[str, Any]]], args: argparse.Na
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--alarms", type=int, default=15)
+    parser.add_argument("--alarms", type=int, help="in-flight alarms to time (default 15; 0 with --compare): "
+                        "each a client leaving at a random moment of the daemon's round")
     parser.add_argument("--load-seconds", type=float, default=20)
     parser.add_argument("--rate", type=float, default=100)
     parser.add_argument("--cancel-every", type=int, default=10, metavar="N",
@@ -501,7 +519,7 @@ def main() -> int:
                         "doubled its CPU)")
     parser.add_argument("--profile-rate", type=int, default=250, help="py-spy samples per second with --profile")
     parser.add_argument("--compare", metavar="REV", help="also load a daemon of git revision REV's code, "
-                        "alternating with the working tree's (latency is not measured then)")
+                        "alternating with the working tree's (latency only with --alarms)")
     parser.add_argument("--rounds", type=int, default=3, help="load runs of each tree with --compare")
     parser.add_argument("--live-load", action="store_true", help="the load's engine sends live notices too")
     parser.add_argument("--otlp", choices=("http", "grpc"), default="http",
@@ -522,6 +540,8 @@ def main() -> int:
                         help="keep the database and the load engine's truth log when a verdict disagrees "
                              "with the truth log (their folder is printed)")
     args = parser.parse_args()
+    if args.alarms is None:
+        args.alarms = 0 if args.compare else 15
     if args.cancel_every < 1:
         parser.error("--cancel-every must be 1 or more")
     if os.geteuid() != 0 and args.source == "bpf":
@@ -560,15 +580,20 @@ def main() -> int:
                 print(f"  kept: {work}")
             return 0
         results: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
+        alarms: dict[str, dict[str, list[float]]] = {label: {} for label in trees}
         for round_no in range(1, args.rounds + 1):
             for index, (label, tree) in enumerate(trees.items()):
                 db = work / f"auditor-{round_no}-{index}.db"
                 with running_daemon(tree, db, ports, otlp, metrics_port, live, args.otlp, args.source) as daemon:
                     time.sleep(2)  # past start-up
+                    for name, values in measure_alarms(db, zombie_engine.port, metrics_port, args.alarms).items():
+                        alarms[label].setdefault(name, []).extend(values)
                     results[label].append(measure_load(daemon, db, busy_engine.port, args, metrics_port))
                 print(f"round {round_no} {label:<14} {results[label][-1]['cpu_percent']:.2f} % of one core, "
                       f"{results[label][-1]['rss']:.1f} MiB", flush=True)
     print_comparison(results, args)
+    if args.alarms:
+        print_alarm_comparison(alarms, args.alarms * args.rounds)
     return 0
 
 

@@ -324,14 +324,17 @@ def test_live_notice_gives_inflight_zombie_before_any_span(store: Store) -> None
     start = LiveEvent("start", "9" * 32, "8" * 16, "POST", "server", T0, CLIENT[0], CLIENT[1], SERVER_PORT,
                       123, "engine", False)
     correlator.tick([start])
+    assert correlator.alarm_due_ns is None
     store.insert_conn_events([close(1.0)])
     clock.now = T0 + int(1.2 * S)
     correlator.tick()
     assert verdicts(store) == []  # within grace
-    clock.now = T0 + int(1.6 * S)
+    # Its work still runs: the alarm is due as its grace ends, and the daemon runs a round then.
+    assert correlator.alarm_due_ns == T0 + int(1.5 * S) + 1
+    clock.now = T0 + int(1.5 * S) + 1
     correlator.tick()
     [row] = verdicts(store)
-    assert row.verdict == "inflight_zombie"
+    assert row.verdict == "inflight_zombie" and correlator.alarm_due_ns is None
     # The work ends; its spans arrive; the live-only verdict becomes a zombie under the span's key.
     end = LiveEvent("end", "9" * 32, "8" * 16, "POST", "server", T0 + 3 * S, None, None, None, 123, "engine", False)
     store.insert_spans([http_span("9", 0, 3.0, span="8"), engine_span("9", 0, 3.0, "length")])

@@ -171,6 +171,10 @@ class Correlator:
         self._unchecked_spans: list[tuple[int, int, SpanRecord]] = []
         self._unchecked_seq = itertools.count()  # ties on the end go by arrival
         self._touched: set[str] = set()  # traces with new evidence this round
+        # The earliest moment a request judged this round, its work still running, leaves its grace
+        # and becomes an in-flight zombie (evaluate sets it): the daemon runs a round then rather
+        # than at its next scheduled one, so that an alarm waits for no round (docs/daemon.md).
+        self.alarm_due_ns: int | None = None
         # Connections with a new span, kernel event or live notice of their server span this round.
         self._news: set[Tuple4] = set()
         self._news_ns: int | None = None  # the oldest moment new evidence concerns, since the last evaluation
@@ -382,6 +386,7 @@ class Correlator:
         self._check_unjoined_spans(now)
         changed: list[tuple[OpenRequest, RequestVerdict]] = []
         news = self._take_news()
+        self.alarm_due_ns = None
         cpu.mark("join")
         try:
             # Chosen first, in one pass (the hundreds waiting out their late-span window are tested
@@ -621,6 +626,11 @@ class Correlator:
         spans, or their start notices while the spans have not arrived."""
         until = ts_ns if until_ns is None else max(ts_ns, until_ns)
         return self.spans.server_spans_on(port, ts_ns, until, also=self.live.running_on(port, ts_ns, until))
+
+    def alarm_at(self, ts_ns: int) -> None:
+        """A request judged this round becomes an in-flight zombie at ``ts_ns`` if nothing changes."""
+        if self.alarm_due_ns is None or ts_ns < self.alarm_due_ns:
+            self.alarm_due_ns = ts_ns
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _settle(self, now: int) -> int | None:

@@ -56,6 +56,8 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now, started_ns=started,
                                completed_by=completed, work_stopped_known=known), corr.grace_seconds)
     if decision is None:
+        if work_end is None:  # still running, inside its grace: the alarm is due when the grace ends
+            corr.alarm_at(origin.ts_ns + int(corr.grace_seconds * 1e9) + 1)
         return None
     if completed is not None:
         details["evidence"], provisional = completed, False
