@@ -1,5 +1,6 @@
 """The daemon's live-notice receiver on a real UDP socket: notices are queued, garbage is counted,
-an idle receiver sleeps in its read (no wake-ups), and stop ends that read at once."""
+an idle receiver sleeps in its read (no wake-ups), a busy one reads in batches, and stop ends
+either wait at once."""
 
 from __future__ import annotations
 
@@ -44,6 +45,46 @@ def test_notices_are_queued_garbage_is_counted_and_an_idle_receiver_sleeps_until
         receiver.stop()
         assert not receiver._thread.is_alive()
         assert time.monotonic() - started < 1.0
+    finally:
+        sender.close()
+        receiver.stop()
+
+
+def test_a_burst_is_read_in_batches_and_nothing_is_lost() -> None:
+    """Notices sent faster than the gathering wait are taken many to a wake-up, all of them, in
+    the order sent; a full queue counts what it drops instead of growing."""
+    receiver = LiveReceiver("127.0.0.1", 0, max_queue=1_500)
+    receiver.start()
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for index in range(1_000):
+            sender.sendto(notice("start" if index % 2 == 0 else "end"), ("127.0.0.1", receiver.port))
+            if index % 100 == 99:
+                time.sleep(0.01)  # paced a little, as a server sends: the buffer never fills
+        assert wait_for(lambda: receiver.received == 1_000, 5, 0.01), receiver.received
+        events = receiver.drain()
+        assert [event.event for event in events] == ["start", "end"] * 500
+        assert receiver.wakeups < 100, receiver.wakeups  # about one a gathering wait, not one a notice
+
+        for _ in range(2_000):  # undrained: the queue holds 1,500 and counts the rest dropped
+            sender.sendto(notice(), ("127.0.0.1", receiver.port))
+        assert wait_for(lambda: receiver.received == 3_000, 5, 0.01), receiver.received
+        assert len(receiver.drain()) == 1_500 and receiver.dropped == 500
+    finally:
+        sender.close()
+        receiver.stop()
+
+
+def test_stop_ends_the_gathering_wait_at_once() -> None:
+    receiver = LiveReceiver("127.0.0.1", 0, gather_s=30.0)
+    receiver.start()
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sender.sendto(notice(), ("127.0.0.1", receiver.port))
+        assert wait_for(lambda: receiver.received == 1, 5, 0.01)
+        started = time.monotonic()
+        receiver.stop()
+        assert not receiver._thread.is_alive() and time.monotonic() - started < 1.0
     finally:
         sender.close()
         receiver.stop()
