@@ -437,6 +437,9 @@ class Daemon:
         event_writer = self._parts.get("event_writer")
         if event_writer is not None:
             readings.store_write_errors["conn_events"] = event_writer.write_errors
+        live = self._parts.get("live")
+        if live is not None:
+            readings.live_notices = {"accepted": live.received, "rejected": live.rejected, "dropped": live.dropped}
         return readings
 
     def _find_engines(self) -> set[int]:

@@ -52,6 +52,9 @@ class SourceReadings:
     spans_received: int = 0
     ingest_queue_spans: int = 0
     store_write_errors: dict[str, int] = field(default_factory=dict)  # by writer
+    # Live notices by what became of them (accepted, rejected: not a notice, dropped: queue full);
+    # empty without a live receiver.
+    live_notices: dict[str, int] = field(default_factory=dict)
     # The eBPF probe's programs, per tracepoint: (kernel ns, runs), counted by the kernel only while
     # kernel.bpf_stats_enabled is 1 (probe_run_stats; None: unreadable). Empty with other sources.
     probe_runs: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -243,6 +246,12 @@ def readings_families(r: SourceReadings) -> Iterator[Metric]:
     for writer, count in sorted(r.store_write_errors.items()):
         errors.add_metric([writer], count)
     yield errors
+    if r.live_notices:
+        notices = CounterMetricFamily("auditor_live_notices", "Live notices received (accepted; rejected: not a "
+                                      "notice; dropped: the queue was full)", labels=["result"])
+        for result, count in r.live_notices.items():
+            notices.add_metric([result], count)
+        yield notices
     if r.probe_runs:
         yield from _probe_runs_families(r)
     if r.correlation_cpu:

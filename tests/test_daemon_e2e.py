@@ -132,6 +132,8 @@ def test_live_notices_flag_a_zombie_while_it_runs(tmp_path: Path) -> None:
         assert wait_for(lambda: [r.verdict for r in verdict_rows(daemon)] == ["inflight_zombie"],
                         timeout_s=30, interval_s=0.02)
         [flagged] = verdict_rows(daemon)
+        notices = daemon.readings().live_notices  # as /metrics shows them
+        assert notices["accepted"] >= 2 and notices["rejected"] == notices["dropped"] == 0, notices
         # When the work finally ends, the same request becomes a zombie with its full lag: it was
         # flagged while its work still ran (how soon is bench/detection.py's figure).
         assert wait_for(lambda: [r.verdict for r in verdict_rows(daemon)] == ["zombie"], timeout_s=60)
