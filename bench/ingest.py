@@ -41,6 +41,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 import threading
@@ -479,7 +480,23 @@ def export_tree(rev: str, into: Path) -> Path:
                               "probes", "replay"], check=True, capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(into, filter="data")
+    build_extensions(into)
     return into
+
+
+def build_extensions(tree: Path) -> None:
+    """Compile the tree's C extensions (collectors/_*.c) in place, as ``make setup`` builds them for
+    the working tree: without them an old tree would run its Python twins, and compare unfairly.
+    One that does not compile is said, and that tree runs the Python twin."""
+    include = sysconfig.get_paths()["include"]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    for source in sorted((tree / "collectors").glob("_*.c")):
+        target = source.with_name(source.stem + suffix)
+        built = subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-fwrapv", f"-I{include}", str(source),
+                                "-o", str(target)], capture_output=True, text=True)
+        if built.returncode != 0:
+            print(f"{tree}: {source.name} did not compile, the Python twin runs there: "
+                  f"{built.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
 
 
 def compare(args: argparse.Namespace) -> None:
