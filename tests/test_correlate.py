@@ -344,6 +344,51 @@ def test_live_notice_gives_inflight_zombie_before_any_span(store: Store) -> None
     assert row.verdict == "zombie" and abs(row.lag_seconds - 2.0) < 1e-6
 
 
+def test_a_live_notice_of_a_later_connection_on_a_reused_port_does_not_take_an_idle_close(store: Store) -> None:
+    """An idle keep-alive connection closed (the client's FIN, the server's close at once); seconds
+    later a new connection from the same client port carries a request that finishes with its
+    client. The old close, waiting out its window, is not that request's: the server's close came
+    in between (as for spans, TraceIndex.in_flight). Seen under load with live notices, where every
+    reused port gave a false 'aborted' for a request that completed."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_conn_events([close(1.0), close(1.0001, ConnEventKind.CLOSED)])
+    clock.now = T0 + int(1.2 * S)
+    correlator.tick()
+    start = LiveEvent("start", "9" * 32, "8" * 16, "POST", "server", T0 + 3 * S, CLIENT[0], CLIENT[1], SERVER_PORT,
+                      123, "engine", False)
+    clock.now = T0 + int(3.1 * S)
+    correlator.tick([start])
+    clock.now = T0 + int(4.0 * S)
+    correlator.tick()
+    assert verdicts(store) == [] and correlator.alarm_due_ns is None
+    end = LiveEvent("end", "9" * 32, "8" * 16, "POST", "server", T0 + int(3.2 * S), None, None, None, 123, "engine",
+                    False)
+    store.insert_spans([http_span("9", 3.0, 3.2, span="8")])
+    store.insert_conn_events([close(3.21, ConnEventKind.LOCAL_FIN)])
+    clock.now = T0 + 12 * S  # past the late-span window
+    correlator.tick([end])
+    assert verdicts(store) == []
+    assert coverage(store, "idle_close") + coverage(store, "unjoined_disconnect") == 1
+
+
+def test_a_client_that_sent_and_left_is_joined_to_the_live_notice_of_its_unread_request(store: Store) -> None:
+    """The client wrote its request and closed at once; the server took it up 0.3 s later: no
+    close of the server's socket in between, so the FIN joins the notice's span, which still runs."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_conn_events([close(1.0)])
+    start = LiveEvent("start", "9" * 32, "8" * 16, "POST", "server", T0 + int(1.3 * S), CLIENT[0], CLIENT[1],
+                      SERVER_PORT, 123, "engine", False)
+    clock.now = T0 + int(1.4 * S)
+    correlator.tick([start])
+    assert verdicts(store) == [] and correlator.alarm_due_ns == T0 + int(1.5 * S) + 1
+    clock.now = T0 + int(2.0 * S)
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "inflight_zombie" and row.trace_id == "9" * 32
+
+
 def test_a_live_notice_after_the_close_joins_it(store: Store) -> None:
     """The close is read a round before the start notice of its server span (notices travel by
     UDP, kernel events through the store): the notice is news on that connection and joins it."""
@@ -383,11 +428,11 @@ def test_start_notices_leave_before_the_horizon_once_their_span_ended_end_times_
     # Keep-alive: two requests one after the other on one connection, a third still running on another.
     live.add([notice("start", "a", 0), notice("end", "a", 2), notice("start", "b", 3), notice("end", "b", 50),
               notice("start", "c", 1, port=CLIENT[1] + 1), notice("end", "e", 40, engine=True)])
-    assert live.in_flight_on(tuple4, T0 + 1 * S).trace_id == "a" * 32
+    assert live.in_flight_on(tuple4, T0 + 1 * S, (), 60 * S).trace_id == "a" * 32
     live.prune(T0 - 900 * S, ended_before_ns=T0 + 10 * S)
     assert [e.trace_id for e in live._by_tuple[tuple4]] == ["b" * 32]  # "a" ended before any waiting close
-    assert live.in_flight_on(tuple4, T0 + 40 * S).trace_id == "b" * 32
-    assert live.in_flight_on((CLIENT[0], CLIENT[1] + 1, SERVER_PORT), T0 + 60 * S).trace_id == "c" * 32
+    assert live.in_flight_on(tuple4, T0 + 40 * S, (), 60 * S).trace_id == "b" * 32
+    assert live.in_flight_on((CLIENT[0], CLIENT[1] + 1, SERVER_PORT), T0 + 60 * S, (), 60 * S).trace_id == "c" * 32
     assert live.span_end("a" * 32, "8" * 16) == T0 + 2 * S and live.engine_end("e" * 32) == T0 + 40 * S
     live.prune(T0 - 900 * S, ended_before_ns=T0 + 60 * S)
     assert list(live._by_tuple) == [(CLIENT[0], CLIENT[1] + 1, SERVER_PORT)]  # only the running one's

@@ -501,7 +501,7 @@ class Correlator:
                 self._join(disconnect, span)
                 self._pending.remove(disconnect)
                 continue
-            live = self.live.in_flight_on(disconnect.tuple4, disconnect.ts_ns)
+            live = self._live_in_flight(disconnect)
             if live is not None:  # known only live: keep it pending so the span, once here, joins it
                 request = self._open_request((live.trace_id, live.span_id))
                 request.add(disconnect)
@@ -593,6 +593,14 @@ class Correlator:
                                     self._closed_by_tuple.get(disconnect.tuple4, ()), self.late_ns,
                                     disconnect.earliest_ns, peer_fin=disconnect.kind == "fin",
                                     events_at=self._events_by_tuple.get(disconnect.tuple4, ()))
+
+    def _live_in_flight(self, disconnect: Disconnect) -> LiveEvent | None:
+        """As ``_span_in_flight``, from live notices: the same rules, so that a close waiting out its
+        window is not joined to a later connection's request on a reused client port."""
+        return self.live.in_flight_on(disconnect.tuple4, disconnect.ts_ns,
+                                      self._closed_by_tuple.get(disconnect.tuple4, ()), self.late_ns,
+                                      disconnect.earliest_ns, peer_fin=disconnect.kind == "fin",
+                                      events_at=self._events_by_tuple.get(disconnect.tuple4, ()))
 
     def _classify_unjoined(self, disconnect: Disconnect) -> CoverageKind:
         spans = self.spans.on_connection(disconnect.tuple4)

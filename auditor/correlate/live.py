@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 from auditor.correlate.ids import HexKey, SpanKey, hex_key, span_key
 from auditor.correlate.prune import drop_front
-from auditor.correlate.traces import Tuple4, norm_addr
+from auditor.correlate.traces import Tuple4, norm_addr, unread_before
 from auditor.model import LiveEvent
 
 
@@ -52,13 +53,25 @@ class LiveState:
         started = self._running.get((trace_id, span_id))
         return None if started is None else started.ts_ns
 
-    def in_flight_on(self, tuple4: Tuple4, ts_ns: int) -> LiveEvent | None:
-        """The server span running on this connection at ``ts_ns``, as far as notices tell."""
-        for live in self._by_tuple.get(tuple4, ()):
-            key = (live.trace_id, live.span_id)
-            if key in self._running or self._span_end.get(span_key(*key), 0) >= ts_ns:
-                return live
-        return None
+    def in_flight_on(self, tuple4: Tuple4, ts_ns: int, closed_at: Iterable[int], wait_ns: int,
+                     earliest_ns: int | None = None, *, peer_fin: bool = False,
+                     events_at: Iterable[int] = ()) -> LiveEvent | None:
+        """The server span in flight on this connection when the client left at ``ts_ns``, as far
+        as notices tell, by the rules of ``TraceIndex.in_flight`` (the same arguments): one running
+        then, the latest to start; else the first to start later, if the request was unread then
+        and the 4-tuple not reused in between (a client port comes round again within seconds)."""
+        lives = self._by_tuple.get(tuple4, ())
+        earliest = ts_ns if earliest_ns is None else min(earliest_ns, ts_ns)
+        running = [live for live in lives if live.ts_ns <= ts_ns and (
+            (live.trace_id, live.span_id) in self._running
+            or self._span_end.get(span_key(live.trace_id, live.span_id), 0) >= earliest)]
+        if running:
+            return max(running, key=lambda live: live.ts_ns)
+        later = [live for live in lives if ts_ns < live.ts_ns <= ts_ns + wait_ns]
+        if not later:
+            return None
+        first = min(later, key=lambda live: live.ts_ns)
+        return first if unread_before(ts_ns, first.ts_ns, closed_at, peer_fin=peer_fin, events_at=events_at) else None
 
     def running(self, trace_id: str, span_ids: set[str]) -> bool:
         """Whether any of these spans, or any engine work of the trace, is still running."""

@@ -136,6 +136,20 @@ class PortSpans:
         return bool(self._spans)
 
 
+def unread_before(ts_ns: int, start_ns: int, closed_at: Iterable[int], *, peer_fin: bool,
+                  events_at: Iterable[int]) -> bool:
+    """Whether a client that left at ``ts_ns``, before any span on its connection, left the request
+    of the first span that starts there later, at ``start_ns``, unread in the server's buffer
+    (``TraceIndex.in_flight`` says when); not, where the 4-tuple may have been reused in between."""
+    if peer_fin and start_ns - ts_ns < TIME_WAIT_REUSE_NS:
+        return True  # the client's TIME_WAIT holds the 4-tuple: no new connection can have it yet
+    if not peer_fin:  # a reset: any later event but its own close is another connection's
+        return start_ns - ts_ns < RESET_UNREAD_NS and not any(at > ts_ns + RESET_OWN_CLOSE_NS for at in events_at)
+    # After a FIN any close of the server's socket counts, however soon: a server that is idle on
+    # a keep-alive connection closes within a fraction of a millisecond of the FIN.
+    return not any(ts_ns <= closed <= start_ns for closed in closed_at)
+
+
 class TraceIndex:
     def __init__(self) -> None:
         self._by_trace: dict[str, dict[str, SpanRecord]] = defaultdict(dict)
@@ -242,17 +256,7 @@ class TraceIndex:
         if not later:
             return None
         first = min(later, key=lambda s: s.start_ns)
-        if peer_fin and first.start_ns - ts_ns < TIME_WAIT_REUSE_NS:
-            return first  # the client's TIME_WAIT holds the 4-tuple: no new connection can have it yet
-        if not peer_fin:  # a reset: any later event but its own close is another connection's
-            if first.start_ns - ts_ns >= RESET_UNREAD_NS or any(at > ts_ns + RESET_OWN_CLOSE_NS for at in events_at):
-                return None
-            return first
-        # After a FIN any close of the server's socket counts, however soon: a server that is idle
-        # on a keep-alive connection closes within a fraction of a millisecond of the FIN.
-        if any(ts_ns <= closed <= first.start_ns for closed in closed_at):
-            return None
-        return first
+        return first if unread_before(ts_ns, first.start_ns, closed_at, peer_fin=peer_fin, events_at=events_at) else None
 
     def peerless(self) -> list[SpanRecord]:
         """Unclaimed server spans without a peer address, oldest first."""
