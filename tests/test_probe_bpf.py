@@ -377,7 +377,14 @@ def test_burst_of_20000_connections_loses_nothing(probe: Probe) -> None:
     mine = probe.of(port)
     assert probe.source.lost_events() == lost_before == 0
     assert Counter(e.client_port for e in mine if e.kind == PEER_RST) == client_ports
-    assert not [e for e in mine if e.kind != PEER_RST]  # no reset's own close among 20,000
+    # A reset's own close is not reported, but where the kernel splits the two (a reset taken from
+    # the socket's backlog in process context, then preempted or moved) it is, by design: a record
+    # too many, never one missing (probes/disconnect.bpf.c). Seen about once in seven runs here.
+    resets = {(e.client_port, e.cookie): e.ts_ns for e in mine if e.kind == PEER_RST}
+    extra = [e for e in mine if e.kind != PEER_RST]
+    assert all(e.kind == CLOSED and resets.get((e.client_port, e.cookie), e.ts_ns + 1) <= e.ts_ns
+               for e in extra), extra  # each the close of a connection whose reset came first
+    assert len(extra) <= total // 1000, len(extra)
 
 
 def test_a_full_ring_buffer_counts_every_lost_event() -> None:
