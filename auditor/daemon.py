@@ -439,7 +439,8 @@ class Daemon:
             readings.store_write_errors["conn_events"] = event_writer.write_errors
         live = self._parts.get("live")
         if live is not None:
-            readings.live_notices = {"accepted": live.received, "rejected": live.rejected, "dropped": live.dropped}
+            readings.live_notices = {"accepted": live.received - live.dropped, "rejected": live.rejected,
+                                     "dropped": live.dropped}  # received counts the dropped too
         return readings
 
     def _find_engines(self) -> set[int]:
