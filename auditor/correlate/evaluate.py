@@ -18,6 +18,7 @@ from auditor.correlate.verdict import (
     CLOCK_ERROR_NS,
     Evidence,
     decide,
+    inflight_from,
     never_ran,
     phase_at,
     tokens_after_disconnect,
@@ -57,7 +58,7 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
                                completed_by=completed, work_stopped_known=known), corr.grace_seconds)
     if decision is None:
         if work_end is None:  # still running, inside its grace: the alarm is due when the grace ends
-            corr.alarm_at(origin.ts_ns + int(corr.grace_seconds * 1e9) + 1)
+            corr.alarm_at(inflight_from(origin.ts_ns, corr.grace_seconds))
         return None
     if completed is not None:
         details["evidence"], provisional = completed, False

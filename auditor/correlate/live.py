@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from auditor.correlate.ids import HexKey, SpanKey, hex_key, span_key
 from auditor.correlate.prune import drop_front
-from auditor.correlate.traces import Tuple4, norm_addr, unread_before
+from auditor.correlate.traces import Tuple4, in_flight_among, norm_addr
 from auditor.model import LiveEvent
 
 
@@ -60,18 +60,12 @@ class LiveState:
         as notices tell, by the rules of ``TraceIndex.in_flight`` (the same arguments): one running
         then, the latest to start; else the first to start later, if the request was unread then
         and the 4-tuple not reused in between (a client port comes round again within seconds)."""
-        lives = self._by_tuple.get(tuple4, ())
-        earliest = ts_ns if earliest_ns is None else min(earliest_ns, ts_ns)
-        running = [live for live in lives if live.ts_ns <= ts_ns and (
-            (live.trace_id, live.span_id) in self._running
-            or self._span_end.get(span_key(live.trace_id, live.span_id), 0) >= earliest)]
-        if running:
-            return max(running, key=lambda live: live.ts_ns)
-        later = [live for live in lives if ts_ns < live.ts_ns <= ts_ns + wait_ns]
-        if not later:
-            return None
-        first = min(later, key=lambda live: live.ts_ns)
-        return first if unread_before(ts_ns, first.ts_ns, closed_at, peer_fin=peer_fin, events_at=events_at) else None
+        def running_at(live: LiveEvent, at_ns: int) -> bool:
+            key = (live.trace_id, live.span_id)
+            return key in self._running or self._span_end.get(span_key(*key), 0) >= at_ns
+
+        return in_flight_among(self._by_tuple.get(tuple4, ()), _started, running_at, ts_ns, closed_at, wait_ns,
+                               earliest_ns, peer_fin=peer_fin, events_at=events_at)
 
     def running(self, trace_id: str, span_ids: set[str]) -> bool:
         """Whether any of these spans, or any engine work of the trace, is still running."""
@@ -118,3 +112,7 @@ class LiveState:
         # Both in the order the notices ended, give or take a clock: from the front.
         drop_front(self._span_end, lambda ended: ended < cutoff_ns)
         drop_front(self._engine_end, lambda ended: ended < cutoff_ns)
+
+
+def _started(live: LiveEvent) -> int:
+    return live.ts_ns

@@ -11,10 +11,13 @@ import bisect
 import functools
 import ipaddress
 from collections import defaultdict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 from auditor.correlate.waste import RunIndex
 from auditor.model import SpanRecord, SpanRole
+
+T = TypeVar("T")
 
 Tuple4 = tuple[str, int, int]  # (client address, client port, server port)
 # A reset moves the server's socket to CLOSE in the same softirq (tcp_reset -> tcp_done), a few
@@ -136,6 +139,34 @@ class PortSpans:
         return bool(self._spans)
 
 
+def in_flight_among(items: Iterable[T], start: Callable[[T], int], running_at: Callable[[T, int], bool],
+                    ts_ns: int, closed_at: Iterable[int], wait_ns: int, earliest_ns: int | None = None, *,
+                    peer_fin: bool, events_at: Iterable[int]) -> T | None:
+    """Of one connection's server spans (or their live notices), the one in flight when the client
+    left at ``ts_ns`` (``TraceIndex.in_flight`` tells the rules): one running at some moment of
+    [``earliest_ns``, ``ts_ns``], the latest to start; else the first to start within ``wait_ns``
+    after, if its request can have been unread then (``unread_before``). ``start(item)``: when it
+    started; ``running_at(item, ns)``: whether it had not ended by then."""
+    items = list(items)
+    earliest = ts_ns if earliest_ns is None else min(earliest_ns, ts_ns)
+    running = [item for item in items if start(item) <= ts_ns and running_at(item, earliest)]
+    if running:
+        return max(running, key=start)
+    later = [item for item in items if ts_ns < start(item) <= ts_ns + wait_ns]
+    if not later:
+        return None
+    first = min(later, key=start)
+    return first if unread_before(ts_ns, start(first), closed_at, peer_fin=peer_fin, events_at=events_at) else None
+
+
+def _span_start(span: SpanRecord) -> int:
+    return span.start_ns
+
+
+def _span_running_at(span: SpanRecord, ts_ns: int) -> bool:
+    return span.end_ns >= ts_ns
+
+
 def unread_before(ts_ns: int, start_ns: int, closed_at: Iterable[int], *, peer_fin: bool,
                   events_at: Iterable[int]) -> bool:
     """Whether a client that left at ``ts_ns``, before any span on its connection, left the request
@@ -247,16 +278,8 @@ class TraceIndex:
         own close (the /proc source's ambiguous "gone", a FIN and the server's close within one
         poll, reads as a reset and is judged the same way).
         """
-        spans = self._http_by_tuple.get(tuple4, [])
-        earliest = ts_ns if earliest_ns is None else min(earliest_ns, ts_ns)
-        overlapping = [s for s in spans if s.start_ns <= ts_ns and s.end_ns >= earliest]
-        if overlapping:
-            return max(overlapping, key=lambda s: s.start_ns)
-        later = [s for s in spans if ts_ns < s.start_ns <= ts_ns + wait_ns]
-        if not later:
-            return None
-        first = min(later, key=lambda s: s.start_ns)
-        return first if unread_before(ts_ns, first.start_ns, closed_at, peer_fin=peer_fin, events_at=events_at) else None
+        return in_flight_among(self._http_by_tuple.get(tuple4, []), _span_start, _span_running_at, ts_ns,
+                               closed_at, wait_ns, earliest_ns, peer_fin=peer_fin, events_at=events_at)
 
     def peerless(self) -> list[SpanRecord]:
         """Unclaimed server spans without a peer address, oldest first."""

@@ -37,12 +37,17 @@ class Decision:
     lag_seconds: float | None
 
 
+def inflight_from(disconnect_ns: int, grace_seconds: float) -> int:
+    """The first moment at which work still running after a disconnect is an in-flight zombie."""
+    return disconnect_ns + int(grace_seconds * 1e9) + 1
+
+
 def decide(evidence: Evidence, grace_seconds: float) -> Decision | None:
     """The verdict for a disconnect while in flight, or None while it is too early to say."""
     grace_ns = int(grace_seconds * 1e9)
     disconnect = evidence.disconnect_at_ns
     if evidence.work_end_ns is None:
-        if evidence.now_ns - disconnect > grace_ns:
+        if evidence.now_ns >= inflight_from(disconnect, grace_seconds):
             return Decision(Verdict.INFLIGHT_ZOMBIE, (evidence.now_ns - disconnect) / 1e9)
         return None
     lag_ns = evidence.work_end_ns - max(disconnect, evidence.started_ns or disconnect)
