@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 # A followed process using less than this much of one core is running no request: while every one
 # is this quiet, the sampler says it is idle and the loop samples once a second. A sample covers
 # the whole time since the one before, so nothing a process spends goes uncounted; a request that
-# starts in a quiet second is only measured in a coarser step until the next sample shows it.
+# starts in a quiet second is only measured in a coarser step until the next sample shows it, and
+# the costing puts that step's busy time at its end (auditor.correlate.waste, _Series._backload).
 QUIET_PERCENT = 2.0
 
 

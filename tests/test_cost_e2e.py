@@ -67,7 +67,7 @@ def test_batched_zombies_cost_what_they_ran_with_the_engine_found_by_its_port(tm
             truth_log=tmp_path / "truth.jsonl", step_ms=20, max_batch=4, extra_args=["--no-process-pid"]) as engine:
         daemon.set_ports({engine.port})
         found_engine(daemon, engine)
-        names = {f"batched-{n}": n for n in (60, 100, 160)}
+        names = {f"batched-{n}": n for n in (80, 130, 200)}
         for thread in [cancel_after(engine.port, 0.3, "fin", stream=True, max_tokens=n, request_id=rid)
                        for rid, n in names.items()]:
             thread.join()
@@ -77,7 +77,7 @@ def test_batched_zombies_cost_what_they_ran_with_the_engine_found_by_its_port(tm
     assert not compare(rows, truths), "\n".join(compare(rows, truths))
     # Sharing mattered: the longest ran alone at its end, the shortest never did.
     spent = {rid: truths[rid]["compute_seconds_after_disconnect"] for rid in names}
-    assert spent["batched-160"] > 2 * spent["batched-60"]
+    assert spent["batched-200"] > 2 * spent["batched-80"]
 
 
 def test_one_at_a_time_zombie_is_charged_in_full_and_the_request_waiting_behind_it_nothing(tmp_path: Path) -> None:

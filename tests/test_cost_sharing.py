@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from auditor.correlate import Correlator
+from auditor.correlate.waste import SampleCache
 from auditor.model import EngineLoad, LiveEvent, SpanRecord, UtilSample
 from auditor.store import Store
 from tests.test_correlate import (
@@ -96,6 +97,50 @@ def test_live_notices_count_a_running_request_once(store: Store) -> None:
     store.insert_conn_events([close(2.0)])
     busy(store, 8.0)
     assert judge(store, clock, 10.0, correlator)["a"] == pytest.approx(2.0, rel=0.03)
+
+
+def quiet_then_busy(store: Store, busy_from_s: float, until_s: float, *, next_util: float = 100.0) -> None:
+    """A process the sampler found quiet, so read once a second: quiet to 1 s, busy from
+    ``busy_from_s`` (inside the reading at 2 s), then read every 100 ms at ``next_util`` %."""
+    readings = [(1.0, 1.0, 0.5), (2.0, 1.0, 100.0 * (2.0 - busy_from_s))]
+    readings += [(2.0 + 0.1 * i, 0.1, next_util) for i in range(1, round((until_s - 2.0) * 10) + 1)]
+    store.write([UtilSample(ts_ns=T0 + int(ts * S), source="procfs", host="h", pid=PID, util_percent=util,
+                            interval_s=interval) for ts, interval, util in readings])
+
+
+def test_a_quiet_processs_long_reading_puts_the_work_it_saw_at_its_end(store: Store) -> None:
+    """The engine was idle until 1.5 s; its reading at 2 s covers 1-2 s at 50 %. ``a``'s client
+    left at 1.6 s and it ran alone to 3 s at 100 %: 1.4 CPU-s. Spread evenly, the reading would
+    charge 1.6-2 s at 50 % (1.2 CPU-s, the short zombie under-charged by a seventh)."""
+    store.insert_spans([http_span("a", 1.5, 1.6), engine("a", 1.5, 3.0, 0.0)])
+    store.insert_conn_events([close(1.6)])
+    quiet_then_busy(store, busy_from_s=1.5, until_s=4.0)
+    assert judge(store, Clock(), 6.0)["a"] == pytest.approx(1.4, rel=0.02)
+
+
+def test_a_long_reading_followed_by_a_quiet_one_stays_even(store: Store) -> None:
+    """Work that began and ended inside the long reading (the next one finds the process no
+    busier): where in it the work ran is not known, and it is spread evenly."""
+    store.insert_spans([http_span("a", 1.0, 1.5), engine("a", 1.0, 2.0, 0.0)])
+    store.insert_conn_events([close(1.5)])
+    quiet_then_busy(store, busy_from_s=1.5, until_s=3.0, next_util=1.0)
+    assert judge(store, Clock(), 6.0)["a"] == pytest.approx(0.25, rel=0.02)  # 1.5-2 s at 50 %
+
+
+def test_a_reading_reshaped_by_the_next_is_news_to_the_rounds_after(store: Store) -> None:
+    """The long reading is filed even until the next arrives; then its start is news, so verdicts
+    costed from it in the meantime are costed again."""
+    cache = SampleCache(store, "h")
+    reading = UtilSample(ts_ns=T0 + 2 * S, source="procfs", host="h", pid=PID, util_percent=50.0, interval_s=1.0)
+    store.write([reading])
+    cache.refresh(T0 + 2 * S)
+    assert cache.take_news() == T0 + S
+    store.write([replace(reading, ts_ns=T0 + 2 * S + S // 10, util_percent=100.0, interval_s=0.1)])
+    cache.refresh(T0 + 3 * S)
+    assert cache.take_news() == T0 + S  # not only the new reading's 2-2.1 s
+    series = cache.series("procfs", PID)
+    assert series is not None and list(series.util) == [0.0, 100.0, 100.0]
+    assert list(series.start) == [T0 + S, T0 + 3 * S // 2, T0 + 2 * S]
 
 
 def test_without_a_known_process_the_verdict_says_why_instead_of_a_silent_zero(store: Store) -> None:

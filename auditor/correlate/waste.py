@@ -8,8 +8,10 @@ readings, by the whole GPUs it is on. On a host with one GPU, an engine whose GP
 known is costed by that GPU; with several, it is not costed (whose GPUs they are is not known).
 CPU-seconds come from procfs samples of the serving process, on hosts without a GPU.
 
-Each sample covers ``(ts - interval, ts]``; the part inside the window counts, divided by the
-number of requests the engine was *running* at that moment: its own running gauge when it is
+Each sample covers ``(ts - interval, ts]`` at an even rate, except the long reading of a quiet
+process that the next reading finds busy: its busy time is taken to be its last part, at the next
+reading's rate, since the work began inside it and went on. The part inside the window counts,
+divided by the number of requests the engine was *running* at that moment: its own running gauge when it is
 scraped, else the running part of its engine spans (after their time in queue) and the engine work
 live notices say is running, one per request. A request waiting in a queue shares nothing.
 
@@ -35,6 +37,9 @@ HORIZON_NS = 15 * 60 * 1_000_000_000  # as the correlator's: nothing older is co
 REFRESH_NS = 100_000_000  # new samples are read at most this often
 # A sample lands up to one interval after the moment it describes; NVML's are at most seconds apart.
 SAMPLE_MARGIN_NS = 5_000_000_000
+# A reading covering more than this many times the next one's time, and less busy, was a quiet
+# process's (read once a second instead of ten times): its busy time goes to its end (_backload).
+BACKLOAD_RATIO = 2
 _BUCKET_SPAN_MAX = 3600  # a span longer than an hour is garbage: file only its last hour
 
 
@@ -53,16 +58,37 @@ class _Series:
     start: array[int] = field(default_factory=lambda: array("q"))  # the covered interval's start
     util: array[float] = field(default_factory=lambda: array("d"))
 
-    def add(self, ts: int, start: int, util: float) -> None:
+    def add(self, ts: int, start: int, util: float) -> int | None:
+        """File a sample; returns the start of an earlier one it reshaped (``_backload``), if any."""
         if self.ts and ts < self.ts[-1]:
             at = bisect.bisect_right(self.ts, ts)
             self.ts.insert(at, ts)
             self.start.insert(at, start)
             self.util.insert(at, util)
-            return
+            return None
+        reshaped = self._backload(ts, start, util) if self.ts else None
         self.ts.append(ts)
         self.start.append(start)
         self.util.append(util)
+        return reshaped
+
+    def _backload(self, ts: int, start: int, util: float) -> int | None:
+        """A long reading followed by a short, busier one came out of a quiet stretch (a sampler
+        reads a quiet process seldom): the work it saw began somewhere inside it and went on. Spread
+        evenly, a second half idle and half busy reads as 50 % throughout, and a zombie whose client
+        left in its busy half is charged half of what it ran. So its busy time is put at its end, at
+        the rate the next reading found, and the rest is idle; its total is unchanged."""
+        last_ts, last_start, last_util = self.ts[-1], self.start[-1], self.util[-1]
+        long_ns, next_ns = last_ts - last_start, ts - start
+        if not (0.0 < last_util < util and long_ns > BACKLOAD_RATIO * next_ns and abs(start - last_ts) <= next_ns):
+            return None
+        busy_ns = int(long_ns * last_util / util)
+        split = last_ts - busy_ns
+        self.ts[-1], self.util[-1] = split, 0.0  # the idle part
+        self.ts.append(last_ts)
+        self.start.append(split)
+        self.util.append(util)
+        return last_start
 
     def within(self, start_ns: int, end_ns: int) -> range:
         """Indexes of the samples that may cover part of ``[start_ns, end_ns]``."""
@@ -122,9 +148,10 @@ class SampleCache:
                 continue  # the source could not tell: no sample, not an idle one
             covered_from = ts_ns - int((interval_s or DEFAULT_INTERVAL_S) * 1e9)
             key = (source, pid) if pid is not None or gpu_index is None else (source, None, gpu_index)
-            self._series[key].add(ts_ns, covered_from, util_percent)
-            if self.news_ns is None or covered_from < self.news_ns:
-                self.news_ns = covered_from
+            reshaped = self._series[key].add(ts_ns, covered_from, util_percent)
+            changed = covered_from if reshaped is None else min(covered_from, reshaped)
+            if self.news_ns is None or changed < self.news_ns:
+                self.news_ns = changed
         for series in self._series.values():
             series.prune(now_ns - HORIZON_NS)
         for pid in [pid for pid, at in self._listed_at.items() if at < now_ns - HORIZON_NS]:
