@@ -17,6 +17,7 @@ from auditor.correlate.waste import SampleCache
 from auditor.model import EngineLoad, LiveEvent, SpanRecord, UtilSample
 from auditor.store import Store
 from tests.test_correlate import (
+    CLIENT,
     SERVER_PORT,
     T0,
     Clock,
@@ -141,6 +142,44 @@ def test_a_reading_reshaped_by_the_next_is_news_to_the_rounds_after(store: Store
     series = cache.series("procfs", PID)
     assert series is not None and list(series.util) == [0.0, 100.0, 100.0]
     assert list(series.start) == [T0 + S, T0 + 3 * S // 2, T0 + 2 * S]
+
+
+def inflight_cost(store: Store) -> float:
+    [row] = [r for r in verdicts(store) if r.trace_id == "a" * 32]
+    assert row.verdict == "inflight_zombie", row.verdict
+    return row.wasted_cpu_seconds
+
+
+def test_a_long_zombies_cost_goes_on_from_its_checkpoints_and_news_of_its_past_counts(store: Store) -> None:
+    """``a`` runs on after its client left at 1 s, known from its live notice alone; each second
+    brings that second's samples (100 %). At 12 s the spans of ``b`` arrive: it ran 3-8 s, so
+    those seconds of ``a``'s window were shared. Rounds go on from the checkpoints a whole second
+    apart; the news of 3 s drops those after it. At 20 s: 2 + 5/2 + 12 = 16.5 CPU-s, as a
+    correlator that never saw the window before integrates it whole."""
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.cost.set_listeners({SERVER_PORT: PID}, {})
+    start = LiveEvent("start", "a" * 32, "8" * 16, "POST", "server", T0, CLIENT[0], CLIENT[1], SERVER_PORT, PID,
+                      "engine", False)
+    correlator.tick([start])
+    store.insert_conn_events([close(1.0)])
+    for second in range(1, 21):
+        store.write([UtilSample(ts_ns=T0 + (second - 1) * S + k * S // 10, source="procfs", host="h", pid=PID,
+                                util_percent=100.0, interval_s=0.1) for k in range(1, 11)])
+        if second == 12:
+            store.insert_spans([http_span("b", 3.0, 8.0, client=OTHER), engine("b", 3.0, 8.0, 0.0)])
+        clock.now = T0 + second * S
+        correlator.tick()
+        if second == 11:
+            assert inflight_cost(store) == pytest.approx(10.0, rel=0.01)  # alone, 1-11 s
+            [request] = correlator._open.values()
+            assert request.cost_partial is not None and len(request.cost_partial.at) >= 5
+    kept = inflight_cost(store)
+    assert kept == pytest.approx(16.5, rel=0.01)
+    fresh = make(store, clock)
+    fresh.cost.set_listeners({SERVER_PORT: PID}, {})
+    [whole] = [v for v in fresh.tick([start]) if v.trace_id == "a" * 32]
+    assert whole.wasted_cpu_seconds == pytest.approx(kept, abs=1e-6)
 
 
 def test_without_a_known_process_the_verdict_says_why_instead_of_a_silent_zero(store: Store) -> None:

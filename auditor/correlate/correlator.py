@@ -253,8 +253,10 @@ class Correlator:
         their start), kernel events, live notices, scrapes, utilization samples (from the start
         of what they cover) and the load records evaluation itself changed (those of one round's
         evaluation count in the next)."""
-        # A waiting scrape-decided verdict's cost reads the samples of its window: new ones are news.
-        if any(request.reads_until_ns is not None for request in self._open.values()):
+        # A waiting scrape-decided verdict's cost reads the samples of its window, and a long window's
+        # checkpoints hold what they read: new ones are news, before this round's evaluations.
+        if any(request.reads_until_ns is not None or request.cost_partial is not None
+               for request in self._open.values()):
             self.cost.samples.refresh(self.clock())
         found = [ts for ts in (self._news_ns, self.loads.take_changed(), self.cost.samples.take_news())
                  if ts is not None]
@@ -386,6 +388,10 @@ class Correlator:
         self._check_unjoined_spans(now)
         changed: list[tuple[OpenRequest, RequestVerdict]] = []
         news = self._take_news()
+        if news is not None:  # a long window's cost from the news on is integrated again
+            for request in self._open.values():
+                if request.cost_partial is not None:
+                    request.cost_partial.forget_from(news)
         self.alarm_due_ns = None
         cpu.mark("join")
         try:

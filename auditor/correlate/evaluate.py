@@ -23,7 +23,7 @@ from auditor.correlate.verdict import (
     phase_at,
     tokens_after_disconnect,
 )
-from auditor.correlate.waste import running_part, sharers_at, wasted
+from auditor.correlate.waste import PARTIAL_MIN_NS, PartialCost, running_part, sharers_at, wasted
 from auditor.model import RequestVerdict, SpanRecord, SpanRole, Verdict
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     tokens, exact = tokens_after_disconnect(origin.ts_ns, engine)
     gpu_s = cpu_s = 0.0
     if decision.verdict not in (Verdict.COMPLETED, Verdict.UNCONFIRMED) and not never_ran(engine):
-        gpu_s, cpu_s = _waste(corr, origin, started, work_end or now, engine, base, details)
+        gpu_s, cpu_s = _waste(corr, request, origin, started, work_end or now, engine, base, details)
     _add_hops(request, origin, http_spans, origin_span, details)
     verdict = RequestVerdict(
         request_key=f"{corr.host}/{trace_id}/{root_id}", host=corr.host, verdict=decision.verdict,
@@ -206,8 +206,8 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))
 
 
-def _waste(corr: Correlator, origin: Any, started: int | None, end_ns: int, engine: SpanRecord | None,
-           base: SpanRecord | None, details: dict[str, Any]) -> tuple[float, float]:
+def _waste(corr: Correlator, request: OpenRequest, origin: Any, started: int | None, end_ns: int,
+           engine: SpanRecord | None, base: SpanRecord | None, details: dict[str, Any]) -> tuple[float, float]:
     """This request's share of what its engine spent while its client was gone and it was running."""
     start_ns, port = max(origin.ts_ns, started or 0), origin.tuple4[2]
     if engine is not None:
@@ -233,7 +233,10 @@ def _waste(corr: Correlator, origin: Any, started: int | None, end_ns: int, engi
     # The engine's own running gauge when scraped: a request waiting its turn shares nothing.
     gauge = (lambda ts: corr.loads.running_at(port, ts)) if corr.loads.watched(port) else None
     sharers = sharers_at(corr.spans.runs, service, trace_id, corr.live.running_work(service), gauge)
-    cost = wasted(samples, start_ns=start_ns, end_ns=end_ns, pid=pid, sharers=sharers, gpu=gpu)
+    if request.cost_partial is None and end_ns - start_ns > PARTIAL_MIN_NS:
+        request.cost_partial = PartialCost()
+    cost = wasted(samples, start_ns=start_ns, end_ns=end_ns, pid=pid, sharers=sharers, gpu=gpu,
+                  partial=request.cost_partial, basis=(gauge is not None, service, trace_id))
     return round(cost.gpu_seconds, 6), round(cost.cpu_seconds, 6)
 
 

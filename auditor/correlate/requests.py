@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from auditor.correlate.traces import Tuple4
+from auditor.correlate.waste import PartialCost
 from auditor.model import LiveEvent, RequestVerdict, Verdict
 
 RequestKey = tuple[str, str]  # (trace id, span id of the request's outermost server span)
@@ -109,6 +110,7 @@ class OpenRequest:
     recheck_at_ns: int = 0  # an untouched provisional verdict is not evaluated again before this
     recheck_backoff_ns: int = 0
     first: Disconnect | None = None  # the earliest of ``disconnects`` (kept by ``add``)
+    cost_partial: PartialCost | None = None  # a long zombie window's cost so far (evaluate's)
 
     def due(self, now_ns: int, news_ns: int | None = None) -> bool:
         """Whether to evaluate it this round, untouched by its own trace; ``news_ns`` is the oldest

@@ -413,11 +413,55 @@ def sharers_at(runs: RunIndex, service: str, trace_id: str, live: dict[str, int]
     return count
 
 
+class PartialCost:
+    """A long window's cost so far, at checkpoints on whole seconds: the integral from the window's
+    start to each. An in-flight zombie's window grows every round, and integrating all of it again
+    each time made a round's cost grow with the zombie's age (five zombies six minutes old: 67 ms a
+    round, bench/long_zombies.py). A round integrates only past the last checkpoint that no news
+    has touched: the correlator drops those at or after the oldest moment each round's new evidence
+    concerns (``forget_from``: spans, samples, scrapes, live notices), so the sum is what the whole
+    integral would be. ``key``: what else the integral depends on (its start, the process, the
+    series read); another key starts it over."""
+
+    __slots__ = ("at", "cpu", "gpu", "key")
+
+    def __init__(self) -> None:
+        self.key: tuple[object, ...] = ()
+        self.at = array("q")
+        self.gpu = array("d")
+        self.cpu = array("d")
+
+    def forget_from(self, news_ns: int) -> None:
+        keep = bisect.bisect_left(self.at, news_ns)
+        del self.at[keep:], self.gpu[keep:], self.cpu[keep:]
+
+    def resume(self, key: tuple[object, ...], start_ns: int, end_ns: int) -> tuple[int, float, float]:
+        """Where to go on from: the last checkpoint at or before ``end_ns``, else the start."""
+        if key != self.key:
+            self.key = key
+            self.forget_from(-(2**63))
+        found = bisect.bisect_right(self.at, end_ns)
+        return (self.at[found - 1], self.gpu[found - 1], self.cpu[found - 1]) if found else (start_ns, 0.0, 0.0)
+
+    def mark(self, at_ns: int, gpu: float, cpu: float) -> None:
+        if not self.at or at_ns > self.at[-1]:
+            self.at.append(at_ns)
+            self.gpu.append(gpu)
+            self.cpu.append(cpu)
+
+
+PARTIAL_MIN_NS = 4_000_000_000  # windows longer than this keep checkpoints (PartialCost)
+CHECKPOINT_NS = 1_000_000_000
+
+
 def wasted(samples: SampleCache, *, start_ns: int, end_ns: int, pid: int | None,
-           sharers: Callable[[int], int], gpu: GpuShare | None = None) -> Waste:
+           sharers: Callable[[int], int], gpu: GpuShare | None = None, partial: PartialCost | None = None,
+           basis: tuple[object, ...] = ()) -> Waste:
     """Utilization-seconds spent in ``[start_ns, end_ns]``, this request's share of them. ``gpu``:
     where the engine's GPU time is (``CostSources.gpu_share``); without it, the pid's own NVML
-    series, else the one GPU's of a host with one."""
+    series, else the one GPU's of a host with one. ``partial``: the window's checkpoints, for a
+    window longer than PARTIAL_MIN_NS (the caller keeps it from round to round); ``basis``: what
+    ``sharers`` counts by, part of the checkpoints' key."""
     if end_ns <= start_ns:
         return Waste(0.0, 0.0)
     if gpu is None:
@@ -426,8 +470,18 @@ def wasted(samples: SampleCache, *, start_ns: int, end_ns: int, pid: int | None,
         whole = samples.gpu_series(next(iter(gpus))) if len(gpus) == 1 else samples.series("nvml", None)
         gpu = GpuShare([found] if (found := own or whole) is not None else [])
     cpu = samples.series("procfs", pid) if pid is not None else None
-    return Waste(gpu_seconds=sum(_integrate(series, start_ns, end_ns, sharers) for series in gpu.series),
-                 cpu_seconds=_integrate(cpu, start_ns, end_ns, sharers))
+    if partial is None or end_ns - start_ns <= PARTIAL_MIN_NS:
+        return Waste(gpu_seconds=sum(_integrate(series, start_ns, end_ns, sharers) for series in gpu.series),
+                     cpu_seconds=_integrate(cpu, start_ns, end_ns, sharers))
+    at, gpu_s, cpu_s = partial.resume((start_ns, pid, *map(id, gpu.series), id(cpu), *basis), start_ns, end_ns)
+    while at < end_ns:  # a second at a time, each whole second a checkpoint
+        upto = min(end_ns, (at // CHECKPOINT_NS + 1) * CHECKPOINT_NS)
+        gpu_s += sum(_integrate(series, at, upto, sharers) for series in gpu.series)
+        cpu_s += _integrate(cpu, at, upto, sharers)
+        if upto % CHECKPOINT_NS == 0:
+            partial.mark(upto, gpu_s, cpu_s)
+        at = upto
+    return Waste(gpu_seconds=gpu_s, cpu_seconds=cpu_s)
 
 
 def _integrate(series: _Series | None, start_ns: int, end_ns: int, sharers: Callable[[int], int]) -> float:
@@ -436,6 +490,8 @@ def _integrate(series: _Series | None, start_ns: int, end_ns: int, sharers: Call
     total = 0.0
     for i in series.within(start_ns, end_ns):
         ts, covered_from = series.ts[i], series.start[i]
+        if covered_from >= end_ns:
+            break  # a series' samples cover one stretch each, in order: none later reaches back
         low, high = max(covered_from, start_ns), min(ts, end_ns)
         if high <= low:
             continue
