@@ -5,9 +5,10 @@ A zombie still running is judged every round (its lag and cost grow), and its co
 utilization integrated over its window, shared by what else ran. Integrated whole every round, the
 window grows a second a round and so does the round's cost; a zombie storm (the case the auditor is
 for) then costs the daemon most when it matters. Each zombie here is known by its live start notice
-(no span until it ends); the requests around it are bench/correlate_memory.py's (spans and closes,
-the same engine and port); the engine process is sampled at 10 Hz at 100 %. Simulated time; CPU is
-the round's own thread time.
+(no span until it ends), or with ``--known-by gauges`` as vLLM's are: its server span ended as its
+client left, no engine span, and the engine's running gauge (scraped at 4 Hz) holding it. The
+requests around it are bench/correlate_memory.py's (spans and closes, the same engine and port);
+the engine process is sampled at 10 Hz at 100 %. Simulated time; CPU is the round's own thread time.
 
 With ``--compare REV`` the same run goes through git revision REV's correlator too, each tree in
 its own process, alternately (``--rounds``), and the figures are printed side by side.
@@ -32,12 +33,20 @@ S = 1_000_000_000
 PID, PORT = 4242, 8000  # bench/correlate_memory.py's engine
 
 
-def run(zombies: int, minutes: int) -> dict[str, list[float]]:
+def run(zombies: int, minutes: int, known_by: str = "live") -> dict[str, list[float]]:
     """Round CPU and the judge step's, ms a round, for each simulated minute; and the zombies' cost."""
     from correlate_memory import arrive  # after the tree's ``auditor`` is imported
 
     from auditor.correlate import Correlator
-    from auditor.model import ConnEvent, ConnEventKind, LiveEvent, UtilSample
+    from auditor.model import (
+        ConnEvent,
+        ConnEventKind,
+        EngineLoad,
+        LiveEvent,
+        SpanRecord,
+        SpanRole,
+        UtilSample,
+    )
     from auditor.store import Store
 
     seconds = minutes * 60
@@ -57,6 +66,13 @@ def run(zombies: int, minutes: int) -> dict[str, list[float]]:
                            client_port=9000 + i, server_addr="127.0.0.1", server_port=PORT, host="")
                  for i in range(zombies)]
         store.insert_conn_events(leave)
+        gauges = known_by == "gauges"
+        if gauges:  # each zombie's server span, ended as its client left
+            store.insert_spans([SpanRecord(
+                trace_id=event.trace_id, span_id=event.span_id, parent_span_id=None, name=event.name, kind="server",
+                start_ns=t0, end_ns=t0 + S // 2, service="engine", role=SpanRole.HTTP_SERVER, peer_addr="127.0.0.1",
+                peer_port=event.peer_port, server_port=PORT, route="/v1/completions", http_status=200)
+                for event in starts])
         spent = judged = 0.0
         has_steps = hasattr(correlator, "cpu")
         for second in range(seconds):
@@ -65,7 +81,10 @@ def run(zombies: int, minutes: int) -> dict[str, list[float]]:
                                              util_percent=100.0, interval_s=0.1) for k in range(1, 11)])
             judge_before = correlator.cpu.ns["judge"] if has_steps else 0
             started = time.thread_time()
-            correlator.tick(starts if second == 0 else None)
+            if gauges:  # what the engine runs at each scrape: the zombies, and the requests of that moment
+                correlator.add_engine_load([EngineLoad(ts_ns=at, server_port=PORT, running=zombies + running_at(at, t0))
+                                            for at in (t0 + second * S + k * S // 4 + S // 200 for k in range(4))])
+            correlator.tick(starts if second == 0 and not gauges else None)
             spent += time.thread_time() - started
             judged += (correlator.cpu.ns["judge"] - judge_before) / 1e9 if has_steps else 0.0
             if (second + 1) % 60 == 0:
@@ -79,9 +98,16 @@ def run(zombies: int, minutes: int) -> dict[str, list[float]]:
     return {"round": per_minute, "judge": judge_per_minute, "costs": costs}
 
 
-def child(tree: Path, zombies: int, minutes: int) -> dict[str, list[float]]:
+def running_at(ts_ns: int, t0: int) -> int:
+    """bench/correlate.spans_for's requests running at ``ts_ns``: one starts every 10 ms, for 0.5 s."""
+    return sum(1 for index in range((ts_ns - t0 - S // 2) * 100 // S, (ts_ns - t0) * 100 // S + 2)
+               if index >= 0 and t0 + index * S // 100 <= ts_ns <= t0 + index * S // 100 + S // 2)
+
+
+def child(tree: Path, zombies: int, minutes: int, known_by: str) -> dict[str, list[float]]:
     result = subprocess.run([sys.executable, __file__, "--tree", str(tree), "--zombies", str(zombies),
-                             "--minutes", str(minutes), "--json"], check=True, capture_output=True, text=True)
+                             "--minutes", str(minutes), "--known-by", known_by, "--json"],
+                            check=True, capture_output=True, text=True)
     return dict(json.loads(result.stdout))
 
 
@@ -91,6 +117,8 @@ def main() -> int:
     parser.add_argument("--minutes", type=int, default=10, help="simulated minutes (the horizon is 15)")
     parser.add_argument("--compare", metavar="REV", help="also run git revision REV's correlator, alternately")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each tree with --compare")
+    parser.add_argument("--known-by", choices=("live", "gauges"), default="live",
+                        help="how the zombies are known to run on: live start notices, or the engine's gauges")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--tree", type=Path, help=argparse.SUPPRESS)  # the tree whose auditor to import
     args = parser.parse_args()
@@ -102,7 +130,7 @@ def main() -> int:
     sys.path.insert(1, str(HERE.parent))
     sys.path.insert(1, str(HERE))
     if args.json:
-        print(json.dumps(run(args.zombies, args.minutes)))
+        print(json.dumps(run(args.zombies, args.minutes, args.known_by)))
         return 0
     trees = {"working tree": HERE.parent}
     work = None
@@ -114,10 +142,10 @@ def main() -> int:
     results: dict[str, list[dict[str, list[float]]]] = {label: [] for label in trees}
     for round_no in range(1, (args.rounds if args.compare else 1) + 1):
         for label, tree in trees.items():
-            results[label].append(child(tree, args.zombies, args.minutes))
+            results[label].append(child(tree, args.zombies, args.minutes, args.known_by))
             print(f"round {round_no} {label:<14} ms a round by minute: "
                   + " ".join(f"{x:.1f}" for x in results[label][-1]["round"]), flush=True)
-    print(f"\n{args.zombies} zombies running on for {args.minutes} simulated minutes beside 100 requests/s, "
+    print(f"\n{args.zombies} zombies known by {args.known_by} running on for {args.minutes} simulated minutes beside 100 requests/s, "
           f"ms of correlator CPU a round (medians of {len(results[label])} runs)")
     print(f"  {'':<28}" + "".join(f"{label:>16}" for label in trees))
     rows = [(f"round, minute {m + 1}", "round", m) for m in (0, args.minutes // 2 - 1, args.minutes - 1)]

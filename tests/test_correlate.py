@@ -136,6 +136,39 @@ def test_abort_without_engine_span_is_aborted_by_the_engines_gauges_then_settles
     assert [v.verdict for v in settled] == [Verdict.ABORTED]
 
 
+def test_gauges_read_on_from_the_sweeps_checkpoints_and_news_of_their_past_counts(store: Store,
+                                                                                  tmp_path: Path) -> None:
+    """``a``'s handler returned as its client left at 1 s; the gauge holds one request from 1 s to
+    8 s. Its work ran to 3 s; from 3 s to 8 s the engine ran ``b``, whose server span (connected
+    then) arrives late, at 12 s. Rounds each second read on from the sweep's checkpoints; until
+    ``b``'s span comes the gauge reads as ``a``'s work to 8 s, then its news of 3 s drops the
+    checkpoints after about 2 s and the work ends at 3 s, as a correlator that reads it afresh says."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span("a", 0, 1.001)])
+    store.insert_conn_events([close(1.0)])
+    for second in range(1, 16):
+        correlator.add_engine_load([load(second - 1 + 0.25 * k + 0.01, 1 if second - 1 + 0.25 * k < 8 else 0)
+                                    for k in range(4)])
+        if second == 12:
+            store.insert_spans([http_span("b", 3.0, 8.0, client=("127.0.0.1", 40002))])
+        clock.now = T0 + second * S
+        correlator.tick()
+        if second == 6:
+            [request] = [r for r in correlator._open.values() if r.key[0] == "a" * 32]
+            assert request.scrape_sweep is not None and len(request.scrape_sweep.states) >= 3
+    [row] = [r for r in verdicts(store) if r.trace_id == "a" * 32]
+    assert row.verdict == "zombie" and abs(row.work_end_ns - (T0 + 3 * S)) <= S // 4, row.work_end_ns - T0
+    afresh = Store(f"sqlite:///{tmp_path}/afresh.db")
+    afresh.insert_spans([http_span("a", 0, 1.001), http_span("b", 3.0, 8.0, client=("127.0.0.1", 40002))])
+    afresh.insert_conn_events([close(1.0)])
+    fresh = make(afresh, clock)
+    fresh.add_engine_load([load(0.25 * k + 0.01, 1 if 0.25 * k < 8 else 0) for k in range(60)])
+    [whole] = [v for v in fresh.tick() if v.trace_id == "a" * 32]
+    afresh.close()
+    assert whole.work_end_ns == row.work_end_ns
+
+
 def test_http_spans_only_without_gauges_is_unconfirmed_never_aborted(store: Store) -> None:
     clock = Clock()
     settled: list[RequestVerdict] = []

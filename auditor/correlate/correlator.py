@@ -388,10 +388,12 @@ class Correlator:
         self._check_unjoined_spans(now)
         changed: list[tuple[OpenRequest, RequestVerdict]] = []
         news = self._take_news()
-        if news is not None:  # a long window's cost from the news on is integrated again
+        if news is not None:  # a long window's cost, and its gauges' sweep, from the news on are read again
             for request in self._open.values():
                 if request.cost_partial is not None:
                     request.cost_partial.forget_from(news)
+                if request.scrape_sweep is not None:
+                    request.scrape_sweep.forget_from(news)
         self.alarm_due_ns = None
         cpu.mark("join")
         try:

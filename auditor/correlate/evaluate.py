@@ -197,12 +197,14 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     disconnect = request.disconnects.get(span_tuple(hop), origin).ts_ns
     port = hop.server_port or 0
     corr.loads.register(port, request.key, disconnect, connected_until_ns=hop.end_ns + CLOCK_ERROR_NS)
+    if request.scrape_sweep is None:
+        request.scrape_sweep = ev.ScrapeSweep()
     ended = corr.loads.work_end(port, disconnect, max(disconnect, hop.start_ns),
                                 lambda start, end: corr.connected_at(port, start - CLOCK_ERROR_NS,
                                                                      end + CLOCK_ERROR_NS),
                                 connected_until_ns=hop.end_ns + CLOCK_ERROR_NS,
                                 arrived=lambda start, end: corr.spans.server_spans_started(
-                                    port, start, end + CLOCK_ERROR_NS))
+                                    port, start, end + CLOCK_ERROR_NS), sweep=request.scrape_sweep)
     return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))
 
 

@@ -71,6 +71,42 @@ class MetricsEnd:
     read_until_ns: int | None = None  # the latest moment the scrapes that decided it span
 
 
+# Evidence this long after a scrape may still change what the sweep read there: the connected count
+# spans the scrape's answer and the clock error, both well under it.
+SWEEP_NEWS_MARGIN_NS = 1_000_000_000
+SWEEP_CHECKPOINT_NS = 1_000_000_000
+
+
+class ScrapeSweep:
+    """Where ``EngineLoads.work_end``'s sweep of the scrapes stood, about a second apart, while every
+    scrape it read still held the request's work. An in-flight zombie's verdict is read again every
+    round, over every scrape since its client left: a round's cost grew with the zombie's age. A
+    round reads on from the last checkpoint no news has touched: the correlator drops those within
+    SWEEP_NEWS_MARGIN_NS of the oldest moment each round's evidence concerns, or after it
+    (``forget_from``). ``key``: the port, the disconnect and the first scrape's bound; another key
+    starts over."""
+
+    __slots__ = ("key", "states")
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int, int] = (0, 0, 0)
+        # (scrape time, the heap of "until"s still connected, last orphaned scrape, orphaned count)
+        self.states: list[tuple[int, tuple[int, ...], int | None, int]] = []
+
+    def forget_from(self, news_ns: int) -> None:
+        while self.states and self.states[-1][0] >= news_ns - SWEEP_NEWS_MARGIN_NS:
+            self.states.pop()
+
+    def resume(self, key: tuple[int, int, int]) -> tuple[int, tuple[int, ...], int | None, int] | None:
+        if key != self.key:
+            self.key, self.states = key, []
+        return self.states[-1] if self.states else None
+
+    def mark(self, ts_ns: int, still_connected: list[int], last_orphaned: int | None, count: int) -> None:
+        if not self.states or ts_ns - self.states[-1][0] >= SWEEP_CHECKPOINT_NS:
+            self.states.append((ts_ns, tuple(still_connected), last_orphaned, count))
+
+
 def _times() -> array[int]:
     """Nanosecond times kept for the horizon: 8-byte integers (an int object in a list takes 40)."""
     return array("q")
@@ -198,7 +234,8 @@ class EngineLoads:
 
     def work_end(self, port: int, disconnect_ns: int, started_ns: int,
                  connected_at: Callable[[int, int], int], connected_until_ns: int | None = None,
-                 arrived: Callable[[int, int], int] | None = None) -> MetricsEnd | None:
+                 arrived: Callable[[int, int], int] | None = None, sweep: ScrapeSweep | None = None
+                 ) -> MetricsEnd | None:
         """When this request's work ended, as the gauges tell; None when no scrape came after it left.
 
         At each scrape after ``started_ns``, orphans = held - connected, where connected counts every
@@ -215,10 +252,12 @@ class EngineLoads:
         taken them up when it read its gauges: a scrape that shows no orphan only because of them
         says neither, and is skipped too. The work then ends between the last scrape that counted
         it and the first that shows it gone whatever those requests were, and the resolution says
-        how far apart those are."""
+        how far apart those are.
+
+        ``sweep``: the request's checkpoints (``ScrapeSweep``), kept by the caller from round to round."""
         series = self._loads.get(port, [])
-        start = bisect.bisect_right(series, max(started_ns, connected_until_ns or started_ns),
-                                    key=lambda item: item.ts_ns)
+        first_after = max(started_ns, connected_until_ns or started_ns)
+        start = bisect.bisect_right(series, first_after, key=lambda item: item.ts_ns)
         # Requests that left after this one (its own disconnect is not after itself): counted by
         # bisection, the registered requests being every disconnected one of the horizon.
         times, untils = self._disconnect_times.get(port, _NO_TIMES), self._connected_until.get(port, _NO_TIMES)
@@ -231,6 +270,12 @@ class EngineLoads:
         taken = left_before
         last_orphaned: int | None = None
         count = 0
+        state = sweep.resume((port, disconnect_ns, first_after)) if sweep is not None else None
+        if state is not None:  # on from the checkpoint: what the sweep held after that scrape
+            swept_ns, held, last_orphaned, count = state
+            still_connected = list(held)
+            start = bisect.bisect_right(series, swept_ns, key=lambda item: item.ts_ns)
+            taken = max(left_before, bisect.bisect_right(times, swept_ns))
         for load in series[start:]:
             left_by_then = bisect.bisect_right(times, load.ts_ns)
             for index in range(taken, left_by_then):
@@ -242,8 +287,12 @@ class EngineLoads:
             orphans = load.running + load.waiting - connected_at(load.ts_ns, load.answered_ns or load.ts_ns)
             if orphans > newer:
                 last_orphaned, count = load.ts_ns, count + 1
+                if sweep is not None:
+                    sweep.mark(load.ts_ns, still_connected, last_orphaned, count)
                 continue
             if arrived is not None and orphans + arrived(load.ts_ns, load.answered_ns or load.ts_ns) > newer:
+                if sweep is not None:
+                    sweep.mark(load.ts_ns, still_connected, last_orphaned, count)
                 continue
             read_until = max(load.ts_ns, load.answered_ns or load.ts_ns)
             if last_orphaned is None:

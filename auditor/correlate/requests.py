@@ -8,6 +8,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from auditor.correlate.evidence import ScrapeSweep
 from auditor.correlate.traces import Tuple4
 from auditor.correlate.waste import PartialCost
 from auditor.model import LiveEvent, RequestVerdict, Verdict
@@ -111,6 +112,7 @@ class OpenRequest:
     recheck_backoff_ns: int = 0
     first: Disconnect | None = None  # the earliest of ``disconnects`` (kept by ``add``)
     cost_partial: PartialCost | None = None  # a long zombie window's cost so far (evaluate's)
+    scrape_sweep: ScrapeSweep | None = None  # where its gauges' sweep stood (evaluate's)
 
     def due(self, now_ns: int, news_ns: int | None = None) -> bool:
         """Whether to evaluate it this round, untouched by its own trace; ``news_ns`` is the oldest
