@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from auditor.correlate import Correlator
-from auditor.correlate.waste import SampleCache
+from auditor.correlate.waste import MAX_CHECKPOINTS, PartialCost, SampleCache
 from auditor.model import EngineLoad, LiveEvent, SpanRecord, UtilSample
 from auditor.store import Store
 from tests.test_correlate import (
@@ -180,6 +180,21 @@ def test_a_long_zombies_cost_goes_on_from_its_checkpoints_and_news_of_its_past_c
     fresh.cost.set_listeners({SERVER_PORT: PID}, {})
     [whole] = [v for v in fresh.tick([start]) if v.trace_id == "a" * 32]
     assert whole.wasted_cpu_seconds == pytest.approx(kept, abs=1e-6)
+
+
+def test_a_long_windows_checkpoints_stay_few_and_recent_ones_a_second_apart() -> None:
+    """Fifteen minutes of a zombie's window keep at most MAX_CHECKPOINTS sums, the newest a second
+    apart (news seldom reaches far back); each is the integral up to its moment."""
+    partial = PartialCost()
+    partial.resume(("k",), T0, T0)
+    for second in range(1, 901):
+        partial.mark(T0 + second * S, 0.0, float(second))
+    assert len(partial.at) <= MAX_CHECKPOINTS
+    assert list(partial.at[-16:]) == [T0 + second * S for second in range(885, 901)]
+    assert all(cpu == (at - T0) / S for at, cpu in zip(partial.at, partial.cpu, strict=True))
+    partial.forget_from(T0 + 600 * S)
+    at, _, cpu = partial.resume(("k",), T0, T0 + 900 * S)
+    assert at < T0 + 600 * S and cpu == (at - T0) / S
 
 
 def test_without_a_known_process_the_verdict_says_why_instead_of_a_silent_zero(store: Store) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from auditor.correlate.evidence import EngineLoads
+from auditor.correlate.evidence import EngineLoads, ScrapeSweep
 from auditor.model import EngineLoad
 
 S = 1_000_000_000
@@ -97,3 +97,32 @@ def test_a_request_that_arrives_while_a_scrape_is_answered_ends_no_orphans_work(
         assert ended.work_end_ns == at(1.95) and ended.orphaned_scrapes == 15  # 0.4 s and 0.6-1.9 s
     else:  # what the daemon judged before: the scrape of 0.5 s ended A's work
         assert ended.work_end_ns == at(0.45) and ended.orphaned_scrapes == 1
+
+
+def test_a_sweep_read_on_from_its_checkpoints_ends_where_a_whole_sweep_does() -> None:
+    """The first test's A and B (B noticed late), the scrapes arriving one by one and A's work end
+    read after each, on from the sweep's checkpoints (news dropping those it touches, as the
+    correlator does each round): the same end and count as one sweep over them all, and the
+    checkpoints taken hold B as a later departure still connected."""
+    runs = {"A": (0.0, 1.95), "B": (0.9, 2.5)}
+    spans = {"A": (0.0, 0.26), "B": (0.9, 1.75)}
+    whole = scraped(runs)
+    loads, sweep = EngineLoads(), ScrapeSweep()
+    loads.register(PORT, "A", at(0.25), connected_until_ns=at(0.26) + CLOCK_ERROR)
+    ended = None
+    for tenth in range(31):
+        if tenth == 13:
+            loads.register(PORT, "B", at(1.2995), connected_until_ns=at(1.75) + CLOCK_ERROR)
+        loads.add([EngineLoad(at(tenth / 10), PORT, running=sum(1 for start, end in runs.values()
+                                                                if at(start) <= at(tenth / 10) < at(end)))])
+        news = loads.take_changed()
+        if news is not None:
+            sweep.forget_from(news)
+        ended = loads.work_end(PORT, at(0.25), at(0.25), connected_counter(spans),
+                               connected_until_ns=at(0.26) + CLOCK_ERROR, sweep=sweep)
+    whole.register(PORT, "A", at(0.25), connected_until_ns=at(0.26) + CLOCK_ERROR)
+    whole.register(PORT, "B", at(1.2995), connected_until_ns=at(1.75) + CLOCK_ERROR)
+    expected = whole.work_end(PORT, at(0.25), at(0.25), connected_counter(spans),
+                              connected_until_ns=at(0.26) + CLOCK_ERROR)
+    assert ended == expected and expected is not None and expected.work_end_ns == at(1.95)
+    assert any(held for _, held, _, _ in sweep.states)  # B's "until", from a checkpoint after 1.3 s

@@ -156,6 +156,9 @@ class Correlator:
         # (event id, key) of every disconnect of an open request never reported final, where the
         # restart position must stay (entries of requests since settled are dropped at its top).
         self._to_settle: set[RequestKey] = set()
+        # Requests that keep checkpoints of a long window (cost_partial, scrape_sweep): each round's
+        # news drops those it touches. Few: only work that ran on for seconds after its client left.
+        self._checkpointed: list[OpenRequest] = []
         self._inflight: set[RequestKey] = set()
         self._unreported: list[tuple[int, RequestKey]] = []
         self._next_expiry_ns = 0
@@ -255,8 +258,7 @@ class Correlator:
         evaluation count in the next)."""
         # A waiting scrape-decided verdict's cost reads the samples of its window, and a long window's
         # checkpoints hold what they read: new ones are news, before this round's evaluations.
-        if any(request.reads_until_ns is not None or request.cost_partial is not None
-               for request in self._open.values()):
+        if self._checkpointed or any(request.reads_until_ns is not None for request in self._open.values()):
             self.cost.samples.refresh(self.clock())
         found = [ts for ts in (self._news_ns, self.loads.take_changed(), self.cost.samples.take_news())
                  if ts is not None]
@@ -388,12 +390,7 @@ class Correlator:
         self._check_unjoined_spans(now)
         changed: list[tuple[OpenRequest, RequestVerdict]] = []
         news = self._take_news()
-        if news is not None:  # a long window's cost, and its gauges' sweep, from the news on are read again
-            for request in self._open.values():
-                if request.cost_partial is not None:
-                    request.cost_partial.forget_from(news)
-                if request.scrape_sweep is not None:
-                    request.scrape_sweep.forget_from(news)
+        self._forget_checkpoints(news)
         self.alarm_due_ns = None
         cpu.mark("join")
         try:
@@ -430,6 +427,21 @@ class Correlator:
         self.stats.pending_disconnects = len(self._pending)
         cpu.mark("settle")
         return written
+
+    def checkpointed(self, request: OpenRequest) -> None:
+        """``request`` keeps checkpoints now (evaluate's): news drops those it touches."""
+        self._checkpointed.append(request)
+
+    def _forget_checkpoints(self, news: int | None) -> None:
+        """A long window's cost, and its gauges' sweep, are read again from the news on."""
+        self._checkpointed = [r for r in self._checkpointed if self._open.get(r.key) is r]
+        if news is None:
+            return
+        for request in self._checkpointed:
+            if request.cost_partial is not None:
+                request.cost_partial.forget_from(news)
+            if request.scrape_sweep is not None:
+                request.scrape_sweep.forget_from(news)
 
     def _recall(self, trace_id: str, arrived_ns: int, arriving: str | None = None) -> None:
         """Bring a settled trace back from the store: its spans (but the ``arriving`` one, already

@@ -149,7 +149,7 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
         details["evidence"], details["work_end_exact"] = ev.LIVE_NOTICE, "live"
         request.settles_at_ns = live_end + ENGINE_SETTLE_AFTER_LIVE_END_NS
         return max(work_end, live_end), now < request.settles_at_ns, True
-    scraped = _metrics_work_end(corr, request, subtree)
+    scraped = _metrics_work_end(corr, request, subtree, now)
     if scraped is not None:
         by_metrics, port, disconnect, answered = scraped
 
@@ -181,7 +181,7 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
     return work_end, now - work_end < corr.late_ns, False
 
 
-def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[SpanRecord]
+def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[SpanRecord], now: int
                       ) -> tuple[ev.MetricsEnd, int, int, int] | None:
     """The work end the engine's gauges tell, on the innermost scraped hop of the request, with
     that hop's port, disconnect and span end.
@@ -197,8 +197,10 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     disconnect = request.disconnects.get(span_tuple(hop), origin).ts_ns
     port = hop.server_port or 0
     corr.loads.register(port, request.key, disconnect, connected_until_ns=hop.end_ns + CLOCK_ERROR_NS)
-    if request.scrape_sweep is None:
+    if request.scrape_sweep is None and now - disconnect > ev.SWEEP_AFTER_NS:  # a long sweep: checkpoints
         request.scrape_sweep = ev.ScrapeSweep()
+        if request.cost_partial is None:
+            corr.checkpointed(request)
     ended = corr.loads.work_end(port, disconnect, max(disconnect, hop.start_ns),
                                 lambda start, end: corr.connected_at(port, start - CLOCK_ERROR_NS,
                                                                      end + CLOCK_ERROR_NS),
@@ -237,6 +239,8 @@ def _waste(corr: Correlator, request: OpenRequest, origin: Any, started: int | N
     sharers = sharers_at(corr.spans.runs, service, trace_id, corr.live.running_work(service), gauge)
     if request.cost_partial is None and end_ns - start_ns > PARTIAL_MIN_NS:
         request.cost_partial = PartialCost()
+        if request.scrape_sweep is None:
+            corr.checkpointed(request)
     cost = wasted(samples, start_ns=start_ns, end_ns=end_ns, pid=pid, sharers=sharers, gpu=gpu,
                   partial=request.cost_partial, basis=(gauge is not None, service, trace_id))
     return round(cost.gpu_seconds, 6), round(cost.cpu_seconds, 6)

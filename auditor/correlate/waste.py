@@ -413,6 +413,11 @@ def sharers_at(runs: RunIndex, service: str, trace_id: str, live: dict[str, int]
     return count
 
 
+PARTIAL_MIN_NS = 4_000_000_000  # windows longer than this keep checkpoints (PartialCost)
+MAX_CHECKPOINTS = 64  # past this, every other one of the older half goes
+CHECKPOINT_NS = 1_000_000_000
+
+
 class PartialCost:
     """A long window's cost so far, at checkpoints on whole seconds: the integral from the window's
     start to each. An in-flight zombie's window grows every round, and integrating all of it again
@@ -449,10 +454,9 @@ class PartialCost:
             self.at.append(at_ns)
             self.gpu.append(gpu)
             self.cpu.append(cpu)
-
-
-PARTIAL_MIN_NS = 4_000_000_000  # windows longer than this keep checkpoints (PartialCost)
-CHECKPOINT_NS = 1_000_000_000
+            if len(self.at) > MAX_CHECKPOINTS:  # every other one of the older half: news seldom reaches back
+                half = slice(0, MAX_CHECKPOINTS // 2, 2)
+                del self.at[half], self.gpu[half], self.cpu[half]
 
 
 def wasted(samples: SampleCache, *, start_ns: int, end_ns: int, pid: int | None,
