@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trees import compared, use_tree
+
 HERE = Path(__file__).resolve().parent
 S = 1_000_000_000
 # The sampler's readings: four engine processes' CPU at 10 Hz (a GPU host adds each GPU and each
@@ -99,21 +101,11 @@ def main() -> int:
     args = parser.parse_args()
     if args.minutes < 4:
         parser.error("--minutes must be at least 4")
-    if args.tree:
-        sys.path.insert(0, str(args.tree))
-        import auditor  # noqa: F401  # this tree's, before the bench helpers put the working tree first
-    sys.path.insert(1, str(HERE.parent))
-    sys.path.insert(1, str(HERE))
+    use_tree(args.tree)
     if args.json:
         print(json.dumps(run(args.minutes, args.kept_hours)))
         return 0
-    trees = {"working tree": HERE.parent}
-    work = None
-    if args.compare:
-        from ingest import export_tree
-
-        work = tempfile.TemporaryDirectory(prefix="correlate-growth-")
-        trees = {args.compare: export_tree(args.compare, Path(work.name)), "working tree": HERE.parent}
+    trees, work = compared(args.compare, "correlate-growth-")
     results: dict[str, list[list[float]]] = {label: [] for label in trees}
     for round_no in range(1, (args.rounds if args.compare else 1) + 1):
         for label, tree in trees.items():

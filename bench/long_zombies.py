@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trees import compared, use_tree
+
 HERE = Path(__file__).resolve().parent
 S = 1_000_000_000
 PID, PORT = 4242, 8000  # bench/correlate_memory.py's engine
@@ -124,21 +126,11 @@ def main() -> int:
     args = parser.parse_args()
     if args.minutes < 2 or args.zombies < 1:
         parser.error("--minutes must be at least 2 and --zombies at least 1")
-    if args.tree:
-        sys.path.insert(0, str(args.tree))
-        import auditor  # noqa: F401  # this tree's, before the bench helpers put the working tree first
-    sys.path.insert(1, str(HERE.parent))
-    sys.path.insert(1, str(HERE))
+    use_tree(args.tree)
     if args.json:
         print(json.dumps(run(args.zombies, args.minutes, args.known_by)))
         return 0
-    trees = {"working tree": HERE.parent}
-    work = None
-    if args.compare:
-        from ingest import export_tree
-
-        work = tempfile.TemporaryDirectory(prefix="long-zombies-")
-        trees = {args.compare: export_tree(args.compare, Path(work.name)), "working tree": HERE.parent}
+    trees, work = compared(args.compare, "long-zombies-")
     results: dict[str, list[dict[str, list[float]]]] = {label: [] for label in trees}
     for round_no in range(1, (args.rounds if args.compare else 1) + 1):
         for label, tree in trees.items():
@@ -148,8 +140,8 @@ def main() -> int:
     print(f"\n{args.zombies} zombies known by {args.known_by} running on for {args.minutes} simulated minutes beside 100 requests/s, "
           f"ms of correlator CPU a round (medians of {len(results[label])} runs)")
     print(f"  {'':<28}" + "".join(f"{label:>16}" for label in trees))
-    rows = [(f"round, minute {m + 1}", "round", m) for m in (0, args.minutes // 2 - 1, args.minutes - 1)]
-    rows += [(f"judge, minute {m + 1}", "judge", m) for m in (0, args.minutes // 2 - 1, args.minutes - 1)]
+    minutes = sorted({0, args.minutes // 2 - 1, args.minutes - 1})
+    rows = [(f"{key}, minute {m + 1}", key, m) for key in ("round", "judge") for m in minutes]
     for title, key, minute in rows:
         print(f"  {title:<28}" + "".join(f"{statistics.median(r[key][minute] for r in runs):>16.2f}"
                                           for runs in results.values()))
