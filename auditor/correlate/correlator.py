@@ -158,7 +158,7 @@ class Correlator:
         self._to_settle: set[RequestKey] = set()
         # Requests that keep checkpoints of a long window (cost_partial, scrape_sweep): each round's
         # news drops those it touches. Few: only work that ran on for seconds after its client left.
-        self._checkpointed: list[OpenRequest] = []
+        self._checkpointed: dict[int, OpenRequest] = {}  # by id()
         self._inflight: set[RequestKey] = set()
         self._unreported: list[tuple[int, RequestKey]] = []
         self._next_expiry_ns = 0
@@ -429,15 +429,15 @@ class Correlator:
         return written
 
     def checkpointed(self, request: OpenRequest) -> None:
-        """``request`` keeps checkpoints now (evaluate's): news drops those it touches."""
-        self._checkpointed.append(request)
+        """``request`` keeps checkpoints (evaluate's): news drops those it touches."""
+        self._checkpointed[id(request)] = request
 
     def _forget_checkpoints(self, news: int | None) -> None:
         """A long window's cost, and its gauges' sweep, are read again from the news on."""
-        self._checkpointed = [r for r in self._checkpointed if self._open.get(r.key) is r]
+        self._checkpointed = {key: r for key, r in self._checkpointed.items() if self._open.get(r.key) is r}
         if news is None:
             return
-        for request in self._checkpointed:
+        for request in self._checkpointed.values():
             if request.cost_partial is not None:
                 request.cost_partial.forget_from(news)
             if request.scrape_sweep is not None:

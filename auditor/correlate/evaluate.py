@@ -199,8 +199,7 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     corr.loads.register(port, request.key, disconnect, connected_until_ns=hop.end_ns + CLOCK_ERROR_NS)
     if request.scrape_sweep is None and now - disconnect > ev.SWEEP_AFTER_NS:  # a long sweep: checkpoints
         request.scrape_sweep = ev.ScrapeSweep()
-        if request.cost_partial is None:
-            corr.checkpointed(request)
+        corr.checkpointed(request)
     ended = corr.loads.work_end(port, disconnect, max(disconnect, hop.start_ns),
                                 lambda start, end: corr.connected_at(port, start - CLOCK_ERROR_NS,
                                                                      end + CLOCK_ERROR_NS),
@@ -239,8 +238,7 @@ def _waste(corr: Correlator, request: OpenRequest, origin: Any, started: int | N
     sharers = sharers_at(corr.spans.runs, service, trace_id, corr.live.running_work(service), gauge)
     if request.cost_partial is None and end_ns - start_ns > PARTIAL_MIN_NS:
         request.cost_partial = PartialCost()
-        if request.scrape_sweep is None:
-            corr.checkpointed(request)
+        corr.checkpointed(request)
     cost = wasted(samples, start_ns=start_ns, end_ns=end_ns, pid=pid, sharers=sharers, gpu=gpu,
                   partial=request.cost_partial, basis=(gauge is not None, service, trace_id))
     return round(cost.gpu_seconds, 6), round(cost.cpu_seconds, 6)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from auditor.correlate.prune import drop_front
+from auditor.correlate.waste import keep_few
 from auditor.model import EngineLoad, SpanRecord
 
 FINAL_SEND_ATTR = "asgi.event.final"
@@ -76,7 +77,6 @@ class MetricsEnd:
 SWEEP_NEWS_MARGIN_NS = 1_000_000_000
 SWEEP_CHECKPOINT_NS = 1_000_000_000
 SWEEP_AFTER_NS = 4_000_000_000  # a request whose client left longer ago than this keeps checkpoints
-MAX_CHECKPOINTS = 64  # past this, every other one of the older half goes: recent ones stay a second apart
 
 
 class ScrapeSweep:
@@ -107,8 +107,7 @@ class ScrapeSweep:
     def mark(self, ts_ns: int, still_connected: list[int], last_orphaned: int | None, count: int) -> None:
         if not self.states or ts_ns - self.states[-1][0] >= SWEEP_CHECKPOINT_NS:
             self.states.append((ts_ns, tuple(still_connected), last_orphaned, count))
-            if len(self.states) > MAX_CHECKPOINTS:
-                del self.states[:MAX_CHECKPOINTS // 2:2]
+            keep_few(self.states)
 
 
 def _times() -> array[int]:

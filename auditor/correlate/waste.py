@@ -27,6 +27,7 @@ from array import array
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from auditor.model import SpanRecord, SpanRole
 from auditor.store.db import Store
@@ -414,16 +415,23 @@ def sharers_at(runs: RunIndex, service: str, trace_id: str, live: dict[str, int]
 
 
 PARTIAL_MIN_NS = 4_000_000_000  # windows longer than this keep checkpoints (PartialCost)
-MAX_CHECKPOINTS = 64  # past this, every other one of the older half goes
 CHECKPOINT_NS = 1_000_000_000
+MAX_CHECKPOINTS = 64
+
+
+def keep_few(*columns: array[int] | array[float] | list[Any]) -> None:
+    """Past MAX_CHECKPOINTS kept, every other one of the older half goes (from each column alike):
+    news seldom reaches far back, so the recent ones stay as close as they were taken."""
+    if len(columns[0]) > MAX_CHECKPOINTS:
+        for column in columns:
+            del column[0:MAX_CHECKPOINTS // 2:2]
 
 
 class PartialCost:
     """A long window's cost so far, at checkpoints on whole seconds: the integral from the window's
     start to each. An in-flight zombie's window grows every round, and integrating all of it again
-    each time made a round's cost grow with the zombie's age (bench/long_zombies.py: five zombies
-    beside 100 requests a second, 81 ms a round in their first minute, 943 in their tenth; 29 and
-    32 with checkpoints). A round integrates only past the last checkpoint that no news
+    each time made a round's cost grow with the zombie's age (bench/long_zombies.py; figures in
+    docs/footprint.md, thirtieth pass). A round integrates only past the last checkpoint that no news
     has touched: the correlator drops those at or after the oldest moment each round's new evidence
     concerns (``forget_from``: spans, samples, scrapes, live notices), so the sum is what the whole
     integral would be. ``key``: what else the integral depends on (its start, the process, the
@@ -454,9 +462,7 @@ class PartialCost:
             self.at.append(at_ns)
             self.gpu.append(gpu)
             self.cpu.append(cpu)
-            if len(self.at) > MAX_CHECKPOINTS:  # every other one of the older half: news seldom reaches back
-                half = slice(0, MAX_CHECKPOINTS // 2, 2)
-                del self.at[half], self.gpu[half], self.cpu[half]
+            keep_few(self.at, self.gpu, self.cpu)
 
 
 def wasted(samples: SampleCache, *, start_ns: int, end_ns: int, pid: int | None,
