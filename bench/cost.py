@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from auditor.correlate import Correlator  # noqa: E402
 from auditor.correlate.evaluate import _waste  # noqa: E402
+from auditor.correlate.requests import OpenRequest  # noqa: E402
 from auditor.model import SpanRecord, SpanRole, UtilSample  # noqa: E402
 from auditor.store import Store  # noqa: E402
 
@@ -82,7 +83,7 @@ def time_both(correlator: Correlator, store: Store, now: int, zombies: int, age_
     correlator.cost.samples.refresh(now)  # the daemon's cache is loaded once, then read incrementally
     started = time.perf_counter()
     for _ in range(zombies):
-        after = _waste(correlator, origin, None, end, engine, None, {})
+        after = _waste(correlator, OpenRequest(("0" * 32, "1" * 16)), origin, None, end, engine, None, {})
     after_s = time.perf_counter() - started
     return before_s, after_s, before.cpu_seconds, after[1]
 
