@@ -4,8 +4,9 @@
 #
 #   bench/gpu_check.sh [DIR]     (python3 with this project's requirements and PyTorch on CUDA)
 #   LOAD_SECONDS=600 bench/gpu_check.sh   a longer load, to see whether the daemon's RSS levels off
+#   EXPORT_DELAY_MS=5000 ALARMS=0 bench/gpu_check.sh   the detection load's spans at vLLM's 5 s cadence
 #   CHECKS="tests nvml poller" bench/gpu_check.sh   only those checks, of:
-#       tests nvml engine demo footprint poller detection alone   (all by default)
+#       compiled tests nvml engine demo footprint poller detection alone   (all by default)
 set -u
 out=${1:-gpu-check}
 mkdir -p "$out"
@@ -13,13 +14,20 @@ py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 section() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
-checks=" ${CHECKS:-tests nvml engine demo footprint poller detection alone} "
+checks=" ${CHECKS:-compiled tests nvml engine demo footprint poller detection alone} "
 wanted() { [[ $checks == *" $1 "* ]]; }
 
 section "host"
 nvidia-smi --query-gpu=name,driver_version,memory.total,utilization.gpu --format=csv 2>&1 | tee "$out/host.log"
 "$py" -c "import sys, torch, pynvml; print(sys.version.split()[0], 'torch', torch.__version__,
 'cuda', torch.cuda.is_available(), 'nvml', pynvml.__name__)" 2>&1 | tee -a "$out/host.log"
+
+if wanted compiled; then
+section "the compiled OTLP reader and span builder, built on this host, against the Python ones"
+timeout 120 "$py" setup.py build_ext --inplace > "$out/build.log" 2>&1; tail -2 "$out/build.log"
+timeout 300 "$py" -m pytest -q -p no:cacheprovider tests/test_otlp_wire_compiled.py tests/test_normalize_compiled.py \
+    2>&1 | tee "$out/compiled-tests.log"
+fi
 
 if wanted tests; then
 section "gpu-marked tests"
@@ -55,7 +63,8 @@ fi
 if wanted detection; then
 section "detection and load, /proc source, engines on cuda"
 load=${LOAD_SECONDS:-60}
-timeout $((load + 180)) "$py" bench/detection.py --source procfs --device cuda --alarms 10 --load-seconds "$load" --otlp grpc \
+timeout $((load + 180)) "$py" bench/detection.py --source procfs --device cuda --alarms "${ALARMS:-10}" \
+    --load-seconds "$load" --otlp grpc ${EXPORT_DELAY_MS:+--export-delay-ms "$EXPORT_DELAY_MS"} \
     2>&1 | tee "$out/detection.log"
 fi
 if wanted alone; then

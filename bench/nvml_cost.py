@@ -18,8 +18,13 @@ own account of a busy spell. Needs a GPU (and PyTorch on CUDA for the second par
    read once after the spell: how many it holds and how far back, their period, what they add up
    to against the events, and what a read costs. If it holds every period of the last seconds, a
    sampler could read it once a second instead of ticking ten times, and lose nothing.
+4. Spells begun while the sampler rests (``--rest-spells``): the daemon's sampling loop ticks once a
+   second once the GPU has read 0 % for a second, and a request that comes to an idle engine
+   starts somewhere inside such a second. Spells of 0.3, 1 and 3 s begin at spread moments of the
+   rest second; two samplers in one loop, the default (the gap read from NVML's buffer) and one
+   without the buffer, cost this process (alone on its GPU) and the whole GPU, against the events.
 
-    python bench/nvml_cost.py [--calls 200] [--spell 2]
+    python bench/nvml_cost.py [--calls 200] [--spell 2] [--rest-spells 3]
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ if not os.environ.get("PYTHONPATH"):
 import pynvml
 
 from auditor.store import Store
-from collectors.nvml import NvmlSampler, ProcessUtilization
+from collectors.nvml import NvmlSampler, ProcessUtilization, sample_value
+from collectors.sampling import SamplingLoop
 
 
 def cost_us(call: Callable[[], Any], repeats: int) -> tuple[float, float]:
@@ -89,7 +95,7 @@ def calls_at_rest(repeats: int) -> None:
     sampler.close()
 
 
-def busy_spell(seconds: float) -> None:
+def busy_spell(seconds: float, rest_spells: int = 0) -> None:
     try:
         import torch
     except ImportError:
@@ -170,11 +176,66 @@ def busy_spell(seconds: float) -> None:
     except Exception as exc:  # a driver without the buffer must not cost the rest of the run
         print(f"  the whole GPU's sample buffer: not read ({type(exc).__name__}: {exc})")
     calls_while_busy(torch)
+    if rest_spells:
+        spells_after_rest(torch, rest_spells)
 
 
-def _sample_value(sample: Any, value_type: int) -> float:
-    field = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}[value_type]
-    return float(getattr(sample.sampleValue, field))
+def spells_after_rest(torch: Any, repeats: int) -> None:
+    """Spells begun while the sampling loop rests, costed with and without NVML's buffer."""
+    from auditor.correlate.waste import SampleCache, wasted
+
+    a = torch.randn((8192, 8192), device="cuda", dtype=torch.float16)
+    (a @ a).sum().item()
+    hosts = {"buffer": True, "no buffer": False}  # host name: whether its sampler reads NVML's buffer
+    with tempfile.TemporaryDirectory() as scratch:
+        store = Store(f"sqlite:///{scratch}/rest.db")
+        samplers = [NvmlSampler(nvml=pynvml, host=host, read_buffer=read) for host, read in hosts.items()]
+        loop = SamplingLoop(samplers, sink=store.insert_samples, interval_s=0.1).start()
+        spells: list[tuple[float, int, int, float]] = []
+        try:
+            for length in (0.3, 1.0, 3.0):
+                for r in range(repeats):
+                    deadline = time.monotonic() + 10
+                    while not loop.idle() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    time.sleep(0.2 + (r + 0.5) / repeats * 1.0)  # spread over the rest second
+                    events = []
+                    begin = time.time_ns()
+                    while time.time_ns() - begin < length * 1e9:
+                        started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        started.record()
+                        a = (a @ a).clamp_(-1, 1)
+                        ended.record()
+                        torch.cuda.synchronize()
+                        events.append((started, ended))
+                    end = time.time_ns()
+                    spells.append((length, begin, end, sum(s.elapsed_time(e) for s, e in events) / 1000))
+                    time.sleep(1.5)
+        finally:
+            loop.stop()
+            for sampler in samplers:
+                sampler.close()
+        now = time.time_ns()
+        ratios: dict[tuple[float, str, str], list[float]] = {}
+        for host in hosts:
+            cache = SampleCache(store, host)
+            cache.refresh(now)
+            for length, begin, end, busy_s in spells:
+                for whom, pid in (("this process", os.getpid()), ("whole GPU", None)):
+                    cost = wasted(cache, start_ns=begin - 700_000_000, end_ns=end + 700_000_000, pid=pid,
+                                  sharers=lambda ts: 1).gpu_seconds
+                    ratios.setdefault((length, host, whom), []).append(cost / busy_s)
+        store.close()
+    print(f"\nSpells begun while the sampler rests ({repeats} of each length, spread over the rest second):"
+          " NVML's GPU-seconds / the events' busy time, mean (min-max)")
+    columns = [(host, whom) for host in hosts for whom in ("this process", "whole GPU")]
+    print(f"  {'spell':<8}" + "".join(f"{host + ', ' + whom:>28}" for host, whom in columns))
+    for length in (0.3, 1.0, 3.0):
+        cells = []
+        for host, whom in columns:
+            found = ratios[(length, host, whom)]
+            cells.append(f"{statistics.mean(found):.3f} ({min(found):.2f}-{max(found):.2f})")
+        print(f"  {length:<8}" + "".join(f"{cell:>28}" for cell in cells))
 
 
 def buffered_whole_gpu(begin_ns: int, end_ns: int, gpu_busy_s: float) -> None:
@@ -182,7 +243,7 @@ def buffered_whole_gpu(begin_ns: int, end_ns: int, gpu_busy_s: float) -> None:
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
     now_us = time.time_ns() // 1000
     value_type, samples = pynvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, 0)
-    points = sorted((int(s.timeStamp), _sample_value(s, value_type)) for s in samples)
+    points = sorted((int(s.timeStamp), sample_value(s, value_type)) for s in samples)
     print(f"\nThe whole GPU's sample buffer (nvmlDeviceGetSamples, GPU utilization), read {len(points)} samples")
     if len(points) < 2:
         return
@@ -224,6 +285,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--spell", type=float, default=2.0)
+    parser.add_argument("--rest-spells", type=int, default=3, help="spells of each length after a rest (0: none)")
     args = parser.parse_args()
     try:
         pynvml.nvmlInit()
@@ -235,7 +297,7 @@ def main() -> int:
             print("NVML sees no GPU")
             return 2
         calls_at_rest(args.calls)
-        busy_spell(args.spell)
+        busy_spell(args.spell, args.rest_spells)
     finally:
         pynvml.nvmlShutdown()
     return 0

@@ -46,6 +46,23 @@ PERIOD_MIN_GAPS = 3  # gaps seen before the period is estimated from them (until
 SHORTEST_PERIOD_US = 20_000  # NVML documents periods of 1/6 s to 1 s; a shorter gap is no period
 CLOCK_AGREES_NS = 60 * 1_000_000_000
 _NEEDS_REINIT = frozenset({"NVMLError_Uninitialized", "NVMLError_DriverNotLoaded"})
+GPU_UTILIZATION_SAMPLES = 1  # NVML_GPU_UTILIZATION_SAMPLES: nvmlDeviceGetSamples's whole-GPU utilization
+BACKFILL_GAP = 1.5  # a gap since the last tick longer than this many NVML periods is read from its buffer
+
+
+def sample_value(sample: Any, value_type: int) -> float:
+    """A buffered NVML sample's value (``nvmlDeviceGetSamples``), by the type NVML says it has."""
+    name = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}.get(value_type, "uiVal")
+    return float(getattr(sample.sampleValue, name))
+
+
+def _after(backfill: list[tuple[int, float, float]], ts_ns: int, interval_s: float | None) -> float | None:
+    """What this tick's own reading covers: the whole gap, or after a backfill only the time since
+    its newest buffered sample (a sample covering nothing still counts a millisecond: never 0,
+    which the store reads as "not said")."""
+    if not backfill or interval_s is None:
+        return interval_s
+    return max(0.001, min(interval_s, (ts_ns - backfill[-1][0]) / 1e9))
 
 
 def _describe(exc: BaseException) -> str:
@@ -179,7 +196,7 @@ class NvmlSampler:
     def __init__(self, nvml: Any = None, host: str = "", *, monotonic: Callable[[], float] = time.monotonic,
                  backoff_initial_s: float = 1.0, backoff_max_s: float = 60.0,
                  per_process: bool = True, default_period_s: float = 0.2, quiet_after_s: float = 1.0,
-                 per_process_always: bool = False) -> None:
+                 per_process_always: bool = False, read_buffer: bool = True) -> None:
         self._nvml = nvml
         self.default_period_s = default_period_s  # NVML's update period until seen
         self.host = host
@@ -188,6 +205,7 @@ class NvmlSampler:
         self.backoff_max_s = backoff_max_s
         self.per_process = per_process
         self.per_process_always = per_process_always  # ask per process for a GPU's only process too
+        self.read_buffer = read_buffer  # read a long gap from NVML's buffer (off: to measure without)
         self._initialized = False
         self._init_failures = 0
         self._init_retry_at = 0.0
@@ -309,28 +327,64 @@ class NvmlSampler:
             self._used = True
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
         milliwatts = self._optional(nvml.nvmlDeviceGetPowerUsage, handle)
+        # After a gap longer than NVML's period (the sampler at rest, a late tick), the newest
+        # reading tells only the last period: the gap is read from NVML's own buffer instead.
+        backfill = self._buffered(gpu, ts_ns, interval_s) if rates is not None and rates.gpu else []
         samples = [UtilSample(
+            ts_ns=wall_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=None, util_percent=util,
+            interval_s=covered_s,
+        ) for wall_ns, covered_s, util in backfill]
+        samples.append(UtilSample(
             ts_ns=ts_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=None,
             util_percent=None if rates is None else float(rates.gpu),
             memory_util_percent=None if rates is None else float(rates.memory),
             memory_bytes=int(memory.used),
             power_watts=None if milliwatts is None else float(milliwatts) / 1000.0,
-            interval_s=interval_s,
-        )]
+            interval_s=_after(backfill, ts_ns, interval_s),
+        ))
         if self.per_process:
             if rates is not None and rates.gpu:
                 gpu.used_at_us = gpu.nvml_us(ts_ns)
-            samples.extend(self._sample_processes(gpu, ts_ns, interval_s, rates))
+            samples.extend(self._sample_processes(gpu, ts_ns, interval_s, rates, backfill))
         return samples
 
-    def _sample_processes(self, gpu: _Gpu, ts_ns: int, interval_s: float | None, rates: Any) -> list[UtilSample]:
+    def _buffered(self, gpu: _Gpu, ts_ns: int, interval_s: float | None) -> list[tuple[int, float, float]]:
+        """The whole GPU's utilization since the last tick from NVML's buffer of it, when that
+        tick is more than a period back: ``(wall ns, seconds covered, percent)`` per buffered
+        sample, oldest first; [] when the gap is short or NVML keeps no buffer. A reading after
+        the sampler's one-second rest averages only NVML's last period, so without the buffer the
+        work begun earlier in the second is lost (a process alone on its GPU), or the last period's
+        figure is spread over the whole second (the whole GPU). One read costs about as much as
+        a per-process one (1.4 ms of CPU on an H200): it is made only at such a gap."""
+        period_s = max(self.default_period_s, (gpu.period_us or 0) / 1e6)
+        get_samples = getattr(self._nvml, "nvmlDeviceGetSamples", None)
+        if (interval_s is None or interval_s <= BACKFILL_GAP * period_s or get_samples is None
+                or not self.read_buffer):
+            return []
+        since_us = gpu.nvml_us(ts_ns - int(interval_s * 1e9))
+        found = self._optional(get_samples, gpu.handle, GPU_UTILIZATION_SAMPLES, since_us)
+        if not found:
+            return []
+        value_type, rows = found
+        points = sorted((int(row.timeStamp), sample_value(row, value_type)) for row in rows)
+        backfill, previous = [], since_us
+        for stamp_us, util in points:
+            if stamp_us <= previous:
+                continue
+            covered_us = min(stamp_us - previous, period_s * 1e6)  # its own period at most
+            backfill.append((gpu.wall_ns(stamp_us, ts_ns), covered_us / 1e6, util))
+            previous = stamp_us
+        return [point for point in backfill if point[0] <= ts_ns]
+
+    def _sample_processes(self, gpu: _Gpu, ts_ns: int, interval_s: float | None, rates: Any,
+                          backfill: list[tuple[int, float, float]]) -> list[UtilSample]:
         nvml, handle = self._nvml, gpu.handle
         memory_by_pid: dict[int, int | None] = {}
         for process in self._optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle) or []:
             used = getattr(process, "usedGpuMemory", None)
             memory_by_pid[int(process.pid)] = None if used is None else int(used)
         if self._alone(gpu, memory_by_pid, rates):
-            return [self._alone_sample(gpu, ts_ns, interval_s, rates, memory_by_pid)]
+            return self._alone_samples(gpu, ts_ns, interval_s, rates, memory_by_pid, backfill)
         # Asked for only when a reading can be new (about once per NVML update, not every tick),
         # and only while the GPU is in use or was in the last two updates: the reading of a spell's
         # last moments comes after the whole GPU already reads 0 %.
@@ -371,25 +425,38 @@ class NvmlSampler:
             return False
         return self._optional(graphics, gpu.handle) == []
 
-    def _alone_sample(self, gpu: _Gpu, ts_ns: int, interval_s: float | None, rates: Any,
-                      memory_by_pid: dict[int, int | None]) -> UtilSample:
-        """The only process's sample, from the whole GPU's reading. That reading averages NVML's
-        last sample period (1/6 s to 1 s by product), so after a longer gap between ticks (the
-        sampler at rest) it covers one period, not the whole gap; and never time that the
-        process's last per-process reading covered already."""
+    def _alone_samples(self, gpu: _Gpu, ts_ns: int, interval_s: float | None, rates: Any,
+                       memory_by_pid: dict[int, int | None],
+                       backfill: list[tuple[int, float, float]]) -> list[UtilSample]:
+        """The only process's samples, from the whole GPU's readings: the buffered ones of a long
+        gap (``_buffered``), then this tick's. That reading averages NVML's last sample period (1/6 s
+        to 1 s by product), so after a longer gap with no buffer to read it covers one period, not
+        the whole gap; and never time that the process's last per-process reading covered already."""
         (pid, memory), = memory_by_pid.items()
         now_us = gpu.nvml_us(ts_ns)
-        period_s = max(self.default_period_s, (gpu.period_us or 0) / 1e6)
-        covered_s = None if interval_s is None else min(interval_s, period_s)
         read_until = gpu.seen_by_pid.get(pid)
-        if covered_s is not None and read_until is not None:
-            covered_s = max(0.0, min(covered_s, (now_us - read_until) / 1e6))
+        read_until_ns = None if read_until is None else gpu.wall_ns(read_until, ts_ns)
+
+        def covering(at_ns: int, covered_s: float) -> float:
+            if read_until_ns is None:
+                return covered_s
+            return max(0.0, min(covered_s, (at_ns - read_until_ns) / 1e9))
+
+        samples = [UtilSample(
+            ts_ns=wall_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=pid, util_percent=util,
+            interval_s=covering(wall_ns, covered_s),
+        ) for wall_ns, covered_s, util in backfill]
+        period_s = max(self.default_period_s, (gpu.period_us or 0) / 1e6)
+        covered_s = _after(backfill, ts_ns, interval_s)
+        if covered_s is not None:
+            covered_s = covering(ts_ns, covered_s if backfill else min(covered_s, period_s))
         gpu.alone_until_us = {pid: now_us}  # no other process is on this GPU now: theirs are done
-        return UtilSample(
+        samples.append(UtilSample(
             ts_ns=ts_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=pid,
             util_percent=float(rates.gpu), memory_util_percent=float(rates.memory),
             memory_bytes=memory, interval_s=covered_s,
-        )
+        ))
+        return samples
 
     def _utilization_samples(self, gpu: _Gpu, rows: list[Any], ts_ns: int,
                              memory_by_pid: dict[int, int | None]) -> list[UtilSample]:

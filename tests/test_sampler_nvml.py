@@ -412,6 +412,90 @@ def test_a_process_alone_on_its_gpu_is_costed_by_the_whole_gpu_without_the_per_p
     assert readings_cost == pytest.approx(TRUTH_TO_8S, rel=0.05)
 
 
+@dataclass
+class BufferingNvml(SharedLaterNvml):
+    """SharedLaterNvml with NVML's buffer of whole-GPU utilization samples (``nvmlDeviceGetSamples``):
+    one every ``buffer_period_s`` (200 ms on an H200), each the mean of its period, the last 15 s."""
+
+    buffer_period_s: float = 0.2
+
+    def nvmlDeviceGetSamples(self, handle: int, sampling_type: int, last_seen: int) -> tuple[int, list[Any]]:
+        self.calls.append(f"buffer since {last_seen}")
+        assert sampling_type == pynvml.NVML_GPU_UTILIZATION_SAMPLES
+        newest = int(self.now_s / self.buffer_period_s)
+        rows = []
+        for k in range(newest - int(15 / self.buffer_period_s), newest + 1):
+            stamp = round(k * self.buffer_period_s * 1e6)
+            if stamp <= last_seen:
+                continue
+            steps = 20
+            mean = sum(self.util_at(k * self.buffer_period_s - self.buffer_period_s * (i + 0.5) / steps)
+                       for i in range(steps)) / steps
+            rows.append(SimpleNamespace(timeStamp=stamp, sampleValue=SimpleNamespace(uiVal=round(mean))))
+        if not rows:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, rows
+
+
+def spell_while_resting(start_s: float, begins_s: float) -> Any:
+    def util_at(t: float) -> float:  # a blip at 0.3 s (the sampler's first use), then 70 % for 2 s
+        offset = t - start_s
+        return 50.0 if 0.3 <= offset < 0.5 else 70.0 if begins_s <= offset < begins_s + 2.0 else 0.0
+    return util_at
+
+
+def whole_gpu_cost(store: Any, now_s: float, start_s: float, end_s: float) -> float:
+    from auditor.correlate.waste import SampleCache, wasted
+
+    cache = SampleCache(store, "h")
+    cache.refresh(int(now_s * 1e9))
+    return wasted(cache, start_ns=int(start_s * 1e9), end_ns=int(end_s * 1e9), pid=None,
+                  sharers=lambda ts: 1).gpu_seconds
+
+
+@pytest.mark.parametrize("begins_s", [4.1, 4.4, 4.85])  # the rest ticks fall at 2.8, 3.8 and 4.8 s
+def test_work_begun_while_the_sampler_rests_is_read_from_nvmls_buffer(store: Any, begins_s: float) -> None:
+    """The sampler rests (a tick a second) once the GPU reads 0 % for a second, and a request that
+    comes to an idle engine begins its work somewhere inside that second. The first busy reading
+    averages only NVML's last period: alone, it would lose the work before that period (up to
+    0.8 s here), and as the whole GPU's it would spread that period's figure over the whole
+    second. At such a gap the sampler reads NVML's own buffer of the whole GPU's utilization
+    (200 ms samples), so the spell costs what it ran, for the engine alone on its GPU and for
+    the whole GPU alike; the buffer is read only at those gaps (the first tick after a rest)."""
+    start_s = 1_700_000_000.0
+    truth = 2.0 * 0.7
+    window = (start_s + 3.5, start_s + 7.0)
+    fake = BufferingNvml(count=1, now_s=start_s, util_at=spell_while_resting(start_s, begins_s))
+    clock = Clock()
+    sampler = NvmlSampler(nvml=fake, host="h", monotonic=clock)
+    run_ticks(fake, sampler, clock, store, 8.0)
+    cache_cost = engine_cost_between(store, fake, *window)
+    assert cache_cost == pytest.approx(truth, rel=0.05)
+    assert whole_gpu_cost(store, fake.now_s, *window) == pytest.approx(truth, rel=0.05)
+    reads = [call for call in fake.calls if call.startswith("buffer")]
+    assert 1 <= len(reads) <= 3, reads  # after a rest, not at every tick
+
+    # Without the buffer (a driver that keeps none): the alone reading covers one period, and part
+    # of the spell is lost - what the buffer is read for.
+    store_b = type(store)(str(store.engine.url).replace("auditor.db", "b.db"))
+    fake_b = SharedLaterNvml(count=1, now_s=start_s, util_at=spell_while_resting(start_s, begins_s))
+    clock = Clock()
+    run_ticks(fake_b, NvmlSampler(nvml=fake_b, host="h", monotonic=clock), clock, store_b, 8.0)
+    unbuffered = engine_cost_between(store_b, fake_b, *window)
+    store_b.close()
+    lost = truth - unbuffered
+    assert lost > 0.05, (unbuffered, truth)  # the test stands for the change: it fails without it
+
+
+def engine_cost_between(store: Any, fake: SharedLaterNvml, start_s: float, end_s: float) -> float:
+    from auditor.correlate.waste import SampleCache, wasted
+
+    cache = SampleCache(store, "h")
+    cache.refresh(int(fake.now_s * 1e9))
+    return wasted(cache, start_ns=int(start_s * 1e9), end_ns=int(end_s * 1e9), pid=fake.pid,
+                  sharers=lambda ts: 1).gpu_seconds
+
+
 @pytest.mark.parametrize("shared_by", ["a second engine", "a graphics process"])
 def test_a_process_that_stops_being_alone_is_read_per_process_and_no_time_counts_twice(store: Any, shared_by: str) -> None:
     """From 2.5 s into the first busy spell, something else has the GPU too: from then on the
