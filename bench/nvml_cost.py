@@ -21,8 +21,9 @@ own account of a busy spell. Needs a GPU (and PyTorch on CUDA for the second par
 4. Spells begun while the sampler rests (``--rest-spells``): the daemon's sampling loop ticks once a
    second once the GPU has read 0 % for a second, and a request that comes to an idle engine
    starts somewhere inside such a second. Spells of 0.3, 1 and 3 s begin at spread moments of the
-   rest second; two samplers in one loop, the default (the gap read from NVML's buffer) and one
-   without the buffer, cost this process (alone on its GPU) and the whole GPU, against the events.
+   rest second; two samplers in one loop, the default (the gap read from NVML's buffer, and the
+   buffer read every few seconds at rest) and one without the buffer, cost this process (alone on
+   its GPU) and the whole GPU, against the events.
 
     python bench/nvml_cost.py [--calls 200] [--spell 2] [--rest-spells 3]
 """
@@ -236,6 +237,9 @@ def spells_after_rest(torch: Any, repeats: int) -> None:
             found = ratios[(length, host, whom)]
             cells.append(f"{statistics.mean(found):.3f} ({min(found):.2f}-{max(found):.2f})")
         print(f"  {length:<8}" + "".join(f"{cell:>28}" for cell in cells))
+    for length in (0.3, 1.0, 3.0):
+        print(f"  each {length} s spell, " + "; ".join(
+            f"{host}, {whom}: " + " ".join(f"{r:.2f}" for r in ratios[(length, host, whom)]) for host, whom in columns))
 
 
 def buffered_whole_gpu(begin_ns: int, end_ns: int, gpu_busy_s: float) -> None:

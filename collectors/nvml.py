@@ -48,6 +48,8 @@ CLOCK_AGREES_NS = 60 * 1_000_000_000
 _NEEDS_REINIT = frozenset({"NVMLError_Uninitialized", "NVMLError_DriverNotLoaded"})
 GPU_UTILIZATION_SAMPLES = 1  # NVML_GPU_UTILIZATION_SAMPLES: nvmlDeviceGetSamples's whole-GPU utilization
 BACKFILL_GAP = 1.5  # a gap since the last tick longer than this many NVML periods is read from its buffer
+BUFFER_EVERY_S = 5.0  # at rest, NVML's buffer (about 14 s deep on an H200) is read this often
+Point = tuple[int, float, float]  # a buffered whole-GPU sample: wall ns, seconds covered, percent
 
 
 def sample_value(sample: Any, value_type: int) -> float:
@@ -56,13 +58,12 @@ def sample_value(sample: Any, value_type: int) -> float:
     return float(getattr(sample.sampleValue, name))
 
 
-def _after(backfill: list[tuple[int, float, float]], ts_ns: int, interval_s: float | None) -> float | None:
-    """What this tick's own reading covers: the whole gap, or after a backfill only the time since
-    its newest buffered sample (a sample covering nothing still counts a millisecond: never 0,
-    which the store reads as "not said")."""
+def _after(backfill: list[Point], ts_ns: int, interval_s: float | None) -> float | None:
+    """What this tick's own reading covers: the whole gap, or, where buffered samples replaced it,
+    only the time since the newest of them."""
     if not backfill or interval_s is None:
         return interval_s
-    return max(0.001, min(interval_s, (ts_ns - backfill[-1][0]) / 1e9))
+    return max(0.0, min(interval_s, (ts_ns - backfill[-1][0]) / 1e9))
 
 
 def _describe(exc: BaseException) -> str:
@@ -151,6 +152,8 @@ class _Gpu:
     used_at_us: int | None = None  # when this GPU last showed use (above 0 % whole, or a process's reading)
     no_utilization: bool = False  # NVML gives no utilization for it (a MIG-enabled GPU): memory only
     alone_until_us: dict[int, int] = field(default_factory=dict)  # a process costed by the whole GPU, until
+    unread_from_us: int | None = None  # a stretch that ticks after gaps did not cover, not read from
+    unread_until_us: int = 0  # the buffer yet: since, until
 
     def note_update(self, stamp_us: int) -> None:
         """A newer NVML update: its gap to the last one tells NVML's period. Idle spells and missed
@@ -329,7 +332,7 @@ class NvmlSampler:
         milliwatts = self._optional(nvml.nvmlDeviceGetPowerUsage, handle)
         # After a gap longer than NVML's period (the sampler at rest, a late tick), the newest
         # reading tells only the last period: the gap is read from NVML's own buffer instead.
-        backfill = self._buffered(gpu, ts_ns, interval_s) if rates is not None and rates.gpu else []
+        backfill, replaced = self._buffered(gpu, ts_ns, interval_s, in_use=rates is not None and bool(rates.gpu))
         samples = [UtilSample(
             ts_ns=wall_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=None, util_percent=util,
             interval_s=covered_s,
@@ -340,51 +343,71 @@ class NvmlSampler:
             memory_util_percent=None if rates is None else float(rates.memory),
             memory_bytes=int(memory.used),
             power_watts=None if milliwatts is None else float(milliwatts) / 1000.0,
-            interval_s=_after(backfill, ts_ns, interval_s),
+            interval_s=_after(backfill if replaced else [], ts_ns, interval_s),
         ))
         if self.per_process:
             if rates is not None and rates.gpu:
                 gpu.used_at_us = gpu.nvml_us(ts_ns)
-            samples.extend(self._sample_processes(gpu, ts_ns, interval_s, rates, backfill))
+            samples.extend(self._sample_processes(gpu, ts_ns, interval_s, rates, backfill, replaced))
         return samples
 
-    def _buffered(self, gpu: _Gpu, ts_ns: int, interval_s: float | None) -> list[tuple[int, float, float]]:
-        """The whole GPU's utilization since the last tick from NVML's buffer of it, when that
-        tick is more than a period back: ``(wall ns, seconds covered, percent)`` per buffered
-        sample, oldest first; [] when the gap is short or NVML keeps no buffer. A reading after
-        the sampler's one-second rest averages only NVML's last period, so without the buffer the
-        work begun earlier in the second is lost (a process alone on its GPU), or the last period's
-        figure is spread over the whole second (the whole GPU). One read costs about as much as
-        a per-process one (1.4 ms of CPU on an H200): it is made only at such a gap."""
-        period_s = max(self.default_period_s, (gpu.period_us or 0) / 1e6)
+    def _buffered(self, gpu: _Gpu, ts_ns: int, interval_s: float | None, in_use: bool) -> tuple[list[Point], bool]:
+        """The whole GPU's utilization from NVML's own buffer of it (200 ms samples, about 14 s
+        deep on an H200): ``(wall ns, seconds covered, percent)`` per buffered sample, oldest
+        first, and whether they replace this tick's reading. A tick at the full rate covers the
+        time since the one before (its reading averages NVML's last period, longer than a tick);
+        a tick after a longer gap (the loop's one-second rest, a late tick) does not, and that
+        gap is read from the buffer:
+
+        - at once when the GPU is in use at the gap's end: the tick's reading tells only the last
+          period, so work begun earlier in the gap would be lost (a process alone on its GPU) or
+          that period's figure spread over the whole gap (the whole GPU). The buffered samples
+          replace the reading;
+        - else every ``BUFFER_EVERY_S``: a spell begun and ended inside a gap reads 0 % at the
+          tick. Only the buffer's non-zero samples are kept: they fall on readings of 0 %, so
+          adding them counts nothing twice.
+
+        A read costs about as much as a per-process one (1.4 ms of CPU on an H200): one at each
+        rest's end and one every few seconds at rest."""
+        if interval_s is None or not self.read_buffer:
+            return [], False
         get_samples = getattr(self._nvml, "nvmlDeviceGetSamples", None)
-        if (interval_s is None or interval_s <= BACKFILL_GAP * period_s or get_samples is None
-                or not self.read_buffer):
-            return []
-        since_us = gpu.nvml_us(ts_ns - int(interval_s * 1e9))
+        now_us = gpu.nvml_us(ts_ns)
+        last_tick_us = gpu.nvml_us(ts_ns - int(interval_s * 1e9))
+        period_s = max(self.default_period_s, (gpu.period_us or 0) / 1e6)
+        gap = interval_s > BACKFILL_GAP * period_s
+        if gap:
+            gpu.unread_from_us = last_tick_us if gpu.unread_from_us is None else gpu.unread_from_us
+            gpu.unread_until_us = now_us
+        since_us, until_us = gpu.unread_from_us, gpu.unread_until_us
+        if since_us is None or get_samples is None or not (gap and in_use or now_us - since_us >= BUFFER_EVERY_S * 1e6):
+            return [], False
+        gpu.unread_from_us = None
         found = self._optional(get_samples, gpu.handle, GPU_UTILIZATION_SAMPLES, since_us)
         if not found:
-            return []
+            return [], False
         value_type, rows = found
-        points = sorted((int(row.timeStamp), sample_value(row, value_type)) for row in rows)
-        backfill, previous = [], since_us
-        for stamp_us, util in points:
-            if stamp_us <= previous:
+        replaces = gap and in_use
+        points: list[Point] = []
+        previous = since_us
+        for stamp_us, util in sorted((int(row.timeStamp), sample_value(row, value_type)) for row in rows):
+            if stamp_us <= previous or stamp_us > until_us:
                 continue
             covered_us = min(stamp_us - previous, period_s * 1e6)  # its own period at most
-            backfill.append((gpu.wall_ns(stamp_us, ts_ns), covered_us / 1e6, util))
             previous = stamp_us
-        return [point for point in backfill if point[0] <= ts_ns]
+            if util or (replaces and stamp_us > last_tick_us):  # a 0 % on a 0 % reading adds nothing
+                points.append((gpu.wall_ns(stamp_us, ts_ns), covered_us / 1e6, util))
+        return points, replaces and any(wall_ns > gpu.wall_ns(last_tick_us, ts_ns) for wall_ns, _, _ in points)
 
     def _sample_processes(self, gpu: _Gpu, ts_ns: int, interval_s: float | None, rates: Any,
-                          backfill: list[tuple[int, float, float]]) -> list[UtilSample]:
+                          backfill: list[Point], replaced: bool) -> list[UtilSample]:
         nvml, handle = self._nvml, gpu.handle
         memory_by_pid: dict[int, int | None] = {}
         for process in self._optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle) or []:
             used = getattr(process, "usedGpuMemory", None)
             memory_by_pid[int(process.pid)] = None if used is None else int(used)
         if self._alone(gpu, memory_by_pid, rates):
-            return self._alone_samples(gpu, ts_ns, interval_s, rates, memory_by_pid, backfill)
+            return self._alone_samples(gpu, ts_ns, interval_s, rates, memory_by_pid, backfill, replaced)
         # Asked for only when a reading can be new (about once per NVML update, not every tick),
         # and only while the GPU is in use or was in the last two updates: the reading of a spell's
         # last moments comes after the whole GPU already reads 0 %.
@@ -427,7 +450,7 @@ class NvmlSampler:
 
     def _alone_samples(self, gpu: _Gpu, ts_ns: int, interval_s: float | None, rates: Any,
                        memory_by_pid: dict[int, int | None],
-                       backfill: list[tuple[int, float, float]]) -> list[UtilSample]:
+                       backfill: list[Point], replaced: bool) -> list[UtilSample]:
         """The only process's samples, from the whole GPU's readings: the buffered ones of a long
         gap (``_buffered``), then this tick's. That reading averages NVML's last sample period (1/6 s
         to 1 s by product), so after a longer gap with no buffer to read it covers one period, not
@@ -447,9 +470,9 @@ class NvmlSampler:
             interval_s=covering(wall_ns, covered_s),
         ) for wall_ns, covered_s, util in backfill]
         period_s = max(self.default_period_s, (gpu.period_us or 0) / 1e6)
-        covered_s = _after(backfill, ts_ns, interval_s)
+        covered_s = _after(backfill if replaced else [], ts_ns, interval_s)
         if covered_s is not None:
-            covered_s = covering(ts_ns, covered_s if backfill else min(covered_s, period_s))
+            covered_s = covering(ts_ns, covered_s if replaced else min(covered_s, period_s))
         gpu.alone_until_us = {pid: now_us}  # no other process is on this GPU now: theirs are done
         samples.append(UtilSample(
             ts_ns=ts_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=pid,

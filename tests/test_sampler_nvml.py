@@ -487,6 +487,50 @@ def test_work_begun_while_the_sampler_rests_is_read_from_nvmls_buffer(store: Any
     assert lost > 0.05, (unbuffered, truth)  # the test stands for the change: it fails without it
 
 
+def short_spells(start_s: float) -> Any:
+    def util_at(t: float) -> float:  # a blip at 0.3 s, then 0.3 s at 90 % at 4.2 s and 0.5 s at 60 % at 12.3 s
+        offset = t - start_s
+        return (50.0 if 0.3 <= offset < 0.5 else 90.0 if 4.2 <= offset < 4.5 else 60.0 if 12.3 <= offset < 12.8
+                else 0.0)
+    return util_at
+
+
+def test_spells_begun_and_ended_while_the_sampler_rests_are_read_from_the_buffer_every_few_seconds(store: Any) -> None:
+    """A short request on an idle engine can start and finish between two of the resting
+    sampler's ticks, a second apart: both ticks read 0 %. At rest the sampler reads NVML's buffer
+    every few seconds (BUFFER_EVERY_S), and its non-zero samples count the spell; the zeros are
+    not stored (each would repeat a 0 % reading the rest ticks made). The rest stays a rest: no
+    tick at the full rate, and one buffer read a few seconds."""
+    from collectors.nvml import BUFFER_EVERY_S
+
+    start_s = 1_700_000_000.0
+    fake = BufferingNvml(count=1, now_s=start_s, util_at=short_spells(start_s))
+    clock = Clock()
+    sampler = NvmlSampler(nvml=fake, host="h", monotonic=clock)
+    run_ticks(fake, sampler, clock, store, 30.0)
+    # The second spell is still running at the rest tick at 12.8 s: that tick reads the buffer and
+    # leaves the rest, and the next one reads NVML's last sixth of a second, 0.02 GPU-s of the spell
+    # again (any tick at the full rate after a spell ends does).
+    for begin, end, truth, within in ((3.8, 5.0, 0.3 * 0.9, 0.05), (11.8, 13.3, 0.5 * 0.6, 0.10)):
+        window = (start_s + begin, start_s + end)
+        assert engine_cost_between(store, fake, *window) == pytest.approx(truth, rel=within), begin
+        assert whole_gpu_cost(store, fake.now_s, *window) == pytest.approx(truth, rel=within), begin
+    reads = sum(call.startswith("buffer") for call in fake.calls)
+    assert reads <= 1 + 30.0 / BUFFER_EVERY_S, reads
+    with store.connect() as conn:
+        resting = conn.all("SELECT interval_s FROM util_samples WHERE pid IS NULL AND ts_ns BETWEEN :a AND :b",
+                           {"a": int((start_s + 5.5) * 1e9), "b": int((start_s + 11.5) * 1e9)})
+    assert resting and all(interval > 0.9 for interval, in resting)  # the rest ticks alone: no buffered zeros
+
+    # Without the buffer both spells are lost: each falls between two ticks that read 0 %.
+    store_b = type(store)(str(store.engine.url).replace("auditor.db", "b.db"))
+    fake_b = SharedLaterNvml(count=1, now_s=start_s, util_at=short_spells(start_s))
+    clock = Clock()
+    run_ticks(fake_b, NvmlSampler(nvml=fake_b, host="h", monotonic=clock), clock, store_b, 30.0)
+    assert engine_cost_between(store_b, fake_b, start_s + 3.8, start_s + 5.0) == 0.0
+    store_b.close()
+
+
 def engine_cost_between(store: Any, fake: SharedLaterNvml, start_s: float, end_s: float) -> float:
     from auditor.correlate.waste import SampleCache, wasted
 

@@ -147,7 +147,8 @@ class SampleCache:
                 self._listed_at[pid] = max(ts_ns, self._listed_at.get(pid, ts_ns))
             if util_percent is None:
                 continue  # the source could not tell: no sample, not an idle one
-            covered_from = ts_ns - int((interval_s or DEFAULT_INTERVAL_S) * 1e9)
+            # 0 s is a reading that covers nothing (its time was read already), not one unsaid
+            covered_from = ts_ns - int((DEFAULT_INTERVAL_S if interval_s is None else interval_s) * 1e9)
             key = (source, pid) if pid is not None or gpu_index is None else (source, None, gpu_index)
             reshaped = self._series[key].add(ts_ns, covered_from, util_percent)
             changed = covered_from if reshaped is None else min(covered_from, reshaped)
