@@ -380,7 +380,9 @@ class NvmlSampler:
             gpu.unread_from_us = last_tick_us if gpu.unread_from_us is None else gpu.unread_from_us
             gpu.unread_until_us = now_us
         since_us, until_us = gpu.unread_from_us, gpu.unread_until_us
-        if since_us is None or get_samples is None or not (gap and in_use or now_us - since_us >= BUFFER_EVERY_S * 1e6):
+        if since_us is None or get_samples is None:
+            return [], False
+        if not ((gap and in_use) or now_us - since_us >= BUFFER_EVERY_S * 1e6):
             return [], False
         gpu.unread_from_us = None
         found = self._optional(get_samples, gpu.handle, GPU_UTILIZATION_SAMPLES, since_us)
