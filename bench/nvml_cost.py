@@ -23,7 +23,8 @@ own account of a busy spell. Needs a GPU (and PyTorch on CUDA for the second par
    starts somewhere inside such a second. Spells of 0.3, 1 and 3 s begin at spread moments of the
    rest second; two samplers in one loop, the default (the gap read from NVML's buffer, and the
    buffer read every few seconds at rest) and one without the buffer, cost this process (alone on
-   its GPU) and the whole GPU, against the events.
+   its GPU) and the whole GPU, against the events. Before them, whether the whole GPU's reading is
+   the buffer's newest sample (the sampler counts a reading that repeats it for nothing).
 
     python bench/nvml_cost.py [--calls 200] [--spell 2] [--rest-spells 3]
 """
@@ -34,6 +35,7 @@ import argparse
 import contextlib
 import itertools
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -177,8 +179,40 @@ def busy_spell(seconds: float, rest_spells: int = 0) -> None:
     except Exception as exc:  # a driver without the buffer must not cost the rest of the run
         print(f"  the whole GPU's sample buffer: not read ({type(exc).__name__}: {exc})")
     calls_while_busy(torch)
+    rates_against_buffer(torch)
     if rest_spells:
         spells_after_rest(torch, rest_spells)
+
+
+def rates_against_buffer(torch: Any, reads: int = 30) -> None:
+    """Whether the whole GPU's reading (``GetUtilizationRates``) is the newest sample of NVML's
+    buffer: under a load that changes every 100 ms, each reading against the buffer's newest and
+    the one before it. The sampler counts a reading that repeats the buffer's newest for nothing."""
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    a = torch.randn((4096, 4096), device="cuda", dtype=torch.float16)
+    rng = random.Random(7)
+    same_newest = same_before = 0
+    ages = []
+    for i in range(reads * 3):
+        begin = time.perf_counter()
+        while time.perf_counter() - begin < rng.uniform(0.0, 0.09):
+            a = (a @ a).clamp_(-1, 1)
+            torch.cuda.synchronize()
+        time.sleep(max(0.0, 0.1 - (time.perf_counter() - begin)))
+        if i % 3:
+            continue
+        rate = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        now_us = time.time_ns() // 1000
+        value_type, rows = pynvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, now_us - 2_000_000)
+        points = sorted((int(r.timeStamp), sample_value(r, value_type)) for r in rows)
+        if len(points) < 2:
+            continue
+        same_newest += rate == points[-1][1]
+        same_before += rate == points[-2][1]
+        ages.append((now_us - points[-1][0]) / 1e3)
+    print(f"\nThe whole GPU's reading against the buffer, {reads} reads under a load changing every 100 ms:")
+    print(f"  equal to the buffer's newest sample {same_newest}, to the one before it {same_before}; "
+          f"the newest {statistics.median(ages):.0f} ms old (median; max {max(ages):.0f})")
 
 
 def spells_after_rest(torch: Any, repeats: int) -> None:

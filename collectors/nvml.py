@@ -58,14 +58,6 @@ def sample_value(sample: Any, value_type: int) -> float:
     return float(getattr(sample.sampleValue, name))
 
 
-def _after(backfill: list[Point], ts_ns: int, interval_s: float | None) -> float | None:
-    """What this tick's own reading covers: the whole gap, or, where buffered samples replaced it,
-    only the time since the newest of them."""
-    if not backfill or interval_s is None:
-        return interval_s
-    return max(0.0, min(interval_s, (ts_ns - backfill[-1][0]) / 1e9))
-
-
 def _describe(exc: BaseException) -> str:
     try:
         text = str(exc)
@@ -154,6 +146,7 @@ class _Gpu:
     alone_until_us: dict[int, int] = field(default_factory=dict)  # a process costed by the whole GPU, until
     unread_from_us: int | None = None  # a stretch that ticks after gaps did not cover, not read from
     unread_until_us: int = 0  # the buffer yet: since, until
+    repeats_until_ns: int | None = None  # readings repeat the newest buffered sample until NVML's next update
 
     def note_update(self, stamp_us: int) -> None:
         """A newer NVML update: its gap to the last one tells NVML's period. Idle spells and missed
@@ -333,6 +326,7 @@ class NvmlSampler:
         # After a gap longer than NVML's period (the sampler at rest, a late tick), the newest
         # reading tells only the last period: the gap is read from NVML's own buffer instead.
         backfill, replaced = self._buffered(gpu, ts_ns, interval_s, in_use=rates is not None and bool(rates.gpu))
+        own_s = self._own_cover(gpu, ts_ns, interval_s, backfill if replaced else [])
         samples = [UtilSample(
             ts_ns=wall_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=None, util_percent=util,
             interval_s=covered_s,
@@ -343,12 +337,12 @@ class NvmlSampler:
             memory_util_percent=None if rates is None else float(rates.memory),
             memory_bytes=int(memory.used),
             power_watts=None if milliwatts is None else float(milliwatts) / 1000.0,
-            interval_s=_after(backfill if replaced else [], ts_ns, interval_s),
+            interval_s=own_s,
         ))
         if self.per_process:
             if rates is not None and rates.gpu:
                 gpu.used_at_us = gpu.nvml_us(ts_ns)
-            samples.extend(self._sample_processes(gpu, ts_ns, interval_s, rates, backfill, replaced))
+            samples.extend(self._sample_processes(gpu, ts_ns, interval_s, rates, backfill, own_s))
         return samples
 
     def _buffered(self, gpu: _Gpu, ts_ns: int, interval_s: float | None, in_use: bool) -> tuple[list[Point], bool]:
@@ -401,15 +395,30 @@ class NvmlSampler:
                 points.append((gpu.wall_ns(stamp_us, ts_ns), covered_us / 1e6, util))
         return points, replaces and any(wall_ns > gpu.wall_ns(last_tick_us, ts_ns) for wall_ns, _, _ in points)
 
+    def _own_cover(self, gpu: _Gpu, ts_ns: int, interval_s: float | None, backfill: list[Point]) -> float | None:
+        """What this tick's whole-GPU reading covers: the time since the tick before, except after
+        buffered samples replaced a reading (``backfill``). The reading is NVML's newest sample,
+        which the buffer's newest already counted, and it stays so until NVML's next update, a
+        period later: readings until then cover nothing, and the first one after covers from then."""
+        period_ns = int(max(self.default_period_s, (gpu.period_us or 0) / 1e6) * 1e9)
+        if backfill:
+            gpu.repeats_until_ns = backfill[-1][0] + period_ns
+        if interval_s is None or gpu.repeats_until_ns is None:
+            return interval_s
+        covered_s = max(0.0, min(interval_s, (ts_ns - gpu.repeats_until_ns) / 1e9))
+        if ts_ns >= gpu.repeats_until_ns:
+            gpu.repeats_until_ns = None
+        return covered_s
+
     def _sample_processes(self, gpu: _Gpu, ts_ns: int, interval_s: float | None, rates: Any,
-                          backfill: list[Point], replaced: bool) -> list[UtilSample]:
+                          backfill: list[Point], own_s: float | None) -> list[UtilSample]:
         nvml, handle = self._nvml, gpu.handle
         memory_by_pid: dict[int, int | None] = {}
         for process in self._optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle) or []:
             used = getattr(process, "usedGpuMemory", None)
             memory_by_pid[int(process.pid)] = None if used is None else int(used)
         if self._alone(gpu, memory_by_pid, rates):
-            return self._alone_samples(gpu, ts_ns, interval_s, rates, memory_by_pid, backfill, replaced)
+            return self._alone_samples(gpu, ts_ns, interval_s, rates, memory_by_pid, backfill, own_s)
         # Asked for only when a reading can be new (about once per NVML update, not every tick),
         # and only while the GPU is in use or was in the last two updates: the reading of a spell's
         # last moments comes after the whole GPU already reads 0 %.
@@ -452,7 +461,7 @@ class NvmlSampler:
 
     def _alone_samples(self, gpu: _Gpu, ts_ns: int, interval_s: float | None, rates: Any,
                        memory_by_pid: dict[int, int | None],
-                       backfill: list[Point], replaced: bool) -> list[UtilSample]:
+                       backfill: list[Point], own_s: float | None) -> list[UtilSample]:
         """The only process's samples, from the whole GPU's readings: the buffered ones of a long
         gap (``_buffered``), then this tick's. That reading averages NVML's last sample period (1/6 s
         to 1 s by product), so after a longer gap with no buffer to read it covers one period, not
@@ -472,9 +481,9 @@ class NvmlSampler:
             interval_s=covering(wall_ns, covered_s),
         ) for wall_ns, covered_s, util in backfill]
         period_s = max(self.default_period_s, (gpu.period_us or 0) / 1e6)
-        covered_s = _after(backfill if replaced else [], ts_ns, interval_s)
-        if covered_s is not None:
-            covered_s = covering(ts_ns, covered_s if replaced else min(covered_s, period_s))
+        covered_s = own_s
+        if covered_s is not None:  # the whole GPU's reading covers the gap where the buffer told what it held
+            covered_s = covering(ts_ns, covered_s if covered_s != interval_s else min(covered_s, period_s))
         gpu.alone_until_us = {pid: now_us}  # no other process is on this GPU now: theirs are done
         samples.append(UtilSample(
             ts_ns=ts_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=pid,

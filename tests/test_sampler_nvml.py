@@ -415,9 +415,19 @@ def test_a_process_alone_on_its_gpu_is_costed_by_the_whole_gpu_without_the_per_p
 @dataclass
 class BufferingNvml(SharedLaterNvml):
     """SharedLaterNvml with NVML's buffer of whole-GPU utilization samples (``nvmlDeviceGetSamples``):
-    one every ``buffer_period_s`` (200 ms on an H200), each the mean of its period, the last 15 s."""
+    one every ``buffer_period_s`` (200 ms on an H200), each the mean of its period, the last 15 s;
+    the whole GPU's reading is the newest of them, so it lags by up to a period."""
 
     buffer_period_s: float = 0.2
+
+    def _period_mean(self, k: int) -> float:
+        steps = 20
+        return sum(self.util_at(k * self.buffer_period_s - self.buffer_period_s * (i + 0.5) / steps)
+                   for i in range(steps)) / steps
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        """The newest buffered sample: the last whole period, up to a period old."""
+        return SimpleNamespace(gpu=round(self._period_mean(int(self.now_s / self.buffer_period_s))), memory=10)
 
     def nvmlDeviceGetSamples(self, handle: int, sampling_type: int, last_seen: int) -> tuple[int, list[Any]]:
         self.calls.append(f"buffer since {last_seen}")
@@ -428,10 +438,7 @@ class BufferingNvml(SharedLaterNvml):
             stamp = round(k * self.buffer_period_s * 1e6)
             if stamp <= last_seen:
                 continue
-            steps = 20
-            mean = sum(self.util_at(k * self.buffer_period_s - self.buffer_period_s * (i + 0.5) / steps)
-                       for i in range(steps)) / steps
-            rows.append(SimpleNamespace(timeStamp=stamp, sampleValue=SimpleNamespace(uiVal=round(mean))))
+            rows.append(SimpleNamespace(timeStamp=stamp, sampleValue=SimpleNamespace(uiVal=round(self._period_mean(k)))))
         if not rows:
             raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
         return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, rows
