@@ -18,7 +18,11 @@ GPU read 0.918-0.936 of a busy spell measured by CUDA events, per-process readin
 ``quiet_after_s``, the sampler says it is idle and the sampling loop ticks about once a second
 instead of ten times; the first tick that sees use puts it back at the full rate. A GPU at rest
 has no per-process readings to miss, and each whole-GPU sample covers the time since the one
-before, so a quiet second is still counted.
+before, so a quiet second is still counted. What a resting tick cannot tell (the GPU's use inside
+the second before it: a reading averages only NVML's last period) is read from NVML's own buffer
+of whole-GPU samples (``_buffered``): on an H200, spells begun while the sampler rested read
+0.92-0.96 of their CUDA events' time with it, 0.62-0.89 (alone) and 1.12-1.68 (the whole GPU)
+without (docs/gpu-validation.md, run 11).
 """
 
 from __future__ import annotations
@@ -397,9 +401,12 @@ class NvmlSampler:
 
     def _own_cover(self, gpu: _Gpu, ts_ns: int, interval_s: float | None, backfill: list[Point]) -> float | None:
         """What this tick's whole-GPU reading covers: the time since the tick before, except after
-        buffered samples replaced a reading (``backfill``). The reading is NVML's newest sample,
-        which the buffer's newest already counted, and it stays so until NVML's next update, a
-        period later: readings until then cover nothing, and the first one after covers from then."""
+        buffered samples replaced a reading (``backfill``). The reading averages about the last
+        period, which the buffer's newest sample counted already (on an H200 it is not that
+        sample's value: 3 of 30 reads equalled it, 6 the one before; it was 95 ms old at the
+        median), so until NVML's next update, a period after that sample, readings cover
+        nothing, and the first one after covers from then. Counted from the tick instead, a 1 s
+        spell begun at rest read 1.12 of its CUDA events' time there, a 0.3 s one 1.37."""
         period_ns = int(max(self.default_period_s, (gpu.period_us or 0) / 1e6) * 1e9)
         if backfill:
             gpu.repeats_until_ns = backfill[-1][0] + period_ns

@@ -416,7 +416,8 @@ def test_a_process_alone_on_its_gpu_is_costed_by_the_whole_gpu_without_the_per_p
 class BufferingNvml(SharedLaterNvml):
     """SharedLaterNvml with NVML's buffer of whole-GPU utilization samples (``nvmlDeviceGetSamples``):
     one every ``buffer_period_s`` (200 ms on an H200), each the mean of its period, the last 15 s;
-    the whole GPU's reading is the newest of them, so it lags by up to a period."""
+    the whole GPU's reading is the newest of them, so it lags by up to a period. (On an H200 the
+    reading lags as much but is not exactly that sample: bench/nvml_cost.py compares them.)"""
 
     buffer_period_s: float = 0.2
 
