@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from auditor.correlate import Correlator
-from auditor.correlate.waste import MAX_CHECKPOINTS, PartialCost, SampleCache
+from auditor.correlate.checkpoints import MAX_CHECKPOINTS
+from auditor.correlate.waste import PartialCost, SampleCache
 from auditor.model import EngineLoad, LiveEvent, SpanRecord, UtilSample
 from auditor.store import Store
 from tests.test_correlate import (
@@ -186,15 +187,21 @@ def test_a_long_windows_checkpoints_stay_few_and_recent_ones_a_second_apart() ->
     """Fifteen minutes of a zombie's window keep at most MAX_CHECKPOINTS sums, the newest a second
     apart (news seldom reaches far back); each is the integral up to its moment."""
     partial = PartialCost()
-    partial.resume(("k",), T0, T0)
+    assert partial.resume(("k",), T0) is None
     for second in range(1, 901):
-        partial.mark(T0 + second * S, 0.0, float(second))
+        partial.mark(T0 + second * S, (0.0, float(second)))
     assert len(partial.at) <= MAX_CHECKPOINTS
     assert list(partial.at[-16:]) == [T0 + second * S for second in range(885, 901)]
-    assert all(cpu == (at - T0) / S for at, cpu in zip(partial.at, partial.cpu, strict=True))
-    partial.forget_from(T0 + 600 * S)
-    at, _, cpu = partial.resume(("k",), T0, T0 + 900 * S)
-    assert at < T0 + 600 * S and cpu == (at - T0) / S
+    assert all(cpu == (at - T0) / S for at, (_, cpu) in zip(partial.at, partial.states, strict=True))
+    partial.forget_from(T0 + 880 * S)
+    found = partial.resume(("k",), T0 + 900 * S)
+    assert found is not None
+    at, (_, cpu) = found
+    assert at == T0 + 879 * S and cpu == 879.0
+    partial.forget_from(T0 + 600 * S)  # older than any kept: read from the start again
+    assert partial.resume(("k",), T0 + 900 * S) is None
+    partial.mark(T0 + S, (0.0, 1.0))
+    assert partial.resume(("another",)) is None and not partial.at  # another key starts over
 
 
 def test_without_a_known_process_the_verdict_says_why_instead_of_a_silent_zero(store: Store) -> None:

@@ -125,4 +125,4 @@ def test_a_sweep_read_on_from_its_checkpoints_ends_where_a_whole_sweep_does() ->
     expected = whole.work_end(PORT, at(0.25), at(0.25), connected_counter(spans),
                               connected_until_ns=at(0.26) + CLOCK_ERROR)
     assert ended == expected and expected is not None and expected.work_end_ns == at(1.95)
-    assert any(held for _, held, _, _ in sweep.states)  # B's "until", from a checkpoint after 1.3 s
+    assert any(held for held, _, _ in sweep.states)  # B's "until", from a checkpoint after 1.3 s

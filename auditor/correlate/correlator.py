@@ -434,14 +434,15 @@ class Correlator:
 
     def _forget_checkpoints(self, news: int | None) -> None:
         """A long window's cost, and its gauges' sweep, are read again from the news on."""
+        if not self._checkpointed:  # the usual round: no work running on after its client left
+            return
         self._checkpointed = {key: r for key, r in self._checkpointed.items() if self._open.get(r.key) is r}
         if news is None:
             return
         for request in self._checkpointed.values():
-            if request.cost_partial is not None:
-                request.cost_partial.forget_from(news)
-            if request.scrape_sweep is not None:
-                request.scrape_sweep.forget_from(news)
+            for checkpoints in (request.cost_partial, request.scrape_sweep):
+                if checkpoints is not None:
+                    checkpoints.forget_from(news)
 
     def _recall(self, trace_id: str, arrived_ns: int, arriving: str | None = None) -> None:
         """Bring a settled trace back from the store: its spans (but the ``arriving`` one, already

@@ -23,8 +23,8 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
+from auditor.correlate.checkpoints import Checkpoints
 from auditor.correlate.prune import drop_front
-from auditor.correlate.waste import keep_few
 from auditor.model import EngineLoad, SpanRecord
 
 FINAL_SEND_ATTR = "asgi.event.final"
@@ -79,35 +79,22 @@ SWEEP_CHECKPOINT_NS = 1_000_000_000
 SWEEP_AFTER_NS = 4_000_000_000  # a request whose client left longer ago than this keeps checkpoints
 
 
-class ScrapeSweep:
-    """Where ``EngineLoads.work_end``'s sweep of the scrapes stood, about a second apart, while every
-    scrape it read still held the request's work. An in-flight zombie's verdict is read again every
-    round, over every scrape since its client left: a round's cost grew with the zombie's age. A
-    round reads on from the last checkpoint no news has touched: the correlator drops those within
-    SWEEP_NEWS_MARGIN_NS of the oldest moment each round's evidence concerns, or after it
-    (``forget_from``). ``key``: the port, the disconnect and the first scrape's bound; another key
-    starts over."""
+# A sweep's state after a scrape: the heap of "until"s still connected, the last orphaned scrape,
+# how many were orphaned.
+SweepState = tuple[tuple[int, ...], int | None, int]
 
-    __slots__ = ("key", "states")
+
+class ScrapeSweep(Checkpoints[SweepState]):
+    """Where ``EngineLoads.work_end``'s sweep of the scrapes stood, about a second apart, while every
+    scrape it read still held the request's work (``checkpoints``). Evidence up to
+    SWEEP_NEWS_MARGIN_NS after a scrape may change what the sweep read there, so news drops the
+    checkpoints that far before it too. The key: the port, the disconnect and the first scrape's
+    bound."""
+
+    __slots__ = ()
 
     def __init__(self) -> None:
-        self.key: tuple[int, int, int] = (0, 0, 0)
-        # (scrape time, the heap of "until"s still connected, last orphaned scrape, orphaned count)
-        self.states: list[tuple[int, tuple[int, ...], int | None, int]] = []
-
-    def forget_from(self, news_ns: int) -> None:
-        while self.states and self.states[-1][0] >= news_ns - SWEEP_NEWS_MARGIN_NS:
-            self.states.pop()
-
-    def resume(self, key: tuple[int, int, int]) -> tuple[int, tuple[int, ...], int | None, int] | None:
-        if key != self.key:
-            self.key, self.states = key, []
-        return self.states[-1] if self.states else None
-
-    def mark(self, ts_ns: int, still_connected: list[int], last_orphaned: int | None, count: int) -> None:
-        if not self.states or ts_ns - self.states[-1][0] >= SWEEP_CHECKPOINT_NS:
-            self.states.append((ts_ns, tuple(still_connected), last_orphaned, count))
-            keep_few(self.states)
+        super().__init__(margin_ns=SWEEP_NEWS_MARGIN_NS, spacing_ns=SWEEP_CHECKPOINT_NS)
 
 
 def _times() -> array[int]:
@@ -273,9 +260,9 @@ class EngineLoads:
         taken = left_before
         last_orphaned: int | None = None
         count = 0
-        state = sweep.resume((port, disconnect_ns, first_after)) if sweep is not None else None
-        if state is not None:  # on from the checkpoint: what the sweep held after that scrape
-            swept_ns, held, last_orphaned, count = state
+        found = sweep.resume((port, disconnect_ns, first_after)) if sweep is not None else None
+        if found is not None:  # on from the checkpoint: what the sweep held after that scrape
+            swept_ns, (held, last_orphaned, count) = found
             still_connected = list(held)
             start = bisect.bisect_right(series, swept_ns, key=lambda item: item.ts_ns)
             taken = max(left_before, bisect.bisect_right(times, swept_ns))
@@ -291,11 +278,11 @@ class EngineLoads:
             if orphans > newer:
                 last_orphaned, count = load.ts_ns, count + 1
                 if sweep is not None:
-                    sweep.mark(load.ts_ns, still_connected, last_orphaned, count)
+                    sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count))
                 continue
             if arrived is not None and orphans + arrived(load.ts_ns, load.answered_ns or load.ts_ns) > newer:
                 if sweep is not None:
-                    sweep.mark(load.ts_ns, still_connected, last_orphaned, count)
+                    sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count))
                 continue
             read_until = max(load.ts_ns, load.answered_ns or load.ts_ns)
             if last_orphaned is None:

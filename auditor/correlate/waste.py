@@ -27,8 +27,8 @@ from array import array
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from auditor.correlate.checkpoints import Checkpoints
 from auditor.model import SpanRecord, SpanRole
 from auditor.store.db import Store
 
@@ -417,53 +417,14 @@ def sharers_at(runs: RunIndex, service: str, trace_id: str, live: dict[str, int]
 
 PARTIAL_MIN_NS = 4_000_000_000  # windows longer than this keep checkpoints (PartialCost)
 CHECKPOINT_NS = 1_000_000_000
-MAX_CHECKPOINTS = 64
 
 
-def keep_few(*columns: array[int] | array[float] | list[Any]) -> None:
-    """Past MAX_CHECKPOINTS kept, every other one of the older half goes (from each column alike):
-    news seldom reaches far back, so the recent ones stay as close as they were taken."""
-    if len(columns[0]) > MAX_CHECKPOINTS:
-        for column in columns:
-            del column[0:MAX_CHECKPOINTS // 2:2]
+class PartialCost(Checkpoints[tuple[float, float]]):
+    """A long window's cost so far, at checkpoints on whole seconds: (GPU-, CPU-seconds) from the
+    window's start to each (``checkpoints``). The key: the window's start, the process, the series
+    read and what its sharers are counted by."""
 
-
-class PartialCost:
-    """A long window's cost so far, at checkpoints on whole seconds: the integral from the window's
-    start to each. An in-flight zombie's window grows every round, and integrating all of it again
-    each time made a round's cost grow with the zombie's age (bench/long_zombies.py; figures in
-    docs/footprint.md, thirtieth pass). A round integrates only past the last checkpoint that no news
-    has touched: the correlator drops those at or after the oldest moment each round's new evidence
-    concerns (``forget_from``: spans, samples, scrapes, live notices), so the sum is what the whole
-    integral would be. ``key``: what else the integral depends on (its start, the process, the
-    series read); another key starts it over."""
-
-    __slots__ = ("at", "cpu", "gpu", "key")
-
-    def __init__(self) -> None:
-        self.key: tuple[object, ...] = ()
-        self.at = array("q")
-        self.gpu = array("d")
-        self.cpu = array("d")
-
-    def forget_from(self, news_ns: int) -> None:
-        keep = bisect.bisect_left(self.at, news_ns)
-        del self.at[keep:], self.gpu[keep:], self.cpu[keep:]
-
-    def resume(self, key: tuple[object, ...], start_ns: int, end_ns: int) -> tuple[int, float, float]:
-        """Where to go on from: the last checkpoint at or before ``end_ns``, else the start."""
-        if key != self.key:
-            self.key = key
-            self.forget_from(-(2**63))
-        found = bisect.bisect_right(self.at, end_ns)
-        return (self.at[found - 1], self.gpu[found - 1], self.cpu[found - 1]) if found else (start_ns, 0.0, 0.0)
-
-    def mark(self, at_ns: int, gpu: float, cpu: float) -> None:
-        if not self.at or at_ns > self.at[-1]:
-            self.at.append(at_ns)
-            self.gpu.append(gpu)
-            self.cpu.append(cpu)
-            keep_few(self.at, self.gpu, self.cpu)
+    __slots__ = ()
 
 
 def wasted(samples: SampleCache, *, start_ns: int, end_ns: int, pid: int | None,
@@ -485,13 +446,14 @@ def wasted(samples: SampleCache, *, start_ns: int, end_ns: int, pid: int | None,
     if partial is None or end_ns - start_ns <= PARTIAL_MIN_NS:
         return Waste(gpu_seconds=sum(_integrate(series, start_ns, end_ns, sharers) for series in gpu.series),
                      cpu_seconds=_integrate(cpu, start_ns, end_ns, sharers))
-    at, gpu_s, cpu_s = partial.resume((start_ns, pid, *map(id, gpu.series), id(cpu), *basis), start_ns, end_ns)
+    resumed = partial.resume((start_ns, pid, *map(id, gpu.series), id(cpu), *basis), end_ns)
+    at, (gpu_s, cpu_s) = resumed if resumed is not None else (start_ns, (0.0, 0.0))
     while at < end_ns:  # a second at a time, each whole second a checkpoint
         upto = min(end_ns, (at // CHECKPOINT_NS + 1) * CHECKPOINT_NS)
         gpu_s += sum(_integrate(series, at, upto, sharers) for series in gpu.series)
         cpu_s += _integrate(cpu, at, upto, sharers)
         if upto % CHECKPOINT_NS == 0:
-            partial.mark(upto, gpu_s, cpu_s)
+            partial.mark(upto, (gpu_s, cpu_s))
         at = upto
     return Waste(gpu_seconds=gpu_s, cpu_seconds=cpu_s)
 
