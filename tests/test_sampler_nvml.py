@@ -539,6 +539,38 @@ def test_spells_begun_and_ended_while_the_sampler_rests_are_read_from_the_buffer
     store_b.close()
 
 
+def test_a_spell_at_rest_is_still_read_when_a_wake_right_after_a_resting_tick_brings_the_full_rate(store: Any) -> None:
+    """The daemon wakes the sampling loop when a client leaves. A wake 0.25 s after a resting tick
+    is no long gap (its reading covers those 0.25 s), but the rest before it still holds a spell
+    that both resting ticks read as 0 %: the ticks at the full rate that follow must not be taken
+    to cover it, and it is read from the buffer within BUFFER_EVERY_S."""
+    start_s = 1_700_000_000.0
+
+    def util_at(t: float) -> float:  # the blip, 0.3 s at 90 % inside a resting second, then 60 % from 5.15 s
+        offset = t - start_s
+        return 50.0 if 0.3 <= offset < 0.5 else 90.0 if 4.2 <= offset < 4.5 else 60.0 if 5.15 <= offset < 6.2 else 0.0
+
+    fake = BufferingNvml(count=1, now_s=start_s, util_at=util_at)
+    clock = Clock()
+    sampler = NvmlSampler(nvml=fake, host="h", monotonic=clock)
+
+    def tick(step: float) -> None:
+        fake.now_s += step
+        clock.now += step
+        store.insert_samples(sampler.sample(int(fake.now_s * 1e9)))
+
+    tick(0.0)
+    while fake.now_s < start_s + 4.95:  # the loop's pace: resting ticks at 3, 4 and 5 s
+        tick(1.0 if sampler.idle() else 0.1)
+    assert abs(fake.now_s - (start_s + 5.0)) < 1e-3 and sampler.idle()
+    tick(0.25)  # the wake: 0.25 s after the resting tick (no long gap), the GPU in use since 5.15 s
+    assert not sampler.idle()
+    for _ in range(80):
+        tick(0.1)
+    assert engine_cost_between(store, fake, start_s + 4.1, start_s + 4.8) == pytest.approx(0.3 * 0.9, rel=0.05)
+    assert engine_cost_between(store, fake, start_s + 5.1, start_s + 6.8) == pytest.approx(1.05 * 0.6, rel=0.10)
+
+
 def engine_cost_between(store: Any, fake: SharedLaterNvml, start_s: float, end_s: float) -> float:
     from auditor.correlate.waste import SampleCache, wasted
 
