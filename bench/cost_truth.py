@@ -19,6 +19,7 @@ Prints each zombie's charged / spent ratio per round, then min / median / max pe
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -84,6 +85,7 @@ def main() -> int:
     unknown = set(scenarios) - {"batched", "queued"}
     if unknown or args.rounds < 1:
         parser.error(f"scenarios are batched and queued, rounds at least 1 (got {args.scenarios!r}, {args.rounds})")
+    logging.disable(logging.INFO)  # the daemon's own finding lines: the table says it
     if args.source == "bpf" and os.geteuid() != 0:
         print("needs root (eBPF probe); --source procfs runs without it")
         return 2

@@ -58,8 +58,8 @@ Point = tuple[int, float, float]  # a buffered whole-GPU sample: wall ns, second
 
 def sample_value(sample: Any, value_type: int) -> float:
     """A buffered NVML sample's value (``nvmlDeviceGetSamples``), by the type NVML says it has."""
-    name = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}.get(value_type, "uiVal")
-    return float(getattr(sample.sampleValue, name))
+    names = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+    return float(getattr(sample.sampleValue, names.get(value_type, "uiVal")))
 
 
 def _describe(exc: BaseException) -> str:
@@ -148,8 +148,10 @@ class _Gpu:
     used_at_us: int | None = None  # when this GPU last showed use (above 0 % whole, or a process's reading)
     no_utilization: bool = False  # NVML gives no utilization for it (a MIG-enabled GPU): memory only
     alone_until_us: dict[int, int] = field(default_factory=dict)  # a process costed by the whole GPU, until
-    unread_from_us: int | None = None  # a stretch that ticks after gaps did not cover, not read from
-    unread_until_us: int = 0  # the buffer yet: since, until
+    # Time that ticks after long gaps did not cover and NVML's buffer has not been read for yet
+    # (``_buffered``): from, until.
+    unread_from_us: int | None = None
+    unread_until_us: int = 0
     repeats_until_ns: int | None = None  # readings repeat the newest buffered sample until NVML's next update
 
     def note_update(self, stamp_us: int) -> None:
@@ -328,8 +330,10 @@ class NvmlSampler:
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
         milliwatts = self._optional(nvml.nvmlDeviceGetPowerUsage, handle)
         # After a gap longer than NVML's period (the sampler at rest, a late tick), the newest
-        # reading tells only the last period: the gap is read from NVML's own buffer instead.
-        backfill, replaced = self._buffered(gpu, ts_ns, interval_s, in_use=rates is not None and bool(rates.gpu))
+        # reading tells only the last period: the gap is read from NVML's own buffer instead. Not
+        # for a GPU NVML gives no utilization of: its time is not costed.
+        backfill, replaced = ([], False) if rates is None else self._buffered(gpu, ts_ns, interval_s,
+                                                                              in_use=bool(rates.gpu))
         own_s = self._own_cover(gpu, ts_ns, interval_s, backfill if replaced else [])
         samples = [UtilSample(
             ts_ns=wall_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=None, util_percent=util,
@@ -425,7 +429,7 @@ class NvmlSampler:
             used = getattr(process, "usedGpuMemory", None)
             memory_by_pid[int(process.pid)] = None if used is None else int(used)
         if self._alone(gpu, memory_by_pid, rates):
-            return self._alone_samples(gpu, ts_ns, interval_s, rates, memory_by_pid, backfill, own_s)
+            return self._alone_samples(gpu, ts_ns, rates, memory_by_pid, backfill, own_s)
         # Asked for only when a reading can be new (about once per NVML update, not every tick),
         # and only while the GPU is in use or was in the last two updates: the reading of a spell's
         # last moments comes after the whole GPU already reads 0 %.
@@ -466,13 +470,13 @@ class NvmlSampler:
             return False
         return self._optional(graphics, gpu.handle) == []
 
-    def _alone_samples(self, gpu: _Gpu, ts_ns: int, interval_s: float | None, rates: Any,
-                       memory_by_pid: dict[int, int | None],
+    def _alone_samples(self, gpu: _Gpu, ts_ns: int, rates: Any, memory_by_pid: dict[int, int | None],
                        backfill: list[Point], own_s: float | None) -> list[UtilSample]:
         """The only process's samples, from the whole GPU's readings: the buffered ones of a long
-        gap (``_buffered``), then this tick's. That reading averages NVML's last sample period (1/6 s
-        to 1 s by product), so after a longer gap with no buffer to read it covers one period, not
-        the whole gap; and never time that the process's last per-process reading covered already."""
+        gap (``_buffered``), then this tick's, covering what the whole GPU's does (``own_s``). That
+        reading averages NVML's last sample period (1/6 s to 1 s by product), so after a longer gap
+        with no buffer read it covers one period, not the whole gap; and none of them covers time
+        that the process's last per-process reading covered already."""
         (pid, memory), = memory_by_pid.items()
         now_us = gpu.nvml_us(ts_ns)
         read_until = gpu.seen_by_pid.get(pid)
@@ -488,9 +492,7 @@ class NvmlSampler:
             interval_s=covering(wall_ns, covered_s),
         ) for wall_ns, covered_s, util in backfill]
         period_s = max(self.default_period_s, (gpu.period_us or 0) / 1e6)
-        covered_s = own_s
-        if covered_s is not None:  # the whole GPU's reading covers the gap where the buffer told what it held
-            covered_s = covering(ts_ns, covered_s if covered_s != interval_s else min(covered_s, period_s))
+        covered_s = None if own_s is None else covering(ts_ns, min(own_s, period_s))
         gpu.alone_until_us = {pid: now_us}  # no other process is on this GPU now: theirs are done
         samples.append(UtilSample(
             ts_ns=ts_ns, source="nvml", host=self.host, gpu_index=gpu.index, pid=pid,
