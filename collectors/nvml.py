@@ -21,8 +21,8 @@ has no per-process readings to miss, and each whole-GPU sample covers the time s
 before, so a quiet second is still counted. What a resting tick cannot tell (the GPU's use inside
 the second before it: a reading averages only NVML's last period) is read from NVML's own buffer
 of whole-GPU samples (``_buffered``): on an H200, spells begun while the sampler rested read
-0.92-0.96 of their CUDA events' time with it, 0.62-0.89 (alone) and 1.12-1.68 (the whole GPU)
-without (docs/gpu-validation.md, run 11).
+0.92-0.97 of their CUDA events' time with it, 0.62-0.90 (alone) and 1.12-1.99 (the whole GPU)
+without (docs/gpu-validation.md, runs 11 and 12).
 """
 
 from __future__ import annotations
