@@ -50,6 +50,8 @@ PERIOD_MIN_GAPS = 3  # gaps seen before the period is estimated from them (until
 SHORTEST_PERIOD_US = 20_000  # NVML documents periods of 1/6 s to 1 s; a shorter gap is no period
 CLOCK_AGREES_NS = 60 * 1_000_000_000
 _NEEDS_REINIT = frozenset({"NVMLError_Uninitialized", "NVMLError_DriverNotLoaded"})
+# nvmlDeviceGetSamples's answers that mean "never for this GPU": not asked again.
+_NO_BUFFER = frozenset({"NVMLError_NotSupported", "NVMLError_NoPermission", "NVMLError_FunctionNotFound"})
 GPU_UTILIZATION_SAMPLES = 1  # NVML_GPU_UTILIZATION_SAMPLES: nvmlDeviceGetSamples's whole-GPU utilization
 BACKFILL_GAP = 1.5  # a gap since the last tick longer than this many NVML periods is read from its buffer
 BUFFER_EVERY_S = 5.0  # at rest, NVML's buffer (about 14 s deep on an H200) is read this often
@@ -153,6 +155,7 @@ class _Gpu:
     unread_from_us: int | None = None
     unread_until_us: int = 0
     repeats_until_ns: int | None = None  # readings repeat the newest buffered sample until NVML's next update
+    no_buffer: bool = False  # NVML keeps no sample buffer for it (``_buffered``)
 
     def note_update(self, stamp_us: int) -> None:
         """A newer NVML update: its gap to the last one tells NVML's period. Idle spells and missed
@@ -382,13 +385,20 @@ class NvmlSampler:
             gpu.unread_from_us = last_tick_us if gpu.unread_from_us is None else gpu.unread_from_us
             gpu.unread_until_us = now_us
         since_us, until_us = gpu.unread_from_us, gpu.unread_until_us
-        if since_us is None or get_samples is None:
+        if since_us is None or get_samples is None or gpu.no_buffer:
             return [], False
         if not ((gap and in_use) or now_us - since_us >= BUFFER_EVERY_S * 1e6):
             return [], False
         gpu.unread_from_us = None
-        found = self._optional(get_samples, gpu.handle, GPU_UTILIZATION_SAMPLES, since_us)
-        if not found:
+        try:
+            found = get_samples(gpu.handle, GPU_UTILIZATION_SAMPLES, since_us)
+        except Exception as exc:  # NotFound: nothing newer
+            if _device_gone(exc):
+                raise
+            if type(exc).__name__ in _NO_BUFFER:
+                gpu.no_buffer = True
+                log.info("GPU %d: NVML keeps no sample buffer (%s): work begun while the sampler rests is "
+                         "counted from its first busy reading", gpu.index, _describe(exc))
             return [], False
         value_type, rows = found
         replaces = gap and in_use

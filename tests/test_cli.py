@@ -212,6 +212,31 @@ def test_doctor_says_when_nvml_measures_no_utilization_of_a_gpu(monkeypatch: pyt
     assert "no utilization for GPU 1 (MIG mode?)" in check.detail and "GPU 0," not in check.detail
 
 
+def test_doctor_says_which_gpu_keeps_no_sample_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler reads NVML's buffer of whole-GPU samples for the time it rested; a GPU whose
+    NVML keeps none has the start of work begun at rest counted late. The doctor names it (an
+    empty buffer is still one)."""
+    import pynvml
+
+    from auditor.cli.doctor import OK, check_nvml
+
+    def samples(handle: int, kind: int, since: int) -> None:
+        assert kind == pynvml.NVML_GPU_UTILIZATION_SAMPLES
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED if handle == 1 else pynvml.NVML_ERROR_NOT_FOUND)
+
+    for name, fake in {"nvmlInit": lambda: None, "nvmlShutdown": lambda: None, "nvmlDeviceGetCount": lambda: 2,
+                       "nvmlDeviceGetHandleByIndex": lambda index: index,
+                       "nvmlDeviceGetName": lambda handle: "NVIDIA H200",
+                       "nvmlDeviceGetUtilizationRates": lambda handle: None,
+                       "nvmlDeviceGetSamples": samples,
+                       "nvmlDeviceGetComputeRunningProcesses": lambda handle: [],
+                       }.items():
+        monkeypatch.setattr(pynvml, name, fake)
+    check = check_nvml()
+    assert check.state == OK, check
+    assert "no sample buffer for GPU 1:" in check.detail, check.detail
+
+
 def test_doctor_names_the_gpu_processes_each_engines_cost_is_read_from(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a host with two GPUs: the engine listening on a watched port (this test) started a
     process that NVML lists on GPU 1 (vLLM's model worker): the doctor names it. An engine with no

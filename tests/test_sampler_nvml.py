@@ -571,6 +571,31 @@ def test_a_spell_at_rest_is_still_read_when_a_wake_right_after_a_resting_tick_br
     assert engine_cost_between(store, fake, start_s + 5.1, start_s + 6.8) == pytest.approx(1.05 * 0.6, rel=0.10)
 
 
+@dataclass
+class NoBufferNvml(BufferingNvml):
+    """A driver or board that keeps no sample buffer, or lets this user read none."""
+
+    refusal: int = pynvml.NVML_ERROR_NOT_SUPPORTED
+
+    def nvmlDeviceGetSamples(self, handle: int, sampling_type: int, last_seen: int) -> tuple[int, list[Any]]:
+        self.calls.append("buffer")
+        raise nvml_error(self.refusal)
+
+
+@pytest.mark.parametrize("refusal", [pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_NO_PERMISSION])
+def test_a_gpu_without_a_sample_buffer_is_asked_once_and_sampled_as_before(store: Any, refusal: int) -> None:
+    """Where NVML refuses the buffer for good, the sampler asks once, never again, and samples as
+    it did without the buffer: nothing raised, the GPU healthy, the spell read from its ticks."""
+    start_s = 1_700_000_000.0
+    fake = NoBufferNvml(count=1, now_s=start_s, util_at=spell_while_resting(start_s, 4.4), refusal=refusal)
+    clock = Clock()
+    sampler = NvmlSampler(nvml=fake, host="h", monotonic=clock)
+    run_ticks(fake, sampler, clock, store, 20.0)
+    assert fake.calls.count("buffer") == 1
+    assert sampler.health() == "ok"
+    assert 0.9 < engine_cost_between(store, fake, start_s + 3.5, start_s + 7.0) < 1.4  # its ticks, part lost
+
+
 def engine_cost_between(store: Any, fake: SharedLaterNvml, start_s: float, end_s: float) -> float:
     from auditor.correlate.waste import SampleCache, wasted
 

@@ -155,6 +155,8 @@ def check_nvml(ports: Iterable[int] = ()) -> Check:
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         names = [str(pynvml.nvmlDeviceGetName(handle)) for handle in handles]
         unmeasured = [index for index, handle in enumerate(handles) if not _utilization_readable(pynvml, handle)]
+        unbuffered = [index for index, handle in enumerate(handles)
+                      if index not in unmeasured and not _buffer_readable(pynvml, handle)]
         on_gpu = _gpu_processes(pynvml, handles)
     finally:
         pynvml.nvmlShutdown()
@@ -166,6 +168,10 @@ def check_nvml(ports: Iterable[int] = ()) -> Check:
                      "NVML measures no utilization of MIG-enabled GPUs; disable MIG there to cost zombies' GPU time")
     engines, uncosted = _engines_on_gpus(ports, on_gpu)
     detail = f"{count} GPU(s): {', '.join(names)}" + (f"; {'; '.join(engines)}" if engines else "")
+    if unbuffered:
+        detail += (f"; NVML keeps no sample buffer for GPU {', '.join(map(str, unbuffered))}: work begun while "
+                   "the sampler rests (a GPU idle for a second is read once a second) is counted from its "
+                   "first busy reading, up to a second late")
     if count > 1 and uncosted:
         return Check("nvml", DEGRADED, detail, f"NVML lists no process of the engine on port(s) "
                      f"{', '.join(map(str, uncosted))} or of one it started: with {count} GPUs here its zombies "
@@ -218,6 +224,21 @@ def _utilization_readable(pynvml: Any, handle: Any) -> bool:
     try:
         pynvml.nvmlDeviceGetUtilizationRates(handle)
     except pynvml.NVMLError_NotSupported:
+        return False
+    except pynvml.NVMLError:
+        pass
+    return True
+
+
+def _buffer_readable(pynvml: Any, handle: Any) -> bool:
+    """Whether NVML keeps its buffer of whole-GPU utilization samples for this GPU, which the
+    sampler reads for the time it rested (collectors/nvml.py). None held yet is still a buffer."""
+    try:
+        pynvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, 0)
+    except pynvml.NVMLError_NotFound:
+        return True
+    except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_NoPermission, pynvml.NVMLError_FunctionNotFound,
+            AttributeError):
         return False
     except pynvml.NVMLError:
         pass
