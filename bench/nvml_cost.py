@@ -98,6 +98,22 @@ def calls_at_rest(repeats: int) -> None:
     sampler.close()
 
 
+def timed_spell(torch: Any, a: Any, seconds: float) -> tuple[Any, int, int, float, int]:
+    """Synchronized matrix products for ``seconds`` of wall time, CUDA events around each: the
+    last product, the spell's wall-clock begin and end (ns), the GPU's busy seconds by the events,
+    and how many products."""
+    events = []
+    begin = time.time_ns()
+    while time.time_ns() - begin < seconds * 1e9:
+        started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        started.record()
+        a = (a @ a).clamp_(-1, 1)
+        ended.record()
+        torch.cuda.synchronize()
+        events.append((started, ended))
+    return a, begin, time.time_ns(), sum(s.elapsed_time(e) for s, e in events) / 1000, len(events)
+
+
 def busy_spell(seconds: float, rest_spells: int = 0) -> None:
     try:
         import torch
@@ -129,16 +145,7 @@ def busy_spell(seconds: float, rest_spells: int = 0) -> None:
         ticker = threading.Thread(target=tick)
         ticker.start()
         time.sleep(1.0)
-        events: list[tuple[Any, Any]] = []
-        begin = time.time_ns()
-        while time.time_ns() - begin < seconds * 1e9:
-            started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            started.record()
-            a = (a @ a).clamp_(-1, 1)
-            ended.record()
-            torch.cuda.synchronize()
-            events.append((started, ended))
-        end = time.time_ns()
+        a, begin, end, gpu_busy_s, products = timed_spell(torch, a, seconds)
         time.sleep(1.0)
         stop.set()
         ticker.join()
@@ -162,9 +169,8 @@ def busy_spell(seconds: float, rest_spells: int = 0) -> None:
                                  pid=os.getpid(), sharers=lambda ts: 1).gpu_seconds
         store.close()
     wall_s = (end - begin) / 1e9
-    gpu_busy_s = sum(s.elapsed_time(e) for s, e in events) / 1000
     stamps = sorted(int(r.timeStamp) for r in buffered)
-    print(f"\nBusy spell of this process: {len(events)} products over {wall_s:.2f} s wall")
+    print(f"\nBusy spell of this process: {products} products over {wall_s:.2f} s wall")
     print(f"  GPU busy by CUDA events            {gpu_busy_s:8.3f} s  ({gpu_busy_s / wall_s:.1%} of the wall)")
     for host, label in (("per-process", "per-process readings"), ("default", "the daemon's default")):
         print(f"  NVML, {label:<28}{costs[host]:8.3f} GPU-s  (ratio to events {costs[host] / gpu_busy_s:.3f}); "
@@ -234,17 +240,8 @@ def spells_after_rest(torch: Any, repeats: int) -> None:
                     while not loop.idle() and time.monotonic() < deadline:
                         time.sleep(0.05)
                     time.sleep(0.2 + (r + 0.5) / repeats * 1.0)  # spread over the rest second
-                    events = []
-                    begin = time.time_ns()
-                    while time.time_ns() - begin < length * 1e9:
-                        started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        started.record()
-                        a = (a @ a).clamp_(-1, 1)
-                        ended.record()
-                        torch.cuda.synchronize()
-                        events.append((started, ended))
-                    end = time.time_ns()
-                    spells.append((length, begin, end, sum(s.elapsed_time(e) for s, e in events) / 1000))
+                    a, begin, end, busy_s, _ = timed_spell(torch, a, length)
+                    spells.append((length, begin, end, busy_s))
                     time.sleep(1.5)
         finally:
             loop.stop()
