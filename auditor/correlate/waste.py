@@ -145,10 +145,11 @@ class SampleCache:
             if source == "nvml" and pid is not None and gpu_index is not None:
                 self.gpus_of[pid].add(gpu_index)
                 self._listed_at[pid] = max(ts_ns, self._listed_at.get(pid, ts_ns))
-            if util_percent is None:
-                continue  # the source could not tell: no sample, not an idle one
-            # 0 s is a reading that covers nothing (its time was read already), not one unsaid
-            covered_from = ts_ns - int((DEFAULT_INTERVAL_S if interval_s is None else interval_s) * 1e9)
+            if util_percent is None or interval_s == 0:
+                # The source could not tell (no sample, not an idle one), or the reading covers no
+                # time (NVML's buffer counted it already): nothing to file.
+                continue
+            covered_from = ts_ns - int((interval_s or DEFAULT_INTERVAL_S) * 1e9)
             key = (source, pid) if pid is not None or gpu_index is None else (source, None, gpu_index)
             reshaped = self._series[key].add(ts_ns, covered_from, util_percent)
             changed = covered_from if reshaped is None else min(covered_from, reshaped)
