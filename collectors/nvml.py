@@ -20,9 +20,9 @@ instead of ten times; the first tick that sees use puts it back at the full rate
 has no per-process readings to miss, and each whole-GPU sample covers the time since the one
 before, so a quiet second is still counted. What a resting tick cannot tell (the GPU's use inside
 the second before it: a reading averages only NVML's last period) is read from NVML's own buffer
-of whole-GPU samples (``_buffered``): on an H200, spells begun while the sampler rested read
-0.92-0.97 of their CUDA events' time with it, 0.62-0.90 (alone) and 1.12-1.99 (the whole GPU)
-without (docs/gpu-validation.md, runs 11 and 12).
+of whole-GPU samples (``_buffered``): on an H200, spells of 0.3-3 s begun while the sampler
+rested read 0.90-1.03 of their CUDA events' time with it (means by length; single spells 0.70-1.06),
+0.42-0.90 alone and 1.06-1.99 as the whole GPU without (docs/gpu-validation.md, runs 11-13).
 """
 
 from __future__ import annotations
