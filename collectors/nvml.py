@@ -50,8 +50,8 @@ PERIOD_MIN_GAPS = 3  # gaps seen before the period is estimated from them (until
 SHORTEST_PERIOD_US = 20_000  # NVML documents periods of 1/6 s to 1 s; a shorter gap is no period
 CLOCK_AGREES_NS = 60 * 1_000_000_000
 _NEEDS_REINIT = frozenset({"NVMLError_Uninitialized", "NVMLError_DriverNotLoaded"})
-# nvmlDeviceGetSamples's answers that mean "never for this GPU": not asked again.
-_NO_BUFFER = frozenset({"NVMLError_NotSupported", "NVMLError_NoPermission", "NVMLError_FunctionNotFound"})
+# nvmlDeviceGetSamples's answers that mean "never for this GPU": not asked again (auditor doctor names such GPUs).
+NO_BUFFER = frozenset({"NVMLError_NotSupported", "NVMLError_NoPermission", "NVMLError_FunctionNotFound"})
 GPU_UTILIZATION_SAMPLES = 1  # NVML_GPU_UTILIZATION_SAMPLES: nvmlDeviceGetSamples's whole-GPU utilization
 BACKFILL_GAP = 1.5  # a gap since the last tick longer than this many NVML periods is read from its buffer
 BUFFER_EVERY_S = 5.0  # at rest, NVML's buffer (about 14 s deep on an H200) is read this often
@@ -395,7 +395,7 @@ class NvmlSampler:
         except Exception as exc:  # NotFound: nothing newer
             if _device_gone(exc):
                 raise
-            if type(exc).__name__ in _NO_BUFFER:
+            if type(exc).__name__ in NO_BUFFER:
                 gpu.no_buffer = True
                 log.info("GPU %d: NVML keeps no sample buffer (%s): work begun while the sampler rests is "
                          "counted from its first busy reading", gpu.index, _describe(exc))

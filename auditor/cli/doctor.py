@@ -233,15 +233,14 @@ def _utilization_readable(pynvml: Any, handle: Any) -> bool:
 def _buffer_readable(pynvml: Any, handle: Any) -> bool:
     """Whether NVML keeps its buffer of whole-GPU utilization samples for this GPU, which the
     sampler reads for the time it rested (collectors/nvml.py). None held yet is still a buffer."""
+    from collectors.nvml import GPU_UTILIZATION_SAMPLES, NO_BUFFER
+
     try:
-        pynvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, 0)
-    except pynvml.NVMLError_NotFound:
-        return True
-    except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_NoPermission, pynvml.NVMLError_FunctionNotFound,
-            AttributeError):
+        pynvml.nvmlDeviceGetSamples(handle, GPU_UTILIZATION_SAMPLES, 0)
+    except AttributeError:  # a pynvml without the call
         return False
-    except pynvml.NVMLError:
-        pass
+    except pynvml.NVMLError as exc:  # the sampler's own rule: these mean never; NotFound, nothing held yet
+        return type(exc).__name__ not in NO_BUFFER
     return True
 
 
