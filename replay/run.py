@@ -24,6 +24,9 @@ from replay.capture import Capture, CapturedRequest, CaptureError, sample_cancel
 from replay.client import RequestOutcome, RequestPlan
 
 ZOMBIES = frozenset(v.value for v in ZOMBIE_VERDICTS)
+# A run's verdicts are those whose client left after it started: the daemon's disconnect times come
+# from this host's clocks too (replay runs on the engine's host), a minute covers their differences.
+_CLOCK_MARGIN_NS = 60 * 10**9
 SCHEMA = "auditor.replay/v1"
 
 
@@ -203,23 +206,27 @@ class EngineLoad:
         self._connection.close()
 
 
-def verdicts_for(store: Store, plans: list[RequestPlan]) -> dict[str, VerdictRow]:
-    """The auditor's verdict for each plan, by the trace id the client sent."""
+def verdicts_for(store: Store, plans: list[RequestPlan], started_ns: int) -> dict[str, VerdictRow]:
+    """The auditor's verdict for each plan, by the trace id the client sent: among the verdicts
+    whose client left after the run started (``started_ns``, less a margin for the clocks), a
+    range of the disconnect index (the store has no index of trace ids)."""
     traces = {plan.trace_id for plan in plans}
     found: dict[str, VerdictRow] = {}
+    since_ns = started_ns - _CLOCK_MARGIN_NS
     with store.session() as session:
-        ordered = list(traces)
+        ordered = sorted(traces)
         for i in range(0, len(ordered), 500):
-            for row in session.scalars(select(VerdictRow).where(VerdictRow.trace_id.in_(ordered[i:i + 500]))):
+            for row in session.scalars(select(VerdictRow).where(VerdictRow.disconnect_at_ns >= since_ns,
+                                                                VerdictRow.trace_id.in_(ordered[i:i + 500]))):
                 found[row.trace_id or ""] = row
     return found
 
 
-def settled(store: Store, cancelled: list[RequestPlan]) -> tuple[int, int]:
+def settled(store: Store, cancelled: list[RequestPlan], started_ns: int) -> tuple[int, int]:
     """(cancelled requests with a verdict, of them not final yet): an in-flight zombie, or a
     verdict still waiting for a late engine span (an abort without one is provisional until the
     correlator's late-span window has passed, because a detached engine reports only at its end)."""
-    rows = verdicts_for(store, cancelled)
+    rows = verdicts_for(store, cancelled, started_ns)
     pending = sum(1 for r in rows.values()
                   if r.verdict == Verdict.INFLIGHT_ZOMBIE.value or (r.details or {}).get("provisional"))
     return len(rows), pending
@@ -233,7 +240,7 @@ def record_run(store: Store, capture: Capture, target: str, options: ReplayOptio
     any more; otherwise verdicts still provisional are counted as such."""
     summary = ReplaySummary(capture_id=capture.id, target=target, sent=len(outcomes),
                             planned_cancels=sum(1 for plan in plans if plan.cancel_after_s is not None))
-    verdicts = verdicts_for(store, plans)
+    verdicts = verdicts_for(store, plans, started_ns)
     lags: list[float] = []
     results = []
     for outcome in outcomes:

@@ -120,8 +120,9 @@ def local_target(url: str) -> tuple[str, int]:
                       "where the probe can see the engine's connections")
 
 
-def wait_for_verdicts(pipeline: Pipeline, cancelled: list[RequestPlan], engine: EngineLoad, timeout_s: float,
-                      span_delay_s: float, progress: ProgressFactory = silent_progress) -> tuple[str, bool]:
+def wait_for_verdicts(pipeline: Pipeline, cancelled: list[RequestPlan], started_ns: int, engine: EngineLoad,
+                      timeout_s: float, span_delay_s: float,
+                      progress: ProgressFactory = silent_progress) -> tuple[str, bool]:
     """Wait until every cancelled request has a final verdict; returns why the wait ended, and
     whether every verdict is final then.
 
@@ -134,7 +135,7 @@ def wait_for_verdicts(pipeline: Pipeline, cancelled: list[RequestPlan], engine: 
     with progress(max(1, len(cancelled)), "  waiting for verdicts") as bar:
         shown = 0
         while time.monotonic() < deadline:
-            judged, pending = settled(pipeline.store, cancelled)
+            judged, pending = settled(pipeline.store, cancelled, started_ns)
             bar.update(judged - pending - shown)
             shown = judged - pending
             busy = engine.busy()
@@ -183,8 +184,8 @@ def run_replay(settings: ReplaySettings, make_pipeline: Callable[[dict[str, Any]
         cancelled = [o.plan for o in outcomes if o.cancelled_at_ns is not None]
         engine = EngineLoad(settings.host, settings.port)
         try:
-            ended, final = wait_for_verdicts(pipeline, cancelled, engine, settings.wait_s, settings.span_delay_s,
-                                             progress)
+            ended, final = wait_for_verdicts(pipeline, cancelled, started_ns, engine, settings.wait_s,
+                                             settings.span_delay_s, progress)
         finally:
             engine.close()
         say(f"  judged: {ended}")

@@ -259,7 +259,7 @@ def test_records_are_their_tables_columns() -> None:
     from auditor.store.rows import shape_of
 
     for table, record, extra in ((tables.spans, SpanRecord, ("start_minute",)), (tables.util_samples, UtilSample, ()),
-                                 (tables.verdicts, RequestVerdict, ("updated_ns",))):
+                                 (tables.verdicts, RequestVerdict, ("updated_ns", "disconnect_minute"))):
         assert {c.name for c in table.columns} - {"id"} == set(shape_of(record).names) | set(extra), table.name
 
 
@@ -332,6 +332,65 @@ def check_recall_by_minutes(store: Store, forgotten: Any) -> None:
     store.upsert_verdicts([dataclasses.replace(verdict, request_key=f"h/{'8' * 32}/{'1' * 16}", trace_id="8" * 32,
                                                request_start_ns=1)])
     assert [s.span_id for s in forgotten.recall("8" * 32)[0]] == ["1" * 16]
+
+
+def test_verdicts_are_found_by_index_and_new_ones_land_on_the_newest_minutes(store: Store) -> None:
+    """The correlator's lookups of verdicts it no longer holds, and replay's of its run's, read an
+    index, not the table; and the request-id index leads with the disconnect minute, so a verdict's
+    insert lands beside the newest minute's (no index of random ids alone: bench/verdict_growth.py)."""
+    from auditor.correlate import recall
+    from replay.run import verdicts_for
+
+    with store.connect() as conn:
+        by_index = {name: conn.all(f"PRAGMA index_info({name})") for (name,) in
+                    conn.all("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'verdicts'")}
+        plans = {"trace": (recall._WRITTEN_OF_TRACE, {"first": "h/a/", "after": "h/a0", "since": 0}),
+                 "request id": (recall._WRITTEN_BY_REQUEST_ID.format(minutes=":m0, :m1", names=":v0, :v1"),
+                                {"m0": 1, "m1": 2, "v0": "x", "v1": "y", "host": "h", "since": 0})}
+        for what, (sql, params) in plans.items():
+            plan = " ".join(row[-1] for row in conn.all(f"EXPLAIN QUERY PLAN {sql}", params))
+            assert "USING INDEX" in plan and "SCAN" not in plan, (what, plan)
+    led_by = {name: columns[0][2] for name, columns in by_index.items() if not name.startswith("sqlite_")}
+    random_led = {name for name, first in led_by.items() if first in ("trace_id", "request_id")}
+    assert random_led == set() and led_by["ix_verdicts_minute_request_id"] == "disconnect_minute", led_by
+    from sqlalchemy import event
+
+    from replay.client import RequestPlan
+
+    seen: list[tuple[str, Any]] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_rest: Any) -> None:
+        seen.append((statement, parameters))
+
+    event.listen(store.engine, "before_cursor_execute", record)
+    try:
+        verdicts_for(store, [RequestPlan(request_id="r", trace_id="c" * 32, body={})], started_ns=10**18)
+    finally:
+        event.remove(store.engine, "before_cursor_execute", record)
+    ((statement, parameters),) = [(s, p) for s, p in seen if "FROM verdicts" in s]
+    with store.engine.connect() as conn:
+        plan = " ".join(row[-1] for row in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters))
+    assert "ix_verdicts_disconnect" in plan and "SCAN" not in plan, plan
+
+
+def test_a_request_id_is_looked_for_in_the_horizons_minutes_only(store: Store) -> None:
+    """A verdict whose client left within the horizon (or a little past the correlator's clock) is
+    found by its request id; one that left before the horizon is not (it is never recalled)."""
+    from auditor.correlate.recall import Forgotten
+    from auditor.model import RequestVerdict, Verdict
+
+    minute, t0 = 60 * 10**9, 1_800_000_000 * 10**9
+    now = t0 + 60 * minute
+    forgotten = Forgotten(store, "h", lambda _trace, _root: False, lambda: now - 15 * minute, 15 * minute)
+    at = {"old": now - 16 * minute, "edge": now - 15 * minute + 1, "now": now, "ahead": now + 4 * minute}
+    written = [RequestVerdict(f"h/{name:0>32}/{'1' * 16}", "h", Verdict.ABORTED, ts, "rst", ts - 10**9, None, None,
+                              trace_id=f"{name:0>32}", request_id=f"req-{name}") for name, ts in at.items()]
+    forgotten.written(written)
+    store.upsert_verdicts(written)
+    found = forgotten.by_request_id([f"req-{name}" for name in at])
+    assert found == {f"req-{name}": f"{name:0>32}" for name in ("edge", "now", "ahead")}
+    # By trace, the old one is found in the store, and left to it: it disconnected before the horizon.
+    assert forgotten.traces([f"{name:0>32}" for name in at]) == {f"{name:0>32}" for name in ("edge", "now", "ahead")}
 
 
 def test_a_sqlite_file_is_read_and_written_without_sqlalchemy(store: Store) -> None:

@@ -165,7 +165,7 @@ class Correlator:
         self._settled: dict[str, dict[str, OpenRequest]] = {}  # a late span reopens them (by trace id)
         self._settled_by_request_id: dict[str, RequestKey] = {}  # engine spans in traces of their own
         # Settled traces no longer in memory, as the store tells.
-        self.forgotten = Forgotten(store, host, self._holds, lambda: self.clock() - HORIZON_NS)
+        self.forgotten = Forgotten(store, host, self._holds, lambda: self.clock() - HORIZON_NS, HORIZON_NS)
         # Of the spans being added: the forgotten traces among theirs, and by engine request id.
         self._forgotten_traces: set[str] = set()
         self._forgotten_by_request_id: dict[str, str] = {}

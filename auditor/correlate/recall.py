@@ -40,9 +40,16 @@ _TRACE_SPANS = (f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans "
 # A trace's requests: their keys are "host/trace/root", so the trace's keys lie between two texts.
 _TRACE_VERDICTS = (f"SELECT {', '.join(_VERDICT_COLUMNS)} FROM verdicts "
                    "WHERE request_key >= :first AND request_key < :after")
-# This run's verdicts of some traces (by trace id or by the engine's request id): the candidates.
-_WRITTEN = ("SELECT {match}, request_key, disconnect_at_ns FROM verdicts "
-            "WHERE host = :host AND updated_ns >= :since AND {match} IN ({names})")
+# This run's verdicts of a trace, by the trace's range of request keys (no index of trace ids:
+# auditor/store/tables.py), and of some engine request ids, in the minutes named (the index of
+# request ids leads with the disconnect minute): the candidates.
+_WRITTEN_OF_TRACE = ("SELECT request_key, disconnect_at_ns FROM verdicts "
+                     "WHERE request_key >= :first AND request_key < :after AND updated_ns >= :since")
+_WRITTEN_BY_REQUEST_ID = ("SELECT request_id, request_key, disconnect_at_ns FROM verdicts "
+                          "WHERE disconnect_minute IN ({minutes}) AND request_id IN ({names}) "
+                          "AND host = :host AND updated_ns >= :since")
+# Disconnects this far past the correlator's horizon (a wall clock stepped back) are still found.
+_AHEAD_NS = 5 * MINUTE_NS
 _RECALL_REACH_NS = 24 * 60 * MINUTE_NS  # the most minutes a recall names: a day
 _CHUNK = 400  # ids a query: far below any driver's parameter limit
 _FILTER_BITS = 20  # the written filter's positions: 2**20, a byte each (a bit for each generation)
@@ -98,11 +105,13 @@ class Forgotten:
     The correlator tells it each verdict it writes (``written``): the store is asked only about
     the values of those."""
 
-    def __init__(self, store: Store, host: str, holds: Holds, horizon_start: Callable[[], int]) -> None:
+    def __init__(self, store: Store, host: str, holds: Holds, horizon_start: Callable[[], int],
+                 horizon_ns: int = 15 * 60 * 10**9) -> None:
         self.store = store
         self.host = host
         self.holds = holds
         self.horizon_start = horizon_start  # requests that disconnected before it are not recalled
+        self.horizon_ns = horizon_ns  # how long the horizon is: its minutes are those looked in
         # This run's: verdicts written from now on. A restarted daemon reads the horizon's spans
         # back without the requests it settled before (they stay as written, as they did).
         self.since_ns = time.time_ns()
@@ -121,27 +130,43 @@ class Forgotten:
 
     def traces(self, trace_ids: Iterable[str]) -> set[str]:
         """Those of ``trace_ids`` that are forgotten."""
-        return set(self._find("trace_id", set(trace_ids)).values())
+        may_hold = self.filter.may_hold
+        candidates = sorted({trace_id for trace_id in trace_ids if trace_id and may_hold(trace_id)})
+        if not candidates:
+            return set()
+        rows: list[Any] = []
+        with self.store.connect() as conn:
+            for trace_id in candidates:
+                prefix = f"{self.host}/{trace_id}/"
+                params = {"first": prefix, "after": prefix[:-1] + "0", "since": self.since_ns}
+                rows += [(trace_id, *row) for row in conn.all(_WRITTEN_OF_TRACE, params)]
+        return set(self._forgotten(rows).values())
 
     def by_request_id(self, request_ids: Iterable[str]) -> dict[str, str]:
-        """Request ids (the engine's, as settled verdicts hold them) -> their forgotten trace."""
-        return self._find("request_id", set(request_ids))
-
-    def _find(self, match: str, values: set[str]) -> dict[str, str]:
-        """``match`` value -> trace id, for the forgotten traces of this run's verdict rows."""
+        """Request ids (the engine's, as settled verdicts hold them) -> their forgotten trace. Only
+        verdicts whose client left in the horizon's minutes are looked at: older ones are not
+        recalled anyway."""
         may_hold = self.filter.may_hold
-        values = {value for value in values if value and may_hold(value)}
-        if not values:
+        ordered = sorted({value for value in request_ids if value and may_hold(value)})
+        if not ordered:
             return {}
+        start = self.horizon_start()
+        minutes = minutes_between(start, start + self.horizon_ns + _AHEAD_NS)
         rows: list[Any] = []
-        ordered = sorted(values)
         with self.store.connect() as conn:
             for i in range(0, len(ordered), _CHUNK):
                 chunk = ordered[i:i + _CHUNK]
                 params: dict[str, Any] = {f"v{j}": value for j, value in enumerate(chunk)}
+                params |= {f"m{j}": minute for j, minute in enumerate(minutes)}
                 params |= {"host": self.host, "since": self.since_ns}
-                rows += conn.all(_WRITTEN.format(match=match, names=", ".join(f":v{j}" for j in range(len(chunk)))),
-                                 params)
+                sql = _WRITTEN_BY_REQUEST_ID.format(minutes=", ".join(f":m{j}" for j in range(len(minutes))),
+                                                    names=", ".join(f":v{j}" for j in range(len(chunk))))
+                rows += conn.all(sql, params)
+        return self._forgotten(rows)
+
+    def _forgotten(self, rows: list[Any]) -> dict[str, str]:
+        """Matched value -> trace id, for the forgotten traces among this run's verdict rows
+        (value, request key, disconnect time)."""
         # A trace is forgotten while every request of it that memory does not hold disconnected
         # within the horizon (one older than it leaves the trace to the store for good).
         cutoff = self.horizon_start()

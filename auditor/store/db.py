@@ -428,7 +428,8 @@ class Store:
                 return None
             table = tables.verdicts
             statement = dialect_insert(table)
-            updated = {c.name: statement.excluded[c.name] for c in table.columns if c.name not in ("id", "request_key")}
+            updated = {c.name: statement.excluded[c.name] for c in table.columns
+                       if c.name not in ("id", "request_key") and c.computed is None}
             self._verdict_statement = statement.on_conflict_do_update(index_elements=["request_key"], set_=updated)
         return None if self._verdict_statement is False else self._verdict_statement
 

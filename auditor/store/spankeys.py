@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 # The column's expression, the same on SQLite and PostgreSQL (integer division of two integers).
 START_MINUTE_SQL = f"start_ns / {MINUTE_NS}"
+# Verdicts are keyed the same way where their ids are indexed: the request ids' index leads with the
+# minute the client left in (``disconnect_minute``), found by naming the minutes a lookup may lie in.
+DISCONNECT_MINUTE_SQL = f"disconnect_at_ns / {MINUTE_NS}"
 
 
 def minutes_between(first_ns: int, last_ns: int) -> list[int]:

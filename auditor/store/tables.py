@@ -29,7 +29,7 @@ from sqlalchemy import (
     Table,
 )
 
-from auditor.store.spankeys import START_MINUTE_SQL
+from auditor.store.spankeys import DISCONNECT_MINUTE_SQL, START_MINUTE_SQL
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -159,12 +159,16 @@ verdicts = Table(
     Column("wasted_cpu_seconds", Float, nullable=False, default=0.0),
     _ns("updated_ns"),
     _json("details"),
+    # The minute the client left in, computed by the database (spankeys.py). It leads the index of
+    # request ids, so a verdict's insert lands on the newest minutes' pages, not on a random page
+    # of days of random ids. A request's trace is found by its key ("host/trace/root": a range of
+    # the unique index), and replay's by the disconnect index's range: no index of trace ids.
+    Column("disconnect_minute", BigInteger, Computed(DISCONNECT_MINUTE_SQL, persisted=True), nullable=False),
     Index("uq_verdicts_request_key", "request_key", unique=True),
     Index("ix_verdicts_disconnect", "disconnect_at_ns"),
     Index("ix_verdicts_verdict", "verdict"),
-    # The correlator's questions about traces it no longer holds (auditor.correlate.recall).
-    Index("ix_verdicts_trace_id", "trace_id"),
-    Index("ix_verdicts_request_id", "request_id"),
+    # The correlator's question about engine request ids it no longer holds (auditor.correlate.recall).
+    Index("ix_verdicts_minute_request_id", "disconnect_minute", "request_id"),
 )
 
 # Counts of what could not become a verdict, per host and moment, summed over any window.
