@@ -15,6 +15,7 @@ table itself, and the daemon migrates a new database in a short-lived child
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -39,7 +40,6 @@ from auditor.model import (
 )
 from auditor.store import eventblocks
 from auditor.store.rows import (
-    dumps_json,
     grouped_inserts,
     row_dict,
     rows_as_tuples,
@@ -381,13 +381,14 @@ class Store:
             return 0
         now = time.time_ns()
         # The last verdict of a request in the batch wins (a row can be upserted once per statement).
-        rows = list({v.request_key: row_dict(v) | {"updated_ns": now} for v in verdicts}.values())
-        if self._native:  # a SQLite file: the driver, details as JSON text
-            for row in rows:
-                row["details"] = dumps_json(row["details"])
-            self._write([(_verdict_upsert_sql(tuple(rows[0])), rows)])
+        latest = {v.request_key: v for v in verdicts}
+        if self._native:  # a SQLite file: the driver, a tuple a row (enums as values, details as JSON)
+            rows = [(*row, now) for row in rows_as_tuples(latest.values(), shape_of(RequestVerdict))]
+            self._write([(_sqlite_verdict_upsert(), rows)])
             return len(rows)
         from sqlalchemy.exc import OperationalError
+
+        rows = [row_dict(v) | {"updated_ns": now} for v in latest.values()]
 
         try:
             self._upsert_verdicts_core(rows)
@@ -480,10 +481,13 @@ _COVERAGE_INSERT = ("INSERT INTO coverage (ts_ns, host, kind, count, detail) "
 
 
 @cache
-def _verdict_upsert_sql(columns: tuple[str, ...]) -> str:
-    """``INSERT .. ON CONFLICT (request_key) DO UPDATE``, as SQLite (3.24 on) and PostgreSQL write it."""
+@functools.cache
+def _sqlite_verdict_upsert() -> str:
+    """``INSERT .. ON CONFLICT (request_key) DO UPDATE`` (SQLite 3.24 on), a verdict's fields and
+    ``updated_ns`` as positional parameters (the row tuples of ``rows_as_tuples``)."""
+    columns = (*shape_of(RequestVerdict).names, "updated_ns")
     updated = ", ".join(f"{c} = excluded.{c}" for c in columns if c != "request_key")
-    return (f"INSERT INTO verdicts ({', '.join(columns)}) VALUES ({', '.join(':' + c for c in columns)}) "
+    return (f"INSERT INTO verdicts ({', '.join(columns)}) VALUES ({', '.join('?' for _ in columns)}) "
             f"ON CONFLICT (request_key) DO UPDATE SET {updated}")
 
 
