@@ -388,13 +388,12 @@ class Store:
             return len(rows)
         from sqlalchemy.exc import OperationalError
 
-        rows = [row_dict(v) | {"updated_ns": now} for v in latest.values()]
-
+        values = [row_dict(v) | {"updated_ns": now} for v in latest.values()]
         try:
-            self._upsert_verdicts_core(rows)
+            self._upsert_verdicts_core(values)
         except OperationalError as exc:
             raise StoreError(f"write to {self.where()} failed: {first_line(exc)}") from exc
-        return len(rows)
+        return len(values)
 
     def _upsert_verdicts_core(self, rows: list[dict[str, Any]]) -> None:
         statement = self._verdict_upsert()
