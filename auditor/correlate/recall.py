@@ -28,6 +28,7 @@ from typing import Any
 
 from auditor.correlate.requests import Disconnect, OpenRequest
 from auditor.correlate.traces import norm_addr
+from auditor.correlate.waste import HORIZON_NS
 from auditor.model import ENCLOSING_MINUTES, MINUTE_NS, Phase, RequestVerdict, SpanRecord, Verdict
 from auditor.store.db import SPAN_COLUMNS, Store, span_from_values
 from auditor.store.spankeys import minutes_between
@@ -106,7 +107,7 @@ class Forgotten:
     the values of those."""
 
     def __init__(self, store: Store, host: str, holds: Holds, horizon_start: Callable[[], int],
-                 horizon_ns: int = 15 * 60 * 10**9) -> None:
+                 horizon_ns: int = HORIZON_NS) -> None:
         self.store = store
         self.host = host
         self.holds = holds

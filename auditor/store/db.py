@@ -15,7 +15,6 @@ table itself, and the daemon migrates a new database in a short-lived child
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
@@ -480,7 +479,6 @@ _COVERAGE_INSERT = ("INSERT INTO coverage (ts_ns, host, kind, count, detail) "
 
 
 @cache
-@functools.cache
 def _sqlite_verdict_upsert() -> str:
     """``INSERT .. ON CONFLICT (request_key) DO UPDATE`` (SQLite 3.24 on), a verdict's fields and
     ``updated_ns`` as positional parameters (the row tuples of ``rows_as_tuples``)."""
