@@ -338,7 +338,10 @@ def test_verdicts_are_found_by_index_and_new_ones_land_on_the_newest_minutes(sto
     """The correlator's lookups of verdicts it no longer holds, and replay's of its run's, read an
     index, not the table; and the request-id index leads with the disconnect minute, so a verdict's
     insert lands beside the newest minute's (no index of random ids alone: bench/verdict_growth.py)."""
+    from sqlalchemy import event
+
     from auditor.correlate import recall
+    from replay.client import RequestPlan
     from replay.run import verdicts_for
 
     with store.connect() as conn:
@@ -353,10 +356,6 @@ def test_verdicts_are_found_by_index_and_new_ones_land_on_the_newest_minutes(sto
     led_by = {name: columns[0][2] for name, columns in by_index.items() if not name.startswith("sqlite_")}
     random_led = {name for name, first in led_by.items() if first in ("trace_id", "request_id")}
     assert random_led == set() and led_by["ix_verdicts_minute_request_id"] == "disconnect_minute", led_by
-    from sqlalchemy import event
-
-    from replay.client import RequestPlan
-
     seen: list[tuple[str, Any]] = []
 
     def record(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_rest: Any) -> None:
