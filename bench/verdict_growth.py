@@ -37,7 +37,6 @@ from trees import compared, use_tree
 HOST = "gpu-host-1"
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
-HORIZON_NS = 15 * 60 * S
 LOOKUPS = 200  # of each kind at each size
 
 
@@ -59,6 +58,7 @@ def verdicts(round_no: int, count: int) -> list[Any]:
 def run(held: list[int], per_round: int, batches: int) -> list[dict[str, float]]:
     """At each size: us of CPU a verdict written, ms a round, and us a lookup of each kind."""
     from auditor.correlate.recall import Forgotten
+    from auditor.correlate.waste import HORIZON_NS
     from auditor.store import Store
 
     rows = []
