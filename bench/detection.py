@@ -16,11 +16,12 @@ With ``--compare REV`` the load runs alternately for the code of git revision RE
 tree (fresh daemons each run, same engines), and the medians are printed side by side; with
 ``--alarms N`` as well, each of those daemons first takes N alarms, pooled by tree.
 With ``--live-load`` the load's engine also sends live notices (auditor.live), as a server
-instrumented with them does.
+instrumented with them does. ``--memory-probe`` has each daemon say where its memory is, once a
+minute (bench/memprobe: RSS, Python's object arenas, glibc's heap, SQLite's part of it).
 
 Usage: .venv/bin/python bench/detection.py [--alarms 15] [--load-seconds 20] [--rate 100] [--cancel-every 10]
                                            [--compare REV --rounds 3] [--profile stacks.txt]
-                                           [--live-load] [--otlp grpc] [--export-delay-ms 5000]
+                                           [--live-load] [--otlp grpc] [--export-delay-ms 5000] [--memory-probe]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import asyncio
 import atexit
 import contextlib
 import functools
+import json
 import math
 import os
 import random
@@ -57,6 +59,7 @@ from replay.engine.launch import running_engine
 from replay.engine.truth import expected_verdict
 
 GRACE_S = 0.5
+MEMPROBE = Path(__file__).resolve().parent / "memprobe"  # its sitecustomize, on the daemon's path
 RACE_S = 0.005  # a close this near the end of the work races it (kernel and engine clocks, one step)
 SETTLE_S = 10.0  # how long after the last export the load's last verdicts may take (see judge_settled)
 
@@ -248,9 +251,11 @@ def load_engine_env(export_delay_ms: int | None) -> dict[str, str] | None:
 
 @contextlib.contextmanager
 def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_port: int, live: int,
-                   protocol: str = "http", source: str = "bpf") -> Iterator[subprocess.Popen[bytes]]:
+                   protocol: str = "http", source: str = "bpf",
+                   memory_probe: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """``auditor run`` from the code in ``tree``, until it answers /metrics; its OTLP receiver on
-    ``otlp`` speaks ``protocol`` (the other one is off)."""
+    ``otlp`` speaks ``protocol`` (the other one is off). With ``memory_probe``, the daemon writes
+    where its memory is to that file each minute (bench/memprobe)."""
     receivers = ["--otlp-http", f"127.0.0.1:{otlp}", "--otlp-grpc", ""] if protocol == "http" else \
         ["--otlp-http", "", "--otlp-grpc", f"127.0.0.1:{otlp}"]
     command = [sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{db}", *receivers,
@@ -259,9 +264,13 @@ def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_po
     for port in ports:
         command += ["--port", str(port)]
     # cwd too: `python -m` puts the working directory first on the path, before PYTHONPATH.
+    paths = [str(tree), os.environ.get("PYTHONPATH")]
+    env = dict(os.environ)
+    if memory_probe is not None:
+        paths.append(str(MEMPROBE))
+        env["BENCH_MEMPROBE"] = str(memory_probe)
     daemon = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tree,
-                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                                  filter(None, [str(tree), os.environ.get("PYTHONPATH")]))))
+                              env=dict(env, PYTHONPATH=os.pathsep.join(filter(None, paths))))
     try:
         deadline = time.time() + 60
         while time.time() < deadline:
@@ -443,6 +452,25 @@ def print_load(load: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"  correlator's spans step: {load['span_us']:.1f} us a span ({load['spans_taken']} spans stored meanwhile)")
 
 
+def print_memory(probes: dict[str, Path], columns: int = 7) -> None:
+    """The memory probe's readings (MiB) at up to ``columns`` moments of each daemon's load."""
+    parts = (("rss", "RSS"), ("pymalloc", "Python's object arenas"), ("heap_used", "glibc heap in use"),
+             ("heap_free", "glibc heap free, held"), ("sqlite", "  of the heap, SQLite's"),
+             ("anon", "anonymous"), ("file", "file-backed"))
+    for label, path in probes.items():
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        if not rows:
+            print(f"\nMemory of {label}: no probe readings")
+            continue
+        picked = sorted({rows[round(i * (len(rows) - 1) / max(1, columns - 1))]["s"] for i in range(columns)})
+        at = [row for row in rows if row["s"] in picked]
+        unit, per = ("minute", 60) if at[-1]["s"] >= 600 else ("second", 1)
+        print(f"\nMemory of {label}, MiB (bench/memprobe), at {unit}:")
+        print(f"  {'':<26}" + "".join(f"{row['s'] / per:>7.0f}" for row in at))
+        for key, name in parts:
+            print(f"  {name:<26}" + "".join("      -" if row.get(key) is None else f"{row[key]:>7.1f}" for row in at))
+
+
 def print_latencies(latencies: dict[str, list[float]], count: int) -> None:
     print(f"\nDetection latency (grace {GRACE_S} s; {count} zombies, live notices on)")
     print(f"  {'measure':<28}{'n':>4}{'p50 s':>9}{'p99 s':>9}{'max s':>9}   target")
@@ -536,6 +564,9 @@ def main() -> int:
     parser.add_argument("--export-delay-ms", type=int, help="the load engine's span export delay "
                         "(OTEL_BSP_SCHEDULE_DELAY; the engine's own is 200 ms, the SDK's default, "
                         "which vLLM exports with, 5000 ms)")
+    parser.add_argument("--memory-probe", action="store_true",
+                        help="the daemon says where its memory is each minute (RSS, Python's arenas, glibc's heap, "
+                             "SQLite), printed as a table at the end (bench/memprobe)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the database and the load engine's truth log when a verdict disagrees "
                              "with the truth log (their folder is printed)")
@@ -568,23 +599,30 @@ def main() -> int:
         ports = [zombie_engine.port, busy_engine.port]
         if not args.compare:
             db = work / "auditor.db"
-            with running_daemon(here, db, ports, otlp, metrics_port, live, args.otlp, args.source) as daemon:
+            probe = work / "memprobe.jsonl" if args.memory_probe else None
+            with running_daemon(here, db, ports, otlp, metrics_port, live, args.otlp, args.source, probe) as daemon:
                 latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
                 load = measure_load(daemon, db, busy_engine.port, args, metrics_port)
                 judged = judge_settled(db, busy_engine, args, load["client_left"])
             print_latencies(latencies, args.alarms)
             print_load(load, args)
             print_judged(judged)
+            if probe is not None:
+                print_memory({"working tree": probe})
             if args.keep and (judged["wrong"] or judged["false"] or judged["missed"]):
                 atexit.unregister(shutil.rmtree)
                 print(f"  kept: {work}")
             return 0
         results: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
         alarms: dict[str, dict[str, list[float]]] = {label: {} for label in trees}
+        probes: dict[str, Path] = {}
         for round_no in range(1, args.rounds + 1):
             for index, (label, tree) in enumerate(trees.items()):
                 db = work / f"auditor-{round_no}-{index}.db"
-                with running_daemon(tree, db, ports, otlp, metrics_port, live, args.otlp, args.source) as daemon:
+                probe = work / f"memprobe-{round_no}-{index}.jsonl" if args.memory_probe else None
+                if probe is not None:
+                    probes.setdefault(label, probe)  # the first round's
+                with running_daemon(tree, db, ports, otlp, metrics_port, live, args.otlp, args.source, probe) as daemon:
                     time.sleep(2)  # past start-up
                     for name, values in measure_alarms(db, zombie_engine.port, metrics_port, args.alarms).items():
                         alarms[label].setdefault(name, []).extend(values)
@@ -592,6 +630,8 @@ def main() -> int:
                 print(f"round {round_no} {label:<14} {results[label][-1]['cpu_percent']:.2f} % of one core, "
                       f"{results[label][-1]['rss']:.1f} MiB", flush=True)
     print_comparison(results, args)
+    if probes:
+        print_memory(probes)
     if args.alarms:
         print_alarm_comparison(alarms, args.alarms * args.rounds)
     return 0
