@@ -32,7 +32,7 @@ from auditor.errors import AuditorError, StoreError
 from auditor.kernelrecord import departures
 from auditor.metrics import DaemonMetrics, SourceReadings
 from auditor.model import ConnEvent, CoverageKind, EngineLoad, EventRun, RequestVerdict, UtilSample
-from auditor.service import listening, notify_systemd, quietly
+from auditor.service import HeapTrim, listening, notify_systemd, quietly
 from auditor.store import Store
 from auditor.upkeep import Upkeep
 
@@ -107,6 +107,7 @@ class Daemon:
         extra_pids = set(self.config.sampler.procfs_pids)
         self._upkeep = Upkeep(self.store, self.host, self.metrics, None if procfs is None else
                               lambda pids: self._sample_pids(extra_pids | pids), find_engines=self._find_engines)
+        self._heap_trim = HeapTrim()
         self._start_engine_metrics()
         self._spawn("correlator", self._correlate_loop)
         self._start_retention()
@@ -383,6 +384,7 @@ class Daemon:
             cpu.start()
             self._report_lost_events()
             self._upkeep.round(self.correlator.arrived, self.correlator.spans.get)
+            self._heap_trim.maybe()  # once a minute: the heap's free pages back to the kernel
             cpu.mark("upkeep")
             self.status.ticks += 1
             if self._failing:

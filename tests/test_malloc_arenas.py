@@ -1,5 +1,6 @@
 """The daemon caps glibc's malloc arenas (auditor.service.limit_malloc_arenas), counted in a real
-process by glibc's own malloc_stats()."""
+process by glibc's own malloc_stats(), and hands the heap's free pages back now and then
+(auditor.service.HeapTrim), seen in a real process's RSS."""
 
 from __future__ import annotations
 
@@ -64,3 +65,49 @@ def test_an_arena_count_the_user_set_is_left_alone() -> None:
     said, count = arenas("cap", MALLOC_ARENA_MAX="4")
     assert said == "False"
     assert MALLOC_ARENAS < count <= 4
+
+
+# Blocks below glibc's mmap threshold come from the heap; every other one freed leaves holes
+# below live blocks, which glibc keeps resident until malloc_trim gives their pages back.
+HOLES = """
+import ctypes, sys
+from auditor.service import HeapTrim
+
+def rss_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+blocks = [libc.malloc(64 * 1024) for _ in range(1024)]
+for block in blocks:
+    ctypes.memset(block, 1, 64 * 1024)  # resident
+for block in blocks[::2]:
+    libc.free(block)
+before = rss_mib()
+trim = HeapTrim(every_s=float(sys.argv[1]))
+print(before, rss_mib() if trim.maybe() else None, rss_mib())
+"""
+
+
+def heap_holes(every_s: float) -> tuple[float, float | None, float]:
+    """RSS in MiB with the holes made; after a trim if ``HeapTrim(every_s).maybe()`` trimmed; at the end."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {"PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", HOLES, str(every_s)], env=environ, capture_output=True, text=True,
+                         timeout=60, check=True)
+    before, trimmed, end = out.stdout.split()
+    return float(before), None if trimmed == "None" else float(trimmed), float(end)
+
+
+def test_a_due_trim_gives_the_heaps_free_pages_back() -> None:
+    before, trimmed, _ = heap_holes(every_s=0)
+    assert trimmed is not None, "malloc_trim gave nothing back from 32 MiB of holes"
+    assert before - trimmed > 24, f"RSS {before:.0f} -> {trimmed:.0f} MiB: the holes' pages stayed resident"
+
+
+def test_a_trim_not_yet_due_leaves_the_heap_alone() -> None:
+    before, trimmed, end = heap_holes(every_s=3600)
+    assert trimmed is None, "trimmed before it was due"
+    assert before - end < 4, f"RSS {before:.0f} -> {end:.0f} MiB without a trim"
