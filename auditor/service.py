@@ -45,11 +45,11 @@ class HeapTrim:
 
     glibc returns a heap's memory on its own only from the top; a block freed below a live one
     stays resident. The daemon's larger blocks (request bodies, span batches, big dicts' tables)
-    come and go in every round, so that free space grows with the run even where the memory in
-    use does not: about half a MiB a minute at 100 requests/s, past the correlator's horizon
-    (docs/footprint.md, thirty-third pass). malloc_trim also gives back whole free pages in the
-    middle of each arena (madvise), which no allocation setting does. ``maybe()`` is cheap to call
-    every round; it trims at most once every ``every_s`` seconds. A no-op off glibc."""
+    come and go in every round, and glibc holds 2-8 MiB of such free space at 100 requests/s.
+    malloc_trim gives back the whole free pages in the middle of each arena too (madvise), which
+    no allocation setting does: 2-3 MiB less RSS at the correlator's horizon, for about 0.05 ms a
+    call (docs/footprint.md, thirty-third pass). ``maybe()`` is cheap to call every round; it
+    trims at most once every ``every_s`` seconds. A no-op off glibc."""
 
     def __init__(self, every_s: float = HEAP_TRIM_S) -> None:
         self.every_s = every_s
