@@ -47,9 +47,10 @@ class HeapTrim:
     stays resident. The daemon's larger blocks (request bodies, span batches, big dicts' tables)
     come and go in every round, and glibc holds 2-8 MiB of such free space at 100 requests/s.
     malloc_trim gives back the whole free pages in the middle of each arena too (madvise), which
-    no allocation setting does: 2-3 MiB less RSS at the correlator's horizon; a call took 0.05 ms
-    on 32 MiB of holes (docs/footprint.md, thirty-third pass). ``maybe()`` is cheap to call every round; it
-    trims at most once every ``every_s`` seconds. A no-op off glibc."""
+    no allocation setting does: 2-3 MiB less RSS at the correlator's horizon, for about 1 ms of
+    CPU a trim at that size (bench/heap_trim.py; docs/footprint.md, thirty-third pass).
+    ``maybe()`` is cheap to call every round; it trims at most once every ``every_s`` seconds.
+    A no-op off glibc."""
 
     def __init__(self, every_s: float = HEAP_TRIM_S) -> None:
         self.every_s = every_s
