@@ -30,6 +30,7 @@ from opentelemetry.trace import SpanKind
 
 from auditor.semconv import (
     GENAI_OPERATION,
+    MAX_DATAGRAM,
     PEER_ADDR_KEYS,
     PEER_PORT_KEYS,
     SERVER_PORT_KEYS,
@@ -40,7 +41,6 @@ from auditor.semconv import (
 log = logging.getLogger(__name__)
 _ENGINE_SPANS = EngineSpans()
 
-MAX_DATAGRAM = 1024
 DEFAULT_ADDRESS = ("127.0.0.1", 4319)
 
 

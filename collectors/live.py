@@ -12,8 +12,8 @@ import socket
 import threading
 from typing import Any
 
-from auditor.live import MAX_DATAGRAM
 from auditor.model import LiveEvent
+from auditor.semconv import MAX_DATAGRAM
 
 
 def parse_datagram(data: bytes) -> LiveEvent | None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -134,6 +133,14 @@ class ProcessUtilization:
         return rows
 
 
+def _median(values: list[int]) -> float:
+    """The median of a few integers (``statistics.median``'s answer, without the daemon importing
+    ``statistics``, whose ``fractions`` and ``decimal`` cost it 0.7 MiB of RSS)."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return float(ordered[middle]) if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 @dataclass
 class _Gpu:
     index: int
@@ -168,7 +175,7 @@ class _Gpu:
             self.updates = [*self.updates[-(PERIOD_WINDOW - 1):], stamp_us - self.last_seen_us]
             if len(self.updates) >= PERIOD_MIN_GAPS:
                 shortest = min(self.updates)
-                self.period_us = float(statistics.median([g for g in self.updates if g < 1.5 * shortest]))
+                self.period_us = _median([g for g in self.updates if g < 1.5 * shortest])
         self.last_seen_us = stamp_us
 
     def reading_due(self, now_us: int, longest_period_us: float) -> bool:
