@@ -17,11 +17,14 @@ tree (fresh daemons each run, same engines), and the medians are printed side by
 ``--alarms N`` as well, each of those daemons first takes N alarms, pooled by tree.
 With ``--live-load`` the load's engine also sends live notices (auditor.live), as a server
 instrumented with them does. ``--memory-probe`` has each daemon say where its memory is, once a
-minute (bench/memprobe: RSS, Python's object arenas, glibc's heap, SQLite's part of it).
+minute (bench/memprobe: RSS, Python's object arenas, glibc's heap, SQLite's part of it);
+``--memory-trace`` (one tree) has the daemon run tracemalloc and prints the Python allocations grown
+from the second minute on, by the line that made them (it slows the daemon: not for CPU figures).
 
 Usage: .venv/bin/python bench/detection.py [--alarms 15] [--load-seconds 20] [--rate 100] [--cancel-every 10]
                                            [--compare REV --rounds 3] [--profile stacks.txt]
                                            [--live-load] [--otlp grpc] [--export-delay-ms 5000] [--memory-probe]
+                                           [--memory-trace]
 """
 
 from __future__ import annotations
@@ -260,10 +263,12 @@ def load_engine_env(export_delay_ms: int | None) -> dict[str, str] | None:
 @contextlib.contextmanager
 def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_port: int, live: int,
                    protocol: str = "http", source: str = "bpf",
-                   memory_probe: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+                   memory_probe: Path | None = None,
+                   memory_trace: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """``auditor run`` from the code in ``tree``, until it answers /metrics; its OTLP receiver on
     ``otlp`` speaks ``protocol`` (the other one is off). With ``memory_probe``, the daemon writes
-    where its memory is to that file each minute (bench/memprobe)."""
+    where its memory is to that file each minute (bench/memprobe); with ``memory_trace``, its
+    Python allocations by line (tracemalloc)."""
     receivers = ["--otlp-http", f"127.0.0.1:{otlp}", "--otlp-grpc", ""] if protocol == "http" else \
         ["--otlp-http", "", "--otlp-grpc", f"127.0.0.1:{otlp}"]
     command = [sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{db}", *receivers,
@@ -274,9 +279,12 @@ def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_po
     # cwd too: `python -m` puts the working directory first on the path, before PYTHONPATH.
     paths = [str(tree), os.environ.get("PYTHONPATH")]
     env = dict(os.environ)
-    if memory_probe is not None:
+    if memory_probe is not None or memory_trace is not None:
         paths.append(str(MEMPROBE))
+    if memory_probe is not None:
         env["BENCH_MEMPROBE"] = str(memory_probe)
+    if memory_trace is not None:
+        env["BENCH_MEMTRACE"] = str(memory_trace)
     daemon = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tree,
                               env=dict(env, PYTHONPATH=os.pathsep.join(filter(None, paths))))
     try:
@@ -462,7 +470,8 @@ def print_load(load: dict[str, Any], args: argparse.Namespace) -> None:
 
 def print_memory(probes: dict[str, Path], columns: int = 7) -> None:
     """The memory probe's readings (MiB) at up to ``columns`` moments of each daemon's load."""
-    parts = (("rss", "RSS"), ("pymalloc", "Python's object arenas"), ("heap_used", "glibc heap in use"),
+    parts = (("rss", "RSS"), ("pymalloc", "Python's object arenas"), ("pymalloc_live", "  of them, in live objects"),
+             ("heap_used", "glibc heap in use"),
              ("heap_free", "glibc heap free, held"), ("sqlite", "  of the heap, SQLite's"),
              ("anon", "anonymous"), ("file", "file-backed"))
     for label, path in probes.items():
@@ -477,6 +486,23 @@ def print_memory(probes: dict[str, Path], columns: int = 7) -> None:
         print(f"  {'':<26}" + "".join(f"{row['s'] / per:>7.0f}" for row in at))
         for key, name in parts:
             print(f"  {name:<26}" + "".join("      -" if row.get(key) is None else f"{row[key]:>7.1f}" for row in at))
+
+
+def print_memory_trace(path: Path, tree: Path, top: int = 20) -> None:
+    """The daemon's Python allocations at its last tracemalloc reading: in all, grown since the
+    base reading, and the lines that grew most and that hold most."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if not rows:
+        print("\nPython allocations (tracemalloc): no readings (a load shorter than the base moment?)")
+        return
+    print(f"\nPython allocations (tracemalloc), MiB held / grown since {rows[0]['base_s']:.0f} s, by reading: "
+          + ", ".join(f"{row['s']} s {row['held'] / 2**20:.1f} / {row['grown'] / 2**20:+.1f}" for row in rows))
+    print(f"  grown most by {rows[-1]['s']} s (KiB, objects; KiB held):")
+    for where, grown, count, held in rows[-1]["top"][:top]:
+        print(f"  {grown / 1024:>9.0f} {count:>8} {held / 1024:>9.0f}  {where.replace(str(tree) + '/', '')}")
+    print(f"  held most at {rows[-1]['s']} s (KiB, objects):")
+    for where, held, count in rows[-1]["held_top"][:top]:
+        print(f"  {held / 1024:>9.0f} {count:>8}  {where.replace(str(tree) + '/', '')}")
 
 
 def print_latencies(latencies: dict[str, list[float]], count: int) -> None:
@@ -575,6 +601,9 @@ def main() -> int:
     parser.add_argument("--memory-probe", action="store_true",
                         help="the daemon says where its memory is each minute (RSS, Python's arenas, glibc's heap, "
                              "SQLite), printed as a table at the end (bench/memprobe)")
+    parser.add_argument("--memory-trace", action="store_true",
+                        help="the daemon runs tracemalloc; its Python allocations grown from the second minute "
+                             "on, by line, printed at the end (slows it: not for CPU figures; one tree only)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the database and the load engine's truth log when a verdict disagrees "
                              "with the truth log (their folder is printed)")
@@ -583,6 +612,8 @@ def main() -> int:
         args.alarms = 0 if args.compare else 15
     if args.cancel_every < 1:
         parser.error("--cancel-every must be 1 or more")
+    if args.memory_trace and args.compare:
+        parser.error("--memory-trace runs one tree: leave out --compare")
     if os.geteuid() != 0 and args.source == "bpf":
         print("needs root (eBPF probe); --source procfs runs without it")
         return 2
@@ -608,7 +639,9 @@ def main() -> int:
         if not args.compare:
             db = work / "auditor.db"
             probe = work / "memprobe.jsonl" if args.memory_probe else None
-            with running_daemon(here, db, ports, otlp, metrics_port, live, args.otlp, args.source, probe) as daemon:
+            trace = work / "memtrace.jsonl" if args.memory_trace else None
+            with running_daemon(here, db, ports, otlp, metrics_port, live, args.otlp, args.source, probe,
+                                trace) as daemon:
                 latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
                 load = measure_load(daemon, db, busy_engine.port, args, metrics_port)
                 judged = judge_settled(db, busy_engine, args, load["client_left"])
@@ -617,6 +650,8 @@ def main() -> int:
             print_judged(judged)
             if probe is not None:
                 print_memory({"working tree": probe})
+            if trace is not None:
+                print_memory_trace(trace, here)
             if args.keep and (judged["wrong"] or judged["false"] or judged["missed"]):
                 atexit.unregister(shutil.rmtree)
                 print(f"  kept: {work}")

@@ -4,10 +4,17 @@ Python runs this module at start-up when bench/memprobe is on PYTHONPATH. With
 BENCH_MEMPROBE=<file> set, a thread appends one JSON line to <file> every
 BENCH_MEMPROBE_S seconds (default 60), in MiB: the process's RSS and its anonymous and
 file-backed parts (/proc/self/smaps_rollup); Python's object arenas (pymalloc's own statistics,
-mapped apart from malloc); glibc's heap, in use and free but held (mallinfo2, over all its
+mapped apart from malloc) and the part of them in live objects (the rest is free space an arena
+keeps until all of it is free); glibc's heap, in use and free but held (mallinfo2, over all its
 arenas), of which SQLite's allocations are a part (sqlite3_memory_used). Free heap memory counts
 in RSS only where its pages are still resident: malloc_trim gives them back without changing
-what mallinfo2 calls free. Anything else leaves the process alone.
+what mallinfo2 calls free.
+
+With BENCH_MEMTRACE=<file> (bench/detection.py --memory-trace), tracemalloc runs from start-up and
+a thread appends, every BENCH_MEMPROBE_S seconds from BENCH_MEMTRACE_BASE_S (default 120) on, the
+Python allocations still held and those grown since that moment, by the line that made them. It
+slows every allocation and adds its own memory: read its lines, not the RSS beside them. Anything
+else leaves the process alone.
 """
 
 import os
@@ -43,7 +50,9 @@ if os.environ.get("BENCH_MEMPROBE"):
         used.restype = ctypes.c_int64
         return used
 
-    def _pymalloc_arenas() -> int | None:
+    def _pymalloc() -> tuple[int | None, int | None]:
+        """pymalloc's arenas and, of them, the bytes in objects alive (the rest: free blocks and
+        pools, which an arena gives back only once all of it is free)."""
         read, write = os.pipe()
         saved = os.dup(2)
         os.dup2(write, 2)  # sys._debugmallocstats writes to the C stderr
@@ -57,8 +66,11 @@ if os.environ.get("BENCH_MEMPROBE"):
         while chunk := os.read(read, 1 << 16):
             chunks.append(chunk)
         os.close(read)
-        found = re.search(rb"\d+ arenas \* \d+ bytes/arena\s+=\s+([\d,']+)", b"".join(chunks))
-        return int(re.sub(rb"\D", b"", found.group(1))) if found else None
+        text = b"".join(chunks)
+        found = [re.search(pattern, text) for pattern in (rb"\d+ arenas \* \d+ bytes/arena\s+=\s+([\d,']+)",
+                                                          rb"# bytes in allocated blocks\s+=\s+([\d,']+)")]
+        arenas, blocks = (int(re.sub(rb"\D", b"", f.group(1))) if f else None for f in found)
+        return arenas, blocks
 
     def _probe(path: str, every_s: float) -> None:
         mallinfo, sqlite_used, started = _mallinfo(), _sqlite_used(), time.monotonic()
@@ -71,11 +83,12 @@ if os.environ.get("BENCH_MEMPROBE"):
                         parts = line.split()
                         if len(parts) == 3 and parts[0].endswith(":"):
                             rollup[parts[0][:-1]] = int(parts[1]) * 1024
-                heap, arenas, sqlite = mallinfo(), _pymalloc_arenas(), sqlite_used()
+                heap, (arenas, blocks), sqlite = mallinfo(), _pymalloc(), sqlite_used()
                 row = {"s": round(time.monotonic() - started), "rss": rollup.get("Rss", 0) / MIB,
                        "anon": rollup.get("Anonymous", 0) / MIB,
                        "file": (rollup.get("Rss", 0) - rollup.get("Anonymous", 0)) / MIB,
                        "pymalloc": None if arenas is None else arenas / MIB,
+                       "pymalloc_live": None if blocks is None else blocks / MIB,
                        "heap_used": None if heap is None else (heap.uordblks + heap.hblkhd) / MIB,
                        "heap_free": None if heap is None else heap.fordblks / MIB,
                        "sqlite": None if sqlite is None else sqlite / MIB}
@@ -85,3 +98,36 @@ if os.environ.get("BENCH_MEMPROBE"):
     threading.Thread(target=_probe, args=(os.environ["BENCH_MEMPROBE"],
                                           float(os.environ.get("BENCH_MEMPROBE_S", "60"))),
                      daemon=True, name="memprobe").start()
+
+if os.environ.get("BENCH_MEMTRACE"):
+    import json
+    import threading
+    import time
+    import tracemalloc
+
+    def _trace(path: str, base_s: float, every_s: float, top: int) -> None:
+        """Python's allocations still held, by the line that made them, grown since ``base_s``."""
+        started = time.monotonic()
+        time.sleep(base_s)
+        keep = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
+        base = tracemalloc.take_snapshot().filter_traces(keep)
+        with open(path, "a") as out:
+            while True:
+                time.sleep(every_s)
+                now = tracemalloc.take_snapshot().filter_traces(keep)
+                stats = now.compare_to(base, "lineno")
+                out.write(json.dumps({
+                    "s": round(time.monotonic() - started), "base_s": base_s,
+                    "held": sum(stat.size for stat in stats), "grown": sum(stat.size_diff for stat in stats),
+                    "top": [[f"{stat.traceback[0].filename}:{stat.traceback[0].lineno}", stat.size_diff,
+                             stat.count_diff, stat.size] for stat in stats[:top]],
+                    "held_top": [[f"{stat.traceback[0].filename}:{stat.traceback[0].lineno}", stat.size, stat.count]
+                                 for stat in sorted(stats, key=lambda stat: -stat.size)[:top]]}) + "\n")
+                out.flush()
+                del now, stats
+
+    tracemalloc.start(1)
+    threading.Thread(target=_trace, args=(os.environ["BENCH_MEMTRACE"],
+                                          float(os.environ.get("BENCH_MEMTRACE_BASE_S", "120")),
+                                          float(os.environ.get("BENCH_MEMPROBE_S", "60")), 40),
+                     daemon=True, name="memtrace").start()
