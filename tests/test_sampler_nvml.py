@@ -935,3 +935,21 @@ def test_a_driver_that_refuses_the_one_call_gets_the_wrapper_and_loses_no_readin
     assert sorted(s.pid for s in samples if s.pid is not None and s.util_percent is not None) == [3000, 3001]
     assert len(raw.raw_calls) == 1  # the wrapper from then on
     assert sampler.health() == "ok"
+
+
+def test_nvml_period_is_the_median_of_the_one_period_gaps() -> None:
+    """Gaps of one period give it, their median (two middle ones averaged when even); an idle spell
+    of several periods is left out; fewer than three gaps give none."""
+    from collectors.nvml import _Gpu
+
+    gpu = _Gpu(index=0)
+    stamp = 1_000_000
+    gpu.note_update(stamp)
+    for gap in (200_000, 1_000_000):
+        stamp += gap
+        gpu.note_update(stamp)
+    assert gpu.period_us is None  # two gaps
+    for gap, period in ((210_000, 205_000.0), (190_000, 200_000.0), (205_000, 202_500.0)):
+        stamp += gap
+        gpu.note_update(stamp)
+        assert gpu.period_us == period
