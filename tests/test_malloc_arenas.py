@@ -67,38 +67,14 @@ def test_an_arena_count_the_user_set_is_left_alone() -> None:
     assert MALLOC_ARENAS < count <= 4
 
 
-# Blocks below glibc's mmap threshold come from the heap; every other one freed leaves holes
-# below live blocks, which glibc keeps resident until malloc_trim gives their pages back.
-HOLES = """
-import ctypes, sys
-from auditor.service import HeapTrim
-
-def rss_mib():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-
-libc = ctypes.CDLL(None)
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
-libc.free.argtypes = (ctypes.c_void_p,)
-blocks = [libc.malloc(64 * 1024) for _ in range(1024)]
-for block in blocks:
-    ctypes.memset(block, 1, 64 * 1024)  # resident
-for block in blocks[::2]:
-    libc.free(block)
-before = rss_mib()
-trim = HeapTrim(every_s=float(sys.argv[1]))
-print(before, rss_mib() if trim.maybe() else None, rss_mib())
-"""
-
-
 def heap_holes(every_s: float) -> tuple[float, float | None, float]:
-    """RSS in MiB with the holes made; after a trim if ``HeapTrim(every_s).maybe()`` trimmed; at the end."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {"PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", HOLES, str(every_s)], env=environ, capture_output=True, text=True,
-                         timeout=60, check=True)
-    before, trimmed, end = out.stdout.split()
-    return float(before), None if trimmed == "None" else float(trimmed), float(end)
+    """RSS in MiB of a process with 32 MiB of holes in its heap (bench/heap_trim.py's, which says
+    how); after a trim if ``HeapTrim(every_s).maybe()`` trimmed; at the end."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from heap_trim import heap_holes as run
+
+    got = run(holes_mib=32, block_kib=64, every_s=every_s)
+    return got["before"], got["trimmed"], got["end"]
 
 
 def test_a_due_trim_gives_the_heaps_free_pages_back() -> None:
