@@ -15,7 +15,8 @@ PEER_ADDR_KEYS = ("network.peer.address", "net.sock.peer.addr", "client.address"
 PEER_PORT_KEYS = ("network.peer.port", "net.sock.peer.port", "client.port", "net.peer.port")
 SERVER_PORT_KEYS = ("server.port", "net.host.port")
 # A live notice's largest datagram (``auditor.live`` writes them, ``collectors.live`` reads them);
-# here so the daemon's receiver does not import the sender's OpenTelemetry SDK (1.6 MiB of RSS).
+# here so the daemon's receiver does not import the sender's OpenTelemetry SDK (docs/footprint.md,
+# thirty-fourth pass).
 MAX_DATAGRAM = 1024
 # Engine work spans by name: vLLM's ``llm_request``. More names come from configuration
 # (``[spans] engine_names``); the GenAI semantic conventions are recognised by their operation.

@@ -7,8 +7,9 @@ grpcio (about 11 MiB and seven threads) is not imported even with the OTLP/gRPC 
 the unit runs it: the receiver speaks HTTP/2 itself (collectors.http2; tests/test_http2.py checks
 that it loads no HTTP/2 library but hpack).
 
-Nor the OpenTelemetry SDK, which the live-notice sender (auditor.live) runs in servers (1.6 MiB
-with what it imports), nor ``statistics`` (``fractions`` and ``decimal``: 0.7 MiB).
+Nor the OpenTelemetry SDK, which the live-notice sender (auditor.live) runs in servers, nor
+``statistics`` (``fractions`` and ``decimal``): the two together were about 2 MiB of the idle
+daemon's RSS (bench/footprint.py; docs/footprint.md, thirty-fourth pass).
 
 The daemon runs in a fresh interpreter (the test process has imported everything): the /proc
 source, the reference engine exporting its spans over OTLP/HTTP or OTLP/gRPC, one request
