@@ -15,6 +15,9 @@ engine over loopback, as root (eBPF):
 With ``--compare REV`` the load runs alternately for the code of git revision REV and the working
 tree (fresh daemons each run, same engines), and the medians are printed side by side; with
 ``--alarms N`` as well, each of those daemons first takes N alarms, pooled by tree.
+Each load request has a connection of its own (every request ends in a close: the daemon's worst
+case); with ``--keep-alive`` they share kept-alive connections as an SDK's pool does, and only a
+cancel (or the server's idle timeout) closes one.
 With ``--live-load`` the load's engine also sends live notices (auditor.live), as a server
 instrumented with them does. ``--memory-probe`` has each daemon say where its memory is, once a
 minute (bench/memprobe: RSS, Python's object arenas, glibc's heap, SQLite's part of it);
@@ -24,7 +27,7 @@ from the second minute on, by the line that made them (it slows the daemon: not 
 Usage: .venv/bin/python bench/detection.py [--alarms 15] [--load-seconds 20] [--rate 100] [--cancel-every 10]
                                            [--compare REV --rounds 3] [--profile stacks.txt]
                                            [--live-load] [--otlp grpc] [--export-delay-ms 5000] [--memory-probe]
-                                           [--memory-trace]
+                                           [--memory-trace] [--keep-alive]
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from auditor.config import ProbeConfig
-from replay.client import RequestPlan, run_load
+from replay.client import KeptConnections, RequestPlan, run_load
 from replay.engine.launch import running_engine
 from replay.engine.truth import expected_verdict
 
@@ -222,9 +225,12 @@ def measure_alarms(db: Path, engine_port: int, metrics_port: int, count: int) ->
             "settled zombie: store": settle_store, "settled zombie: /metrics": settle_metrics}
 
 
-async def paced_load(port: int, rate: float, seconds: float, cancel_every: int) -> tuple[int, float, dict[str, int]]:
-    """Send the load; returns how many requests, the rate achieved, and the requests whose client
-    left before it had read the whole answer, with when it cancelled (wall-clock ns)."""
+async def paced_load(port: int, rate: float, seconds: float, cancel_every: int,
+                     keep_alive: bool = False) -> tuple[int, float, dict[str, int], str]:
+    """Send the load; returns how many requests, the rate achieved, the requests whose client
+    left before it had read the whole answer, with when it cancelled (wall-clock ns), and how the
+    connections went. ``keep_alive``: the requests share kept-alive connections, as an SDK's pool
+    does (a cancel closes the connection under its request); else one connection a request."""
     plans = []
     total = int(rate * seconds)
     for index in range(total):
@@ -233,9 +239,10 @@ async def paced_load(port: int, rate: float, seconds: float, cancel_every: int) 
                                  body={"model": "ref-llm-1b", "prompt": "a b", "max_tokens": 4, "stream": index % 2 == 0},
                                  cancel_after_s=0.005 if cancelled else None, close_with="rst" if index % 4 else "fin"))
     left: dict[str, int] = {}
+    pool = KeptConnections() if keep_alive else None
 
     async def send(plan: RequestPlan) -> None:
-        for outcome in await run_load("127.0.0.1", port, [plan], concurrency=1):
+        for outcome in await run_load("127.0.0.1", port, [plan], concurrency=1, connections=pool):
             if outcome.cancelled_at_ns is not None and not outcome.completed:
                 left[plan.request_id] = outcome.cancelled_at_ns
 
@@ -250,7 +257,11 @@ async def paced_load(port: int, rate: float, seconds: float, cancel_every: int) 
         running.add(task)
         task.add_done_callback(running.discard)
     await asyncio.gather(*running)
-    return total, total / (time.monotonic() - started), left
+    achieved = total / (time.monotonic() - started)
+    if pool is None:
+        return total, achieved, left, "a connection a request"
+    await pool.close()
+    return total, achieved, left, f"kept alive: {pool.opened} connections, {pool.reused} requests on one used before"
 
 
 def load_engine_env(export_delay_ms: int | None) -> dict[str, str] | None:
@@ -323,7 +334,8 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
 
     watcher = threading.Thread(target=watch_rss, daemon=True)
     watcher.start()
-    sent, achieved, client_left = asyncio.run(paced_load(port, args.rate, args.load_seconds, cancel_every=args.cancel_every))
+    sent, achieved, client_left, connections = asyncio.run(paced_load(
+        port, args.rate, args.load_seconds, cancel_every=args.cancel_every, keep_alive=args.keep_alive))
     done.set()
     cpu = proc_cpu_seconds(daemon.pid) - cpu_before
     threads = {tid: (spent - threads_before.get(tid, (0.0, 0))[0], woke - threads_before.get(tid, (0.0, 0))[1])
@@ -352,7 +364,7 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
         by_name[name] = by_name.get(name, 0.0) + spent / wall * 100
         wakeups[name] = wakeups.get(name, 0.0) + woke / wall
     by_name["(unattributed)"] = max(0.0, (cpu - sum(spent for spent, _ in threads.values())) / wall * 100)
-    return {"sent": sent, "achieved": achieved, "cpu": cpu, "wall": wall, "cpu_percent": cpu / wall * 100,
+    return {"sent": sent, "achieved": achieved, "connections": connections, "cpu": cpu, "wall": wall, "cpu_percent": cpu / wall * 100,
             "rss": rss, "peak": peak, "rss_series": rss_series, "spans": spans, "verdicts": verdicts, "threads": by_name,
             "wakeups": wakeups, "client_left": client_left, "steps": steps,
             "rounds": rounds, "per_round": per_round, "spans_taken": spans_taken, "span_us": span_us}
@@ -451,6 +463,7 @@ def print_load(load: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"\nDaemon under load ({load['sent']} requests, {load['achieved']:.0f} req/s achieved of {args.rate:.0f} "
           f"asked, {cancelled_share(args)} cancelled, spans over OTLP/{'HTTP' if args.otlp == 'http' else 'gRPC'} every "
           f"{args.export_delay_ms or 200} ms, disconnects from {args.source})")
+    print(f"  connections     {load['connections']}")
     print(f"  daemon CPU      {load['cpu_percent']:6.1f} % of one core ({load['cpu']:.2f} CPU-s over {load['wall']:.1f} s)")
     print(f"  daemon RSS      {load['rss']:6.1f} MiB now, {load['peak']:.1f} MiB peak; every 10 s: "
           + ", ".join(f"{mib:.0f}" for mib in load["rss_series"]))
@@ -547,7 +560,9 @@ def cancelled_share(args: argparse.Namespace) -> str:
 
 def print_comparison(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
     labels = list(results)
-    print(f"\nDaemon at {args.rate:.0f} req/s ({cancelled_share(args)} cancelled), median of {len(results[labels[0]])} alternating runs")
+    print(f"\nDaemon at {args.rate:.0f} req/s ({cancelled_share(args)} cancelled, "
+          f"{'kept-alive connections' if args.keep_alive else 'a connection a request'}), "
+          f"median of {len(results[labels[0]])} alternating runs")
     print(f"  {'':<30}" + "".join(f"{label:>16}" for label in labels))
     rows: list[tuple[str, Callable[[dict[str, Any]], float], str]] = [
         ("CPU, % of one core", lambda r: r["cpu_percent"], "{:.2f}"), ("RSS, MiB", lambda r: r["rss"], "{:.1f}"),
@@ -583,6 +598,10 @@ def main() -> int:
     parser.add_argument("--compare", metavar="REV", help="also load a daemon of git revision REV's code, "
                         "alternating with the working tree's (latency only with --alarms)")
     parser.add_argument("--rounds", type=int, default=3, help="load runs of each tree with --compare")
+    parser.add_argument("--keep-alive", action="store_true",
+                        help="the load's requests share kept-alive connections, as an SDK's pool does (the openai "
+                             "SDK's httpx): a cancel closes its connection, a completed request leaves it open for "
+                             "the next; without it, a connection a request (every request a close: the worst case)")
     parser.add_argument("--live-load", action="store_true", help="the load's engine sends live notices too")
     parser.add_argument("--otlp", choices=("http", "grpc"), default="http",
                         help="how the engines export their spans, and the daemon's receiver (vLLM's "

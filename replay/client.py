@@ -5,6 +5,9 @@ starts when the request has been fully written (T2), so a delay of 0 means "send
 leave at once", and the same delay hits the same point of a request's life whatever the load. A
 cancelled request closes with FIN (a browser tab, AIPerf) or RST (a proxy timeout). Every request
 carries ``X-Request-Id`` and a W3C ``traceparent`` so the auditor's verdicts join to it exactly.
+Each request has a connection of its own (``Connection: close``) unless the load keeps them alive
+(``KeptConnections``), as an SDK's pool does: then a request reuses a connection that earlier
+ones completed on, and a cancel closes that connection under it.
 
 h11 frames the HTTP/1.1 exchange over raw asyncio streams: the socket stays ours, because the point
 is control over when and how it ends (FIN after draining, or RST, at an exact time after T2).
@@ -15,6 +18,7 @@ an error, never a completion.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import secrets
@@ -87,12 +91,53 @@ def plan_load(spec: LoadSpec) -> list[RequestPlan]:
 FIN_DRAIN_S = 2.0
 
 
-def _request_bytes(connection: h11.Connection, plan: RequestPlan, host: str) -> bytes:
+class KeptConnections:
+    """HTTP/1.1 keep-alive, the way an SDK's connection pool does it (httpx under the openai SDK):
+    a request takes the connection that went idle last, or opens one, and gives it back once it
+    has read its whole answer. A cancelled request's connection is closed (FIN or RST, as planned)
+    and never reused; so is one the server closed while it was idle (its keep-alive timeout),
+    found at the next take. ``close()`` ends the idle ones with the client's FIN."""
+
+    def __init__(self) -> None:
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, h11.Connection]] = []
+        self.opened = 0  # connections opened
+        self.reused = 0  # requests sent on a connection an earlier request completed on
+
+    async def take(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, h11.Connection, bool]:
+        """A connection for the next request, and whether an earlier request completed on it."""
+        while self._idle:
+            reader, writer, connection = self._idle.pop()
+            if reader.at_eof() or writer.is_closing():  # the server closed it while it was idle
+                writer.close()
+                continue
+            self.reused += 1
+            return reader, writer, connection, True
+        reader, writer = await asyncio.open_connection(host, port)
+        self.opened += 1
+        return reader, writer, h11.Connection(h11.CLIENT), False
+
+    def give_back(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, connection: h11.Connection) -> None:
+        if connection.our_state is h11.DONE and connection.their_state is h11.DONE:
+            connection.start_next_cycle()
+            self._idle.append((reader, writer, connection))
+        else:  # the server asked to close, or the exchange did not end cleanly
+            writer.close()
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for _, writer, _ in idle:
+            writer.close()
+        for _, writer, _ in idle:
+            with contextlib.suppress(OSError):  # the server's reset of it, say
+                await writer.wait_closed()
+
+
+def _request_bytes(connection: h11.Connection, plan: RequestPlan, host: str, *, keep_alive: bool = False) -> bytes:
     data = json.dumps(plan.body).encode()
     headers = [("Host", host), ("Content-Type", "application/json"), ("Accept", "text/event-stream"),
                ("X-Request-Id", plan.request_id),
                ("traceparent", f"00-{plan.trace_id}-{secrets.token_hex(8)}-01"),
-               ("Content-Length", str(len(data))), ("Connection", "close")]
+               ("Content-Length", str(len(data)))] + ([] if keep_alive else [("Connection", "close")])
     return b"".join(connection.send(event) or b"" for event in (
         h11.Request(method="POST", target=plan.path, headers=headers), h11.Data(data=data), h11.EndOfMessage()))
 
@@ -114,16 +159,33 @@ async def _abort(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, clo
     writer.close()
 
 
-async def _run_one(host: str, port: int, plan: RequestPlan, timeout_s: float | None) -> RequestOutcome:
+async def _run_one(host: str, port: int, plan: RequestPlan, timeout_s: float | None,
+                   connections: KeptConnections | None = None) -> RequestOutcome:
+    outcome, stale = await _exchange(host, port, plan, timeout_s, connections, reuse=True)
+    if stale:  # a kept connection the server closed as the request went out: once more, on a new one
+        outcome, _ = await _exchange(host, port, plan, timeout_s, connections, reuse=False)
+    return outcome
+
+
+async def _exchange(host: str, port: int, plan: RequestPlan, timeout_s: float | None,
+                    connections: KeptConnections | None, *, reuse: bool) -> tuple[RequestOutcome, bool]:
+    """One try; and whether it went out on a kept connection that the server had closed (nothing
+    came back, no timer fired), as an SDK retries once."""
     outcome = RequestOutcome(plan)
+    reused = timed_out = False
     try:
-        reader, writer = await asyncio.open_connection(host, port)
+        if connections is not None and reuse:
+            reader, writer, connection, reused = await connections.take(host, port)
+        else:
+            reader, writer = await asyncio.open_connection(host, port)
+            connection = h11.Connection(h11.CLIENT)
+            if connections is not None:
+                connections.opened += 1
     except OSError as exc:
         outcome.error = f"connect: {exc.strerror or exc}"
-        return outcome
-    connection = h11.Connection(h11.CLIENT)
+        return outcome, False
     try:
-        writer.write(_request_bytes(connection, plan, f"{host}:{port}"))
+        writer.write(_request_bytes(connection, plan, f"{host}:{port}", keep_alive=connections is not None))
         await writer.drain()
         outcome.sent_at_ns = time.time_ns()  # T2: every timer starts here
         read = asyncio.ensure_future(_read_response(reader, connection, outcome))
@@ -134,19 +196,24 @@ async def _run_one(host: str, port: int, plan: RequestPlan, timeout_s: float | N
             await asyncio.wait({read})  # let it end: the drain below reads the same stream
             if plan.cancel_after_s is None:  # no answer within --request-timeout
                 outcome.error = f"timeout: no complete response after {timeout_s:g} s"
+                timed_out = True
             else:  # still waiting for the response when the timer fired: cancel
                 outcome.cancelled_at_ns = time.time_ns()
                 if outcome.status is not None and outcome.status >= 400:
                     outcome.error = f"HTTP {outcome.status} before the cancel"
                 await _abort(reader, writer, plan.close_with)
-                return outcome
+                return outcome, False
         else:
             read.result()
         outcome.completed = outcome.error is None
     except (OSError, h11.ProtocolError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
-    writer.close()
-    return outcome
+    stale = reused and outcome.status is None and not timed_out
+    if connections is not None and outcome.completed and not stale:
+        connections.give_back(reader, writer, connection)
+    else:
+        writer.close()
+    return outcome, stale
 
 
 async def _read_response(reader: asyncio.StreamReader, connection: h11.Connection,
@@ -172,11 +239,13 @@ async def _read_response(reader: asyncio.StreamReader, connection: h11.Connectio
 
 
 async def run_load(host: str, port: int, plans: list[RequestPlan], *, concurrency: int,
-                   timeout_s: float | None = None, on_done: Callable[[RequestOutcome], None] | None = None) -> list[RequestOutcome]:
+                   timeout_s: float | None = None, on_done: Callable[[RequestOutcome], None] | None = None,
+                   connections: KeptConnections | None = None) -> list[RequestOutcome]:
     """Send every plan with at most ``concurrency`` in flight, none before its ``start_at_s``;
     results in plan order. Plans start in ``start_at_s`` order, and only the requests in flight
     exist as tasks, so an hour of captured traffic costs the memory of ``concurrency`` requests.
-    ``timeout_s`` bounds a request that is not cancelled (None: no bound)."""
+    ``timeout_s`` bounds a request that is not cancelled (None: no bound). ``connections``: keep
+    connections alive in that pool (the caller closes it) instead of one a request."""
     gate = asyncio.Semaphore(concurrency)
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -185,7 +254,7 @@ async def run_load(host: str, port: int, plans: list[RequestPlan], *, concurrenc
 
     async def one(index: int, plan: RequestPlan) -> None:
         try:
-            results[index] = await _run_one(host, port, plan, timeout_s)
+            results[index] = await _run_one(host, port, plan, timeout_s, connections)
         except Exception as exc:  # a bug here costs one request, never the run
             results[index].error = f"{type(exc).__name__}: {exc}"
         finally:

@@ -30,7 +30,7 @@ from replay.capture import (
     write_capture,
 )
 from replay.capture import export_capture as export
-from replay.client import RequestOutcome, RequestPlan, run_load
+from replay.client import KeptConnections, RequestOutcome, RequestPlan, run_load
 from replay.engine.launch import running_engine
 from replay.run import ReplayOptions, plan_replay, resolve_baseline
 from tests.test_correlate import T0, S, engine_span, http_span
@@ -207,6 +207,63 @@ def test_load_keeps_start_times_and_the_concurrency_bound() -> None:
     assert [o.plan.request_id for o in outcomes] == ["r0", "r1", "r2", "r3", "r4"]  # plan order
     assert all(o.completed and o.status == 200 for o in outcomes), outcomes
     assert arrivals[-1] >= 0.3  # r0 waited for its start time, behind the others
+
+
+def test_kept_connections_are_reused_until_a_cancel_or_the_server_closes_them() -> None:
+    """As an SDK's pool: completed requests leave their connection for the next; a cancel closes
+    its connection under it (never reused); a connection the server closed while idle is found
+    closed at the next take; one it closes as a request arrives is retried once on a new one."""
+    async def scenario() -> tuple[list[tuple[int, str]], list[RequestOutcome], KeptConnections]:
+        served: list[tuple[int, str]] = []  # (connection number, request id) in arrival order
+        connections = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            connections += 1
+            number = connections
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])  # type: ignore[index]
+                    await reader.readexactly(length)
+                    request_id = re.search(rb"(?i)x-request-id: *(\S+)", head)[1].decode()  # type: ignore[index]
+                    served.append((number, request_id))
+                    assert b"connection: close" not in head.lower()
+                    if request_id == "dropped" and len([r for _, r in served if r == request_id]) == 1:
+                        break  # the server's idle timeout as the request arrives: its first try only
+                    await asyncio.sleep(0.5 if request_id == "cancelled" else 0.01)
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    await writer.drain()
+                    if request_id == "then-idle-close":
+                        break
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = KeptConnections()
+        outcomes = []
+        for index, (request_id, cancel) in enumerate([
+                ("first", None), ("second", None), ("cancelled", 0.05), ("third", None), ("then-idle-close", None),
+                ("after-idle-close", None), ("dropped", None)]):
+            plan = RequestPlan(request_id, f"{index + 1:032x}", {}, cancel_after_s=cancel, close_with="rst")
+            outcomes += await run_load("127.0.0.1", port, [plan], concurrency=1, connections=pool)
+            await asyncio.sleep(0.05)  # the server's close of an idle one arrives before the next take
+        await pool.close()
+        server.close()
+        return served, outcomes, pool
+
+    served, outcomes, pool = asyncio.run(scenario())
+    by_request = {request_id: number for number, request_id in served}
+    assert by_request["first"] == by_request["second"] == by_request["cancelled"]  # reused until the cancel
+    assert by_request["third"] == by_request["then-idle-close"] != by_request["cancelled"]  # a new one after it
+    assert by_request["after-idle-close"] != by_request["third"]  # the server's idle close was noticed
+    dropped = [number for number, request_id in served if request_id == "dropped"]
+    assert dropped == [by_request["after-idle-close"], dropped[1]] and dropped[1] > dropped[0]  # sent again, new one
+    assert [o.completed for o in outcomes] == [True, True, False, True, True, True, True], outcomes
+    assert outcomes[2].cancelled_at_ns is not None
+    assert pool.opened == 4 and pool.reused == 4  # second, cancelled, then-idle-close, dropped's first try
 
 
 def test_cancels_are_reproducible_by_seed() -> None:
