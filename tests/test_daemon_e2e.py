@@ -2,10 +2,12 @@
 
 Each behaviour runs the same scenarios: a request cancelled while queued, one cancelled during
 prefill, two cancelled mid-decode (streaming with FIN, non-streaming with RST), a completed
-request on a keep-alive connection that then goes idle and closes. The verdicts must match the
-engine's truth log: every cancelled request found, no false zombie, lag within 20 ms (with the
-/proc fallback: within its poll interval more). Both disconnect sources run: the eBPF probe (root)
-and the polling fallback, which needs no privilege, so CI without eBPF still runs it end to end.
+request on a keep-alive connection that then goes idle and closes, and a connection kept as an
+SDK's pool keeps it: two requests complete on it, then a third is left mid-decode. The verdicts
+must match the engine's truth log: every cancelled request found, no false zombie, lag within
+20 ms (with the /proc fallback: within its poll interval more). Both disconnect sources run: the
+eBPF probe (root) and the polling fallback, which needs no privilege, so CI without eBPF still
+runs it end to end.
 """
 
 from __future__ import annotations
@@ -72,14 +74,24 @@ def drive(port: int, tag: str) -> None:
         send_request(port, stream=True, max_tokens=3, request_id=f"{tag}-ka2", sock=sock)
         read_response(sock)
         time.sleep(0.2)
+    # Pooled, as an SDK keeps its connections: two complete requests, then a third left mid-decode
+    # on the same connection (a reset, as a client closing with the stream unread). The close is
+    # the third's alone: the first two ended before it, on the same 4-tuple.
+    with send_request(port, stream=True, max_tokens=3, request_id=f"{tag}-pool1") as sock:
+        read_response(sock)
+        send_request(port, stream=False, max_tokens=3, request_id=f"{tag}-pool2", sock=sock)
+        read_response(sock)
+        send_request(port, stream=True, max_tokens=120, request_id=f"{tag}-pool-left", sock=sock)
+        time.sleep(0.35)
+        disconnect(sock, "rst")
 
 
 def drive_and_judge(daemon: Any, engine: Any, behavior: str) -> tuple[set[str], list[dict[str, Any]], list[Any]]:
-    """Drive the four cancels of ``drive`` at a watched engine; (cancelled ids, truths of the
+    """Drive the five cancels of ``drive`` at a watched engine; (cancelled ids, truths of the
     requests whose client left, verdict rows) once the daemon has judged them."""
     daemon.set_ports({engine.port})
     drive(engine.port, behavior)
-    cancelled = {f"cmpl-{behavior}-{name}" for name in ("queued", "decode-fin", "decode-rst", "prefill")}
+    cancelled = {f"cmpl-{behavior}-{name}" for name in ("queued", "decode-fin", "decode-rst", "prefill", "pool-left")}
     # Behaviours that ignore the client finish their work later: wait for the engine's word.
     assert wait_for(lambda: cancelled <= {t["request_id"] for t in engine.truth()}, timeout_s=20)
     truths = [t for t in engine.truth() if t.get("disconnect_at")]
@@ -117,9 +129,11 @@ def test_verdicts_match_truth(tmp_path: Path, behavior: str, source: str) -> Non
         if row is not None and row.details.get("engine_span") and row.phase != truth["phase_at_disconnect"]:
             problems.append(f"{row.request_id}: phase {row.phase}, truth {truth['phase_at_disconnect']}")
     assert not problems, "\n".join(problems)
-    # The keep-alive requests completed and their connection closed idle: never a finding.
-    assert all(rows[rid].verdict == "completed" for rid in {f"{behavior}-ka1", f"{behavior}-ka2"} & set(rows))
-    assert {t["request_id"] for t in all_truth} >= {f"cmpl-{behavior}-ka1", f"cmpl-{behavior}-ka2"}
+    # The keep-alive requests completed, their connection closed idle or under a later request on
+    # it: never a finding.
+    kept = {f"{behavior}-{name}" for name in ("ka1", "ka2", "pool1", "pool2")}
+    assert all(rows[rid].verdict == "completed" for rid in kept & set(rows))
+    assert {t["request_id"] for t in all_truth} >= {f"cmpl-{rid}" for rid in kept}
 
 
 @pytest.mark.privileged
