@@ -103,9 +103,11 @@ class KeptConnections:
         self.opened = 0  # connections opened
         self.reused = 0  # requests sent on a connection an earlier request completed on
 
-    async def take(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, h11.Connection, bool]:
-        """A connection for the next request, and whether an earlier request completed on it."""
-        while self._idle:
+    async def take(self, host: str, port: int, *, fresh: bool = False
+                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, h11.Connection, bool]:
+        """A connection for the next request (``fresh``: a new one), and whether an earlier
+        request completed on it."""
+        while self._idle and not fresh:
             reader, writer, connection = self._idle.pop()
             if reader.at_eof() or writer.is_closing():  # the server closed it while it was idle
                 writer.close()
@@ -174,13 +176,11 @@ async def _exchange(host: str, port: int, plan: RequestPlan, timeout_s: float | 
     outcome = RequestOutcome(plan)
     reused = timed_out = False
     try:
-        if connections is not None and reuse:
-            reader, writer, connection, reused = await connections.take(host, port)
+        if connections is not None:
+            reader, writer, connection, reused = await connections.take(host, port, fresh=not reuse)
         else:
             reader, writer = await asyncio.open_connection(host, port)
             connection = h11.Connection(h11.CLIENT)
-            if connections is not None:
-                connections.opened += 1
     except OSError as exc:
         outcome.error = f"connect: {exc.strerror or exc}"
         return outcome, False
