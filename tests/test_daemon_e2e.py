@@ -52,6 +52,9 @@ def daemon_overrides(source: str, **extra: object) -> dict[str, object]:
     return {"probe.source": source, "probe.poll_hz": POLL_HZ, **extra}
 
 
+DRIVEN_REQUESTS = 11  # how many requests drive() sends
+
+
 def drive(port: int, tag: str) -> None:
     # Two blockers fill the batch; the third waits in the queue and is cancelled there.
     blockers = [complete(port, stream=True, max_tokens=40, request_id=f"{tag}-blocker{i}") for i in range(2)]

@@ -28,7 +28,7 @@ from tests.e2e import (
     verdict_rows,
     wait_for,
 )
-from tests.test_daemon_e2e import daemon_overrides, drive, mismatches
+from tests.test_daemon_e2e import DRIVEN_REQUESTS, daemon_overrides, drive, mismatches
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow]
 
@@ -54,7 +54,7 @@ def test_a_duplicate_server_span_counts_once_and_changes_no_verdict(tmp_path: Pa
                            extra_args=["--trace-aborted", "--duplicate-server-span"]) as engine:
         daemon.set_ports({engine.port})
         drive(engine.port, "dup")
-        assert wait_for(lambda: len(engine.truth()) >= 8, timeout_s=20)  # drive() sends 8
+        assert wait_for(lambda: len(engine.truth()) >= DRIVEN_REQUESTS, timeout_s=20)
         truths = [t for t in engine.truth() if t.get("disconnect_at")]
         assert wait_for(lambda: len(verdict_rows(daemon)) >= len(truths), timeout_s=15)
         everything = engine.truth()
