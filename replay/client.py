@@ -94,9 +94,10 @@ FIN_DRAIN_S = 2.0
 class KeptConnections:
     """HTTP/1.1 keep-alive, the way an SDK's connection pool does it (httpx under the openai SDK):
     a request takes an idle connection (here the one that went idle last; httpx takes the first
-    in its list) or opens one, and gives it back once it has read its whole answer. A cancelled request's connection is closed (FIN or RST, as planned)
-    and never reused; so is one the server closed while it was idle (its keep-alive timeout),
-    found at the next take. ``close()`` ends the idle ones with the client's FIN."""
+    in its list) or opens one, and gives it back once it has read its whole answer. A cancelled
+    request's connection is closed (FIN or RST, as planned) and never reused; so is one the
+    server closed while it was idle (its keep-alive timeout), found at the next take. ``close()``
+    ends the idle ones with the client's FIN."""
 
     def __init__(self) -> None:
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, h11.Connection]] = []
