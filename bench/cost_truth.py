@@ -11,9 +11,12 @@ step). The daemon sees the whole process's CPU, so it may read a little high.
 - ``queued``: one request at a time, no gauges: a zombie, and one queued behind it whose client
   left while it waited (charged only for its own run).
 
-Prints each zombie's charged / spent ratio per round, then min / median / max per zombie.
+Prints each zombie's charged / spent ratio per round, then min / median / max per zombie. With
+``--compare-setting KEY=VALUE`` each round also runs a daemon with that configuration setting (a
+TOML value, e.g. ``sampler.interval_ms=200``), and the two are printed side by side.
 
     python bench/cost_truth.py [--rounds 5] [--scenarios batched,queued] [--source bpf|procfs]
+                               [--compare-setting KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -44,8 +49,22 @@ def settled(daemon: Any, request_ids: set[str], timeout_s: float = 40) -> dict[s
     return {r.request_id: r for r in verdict_rows(daemon) if r.request_id in request_ids}
 
 
-def one_round(scenario: str, source: str, scratch: Path) -> dict[str, tuple[str, float, float]]:
-    """request id -> (verdict, charged CPU-s, spent CPU-s by the truth log)."""
+def setting(text: str) -> tuple[str, Any]:
+    """``section.key=value`` (value as TOML writes it) -> (dotted key, value); argparse's type."""
+    name, sep, value = text.partition("=")
+    if not (sep and "." in name and value.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected SECTION.KEY=VALUE, e.g. sampler.interval_ms=200")
+    try:
+        return name.strip(), tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {value.strip()!r} is no TOML value ({exc}); "
+                                         'a text needs quotes: key="text"') from None
+
+
+def one_round(scenario: str, source: str, scratch: Path,
+              compared: dict[str, Any] | None = None) -> dict[str, tuple[str, float, float]]:
+    """request id -> (verdict, charged CPU-s, spent CPU-s by the truth log); ``compared``: settings
+    of the daemon's configuration over the scenario's own."""
     settings: dict[str, Any] = {"probe.source": source}
     if scenario == "batched":
         settings["engine_metrics.interval_seconds"] = 0.1
@@ -53,6 +72,7 @@ def one_round(scenario: str, source: str, scratch: Path) -> dict[str, tuple[str,
     else:
         settings.update({"engine_metrics.scrape": False, "correlate.late_span_seconds": 15.0})
         max_batch, requests = 1, [("first", 80, 0.0), ("behind", 30, 0.1)]
+    settings.update(compared or {})
     with running_daemon(scratch, **settings) as daemon, running_engine(
             behavior="detached", otlp=f"http://127.0.0.1:{daemon.status.http_port}",
             truth_log=scratch / "truth.jsonl", step_ms=20, max_batch=max_batch,
@@ -80,6 +100,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--scenarios", default="batched,queued")
     parser.add_argument("--source", choices=("bpf", "procfs"), default="bpf")
+    parser.add_argument("--compare-setting", type=setting, action="append", default=[], metavar="KEY=VALUE",
+                        help="each round also with this configuration setting (repeatable: all together)")
     args = parser.parse_args()
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = set(scenarios) - {"batched", "queued"}
@@ -89,24 +111,31 @@ def main() -> int:
     if args.source == "bpf" and os.geteuid() != 0:
         print("needs root (eBPF probe); --source procfs runs without it")
         return 2
+    # Each daemon compared: its label -> the settings over the scenario's own.
+    daemons: dict[str, dict[str, Any]] = {"as configured": {}}
+    if args.compare_setting:
+        daemons[", ".join(f"{key}={value}" for key, value in args.compare_setting)] = dict(args.compare_setting)
     for scenario in scenarios:
         print(f"\n{scenario}: charged / spent CPU-seconds per zombie, {args.rounds} rounds, "
               f"disconnects from {args.source}")
-        ratios: dict[str, list[float]] = {}
+        ratios: dict[str, dict[str, list[float]]] = {label: {} for label in daemons}
         for round_no in range(1, args.rounds + 1):
-            with tempfile.TemporaryDirectory() as scratch:
-                found = one_round(scenario, args.source, Path(scratch))
-            cells = []
-            for rid, (verdict, charged, spent) in found.items():
-                ratio = charged / spent if spent > 0 else float("nan")
-                ratios.setdefault(rid, []).append(ratio)
-                mark = "" if verdict == "zombie" else f" [{verdict}]"
-                cells.append(f"{rid} {charged:.3f}/{spent:.3f} ({ratio - 1:+.1%}){mark}")
-            print(f"  round {round_no}: " + "; ".join(cells), flush=True)
-        print(f"  {'zombie':<14}{'min':>9}{'median':>9}{'max':>9}")
-        for rid, found_ratios in ratios.items():
-            print(f"  {rid:<14}{min(found_ratios) - 1:>+9.1%}{statistics.median(found_ratios) - 1:>+9.1%}"
-                  f"{max(found_ratios) - 1:>+9.1%}")
+            for label, compared in daemons.items():
+                with tempfile.TemporaryDirectory() as scratch:
+                    found = one_round(scenario, args.source, Path(scratch), compared)
+                cells = []
+                for rid, (verdict, charged, spent) in found.items():
+                    ratio = charged / spent if spent > 0 else float("nan")
+                    ratios[label].setdefault(rid, []).append(ratio)
+                    mark = "" if verdict == "zombie" else f" [{verdict}]"
+                    cells.append(f"{rid} {charged:.3f}/{spent:.3f} ({ratio - 1:+.1%}){mark}")
+                named = f" {label}" if len(daemons) > 1 else ""
+                print(f"  round {round_no}{named}: " + "; ".join(cells), flush=True)
+        for label, found_ratios in ratios.items():
+            print(f"  {'zombie':<14}{'min':>9}{'median':>9}{'max':>9}" + (f"   {label}" if len(daemons) > 1 else ""))
+            for rid, values in found_ratios.items():
+                print(f"  {rid:<14}{min(values) - 1:>+9.1%}{statistics.median(values) - 1:>+9.1%}"
+                      f"{max(values) - 1:>+9.1%}")
     return 0
 
 

@@ -18,6 +18,9 @@ tree (fresh daemons each run, same engines), and the medians are printed side by
 Each load request has a connection of its own (every request ends in a close: the daemon's worst
 case); with ``--keep-alive`` they share kept-alive connections as an SDK's pool does, and only a
 cancel (or the server's idle timeout) closes one.
+``--setting KEY=VALUE`` runs the daemons with that configuration setting (a TOML value: ``--setting
+sampler.interval_ms=200``); ``--compare-setting KEY=VALUE`` runs the working tree alternately as
+configured and with the setting, side by side, as ``--compare`` does two trees.
 With ``--live-load`` the load's engine also sends live notices (auditor.live), as a server
 instrumented with them does. ``--memory-probe`` has each daemon say where its memory is, once a
 minute (bench/memprobe: RSS, Python's object arenas, glibc's heap, SQLite's part of it);
@@ -27,7 +30,8 @@ from the second minute on, by the line that made them (it slows the daemon: not 
 Usage: .venv/bin/python bench/detection.py [--alarms 15] [--load-seconds 20] [--rate 100] [--cancel-every 10]
                                            [--compare REV --rounds 3] [--profile stacks.txt]
                                            [--live-load] [--otlp grpc] [--export-delay-ms 5000] [--memory-probe]
-                                           [--memory-trace] [--keep-alive]
+                                           [--memory-trace] [--keep-alive] [--setting KEY=VALUE]
+                                           [--compare-setting KEY=VALUE --rounds 3]
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -271,20 +277,50 @@ def load_engine_env(export_delay_ms: int | None) -> dict[str, str] | None:
     return dict(os.environ, OTEL_BSP_SCHEDULE_DELAY=str(export_delay_ms))
 
 
+def setting(text: str) -> tuple[str, str, str]:
+    """``section.key=value`` (value as TOML writes it) -> (section, key, value); argparse's type."""
+    name, sep, value = text.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not (sep and dot and section and key and value.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected SECTION.KEY=VALUE, e.g. sampler.interval_ms=200")
+    try:
+        tomllib.loads(f"v = {value.strip()}")
+    except tomllib.TOMLDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {value.strip()!r} is no TOML value ({exc}); "
+                                         'a text needs quotes: key="text"') from None
+    return section, key.strip(), value.strip()
+
+
+def config_file(settings: list[tuple[str, str, str]], path: Path) -> Path | None:
+    """The daemon's configuration file holding ``settings`` (none: the daemon's defaults)."""
+    if not settings:
+        return None
+    sections: dict[str, list[str]] = {}
+    for section, key, value in settings:
+        sections.setdefault(section, []).append(f"{key} = {value}")
+    path.write_text("".join(f"[{section}]\n" + "\n".join(lines) + "\n" for section, lines in sections.items()))
+    return path
+
+
+def settings_label(settings: list[tuple[str, str, str]]) -> str:
+    return ", ".join(f"{section}.{key}={value}" for section, key, value in settings) or "as configured"
+
+
 @contextlib.contextmanager
 def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_port: int, live: int,
                    protocol: str = "http", source: str = "bpf",
                    memory_probe: Path | None = None,
-                   memory_trace: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+                   memory_trace: Path | None = None, config: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """``auditor run`` from the code in ``tree``, until it answers /metrics; its OTLP receiver on
     ``otlp`` speaks ``protocol`` (the other one is off). With ``memory_probe``, the daemon writes
     where its memory is to that file each minute (bench/memprobe); with ``memory_trace``, its
-    Python allocations by line (tracemalloc)."""
+    Python allocations by line (tracemalloc); with ``config``, that configuration file (the
+    command line's options still win)."""
     receivers = ["--otlp-http", f"127.0.0.1:{otlp}", "--otlp-grpc", ""] if protocol == "http" else \
         ["--otlp-http", "", "--otlp-grpc", f"127.0.0.1:{otlp}"]
     command = [sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{db}", *receivers,
                "--metrics", f"127.0.0.1:{metrics_port}", "--live", f"127.0.0.1:{live}",
-               "--grace", str(GRACE_S), "--source", source]
+               "--grace", str(GRACE_S), "--source", source, *(["--config", str(config)] if config else [])]
     for port in ports:
         command += ["--port", str(port)]
     # cwd too: `python -m` puts the working directory first on the path, before PYTHONPATH.
@@ -301,6 +337,9 @@ def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_po
     try:
         deadline = time.time() + 60
         while time.time() < deadline:
+            if daemon.poll() is not None:
+                raise RuntimeError(f"the daemon exited with {daemon.returncode} at start: run its command to see "
+                                   f"why ({' '.join(command)})")
             try:
                 scrape(metrics_port)
                 break
@@ -463,6 +502,7 @@ def print_load(load: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"\nDaemon under load ({load['sent']} requests, {load['achieved']:.0f} req/s achieved of {args.rate:.0f} "
           f"asked, {cancelled_share(args)} cancelled, spans over OTLP/{'HTTP' if args.otlp == 'http' else 'gRPC'} every "
           f"{args.export_delay_ms or 200} ms, disconnects from {args.source})")
+    print(f"  daemon's config {settings_label(args.setting)}")
     print(f"  connections     {load['connections']}")
     print(f"  daemon CPU      {load['cpu_percent']:6.1f} % of one core ({load['cpu']:.2f} CPU-s over {load['wall']:.1f} s)")
     print(f"  daemon RSS      {load['rss']:6.1f} MiB now, {load['peak']:.1f} MiB peak; every 10 s: "
@@ -623,28 +663,42 @@ def main() -> int:
     parser.add_argument("--memory-trace", action="store_true",
                         help="the daemon runs tracemalloc; its Python allocations grown from the second minute "
                              "on, by line, printed at the end (slows it: not for CPU figures; one tree only)")
+    parser.add_argument("--setting", type=setting, action="append", default=[], metavar="KEY=VALUE",
+                        help="a configuration setting of the daemons (repeatable), e.g. sampler.interval_ms=200")
+    parser.add_argument("--compare-setting", type=setting, action="append", default=[], metavar="KEY=VALUE",
+                        help="run the working tree alternately as configured and with this setting too "
+                             "(repeatable: all of them together), side by side")
     parser.add_argument("--keep", action="store_true",
                         help="keep the database and the load engine's truth log when a verdict disagrees "
                              "with the truth log (their folder is printed)")
     args = parser.parse_args()
-    if args.alarms is None:
-        args.alarms = 0 if args.compare else 15
     if args.cancel_every < 1:
         parser.error("--cancel-every must be 1 or more")
-    if args.memory_trace and args.compare:
-        parser.error("--memory-trace runs one tree: leave out --compare")
+    if args.compare and args.compare_setting:
+        parser.error("--compare and --compare-setting each make two daemons to compare: one of them")
+    if args.memory_trace and (args.compare or args.compare_setting):
+        parser.error("--memory-trace runs one daemon: leave out --compare and --compare-setting")
+    if args.alarms is None:
+        args.alarms = 0 if args.compare or args.compare_setting else 15
     if os.geteuid() != 0 and args.source == "bpf":
         print("needs root (eBPF probe); --source procfs runs without it")
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench-detection-"))
     atexit.register(shutil.rmtree, work, True)  # a 15-minute run leaves 150 MiB of databases
     here = Path(__file__).resolve().parents[1]
-    trees = {"working tree": here}
+    # Each daemon compared: its label -> the code it runs and its configuration file.
+    configured = config_file(args.setting, work / "auditor.toml")
+    trees = {"working tree": (here, configured)}
     if args.compare:
         from bench.ingest import export_tree
 
         old = export_tree(args.compare, work / "old")
-        trees = {args.compare: old, "working tree": here}
+        trees = {args.compare: (old, configured), "working tree": (here, configured)}
+    elif args.compare_setting:
+        print(f"as configured: {settings_label(args.setting)}; "
+              f"with settings: {settings_label(args.setting + args.compare_setting)}")
+        trees = {"as configured": (here, configured),
+                 "with settings": (here, config_file(args.setting + args.compare_setting, work / "compared.toml"))}
     otlp, metrics_port, live = free_port(), free_port(), free_port(socket.SOCK_DGRAM)
     export = f"{args.otlp}://127.0.0.1:{otlp}"
     with running_engine(behavior="detached", otlp=export, step_ms=10, max_batch=16,
@@ -652,15 +706,15 @@ def main() -> int:
                                     "cpu" if args.load_engine_alone else args.device]) as zombie_engine, \
             running_engine(behavior="abort", otlp=export, step_ms=2, max_batch=64,
                            extra_args=["--device", args.device] + (["--live", f"127.0.0.1:{live}"] if args.live_load else []),
-                           truth_log=None if args.compare else work / "load-truth.jsonl",
+                           truth_log=None if args.compare or args.compare_setting else work / "load-truth.jsonl",
                            env=load_engine_env(args.export_delay_ms)) as busy_engine:
         ports = [zombie_engine.port, busy_engine.port]
-        if not args.compare:
+        if len(trees) == 1:
             db = work / "auditor.db"
             probe = work / "memprobe.jsonl" if args.memory_probe else None
             trace = work / "memtrace.jsonl" if args.memory_trace else None
             with running_daemon(here, db, ports, otlp, metrics_port, live, args.otlp, args.source, probe,
-                                trace) as daemon:
+                                trace, configured) as daemon:
                 latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
                 load = measure_load(daemon, db, busy_engine.port, args, metrics_port)
                 judged = judge_settled(db, busy_engine, args, load["client_left"])
@@ -679,12 +733,13 @@ def main() -> int:
         alarms: dict[str, dict[str, list[float]]] = {label: {} for label in trees}
         probes: dict[str, Path] = {}
         for round_no in range(1, args.rounds + 1):
-            for index, (label, tree) in enumerate(trees.items()):
+            for index, (label, (tree, config)) in enumerate(trees.items()):
                 db = work / f"auditor-{round_no}-{index}.db"
                 probe = work / f"memprobe-{round_no}-{index}.jsonl" if args.memory_probe else None
                 if probe is not None:
                     probes.setdefault(label, probe)  # the first round's
-                with running_daemon(tree, db, ports, otlp, metrics_port, live, args.otlp, args.source, probe) as daemon:
+                with running_daemon(tree, db, ports, otlp, metrics_port, live, args.otlp, args.source, probe,
+                                    config=config) as daemon:
                     time.sleep(2)  # past start-up
                     for name, values in measure_alarms(db, zombie_engine.port, metrics_port, args.alarms).items():
                         alarms[label].setdefault(name, []).extend(values)
