@@ -26,12 +26,14 @@ instrumented with them does. ``--memory-probe`` has each daemon say where its me
 minute (bench/memprobe: RSS, Python's object arenas, glibc's heap, SQLite's part of it);
 ``--memory-trace`` (one tree) has the daemon run tracemalloc and prints the Python allocations grown
 from the second minute on, by the line that made them (it slows the daemon: not for CPU figures).
+``--alarms-by gauges`` times the alarms of an engine that sends no live notices (as vLLM): the
+daemon knows its zombies by the gauges it scrapes.
 
 Usage: .venv/bin/python bench/detection.py [--alarms 15] [--load-seconds 20] [--rate 100] [--cancel-every 10]
                                            [--compare REV --rounds 3] [--profile stacks.txt]
                                            [--live-load] [--otlp grpc] [--export-delay-ms 5000] [--memory-probe]
                                            [--memory-trace] [--keep-alive] [--setting KEY=VALUE]
-                                           [--compare-setting KEY=VALUE --rounds 3]
+                                           [--compare-setting KEY=VALUE --rounds 3] [--alarms-by gauges]
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ from replay.engine.truth import expected_verdict
 GRACE_S = 0.5
 MEMPROBE = Path(__file__).resolve().parent / "memprobe"  # its sitecustomize, on the daemon's path
 RACE_S = 0.005  # a close this near the end of the work races it (kernel and engine clocks, one step)
+# How the alarms' zombies are known while they run: by the engine's live notices, or (as vLLM's) by
+# its gauges alone, which the daemon scrapes (engine_metrics.interval_seconds).
+KNOWN_BY = {"live": "live notices on", "gauges": "no live notices: the engine's gauges tell"}
 SETTLE_S = 10.0  # how long after the last export the load's last verdicts may take (see judge_settled)
 
 
@@ -303,7 +308,7 @@ def config_file(settings: list[tuple[str, str, str]], path: Path) -> Path | None
 
 
 def settings_label(settings: list[tuple[str, str, str]]) -> str:
-    return ", ".join(f"{section}.{key}={value}" for section, key, value in settings) or "as configured"
+    return ", ".join(f"{section}.{key}={value}" for section, key, value in settings) or "defaults"
 
 
 @contextlib.contextmanager
@@ -558,8 +563,8 @@ def print_memory_trace(path: Path, tree: Path, top: int = 20) -> None:
         print(f"  {held / 1024:>9.0f} {count:>8}  {where.replace(str(tree) + '/', '')}")
 
 
-def print_latencies(latencies: dict[str, list[float]], count: int) -> None:
-    print(f"\nDetection latency (grace {GRACE_S} s; {count} zombies, live notices on)")
+def print_latencies(latencies: dict[str, list[float]], count: int, known_by: str = "live") -> None:
+    print(f"\nDetection latency (grace {GRACE_S} s; {count} zombies, {KNOWN_BY[known_by]})")
     print(f"  {'measure':<28}{'n':>4}{'p50 s':>9}{'p99 s':>9}{'max s':>9}   target")
     for name, values in latencies.items():
         if not values:
@@ -570,9 +575,9 @@ def print_latencies(latencies: dict[str, list[float]], count: int) -> None:
               f"{max(values):>9.3f}   {target}")
 
 
-def print_alarm_comparison(alarms: dict[str, dict[str, list[float]]], count: int) -> None:
+def print_alarm_comparison(alarms: dict[str, dict[str, list[float]]], count: int, known_by: str = "live") -> None:
     labels = list(alarms)
-    print(f"\nDetection latency, side by side (grace {GRACE_S} s; {count} zombies a tree, live notices on; "
+    print(f"\nDetection latency, side by side (grace {GRACE_S} s; {count} zombies a tree, {KNOWN_BY[known_by]}; "
           f"target: alarm p99 <= {GRACE_S + 1:.1f} s)")
     print(f"  {'measure, s':<30}" + "".join(f"{label:>16}" for label in labels))
     for name in dict.fromkeys(name for by_name in alarms.values() for name in by_name):
@@ -642,6 +647,9 @@ def main() -> int:
                         help="the load's requests share kept-alive connections, as an SDK's pool does (the openai "
                              "SDK's httpx): a cancel closes its connection, a completed request leaves it open for "
                              "the next; without it, a connection a request (every request a close: the worst case)")
+    parser.add_argument("--alarms-by", choices=tuple(KNOWN_BY), default="live",
+                        help="how the alarms' zombies are known while they run: the engine's live notices, or "
+                             "its gauges alone (as vLLM's), which the daemon scrapes")
     parser.add_argument("--live-load", action="store_true", help="the load's engine sends live notices too")
     parser.add_argument("--otlp", choices=("http", "grpc"), default="http",
                         help="how the engines export their spans, and the daemon's receiver (vLLM's "
@@ -702,7 +710,7 @@ def main() -> int:
     otlp, metrics_port, live = free_port(), free_port(), free_port(socket.SOCK_DGRAM)
     export = f"{args.otlp}://127.0.0.1:{otlp}"
     with running_engine(behavior="detached", otlp=export, step_ms=10, max_batch=16,
-                        extra_args=["--live", f"127.0.0.1:{live}", "--device",
+                        extra_args=(["--live", f"127.0.0.1:{live}"] if args.alarms_by == "live" else []) + ["--device",
                                     "cpu" if args.load_engine_alone else args.device]) as zombie_engine, \
             running_engine(behavior="abort", otlp=export, step_ms=2, max_batch=64,
                            extra_args=["--device", args.device] + (["--live", f"127.0.0.1:{live}"] if args.live_load else []),
@@ -718,7 +726,7 @@ def main() -> int:
                 latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
                 load = measure_load(daemon, db, busy_engine.port, args, metrics_port)
                 judged = judge_settled(db, busy_engine, args, load["client_left"])
-            print_latencies(latencies, args.alarms)
+            print_latencies(latencies, args.alarms, args.alarms_by)
             print_load(load, args)
             print_judged(judged)
             if probe is not None:
@@ -750,7 +758,7 @@ def main() -> int:
     if probes:
         print_memory(probes)
     if args.alarms:
-        print_alarm_comparison(alarms, args.alarms * args.rounds)
+        print_alarm_comparison(alarms, args.alarms * args.rounds, args.alarms_by)
     return 0
 
 
