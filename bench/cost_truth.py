@@ -36,6 +36,7 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.detection import setting as detection_setting  # noqa: E402
 from replay.engine.launch import running_engine  # noqa: E402
 from tests.e2e import cancel_after, running_daemon, verdict_rows, wait_for  # noqa: E402
 
@@ -50,15 +51,9 @@ def settled(daemon: Any, request_ids: set[str], timeout_s: float = 40) -> dict[s
 
 
 def setting(text: str) -> tuple[str, Any]:
-    """``section.key=value`` (value as TOML writes it) -> (dotted key, value); argparse's type."""
-    name, sep, value = text.partition("=")
-    if not (sep and "." in name and value.strip()):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected SECTION.KEY=VALUE, e.g. sampler.interval_ms=200")
-    try:
-        return name.strip(), tomllib.loads(f"v = {value.strip()}")["v"]
-    except tomllib.TOMLDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: {value.strip()!r} is no TOML value ({exc}); "
-                                         'a text needs quotes: key="text"') from None
+    """``section.key=value`` -> (dotted key, value); argparse's type, over bench/detection's."""
+    section, key, value = detection_setting(text)
+    return f"{section}.{key}", tomllib.loads(f"v = {value}")["v"]
 
 
 def one_round(scenario: str, source: str, scratch: Path,

@@ -577,7 +577,7 @@ def print_latencies(latencies: dict[str, list[float]], count: int, known_by: str
 
 def print_alarm_comparison(alarms: dict[str, dict[str, list[float]]], count: int, known_by: str = "live") -> None:
     labels = list(alarms)
-    print(f"\nDetection latency, side by side (grace {GRACE_S} s; {count} zombies a tree, {KNOWN_BY[known_by]}; "
+    print(f"\nDetection latency, side by side (grace {GRACE_S} s; {count} zombies a daemon, {KNOWN_BY[known_by]}; "
           f"target: alarm p99 <= {GRACE_S + 1:.1f} s)")
     print(f"  {'measure, s':<30}" + "".join(f"{label:>16}" for label in labels))
     for name in dict.fromkeys(name for by_name in alarms.values() for name in by_name):
