@@ -60,11 +60,15 @@ class LiveState:
         as notices tell, by the rules of ``TraceIndex.in_flight`` (the same arguments): one running
         then, the latest to start; else the first to start later, if the request was unread then
         and the 4-tuple not reused in between (a client port comes round again within seconds)."""
+        notices = self._by_tuple.get(tuple4)
+        if not notices:  # most closes: no notice on their connection (or none sent at all)
+            return None
+
         def running_at(live: LiveEvent, at_ns: int) -> bool:
             key = (live.trace_id, live.span_id)
             return key in self._running or self._span_end.get(span_key(*key), 0) >= at_ns
 
-        return in_flight_among(self._by_tuple.get(tuple4, ()), _started, running_at, ts_ns, closed_at, wait_ns,
+        return in_flight_among(notices, _started, running_at, ts_ns, closed_at, wait_ns,
                                earliest_ns, peer_fin=peer_fin, events_at=events_at)
 
     def running(self, trace_id: str, span_ids: set[str]) -> bool:
