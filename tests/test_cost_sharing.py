@@ -15,7 +15,7 @@ import pytest
 from auditor.correlate import Correlator
 from auditor.correlate.checkpoints import MAX_CHECKPOINTS
 from auditor.correlate.waste import PartialCost, SampleCache
-from auditor.model import EngineLoad, LiveEvent, SpanRecord, UtilSample
+from auditor.model import EngineLoad, LiveEvent, SpanRecord, SpanRole, UtilSample
 from auditor.store import Store
 from tests.test_correlate import (
     CLIENT,
@@ -470,3 +470,26 @@ def test_the_processes_an_engine_started_are_found_through_proc(store: Store) ->
             os.kill(pid, 9)
         server.kill()
         server.wait()
+
+
+def test_a_settled_zombie_reopened_by_a_late_span_of_its_own_reads_its_window_afresh(store: Store) -> None:
+    """``a`` ran 0-12 s, its client gone at 1 s; its spans arrive at 13 s, when it ran alone as far
+    as anything tells: 11 CPU-s, read through the checkpoints of a long window, and the verdict
+    settles. ``b``'s spans (it ran 3-8 s on the same engine) arrive at 14 s: a settled verdict stays
+    as written. At 15 s a late span of ``a``'s own trace reopens it, and its window is read again
+    with ``b`` in it: 2 + 5/2 + 4 = 8.5 CPU-s. Checkpoints taken while ``b`` was unknown, and kept
+    through the settling, do not stand."""
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.cost.set_listeners({SERVER_PORT: PID}, {})
+    busy(store, 16.0)
+    store.insert_conn_events([close(1.0)])
+    store.insert_spans([http_span("a", 0, 12.0), engine("a", 0, 12.0, 0.0)])
+    assert judge(store, clock, 13.0, correlator)["a"] == pytest.approx(11.0, rel=0.01)
+    assert not correlator._open  # settled: held for a late span of its trace
+    store.insert_spans([http_span("b", 3.0, 8.0, client=OTHER), engine("b", 3.0, 8.0, 0.0)])
+    assert judge(store, clock, 14.0, correlator)["a"] == pytest.approx(11.0, rel=0.01)
+    late = replace(http_span("a", 11.0, 11.5, span="6"), parent_span_id="5" * 16, name="postprocess",
+                   kind="internal", role=SpanRole.OTHER, peer_addr=None, peer_port=None, server_port=None)
+    store.insert_spans([late])
+    assert judge(store, clock, 15.0, correlator)["a"] == pytest.approx(8.5, rel=0.01)

@@ -485,6 +485,7 @@ class Correlator:
                 self._touched.add(request.key[0])
 
     def _reopen(self, request: OpenRequest) -> None:
+        _forget_reads(request)
         self._open[request.key] = request
         self._to_settle.add(request.key)
 
@@ -496,8 +497,10 @@ class Correlator:
             request = self._settled.get(key[0], {}).pop(key[1], None)
             if request is None:
                 request = OpenRequest(key)
-            elif request.written is not None and request.written.request_id:
-                self._settled_by_request_id.pop(request.written.request_id, None)
+            else:
+                _forget_reads(request)
+                if request.written is not None and request.written.request_id:
+                    self._settled_by_request_id.pop(request.written.request_id, None)
             self._open[key] = request
         self._to_settle.add(key)
         self._touched.add(key[0])
@@ -821,6 +824,12 @@ def _event_at_or_before(detail: str, position: int | None) -> bool:
         return False
     number = detail[3:].split(":", 1)[0]
     return number.isdigit() and int(number) <= position
+
+
+def _forget_reads(request: OpenRequest) -> None:
+    """A settled request reopened: the checkpoints of its window (cost, gauges' sweep) stood only
+    while news dropped those it touched, and news while it was settled did not reach them."""
+    request.cost_partial = request.scrape_sweep = None
 
 
 def _settled_request_ids(engine_request_id: str) -> tuple[str, ...]:
