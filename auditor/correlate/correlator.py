@@ -157,7 +157,9 @@ class Correlator:
         # restart position must stay (entries of requests since settled are dropped at its top).
         self._to_settle: set[RequestKey] = set()
         # Requests that keep checkpoints of a long window (cost_partial, scrape_sweep): each round's
-        # news drops those it touches. Few: only work that ran on for seconds after its client left.
+        # news drops those it touches. Work that ran on for seconds after its client left, and
+        # verdicts the gauges decide while their late-span window lasts (about 600 at 10 cancels a
+        # second); those no longer open are let go at each prune (a reopen drops their checkpoints).
         self._checkpointed: dict[int, OpenRequest] = {}  # by id()
         self._inflight: set[RequestKey] = set()
         self._unreported: list[tuple[int, RequestKey]] = []
@@ -434,10 +436,7 @@ class Correlator:
 
     def _forget_checkpoints(self, news: int | None) -> None:
         """A long window's cost, and its gauges' sweep, are read again from the news on."""
-        if not self._checkpointed:  # the usual round: no work running on after its client left
-            return
-        self._checkpointed = {key: r for key, r in self._checkpointed.items() if self._open.get(r.key) is r}
-        if news is None:
+        if not self._checkpointed or news is None:  # the usual round: no work running on after its client left
             return
         for request in self._checkpointed.values():
             for checkpoints in (request.cost_partial, request.scrape_sweep):
@@ -785,6 +784,8 @@ class Correlator:
         # Spans of traces with no open request leave memory after the late-span window and a margin; their
         # settled requests too, which the store's verdicts bring back if need be (auditor.correlate.recall).
         self.spans.prune(memory_cutoff, keep={key[0] for key in self._open})
+        # Requests no longer open keep no checkpoints that matter (a reopen drops them): let go.
+        self._checkpointed = {key: r for key, r in self._checkpointed.items() if self._open.get(r.key) is r}
         # From the trace whose request settled first, up to the first one still in its window.
         for _trace_id, settled in drop_front(
                 self._settled, lambda requests: all(r.origin().ts_ns < memory_cutoff for r in requests.values())):

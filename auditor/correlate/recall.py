@@ -82,9 +82,10 @@ class WrittenFilter:
         self._current_until = self._previous_until = -1  # the latest disconnect each holds
         self.rotations = 0
 
-    def add(self, value: str, disconnect_ns: int) -> None:
+    def add(self, value: str, disconnect_ns: int, horizon_start_ns: int | None = None) -> None:
+        """``horizon_start_ns``: the horizon's start now, where the caller adds many at once."""
         if self._current_from is not None:
-            start = self.horizon_start()
+            start = self.horizon_start() if horizon_start_ns is None else horizon_start_ns
             if self._current_from < start and self._previous_until < start:
                 self._marks = bytearray(self._marks.translate(_TO_PREVIOUS))
                 self._previous_until, self._current_until, self._current_from = self._current_until, -1, None
@@ -121,13 +122,13 @@ class Forgotten:
 
     def written(self, verdicts: Iterable[RequestVerdict]) -> None:
         """These verdicts of this run are (about to be) in the store."""
-        add = self.filter.add
+        add, start = self.filter.add, self.horizon_start()  # the clock once: a round's verdicts at a time
         for verdict in verdicts:
             if verdict.host != self.host:
                 continue
             for value in (verdict.trace_id, verdict.request_id):  # the columns ``_find`` matches
                 if value:
-                    add(value, verdict.disconnect_at_ns)
+                    add(value, verdict.disconnect_at_ns, start)
 
     def traces(self, trace_ids: Iterable[str]) -> set[str]:
         """Those of ``trace_ids`` that are forgotten."""
