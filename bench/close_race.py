@@ -22,9 +22,11 @@ by minute, where growth with the run's length would show.
 
 The verdicts are checked against what the load did: every race `completed`, every cancel
 `aborted`, no other verdict. With ``--compare REV`` git revision REV's correlator runs the same
-loads in its own process, its columns beside the working tree's.
+loads in its own process, its columns beside the working tree's; with ``--rounds N`` each tree runs
+N times, alternating, and each step's median is printed (this VM's speed drifts by tens of percent
+over minutes: the same work's CPU by minute moved 1.07-1.87% within one run).
 
-Usage: .venv/bin/python bench/close_race.py [--seconds 300] [--race 0 0.2 0.4] [--compare REV] [--profile FILE]
+Usage: .venv/bin/python bench/close_race.py [--seconds 300] [--race 0 0.2 0.4] [--compare REV [--rounds 3]] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -212,12 +215,13 @@ def main() -> int:
     parser.add_argument("--cancel-every", type=int, default=10)
     parser.add_argument("--export-s", type=float, default=5.0, help="the span exporter's period")
     parser.add_argument("--compare", metavar="REV", help="also run git revision REV's correlator")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each tree, alternating; medians printed")
     parser.add_argument("--profile", metavar="FILE", help="cProfile the rounds into FILE.<tree>.<share>")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tree", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.seconds < 10 or args.cancel_every < 2 or args.export_s <= 0 or any(not 0 <= r <= 1 for r in args.race):
-        parser.error("--seconds at least 10, --cancel-every at least 2, --export-s above 0, --race shares in [0, 1]")
+    if args.seconds < 10 or args.rounds < 1 or args.cancel_every < 2 or args.export_s <= 0 or any(not 0 <= r <= 1 for r in args.race):
+        parser.error("--seconds at least 10, --rounds at least 1, --cancel-every at least 2, --export-s above 0, --race shares in [0, 1]")
     use_tree(args.tree)
     if args.json:
         import gc
@@ -232,16 +236,23 @@ def main() -> int:
     trees, work = compared(args.compare, "close-race-")
     print(f"{args.seconds} s of load at {RATE} req/s, a connection each, every {args.cancel_every}th cancelled; "
           f"spans exported every {args.export_s:g} s; CPU of the correlator's rounds (its thread's clock)", flush=True)
-    results = {}
+    runs: dict[str, list[list[dict[str, Any]]]] = {label: [] for label in trees}
     failed = False
-    for label, tree in trees.items():
-        results[label] = child(tree, args)
-        for r in results[label]:
-            if r["wrong"] or r["extra"]:
-                failed = True
-                print(f"  {label}, race {r['race']:g}: {r['wrong']} verdicts other than the load's "
-                      f"(e.g. {r['wrong_example']}), {r['extra']} verdicts of no racing or cancelled request "
-                      f"(e.g. {r['extra_example']})")
+    for round_ in range(args.rounds):  # the trees alternate, each round in the other order: the host's drift evens out
+        for label, tree in (list(trees.items()) if round_ % 2 == 0 else list(trees.items())[::-1]):
+            runs[label].append(child(tree, args))
+            for r in runs[label][-1]:
+                if r["wrong"] or r["extra"]:
+                    failed = True
+                    print(f"  {label}, race {r['race']:g}: {r['wrong']} verdicts other than the load's "
+                          f"(e.g. {r['wrong_example']}), {r['extra']} verdicts of no racing or cancelled request "
+                          f"(e.g. {r['extra_example']})")
+    # Each step's median over the rounds, per race share; the first round's minutes.
+    results = {label: [{**rounds_[0][index], "steps": {step: statistics.median(r[index]["steps"][step] for r in rounds_)
+                                                       for step in STEPS},
+                        "totals": [sum(r[index]["steps"][step] for step in STEPS) for r in rounds_]}
+                       for index in range(len(args.race))] for label, rounds_ in runs.items()}
+
     def share(seconds: float) -> float:  # CPU-seconds (to the last verdict) per second of load, in %
         return seconds / args.seconds * 100
 
@@ -256,6 +267,10 @@ def main() -> int:
             cells = "/".join(f"{share(steps[step]):.2f}" for step in ("spans", "join", "judge", "write", "settle"))
             line += f"{share(sum(steps[step] for step in STEPS)):>8.2f} ({cells})".rjust(32)
         print(line)
+    if args.rounds > 1:
+        print("  the rounds' totals, in the order run: " + "; ".join(
+            f"{label[:12]} " + " | ".join(",".join(f"{share(t):.2f}" for t in row["totals"]) for row in results[label])
+            for label in trees))
     print("us of the correlator's CPU a racing close, against the first share (join / judge / write / settle; all steps):")
     for index, race in enumerate(args.race[1:], start=1):
         line = f"  {race:>10g} {'':>8}"
