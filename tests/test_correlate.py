@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import event, func, select
 
 from auditor.correlate import Correlator
+from auditor.correlate.correlator import _counted_close_ids
 from auditor.correlate.evidence import FINAL_SEND_ATTR
 from auditor.model import (
     ConnEvent,
@@ -953,16 +954,55 @@ def test_what_coverage_counted_is_remembered_only_while_a_restart_could_count_it
     store.insert_conn_events([close(6.5, client=other), close(1.0)])
     clock.now = T0 + 7 * S
     correlator.tick()
-    second = f"ev:{event_id(1, 1)}"
-    assert coverage(store, "idle_close") == 1 and set(correlator._counted) == {second}
+    second = event_id(1, 1)
+    assert coverage(store, "idle_close") == 1 and set(correlator._counted_closes) == {second}
     restarted = make(store, clock)  # a restart within the horizon knows it: no second count
     restarted.tick()
-    assert coverage(store, "idle_close") == 1 and second in restarted._counted
+    assert coverage(store, "idle_close") == 1 and second in restarted._counted_closes
     # Once event 1 is settled too, the position passes both: no restart reads them again.
     clock.now = T0 + 30 * S
     restarted.tick()
     assert coverage(store, "idle_close") == 1 and coverage(store, "unjoined_disconnect") == 1
-    assert restarted._counted == {}  # a daemon that runs for days does not keep every count's id
+    # a daemon that runs for days does not keep every count's id
+    assert restarted._counted == {} and restarted._counted_closes == {}
+
+
+def test_closes_are_counted_a_row_a_second_and_a_restart_counts_none_twice(store: Store) -> None:
+    """Three hundred idle closes over three seconds (a request each, every close after its
+    answer): a few coverage rows, not one a close, that sum to them; a restart that reads them
+    again, from before them (an in-flight close holds the saved position back), counts none twice.
+    A row written before closes were counted by the second ("ev:<id>") is honoured too."""
+    clock = Clock()
+    correlator = make(store, clock)
+    spans, events = [], []
+    for index in range(300):
+        at = 1.0 + index / 100
+        client = ("127.0.0.1", 20000 + index)
+        spans.append(http_span(f"{index:032x}", at - 0.5, at - 0.001, client=client))
+        events.append(close(at, client=client))
+    store.insert_spans(spans)
+    holder = ("127.0.0.1", 40009)  # a close whose window is still open: the saved position stays before it
+    store.insert_conn_events([close(0.5, client=holder), *events])
+    store.insert_spans([http_span("f" * 32, 0.2, 30.0, client=holder)])
+    clock.now = T0 + 10 * S
+    correlator.tick()
+    with store.connect() as conn:
+        rows = conn.all("SELECT count, detail FROM coverage WHERE kind = 'idle_close'")
+    assert sum(count for count, _ in rows) == 300 and 3 <= len(rows) <= 12, rows
+    assert all(detail.startswith("evs:") and len(detail) <= 255 for _, detail in rows)
+    counted = {event for _, detail in rows for event in _counted_close_ids(detail)}
+    assert counted == set(correlator._counted_closes) and len(counted) == 300
+    restarted = make(store, clock)
+    assert set(restarted._counted_closes) == counted
+    restarted.tick()
+    assert coverage(store, "idle_close") == 300
+    older = event_id(9, 9)
+    store.add_coverage_rows([{"ts_ns": T0 + 5 * S, "host": "h", "kind": "idle_close", "count": 1,
+                              "detail": f"ev:{older}"},
+                             {"ts_ns": T0 + 5 * S, "host": "h", "kind": "idle_close", "count": -1,
+                              "detail": f"ev:{older}:undo"}])
+    again = make(store, clock)
+    assert older in again._counted_closes and f"ev:{older}:undo" in again._counted
 
 
 def test_coverage_the_store_refused_is_written_in_a_later_round_once(store: Store,
@@ -1349,3 +1389,19 @@ def test_held_spans_share_their_repeated_texts_and_keep_only_judged_attributes(s
     assert (first.name, first.service, first.route, first.peer_addr) == (
         "POST /v1/completions", "engine", "/v1/completions", "127.0.0.1")
     assert first.model is None and first.attributes == {FINAL_SEND_ATTR: True}
+
+
+def test_a_seconds_closes_past_the_detail_columns_width_go_to_more_rows() -> None:
+    from auditor.correlate.correlator import _close_rows
+    from auditor.model import CoverageKind
+
+    ids = [10**15 + i * 987_654_321 for i in range(200)]  # far apart: ten digits a step
+    closes = {CoverageKind.IDLE_CLOSE: [(T0 + i * 1000, event) for i, event in enumerate(ids)],
+              CoverageKind.UNJOINED_DISCONNECT: [(T0 + S + 5, 7)]}
+    rows = _close_rows(closes, "h")
+    idle = [row for row in rows if row["kind"] == "idle_close"]
+    assert len(idle) > 1 and all(len(str(row["detail"])) <= 255 for row in rows)
+    assert sum(int(str(row["count"])) for row in idle) == 200
+    assert sorted(i for row in idle for i in _counted_close_ids(str(row["detail"])) or []) == ids
+    assert [(row["ts_ns"], row["count"], row["detail"]) for row in rows if row["kind"] == "unjoined_disconnect"] == [
+        (T0 + S + 5, 1, "evs:7")]
