@@ -27,7 +27,7 @@ import itertools
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -857,35 +857,33 @@ _DETAIL_CHARS = 255  # the column's width
 
 
 def _close_rows(closes: dict[CoverageKind, list[tuple[int, int]]], host: str) -> list[dict[str, object]]:
-    """Counted closes as coverage rows: one per kind and second of their times (more where their
-    ids outgrow the detail column), at the second's first close, naming the closes by event id
-    (the first, then each one's distance from the one before) so that a restart counts none twice."""
+    """Counted closes, (time, event id) by kind, as coverage rows: one per kind and second of their
+    times (more where their ids outgrow the detail column), at the second's first close, naming
+    the closes by event id so that a restart counts none twice."""
     rows: list[dict[str, object]] = []
     for kind, counted in closes.items():
-        counted.sort()
-        at = 0
-        while at < len(counted):
-            first_ts, second = counted[at][0], counted[at][0] // 1_000_000_000
-            end = at
-            while end < len(counted) and counted[end][0] // 1_000_000_000 == second:
-                end += 1
-            ids = sorted(event_id for _, event_id in counted[at:end])
-            parts, length, taken = [str(ids[0])], len(_CLOSES) + len(str(ids[0])), 1
-            for previous, event_id in itertools.pairwise(ids):
-                step = str(event_id - previous)
-                if length + 1 + len(step) > _DETAIL_CHARS:
-                    break
-                parts.append(step)
-                length += 1 + len(step)
-                taken += 1
-            rows.append({"ts_ns": first_ts, "host": host, "kind": kind.value, "count": taken,
-                         "detail": _CLOSES + ",".join(parts)})
-            if taken < end - at:  # the rest of the second in another row
-                chosen = set(ids[:taken])
-                counted[at:end] = [item for item in counted[at:end] if item[1] not in chosen]
-                continue
-            at = end
+        for _, in_second in itertools.groupby(sorted(counted), key=lambda close: close[0] // 1_000_000_000):
+            group = list(in_second)
+            for count, detail in _id_details(sorted(event_id for _, event_id in group)):
+                rows.append({"ts_ns": group[0][0], "host": host, "kind": kind.value, "count": count,
+                             "detail": detail})
     return rows
+
+
+def _id_details(ids: list[int]) -> Iterator[tuple[int, str]]:
+    """Sorted event ids as details "evs:<first>,<step>,<step>..." (each id's distance from the one
+    before: a few digits), each within the column's width, with how many ids each names."""
+    start = 0
+    while start < len(ids):
+        detail, end = _CLOSES + str(ids[start]), start + 1
+        while end < len(ids):
+            step = f",{ids[end] - ids[end - 1]}"
+            if len(detail) + len(step) > _DETAIL_CHARS:
+                break
+            detail += step
+            end += 1
+        yield end - start, detail
+        start = end
 
 
 def _counted_close_ids(detail: str | None) -> list[int] | None:
