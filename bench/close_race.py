@@ -188,12 +188,14 @@ def run_one(seconds: int, race: float, cancel_every: int, export_s: float, profi
         wall = time.perf_counter() - wall
         with store.connect() as conn:
             coverage_rows = conn.scalar("SELECT count(*) FROM coverage")
+            # The table's and its index's pages (SQLite's dbstat): what a month of them keeps on disk.
+            coverage_bytes = conn.scalar("SELECT sum(pgsize) FROM dbstat WHERE name IN ('coverage', 'ix_coverage_ts')")
         store.close()
     if profiler:
         profiler.dump_stats(f"{profile}.{race}")
     wrong = {rid: (written.get(rid), want) for rid, want in expected.items() if written.get(rid) != want}
     extra = sorted(set(written) - set(expected))
-    return {"race": race, "seconds": seconds + TAIL_S, "coverage_rows": coverage_rows, "steps": correlator.cpu.seconds(), "wall_s": wall,
+    return {"race": race, "seconds": seconds + TAIL_S, "coverage_rows": coverage_rows, "coverage_bytes": coverage_bytes, "steps": correlator.cpu.seconds(), "wall_s": wall,
             "verdicts": dict(Counter(written.values())), "races": sum(v == "completed" for v in expected.values()),
             "minutes": minutes, "wrong": len(wrong), "wrong_example": sorted(wrong.items())[:3],
             "extra": len(extra), "extra_example": extra[:3]}
@@ -269,8 +271,9 @@ def main() -> int:
             cells = "/".join(f"{share(steps[step]):.2f}" for step in ("spans", "join", "judge", "write", "settle"))
             line += f"{share(sum(steps[step] for step in STEPS)):>8.2f} ({cells})".rjust(32)
         print(line)
-    print("  coverage rows written, by race share: " + "; ".join(
-        f"{label[:12]} " + ", ".join(f"{row['coverage_rows']:,}" for row in results[label]) for label in trees))
+    print("  coverage rows written (KiB in the store), by race share: " + "; ".join(
+        f"{label[:12]} " + ", ".join(f"{row['coverage_rows']:,} ({row['coverage_bytes'] / 1024:,.0f})"
+                                     for row in results[label]) for label in trees))
     if args.rounds > 1:
         print("  the rounds' totals, in the order run: " + "; ".join(
             f"{label[:12]} " + " | ".join(",".join(f"{share(t):.2f}" for t in row["totals"]) for row in results[label])
