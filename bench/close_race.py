@@ -17,8 +17,9 @@ round; one round a second (``correlate.interval_seconds``), in a process of its 
 daemon's garbage-collector settings and no other thread: the correlator's own work, not what a
 busy host adds to it. Printed for each race share side by side: the rounds' CPU by step
 (RoundCpu, the thread's own clock) to the last verdict, over the load's seconds (a share of a
-core); what one racing close costs (the difference from the first share, per race); and the CPU
-by minute, where growth with the run's length would show.
+core); the coverage rows written and their pages in the store; what one racing close costs (the
+difference from the first share, per race); and the CPU by minute, where growth with the run's
+length would show.
 
 The verdicts are checked against what the load did: every race `completed`, every cancel
 `aborted`, no other verdict. With ``--compare REV`` git revision REV's correlator runs the same
