@@ -39,7 +39,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -165,7 +164,6 @@ def run_one(seconds: int, race: float, cancel_every: int, export_s: float, profi
         correlator = Correlator(store, host="", clock=lambda: now, feed=feed, watched_ports=lambda: {PORT})
         export_ns = int(export_s * S)
         next_export, at_span, at_event, at_load = t0 + export_ns, 0, 0, 0
-        wall = time.perf_counter()
         for now in range(t0 + S, t0 + (seconds + TAIL_S) * S, S):  # a round a second
             if now >= next_export:  # the exporter's batch: every span ended by now
                 batch, at_span = due(spans, now, at_span, lambda item: item[0])
@@ -186,7 +184,6 @@ def run_one(seconds: int, race: float, cancel_every: int, export_s: float, profi
                 profiler.disable()
             if (now - t0) % (60 * S) == 0:  # by minute: growth with the run's length shows
                 minutes.append(correlator.cpu.seconds())
-        wall = time.perf_counter() - wall
         with store.connect() as conn:
             coverage_rows = conn.scalar("SELECT count(*) FROM coverage")
             # The table's and its index's pages (SQLite's dbstat): what a month of them keeps on disk.
@@ -196,7 +193,8 @@ def run_one(seconds: int, race: float, cancel_every: int, export_s: float, profi
         profiler.dump_stats(f"{profile}.{race}")
     wrong = {rid: (written.get(rid), want) for rid, want in expected.items() if written.get(rid) != want}
     extra = sorted(set(written) - set(expected))
-    return {"race": race, "seconds": seconds + TAIL_S, "coverage_rows": coverage_rows, "coverage_bytes": coverage_bytes, "steps": correlator.cpu.seconds(), "wall_s": wall,
+    return {"race": race, "coverage_rows": coverage_rows, "coverage_bytes": coverage_bytes,
+            "steps": correlator.cpu.seconds(),
             "verdicts": dict(Counter(written.values())), "races": sum(v == "completed" for v in expected.values()),
             "minutes": minutes, "wrong": len(wrong), "wrong_example": sorted(wrong.items())[:3],
             "extra": len(extra), "extra_example": extra[:3]}

@@ -449,7 +449,7 @@ class Correlator:
 
     def _forget_checkpoints(self, news: int | None) -> None:
         """A long window's cost, and its gauges' sweep, are read again from the news on."""
-        if not self._checkpointed or news is None:  # the usual round: no work running on after its client left
+        if not self._checkpointed or news is None:  # nothing keeps checkpoints, or nothing new
             return
         for request in self._checkpointed.values():
             for checkpoints in (request.cost_partial, request.scrape_sweep):
@@ -843,13 +843,18 @@ def _append(table: dict[Tuple4, tuple[int, ...]], tuple4: Tuple4, ts_ns: int) ->
     table[tuple4] = (*table.pop(tuple4, ()), ts_ns)
 
 
+def _detail_event(detail: str) -> tuple[int, str] | None:
+    """The kernel event a coverage detail names ("ev:<id>", "ev:<id>:undo"), and what follows its id."""
+    if not detail.startswith("ev:"):
+        return None
+    number, _, rest = detail[3:].partition(":")
+    return (int(number), rest) if number.isdigit() else None
+
+
 def _event_at_or_before(detail: str, position: int | None) -> bool:
-    """Whether a coverage detail names a kernel event ("ev:<id>", "ev:<id>:undo") at or before
-    ``position``."""
-    if position is None or not detail.startswith("ev:"):
-        return False
-    number = detail[3:].split(":", 1)[0]
-    return number.isdigit() and int(number) <= position
+    """Whether a coverage detail names a kernel event at or before ``position``."""
+    named = _detail_event(detail)
+    return position is not None and named is not None and named[0] <= position
 
 
 _CLOSES = "evs:"  # a coverage row's detail naming the closes it counts: "evs:<first id>,<+id>,<+id>..."
@@ -894,8 +899,8 @@ def _counted_close_ids(detail: str | None) -> list[int] | None:
     if detail.startswith(_CLOSES):
         ids = [int(part) for part in detail[len(_CLOSES):].split(",")]
         return list(itertools.accumulate(ids))
-    number = detail[3:] if detail.startswith("ev:") else ""
-    return [int(number)] if number.isdigit() else None
+    named = _detail_event(detail)
+    return [named[0]] if named is not None and not named[1] else None  # an undo is not a count
 
 
 def _forget_reads(request: OpenRequest) -> None:
