@@ -625,11 +625,15 @@ done:
 }
 
 /* rows.rows_as_tuples(records, shape_of(SpanRecord)): each record's fields in order, its role as
- * the role's value and its attributes as JSON text. Records of record_type only. */
+ * the role's value and its attributes as JSON text. Records of record_type only. With null (the
+ * store's stand-in for NULL, rows.driver_null()), every None is null and a bool its int: values
+ * the SQLite driver binds without its adapter lookup, which it makes for None and bool alone. */
 static PyObject *
-span_rows(PyObject *self, PyObject *records)
+span_rows(PyObject *self, PyObject *args)
 {
-    PyObject *seq, *out;
+    PyObject *records, *null = Py_None, *seq, *out;
+    if (!PyArg_ParseTuple(args, "O|O:span_rows", &records, &null))
+        return NULL;
     if (record_type == NULL || dumps_fn == NULL)
         return PyErr_Format(PyExc_RuntimeError, "configure() was not given the record type and dumps");
     if ((seq = PySequence_Fast(records, "records: a sequence")) == NULL)
@@ -658,11 +662,15 @@ span_rows(PyObject *self, PyObject *records)
                 for (int k = 0; k < 4 && found == NULL; k++)
                     if (value == roles[k])
                         found = Py_NewRef(role_values[k]);
-                value = found != NULL ? found : value == Py_None ? Py_NewRef(Py_None)
+                value = found != NULL ? found : value == Py_None ? Py_NewRef(null)
                                                                  : PyObject_GetAttrString(value, "value");
             }
             else if (i == F_ATTRIBUTES)
                 value = PyDict_CheckExact(value) ? json_flat(value) : PyObject_CallOneArg(dumps_fn, value);
+            else if (null != Py_None && value == Py_None)
+                value = Py_NewRef(null);
+            else if (null != Py_None && PyBool_Check(value))
+                value = PyLong_FromLong(value == Py_True);
             else
                 Py_INCREF(value);
             if (value == NULL)
@@ -819,7 +827,8 @@ static PyMethodDef methods[] = {
      " as normalize.build_span."},
     {"configure_rows", configure_rows, METH_VARARGS,
      "configure_rows(dumps, role_values): rows.dumps_json and the roles' values, after configure()."},
-    {"span_rows", span_rows, METH_O, "span_rows(records) -> [row tuple]; as rows.rows_as_tuples of SpanRecords."},
+    {"span_rows", span_rows, METH_VARARGS,
+     "span_rows(records[, null]) -> [row tuple]; as rows.rows_as_tuples of SpanRecords, with null for None."},
     {"attributes_json", attributes_json, METH_O, "attributes_json(attrs) -> str; as rows.dumps_json."},
     {NULL, NULL, 0, NULL},
 };

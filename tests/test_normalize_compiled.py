@@ -234,6 +234,13 @@ def _rows_both(records: list[SpanRecord]) -> list[tuple[Any, ...]]:
         use_batch_rows(SpanRecord, normalize._compiled_rows)
     compiled = rows_as_tuples(records, shape_of(SpanRecord))
     assert repr(compiled) == repr(python)
+    # As the store asks for them: NaN for None and ints for bools, the rest the same objects' values.
+    nan = float("nan")
+    stood_in = rows_as_tuples(records, shape_of(SpanRecord), nan)
+    assert repr(stood_in) == repr([tuple(nan if v is None else int(v) if isinstance(v, bool) else v for v in row)
+                                   for row in python])
+    assert all(v is nan for row, plain in zip(stood_in, python, strict=True)
+               for v, p in zip(row, plain, strict=True) if p is None)
     return python
 
 

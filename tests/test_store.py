@@ -62,6 +62,30 @@ def test_spans_are_not_duplicated(store: Store) -> None:
         assert conn.exec_driver_sql("SELECT count(*) FROM spans").scalar() == 1
 
 
+def test_spans_empty_columns_are_stored_as_null_and_read_back_as_none(store: Store) -> None:
+    """The rows stand NaN in for None (rows.driver_null): what SQLite stores is NULL, never a
+    number, and a bool an integer; the record read back is the one written."""
+    from auditor.store.db import SPAN_COLUMNS, span_from_values
+    from auditor.store.rows import driver_null
+
+    bare = SpanRecord(trace_id="c" * 32, span_id="d" * 16, parent_span_id=None, name="POST /generate",
+                      kind="server", start_ns=10, end_ns=20, role=SpanRole.HTTP_SERVER)
+    full = dataclasses.replace(bare, span_id="e" * 16, parent_span_id="f" * 16, peer_addr="10.0.0.7",
+                               peer_port=40_000, server_port=8000, request_id="r-1", http_status=200,
+                               time_in_queue_s=0.25, peer_rewritten=True, attributes={"k": None})
+    empty = [name for name in SPAN_COLUMNS if getattr(bare, name) is None]
+    assert len(empty) >= 10 and driver_null() != driver_null()  # NaN on every SQLite this runs on
+    store.insert_spans([bare, full])
+    with store.connect() as conn:
+        types = conn.all(f"SELECT {', '.join(f'typeof({n})' for n in empty)}, typeof(peer_rewritten), "
+                         "peer_rewritten FROM spans ORDER BY span_id")
+        rows = conn.all(f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans ORDER BY span_id")
+    assert types[0] == (*["null"] * len(empty), "integer", 0)
+    assert types[1][-2:] == ("integer", 1)
+    assert [t == "null" for t in types[1][:-2]] == [getattr(full, n) is None for n in empty]
+    assert [span_from_values(row) for row in rows] == [bare, full]
+
+
 def test_conn_events_round_trip_a_block_a_host(store: Store) -> None:
     event = ConnEvent(ts_ns=123, kind=ConnEventKind.PEER_RST, family=6, client_addr="::1", client_port=5000,
                       server_addr="::1", server_port=8000, cookie=42, host="h")

@@ -39,6 +39,7 @@ from auditor.model import (
 )
 from auditor.store import eventblocks
 from auditor.store.rows import (
+    driver_null,
     grouped_inserts,
     row_dict,
     rows_as_tuples,
@@ -280,7 +281,7 @@ class Store:
             return self._insert_core(table, [row_dict(r) for r in records], skip_duplicates)
         record_type = type(records[0])
         sql = sqlite_insert_sql(table, record_type, skip_duplicates)
-        rows = rows_as_tuples(records, shape_of(record_type))
+        rows = rows_as_tuples(records, shape_of(record_type), driver_null())
         self._write(grouped_inserts(sql, rows))
         return len(rows)
 

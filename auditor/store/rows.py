@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import functools
 import itertools
 import json
 import operator
+import sqlite3
 import typing
 from collections.abc import Iterable
 from typing import Any
@@ -23,7 +26,7 @@ class Shape:
     enums: tuple[str, ...]
     converters: tuple[tuple[int, Any], ...]  # (position, function) for the tuple path
     row: Any = None  # one record to its row tuple, converters applied (the tuple path)
-    batch: Any = None  # records to their row tuples, all at once (a compiled maker: use_batch_rows)
+    batch: Any = None  # (records[, null]) to their row tuples, all at once (a compiled maker: use_batch_rows)
 
 
 _SHAPES: dict[type, Shape] = {}
@@ -77,9 +80,9 @@ def row_layout(cls: type) -> tuple[tuple[str, ...], dict[str, str]]:
 
 
 def use_batch_rows(cls: type, make_rows: Any) -> None:
-    """Make ``cls``'s row tuples with ``make_rows(records)`` (a compiled maker giving the same rows
-    as ``rows_as_tuples``: ``collectors.normalize`` offers one for SpanRecord), or, with None, in
-    Python again."""
+    """Make ``cls``'s row tuples with ``make_rows(records[, null])`` (a compiled maker giving the
+    same rows as ``rows_as_tuples``, with ``null`` for None and ints for bools where given:
+    ``collectors.normalize`` offers one for SpanRecord), or, with None, in Python again."""
     _SHAPES[cls] = dataclasses.replace(shape_of(cls), batch=make_rows)
 
 
@@ -120,11 +123,29 @@ def row_dict(record: Any) -> dict[str, Any]:
     return row
 
 
-def rows_as_tuples(records: Iterable[Any], shape: Shape) -> list[tuple[Any, ...]]:
+@functools.cache
+def driver_null() -> Any:
+    """What the SQLite driver's rows may hold for NULL: a NaN, which SQLite binds as NULL (a double
+    that is NaN is stored as NULL: it keeps none), where this process's SQLite does so; else None.
+    The driver binds an exact float as it is, but looks up an adapter for every None (and bool)
+    first, about a quarter of a microsecond each: a span's dozen empty columns were a third of its
+    insert (``bench/ingest.py``). Asked of the linked library once, not assumed."""
+    nan = float("nan")
+    try:
+        with contextlib.closing(sqlite3.connect(":memory:")) as conn:
+            stored = conn.execute("SELECT ? IS NULL", (nan,)).fetchone()
+    except sqlite3.Error:
+        return None
+    return nan if stored == (1,) else None
+
+
+def rows_as_tuples(records: Iterable[Any], shape: Shape, null: Any = None) -> list[tuple[Any, ...]]:
     """Records as plain tuples in ``shape.names`` order, for the driver's executemany: the hot path
-    of every batch insert on SQLite, where building a dict per row costs more than the insert."""
+    of every batch insert on SQLite, where building a dict per row costs more than the insert.
+    ``null``: ``driver_null()`` for rows that go to SQLite; a compiled maker puts it for None (the
+    rows made in Python keep None)."""
     if shape.batch is not None:
-        rows: list[tuple[Any, ...]] = shape.batch(records)
+        rows: list[tuple[Any, ...]] = shape.batch(records) if null is None else shape.batch(records, null)
         return rows
     getter, converters = shape.getter, shape.converters
     if not converters:
