@@ -627,7 +627,8 @@ done:
 /* rows.rows_as_tuples(records, shape_of(SpanRecord)): each record's fields in order, its role as
  * the role's value and its attributes as JSON text. Records of record_type only. With null (the
  * store's stand-in for NULL, rows.driver_null()), every None is null and a bool its int: values
- * the SQLite driver binds without its adapter lookup, which it makes for None and bool alone. */
+ * the SQLite driver binds without its adapter lookup, which it makes for any value but an exact
+ * int, float, str or bytearray (in these rows: None and bools). */
 static PyObject *
 span_rows(PyObject *self, PyObject *args)
 {
