@@ -532,6 +532,9 @@ def print_memory(probes: dict[str, Path], columns: int = 7) -> None:
              ("heap_used", "glibc heap in use"),
              ("heap_free", "glibc heap free, held"), ("sqlite", "  of the heap, SQLite's"),
              ("anon", "anonymous"), ("file", "file-backed"))
+    collector = (("gc_objects", "objects tracked, thousands", 1e-3), ("gc_young_n", "young collections", 1),
+                 ("gc_young_ms", "  their CPU, ms", 1), ("gc_full_n", "full collections", 1),
+                 ("gc_full_ms", "  their CPU, ms", 1))
     for label, path in probes.items():
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         if not rows:
@@ -544,6 +547,10 @@ def print_memory(probes: dict[str, Path], columns: int = 7) -> None:
         print(f"  {'':<26}" + "".join(f"{row['s'] / per:>7.0f}" for row in at))
         for key, name in parts:
             print(f"  {name:<26}" + "".join("      -" if row.get(key) is None else f"{row[key]:>7.1f}" for row in at))
+        print("  the garbage collector, since start-up:")
+        for key, name, scale in collector:
+            print(f"  {name:<26}" + "".join("      -" if row.get(key) is None else f"{row[key] * scale:>7.0f}"
+                                            for row in at))
 
 
 def print_memory_trace(path: Path, tree: Path, top: int = 20) -> None:

@@ -6,7 +6,9 @@ BENCH_MEMPROBE_S seconds (default 60), in MiB: the process's RSS and its anonymo
 file-backed parts (/proc/self/smaps_rollup); Python's object arenas (pymalloc's own statistics,
 mapped apart from malloc) and the part of them in live objects (the rest is free space an arena
 keeps until all of it is free); glibc's heap, in use and free but held (mallinfo2, over all its
-arenas), of which SQLite's allocations are a part (sqlite3_memory_used). Free heap memory counts
+arenas), of which SQLite's allocations are a part (sqlite3_memory_used); the objects the garbage
+collector tracks, and the CPU its collections took since start-up, young ones (generations 0
+and 1) and full ones apart, each timed by the clock of the thread that ran it (``gc.callbacks``). Free heap memory counts
 in RSS only where its pages are still resident: malloc_trim gives them back without changing
 what mallinfo2 calls free.
 
@@ -72,6 +74,22 @@ if os.environ.get("BENCH_MEMPROBE"):
         arenas, blocks = (int(re.sub(rb"\D", b"", f.group(1))) if f else None for f in found)
         return arenas, blocks
 
+    import gc
+
+    _gc_ns = {"young": 0, "full": 0}
+    _gc_count = {"young": 0, "full": 0}
+    _gc_began = threading.local()
+
+    def _time_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            _gc_began.ns = time.thread_time_ns()
+            return
+        kind = "full" if info.get("generation") == 2 else "young"
+        _gc_ns[kind] += time.thread_time_ns() - getattr(_gc_began, "ns", time.thread_time_ns())
+        _gc_count[kind] += 1
+
+    gc.callbacks.append(_time_collection)
+
     def _probe(path: str, every_s: float) -> None:
         mallinfo, sqlite_used, started = _mallinfo(), _sqlite_used(), time.monotonic()
         with open(path, "a") as out:
@@ -91,7 +109,10 @@ if os.environ.get("BENCH_MEMPROBE"):
                        "pymalloc_live": None if blocks is None else blocks / MIB,
                        "heap_used": None if heap is None else (heap.uordblks + heap.hblkhd) / MIB,
                        "heap_free": None if heap is None else heap.fordblks / MIB,
-                       "sqlite": None if sqlite is None else sqlite / MIB}
+                       "sqlite": None if sqlite is None else sqlite / MIB,
+                       "gc_objects": len(gc.get_objects()),
+                       "gc_young_ms": _gc_ns["young"] / 1e6, "gc_young_n": _gc_count["young"],
+                       "gc_full_ms": _gc_ns["full"] / 1e6, "gc_full_n": _gc_count["full"]}
                 out.write(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}) + "\n")
                 out.flush()
 
