@@ -315,12 +315,14 @@ def settings_label(settings: list[tuple[str, str, str]]) -> str:
 def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_port: int, live: int,
                    protocol: str = "http", source: str = "bpf",
                    memory_probe: Path | None = None,
-                   memory_trace: Path | None = None, config: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+                   memory_trace: Path | None = None, config: Path | None = None,
+                   cpus: set[int] | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """``auditor run`` from the code in ``tree``, until it answers /metrics; its OTLP receiver on
     ``otlp`` speaks ``protocol`` (the other one is off). With ``memory_probe``, the daemon writes
     where its memory is to that file each minute (bench/memprobe); with ``memory_trace``, its
     Python allocations by line (tracemalloc); with ``config``, that configuration file (the
-    command line's options still win)."""
+    command line's options still win); with ``cpus``, the daemon and all its threads run on those
+    CPUs only."""
     receivers = ["--otlp-http", f"127.0.0.1:{otlp}", "--otlp-grpc", ""] if protocol == "http" else \
         ["--otlp-http", "", "--otlp-grpc", f"127.0.0.1:{otlp}"]
     command = [sys.executable, "-m", "auditor", "run", "--db", f"sqlite:///{db}", *receivers,
@@ -338,7 +340,8 @@ def running_daemon(tree: Path, db: Path, ports: list[int], otlp: int, metrics_po
     if memory_trace is not None:
         env["BENCH_MEMTRACE"] = str(memory_trace)
     daemon = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tree,
-                              env=dict(env, PYTHONPATH=os.pathsep.join(filter(None, paths))))
+                              env=dict(env, PYTHONPATH=os.pathsep.join(filter(None, paths))),
+                              preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
     try:
         deadline = time.time() + 60
         while time.time() < deadline:
@@ -509,6 +512,8 @@ def print_load(load: dict[str, Any], args: argparse.Namespace) -> None:
           f"{args.export_delay_ms or 200} ms, disconnects from {args.source})")
     print(f"  daemon's config {settings_label(args.setting)}")
     print(f"  connections     {load['connections']}")
+    print("  CPUs            " + ("all shared" if args.daemon_cpu is None else
+                                 f"the daemon on CPU {args.daemon_cpu} alone, the engines and the load on the others"))
     print(f"  daemon CPU      {load['cpu_percent']:6.1f} % of one core ({load['cpu']:.2f} CPU-s over {load['wall']:.1f} s)")
     print(f"  daemon RSS      {load['rss']:6.1f} MiB now, {load['peak']:.1f} MiB peak; every 10 s: "
           + ", ".join(f"{mib:.0f}" for mib in load["rss_series"]))
@@ -683,6 +688,10 @@ def main() -> int:
     parser.add_argument("--compare-setting", type=setting, action="append", default=[], metavar="KEY=VALUE",
                         help="run the working tree alternately as configured and with this setting too "
                              "(repeatable: all of them together), side by side")
+    parser.add_argument("--daemon-cpu", type=int, default=None, metavar="N",
+                        help="run the daemon on CPU N alone and the engines and the load on the others: "
+                             "a host with cores to spare, where the daemon shares no core's caches with "
+                             "the work it watches (without it, all of them share every CPU)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the database and the load engine's truth log when a verdict disagrees "
                              "with the truth log (their folder is printed)")
@@ -695,6 +704,14 @@ def main() -> int:
         parser.error("--memory-trace runs one daemon: leave out --compare and --compare-setting")
     if args.alarms is None:
         args.alarms = 0 if args.compare or args.compare_setting else 15
+    daemon_cpus = None
+    if args.daemon_cpu is not None:
+        available = os.sched_getaffinity(0)
+        if args.daemon_cpu not in available or len(available) < 2:
+            parser.error(f"--daemon-cpu {args.daemon_cpu}: this process may run on CPUs {sorted(available)}; "
+                         "name one of them, and leave at least one other for the engines and the load")
+        daemon_cpus = {args.daemon_cpu}
+        os.sched_setaffinity(0, available - daemon_cpus)  # the engines started below inherit it
     if os.geteuid() != 0 and args.source == "bpf":
         print("needs root (eBPF probe); --source procfs runs without it")
         return 2
@@ -729,7 +746,7 @@ def main() -> int:
             probe = work / "memprobe.jsonl" if args.memory_probe else None
             trace = work / "memtrace.jsonl" if args.memory_trace else None
             with running_daemon(here, db, ports, otlp, metrics_port, live, args.otlp, args.source, probe,
-                                trace, configured) as daemon:
+                                trace, configured, daemon_cpus) as daemon:
                 latencies = measure_alarms(db, zombie_engine.port, metrics_port, args.alarms)
                 load = measure_load(daemon, db, busy_engine.port, args, metrics_port)
                 judged = judge_settled(db, busy_engine, args, load["client_left"])
@@ -754,7 +771,7 @@ def main() -> int:
                 if probe is not None:
                     probes.setdefault(label, probe)  # the first round's
                 with running_daemon(tree, db, ports, otlp, metrics_port, live, args.otlp, args.source, probe,
-                                    config=config) as daemon:
+                                    config=config, cpus=daemon_cpus) as daemon:
                     time.sleep(2)  # past start-up
                     for name, values in measure_alarms(db, zombie_engine.port, metrics_port, args.alarms).items():
                         alarms[label].setdefault(name, []).extend(values)

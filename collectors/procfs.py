@@ -1,10 +1,18 @@
-"""Per-process CPU sampler from ``/proc/<pid>/stat``, for engine processes on hosts without a GPU.
+"""Per-process CPU sampler, for engine processes on hosts without a GPU.
 
-CPU use is the change of ``utime + stime`` (clock ticks, ``SC_CLK_TCK``) between two readings over
-the monotonic time between them, as ``util_percent`` where 100 means one core fully busy. The first
-reading of a pid only sets its baseline. A pid that vanished is dropped quietly; a pid reused by a
-new process (different start time) starts a new baseline instead of producing a bogus delta.
-``proc_root`` is injected so tests can point it at a fixture tree.
+CPU use is the change of the process's CPU time between two readings over the monotonic time
+between them, as ``util_percent`` where 100 means one core fully busy. The first reading of a pid
+only sets its baseline. A pid that vanished is dropped quietly; a pid reused by a new process
+(different start time) starts a new baseline instead of producing a bogus delta.
+
+The CPU time is the process's CPU clock (``clock_gettime`` on the clock id Linux gives every
+process, the one ``clock_getcpuclockid`` returns): nanoseconds, where ``/proc/<pid>/stat``'s
+``utime + stime`` count clock ticks (``SC_CLK_TCK``, 10 ms: a tenth of a core at the sampler's 10
+readings a second), and one system call with no text to parse. ``/proc/<pid>/stat`` is read at a
+pid's first reading and then once a second (``STAT_EVERY_S``) for what only it tells: the start time
+that tells a reused pid apart, and the resident memory. Where the clock cannot be read (a kernel
+without it, or ``proc_root`` pointed at another tree: tests give a fixture tree) the stat file's
+ticks are read every time, as before.
 """
 
 from __future__ import annotations
@@ -27,13 +35,34 @@ log = logging.getLogger(__name__)
 # starts in a quiet second is only measured in a coarser step until the next sample shows it, and
 # the costing puts that step's busy time at its end (auditor.correlate.waste, _Series._backload).
 QUIET_PERCENT = 2.0
+# How often a followed process's stat file is read where its CPU clock gives the CPU time: its start
+# time (a reused pid) and resident memory. A pid can only be taken again once its process is gone,
+# which the clock reports at the next reading (EINVAL); a new process under the same pid within one
+# reading is caught here, a second later at most.
+STAT_EVERY_S = 1.0
+_CPUCLOCK_SCHED = 2  # the kernel's MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED): ((~pid) << 3) | 2
+
+
+def process_cpu_clock(pid: int) -> int:
+    """The clock id of process ``pid``'s CPU time (glibc's ``clock_getcpuclockid``)."""
+    return ((~pid) << 3) | _CPUCLOCK_SCHED
+
+
+def _cpu_clock_works() -> bool:
+    try:
+        time.clock_gettime_ns(process_cpu_clock(os.getpid()))
+    except (OSError, AttributeError):  # not Linux, or a sandbox that refuses the call
+        return False
+    return True
 
 
 @dataclass(frozen=True)
 class _Reading:
-    cpu_ticks: int
+    cpu_ns: int
     start_ticks: int  # process start time since boot: tells a reused pid apart
     taken_at: float  # monotonic seconds
+    rss_pages: int
+    stat_at: float  # when the stat file was last read (start time, resident memory)
 
 
 class ProcfsSampler:
@@ -43,8 +72,11 @@ class ProcfsSampler:
 
     def __init__(self, proc_root: str | os.PathLike[str] = "/proc", host: str = "", *,
                  monotonic: Callable[[], float] = time.monotonic, clock_ticks: int | None = None,
-                 page_size: int | None = None) -> None:
+                 page_size: int | None = None, cpu_clock: bool | None = None) -> None:
         self.proc_root = Path(proc_root)
+        # The CPU clocks name this host's processes: only where the stat files are this host's too,
+        # and where this process's own can be read.
+        self.cpu_clock = (self.proc_root == Path("/proc") and _cpu_clock_works()) if cpu_clock is None else cpu_clock
         self.host = host
         self._monotonic = monotonic
         self.clock_ticks = clock_ticks or os.sysconf("SC_CLK_TCK")
@@ -68,8 +100,15 @@ class ProcfsSampler:
             pids = self._pids
         return all(self._quiet.get(pid, False) for pid in pids)
 
+    def _cpu_ns(self, pid: int) -> int | None:
+        """The process's CPU time by its CPU clock, or None when it is gone (or the clock is off)."""
+        try:
+            return time.clock_gettime_ns(process_cpu_clock(pid))
+        except OSError:  # EINVAL: no such process
+            return None
+
     def _read(self, pid: int) -> tuple[int, int, int] | None:
-        """(utime+stime, starttime, rss pages) or None when the process is gone.
+        """(utime+stime in clock ticks, starttime, rss pages) or None when the process is gone.
 
         The stat file stays open between readings and is read again from its start: one system
         call a reading instead of five (open, fstat, two reads, close), which on a virtual machine
@@ -102,29 +141,49 @@ class ProcfsSampler:
         current: dict[int, _Reading] = {}
         quiet: dict[int, bool] = {}
         for pid in sorted(pids):
-            reading = self._read(pid)
+            reading = self._reading(pid, self._previous.get(pid))
             if reading is None:
                 quiet[pid] = True
                 continue  # vanished: nothing to report, and its baseline goes
-            now = self._monotonic()
-            cpu_ticks, start_ticks, rss_pages = reading
-            current[pid] = _Reading(cpu_ticks, start_ticks, now)
+            current[pid] = reading
             before = self._previous.get(pid)
-            if before is None or before.start_ticks != start_ticks or now <= before.taken_at:
+            if before is None or before.start_ticks != reading.start_ticks or reading.taken_at <= before.taken_at:
                 continue
-            elapsed = now - before.taken_at
-            busy_s = max(0, cpu_ticks - before.cpu_ticks) / self.clock_ticks
-            util = 100.0 * busy_s / elapsed
+            elapsed = reading.taken_at - before.taken_at
+            util = 100.0 * max(0, reading.cpu_ns - before.cpu_ns) / 1e9 / elapsed
             quiet[pid] = util < QUIET_PERCENT
             samples.append(UtilSample(
                 ts_ns=ts_ns, source="procfs", host=self.host, gpu_index=None, pid=pid,
-                util_percent=util, memory_bytes=rss_pages * self.page_size, interval_s=elapsed,
+                util_percent=util, memory_bytes=reading.rss_pages * self.page_size, interval_s=elapsed,
             ))
         self._previous = current
         self._quiet = quiet
         for pid in [p for p in self._files if p not in pids]:
             self._close(pid)
         return samples
+
+    def _reading(self, pid: int, before: _Reading | None) -> _Reading | None:
+        """This moment's reading of ``pid`` (None: gone): its CPU clock, and the stat file when
+        ``before`` is none or a second old; the stat file's ticks where the clock is off."""
+        if self.cpu_clock and before is not None and self._monotonic() - before.stat_at < STAT_EVERY_S:
+            cpu_ns = self._cpu_ns(pid)
+            if cpu_ns is None:
+                self._close(pid)
+                return None
+            return _Reading(cpu_ns, before.start_ticks, self._monotonic(), before.rss_pages, before.stat_at)
+        stat = self._read(pid)
+        if stat is None:
+            return None
+        cpu_ticks, start_ticks, rss_pages = stat
+        if self.cpu_clock:
+            cpu_ns = self._cpu_ns(pid)
+            if cpu_ns is None:  # ended between the two reads
+                self._close(pid)
+                return None
+        else:
+            cpu_ns = cpu_ticks * 1_000_000_000 // self.clock_ticks
+        now = self._monotonic()
+        return _Reading(cpu_ns, start_ticks, now, rss_pages, now)
 
     def _close(self, pid: int) -> None:
         fd = self._files.pop(pid, None)

@@ -65,9 +65,9 @@ def test_busy_child_measures_about_one_core() -> None:
     assert sampler.unreadable == 0
 
 
-def _write_stat(root: Path, pid: int, ticks: int, start: int, comm: str = "py thon) (x") -> None:
+def _write_stat(root: Path, pid: int, ticks: int, start: int, comm: str = "py thon) (x", rss: int = 25) -> None:
     (root / str(pid)).mkdir(parents=True, exist_ok=True)
-    fields = ["S"] + ["0"] * 10 + [str(ticks), "0"] + ["0"] * 6 + [str(start), "0", "25"]
+    fields = ["S"] + ["0"] * 10 + [str(ticks), "0"] + ["0"] * 6 + [str(start), "0", str(rss)]
     (root / str(pid) / "stat").write_text(f"{pid} ({comm}) {' '.join(fields)} 0 0\n")
 
 
@@ -88,3 +88,59 @@ def test_fixture_tree_reused_pid_and_garbage(tmp_path: Path) -> None:
     assert sampler.unreadable >= 1
     assert sampler.health() == "ok"
     assert ProcfsSampler(proc_root=tmp_path / "missing").health().startswith("degraded")
+
+
+def test_cpu_clock_reads_nanoseconds_not_ticks() -> None:
+    """On this host the sampler reads each process's CPU clock: over a tenth of a second the clock
+    ticks of /proc/<pid>/stat (10 ms) would put every reading on a multiple of a tenth of a core."""
+    busy = subprocess.Popen([sys.executable, "-c", BUSY], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        sampler = ProcfsSampler(host="h")
+        assert sampler.cpu_clock
+        sampler.set_pids([busy.pid])
+        time.sleep(0.3)
+        cpu_before, wall_before = _cpu_seconds(busy), time.monotonic()
+        sampler.sample(time.time_ns())
+        samples = []
+        for _ in range(10):
+            time.sleep(0.1)
+            samples += sampler.sample(time.time_ns())
+        cpu_after, wall_after = _cpu_seconds(busy), time.monotonic()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert len(samples) == 10
+    busy_s = [s.util_percent / 100 * s.interval_s for s in samples if s.util_percent is not None]
+    off_tick = [b for b in busy_s if abs(b * 100 - round(b * 100)) > 1e-3]
+    assert len(off_tick) >= 5, busy_s  # not whole clock ticks
+    measured = sum(busy_s) / sum(s.interval_s for s in samples) * 100
+    truth = 100.0 * (cpu_after - cpu_before) / (wall_after - wall_before)
+    print(f"busy child over 10 readings of 0.1 s: measured {measured:.1f} %, child's own account {truth:.1f} %")
+    assert measured > 30.0 and abs(measured - truth) < 12.0, (measured, truth)
+
+
+def test_cpu_clock_reads_stat_once_a_second(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the CPU clock the stat file is read at a pid's first reading and then once a second:
+    a new process under the pid is seen there (a new baseline), resident memory is refreshed
+    there, and a clock that no longer reads means the process is gone."""
+    now = [10.0]
+    clocks: dict[int, int | None] = {7: 0}
+    sampler = ProcfsSampler(proc_root=tmp_path, host="h", monotonic=lambda: now[0], clock_ticks=100,
+                            page_size=4096, cpu_clock=True)
+    monkeypatch.setattr(sampler, "_cpu_ns", lambda pid: clocks.get(pid))
+    _write_stat(tmp_path, 7, ticks=0, start=1)
+    sampler.set_pids([7])
+    assert sampler.sample(1) == []
+
+    def step(seconds: float, cpu_ns: int | None) -> list[tuple[float, int | None]]:
+        now[0] += seconds
+        clocks[7] = cpu_ns
+        return [(round(s.util_percent or 0, 6), s.memory_bytes) for s in sampler.sample(int(now[0] * 1e9))]
+
+    assert step(0.5, 250_000_000) == [(50.0, 25 * 4096)]  # half a core: the clock's nanoseconds
+    _write_stat(tmp_path, 7, ticks=0, start=99, rss=40)  # another process under the pid, from now on
+    assert step(0.25, 500_000_000) == [(100.0, 25 * 4096)]  # the stat file is not read within the second
+    assert step(0.25, 600_000_000) == []  # a second since the last read: a new start time, a new baseline
+    assert step(0.1, 650_000_000) == [(50.0, 40 * 4096)]  # the new process's, its memory read with it
+    assert step(0.1, None) == []  # its clock no longer reads: gone, and its baseline with it
+    assert sampler._previous == {} and sampler.idle()
