@@ -109,9 +109,9 @@ def test_cpu_clock_reads_nanoseconds_not_ticks() -> None:
     finally:
         busy.kill()
         busy.wait()
-    assert len(samples) == 10
+    assert len(samples) == 10, samples
     busy_s = [s.util_percent / 100 * s.interval_s for s in samples if s.util_percent is not None]
-    off_tick = [b for b in busy_s if abs(b * 100 - round(b * 100)) > 1e-3]
+    off_tick = [b for b in busy_s if abs(b * 100 - round(b * 100)) > 1e-7]  # a nanosecond off a 10 ms tick
     assert len(off_tick) >= 5, busy_s  # not whole clock ticks
     measured = sum(busy_s) / sum(s.interval_s for s in samples) * 100
     truth = 100.0 * (cpu_after - cpu_before) / (wall_after - wall_before)
