@@ -7,10 +7,10 @@ file-backed parts (/proc/self/smaps_rollup); Python's object arenas (pymalloc's 
 mapped apart from malloc) and the part of them in live objects (the rest is free space an arena
 keeps until all of it is free); glibc's heap, in use and free but held (mallinfo2, over all its
 arenas), of which SQLite's allocations are a part (sqlite3_memory_used); the objects the garbage
-collector tracks, and the CPU its collections took since start-up, young ones (generations 0
-and 1) and full ones apart, each timed by the clock of the thread that ran it (``gc.callbacks``). Free heap memory counts
-in RSS only where its pages are still resident: malloc_trim gives them back without changing
-what mallinfo2 calls free.
+collector tracks, and the CPU its collections took since start-up, young ones (generations 0 and
+1) and full ones apart, each timed by the clock of the thread that ran it (``gc.callbacks``).
+Free heap memory counts in RSS only where its pages are still resident: malloc_trim gives them
+back without changing what mallinfo2 calls free.
 
 With BENCH_MEMTRACE=<file> (bench/detection.py --memory-trace), tracemalloc runs from start-up and
 a thread appends, every BENCH_MEMPROBE_S seconds from BENCH_MEMTRACE_BASE_S (default 120) on, the
