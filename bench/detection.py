@@ -179,6 +179,7 @@ def thread_names(pid: int) -> dict[int, str]:
     beside = Path(sys.executable).with_name("py-spy")
     spy = str(beside) if beside.exists() else shutil.which("py-spy")
     if spy is None:
+        print("no py-spy (the dev extras install it): the daemon's threads are shown by id", file=sys.stderr)
         return {}
     try:
         dump = subprocess.run([spy, "dump", "-p", str(pid)], capture_output=True, text=True, timeout=30).stdout
