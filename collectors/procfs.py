@@ -11,8 +11,8 @@ process, the one ``clock_getcpuclockid`` returns): nanoseconds, where ``/proc/<p
 readings a second), and one system call with no text to parse. ``/proc/<pid>/stat`` is read at a
 pid's first reading and then once a second (``STAT_EVERY_S``) for what only it tells: the start time
 that tells a reused pid apart, and the resident memory. Where the clock cannot be read (a kernel
-without it, or ``proc_root`` pointed at another tree: tests give a fixture tree) the stat file's
-ticks are read every time, as before.
+without it), or ``proc_root`` numbers processes otherwise (a fixture tree in tests, a /proc of
+another pid namespace), the stat file's ticks are read every time, as before.
 """
 
 from __future__ import annotations
@@ -48,6 +48,13 @@ def process_cpu_clock(pid: int) -> int:
     return ((~pid) << 3) | _CPUCLOCK_SCHED
 
 
+def _numbers_as_we_do(proc_root: Path) -> bool:
+    try:
+        return os.readlink(proc_root / "self") == str(os.getpid())
+    except OSError:
+        return False
+
+
 def _cpu_clock_works() -> bool:
     try:
         time.clock_gettime_ns(process_cpu_clock(os.getpid()))
@@ -74,9 +81,10 @@ class ProcfsSampler:
                  monotonic: Callable[[], float] = time.monotonic, clock_ticks: int | None = None,
                  page_size: int | None = None, cpu_clock: bool | None = None) -> None:
         self.proc_root = Path(proc_root)
-        # The CPU clocks name this host's processes: only where the stat files are this host's too,
-        # and where this process's own can be read.
-        self.cpu_clock = (self.proc_root == Path("/proc") and _cpu_clock_works()) if cpu_clock is None else cpu_clock
+        # A CPU clock names a process by its pid in this process's namespace: only where the stat
+        # files number processes the same way (their tree's "self" is this process; not a fixture
+        # tree, nor a /proc mounted from another pid namespace), and where this process's own reads.
+        self.cpu_clock = (_numbers_as_we_do(self.proc_root) and _cpu_clock_works()) if cpu_clock is None else cpu_clock
         self.host = host
         self._monotonic = monotonic
         self.clock_ticks = clock_ticks or os.sysconf("SC_CLK_TCK")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -144,3 +145,17 @@ def test_cpu_clock_reads_stat_once_a_second(tmp_path: Path, monkeypatch: pytest.
     assert step(0.1, 650_000_000) == [(50.0, 40 * 4096)]  # the new process's, its memory read with it
     assert step(0.1, None) == []  # its clock no longer reads: gone, and its baseline with it
     assert sampler._previous == {} and sampler.idle()
+
+
+def test_cpu_clock_only_where_the_tree_numbers_processes_as_this_one(tmp_path: Path) -> None:
+    """A CPU clock takes a pid of this process's namespace: a tree whose "self" is another pid (a
+    /proc mounted from another pid namespace) or that has none (a fixture) is read by its stat files."""
+    assert ProcfsSampler().cpu_clock
+    assert not ProcfsSampler(proc_root=tmp_path).cpu_clock
+    other, ours = tmp_path / "other", tmp_path / "ours"
+    other.mkdir()
+    ours.mkdir()
+    (other / "self").symlink_to("1")
+    (ours / "self").symlink_to(str(os.getpid()))
+    assert not ProcfsSampler(proc_root=other).cpu_clock
+    assert ProcfsSampler(proc_root=ours).cpu_clock
