@@ -10,9 +10,11 @@ sampler's readings is from the truth.
 
 With ``--compare REV`` git revision REV's sampler runs too, alternately, each tree in its own
 processes (``--rounds``). On a virtual machine a tick costs much more than its work in a warm loop:
-the thread wakes cold after each sleep (docs/footprint.md, the fifth pass).
+the thread wakes cold after each sleep (docs/footprint.md, the fifth pass). ``--calls`` shows it
+call by call: each of a tick's parts timed by the thread's clock back to back and right after a
+100 ms sleep (medians), in the working tree.
 
-Usage: .venv/bin/python bench/sampler_cost.py [--seconds 10] [--rounds 3] [--processes 2] [--compare REV]
+Usage: .venv/bin/python bench/sampler_cost.py [--seconds 10] [--rounds 3] [--processes 2] [--compare REV] [--calls]
 """
 
 from __future__ import annotations
@@ -83,6 +85,48 @@ def measure(processes: int, seconds: float) -> dict[str, float]:
             "measured_cpu_s": measured, "truth_cpu_s": truth}
 
 
+def calls(processes: int, samples: int = 60) -> None:
+    """Each part of a tick, back to back and after a 100 ms sleep: medians of ``samples`` calls."""
+    from collectors.procfs import ProcfsSampler, process_cpu_clock
+    from collectors.sampling import SamplingLoop
+
+    children = [subprocess.Popen([sys.executable, "-c", ENGINE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True) for _ in range(processes)]
+    try:
+        time.sleep(0.5)
+        pid = children[0].pid
+        sampler = ProcfsSampler()
+        sampler.set_pids([child.pid for child in children])
+        loop = SamplingLoop([sampler], sink=lambda samples: None, interval_s=INTERVAL_S)
+        loop.run_once()
+        held = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        parts = (("time.monotonic()", time.monotonic),
+                 ("a read of /proc/<pid>/stat, held open", lambda: os.pread(held, 4096, 0)),
+                 ("the same, parsed for utime + stime", lambda: sampler._read(pid)),
+                 ("the process's CPU clock", lambda: time.clock_gettime_ns(process_cpu_clock(pid))),
+                 ("the sampling loop's idle check", loop.idle),
+                 (f"one tick, {processes} processes followed", loop.run_once))
+        print(f"a tick's parts, us of the thread's CPU, medians of {samples} calls:")
+        print(f"  {'':<44}{'back to back':>14}{'after 100 ms':>14}")
+        for name, call in parts:
+            cells = []
+            for pause in (0.0, 0.1):
+                spent = []
+                for _ in range(samples):
+                    if pause:
+                        time.sleep(pause)
+                    began = time.thread_time_ns()
+                    call()
+                    spent.append(time.thread_time_ns() - began)
+                cells.append(statistics.median(spent) / 1e3)
+            print(f"  {name:<44}" + "".join(f"{cell:>14.1f}" for cell in cells))
+        os.close(held)
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+
+
 def child(tree: Path, processes: int, seconds: float) -> dict[str, float]:
     result = subprocess.run([sys.executable, __file__, "--child", "--processes", str(processes),
                              "--seconds", str(seconds)],
@@ -98,10 +142,16 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each tree")
     parser.add_argument("--processes", type=int, default=2, help="engine processes followed (the detection bench runs two)")
     parser.add_argument("--compare", metavar="REV", help="also run git revision REV's sampler, alternately")
+    parser.add_argument("--calls", action="store_true",
+                        help="time each part of a tick, back to back and after a 100 ms sleep (working tree)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.seconds <= 0 or args.rounds < 1 or args.processes < 1:
         parser.error("--seconds must be positive, --rounds and --processes at least 1")
+    if args.calls:
+        sys.path.insert(0, str(REPO))
+        calls(args.processes)
+        return 0
     if args.child:
         print(json.dumps(measure(args.processes, args.seconds)))
         return 0
