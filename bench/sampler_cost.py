@@ -20,6 +20,7 @@ Usage: .venv/bin/python bench/sampler_cost.py [--seconds 10] [--rounds 3] [--pro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,15 +54,26 @@ def _cpu_of(child: subprocess.Popen[str]) -> float:
     return float(child.stdout.readline())
 
 
+@contextlib.contextmanager
+def busy_processes(count: int) -> Iterator[list[subprocess.Popen[str]]]:
+    """``count`` engine-like processes, started and given half a second; killed on the way out."""
+    children = [subprocess.Popen([sys.executable, "-c", ENGINE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True) for _ in range(count)]
+    try:
+        time.sleep(0.5)
+        yield children
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+
+
 def measure(processes: int, seconds: float) -> dict[str, float]:
     """The sampling thread's CPU, in this process (whose ``collectors`` is the tree under test)."""
     from collectors.procfs import ProcfsSampler
     from collectors.sampling import SamplingLoop
 
-    children = [subprocess.Popen([sys.executable, "-c", ENGINE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True) for _ in range(processes)]
-    try:
-        time.sleep(0.5)
+    with busy_processes(processes) as children:
         samples: list = []
         sampler = ProcfsSampler()
         sampler.set_pids([child.pid for child in children])
@@ -74,13 +87,9 @@ def measure(processes: int, seconds: float) -> dict[str, float]:
         taken = len(samples)
         time.sleep(seconds)
         spent, ticked, wall = int(schedstat.read_text().split()[0]) - before, loop.ticks - ticks, time.monotonic() - started
-        measured = sum(s.util_percent / 100 * s.interval_s for s in samples[taken:len(samples)])
+        measured = sum(s.util_percent / 100 * s.interval_s for s in samples[taken:])
         truth = sum(_cpu_of(child) for child in children) - sum(truth_before)
         loop.stop()
-    finally:
-        for child in children:
-            child.kill()
-            child.wait()
     return {"percent": spent / 1e9 / wall * 100, "us_per_tick": spent / 1e3 / max(1, ticked),
             "measured_cpu_s": measured, "truth_cpu_s": truth}
 
@@ -90,10 +99,7 @@ def calls(processes: int, samples: int = 60) -> None:
     from collectors.procfs import ProcfsSampler, process_cpu_clock
     from collectors.sampling import SamplingLoop
 
-    children = [subprocess.Popen([sys.executable, "-c", ENGINE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True) for _ in range(processes)]
-    try:
-        time.sleep(0.5)
+    with busy_processes(processes) as children:
         pid = children[0].pid
         sampler = ProcfsSampler()
         sampler.set_pids([child.pid for child in children])
@@ -121,10 +127,6 @@ def calls(processes: int, samples: int = 60) -> None:
                 cells.append(statistics.median(spent) / 1e3)
             print(f"  {name:<44}" + "".join(f"{cell:>14.1f}" for cell in cells))
         os.close(held)
-    finally:
-        for child in children:
-            child.kill()
-            child.wait()
 
 
 def child(tree: Path, processes: int, seconds: float) -> dict[str, float]:

@@ -109,7 +109,7 @@ class ProcfsSampler:
         return all(self._quiet.get(pid, False) for pid in pids)
 
     def _cpu_ns(self, pid: int) -> int | None:
-        """The process's CPU time by its CPU clock, or None when it is gone (or the clock is off)."""
+        """The process's CPU time by its CPU clock, or None when it is gone."""
         try:
             return time.clock_gettime_ns(process_cpu_clock(pid))
         except OSError:  # EINVAL: no such process
@@ -173,25 +173,22 @@ class ProcfsSampler:
     def _reading(self, pid: int, before: _Reading | None) -> _Reading | None:
         """This moment's reading of ``pid`` (None: gone): its CPU clock, and the stat file when
         ``before`` is none or a second old; the stat file's ticks where the clock is off."""
-        if self.cpu_clock and before is not None and self._monotonic() - before.stat_at < STAT_EVERY_S:
-            cpu_ns = self._cpu_ns(pid)
-            if cpu_ns is None:
-                self._close(pid)
+        if not self.cpu_clock:
+            stat = self._read(pid)
+            if stat is None:
                 return None
-            return _Reading(cpu_ns, before.start_ticks, self._monotonic(), before.rss_pages, before.stat_at)
-        stat = self._read(pid)
-        if stat is None:
+            cpu_ticks, start_ticks, rss_pages = stat
+            now = self._monotonic()
+            return _Reading(cpu_ticks * 1_000_000_000 // self.clock_ticks, start_ticks, now, rss_pages, now)
+        cpu_ns = self._cpu_ns(pid)
+        if cpu_ns is None:
+            self._close(pid)
             return None
-        cpu_ticks, start_ticks, rss_pages = stat
-        if self.cpu_clock:
-            cpu_ns = self._cpu_ns(pid)
-            if cpu_ns is None:  # ended between the two reads
-                self._close(pid)
-                return None
-        else:
-            cpu_ns = cpu_ticks * 1_000_000_000 // self.clock_ticks
         now = self._monotonic()
-        return _Reading(cpu_ns, start_ticks, now, rss_pages, now)
+        if before is not None and now - before.stat_at < STAT_EVERY_S:
+            return _Reading(cpu_ns, before.start_ticks, now, before.rss_pages, before.stat_at)
+        stat = self._read(pid)  # None: ended since the clock's read
+        return None if stat is None else _Reading(cpu_ns, stat[1], now, stat[2], now)
 
     def _close(self, pid: int) -> None:
         fd = self._files.pop(pid, None)
