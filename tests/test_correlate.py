@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import event, func, select
@@ -135,6 +136,40 @@ def test_abort_without_engine_span_is_aborted_by_the_engines_gauges_then_settles
     clock.now = T0 + 7 * S
     correlator.tick()
     assert [v.verdict for v in settled] == [Verdict.ABORTED]
+
+
+def test_aborts_told_by_gauges_joined_in_one_round_are_judged_there_then_only_to_settle(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests whose clients left 0.3 s apart, no engine span (as vLLM's aborts), their spans
+    in one export batch: each is judged in that round (the later to leave first, so that its
+    registration is news to the earlier one then, not in the next round), then not again until the
+    clock settles it, while scrapes of later moments arrive every round."""
+    import auditor.correlate.correlator as correlator_module
+
+    evaluated: list[tuple[int, str]] = []
+    original = correlator_module.evaluate
+
+    def counting(corr: Correlator, request: Any, now: int) -> object:
+        evaluated.append(((now - T0) // S, request.key[0][0]))
+        return original(corr, request, now)
+
+    monkeypatch.setattr(correlator_module, "evaluate", counting)
+    clock = Clock()
+    settled: list[RequestVerdict] = []
+    correlator = make(store, clock, settled)
+    b_client = ("127.0.0.1", 40002)
+    store.insert_spans([http_span("a", 0, 1.02), http_span("b", 0.2, 1.32, client=b_client)])
+    store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST),
+                              close(1.3, ConnEventKind.PEER_RST, client=b_client)])
+    # The engine held both until just after their clients left.
+    correlator.add_engine_load([load(0.75, 2), load(1.0, 2), load(1.25, 1), load(1.5, 0), load(1.75, 0)])
+    for second in range(2, 12):
+        clock.now = T0 + second * S
+        correlator.add_engine_load([load(second - 0.1, 0)])
+        correlator.tick()
+    assert [(r.trace_id[0], r.verdict) for r in verdicts(store)] == [("a", "aborted"), ("b", "aborted")]
+    assert sorted(v.trace_id[0] for v in settled) == ["a", "b"]
+    assert evaluated == [(2, "b"), (2, "a"), (7, "b"), (7, "a")]  # settled 5 s after their ends
 
 
 def test_gauges_read_on_from_the_sweeps_checkpoints_and_news_of_their_past_counts(store: Store,
@@ -824,9 +859,9 @@ def test_an_untouched_provisional_verdict_is_rechecked_less_often_but_settles_on
         clock.now = T0 + second * S
         correlator.tick()
     assert [v.verdict for v in settled] == [Verdict.UNCONFIRMED]
-    # Every round until the verdict was written and once after, then 1, 2, 4, 8, 8 s apart, then
-    # at the end of the window (31.02 s: the first round after it), where it settles.
-    assert evaluated == [2, 3, 4, 6, 10, 18, 26, 32]
+    # Every round until the verdict was written, then 1, 2, 4, 8, 8 s after, then at the end of
+    # the window (31.02 s: the first round after it), where it settles.
+    assert evaluated == [2, 3, 5, 9, 17, 25, 32]
     [row] = verdicts(store)
     assert not row.details["provisional"]
     # New evidence of its trace is looked at in the next round, whatever the wait.
@@ -858,7 +893,9 @@ def test_an_untouched_provisional_verdict_is_rechecked_less_often_but_settles_on
                                     interval_s=0.1)])
         correlator.tick()
         by_round[second] = {r.trace_id[0]: r for r in verdicts(store)}["c"].verdict
-    assert evaluated == [42, 43, 52, 53, 60, 72]
+    # Judged when its span joins its reset (42), on the late span (52), on the sample of its window
+    # (60, not on the one of now), and when the clock settles it (72); not the round after a change.
+    assert evaluated == [42, 52, 60, 72]
     assert by_round[51] == "zombie" and by_round[52] == "aborted"
     assert [v.verdict for v in settled][-1] == Verdict.ABORTED  # settled at 72 s: 30 s after its end
 

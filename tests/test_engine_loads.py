@@ -55,6 +55,48 @@ def test_a_request_that_left_but_whose_span_is_still_counted_connected_claims_no
     assert ended_b is not None and ended_b.work_end_ns == at(2.45)
 
 
+def test_a_registration_changes_the_work_end_of_those_that_left_before_it_only() -> None:
+    """The first test's A and B: B's registration ends A's work earlier, and A's changes nothing of
+    B's (an earlier leaver counts among those before and by each scrape alike)."""
+    runs = {"A": (0.0, 1.95), "B": (0.9, 2.5)}
+    spans = {"A": (0.0, 0.26), "B": (0.9, 1.31)}
+
+    def ends(registered: list[str]) -> dict[str, int | None]:
+        loads = scraped(runs)
+        for name in registered:
+            loads.register(PORT, name, at({"A": 0.25, "B": 1.2995}[name]),
+                           connected_until_ns=at(spans[name][1]) + CLOCK_ERROR)
+        found = {name: loads.work_end(PORT, at(left), at(left), connected_counter(spans),
+                                      connected_until_ns=at(spans[name][1]) + CLOCK_ERROR)
+                 for name, left in (("A", 0.25), ("B", 1.2995))}
+        return {name: end.work_end_ns if end else None for name, end in found.items()}
+
+    assert ends(["A", "B"]) == {"A": at(1.95), "B": at(2.45)}
+    assert ends(["A"])["A"] == at(2.45)  # without B, B's orphans read as A's
+    assert ends(["B"])["B"] == at(2.45)
+
+
+def test_a_registration_is_news_to_those_that_left_before_it_judged_before_it_reading_that_far() -> None:
+    loads = EngineLoads()
+    loads.register(PORT, "A", at(0.25))
+    judged_after_a = loads.registrations
+    loads.register(PORT, "B", at(1.2995))
+    loads.register(PORT, "B", at(1.2995))  # the same again: no registration
+    registered = loads.take_registered()
+    assert registered.earliest() == at(0.25) and loads.registrations == 2
+    assert registered.concerning(at(0.25), at(2.0), seen=judged_after_a) == at(1.2995)
+    assert registered.concerning(at(0.25), at(2.0), seen=loads.registrations) is None  # judged after B
+    assert registered.concerning(at(0.25), at(1.0), seen=judged_after_a) is None  # read scrapes to 1 s
+    assert registered.concerning(at(1.2995), at(3.0), seen=0) is None  # B itself, and later leavers
+    assert registered.concerning(at(0.1), at(3.0), seen=0) == at(0.25)
+    assert not loads.take_registered()
+    # Registered again with another end of its span: its old time goes, its new one comes.
+    loads.register(PORT, "B", at(1.4), connected_until_ns=at(1.5))
+    registered = loads.take_registered()
+    assert registered.concerning(at(1.3), at(3.0), seen=0) == at(1.4)
+    assert registered.concerning(at(1.0), at(3.0), seen=0) == at(1.2995)
+
+
 def test_a_request_registered_again_replaces_its_disconnect() -> None:
     runs = {"A": (0.0, 1.95), "B": (0.9, 2.5)}
     spans = {"A": (0.0, 0.26), "B": (0.9, 1.31)}
@@ -115,9 +157,10 @@ def test_a_sweep_read_on_from_its_checkpoints_ends_where_a_whole_sweep_does() ->
             loads.register(PORT, "B", at(1.2995), connected_until_ns=at(1.75) + CLOCK_ERROR)
         loads.add([EngineLoad(at(tenth / 10), PORT, running=sum(1 for start, end in runs.values()
                                                                 if at(start) <= at(tenth / 10) < at(end)))])
-        news = loads.take_changed()
-        if news is not None:
-            sweep.forget_from(news)
+        # As the correlator: scrapes are news from their moment, B's registration to A (left before it).
+        for news in (loads.take_changed(), loads.take_registered().concerning(at(0.25), at(9), seen=0)):
+            if news is not None:
+                sweep.forget_from(news)
         ended = loads.work_end(PORT, at(0.25), at(0.25), connected_counter(spans),
                                connected_until_ns=at(0.26) + CLOCK_ERROR, sweep=sweep)
     whole.register(PORT, "A", at(0.25), connected_until_ns=at(0.26) + CLOCK_ERROR)

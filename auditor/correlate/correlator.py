@@ -32,7 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 from auditor.correlate.evaluate import clock_dependent, evaluate
-from auditor.correlate.evidence import FINAL_SEND_ATTR, EngineLoads
+from auditor.correlate.evidence import FINAL_SEND_ATTR, EngineLoads, Registered
 from auditor.correlate.feed import SpanFeed
 from auditor.correlate.live import LiveState
 from auditor.correlate.prune import drop_front
@@ -69,6 +69,7 @@ HORIZON_NS = 15 * 60 * 1_000_000_000
 MIN_MEMORY_NS = 60 * 1_000_000_000
 MEMORY_MARGIN_NS = 30 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
+_END_OF_TIME = sys.maxsize
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
 # The probe's events are stored a batch to a row (auditor.store.eventblocks); the cursor is an
 # event id, and the block it lies in is read again only while it was read part way (a restart).
@@ -267,7 +268,8 @@ class Correlator:
         """The oldest moment that evidence new since the last evaluation concerns: spans (from
         their start), kernel events, live notices, scrapes, utilization samples (from the start
         of what they cover) and the load records evaluation itself changed (those of one round's
-        evaluation count in the next)."""
+        evaluation count in the next), but its registered disconnects (news to some only,
+        ``EngineLoads.take_registered``)."""
         # A waiting scrape-decided verdict's cost reads the samples of its window, and a long window's
         # checkpoints hold what they read: new ones are news, before this round's evaluations.
         if self._checkpointed or any(request.reads_until_ns is not None for request in self._open.values()):
@@ -401,23 +403,31 @@ class Correlator:
         self._rekey()
         self._check_unjoined_spans(now)
         changed: list[tuple[OpenRequest, RequestVerdict]] = []
-        news = self._take_news()
-        self._forget_checkpoints(news)
+        news, registered = self._take_news(), self.loads.take_registered()
+        self._forget_checkpoints(news, registered)
         self.alarm_due_ns = None
         cpu.mark("join")
         try:
             # Chosen first, in one pass (the hundreds waiting out their late-span window are tested
-            # each round): evaluating one request changes no other's turn in this round.
+            # each round): evaluating one request changes no other's turn in this round. The latest
+            # to leave go first: a disconnect registered in the round is news only to those that
+            # left before it (Registered), which then read it in this round, not again in the next.
             touched = self._touched
-            for request in [r for r in self._open.values()
-                            if r.key[0] in touched or (r.due(now, news) and clock_dependent(r))]:
+            chosen = [r for r in self._open.values()
+                      if r.key[0] in touched or (r.due(now, news, registered) and clock_dependent(r))]
+            chosen.sort(key=_left_at, reverse=True)
+            for request in chosen:
                 verdict = evaluate(self, request, now)
+                request.registrations_seen = self.loads.registrations
                 request.checked(now, changed=verdict is not None)
                 if verdict is not None:
                     changed.append((request, verdict))
+            changed.reverse()  # written in the order their clients left
         except Exception:
-            if news is not None:  # the round failed part-way: its news counts again in the next
-                self._news_at(news)
+            # The round failed part-way: its news counts again in the next, for every verdict.
+            for ts_ns in (news, registered.earliest()):
+                if ts_ns is not None:
+                    self._news_at(ts_ns)
             raise
         cpu.mark("judge")
         # Only a committed verdict counts as written: if the store refuses (locked, disk full),
@@ -434,6 +444,7 @@ class Correlator:
         cpu.mark("write")
         for request, verdict in changed:
             request.written = verdict
+            request.checked(now, changed=False)  # when to look again, now that this verdict stands
             self._to_settle.add(request.key)
         self._news = set()  # joined with: kept when the round fails before
         first_unreported = self._settle(now)
@@ -447,14 +458,20 @@ class Correlator:
         """``request`` keeps checkpoints (evaluate's): news drops those it touches."""
         self._checkpointed[id(request)] = request
 
-    def _forget_checkpoints(self, news: int | None) -> None:
-        """A long window's cost, and its gauges' sweep, are read again from the news on."""
-        if not self._checkpointed or news is None:  # nothing keeps checkpoints, or nothing new
+    def _forget_checkpoints(self, news: int | None, registered: Registered) -> None:
+        """A long window's cost, and its gauges' sweep, are read again from the news on; the sweep
+        also from a registered disconnect that is news to it (no cost reads registrations)."""
+        if not self._checkpointed or (news is None and not registered):  # nothing keeps any, or nothing new
             return
         for request in self._checkpointed.values():
-            for checkpoints in (request.cost_partial, request.scrape_sweep):
-                if checkpoints is not None:
-                    checkpoints.forget_from(news)
+            if news is not None:
+                for checkpoints in (request.cost_partial, request.scrape_sweep):
+                    if checkpoints is not None:
+                        checkpoints.forget_from(news)
+            if registered and request.scrape_sweep is not None:
+                first = request.registered_news(registered, _END_OF_TIME)
+                if first is not None:
+                    request.scrape_sweep.forget_from(first)
 
     def _recall(self, trace_id: str, arrived_ns: int, arriving: str | None = None) -> None:
         """Bring a settled trace back from the store: its spans (but the ``arriving`` one, already
@@ -918,6 +935,10 @@ def _settled_request_ids(engine_request_id: str) -> tuple[str, ...]:
     if engine_request_id.startswith("chatcmpl-"):
         return engine_request_id, engine_request_id[9:]
     return (engine_request_id,)
+
+
+def _left_at(request: OpenRequest) -> int:
+    return request.origin().ts_ns
 
 
 def _lean(span: SpanRecord) -> SpanRecord:

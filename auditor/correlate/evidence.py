@@ -116,6 +116,39 @@ def _unpair(pair: int) -> tuple[int, int]:
     return first, second - _HALF if second >= _HALF // 2 else second
 
 
+class Registered:
+    """The registrations (``EngineLoads.register``) made since the correlator last took them, each
+    as its disconnect's time and its number in the order they were made.
+
+    A registration changes the work end only of requests that left before it and read scrapes up
+    to it (a later leaver claims orphans first; one that left earlier cancels out of the count),
+    and only for those judged before it was made: news to them alone, not to every verdict that
+    read that far (``concerning``)."""
+
+    __slots__ = ("_numbers", "_times")
+
+    def __init__(self, made: list[tuple[int, int]]) -> None:
+        made.sort()
+        self._times = [ts_ns for ts_ns, _ in made]
+        self._numbers = [number for _, number in made]
+
+    def __bool__(self) -> bool:
+        return bool(self._times)
+
+    def earliest(self) -> int | None:
+        return self._times[0] if self._times else None
+
+    def concerning(self, left_ns: int, until_ns: int, seen: int) -> int | None:
+        """The earliest registration after ``left_ns`` and at most ``until_ns`` made after the
+        ``seen``-th: news to a request whose client left at ``left_ns``, judged when ``seen`` had
+        been made, whose verdict read scrapes up to ``until_ns``."""
+        times, numbers = self._times, self._numbers
+        for index in range(bisect.bisect_right(times, left_ns), bisect.bisect_right(times, until_ns)):
+            if numbers[index] > seen:
+                return times[index]
+        return None
+
+
 class EngineLoads:
     """Recent scrapes per inference port, and the disconnected requests that may own their orphans."""
 
@@ -132,9 +165,12 @@ class EngineLoads:
         # integers in an array, not int objects in a list (40 bytes each)
         self._departures: dict[int, array[int]] = defaultdict(_times)
         self._departed: dict[tuple[str, int, int], int] = {}  # connection -> its last close
-        # The earliest moment any change concerns (a scrape, a close, a registered disconnect)
-        # since the correlator last took it: verdicts that read nothing that old stay as they are.
+        # The earliest moment any change concerns (a scrape, a close) since the correlator last took
+        # it: verdicts that read nothing that old stay as they are.
         self.changed_ns: int | None = None
+        # Registrations are news apart (``Registered``): made so far, and those since last taken.
+        self.registrations = 0
+        self._registered: list[tuple[int, int]] = []
 
     def _changed(self, ts_ns: int) -> None:
         if self.changed_ns is None or ts_ns < self.changed_ns:
@@ -143,6 +179,14 @@ class EngineLoads:
     def take_changed(self) -> int | None:
         changed, self.changed_ns = self.changed_ns, None
         return changed
+
+    def take_registered(self) -> Registered:
+        made, self._registered = self._registered, []
+        return Registered(made)
+
+    def _registered_at(self, ts_ns: int) -> None:
+        self.registrations += 1
+        self._registered.append((ts_ns, self.registrations))
 
     def add(self, loads: Iterable[EngineLoad]) -> set[int]:
         """Record scrapes; returns the ports they concern."""
@@ -206,8 +250,8 @@ class EngineLoads:
                 index += 1
             if index < len(times) and times[index] == known[0]:
                 del times[index], untils[index]
-            self._changed(known[0])
-        self._changed(disconnect_ns)
+            self._registered_at(known[0])
+        self._registered_at(disconnect_ns)
         self._disconnects[port].pop(key, None)  # to the end: in registration order, for prune
         self._disconnects[port][key] = registered
         index = bisect.bisect_right(times, disconnect_ns)

@@ -8,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from auditor.correlate.evidence import ScrapeSweep
+from auditor.correlate.evidence import Registered, ScrapeSweep
 from auditor.correlate.traces import Tuple4
 from auditor.correlate.waste import PartialCost
 from auditor.model import LiveEvent, RequestVerdict, Verdict
@@ -113,21 +113,32 @@ class OpenRequest:
     first: Disconnect | None = None  # the earliest of ``disconnects`` (kept by ``add``)
     cost_partial: PartialCost | None = None  # a long zombie window's cost so far (evaluate's)
     scrape_sweep: ScrapeSweep | None = None  # where its gauges' sweep stood (evaluate's)
+    registrations_seen: int = 0  # EngineLoads.registrations when it was last evaluated
 
-    def due(self, now_ns: int, news_ns: int | None = None) -> bool:
+    def due(self, now_ns: int, news_ns: int | None = None, registered: Registered | None = None) -> bool:
         """Whether to evaluate it this round, untouched by its own trace; ``news_ns`` is the oldest
-        moment that the round's new spans, closes, scrapes and live notices concern."""
-        if self.reads_until_ns is not None and news_ns is not None and news_ns <= self.reads_until_ns:
-            return True
+        moment that the round's new spans, closes, scrapes and live notices concern, ``registered``
+        the disconnects registered since the last round (news only to some, ``Registered``)."""
+        reads = self.reads_until_ns
+        if reads is not None:
+            if news_ns is not None and news_ns <= reads:
+                return True
+            if registered and self.registered_news(registered, reads) is not None:
+                return True
         return now_ns >= self.recheck_at_ns
 
+    def registered_news(self, registered: Registered, until_ns: int) -> int | None:
+        """The earliest of ``registered`` that may change what it read up to ``until_ns``."""
+        return registered.concerning(self.origin().ts_ns, until_ns, self.registrations_seen)
+
     def checked(self, now_ns: int, *, changed: bool) -> None:
-        """After an evaluation: a provisional verdict that did not change, and that only the clock or
-        new evidence of its trace can change, is looked at again after 1, 2, 4, 8 s (new evidence
-        re-evaluates it at once), and never after the moment the clock settles it. A verdict the
-        engine's scrapes decided, once every scrape it reads has come, is looked at again on news
-        as old as what it read (``due``) and when it settles. Anything else, a scrape-decided
-        verdict still waiting on scrapes, is looked at every round."""
+        """After an evaluation, and again once a changed verdict is written (until then it is
+        looked at every round: a write the store refused is computed again). A provisional verdict
+        that only the clock or new evidence of its trace can change is looked at again after 1, 2,
+        4, 8 s (new evidence re-evaluates it at once), and never after the moment the clock settles
+        it. A verdict the engine's scrapes decided, once every scrape it reads has come, is looked
+        at again on news as old as what it read (``due``) and when it settles. Anything else, a
+        scrape-decided verdict still waiting on scrapes, is looked at every round."""
         written = self.written
         if changed or written is None or not written.details.get("provisional") or self.settles_at_ns is None:
             self.recheck_at_ns = self.recheck_backoff_ns = 0
