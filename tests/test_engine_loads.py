@@ -169,3 +169,14 @@ def test_a_sweep_read_on_from_its_checkpoints_ends_where_a_whole_sweep_does() ->
                               connected_until_ns=at(0.26) + CLOCK_ERROR)
     assert ended == expected and expected is not None and expected.work_end_ns == at(1.95)
     assert any(held for held, _, _ in sweep.states)  # B's "until", from a checkpoint after 1.3 s
+
+
+def test_a_sweep_is_reached_by_news_exactly_where_news_would_drop_checkpoints() -> None:
+    sweep = ScrapeSweep()  # news drops checkpoints up to a second (its margin) before it
+    assert sweep.resume(("port", "disconnect")) is None and not sweep.reaches(at(0))
+    sweep.mark(at(1), ((), None, 0))
+    sweep.mark(at(2), ((), at(2), 1))
+    for news, reaches, kept in ((3.5, False, 2), (3.0, True, 1)):
+        assert sweep.reaches(at(news)) is reaches
+        sweep.forget_from(at(news))
+        assert len(sweep.at) == kept

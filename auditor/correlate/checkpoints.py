@@ -40,6 +40,10 @@ class Checkpoints(Generic[State]):
         keep = bisect.bisect_left(self.at, news_ns - self.margin_ns)
         del self.at[keep:], self.states[keep:]
 
+    def reaches(self, news_ns: int) -> bool:
+        """Whether news at ``news_ns`` would drop any of them (``forget_from``)."""
+        return bool(self.at) and self.at[-1] >= news_ns - self.margin_ns
+
     def resume(self, key: tuple[object, ...], upto_ns: int | None = None) -> tuple[int, State] | None:
         """The last checkpoint (at or before ``upto_ns``) of a read with this key; None: start over."""
         if key != self.key:

@@ -463,15 +463,18 @@ class Correlator:
         also from a registered disconnect that is news to it (no cost reads registrations)."""
         if not self._checkpointed or (news is None and not registered):  # nothing keeps any, or nothing new
             return
+        earliest = registered.earliest()
         for request in self._checkpointed.values():
             if news is not None:
                 for checkpoints in (request.cost_partial, request.scrape_sweep):
                     if checkpoints is not None:
                         checkpoints.forget_from(news)
-            if registered and request.scrape_sweep is not None:
+            sweep = request.scrape_sweep
+            # Most sweeps ended long before any registration: only those it could reach are asked.
+            if earliest is not None and sweep is not None and sweep.reaches(earliest):
                 first = request.registered_news(registered, _END_OF_TIME)
                 if first is not None:
-                    request.scrape_sweep.forget_from(first)
+                    sweep.forget_from(first)
 
     def _recall(self, trace_id: str, arrived_ns: int, arriving: str | None = None) -> None:
         """Bring a settled trace back from the store: its spans (but the ``arriving`` one, already
