@@ -172,6 +172,37 @@ def test_aborts_told_by_gauges_joined_in_one_round_are_judged_there_then_only_to
     assert evaluated == [(2, "b"), (2, "a"), (7, "b"), (7, "a")]  # settled 5 s after their ends
 
 
+def test_a_round_that_fails_part_way_leaves_its_news_and_registrations_news_to_every_verdict(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 2 judges two gauge-told aborts and registers their disconnects (1.0 and 1.3 s). Round 3
+    takes them as news and fails judging a new span: the next round must see that news, and the
+    span's, as news to every verdict (the failed round cannot say whom its registrations reached)."""
+    import auditor.correlate.correlator as correlator_module
+
+    clock = Clock()
+    correlator = make(store, clock)
+    b_client = ("127.0.0.1", 40002)
+    store.insert_spans([http_span("a", 0, 1.02), http_span("b", 0.2, 1.32, client=b_client)])
+    store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST),
+                              close(1.3, ConnEventKind.PEER_RST, client=b_client)])
+    correlator.add_engine_load([load(0.75, 2), load(1.0, 2), load(1.25, 1), load(1.5, 0), load(1.75, 0)])
+    clock.now = T0 + 2 * S
+    correlator.tick()
+    assert correlator.loads.registrations == 2
+
+    def failing(corr: Correlator, request: Any, now: int) -> object:
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(correlator_module, "evaluate", failing)
+    store.insert_spans([http_span("c", 2.5, 2.6, client=("127.0.0.1", 40003))])
+    store.insert_conn_events([close(2.55, ConnEventKind.PEER_RST, client=("127.0.0.1", 40003))])
+    clock.now = T0 + 3 * S
+    with pytest.raises(RuntimeError):
+        correlator.tick()
+    assert correlator._news_ns == T0 + 1 * S  # a's registration, older than the span's and the close's
+    assert not correlator.loads.take_registered()  # taken: counted as news above, not twice
+
+
 @pytest.mark.xfail(strict=True, reason="the requests in flight at a scrape are counted from spans and live notices "
                    "only: a running request whose spans have not come reads as an orphan (docs/verdicts.md)")
 def test_a_cancel_beside_a_long_request_whose_span_has_not_come_is_not_held_running(store: Store) -> None:
