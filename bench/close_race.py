@@ -17,9 +17,9 @@ round; one round a second (``correlate.interval_seconds``), in a process of its 
 daemon's garbage-collector settings and no other thread: the correlator's own work, not what a
 busy host adds to it. Printed for each race share side by side: the rounds' CPU by step
 (RoundCpu, the thread's own clock) to the last verdict, over the load's seconds (a share of a
-core); the coverage rows written and their pages in the store; what one racing close costs (the
-difference from the first share, per race); and the CPU by minute, where growth with the run's
-length would show.
+core); how many times each racing and each cancelled request was judged (evaluated); the coverage
+rows written and their pages in the store; what one racing close costs (the difference from the
+first share, per race); and the CPU by minute, where growth with the run's length would show.
 
 The verdicts are checked against what the load did: every race `completed`, every cancel
 `aborted`, no other verdict. With ``--compare REV`` git revision REV's correlator runs the same
@@ -144,12 +144,23 @@ def due(items: list[Any], upto: int, at: int, time_of: Any) -> tuple[list[Any], 
 
 
 def run_one(seconds: int, race: float, cancel_every: int, export_s: float, profile: str | None) -> dict[str, Any]:
+    import auditor.correlate.correlator as correlator_module
     from auditor.correlate import Correlator
     from auditor.correlate.feed import SpanFeed
     from auditor.store import Store
 
     t0 = 1_700_000_000 * S
     spans, events, loads, expected = load(seconds, race, cancel_every, t0)
+    # How often each kind of request is judged: the correlator's evaluate, counted by the load's
+    # index in the trace id (a cancel every ``cancel_every``-th).
+    looks: Counter[str] = Counter()
+    judge = correlator_module.evaluate
+
+    def counted(corr: Any, request: Any, now: int) -> Any:
+        looks["cancel" if (int(request.key[0], 16) - 1) % cancel_every == cancel_every - 1 else "race"] += 1
+        return judge(corr, request, now)
+
+    correlator_module.evaluate = counted
     written: dict[str, str] = {}
     minutes: list[dict[str, float]] = []
     profiler = None
@@ -196,6 +207,8 @@ def run_one(seconds: int, race: float, cancel_every: int, export_s: float, profi
     return {"race": race, "coverage_rows": coverage_rows, "coverage_bytes": coverage_bytes,
             "steps": correlator.cpu.seconds(),
             "verdicts": dict(Counter(written.values())), "races": sum(v == "completed" for v in expected.values()),
+            "looks": {kind: looks[kind] / max(1, sum(v == want for v in expected.values()))
+                      for kind, want in (("race", "completed"), ("cancel", "aborted"))},
             "minutes": minutes, "wrong": len(wrong), "wrong_example": sorted(wrong.items())[:3],
             "extra": len(extra), "extra_example": extra[:3]}
 
@@ -273,6 +286,9 @@ def main() -> int:
     print("  coverage rows written (KiB in the store), by race share: " + "; ".join(
         f"{label[:12]} " + ", ".join(f"{row['coverage_rows']:,} ({row['coverage_bytes'] / 1024:,.0f})"
                                      for row in results[label]) for label in trees))
+    print("  evaluations a judged request (races, cancels), by race share: " + "; ".join(
+        f"{label[:12]} " + ", ".join(f"{row['looks']['race']:.2f}/{row['looks']['cancel']:.2f}" for row in results[label])
+        for label in trees))
     if args.rounds > 1:
         print("  the rounds' totals, in the order run: " + "; ".join(
             f"{label[:12]} " + " | ".join(",".join(f"{share(t):.2f}" for t in row["totals"]) for row in results[label])
