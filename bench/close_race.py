@@ -200,6 +200,7 @@ def run_one(seconds: int, race: float, cancel_every: int, export_s: float, profi
             # The table's and its index's pages (SQLite's dbstat): what a month of them keeps on disk.
             coverage_bytes = conn.scalar("SELECT sum(pgsize) FROM dbstat WHERE name IN ('coverage', 'ix_coverage_ts')")
         store.close()
+    correlator_module.evaluate = judge  # the next share counts its own
     if profiler:
         profiler.dump_stats(f"{profile}.{race}")
     wrong = {rid: (written.get(rid), want) for rid, want in expected.items() if written.get(rid) != want}

@@ -268,7 +268,7 @@ class Correlator:
         """The oldest moment that evidence new since the last evaluation concerns: spans (from
         their start), kernel events, live notices, scrapes, utilization samples (from the start
         of what they cover) and the load records evaluation itself changed (those of one round's
-        evaluation count in the next), but its registered disconnects (news to some only,
+        evaluation count in the next), except the disconnects it registers (news to some only,
         ``EngineLoads.take_registered``)."""
         # A waiting scrape-decided verdict's cost reads the samples of its window, and a long window's
         # checkpoints hold what they read: new ones are news, before this round's evaluations.
