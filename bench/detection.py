@@ -27,7 +27,9 @@ minute (bench/memprobe: RSS, Python's object arenas, glibc's heap, SQLite's part
 ``--memory-trace`` (one tree) has the daemon run tracemalloc and prints the Python allocations grown
 from the second minute on, by the line that made them (it slows the daemon: not for CPU figures).
 ``--alarms-by gauges`` times the alarms of an engine that sends no live notices (as vLLM): the
-daemon knows its zombies by the gauges it scrapes.
+daemon knows its zombies by the gauges it scrapes. ``--watch-inflight`` reads the daemon's
+in-flight zombie count every half second during the load, whose engine stops at every disconnect:
+any count is a misreading (the reads cost the daemon CPU: not for CPU figures).
 
 Usage: .venv/bin/python bench/detection.py [--alarms 15] [--load-seconds 20] [--rate 100] [--cancel-every 10]
                                            [--compare REV --rounds 3] [--profile stacks.txt]
@@ -79,6 +81,7 @@ RACE_S = 0.005  # a close this near the end of the work races it (kernel and eng
 # its gauges alone, which the daemon scrapes (engine_metrics.interval_seconds).
 KNOWN_BY = {"live": "live notices on", "gauges": "no live notices: the engine's gauges tell"}
 SETTLE_S = 10.0  # how long after the last export the load's last verdicts may take (see judge_settled)
+INFLIGHT_POLL_S = 0.5  # --watch-inflight
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
@@ -382,6 +385,14 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
 
     watcher = threading.Thread(target=watch_rss, daemon=True)
     watcher.start()
+    inflight: list[float] = []
+
+    def watch_inflight() -> None:  # the load's engine makes no zombie: every one shown is a misreading
+        while not done.wait(INFLIGHT_POLL_S):
+            inflight.append(metric(scrape(metrics_port), "auditor_inflight_zombies") if metrics_port else 0.0)
+
+    if args.watch_inflight:
+        threading.Thread(target=watch_inflight, daemon=True).start()
     sent, achieved, client_left, connections = asyncio.run(paced_load(
         port, args.rate, args.load_seconds, cancel_every=args.cancel_every, keep_alive=args.keep_alive))
     done.set()
@@ -415,7 +426,8 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
     return {"sent": sent, "achieved": achieved, "connections": connections, "cpu": cpu, "wall": wall, "cpu_percent": cpu / wall * 100,
             "rss": rss, "peak": peak, "rss_series": rss_series, "spans": spans, "verdicts": verdicts, "threads": by_name,
             "wakeups": wakeups, "client_left": client_left, "steps": steps,
-            "rounds": rounds, "per_round": per_round, "spans_taken": spans_taken, "span_us": span_us}
+            "rounds": rounds, "per_round": per_round, "spans_taken": spans_taken, "span_us": span_us,
+            "inflight": inflight}
 
 
 def judge_load(db: Path, truths: list[dict[str, Any]], poll_s: float = 0.0,
@@ -530,6 +542,11 @@ def print_load(load: dict[str, Any], args: argparse.Namespace) -> None:
               + ", ".join(f"{step} {ms:.2f}" for step, ms in load["per_round"].items()))
     if load["span_us"] is not None:
         print(f"  correlator's spans step: {load['span_us']:.1f} us a span ({load['spans_taken']} spans stored meanwhile)")
+    if load["inflight"]:
+        shown = load["inflight"]
+        print(f"  in-flight zombies shown during the load (none true: the load's engine stops at every disconnect), "
+              f"every {INFLIGHT_POLL_S:g} s: mean {statistics.fmean(shown):.2f}, max {max(shown):.0f}, "
+              f"above 0 in {sum(1 for n in shown if n > 0) / len(shown):.0%} of {len(shown)} readings")
 
 
 def print_memory(probes: dict[str, Path], columns: int = 7) -> None:
@@ -664,6 +681,9 @@ def main() -> int:
                         help="how the alarms' zombies are known while they run: the engine's live notices, or "
                              "its gauges alone (as vLLM's), which the daemon scrapes")
     parser.add_argument("--live-load", action="store_true", help="the load's engine sends live notices too")
+    parser.add_argument("--watch-inflight", action="store_true",
+                        help=f"read the daemon's auditor_inflight_zombies every {INFLIGHT_POLL_S:g} s during the load "
+                             "(none is true there); the reads cost the daemon CPU: not for CPU figures")
     parser.add_argument("--otlp", choices=("http", "grpc"), default="http",
                         help="how the engines export their spans, and the daemon's receiver (vLLM's "
                              "exporter defaults to gRPC, and the unit listens for it)")
