@@ -725,6 +725,9 @@ def main() -> int:
         parser.error("--memory-trace runs one daemon: leave out --compare and --compare-setting")
     if args.alarms is None:
         args.alarms = 0 if args.compare or args.compare_setting else 15
+    if args.watch_inflight and args.alarms:
+        parser.error("--watch-inflight counts every in-flight zombie as a misreading: add --alarms 0 (the alarms' "
+                     "zombies may still run during the load)")
     daemon_cpus = None
     if args.daemon_cpu is not None:
         available = os.sched_getaffinity(0)
