@@ -241,7 +241,7 @@ def measure_alarms(db: Path, engine_port: int, metrics_port: int, count: int) ->
 
 
 async def paced_load(port: int, rate: float, seconds: float, cancel_every: int,
-                     keep_alive: bool = False) -> tuple[int, float, dict[str, int], str]:
+                     keep_alive: bool = False, tokens: int = 4) -> tuple[int, float, dict[str, int], str]:
     """Send the load; returns how many requests, the rate achieved, the requests whose client
     left before it had read the whole answer, with when it cancelled (wall-clock ns), and how the
     connections went. ``keep_alive``: the requests share kept-alive connections, as an SDK's pool
@@ -251,7 +251,7 @@ async def paced_load(port: int, rate: float, seconds: float, cancel_every: int,
     for index in range(total):
         cancelled = index % cancel_every == 0
         plans.append(RequestPlan(request_id=f"load-{index}", trace_id=os.urandom(16).hex(),
-                                 body={"model": "ref-llm-1b", "prompt": "a b", "max_tokens": 4, "stream": index % 2 == 0},
+                                 body={"model": "ref-llm-1b", "prompt": "a b", "max_tokens": tokens, "stream": index % 2 == 0},
                                  cancel_after_s=0.005 if cancelled else None, close_with="rst" if index % 4 else "fin"))
     left: dict[str, int] = {}
     pool = KeptConnections() if keep_alive else None
@@ -394,7 +394,8 @@ def measure_load(daemon: subprocess.Popen[bytes], db: Path, port: int, args: arg
     if args.watch_inflight:
         threading.Thread(target=watch_inflight, daemon=True).start()
     sent, achieved, client_left, connections = asyncio.run(paced_load(
-        port, args.rate, args.load_seconds, cancel_every=args.cancel_every, keep_alive=args.keep_alive))
+        port, args.rate, args.load_seconds, cancel_every=args.cancel_every, keep_alive=args.keep_alive,
+        tokens=args.load_tokens))
     done.set()
     cpu = proc_cpu_seconds(daemon.pid) - cpu_before
     threads = {tid: (spent - threads_before.get(tid, (0.0, 0))[0], woke - threads_before.get(tid, (0.0, 0))[1])
@@ -673,6 +674,9 @@ def main() -> int:
     parser.add_argument("--compare", metavar="REV", help="also load a daemon of git revision REV's code, "
                         "alternating with the working tree's (latency only with --alarms)")
     parser.add_argument("--rounds", type=int, default=3, help="load runs of each tree with --compare")
+    parser.add_argument("--load-tokens", type=int, default=4, metavar="N",
+                        help="max_tokens of each load request: at the load engine's 2 ms a step, 4 makes requests of "
+                             "about 10 ms; longer ones keep more requests running beside each cancel")
     parser.add_argument("--keep-alive", action="store_true",
                         help="the load's requests share kept-alive connections, as an SDK's pool does (the openai "
                              "SDK's httpx): a cancel closes its connection, a completed request leaves it open for "
