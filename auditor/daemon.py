@@ -381,6 +381,8 @@ class Daemon:
             live = self._parts["live"].drain() if "live" in self._parts else []
             self.correlator.add_engine_load(self._drain_engine_loads())
             self.correlator.tick(live)
+            if self.correlator.clients_wanted and "engine_metrics" in self._parts:
+                self._parts["engine_metrics"].want_clients(self.correlator.clients_wanted)
             cpu.start()
             self._report_lost_events()
             self._upkeep.round(self.correlator.arrived, self.correlator.spans.get)

@@ -22,12 +22,14 @@ page again.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
+from typing import Any
 from urllib.parse import quote
 
 from auditor.model import EngineLoad
@@ -61,6 +63,10 @@ _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux's
 QUIET_AFTER_S = 10.0
 QUIET_INTERVAL_S = 1.0
 IDLE_RECHECK_S = 2.0  # with no engine to scrape, how soon a newly watched port is tried
+# How long after a client left a port (``activity``), or a verdict asked (``want_clients``), its
+# scrapes list the clients connected: a walk of the kernel's established hash, about a millisecond
+# a round on a host of 262,144 buckets, whatever the ports hold.
+LIST_CLIENTS_FOR_S = 2.0
 MAX_PAGE_BYTES = 4 * 1024 * 1024
 MAX_HEAD_BYTES = 64 * 1024
 
@@ -312,6 +318,10 @@ class EngineMetricsScraper:
         self._skip_until: dict[int, float] = {}
         self._connections: dict[int, PageConnection] = {}
         self._ends: set[tuple[str, int, int]] = set()  # the connections open now (see on_connections)
+        self._diag: Any = None  # probes.sockdiag.SockDiag once opened; False where the kernel refused it
+        self._accepts: Any = None  # probes.sockdiag.TcpAccepts, opened with it
+        # Per port: until when (monotonic) its scrapes list the clients connected (``want_clients``).
+        self._list_until: dict[int, float] = {}
         self._filtered_path = filtered_path(path)
         # Per port: whether its engine answers the filtered path with every series it has (None:
         # not known yet, read both ways at its next scrape). ``filtered=False``: never asked.
@@ -350,6 +360,34 @@ class EngineMetricsScraper:
         if filters is None and self._ask_filtered:
             self.filters[port] = self._filters_alike(port, text)
         return load
+
+    def _connected(self, ports: Iterable[int]) -> dict[int, tuple[tuple[str, int, int], ...]]:
+        """The clients connected to each of ``ports`` now, but this scraper, each with when it last
+        sent data (``EngineLoad.connections``); nothing where sock_diag is refused. One walk of the
+        kernel's established hash for all of them."""
+        if self._diag is False:
+            return {}
+        try:
+            if self._diag is None:
+                from probes.sockdiag import SockDiag, TcpAccepts
+
+                self._diag = SockDiag()
+                try:
+                    self._accepts = TcpAccepts()
+                except OSError:
+                    self._accepts = None  # every listing taken as complete
+            found = self._diag.established(frozenset(ports))
+        except OSError as exc:
+            log.info("the kernel's connections to the watched ports cannot be read (%s): the engines' gauges "
+                     "are read against the requests' spans alone", exc)
+            self._diag = False
+            return {}
+        now = self.clock()
+        own = {(end[0], end[1]) for end in self._ends}
+        return {port: tuple((peer, peer_port, now - last_ms * 1_000_000)
+                            for (_family, _local, _port, peer, peer_port), last_ms in clients
+                            if (peer, peer_port) not in own)
+                for port, clients in found.items()}
 
     def _filters_alike(self, port: int, whole: str) -> bool:
         """Whether the port's filtered page has the same engine's same series as its whole page."""
@@ -399,12 +437,27 @@ class EngineMetricsScraper:
         for connection in list(self._connections.values()):
             self._close(connection)
         self._connections.clear()
+        if self._diag:
+            self._diag.close()
+            self._diag = None
+        if self._accepts is not None:
+            self._accepts.close()
+            self._accepts = None
 
     def scrape_all(self, ports: Iterable[int] | None = None) -> list[EngineLoad]:
         """A scrape of each of ``ports`` (every watched port by default) not in its back-off."""
         loads = []
         now = time.monotonic()
-        for port in sorted(set(self.ports() if ports is None else ports)):
+        wanted = sorted(set(self.ports() if ports is None else ports))
+        with self._lock:
+            listing = [port for port in wanted
+                       if self._list_until.get(port, -math.inf) > now and self._skip_until.get(port, 0.0) <= now]
+        # A client accepted between the listing and a scrape's answer may be among the requests the
+        # gauges hold and not among the clients listed: the kernel's count of accepts (any port)
+        # before and after says whether any was; if so the scrape's listing is incomplete.
+        accepts = self._accepts.read() if listing and self._accepts is not None else None
+        walked = self._connected(listing) if listing else {}
+        for port in wanted:
             if self._skip_until.get(port, 0.0) > now:
                 continue
             try:
@@ -422,6 +475,9 @@ class EngineMetricsScraper:
                 self._skip_until[port] = now + NOT_AN_ENGINE_BACKOFF_S
                 continue
             self._skip_until.pop(port, None)
+            if port in walked:
+                after = self._accepts.read() if accepts is not None and self._accepts is not None else None
+                load = replace(load, connections=walked[port], connections_complete=after in (None, accepts))
             loads.append(load)
         return loads
 
@@ -438,6 +494,7 @@ class EngineMetricsScraper:
                 for gone in set(self._next_at) - ports:
                     self._next_at.pop(gone)
                     self._active_at.pop(gone, None)
+                    self._list_until.pop(gone, None)
             due = sorted(port for port in ports if self._next_at.get(port, now) <= now)
             try:
                 loads = self.scrape_all(due)
@@ -480,10 +537,20 @@ class EngineMetricsScraper:
         ports = set(self._active_at)
         return bool(ports) and self.quiet_ports() == ports
 
+    def want_clients(self, ports: Iterable[int], seconds: float = LIST_CLIENTS_FOR_S) -> None:
+        """List the clients connected to these ports with each of their scrapes for the next
+        ``seconds``: the correlator reads the engines' gauges against them while it judges a
+        disconnect there (``EngineLoads.work_end``)."""
+        until = time.monotonic() + seconds
+        with self._lock:
+            for port in ports:
+                self._list_until[port] = max(self._list_until.get(port, -math.inf), until)
+
     def activity(self, ports: Iterable[int] | None = None) -> None:
         """A client left these watched ports (every one by default): each is back to the scrape
         rate, and a quiet one is scraped at once (the scrapes after a disconnect tell whether its
-        work stopped)."""
+        work stopped); their clients are listed with their scrapes for a while (``want_clients``)."""
+        self.want_clients(set(self._next_at) if ports is None else ports)
         with self._lock:
             quiet = self.quiet_ports()
             now = time.monotonic()

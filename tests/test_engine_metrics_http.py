@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -153,6 +154,31 @@ def test_the_scraper_names_the_connections_it_holds_open(serve: Callable[..., Se
     client.close()
     assert told[-1] == frozenset()
     assert server.connections == 2
+
+
+def test_a_scrape_lists_the_clients_connected_to_the_port_but_its_own_when_asked(serve: Callable[..., Server]) -> None:
+    # The kernel's word on who is connected as the scrape is sent (sock_diag), while a client has
+    # just left the port or a verdict reads its scrapes: a client that sent its request 0.3 s
+    # before and waits for its answer, with when it sent; not the scraper itself.
+    server = serve([content_length()] * 3)
+    client = scraper()
+    [unlisted] = client.scrape_all([server.port])  # the scraper's connection, kept alive from now on
+    assert unlisted.connections is None
+    client.want_clients([server.port])  # a client left, or a verdict reads the port's scrapes
+    waiting = socket.create_connection(("127.0.0.1", server.port))  # never answered: the server serves one
+    waiting_end = waiting.getsockname()[:2]
+    try:
+        waiting.sendall(b"POST /v1/completions HTTP/1.1\r\n\r\n")
+        sent_ns = time.time_ns()
+        time.sleep(0.3)
+        [load] = client.scrape_all([server.port])
+    finally:
+        waiting.close()
+        client.close()
+    assert load is not None and load.connections is not None
+    [(address, port, last_sent_ns)] = load.connections
+    assert (address, port) == waiting_end
+    assert abs(last_sent_ns - sent_ns) < 20_000_000, (last_sent_ns - sent_ns) / 1e6
 
 
 @pytest.mark.parametrize(("answer", "error"), [

@@ -46,7 +46,7 @@ from auditor.correlate.requests import (
 )
 from auditor.correlate.roundcpu import RoundCpu
 from auditor.correlate.traces import TraceIndex, Tuple4, disconnect_instant, norm_addr, span_tuple
-from auditor.correlate.verdict import NORMAL_FINISH, TOKENS_AFTER_DISCONNECT_ATTR
+from auditor.correlate.verdict import CLOCK_ERROR_NS, NORMAL_FINISH, TOKENS_AFTER_DISCONNECT_ATTR
 from auditor.correlate.waste import CostSources
 from auditor.model import (
     ConnEventKind,
@@ -69,6 +69,9 @@ HORIZON_NS = 15 * 60 * 1_000_000_000
 MIN_MEMORY_NS = 60 * 1_000_000_000
 MEMORY_MARGIN_NS = 30 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
+# The kernel tells when a client last sent data in milliseconds of its tick (4 ms at HZ=250): a
+# request's span that ended this little before that moment still counts as the one it sent.
+CLIENT_LAST_SENT_ERROR_NS = 10_000_000
 _END_OF_TIME = sys.maxsize
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
 # The probe's events are stored a batch to a row (auditor.store.eventblocks); the cursor is an
@@ -144,6 +147,11 @@ class Correlator:
         # no engine span by the end of the late-span window says the work was aborted.
         self.services_spanning_finishes: set[str] = set()
         self.loads = EngineLoads()
+        self.loads.clients_kept_ns = self.memory_ns  # as long as the spans that tell them are held
+        self._unspanned: dict[tuple[int, int], int] = {}  # (port, scrape) -> unspanned_clients, this round
+        # Ports whose coming scrapes a verdict of this round reads undecided: their clients are
+        # wanted with them (the daemon asks the scraper, ``EngineMetricsScraper.want_clients``).
+        self.clients_wanted: set[int] = set()
         self.cost = CostSources(store, host)  # samples and engine processes, for what zombies cost
         self._pending = Disconnects()
         # Resets whose span started after them and ended too recently to tell whether a later event
@@ -393,6 +401,8 @@ class Correlator:
         cpu.start()
         self._touched = set()
         self.arrived = []
+        self._unspanned = {}
+        self.clients_wanted = set()
         self.add_live(live or [])
         self._read_spans()
         cpu.mark("spans")
@@ -690,6 +700,29 @@ class Correlator:
         spans, or their start notices while the spans have not arrived."""
         until = ts_ns if until_ns is None else max(ts_ns, until_ns)
         return self.spans.server_spans_on(port, ts_ns, until, also=self.live.running_on(port, ts_ns, until))
+
+    def unspanned_clients(self, load: EngineLoad, clients: tuple[tuple[str, int, int], ...]) -> int:
+        """Of the clients the kernel listed connected to ``load``'s port as it was scraped
+        (address, port, when each last sent data), how many may hold a request that the spans and
+        notices do not tell yet. A client's request is told by a server span on its connection
+        that started by the scrape's answer and had not ended before the client last sent (else
+        the client sent a request after it: that one is not told); a client whose told request
+        ended before the scrape is idle, kept alive. Counted once a round (spans come between
+        rounds)."""
+        key = (load.server_port, load.ts_ns)
+        counted = self._unspanned.get(key)
+        if counted is None:
+            port, by_ns = load.server_port, (load.answered_ns or load.ts_ns) + CLOCK_ERROR_NS
+            counted = 0
+            for address, client_port, last_sent_ns in clients:
+                tuple4 = (norm_addr(address), client_port, port)
+                since_ns = last_sent_ns - CLIENT_LAST_SENT_ERROR_NS
+                if not any(span.start_ns <= by_ns and span.end_ns >= since_ns
+                           for span in self.spans.on_connection(tuple4)) \
+                        and not self.live.explains(tuple4, by_ns, since_ns):
+                    counted += 1
+            self._unspanned[key] = counted
+        return counted
 
     def alarm_at(self, ts_ns: int) -> None:
         """A request judged this round becomes an in-flight zombie at ``ts_ns`` if nothing changes."""

@@ -52,6 +52,8 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
         origin.ts_ns, origin_span, subtree, corr.local_fins(origin.tuple4), CLOCK_ERROR_NS, origin.earliest_ns)
     if completed is not None:
         corr.loads.completed_departure(origin.tuple4[2], origin.ts_ns)
+    if details.pop("awaiting_spans", False) and completed is None:
+        return None  # the gauges' orphans may be requests still running whose spans have not come
     if known and completed is None and _close_races_span_end(corr, origin.ts_ns, origin_span, subtree, details):
         known, details["close_races_span_end"] = False, True
     decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now, started_ns=started,
@@ -160,7 +162,10 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
         details["orphaned_scrapes"] = by_metrics.orphaned_scrapes
         if by_metrics.orphaned_scrapes == 0 and corr.loads.aborts_cover(port, disconnect, answered, connected):
             details["aborts_counted"] = True
+        if by_metrics.awaiting_spans:
+            details["awaiting_spans"] = True
         if by_metrics.work_end_ns is None:
+            corr.clients_wanted.add(port)  # its next scrapes decide it: with the clients connected
             return None, True, True
         end = max(work_end, by_metrics.work_end_ns)
         # An engine span may still arrive and say exactly; until then the scrape's word stands.
@@ -171,9 +176,12 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
         if by_metrics.orphaned_scrapes == 0:  # aborts_cover reads two scrapes after the answer
             covered = corr.loads.read_until(port, answered)
             reads = None if covered is None or reads is None else max(reads, covered)
+        # Scrapes skipped as undecided (their orphans may be clients' requests whose spans have
+        # not come) are decided by those spans: the verdict waits the late-span window for them too.
+        waits_from = max(end, by_metrics.unsure_until_ns or 0)
         if reads is not None:
-            request.reads_until_ns, request.settles_at_ns = reads + CLOCK_ERROR_NS, end + corr.late_ns
-        return end, now - end < corr.late_ns, True
+            request.reads_until_ns, request.settles_at_ns = reads + CLOCK_ERROR_NS, waits_from + corr.late_ns
+        return end, now - waits_from < corr.late_ns, True
     # Nothing says whether the work stopped: an engine span may yet arrive (vLLM emits none for
     # an abort, so its absence proves nothing); until then, and after, the verdict is unconfirmed.
     if not corr.loads.watched(request.origin().tuple4[2]):  # no scrapes to come that could change it
@@ -205,7 +213,8 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
                                                                      end + CLOCK_ERROR_NS),
                                 connected_until_ns=hop.end_ns + CLOCK_ERROR_NS,
                                 arrived=lambda start, end: corr.spans.server_spans_started(
-                                    port, start, end + CLOCK_ERROR_NS), sweep=request.scrape_sweep)
+                                    port, start, end + CLOCK_ERROR_NS), sweep=request.scrape_sweep,
+                                unspanned=corr.unspanned_clients)
     return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))
 
 

@@ -21,7 +21,8 @@ import heapq
 from array import array
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from auditor.correlate.checkpoints import Checkpoints
 from auditor.correlate.prune import drop_front
@@ -70,6 +71,11 @@ class MetricsEnd:
     resolution_s: float  # the scrape interval around the end
     orphaned_scrapes: int  # scrapes that counted it as running after its client left
     read_until_ns: int | None = None  # the latest moment the scrapes that decided it span
+    # Nothing decided yet, and scrapes whose orphans the kernel's connected clients may hold (their
+    # spans not come): whether this request's work goes on cannot be told before those spans come.
+    awaiting_spans: bool = False
+    # The last such scrape skipped on the way to the answer: spans still to come may change it.
+    unsure_until_ns: int | None = None
 
 
 # Evidence this long after a scrape may still change what the sweep read there: the connected count
@@ -77,6 +83,11 @@ class MetricsEnd:
 SWEEP_NEWS_MARGIN_NS = 1_000_000_000
 SWEEP_CHECKPOINT_NS = 1_000_000_000
 SWEEP_AFTER_NS = 4_000_000_000  # a request whose client left longer ago than this keeps checkpoints
+# The daemon hears of a disconnect within the probe's poll (0.25 s) and lists the port's clients
+# from its next scrape on: a scrape this soon after a disconnect that it did not list (one of the
+# port's scrapes listed before) says nothing of an orphan.
+UNLISTED_AFTER_LEAVING_NS = 750_000_000
+_UNLISTED: Any = object()  # no listing with a scrape (a listing of no client is an empty tuple)
 
 
 # A sweep's state after a scrape: the heap of "until"s still connected, the last orphaned scrape,
@@ -171,6 +182,12 @@ class EngineLoads:
         # Registrations are news apart (``Registered``): made so far, and those since last taken.
         self.registrations = 0
         self._registered: list[tuple[int, int]] = []
+        # port -> scrape time -> the clients connected then (``EngineLoad.connections``), for the
+        # scrapes that listed them; kept for ``clients_kept_ns`` after the port's latest listing
+        # (the correlator's memory window, as the spans that tell them): older scrapes are read
+        # without them.
+        self._clients: dict[int, dict[int, tuple[tuple[str, int, int], ...] | None]] = {}  # None: incomplete
+        self.clients_kept_ns = 60_000_000_000
 
     def _changed(self, ts_ns: int) -> None:
         if self.changed_ns is None or ts_ns < self.changed_ns:
@@ -192,6 +209,13 @@ class EngineLoads:
         """Record scrapes; returns the ports they concern."""
         ports = set()
         for load in loads:
+            if load.connections is not None:
+                listed = self._clients.setdefault(load.server_port, {})
+                listed[load.ts_ns] = load.connections if load.connections_complete else None
+                cutoff = load.ts_ns - self.clients_kept_ns
+                while (first := next(iter(listed))) < cutoff:  # listed in time order: from the front
+                    del listed[first]
+                load = replace(load, connections=None)  # kept apart, and for less long than the scrape
             series = self._loads[load.server_port]
             if series and load.ts_ns < series[-1].ts_ns:
                 bisect.insort(series, load, key=lambda item: item.ts_ns)
@@ -268,7 +292,8 @@ class EngineLoads:
 
     def work_end(self, port: int, disconnect_ns: int, started_ns: int,
                  connected_at: Callable[[int, int], int], connected_until_ns: int | None = None,
-                 arrived: Callable[[int, int], int] | None = None, sweep: ScrapeSweep | None = None
+                 arrived: Callable[[int, int], int] | None = None, sweep: ScrapeSweep | None = None,
+                 unspanned: Callable[[EngineLoad, tuple[tuple[str, int, int], ...]], int] | None = None
                  ) -> MetricsEnd | None:
         """When this request's work ended, as the gauges tell; None when no scrape came after it left.
 
@@ -288,6 +313,16 @@ class EngineLoads:
         it and the first that shows it gone whatever those requests were, and the resolution says
         how far apart those are.
 
+        ``unspanned(load, clients)``: of the clients the kernel listed connected to the port as
+        the scrape was sent (kept for ``clients_kept_ns``), how many may hold a request that no
+        span or notice has told yet (an engine without live notices exports a request's spans
+        when it ends). Where they could be all of a scrape's orphans, the scrape says neither and
+        is skipped: a later span decides it. The scraper lists a port's clients while a client has
+        just left it or a verdict reads its scrapes (``EngineMetricsScraper.want_clients``); a
+        scrape it did not list within UNLISTED_AFTER_LEAVING_NS of the disconnect (before the
+        daemon heard of it) says neither either. With nothing decided but such scrapes, the
+        answer is ``awaiting_spans``.
+
         ``sweep``: the request's checkpoints (``ScrapeSweep``), kept by the caller from round to round."""
         series = self._loads.get(port, [])
         first_after = max(started_ns, connected_until_ns or started_ns)
@@ -303,7 +338,10 @@ class EngineLoads:
         still_connected: list[int] = []
         taken = left_before
         last_orphaned: int | None = None
-        count = 0
+        count, unsure = 0, 0
+        # The clients the kernel listed at the port's scrapes; a port never listed (sock_diag
+        # refused) is read against the spans alone.
+        listed = self._clients.get(port) if unspanned is not None else None
         found = sweep.resume((port, disconnect_ns, first_after)) if sweep is not None else None
         if found is not None:  # on from the checkpoint: what the sweep held after that scrape
             swept_ns, (held, last_orphaned, count) = found
@@ -320,21 +358,31 @@ class EngineLoads:
             newer = max(0, left_by_then - left_before - len(still_connected))
             orphans = load.running + load.waiting - connected_at(load.ts_ns, load.answered_ns or load.ts_ns)
             if orphans > newer:
+                if listed is not None and unspanned is not None:
+                    clients = listed.get(load.ts_ns, _UNLISTED)
+                    if clients is _UNLISTED:  # undecided only before the daemon heard of the disconnect
+                        undecided = load.ts_ns - disconnect_ns <= UNLISTED_AFTER_LEAVING_NS
+                    else:  # a listing a client may be missing from (None) says nothing either
+                        undecided = clients is None or orphans - unspanned(load, clients) <= newer
+                    if undecided:
+                        unsure = load.ts_ns  # requests whose spans have not come may be what it holds
+                        continue
                 last_orphaned, count = load.ts_ns, count + 1
-                if sweep is not None:
+                if sweep is not None and not unsure:  # a checkpoint past an undecided scrape would skip it
                     sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count))
                 continue
             if arrived is not None and orphans + arrived(load.ts_ns, load.answered_ns or load.ts_ns) > newer:
-                if sweep is not None:
+                if sweep is not None and not unsure:
                     sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count))
                 continue
             read_until = max(load.ts_ns, load.answered_ns or load.ts_ns)
             if last_orphaned is None:
-                return MetricsEnd(max(started_ns, disconnect_ns), (load.ts_ns - started_ns) / 1e9, 0, read_until)
+                return MetricsEnd(max(started_ns, disconnect_ns), (load.ts_ns - started_ns) / 1e9, 0, read_until,
+                                  unsure_until_ns=unsure or None)
             return MetricsEnd((last_orphaned + load.ts_ns) // 2, (load.ts_ns - last_orphaned) / 1e9, count,
-                              read_until)
+                              read_until, unsure_until_ns=unsure or None)
         if last_orphaned is None:
-            return None
+            return MetricsEnd(None, 0.0, 0, awaiting_spans=True) if unsure else None
         return MetricsEnd(None, 0.0, count)
 
     def read_until(self, port: int, answered_ns: int) -> int | None:
@@ -380,6 +428,7 @@ class EngineLoads:
             del series[:keep]
             if not series:
                 del self._loads[port]
+                self._clients.pop(port, None)
         # Registrations and last closes go from the first made up to the first kept: they are made in
         # about time order, and a pass then touches only what it forgets.
         for port, requests in list(self._disconnects.items()):
