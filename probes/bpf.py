@@ -18,6 +18,7 @@ import logging
 import mmap
 import os
 import platform
+import socket
 from array import array
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,7 +31,7 @@ from probes.bpfsys import ProgramRuns
 from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
 from probes.clock import MonotonicToWall
 from probes.decode import EventBuilder, is_stored_layout
-from probes.handoff import LoadedProgram, load_in_child
+from probes.handoff import CLIENT, LoadedProgram, load_in_child
 from probes.inprocess import BccProgram
 from probes.source import OwnEnd, ProbeUnavailable, validate_ports
 
@@ -49,7 +50,7 @@ MAX_WAKEUP_EVERY = 1024
 RECORD_BYTES = 64  # struct event (56) plus the ring buffer's 8-byte record header
 MAX_PORTS = 1024  # the size of the watched_ports map in disconnect.bpf.c
 PROGRAM_CFLAGS = [f"-I{PROGRAM_DIR}"]  # where the program's #include "disconnect.h" is found
-TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset")
+TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset", "tcp/tcp_rcv_space_adjust")
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 
 PID_MAX_LIMIT = 1 << 22  # the kernel's ceiling for pid_max (include/linux/threads.h)
@@ -300,6 +301,28 @@ class BpfConnEventSource:
             if pid is not None and _is_live_pid(pid):
                 found[port] = pid
         return found
+
+    def clients(self, ports: Iterable[int]) -> dict[int, tuple[tuple[str, int, int], ...]] | None:
+        """The clients connected to each of ``ports`` now (``EngineLoad.connections``): address,
+        port, and when the server last read data from each (wall-clock ns), from the program's
+        ``clients`` map; None when it cannot be read."""
+        if not self._started or self._stopped:
+            return None
+        try:
+            values = self._program.clients()
+        except Exception:  # an unreadable map: the caller lists the clients otherwise
+            log.debug("reading the clients map failed", exc_info=True)
+            return None
+        wanted = set(ports)
+        offset = self._clock.offset_ns
+        found: dict[int, list[tuple[str, int, int]]] = {port: [] for port in wanted}
+        for value in values:
+            _accepted, last_read, sport, dport, family, _pad, address = CLIENT.unpack_from(value)
+            if sport in wanted:
+                text = socket.inet_ntop(socket.AF_INET, address[:4]) if family == socket.AF_INET \
+                    else socket.inet_ntop(socket.AF_INET6, address)
+                found[sport].append((text, dport, last_read + offset))
+        return {port: tuple(clients) for port, clients in found.items()}
 
     def lost_events(self) -> int:
         """Events the kernel could not queue (ring buffer full) plus records that did not decode

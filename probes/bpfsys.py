@@ -20,7 +20,7 @@ from pathlib import Path
 SYSCALL_NUMBERS = {"x86_64": 321, "amd64": 321, "aarch64": 280, "arm64": 280}
 
 # enum bpf_cmd (include/uapi/linux/bpf.h)
-BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM = 1, 2, 3
+BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM, BPF_MAP_GET_NEXT_KEY = 1, 2, 3, 4
 BPF_MAP_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD = 14, 15
 BPF_ANY = 0
 # enum bpf_map_type: the three the probe hands over
@@ -106,6 +106,41 @@ def map_lookup(map_fd: int, key: bytes, value_bytes: int) -> bytes:
                                                        ctypes.addressof(value_buf), 0))
     _bpf(BPF_MAP_LOOKUP_ELEM, attr, "map lookup")
     return value_buf.raw[:value_bytes]
+
+
+def map_items(map_fd: int, key_bytes: int, value_bytes: int) -> dict[bytes, bytes]:
+    """Every key of a hash map with its value, walked key by key (two system calls an entry). An
+    entry added during the walk may or may not be seen; one deleted is skipped. The kernel starts
+    over from the first key when the walk's last key was deleted meanwhile: keys seen before are
+    taken once, and the walk ends at the first key it has seen twice in a row."""
+    items: dict[bytes, bytes] = {}
+    key, next_key = ctypes.create_string_buffer(key_bytes), ctypes.create_string_buffer(key_bytes)
+    value = ctypes.create_string_buffer(value_bytes)
+    walk = ctypes.create_string_buffer(_ELEM_ATTR.pack(map_fd, 0, ctypes.addressof(next_key), 0))
+    after = ctypes.create_string_buffer(_ELEM_ATTR.pack(map_fd, ctypes.addressof(key), ctypes.addressof(next_key), 0))
+    lookup = ctypes.create_string_buffer(_ELEM_ATTR.pack(map_fd, ctypes.addressof(next_key),
+                                                         ctypes.addressof(value), 0))
+    repeated = 0
+    while repeated < 2:
+        try:
+            _bpf(BPF_MAP_GET_NEXT_KEY, walk, "map walk")
+        except BpfSyscallError as exc:
+            if exc.errno == errno.ENOENT:
+                break  # past the last key
+            raise
+        found = next_key.raw
+        repeated = repeated + 1 if found in items else 0
+        if not repeated:
+            try:
+                _bpf(BPF_MAP_LOOKUP_ELEM, lookup, "map lookup")
+            except BpfSyscallError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+            else:
+                items[found] = value.raw
+        ctypes.memmove(key, next_key, key_bytes)
+        walk = after
+    return items
 
 
 def map_info(fd: int) -> MapInfo:

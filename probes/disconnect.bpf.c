@@ -26,6 +26,12 @@
  * received FIN, a reset or the final ACK are handled in softirq, where the current task is
  * whichever one the interrupt found (on loopback, often the client): those never write it.
  *
+ * clients holds every ESTABLISHED server socket of a watched port (by socket address): added when
+ * a passive open completes (SYN_RECV -> ESTABLISHED), removed on its first move out of ESTABLISHED,
+ * with when the server last read data from it (tcp:tcp_rcv_space_adjust, which tcp_recvmsg fires
+ * after copying: a request read, not each packet). User space lists it with the engines' scrapes:
+ * the clients connected, and which of them sent something since their last answer.
+ *
  * Records are submitted without waking the reader, except every WAKEUP_EVERY-th on a CPU: one
  * wake-up per record would cost the server (irq work in its softirq) and the reader (a Python
  * round trip per event). User space also consumes on its poll timeout, so a lone event on a quiet
@@ -39,6 +45,9 @@
 #endif
 #ifndef WAKEUP_EVERY
 #define WAKEUP_EVERY 1024
+#endif
+#ifndef MAX_CLIENTS
+#define MAX_CLIENTS 65536
 #endif
 /* A reset's own close follows it within microseconds (the same softirq): a generous bound. */
 #define RESET_CLOSE_NS 1000000ULL
@@ -62,6 +71,16 @@ BPF_HASH(server_pids, u16, u32, 1024); /* server port -> tgid; user space delete
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost_events, u64, 1);
 BPF_PERCPU_ARRAY(unsignalled, u32, 1);
+struct client {
+    u64 accepted_ns;
+    u64 last_read_ns; /* the server's last read of data from this client */
+    u16 sport;
+    u16 dport;
+    u16 family;
+    u16 pad;
+    u8 daddr[16]; /* the client's address: IPv4 in the first four bytes */
+};
+BPF_HASH(clients, u64, struct client, MAX_CLIENTS);
 struct reset_slot {
     u64 skaddr; /* the socket a reset was just received on, or 0 */
     u64 ts_ns;
@@ -128,6 +147,25 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     if (!watched_ports.lookup(&sport))
         return 0;
 
+    u64 skaddr = (u64)args->skaddr;
+    if (args->newstate == TCP_ESTABLISHED_) {
+        if (args->oldstate == TCP_SYN_RECV_) { /* a client accepted; no reset slot is touched */
+            struct client c = {};
+            c.accepted_ns = c.last_read_ns = bpf_ktime_get_ns();
+            c.sport = sport;
+            c.dport = args->dport;
+            c.family = args->family;
+            if (args->family == AF_INET_)
+                __builtin_memcpy(c.daddr, args->daddr, 4);
+            else
+                __builtin_memcpy(c.daddr, args->daddr_v6, 16);
+            clients.update(&skaddr, &c);
+        }
+        return 0;
+    }
+    if (args->oldstate == TCP_ESTABLISHED_)
+        clients.delete(&skaddr);
+
     u32 zero = 0;
     u64 reset = 0, reset_ts = 0;
     struct reset_slot *slot = reset_sock.lookup(&zero);
@@ -186,5 +224,14 @@ TRACEPOINT_PROBE(tcp, tcp_receive_reset)
     }
     FILL_EVENT(e, args, EVENT_PEER_RST, 0);
     events.ringbuf_submit(e, wakeup_flag());
+    return 0;
+}
+
+TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
+{
+    u64 skaddr = (u64)args->skaddr;
+    struct client *c = clients.lookup(&skaddr); /* a socket of a watched port's client, or none */
+    if (c)
+        c->last_read_ns = bpf_ktime_get_ns();
     return 0;
 }

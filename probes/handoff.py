@@ -77,6 +77,11 @@ class LoadedProgram:
             raise
         return int(_PID.unpack(raw)[0])
 
+    def clients(self) -> list[bytes]:
+        """The ``clients`` map's values (``struct client``): every ESTABLISHED server socket of a
+        watched port."""
+        return list(bpfsys.map_items(self.fds["map:clients"], 8, CLIENT.size).values())
+
     def lost(self) -> int:
         """The per-CPU lost-event counters, summed."""
         raw = bpfsys.map_lookup(self.fds["map:lost_events"], _INDEX.pack(0), 8 * self._cpus)
@@ -95,6 +100,8 @@ class LoadedProgram:
 
 _PORT, _INDEX, _COUNTER, _PID = (struct.Struct("=H"), struct.Struct("=i"), struct.Struct("=Q"),
                                  struct.Struct("=I"))
+# struct client of disconnect.bpf.c: accepted_ns, last_read_ns, sport, dport, family, pad, daddr
+CLIENT = struct.Struct("=QQHHHH16s")
 
 
 def load_in_child(text: str, cflags: list[str], *, ringbuf_bytes: int,
@@ -232,6 +239,7 @@ def _check_kernel_objects(named: dict[str, int], ringbuf_bytes: int,
         "map:watched_ports": (bpfsys.BPF_MAP_TYPE_HASH, 2, 1, None),
         "map:lost_events": (bpfsys.BPF_MAP_TYPE_PERCPU_ARRAY, 4, 8, 1),
         "map:server_pids": (bpfsys.BPF_MAP_TYPE_HASH, 2, 4, None),
+        "map:clients": (bpfsys.BPF_MAP_TYPE_HASH, 8, CLIENT.size, None),
     }
     attached = {f"tracepoint:{tp}" for tp in tracepoints}
     programs = {f"program:{tp}" for tp in tracepoints}

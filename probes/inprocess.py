@@ -38,6 +38,7 @@ class BccProgram:
         self._watched = self._bpf[b"watched_ports"]
         self._lost = self._bpf[b"lost_events"]
         self._server_pids = self._bpf[b"server_pids"]
+        self._clients = self._bpf[b"clients"]
         # The payload layout as bcc sees struct event (a cast of a blank buffer: no record needed).
         self.record = struct_format(self._events.event(ctypes.create_string_buffer(4096)).__class__)
         self.events_fd = int(self._events.map_fd)
@@ -56,6 +57,10 @@ class BccProgram:
             return int(self._server_pids[ctypes.c_ushort(port)].value)
         except KeyError:
             return None
+
+    def clients(self) -> list[bytes]:
+        """The ``clients`` map's values, as ``probes.handoff.LoadedProgram.clients`` gives them."""
+        return [bytes(value) for value in self._clients.values()]
 
     def lost(self) -> int:
         return int(sum(self._lost[ctypes.c_int(0)]))

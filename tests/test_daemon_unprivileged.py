@@ -108,7 +108,8 @@ def test_unit_capabilities_without_root_load_the_probe(state_dir: Path, bpf_run_
             assert "auditor_probe_run_stats_enabled 1.0" in own
             runs = {line.split("}")[0].split('"')[1]: float(line.rsplit(" ", 1)[1])
                     for line in own.splitlines() if line.startswith("auditor_probe_runs_total{")}
-            assert runs.keys() == {"sock:inet_sock_set_state", "tcp:tcp_receive_reset"} and min(runs.values()) >= 1, own
+            assert runs.keys() == {"sock:inet_sock_set_state", "tcp:tcp_receive_reset",
+                                   "tcp:tcp_rcv_space_adjust"} and min(runs.values()) >= 1, own
             assert float(own.split("auditor_probe_kernel_seconds_total{tracepoint=\"tcp:tcp_receive_reset\"} ")[1]
                          .split()[0]) > 0
             named = f"port {watched}: engine process {os.getpid()}, seen closing a connection by the eBPF probe"

@@ -11,19 +11,24 @@ engine is ``aborted``, even when the client's close raced the server span's end.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from replay.engine.launch import running_engine
 from tests.e2e import (
+    GRACE_S,
     cancel_after,
     complete,
     expected_verdict,
+    read_response,
     running_daemon,
+    send_request,
     verdict_rows,
     wait_for,
 )
@@ -172,3 +177,66 @@ def test_one_at_a_time_request_cancelled_while_waiting_is_no_zombie_and_costs_no
         assert waited_s > 0.05, (waited_s, truth)
         assert row.details["waited_unread_s"] == pytest.approx(waited_s, abs=0.05)
 
+
+
+def kept_alive(port: int, hold_s: float = 1.5, **request: Any) -> threading.Thread:
+    """Read the whole response, then keep the connection open a while, as a client's pool does."""
+
+    def run() -> None:
+        with send_request(port, **request) as sock:
+            read_response(sock)
+            time.sleep(hold_s)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("behavior", ["abort", "detached"])
+def test_a_cancel_beside_requests_whose_spans_have_not_come(tmp_path: Path, behavior: str) -> None:
+    """vLLM's signal set: no engine span, no live notice, its gauges, spans exported in batches (here
+    every 2 s) and so only after a request ends. Two requests of about 3 s run (one streamed, one
+    not) while a third's client leaves at 0.3 s. The gauges hold three while the only spans come
+    later; the kernel lists the two clients still connected. An engine that aborts the third is
+    never shown running it (no ``inflight_zombie``, which was shown until the others' spans came);
+    one that runs it on is shown so within a second of the grace, and both settle as the truth says."""
+    truth_log = tmp_path / "truth.jsonl"
+    args = ["--engine-span", "none", "--metrics-names", "vllm"]
+    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S}) as daemon, running_engine(
+            behavior=behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
+            step_ms=10, extra_args=args, env={**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "2000"}) as engine:
+        daemon.set_ports({engine.port})
+        time.sleep(0.5)  # the port's first scrapes
+        longs = [kept_alive(engine.port, stream=stream, max_tokens=300, request_id=f"long-{stream}")
+                 for stream in (True, False)]
+        time.sleep(0.2)
+        left_at = time.monotonic()
+        cancel = cancel_after(engine.port, 0.3, "rst", stream=True, max_tokens=300, request_id="left")
+        seen: list[tuple[float, str]] = []
+        while any(t.is_alive() for t in longs) or time.monotonic() - left_at < 3:
+            row = next((r for r in verdict_rows(daemon) if r.request_id == "left"), None)
+            if row is not None:
+                seen.append((time.monotonic() - left_at, row.verdict))
+            time.sleep(0.05)
+        cancel.join()
+        for thread in longs:
+            thread.join()
+        [truth] = [t for t in engine.wait_for_truth(3, timeout=30) if t.get("disconnect_at")]
+
+        def settled() -> bool:
+            row = next((r for r in verdict_rows(daemon) if r.request_id == "left"), None)
+            return row is not None and not row.details.get("provisional")
+
+        assert wait_for(settled, timeout_s=30), [(r.request_id, r.verdict, r.details) for r in verdict_rows(daemon)]
+        rows = {r.request_id: r for r in verdict_rows(daemon)}
+    want = expected_verdict(truth)
+    assert rows["left"].verdict == want, (rows["left"].details, truth)
+    for finished in ("long-True", "long-False"):  # their clients closed a while after the last byte
+        assert finished not in rows or rows[finished].verdict not in ("aborted", "zombie", "inflight_zombie"), \
+            (finished, rows[finished].verdict, rows[finished].details)
+    if want == "aborted":
+        assert "inflight_zombie" not in {verdict for _, verdict in seen}, seen
+    else:
+        first = next((at for at, verdict in seen if verdict == "inflight_zombie"), None)
+        assert first is not None and first < 0.3 + GRACE_S + 1.0, seen
+        assert abs(rows["left"].work_end_ns - truth["finished_at"]) <= SCRAPE_S * 1.5e9, (rows["left"].details, truth)

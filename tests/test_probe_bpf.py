@@ -284,6 +284,41 @@ def test_ipv6_four_tuple(probe: Probe) -> None:
     server.close()
 
 
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
+def test_the_clients_connected_are_listed_with_the_servers_last_read(probe: Probe, family: int) -> None:
+    """The ``clients`` table: a client is listed from its accept to its close, with when the
+    server last read data from it; another port's clients are not listed."""
+    host = "127.0.0.1" if family == socket.AF_INET else "::1"
+    server, other = listener(family, host), listener()
+    probe.source.set_ports([port_of(server), port_of(other)])
+    quiet = socket.create_connection((host, port_of(server)))
+    quiet_end, _ = server.accept()
+    talking = socket.create_connection((host, port_of(server)))
+    talking_end, _ = server.accept()
+    elsewhere = socket.create_connection(("127.0.0.1", port_of(other)))
+    elsewhere_end, _ = other.accept()
+    time.sleep(0.05)
+    talking.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    time.sleep(0.02)
+    read_at = time.time_ns()
+    assert talking_end.recv(100)
+    listed = probe.source.clients([port_of(server)])
+    assert listed is not None and set(listed) == {port_of(server)}
+    by_port = {client_port: last_read for _address, client_port, last_read in listed[port_of(server)]}
+    assert {address for address, _port, _read in listed[port_of(server)]} == {host}
+    assert by_port.keys() == {port_of(quiet), port_of(talking)}
+    assert abs(by_port[port_of(talking)] - read_at) < 5 * MS  # the server's read, not the client's send
+    assert by_port[port_of(quiet)] < read_at - 40 * MS  # its accept: nothing read since
+    talking_port = port_of(talking)
+    talking.close()
+    talking_end.close()
+    probe.wait_closed(port_of(server), talking_port)
+    listed = probe.source.clients([port_of(server)])
+    assert listed is not None and [p for _a, p, _r in listed[port_of(server)]] == [port_of(quiet)]
+    for sock in (quiet, quiet_end, elsewhere, elsewhere_end, server, other):
+        sock.close()
+
+
 def connect_and_close(server: socket.socket) -> int:
     client = socket.create_connection(server.getsockname()[:2])
     accepted, _ = server.accept()

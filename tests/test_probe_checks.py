@@ -29,7 +29,7 @@ def fake_host(root: Path, *, tracefs: bool = True, tracepoints: bool = True,
     if tracefs:
         (tracing / "events").mkdir(parents=True)
     if tracepoints:
-        for name in ("sock/inet_sock_set_state", "tcp/tcp_receive_reset"):
+        for name in ("sock/inet_sock_set_state", "tcp/tcp_receive_reset", "tcp/tcp_rcv_space_adjust"):
             (tracing / "events" / name).mkdir(parents=True)
             (tracing / "events" / name / "format").write_text("name: x\n")
     modules = root / "modules"

@@ -81,11 +81,13 @@ def check_bpf_syscall() -> Check:
 def check_tracefs() -> Check:
     for base in TRACEFS_DIRS:
         if (base / "events/sock/inet_sock_set_state").exists():
-            has_reset = (base / "events/tcp/tcp_receive_reset").exists()
             detail = f"{base} mounted, sock:inet_sock_set_state present"
-            if not has_reset:
-                return Check("tracefs", DEGRADED, detail + "; tcp:tcp_receive_reset missing (RST via state only)")
-            return Check("tracefs", OK, detail + ", tcp:tcp_receive_reset present")
+            missing = [name for name in ("tcp_receive_reset", "tcp_rcv_space_adjust")
+                       if not (base / "events/tcp" / name).exists()]
+            if missing:
+                return Check("tracefs", DEGRADED, detail + f"; tcp:{', tcp:'.join(missing)} missing: the eBPF "
+                             "probe cannot attach", "the probe needs Linux 4.16 or later; use --source procfs")
+            return Check("tracefs", OK, detail + ", tcp:tcp_receive_reset and tcp:tcp_rcv_space_adjust present")
     return Check("tracefs", DEGRADED, "tracefs not mounted: the eBPF probe cannot attach",
                  "mount -t tracefs nodev /sys/kernel/tracing")
 

@@ -52,6 +52,9 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
         origin.ts_ns, origin_span, subtree, corr.local_fins(origin.tuple4), CLOCK_ERROR_NS, origin.earliest_ns)
     if completed is not None:
         corr.loads.completed_departure(origin.tuple4[2], origin.ts_ns)
+        hop = _scraped_hop(corr, subtree)
+        if hop is not None:  # registered by _metrics_work_end, as it may own orphans: a done request owns none
+            corr.loads.unregister(hop.server_port or 0, request.key)
     if details.pop("awaiting_spans", False) and completed is None:
         return None  # the gauges' orphans may be requests still running whose spans have not come
     if known and completed is None and _close_races_span_end(corr, origin.ts_ns, origin_span, subtree, details):
@@ -197,11 +200,9 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     A request that ended within the clock error of a scrape counts as connected at it: one orphan
     right at a completion (the next request taken up as the last one ends) is no evidence."""
     origin = request.origin()
-    hops = sorted((s for s in subtree if s.role is SpanRole.HTTP_SERVER and s.server_port is not None
-                   and corr.loads.watched(s.server_port)), key=lambda s: s.start_ns)
-    if not hops:
+    hop = _scraped_hop(corr, subtree)
+    if hop is None:
         return None
-    hop = hops[-1]
     disconnect = request.disconnects.get(span_tuple(hop), origin).ts_ns
     port = hop.server_port or 0
     corr.loads.register(port, request.key, disconnect, connected_until_ns=hop.end_ns + CLOCK_ERROR_NS)
@@ -216,6 +217,13 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
                                     port, start, end + CLOCK_ERROR_NS), sweep=request.scrape_sweep,
                                 unspanned=corr.unspanned_clients)
     return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))
+
+
+def _scraped_hop(corr: Correlator, subtree: list[SpanRecord]) -> SpanRecord | None:
+    """The innermost server span of the request on a port whose engine's gauges are scraped."""
+    hops = [s for s in subtree if s.role is SpanRole.HTTP_SERVER and s.server_port is not None
+            and corr.loads.watched(s.server_port)]
+    return max(hops, key=lambda s: s.start_ns) if hops else None
 
 
 def _waste(corr: Correlator, request: OpenRequest, origin: Any, started: int | None, end_ns: int,

@@ -282,6 +282,22 @@ class EngineLoads:
         times.insert(index, disconnect_ns)
         untils.insert(index, until)
 
+    def unregister(self, port: int, request: Hashable) -> None:
+        """A registered request proved complete when its client left (kernel order, final send,
+        span end): its work was done, so it owns no orphan and claims none before earlier leavers."""
+        requests = self._disconnects.get(port)
+        packed = None if requests is None else requests.pop(hash(request), None)
+        if packed is None:
+            return
+        known = _unpair(packed)
+        times, untils = self._disconnect_times[port], self._connected_until[port]
+        index = bisect.bisect_left(times, known[0])
+        while index < len(times) and times[index] == known[0] and untils[index] != known[1]:
+            index += 1
+        if index < len(times) and times[index] == known[0]:
+            del times[index], untils[index]
+        self._registered_at(known[0])
+
     def running_at(self, port: int, ts_ns: int) -> int | None:
         """Requests the engine was running at ``ts_ns`` (the scrape before it), None without scrapes."""
         series = self._loads.get(port)
