@@ -11,6 +11,11 @@ watched port is an engine (a gateway, an app). Each port is scraped over one kep
 connection: a connection per scrape would add a client close on the inference port every scrape,
 and the correlator counts client closes there (abort counters are matched to departures).
 
+An engine without live notices exports a request's spans when it ends, so the requests it runs
+are not known connected until then. While a client has just left a port, or a verdict reads its
+coming scrapes (``want_clients``), each scrape of it also lists the clients connected to it
+(``EngineLoad.connections``): the correlator reads the gauges against them.
+
 An engine's page is mostly histograms the daemon never reads (a vLLM's is over 100 KiB). Servers
 built on prometheus_client (vLLM, SGLang) answer ``?name[]=...`` with only the named series; others
 ignore the query. The first scrape of an engine reads its page both ways, and the short one is used
@@ -94,7 +99,12 @@ _ESCAPE = re.compile(r"\\(.)")
 
 def known_series(text: str, names: tuple[str, ...] = _WANTED) -> Iterator[tuple[str, dict[str, str], float]]:
     """(name, labels, value) of every sample line of the known gauges and counters, in the
-    Prometheus text format. An engine's page is mostly histograms the daemon never reads: only
+    Prometheus text format. An engine without live notices exports a request's spans when it ends, so the requests it runs
+are not known connected until then. While a client has just left a port, or a verdict reads its
+coming scrapes (``want_clients``), each scrape of it also lists the clients connected to it
+(``EngineLoad.connections``): the correlator reads the gauges against them.
+
+An engine's page is mostly histograms the daemon never reads: only
     lines of known names are parsed, here rather than by prometheus_client's parser, which at a few
     scrapes a second cost more than everything else the scrape does. A known line that does not
     parse raises ValueError (the scraper counts it). ``names``: only lines that begin with these."""
@@ -322,7 +332,7 @@ class EngineMetricsScraper:
         self._connections: dict[int, PageConnection] = {}
         self._ends: set[tuple[str, int, int]] = set()  # the connections open now (see on_connections)
         self._diag: Any = None  # probes.sockdiag.SockDiag once opened; False where the kernel refused it
-        self._accepts: Any = None  # probes.sockdiag.TcpAccepts, opened with it
+        self._accepts: Any = None  # probes.sockdiag.TcpAccepts once opened; False where it cannot be
         # Per port: until when (monotonic) its scrapes list the clients connected (``want_clients``).
         self._list_until: dict[int, float] = {}
         self._filtered_path = filtered_path(path)
@@ -380,13 +390,9 @@ class EngineMetricsScraper:
             return {}
         try:
             if self._diag is None:
-                from probes.sockdiag import SockDiag, TcpAccepts
+                from probes.sockdiag import SockDiag
 
                 self._diag = SockDiag()
-                try:
-                    self._accepts = TcpAccepts()
-                except OSError:
-                    self._accepts = None  # every listing taken as complete
             found = self._diag.established(frozenset(ports))
         except OSError as exc:
             log.info("the kernel's connections to the watched ports cannot be read (%s): the engines' gauges "
@@ -399,6 +405,18 @@ class EngineMetricsScraper:
                             for (_family, _local, _port, peer, peer_port), last_ms in clients
                             if (peer, peer_port) not in own)
                 for port, clients in found.items()}
+
+    def _accepts_now(self) -> int | None:
+        """The connections this network namespace has accepted so far (``TcpAccepts``), None when
+        it cannot be read (every listing is then taken as complete)."""
+        if self._accepts is None:
+            from probes.sockdiag import TcpAccepts
+
+            try:
+                self._accepts = TcpAccepts()
+            except OSError:
+                self._accepts = False
+        return self._accepts.read() if self._accepts else None
 
     def _filters_alike(self, port: int, whole: str) -> bool:
         """Whether the port's filtered page has the same engine's same series as its whole page."""
@@ -451,9 +469,9 @@ class EngineMetricsScraper:
         if self._diag:
             self._diag.close()
             self._diag = None
-        if self._accepts is not None:
+        if self._accepts:
             self._accepts.close()
-            self._accepts = None
+        self._accepts = None
 
     def scrape_all(self, ports: Iterable[int] | None = None) -> list[EngineLoad]:
         """A scrape of each of ``ports`` (every watched port by default) not in its back-off."""
@@ -466,7 +484,7 @@ class EngineMetricsScraper:
         # A client accepted between the listing and a scrape's answer may be among the requests the
         # gauges hold and not among the clients listed: the kernel's count of accepts (any port)
         # before and after says whether any was; if so the scrape's listing is incomplete.
-        accepts = self._accepts.read() if listing and self._accepts is not None else None
+        accepts = self._accepts_now() if listing else None
         walked = self._connected(listing) if listing else {}
         for port in wanted:
             if self._skip_until.get(port, 0.0) > now:
@@ -487,7 +505,7 @@ class EngineMetricsScraper:
                 continue
             self._skip_until.pop(port, None)
             if port in walked:
-                after = self._accepts.read() if accepts is not None and self._accepts is not None else None
+                after = self._accepts_now() if accepts is not None else None
                 load = replace(load, connections=walked[port], connections_complete=after in (None, accepts))
             loads.append(load)
         return loads

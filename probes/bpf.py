@@ -19,6 +19,7 @@ import mmap
 import os
 import platform
 import socket
+import time
 from array import array
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,8 +32,9 @@ from probes.bpfsys import ProgramRuns
 from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
 from probes.clock import MonotonicToWall
 from probes.decode import EventBuilder, is_stored_layout
-from probes.handoff import CLIENT, LoadedProgram, load_in_child
+from probes.handoff import CLIENT, CLIENT_KEY, LoadedProgram, load_in_child
 from probes.inprocess import BccProgram
+from probes.sockdiag import SockDiag
 from probes.source import OwnEnd, ProbeUnavailable, validate_ports
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,12 @@ TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset", "tcp/tcp_rcv
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 
 PID_MAX_LIMIT = 1 << 22  # the kernel's ceiling for pid_max (include/linux/threads.h)
+
+
+def _client_key(family: int, port: int, peer: str, peer_port: int) -> bytes:
+    """``struct client_key`` of a server socket on ``port`` (``SockDiag`` families: 4 or 6)."""
+    kind = socket.AF_INET if family == 4 else socket.AF_INET6
+    return CLIENT_KEY.pack(port, peer_port, kind, 0, socket.inet_pton(kind, peer).ljust(16, b"\0"))
 
 
 def _is_live_pid(pid: int, proc_root: Path = Path("/proc")) -> bool:
@@ -316,12 +324,12 @@ class BpfConnEventSource:
         wanted = set(ports)
         offset = self._clock.offset_ns
         found: dict[int, list[tuple[str, int, int]]] = {port: [] for port in wanted}
-        for value in values:
-            _accepted, last_read, sport, dport, family, _pad, address = CLIENT.unpack_from(value)
+        for key, value in values.items():
+            sport, dport, family, _pad, address = CLIENT_KEY.unpack_from(key)
             if sport in wanted:
                 text = socket.inet_ntop(socket.AF_INET, address[:4]) if family == socket.AF_INET \
                     else socket.inet_ntop(socket.AF_INET6, address)
-                found[sport].append((text, dport, last_read + offset))
+                found[sport].append((text, dport, CLIENT.unpack_from(value)[1] + offset))
         return {port: tuple(clients) for port, clients in found.items()}
 
     def lost_events(self) -> int:
@@ -383,6 +391,38 @@ class BpfConnEventSource:
             self._program.add_port(port)
         for port in old - new:
             self._program.remove_port(port)
+        if new - old:
+            self._add_connected(new - old)
+
+    def _add_connected(self, ports: frozenset[int]) -> None:
+        """Put the clients already connected to newly watched ports in the ``clients`` table (the
+        program adds those it sees accepted from now on), from a sock_diag walk, with tcp_info's
+        last_data_recv for their last read. One that closed between the walk and its entry would
+        stay listed (its close found no entry to delete): a second walk takes those out."""
+        try:
+            diag = SockDiag()
+        except OSError:
+            log.info("the clients already connected to ports %s cannot be listed: the engines' gauges are read "
+                     "without them until they reconnect", sorted(ports))
+            return
+        try:
+            now = time.monotonic_ns()  # bpf_ktime_get_ns's clock
+            added: list[bytes] = []
+            for clients in diag.established(ports).values():
+                for (family, _local, port, peer, peer_port), last_ms in clients:
+                    key = _client_key(family, port, peer, peer_port)
+                    self._program.add_client(key, CLIENT.pack(0, now - last_ms * 1_000_000))
+                    added.append(key)
+            still = {_client_key(family, port, peer, peer_port)
+                     for clients in diag.established(ports).values()
+                     for (family, _local, port, peer, peer_port), _ms in clients}
+            for key in added:
+                if key not in still:
+                    self._program.remove_client(key)
+        except Exception:  # the table then lacks them: read as without a listing, until they close
+            log.debug("adding the connected clients of ports %s failed", sorted(ports), exc_info=True)
+        finally:
+            diag.close()
 
     def _read_lost(self) -> int:
         try:

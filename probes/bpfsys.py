@@ -22,7 +22,7 @@ SYSCALL_NUMBERS = {"x86_64": 321, "amd64": 321, "aarch64": 280, "arm64": 280}
 # enum bpf_cmd (include/uapi/linux/bpf.h)
 BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM, BPF_MAP_GET_NEXT_KEY = 1, 2, 3, 4
 BPF_MAP_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD = 14, 15
-BPF_ANY = 0
+BPF_ANY, BPF_NOEXIST = 0, 1
 # enum bpf_map_type: the three the probe hands over
 BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_PERCPU_ARRAY, BPF_MAP_TYPE_RINGBUF = 1, 6, 27
 
@@ -80,11 +80,16 @@ def _bpf(command: int, attr: ctypes.Array[ctypes.c_char], what: str) -> int:
     return result
 
 
-def map_update(map_fd: int, key: bytes, value: bytes) -> None:
+def map_update(map_fd: int, key: bytes, value: bytes, flags: int = BPF_ANY, missing_ok: bool = False) -> None:
+    """Set ``key``; with BPF_NOEXIST only where it is not there (``missing_ok``: quietly not)."""
     key_buf, value_buf = ctypes.create_string_buffer(key), ctypes.create_string_buffer(value)
     attr = ctypes.create_string_buffer(_ELEM_ATTR.pack(map_fd, ctypes.addressof(key_buf),
-                                                       ctypes.addressof(value_buf), BPF_ANY))
-    _bpf(BPF_MAP_UPDATE_ELEM, attr, "map update")
+                                                       ctypes.addressof(value_buf), flags))
+    try:
+        _bpf(BPF_MAP_UPDATE_ELEM, attr, "map update")
+    except BpfSyscallError as exc:
+        if not (missing_ok and exc.errno == errno.EEXIST):
+            raise
 
 
 def map_delete(map_fd: int, key: bytes) -> bool:

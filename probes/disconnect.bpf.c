@@ -26,11 +26,13 @@
  * received FIN, a reset or the final ACK are handled in softirq, where the current task is
  * whichever one the interrupt found (on loopback, often the client): those never write it.
  *
- * clients holds every ESTABLISHED server socket of a watched port (by socket address): added when
- * a passive open completes (SYN_RECV -> ESTABLISHED), removed on its first move out of ESTABLISHED,
- * with when the server last read data from it (tcp:tcp_rcv_space_adjust, which tcp_recvmsg fires
- * after copying: a request read, not each packet). User space lists it with the engines' scrapes:
- * the clients connected, and which of them sent something since their last answer.
+ * clients holds every ESTABLISHED server socket of a watched port (by its ports and the client's
+ * address): added when a passive open completes (SYN_RECV -> ESTABLISHED), removed on its first
+ * move out of ESTABLISHED, with when the server last read data from it (tcp:tcp_rcv_space_adjust,
+ * which tcp_recvmsg fires after copying: a request read, not each packet). User space adds the
+ * connections a port already had when it is watched (from sock_diag), and lists the table with
+ * the engines' scrapes: the clients connected, and which of them sent something since their last
+ * answer.
  *
  * Records are submitted without waking the reader, except every WAKEUP_EVERY-th on a CPU: one
  * wake-up per record would cost the server (irq work in its softirq) and the reader (a Python
@@ -71,16 +73,18 @@ BPF_HASH(server_pids, u16, u32, 1024); /* server port -> tgid; user space delete
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost_events, u64, 1);
 BPF_PERCPU_ARRAY(unsignalled, u32, 1);
-struct client {
-    u64 accepted_ns;
-    u64 last_read_ns; /* the server's last read of data from this client */
+struct client_key {
     u16 sport;
     u16 dport;
     u16 family;
     u16 pad;
     u8 daddr[16]; /* the client's address: IPv4 in the first four bytes */
 };
-BPF_HASH(clients, u64, struct client, MAX_CLIENTS);
+struct client {
+    u64 accepted_ns; /* 0: already connected when its port was watched (added by user space) */
+    u64 last_read_ns; /* the server's last read of data from this client */
+};
+BPF_HASH(clients, struct client_key, struct client, MAX_CLIENTS);
 struct reset_slot {
     u64 skaddr; /* the socket a reset was just received on, or 0 */
     u64 ts_ns;
@@ -106,6 +110,18 @@ static __always_inline u64 wakeup_flag(void)
     *count = 0;
     return BPF_RB_FORCE_WAKEUP;
 }
+
+#define CLIENT_KEY(k, args)                                                         \
+    do {                                                                            \
+        __builtin_memset(&(k), 0, sizeof(k));                                       \
+        (k).sport = (args)->sport;                                                  \
+        (k).dport = (args)->dport;                                                  \
+        (k).family = (args)->family;                                                \
+        if ((args)->family == AF_INET_)                                             \
+            __builtin_memcpy((k).daddr, (args)->daddr, 4);                          \
+        else                                                                        \
+            __builtin_memcpy((k).daddr, (args)->daddr_v6, 16);                      \
+    } while (0)
 
 /* Only from a transition the server process itself makes (see the top of this file). */
 static __always_inline void note_server(u16 sport)
@@ -147,24 +163,21 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     if (!watched_ports.lookup(&sport))
         return 0;
 
-    u64 skaddr = (u64)args->skaddr;
     if (args->newstate == TCP_ESTABLISHED_) {
         if (args->oldstate == TCP_SYN_RECV_) { /* a client accepted; no reset slot is touched */
+            struct client_key k;
+            CLIENT_KEY(k, args);
             struct client c = {};
             c.accepted_ns = c.last_read_ns = bpf_ktime_get_ns();
-            c.sport = sport;
-            c.dport = args->dport;
-            c.family = args->family;
-            if (args->family == AF_INET_)
-                __builtin_memcpy(c.daddr, args->daddr, 4);
-            else
-                __builtin_memcpy(c.daddr, args->daddr_v6, 16);
-            clients.update(&skaddr, &c);
+            clients.update(&k, &c);
         }
         return 0;
     }
-    if (args->oldstate == TCP_ESTABLISHED_)
-        clients.delete(&skaddr);
+    if (args->oldstate == TCP_ESTABLISHED_) {
+        struct client_key k;
+        CLIENT_KEY(k, args);
+        clients.delete(&k);
+    }
 
     u32 zero = 0;
     u64 reset = 0, reset_ts = 0;
@@ -229,8 +242,12 @@ TRACEPOINT_PROBE(tcp, tcp_receive_reset)
 
 TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
 {
-    u64 skaddr = (u64)args->skaddr;
-    struct client *c = clients.lookup(&skaddr); /* a socket of a watched port's client, or none */
+    u16 sport = args->sport;
+    if (!watched_ports.lookup(&sport)) /* every read on the host comes here: most end at this lookup */
+        return 0;
+    struct client_key k;
+    CLIENT_KEY(k, args);
+    struct client *c = clients.lookup(&k);
     if (c)
         c->last_read_ns = bpf_ktime_get_ns();
     return 0;

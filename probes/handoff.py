@@ -77,10 +77,17 @@ class LoadedProgram:
             raise
         return int(_PID.unpack(raw)[0])
 
-    def clients(self) -> list[bytes]:
-        """The ``clients`` map's values (``struct client``): every ESTABLISHED server socket of a
-        watched port."""
-        return list(bpfsys.map_items(self.fds["map:clients"], 8, CLIENT.size).values())
+    def clients(self) -> dict[bytes, bytes]:
+        """The ``clients`` map (``struct client_key`` -> ``struct client``): every ESTABLISHED
+        server socket of a watched port."""
+        return bpfsys.map_items(self.fds["map:clients"], CLIENT_KEY.size, CLIENT.size)
+
+    def add_client(self, key: bytes, value: bytes) -> None:
+        """A client connected before its port was watched; one the kernel added meanwhile stays."""
+        bpfsys.map_update(self.fds["map:clients"], key, value, bpfsys.BPF_NOEXIST, missing_ok=True)
+
+    def remove_client(self, key: bytes) -> None:
+        bpfsys.map_delete(self.fds["map:clients"], key)
 
     def lost(self) -> int:
         """The per-CPU lost-event counters, summed."""
@@ -100,8 +107,9 @@ class LoadedProgram:
 
 _PORT, _INDEX, _COUNTER, _PID = (struct.Struct("=H"), struct.Struct("=i"), struct.Struct("=Q"),
                                  struct.Struct("=I"))
-# struct client of disconnect.bpf.c: accepted_ns, last_read_ns, sport, dport, family, pad, daddr
-CLIENT = struct.Struct("=QQHHHH16s")
+# disconnect.bpf.c's struct client_key (sport, dport, family, pad, daddr) and struct client
+# (accepted_ns, last_read_ns)
+CLIENT_KEY, CLIENT = struct.Struct("=HHHH16s"), struct.Struct("=QQ")
 
 
 def load_in_child(text: str, cflags: list[str], *, ringbuf_bytes: int,
@@ -239,7 +247,7 @@ def _check_kernel_objects(named: dict[str, int], ringbuf_bytes: int,
         "map:watched_ports": (bpfsys.BPF_MAP_TYPE_HASH, 2, 1, None),
         "map:lost_events": (bpfsys.BPF_MAP_TYPE_PERCPU_ARRAY, 4, 8, 1),
         "map:server_pids": (bpfsys.BPF_MAP_TYPE_HASH, 2, 4, None),
-        "map:clients": (bpfsys.BPF_MAP_TYPE_HASH, 8, CLIENT.size, None),
+        "map:clients": (bpfsys.BPF_MAP_TYPE_HASH, CLIENT_KEY.size, CLIENT.size, None),
     }
     attached = {f"tracepoint:{tp}" for tp in tracepoints}
     programs = {f"program:{tp}" for tp in tracepoints}

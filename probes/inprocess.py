@@ -58,9 +58,19 @@ class BccProgram:
         except KeyError:
             return None
 
-    def clients(self) -> list[bytes]:
-        """The ``clients`` map's values, as ``probes.handoff.LoadedProgram.clients`` gives them."""
-        return [bytes(value) for value in self._clients.values()]
+    def clients(self) -> dict[bytes, bytes]:
+        """The ``clients`` map, as ``probes.handoff.LoadedProgram.clients`` gives it."""
+        return {bytes(key): bytes(value) for key, value in self._clients.items()}
+
+    def add_client(self, key: bytes, value: bytes) -> None:
+        table = self._clients
+        found = table.Key.from_buffer_copy(key)
+        if found not in table:  # one the kernel added meanwhile stays
+            table[found] = table.Leaf.from_buffer_copy(value)
+
+    def remove_client(self, key: bytes) -> None:
+        with contextlib.suppress(KeyError):
+            del self._clients[self._clients.Key.from_buffer_copy(key)]
 
     def lost(self) -> int:
         return int(sum(self._lost[ctypes.c_int(0)]))

@@ -247,7 +247,7 @@ def test_a_cancel_beside_a_long_request_whose_span_has_not_come_is_not_held_runn
 
 def test_without_the_kernels_clients_a_request_whose_span_has_not_come_reads_as_an_orphan(store: Store) -> None:
     """The same without the kernel's list (sock_diag refused): the gauges are read against the spans
-    alone, and x's work reads as c's until x's span comes (docs/verdicts.md, the known limit)."""
+    alone, and x's work reads as c's until x's span comes (docs/verdicts.md, "Requests whose spans have not come")."""
     seen = run_beside_long_request(store, lambda at: int(0.5 <= at < 20) + int(1.0 <= at < 2.002), lambda at: None)
     assert seen[-1] == "aborted"
     assert seen.count("inflight_zombie") >= 15 and "zombie" in seen, seen

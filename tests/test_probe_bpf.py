@@ -319,6 +319,31 @@ def test_the_clients_connected_are_listed_with_the_servers_last_read(probe: Prob
         sock.close()
 
 
+def test_clients_connected_before_their_port_was_watched_are_listed(probe: Probe) -> None:
+    """A port watched late (an engine found after its clients connected, a restarted daemon): its
+    clients are put in the table from sock_diag, with when the server last read from them; one
+    that closes afterwards leaves it as any other does."""
+    server = listener()
+    before = socket.create_connection(("127.0.0.1", port_of(server)))
+    before_end, _ = server.accept()
+    before.sendall(b"x")
+    assert before_end.recv(10)
+    read_at = time.time_ns()
+    time.sleep(0.1)
+    probe.source.set_ports([port_of(server)])
+    listed = probe.source.clients([port_of(server)])
+    assert listed is not None
+    [(address, client_port, last_read)] = listed[port_of(server)]
+    assert (address, client_port) == ("127.0.0.1", port_of(before))
+    assert abs(last_read - read_at) < 20 * MS  # tcp_info's last_data_recv: the kernel's ticks
+    before_port = port_of(before)
+    before.close()
+    before_end.close()
+    probe.wait_closed(port_of(server), before_port)
+    assert probe.source.clients([port_of(server)]) == {port_of(server): ()}
+    server.close()
+
+
 def connect_and_close(server: socket.socket) -> int:
     client = socket.create_connection(server.getsockname()[:2])
     accepted, _ = server.accept()
