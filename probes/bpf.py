@@ -50,7 +50,7 @@ DEFAULT_RINGBUF_PAGES = 1024
 # can sit unsignalled on all CPUs together under a quarter of the ring buffer.
 MAX_WAKEUP_EVERY = 1024
 RECORD_BYTES = 64  # struct event (56) plus the ring buffer's 8-byte record header
-MAX_PORTS = 1024  # the size of the watched_ports map in disconnect.bpf.c
+MAX_PORTS = 1024  # the size of the server_pids map in disconnect.bpf.c
 PROGRAM_CFLAGS = [f"-I{PROGRAM_DIR}"]  # where the program's #include "disconnect.h" is found
 TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset", "tcp/tcp_rcv_space_adjust")
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))

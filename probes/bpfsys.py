@@ -23,8 +23,8 @@ SYSCALL_NUMBERS = {"x86_64": 321, "amd64": 321, "aarch64": 280, "arm64": 280}
 BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM, BPF_MAP_GET_NEXT_KEY = 1, 2, 3, 4
 BPF_MAP_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD = 14, 15
 BPF_ANY, BPF_NOEXIST = 0, 1
-# enum bpf_map_type: the three the probe hands over
-BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_PERCPU_ARRAY, BPF_MAP_TYPE_RINGBUF = 1, 6, 27
+# enum bpf_map_type: the four the probe hands over
+BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_PERCPU_ARRAY, BPF_MAP_TYPE_RINGBUF = 1, 2, 6, 27
 
 # union bpf_attr for the element commands: u32 map_fd, (pad), u64 key, u64 value, u64 flags.
 _ELEM_ATTR = struct.Struct("=I4xQQQ")

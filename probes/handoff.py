@@ -61,11 +61,18 @@ class LoadedProgram:
                                    "mount sysfs at /sys") from None
 
     def add_port(self, port: int) -> None:
-        bpfsys.map_update(self.fds["map:watched_ports"], _PORT.pack(port), b"\x01")
+        self._set_bit(port, True)
 
     def remove_port(self, port: int) -> None:
-        bpfsys.map_delete(self.fds["map:watched_ports"], _PORT.pack(port))
+        self._set_bit(port, False)
         bpfsys.map_delete(self.fds["map:server_pids"], _PORT.pack(port))
+
+    def _set_bit(self, port: int, on: bool) -> None:
+        """The port's bit in ``watched_ports`` (a u64 a 64 ports); only this process writes it."""
+        fd, index = self.fds["map:watched_ports"], _INDEX.pack(port >> 6)
+        word = _COUNTER.unpack(bpfsys.map_lookup(fd, index, 8))[0]
+        bit = 1 << (port & 63)
+        bpfsys.map_update(fd, index, _COUNTER.pack(word | bit if on else word & ~bit))
 
     def server_pid(self, port: int) -> int | None:
         """The process the program last saw closing a connection on ``port`` (unchecked)."""
@@ -244,7 +251,7 @@ def _check_kernel_objects(named: dict[str, int], ringbuf_bytes: int,
                           tracepoints: tuple[str, ...]) -> None:
     expected = {  # name -> (map type, key size, value size, entries or None)
         "map:events": (bpfsys.BPF_MAP_TYPE_RINGBUF, 0, 0, ringbuf_bytes),
-        "map:watched_ports": (bpfsys.BPF_MAP_TYPE_HASH, 2, 1, None),
+        "map:watched_ports": (bpfsys.BPF_MAP_TYPE_ARRAY, 4, 8, 1024),
         "map:lost_events": (bpfsys.BPF_MAP_TYPE_PERCPU_ARRAY, 4, 8, 1),
         "map:server_pids": (bpfsys.BPF_MAP_TYPE_HASH, 2, 4, None),
         "map:clients": (bpfsys.BPF_MAP_TYPE_HASH, CLIENT_KEY.size, CLIENT.size, None),

@@ -45,12 +45,18 @@ class BccProgram:
         self.ringbuf_bytes = int(self._events.max_entries)
 
     def add_port(self, port: int) -> None:
-        self._watched[ctypes.c_ushort(port)] = ctypes.c_ubyte(1)
+        self._set_bit(port, True)
 
     def remove_port(self, port: int) -> None:
-        for table in (self._watched, self._server_pids):
-            with contextlib.suppress(KeyError):
-                del table[ctypes.c_ushort(port)]
+        self._set_bit(port, False)
+        with contextlib.suppress(KeyError):
+            del self._server_pids[ctypes.c_ushort(port)]
+
+    def _set_bit(self, port: int, on: bool) -> None:
+        """The port's bit in ``watched_ports`` (a u64 a 64 ports)."""
+        index = ctypes.c_int(port >> 6)
+        word, bit = int(self._watched[index].value), 1 << (port & 63)
+        self._watched[index] = ctypes.c_ulonglong(word | bit if on else word & ~bit)
 
     def server_pid(self, port: int) -> int | None:
         try:
