@@ -69,9 +69,10 @@ HORIZON_NS = 15 * 60 * 1_000_000_000
 MIN_MEMORY_NS = 60 * 1_000_000_000
 MEMORY_MARGIN_NS = 30 * 1_000_000_000
 PRUNE_EVERY_NS = 10 * 1_000_000_000
-# The kernel tells when a client last sent data in milliseconds of its tick (4 ms at HZ=250): a
-# request's span that ended this little before that moment still counts as the one it sent.
-CLIENT_LAST_SENT_ERROR_NS = 10_000_000
+# A server span starts once its request's head is read, and its body may be read after that: the
+# last data read from a client belongs to a span that started at most this long before it (a
+# later request on a kept-alive connection is read after the span before it ended).
+REQUEST_READ_NS = 50_000_000
 _END_OF_TIME = sys.maxsize
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
 # The probe's events are stored a batch to a row (auditor.store.eventblocks); the cursor is an
@@ -703,23 +704,22 @@ class Correlator:
 
     def unspanned_clients(self, load: EngineLoad, clients: tuple[tuple[str, int, int], ...]) -> int:
         """Of the clients the kernel listed connected to ``load``'s port as it was scraped
-        (address, port, when each last sent data), how many may hold a request that the spans and
-        notices do not tell yet. A client's request is told by a server span on its connection
-        that started by the scrape's answer and had not ended before the client last sent (else
-        the client sent a request after it: that one is not told); a client whose told request
-        ended before the scrape is idle, kept alive. Counted once a round (spans come between
-        rounds)."""
+        (address, port, when the server last read data from each), how many may hold a request
+        that the spans and notices do not tell yet. The request read last is told by a server span
+        (or its start notice) on that connection that started by the scrape's answer and at most
+        REQUEST_READ_NS before that read; a span that started earlier is an earlier request's, and
+        the one read last is not told yet. A client whose told request ended before the scrape is
+        idle, kept alive. Counted once a round (spans come between rounds)."""
         key = (load.server_port, load.ts_ns)
         counted = self._unspanned.get(key)
         if counted is None:
             port, by_ns = load.server_port, (load.answered_ns or load.ts_ns) + CLOCK_ERROR_NS
             counted = 0
-            for address, client_port, last_sent_ns in clients:
+            for address, client_port, last_read_ns in clients:
                 tuple4 = (norm_addr(address), client_port, port)
-                since_ns = last_sent_ns - CLIENT_LAST_SENT_ERROR_NS
-                if not any(span.start_ns <= by_ns and span.end_ns >= since_ns
-                           for span in self.spans.on_connection(tuple4)) \
-                        and not self.live.explains(tuple4, by_ns, since_ns):
+                read_from_ns = last_read_ns - REQUEST_READ_NS
+                if not any(read_from_ns <= span.start_ns <= by_ns for span in self.spans.on_connection(tuple4)) \
+                        and not self.live.explains(tuple4, by_ns, read_from_ns):
                     counted += 1
             self._unspanned[key] = counted
         return counted

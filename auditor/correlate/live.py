@@ -71,15 +71,10 @@ class LiveState:
         return in_flight_among(notices, _started, running_at, ts_ns, closed_at, wait_ns,
                                earliest_ns, peer_fin=peer_fin, events_at=events_at)
 
-    def explains(self, tuple4: Tuple4, started_by_ns: int, ended_since_ns: int) -> bool:
-        """Whether a server span's notices on this connection tell a request that started by
-        ``started_by_ns`` and was still running at ``ended_since_ns`` or later."""
-        for live in self._by_tuple.get(tuple4, ()):
-            if live.ts_ns <= started_by_ns:
-                key = (live.trace_id, live.span_id)
-                if key in self._running or self._span_end.get(span_key(*key), -1) >= ended_since_ns:
-                    return True
-        return False
+    def explains(self, tuple4: Tuple4, started_by_ns: int, started_from_ns: int) -> bool:
+        """Whether a server span's start notice on this connection tells a request that started
+        in [``started_from_ns``, ``started_by_ns``]."""
+        return any(started_from_ns <= live.ts_ns <= started_by_ns for live in self._by_tuple.get(tuple4, ()))
 
     def running(self, trace_id: str, span_ids: set[str]) -> bool:
         """Whether any of these spans, or any engine work of the trace, is still running."""
