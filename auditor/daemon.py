@@ -240,7 +240,8 @@ class Daemon:
         probe = self._parts.get("probe")  # the eBPF probe keeps a table of the clients connected
         scraper = EngineMetricsScraper(lambda: set(self._ports), keep, interval_s=settings.interval_seconds,
                                        path=settings.path, on_connections=own_connections,
-                                       listed_clients=getattr(probe, "clients", None))
+                                       listed_clients=getattr(probe, "clients", None),
+                                       accepted=getattr(probe, "accepted", None))
         self._parts["engine_metrics"] = scraper.start()
 
     def _drain_engine_loads(self) -> list[EngineLoad]:

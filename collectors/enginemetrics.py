@@ -317,9 +317,10 @@ class EngineMetricsScraper:
                  quiet_after_s: float = QUIET_AFTER_S, quiet_interval_s: float = QUIET_INTERVAL_S,
                  on_connections: Callable[[frozenset[tuple[str, int, int]]], None] | None = None,
                  listed_clients: Callable[[Iterable[int]], dict[int, tuple[tuple[str, int, int], ...]] | None]
-                 | None = None) -> None:
+                 | None = None, accepted: Callable[[], int | None] | None = None) -> None:
         self.ports = ports
         self.listed_clients = listed_clients
+        self.accepted = accepted
         self.on_connections = on_connections
         self.sink = sink
         self.interval_s = interval_s
@@ -407,8 +408,14 @@ class EngineMetricsScraper:
                 for port, clients in found.items()}
 
     def _accepts_now(self) -> int | None:
-        """The connections this network namespace has accepted so far (``TcpAccepts``), None when
-        it cannot be read (every listing is then taken as complete)."""
+        """The clients accepted so far: of the watched ports, by the eBPF probe's count
+        (``accepted``, a map lookup), else of every port, by this network namespace's (the
+        PassiveOpens of /proc/net/snmp, about 150 us after a sleep); None when neither can be
+        read (every listing is then taken as complete)."""
+        if self.accepted is not None:
+            count = self.accepted()
+            if count is not None:
+                return count
         if self._accepts is None:
             from probes.sockdiag import TcpAccepts
 

@@ -170,6 +170,7 @@ class BpfConnEventSource:
         self._malformed = 0
         self._lost_at_stop = 0
         self._build = EventBuilder()
+        self._client_keys: dict[bytes, tuple[int, str, int]] = {}  # clients map key -> (port, address, its port)
         self._backlog = False
         self.text = program_text(ringbuf_pages, wakeup_every)
         # bcc's per-record callback reader needs bcc in this process.
@@ -324,13 +325,30 @@ class BpfConnEventSource:
         wanted = set(ports)
         offset = self._clock.offset_ns
         found: dict[int, list[tuple[str, int, int]]] = {port: [] for port in wanted}
+        decoded = self._client_keys
+        if len(decoded) > len(values) * 4 + 1024:  # keys of clients long gone
+            decoded.clear()
         for key, value in values.items():
-            sport, dport, family, _pad, address = CLIENT_KEY.unpack_from(key)
-            if sport in wanted:
+            client = decoded.get(key)
+            if client is None:
+                sport, dport, family, _pad, address = CLIENT_KEY.unpack_from(key)
                 text = socket.inet_ntop(socket.AF_INET, address[:4]) if family == socket.AF_INET \
                     else socket.inet_ntop(socket.AF_INET6, address)
-                found[sport].append((text, dport, CLIENT.unpack_from(value)[1] + offset))
+                client = decoded[key] = (sport, text, dport)
+            if client[0] in wanted:
+                found[client[0]].append((client[1], client[2], CLIENT.unpack_from(value)[1] + offset))
         return {port: tuple(clients) for port, clients in found.items()}
+
+    def accepted(self) -> int | None:
+        """Clients of the watched ports accepted so far, the program's count; None when it cannot
+        be read. Unchanged around a listing of ``clients``: no client is missing from it."""
+        if not self._started or self._stopped:
+            return None
+        try:
+            return self._program.accepted()
+        except Exception:
+            log.debug("reading the accepted count failed", exc_info=True)
+            return None
 
     def lost_events(self) -> int:
         """Events the kernel could not queue (ring buffer full) plus records that did not decode

@@ -21,6 +21,7 @@ SYSCALL_NUMBERS = {"x86_64": 321, "amd64": 321, "aarch64": 280, "arm64": 280}
 
 # enum bpf_cmd (include/uapi/linux/bpf.h)
 BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM, BPF_MAP_GET_NEXT_KEY = 1, 2, 3, 4
+BPF_MAP_LOOKUP_BATCH = 24
 BPF_MAP_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD = 14, 15
 BPF_ANY, BPF_NOEXIST = 0, 1
 # enum bpf_map_type: the four the probe hands over
@@ -28,6 +29,9 @@ BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_PERCPU_ARRAY, BPF_MAP_TYPE_R
 
 # union bpf_attr for the element commands: u32 map_fd, (pad), u64 key, u64 value, u64 flags.
 _ELEM_ATTR = struct.Struct("=I4xQQQ")
+# ... for the batch commands: u64 in_batch, u64 out_batch, u64 keys, u64 values, u32 count,
+# u32 map_fd, u64 elem_flags, u64 flags.
+_BATCH_ATTR = struct.Struct("=QQQQIIQQ")
 # ... for BPF_MAP_GET_FD_BY_ID: u32 map_id, u32 next_id, u32 open_flags.
 _ID_ATTR = struct.Struct("=III")
 # ... and for BPF_OBJ_GET_INFO_BY_FD: u32 bpf_fd, u32 info_len, u64 info.
@@ -111,6 +115,43 @@ def map_lookup(map_fd: int, key: bytes, value_bytes: int) -> bytes:
                                                        ctypes.addressof(value_buf), 0))
     _bpf(BPF_MAP_LOOKUP_ELEM, attr, "map lookup")
     return value_buf.raw[:value_bytes]
+
+
+class BatchReader:
+    """Every key and value of one hash map, read ``chunk`` entries a system call
+    (BPF_MAP_LOOKUP_BATCH, Linux 5.6): a few calls where ``map_items`` makes two an entry. The
+    buffers are kept from read to read. ``read`` raises BpfSyscallError EINVAL where the kernel
+    has no batch reads."""
+
+    def __init__(self, map_fd: int, key_bytes: int, value_bytes: int, chunk: int = 256) -> None:
+        self.map_fd, self.key_bytes, self.value_bytes, self.chunk = map_fd, key_bytes, value_bytes, chunk
+        self._keys = ctypes.create_string_buffer(key_bytes * chunk)
+        self._values = ctypes.create_string_buffer(value_bytes * chunk)
+        self._in, self._out = ctypes.create_string_buffer(8), ctypes.create_string_buffer(8)  # the kernel's u32 token
+
+    def read(self) -> dict[bytes, bytes]:
+        items: dict[bytes, bytes] = {}
+        first = True
+        while True:
+            attr = ctypes.create_string_buffer(_BATCH_ATTR.pack(
+                0 if first else ctypes.addressof(self._in), ctypes.addressof(self._out),
+                ctypes.addressof(self._keys), ctypes.addressof(self._values), self.chunk, self.map_fd, 0, 0))
+            done = False
+            try:
+                _bpf(BPF_MAP_LOOKUP_BATCH, attr, "map batch lookup")
+            except BpfSyscallError as exc:
+                if exc.errno != errno.ENOENT:  # ENOENT: the last of them (count says how many came)
+                    raise
+                done = True
+            count = struct.unpack_from("=I", attr.raw, 32)[0]
+            keys, values = self._keys.raw, self._values.raw
+            for index in range(count):
+                items[keys[index * self.key_bytes:(index + 1) * self.key_bytes]] = \
+                    values[index * self.value_bytes:(index + 1) * self.value_bytes]
+            if done:
+                return items
+            ctypes.memmove(self._in, self._out, 8)
+            first = False
 
 
 def map_items(map_fd: int, key_bytes: int, value_bytes: int) -> dict[bytes, bytes]:

@@ -87,6 +87,7 @@ struct client {
     u64 last_read_ns; /* the server's last read of data from this client */
 };
 BPF_HASH(clients, struct client_key, struct client, MAX_CLIENTS);
+BPF_ARRAY(accepted, u64, 1); /* clients of the watched ports accepted so far */
 struct reset_slot {
     u64 skaddr; /* the socket a reset was just received on, or 0 */
     u64 ts_ns;
@@ -179,6 +180,10 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
             struct client c = {};
             c.accepted_ns = c.last_read_ns = bpf_ktime_get_ns();
             clients.update(&k, &c);
+            u32 zero = 0;
+            u64 *count = accepted.lookup(&zero);
+            if (count)
+                __sync_fetch_and_add(count, 1);
         }
         return 0;
     }

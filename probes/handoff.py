@@ -54,6 +54,7 @@ class LoadedProgram:
         self.record = record
         self.ringbuf_bytes = ringbuf_bytes
         self.events_fd = fds["map:events"]
+        self._batch: bpfsys.BatchReader | bool | None = None  # False: the kernel has no batch reads
         try:  # the per-CPU counter has a slot per possible CPU
             self._cpus = bpfsys.possible_cpus()
         except (OSError, ValueError) as exc:
@@ -86,8 +87,22 @@ class LoadedProgram:
 
     def clients(self) -> dict[bytes, bytes]:
         """The ``clients`` map (``struct client_key`` -> ``struct client``): every ESTABLISHED
-        server socket of a watched port."""
+        server socket of a watched port. In batches where the kernel reads them (5.6), else key
+        by key."""
+        if self._batch is not False:
+            try:
+                if self._batch is None:
+                    self._batch = bpfsys.BatchReader(self.fds["map:clients"], CLIENT_KEY.size, CLIENT.size)
+                return self._batch.read()
+            except bpfsys.BpfSyscallError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOTSUPP, errno.EOPNOTSUPP):
+                    raise
+                self._batch = False
         return bpfsys.map_items(self.fds["map:clients"], CLIENT_KEY.size, CLIENT.size)
+
+    def accepted(self) -> int:
+        """Clients of the watched ports accepted so far (the program's count)."""
+        return int(_COUNTER.unpack(bpfsys.map_lookup(self.fds["map:accepted"], _INDEX.pack(0), 8))[0])
 
     def add_client(self, key: bytes, value: bytes) -> None:
         """A client connected before its port was watched; one the kernel added meanwhile stays."""
@@ -255,6 +270,7 @@ def _check_kernel_objects(named: dict[str, int], ringbuf_bytes: int,
         "map:lost_events": (bpfsys.BPF_MAP_TYPE_PERCPU_ARRAY, 4, 8, 1),
         "map:server_pids": (bpfsys.BPF_MAP_TYPE_HASH, 2, 4, None),
         "map:clients": (bpfsys.BPF_MAP_TYPE_HASH, CLIENT_KEY.size, CLIENT.size, None),
+        "map:accepted": (bpfsys.BPF_MAP_TYPE_ARRAY, 4, 8, 1),
     }
     attached = {f"tracepoint:{tp}" for tp in tracepoints}
     programs = {f"program:{tp}" for tp in tracepoints}

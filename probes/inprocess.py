@@ -39,6 +39,7 @@ class BccProgram:
         self._lost = self._bpf[b"lost_events"]
         self._server_pids = self._bpf[b"server_pids"]
         self._clients = self._bpf[b"clients"]
+        self._accepted = self._bpf[b"accepted"]
         # The payload layout as bcc sees struct event (a cast of a blank buffer: no record needed).
         self.record = struct_format(self._events.event(ctypes.create_string_buffer(4096)).__class__)
         self.events_fd = int(self._events.map_fd)
@@ -67,6 +68,9 @@ class BccProgram:
     def clients(self) -> dict[bytes, bytes]:
         """The ``clients`` map, as ``probes.handoff.LoadedProgram.clients`` gives it."""
         return {bytes(key): bytes(value) for key, value in self._clients.items()}
+
+    def accepted(self) -> int:
+        return int(self._accepted[ctypes.c_int(0)].value)
 
     def add_client(self, key: bytes, value: bytes) -> None:
         table = self._clients

@@ -291,6 +291,7 @@ def test_the_clients_connected_are_listed_with_the_servers_last_read(probe: Prob
     host = "127.0.0.1" if family == socket.AF_INET else "::1"
     server, other = listener(family, host), listener()
     probe.source.set_ports([port_of(server), port_of(other)])
+    accepted = probe.source.accepted()
     quiet = socket.create_connection((host, port_of(server)))
     quiet_end, _ = server.accept()
     talking = socket.create_connection((host, port_of(server)))
@@ -304,6 +305,7 @@ def test_the_clients_connected_are_listed_with_the_servers_last_read(probe: Prob
     assert talking_end.recv(100)
     listed = probe.source.clients([port_of(server)])
     assert listed is not None and set(listed) == {port_of(server)}
+    assert accepted is not None and probe.source.accepted() == accepted + 3  # both watched ports
     by_port = {client_port: last_read for _address, client_port, last_read in listed[port_of(server)]}
     assert {address for address, _port, _read in listed[port_of(server)]} == {host}
     assert by_port.keys() == {port_of(quiet), port_of(talking)}
