@@ -61,11 +61,13 @@ def test_a_registration_changes_the_work_end_of_those_that_left_before_it_only()
     runs = {"A": (0.0, 1.95), "B": (0.9, 2.5)}
     spans = {"A": (0.0, 0.26), "B": (0.9, 1.31)}
 
-    def ends(registered: list[str]) -> dict[str, int | None]:
+    def ends(registered: list[str], unregistered: tuple[str, ...] = ()) -> dict[str, int | None]:
         loads = scraped(runs)
         for name in registered:
             loads.register(PORT, name, at({"A": 0.25, "B": 1.2995}[name]),
                            connected_until_ns=at(spans[name][1]) + CLOCK_ERROR)
+        for name in unregistered:  # proved complete when its client left: it owns no orphan
+            loads.unregister(PORT, name)
         found = {name: loads.work_end(PORT, at(left), at(left), connected_counter(spans),
                                       connected_until_ns=at(spans[name][1]) + CLOCK_ERROR)
                  for name, left in (("A", 0.25), ("B", 1.2995))}
@@ -74,6 +76,7 @@ def test_a_registration_changes_the_work_end_of_those_that_left_before_it_only()
     assert ends(["A", "B"]) == {"A": at(1.95), "B": at(2.45)}
     assert ends(["A"])["A"] == at(2.45)  # without B, B's orphans read as A's
     assert ends(["B"])["B"] == at(2.45)
+    assert ends(["A", "B"], unregistered=("B",))["A"] == at(2.45)  # as if B had never left
 
 
 def test_a_registration_is_news_to_those_that_left_before_it_judged_before_it_reading_that_far() -> None:

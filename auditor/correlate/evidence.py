@@ -268,13 +268,7 @@ class EngineLoads:
             return
         times, untils = self._disconnect_times[port], self._connected_until[port]
         if packed is not None:
-            known = _unpair(packed)
-            index = bisect.bisect_left(times, known[0])
-            while index < len(times) and times[index] == known[0] and untils[index] != known[1]:
-                index += 1
-            if index < len(times) and times[index] == known[0]:
-                del times[index], untils[index]
-            self._registered_at(known[0])
+            self._forget_registered(port, packed)
         self._registered_at(disconnect_ns)
         self._disconnects[port].pop(key, None)  # to the end: in registration order, for prune
         self._disconnects[port][key] = registered
@@ -287,8 +281,11 @@ class EngineLoads:
         span end): its work was done, so it owns no orphan and claims none before earlier leavers."""
         requests = self._disconnects.get(port)
         packed = None if requests is None else requests.pop(hash(request), None)
-        if packed is None:
-            return
+        if packed is not None:
+            self._forget_registered(port, packed)
+
+    def _forget_registered(self, port: int, packed: int) -> None:
+        """Take one registration (``_pair``) out of the port's sorted times: news from its disconnect."""
         known = _unpair(packed)
         times, untils = self._disconnect_times[port], self._connected_until[port]
         index = bisect.bisect_left(times, known[0])
