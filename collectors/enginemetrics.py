@@ -69,8 +69,9 @@ QUIET_AFTER_S = 10.0
 QUIET_INTERVAL_S = 1.0
 IDLE_RECHECK_S = 2.0  # with no engine to scrape, how soon a newly watched port is tried
 # How long after a client left a port (``activity``), or a verdict asked (``want_clients``), its
-# scrapes list the clients connected: a walk of the kernel's established hash, about a millisecond
-# a round on a host of 262,144 buckets, whatever the ports hold.
+# scrapes list the clients connected: a read of the eBPF probe's table of them, or without it a
+# walk of the kernel's established hash (about a millisecond a round on a host of 262,144 buckets,
+# whatever the ports hold).
 LIST_CLIENTS_FOR_S = 2.0
 MAX_PAGE_BYTES = 4 * 1024 * 1024
 MAX_HEAD_BYTES = 64 * 1024
@@ -99,12 +100,7 @@ _ESCAPE = re.compile(r"\\(.)")
 
 def known_series(text: str, names: tuple[str, ...] = _WANTED) -> Iterator[tuple[str, dict[str, str], float]]:
     """(name, labels, value) of every sample line of the known gauges and counters, in the
-    Prometheus text format. An engine without live notices exports a request's spans when it ends, so the requests it runs
-are not known connected until then. While a client has just left a port, or a verdict reads its
-coming scrapes (``want_clients``), each scrape of it also lists the clients connected to it
-(``EngineLoad.connections``): the correlator reads the gauges against them.
-
-An engine's page is mostly histograms the daemon never reads: only
+    Prometheus text format. An engine's page is mostly histograms the daemon never reads: only
     lines of known names are parsed, here rather than by prometheus_client's parser, which at a few
     scrapes a second cost more than everything else the scrape does. A known line that does not
     parse raises ValueError (the scraper counts it). ``names``: only lines that begin with these."""
@@ -489,7 +485,7 @@ class EngineMetricsScraper:
             listing = [port for port in wanted
                        if self._list_until.get(port, -math.inf) > now and self._skip_until.get(port, 0.0) <= now]
         # A client accepted between the listing and a scrape's answer may be among the requests the
-        # gauges hold and not among the clients listed: the kernel's count of accepts (any port)
+        # gauges hold and not among the clients listed: a count of accepts (``_accepts_now``)
         # before and after says whether any was; if so the scrape's listing is incomplete.
         accepts = self._accepts_now() if listing else None
         walked = self._connected(listing) if listing else {}
