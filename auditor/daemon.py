@@ -237,11 +237,16 @@ class Daemon:
             if probe is not None:
                 probe.set_own_endpoints(endpoints)
 
-        probe = self._parts.get("probe")  # the eBPF probe keeps a table of the clients connected
+        # The clients connected to the engines' ports: the eBPF probe keeps a table of them; without
+        # it, a sock_diag walk a listing.
+        lister: Any = self._parts.get("probe")
+        if not hasattr(lister, "clients"):
+            from probes.sockdiag import ConnectedClients
+
+            lister = self._parts["client_lister"] = ConnectedClients()
         scraper = EngineMetricsScraper(lambda: set(self._ports), keep, interval_s=settings.interval_seconds,
                                        path=settings.path, on_connections=own_connections,
-                                       listed_clients=getattr(probe, "clients", None),
-                                       accepted=getattr(probe, "accepted", None))
+                                       listed_clients=lister.clients, accepted=lister.accepted)
         self._parts["engine_metrics"] = scraper.start()
 
     def _drain_engine_loads(self) -> list[EngineLoad]:
@@ -486,6 +491,8 @@ class Daemon:
         for name in ("sampling", "engine_metrics"):
             if name in self._parts:
                 quietly(self._parts[name].stop)
+        if "client_lister" in self._parts:
+            quietly(self._parts["client_lister"].close)
         if "probe" in self._parts:
             quietly(self._parts["probe"].stop)
         if "event_writer" in self._parts:

@@ -34,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
-from typing import Any
 from urllib.parse import quote
 
 from auditor.model import EngineLoad
@@ -328,8 +327,6 @@ class EngineMetricsScraper:
         self._skip_until: dict[int, float] = {}
         self._connections: dict[int, PageConnection] = {}
         self._ends: set[tuple[str, int, int]] = set()  # the connections open now (see on_connections)
-        self._diag: Any = None  # probes.sockdiag.SockDiag once opened; False where the kernel refused it
-        self._accepts: Any = None  # probes.sockdiag.TcpAccepts once opened; False where it cannot be
         # Per port: until when (monotonic) its scrapes list the clients connected (``want_clients``).
         self._list_until: dict[int, float] = {}
         self._filtered_path = filtered_path(path)
@@ -372,54 +369,21 @@ class EngineMetricsScraper:
         return load
 
     def _connected(self, ports: Iterable[int]) -> dict[int, tuple[tuple[str, int, int], ...]]:
-        """The clients connected to each of ``ports`` now, but this scraper, each with when it last
-        sent data (``EngineLoad.connections``): from ``listed_clients`` (the eBPF probe's table of
-        them, about 50 us) where it answers, else one walk of the kernel's established hash for
-        all of them (sock_diag, about a millisecond on a host of 262,144 buckets); nothing where
-        both are refused."""
-        if self.listed_clients is not None:  # the probe's own table: no walk
-            found_here = self.listed_clients(ports)
-            if found_here is not None:
-                own = {(end[0], end[1]) for end in self._ends}
-                return {port: tuple(c for c in clients if (c[0], c[1]) not in own)
-                        for port, clients in found_here.items()}
-        if self._diag is False:
+        """The clients connected to each of ``ports`` now, but this scraper, each with when the
+        server last read data from it (``EngineLoad.connections``), from ``listed_clients`` (the
+        eBPF probe's table, about 50 us; or a sock_diag walk of the kernel's established hash,
+        about a millisecond on a host of 262,144 buckets); nothing where it cannot tell."""
+        found = self.listed_clients(ports) if self.listed_clients is not None else None
+        if found is None:
             return {}
-        try:
-            if self._diag is None:
-                from probes.sockdiag import SockDiag
-
-                self._diag = SockDiag()
-            found = self._diag.established(frozenset(ports))
-        except OSError as exc:
-            log.info("the kernel's connections to the watched ports cannot be read (%s): the engines' gauges "
-                     "are read against the requests' spans alone", exc)
-            self._diag = False
-            return {}
-        now = self.clock()
         own = {(end[0], end[1]) for end in self._ends}
-        return {port: tuple((peer, peer_port, now - last_ms * 1_000_000)
-                            for (_family, _local, _port, peer, peer_port), last_ms in clients
-                            if (peer, peer_port) not in own)
-                for port, clients in found.items()}
+        return {port: tuple(c for c in clients if (c[0], c[1]) not in own) for port, clients in found.items()}
 
     def _accepts_now(self) -> int | None:
-        """The clients accepted so far: of the watched ports, by the eBPF probe's count
-        (``accepted``, a map lookup), else of every port, by this network namespace's (the
-        PassiveOpens of /proc/net/snmp, about 150 us after a sleep); None when neither can be
-        read (every listing is then taken as complete)."""
-        if self.accepted is not None:
-            count = self.accepted()
-            if count is not None:
-                return count
-        if self._accepts is None:
-            from probes.sockdiag import TcpAccepts
-
-            try:
-                self._accepts = TcpAccepts()
-            except OSError:
-                self._accepts = False
-        return self._accepts.read() if self._accepts else None
+        """The clients accepted so far (``accepted``: the eBPF probe's count for the watched ports,
+        or this network namespace's for every port); None when it cannot be read (every listing
+        is then taken as complete)."""
+        return self.accepted() if self.accepted is not None else None
 
     def _filters_alike(self, port: int, whole: str) -> bool:
         """Whether the port's filtered page has the same engine's same series as its whole page."""
@@ -469,12 +433,6 @@ class EngineMetricsScraper:
         for connection in list(self._connections.values()):
             self._close(connection)
         self._connections.clear()
-        if self._diag:
-            self._diag.close()
-            self._diag = None
-        if self._accepts:
-            self._accepts.close()
-        self._accepts = None
 
     def scrape_all(self, ports: Iterable[int] | None = None) -> list[EngineLoad]:
         """A scrape of each of ``ports`` (every watched port by default) not in its back-off."""

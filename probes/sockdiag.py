@@ -12,12 +12,15 @@ this network namespace to any user.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 NETLINK_SOCK_DIAG = 4
 TCPDIAG_GETSOCK, SOCK_DIAG_BY_FAMILY = 18, 20
@@ -249,6 +252,52 @@ def _last_data_recv(data: bytes, start: int, end: int) -> int:
             return int(struct.unpack_from("=I", data, start + _RTATTR.size + TCPI_LAST_DATA_RECV)[0])
         start += (length + 3) & ~3
     return 0
+
+
+class ConnectedClients:
+    """The clients connected to watched ports, for a daemon without the eBPF probe's table of
+    them: one sock_diag walk of the established hash for all the ports asked (``SockDiag.
+    established``, with tcp_info's last_data_recv), and this network namespace's count of accepted
+    connections (``TcpAccepts``). The same two calls as ``probes.bpf.BpfConnEventSource``'s."""
+
+    def __init__(self, clock: Callable[[], int] = time.time_ns) -> None:
+        self._clock = clock
+        self._diag: SockDiag | bool | None = None  # False: the kernel refused it
+        self._accepts: TcpAccepts | bool | None = None
+
+    def clients(self, ports: Iterable[int]) -> dict[int, tuple[tuple[str, int, int], ...]] | None:
+        """Port -> (client address, client port, when the server last read data from it, ns)."""
+        if self._diag is False:
+            return None
+        try:
+            if not isinstance(self._diag, SockDiag):
+                self._diag = SockDiag()
+            found = self._diag.established(frozenset(ports))
+        except OSError as exc:
+            log.info("the clients connected to the watched ports cannot be listed (%s): the engines' gauges "
+                     "are read against the requests' spans alone", exc)
+            self._diag = False
+            return None
+        now = self._clock()
+        return {port: tuple((peer, peer_port, now - last_ms * 1_000_000)
+                            for (_family, _local, _port, peer, peer_port), last_ms in clients)
+                for port, clients in found.items()}
+
+    def accepted(self) -> int | None:
+        """Connections this network namespace accepted so far (every port); None when unreadable."""
+        if self._accepts is None:
+            try:
+                self._accepts = TcpAccepts()
+            except OSError:
+                self._accepts = False
+        return self._accepts.read() if isinstance(self._accepts, TcpAccepts) else None
+
+    def close(self) -> None:
+        if isinstance(self._diag, SockDiag):
+            self._diag.close()
+        if isinstance(self._accepts, TcpAccepts):
+            self._accepts.close()
+        self._diag = self._accepts = None
 
 
 class TcpAccepts:

@@ -13,6 +13,7 @@ import pytest
 
 from auditor.model import EngineLoad
 from collectors.enginemetrics import MAX_PAGE_BYTES, EngineMetricsScraper
+from probes.sockdiag import ConnectedClients
 
 PAGE = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"
 
@@ -161,7 +162,9 @@ def test_a_scrape_lists_the_clients_connected_to_the_port_but_its_own_when_asked
     # just left the port or a verdict reads its scrapes: a client that sent its request 0.3 s
     # before and waits for its answer, with when it sent; not the scraper itself.
     server = serve([content_length()] * 3)
-    client = scraper()
+    lister = ConnectedClients()  # sock_diag, as a daemon without the eBPF probe lists them
+    client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=2, filtered=False,
+                                  listed_clients=lister.clients, accepted=lister.accepted)
     [unlisted] = client.scrape_all([server.port])  # the scraper's connection, kept alive from now on
     assert unlisted.connections is None
     client.want_clients([server.port])  # a client left, or a verdict reads the port's scrapes
@@ -175,7 +178,8 @@ def test_a_scrape_lists_the_clients_connected_to_the_port_but_its_own_when_asked
     finally:
         waiting.close()
         client.close()
-    assert load is not None and load.connections is not None
+        lister.close()
+    assert load is not None and load.connections is not None and load.connections_complete
     [(address, port, last_sent_ns)] = load.connections
     assert (address, port) == waiting_end
     assert abs(last_sent_ns - sent_ns) < 20_000_000, (last_sent_ns - sent_ns) / 1e6
