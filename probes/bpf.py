@@ -409,6 +409,13 @@ class BpfConnEventSource:
             self._program.add_port(port)
         for port in old - new:
             self._program.remove_port(port)
+        if old - new:  # their clients' closes are no longer seen: their entries would stay
+            try:
+                for key in self._program.clients():
+                    if CLIENT_KEY.unpack_from(key)[0] in old - new:
+                        self._program.remove_client(key)
+            except Exception:
+                log.debug("forgetting the clients of ports %s failed", sorted(old - new), exc_info=True)
         if new - old:
             self._add_connected(new - old)
 

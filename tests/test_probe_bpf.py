@@ -343,6 +343,13 @@ def test_clients_connected_before_their_port_was_watched_are_listed(probe: Probe
     before_end.close()
     probe.wait_closed(port_of(server), before_port)
     assert probe.source.clients([port_of(server)]) == {port_of(server): ()}
+    again = socket.create_connection(("127.0.0.1", port_of(server)))
+    again_end, _ = server.accept()
+    probe.source.set_ports([])  # unwatched: its clients leave the table (their closes go unseen)
+    again.close()
+    again_end.close()
+    probe.source.set_ports([port_of(server)])
+    assert probe.source.clients([port_of(server)]) == {port_of(server): ()}
     server.close()
 
 
