@@ -248,12 +248,13 @@ class EngineLoad:
     # When the answer came: the gauges describe one moment in [ts_ns, answered_ns], so a request
     # that started or ended in between may or may not be in them. None: an instant.
     answered_ns: int | None = None
-    # The clients connected to the port just before the scrape, the kernel's word (sock_diag),
-    # listed while the correlator wants them: (client address, client port, when that client last
-    # sent data, ns), the scraper's own connection left out. None: not listed with this scrape.
+    # The clients connected to the port just before the scrape, the kernel's word (the eBPF probe's
+    # table, or sock_diag without it), listed while the correlator wants them: (client address,
+    # client port, when data from that client last came to the server, ns), the scraper's own
+    # connection left out. None: not listed with this scrape.
     connections: tuple[tuple[str, int, int], ...] | None = None
-    # False: a connection was accepted (on some port) between the listing and the answer, so a
-    # client of this port may be missing from it.
+    # False: a client was accepted (of a watched port, by the probe's count; of any port without
+    # it) between the listing and the answer, so a client of this port may be missing from it.
     connections_complete: bool = True
 
 

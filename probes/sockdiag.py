@@ -266,7 +266,8 @@ class ConnectedClients:
         self._accepts: TcpAccepts | bool | None = None
 
     def clients(self, ports: Iterable[int]) -> dict[int, tuple[tuple[str, int, int], ...]] | None:
-        """Port -> (client address, client port, when the server last read data from it, ns)."""
+        """Port -> (client address, client port, when data from it last came in, ns: tcp_info's
+        last_data_recv, the kernel's receipt rather than the server's read)."""
         if self._diag is False:
             return None
         try:
