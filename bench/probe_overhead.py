@@ -112,16 +112,17 @@ def acceptor(listener: socket.socket, stop: Any) -> None:
 class Consumer:
     """The daemon's hot path: poll the probe, hand events to the batched store writer."""
 
-    def __init__(self, source: Any, writer: Any | None) -> None:
+    def __init__(self, source: Any, writer: Any | None, poll_s: float) -> None:
         self.source = source
         self.writer = writer
+        self.poll_s = poll_s  # the daemon's wait (auditor.daemon.PROBE_POLL_S) unless --poll-seconds
         self.stopping = threading.Event()
         self.received = 0
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            self.received += take(self.source, self.writer, 0.05)
+            self.received += take(self.source, self.writer, self.poll_s)
         while taken := take(self.source, self.writer, 0.1):  # drain what is left
             self.received += taken
         if self.writer is not None:
@@ -252,7 +253,8 @@ def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) 
                     continue
                 source = BpfConnEventSource([address[1]])  # loaded fresh, detached after
                 source.start()
-                consumer = Consumer(source, ConnEventWriter(store) if name == "probe+store" else None)
+                consumer = Consumer(source, ConnEventWriter(store) if name == "probe+store" else None,
+                                    args.poll_seconds)
                 consumer.thread.start()
                 runs_before = source.program_runs()
                 rate, cpu, own, requests = http_round(address, args.clients, args.seconds, server.pid,
@@ -308,7 +310,7 @@ def event_rate(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     source = BpfConnEventSource([address[1]])
     source.start()
     writer = ConnEventWriter(store, batch_size=5000)
-    consumer = Consumer(source, writer)
+    consumer = Consumer(source, writer, args.poll_seconds)
     results, ready, go, stop = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
     acceptor_process = ctx.Process(target=acceptor, args=(listener, stop))
     acceptor_process.start()
@@ -484,6 +486,8 @@ def main() -> int:
     parser.add_argument("--backlog-seconds", type=float, default=2.0,
                         help="how long to fill the ring buffer before timing the drain")
     parser.add_argument("--http-only", action="store_true", help="skip the event-rate phases")
+    parser.add_argument("--poll-seconds", type=float, default=None,
+                        help="the reader's wait for events (default: the daemon's, PROBE_POLL_S)")
     parser.add_argument("--compare", metavar="REV",
                         help="only the drain phase: revision REV's mapped reader and the working tree's on "
                              "the same backlog, --rounds times")
@@ -498,6 +502,12 @@ def main() -> int:
         drain_child(args.drain_child, args.store)
         return 0
 
+    if args.poll_seconds is None:
+        from auditor.daemon import PROBE_POLL_S
+
+        args.poll_seconds = PROBE_POLL_S
+    elif not 0 < args.poll_seconds <= 10:
+        parser.error(f"--poll-seconds must be above 0 and at most 10, got {args.poll_seconds:g}")
     from probes.bpf import bpf_unavailable_reason
 
     problem = bpf_unavailable_reason()
@@ -513,7 +523,8 @@ def main() -> int:
         if not args.http_only:
             rate = event_rate(args, Path(tmp))
             drain = drain_rate(args, Path(tmp))
-    print(f"probe overhead on {os.cpu_count()} CPUs, load average before: {load_before:.2f}")
+    print(f"probe overhead on {os.cpu_count()} CPUs, load average before: {load_before:.2f}; the reader "
+          f"waits {args.poll_seconds:g} s for events")
     rows: list[tuple[str, str, str]] = []
     for per_connection, figures in http.items():
         kind = "every request is a close: the worst case" if per_connection == 1 else "keep-alive"
