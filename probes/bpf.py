@@ -18,6 +18,7 @@ import logging
 import mmap
 import os
 import platform
+import re
 import socket
 import time
 from array import array
@@ -56,6 +57,17 @@ TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset", "tcp/tcp_rcv
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 
 PID_MAX_LIMIT = 1 << 22  # the kernel's ceiling for pid_max (include/linux/threads.h)
+# The clients table's slots (disconnect.bpf.c): 4,096 of 48 bytes, mapped into the reader. Sockets
+# whose slot is held go to the hash: with n clients about n / 8,192 of them (at 1,000, one in nine).
+CLIENT_SLOT_BITS = 12
+ATOMICS_SINCE = (5, 12)  # BPF compare-and-swap; before it, every client goes to the hash
+
+
+def default_client_slot_bits(release: str | None = None) -> int:
+    """CLIENT_SLOT_BITS where the running kernel (``release``, as uname gives it) has BPF atomics;
+    0 before, or where the release does not say."""
+    found = re.match(r"(\d+)\.(\d+)", release if release is not None else os.uname().release)
+    return CLIENT_SLOT_BITS if found and (int(found[1]), int(found[2])) >= ATOMICS_SINCE else 0
 
 
 def _client_key(family: int, port: int, peer: str, peer_port: int) -> bytes:
@@ -76,7 +88,7 @@ def default_wakeup_every(ringbuf_pages: int, cpus: int | None = None) -> int:
 
 
 def program_text(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
-                 wakeup_every: int | None = None) -> str:
+                 wakeup_every: int | None = None, client_slot_bits: int = 0) -> str:
     """The program bcc compiles: settings as defines before the source, which #includes the shared
     event header from ``PROGRAM_DIR`` (see ``PROGRAM_CFLAGS``)."""
     if ringbuf_pages <= 0 or ringbuf_pages & (ringbuf_pages - 1):
@@ -85,9 +97,11 @@ def program_text(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
         wakeup_every = default_wakeup_every(ringbuf_pages)
     if wakeup_every < 1:
         raise ValueError(f"wakeup_every must be at least 1, got {wakeup_every}")
+    if not 0 <= client_slot_bits <= 20:
+        raise ValueError(f"client_slot_bits must be 0 to 20, got {client_slot_bits}")
     source = PROGRAM_FILE.read_text()
     return (f"#define RINGBUF_PAGES {ringbuf_pages}\n#define WAKEUP_EVERY {wakeup_every}\n"
-            f"{source}")
+            f"#define CLIENT_SLOT_BITS {client_slot_bits}\n{source}")
 
 
 def _bcc_installed() -> bool:
@@ -160,7 +174,8 @@ class BpfConnEventSource:
                  wakeup_every: int | None = None,
                  clock: MonotonicToWall | None = None,
                  mapped_reader: bool | None = None,
-                 loader: str | None = None) -> None:
+                 loader: str | None = None,
+                 client_slot_bits: int | None = None) -> None:
         self._ports = _checked_ports(ports)
         self._host = host
         self._clock = clock or MonotonicToWall()
@@ -172,7 +187,8 @@ class BpfConnEventSource:
         self._build = EventBuilder()
         self._client_keys: dict[bytes, tuple[int, str, int]] = {}  # clients map key -> (port, address, its port)
         self._backlog = False
-        self.text = program_text(ringbuf_pages, wakeup_every)
+        self.client_slot_bits = default_client_slot_bits() if client_slot_bits is None else client_slot_bits
+        self.text = program_text(ringbuf_pages, wakeup_every, self.client_slot_bits)
         # bcc's per-record callback reader needs bcc in this process.
         self.loader = loader or ("inprocess" if mapped_reader is False else default_loader())
         if self.loader not in LOADERS:
@@ -187,9 +203,10 @@ class BpfConnEventSource:
         if self.loader == "child":
             self._program = load_in_child(
                 self.text, PROGRAM_CFLAGS, ringbuf_bytes=ringbuf_pages * mmap.PAGESIZE,
-                tracepoints=tuple(tp.replace("/", ":") for tp in TRACEPOINTS))
+                tracepoints=tuple(tp.replace("/", ":") for tp in TRACEPOINTS),
+                client_slot_bits=self.client_slot_bits)
         else:
-            self._program = BccProgram(self.text, PROGRAM_CFLAGS)
+            self._program = BccProgram(self.text, PROGRAM_CFLAGS, self.client_slot_bits)
         self._unpack = self._program.record
         self._mapped: ringbuf.MappedRingBuffer | None = None
         # Batch reads of the mapped ring (default where sound), else bcc's callback per record.
@@ -411,9 +428,8 @@ class BpfConnEventSource:
             self._program.remove_port(port)
         if old - new:  # their clients' closes are no longer seen: their entries would stay
             try:
-                for key in self._program.clients():
-                    if CLIENT_KEY.unpack_from(key)[0] in old - new:
-                        self._program.remove_client(key)
+                self._program.remove_clients({key for key in self._program.clients()
+                                              if CLIENT_KEY.unpack_from(key)[0] in old - new})
             except Exception:
                 log.debug("forgetting the clients of ports %s failed", sorted(old - new), exc_info=True)
         if new - old:
@@ -441,9 +457,7 @@ class BpfConnEventSource:
             still = {_client_key(family, port, peer, peer_port)
                      for clients in diag.established(ports).values()
                      for (family, _local, port, peer, peer_port), _ms in clients}
-            for key in added:
-                if key not in still:
-                    self._program.remove_client(key)
+            self._program.remove_clients(set(added) - still)
         except Exception:  # the table then lacks them: read as without a listing, until they close
             log.debug("adding the connected clients of ports %s failed", sorted(ports), exc_info=True)
         finally:

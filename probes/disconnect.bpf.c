@@ -26,13 +26,16 @@
  * received FIN, a reset or the final ACK are handled in softirq, where the current task is
  * whichever one the interrupt found (on loopback, often the client): those never write it.
  *
- * clients holds every ESTABLISHED server socket of a watched port (by its ports and the client's
- * address): added when a passive open completes (SYN_RECV -> ESTABLISHED), removed on its first
- * move out of ESTABLISHED, with when the server last read data from it (tcp:tcp_rcv_space_adjust,
- * which tcp_recvmsg fires after copying: a request read, not each packet). User space adds the
- * connections a port already had when it is watched (from sock_diag), and lists the table with
- * the engines' scrapes: the clients connected, and which of them sent something since their last
- * answer.
+ * The clients table holds every ESTABLISHED server socket of a watched port (its ports and the
+ * client's address): added when a passive open completes (SYN_RECV -> ESTABLISHED), removed on its
+ * first move out of ESTABLISHED, with when the server last read data from it
+ * (tcp:tcp_rcv_space_adjust, which tcp_recvmsg fires after copying: a request read, not each
+ * packet). User space adds the connections a port already had when it is watched (from
+ * sock_diag), and lists the table with the engines' scrapes: the clients connected, and which of
+ * them sent something since their last answer. It is two maps: client_slots, an array a socket
+ * claims by its address (one compare-and-swap, no allocation, no lock), and the clients hash for
+ * the rest (a slot already held, the connections user space adds, kernels without BPF atomics).
+ * A hash insert and delete cost about as much as all the other work of a connection together.
  *
  * Records are submitted without waking the reader, except every WAKEUP_EVERY-th on a CPU: one
  * wake-up per record would cost the server (irq work in its softirq) and the reader (a Python
@@ -87,6 +90,22 @@ struct client {
     u64 last_read_ns; /* the server's last read of data from this client */
 };
 BPF_HASH(clients, struct client_key, struct client, MAX_CLIENTS);
+/* CLIENT_SLOT_BITS: 2^bits slots, or 0 where the kernel has no BPF compare-and-swap (before 5.12):
+ * then every client goes to the hash and the array's one slot stays empty. */
+#ifndef CLIENT_SLOT_BITS
+#define CLIENT_SLOT_BITS 0
+#endif
+struct client_slot {
+    u64 owner; /* the socket's address; 0: free. Claimed and released atomically */
+    struct client_key key; /* key.sport 0: not (yet, or any more) a client */
+    struct client client;
+};
+#if CLIENT_SLOT_BITS
+/* Mapped read-only by user space, which lists the claimed slots without a system call. */
+BPF_F_TABLE("array", u32, struct client_slot, client_slots, 1 << CLIENT_SLOT_BITS, BPF_F_MMAPABLE);
+#else
+BPF_ARRAY(client_slots, struct client_slot, 1);
+#endif
 BPF_ARRAY(accepted, u64, 1); /* clients of the watched ports accepted so far */
 struct reset_slot {
     u64 skaddr; /* the socket a reset was just received on, or 0 */
@@ -125,6 +144,24 @@ static __always_inline u64 wakeup_flag(void)
         else                                                                        \
             __builtin_memcpy((k).daddr, (args)->daddr_v6, 16);                      \
     } while (0)
+
+/* The slot a socket may claim: its address, multiplied out (Fibonacci hashing). */
+static __always_inline struct client_slot *slot_of(u64 skaddr)
+{
+#if CLIENT_SLOT_BITS
+    u32 index = (skaddr * 0x9E3779B97F4A7C15ULL) >> (64 - CLIENT_SLOT_BITS);
+    return client_slots.lookup(&index);
+#else
+    return 0;
+#endif
+}
+
+/* The socket's own slot: its address and ports (an entry left by an unwatched port's socket at the
+ * same address is not it). */
+static __always_inline int holds(struct client_slot *slot, u64 skaddr, u16 sport, u16 dport)
+{
+    return slot && slot->owner == skaddr && slot->key.sport == sport && slot->key.dport == dport;
+}
 
 static __always_inline int is_watched(u16 port)
 {
@@ -175,12 +212,23 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 
     if (args->newstate == TCP_ESTABLISHED_) {
         if (args->oldstate == TCP_SYN_RECV_) { /* a client accepted; no reset slot is touched */
-            struct client_key k;
-            CLIENT_KEY(k, args);
-            struct client c = {};
-            c.accepted_ns = c.last_read_ns = bpf_ktime_get_ns();
-            clients.update(&k, &c);
-            u32 zero = 0;
+            u64 skaddr = (u64)args->skaddr;
+            u64 now = bpf_ktime_get_ns();
+            struct client_slot *slot = slot_of(skaddr);
+#if CLIENT_SLOT_BITS
+            if (slot && __sync_val_compare_and_swap(&slot->owner, 0, skaddr) == 0) {
+                slot->client.accepted_ns = slot->client.last_read_ns = now;
+                CLIENT_KEY(slot->key, args); /* sport, which marks it listed, set with the rest */
+            } else
+#endif
+            {
+                struct client_key k;
+                CLIENT_KEY(k, args);
+                struct client c = {};
+                c.accepted_ns = c.last_read_ns = now;
+                clients.update(&k, &c);
+            }
+            u32 zero = 0; /* counted once listed: a listing that saw the count move may lack it */
             u64 *count = accepted.lookup(&zero);
             if (count)
                 __sync_fetch_and_add(count, 1);
@@ -188,9 +236,18 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         return 0;
     }
     if (args->oldstate == TCP_ESTABLISHED_) {
-        struct client_key k;
-        CLIENT_KEY(k, args);
-        clients.delete(&k);
+        u64 skaddr = (u64)args->skaddr;
+        struct client_slot *slot = slot_of(skaddr);
+        if (holds(slot, skaddr, sport, args->dport)) {
+            slot->key.sport = 0; /* unlisted first, then free to claim */
+#if CLIENT_SLOT_BITS
+            __sync_val_compare_and_swap(&slot->owner, skaddr, 0);
+#endif
+        } else {
+            struct client_key k;
+            CLIENT_KEY(k, args);
+            clients.delete(&k);
+        }
     }
 
     u32 zero = 0;
@@ -259,6 +316,12 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
     u16 sport = args->sport;
     if (!is_watched(sport)) /* every read on the host comes here: most end at this lookup */
         return 0;
+    u64 skaddr = (u64)args->skaddr;
+    struct client_slot *slot = slot_of(skaddr);
+    if (holds(slot, skaddr, sport, args->dport)) {
+        slot->client.last_read_ns = bpf_ktime_get_ns();
+        return 0;
+    }
     struct client_key k;
     CLIENT_KEY(k, args);
     struct client *c = clients.lookup(&k);

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from probes import bpfsys
+from probes.clientslots import SLOT, ClientSlots, slot_count
 from probes.source import ProbeUnavailable
 
 LOAD_TIMEOUT_S = 60.0  # compiling takes about a second; a loaded host with cold caches, longer
@@ -49,12 +50,14 @@ class LoadedProgram:
     """The attached program as descriptors: the daemon's whole hold on it. Closing the last
     perf-event descriptor detaches the tracepoints; the kernel frees program and maps with it."""
 
-    def __init__(self, fds: dict[str, int], record: struct.Struct, ringbuf_bytes: int) -> None:
+    def __init__(self, fds: dict[str, int], record: struct.Struct, ringbuf_bytes: int,
+                 client_slot_bits: int = 0) -> None:
         self.fds = fds
         self.record = record
         self.ringbuf_bytes = ringbuf_bytes
         self.events_fd = fds["map:events"]
         self._batch: bpfsys.BatchReader | bool | None = None  # False: the kernel has no batch reads
+        self._slots = ClientSlots(fds["map:client_slots"], client_slot_bits)
         try:  # the per-CPU counter has a slot per possible CPU
             self._cpus = bpfsys.possible_cpus()
         except (OSError, ValueError) as exc:
@@ -86,9 +89,12 @@ class LoadedProgram:
         return int(_PID.unpack(raw)[0])
 
     def clients(self) -> dict[bytes, bytes]:
-        """The ``clients`` map (``struct client_key`` -> ``struct client``): every ESTABLISHED
-        server socket of a watched port. In batches where the kernel reads them (5.6), else key
-        by key."""
+        """The clients table (``struct client_key`` -> ``struct client``): every ESTABLISHED
+        server socket of a watched port, from the mapped slots and the ``clients`` hash, this in
+        batches where the kernel reads them (5.6), else key by key."""
+        return {**self._slots.listed(), **self._hash_items()}
+
+    def _hash_items(self) -> dict[bytes, bytes]:
         if self._batch is not False:
             try:
                 if self._batch is None:
@@ -108,8 +114,9 @@ class LoadedProgram:
         """A client connected before its port was watched; one the kernel added meanwhile stays."""
         bpfsys.map_update(self.fds["map:clients"], key, value, bpfsys.BPF_NOEXIST, missing_ok=True)
 
-    def remove_client(self, key: bytes) -> None:
-        bpfsys.map_delete(self.fds["map:clients"], key)
+    def remove_clients(self, keys: set[bytes]) -> None:
+        for key in self._slots.remove(keys):
+            bpfsys.map_delete(self.fds["map:clients"], key)
 
     def lost(self) -> int:
         """The per-CPU lost-event counters, summed."""
@@ -123,6 +130,7 @@ class LoadedProgram:
                 for name, fd in self.fds.items() if name.startswith("program:")}
 
     def close(self) -> None:
+        self._slots.close()
         close_all(self.fds)
         self.fds = {}
 
@@ -135,8 +143,8 @@ CLIENT_KEY, CLIENT = struct.Struct("=HHHH16s"), struct.Struct("=QQ")
 
 
 def load_in_child(text: str, cflags: list[str], *, ringbuf_bytes: int,
-                  tracepoints: tuple[str, ...], timeout_s: float = LOAD_TIMEOUT_S,
-                  command: list[str] | None = None) -> LoadedProgram:
+                  tracepoints: tuple[str, ...], client_slot_bits: int = 0,
+                  timeout_s: float = LOAD_TIMEOUT_S, command: list[str] | None = None) -> LoadedProgram:
     """Have a child compile and attach ``text`` (with ``tracepoints`` as category:name); the
     checked result, whose descriptors the caller owns from here on."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -155,7 +163,7 @@ def load_in_child(text: str, cflags: list[str], *, ringbuf_bytes: int,
             raise
         _stop(child, wait_s=EXIT_TIMEOUT_S)
         try:
-            return _checked(message, fds, ringbuf_bytes, tracepoints, stderr)
+            return _checked(message, fds, ringbuf_bytes, tracepoints, client_slot_bits, stderr)
         except BaseException:
             close_all(fds)
             raise
@@ -222,7 +230,7 @@ def _stop(child: subprocess.Popen[bytes], wait_s: float) -> None:
 
 
 def _checked(data: bytes, fds: list[int], ringbuf_bytes: int, tracepoints: tuple[str, ...],
-             stderr: IO[bytes]) -> LoadedProgram:
+             client_slot_bits: int, stderr: IO[bytes]) -> LoadedProgram:
     try:
         message = json.loads(data)
     except ValueError:
@@ -237,8 +245,11 @@ def _checked(data: bytes, fds: list[int], ringbuf_bytes: int, tracepoints: tuple
         reason = reason.strip().splitlines()[0][:300] + (f"; {detail}" if detail else "")
         raise ProbeUnavailable(reason, FIX)
     named = _named_fds(message, fds)
-    _check_kernel_objects(named, ringbuf_bytes, tracepoints)
-    return LoadedProgram(named, _record(message.get("record_format")), ringbuf_bytes)
+    _check_kernel_objects(named, ringbuf_bytes, tracepoints, client_slot_bits)
+    try:
+        return LoadedProgram(named, _record(message.get("record_format")), ringbuf_bytes, client_slot_bits)
+    except OSError as exc:  # the slots cannot be mapped (a kernel before 5.5 has no mappable maps)
+        raise _garbage(f"map:client_slots cannot be mapped ({exc})") from None
 
 
 def _garbage(what: str) -> ProbeUnavailable:
@@ -263,7 +274,7 @@ def _named_fds(message: dict[str, Any], fds: list[int]) -> dict[str, int]:
 
 
 def _check_kernel_objects(named: dict[str, int], ringbuf_bytes: int,
-                          tracepoints: tuple[str, ...]) -> None:
+                          tracepoints: tuple[str, ...], client_slot_bits: int) -> None:
     expected = {  # name -> (map type, key size, value size, entries or None)
         "map:events": (bpfsys.BPF_MAP_TYPE_RINGBUF, 0, 0, ringbuf_bytes),
         "map:watched_ports": (bpfsys.BPF_MAP_TYPE_ARRAY, 4, 8, 1024),
@@ -271,6 +282,7 @@ def _check_kernel_objects(named: dict[str, int], ringbuf_bytes: int,
         "map:server_pids": (bpfsys.BPF_MAP_TYPE_HASH, 2, 4, None),
         "map:clients": (bpfsys.BPF_MAP_TYPE_HASH, CLIENT_KEY.size, CLIENT.size, None),
         "map:accepted": (bpfsys.BPF_MAP_TYPE_ARRAY, 4, 8, 1),
+        "map:client_slots": (bpfsys.BPF_MAP_TYPE_ARRAY, 4, SLOT.size, slot_count(client_slot_bits)),
     }
     attached = {f"tracepoint:{tp}" for tp in tracepoints}
     programs = {f"program:{tp}" for tp in tracepoints}

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from probes.bpfsys import ProgramRuns, program_runs
+from probes.clientslots import ClientSlots
 from probes.decode import struct_format
 from probes.loader import tracepoint_function
 from probes.source import ProbeUnavailable
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class BccProgram:
-    def __init__(self, text: str, cflags: list[str]) -> None:
+    def __init__(self, text: str, cflags: list[str], client_slot_bits: int = 0) -> None:
         from bcc import BPF
 
         try:
@@ -40,6 +41,14 @@ class BccProgram:
         self._server_pids = self._bpf[b"server_pids"]
         self._clients = self._bpf[b"clients"]
         self._accepted = self._bpf[b"accepted"]
+        slot_table = self._bpf[b"client_slots"]
+        try:
+            self._slots = ClientSlots(int(slot_table.map_fd), client_slot_bits, clear=lambda index: (
+                slot_table.__setitem__(ctypes.c_int(index), slot_table.Leaf())))
+        except OSError as exc:  # a kernel before 5.5 has no mappable maps
+            self._bpf.cleanup()
+            raise ProbeUnavailable(f"the probe's client slots cannot be mapped ({exc})",
+                                   "run `auditor doctor`") from None
         # The payload layout as bcc sees struct event (a cast of a blank buffer: no record needed).
         self.record = struct_format(self._events.event(ctypes.create_string_buffer(4096)).__class__)
         self.events_fd = int(self._events.map_fd)
@@ -66,8 +75,8 @@ class BccProgram:
             return None
 
     def clients(self) -> dict[bytes, bytes]:
-        """The ``clients`` map, as ``probes.handoff.LoadedProgram.clients`` gives it."""
-        return {bytes(key): bytes(value) for key, value in self._clients.items()}
+        """The clients table, as ``probes.handoff.LoadedProgram.clients`` gives it."""
+        return {**self._slots.listed(), **{bytes(key): bytes(value) for key, value in self._clients.items()}}
 
     def accepted(self) -> int:
         return int(self._accepted[ctypes.c_int(0)].value)
@@ -78,9 +87,10 @@ class BccProgram:
         if found not in table:  # one the kernel added meanwhile stays
             table[found] = table.Leaf.from_buffer_copy(value)
 
-    def remove_client(self, key: bytes) -> None:
-        with contextlib.suppress(KeyError):
-            del self._clients[self._clients.Key.from_buffer_copy(key)]
+    def remove_clients(self, keys: set[bytes]) -> None:
+        for key in self._slots.remove(keys):
+            with contextlib.suppress(KeyError):
+                del self._clients[self._clients.Key.from_buffer_copy(key)]
 
     def lost(self) -> int:
         return int(sum(self._lost[ctypes.c_int(0)]))
@@ -95,6 +105,7 @@ class BccProgram:
         return runs
 
     def close(self) -> None:
+        self._slots.close()
         self._bpf.cleanup()
 
     # -- bcc's reader: one callback per record ----------------------------------------------

@@ -353,6 +353,46 @@ def test_clients_connected_before_their_port_was_watched_are_listed(probe: Probe
     server.close()
 
 
+@pytest.mark.parametrize("bits", [0, 1])
+def test_clients_past_the_slots_are_listed_from_the_hash(bits: int) -> None:
+    """Two slots (bits 1) for six clients: those whose slot is held go to the hash, and a listing
+    reads both; with no slots (a kernel without BPF atomics) every client is in the hash. Closes
+    and an unwatched port take them out of either."""
+    source = BpfConnEventSource([], host="probe-test", client_slot_bits=bits)
+    source.start()
+    try:
+        server = listener()
+        source.set_ports([port_of(server)])
+        pairs = []
+        for _ in range(6):
+            client = socket.create_connection(("127.0.0.1", port_of(server)))
+            pairs.append((client, server.accept()[0]))
+        listed = source.clients([port_of(server)])
+        assert listed is not None
+        assert sorted(p for _a, p, _r in listed[port_of(server)]) == sorted(port_of(c) for c, _ in pairs)
+        for client, end in pairs[:3]:
+            client.close()
+            end.close()
+        deadline = time.monotonic() + 5
+        while len(source.clients([port_of(server)])[port_of(server)]) != 3:  # type: ignore[index]
+            assert time.monotonic() < deadline, "closed clients stayed listed"
+            time.sleep(0.01)
+        listed = source.clients([port_of(server)])
+        assert listed is not None
+        assert sorted(p for _a, p, _r in listed[port_of(server)]) == sorted(port_of(c) for c, _ in pairs[3:])
+        source.set_ports([])  # unwatched: their entries go, wherever they were
+        assert source.clients([port_of(server)]) == {port_of(server): ()}
+        source.set_ports([port_of(server)])  # watched again: seeded from sock_diag into the hash
+        listed = source.clients([port_of(server)])
+        assert listed is not None and len(listed[port_of(server)]) == 3
+        for client, end in pairs[3:]:
+            client.close()
+            end.close()
+        server.close()
+    finally:
+        source.stop()
+
+
 def connect_and_close(server: socket.socket) -> int:
     client = socket.create_connection(server.getsockname()[:2])
     accepted, _ = server.accept()

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from probes import ProbeUnavailable, open_source
-from probes.bpf import bpf_unavailable_reason, default_wakeup_every
+from probes.bpf import (
+    CLIENT_SLOT_BITS,
+    bpf_unavailable_reason,
+    default_client_slot_bits,
+    default_wakeup_every,
+)
 from probes.caps import (
     CAP_BPF,
     CAP_DAC_OVERRIDE,
@@ -95,3 +100,11 @@ def test_doctor_and_probe_agree_on_this_process() -> None:
 
     probe_refuses = bool(missing_bpf_capabilities())
     assert (check_privileges().state != OK) == probe_refuses
+
+
+@pytest.mark.parametrize(("release", "bits"), [
+    ("6.1.0-18-cloud-amd64", CLIENT_SLOT_BITS), ("5.12.0", CLIENT_SLOT_BITS), ("6.18.44-fc-v1045", CLIENT_SLOT_BITS),
+    ("5.11.22", 0), ("5.10.0-28-amd64", 0), ("4.18.0-553.el8_10.x86_64", 0), ("custom", 0), ("", 0),
+])
+def test_client_slots_only_where_the_kernel_has_bpf_compare_and_swap(release: str, bits: int) -> None:
+    assert default_client_slot_bits(release) == bits

@@ -84,9 +84,10 @@ def probe(config: Config, ports: tuple[int, ...], as_json: bool, dump_bpf: bool,
       auditor probe --port 8000 --port 8001 --json | jq .
     """
     if dump_bpf:
-        from probes.bpf import program_text
+        from probes.bpf import default_client_slot_bits, program_text
 
-        click.echo(program_text(config.probe.ring_buffer_pages), nl=False)
+        click.echo(program_text(config.probe.ring_buffer_pages, client_slot_bits=default_client_slot_bits()),
+                   nl=False)
         return
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s", stream=sys.stderr)
     watched = list(ports) or list(config.probe.ports)

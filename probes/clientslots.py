@@ -1,0 +1,83 @@
+"""The probe's ``client_slots`` array, read where it lies: mapped read-only into this process.
+
+``disconnect.bpf.c`` keeps its clients table in two maps: a socket claims the slot its address
+hashes to (a compare-and-swap, no allocation), and goes to the ``clients`` hash only when that
+slot is held. Listing reads both. The array is mapped (``BPF_F_MMAPABLE``, Linux 5.5), so a
+listing is a copy of its bytes and a scan for the claimed slots, with no system call; a slot is
+taken out (its port no longer watched) by a write through bpf(2).
+
+A slot is listed once its owner and its key's server port are both set: the program claims the
+owner, writes the times, then the key; it clears the key's port before it frees the owner. A slot
+read while it is being filled can be half written; the accept count, which the program increments
+after the fill, is read around a listing and tells such a listing apart (``accepted``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from array import array
+from collections.abc import Callable
+from itertools import compress
+
+from probes import bpfsys
+
+# struct client_slot: owner (the socket's address), struct client_key (24 bytes), struct client
+SLOT = struct.Struct("=Q24sQQ")
+KEY_AT, CLIENT_AT = 8, 32  # offsets of the key and of struct client in a slot
+
+
+def slot_count(bits: int) -> int:
+    """The array's length for ``CLIENT_SLOT_BITS`` (one unused slot where slots are off)."""
+    return 1 << bits if bits else 1
+
+
+class ClientSlots:
+    """The array behind ``map_fd`` (which the caller keeps open), of ``CLIENT_SLOT_BITS`` ``bits``;
+    where those are 0 (the program was built without slots) it lists nothing."""
+
+    def __init__(self, map_fd: int, bits: int, clear: Callable[[int], None] | None = None) -> None:
+        self.slots = slot_count(bits)
+        self.map_fd: int | None = map_fd if bits else None
+        self._clear = clear or self._clear_by_syscall  # bcc's table where bpf(2) is not known here
+        self._map: mmap.mmap | None = None
+        if self.map_fd is not None:
+            length = -(-self.slots * SLOT.size // mmap.PAGESIZE) * mmap.PAGESIZE
+            self._map = mmap.mmap(map_fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
+        self._zero = bytes(SLOT.size)
+
+    def items(self) -> dict[bytes, tuple[int, bytes]]:
+        """The listed clients: ``struct client_key`` -> (slot index, ``struct client``)."""
+        if self._map is None:
+            return {}
+        data = self._map[:self.slots * SLOT.size]  # one copy: the program writes on meanwhile
+        words = array("Q")
+        words.frombytes(data)
+        found: dict[bytes, tuple[int, bytes]] = {}
+        for index in compress(range(self.slots), words[0::SLOT.size // 8]):  # owners set
+            at = index * SLOT.size
+            key = data[at + KEY_AT:at + CLIENT_AT]
+            if key[0] or key[1]:  # the server port: 0 while filled or released
+                found[key] = (index, data[at + CLIENT_AT:at + SLOT.size])
+        return found
+
+    def listed(self) -> dict[bytes, bytes]:
+        """``struct client_key`` -> ``struct client``, as the clients hash reads."""
+        return {key: client for key, (_index, client) in self.items().items()}
+
+    def remove(self, keys: set[bytes]) -> set[bytes]:
+        """Free the slots of ``keys``, clients of ports the program no longer watches (it no longer
+        touches their slots); the keys no slot holds, for the caller to delete from the hash."""
+        held = self.items()
+        for key in keys & held.keys():
+            self._clear(held[key][0])
+        return keys - held.keys()
+
+    def _clear_by_syscall(self, index: int) -> None:
+        assert self.map_fd is not None  # only slots that were listed are cleared
+        bpfsys.map_update(self.map_fd, struct.pack("=I", index), self._zero)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
