@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import mmap
 import struct
-from array import array
 from collections.abc import Callable
-from itertools import compress
 
 from probes import bpfsys
 
 # struct client_slot: owner (the socket's address), struct client_key (24 bytes), struct client
 SLOT = struct.Struct("=Q24sQQ")
-KEY_AT, CLIENT_AT = 8, 32  # offsets of the key and of struct client in a slot
+KEY_AT, CLIENT_AT = 8, 32  # offsets of the key (its server port first) and of struct client
+_NONZERO = bytes([0] + [1] * 255)  # a translate table: 1 for any byte but 0
+_FREE = bytes(KEY_AT)  # an unclaimed slot's owner
 
 
 def slot_count(bits: int) -> int:
@@ -47,18 +47,25 @@ class ClientSlots:
         self._zero = bytes(SLOT.size)
 
     def items(self) -> dict[bytes, tuple[int, bytes]]:
-        """The listed clients: ``struct client_key`` -> (slot index, ``struct client``)."""
+        """The listed clients: ``struct client_key`` -> (slot index, ``struct client``). The
+        claimed slots are found at C speed: each slot's server-port bytes, marked nonzero by
+        ``translate``, searched with ``find`` (a scan slot by slot in Python costs about ten times
+        more with a few clients)."""
         if self._map is None:
             return {}
         data = self._map[:self.slots * SLOT.size]  # one copy: the program writes on meanwhile
-        words = array("Q")
-        words.frombytes(data)
+        used: set[int] = set()
+        for byte in (KEY_AT, KEY_AT + 1):  # the port's two bytes: either is nonzero in a listed slot
+            marks = data[byte::SLOT.size].translate(_NONZERO)
+            index = marks.find(1)
+            while index >= 0:
+                used.add(index)
+                index = marks.find(1, index + 1)
         found: dict[bytes, tuple[int, bytes]] = {}
-        for index in compress(range(self.slots), words[0::SLOT.size // 8]):  # owners set
+        for index in used:
             at = index * SLOT.size
-            key = data[at + KEY_AT:at + CLIENT_AT]
-            if key[0] or key[1]:  # the server port: 0 while filled or released
-                found[key] = (index, data[at + CLIENT_AT:at + SLOT.size])
+            if data[at:at + KEY_AT] != _FREE:  # owner set: not released under the copy
+                found[data[at + KEY_AT:at + CLIENT_AT]] = (index, data[at + CLIENT_AT:at + SLOT.size])
         return found
 
     def listed(self) -> dict[bytes, bytes]:
