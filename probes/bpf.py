@@ -447,17 +447,15 @@ class BpfConnEventSource:
                      "without them until they reconnect", sorted(ports))
             return
         try:
+            def connected() -> dict[bytes, int]:  # key -> ms since the kernel last received data
+                return {_client_key(family, port, peer, peer_port): last_ms
+                        for clients in diag.established(ports).values()
+                        for (family, _local, port, peer, peer_port), last_ms in clients}
+
             now = time.monotonic_ns()  # bpf_ktime_get_ns's clock
-            added: list[bytes] = []
-            for clients in diag.established(ports).values():
-                for (family, _local, port, peer, peer_port), last_ms in clients:
-                    key = _client_key(family, port, peer, peer_port)
-                    self._program.add_client(key, CLIENT.pack(0, now - last_ms * 1_000_000))
-                    added.append(key)
-            still = {_client_key(family, port, peer, peer_port)
-                     for clients in diag.established(ports).values()
-                     for (family, _local, port, peer, peer_port), _ms in clients}
-            self._program.remove_clients(set(added) - still)
+            found = connected()
+            self._program.add_clients({key: CLIENT.pack(0, now - ms * 1_000_000) for key, ms in found.items()})
+            self._program.remove_clients(found.keys() - connected().keys())
         except Exception:  # the table then lacks them: read as without a listing, until they close
             log.debug("adding the connected clients of ports %s failed", sorted(ports), exc_info=True)
         finally:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from probes import bpfsys
 
@@ -71,6 +71,12 @@ class ClientSlots:
     def listed(self) -> dict[bytes, bytes]:
         """``struct client_key`` -> ``struct client``, as the clients hash reads."""
         return {key: client for key, (_index, client) in self.items().items()}
+
+    def unheld(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Those of ``keys`` no slot holds. A connection sock_diag shows ESTABLISHED that the
+        program saw accepted has its slot already: the program runs before the state is stored."""
+        held = self.items()
+        return [key for key in keys if key not in held]
 
     def remove(self, keys: set[bytes]) -> set[bytes]:
         """Free the slots of ``keys``, clients of ports the program no longer watches (it no longer

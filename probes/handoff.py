@@ -110,9 +110,11 @@ class LoadedProgram:
         """Clients of the watched ports accepted so far (the program's count)."""
         return int(_COUNTER.unpack(bpfsys.map_lookup(self.fds["map:accepted"], _INDEX.pack(0), 8))[0])
 
-    def add_client(self, key: bytes, value: bytes) -> None:
-        """A client connected before its port was watched; one the kernel added meanwhile stays."""
-        bpfsys.map_update(self.fds["map:clients"], key, value, bpfsys.BPF_NOEXIST, missing_ok=True)
+    def add_clients(self, clients: dict[bytes, bytes]) -> None:
+        """Clients connected before their port was watched; one the kernel added meanwhile (in a
+        slot or the hash) stays as it is, and is not put in twice."""
+        for key in self._slots.unheld(clients):
+            bpfsys.map_update(self.fds["map:clients"], key, clients[key], bpfsys.BPF_NOEXIST, missing_ok=True)
 
     def remove_clients(self, keys: set[bytes]) -> None:
         for key in self._slots.remove(keys):

@@ -81,11 +81,12 @@ class BccProgram:
     def accepted(self) -> int:
         return int(self._accepted[ctypes.c_int(0)].value)
 
-    def add_client(self, key: bytes, value: bytes) -> None:
+    def add_clients(self, clients: dict[bytes, bytes]) -> None:
         table = self._clients
-        found = table.Key.from_buffer_copy(key)
-        if found not in table:  # one the kernel added meanwhile stays
-            table[found] = table.Leaf.from_buffer_copy(value)
+        for key in self._slots.unheld(clients):
+            found = table.Key.from_buffer_copy(key)
+            if found not in table:  # one the kernel added meanwhile stays
+                table[found] = table.Leaf.from_buffer_copy(clients[key])
 
     def remove_clients(self, keys: set[bytes]) -> None:
         for key in self._slots.remove(keys):
