@@ -84,8 +84,9 @@ def _bpf(command: int, attr: ctypes.Array[ctypes.c_char], what: str) -> int:
     return result
 
 
-def map_update(map_fd: int, key: bytes, value: bytes, flags: int = BPF_ANY, missing_ok: bool = False) -> None:
-    """Set ``key``; with BPF_NOEXIST only where it is not there (``missing_ok``: quietly not)."""
+def map_update(map_fd: int, key: bytes, value: bytes, flags: int = BPF_ANY, missing_ok: bool = False) -> bool:
+    """Set ``key``; with BPF_NOEXIST only where it is not there (``missing_ok``: quietly not, and
+    False)."""
     key_buf, value_buf = ctypes.create_string_buffer(key), ctypes.create_string_buffer(value)
     attr = ctypes.create_string_buffer(_ELEM_ATTR.pack(map_fd, ctypes.addressof(key_buf),
                                                        ctypes.addressof(value_buf), flags))
@@ -94,6 +95,8 @@ def map_update(map_fd: int, key: bytes, value: bytes, flags: int = BPF_ANY, miss
     except BpfSyscallError as exc:
         if not (missing_ok and exc.errno == errno.EEXIST):
             raise
+        return False
+    return True
 
 
 def map_delete(map_fd: int, key: bytes) -> bool:

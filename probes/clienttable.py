@@ -1,10 +1,12 @@
-"""The probe's ``client_slots`` array, read where it lies: mapped read-only into this process.
+"""The probe's clients table as it lies in the kernel: its ``client_slots`` array and its
+``client_counts`` mapped read-only into this process.
 
 ``disconnect.bpf.c`` keeps its clients table in two maps: a socket claims the slot its address
 hashes to (a compare-and-swap, no allocation), and goes to the ``clients`` hash only when that
 slot is held. Listing reads both. The array is mapped (``BPF_F_MMAPABLE``, Linux 5.5), so a
 listing is a copy of its bytes and a scan for the claimed slots, with no system call; a slot is
-taken out (its port no longer watched) by a write through bpf(2).
+taken out (its port no longer watched) by a write through bpf(2). The hash is read only when it
+may hold a client (``hash_empty``): a batch read of an empty one still walks its 65,536 buckets.
 
 A slot is listed once its owner and its key's server port are both set: the program claims the
 owner, writes the times, then the key; it clears the key's port before it frees the owner. A slot
@@ -25,6 +27,8 @@ SLOT = struct.Struct("=Q24sQQ")
 KEY_AT, CLIENT_AT = 8, 32  # offsets of the key (its server port first) and of struct client
 _NONZERO = bytes([0] + [1] * 255)  # a translate table: 1 for any byte but 0
 _FREE = bytes(KEY_AT)  # an unclaimed slot's owner
+# client_counts: accepted, put in the hash by the program, taken out of it by the program
+_COUNTS = struct.Struct("=QQQ")
 
 
 def slot_count(bits: int) -> int:
@@ -32,19 +36,39 @@ def slot_count(bits: int) -> int:
     return 1 << bits if bits else 1
 
 
-class ClientSlots:
-    """The array behind ``map_fd`` (which the caller keeps open), of ``CLIENT_SLOT_BITS`` ``bits``;
-    where those are 0 (the program was built without slots) it lists nothing."""
+class ClientTable:
+    """The slots behind ``slots_fd``, of ``CLIENT_SLOT_BITS`` ``bits`` (none listed where those are
+    0: the program was built without slots), and the counters behind ``counts_fd``; the caller
+    keeps both descriptors open, and counts its own changes to the hash in ``hash_added`` and
+    ``hash_removed``."""
 
-    def __init__(self, map_fd: int, bits: int, clear: Callable[[int], None] | None = None) -> None:
+    def __init__(self, slots_fd: int, bits: int, counts_fd: int,
+                 clear: Callable[[int], None] | None = None) -> None:
         self.slots = slot_count(bits)
-        self.map_fd: int | None = map_fd if bits else None
+        self.map_fd: int | None = slots_fd if bits else None
         self._clear = clear or self._clear_by_syscall  # bcc's table where bpf(2) is not known here
+        self._counts = mmap.mmap(counts_fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
         self._map: mmap.mmap | None = None
-        if self.map_fd is not None:
-            length = -(-self.slots * SLOT.size // mmap.PAGESIZE) * mmap.PAGESIZE
-            self._map = mmap.mmap(map_fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
+        try:
+            if self.map_fd is not None:
+                length = -(-self.slots * SLOT.size // mmap.PAGESIZE) * mmap.PAGESIZE
+                self._map = mmap.mmap(slots_fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError:
+            self._counts.close()
+            raise
         self._zero = bytes(SLOT.size)
+        self.hash_added = self.hash_removed = 0  # by user space: clients seeded, clients forgotten
+
+    def accepted(self) -> int:
+        """Clients of the watched ports accepted so far (the program's count)."""
+        return int(_COUNTS.unpack_from(self._counts)[0])
+
+    def hash_empty(self) -> bool:
+        """Whether the hash holds no client: none put in (by the program or user space) that was
+        not taken out. A client the program replaced in the hash counts twice, which only reads
+        the hash where it need not."""
+        _accepted, added, removed = _COUNTS.unpack_from(self._counts)
+        return added + self.hash_added - removed - self.hash_removed <= 0
 
     def items(self) -> dict[bytes, tuple[int, bytes]]:
         """The listed clients: ``struct client_key`` -> (slot index, ``struct client``). The
@@ -91,6 +115,7 @@ class ClientSlots:
         bpfsys.map_update(self.map_fd, struct.pack("=I", index), self._zero)
 
     def close(self) -> None:
+        self._counts.close()
         if self._map is not None:
             self._map.close()
             self._map = None

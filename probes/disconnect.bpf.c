@@ -106,7 +106,14 @@ BPF_F_TABLE("array", u32, struct client_slot, client_slots, 1 << CLIENT_SLOT_BIT
 #else
 BPF_ARRAY(client_slots, struct client_slot, 1);
 #endif
-BPF_ARRAY(accepted, u64, 1); /* clients of the watched ports accepted so far */
+/* Counters user space reads where they lie (mapped): clients of the watched ports accepted so far,
+ * and the clients this program put in and took out of the hash. With the ones user space puts in and
+ * takes out, those tell a listing whether the hash holds any: reading an empty one walks its every
+ * bucket. */
+#define COUNT_ACCEPTED 0
+#define COUNT_HASH_ADDED 1
+#define COUNT_HASH_REMOVED 2
+BPF_F_TABLE("array", u32, u64, client_counts, 3, BPF_F_MMAPABLE);
 struct reset_slot {
     u64 skaddr; /* the socket a reset was just received on, or 0 */
     u64 ts_ns;
@@ -161,6 +168,13 @@ static __always_inline struct client_slot *slot_of(u64 skaddr)
 static __always_inline int holds(struct client_slot *slot, u64 skaddr, u16 sport, u16 dport)
 {
     return slot && slot->owner == skaddr && slot->key.sport == sport && slot->key.dport == dport;
+}
+
+static __always_inline void count_client(u32 which)
+{
+    u64 *count = client_counts.lookup(&which);
+    if (count)
+        __sync_fetch_and_add(count, 1);
 }
 
 static __always_inline int is_watched(u16 port)
@@ -226,12 +240,10 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
                 CLIENT_KEY(k, args);
                 struct client c = {};
                 c.accepted_ns = c.last_read_ns = now;
-                clients.update(&k, &c);
+                if (clients.update(&k, &c) == 0)
+                    count_client(COUNT_HASH_ADDED);
             }
-            u32 zero = 0; /* counted once listed: a listing that saw the count move may lack it */
-            u64 *count = accepted.lookup(&zero);
-            if (count)
-                __sync_fetch_and_add(count, 1);
+            count_client(COUNT_ACCEPTED); /* once listed: a listing that saw the count move may lack it */
         }
         return 0;
     }
@@ -246,7 +258,8 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         } else {
             struct client_key k;
             CLIENT_KEY(k, args);
-            clients.delete(&k);
+            if (clients.delete(&k) == 0)
+                count_client(COUNT_HASH_REMOVED);
         }
     }
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from probes import bpfsys
-from probes.clientslots import SLOT, ClientSlots, slot_count
+from probes.clienttable import SLOT, ClientTable, slot_count
 from probes.source import ProbeUnavailable
 
 LOAD_TIMEOUT_S = 60.0  # compiling takes about a second; a loaded host with cold caches, longer
@@ -57,7 +57,7 @@ class LoadedProgram:
         self.ringbuf_bytes = ringbuf_bytes
         self.events_fd = fds["map:events"]
         self._batch: bpfsys.BatchReader | bool | None = None  # False: the kernel has no batch reads
-        self._slots = ClientSlots(fds["map:client_slots"], client_slot_bits)
+        self._table = ClientTable(fds["map:client_slots"], client_slot_bits, fds["map:client_counts"])
         try:  # the per-CPU counter has a slot per possible CPU
             self._cpus = bpfsys.possible_cpus()
         except (OSError, ValueError) as exc:
@@ -90,9 +90,9 @@ class LoadedProgram:
 
     def clients(self) -> dict[bytes, bytes]:
         """The clients table (``struct client_key`` -> ``struct client``): every ESTABLISHED
-        server socket of a watched port, from the mapped slots and the ``clients`` hash, this in
-        batches where the kernel reads them (5.6), else key by key."""
-        return {**self._slots.listed(), **self._hash_items()}
+        server socket of a watched port, from the mapped slots and the ``clients`` hash where it
+        holds any, this in batches where the kernel reads them (5.6), else key by key."""
+        return {**self._table.listed(), **({} if self._table.hash_empty() else self._hash_items())}
 
     def _hash_items(self) -> dict[bytes, bytes]:
         if self._batch is not False:
@@ -108,17 +108,19 @@ class LoadedProgram:
 
     def accepted(self) -> int:
         """Clients of the watched ports accepted so far (the program's count)."""
-        return int(_COUNTER.unpack(bpfsys.map_lookup(self.fds["map:accepted"], _INDEX.pack(0), 8))[0])
+        return self._table.accepted()
 
     def add_clients(self, clients: dict[bytes, bytes]) -> None:
         """Clients connected before their port was watched; one the kernel added meanwhile (in a
         slot or the hash) stays as it is, and is not put in twice."""
-        for key in self._slots.unheld(clients):
-            bpfsys.map_update(self.fds["map:clients"], key, clients[key], bpfsys.BPF_NOEXIST, missing_ok=True)
+        for key in self._table.unheld(clients):
+            if bpfsys.map_update(self.fds["map:clients"], key, clients[key], bpfsys.BPF_NOEXIST, missing_ok=True):
+                self._table.hash_added += 1
 
     def remove_clients(self, keys: set[bytes]) -> None:
-        for key in self._slots.remove(keys):
-            bpfsys.map_delete(self.fds["map:clients"], key)
+        for key in self._table.remove(keys):
+            if bpfsys.map_delete(self.fds["map:clients"], key):
+                self._table.hash_removed += 1
 
     def lost(self) -> int:
         """The per-CPU lost-event counters, summed."""
@@ -132,7 +134,7 @@ class LoadedProgram:
                 for name, fd in self.fds.items() if name.startswith("program:")}
 
     def close(self) -> None:
-        self._slots.close()
+        self._table.close()
         close_all(self.fds)
         self.fds = {}
 
@@ -251,7 +253,7 @@ def _checked(data: bytes, fds: list[int], ringbuf_bytes: int, tracepoints: tuple
     try:
         return LoadedProgram(named, _record(message.get("record_format")), ringbuf_bytes, client_slot_bits)
     except OSError as exc:  # the slots cannot be mapped (a kernel before 5.5 has no mappable maps)
-        raise _garbage(f"map:client_slots cannot be mapped ({exc})") from None
+        raise _garbage(f"the clients table cannot be mapped ({exc})") from None
 
 
 def _garbage(what: str) -> ProbeUnavailable:
@@ -283,7 +285,7 @@ def _check_kernel_objects(named: dict[str, int], ringbuf_bytes: int,
         "map:lost_events": (bpfsys.BPF_MAP_TYPE_PERCPU_ARRAY, 4, 8, 1),
         "map:server_pids": (bpfsys.BPF_MAP_TYPE_HASH, 2, 4, None),
         "map:clients": (bpfsys.BPF_MAP_TYPE_HASH, CLIENT_KEY.size, CLIENT.size, None),
-        "map:accepted": (bpfsys.BPF_MAP_TYPE_ARRAY, 4, 8, 1),
+        "map:client_counts": (bpfsys.BPF_MAP_TYPE_ARRAY, 4, 8, 3),
         "map:client_slots": (bpfsys.BPF_MAP_TYPE_ARRAY, 4, SLOT.size, slot_count(client_slot_bits)),
     }
     attached = {f"tracepoint:{tp}" for tp in tracepoints}

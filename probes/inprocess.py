@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from probes.bpfsys import ProgramRuns, program_runs
-from probes.clientslots import ClientSlots
+from probes.clienttable import ClientTable
 from probes.decode import struct_format
 from probes.loader import tracepoint_function
 from probes.source import ProbeUnavailable
@@ -40,14 +40,13 @@ class BccProgram:
         self._lost = self._bpf[b"lost_events"]
         self._server_pids = self._bpf[b"server_pids"]
         self._clients = self._bpf[b"clients"]
-        self._accepted = self._bpf[b"accepted"]
-        slot_table = self._bpf[b"client_slots"]
+        slots = self._bpf[b"client_slots"]
         try:
-            self._slots = ClientSlots(int(slot_table.map_fd), client_slot_bits, clear=lambda index: (
-                slot_table.__setitem__(ctypes.c_int(index), slot_table.Leaf())))
+            self._table = ClientTable(int(slots.map_fd), client_slot_bits, int(self._bpf[b"client_counts"].map_fd),
+                                      clear=lambda index: slots.__setitem__(ctypes.c_int(index), slots.Leaf()))
         except OSError as exc:  # a kernel before 5.5 has no mappable maps
             self._bpf.cleanup()
-            raise ProbeUnavailable(f"the probe's client slots cannot be mapped ({exc})",
+            raise ProbeUnavailable(f"the probe's clients table cannot be mapped ({exc})",
                                    "run `auditor doctor`") from None
         # The payload layout as bcc sees struct event (a cast of a blank buffer: no record needed).
         self.record = struct_format(self._events.event(ctypes.create_string_buffer(4096)).__class__)
@@ -76,22 +75,25 @@ class BccProgram:
 
     def clients(self) -> dict[bytes, bytes]:
         """The clients table, as ``probes.handoff.LoadedProgram.clients`` gives it."""
-        return {**self._slots.listed(), **{bytes(key): bytes(value) for key, value in self._clients.items()}}
+        hashed = {} if self._table.hash_empty() else {bytes(key): bytes(value) for key, value in self._clients.items()}
+        return {**self._table.listed(), **hashed}
 
     def accepted(self) -> int:
-        return int(self._accepted[ctypes.c_int(0)].value)
+        return self._table.accepted()
 
     def add_clients(self, clients: dict[bytes, bytes]) -> None:
         table = self._clients
-        for key in self._slots.unheld(clients):
+        for key in self._table.unheld(clients):
             found = table.Key.from_buffer_copy(key)
             if found not in table:  # one the kernel added meanwhile stays
                 table[found] = table.Leaf.from_buffer_copy(clients[key])
+                self._table.hash_added += 1
 
     def remove_clients(self, keys: set[bytes]) -> None:
-        for key in self._slots.remove(keys):
+        for key in self._table.remove(keys):
             with contextlib.suppress(KeyError):
                 del self._clients[self._clients.Key.from_buffer_copy(key)]
+                self._table.hash_removed += 1
 
     def lost(self) -> int:
         return int(sum(self._lost[ctypes.c_int(0)]))
@@ -106,7 +108,7 @@ class BccProgram:
         return runs
 
     def close(self) -> None:
-        self._slots.close()
+        self._table.close()
         self._bpf.cleanup()
 
     # -- bcc's reader: one callback per record ----------------------------------------------

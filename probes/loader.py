@@ -12,7 +12,7 @@ answer plus, with SCM_RIGHTS, the descriptors that keep the program alive and us
   kernel keeps while ``kernel.bpf_stats_enabled`` is 1 (the probe's own cost, which is charged to
   whichever process hit the tracepoint, not to the daemon),
 - the ``events`` ring buffer, ``watched_ports``, ``lost_events``, ``server_pids``, ``clients``,
-  ``accepted`` and ``client_slots`` maps.
+  ``client_counts`` and ``client_slots`` maps.
 
 Then it leaves with ``os._exit``: bcc's exit handler would otherwise detach the tracepoints
 (``PERF_EVENT_IOC_DISABLE`` acts on the shared perf event, not only on this process's copy).
@@ -32,7 +32,7 @@ import sys
 from typing import Any
 
 MAX_REQUEST_BYTES = 1 << 20
-MAP_NAMES = ("events", "watched_ports", "lost_events", "server_pids", "clients", "accepted", "client_slots")
+MAP_NAMES = ("events", "watched_ports", "lost_events", "server_pids", "clients", "client_counts", "client_slots")
 
 
 def tracepoint_function(tracepoint: bytes) -> bytes:

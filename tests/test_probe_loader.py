@@ -247,7 +247,7 @@ def test_descriptors_that_are_not_the_probes_maps_are_refused_and_closed() -> No
     # Thirteen descriptors under the right names, but files: the kernel says they are not BPF maps.
     code = ("fds = [os.open('/dev/null', os.O_RDONLY) for _ in range(13)]\n"
             "names = {'maps': {'events': 0, 'watched_ports': 1, 'lost_events': 2, 'server_pids': 5,\n"
-            "                  'clients': 8, 'accepted': 11, 'client_slots': 12},\n"
+            "                  'clients': 8, 'client_counts': 11, 'client_slots': 12},\n"
             f"         'attached': {{{TRACEPOINT_NAMES[0]!r}: 3, {TRACEPOINT_NAMES[1]!r}: 4,\n"
             f"                      {TRACEPOINT_NAMES[2]!r}: 9}},\n"
             f"         'programs': {{{TRACEPOINT_NAMES[0]!r}: 6, {TRACEPOINT_NAMES[1]!r}: 7,\n"
