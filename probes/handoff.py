@@ -57,12 +57,12 @@ class LoadedProgram:
         self.ringbuf_bytes = ringbuf_bytes
         self.events_fd = fds["map:events"]
         self._batch: bpfsys.BatchReader | bool | None = None  # False: the kernel has no batch reads
-        self._table = ClientTable(fds["map:client_slots"], client_slot_bits, fds["map:client_counts"])
         try:  # the per-CPU counter has a slot per possible CPU
             self._cpus = bpfsys.possible_cpus()
         except (OSError, ValueError) as exc:
             raise ProbeUnavailable(f"the possible CPUs cannot be read ({exc})",
                                    "mount sysfs at /sys") from None
+        self._table = ClientTable(fds["map:client_slots"], client_slot_bits, fds["map:client_counts"])  # mapped last
 
     def add_port(self, port: int) -> None:
         self._set_bit(port, True)
