@@ -5,7 +5,8 @@
    polled and written to a SQLite store. Prints requests/s of both and their ratio.
 2. Sustained kernel-to-store rate: several processes open and reset short loopback connections as
    fast as they can while this process polls the probe and writes every event to SQLite. Prints
-   events stored per second, lost events, and this process's CPU per 1,000 events.
+   events stored per second, lost events, and this process's CPU per 1,000 events, for each ring
+   buffer size asked (--ring-mib 4,1: side by side).
 
     .venv/bin/python bench/probe_overhead.py [--seconds 4] [--rounds 3] [--generators 3]
     .venv/bin/python bench/probe_overhead.py --compare REV [--rounds 3]   # the reader, REV beside now
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import mmap
 import multiprocessing
 import os
 import resource
@@ -299,15 +301,17 @@ def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) 
             "events": events, "lost": lost}
 
 
-def event_rate(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+def event_rate(args: argparse.Namespace, workdir: Path, ring_mib: int) -> dict[str, float]:
+    """Connections reset as fast as the generators go, read live into the store through a ring
+    buffer of ``ring_mib`` MiB."""
     from auditor.store import Store
     from probes.bpf import BpfConnEventSource
     from probes.writer import ConnEventWriter
 
     ctx = multiprocessing.get_context("spawn")
     listener, address = loopback_listener()
-    store = Store(f"sqlite:///{workdir / 'rate.db'}")
-    source = BpfConnEventSource([address[1]])
+    store = Store(f"sqlite:///{workdir / f'rate-{ring_mib}.db'}")
+    source = BpfConnEventSource([address[1]], ringbuf_pages=(ring_mib << 20) // mmap.PAGESIZE)
     source.start()
     writer = ConnEventWriter(store, batch_size=5000)
     consumer = Consumer(source, writer, args.poll_seconds)
@@ -486,6 +490,9 @@ def main() -> int:
     parser.add_argument("--backlog-seconds", type=float, default=2.0,
                         help="how long to fill the ring buffer before timing the drain")
     parser.add_argument("--http-only", action="store_true", help="skip the event-rate phases")
+    parser.add_argument("--ring-mib", type=ring_sizes, default=None,
+                        help="ring buffer sizes in MiB for the live event-rate phase, a comma list measured "
+                             "in turn and shown side by side (default: the daemon's, probe.ring_buffer_mib)")
     parser.add_argument("--poll-seconds", type=float, default=None,
                         help="the reader's wait for events (default: the daemon's, PROBE_POLL_S)")
     parser.add_argument("--compare", metavar="REV",
@@ -502,6 +509,10 @@ def main() -> int:
         drain_child(args.drain_child, args.store)
         return 0
 
+    if args.ring_mib is None:
+        from auditor.config import ProbeConfig
+
+        args.ring_mib = [ProbeConfig().ring_buffer_mib]
     if args.poll_seconds is None:
         from auditor.daemon import PROBE_POLL_S
 
@@ -521,7 +532,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="probe-bench-") as tmp:
         http = {n: http_overhead(args, Path(tmp), n) for n in args.per_connection}
         if not args.http_only:
-            rate = event_rate(args, Path(tmp))
+            rates = [(mib, event_rate(args, Path(tmp), mib)) for mib in args.ring_mib]
             drain = drain_rate(args, Path(tmp))
     print(f"probe overhead on {os.cpu_count()} CPUs, load average before: {load_before:.2f}; the reader "
           f"waits {args.poll_seconds:g} s for events")
@@ -532,10 +543,21 @@ def main() -> int:
                      f"connection ({kind}), median of {args.rounds} rounds of {args.seconds:g} s", "", ""))
         rows += http_rows(figures)
     if not args.http_only:
-        rows += event_rows(args, rate, drain)
+        rows += event_rows(args, rates, drain)
     for name, value, note in rows:
         print(f"  {name:<31} {value:>12}  {note}" if value else name)
     return 0
+
+
+def ring_sizes(text: str) -> list[int]:
+    """``--ring-mib``: MiB, powers of two, as the daemon's setting takes them."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of whole MiB: {text!r}") from None
+    if not sizes or any(size < 1 or size & (size - 1) for size in sizes):
+        raise argparse.ArgumentTypeError(f"ring buffer sizes must be powers of two, at least 1: {text!r}")
+    return sizes
 
 
 def per_connection_list(text: str) -> list[int]:
@@ -607,20 +629,23 @@ def reader(http: dict[str, Any], config: str) -> float:
     return float(http[f"{config} reader cpu"] - http["without reader cpu"])
 
 
-def event_rows(args: argparse.Namespace, rate: dict[str, float],
+def event_rows(args: argparse.Namespace, rates: list[tuple[int, dict[str, float]]],
                drain: dict[str, dict[str, float]]) -> list[tuple[str, str, str]]:
-    per_connection = rate["stored"] / max(rate["connections"], 1)  # a reset: one record, two before
-    rows = [
-        ("connections opened and reset", f"{rate['connections']:,.0f}",
-         f"{rate['connections'] / rate['seconds']:,.0f}/s by {args.generators} processes"),
-        ("events kernel -> store", f"{rate['stored']:,.0f}",
-         f"lost {rate['lost']:,.0f}; {per_connection:.2f} a connection"),
-        ("sustained events/s to store", f"{rate['stored'] / rate['seconds']:,.0f}",
-         "live, sharing the CPUs with the generators; target >= 50,000, zero loss"),
-        ("  reader user CPU / 1,000 events", f"{rate['user_ms_per_1k']:.1f} ms",
-         f"system {rate['sys_ms_per_1k']:.1f} ms; user {rate['user_ms_per_1k'] * per_connection:.1f} ms "
-         "/ 1,000 connections"),
-    ]
+    rows: list[tuple[str, str, str]] = []
+    for mib, rate in rates:
+        per_connection = rate["stored"] / max(rate["connections"], 1)  # a reset: one record, two before
+        rows += [
+            (f"live, a ring buffer of {mib} MiB:", "", ""),
+            ("  connections opened and reset", f"{rate['connections']:,.0f}",
+             f"{rate['connections'] / rate['seconds']:,.0f}/s by {args.generators} processes"),
+            ("  events kernel -> store", f"{rate['stored']:,.0f}",
+             f"lost {rate['lost']:,.0f}; {per_connection:.2f} a connection"),
+            ("  sustained events/s to store", f"{rate['stored'] / rate['seconds']:,.0f}",
+             "sharing the CPUs with the generators; target >= 50,000, zero loss"),
+            ("  reader user CPU / 1,000 events", f"{rate['user_ms_per_1k']:.1f} ms",
+             f"system {rate['sys_ms_per_1k']:.1f} ms; user {rate['user_ms_per_1k'] * per_connection:.1f} ms "
+             "/ 1,000 connections"),
+        ]
     rows.append((f"backlog of {drain['mapped']['connections']:,.0f} connections drained by the "
                  "reader alone (its capacity):", "", ""))
     for name, _, _ in DRAIN_VARIANTS:
