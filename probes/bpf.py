@@ -43,9 +43,9 @@ log = logging.getLogger(__name__)
 PROGRAM_DIR = Path(__file__).resolve().parent
 PROGRAM_FILE = PROGRAM_DIR / "disconnect.bpf.c"
 HEADER_FILE = PROGRAM_DIR / "disconnect.h"
-# 4 MiB with 4 KiB pages: 65,536 events of headroom. The whole ring buffer is mapped into the
+# 1 MiB with 4 KiB pages: 16,384 events of headroom. The whole ring buffer is mapped into the
 # reader and counts in its RSS (``probe.ring_buffer_mib`` sets it for the daemon).
-DEFAULT_RINGBUF_PAGES = 1024
+DEFAULT_RINGBUF_PAGES = 256
 # Records per CPU between reader wake-ups (see disconnect.bpf.c). Each wake-up costs the reader
 # a poll round trip (tens of µs in Python), so fewer is cheaper; the cap keeps the records that
 # can sit unsignalled on all CPUs together under a quarter of the ring buffer.

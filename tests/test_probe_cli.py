@@ -64,10 +64,10 @@ def test_bad_ports_are_one_line_errors(value: str, message: str) -> None:
 
 def test_dump_bpf_prints_the_program_that_is_loaded(tmp_path: Path) -> None:
     config = tmp_path / "auditor.toml"
-    config.write_text("[probe]\nring_buffer_mib = 1\n")
+    config.write_text("[probe]\nring_buffer_mib = 8\n")
     result = CliRunner().invoke(cli, ["probe", "--dump-bpf", "--config", str(config)])
     assert result.exit_code == 0, result.output
-    assert result.output.startswith(f"#define RINGBUF_PAGES {2**20 // mmap.PAGESIZE}\n")  # the configured size
+    assert result.output.startswith(f"#define RINGBUF_PAGES {8 * 2**20 // mmap.PAGESIZE}\n")  # the configured size
     result = CliRunner().invoke(cli, ["probe", "--dump-bpf"])
     assert result.exit_code == 0, result.output
     text = result.output
