@@ -61,6 +61,9 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+SQLITE_CACHE_KIB = 1024
+
+
 def sqlite_pragmas(connection: Any) -> None:
     """Every SQLite connection's settings, whichever way it was opened."""
     cursor = connection.cursor()
@@ -72,6 +75,10 @@ def sqlite_pragmas(connection: Any) -> None:
     # takes its inserts on random pages, and a page written many times between two checkpoints is
     # copied back once (bench figures in docs/footprint.md). The WAL file keeps its size on disk.
     cursor.execute("PRAGMA wal_autocheckpoint=10000")
+    # A page cache of 1 MiB a connection, not SQLite's 2 MB: what a connection reads again is the
+    # newest minutes' pages, and a page it no longer holds comes from the OS's cache (the daemon
+    # keeps a few connections, each filling its cache to the limit over hours).
+    cursor.execute(f"PRAGMA cache_size=-{SQLITE_CACHE_KIB}")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
 
