@@ -301,16 +301,16 @@ def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) 
             "events": events, "lost": lost}
 
 
-def event_rate(args: argparse.Namespace, workdir: Path, ring_mib: int) -> dict[str, float]:
-    """Connections reset as fast as the generators go, read live into the store through a ring
-    buffer of ``ring_mib`` MiB."""
+def event_rate(args: argparse.Namespace, workdir: Path, ring_mib: int, run: int) -> dict[str, float]:
+    """Connections reset as fast as the generators go, read live into a store of their own (one a
+    ``run``) through a ring buffer of ``ring_mib`` MiB."""
     from auditor.store import Store
     from probes.bpf import BpfConnEventSource
     from probes.writer import ConnEventWriter
 
     ctx = multiprocessing.get_context("spawn")
     listener, address = loopback_listener()
-    store = Store(f"sqlite:///{workdir / f'rate-{ring_mib}.db'}")
+    store = Store(f"sqlite:///{workdir / f'rate-{run}.db'}")  # counted whole below: never shared
     source = BpfConnEventSource([address[1]], ringbuf_pages=(ring_mib << 20) // mmap.PAGESIZE)
     source.start()
     writer = ConnEventWriter(store, batch_size=5000)
@@ -532,7 +532,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="probe-bench-") as tmp:
         http = {n: http_overhead(args, Path(tmp), n) for n in args.per_connection}
         if not args.http_only:
-            rates = [(mib, event_rate(args, Path(tmp), mib)) for mib in args.ring_mib]
+            rates = [(mib, event_rate(args, Path(tmp), mib, run)) for run, mib in enumerate(args.ring_mib)]
             drain = drain_rate(args, Path(tmp))
     print(f"probe overhead on {os.cpu_count()} CPUs, load average before: {load_before:.2f}; the reader "
           f"waits {args.poll_seconds:g} s for events")
