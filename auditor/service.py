@@ -17,9 +17,7 @@ from auditor.errors import ConfigError
 log = logging.getLogger(__name__)
 
 M_ARENA_MAX = -8  # glibc's <malloc.h>
-M_MMAP_THRESHOLD = -3
 MALLOC_ARENAS = 2
-MMAP_THRESHOLD = 128 * 1024
 HEAP_TRIM_S = 60.0
 
 
@@ -40,26 +38,6 @@ def limit_malloc_arenas(count: int = MALLOC_ARENAS) -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     return bool(mallopt(M_ARENA_MAX, count))
-
-
-def fix_mmap_threshold(size: int = MMAP_THRESHOLD) -> bool:
-    """Serve every malloc of ``size`` bytes or more from its own mapping, returned to the kernel
-    when freed, for the rest of the process (mallopt M_MMAP_THRESHOLD), unless
-    MALLOC_MMAP_THRESHOLD_ already set it.
-
-    glibc starts at 128 KiB but raises the threshold to the size of each mapped block freed, up
-    to 32 MiB: after the first big dict table or request body is freed, blocks that size are cut
-    from the heap, and the free space they leave between live blocks stays resident. Fixed, the
-    daemon held about 3 MiB less at 100 requests/s (docs/footprint.md, forty-third pass). Returns
-    whether it was set: not on a libc without mallopt."""
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    return bool(mallopt(M_MMAP_THRESHOLD, size))
 
 
 class HeapTrim:

@@ -1,7 +1,6 @@
 """The daemon caps glibc's malloc arenas (auditor.service.limit_malloc_arenas), counted in a real
 process by glibc's own malloc_stats(), and hands the heap's free pages back now and then
-(auditor.service.HeapTrim), seen in a real process's RSS; and keeps big blocks mapped
-(auditor.service.fix_mmap_threshold), counted by mallinfo2."""
+(auditor.service.HeapTrim), seen in a real process's RSS."""
 
 from __future__ import annotations
 
@@ -88,48 +87,3 @@ def test_a_trim_not_yet_due_leaves_the_heap_alone() -> None:
     before, trimmed, end = heap_holes(every_s=3600)
     assert trimmed is None, "trimmed before it was due"
     assert before - end < 4, f"RSS {before:.0f} -> {end:.0f} MiB without a trim"
-
-
-# A block over the threshold, freed, then one of the same size again: glibc's dynamic threshold
-# rises to the freed block's size, so the second comes from the heap; fixed, it is mapped again.
-# glibc counts the blocks it serves from mappings (mallinfo2's hblks).
-MAPPED = """
-import ctypes, sys
-from auditor.service import fix_mmap_threshold
-print(fix_mmap_threshold() if sys.argv[1] == "fix" else None, flush=True)
-
-class Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-libc = ctypes.CDLL(None)
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
-libc.free.argtypes = (ctypes.c_void_p,)
-libc.mallinfo2.restype = Mallinfo2
-size = 512 * 1024
-libc.free(libc.malloc(size))
-block = libc.malloc(size)
-print(libc.mallinfo2().hblks, flush=True)
-libc.free(block)
-"""
-
-
-def mapped_blocks(mode: str, **env: str) -> tuple[str, int]:
-    environ = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"} | env
-    environ["PYTHONPATH"] = str(REPO)
-    out = subprocess.run([sys.executable, "-c", MAPPED, mode], env=environ, capture_output=True, text=True,
-                         timeout=60, check=True)
-    said, blocks = out.stdout.split()
-    return said, int(blocks)
-
-
-def test_big_blocks_stay_mapped_once_the_threshold_is_fixed() -> None:
-    said, fixed = mapped_blocks("fix")
-    assert said == "True"
-    _, dynamic = mapped_blocks("default")
-    assert fixed == dynamic + 1, f"mapped blocks: {fixed} with the fixed threshold, {dynamic} without"
-
-
-def test_a_threshold_the_user_set_is_left_alone() -> None:
-    said, _ = mapped_blocks("fix", MALLOC_MMAP_THRESHOLD_="1048576")
-    assert said == "False"

@@ -34,10 +34,9 @@ def run_command(config: Config, ports: tuple[int, ...], otlp_http: str | None, o
                 host_id: str | None, source: str | None, verbose: bool, engine_spans: tuple[str, ...] = ()) -> None:
     """Run the daemon: probe, OTLP receivers, samplers, correlation and /metrics."""
     from auditor.daemon import Daemon
-    from auditor.service import fix_mmap_threshold, limit_malloc_arenas
+    from auditor.service import limit_malloc_arenas
 
     limit_malloc_arenas()
-    fix_mmap_threshold()
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     with errors_as_click():
