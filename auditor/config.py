@@ -33,8 +33,8 @@ class ProbeConfig:
     source: str = "auto"  # auto | bpf | procfs
     poll_hz: float = 20.0  # the unprivileged fallback's polling rate
     # The eBPF probe's ring buffer: kernel memory mapped into the daemon, so all of it counts in
-    # its RSS. 1 MiB holds 16,384 events: 80 ms at 200,000 events/s, the reader woken at each
-    # quarter of it filled.
+    # its RSS. 1 MiB holds 16,384 events: 80 ms at 200,000 events/s, the reader woken before a
+    # quarter of it fills.
     ring_buffer_mib: int = 1
 
     @property

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import mmap
 import multiprocessing
 import os
 import resource
@@ -304,6 +303,7 @@ def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) 
 def event_rate(args: argparse.Namespace, workdir: Path, ring_mib: int, run: int) -> dict[str, float]:
     """Connections reset as fast as the generators go, read live into a store of their own (one a
     ``run``) through a ring buffer of ``ring_mib`` MiB."""
+    from auditor.config import ProbeConfig
     from auditor.store import Store
     from probes.bpf import BpfConnEventSource
     from probes.writer import ConnEventWriter
@@ -311,7 +311,8 @@ def event_rate(args: argparse.Namespace, workdir: Path, ring_mib: int, run: int)
     ctx = multiprocessing.get_context("spawn")
     listener, address = loopback_listener()
     store = Store(f"sqlite:///{workdir / f'rate-{run}.db'}")  # counted whole below: never shared
-    source = BpfConnEventSource([address[1]], ringbuf_pages=(ring_mib << 20) // mmap.PAGESIZE)
+    pages = ProbeConfig(ring_buffer_mib=ring_mib).ring_buffer_pages  # as the daemon sizes it
+    source = BpfConnEventSource([address[1]], ringbuf_pages=pages)
     source.start()
     writer = ConnEventWriter(store, batch_size=5000)
     consumer = Consumer(source, writer, args.poll_seconds)
