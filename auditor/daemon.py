@@ -6,7 +6,7 @@ Threads, each isolated so one failing part degrades the daemon instead of stoppi
 - sampling loop: NVML and procfs;
 - correlator: every ``correlate.interval_seconds``, joins what arrived and writes verdicts;
   it also pings the systemd watchdog, so a wedged correlator gets the service restarted;
-- metrics: prometheus_client's HTTP server.
+- metrics: auditor.promtext's HTTP server.
 
 Data moves one way: sources -> store -> correlator -> verdicts and metrics. Spans reach the
 correlator from the span writer once committed (``auditor.correlate.feed``), not read back. ``stop()`` (SIGTERM)
@@ -32,6 +32,7 @@ from auditor.errors import AuditorError, StoreError
 from auditor.kernelrecord import departures
 from auditor.metrics import DaemonMetrics, SourceReadings
 from auditor.model import ConnEvent, CoverageKind, EngineLoad, EventRun, RequestVerdict, UtilSample
+from auditor.promtext import MetricsServer
 from auditor.service import HeapTrim, listening, notify_systemd, quietly
 from auditor.store import Store
 from auditor.upkeep import Upkeep
@@ -112,13 +113,11 @@ class Daemon:
         self._spawn("correlator", self._correlate_loop)
         self._start_retention()
         if self.config.metrics.listen:
-            from prometheus_client import start_http_server
-
             host, port = parse_address(self.config.metrics.listen, "metrics.listen")
             with listening("metrics.listen", self.config.metrics.listen):
-                server, _thread = start_http_server(port, addr=host, registry=self.metrics.registry)
+                server = MetricsServer(self.metrics.registry, host, port)
             self._parts["metrics"] = server
-            self.status.metrics_port = server.server_port
+            self.status.metrics_port = server.port
         notify_systemd(f"READY=1\nSTATUS=watching ports {sorted(self._ports)} via {self.status.source}")
         self._ready.set()
         log.info("auditor running: source=%s otlp-http=%s otlp-grpc=%s metrics=%s live=%s", self.status.source,
@@ -504,7 +503,7 @@ class Daemon:
         self.correlate_once()
         quietly(self.findings.shutdown)
         if "metrics" in self._parts:
-            quietly(self._parts["metrics"].shutdown)
+            quietly(self._parts["metrics"].stop)
         self.store.close()
 
     def request_stop(self) -> None:

@@ -20,18 +20,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.utils import floatToGoString
-
 from auditor import __version__
 from auditor.model import RequestVerdict
 from auditor.ownstats import OwnCostCollector
+from auditor.promtext import (
+    CounterFamily,
+    Family,
+    GaugeFamily,
+    HistogramFamily,
+    ProcessCollector,
+    Registry,
+    float_text,
+)
 
 ZOMBIE_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
 TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -77,7 +77,7 @@ class _Buckets:
 
     def exposition(self) -> tuple[list[tuple[str, float]], float]:
         cumulative, buckets = 0, []
-        for bound, count in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts, strict=True):
+        for bound, count in zip((*map(float_text, self.bounds), "+Inf"), self.counts, strict=True):
             cumulative += count
             buckets.append((bound, float(cumulative)))
         return buckets, self.total
@@ -88,7 +88,7 @@ class DaemonMetrics:
 
     def __init__(self, readings: Callable[[], SourceReadings] | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = Registry()
         self.readings = readings or SourceReadings
         self.clock = clock
         self._lock = threading.Lock()
@@ -105,7 +105,7 @@ class DaemonMetrics:
         self._tick_errors = 0
         self.registry.register(_Collector(self))
         # The daemon's own cost: process_* (CPU, RSS, files), CPU by thread, its cgroup's limits.
-        ProcessCollector(registry=self.registry)
+        self.registry.register(ProcessCollector())
         self.registry.register(OwnCostCollector())
 
     # -- what the daemon tells ----------------------------------------------------------------
@@ -161,52 +161,52 @@ class DaemonMetrics:
             return sum(count for _, count in self._completions) / COMPLETION_WINDOW_S
 
     # -- what a scrape reads ------------------------------------------------------------------
-    def tallies(self) -> list[Metric]:
+    def tallies(self) -> list[Family]:
         """The tallies as metric families, copied under the lock so a scrape never sees half a verdict."""
         rate = self.completed_per_second()
         with self._lock:
             return list(self._families(rate))
 
-    def _families(self, rate: float) -> Iterator[Metric]:
-        verdicts = CounterMetricFamily("auditor_disconnect_verdicts", "Requests whose client disconnected "
+    def _families(self, rate: float) -> Iterator[Family]:
+        verdicts = CounterFamily("auditor_disconnect_verdicts", "Requests whose client disconnected "
                                        "while in flight, by settled verdict", labels=["verdict", "route", "model"])
         for verdict_labels, count in sorted(self._verdicts.items()):
             verdicts.add_metric(list(verdict_labels), count)
         yield verdicts
-        durations = HistogramMetricFamily("auditor_zombie_duration_seconds", "Work after the disconnect, "
+        durations = HistogramFamily("auditor_zombie_duration_seconds", "Work after the disconnect, "
                                           "for zombies", labels=["route", "model"])
         for route_model, buckets in sorted(self._zombie_durations.items()):
-            durations.add_metric(list(route_model), *buckets.exposition())
+            durations.add_histogram(list(route_model), *buckets.exposition())
         yield durations
-        yield CounterMetricFamily("auditor_wasted_gpu_seconds", "GPU-seconds spent on zombies (utilization-"
+        yield CounterFamily("auditor_wasted_gpu_seconds", "GPU-seconds spent on zombies (utilization-"
                                   "weighted, shared among requests in flight)", value=self._wasted["gpu"])
-        yield CounterMetricFamily("auditor_wasted_cpu_seconds", "CPU-seconds spent on zombies",
+        yield CounterFamily("auditor_wasted_cpu_seconds", "CPU-seconds spent on zombies",
                                   value=self._wasted["cpu"])
-        yield CounterMetricFamily("auditor_wasted_tokens", "Tokens generated after the client left",
+        yield CounterFamily("auditor_wasted_tokens", "Tokens generated after the client left",
                                   value=self._wasted["tokens"])
-        yield CounterMetricFamily("auditor_zombies_uncosted", "Zombies whose engine's GPU or CPU time could not "
+        yield CounterFamily("auditor_zombies_uncosted", "Zombies whose engine's GPU or CPU time could not "
                                   "be read (its process, or its GPU processes on a host of several GPUs, not "
                                   "known): their wasted seconds count 0", value=self._uncosted)
-        disconnects = CounterMetricFamily("auditor_disconnects", "Peer FIN/RST seen on watched ports",
+        disconnects = CounterFamily("auditor_disconnects", "Peer FIN/RST seen on watched ports",
                                           labels=["kind"])
         for kind in sorted(set(self._disconnects) | {"fin", "rst"}):
             disconnects.add_metric([kind], self._disconnects[kind])
         yield disconnects
-        yield CounterMetricFamily("auditor_completed_requests", "Requests finished normally, from engine "
+        yield CounterFamily("auditor_completed_requests", "Requests finished normally, from engine "
                                   "spans (HTTP server spans below 400 where no engine reports): its rate falls "
                                   "while utilization stays: zombies", value=self._completed_total)
-        yield GaugeMetricFamily("auditor_completed_requests_per_second", "Requests finished normally per "
+        yield GaugeFamily("auditor_completed_requests_per_second", "Requests finished normally per "
                                 "second over the last minute; prefer rate(auditor_completed_requests_total)",
                                 value=rate)
-        utilization = GaugeMetricFamily("auditor_utilization_ratio", "Mean utilization over the last minute "
+        utilization = GaugeFamily("auditor_utilization_ratio", "Mean utilization over the last minute "
                                         "(GPU when present, else engine CPU in cores)", labels=["source"])
         for source, ratio in sorted(self._utilization.items()):
             utilization.add_metric([source], ratio)
         yield utilization
-        ticks = HistogramMetricFamily("auditor_correlation_tick_seconds", "Time of one correlation round")
-        ticks.add_metric([], *self._ticks.exposition())
+        ticks = HistogramFamily("auditor_correlation_tick_seconds", "Time of one correlation round")
+        ticks.add_histogram([], *self._ticks.exposition())
         yield ticks
-        yield CounterMetricFamily("auditor_correlation_errors", "Correlation rounds that failed (retried "
+        yield CounterFamily("auditor_correlation_errors", "Correlation rounds that failed (retried "
                                   "next round)", value=self._tick_errors)
 
 
@@ -216,38 +216,38 @@ class _Collector:
     def __init__(self, metrics: DaemonMetrics) -> None:
         self.metrics = metrics
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         yield _info(__version__)
         yield from self.metrics.tallies()
         yield from readings_families(self.metrics.readings())
 
 
-def _info(version: str) -> GaugeMetricFamily:
-    family = GaugeMetricFamily("auditor_build_info", "The auditor's version", labels=["version"])
+def _info(version: str) -> GaugeFamily:
+    family = GaugeFamily("auditor_build_info", "The auditor's version", labels=["version"])
     family.add_metric([version], 1)
     return family
 
 
-def readings_families(r: SourceReadings) -> Iterator[Metric]:
+def readings_families(r: SourceReadings) -> Iterator[Family]:
     """The families read from the sources and the correlator as they are now."""
-    yield GaugeMetricFamily("auditor_inflight_zombies", "Zombies running now (disconnect seen, work still going "
+    yield GaugeFamily("auditor_inflight_zombies", "Zombies running now (disconnect seen, work still going "
                             "after grace)", value=r.inflight_zombies)
-    yield CounterMetricFamily("auditor_idle_closes", "Closes with no request in flight (normal)", value=r.idle_closes)
-    yield CounterMetricFamily("auditor_unjoined_disconnects", "Disconnects with no span to join",
+    yield CounterFamily("auditor_idle_closes", "Closes with no request in flight (normal)", value=r.idle_closes)
+    yield CounterFamily("auditor_unjoined_disconnects", "Disconnects with no span to join",
                               value=r.unjoined_disconnects)
-    yield CounterMetricFamily("auditor_unjoined_spans", "Server spans whose connection was never seen",
+    yield CounterFamily("auditor_unjoined_spans", "Server spans whose connection was never seen",
                               value=r.unjoined_spans)
-    yield CounterMetricFamily("auditor_kernel_events_lost", "Kernel events dropped by the ring buffer",
+    yield CounterFamily("auditor_kernel_events_lost", "Kernel events dropped by the ring buffer",
                               value=r.lost_kernel_events)
-    yield CounterMetricFamily("auditor_spans_received", "Spans accepted over OTLP", value=r.spans_received)
-    yield GaugeMetricFamily("auditor_ingest_queue_spans", "Spans waiting to be committed", value=r.ingest_queue_spans)
-    errors = CounterMetricFamily("auditor_store_write_errors", "Batches the store refused (locked, disk full); "
+    yield CounterFamily("auditor_spans_received", "Spans accepted over OTLP", value=r.spans_received)
+    yield GaugeFamily("auditor_ingest_queue_spans", "Spans waiting to be committed", value=r.ingest_queue_spans)
+    errors = CounterFamily("auditor_store_write_errors", "Batches the store refused (locked, disk full); "
                                  "kept and retried, or answered with back-pressure", labels=["writer"])
     for writer, count in sorted(r.store_write_errors.items()):
         errors.add_metric([writer], count)
     yield errors
     if r.live_notices:
-        notices = CounterMetricFamily("auditor_live_notices", "Live notices received (accepted; rejected: not a "
+        notices = CounterFamily("auditor_live_notices", "Live notices received (accepted; rejected: not a "
                                       "notice; dropped: the queue was full)", labels=["result"])
         for result, count in r.live_notices.items():
             notices.add_metric([result], count)
@@ -255,24 +255,24 @@ def readings_families(r: SourceReadings) -> Iterator[Metric]:
     if r.probe_runs:
         yield from _probe_runs_families(r)
     if r.correlation_cpu:
-        steps = CounterMetricFamily("auditor_correlation_cpu_seconds", "The correlator thread's CPU by step of "
+        steps = CounterFamily("auditor_correlation_cpu_seconds", "The correlator thread's CPU by step of "
                                     "its rounds (spans: taking them in; judge: computing verdicts; write: "
                                     "storing them; ...)", labels=["step"])
         for step, seconds in r.correlation_cpu.items():
             steps.add_metric([step], seconds)
         yield steps
-    source = GaugeMetricFamily("auditor_disconnect_source_info", "Disconnect source in use (none: no "
+    source = GaugeFamily("auditor_disconnect_source_info", "Disconnect source in use (none: no "
                                "disconnects are seen)", labels=["source"])
     source.add_metric([r.source], 1)
     yield source
 
 
-def _probe_runs_families(r: SourceReadings) -> Iterator[Metric]:
+def _probe_runs_families(r: SourceReadings) -> Iterator[Family]:
     """The eBPF probe's own cost in the kernel: time its programs ran, on the CPUs of whichever
     processes hit the tracepoints, so it shows in no process's CPU, the daemon's included."""
-    seconds = CounterMetricFamily("auditor_probe_kernel_seconds", "Time the probe's BPF programs ran in the "
+    seconds = CounterFamily("auditor_probe_kernel_seconds", "Time the probe's BPF programs ran in the "
                                   "kernel, counted while kernel.bpf_stats_enabled is 1", labels=["tracepoint"])
-    runs = CounterMetricFamily("auditor_probe_runs", "Runs of the probe's BPF programs, counted while "
+    runs = CounterFamily("auditor_probe_runs", "Runs of the probe's BPF programs, counted while "
                                "kernel.bpf_stats_enabled is 1", labels=["tracepoint"])
     for tracepoint, (run_ns, count) in sorted(r.probe_runs.items()):
         seconds.add_metric([tracepoint], run_ns / 1e9)
@@ -280,5 +280,5 @@ def _probe_runs_families(r: SourceReadings) -> Iterator[Metric]:
     yield seconds
     yield runs
     if r.probe_run_stats is not None:
-        yield GaugeMetricFamily("auditor_probe_run_stats_enabled", "1 while the kernel counts BPF programs' "
+        yield GaugeFamily("auditor_probe_run_stats_enabled", "1 while the kernel counts BPF programs' "
                                 "runs (sysctl kernel.bpf_stats_enabled)", value=int(r.probe_run_stats))

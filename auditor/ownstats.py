@@ -1,6 +1,6 @@
 """The daemon's own cost on /metrics: CPU by thread, and the limits its cgroup sets.
 
-``process_*`` (prometheus_client's process collector) says what the whole daemon takes: CPU
+``process_*`` (auditor.promtext's process collector) says what the whole daemon takes: CPU
 seconds, resident memory, open files. What an operator asks next is where that CPU goes and how
 close the daemon runs to the limits of its unit (``MemoryMax=``, ``CPUQuota=``) or container:
 
@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from auditor.promtext import CounterFamily, Family, GaugeFamily
 
 MAX_THREAD_LABELS = 40  # then "other": names come from code, but a library may start threads of its own
 # v1 writes "no limit" as the largest multiple of the page size below 2**63.
@@ -224,10 +224,10 @@ class OwnCostCollector:
         self.cgroup_root = cgroup_root
         self.proc_self_cgroup = proc_self_cgroup
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         by_thread = self.threads.read()
         if by_thread:
-            family = CounterMetricFamily("auditor_thread_cpu_seconds", "CPU time of the daemon's threads, "
+            family = CounterFamily("auditor_thread_cpu_seconds", "CPU time of the daemon's threads, "
                                          "by kind of thread (pool numbers dropped)", labels=["thread"])
             for label, seconds in sorted(by_thread.items()):
                 family.add_metric([label], seconds)
@@ -235,10 +235,10 @@ class OwnCostCollector:
         limits = read_cgroup_limits(self.cgroup_root, self.proc_self_cgroup)
         if limits is None:
             return
-        yield GaugeMetricFamily("auditor_memory_limit_bytes", "Tightest memory limit of the daemon's cgroup "
+        yield GaugeFamily("auditor_memory_limit_bytes", "Tightest memory limit of the daemon's cgroup "
                                 "and its ancestors (+Inf: none)", value=limits.memory_bytes)
-        yield GaugeMetricFamily("auditor_cpu_limit_cores", "Tightest CPU limit of the daemon's cgroup and its "
+        yield GaugeFamily("auditor_cpu_limit_cores", "Tightest CPU limit of the daemon's cgroup and its "
                                 "ancestors, in cores (+Inf: none)", value=limits.cpu_cores)
         if limits.throttled_seconds is not None:
-            yield CounterMetricFamily("auditor_cpu_throttled_seconds", "Time the CPU limit held the daemon back",
+            yield CounterFamily("auditor_cpu_throttled_seconds", "Time the CPU limit held the daemon back",
                                       value=limits.throttled_seconds)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
-import hmac
 import logging
 import math
 import re
@@ -43,6 +42,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
+from auditor import http1
 from collectors import http2
 from collectors import otlp_codec as codec
 from collectors.http2 import ErrorCode
@@ -523,10 +523,7 @@ class OtlpGrpcReceiver:
             self._idle.notify_all()
 
     def _authorized(self, header: str | None) -> bool:
-        if self.token is None:
-            return True
-        return hmac.compare_digest((header or "").strip().encode("utf-8", "replace"),
-                                   f"Bearer {self.token}".encode())
+        return http1.bearer_matches(header, self.token)
 
     def _check_message(self, call: _Call, flag: int, length: int) -> None:
         """From the message's prefix: its framing, its size, and room in the write queue."""

@@ -1,14 +1,13 @@
 """OTLP/HTTP receiver: ``POST /v1/traces`` with protobuf or JSON bodies, plain or gzip; metrics
 and logs (``/v1/metrics``, ``/v1/logs``) are checked, counted and dropped.
 
-Built on the standard library's ``ThreadingHTTPServer`` rather than an ASGI stack: every request
-ends in a blocking wait for a SQLite commit, which a thread does naturally while an event loop
-would need a thread pool anyway; ``http.server`` already answers malformed request lines with 400
-without involving us (the headers are read here, without the email package, and bad ones refused
-with 400 or 431); and the pieces that keep it up under garbage are small and explicit here: a
-socket timeout per connection (slow senders), a cap on concurrent connections (extra ones get 503
-at once), a body size limit checked before reading and again while inflating gzip, and a check of
-the write queue before a body is read so a flood is refused cheaply.
+Served by a thread a connection (``auditor.http1``) rather than an ASGI stack: every request ends
+in a blocking wait for a SQLite commit, which a thread does naturally while an event loop would
+need a thread pool anyway. The pieces that keep it up under garbage are small and explicit: bad
+request lines and headers answered 400/431/505 by ``auditor.http1``, a socket timeout per
+connection (slow senders), a cap on concurrent connections (extra ones get 503 at once), a body
+size limit checked before reading and again while inflating gzip, and a check of the write queue
+before a body is read so a flood is refused cheaply.
 
 Answers follow the OTLP specification: 200 + ExportTraceServiceResponse (``partial_success`` when
 normalization rejected spans; an empty Export{Metrics,Logs}ServiceResponse for dropped signals), 400 malformed (google.rpc.Status body), 401 bad or missing bearer
@@ -20,9 +19,6 @@ clients send them) are read chunk by chunk against the same size limit.
 
 from __future__ import annotations
 
-import contextlib
-import hmac
-import io
 import logging
 import math
 import re
@@ -30,10 +26,10 @@ import socket
 import threading
 from collections import Counter
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from auditor import http1
 from collectors import otlp_codec as codec
 from collectors.normalize import NormalizeResult, normalize_body, normalize_request
 from collectors.otlp_wire import Unusual
@@ -48,36 +44,14 @@ SIGNAL_PATHS = {TRACES_PATH: "traces", "/v1/metrics": "metrics", "/v1/logs": "lo
 DROPPED_SIGNALS = ("metrics", "logs")
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    allow_reuse_address = True
-
+class _Server(http1.Server):
     def __init__(self, address: tuple[str, int], receiver: OtlpHttpReceiver) -> None:
         self.receiver = receiver
-        self._slots = threading.BoundedSemaphore(receiver.max_connections)
-        super().__init__(address, _Handler)
+        super().__init__(address, _Handler, max_connections=receiver.max_connections,
+                         socket_timeout_s=receiver.socket_timeout_s, name="OTLP/HTTP")
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        # Bound the threads: a connection storm gets an immediate 503 instead of a thread each.
-        if not self._slots.acquire(blocking=False):
-            self.receiver._count_status(503)
-            with contextlib.suppress(OSError):
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n"
-                                b"Content-Length: 0\r\nConnection: close\r\n\r\n")
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A broken connection is the client's business; log it quietly instead of a traceback.
-        log.debug("OTLP/HTTP connection from %s ended with an error", client_address, exc_info=True)
+    def refused_busy(self) -> None:
+        self.receiver._count_status(503)
 
 
 MAX_CHUNK_LINE = 1024  # a chunk-size line with extensions, or a trailer line
@@ -116,97 +90,9 @@ def read_chunked(rfile: Any, limit: int) -> bytes:
     raise codec.BodyError(400, "chunked body has no end of trailers")
 
 
-MAX_HEADER_LINE = 65536  # as http.client's limits
-_HTTP_VERSION = re.compile(r"HTTP/([0-9]{1,10})\.([0-9]{1,10})")  # as http.server reads it
-MAX_HEADERS = 100
-
-
-class _Headers(dict[str, str]):
-    """Request headers by lower-case name, the first of a repeated one winning (as
-    ``email.message.Message.get``)."""
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return super().get(name.lower(), default)
-
-
-def _read_headers(rfile: Any) -> _Headers | tuple[int, str]:
-    """The header block, up to its empty line; or the status and reason to refuse it with."""
-    headers = _Headers()
-    for _ in range(MAX_HEADERS + 1):
-        line = rfile.readline(MAX_HEADER_LINE + 1)
-        if len(line) > MAX_HEADER_LINE:
-            return 431, "Line too long"
-        if line in (b"\r\n", b"\n", b""):
-            return headers
-        name, colon, value = line.decode("iso-8859-1").partition(":")
-        # No name, space before the colon, or a folded line (obsolete, RFC 9112 5.2): refused.
-        if not colon or not name or name != name.strip() or name[0] in " \t":
-            return 400, f"Bad header line {line[:100]!r}"
-        headers.setdefault(name.lower(), value.strip())
-    return 431, "Too many headers"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: exporters reuse their connection
-    # Headers and body go out in two writes; with Nagle on, the client's delayed ACK would add
-    # ~40 ms to every answer.
-    disable_nagle_algorithm = True
+class _Handler(http1.Handler):
     server: _Server
-    raw_requestline: bytes  # set by handle_one_request before parse_request
-
-    def version_string(self) -> str:
-        return "auditor-otlp"
-
-    def parse_request(self) -> bool:
-        """The request line, as the standard library reads it, then the headers without the email
-        package (more than half of a small export's CPU went to it), answered 400/431 as it would."""
-        words = self.raw_requestline.split()
-        if len(words) != 3:  # garbage or HTTP/0.9: the standard library's answers
-            return super().parse_request()
-        if not self._http_1_request_line():
-            real, self.rfile = self.rfile, io.BytesIO(b"\r\n")  # it reads an empty header block
-            try:
-                if not super().parse_request():
-                    return False
-            finally:
-                self.rfile = real
-        headers = _read_headers(self.rfile)
-        if isinstance(headers, tuple):
-            self.close_connection = True
-            self.send_error(*headers)
-            return False
-        self.headers = headers  # type: ignore[assignment]  # read only through .get
-        connection = headers.get("Connection", "").lower()
-        if connection == "close":
-            self.close_connection = True
-        elif connection == "keep-alive":
-            self.close_connection = False
-        if headers.get("Expect", "").lower() == "100-continue" and self.request_version >= "HTTP/1.1":
-            return self.handle_expect_100()
-        return True
-
-    def _http_1_request_line(self) -> bool:
-        """An HTTP/1.x request line taken as ``http.server`` takes it (the same attributes set),
-        without its header parse: even an empty header block costs it a trip through the email
-        package. False, with nothing set, for any other line, which the standard library reads."""
-        requestline = self.raw_requestline.decode("iso-8859-1").rstrip("\r\n")
-        words = requestline.split()
-        version = _HTTP_VERSION.fullmatch(words[2]) if len(words) == 3 else None
-        if version is None or int(version[1]) != 1:
-            return False
-        self.requestline, self.command, self.request_version = requestline, words[0], words[2]
-        self.path = "/" + words[1].lstrip("/") if words[1].startswith("//") else words[1]
-        self.close_connection = int(version[2]) < 1  # HTTP/1.0 closes unless it asks to keep alive
-        return True
-
-    def setup(self) -> None:
-        # Per connection: a sender that stalls mid-request is cut off instead of holding a thread.
-        self.connection = self.request
-        self.connection.settimeout(self.server.receiver.socket_timeout_s)
-        super().setup()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("OTLP/HTTP %s: " + format, self.client_address[0], *args)
+    server_name = "auditor-otlp"
 
     def _signal(self) -> str | None:
         """The signal this path is for, or None after answering 404."""
@@ -230,26 +116,18 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.receiver._handle(_Exchange(self, signal))
 
     # -- answering --------------------------------------------------------------------------
+    def answer(self, status: int, body: bytes, *, content_type: str,
+               extra: dict[str, str] | None = None) -> None:
+        self.server.receiver._count_status(status)
+        super().answer(status, body, content_type=content_type, extra=extra)
+
     def _answer(self, status: int, body: bytes, *, content_type: str = codec.PROTOBUF,
                 extra: dict[str, str] | None = None, drain: bool = False) -> None:
         """Send a complete answer. ``drain``: the body was not read, so the connection must close."""
-        self.server.receiver._count_status(status)
         unread = self.headers.get("Transfer-Encoding") or (self.headers.get("Content-Length") or "").strip() != "0"
         if drain and unread:
             self.close_connection = True
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            for name, value in (extra or {}).items():
-                self.send_header(name, value)
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-        except OSError:
-            self.close_connection = True
+        self.answer(status, body, content_type=content_type, extra=extra)
 
 
 class OtlpHttpReceiver:
@@ -320,10 +198,7 @@ class OtlpHttpReceiver:
 
     # -- one request ------------------------------------------------------------------------
     def _authorized(self, header: str | None) -> bool:
-        if self.token is None:
-            return True
-        expected = f"Bearer {self.token}".encode()
-        return hmac.compare_digest((header or "").strip().encode("utf-8", "replace"), expected)
+        return http1.bearer_matches(header, self.token)
 
     def _handle(self, exchange: _Exchange) -> None:
         """One POST: admit it, read and decode its body, then store spans or drop the rest."""

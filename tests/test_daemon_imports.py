@@ -7,6 +7,10 @@ grpcio (about 11 MiB and seven threads) is not imported even with the OTLP/gRPC 
 the unit runs it: the receiver speaks HTTP/2 itself (collectors.http2; tests/test_http2.py checks
 that it loads no HTTP/2 library but hpack).
 
+Nor prometheus_client or the standard library's HTTP server and client: they load ``ssl`` and
+``hashlib`` (OpenSSL's libcrypto) and the email package, about 5 MiB of the idle daemon's RSS for a
+daemon that never speaks TLS (auditor.http1 and auditor.promtext serve its two HTTP endpoints).
+
 Nor the OpenTelemetry SDK, which the live-notice sender (auditor.live) runs in servers, nor
 ``statistics`` (``fractions`` and ``decimal``): the two together were about 2 MiB of the idle
 daemon's RSS (bench/footprint.py; docs/footprint.md, thirty-fourth pass).
@@ -88,7 +92,8 @@ finally:
     daemon.request_stop()
     daemon.stop()
 unused = ("sqlalchemy", "asyncio", "alembic", "mako", "bcc", "grpc", "opentelemetry.sdk", "statistics", "fractions",
-          "decimal")
+          "decimal", "prometheus_client", "http.server", "http.client", "ssl", "hashlib", "hmac", "email",
+          "urllib.request", "wsgiref")
 loaded = sorted(name for name in sys.modules if any(name == top or name.startswith(top + ".") for top in unused))
 print(json.dumps({"verdicts": verdicts, "loaded": loaded}))
 """

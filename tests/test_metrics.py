@@ -5,13 +5,13 @@ from __future__ import annotations
 import urllib.request
 from types import SimpleNamespace
 
-from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from auditor import __version__
 from auditor.correlate.roundcpu import STEPS, RoundCpu
 from auditor.metrics import MAX_LABEL_VALUES, DaemonMetrics, SourceReadings
 from auditor.model import RequestVerdict, Verdict
+from auditor.promtext import MetricsServer
 from auditor.upkeep import completed_requests
 
 
@@ -58,9 +58,9 @@ def test_sources_are_read_when_prometheus_scrapes() -> None:
     # Nothing is pushed: what a scrape shows is what the parts hold at that moment.
     readings = SourceReadings(source="procfs", spans_received=7, store_write_errors={"spans": 0})
     metrics = DaemonMetrics(lambda: readings)
-    server, _thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+    server = MetricsServer(metrics.registry, "127.0.0.1", 0)
     try:
-        first = scrape(server.server_port)
+        first = scrape(server.port)
         assert first["auditor_spans_received_total"] == {(): 7}
         assert "auditor_live_notices_total" not in first  # no live receiver
         assert first["auditor_build_info"] == {(("version", __version__),): 1}
@@ -71,7 +71,7 @@ def test_sources_are_read_when_prometheus_scrapes() -> None:
         metrics.settled(RequestVerdict(request_key="h/t/s", host="h", verdict=Verdict.ZOMBIE, disconnect_at_ns=1, disconnect_kind="fin",
                                        request_start_ns=0, work_end_ns=4,
                                        lag_seconds=3.0, route="/v1/completions", model="m", wasted_gpu_seconds=1.5))
-        second = scrape(server.server_port)
+        second = scrape(server.port)
         assert second["auditor_spans_received_total"] == {(): 9}
         assert second["auditor_inflight_zombies"] == {(): 2}
         assert second["auditor_live_notices_total"] == {
@@ -85,47 +85,47 @@ def test_sources_are_read_when_prometheus_scrapes() -> None:
                                        disconnect_kind="fin", request_start_ns=0, work_end_ns=4, lag_seconds=3.0,
                                        route="/v1/completions", model="m",
                                        details={"cost_unmeasured": "2 GPUs here, and NVML lists neither ..."}))
-        assert scrape(server.server_port)["auditor_zombies_uncosted_total"] == {(): 1}
+        assert scrape(server.port)["auditor_zombies_uncosted_total"] == {(): 1}
         buckets = second["auditor_zombie_duration_seconds_bucket"]
         assert buckets[(("le", "2.0"), ("model", "m"), ("route", "/v1/completions"))] == 0
         assert buckets[(("le", "5.0"), ("model", "m"), ("route", "/v1/completions"))] == 1
     finally:
-        server.shutdown()
+        server.stop()
 
 
 def test_the_probes_kernel_time_shows_with_the_ebpf_source_only() -> None:
     readings = SourceReadings(source="procfs")
     metrics = DaemonMetrics(lambda: readings)
-    server, _thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+    server = MetricsServer(metrics.registry, "127.0.0.1", 0)
     try:
-        assert not [name for name in scrape(server.server_port) if name.startswith("auditor_probe_")]
+        assert not [name for name in scrape(server.port) if name.startswith("auditor_probe_")]
         readings.source, readings.probe_run_stats = "bpf", False
         readings.probe_runs = {"sock:inet_sock_set_state": (2_500_000_000, 40), "tcp:tcp_receive_reset": (0, 0)}
-        shown = scrape(server.server_port)
+        shown = scrape(server.port)
         assert shown["auditor_probe_kernel_seconds_total"] == {
             (("tracepoint", "sock:inet_sock_set_state"),): 2.5, (("tracepoint", "tcp:tcp_receive_reset"),): 0}
         assert shown["auditor_probe_runs_total"][(("tracepoint", "sock:inet_sock_set_state"),)] == 40
         assert shown["auditor_probe_run_stats_enabled"] == {(): 0}
         readings.probe_run_stats = None  # the sysctl unreadable: no claim either way
-        assert "auditor_probe_run_stats_enabled" not in scrape(server.server_port)
+        assert "auditor_probe_run_stats_enabled" not in scrape(server.port)
     finally:
-        server.shutdown()
+        server.stop()
 
 
 def test_the_correlators_cpu_shows_by_step() -> None:
     readings = SourceReadings()
     metrics = DaemonMetrics(lambda: readings)
-    server, _thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+    server = MetricsServer(metrics.registry, "127.0.0.1", 0)
     try:
-        assert "auditor_correlation_cpu_seconds_total" not in scrape(server.server_port)  # no correlator yet
+        assert "auditor_correlation_cpu_seconds_total" not in scrape(server.port)  # no correlator yet
         cpu = RoundCpu()
         cpu.ns["judge"], cpu.ns["spans"] = 1_500_000_000, 250_000_000
         readings.correlation_cpu = cpu.seconds()
-        shown = scrape(server.server_port)["auditor_correlation_cpu_seconds_total"]
+        shown = scrape(server.port)["auditor_correlation_cpu_seconds_total"]
         assert shown[(("step", "judge"),)] == 1.5 and shown[(("step", "spans"),)] == 0.25
         assert {dict(labels)["step"] for labels in shown} == set(STEPS)
     finally:
-        server.shutdown()
+        server.stop()
 
 
 def test_label_values_are_bounded() -> None:

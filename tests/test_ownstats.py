@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
 from auditor.metrics import DaemonMetrics
 from auditor.ownstats import (
@@ -20,6 +19,7 @@ from auditor.ownstats import (
     read_cgroup_limits,
     thread_label,
 )
+from auditor.promtext import Registry
 
 
 def test_thread_labels_drop_pool_numbers_only() -> None:
@@ -168,13 +168,13 @@ def test_garbage_in_cgroup_files_reads_as_no_limit_and_unreadable_stats_as_unkno
 
 
 def test_the_daemon_registry_serves_its_own_cost(tmp_path: Path) -> None:
-    text = generate_latest(DaemonMetrics().registry).decode()
+    text = DaemonMetrics().registry.exposition().decode()
     for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
                  'auditor_thread_cpu_seconds_total{thread="MainThread"}', "auditor_memory_limit_bytes",
                  "auditor_cpu_limit_cores"):
         assert name in text, name
     # Where the cgroup cannot be read, the limits are left out, nothing else.
-    registry = CollectorRegistry()
+    registry = Registry()
     registry.register(OwnCostCollector(proc_self_cgroup=tmp_path / "missing"))
-    text = generate_latest(registry).decode()
+    text = registry.exposition().decode()
     assert "auditor_thread_cpu_seconds_total" in text and "auditor_memory_limit_bytes" not in text

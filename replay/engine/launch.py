@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,8 +24,6 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from auditor.errors import AuditorError
 from replay.engine.truth import read_truth
@@ -87,13 +86,22 @@ def _wait_until_serving(process: subprocess.Popen[bytes], port_file: Path, log_p
         if port is None and port_file.exists():
             with contextlib.suppress(ValueError):
                 port = int(port_file.read_text().strip())
-        if port is not None:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://{host}:{port}/health", timeout=1.0).status_code == 200:
-                    return port
+        if port is not None and _healthy(host, port):
+            return port
         time.sleep(0.05)
     raise EngineLaunchError(f"the engine did not serve /health within {timeout:.0f} s; "
                             f"log:\n{log_path.read_text(errors='replace')[-2000:]}")
+
+
+def _healthy(host: str, port: int) -> bool:
+    """``GET /health`` answered 200. On a socket rather than an HTTP client: the daemon's import
+    test runs an engine beside a daemon and must see only what the daemon imports."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0) as sock:
+            sock.sendall(f"GET /health HTTP/1.0\r\nHost: {host}:{port}\r\n\r\n".encode())
+            return sock.makefile("rb").readline().split(b" ")[1:2] == [b"200"]
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

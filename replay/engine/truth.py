@@ -12,10 +12,12 @@ import json
 import logging
 import threading
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from auditor.errors import AuditorError
-from replay.engine.core import RequestHandle
+
+if TYPE_CHECKING:  # the engine's core is not imported by those who only read the log
+    from replay.engine.core import RequestHandle
 
 log = logging.getLogger(__name__)
 
