@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import socketserver
 import threading
 import time
@@ -137,6 +138,7 @@ class Server(socketserver.ThreadingTCPServer):
         self.socket_timeout_s = socket_timeout_s
         self.name = name
         self._slots = threading.BoundedSemaphore(max_connections)
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET  # "::1", "::"
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
