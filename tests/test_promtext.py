@@ -158,13 +158,19 @@ def test_the_server_answers_as_prometheus_clients_does(server: MetricsServer) ->
     assert get(server, "/metrics", method="POST")[0] == 501
 
 
-def test_two_scrapes_on_one_connection_and_garbage_after(server: MetricsServer) -> None:
-    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
-        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\nGET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
-                     b"\x16\x03\x01 garbage\r\n\r\n")
+def exchange(host: str, port: int, data: bytes) -> bytes:
+    """Send raw bytes; everything answered until the server closes."""
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(data)
         answer = b""
         while chunk := sock.recv(65536):
             answer += chunk
+    return answer
+
+
+def test_two_scrapes_on_one_connection_and_garbage_after(server: MetricsServer) -> None:
+    answer = exchange("127.0.0.1", server.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+                      b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n\x16\x03\x01 garbage\r\n\r\n")
     assert answer.count(b"HTTP/1.1 200 OK") == 2 and b"HTTP/1.1 400 Bad Request" in answer, answer[-300:]
     assert get(server, "/metrics")[0] == 200  # still up
 
@@ -172,11 +178,7 @@ def test_two_scrapes_on_one_connection_and_garbage_after(server: MetricsServer) 
 def test_an_ipv6_address_is_served() -> None:
     served = MetricsServer(busy_metrics().registry, "::1", 0)
     try:
-        with socket.create_connection(("::1", served.port), timeout=5) as sock:
-            sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
-            answer = b""
-            while chunk := sock.recv(65536):
-                answer += chunk
+        answer = exchange("::1", served.port, b"GET /metrics HTTP/1.0\r\n\r\n")
         assert answer.startswith(b"HTTP/1.1 200 OK") and b"auditor_build_info" in answer
     finally:
         served.stop()
