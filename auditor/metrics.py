@@ -169,37 +169,37 @@ class DaemonMetrics:
 
     def _families(self, rate: float) -> Iterator[Family]:
         verdicts = CounterFamily("auditor_disconnect_verdicts", "Requests whose client disconnected "
-                                       "while in flight, by settled verdict", labels=["verdict", "route", "model"])
+                                 "while in flight, by settled verdict", labels=["verdict", "route", "model"])
         for verdict_labels, count in sorted(self._verdicts.items()):
             verdicts.add_metric(list(verdict_labels), count)
         yield verdicts
         durations = HistogramFamily("auditor_zombie_duration_seconds", "Work after the disconnect, "
-                                          "for zombies", labels=["route", "model"])
+                                    "for zombies", labels=["route", "model"])
         for route_model, buckets in sorted(self._zombie_durations.items()):
             durations.add_histogram(list(route_model), *buckets.exposition())
         yield durations
         yield CounterFamily("auditor_wasted_gpu_seconds", "GPU-seconds spent on zombies (utilization-"
-                                  "weighted, shared among requests in flight)", value=self._wasted["gpu"])
+                            "weighted, shared among requests in flight)", value=self._wasted["gpu"])
         yield CounterFamily("auditor_wasted_cpu_seconds", "CPU-seconds spent on zombies",
-                                  value=self._wasted["cpu"])
+                            value=self._wasted["cpu"])
         yield CounterFamily("auditor_wasted_tokens", "Tokens generated after the client left",
-                                  value=self._wasted["tokens"])
+                            value=self._wasted["tokens"])
         yield CounterFamily("auditor_zombies_uncosted", "Zombies whose engine's GPU or CPU time could not "
-                                  "be read (its process, or its GPU processes on a host of several GPUs, not "
-                                  "known): their wasted seconds count 0", value=self._uncosted)
+                            "be read (its process, or its GPU processes on a host of several GPUs, not "
+                            "known): their wasted seconds count 0", value=self._uncosted)
         disconnects = CounterFamily("auditor_disconnects", "Peer FIN/RST seen on watched ports",
-                                          labels=["kind"])
+                                    labels=["kind"])
         for kind in sorted(set(self._disconnects) | {"fin", "rst"}):
             disconnects.add_metric([kind], self._disconnects[kind])
         yield disconnects
         yield CounterFamily("auditor_completed_requests", "Requests finished normally, from engine "
-                                  "spans (HTTP server spans below 400 where no engine reports): its rate falls "
-                                  "while utilization stays: zombies", value=self._completed_total)
+                            "spans (HTTP server spans below 400 where no engine reports): its rate falls "
+                            "while utilization stays: zombies", value=self._completed_total)
         yield GaugeFamily("auditor_completed_requests_per_second", "Requests finished normally per "
-                                "second over the last minute; prefer rate(auditor_completed_requests_total)",
-                                value=rate)
+                          "second over the last minute; prefer rate(auditor_completed_requests_total)",
+                          value=rate)
         utilization = GaugeFamily("auditor_utilization_ratio", "Mean utilization over the last minute "
-                                        "(GPU when present, else engine CPU in cores)", labels=["source"])
+                                  "(GPU when present, else engine CPU in cores)", labels=["source"])
         for source, ratio in sorted(self._utilization.items()):
             utilization.add_metric([source], ratio)
         yield utilization
@@ -207,7 +207,7 @@ class DaemonMetrics:
         ticks.add_histogram([], *self._ticks.exposition())
         yield ticks
         yield CounterFamily("auditor_correlation_errors", "Correlation rounds that failed (retried "
-                                  "next round)", value=self._tick_errors)
+                            "next round)", value=self._tick_errors)
 
 
 class _Collector:
@@ -231,24 +231,24 @@ def _info(version: str) -> GaugeFamily:
 def readings_families(r: SourceReadings) -> Iterator[Family]:
     """The families read from the sources and the correlator as they are now."""
     yield GaugeFamily("auditor_inflight_zombies", "Zombies running now (disconnect seen, work still going "
-                            "after grace)", value=r.inflight_zombies)
+                      "after grace)", value=r.inflight_zombies)
     yield CounterFamily("auditor_idle_closes", "Closes with no request in flight (normal)", value=r.idle_closes)
     yield CounterFamily("auditor_unjoined_disconnects", "Disconnects with no span to join",
-                              value=r.unjoined_disconnects)
+                        value=r.unjoined_disconnects)
     yield CounterFamily("auditor_unjoined_spans", "Server spans whose connection was never seen",
-                              value=r.unjoined_spans)
+                        value=r.unjoined_spans)
     yield CounterFamily("auditor_kernel_events_lost", "Kernel events dropped by the ring buffer",
-                              value=r.lost_kernel_events)
+                        value=r.lost_kernel_events)
     yield CounterFamily("auditor_spans_received", "Spans accepted over OTLP", value=r.spans_received)
     yield GaugeFamily("auditor_ingest_queue_spans", "Spans waiting to be committed", value=r.ingest_queue_spans)
     errors = CounterFamily("auditor_store_write_errors", "Batches the store refused (locked, disk full); "
-                                 "kept and retried, or answered with back-pressure", labels=["writer"])
+                           "kept and retried, or answered with back-pressure", labels=["writer"])
     for writer, count in sorted(r.store_write_errors.items()):
         errors.add_metric([writer], count)
     yield errors
     if r.live_notices:
         notices = CounterFamily("auditor_live_notices", "Live notices received (accepted; rejected: not a "
-                                      "notice; dropped: the queue was full)", labels=["result"])
+                                "notice; dropped: the queue was full)", labels=["result"])
         for result, count in r.live_notices.items():
             notices.add_metric([result], count)
         yield notices
@@ -256,13 +256,13 @@ def readings_families(r: SourceReadings) -> Iterator[Family]:
         yield from _probe_runs_families(r)
     if r.correlation_cpu:
         steps = CounterFamily("auditor_correlation_cpu_seconds", "The correlator thread's CPU by step of "
-                                    "its rounds (spans: taking them in; judge: computing verdicts; write: "
-                                    "storing them; ...)", labels=["step"])
+                              "its rounds (spans: taking them in; judge: computing verdicts; write: "
+                              "storing them; ...)", labels=["step"])
         for step, seconds in r.correlation_cpu.items():
             steps.add_metric([step], seconds)
         yield steps
     source = GaugeFamily("auditor_disconnect_source_info", "Disconnect source in use (none: no "
-                               "disconnects are seen)", labels=["source"])
+                         "disconnects are seen)", labels=["source"])
     source.add_metric([r.source], 1)
     yield source
 
@@ -271,9 +271,9 @@ def _probe_runs_families(r: SourceReadings) -> Iterator[Family]:
     """The eBPF probe's own cost in the kernel: time its programs ran, on the CPUs of whichever
     processes hit the tracepoints, so it shows in no process's CPU, the daemon's included."""
     seconds = CounterFamily("auditor_probe_kernel_seconds", "Time the probe's BPF programs ran in the "
-                                  "kernel, counted while kernel.bpf_stats_enabled is 1", labels=["tracepoint"])
+                            "kernel, counted while kernel.bpf_stats_enabled is 1", labels=["tracepoint"])
     runs = CounterFamily("auditor_probe_runs", "Runs of the probe's BPF programs, counted while "
-                               "kernel.bpf_stats_enabled is 1", labels=["tracepoint"])
+                         "kernel.bpf_stats_enabled is 1", labels=["tracepoint"])
     for tracepoint, (run_ns, count) in sorted(r.probe_runs.items()):
         seconds.add_metric([tracepoint], run_ns / 1e9)
         runs.add_metric([tracepoint], count)
@@ -281,4 +281,4 @@ def _probe_runs_families(r: SourceReadings) -> Iterator[Family]:
     yield runs
     if r.probe_run_stats is not None:
         yield GaugeFamily("auditor_probe_run_stats_enabled", "1 while the kernel counts BPF programs' "
-                                "runs (sysctl kernel.bpf_stats_enabled)", value=int(r.probe_run_stats))
+                          "runs (sysctl kernel.bpf_stats_enabled)", value=int(r.probe_run_stats))

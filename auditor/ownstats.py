@@ -228,7 +228,7 @@ class OwnCostCollector:
         by_thread = self.threads.read()
         if by_thread:
             family = CounterFamily("auditor_thread_cpu_seconds", "CPU time of the daemon's threads, "
-                                         "by kind of thread (pool numbers dropped)", labels=["thread"])
+                                   "by kind of thread (pool numbers dropped)", labels=["thread"])
             for label, seconds in sorted(by_thread.items()):
                 family.add_metric([label], seconds)
             yield family
@@ -236,9 +236,9 @@ class OwnCostCollector:
         if limits is None:
             return
         yield GaugeFamily("auditor_memory_limit_bytes", "Tightest memory limit of the daemon's cgroup "
-                                "and its ancestors (+Inf: none)", value=limits.memory_bytes)
+                          "and its ancestors (+Inf: none)", value=limits.memory_bytes)
         yield GaugeFamily("auditor_cpu_limit_cores", "Tightest CPU limit of the daemon's cgroup and its "
-                                "ancestors, in cores (+Inf: none)", value=limits.cpu_cores)
+                          "ancestors, in cores (+Inf: none)", value=limits.cpu_cores)
         if limits.throttled_seconds is not None:
             yield CounterFamily("auditor_cpu_throttled_seconds", "Time the CPU limit held the daemon back",
-                                      value=limits.throttled_seconds)
+                                value=limits.throttled_seconds)
