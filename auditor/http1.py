@@ -1,8 +1,9 @@
 """HTTP/1.x serving for the daemon's two small HTTP endpoints: the OTLP/HTTP receiver and ``/metrics``.
 
 Not the standard library's ``http.server``: importing it loads ``http.client``, which loads ``ssl``
-(OpenSSL's libcrypto) and the ``email`` package, 7.1 MiB in a fresh interpreter, for a daemon
-that never speaks TLS (docs/footprint.md, forty-fourth pass). What the two endpoints need is small and here:
+(OpenSSL's libcrypto) and the ``email`` package, 6.7 MiB in a fresh interpreter
+(bench/import_cost.py), for a daemon that never speaks TLS (docs/footprint.md, forty-fourth pass).
+What the two endpoints need is small and here:
 
 - the request line read as ``http.server`` reads it (the same 400 and 505 answers; tests compare
   the two line by line), except that HTTP/0.9's two-word line is refused with 400;
