@@ -5,10 +5,10 @@ Not prometheus_client: importing any part of it imports its exposition module, w
 email package): 8.9 MiB in a fresh interpreter (bench/import_cost.py). Without it and
 ``http.server`` the idle daemon holds 33.5 MiB instead of 40.5 (docs/footprint.md, forty-fourth
 pass). The daemon's families are all built when Prometheus scrapes, by collectors that read
-running totals; it keeps no client-side metric objects. So what it needs is small and here: the three family
-types it uses, the text format, the ``process_*`` families and an HTTP endpoint. The text equals
-prometheus_client's ``generate_latest`` byte for byte (tests/test_promtext.py checks it against
-the library), so dashboards and recording rules see the same series.
+running totals; it keeps no client-side metric objects. So what it needs is small and here: the
+three family types it uses, the text format, the ``process_*`` families and an HTTP endpoint.
+The text equals prometheus_client's ``generate_latest`` byte for byte (tests/test_promtext.py
+checks it against the library), so dashboards and recording rules see the same series.
 
 The endpoint answers ``GET``/``HEAD`` on ``/metrics`` (and ``/``), gzip when the scraper accepts
 it, and ``?name[]=...`` with only the named series, as prometheus_client's server does. It serves
@@ -44,6 +44,7 @@ class Family:
     """One metric family: its name, help text, type and samples."""
 
     type = "untyped"
+    suffix = ""  # of its samples' name
 
     def __init__(self, name: str, documentation: str, value: float | None = None,
                  labels: Sequence[str] | None = None) -> None:
@@ -57,7 +58,7 @@ class Family:
             self.add_metric([], value)
 
     def add_metric(self, labels: Sequence[str], value: float) -> None:
-        self.samples.append(Sample(self.name, dict(zip(self._labelnames, labels, strict=True)), value))
+        self.samples.append(Sample(self.name + self.suffix, dict(zip(self._labelnames, labels, strict=True)), value))
 
 
 class GaugeFamily(Family):
@@ -68,13 +69,11 @@ class CounterFamily(Family):
     """A counter: its samples are named ``<name>_total`` (a name given with ``_total`` is taken without)."""
 
     type = "counter"
+    suffix = "_total"
 
     def __init__(self, name: str, documentation: str, value: float | None = None,
                  labels: Sequence[str] | None = None) -> None:
         super().__init__(name.removesuffix("_total"), documentation, value, labels)
-
-    def add_metric(self, labels: Sequence[str], value: float) -> None:
-        self.samples.append(Sample(self.name + "_total", dict(zip(self._labelnames, labels, strict=True)), value))
 
 
 class HistogramFamily(Family):
@@ -111,7 +110,7 @@ class Registry:
             yield from collector.collect()
 
     def get_sample_value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
-        """One sample's value now, or None: for tests and ``auditor doctor``."""
+        """One sample's value now, or None (tests read the daemon's tallies with it)."""
         for family in self.collect():
             for sample in family.samples:
                 if sample.name == name and sample.labels == (labels or {}):
@@ -131,7 +130,7 @@ def _restricted(families: Iterable[Family], names: set[str]) -> Iterator[Family]
         samples = [sample for sample in family.samples if sample.name in names]
         if samples:
             kept = Family(family.name, family.documentation)
-            kept.type, kept.samples = family.type, samples
+            kept.type, kept.suffix, kept.samples = family.type, family.suffix, samples
             yield kept
 
 
@@ -170,7 +169,7 @@ def render(families: Iterable[Family]) -> bytes:
     """Families in the text format: HELP and TYPE lines (a counter's named ``_total``), then samples."""
     out: list[str] = []
     for family in families:
-        name = family.name + "_total" if family.type == "counter" else family.name
+        name = family.name + family.suffix
         out.append(f"# HELP {name} {_escape_help(family.documentation)}\n")
         out.append(f"# TYPE {name} {family.type}\n")
         out.extend(map(_sample_line, family.samples))

@@ -8,8 +8,9 @@ the unit runs it: the receiver speaks HTTP/2 itself (collectors.http2; tests/tes
 that it loads no HTTP/2 library but hpack).
 
 Nor prometheus_client or the standard library's HTTP server and client: they load ``ssl`` and
-``hashlib`` (OpenSSL's libcrypto) and the email package, 7 MiB of the idle daemon's RSS (40.5 -> 33.5) for a
-daemon that never speaks TLS (auditor.http1 and auditor.promtext serve its two HTTP endpoints).
+``hashlib`` (OpenSSL's libcrypto) and the email package, 7 MiB of the idle daemon's RSS (40.5 ->
+33.5, bench/footprint.py) for a daemon that never speaks TLS (auditor.http1 and auditor.promtext
+serve its two HTTP endpoints).
 
 Nor the OpenTelemetry SDK, which the live-notice sender (auditor.live) runs in servers, nor
 ``statistics`` (``fractions`` and ``decimal``): the two together were about 2 MiB of the idle
