@@ -1,10 +1,12 @@
-"""The per-port count of server spans in flight during an interval, against counting them one by one."""
+"""The per-port count of server spans in flight during an interval, against counting them one by one;
+and live notices counted beside them."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
-from auditor.correlate.traces import PortSpans
+from auditor.correlate.traces import PortSpans, TraceIndex
 from auditor.model import SpanRecord, SpanRole
 
 
@@ -30,16 +32,35 @@ def test_in_flight_counts_equal_a_pass_over_every_span() -> None:
         assert index.in_flight(ts, until) == brute, (ts, until)
 
 
-def test_remove_forgets_one_span_and_covers_only_the_interval() -> None:
+def test_remove_forgets_one_span() -> None:
     index = PortSpans()
-    for i, (start, end) in enumerate([(0, 10), (5, 20), (30, 40)]):
-        index.add(span(i, start, end))
+    spans = [span(i, start, end) for i, (start, end) in enumerate([(0, 10), (5, 20), (30, 40)])]
+    for item in spans:
+        index.add(item)
     assert index.in_flight(8, 8) == 2 and index.in_flight(21, 29) == 0 and index.in_flight(0, 100) == 3
-    assert index.covers((f"{1:032x}", f"{1:016x}"), 15, 16) and not index.covers((f"{1:032x}", f"{1:016x}"), 21, 25)
-    assert index.remove((f"{0:032x}", f"{0:016x}")) and index.remove((f"{1:032x}", f"{1:016x}"))
-    assert index.remove((f"{1:032x}", f"{1:016x}"))  # already gone: nothing changes
-    assert index.in_flight(0, 100) == 1 and not index.covers((f"{0:032x}", f"{0:016x}"), 0, 100)
-    assert not index.remove((f"{2:032x}", f"{2:016x}"))
+    assert index.remove_many([spans[0]]) and index.remove_many([spans[1]])
+    assert index.in_flight(0, 100) == 1 and index.in_flight(8, 8) == 0
+    assert index.remove_many([span(9, 7, 7)])  # never added: nothing changes
+    assert index.in_flight(0, 100) == 1
+    assert not index.remove_many([spans[2]])
+
+
+def test_live_notices_count_once_beside_the_spans_of_their_port() -> None:
+    """A live notice's (trace, span) counts in flight unless that server span is indexed on the
+    port and in flight in the interval already (then it is counted once, as a span)."""
+    index = TraceIndex()
+    spans = [span(i, start, end) for i, (start, end) in enumerate([(0, 10), (5, 20), (30, 40)])]
+    for item in spans:
+        index.add(item, arrived_ns=item.end_ns)
+    other_port = replace(span(7, 0, 100), server_port=9000)
+    index.add(other_port, arrived_ns=100)
+    key = (spans[1].trace_id, spans[1].span_id)
+    assert index.server_spans_on(8000, 15, 16, also={key}) == 1  # the span itself: once
+    assert index.server_spans_on(8000, 21, 25, also={key}) == 1  # indexed, not in flight then: the notice
+    assert index.server_spans_on(8000, 21, 25, also=set()) == 0
+    assert index.server_spans_on(8000, 0, 1, also={(other_port.trace_id, other_port.span_id)}) == 2
+    assert index.server_spans_on(8000, 0, 1, also={("a" * 32, "b" * 16)}) == 2  # not indexed
+    assert index.server_spans_on(8001, 0, 1, also={key}) == 1  # no span on that port
 
 
 def test_counts_after_removals_equal_a_pass_over_the_spans_left() -> None:
@@ -54,7 +75,7 @@ def test_counts_after_removals_equal_a_pass_over_the_spans_left() -> None:
     rng.shuffle(left)
     while left:
         gone = left.pop()
-        index.remove((gone.trace_id, gone.span_id))
+        index.remove_many([gone])
         for _ in range(5):
             ts = rng.randrange(-5, 240)
             until = ts + rng.choice([0, 2, 40])
@@ -73,10 +94,9 @@ def test_removing_many_at_once_equals_removing_them_one_by_one() -> None:
         at_once.add(item)
     by_start = sorted(spans, key=lambda s: s.start_ns)
     gone = by_start[:150] + rng.sample(by_start[150:], 40)
-    keys = [(s.trace_id, s.span_id) for s in gone] + [("f" * 32, "f" * 16)]  # the last: never added
-    for key in keys:
-        one_by_one.remove(key)
-    assert at_once.remove_many(keys)
+    for item in gone:
+        one_by_one.remove_many([item])
+    assert at_once.remove_many([*gone, span(999, 10_000, 10_001)])  # the last: never added
     left = [s for s in spans if s not in gone]
     for _ in range(400):
         ts = rng.randrange(-5, 3500)
@@ -84,4 +104,4 @@ def test_removing_many_at_once_equals_removing_them_one_by_one() -> None:
         brute = sum(1 for s in left if s.start_ns <= until and s.end_ns >= ts)
         assert at_once.in_flight(ts, until) == one_by_one.in_flight(ts, until) == brute, (ts, until)
         assert at_once.started(ts, until) == one_by_one.started(ts, until)
-    assert not at_once.remove_many([(s.trace_id, s.span_id) for s in left])
+    assert not at_once.remove_many(left)
