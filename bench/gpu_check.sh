@@ -5,6 +5,8 @@
 #   bench/gpu_check.sh [DIR]     (python3 with this project's requirements and PyTorch on CUDA)
 #   LOAD_SECONDS=600 bench/gpu_check.sh   a longer load, to see whether the daemon's RSS levels off
 #   EXPORT_DELAY_MS=5000 ALARMS=0 bench/gpu_check.sh   the detection load's spans at vLLM's 5 s cadence
+#   MEMORY_PROBE=1 CHECKS=detection LOAD_SECONDS=420 EXPORT_DELAY_MS=5000 ALARMS=0 bench/gpu_check.sh
+#       the daemon's memory by part each minute of the load (the 100 MiB goal's reading on a GPU host)
 #   CHECKS="tests nvml poller" bench/gpu_check.sh   only those checks, of:
 #       compiled tests nvml engine demo footprint poller detection alone   (all by default)
 set -u
@@ -65,7 +67,7 @@ section "detection and load, /proc source, engines on cuda"
 load=${LOAD_SECONDS:-60}
 timeout $((load + 180)) "$py" bench/detection.py --source procfs --device cuda --alarms "${ALARMS:-10}" \
     --load-seconds "$load" --otlp grpc ${EXPORT_DELAY_MS:+--export-delay-ms "$EXPORT_DELAY_MS"} \
-    2>&1 | tee "$out/detection.log"
+    ${MEMORY_PROBE:+--memory-probe} 2>&1 | tee "$out/detection.log"
 fi
 if wanted alone; then
 # One engine on the GPU, as most hosts run: the daemon costs it by the whole GPU's utilization. The
