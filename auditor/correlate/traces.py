@@ -99,7 +99,8 @@ class PortSpans:
     """The server spans of one port, for counting those in flight during an interval: their start
     and end times, sorted. Which spans they are is the trace index's (a span is here exactly while
     it is indexed there), so the times are all this holds: a dict of each span's extent by its ids
-    beside them was about 150 bytes a server span, 1.4 MiB of the memory window at 100 req/s."""
+    beside them was 150-175 bytes a server span, 1.3-1.6 MiB of the memory window at 100 req/s
+    (bench/correlate_memory.py; docs/footprint.md, forty-fifth pass)."""
 
     __slots__ = ("_ends", "_starts")
 
