@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from auditor.config import ProbeConfig
 from auditor.errors import ConfigError
 from auditor.model import ConnEvent, EventRun
 from probes import bpfsys, ringbuf
@@ -43,9 +44,10 @@ log = logging.getLogger(__name__)
 PROGRAM_DIR = Path(__file__).resolve().parent
 PROGRAM_FILE = PROGRAM_DIR / "disconnect.bpf.c"
 HEADER_FILE = PROGRAM_DIR / "disconnect.h"
-# 1 MiB with 4 KiB pages: 16,384 events of headroom. The whole ring buffer is mapped into the
-# reader and counts in its RSS (``probe.ring_buffer_mib`` sets it for the daemon).
-DEFAULT_RINGBUF_PAGES = 256
+# The configuration's default (``probe.ring_buffer_mib``, 1 MiB: 16,384 events of headroom) in
+# this host's pages, for a source opened without a configuration. The whole ring buffer is mapped
+# into the reader and counts in its RSS.
+DEFAULT_RINGBUF_PAGES = ProbeConfig().ring_buffer_pages
 # Records per CPU between reader wake-ups (see disconnect.bpf.c). Each wake-up costs the reader
 # a poll round trip (tens of µs in Python), so fewer is cheaper; the cap keeps the records that
 # can sit unsignalled on all CPUs together under a quarter of the ring buffer.
