@@ -7,9 +7,8 @@
  * (tests/test_otlp_wire.py runs every case on both; tests/test_otlp_wire_compiled.py compares
  * their answers byte for byte on mutated bodies and random bytes).
  *
- * Three things are left to Python, through callables given to configure(): the upb check of the
- * sub-messages neither reader reads (scope, events, links), cutting long texts, and the hex of a
- * bytes value. The key-value cache is a dict of the caller's, as in otlp_wire.py.
+ * Two things are left to Python, through callables given to configure(): cutting long texts, and
+ * the hex of a bytes value. The key-value cache is a dict of the caller's, as in otlp_wire.py.
  *
  * Every read is bounded by the buffer it reads from, as Python's indexing is (an IndexError there
  * is Unusual here); no value read from the body is trusted as a length before it is checked.
@@ -28,7 +27,6 @@ typedef struct {
 
 /* Set by configure(). */
 static PyObject *Unusual;      /* the exception class */
-static PyObject *check_fn;     /* check(kind, raw): 0 scope, 1 event, 2 link; raises Unusual */
 static PyObject *cut_fn;       /* cut_text(text, limit) */
 static PyObject *hex_fn;       /* a bytes value's text, cut */
 static PyObject *kv_cache;     /* dict: a key-value's bytes -> (key, value) */
@@ -36,7 +34,7 @@ static Py_ssize_t max_attributes, max_string_chars, max_array_items, max_depth, 
 static Py_ssize_t kv_cache_max, kv_cache_bytes;
 /* Field numbers each message defines, one bit each (all are below 64). */
 static uint64_t known_request, known_resource_spans, known_resource, known_scope_spans, known_span,
-    known_status, known_any_value, known_key_value;
+    known_status, known_any_value, known_key_value, known_scope, known_event, known_link;
 static const uint64_t known_first = 1u << 1; /* arrays' and key-value lists' one field */
 
 static int
@@ -176,16 +174,6 @@ cut(PyObject *value, Py_ssize_t limit)
     PyObject *out = PyObject_CallFunction(cut_fn, "On", value, limit);
     Py_DECREF(value);
     return out;
-}
-
-static int
-check(int kind, const Buf *b, Py_ssize_t start, Py_ssize_t end)
-{
-    PyObject *out = PyObject_CallFunction(check_fn, "iy#", kind, (const char *)b->data + start, end - start);
-    if (out == NULL)
-        return -1;
-    Py_DECREF(out);
-    return 0;
 }
 
 static uint64_t
@@ -464,6 +452,120 @@ add_attribute(PyObject *attrs, const Buf *b, Py_ssize_t start, Py_ssize_t end)
     return failed ? -1 : 0;
 }
 
+/* -- the sub-messages not kept: read through with the same checks, then dropped ------------------- */
+/* A key-value read as a kept one is (the same checks, the same limits), then dropped. */
+static int
+read_key_value(const Buf *b, Py_ssize_t pos, Py_ssize_t stop)
+{
+    Py_ssize_t vstart = 0, vend = 0;
+    int has_value;
+    PyObject *key = kv_parts(b, pos, stop, &has_value, &vstart, &vend), *value;
+    if (key == NULL)
+        return -1;
+    Py_DECREF(key);
+    if (!has_value)
+        return 0;
+    if ((value = any_value(b, vstart, vend, 0)) == NULL)
+        return -1;
+    Py_DECREF(value);
+    return 0;
+}
+
+static int
+scope(const Buf *b, Py_ssize_t pos, Py_ssize_t stop)
+{
+    uint64_t tag, value;
+    Py_ssize_t start, end;
+    int over;
+    while (pos < stop) {
+        if (tag_at(b, &pos, &tag) < 0)
+            return -1;
+        if (tag == 0x0A || tag == 0x12) { /* name, version */
+            if (length(b, &pos, stop, &start, &end) < 0 || valid_text(b, start, end) < 0)
+                return -1;
+        }
+        else if (tag == 0x1A) { /* attributes */
+            if (length(b, &pos, stop, &start, &end) < 0 || read_key_value(b, start, end) < 0)
+                return -1;
+        }
+        else if (tag == 0x20) { /* dropped_attributes_count */
+            if (varint(b, &pos, &value, &over) < 0)
+                return -1;
+        }
+        else if (skip(b, &pos, stop, tag, known_scope) < 0)
+            return -1;
+    }
+    if (pos > stop)
+        return unusual("field runs past its scope");
+    return 0;
+}
+
+static int
+span_event(const Buf *b, Py_ssize_t pos, Py_ssize_t stop)
+{
+    uint64_t tag, value;
+    Py_ssize_t start, end;
+    int over;
+    while (pos < stop) {
+        if (tag_at(b, &pos, &tag) < 0)
+            return -1;
+        if (tag == 0x09) /* time_unix_nano, fixed64 */
+            pos += 8;
+        else if (tag == 0x12) { /* name */
+            if (length(b, &pos, stop, &start, &end) < 0 || valid_text(b, start, end) < 0)
+                return -1;
+        }
+        else if (tag == 0x1A) { /* attributes */
+            if (length(b, &pos, stop, &start, &end) < 0 || read_key_value(b, start, end) < 0)
+                return -1;
+        }
+        else if (tag == 0x20) { /* dropped_attributes_count */
+            if (varint(b, &pos, &value, &over) < 0)
+                return -1;
+        }
+        else if (skip(b, &pos, stop, tag, known_event) < 0)
+            return -1;
+    }
+    if (pos > stop)
+        return unusual("field runs past its event");
+    return 0;
+}
+
+static int
+span_link(const Buf *b, Py_ssize_t pos, Py_ssize_t stop)
+{
+    uint64_t tag, value;
+    Py_ssize_t start, end;
+    int over;
+    while (pos < stop) {
+        if (tag_at(b, &pos, &tag) < 0)
+            return -1;
+        if (tag == 0x0A || tag == 0x12) { /* trace_id, span_id: bytes of any length */
+            if (length(b, &pos, stop, &start, &end) < 0)
+                return -1;
+        }
+        else if (tag == 0x1A) { /* trace_state */
+            if (length(b, &pos, stop, &start, &end) < 0 || valid_text(b, start, end) < 0)
+                return -1;
+        }
+        else if (tag == 0x22) { /* attributes */
+            if (length(b, &pos, stop, &start, &end) < 0 || read_key_value(b, start, end) < 0)
+                return -1;
+        }
+        else if (tag == 0x28) { /* dropped_attributes_count */
+            if (varint(b, &pos, &value, &over) < 0)
+                return -1;
+        }
+        else if (tag == 0x35) /* flags, fixed32 */
+            pos += 4;
+        else if (skip(b, &pos, stop, tag, known_link) < 0)
+            return -1;
+    }
+    if (pos > stop)
+        return unusual("field runs past its link");
+    return 0;
+}
+
 /* -- the request, its resources, scopes and spans ------------------------------------------------ */
 static int
 status(const Buf *b, Py_ssize_t pos, Py_ssize_t stop, int32_t *code)
@@ -548,8 +650,8 @@ span(const Buf *b, Py_ssize_t pos, Py_ssize_t stop)
                 if (valid_text(b, start, pos) < 0)
                     goto done;
             }
-            else if (first == 0x5A || first == 0x6A) { /* events, links: upb must take them */
-                if (check(first == 0x5A ? 1 : 2, b, start, pos) < 0)
+            else if (first == 0x5A || first == 0x6A) { /* events, links: not kept, but read through */
+                if ((first == 0x5A ? span_event(b, start, pos) : span_link(b, start, pos)) < 0)
                     goto done;
             }
             else if (first < 8 || is_known(known_span, first >> 3)) {
@@ -628,8 +730,8 @@ scope_spans(const Buf *b, Py_ssize_t pos, Py_ssize_t stop, PyObject *spans)
             if (failed)
                 return -1;
         }
-        else if (tag == 0x0A) { /* scope: not read, but upb must take it */
-            if (length(b, &pos, stop, &start, &end) < 0 || check(0, b, start, end) < 0)
+        else if (tag == 0x0A) { /* scope: not kept, but read through */
+            if (length(b, &pos, stop, &start, &end) < 0 || scope(b, start, end) < 0)
                 return -1;
         }
         else if (tag == 0x1A) { /* schema_url */
@@ -769,17 +871,17 @@ bits_of(PyObject *numbers, uint64_t *out)
 static PyObject *
 configure(PyObject *self, PyObject *args)
 {
-    PyObject *unusual_cls, *check, *cut_text, *hex_text, *cache, *limits, *known;
-    uint64_t bits[8];
-    if (!PyArg_ParseTuple(args, "OOOOO!O!O!:configure", &unusual_cls, &check, &cut_text, &hex_text,
+    PyObject *unusual_cls, *cut_text, *hex_text, *cache, *limits, *known;
+    uint64_t bits[11];
+    if (!PyArg_ParseTuple(args, "OOOO!O!O!:configure", &unusual_cls, &cut_text, &hex_text,
                           &PyDict_Type, &cache, &PyTuple_Type, &limits, &PyTuple_Type, &known))
         return NULL;
     if (!PyArg_ParseTuple(limits, "nnnnnnn:limits", &max_attributes, &max_string_chars, &max_array_items,
                           &max_depth, &max_key_chars, &kv_cache_max, &kv_cache_bytes))
         return NULL;
-    if (PyTuple_GET_SIZE(known) != 8)
-        return PyErr_Format(PyExc_ValueError, "known: 8 sets of field numbers, not %zd", PyTuple_GET_SIZE(known));
-    for (int i = 0; i < 8; i++)
+    if (PyTuple_GET_SIZE(known) != 11)
+        return PyErr_Format(PyExc_ValueError, "known: 11 sets of field numbers, not %zd", PyTuple_GET_SIZE(known));
+    for (int i = 0; i < 11; i++)
         if (bits_of(PyTuple_GET_ITEM(known, i), &bits[i]) < 0)
             return NULL;
     known_request = bits[0];
@@ -790,8 +892,10 @@ configure(PyObject *self, PyObject *args)
     known_status = bits[5];
     known_any_value = bits[6];
     known_key_value = bits[7];
+    known_scope = bits[8];
+    known_event = bits[9];
+    known_link = bits[10];
     Py_XSETREF(Unusual, Py_NewRef(unusual_cls));
-    Py_XSETREF(check_fn, Py_NewRef(check));
     Py_XSETREF(cut_fn, Py_NewRef(cut_text));
     Py_XSETREF(hex_fn, Py_NewRef(hex_text));
     Py_XSETREF(kv_cache, Py_NewRef(cache));
@@ -800,7 +904,7 @@ configure(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
-     "configure(unusual, check, cut_text, hex_text, cache, limits, known): what the reader leaves to Python."},
+     "configure(unusual, cut_text, hex_text, cache, limits, known): what the reader leaves to Python."},
     {"read_request", read_request, METH_O,
      "read_request(body) -> [(resource attributes, [span parts])]; raises Unusual as otlp_wire does."},
     {NULL, NULL, 0, NULL},

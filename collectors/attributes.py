@@ -8,12 +8,13 @@ type as missing instead of failing the span.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-
 from auditor.semconv import GENAI_OPERATION, EngineSpans
+
+if TYPE_CHECKING:  # the message path's types; protobuf is imported where a body needs it
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 # Bounds on what one span may store: enough for any real instrumentation, small enough that a
 # hostile exporter cannot blow up the database or the daemon's memory.

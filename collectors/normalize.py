@@ -16,9 +16,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
-
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from auditor.model import SpanRecord, SpanRole
 from auditor.semconv import PEER_ADDR_KEYS, PEER_PORT_KEYS, SERVER_PORT_KEYS
@@ -39,6 +37,9 @@ from collectors.attributes import (
     take_one,
 )
 from collectors.otlp_wire import read_request
+
+if TYPE_CHECKING:  # the message path's type; protobuf is imported where a body needs it
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 log = logging.getLogger(__name__)
 

@@ -10,30 +10,20 @@ Metrics and logs are not used, but servers configured with the generic
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` send them anyway; they are parsed (so garbage still gets a 400)
 and counted, then dropped. Their JSON ids need no hex rewriting: a hex id of 16 or 32 characters
 is also valid base64, and the bytes it decodes to are never looked at.
+
+protobuf is imported on a body's first need of it (JSON, metrics or logs, a trace body the byte
+reader leaves to upb): the usual protobuf trace body is read without it, and the protobuf answers
+are two fields each, written out here (``encode_response``, ``encode_status``).
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import zlib
+from types import SimpleNamespace
 from typing import Any
-
-from google.protobuf import json_format
-from google.protobuf.message import DecodeError
-from google.rpc import status_pb2
-from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
-    ExportLogsServiceRequest,
-    ExportLogsServiceResponse,
-)
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
-    ExportMetricsServiceRequest,
-    ExportMetricsServiceResponse,
-)
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
@@ -48,6 +38,25 @@ RPC_UNAVAILABLE = 14
 _INFLATE_STEP = 64 * 1024
 _BAD_ID_MARKER = base64.b64encode(b"\x00").decode()  # one byte: never a valid trace or span id
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id")
+
+
+@functools.cache
+def messages() -> Any:
+    """The protobuf modules and messages this module parses and writes with, imported once."""
+    from google.protobuf import json_format
+    from google.protobuf.message import DecodeError
+    from google.rpc import status_pb2
+    from opentelemetry.proto.collector.logs.v1 import logs_service_pb2 as logs
+    from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as metrics
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as traces
+    return SimpleNamespace(
+        json_format=json_format, DecodeError=DecodeError, Status=status_pb2.Status,
+        ExportTraceServiceRequest=traces.ExportTraceServiceRequest,
+        ExportTraceServiceResponse=traces.ExportTraceServiceResponse,
+        ExportMetricsServiceRequest=metrics.ExportMetricsServiceRequest,
+        ExportMetricsServiceResponse=metrics.ExportMetricsServiceResponse,
+        ExportLogsServiceRequest=logs.ExportLogsServiceRequest,
+        ExportLogsServiceResponse=logs.ExportLogsServiceResponse)
 
 
 class BodyError(Exception):
@@ -140,13 +149,16 @@ def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def decode_request(body: bytes, content_type: str) -> ExportTraceServiceRequest:
-    """Parse a (plain) body; malformed input raises BodyError(400) naming the problem."""
-    request = ExportTraceServiceRequest()
+def decode_request(body: bytes, content_type: str) -> Any:
+    """Parse a (plain) body into an ExportTraceServiceRequest; malformed input raises
+    BodyError(400) naming the problem."""
+    pb = messages()
+    json_format = pb.json_format
+    request = pb.ExportTraceServiceRequest()
     if content_type == PROTOBUF:
         try:
             request.ParseFromString(body)
-        except (DecodeError, RecursionError, ValueError) as exc:
+        except (pb.DecodeError, RecursionError, ValueError) as exc:
             raise BodyError(400, f"body is not a valid ExportTraceServiceRequest protobuf ({exc})") from exc
         return request
     try:
@@ -164,28 +176,54 @@ def decode_request(body: bytes, content_type: str) -> ExportTraceServiceRequest:
 
 
 def encode_response(content_type: str, rejected: int = 0, error_message: str = "") -> bytes:
-    response = ExportTraceServiceResponse()
-    if rejected or error_message:
-        response.partial_success.rejected_spans = rejected
-        response.partial_success.error_message = error_message
+    """An ExportTraceServiceResponse, with its partial_success where spans were rejected."""
     if content_type == JSON:
+        pb = messages()
+        response = pb.ExportTraceServiceResponse()
+        if rejected or error_message:
+            response.partial_success.rejected_spans = rejected
+            response.partial_success.error_message = error_message
         # OTLP JSON: int64 as a string is fine for any OTLP client; the mapping does that itself.
-        return str(json_format.MessageToJson(response, indent=None)).encode()
-    return bytes(response.SerializeToString())
+        return str(pb.json_format.MessageToJson(response, indent=None)).encode()
+    if not (rejected or error_message):
+        return b""
+    # partial_success (1) { rejected_spans (1, int64), error_message (2, string) }
+    return _length_field(1, _varint_field(1, rejected) + _length_field(2, error_message.encode()), always=True)
 
 
 def encode_status(content_type: str, code: int, message: str) -> bytes:
     """A google.rpc.Status body, in the request's encoding (protobuf unless the request was JSON)."""
-    status = status_pb2.Status(code=code, message=message)
     if content_type == JSON:
-        return str(json_format.MessageToJson(status, indent=None)).encode()
-    return bytes(status.SerializeToString())
+        pb = messages()
+        return str(pb.json_format.MessageToJson(pb.Status(code=code, message=message), indent=None)).encode()
+    return _varint_field(1, code) + _length_field(2, message.encode())  # code (int32), message (string)
+
+
+def _varint_field(number: int, value: int) -> bytes:
+    """A varint field as protobuf writes it: nothing for zero, a negative number in ten bytes."""
+    return _varint(number << 3) + _varint(value & 0xFFFF_FFFF_FFFF_FFFF) if value else b""
+
+
+def _length_field(number: int, payload: bytes, *, always: bool = False) -> bytes:
+    """A length-delimited field: nothing for an empty string, unless it is a message that is set."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload if payload or always else b""
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def decode_dropped(body: bytes, content_type: str, signal: str) -> int:
     """Parse a metrics or logs body only to check it and count its items (data points or log
     records); malformed input raises BodyError(400) like a trace body."""
-    request: Any = ExportMetricsServiceRequest() if signal == "metrics" else ExportLogsServiceRequest()
+    pb = messages()
+    json_format = pb.json_format
+    request: Any = pb.ExportMetricsServiceRequest() if signal == "metrics" else pb.ExportLogsServiceRequest()
     name = type(request).__name__
     try:
         if content_type == PROTOBUF:
@@ -197,14 +235,14 @@ def decode_dropped(body: bytes, content_type: str, signal: str) -> int:
             json_format.ParseDict(document, request, ignore_unknown_fields=True)
     except BodyError:
         raise
-    except (DecodeError, json_format.ParseError, RecursionError, ValueError, TypeError, AttributeError) as exc:
+    except (pb.DecodeError, json_format.ParseError, RecursionError, ValueError, TypeError, AttributeError) as exc:
         raise BodyError(400, f"body is not a valid {name} ({_short(exc)})") from exc
     return count_items(request)
 
 
 def count_items(request: Any) -> int:
     """Data points in an ExportMetricsServiceRequest, log records in an ExportLogsServiceRequest."""
-    if isinstance(request, ExportLogsServiceRequest):
+    if isinstance(request, messages().ExportLogsServiceRequest):
         return sum(len(scope.log_records) for resource in request.resource_logs for scope in resource.scope_logs)
     points = 0
     for resource in request.resource_metrics:
@@ -218,10 +256,11 @@ def count_items(request: Any) -> int:
 
 def encode_empty_response(content_type: str, signal: str) -> bytes:
     """The success answer for a dropped signal: an empty Export*ServiceResponse."""
-    response: Any = ExportMetricsServiceResponse() if signal == "metrics" else ExportLogsServiceResponse()
-    if content_type == JSON:
-        return str(json_format.MessageToJson(response, indent=None)).encode()
-    return bytes(response.SerializeToString())
+    if content_type != JSON:
+        return b""  # an empty message
+    pb = messages()
+    response: Any = pb.ExportMetricsServiceResponse() if signal == "metrics" else pb.ExportLogsServiceResponse()
+    return str(pb.json_format.MessageToJson(response, indent=None)).encode()
 
 
 def _short(exc: BaseException) -> str:

@@ -39,9 +39,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-
 from auditor import http1
 from collectors import http2
 from collectors import otlp_codec as codec
@@ -604,9 +601,10 @@ class OtlpGrpcReceiver:
             return normalize_body(message, service_host=self.service_host, fallback_host=self._fallback_host)
         except Unusual:
             pass
+        pb = codec.messages()  # protobuf, imported on the first body that needs it
         try:
-            request = trace_service_pb2.ExportTraceServiceRequest.FromString(message)
-        except (DecodeError, RecursionError, ValueError) as exc:
+            request = pb.ExportTraceServiceRequest.FromString(message)
+        except (pb.DecodeError, RecursionError, ValueError) as exc:
             raise CallError(INVALID_ARGUMENT,
                             f"request is not a valid ExportTraceServiceRequest protobuf ({exc})") from exc
         return normalize_request(request, service_host=self.service_host, fallback_host=self._fallback_host)

@@ -10,8 +10,13 @@ the body with upb as before, so every body gets the message path's answer, garba
 a group, a known field with an unexpected wire type or one this reader does not handle, an
 AnyValue with two members, a truncated field, invalid UTF-8, more attributes or array items than
 normalization keeps, containers nested deeper than it keeps. Sub-messages that normalization
-does not read (events, links, the instrumentation scope) are still checked by upb, on their own
-bytes, so a body this reader takes is one upb takes too.
+does not keep (events, links, the instrumentation scope) are read through with the same checks
+and dropped, so a body this reader takes is one upb takes too.
+
+Neither reader needs protobuf: the field numbers each message defines are written out below, for
+the schemas up to ``SCHEMA_VERSION`` (tests/test_otlp_wire.py compares them with the installed
+schema's descriptors). A body read here never imports protobuf; the message path imports it when
+a body first needs it (about 4 MiB of a daemon's RSS: docs/footprint.md, the forty-sixth pass).
 
 Repeated occurrences of a field follow protobuf's parse rules: the last scalar wins, repeated
 fields append, a message field's occurrences merge (here: Status, read field by field in order).
@@ -23,11 +28,6 @@ import logging
 import math
 import struct
 from typing import Any
-
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope
-from opentelemetry.proto.resource.v1.resource_pb2 import Resource
-from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
 from collectors.attributes import (
     MAX_ARRAY_ITEMS,
@@ -58,20 +58,52 @@ class Unusual(Exception):
     """The body is not in a shape this reader takes; parse it with upb instead."""
 
 
-def _known(message: Any) -> frozenset[int]:
-    return frozenset(field.number for field in message.DESCRIPTOR.fields)
+# Field numbers each message defines: a known field this reader does not handle (or one with
+# another wire type) is Unusual; an unknown one is skipped, as upb skips it. Each set holds every
+# field the schemas up to SCHEMA_VERSION define, so with an older schema a field it lacks is
+# Unusual here (the message path reads it, as upb would: an unknown field). A newer schema may
+# define fields these sets lack, which this reader would skip where upb checks them: there the
+# sets are read from the installed descriptors instead (see _schema_fields).
+SCHEMA_VERSION = (1, 45)  # opentelemetry-proto
+FIELDS: dict[str, frozenset[int]] = {
+    "opentelemetry.proto.collector.trace.v1.ExportTraceServiceRequest": frozenset({1}),
+    "opentelemetry.proto.trace.v1.ResourceSpans": frozenset({1, 2, 3}),
+    "opentelemetry.proto.resource.v1.Resource": frozenset({1, 2, 3}),
+    "opentelemetry.proto.trace.v1.ScopeSpans": frozenset({1, 2, 3}),
+    "opentelemetry.proto.trace.v1.Span": frozenset(range(1, 17)),
+    "opentelemetry.proto.trace.v1.Status": frozenset({2, 3}),
+    "opentelemetry.proto.common.v1.AnyValue": frozenset(range(1, 9)),
+    "opentelemetry.proto.common.v1.KeyValue": frozenset({1, 2, 3}),
+    "opentelemetry.proto.common.v1.InstrumentationScope": frozenset({1, 2, 3, 4}),
+    "opentelemetry.proto.trace.v1.Span.Event": frozenset({1, 2, 3, 4}),
+    "opentelemetry.proto.trace.v1.Span.Link": frozenset({1, 2, 3, 4, 5, 6}),
+}
 
 
-# Field numbers each message defines in the installed schema: a known field this reader does not
-# handle (or one with another wire type) is Unusual; an unknown one is skipped, as upb skips it.
-_KNOWN_REQUEST = _known(ExportTraceServiceRequest)
-_KNOWN_RESOURCE_SPANS = _known(ResourceSpans)
-_KNOWN_RESOURCE = _known(Resource)
-_KNOWN_SCOPE_SPANS = _known(ScopeSpans)
-_KNOWN_SPAN = _known(Span)
-_KNOWN_STATUS = _known(Status)
-_KNOWN_ANY_VALUE = _known(AnyValue)
-_KNOWN_KEY_VALUE = frozenset({1, 2, 3})  # key, value, key_strindex (newer schemas)
+def _installed_schema() -> tuple[int, ...] | None:
+    """The installed opentelemetry-proto's (major, minor), read without importing protobuf."""
+    try:
+        from opentelemetry.proto.version import __version__
+        return tuple(int(part) for part in __version__.split(".")[:2])
+    except (ImportError, ValueError):
+        return None
+
+
+def _schema_fields() -> dict[str, frozenset[int]]:
+    """FIELDS, or for a schema newer than SCHEMA_VERSION (or one that does not say), each message's
+    field numbers as its descriptor has them."""
+    installed = _installed_schema()
+    if installed is not None and installed <= SCHEMA_VERSION:
+        return FIELDS
+    from google.protobuf import symbol_database
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: F401  (registers the schema)
+    pool = symbol_database.Default().pool
+    return {name: frozenset(field.number for field in pool.FindMessageTypeByName(name).fields) for name in FIELDS}
+
+
+_fields = _schema_fields()
+_KNOWN_REQUEST, _KNOWN_RESOURCE_SPANS, _KNOWN_RESOURCE, _KNOWN_SCOPE_SPANS, _KNOWN_SPAN, _KNOWN_STATUS, \
+    _KNOWN_ANY_VALUE, _KNOWN_KEY_VALUE, _KNOWN_SCOPE, _KNOWN_EVENT, _KNOWN_LINK = _fields.values()
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -137,14 +169,6 @@ def _text(data: bytes, start: int, end: int) -> str:
 def _signed(value: int, bits: int) -> int:
     value &= (1 << bits) - 1
     return value - (1 << bits) if value >> (bits - 1) else value
-
-
-def _check(message: Any, data: bytes, start: int, end: int) -> None:
-    """upb's verdict on a sub-message this reader does not read."""
-    try:
-        message.FromString(data[start:end])
-    except Exception as exc:
-        raise Unusual(f"invalid {message.DESCRIPTOR.name}") from exc
 
 
 # -- the request, its resources, scopes and spans ------------------------------------------------
@@ -231,9 +255,9 @@ def _scope_spans(data: bytes, pos: int, stop: int, spans: list[SpanParts]) -> No
         if tag == 0x12:
             start, pos = _length(data, pos, stop)
             spans.append(_span(data, start, pos))
-        elif tag == 0x0A:  # scope: not read, but upb must take it
+        elif tag == 0x0A:  # scope: not kept, but read through
             start, pos = _length(data, pos, stop)
-            _check(InstrumentationScope, data, start, pos)
+            _scope(data, start, pos)
         elif tag == 0x1A:  # schema_url
             start, pos = _length(data, pos, stop)
             _text(data, start, pos)
@@ -287,8 +311,10 @@ def _span(data: bytes, pos: int, stop: int) -> SpanParts:
                 status = _status(data, start, pos, 0 if status is None else status)
             elif tag == 0x1A:  # trace_state
                 _text(data, start, pos)
-            elif tag == 0x5A or tag == 0x6A:  # events, links: not read, but upb must take them
-                _check(Span.Event if tag == 0x5A else Span.Link, data, start, pos)
+            elif tag == 0x5A:  # events, links: not kept, but read through
+                _span_event(data, start, pos)
+            elif tag == 0x6A:
+                _span_link(data, start, pos)
             elif tag < 8 or tag >> 3 in _KNOWN_SPAN:  # field 0 is invalid; a known one unhandled
                 raise Unusual(f"field {tag >> 3} (wire type 2)")
         elif tag == 0x39:
@@ -328,6 +354,71 @@ def _status(data: bytes, pos: int, stop: int, code: int) -> int:
     if pos > stop:
         raise Unusual("field runs past its status")
     return code
+
+
+# -- the sub-messages not kept: read through with the same checks, then dropped ------------------
+def _scope(data: bytes, pos: int, stop: int) -> None:
+    while pos < stop:
+        tag, pos = _tag(data, pos)
+        if tag == 0x0A or tag == 0x12:  # name, version
+            start, pos = _length(data, pos, stop)
+            _text(data, start, pos)
+        elif tag == 0x1A:  # attributes
+            start, pos = _length(data, pos, stop)
+            _read_key_value(data, start, pos)
+        elif tag == 0x20:  # dropped_attributes_count
+            _, pos = _varint(data, pos)
+        else:
+            pos = _skip(data, pos, stop, tag, _KNOWN_SCOPE)
+    if pos > stop:
+        raise Unusual("field runs past its scope")
+
+
+def _span_event(data: bytes, pos: int, stop: int) -> None:
+    while pos < stop:
+        tag, pos = _tag(data, pos)
+        if tag == 0x09:  # time_unix_nano, fixed64
+            pos += 8
+        elif tag == 0x12:  # name
+            start, pos = _length(data, pos, stop)
+            _text(data, start, pos)
+        elif tag == 0x1A:  # attributes
+            start, pos = _length(data, pos, stop)
+            _read_key_value(data, start, pos)
+        elif tag == 0x20:  # dropped_attributes_count
+            _, pos = _varint(data, pos)
+        else:
+            pos = _skip(data, pos, stop, tag, _KNOWN_EVENT)
+    if pos > stop:
+        raise Unusual("field runs past its event")
+
+
+def _span_link(data: bytes, pos: int, stop: int) -> None:
+    while pos < stop:
+        tag, pos = _tag(data, pos)
+        if tag == 0x0A or tag == 0x12:  # trace_id, span_id: bytes of any length
+            _, pos = _length(data, pos, stop)
+        elif tag == 0x1A:  # trace_state
+            start, pos = _length(data, pos, stop)
+            _text(data, start, pos)
+        elif tag == 0x22:  # attributes
+            start, pos = _length(data, pos, stop)
+            _read_key_value(data, start, pos)
+        elif tag == 0x28:  # dropped_attributes_count
+            _, pos = _varint(data, pos)
+        elif tag == 0x35:  # flags, fixed32
+            pos += 4
+        else:
+            pos = _skip(data, pos, stop, tag, _KNOWN_LINK)
+    if pos > stop:
+        raise Unusual("field runs past its link")
+
+
+def _read_key_value(data: bytes, pos: int, stop: int) -> None:
+    """A key-value read as a kept one is (the same checks, the same limits), then dropped."""
+    _, value_at = _kv_parts(data, pos, stop)
+    if value_at is not None:
+        _any_value(data, value_at[0], value_at[1], 0)
 
 
 # -- attributes ---------------------------------------------------------------------------------
@@ -490,13 +581,6 @@ def _kv_parts(data: bytes, pos: int, stop: int) -> tuple[str, tuple[int, int] | 
 # compiler or Python headers at install). Both give the same answer for every body
 # (tests/test_otlp_wire.py runs its cases on each reader; tests/test_otlp_wire_compiled.py
 # compares the two on mutated bodies and random bytes).
-_SKIPPED = (InstrumentationScope, Span.Event, Span.Link)  # the compiled reader's check kinds 0-2
-
-
-def _check_kind(kind: int, raw: bytes) -> None:
-    _check(_SKIPPED[kind], raw, 0, len(raw))
-
-
 def _hex_text(raw: bytes) -> str:
     return cut_text(raw.hex(), MAX_STRING_CHARS)
 
@@ -508,11 +592,10 @@ def _compiled() -> Any:
         return None
     try:
         _otlp_wire.configure(
-            Unusual, _check_kind, cut_text, _hex_text, {},
+            Unusual, cut_text, _hex_text, {},
             (MAX_ATTRIBUTES, MAX_STRING_CHARS, MAX_ARRAY_ITEMS, MAX_DEPTH, MAX_KEY_CHARS, _KV_CACHE_MAX,
              _KV_CACHE_BYTES),
-            (_KNOWN_REQUEST, _KNOWN_RESOURCE_SPANS, _KNOWN_RESOURCE, _KNOWN_SCOPE_SPANS, _KNOWN_SPAN, _KNOWN_STATUS,
-             _KNOWN_ANY_VALUE, _KNOWN_KEY_VALUE))
+            tuple(_fields.values()))
     except Exception as exc:  # e.g. a schema with field numbers past 63: the Python reader reads
         log.warning("the compiled OTLP reader could not be set up (%s); spans are read in Python", exc)
         return None

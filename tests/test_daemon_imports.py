@@ -16,6 +16,11 @@ Nor the OpenTelemetry SDK, which the live-notice sender (auditor.live) runs in s
 ``statistics`` (``fractions`` and ``decimal``): the two together were about 2 MiB of the idle
 daemon's RSS (bench/footprint.py; docs/footprint.md, thirty-fourth pass).
 
+Nor protobuf and the OTLP messages (about 4 MiB): the byte reader (collectors.otlp_wire) reads the
+usual trace body whole, the scope, events and links included, and the answers are written out;
+the message path imports them on the first body that needs it (JSON, metrics or logs, an unusual
+shape: docs/footprint.md, forty-sixth pass).
+
 The daemon runs in a fresh interpreter (the test process has imported everything): the /proc
 source, the reference engine exporting its spans over OTLP/HTTP or OTLP/gRPC, one request
 cancelled mid-decode and one completed, until the cancelled one has its verdict; then one
@@ -94,7 +99,8 @@ finally:
     daemon.stop()
 unused = ("sqlalchemy", "asyncio", "alembic", "mako", "bcc", "grpc", "opentelemetry.sdk", "statistics", "fractions",
           "decimal", "prometheus_client", "http.server", "http.client", "ssl", "hashlib", "hmac", "email",
-          "urllib.request", "wsgiref")
+          "urllib.request", "wsgiref", "google", "opentelemetry.proto.collector", "opentelemetry.proto.trace",
+          "opentelemetry.proto.common", "opentelemetry.proto.resource")
 loaded = sorted(name for name in sys.modules if any(name == top or name.startswith(top + ".") for top in unused))
 print(json.dumps({"verdicts": verdicts, "loaded": loaded}))
 """

@@ -386,3 +386,29 @@ def test_request_lines_are_read_as_http_server_reads_them(line: bytes) -> None:
         assert not isinstance(ours, RequestLine) and ours is not None and ours[0] == refused[0], (ours, refused)
     else:  # an empty line: nothing answered, the connection closed
         assert ours is None
+
+
+@pytest.mark.parametrize(("rejected", "message"), [(0, ""), (1, ""), (0, "why"), (3, "2 spans without a trace id"),
+                                                   (300, "é" * 200), (2**40, "x")])
+def test_the_written_out_answers_are_what_protobuf_writes(rejected: int, message: str) -> None:
+    """The protobuf answers are written without protobuf (the daemon does not import it for the
+    usual body): byte for byte what the messages serialize to, and what an exporter parses back."""
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceResponse
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceResponse,
+    )
+
+    from collectors import otlp_codec as codec
+
+    response = ExportTraceServiceResponse()
+    if rejected or message:
+        response.partial_success.rejected_spans = rejected
+        response.partial_success.error_message = message
+    assert codec.encode_response(codec.PROTOBUF, rejected, message) == response.SerializeToString()
+    parsed = ExportTraceServiceResponse.FromString(codec.encode_response(codec.PROTOBUF, rejected, message))
+    assert (parsed.partial_success.rejected_spans, parsed.partial_success.error_message) == (rejected, message)
+    for code in (0, 3, 14, -1, 2**31 - 1):
+        status = status_pb2.Status(code=code, message=message)
+        assert codec.encode_status(codec.PROTOBUF, code, message) == status.SerializeToString()
+    assert codec.encode_empty_response(codec.PROTOBUF, "metrics") == ExportMetricsServiceResponse().SerializeToString()
+    assert codec.encode_empty_response(codec.PROTOBUF, "logs") == ExportLogsServiceResponse().SerializeToString()

@@ -129,11 +129,17 @@ def _spans(draw: Any) -> Span:
     if draw(st.booleans()):
         span.status.code = draw(st.integers(-1, 4))
         span.status.message = draw(st.text(max_size=5))
+    for _ in range(draw(st.integers(0, 2))):  # events and links: read through, not kept
+        event = span.events.add(name=draw(st.text(max_size=5)), time_unix_nano=draw(st.sampled_from([0, 5, 2**64 - 1])),
+                                dropped_attributes_count=draw(st.integers(0, 2)))
+        event.attributes.extend(KeyValue(key=k, value=v) for k, v in draw(st.lists(st.tuples(_KEYS, _VALUES), max_size=2)))
     for _ in range(draw(st.integers(0, 2))):
-        event = span.events.add(name=draw(st.text(max_size=5)), time_unix_nano=5)
-        event.attributes.add(key="e", value=AnyValue(int_value=1))
-    for _ in range(draw(st.integers(0, 1))):
-        span.links.add(trace_id=bytes(range(1, 17)), span_id=bytes(range(1, 9)))
+        link = span.links.add(trace_id=draw(st.sampled_from([bytes(range(1, 17)), b"", b"\x01" * 3])),
+                              span_id=draw(st.sampled_from([bytes(range(1, 9)), b""])),
+                              trace_state=draw(st.sampled_from(["", "vendor=1", "é"])),
+                              dropped_attributes_count=draw(st.integers(0, 2)),
+                              flags=draw(st.sampled_from([0, 0x100, 2**32 - 1])))
+        link.attributes.extend(KeyValue(key=k, value=v) for k, v in draw(st.lists(st.tuples(_KEYS, _VALUES), max_size=2)))
     return span
 
 
@@ -148,6 +154,10 @@ def _requests(draw: Any) -> ExportTraceServiceRequest:
         for _ in range(draw(st.integers(0, 2))):
             scope_spans = resource_spans.scope_spans.add()
             scope_spans.scope.name = draw(st.sampled_from(["", "opentelemetry.instrumentation.asgi"]))
+            scope_spans.scope.version = draw(st.sampled_from(["", "0.50b0", "é"]))
+            scope_spans.scope.dropped_attributes_count = draw(st.integers(0, 2))
+            scope_spans.scope.attributes.extend(KeyValue(key=k, value=v) for k, v in draw(st.lists(
+                st.tuples(_KEYS, _VALUES), max_size=2)))
             scope_spans.spans.extend(draw(st.lists(_spans(), max_size=3)))
     return request
 
@@ -285,11 +295,50 @@ def test_a_field_that_runs_past_its_message_is_refused() -> None:
     assert _outcome(_body(_span_bytes() + _field(15, status) + b"\x28\x01"))[0] in ("refused", "unusual")
 
 
-def test_sub_messages_it_skips_are_still_checked() -> None:
-    bad_event = _field(11, _field(2, b"\xff\xfe"))  # an event whose name is not UTF-8
-    bad_scope = _field(1, _field(1, b"\xff"))
-    assert _outcome(_body(_span_bytes() + bad_event))[0] == "refused"
-    assert _outcome(_field(1, _field(2, bad_scope + _field(2, _span_bytes()))))[0] == "refused"
+def test_sub_messages_it_does_not_keep_are_still_checked() -> None:
+    """Events, links and the scope are read through with the kept fields' checks: garbage in them
+    is refused as upb refuses it, and their usual shapes are read, not left to the message path."""
+    def scoped(scope: bytes) -> bytes:
+        return _field(1, _field(2, _field(1, scope) + _field(2, _span_bytes())))
+
+    bad_value = _field(1, b"k") + _field(2, _field(1, b"\xc3"))  # a key-value whose text is cut UTF-8
+    refused = [
+        _body(_span_bytes() + _field(11, _field(2, b"\xff\xfe"))),  # an event's name
+        _body(_span_bytes() + _field(11, _field(3, bad_value))),  # an event's attribute
+        _body(_span_bytes() + _field(11, b"\x09" + b"\x00" * 7)),  # an event's time, cut short
+        _body(_span_bytes() + _field(13, _field(3, b"\xed\xa0\x80"))),  # a link's trace_state, a surrogate
+        _body(_span_bytes() + _field(13, _field(4, bad_value))),  # a link's attribute
+        _body(_span_bytes() + _field(13, b"\x35\x00\x00")),  # a link's flags, cut short
+        _body(_span_bytes() + _field(13, b"\x28\x80")),  # a link's dropped count, unfinished
+        scoped(_field(1, b"\xff")),  # the scope's name
+        scoped(_field(2, b"\xff")),  # its version
+        scoped(_field(3, bad_value)),  # its attribute
+    ]
+    for body in refused:
+        assert _outcome(body)[0] == "refused", body
+    usual = [
+        _body(_span_bytes() + _field(11, b"\x09" + b"\x05" * 8 + _field(2, b"e") + _field(3, _field(1, b"k")) + b"\x20\x02")),
+        _body(_span_bytes() + _field(13, _field(1, b"\x01" * 16) + _field(2, b"") + _field(3, b"v=1")
+                                     + _field(4, _field(1, b"k") + _field(2, b"\x18\x01")) + b"\x28\x01\x35\x01\x00\x00\x00")),
+        _body(_span_bytes() + _field(13, _field(9, b"a field this schema does not define"))),
+        scoped(_field(1, b"asgi") + _field(2, b"0.50b0") + _field(3, _field(1, b"k")) + b"\x20\x01"),
+    ]
+    for body in usual:
+        assert _outcome(body)[0] == "read", body
+    # A known field in another wire type: the message path's to read (upb takes it as unknown).
+    assert _outcome(_body(_span_bytes() + _field(11, b"\x10\x01")))[0] == "unusual"
+
+
+def test_the_field_numbers_written_out_are_the_installed_schemas() -> None:
+    """otlp_wire names each message's fields without importing protobuf: they must be the installed
+    schema's own (a newer schema than SCHEMA_VERSION is read from its descriptors instead)."""
+    from google.protobuf import symbol_database
+    pool = symbol_database.Default().pool
+    installed = {name: frozenset(f.number for f in pool.FindMessageTypeByName(name).fields) for name in otlp_wire.FIELDS}
+    assert otlp_wire._installed_schema() is not None
+    if otlp_wire._installed_schema() <= otlp_wire.SCHEMA_VERSION:
+        assert installed == otlp_wire.FIELDS
+    assert otlp_wire._schema_fields() == installed
 
 
 def test_shapes_it_does_not_take_go_the_message_way() -> None:
