@@ -471,99 +471,75 @@ read_key_value(const Buf *b, Py_ssize_t pos, Py_ssize_t stop)
     return 0;
 }
 
+/* Each one's fields by tag, as what each holds; a table ends at tag 0 (never a field's). */
+enum { TEXT, BYTES, KEY_VALUE, VARINT, FIXED64, FIXED32 };
+typedef struct {
+    uint64_t tag;
+    int kind;
+} Field;
+static const Field scope_fields[] = { /* name, version, attributes, dropped */
+    {0x0A, TEXT}, {0x12, TEXT}, {0x1A, KEY_VALUE}, {0x20, VARINT}, {0, 0}};
+static const Field event_fields[] = { /* time, name, attributes, dropped */
+    {0x09, FIXED64}, {0x12, TEXT}, {0x1A, KEY_VALUE}, {0x20, VARINT}, {0, 0}};
+static const Field link_fields[] = { /* trace and span ids, trace_state, attributes, dropped, flags */
+    {0x0A, BYTES}, {0x12, BYTES}, {0x1A, TEXT}, {0x22, KEY_VALUE}, {0x28, VARINT}, {0x35, FIXED32}, {0, 0}};
+
+/* A message read field by field as fields says and dropped; its other fields as skip says. */
 static int
-scope(const Buf *b, Py_ssize_t pos, Py_ssize_t stop)
+read_through(const Buf *b, Py_ssize_t pos, Py_ssize_t stop, const Field *fields, uint64_t known, const char *past)
 {
     uint64_t tag, value;
     Py_ssize_t start, end;
-    int over;
+    int over, kind;
     while (pos < stop) {
         if (tag_at(b, &pos, &tag) < 0)
             return -1;
-        if (tag == 0x0A || tag == 0x12) { /* name, version */
-            if (length(b, &pos, stop, &start, &end) < 0 || valid_text(b, start, end) < 0)
+        kind = -1;
+        for (const Field *f = fields; f->tag != 0; f++)
+            if (f->tag == tag) {
+                kind = f->kind;
+                break;
+            }
+        if (kind < 0) {
+            if (skip(b, &pos, stop, tag, known) < 0)
                 return -1;
         }
-        else if (tag == 0x1A) { /* attributes */
-            if (length(b, &pos, stop, &start, &end) < 0 || read_key_value(b, start, end) < 0)
-                return -1;
-        }
-        else if (tag == 0x20) { /* dropped_attributes_count */
+        else if (kind == VARINT) {
             if (varint(b, &pos, &value, &over) < 0)
                 return -1;
         }
-        else if (skip(b, &pos, stop, tag, known_scope) < 0)
-            return -1;
+        else if (kind == FIXED64 || kind == FIXED32)
+            pos += kind == FIXED64 ? 8 : 4;
+        else {
+            if (length(b, &pos, stop, &start, &end) < 0)
+                return -1;
+            if (kind == TEXT && valid_text(b, start, end) < 0)
+                return -1;
+            if (kind == KEY_VALUE && read_key_value(b, start, end) < 0)
+                return -1;
+        }
     }
     if (pos > stop)
-        return unusual("field runs past its scope");
+        return unusual(past);
     return 0;
+}
+
+static int
+scope(const Buf *b, Py_ssize_t pos, Py_ssize_t stop)
+{
+    return read_through(b, pos, stop, scope_fields, known_scope, "field runs past its scope");
 }
 
 static int
 span_event(const Buf *b, Py_ssize_t pos, Py_ssize_t stop)
 {
-    uint64_t tag, value;
-    Py_ssize_t start, end;
-    int over;
-    while (pos < stop) {
-        if (tag_at(b, &pos, &tag) < 0)
-            return -1;
-        if (tag == 0x09) /* time_unix_nano, fixed64 */
-            pos += 8;
-        else if (tag == 0x12) { /* name */
-            if (length(b, &pos, stop, &start, &end) < 0 || valid_text(b, start, end) < 0)
-                return -1;
-        }
-        else if (tag == 0x1A) { /* attributes */
-            if (length(b, &pos, stop, &start, &end) < 0 || read_key_value(b, start, end) < 0)
-                return -1;
-        }
-        else if (tag == 0x20) { /* dropped_attributes_count */
-            if (varint(b, &pos, &value, &over) < 0)
-                return -1;
-        }
-        else if (skip(b, &pos, stop, tag, known_event) < 0)
-            return -1;
-    }
-    if (pos > stop)
-        return unusual("field runs past its event");
-    return 0;
+    return read_through(b, pos, stop, event_fields, known_event, "field runs past its event");
 }
 
 static int
 span_link(const Buf *b, Py_ssize_t pos, Py_ssize_t stop)
 {
-    uint64_t tag, value;
-    Py_ssize_t start, end;
-    int over;
-    while (pos < stop) {
-        if (tag_at(b, &pos, &tag) < 0)
-            return -1;
-        if (tag == 0x0A || tag == 0x12) { /* trace_id, span_id: bytes of any length */
-            if (length(b, &pos, stop, &start, &end) < 0)
-                return -1;
-        }
-        else if (tag == 0x1A) { /* trace_state */
-            if (length(b, &pos, stop, &start, &end) < 0 || valid_text(b, start, end) < 0)
-                return -1;
-        }
-        else if (tag == 0x22) { /* attributes */
-            if (length(b, &pos, stop, &start, &end) < 0 || read_key_value(b, start, end) < 0)
-                return -1;
-        }
-        else if (tag == 0x28) { /* dropped_attributes_count */
-            if (varint(b, &pos, &value, &over) < 0)
-                return -1;
-        }
-        else if (tag == 0x35) /* flags, fixed32 */
-            pos += 4;
-        else if (skip(b, &pos, stop, tag, known_link) < 0)
-            return -1;
-    }
-    if (pos > stop)
-        return unusual("field runs past its link");
-    return 0;
+    return read_through(b, pos, stop, link_fields, known_link, "field runs past its link");
 }
 
 /* -- the request, its resources, scopes and spans ------------------------------------------------ */

@@ -357,61 +357,48 @@ def _status(data: bytes, pos: int, stop: int, code: int) -> int:
 
 
 # -- the sub-messages not kept: read through with the same checks, then dropped ------------------
+# Each one's fields by tag, as what each holds (the kinds are numbered as in _otlp_wire.c).
+_AS_TEXT, _AS_BYTES, _AS_KEY_VALUE, _AS_VARINT, _AS_FIXED64, _AS_FIXED32 = range(6)
+# InstrumentationScope: name, version, attributes, dropped_attributes_count.
+_SCOPE_FIELDS = {0x0A: _AS_TEXT, 0x12: _AS_TEXT, 0x1A: _AS_KEY_VALUE, 0x20: _AS_VARINT}
+# Span.Event: time_unix_nano, name, attributes, dropped_attributes_count.
+_EVENT_FIELDS = {0x09: _AS_FIXED64, 0x12: _AS_TEXT, 0x1A: _AS_KEY_VALUE, 0x20: _AS_VARINT}
+# Span.Link: trace_id, span_id (bytes of any length), trace_state, attributes, dropped_attributes_count, flags.
+_LINK_FIELDS = {0x0A: _AS_BYTES, 0x12: _AS_BYTES, 0x1A: _AS_TEXT, 0x22: _AS_KEY_VALUE, 0x28: _AS_VARINT,
+                0x35: _AS_FIXED32}
+
+
 def _scope(data: bytes, pos: int, stop: int) -> None:
-    while pos < stop:
-        tag, pos = _tag(data, pos)
-        if tag == 0x0A or tag == 0x12:  # name, version
-            start, pos = _length(data, pos, stop)
-            _text(data, start, pos)
-        elif tag == 0x1A:  # attributes
-            start, pos = _length(data, pos, stop)
-            _read_key_value(data, start, pos)
-        elif tag == 0x20:  # dropped_attributes_count
-            _, pos = _varint(data, pos)
-        else:
-            pos = _skip(data, pos, stop, tag, _KNOWN_SCOPE)
-    if pos > stop:
-        raise Unusual("field runs past its scope")
+    _read_through(data, pos, stop, _SCOPE_FIELDS, _KNOWN_SCOPE, "scope")
 
 
 def _span_event(data: bytes, pos: int, stop: int) -> None:
-    while pos < stop:
-        tag, pos = _tag(data, pos)
-        if tag == 0x09:  # time_unix_nano, fixed64
-            pos += 8
-        elif tag == 0x12:  # name
-            start, pos = _length(data, pos, stop)
-            _text(data, start, pos)
-        elif tag == 0x1A:  # attributes
-            start, pos = _length(data, pos, stop)
-            _read_key_value(data, start, pos)
-        elif tag == 0x20:  # dropped_attributes_count
-            _, pos = _varint(data, pos)
-        else:
-            pos = _skip(data, pos, stop, tag, _KNOWN_EVENT)
-    if pos > stop:
-        raise Unusual("field runs past its event")
+    _read_through(data, pos, stop, _EVENT_FIELDS, _KNOWN_EVENT, "event")
 
 
 def _span_link(data: bytes, pos: int, stop: int) -> None:
+    _read_through(data, pos, stop, _LINK_FIELDS, _KNOWN_LINK, "link")
+
+
+def _read_through(data: bytes, pos: int, stop: int, fields: dict[int, int], known: frozenset[int], what: str) -> None:
+    """A message read field by field as ``fields`` says and dropped; its other fields as _skip says."""
     while pos < stop:
         tag, pos = _tag(data, pos)
-        if tag == 0x0A or tag == 0x12:  # trace_id, span_id: bytes of any length
-            _, pos = _length(data, pos, stop)
-        elif tag == 0x1A:  # trace_state
-            start, pos = _length(data, pos, stop)
-            _text(data, start, pos)
-        elif tag == 0x22:  # attributes
-            start, pos = _length(data, pos, stop)
-            _read_key_value(data, start, pos)
-        elif tag == 0x28:  # dropped_attributes_count
+        kind = fields.get(tag)
+        if kind is None:
+            pos = _skip(data, pos, stop, tag, known)
+        elif kind == _AS_VARINT:
             _, pos = _varint(data, pos)
-        elif tag == 0x35:  # flags, fixed32
-            pos += 4
+        elif kind in (_AS_FIXED64, _AS_FIXED32):
+            pos += 8 if kind == _AS_FIXED64 else 4
         else:
-            pos = _skip(data, pos, stop, tag, _KNOWN_LINK)
+            start, pos = _length(data, pos, stop)
+            if kind == _AS_TEXT:
+                _text(data, start, pos)
+            elif kind == _AS_KEY_VALUE:
+                _read_key_value(data, start, pos)
     if pos > stop:
-        raise Unusual("field runs past its link")
+        raise Unusual(f"field runs past its {what}")
 
 
 def _read_key_value(data: bytes, pos: int, stop: int) -> None:
