@@ -4,7 +4,8 @@ the same base of standard modules the daemon loads anyway, side by side.
     .venv/bin/python bench/import_cost.py [--group NAME=mod1,mod2 ...] [--rounds 3]
 
 The default groups are the ones the daemon stopped importing (docs/footprint.md, forty-fourth
-pass) and the two modules that replaced them. Figures are medians of ``--rounds`` interpreters;
+and forty-sixth passes), the two modules that replaced the first ones, and the OTLP receivers as
+the daemon imports them now. Figures are medians of ``--rounds`` interpreters;
 resident pages of shared libraries count as the kernel counts them in RSS.
 """
 
@@ -25,6 +26,12 @@ GROUPS = {
     "prometheus_client": "prometheus_client",
     "all the above": "http.server, urllib.request, wsgiref.simple_server, prometheus_client, hmac",
     "auditor.http1 + promtext": "auditor.http1, auditor.promtext",
+    "protobuf + OTLP messages": "google.protobuf.json_format, google.rpc.status_pb2, "
+                                "opentelemetry.proto.collector.trace.v1.trace_service_pb2, "
+                                "opentelemetry.proto.collector.metrics.v1.metrics_service_pb2, "
+                                "opentelemetry.proto.collector.logs.v1.logs_service_pb2",
+    "the daemon": "auditor.daemon",
+    "the daemon + OTLP receivers": "auditor.daemon, collectors.otlp_http, collectors.otlp_grpc, collectors.spanwriter",
 }
 
 PROBE = r"""
