@@ -13,18 +13,20 @@ produce no events.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from auditor.model import ConnEvent, ConnEventKind
-from probes.sockdiag import SockDiag, TcpAccepts
+from probes.sockdiag import TCP_TIME_WAIT, DestroyNotices, Freed, SockDiag, TcpAccepts
 from probes.source import OwnEnd, validate_ports
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,12 @@ STOP_CHECK_S = 0.25  # the longest the poller sleeps without looking whether it 
 # A connection of the daemon's own that closed is still left out this long: its server end closes
 # after it, and its local port is not reused by another connection to the same port before.
 OWN_LINGER_S = 120.0
+# tcp_info's times are the kernel's jiffies, read in ms: a tick (4 ms at HZ=250; 10 at HZ=100) apart.
+JIFFY_NS = 10_000_000
+# Sockets seen to close whose free is still to come (a server holds a reset socket until it
+# closes it): their notice is not a connection unseen. Oldest forgotten first beyond this many.
+HELD_MAX = 4096
+WHOLE_SCANS_KEPT = 256  # (start, end) of the latest full snapshots: 13 s at 20 Hz
 
 SocketKey = tuple[int, str, int, str, int]  # family, server addr, server port, client addr, client port
 
@@ -50,6 +58,13 @@ SocketKey = tuple[int, str, int, str, int]  # family, server addr, server port, 
 class _Seen:
     state: int
     cookie: int | None  # the socket inode while it has one (TIME_WAIT entries show 0)
+    freed_as: int = 0  # the kernel's cookie of the socket (sock_diag's), named by its notice when freed
+
+
+def _left_after(notice: Freed) -> int:
+    """The earliest its client can have left: after its last data, which came ``last_data_recv``
+    before the notice was made, itself after the read before began."""
+    return notice.after_ns - notice.last_data_recv_ms * 1_000_000 - JIFFY_NS
 
 
 def _phase(state: int | None) -> str:
@@ -73,13 +88,23 @@ TRANSITIONS: dict[tuple[str, str], tuple[ConnEventKind, ...]] = {
     ("open", "peer_closed"): (P,),
     ("open", "local_closed"): (L,),
     ("open", "done"): (L,),
-    ("open", "gone"): (R,),  # reset, or FIN both ways within one interval: cannot tell
+    ("open", "gone"): (R,),  # a reset, or (with no notice of the free to tell) FIN both ways within one interval
+    ("open", "finished"): (P, C),  # gone with FINs both ways, the client's first (the free's notice tells)
     ("peer_closed", "done"): (C,),
     ("peer_closed", "gone"): (C,),
+    ("peer_closed", "finished"): (C,),
     ("new", "peer_closed"): (P,),
     ("new", "local_closed"): (L,),
     ("new", "done"): (L,),
+    ("new", "gone"): (R,),  # a connection freed between two polls (DestroyNotices): as open -> gone
+    ("new", "finished"): (P, C),
 }
+
+
+def _gone(notice: Freed | None) -> str:
+    """The phase of a socket gone from the listing, not in TIME_WAIT: ``finished`` where the notice
+    of its free says it ended with FINs both ways, else ``gone`` (a reset, where the notice says so)."""
+    return "finished" if notice is not None and notice.fin_acked else "gone"
 
 
 def _decode_address(family: int, text: str) -> str:
@@ -146,6 +171,10 @@ class ProcfsConnEventSource:
         self._read_errors = 0
         self._diag: SockDiag | None = None
         self._accepts: TcpAccepts | None = None
+        self._notices: DestroyNotices | None = None
+        self._whole_scans: deque[tuple[int, int]] = deque(maxlen=WHOLE_SCANS_KEPT)
+        self._held: dict[int, None] = {}  # kernel cookies, oldest first (see HELD_MAX)
+        self._early: dict[int, Freed] = {}  # notices of sockets the snapshot before them still listed
         self._accepts_at_dump: int | None = None  # read just before the last full dump
         self._dumped_ports: frozenset[int] = frozenset()
         # The daemon's own connections to watched ports, by (its address, its port, server port): left out.
@@ -160,6 +189,18 @@ class ProcfsConnEventSource:
                 if sock_diag:
                     raise
                 log.warning("netlink sock_diag unavailable (%s); parsing /proc/net/tcp instead", exc)
+            else:
+                try:
+                    self._notices = DestroyNotices()
+                    self._notices.set_ports(self._ports)
+                except OSError as exc:
+                    log.warning("the kernel's notices of freed sockets are unavailable (%s): a connection that "
+                                "opens and closes between two polls is not seen", exc)
+
+    @property
+    def notices(self) -> DestroyNotices | None:
+        """The kernel's notices of freed sockets, where it gives them (``DestroyNotices``)."""
+        return self._notices
 
     @property
     def reader(self) -> str:
@@ -178,6 +219,10 @@ class ProcfsConnEventSource:
         with self._lock:
             self._baseline_ports |= new_ports - self._ports
             self._ports = new_ports
+            notices = self._notices
+        if notices is not None:  # from now on, not from the next poll: a socket freed before it is no news
+            with contextlib.suppress(OSError):  # closed meanwhile: the poller reads /proc/net/tcp now
+                notices.set_ports(new_ports)
 
     def set_own_endpoints(self, endpoints: Iterable[OwnEnd]) -> None:
         """Leave out the server ends of this process's own connections (the daemon's scrapes of its
@@ -241,6 +286,7 @@ class ProcfsConnEventSource:
             if self._diag is not None:
                 self._diag.close()
                 self._diag = None
+            self._close_notices()
             if self._accepts is not None:
                 self._accepts.close()
 
@@ -280,8 +326,16 @@ class ProcfsConnEventSource:
         if own:
             if whole and self._own_closed:
                 self._forget_own_gone(current)
-            current = {key: seen for key, seen in current.items() if (key[3], key[4], key[2]) not in own}
+            others = {key: seen for key, seen in current.items() if (key[3], key[4], key[2]) not in own}
+            if self._notices is not None and len(others) < len(current):
+                for key in current.keys() - others.keys():  # their free is no connection unseen
+                    if current[key].freed_as:
+                        self._hold(current[key].freed_as)
+            current = others
         scan_ns = time.time_ns()
+        if whole and self._diag is not None:
+            self._whole_scans.append((scan_started_ns, scan_ns))
+        freed = self._take_notices(current)
         # The change happened after the previous snapshot began and before this one ended.
         earliest_ns = self._last_scan_ns if self._last_scan_ns is not None else scan_ns
         events: list[ConnEvent] = []
@@ -302,12 +356,90 @@ class ProcfsConnEventSource:
                 if _phase(after) == "open":
                     current[key] = before  # came back between the dump and the lookup
                     continue
-                events += self._events(key, (_phase(before.state), _phase(after)), before.cookie, earliest_ns, scan_ns)
+                first, last = earliest_ns, scan_ns
+                notice = freed.pop(before.freed_as, None) if before.freed_as else None
+                if notice is not None:
+                    first, last = max(first, _left_after(notice)), min(last, notice.by_ns)
+                elif before.freed_as:
+                    self._hold(before.freed_as)
+                phase = _phase(after) if after is not None else _gone(notice)
+                events += self._events(key, (_phase(before.state), phase), before.cookie, first, last)
+        if freed:
+            events += self._unseen(freed, own)
         self._seen = current
         self._last_scan_ns = scan_started_ns
         for event in events:
             self._queue.put(event)
         return events
+
+    # -- the kernel's notices of freed sockets ------------------------------------------------
+    def _take_notices(self, current: dict[SocketKey, _Seen]) -> dict[int, Freed]:
+        """The notices since the last scan (and those held back by it), by the socket's cookie, less
+        those of sockets that closed before and were held since (``_hold``). A notice of a socket
+        this snapshot still lists (freed just after it) is held back for the next scan's."""
+        if self._notices is None:
+            return {}
+        try:
+            taken = self._notices.take()
+        except OSError as exc:
+            log.warning("reading the kernel's notices of freed sockets failed (%s); polling alone from now "
+                        "on: a connection that opens and closes between two polls is not seen", exc)
+            self._close_notices()
+            return {}
+        freed, self._early = self._early, {}
+        for notice in taken:
+            if notice.cookie in self._held:  # a socket that closed before, freed now that its server let it go
+                del self._held[notice.cookie]
+                continue
+            freed[notice.cookie] = notice
+        if freed:
+            listed = {seen.freed_as for seen in current.values()}
+            for cookie in [cookie for cookie in freed if cookie in listed]:
+                self._early[cookie] = freed.pop(cookie)
+        return freed
+
+    def _hold(self, cookie: int) -> None:
+        """A socket whose free, when its notice comes, is not a connection unseen: one that left the
+        listing with no notice yet (its server still holds it), or one of the daemon's own."""
+        self._held.pop(cookie, None)  # the newest last: the oldest is forgotten first
+        self._held[cookie] = None
+        if len(self._held) > HELD_MAX:
+            del self._held[next(iter(self._held))]
+
+    def _unseen(self, freed: dict[int, Freed], own: frozenset[OwnEnd]) -> list[ConnEvent]:
+        """The connections freed that no snapshot listed: each opened and its client left between two.
+
+        Its client left after its last data (``_left_after``) and before the notice was read; and
+        before the end of the first full snapshot that began once that data had come, which would
+        have listed the connection still open (or its server end in CLOSE_WAIT) had the client not
+        left yet. A reset, or FINs both ways (the notice tells which), unless its server end is in
+        TIME_WAIT (the server closed first). A port's notices are kept
+        from when it is watched (``set_ports``), not from its first poll: a connection freed in
+        between is one too."""
+        events: list[ConnEvent] = []
+        for notice in freed.values():
+            key = notice.key
+            if (key[3], key[4], key[2]) in own:
+                continue
+            data_by_ns = notice.by_ns - notice.last_data_recv_ms * 1_000_000 + JIFFY_NS
+            last = min(notice.by_ns, self._listed_by(data_by_ns))
+            after = self._vanished(key, _Seen(1, None))
+            events += self._events(key, ("new", "done" if after == TCP_TIME_WAIT else _gone(notice)),
+                                   notice.inode or None, min(_left_after(notice), last), last)
+        return events
+
+    def _listed_by(self, since_ns: int) -> int:
+        """The end of the first full snapshot kept that began at or after ``since_ns``."""
+        for started_ns, ended_ns in self._whole_scans:
+            if started_ns >= since_ns:
+                return ended_ns
+        return 1 << 63
+
+    def _close_notices(self) -> None:
+        if self._notices is not None:
+            self._notices.close()
+            self._notices = None
+        self._held, self._early = {}, {}
 
     def _forget_own_gone(self, listed: dict[SocketKey, _Seen]) -> None:
         """Stop leaving out the closed own connections whose server end a whole snapshot no longer
@@ -348,11 +480,12 @@ class ProcfsConnEventSource:
         if self._diag is not None:
             try:
                 entries, whole = self._diag_entries(ports)
-                return {key: _Seen(state, inode or None) for key, state, inode in entries}, whole
+                return {key: _Seen(state, inode or None, cookie) for key, state, inode, cookie in entries}, whole
             except OSError as exc:
                 log.warning("sock_diag failed (%s); parsing /proc/net/tcp from now on", exc)
                 self._diag.close()
                 self._diag = None
+                self._close_notices()  # no snapshot names its sockets' cookies any more
         current: dict[SocketKey, _Seen] = {}
         whole = True
         for family, path in self._tables:

@@ -6,12 +6,18 @@ The socket tests run with both readers: netlink sock_diag and /proc/net/tcp pars
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
+import shutil
 import socket
 import struct
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +26,7 @@ from auditor.model import ConnEventKind
 from probes import open_source
 from probes.procfs import ProcfsConnEventSource, parse_proc_net_tcp
 
+REPO = Path(__file__).resolve().parents[1]
 PEER_FIN, PEER_RST, LOCAL_FIN, CLOSED = (ConnEventKind.PEER_FIN, ConnEventKind.PEER_RST,
                                          ConnEventKind.LOCAL_FIN, ConnEventKind.CLOSED)
 
@@ -233,7 +240,7 @@ def test_sock_diag_filters_by_port_in_the_kernel(one_walk: bool) -> None:
         # Many ports make a long filter program; the kernel must accept it and keep only these.
         ports = frozenset({port_of(watched), *range(20000, 20200)})
         found = list(diag.sockets(ports))
-        assert [(key[2], key[4], state) for key, state, _ in found] == \
+        assert [(key[2], key[4], state) for key, state, *_ in found] == \
             [(port_of(watched), port_of(clients[0]), 1)]
         assert found[0][2] > 0  # the socket inode, as /proc/net/tcp shows it
         assert diag._one_walk is one_walk
@@ -251,7 +258,7 @@ def test_sock_diag_dump_leaves_time_wait_to_a_lookup_of_the_one_socket(server: s
     key = (4, "127.0.0.1", port_of(server), "127.0.0.1", port_of(client))
     diag = SockDiag()
     try:
-        assert [(k, state) for k, state, _ in diag.sockets(frozenset({port_of(server)}))] == [(key, 1)]
+        assert [(k, state) for k, state, *_ in diag.sockets(frozenset({port_of(server)}))] == [(key, 1)]
         assert diag.state_of(key) == 1
         accepted.close()
         client.close()
@@ -488,3 +495,226 @@ def test_a_closed_own_connection_is_watched_again_once_its_server_end_is_gone(re
     assert end not in source._own_now()
     source.stop()
     server.close()
+
+
+# -- the kernel's notices of freed sockets: what no poll lists -------------------------------------
+def short_connection(server: socket.socket, how: str) -> tuple[int, int, int]:
+    """A connection that sends a request and leaves, its server closing at once (as an asyncio
+    server does on EOF or a reset): (client port, ns before the client left, ns after)."""
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    client.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    accepted.recv(100)
+    client_port = port_of(client)
+    if how == "server_first":
+        accepted.close()
+        client.recv(10)
+    before = time.time_ns()
+    if how == "rst":
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()
+    after = time.time_ns()
+    if how != "server_first":
+        with contextlib.suppress(OSError):
+            accepted.recv(10)
+        accepted.close()
+    return client_port, before, after
+
+
+@pytest.mark.parametrize("how, kinds", [("rst", [PEER_RST]), ("fin", [PEER_FIN, CLOSED]),
+                                        ("server_first", [LOCAL_FIN])])
+def test_a_connection_no_poll_listed_is_seen_by_its_notice(server: socket.socket, how: str,
+                                                           kinds: list[ConnEventKind]) -> None:
+    """Open, a request, gone, all between two polls: the kernel's notice of the freed socket makes
+    it events, whose interval holds the moment the client left. Its tcp_info tells a reset from
+    FINs both ways; TIME_WAIT on the server's end, that the server closed first."""
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=True)
+    assert source.notices is not None
+    source.scan()
+    time.sleep(0.02)
+    client_port, before, after = short_connection(server, how)
+    time.sleep(0.02)
+    events = [e for e in source.scan() if e.client_port == client_port]
+    assert [e.kind for e in events] == kinds
+    for event in events:
+        assert event.earliest_ns is not None and event.earliest_ns <= after and before <= event.ts_ns
+        assert event.ts_ns <= time.time_ns() and event.ts_ns - event.earliest_ns < 200_000_000
+        assert (event.server_port, event.client_addr, event.source) == (port_of(server), "127.0.0.1", "procfs")
+    assert source.scan() == []  # once
+    source.stop()
+
+
+def test_fins_both_ways_between_two_polls_are_not_a_reset(server: socket.socket, reader: str) -> None:
+    """A poll saw it open; the client's FIN and the server's close both come before the next. Gone
+    from the listing, it reads as a reset from /proc/net/tcp; with sock_diag, the notice of its
+    free says it ended with FINs both ways, the client's first."""
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=reader == "sock_diag")
+    source.scan()
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    client_port = port_of(client)
+    source.scan()
+    client.close()
+    assert accepted.recv(10) == b""
+    accepted.close()
+    time.sleep(0.02)
+    want = [PEER_FIN, CLOSED] if reader == "sock_diag" else [PEER_RST]
+    assert kinds_for(source.scan(), client_port) == want
+    source.stop()
+
+
+def test_a_socket_the_server_holds_after_the_client_left_is_reported_once(server: socket.socket) -> None:
+    """A poll saw it open, then gone (the client's reset); the server frees it only later, when it
+    closes its end: that notice is no connection unseen."""
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=True)
+    source.scan()
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    client_port = port_of(client)
+    source.scan()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()
+    assert kinds_for(source.scan(), client_port) == [PEER_RST]
+    accepted.close()
+    time.sleep(0.02)
+    assert source.scan() == [] and source._held == {}  # its notice came, and was known
+    source.stop()
+
+
+def test_a_socket_freed_just_after_the_snapshot_that_listed_it(server: socket.socket,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Listed by the snapshot, freed before the notices are read: the notice waits for the next
+    scan, which sees the socket gone and narrows its interval with the notice; no second event."""
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=True)
+    source.scan()
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    client.sendall(b"x")
+    accepted.recv(1)
+    client_port = port_of(client)
+    source.scan()
+    stale = source._snapshot(frozenset({port_of(server)}))  # still lists it open
+    before = time.time_ns()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()
+    accepted.close()
+    time.sleep(0.02)
+    with monkeypatch.context() as patch:
+        patch.setattr(source, "_snapshot", lambda ports: stale)
+        assert source.scan() == []
+    assert len(source._early) == 1
+    second = time.time_ns()
+    events = [e for e in source.scan() if e.client_port == client_port]
+    assert [e.kind for e in events] == [PEER_RST] and source._early == {}
+    # It ends when the notice was read, before this scan began (the stale one read it).
+    assert before <= events[0].ts_ns <= second
+    assert source.scan() == []
+    source.stop()
+
+
+def test_notices_of_other_ports_are_not_queued() -> None:
+    """The kernel keeps only the watched ports' notices (a classic BPF filter on the local port),
+    or every one where there are too many ports for one program: then they are sorted here."""
+    from probes.sockdiag import DestroyNotices
+
+    watched, other = listener(), listener()
+    for ports in (frozenset({port_of(watched)}), frozenset({port_of(watched), *range(20000, 20300)})):
+        notices = DestroyNotices()
+        notices.set_ports(ports)
+        ends = [short_connection(sock, "rst")[0] for sock in (other, watched)]
+        time.sleep(0.02)
+        received: list[bytes] = []
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                received.append(notices._sock.recv(1 << 16))
+        kept = notices._read(b"".join(received), ports)
+        assert [key[4] for key, *_ in kept] == [ends[1]]
+        if len(ports) == 1:
+            assert len(received) == 1  # the other port's never reached the socket
+        else:
+            assert len(received) >= 2
+        notices.close()
+    watched.close()
+    other.close()
+
+
+def test_notices_that_cannot_be_read_are_counted_and_skipped() -> None:
+    from probes.sockdiag import MSG_BYTES, DestroyNotices
+
+    notices = DestroyNotices()
+    ports = frozenset({8000})
+    header = struct.Struct("=IHHII")
+    message = bytearray(MSG_BYTES)
+    message[0], message[1] = socket.AF_INET, 7
+    struct.pack_into(">HH", message, 4, 8000, 40000)
+    whole = header.pack(header.size + MSG_BYTES, 20, 0, 0, 0) + bytes(message)  # no tcp_info
+    for garbage in (b"", b"\x01", header.pack(3, 20, 0, 0, 0), header.pack(header.size + 4, 20, 0, 0, 0) + b"abcd",
+                    header.pack(header.size + MSG_BYTES, 99, 0, 0, 0) + bytes(message), whole,
+                    whole[:40], header.pack(10_000, 20, 0, 0, 0) + bytes(message)):
+        assert notices._read(garbage, ports) == []
+    assert notices.unreadable == 6
+    notices.close()
+
+
+def test_a_connection_between_polls_is_seen_as_an_unprivileged_user(server: socket.socket) -> None:
+    """The notices need no privilege: a source run as uid 65534 sees a connection that lived
+    between two of its scans."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root (to become uid 65534) and setpriv")
+    script = ("import json, sys\n"
+              "from probes.procfs import ProcfsConnEventSource\n"
+              f"source = ProcfsConnEventSource([{port_of(server)}], sock_diag=True)\n"
+              "assert source.notices is not None\n"
+              "source.scan(); print('ready', flush=True); sys.stdin.readline()\n"
+              "print(json.dumps([[e.kind.value, e.client_port] for e in source.scan()]), flush=True)\n")
+    child = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
+                              sys.executable, "-c", script], cwd="/", env={**os.environ, "PYTHONPATH": str(REPO)},
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        client_port, _, _ = short_connection(server, "rst")
+        time.sleep(0.02)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert json.loads(child.stdout.readline()) == [["peer_rst", client_port]]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_connections_shorter_than_a_poll_are_each_seen_once_with_their_close(server: socket.socket) -> None:
+    """The 20 Hz poller and connections of 0-40 ms (a client that sends and leaves at once, as a
+    load generator's cancellation delay 0 does): every one is reported once, and its interval
+    holds the moment its client left."""
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=True, poll_hz=20)
+    source.start()
+    closes: dict[int, tuple[int, int]] = {}
+    try:
+        for index in range(40):
+            client = socket.create_connection(server.getsockname())
+            accepted, _ = server.accept()
+            client.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            accepted.recv(100)
+            time.sleep((index % 5) * 0.01)
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            before = time.time_ns()
+            client_port = port_of(client)
+            client.close()
+            closes[client_port] = (before, time.time_ns())
+            with contextlib.suppress(OSError):
+                accepted.recv(10)
+            accepted.close()
+        events: list = []
+        deadline = time.monotonic() + 5
+        while {e.client_port for e in events} < closes.keys() and time.monotonic() < deadline:
+            events += source.poll(timeout_s=0.05)
+        events += source.poll(timeout_s=0.2)
+    finally:
+        source.stop()
+    mine = [e for e in events if e.client_port in closes]
+    assert sorted(e.client_port for e in mine) == sorted(closes)  # each once
+    for event in mine:
+        before, after = closes[event.client_port]
+        assert event.kind == PEER_RST
+        assert event.earliest_ns is not None and event.earliest_ns <= after and before <= event.ts_ns, event

@@ -137,6 +137,8 @@ class Correlator:
         # waits for the window is looked at up to 8 s after it; scrapes around it still need them).
         self.memory_ns = min(HORIZON_NS, max(MIN_MEMORY_NS, self.late_ns + MEMORY_MARGIN_NS))
         self.watched_ports = watched_ports or (lambda: set())
+        # Whether the disconnect source's polled resets are surely resets (``_join_peerless``).
+        self.polled_resets_exact: Callable[[], bool] = lambda: False
         self.on_settled = on_settled or (lambda verdict: None)
         self.clock = clock
         self.stats = CorrelatorStats()
@@ -601,22 +603,25 @@ class Correlator:
     def _join_peerless(self) -> None:
         """A server span without a peer address (its client reset before the server read the
         request, so the server never learnt who sent it) joins the unjoined reset on its server port
-        just before its start, of a connection that carried no other span. Counted: it is inferred.
+        nearest before its start, of a connection that carried no other span. Counted: it is inferred.
 
         Only a reset: after a FIN the socket is still there and the server learns its peer, so a
-        FIN belongs to a span that names it, and may simply not have arrived yet. And only a reset
-        seen when it happened: the /proc source's "reset" may be a FIN and the server's close
-        within one poll, of a connection it saw open for longer (whose own span is still to come),
-        and its interval of a poll can hold any peerless span's start. A client that sends and
-        resets at once is gone before a poll sees it anyway."""
+        FIN belongs to a span that names it, and may simply not have arrived yet. A polled reset
+        (an interval) only where the source says its resets are resets (``polled_resets_exact``: the
+        /proc source with the kernel's notices of freed sockets, which tell a reset from FINs both
+        ways, and see the connections no poll listed). Without them its "reset" may be a FIN and the
+        server's close within one poll, of a connection it saw open for longer (whose own span is
+        still to come), and the client that resets at once is not seen at all."""
+        polled = self.polled_resets_exact()
         for span in self.spans.peerless():
             candidates = [d for d in self._pending
-                          if d.kind == "rst" and d.earliest_ns is None and d.tuple4[2] == span.server_port
-                          and span.start_ns - PEERLESS_BEFORE_NS <= d.ts_ns <= span.start_ns
-                          and not self._may_have_carried_a_span(d)]
+                          if d.kind == "rst" and (polled or d.earliest_ns is None) and d.tuple4[2] == span.server_port
+                          and span.start_ns - PEERLESS_BEFORE_NS <= d.ts_ns
+                          and _first_instant(d) <= span.start_ns and not self._may_have_carried_a_span(d)]
             if not candidates:
                 continue
-            disconnect = max(candidates, key=lambda d: d.ts_ns)
+            # The nearest: an exact reset's instant, a polled one's middle.
+            disconnect = min(candidates, key=lambda d: abs((_first_instant(d) + d.ts_ns) // 2 - span.start_ns))
             self.spans.claim_peerless(span)
             self._pending.remove(disconnect)
             self._count(CoverageKind.PEERLESS_SPAN_JOINED, f"peerless:{span.trace_id}:{span.span_id}", span.start_ns)
@@ -981,6 +986,11 @@ def _settled_request_ids(engine_request_id: str) -> tuple[str, ...]:
 
 def _left_at(request: OpenRequest) -> int:
     return request.origin().ts_ns
+
+
+def _first_instant(disconnect: Disconnect) -> int:
+    """The earliest moment the close may have happened: its instant, or its interval's start."""
+    return disconnect.ts_ns if disconnect.earliest_ns is None else min(disconnect.earliest_ns, disconnect.ts_ns)
 
 
 def _lean(span: SpanRecord) -> SpanRecord:
