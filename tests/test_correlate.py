@@ -932,8 +932,9 @@ def test_a_peerless_span_never_takes_a_reset_of_a_connection_that_carried_a_span
 
 
 def test_a_polled_reset_is_never_taken_by_a_peerless_span(store: Store) -> None:
-    """The /proc source saw a connection open for a while, then gone within one poll: a reset, or
-    the client's FIN and the server's close (an aborting engine) within one 50 ms interval. A
+    """The /proc source without the kernel's notices saw a connection open for a while, then gone
+    within one poll: a reset, or the client's FIN and the server's close (an aborting engine) within
+    one 50 ms interval. A
     peerless span started inside that interval; the connection's own span, which names it,
     arrives later. Taken by the peerless span, the close was lost to its request (seen in CI)."""
     clock = Clock()
@@ -954,6 +955,37 @@ def test_a_polled_reset_is_never_taken_by_a_peerless_span(store: Store) -> None:
     assert "q" in by_trace and by_trace["q"].client_port == other[1], by_trace
     assert "p" not in by_trace
     assert coverage(store, "peerless_span_joined") == 0
+
+
+def polled(at: float, earliest: float, kind: ConnEventKind, client: tuple[str, int]) -> ConnEvent:
+    return close(at, kind, client)._replace(source="procfs", earliest_ns=T0 + int(earliest * S))
+
+
+def test_a_polled_reset_joins_a_peerless_span_where_the_source_says_resets_are_resets(store: Store) -> None:
+    """The /proc source with the kernel's notices of freed sockets: a connection that no poll
+    listed is an interval, and its reset is a reset (FINs both ways read as a FIN and a close).
+    The same story as above: the peerless span takes its own client's reset, nearest its start of
+    the two resets around it, and the FIN of the connection whose span comes late is left to it."""
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.polled_resets_exact = lambda: True
+    mine, later, other = ("127.0.0.1", 40003), ("127.0.0.1", 40004), ("127.0.0.1", 40002)
+    store.insert_conn_events([
+        polled(0.99, 0.93, ConnEventKind.PEER_RST, mine),
+        polled(1.02, 0.97, ConnEventKind.PEER_FIN, other), polled(1.02, 0.97, ConnEventKind.CLOSED, other),
+        polled(1.06, 0.97, ConnEventKind.PEER_RST, later),  # the next peerless one's, its span not come yet
+    ])
+    peerless = replace(http_span("p", 0.98, 0.99, request_id="req-p"), peer_addr=None, peer_port=None)
+    store.insert_spans([peerless, engine_span("p", 0.98, 1.5, "abort", tokens=0)])
+    clock.now = T0 + int(1.5 * S)
+    correlator.tick()
+    store.insert_spans([http_span("q", 0.2, 1.0, client=other)])  # the FIN's own span, late
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    by_trace = {row.trace_id[0]: row for row in verdicts(store)}
+    assert by_trace["p"].client_port == mine[1] and by_trace["p"].disconnect_kind == "rst", by_trace
+    assert by_trace["q"].client_port == other[1] and by_trace["q"].disconnect_kind == "fin"
+    assert coverage(store, "peerless_span_joined") == 1
 
 
 def test_a_daemon_judges_only_its_own_hosts_requests(store: Store) -> None:
