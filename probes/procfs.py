@@ -423,17 +423,21 @@ class ProcfsConnEventSource:
                 continue
             data_by_ns = notice.by_ns - notice.last_data_recv_ms * 1_000_000 + JIFFY_NS
             last = min(notice.by_ns, self._listed_by(data_by_ns))
-            after = self._vanished(key, _Seen(1, None))
-            events += self._events(key, ("new", "done" if after == TCP_TIME_WAIT else _gone(notice)),
+            # Only FINs both ways leave a TIME_WAIT to ask about (a lookup): which side was first.
+            server_first = notice.fin_acked is not False and self._vanished(key, _Seen(1, None)) == TCP_TIME_WAIT
+            events += self._events(key, ("new", "done" if server_first else _gone(notice)),
                                    notice.inode or None, min(_left_after(notice), last), last)
         return events
 
     def _listed_by(self, since_ns: int) -> int:
-        """The end of the first full snapshot kept that began at or after ``since_ns``."""
-        for started_ns, ended_ns in self._whole_scans:
-            if started_ns >= since_ns:
-                return ended_ns
-        return 1 << 63
+        """The end of the first full snapshot kept that began at or after ``since_ns`` (from the
+        newest back: ``since_ns`` is most often within the last few)."""
+        found = 1 << 63
+        for started_ns, ended_ns in reversed(self._whole_scans):
+            if started_ns < since_ns:
+                break
+            found = ended_ns
+        return found
 
     def _close_notices(self) -> None:
         if self._notices is not None:
