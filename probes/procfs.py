@@ -175,6 +175,7 @@ class ProcfsConnEventSource:
         self._whole_scans: deque[tuple[int, int]] = deque(maxlen=WHOLE_SCANS_KEPT)
         self._held: dict[int, None] = {}  # kernel cookies, oldest first (see HELD_MAX)
         self._early: dict[int, Freed] = {}  # notices of sockets the snapshot before them still listed
+        self._overflows = 0  # those of notices closed since (``lost_events``)
         self._accepts_at_dump: int | None = None  # read just before the last full dump
         self._dumped_ports: frozenset[int] = frozenset()
         # The daemon's own connections to watched ports, by (its address, its port, server port): left out.
@@ -275,8 +276,11 @@ class ProcfsConnEventSource:
         return {}
 
     def lost_events(self) -> int:
-        # Nothing is dropped once seen; what happens between polls is invisible, not countable.
-        return 0
+        """Times the kernel dropped notices of freed sockets (their buffer was full between two
+        polls): at least one connection each may have gone unseen. Nothing else is dropped once
+        seen; what happens between polls without the notices is invisible, not countable."""
+        notices = self._notices
+        return self._overflows + (notices.overflows if notices is not None else 0)
 
     def stop(self) -> None:
         self._stop.set()
@@ -441,6 +445,7 @@ class ProcfsConnEventSource:
 
     def _close_notices(self) -> None:
         if self._notices is not None:
+            self._overflows += self._notices.overflows
             self._notices.close()
             self._notices = None
         self._held, self._early = {}, {}

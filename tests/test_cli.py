@@ -104,7 +104,8 @@ def test_doctor_measures_what_the_proc_fallback_would_cost_here() -> None:
     check = check_fallback(poll_hz=10.0, walks=20)
     assert check.state == "ok", check
     found = re.search(r"costs (\d+) us of CPU here \((\d+) TCP sockets in use, (\d+) in TIME_WAIT\): "
-                      r"([\d.]+)% of a core at the /proc fallback's 10 polls a second", check.detail)
+                      r"([\d.]+)% of a core at the /proc fallback's 10 polls a second while connections arrive; "
+                      r"the kernel's notices of freed sockets come", check.detail)
     assert found, check.detail
     walk_us, share = int(found[1]), float(found[4])
     assert walk_us > 0
@@ -122,6 +123,19 @@ def test_doctor_says_when_sock_diag_is_refused(monkeypatch: pytest.MonkeyPatch) 
     check = check_fallback(poll_hz=20.0)
     assert check.state == "degraded" and "sock_diag refused" in check.detail and "/proc/net/tcp" in check.detail
     assert "NETLINK_SOCK_DIAG" in check.fix
+
+
+def test_doctor_says_when_the_kernels_notices_of_freed_sockets_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import probes.sockdiag
+    from auditor.cli.doctor import check_fallback
+
+    def refused() -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(probes.sockdiag, "DestroyNotices", refused)
+    check = check_fallback(poll_hz=20.0, walks=5)
+    assert check.state == "degraded" and "notices of freed sockets are refused" in check.detail
+    assert "between two polls" in check.detail and "4.9" in check.fix
 
 
 @pytest.mark.parametrize("text", ["", "TCP: inuse x tw 3\n", "TCP: inuse 1 tw\n", "UDP: inuse 4\n"])

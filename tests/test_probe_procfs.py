@@ -718,3 +718,22 @@ def test_connections_shorter_than_a_poll_are_each_seen_once_with_their_close(ser
         before, after = closes[event.client_port]
         assert event.kind == PEER_RST
         assert event.earliest_ns is not None and event.earliest_ns <= after and before <= event.ts_ns, event
+
+
+def test_notices_dropped_by_a_full_buffer_are_counted_as_lost(server: socket.socket) -> None:
+    """More frees between two polls than the buffer holds: the kernel drops the rest and says so
+    (ENOBUFS); the poll counts it, keeps what came, and the next poll reads on."""
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=True)
+    assert source.notices is not None
+    source.notices._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)  # the kernel's least: a few
+    source.scan()
+    ends = [short_connection(server, "rst")[0] for _ in range(40)]
+    time.sleep(0.02)
+    first = [e.client_port for e in source.scan()]
+    assert source.lost_events() >= 1
+    assert 0 < len(first) < len(ends) and set(first) <= set(ends)
+    last, _, _ = short_connection(server, "rst")
+    time.sleep(0.02)
+    assert [e.client_port for e in source.scan()] == [last]
+    source.stop()
+    assert source.lost_events() >= 1  # still told once the notices are closed

@@ -124,8 +124,10 @@ def check_fallback(poll_hz: float, walks: int = 100) -> Check:
     """What the unprivileged /proc fallback would cost on this host, measured: every poll that
     follows a newly accepted connection has the kernel walk its whole TCP established table
     (sock_diag), and that walk grows with the host's memory (the table's size) and with the
-    sockets in it, TIME_WAIT included (docs/footprint.md)."""
-    from probes.sockdiag import tcp_socket_counts, walk_cpu_us
+    sockets in it, TIME_WAIT included (docs/footprint.md). And whether the kernel gives its notices
+    of freed sockets, without which the fallback misses a connection that opens and closes between
+    two polls (docs/probe.md)."""
+    from probes.sockdiag import DestroyNotices, tcp_socket_counts, walk_cpu_us
 
     try:
         walk_us = walk_cpu_us(walks)
@@ -136,9 +138,18 @@ def check_fallback(poll_hz: float, walks: int = 100) -> Check:
     counts = tcp_socket_counts()
     sockets = (f"{counts['inuse']} TCP sockets in use, {counts['tw']} in TIME_WAIT" if {"inuse", "tw"} <= counts.keys()
                else "socket counts unreadable")
-    return Check("fallback", OK, f"a walk of the kernel's TCP table costs {walk_us:.0f} us of CPU here ({sockets}): "
-                 f"{walk_us * poll_hz / 1e4:.2f}% of a core at the /proc fallback's {poll_hz:g} polls a second "
-                 "while connections arrive")
+    cost = (f"a walk of the kernel's TCP table costs {walk_us:.0f} us of CPU here ({sockets}): "
+            f"{walk_us * poll_hz / 1e4:.2f}% of a core at the /proc fallback's {poll_hz:g} polls a second "
+            "while connections arrive")
+    try:
+        DestroyNotices().close()
+    except OSError as exc:
+        return Check("fallback", DEGRADED, f"{cost}; the kernel's notices of freed sockets are refused ({exc}): the "
+                     "fallback would miss a connection that opens and closes between two polls, and read a FIN "
+                     "and the server's close within one as a reset",
+                     "Linux 4.9 or later gives them; a sandbox must allow joining sock_diag's netlink groups")
+    return Check("fallback", OK, f"{cost}; the kernel's notices of freed sockets come (no connection shorter "
+                 "than a poll is missed)")
 
 
 def check_nvml(ports: Iterable[int] = ()) -> Check:
@@ -410,7 +421,7 @@ def can_run(checks: list[Check]) -> bool:
 def disconnect_source(checks: list[Check]) -> str:
     by_name = {c.name: c.state for c in checks}
     bpf_ready = all(by_name.get(n) == OK for n in ("privileges", "bpf_syscall", "bcc"))
-    return "bpf" if bpf_ready else "procfs (fallback: poll-interval timing, FIN and RST not told apart)"
+    return "bpf" if bpf_ready else "procfs (fallback: poll-interval timing)"
 
 
 @click.command("doctor")
