@@ -4,11 +4,14 @@ No root, no bcc, no headers: only what the kernel lists for this network namespa
 netlink sock_diag (``probes.sockdiag``: the kernel filters by port) or, where netlink is refused,
 parsed from /proc/net/tcp and /proc/net/tcp6. What it cannot know, it says (docs/probe.md): an
 event is an interval, not an instant: the socket was last seen unchanged at ``earliest_ns`` and
-first seen changed at ``ts_ns``, and joins and verdicts use both; a connection that vanishes from
-ESTABLISHED between two polls was either reset or closed by both sides within one interval, and is
-reported as ``peer_rst``; a connection that opens and closes within one interval
-is never seen. Sockets present when a port starts being watched are taken as the baseline and
-produce no events.
+first seen changed at ``ts_ns``, and joins and verdicts use both.
+
+With sock_diag it also reads the kernel's notices of the sockets it frees (``DestroyNotices``):
+a connection that opens and closes between two polls is seen through its notice, and one that
+vanishes from ESTABLISHED between two polls is told reset (``peer_rst``) from FINs both ways
+(``peer_fin``, ``closed``). Without them the first is never seen and the second is reported as
+``peer_rst`` either way. Sockets present when a port starts being watched are taken as the
+baseline and produce no events.
 """
 
 from __future__ import annotations
@@ -417,9 +420,8 @@ class ProcfsConnEventSource:
         before the end of the first full snapshot that began once that data had come, which would
         have listed the connection still open (or its server end in CLOSE_WAIT) had the client not
         left yet. A reset, or FINs both ways (the notice tells which), unless its server end is in
-        TIME_WAIT (the server closed first). A port's notices are kept
-        from when it is watched (``set_ports``), not from its first poll: a connection freed in
-        between is one too."""
+        TIME_WAIT (the server closed first). A port's notices are kept from when it is watched
+        (``set_ports``), not from its first poll: a connection freed in between is one too."""
         events: list[ConnEvent] = []
         for notice in freed.values():
             key = notice.key
