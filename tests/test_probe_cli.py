@@ -147,7 +147,7 @@ def server() -> Iterator[socket.socket]:
 
 
 def one_connection(server: socket.socket, hold_s: float = 0.01) -> int:
-    """Client closes first; the server follows ``hold_s`` later (the poller needs 2 intervals)."""
+    """Client closes first; the server follows ``hold_s`` later."""
     client = socket.create_connection(server.getsockname())
     accepted, _ = server.accept()
     client_port = int(client.getsockname()[1])
@@ -163,7 +163,7 @@ def run_stream(server: socket.socket, source: str, sig: int) -> None:
     child = Probe("--port", str(port), "--json", "--source", source)
     try:
         child.wait_stderr(f"with {source}")
-        client_port = one_connection(server, hold_s=0.15 if source == "procfs" else 0.01)
+        client_port = one_connection(server, hold_s=0.01)  # shorter than a poll: procfs sees it by its notice
         records = child.read_json_until(
             lambda rs: any(r["kind"] == "closed" and r["client_port"] == client_port for r in rs))
     finally:
@@ -174,7 +174,7 @@ def run_stream(server: socket.socket, source: str, sig: int) -> None:
         jsonschema.validate(record, EVENT_LINE_SCHEMA)
     assert mine[0]["server_port"] == port and mine[0]["family"] == 4
     assert code == 0, stderr
-    assert ("0 lost" if source == "bpf" else "losses not countable") in stderr
+    assert "0 lost" in stderr  # the ring buffer's, or the notices of freed sockets the kernel dropped
     if source == "bpf" and bpfsys.stats_enabled() is False:
         assert "in the kernel" not in stderr  # not counted, so not told
     assert "Traceback" not in stderr

@@ -121,9 +121,9 @@ def probe(config: Config, ports: tuple[int, ...], as_json: bool, dump_bpf: bool,
         finally:
             kernel = kernel_time_text(src)
             src.stop()
-    if src.name == "procfs":
+    if src.name == "procfs" and getattr(src, "notices", None) is None:
         lost_text = "losses not countable: /proc polling misses what happens between polls"
-    else:
+    else:  # the probe's ring buffer, or the kernel's notices of freed sockets (times dropped)
         lost_text = f"{src.lost_events()} lost"
     click.echo(f"stopped: {shown} events shown, {lost_text} ({src.name}){kernel}", err=True)
 
