@@ -53,6 +53,10 @@ JIFFY_NS = 10_000_000
 # closes it): their notice is not a connection unseen. Oldest forgotten first beyond this many.
 HELD_MAX = 4096
 WHOLE_SCANS_KEPT = 256  # (start, end) of the latest full snapshots: 13 s at 20 Hz
+# A quiet port (nothing listed, nothing accepted since the last dump) can only free the daemon's own
+# scrape connections' server ends, or sockets held since they closed: their notices are read this
+# often, not every poll (a read that finds none is most of an idle poll's added cost).
+QUIET_NOTICES_EVERY_S = 1.0
 
 SocketKey = tuple[int, str, int, str, int]  # family, server addr, server port, client addr, client port
 
@@ -179,6 +183,7 @@ class ProcfsConnEventSource:
         self._held: dict[int, None] = {}  # kernel cookies, oldest first (see HELD_MAX)
         self._early: dict[int, Freed] = {}  # notices of sockets the snapshot before them still listed
         self._overflows = 0  # those of notices closed since (``lost_events``)
+        self._notices_read_at = 0.0  # monotonic
         self._accepts_at_dump: int | None = None  # read just before the last full dump
         self._dumped_ports: frozenset[int] = frozenset()
         # The daemon's own connections to watched ports, by (its address, its port, server port): left out.
@@ -342,7 +347,7 @@ class ProcfsConnEventSource:
         scan_ns = time.time_ns()
         if whole and self._diag is not None:
             self._whole_scans.append((scan_started_ns, scan_ns))
-        freed = self._take_notices(current)
+        freed = self._take_notices(current, quiet=not whole and not current and not self._seen)
         # The change happened after the previous snapshot began and before this one ended.
         earliest_ns = self._last_scan_ns if self._last_scan_ns is not None else scan_ns
         events: list[ConnEvent] = []
@@ -380,12 +385,17 @@ class ProcfsConnEventSource:
         return events
 
     # -- the kernel's notices of freed sockets ------------------------------------------------
-    def _take_notices(self, current: dict[SocketKey, _Seen]) -> dict[int, Freed]:
+    def _take_notices(self, current: dict[SocketKey, _Seen], quiet: bool) -> dict[int, Freed]:
         """The notices since the last scan (and those held back by it), by the socket's cookie, less
         those of sockets that closed before and were held since (``_hold``). A notice of a socket
-        this snapshot still lists (freed just after it) is held back for the next scan's."""
+        this snapshot still lists (freed just after it) is held back for the next scan's. A
+        ``quiet`` scan reads them at most every QUIET_NOTICES_EVERY_S."""
         if self._notices is None:
             return {}
+        now = time.monotonic()
+        if quiet and not self._early and now < self._notices_read_at + QUIET_NOTICES_EVERY_S:
+            return {}
+        self._notices_read_at = now
         try:
             taken = self._notices.take()
         except OSError as exc:

@@ -563,9 +563,14 @@ def test_fins_both_ways_between_two_polls_are_not_a_reset(server: socket.socket,
     source.stop()
 
 
-def test_a_socket_the_server_holds_after_the_client_left_is_reported_once(server: socket.socket) -> None:
+def test_a_socket_the_server_holds_after_the_client_left_is_reported_once(server: socket.socket,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A poll saw it open, then gone (the client's reset); the server frees it only later, when it
-    closes its end: that notice is no connection unseen."""
+    closes its end: that notice is no connection unseen. The port is quiet by then (nothing listed,
+    nothing accepted), so its notices are read only every QUIET_NOTICES_EVERY_S."""
+    import probes.procfs
+
+    monkeypatch.setattr(probes.procfs, "QUIET_NOTICES_EVERY_S", 0.05)
     source = ProcfsConnEventSource([port_of(server)], sock_diag=True)
     source.scan()
     client = socket.create_connection(server.getsockname())
@@ -576,7 +581,7 @@ def test_a_socket_the_server_holds_after_the_client_left_is_reported_once(server
     client.close()
     assert kinds_for(source.scan(), client_port) == [PEER_RST]
     accepted.close()
-    time.sleep(0.02)
+    time.sleep(0.06)
     assert source.scan() == [] and source._held == {}  # its notice came, and was known
     source.stop()
 
@@ -737,3 +742,23 @@ def test_notices_dropped_by_a_full_buffer_are_counted_as_lost(server: socket.soc
     assert [e.client_port for e in source.scan()] == [last]
     source.stop()
     assert source.lost_events() >= 1  # still told once the notices are closed
+
+
+def test_a_quiet_port_reads_the_notices_once_a_second_not_every_poll(server: socket.socket) -> None:
+    """Nothing listed and nothing accepted: only the daemon's own or held sockets can be freed
+    there, so a poll does not ask; a connection accepted makes the next poll a dump, which does."""
+    source, opens, dumps, _ = counting_source(port_of(server))
+    assert source.notices is not None
+    reads: list[float] = []
+    take = source.notices.take
+    source.notices.take = lambda: reads.append(time.monotonic()) or take()  # type: ignore[method-assign]
+    source.scan()  # the baseline: a dump, and a read
+    for _ in range(10):
+        assert source.scan() == []
+    assert len(reads) == 1 and len(dumps) == 1
+    opens.value += 1
+    client_port, _, _ = short_connection(server, "rst")
+    time.sleep(0.02)
+    assert kinds_for(source.scan(), client_port) == [PEER_RST]
+    assert len(reads) == 2 and len(dumps) == 2
+    source.stop()
