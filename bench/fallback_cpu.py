@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +28,18 @@ if not os.environ.get("PYTHONPATH"):
 from probes.procfs import ProcfsConnEventSource
 
 
-def serve(listener: socket.socket, stop: threading.Event) -> None:
+def serve(listener: socket.socket, stop: threading.Event,
+          handle: Callable[[socket.socket], None] | None = None) -> None:
+    """Accept until ``stop``: each connection to ``handle`` in a thread of its own, or without one
+    answered in turn (its first read, then "ok") and closed."""
     listener.settimeout(0.2)
     while not stop.is_set():
         try:
             conn, _ = listener.accept()
         except TimeoutError:
+            continue
+        if handle is not None:
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
             continue
         with conn:
             conn.recv(64)

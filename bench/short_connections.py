@@ -28,6 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fallback_cpu import serve  # the polled sources' bench's listener
+
 from auditor.model import ConnEvent, ConnEventKind
 from probes.procfs import ProcfsConnEventSource
 
@@ -35,21 +37,12 @@ LIFETIMES_MS = (0, 5, 10, 20, 40, 80, 200)
 DEPARTURES = {ConnEventKind.PEER_FIN: "fin", ConnEventKind.PEER_RST: "rst"}
 
 
-def serve(listener: socket.socket, stop: threading.Event) -> None:
-    """Each connection: read the request, then wait for the client to leave and close at once."""
-    def handle(conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError):
-            conn.recv(1024)
-            while conn.recv(1024):
-                pass
-
-    listener.settimeout(0.2)
-    while not stop.is_set():
-        try:
-            conn, _ = listener.accept()
-        except TimeoutError:
-            continue
-        threading.Thread(target=handle, args=(conn,), daemon=True).start()
+def handle(conn: socket.socket) -> None:
+    """Read the request, then wait for the client to leave and close at once."""
+    with conn, contextlib.suppress(OSError):
+        conn.recv(1024)
+        while conn.recv(1024):
+            pass
 
 
 def client(port: int, lifetime_ms: int, kind: str) -> tuple[int, int, int, int]:
@@ -91,7 +84,7 @@ def main() -> None:
     listener = socket.create_server(("127.0.0.1", 0), backlog=256)
     port = listener.getsockname()[1]
     stop = threading.Event()
-    threading.Thread(target=serve, args=(listener, stop), daemon=True).start()
+    threading.Thread(target=serve, args=(listener, stop, handle), daemon=True).start()
 
     sources = {"notices": ProcfsConnEventSource([port], poll_hz=args.poll_hz, sock_diag=True),
                "polls alone": ProcfsConnEventSource([port], poll_hz=args.poll_hz, sock_diag=True)}
