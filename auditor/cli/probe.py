@@ -120,11 +120,14 @@ def probe(config: Config, ports: tuple[int, ...], as_json: bool, dump_bpf: bool,
             sys.stdout = open("/dev/null", "w")  # noqa: SIM115
         finally:
             kernel = kernel_time_text(src)
+            # The probe's ring buffer, or the kernel's notices of freed sockets (the times it dropped
+            # some); without either, the /proc poller cannot count what it missed.
+            countable = src.name != "procfs" or getattr(src, "notices", None) is not None
             src.stop()
-    if src.name == "procfs" and getattr(src, "notices", None) is None:
-        lost_text = "losses not countable: /proc polling misses what happens between polls"
-    else:  # the probe's ring buffer, or the kernel's notices of freed sockets (times dropped)
+    if countable:
         lost_text = f"{src.lost_events()} lost"
+    else:
+        lost_text = "losses not countable: /proc polling misses what happens between polls"
     click.echo(f"stopped: {shown} events shown, {lost_text} ({src.name}){kernel}", err=True)
 
 
