@@ -237,7 +237,7 @@ def readings_families(r: SourceReadings) -> Iterator[Family]:
                         value=r.unjoined_disconnects)
     yield CounterFamily("auditor_unjoined_spans", "Server spans whose connection was never seen",
                         value=r.unjoined_spans)
-    yield CounterFamily("auditor_kernel_events_lost", "Kernel events dropped by the ring buffer",
+    yield CounterFamily("auditor_kernel_events_lost", "Kernel events dropped: by the eBPF probe's ring buffer, or (the /proc source) times the kernel dropped notices of freed sockets",
                         value=r.lost_kernel_events)
     yield CounterFamily("auditor_spans_received", "Spans accepted over OTLP", value=r.spans_received)
     yield GaugeFamily("auditor_ingest_queue_spans", "Spans waiting to be committed", value=r.ingest_queue_spans)

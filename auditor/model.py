@@ -66,7 +66,7 @@ class CoverageKind(str, enum.Enum):
     IDLE_CLOSE = "idle_close"  # a close with no request in flight (normal keep-alive end)
     UNJOINED_DISCONNECT = "unjoined_disconnect"  # a peer close with no span to join it to
     UNJOINED_SPAN = "unjoined_span"  # a server span whose connection was never seen
-    LOST_KERNEL_EVENTS = "lost_kernel_events"  # events the ring buffer dropped
+    LOST_KERNEL_EVENTS = "lost_kernel_events"  # events the ring buffer dropped (the /proc source: notices dropped)
     PROXY_REWRITTEN_PEER = "proxy_rewritten_peer"  # span peer rewritten from X-Forwarded-For
     # a span with no peer address (its client left before the server read the request) joined by
     # its server port to the unjoined close just before it: a verdict, counted because it is inferred
