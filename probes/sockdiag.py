@@ -40,7 +40,10 @@ STATES = ((1 << 13) - 1) & ~(1 << TCP_LISTEN) & ~(1 << TCP_TIME_WAIT) & ~(1 << T
 ALL_STATES = 0xFFFFFFFF
 INET_DIAG_NOCOOKIE = 0xFFFFFFFF
 ENOENT = 2
-DECODED_CACHE_MAX = 65_536
+# Decoded socket ids kept, then all dropped: about 440 bytes each, so a port taking a connection a
+# request (each id new) holds at most 1.7 MiB of them; past as many connections open at once, the
+# live ones are decoded again after each drop.
+DECODED_CACHE_MAX = 4096
 _HEADER = struct.Struct("=IHHII")  # struct nlmsghdr
 _REQUEST = struct.Struct("=BBBBI48x")  # struct inet_diag_req_v2, socket id left zero
 _LOOKUP = struct.Struct("=BBBBI2s2s16s16sIII")  # struct inet_diag_req_v2 naming one socket
@@ -243,14 +246,19 @@ def _decoded_key(decoded: dict[bytes, SocketKey], data: bytes, payload: int) -> 
     ident = data[payload:payload + 1] + data[payload + 4:payload + 40]
     key = decoded.get(ident)
     if key is None:
-        family = data[payload]
-        local_port, remote_port = struct.unpack_from(">HH", data, payload + 4)
-        key = (4 if family == socket.AF_INET else 6, _address(family, data[payload + 8:payload + 24]),
-               local_port, _address(family, data[payload + 24:payload + 40]), remote_port)
+        key = _socket_key(data, payload)
         if len(decoded) >= DECODED_CACHE_MAX:
             decoded.clear()
         decoded[ident] = key
     return key
+
+
+def _socket_key(data: bytes, payload: int) -> SocketKey:
+    """The socket id of the struct inet_diag_msg at ``payload``: family, addresses and ports."""
+    family = data[payload]
+    local_port, remote_port = struct.unpack_from(">HH", data, payload + 4)
+    return (4 if family == socket.AF_INET else 6, _address(family, data[payload + 8:payload + 24]),
+            local_port, _address(family, data[payload + 24:payload + 40]), remote_port)
 
 
 def _cookie(data: bytes, payload: int) -> int:
@@ -361,7 +369,6 @@ class DestroyNotices:
         except OSError:
             self._sock.close()
             raise
-        self._decoded: dict[bytes, SocketKey] = {}
         self._read_began_ns = time.time_ns()
         self.overflows = 0  # reads that found notices dropped (the buffer was full): how many, unknown
         self.unreadable = 0  # notices too short to read, or without tcp_info: skipped
@@ -411,7 +418,7 @@ class DestroyNotices:
             if kind != SOCK_DIAG_BY_FAMILY or end - payload < MSG_BYTES:
                 self.unreadable += 1
                 continue
-            key = _decoded_key(self._decoded, data, payload)
+            key = _socket_key(data, payload)  # each socket is freed once: nothing to keep decoded
             if key[2] not in ports or not key[4]:
                 continue  # another port (no filter), or a listener
             last_ms = _last_data_recv(data, payload + MSG_BYTES, end)

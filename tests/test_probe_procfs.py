@@ -762,3 +762,16 @@ def test_a_quiet_port_reads_the_notices_once_a_second_not_every_poll(server: soc
     assert kinds_for(source.scan(), client_port) == [PEER_RST]
     assert len(reads) == 2 and len(dumps) == 2
     source.stop()
+
+
+def test_decoded_socket_ids_are_kept_to_a_bound() -> None:
+    """A port taking a connection a request sees a new socket id each time: the ids kept decoded
+    stay under DECODED_CACHE_MAX (about 440 bytes each), and each is decoded right either way."""
+    from probes.sockdiag import DECODED_CACHE_MAX, _decoded_key
+
+    decoded: dict = {}
+    loopback = socket.inet_pton(socket.AF_INET, "127.0.0.1") + bytes(12)
+    for client_port in range(1024, 1024 + DECODED_CACHE_MAX + 10):
+        message = bytes([socket.AF_INET, 1, 0, 0]) + struct.pack(">HH", 8000, client_port) + loopback * 2 + bytes(32)
+        assert _decoded_key(decoded, message, 0) == (4, "127.0.0.1", 8000, "127.0.0.1", client_port)
+        assert len(decoded) <= DECODED_CACHE_MAX
