@@ -603,7 +603,8 @@ class Correlator:
     def _join_peerless(self) -> None:
         """A server span without a peer address (its client reset before the server read the
         request, so the server never learnt who sent it) joins the unjoined reset on its server port
-        nearest before its start, of a connection that carried no other span. Counted: it is inferred.
+        nearest its start (and not after it), of a connection that carried no other span. Counted:
+        it is inferred.
 
         Only a reset: after a FIN the socket is still there and the server learns its peer, so a
         FIN belongs to a span that names it, and may simply not have arrived yet. A polled reset
