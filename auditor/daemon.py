@@ -104,9 +104,9 @@ class Daemon:
                                      late_span_seconds=self.config.correlate.late_span_seconds,
                                      watched_ports=lambda: set(self._ports), on_settled=self._settled,
                                      feed=self._span_feed)
-        notices = getattr(self._parts.get("probe"), "notices", None)
-        if notices is not None:  # the /proc source's resets are resets while the kernel's notices come
-            self.correlator.polled_resets_exact = lambda: self._parts["probe"].notices is not None
+        probe: Any = self._parts.get("probe")
+        if getattr(probe, "notices", None) is not None:  # the /proc source's resets are resets while they come
+            self.correlator.polled_resets_exact = lambda: probe.notices is not None
         procfs = self._parts.get("procfs")
         extra_pids = set(self.config.sampler.procfs_pids)
         self._upkeep = Upkeep(self.store, self.host, self.metrics, None if procfs is None else

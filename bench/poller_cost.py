@@ -159,9 +159,36 @@ def main() -> int:
     counts = tcp_socket_counts()
     print(f"  one walk of the established hash (a dump for an unused port): {walk_cpu_us(300):.0f} us of CPU, "
           f"this namespace holding {counts.get('inuse', 0)} TCP sockets in use and {counts.get('tw', 0)} in TIME_WAIT")
+    from probes.sockdiag import DECODED_CACHE_MAX
+
+    each = decoded_id_bytes(DECODED_CACHE_MAX)
+    print(f"  a decoded socket id kept: {each:.0f} bytes (tracemalloc); a reader keeps {DECODED_CACHE_MAX:,} "
+          f"at most, {each * DECODED_CACHE_MAX / 2**20:.1f} MiB, where 65,536 made {each * 65_536 / 2**20:.1f}")
     if work is not None:
         work.cleanup()
     return 0
+
+
+def decoded_id_bytes(count: int) -> float:
+    """Python memory a sock_diag reader holds for each socket id it keeps decoded (the id's bytes,
+    its key of addresses and ports), as a port taking a connection a request makes them."""
+    import socket
+    import struct
+    import tracemalloc
+
+    from probes.sockdiag import _decoded_key
+
+    loopback = socket.inet_pton(socket.AF_INET, "127.0.0.1") + bytes(12)
+    messages = [bytes([socket.AF_INET, 1, 0, 0]) + struct.pack(">HH", 8000, 1024 + i) + loopback * 2 + bytes(32)
+                for i in range(count)]
+    decoded: dict = {}
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for message in messages:
+        _decoded_key(decoded, message, 0)
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return held / count
 
 
 if __name__ == "__main__":

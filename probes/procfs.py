@@ -440,7 +440,7 @@ class ProcfsConnEventSource:
             data_by_ns = notice.by_ns - notice.last_data_recv_ms * 1_000_000 + JIFFY_NS
             last = min(notice.by_ns, self._listed_by(data_by_ns))
             # Only FINs both ways leave a TIME_WAIT to ask about (a lookup): which side was first.
-            server_first = notice.fin_acked is not False and self._vanished(key, _Seen(1, None)) == TCP_TIME_WAIT
+            server_first = notice.fin_acked is not False and self._state_of(key) == TCP_TIME_WAIT
             events += self._events(key, ("new", "done" if server_first else _gone(notice)),
                                    notice.inode or None, min(_left_after(notice), last), last)
         return events
@@ -477,7 +477,12 @@ class ProcfsConnEventSource:
         """The state of a socket missing from this snapshot: None (gone) from /proc/net/tcp, which
         lists every state. A sock_diag dump leaves out TIME_WAIT and CLOSE, so an open socket that
         left it is asked about alone: TIME_WAIT means both sides closed (not a reset)."""
-        if self._diag is None or before.state not in OPEN:
+        return self._state_of(key) if before.state in OPEN else None
+
+    def _state_of(self, key: SocketKey) -> int | None:
+        """The state of the one socket ``key`` names, asked of sock_diag; None when there is none,
+        or no sock_diag to ask."""
+        if self._diag is None:
             return None
         try:
             return self._diag.state_of(key)

@@ -40,9 +40,9 @@ STATES = ((1 << 13) - 1) & ~(1 << TCP_LISTEN) & ~(1 << TCP_TIME_WAIT) & ~(1 << T
 ALL_STATES = 0xFFFFFFFF
 INET_DIAG_NOCOOKIE = 0xFFFFFFFF
 ENOENT = 2
-# Decoded socket ids kept, then all dropped: about 440 bytes each, so a port taking a connection a
-# request (each id new) holds at most 1.7 MiB of them; past as many connections open at once, the
-# live ones are decoded again after each drop.
+# Decoded socket ids kept, then all dropped: a few hundred bytes each (bench/poller_cost.py says
+# how many), so a port taking a connection a request (each id new) holds under 2 MiB of them; past
+# as many connections open at once, the live ones are decoded again after each drop.
 DECODED_CACHE_MAX = 4096
 _HEADER = struct.Struct("=IHHII")  # struct nlmsghdr
 _REQUEST = struct.Struct("=BBBBI48x")  # struct inet_diag_req_v2, socket id left zero

@@ -766,7 +766,7 @@ def test_a_quiet_port_reads_the_notices_once_a_second_not_every_poll(server: soc
 
 def test_decoded_socket_ids_are_kept_to_a_bound() -> None:
     """A port taking a connection a request sees a new socket id each time: the ids kept decoded
-    stay under DECODED_CACHE_MAX (about 440 bytes each), and each is decoded right either way."""
+    stay under DECODED_CACHE_MAX (a few hundred bytes each), and each is decoded right either way."""
     from probes.sockdiag import DECODED_CACHE_MAX, _decoded_key
 
     decoded: dict = {}
