@@ -1,0 +1,73 @@
+"""Verdicts against the engine's truth log on the weakest signal set the rules must survive: no
+engine span, the engine's own /metrics (vLLM's names), and a disconnect source of choice. Two
+requests complete (their clients close right after the last byte) while four others are cancelled
+at once (FIN and reset, streaming and not) on the same engine. Prints each request's verdict, what
+decided it, and what the truth log says it should be; then the false findings (a completed
+request called a zombie or aborted) and the cancels without a verdict or judged otherwise.
+
+Usage: .venv/bin/python bench/weak_signals.py [--behavior detached] [--source procfs] [--done-tokens 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from replay.engine.launch import running_engine
+from tests.e2e import cancel_after, complete, expected_verdict, running_daemon, verdict_rows
+
+FINDINGS = ("zombie", "inflight_zombie", "aborted")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--behavior", default="detached", help="the engine's on a disconnect (replay.engine)")
+    parser.add_argument("--source", default="procfs", choices=("bpf", "procfs"))
+    parser.add_argument("--done-tokens", type=int, default=40, help="max_tokens of the requests that complete")
+    parser.add_argument("--settle-s", type=float, default=14.0, help="seconds to wait for the verdicts")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="weak-signals-"))
+    settings = {"probe.source": args.source, "probe.poll_hz": 20, "correlate.late_span_seconds": 10.0,
+                "engine_metrics.interval_seconds": 0.1}
+    with running_daemon(tmp, **settings) as daemon, running_engine(
+            behavior=args.behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=tmp / "truth.jsonl",
+            step_ms=10, max_batch=16, extra_args=["--engine-span", "none", "--metrics-names", "vllm"]) as engine:
+        daemon.set_ports({engine.port})
+        threads = [complete(engine.port, stream=True, max_tokens=args.done_tokens, request_id=f"done{i}")
+                   for i in range(2)]
+        for kind in ("fin", "rst"):
+            for stream in (True, False):
+                threads.append(cancel_after(engine.port, 0.0, kind, stream=stream, max_tokens=150,
+                                            request_id=f"{kind}-{'stream' if stream else 'plain'}"))
+                time.sleep(0.05)
+        for thread in threads:
+            thread.join()
+        print(f"waiting {args.settle_s:g} s for the verdicts", file=sys.stderr)
+        time.sleep(args.settle_s)
+        rows = {row.request_id: row for row in verdict_rows(daemon)}
+        truths = engine.truth()
+    false_findings = missing = otherwise = 0
+    print(f"{'request':<14} {'verdict':<16} {'decided by':<16} truth")
+    for truth in truths:
+        request_id = truth["request_id"].removeprefix("cmpl-")
+        row = rows.get(request_id)
+        want = expected_verdict(truth) if truth.get("disconnect_at") else "completed"
+        verdict = row.verdict if row is not None else "-"
+        print(f"{request_id:<14} {verdict:<16} {(row.details.get('evidence') if row else '-') or '-':<16} {want}")
+        if want == "completed":
+            false_findings += verdict in FINDINGS
+        elif row is None:
+            missing += 1
+        elif verdict != want:
+            otherwise += 1
+    print(f"false findings {false_findings}; cancels without a verdict {missing}, judged otherwise {otherwise}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
