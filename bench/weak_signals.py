@@ -6,6 +6,7 @@ decided it, and what the truth log says it should be; then the false findings (a
 request called a zombie or aborted) and the cancels without a verdict or judged otherwise.
 
 Usage: .venv/bin/python bench/weak_signals.py [--behavior detached] [--source procfs] [--done-tokens 40]
+                                              [--details] [--runs 5]
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -24,13 +26,8 @@ from tests.e2e import cancel_after, complete, expected_verdict, running_daemon, 
 FINDINGS = ("zombie", "inflight_zombie", "aborted")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--behavior", default="detached", help="the engine's on a disconnect (replay.engine)")
-    parser.add_argument("--source", default="procfs", choices=("bpf", "procfs"))
-    parser.add_argument("--done-tokens", type=int, default=40, help="max_tokens of the requests that complete")
-    parser.add_argument("--settle-s", type=float, default=14.0, help="seconds to wait for the verdicts")
-    args = parser.parse_args()
+def one_run(args: argparse.Namespace) -> Counter[str]:
+    """One engine and daemon: the table of verdicts, and the tally of how they compare with the truth."""
     tmp = Path(tempfile.mkdtemp(prefix="weak-signals-"))
     settings = {"probe.source": args.source, "probe.poll_hz": 20, "correlate.late_span_seconds": 10.0,
                 "engine_metrics.interval_seconds": 0.1}
@@ -51,7 +48,7 @@ def main() -> int:
         time.sleep(args.settle_s)
         rows = {row.request_id: row for row in verdict_rows(daemon)}
         truths = engine.truth()
-    false_findings = missing = otherwise = 0
+    tally: Counter[str] = Counter()
     print(f"{'request':<14} {'verdict':<16} {'decided by':<16} truth")
     for truth in truths:
         request_id = truth["request_id"].removeprefix("cmpl-")
@@ -59,13 +56,42 @@ def main() -> int:
         want = expected_verdict(truth) if truth.get("disconnect_at") else "completed"
         verdict = row.verdict if row is not None else "-"
         print(f"{request_id:<14} {verdict:<16} {(row.details.get('evidence') if row else '-') or '-':<16} {want}")
+        if args.details and row is not None:
+            print(f"    {row.details}")
         if want == "completed":
-            false_findings += verdict in FINDINGS
-        elif row is None:
-            missing += 1
-        elif verdict != want:
-            otherwise += 1
-    print(f"false findings {false_findings}; cancels without a verdict {missing}, judged otherwise {otherwise}")
+            tally["completed"] += 1
+            tally["false findings"] += verdict in FINDINGS
+        else:
+            tally["cancels"] += 1
+            tally["cancels without a verdict"] += row is None
+            tally["cancels right"] += verdict == want
+            tally["cancels unconfirmed"] += verdict == "unconfirmed"
+            tally["cancels judged otherwise"] += row is not None and verdict not in (want, "unconfirmed")
+    print(f"false findings {tally['false findings']}; cancels without a verdict "
+          f"{tally['cancels without a verdict']}, judged otherwise {tally['cancels judged otherwise']}, "
+          f"unconfirmed {tally['cancels unconfirmed']}")
+    return tally
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--behavior", default="detached", help="the engine's on a disconnect (replay.engine)")
+    parser.add_argument("--source", default="procfs", choices=("bpf", "procfs"))
+    parser.add_argument("--done-tokens", type=int, default=40, help="max_tokens of the requests that complete")
+    parser.add_argument("--details", action="store_true", help="print each verdict's details too")
+    parser.add_argument("--runs", type=int, default=1, help="runs, each with its own engine and daemon")
+    parser.add_argument("--settle-s", type=float, default=14.0, help="seconds to wait for the verdicts")
+    args = parser.parse_args()
+    total: Counter[str] = Counter()
+    for run in range(args.runs):
+        if args.runs > 1:
+            print(f"\nrun {run + 1} of {args.runs}")
+        total += one_run(args)
+    if args.runs > 1:
+        print(f"\n{args.runs} runs ({args.source}, {args.behavior}): false findings {total['false findings']} "
+              f"of {total['completed']} completed; of {total['cancels']} cancels {total['cancels right']} right, "
+              f"{total['cancels unconfirmed']} unconfirmed, {total['cancels judged otherwise']} judged otherwise, "
+              f"{total['cancels without a verdict']} without a verdict")
     return 0
 
 

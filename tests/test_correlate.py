@@ -390,6 +390,60 @@ def test_a_polled_close_the_span_end_falls_inside_orders_nothing(store: Store) -
     assert (rows[raced[1]].verdict, rows[raced[1]].details["evidence"]) == ("unconfirmed", "http_only")
 
 
+def test_http_spans_only_a_close_after_the_last_byte_takes_no_orphan_of_earlier_leavers(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    zombies = [("127.0.0.1", 40060 + i) for i in range(3)]
+    done = ("127.0.0.1", 40070)
+    # Three clients left at 1.0 s and their handlers returned at once; the engine ran their work on
+    # to 3.0 s. Another client read its whole response, its work ending at 1.999 s, and closed at
+    # 2.0 s, 0.3 ms before its server's span ended. Nothing tells that this response was complete:
+    # no final send, no engine span, the server never closed first.
+    store.insert_spans([http_span(str(i), 0.2, 1.0005, client=c) for i, c in enumerate(zombies)]
+                       + [http_span("d", 0.5, 2.0003, span="6", client=done)])
+    store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST, client=c) for c in zombies] + [close(2.0, client=done)])
+
+    def held(at: float) -> int:
+        return 3 * (0.2 <= at < 3.0) + (0.5 <= at < 1.999)
+    correlator.add_engine_load([load(0.25 * i, held(0.25 * i)) for i in range(1, 25)])
+    clock.now = T0 + 12 * S
+    correlator.tick()
+    correlator.tick()
+    rows = {r.client_port: r for r in verdicts(store)}
+    # The engine held three orphans before that client left and three after: its leaving added
+    # none. Given to the latest leaver first, one would have made it a zombie and ended one of the
+    # three at 2.0 s.
+    assert (rows[done[1]].verdict, rows[done[1]].details["evidence"]) == ("unconfirmed", "http_only")
+    assert rows[done[1]].details["held_one_more"] is False and rows[done[1]].details["close_races_span_end"]
+    for client in zombies:
+        row = rows[client[1]]
+        assert row.verdict == "zombie" and row.work_end_ns == T0 + int(2.875 * S), row
+        # Their own spans ended with their clients' resets too: each leaving added an orphan.
+        assert row.details["held_one_more"] is True
+
+
+def test_http_spans_only_a_close_after_the_last_byte_is_a_zombie_where_its_leaving_adds_an_orphan(
+        store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    earlier, late = ("127.0.0.1", 40080), ("127.0.0.1", 40081)
+    # As above, but the late client cancelled and its engine ran on to 2.6 s: three orphans before
+    # it left, four after, whatever its span's end says.
+    store.insert_spans([http_span("e", 0.2, 1.0005, client=earlier), http_span("l", 0.5, 2.0003, span="6", client=late)])
+    store.insert_conn_events([close(1.0, client=earlier), close(2.0, client=late)])
+
+    def held(at: float) -> int:
+        return (0.2 <= at < 3.0) + (0.5 <= at < 2.6)
+    correlator.add_engine_load([load(0.25 * i, held(0.25 * i)) for i in range(1, 25)])
+    clock.now = T0 + 12 * S
+    correlator.tick()
+    rows = {r.client_port: r for r in verdicts(store)}
+    assert rows[late[1]].verdict == "zombie" and rows[late[1]].details["held_one_more"] is True
+    # The later leaver's orphan is the one that ends first here; the latest-leaver-first rule
+    # says otherwise, and only to a scrape's resolution either way: both ran on past 2.5 s.
+    assert all(rows[c[1]].verdict == "zombie" and rows[c[1]].work_end_ns >= T0 + int(2.5 * S) for c in (earlier, late))
+
+
 def test_http_spans_only_connected_requests_are_not_orphans(store: Store) -> None:
     clock = Clock()
     correlator = make(store, clock)

@@ -117,6 +117,7 @@ def test_a_request_registered_again_replaces_its_disconnect() -> None:
     assert list(loads._disconnects[PORT]) == [hash("B")]
     assert list(loads._disconnect_times[PORT]) == [at(1.2995)]
     assert list(loads._connected_until[PORT]) == [at(1.31) + CLOCK_ERROR]
+    assert list(loads._untils_sorted[PORT]) == [at(1.31) + CLOCK_ERROR]  # B's first "until" went with it
 
 
 @pytest.mark.parametrize("guarded", [True, False], ids=["arrivals-skipped", "arrivals-counted"])
@@ -183,3 +184,60 @@ def test_a_sweep_is_reached_by_news_exactly_where_news_would_drop_checkpoints() 
         assert sweep.reaches(at(news)) is reaches
         sweep.forget_from(at(news))
         assert len(sweep.at) == kept
+
+
+def held_one_more(loads: EngineLoads, name: str, left: float, span_end: float,
+                  spans: dict[str, tuple[float, float]]) -> tuple[bool, tuple[int, int] | None] | None:
+    return loads.held_one_more(PORT, name, at(left), at(span_end) + CLOCK_ERROR, connected_counter(spans),
+                               lambda start, end: 0, lambda load, clients, read_before: 0)
+
+
+def test_a_leaving_that_adds_no_orphan_is_told_from_one_that_does() -> None:
+    """Z's client left at 0.5 s and its work ran on to 2.5 s. D's client closed at 1.3 s after its
+    last byte (its work ended at 1.29 s, its span at 1.3005 s); C's cancelled at 1.3 s and ran on to
+    2.0 s. Latest leaver first, D would take Z's orphan; its leaving added none."""
+    spans = {"Z": (0.0, 0.5005), "D": (0.8, 1.3005), "C": (0.8, 1.3005)}
+    finished = scraped({"Z": (0.0, 2.5), "D": (0.8, 1.29)})
+    answer = held_one_more(finished, "D", 1.3, 1.3005, {n: spans[n] for n in ("Z", "D")})
+    assert answer == (False, (at(1.2), at(1.4)))  # compared from the last two scrapes that counted it
+    cancelled = scraped({"Z": (0.0, 2.5), "C": (0.8, 2.0)})
+    assert held_one_more(cancelled, "C", 1.3, 1.3005, {n: spans[n] for n in ("Z", "C")}) == (True, (at(1.2), at(1.4)))
+    # Another disconnected request whose span ended between the scrapes may own the new orphan.
+    both = scraped({"Z": (0.0, 2.5), "C": (0.8, 2.0), "D": (0.8, 1.29)})
+    both.register(PORT, "C", at(1.3), connected_until_ns=at(1.3005) + CLOCK_ERROR)
+    assert held_one_more(both, "D", 1.3, 1.3005, spans) == (False, (at(1.2), at(1.4)))
+    assert held_one_more(both, "C", 1.3, 1.3005, spans) == (True, (at(1.2), at(1.4)))  # its own is no other
+
+
+def test_a_leaving_is_compared_with_a_scrape_that_says_and_none_before_it_says_yes() -> None:
+    spans = {"Z": (0.0, 0.5005), "C": (0.8, 1.3005)}
+    loads = scraped({"Z": (0.0, 2.5), "C": (0.8, 2.4)})
+    # The port's clients were listed at 1.2 s, and not at 1.4 s, before the daemon heard of the
+    # close: that scrape says nothing, nor does any up to 0.75 s after the disconnect.
+    loads.add([EngineLoad(at(1.2), PORT, running=2, connections=())])
+    assert held_one_more(loads, "C", 1.3, 1.3005, spans) == (True, (at(1.2), at(2.1)))
+    # U's request, read at 0.05 s, runs on and its span has not come: the engine holds it at every
+    # scrape and nothing counts it connected. Listed untold at 2.1 s, it is no orphan there, nor at
+    # the scrapes compared with, which held it too.
+    untold = scraped({"Z": (0.0, 2.5), "C": (0.8, 2.4), "U": (0.0, 3.0)})
+    untold.add([EngineLoad(at(2.1), PORT, running=3, connections=(("127.0.0.1", 40100, at(0.05)),))])
+
+    def unspanned(load: EngineLoad, clients: tuple[tuple[str, int, int], ...], read_before: int | None) -> int:
+        return sum(1 for _, _, last_read in clients if read_before is None or last_read <= read_before)
+    answer = untold.held_one_more(PORT, "C", at(1.3), at(1.3005) + CLOCK_ERROR, connected_counter(spans),
+                                  lambda start, end: 0, unspanned)
+    assert answer == (True, (at(1.2), at(2.1)))
+    assert held_one_more(scraped({}), "C", 4.0, 4.0005, spans) is None  # no scrape after it yet
+    late = EngineLoads()  # scraping began after it left (a daemon started since): nothing to compare
+    late.add([EngineLoad(at(2.0 + tenth / 10), PORT, running=1) for tenth in range(5)])
+    assert held_one_more(late, "C", 1.3, 1.3005, spans) == (True, None)
+
+
+def test_a_registration_whose_span_ended_between_the_scrapes_compared_is_news_from_the_first() -> None:
+    loads = EngineLoads()
+    loads.register(PORT, "X", at(0.5), connected_until_ns=at(1.25))  # left before D, span ended after 1.2 s
+    registered = loads.take_registered()
+    assert registered.concerning(at(1.3), at(2.0), seen=0) is None  # left before D: no news to its sweep
+    assert registered.concerning(at(1.3), at(2.0), seen=0, compared=(at(1.2), at(1.4))) == at(1.2)
+    assert registered.concerning(at(1.3), at(2.0), seen=1, compared=(at(1.2), at(1.4))) is None
+    assert registered.concerning(at(1.3), at(2.0), seen=0, compared=(at(1.3), at(1.4))) is None

@@ -157,7 +157,8 @@ class Correlator:
         self.services_spanning_finishes: set[str] = set()
         self.loads = EngineLoads()
         self.loads.clients_kept_ns = self.memory_ns  # as long as the spans that tell them are held
-        self._unspanned: dict[tuple[int, int], int] = {}  # (port, scrape) -> unspanned_clients, this round
+        # (port, scrape, read before) -> unspanned_clients, this round
+        self._unspanned: dict[tuple[int, int, int | None], int] = {}
         # Ports whose coming scrapes a verdict of this round reads undecided: their clients are
         # wanted with them (the daemon asks the scraper, ``EngineMetricsScraper.want_clients``).
         self.clients_wanted: set[int] = set()
@@ -714,20 +715,24 @@ class Correlator:
         until = ts_ns if until_ns is None else max(ts_ns, until_ns)
         return self.spans.server_spans_on(port, ts_ns, until, also=self.live.running_on(port, ts_ns, until))
 
-    def unspanned_clients(self, load: EngineLoad, clients: tuple[tuple[str, int, int], ...]) -> int:
+    def unspanned_clients(self, load: EngineLoad, clients: tuple[tuple[str, int, int], ...],
+                          read_before_ns: int | None = None) -> int:
         """Of the clients the kernel listed connected to ``load``'s port as it was scraped
         (address, port, when the server last read data from each), how many may hold a request
         that the spans and notices do not tell yet. The request read last is told by a server span
         (or its start notice) on that connection that started by the scrape's answer and at most
         REQUEST_READ_NS before that read; a span that started earlier is an earlier request's, and
         the one read last is not told yet. A client whose told request ended before the scrape is
-        idle, kept alive. Counted once a round (spans come between rounds)."""
-        key = (load.server_port, load.ts_ns)
+        idle, kept alive. ``read_before_ns``: only clients last read by then (their untold requests
+        were held at that moment too). Counted once a round (spans come between rounds)."""
+        key = (load.server_port, load.ts_ns, read_before_ns)
         counted = self._unspanned.get(key)
         if counted is None:
             port, by_ns = load.server_port, (load.answered_ns or load.ts_ns) + CLOCK_ERROR_NS
             counted = 0
             for address, client_port, last_read_ns in clients:
+                if read_before_ns is not None and last_read_ns > read_before_ns:
+                    continue
                 tuple4 = (norm_addr(address), client_port, port)
                 read_from_ns = last_read_ns - REQUEST_READ_NS
                 if not any(read_from_ns <= span.start_ns <= by_ns for span in self.spans.on_connection(tuple4)) \

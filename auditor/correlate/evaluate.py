@@ -9,6 +9,7 @@ notices, the engine's own /metrics, and for completion what the server had sent.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from auditor.correlate import evidence as ev
@@ -45,7 +46,8 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
         (s for s in http_spans if not s.peer_port and s.server_port == origin.tuple4[2]), None)  # peerless
     engine = corr.spans.engine_for(root, subtree) if root else None
     details: dict[str, Any] = {"engine_span": engine is not None}
-    work_end, provisional, known = _work_end(corr, request, root, subtree, engine, now, details)
+    racing = _may_have_answered(corr, origin.ts_ns, origin_span, subtree)
+    work_end, provisional, known = _work_end(corr, request, root, subtree, engine, now, details, racing)
     started = origin_span.start_ns if origin_span and origin_span.start_ns > origin.ts_ns else None
     # An engine span without a finish reason (a configured name) cannot say the response was complete.
     completed = None if engine and engine.finish_reason else ev.completed_by(
@@ -57,7 +59,10 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
             corr.loads.unregister(hop.server_port or 0, request.key)
     if details.pop("awaiting_spans", False) and completed is None:
         return None  # the gauges' orphans may be requests still running whose spans have not come
-    if known and completed is None and _close_races_span_end(corr, origin.ts_ns, origin_span, subtree, details):
+    if known and completed is None and racing and details.get("orphaned_scrapes") == 0 \
+            and not details.get("aborts_counted"):
+        # The span ended as the client closed, and the gauges never saw the request held after:
+        # a client closing after the last byte and a server reacting at once look the same.
         known, details["close_races_span_end"] = False, True
     decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now, started_ns=started,
                                completed_by=completed, work_stopped_known=known), corr.grace_seconds)
@@ -98,16 +103,15 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     return verdict
 
 
-def _close_races_span_end(corr: Correlator, disconnect_ns: int, origin_span: SpanRecord | None,
-                          subtree: list[SpanRecord], details: dict[str, Any]) -> bool:
-    """The span ended as the client closed, and the gauges never saw the request held after: a
-    client closing after the last byte and a server reacting at once look the same, unless the
-    server records its sends (then no final send means not complete), its engine spans every normal
-    finish (then a missing engine span means not complete), or its abort counter rose by as many
-    as the clients that left (then each was aborted)."""
-    if origin_span is None or origin_span.end_ns - disconnect_ns > CLOCK_ERROR_NS:
-        return False
-    if details.get("orphaned_scrapes") != 0 or details.get("aborts_counted"):
+def _may_have_answered(corr: Correlator, disconnect_ns: int, origin_span: SpanRecord | None,
+                       subtree: list[SpanRecord]) -> bool:
+    """The server read the request before the client closed and its span ended as the client
+    closed: a client closing after the last byte and a server reacting at once look the same,
+    unless the server records its sends (then no final send means not complete) or its engine
+    spans every normal finish (then a missing engine span means not complete). The gauges, or the
+    engine's abort counter rising by as many as the clients that left, may still tell."""
+    if origin_span is None or origin_span.start_ns > disconnect_ns \
+            or origin_span.end_ns - disconnect_ns > CLOCK_ERROR_NS:
         return False
     sends = origin_span.service in corr.services_marking_sends or any(
         s.parent_span_id == origin_span.span_id and ev.FINAL_SEND_ATTR in s.attributes for s in subtree)
@@ -127,9 +131,11 @@ def _add_hops(request: OpenRequest, origin: Any, http_spans: list[SpanRecord], o
 
 
 def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, subtree: list[SpanRecord],
-              engine: SpanRecord | None, now: int, details: dict[str, Any]) -> tuple[int | None, bool, bool]:
+              engine: SpanRecord | None, now: int, details: dict[str, Any],
+              racing: bool = False) -> tuple[int | None, bool, bool]:
     """When the request's work ended on this host, whether that may still change, and whether
-    anything tells that it stopped at all."""
+    anything tells that it stopped at all. ``racing``: its client may have closed after the last
+    byte (``_may_have_answered``)."""
     trace_id = request.key[0]
     # Set only where the clock and news as old as what the verdict read are all that can change it.
     request.settles_at_ns = request.reads_until_ns = None
@@ -154,7 +160,7 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
         details["evidence"], details["work_end_exact"] = ev.LIVE_NOTICE, "live"
         request.settles_at_ns = live_end + ENGINE_SETTLE_AFTER_LIVE_END_NS
         return max(work_end, live_end), now < request.settles_at_ns, True
-    scraped = _metrics_work_end(corr, request, subtree, now)
+    scraped = _metrics_work_end(corr, request, subtree, now, racing)
     if scraped is not None:
         by_metrics, port, disconnect, answered = scraped
 
@@ -163,6 +169,8 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
         details["evidence"], details["work_end_exact"] = ev.ENGINE_METRICS, "scrape"
         details["work_end_resolution_s"] = round(by_metrics.resolution_s, 3)
         details["orphaned_scrapes"] = by_metrics.orphaned_scrapes
+        if by_metrics.held_one_more is not None:
+            details["held_one_more"] = by_metrics.held_one_more
         if by_metrics.orphaned_scrapes == 0 and corr.loads.aborts_cover(port, disconnect, answered, connected):
             details["aborts_counted"] = True
         if by_metrics.awaiting_spans:
@@ -192,30 +200,51 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
     return work_end, now - work_end < corr.late_ns, False
 
 
-def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[SpanRecord], now: int
-                      ) -> tuple[ev.MetricsEnd, int, int, int] | None:
+def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[SpanRecord], now: int,
+                      racing: bool = False) -> tuple[ev.MetricsEnd, int, int, int] | None:
     """The work end the engine's gauges tell, on the innermost scraped hop of the request, with
     that hop's port, disconnect and span end.
 
     A request that ended within the clock error of a scrape counts as connected at it: one orphan
-    right at a completion (the next request taken up as the last one ends) is no evidence."""
+    right at a completion (the next request taken up as the last one ends) is no evidence.
+
+    A ``racing`` request (its client may have closed after the last byte) owns orphans only if
+    the engine held one more once it left (``EngineLoads.held_one_more``); until that is known, and
+    where it did not, it is no registered leaver, so claims none of those of earlier leavers."""
     origin = request.origin()
     hop = _scraped_hop(corr, subtree)
     if hop is None:
         return None
     disconnect = request.disconnects.get(span_tuple(hop), origin).ts_ns
-    port = hop.server_port or 0
-    corr.loads.register(port, request.key, disconnect, connected_until_ns=hop.end_ns + CLOCK_ERROR_NS)
+    port, until = hop.server_port or 0, hop.end_ns + CLOCK_ERROR_NS
+
+    def connected(start: int, end: int) -> int:
+        return corr.connected_at(port, start - CLOCK_ERROR_NS, end + CLOCK_ERROR_NS)
+
+    def arrived(start: int, end: int) -> int:
+        return corr.spans.server_spans_started(port, start, end + CLOCK_ERROR_NS)
+
+    request.compared_ns = None
+    if racing:
+        held = corr.loads.held_one_more(port, request.key, disconnect, until, connected, arrived,
+                                        corr.unspanned_clients)
+        request.compared_ns = None if held is None else held[1]
+        if held is None or not held[0]:
+            corr.loads.unregister(port, request.key)
+            if held is None:
+                return None
+            (first, second), answered = held[1] or (disconnect, disconnect), max(disconnect, hop.end_ns)
+            return ev.MetricsEnd(max(disconnect, hop.start_ns), (second - first) / 1e9, 0, second,
+                                 held_one_more=False), port, disconnect, answered
+    corr.loads.register(port, request.key, disconnect, connected_until_ns=until)
     if request.scrape_sweep is None and now - disconnect > ev.SWEEP_AFTER_NS:  # a long sweep: checkpoints
         request.scrape_sweep = ev.ScrapeSweep()
         corr.checkpointed(request)
-    ended = corr.loads.work_end(port, disconnect, max(disconnect, hop.start_ns),
-                                lambda start, end: corr.connected_at(port, start - CLOCK_ERROR_NS,
-                                                                     end + CLOCK_ERROR_NS),
-                                connected_until_ns=hop.end_ns + CLOCK_ERROR_NS,
-                                arrived=lambda start, end: corr.spans.server_spans_started(
-                                    port, start, end + CLOCK_ERROR_NS), sweep=request.scrape_sweep,
+    ended = corr.loads.work_end(port, disconnect, max(disconnect, hop.start_ns), connected,
+                                connected_until_ns=until, arrived=arrived, sweep=request.scrape_sweep,
                                 unspanned=corr.unspanned_clients)
+    if ended is not None and racing:
+        ended = replace(ended, held_one_more=True)
     return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))
 
 

@@ -76,6 +76,9 @@ class MetricsEnd:
     awaiting_spans: bool = False
     # The last such scrape skipped on the way to the answer: spans still to come may change it.
     unsure_until_ns: int | None = None
+    # Where asked (a client that may have closed after the last byte): whether the engine held one
+    # more request once it left (EngineLoads.held_one_more)
+    held_one_more: bool | None = None
 
 
 # Evidence this long after a scrape may still change what the sweep read there: the connected count
@@ -87,6 +90,9 @@ SWEEP_AFTER_NS = 4_000_000_000  # a request whose client left longer ago than th
 # from its next scrape on: a scrape this soon after a disconnect that it did not list (one of the
 # port's scrapes listed before) says nothing of an orphan.
 UNLISTED_AFTER_LEAVING_NS = 750_000_000
+# A request whose leaving may have added no orphan is asked of the scrapes this long after its span's
+# end (EngineLoads.held_one_more): enough for one listed scrape after the disconnect.
+HELD_ONE_MORE_WINDOW_NS = 2_000_000_000
 _UNLISTED: Any = object()  # no listing with a scrape (a listing of no client is an empty tuple)
 
 
@@ -127,21 +133,31 @@ def _unpair(pair: int) -> tuple[int, int]:
     return first, second - _HALF if second >= _HALF // 2 else second
 
 
+def _take_one(values: array[int], value: int) -> None:
+    """One occurrence of ``value`` out of the sorted ``values``, where there is one."""
+    index = bisect.bisect_left(values, value)
+    if index < len(values) and values[index] == value:
+        del values[index]
+
+
 class Registered:
     """The registrations (``EngineLoads.register``) made since the correlator last took them, each
-    as its disconnect's time and its number in the order they were made.
+    as its disconnect's time, its number in the order they were made, and until when the connected
+    count holds its span.
 
     A registration changes the work end only of requests that left before it and read scrapes up
     to it (a later leaver claims orphans first; one that left earlier cancels out of the count),
     and only for those judged before it was made: news to them alone, not to every verdict that
-    read that far (``concerning``)."""
+    read that far (``concerning``). It changes too whether the engine held one more request when a
+    client left (``EngineLoads.held_one_more``) where its span ended between the scrapes compared."""
 
-    __slots__ = ("_numbers", "_times")
+    __slots__ = ("_numbers", "_times", "_untils")
 
-    def __init__(self, made: list[tuple[int, int]]) -> None:
+    def __init__(self, made: list[tuple[int, int, int]]) -> None:
         made.sort()
-        self._times = [ts_ns for ts_ns, _ in made]
-        self._numbers = [number for _, number in made]
+        self._times = [ts_ns for ts_ns, _, _ in made]
+        self._numbers = [number for _, number, _ in made]
+        self._untils = [until_ns for _, _, until_ns in made]
 
     def __bool__(self) -> bool:
         return bool(self._times)
@@ -149,14 +165,21 @@ class Registered:
     def earliest(self) -> int | None:
         return self._times[0] if self._times else None
 
-    def concerning(self, left_ns: int, until_ns: int, seen: int) -> int | None:
+    def concerning(self, left_ns: int, until_ns: int, seen: int,
+                   compared: tuple[int, int] | None = None) -> int | None:
         """The earliest registration after ``left_ns`` and at most ``until_ns`` made after the
         ``seen``-th: news to a request whose client left at ``left_ns``, judged when ``seen`` had
-        been made, whose verdict read scrapes up to ``until_ns``."""
+        been made, whose verdict read scrapes up to ``until_ns``. ``compared``: the scrapes
+        ``held_one_more`` compared for it (their times); a registration whose span ended between
+        them is news from the first."""
         times, numbers = self._times, self._numbers
         for index in range(bisect.bisect_right(times, left_ns), bisect.bisect_right(times, until_ns)):
             if numbers[index] > seen:
                 return times[index]
+        if compared is not None:
+            first, second = compared
+            if any(first <= until < second and number > seen for until, number in zip(self._untils, numbers, strict=True)):
+                return first
         return None
 
 
@@ -172,6 +195,7 @@ class EngineLoads:
         self._disconnects: dict[int, dict[int, int]] = defaultdict(dict)
         self._disconnect_times: dict[int, array[int]] = defaultdict(_times)  # port -> those disconnects, sorted
         self._connected_until: dict[int, array[int]] = defaultdict(_times)  # port -> their "until", alike
+        self._untils_sorted: dict[int, array[int]] = defaultdict(_times)  # port -> those "until"s, sorted
         # port -> every client close (kernel), sorted; kept for the horizon, one a request: 8-byte
         # integers in an array, not int objects in a list (40 bytes each)
         self._departures: dict[int, array[int]] = defaultdict(_times)
@@ -181,7 +205,7 @@ class EngineLoads:
         self.changed_ns: int | None = None
         # Registrations are news apart (``Registered``): made so far, and those since last taken.
         self.registrations = 0
-        self._registered: list[tuple[int, int]] = []
+        self._registered: list[tuple[int, int, int]] = []
         # port -> scrape time -> the clients connected then (``EngineLoad.connections``), for the
         # scrapes that listed them; kept for ``clients_kept_ns`` after the port's latest listing
         # (the correlator's memory window, as the spans that tell them): older scrapes are read
@@ -201,9 +225,9 @@ class EngineLoads:
         made, self._registered = self._registered, []
         return Registered(made)
 
-    def _registered_at(self, ts_ns: int) -> None:
+    def _registered_at(self, ts_ns: int, until_ns: int) -> None:
         self.registrations += 1
-        self._registered.append((ts_ns, self.registrations))
+        self._registered.append((ts_ns, self.registrations, until_ns))
 
     def add(self, loads: Iterable[EngineLoad]) -> set[int]:
         """Record scrapes; returns the ports they concern."""
@@ -269,12 +293,14 @@ class EngineLoads:
         times, untils = self._disconnect_times[port], self._connected_until[port]
         if packed is not None:
             self._forget_registered(port, packed)
-        self._registered_at(disconnect_ns)
+        self._registered_at(disconnect_ns, until)
         self._disconnects[port].pop(key, None)  # to the end: in registration order, for prune
         self._disconnects[port][key] = registered
         index = bisect.bisect_right(times, disconnect_ns)
         times.insert(index, disconnect_ns)
         untils.insert(index, until)
+        ended = self._untils_sorted[port]
+        ended.insert(bisect.bisect_right(ended, until), until)
 
     def unregister(self, port: int, request: Hashable) -> None:
         """A registered request proved complete when its client left (kernel order, final send,
@@ -293,7 +319,8 @@ class EngineLoads:
             index += 1
         if index < len(times) and times[index] == known[0]:
             del times[index], untils[index]
-        self._registered_at(known[0])
+            _take_one(self._untils_sorted[port], known[1])
+        self._registered_at(*known)
 
     def running_at(self, port: int, ts_ns: int) -> int | None:
         """Requests the engine was running at ``ts_ns`` (the scrape before it), None without scrapes."""
@@ -398,6 +425,67 @@ class EngineLoads:
             return MetricsEnd(None, 0.0, 0, awaiting_spans=True) if unsure else None
         return MetricsEnd(None, 0.0, count)
 
+    def held_one_more(self, port: int, request: Hashable, disconnect_ns: int, connected_until_ns: int,
+                      connected_at: Callable[[int, int], int], arrived: Callable[[int, int], int],
+                      unspanned: Callable[[EngineLoad, tuple[tuple[str, int, int], ...], int | None], int]
+                      ) -> tuple[bool, tuple[int, int] | None] | None:
+        """Whether the engine held one more request once this one's client had left than before:
+        the orphans (held - connected) at the first scrape that no longer counts it connected, less
+        those at the last scrapes that did (or that came before its span began), above the
+        registered requests whose spans ended in between (each may have become an orphan there).
+        With the answer, the first and last scrapes compared; None while no scrape after it that
+        says has come. With no scrape from before it left (the daemon started since), there is
+        nothing to compare: (True, None), and it is read like any leaver.
+
+        ``work_end`` gives orphans to the latest leaver first, which is right when every leaver
+        left its work running. A client that closed as its response ended, its span ending with
+        the close, would take there the orphans of requests that left earlier and run on, and
+        their work would seem to stop when it left. Where a request may be such a client, this
+        says whether its leaving added an orphan at all.
+
+        Clients the kernel listed at the second scrape whose requests no span tells yet
+        (``unspanned``, with when each was last read) do not count as its orphans, nor, where read
+        before the first scrape compared, as those of the earlier ones (held there too). Errs
+        toward no: requests that arrived as an earlier scrape was read (counted connected, maybe
+        not held yet) count as its orphans, and untold clients read in between count at neither.
+        A second scrape that says nothing (not listed soon after the disconnect, or listed
+        incompletely) is passed over for the next, up to HELD_ONE_MORE_WINDOW_NS after the span's
+        end."""
+        series = self._loads.get(port, [])
+        after = bisect.bisect_right(series, connected_until_ns, key=lambda item: item.ts_ns)
+        if after == 0:
+            return True, None
+        # The last two scrapes that counted it connected (or came before its span began): a response
+        # finishes before its last byte is sent, so the last may have counted its span but no
+        # longer its work (one orphan too few). The higher of the two is compared with.
+        base = max(load.running + load.waiting - connected_at(load.ts_ns, load.answered_ns or load.ts_ns)
+                   + arrived(load.ts_ns, load.answered_ns or load.ts_ns) for load in series[max(0, after - 2):after])
+        before = series[max(0, after - 2)]
+        listed = self._clients.get(port)
+        ended = self._untils_sorted.get(port, _NO_TIMES)
+        packed = self._disconnects.get(port, {}).get(hash(request))
+        own_until = None if packed is None else _unpair(packed)[1]
+        for load in series[after:]:
+            if load.ts_ns - connected_until_ns > HELD_ONE_MORE_WINDOW_NS:
+                return False, (before.ts_ns, load.ts_ns)
+            orphans = load.running + load.waiting - connected_at(load.ts_ns, load.answered_ns or load.ts_ns)
+            base_now = base
+            if listed is not None:
+                clients = listed.get(load.ts_ns, _UNLISTED)
+                if clients is _UNLISTED:
+                    if load.ts_ns - disconnect_ns <= UNLISTED_AFTER_LEAVING_NS:
+                        continue
+                elif clients is None:
+                    continue
+                else:
+                    orphans -= unspanned(load, clients, None)
+                    base_now = base - unspanned(load, clients, before.ts_ns)
+            others = bisect.bisect_left(ended, load.ts_ns) - bisect.bisect_left(ended, before.ts_ns)
+            if own_until is not None and before.ts_ns <= own_until < load.ts_ns:
+                others -= 1
+            return orphans - base_now > others, (before.ts_ns, load.ts_ns)
+        return None
+
     def read_until(self, port: int, answered_ns: int) -> int | None:
         """The latest scrape ``aborts_cover`` reads for a request answered at ``answered_ns`` (the
         second after it), None while it has not come: until then a new scrape may change the answer."""
@@ -448,9 +536,13 @@ class EngineLoads:
             drop_front(requests, lambda registered: _unpair(registered)[0] < cutoff_ns)
             times, untils = self._disconnect_times[port], self._connected_until[port]
             gone = bisect.bisect_left(times, cutoff_ns)
+            ended = self._untils_sorted[port]
+            for until in untils[:gone]:
+                _take_one(ended, until)
             del times[:gone], untils[:gone]
             if not requests:
                 del self._disconnects[port], self._disconnect_times[port], self._connected_until[port]
+                del self._untils_sorted[port]
         # A connection's last close matters for SAME_CONNECTION_NS only: kept from ``closes_cutoff_ns``.
         drop_front(self._departed, lambda last_close: last_close < closes_cutoff_ns)
         for port, closes in list(self._departures.items()):

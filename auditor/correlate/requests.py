@@ -114,6 +114,8 @@ class OpenRequest:
     cost_partial: PartialCost | None = None  # a long zombie window's cost so far (evaluate's)
     scrape_sweep: ScrapeSweep | None = None  # where its gauges' sweep stood (evaluate's)
     registrations_seen: int = 0  # EngineLoads.registrations when it was last evaluated
+    # The two scrapes EngineLoads.held_one_more compared for it (their times), where it asked (evaluate's)
+    compared_ns: tuple[int, int] | None = None
 
     def due(self, now_ns: int, news_ns: int | None = None, registered: Registered | None = None) -> bool:
         """Whether to evaluate it this round, untouched by its own trace; ``news_ns`` is the oldest
@@ -129,7 +131,7 @@ class OpenRequest:
 
     def registered_news(self, registered: Registered, until_ns: int) -> int | None:
         """The earliest of ``registered`` that may change what it read up to ``until_ns``."""
-        return registered.concerning(self.origin().ts_ns, until_ns, self.registrations_seen)
+        return registered.concerning(self.origin().ts_ns, until_ns, self.registrations_seen, self.compared_ns)
 
     def checked(self, now_ns: int, *, changed: bool) -> None:
         """After an evaluation, and again once a changed verdict is written (until then it is
