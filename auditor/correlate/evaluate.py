@@ -226,7 +226,7 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
 
     request.compared_ns = None
     if racing:
-        held = corr.loads.held_one_more(port, request.key, disconnect, until, connected, arrived,
+        held = corr.loads.held_one_more(port, request.key, disconnect, hop.start_ns, until, connected, arrived,
                                         corr.unspanned_clients)
         request.compared_ns = None if held is None else held[1]
         if held is None or not held[0]:

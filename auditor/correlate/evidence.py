@@ -26,6 +26,7 @@ from typing import Any
 
 from auditor.correlate.checkpoints import Checkpoints
 from auditor.correlate.prune import drop_front
+from auditor.correlate.verdict import CLOCK_ERROR_NS
 from auditor.model import EngineLoad, SpanRecord
 
 FINAL_SEND_ATTR = "asgi.event.final"
@@ -425,17 +426,18 @@ class EngineLoads:
             return MetricsEnd(None, 0.0, 0, awaiting_spans=True) if unsure else None
         return MetricsEnd(None, 0.0, count)
 
-    def held_one_more(self, port: int, request: Hashable, disconnect_ns: int, connected_until_ns: int,
-                      connected_at: Callable[[int, int], int], arrived: Callable[[int, int], int],
+    def held_one_more(self, port: int, request: Hashable, disconnect_ns: int, span_start_ns: int,
+                      connected_until_ns: int, connected_at: Callable[[int, int], int], arrived: Callable[[int, int], int],
                       unspanned: Callable[[EngineLoad, tuple[tuple[str, int, int], ...], int | None], int]
                       ) -> tuple[bool, tuple[int, int] | None] | None:
         """Whether the engine held one more request once this one's client had left than before:
         the orphans (held - connected) at the first scrape that no longer counts it connected, less
-        those at the last scrapes that did (or that came before its span began), above the
+        those at the one before the last that did (or that came before its span began), above the
         registered requests whose spans ended in between (each may have become an orphan there).
         With the answer, the first and last scrapes compared; None while no scrape after it that
         says has come. With no scrape from before it left (the daemon started since), there is
-        nothing to compare: (True, None), and it is read like any leaver.
+        nothing to compare: (True, None), and it is read like any leaver. ``span_start_ns``: when
+        its server span began.
 
         ``work_end`` gives orphans to the latest leaver first, which is right when every leaver
         left its work running. A client that closed as its response ended, its span ending with
@@ -455,12 +457,22 @@ class EngineLoads:
         after = bisect.bisect_right(series, connected_until_ns, key=lambda item: item.ts_ns)
         if after == 0:
             return True, None
-        # The last two scrapes that counted it connected (or came before its span began): a response
-        # finishes before its last byte is sent, so the last may have counted its span but no
-        # longer its work (one orphan too few). The higher of the two is compared with.
-        base = max(load.running + load.waiting - connected_at(load.ts_ns, load.answered_ns or load.ts_ns)
-                   + arrived(load.ts_ns, load.answered_ns or load.ts_ns) for load in series[max(0, after - 2):after])
-        before = series[max(0, after - 2)]
+        # Compared with the scrape before the last that counted it connected (or that came before its
+        # span began): a response finishes before its last byte is sent, so the last may have
+        # counted its span but no longer its work (one orphan too few), where the one before still
+        # held it. A scrape read as its span began says nothing of it (counted connected, held or
+        # not yet): the one before it is taken.
+        def read_as_it_began(load: EngineLoad) -> bool:
+            return load.ts_ns < span_start_ns <= (load.answered_ns or load.ts_ns) + CLOCK_ERROR_NS
+
+        index = after - 2 if after >= 2 else after - 1
+        if read_as_it_began(series[index]):
+            index -= 1
+        if index < 0:
+            return True, None
+        before = series[index]
+        before_end = before.answered_ns or before.ts_ns
+        base = before.running + before.waiting - connected_at(before.ts_ns, before_end) + arrived(before.ts_ns, before_end)
         listed = self._clients.get(port)
         ended = self._untils_sorted.get(port, _NO_TIMES)
         packed = self._disconnects.get(port, {}).get(hash(request))
@@ -469,7 +481,7 @@ class EngineLoads:
             if load.ts_ns - connected_until_ns > HELD_ONE_MORE_WINDOW_NS:
                 return False, (before.ts_ns, load.ts_ns)
             orphans = load.running + load.waiting - connected_at(load.ts_ns, load.answered_ns or load.ts_ns)
-            base_now = base
+            held_before = base
             if listed is not None:
                 clients = listed.get(load.ts_ns, _UNLISTED)
                 if clients is _UNLISTED:
@@ -477,13 +489,13 @@ class EngineLoads:
                         continue
                 elif clients is None:
                     continue
-                else:
+                else:  # untold there, and where read before the scrape compared with, untold there too
                     orphans -= unspanned(load, clients, None)
-                    base_now = base - unspanned(load, clients, before.ts_ns)
+                    held_before -= unspanned(load, clients, before.ts_ns)
             others = bisect.bisect_left(ended, load.ts_ns) - bisect.bisect_left(ended, before.ts_ns)
             if own_until is not None and before.ts_ns <= own_until < load.ts_ns:
                 others -= 1
-            return orphans - base_now > others, (before.ts_ns, load.ts_ns)
+            return orphans - held_before > others, (before.ts_ns, load.ts_ns)
         return None
 
     def read_until(self, port: int, answered_ns: int) -> int | None:
