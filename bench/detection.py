@@ -26,6 +26,9 @@ instrumented with them does. ``--memory-probe`` has each daemon say where its me
 minute (bench/memprobe: RSS, Python's object arenas, glibc's heap, SQLite's part of it);
 ``--memory-trace`` (one tree) has the daemon run tracemalloc and prints the Python allocations grown
 from the second minute on, by the line that made them (it slows the daemon: not for CPU figures).
+``--weak-load`` has the load's engine send no engine span and only vLLM's gauges, the weakest signal
+set, and ``--load-behavior detached`` has it run a cancelled request's work on: together, every
+verdict of the load stands on the gauges' orphans, with zombies beside the completed requests.
 ``--alarms-by gauges`` times the alarms of an engine that sends no live notices (as vLLM): the
 daemon knows its zombies by the gauges it scrapes. ``--watch-inflight`` reads the daemon's
 in-flight zombie count every half second during the load, whose engine stops at every disconnect:
@@ -36,6 +39,7 @@ Usage: .venv/bin/python bench/detection.py [--alarms 15] [--load-seconds 20] [--
                                            [--live-load] [--otlp grpc] [--export-delay-ms 5000] [--memory-probe]
                                            [--memory-trace] [--keep-alive] [--setting KEY=VALUE]
                                            [--compare-setting KEY=VALUE --rounds 3] [--alarms-by gauges]
+                                           [--weak-load] [--load-behavior detached]
 """
 
 from __future__ import annotations
@@ -685,6 +689,10 @@ def main() -> int:
                         help="how the alarms' zombies are known while they run: the engine's live notices, or "
                              "its gauges alone (as vLLM's), which the daemon scrapes")
     parser.add_argument("--live-load", action="store_true", help="the load's engine sends live notices too")
+    parser.add_argument("--load-behavior", default="abort", choices=("abort", "detached"),
+                        help="the load engine's on a disconnect: stop the work, or run it on (a zombie a cancel)")
+    parser.add_argument("--weak-load", action="store_true",
+                        help="the load's engine sends no engine span and only vLLM's gauges: the weakest signals")
     parser.add_argument("--watch-inflight", action="store_true",
                         help=f"read the daemon's auditor_inflight_zombies every {INFLIGHT_POLL_S:g} s during the load "
                              "(none is true there); the reads cost the daemon CPU: not for CPU figures")
@@ -764,8 +772,9 @@ def main() -> int:
     with running_engine(behavior="detached", otlp=export, step_ms=10, max_batch=16,
                         extra_args=(["--live", f"127.0.0.1:{live}"] if args.alarms_by == "live" else []) + ["--device",
                                     "cpu" if args.load_engine_alone else args.device]) as zombie_engine, \
-            running_engine(behavior="abort", otlp=export, step_ms=2, max_batch=64,
-                           extra_args=["--device", args.device] + (["--live", f"127.0.0.1:{live}"] if args.live_load else []),
+            running_engine(behavior=args.load_behavior, otlp=export, step_ms=2, max_batch=64,
+                           extra_args=["--device", args.device] + (["--live", f"127.0.0.1:{live}"] if args.live_load else [])
+                           + (["--engine-span", "none", "--metrics-names", "vllm"] if args.weak_load else []),
                            truth_log=None if args.compare or args.compare_setting else work / "load-truth.jsonl",
                            env=load_engine_env(args.export_delay_ms)) as busy_engine:
         ports = [zombie_engine.port, busy_engine.port]
