@@ -210,14 +210,14 @@ def test_a_round_that_fails_part_way_leaves_its_news_and_registrations_news_to_e
 
 
 def run_beside_long_request(store: Store, held: Callable[[float], int], clients: Callable[[float], tuple],
-                            rounds: range = range(3, 30), span_at: int = 22) -> list[str | None]:
-    """``c``'s client leaves at 2.0 s; ``x`` (client port 40009) runs from 0.5 to 20 s, and its span
-    comes at ``span_at`` s, as vLLM (no live notices) exports a request's spans when it ends. The
-    gauges hold ``held(t)``; the kernel lists ``clients(t)`` at each scrape. Returns c's verdict
-    after each round."""
+                            rounds: range = range(3, 30), span_at: int = 22, c_end: float = 2.003) -> list[str | None]:
+    """``c``'s client leaves at 2.0 s, its span ending at ``c_end``; ``x`` (client port 40009) runs
+    from 0.5 to 20 s, and its span comes at ``span_at`` s, as vLLM (no live notices) exports a
+    request's spans when it ends. The gauges hold ``held(t)``; the kernel lists ``clients(t)`` at
+    each scrape. Returns c's verdict after each round."""
     clock = Clock()
     correlator = make(store, clock)
-    store.insert_spans([http_span("c", 1.0, 2.003)])
+    store.insert_spans([http_span("c", 1.0, c_end)])
     store.insert_conn_events([close(2.0, ConnEventKind.PEER_RST)])
     seen: list[str | None] = []
     for second in rounds:
@@ -247,10 +247,20 @@ def test_a_cancel_beside_a_long_request_whose_span_has_not_come_is_not_held_runn
 
 def test_without_the_kernels_clients_a_request_whose_span_has_not_come_reads_as_an_orphan(store: Store) -> None:
     """The same without the kernel's list (sock_diag refused): the gauges are read against the spans
-    alone, and x's work reads as c's until x's span comes (docs/verdicts.md, "Requests whose spans have not come")."""
-    seen = run_beside_long_request(store, lambda at: int(0.5 <= at < 20) + int(1.0 <= at < 2.002), lambda at: None)
+    alone. c's server heard of the close 50 ms after it: x's work reads as c's until x's span comes
+    (docs/verdicts.md, "Requests whose spans have not come")."""
+    seen = run_beside_long_request(store, lambda at: int(0.5 <= at < 20) + int(1.0 <= at < 2.002), lambda at: None,
+                                   c_end=2.05)
     assert seen[-1] == "aborted"
     assert seen.count("inflight_zombie") >= 15 and "zombie" in seen, seen
+
+
+def test_without_the_kernels_clients_a_close_racing_the_span_end_takes_no_orphan_it_did_not_add(store: Store) -> None:
+    """As above, but c's span ended 3 ms after the close: a response read whole or a server that
+    heard at once. x's untold work was held before c left and after: c's leaving added no orphan,
+    so the gauges say its work stopped from the first scrape that tells."""
+    seen = run_beside_long_request(store, lambda at: int(0.5 <= at < 20) + int(1.0 <= at < 2.002), lambda at: None)
+    assert "inflight_zombie" not in seen and "zombie" not in seen and seen[-1] == "aborted", seen
 
 
 def test_a_zombie_beside_a_long_request_whose_span_has_not_come_is_told_at_once(store: Store) -> None:

@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from auditor.correlate.correlator import Correlator
 
 ENGINE_SETTLE_AFTER_LIVE_END_NS = 2_000_000_000
+# A server span that ended this soon after the client's close may have ended with a response the
+# client had read whole: a busy server ends its span milliseconds after the last byte left (2-7 ms
+# at full CPU: bench/detection.py --weak-load --load-behavior detached --load-tokens 300), as a
+# server that hears of a disconnect does. Such a request owns orphans only if its leaving added one.
+SPAN_END_RACE_NS = 10_000_000
 # A verdict whose only change is its lag (an in-flight zombie's grows every round) is no change.
 _COMPARED = tuple(name for name in RequestVerdict.__dataclass_fields__ if name != "lag_seconds")
 
@@ -59,8 +64,9 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
             corr.loads.unregister(hop.server_port or 0, request.key)
     if details.pop("awaiting_spans", False) and completed is None:
         return None  # the gauges' orphans may be requests still running whose spans have not come
-    if known and completed is None and racing and details.get("orphaned_scrapes") == 0 \
-            and not details.get("aborts_counted"):
+    if known and completed is None and racing and origin_span is not None \
+            and origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS \
+            and details.get("orphaned_scrapes") == 0 and not details.get("aborts_counted"):
         # The span ended as the client closed, and the gauges never saw the request held after:
         # a client closing after the last byte and a server reacting at once look the same.
         known, details["close_races_span_end"] = False, True
@@ -106,12 +112,14 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
 def _may_have_answered(corr: Correlator, disconnect_ns: int, origin_span: SpanRecord | None,
                        subtree: list[SpanRecord]) -> bool:
     """The server read the request before the client closed and its span ended as the client
-    closed: a client closing after the last byte and a server reacting at once look the same,
-    unless the server records its sends (then no final send means not complete) or its engine
-    spans every normal finish (then a missing engine span means not complete). The gauges, or the
-    engine's abort counter rising by as many as the clients that left, may still tell."""
+    closed (within SPAN_END_RACE_NS): a client closing after the last byte and a server reacting
+    at once look the same, unless the server records its sends (then no final send means not
+    complete) or its engine spans every normal finish (then a missing engine span means not
+    complete). The gauges, or the engine's abort counter rising by as many as the clients that
+    left, may still tell. Within the clock error, gauges that never held it after leave it
+    unconfirmed; later, they say it was aborted (the server heard of the close)."""
     if origin_span is None or origin_span.start_ns > disconnect_ns \
-            or origin_span.end_ns - disconnect_ns > CLOCK_ERROR_NS:
+            or origin_span.end_ns - disconnect_ns > SPAN_END_RACE_NS:
         return False
     sends = origin_span.service in corr.services_marking_sends or any(
         s.parent_span_id == origin_span.span_id and ev.FINAL_SEND_ATTR in s.attributes for s in subtree)
@@ -231,8 +239,8 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
         request.compared_ns = None if held is None else held[1]
         if held is None or not held[0]:
             corr.loads.unregister(port, request.key)
-            if held is None:
-                return None
+            if held is None:  # no scrape after it that says yet: nothing is said of it
+                return ev.MetricsEnd(None, 0.0, 0, awaiting_spans=True), port, disconnect, max(disconnect, hop.end_ns)
             (first, second), answered = held[1] or (disconnect, disconnect), max(disconnect, hop.end_ns)
             return ev.MetricsEnd(max(disconnect, hop.start_ns), (second - first) / 1e9, 0, second,
                                  held_one_more=False), port, disconnect, answered
