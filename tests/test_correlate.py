@@ -257,10 +257,13 @@ def test_without_the_kernels_clients_a_request_whose_span_has_not_come_reads_as_
 
 def test_without_the_kernels_clients_a_close_racing_the_span_end_takes_no_orphan_it_did_not_add(store: Store) -> None:
     """As above, but c's span ended 3 ms after the close: a response read whole or a server that
-    heard at once. x's untold work was held before c left and after: c's leaving added no orphan,
-    so the gauges say its work stopped from the first scrape that tells."""
+    heard at once. x's untold work reads as an orphan before c left and after: c's leaving added
+    none, or x's work ended as c's ran on. Which, the gauges cannot tell: c takes no orphan, and
+    its verdict is unconfirmed (it was called aborted, which x's ending would have made wrong)."""
     seen = run_beside_long_request(store, lambda at: int(0.5 <= at < 20) + int(1.0 <= at < 2.002), lambda at: None)
-    assert "inflight_zombie" not in seen and "zombie" not in seen and seen[-1] == "aborted", seen
+    assert "inflight_zombie" not in seen and "zombie" not in seen and seen[-1] == "unconfirmed", seen
+    [row] = [r for r in verdicts(store) if r.trace_id == "c" * 32]
+    assert row.details["leaving_untold"] and row.wasted_gpu_seconds == 0
 
 
 def test_a_zombie_beside_a_long_request_whose_span_has_not_come_is_told_at_once(store: Store) -> None:
@@ -421,10 +424,10 @@ def test_http_spans_only_a_close_after_the_last_byte_takes_no_orphan_of_earlier_
     correlator.tick()
     rows = {r.client_port: r for r in verdicts(store)}
     # The engine held three orphans before that client left and three after: its leaving added
-    # none. Given to the latest leaver first, one would have made it a zombie and ended one of the
-    # three at 2.0 s.
+    # none, or one of the three ended as its work ran on; nothing tells which. Given to the latest
+    # leaver first, one would have made it a zombie and ended one of the three at 2.0 s.
     assert (rows[done[1]].verdict, rows[done[1]].details["evidence"]) == ("unconfirmed", "http_only")
-    assert rows[done[1]].details["held_one_more"] is False and rows[done[1]].details["close_races_span_end"]
+    assert rows[done[1]].details["leaving_untold"] and rows[done[1]].details["close_races_span_end"]
     for client in zombies:
         row = rows[client[1]]
         assert row.verdict == "zombie" and row.work_end_ns == T0 + int(2.875 * S), row
@@ -452,6 +455,27 @@ def test_http_spans_only_a_close_after_the_last_byte_is_a_zombie_where_its_leavi
     # The later leaver's orphan is the one that ends first here; the latest-leaver-first rule
     # says otherwise, and only to a scrape's resolution either way: both ran on past 2.5 s.
     assert all(rows[c[1]].verdict == "zombie" and rows[c[1]].work_end_ns >= T0 + int(2.5 * S) for c in (earlier, late))
+
+
+def test_http_spans_only_a_leaving_no_scrape_could_tell_is_unconfirmed(store: Store) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    earlier, late = ("127.0.0.1", 40082), ("127.0.0.1", 40083)
+    # As above, the late client cancelled and its engine ran on to 2.6 s, its server's span ending
+    # 5 ms after the close (a busy server). The kernel listed the port's clients at every scrape,
+    # but from 2.0 s on a client was accepted during each listing: none can say whether the late
+    # client's leaving added an orphan. It is no aborted request: nothing tells.
+    store.insert_spans([http_span("e", 0.2, 1.0005, client=earlier), http_span("l", 0.5, 2.005, span="6", client=late)])
+    store.insert_conn_events([close(1.0, client=earlier), close(2.0, client=late)])
+
+    def held(at: float) -> int:
+        return (0.2 <= at < 3.0) + (0.5 <= at < 2.6)
+    correlator.add_engine_load([load(0.25 * i, held(0.25 * i), clients=(), complete=i < 8) for i in range(1, 25)])
+    clock.now = T0 + 12 * S
+    correlator.tick()
+    rows = {r.client_port: r for r in verdicts(store)}
+    assert (rows[late[1]].verdict, rows[late[1]].details["evidence"]) == ("unconfirmed", "http_only")
+    assert rows[late[1]].details["leaving_untold"] and "held_one_more" not in rows[late[1]].details
 
 
 def test_http_spans_only_connected_requests_are_not_orphans(store: Store) -> None:

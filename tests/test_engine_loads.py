@@ -11,6 +11,7 @@ S = 1_000_000_000
 MS = 1_000_000
 CLOCK_ERROR = 20 * MS
 PORT = 8000
+GRACE = 500 * MS  # the correlator's default
 
 
 def at(seconds: float) -> int:
@@ -190,23 +191,31 @@ def held_one_more(loads: EngineLoads, name: str, left: float, span_end: float,
                   spans: dict[str, tuple[float, float]]) -> tuple[bool, tuple[int, int] | None] | None:
     return loads.held_one_more(PORT, name, at(left), at(spans[name][0]), at(span_end) + CLOCK_ERROR,
                                connected_counter(spans),
-                               lambda start, end: 0, lambda load, clients, read_before: 0)
+                               lambda start, end: 0, lambda load, clients, read_before: 0, no_within_ns=GRACE)
 
 
 def test_a_leaving_that_adds_no_orphan_is_told_from_one_that_does() -> None:
-    """Z's client left at 0.5 s and its work ran on to 2.5 s. D's client closed at 1.3 s after its
-    last byte (its work ended at 1.29 s, its span at 1.3005 s); C's cancelled at 1.3 s and ran on to
-    2.0 s. Latest leaver first, D would take Z's orphan; its leaving added none."""
-    spans = {"Z": (0.0, 0.5005), "D": (0.8, 1.3005), "C": (0.8, 1.3005)}
-    finished = scraped({"Z": (0.0, 2.5), "D": (0.8, 1.29)})
-    answer = held_one_more(finished, "D", 1.3, 1.3005, {n: spans[n] for n in ("Z", "D")})
-    assert answer == (False, (at(1.2), at(1.4)))  # compared from the last two scrapes that counted it
-    cancelled = scraped({"Z": (0.0, 2.5), "C": (0.8, 2.0)})
-    assert held_one_more(cancelled, "C", 1.3, 1.3005, {n: spans[n] for n in ("Z", "C")}) == (True, (at(1.2), at(1.4)))
-    # Another disconnected request whose span ended between the scrapes may own the new orphan.
-    both = scraped({"Z": (0.0, 2.5), "C": (0.8, 2.0), "D": (0.8, 1.29)})
+    """D's client closed at 1.3 s after its last byte (its work ended at 1.29 s, its span at 1.3005
+    s); C's cancelled at 1.3 s and ran on to 2.0 s. L's request runs from 0 to 3 s, its client
+    connected. Latest leaver first, D would take an earlier leaver's orphan; its leaving added none."""
+    spans = {"L": (0.0, 3.0), "D": (0.8, 1.3005), "C": (0.8, 1.3005), "Z": (0.0, 0.5005)}
+    finished = scraped({"L": (0.0, 3.0), "D": (0.8, 1.29)})
+    answer = held_one_more(finished, "D", 1.3, 1.3005, {n: spans[n] for n in ("L", "D")})
+    assert answer == (False, (at(1.2), at(1.4)))  # compared from the scrape before the last that counted it
+    cancelled = scraped({"L": (0.0, 3.0), "C": (0.8, 2.0)})
+    assert held_one_more(cancelled, "C", 1.3, 1.3005, {n: spans[n] for n in ("L", "C")}) == (True, (at(1.2), at(1.4)))
+    # Z's client left at 0.5 s and its work runs on to 2.5 s: its orphan may have ended as D's ran
+    # on, which looks the same. No scrape within the grace after D left says no: D waits, and
+    # after HELD_ONE_MORE_WINDOW_NS the answer is None (nothing tells).
+    beside_zombie = scraped({"Z": (0.0, 2.5), "D": (0.8, 1.29)})
+    assert held_one_more(beside_zombie, "D", 1.3, 1.3005, {n: spans[n] for n in ("Z", "D")}) is None
+    with_zombie = scraped({"Z": (0.0, 2.5), "C": (0.8, 2.0)})
+    assert held_one_more(with_zombie, "C", 1.3, 1.3005, {n: spans[n] for n in ("Z", "C")}) == (True, (at(1.2), at(1.4)))
+    # Another disconnected request whose span ended between the scrapes may own the new orphan:
+    # then either may have added it, and neither is told.
+    both = scraped({"L": (0.0, 3.0), "C": (0.8, 2.0), "D": (0.8, 1.29)})
     both.register(PORT, "C", at(1.3), connected_until_ns=at(1.3005) + CLOCK_ERROR)
-    assert held_one_more(both, "D", 1.3, 1.3005, spans) == (False, (at(1.2), at(1.4)))
+    assert held_one_more(both, "D", 1.3, 1.3005, spans) is None
     assert held_one_more(both, "C", 1.3, 1.3005, spans) == (True, (at(1.2), at(1.4)))  # its own is no other
 
 
@@ -226,12 +235,35 @@ def test_a_leaving_is_compared_with_a_scrape_that_says_and_none_before_it_says_y
     def unspanned(load: EngineLoad, clients: tuple[tuple[str, int, int], ...], read_before: int | None) -> int:
         return sum(1 for _, _, last_read in clients if read_before is None or last_read <= read_before)
     answer = untold.held_one_more(PORT, "C", at(1.3), at(0.8), at(1.3005) + CLOCK_ERROR, connected_counter(spans),
-                                  lambda start, end: 0, unspanned)
+                                  lambda start, end: 0, unspanned, no_within_ns=GRACE)
     assert answer == (True, (at(1.2), at(2.1)))
     assert held_one_more(scraped({}), "C", 4.0, 4.0005, spans) is None  # no scrape after it yet
     late = EngineLoads()  # scraping began after it left (a daemon started since): nothing to compare
     late.add([EngineLoad(at(2.0 + tenth / 10), PORT, running=1) for tenth in range(5)])
     assert held_one_more(late, "C", 1.3, 1.3005, spans) == (True, None)
+
+
+def test_a_request_arriving_as_a_scrape_is_read_leaves_that_scrape_undecided() -> None:
+    """N's request arrived 1 ms after the scrape of 1.4 s was sent: that scrape counts it
+    connected, and the engine took it up only at 1.45 s. With N not held there, C's leaving would
+    seem to add no orphan; with it held, one. That scrape says neither, and the next says yes.
+    Where no scrape says within the window, the answer is None: nothing tells."""
+    spans = {"Z": (0.0, 0.5005), "C": (0.8, 1.3005), "N": (1.401, 3.0)}
+    loads = scraped({"Z": (0.0, 2.5), "C": (0.8, 2.0), "N": (1.45, 3.0)})
+
+    def arrived(start_ns: int, end_ns: int) -> int:
+        return sum(1 for first, _ in spans.values() if start_ns < at(first) <= end_ns + CLOCK_ERROR)
+
+    def ask(loads: EngineLoads) -> tuple[bool | None, tuple[int, int] | None] | None:
+        return loads.held_one_more(PORT, "C", at(1.3), at(0.8), at(1.3005) + CLOCK_ERROR, connected_counter(spans),
+                                   arrived, lambda load, clients, read_before: 0, no_within_ns=GRACE)
+    assert ask(loads) == (True, (at(1.2), at(1.5)))
+    # Each scrape after it listed incompletely (accepts while the kernel was walked): none says.
+    busy = EngineLoads()
+    busy.add([EngineLoad(at(tenth / 10), PORT, running=(tenth < 25) + (8 <= tenth < 20),
+                         connections=None if tenth < 14 else (), connections_complete=tenth < 14)
+              for tenth in range(41)])
+    assert ask(busy) == (None, (at(1.2), at(3.4)))
 
 
 def test_a_registration_whose_span_ended_between_the_scrapes_compared_is_news_from_the_first() -> None:
@@ -256,5 +288,5 @@ def test_a_scrape_read_as_its_span_began_is_not_compared_with() -> None:
     def arrived(start_ns: int, end_ns: int) -> int:
         return sum(1 for first, _ in spans.values() if start_ns < at(first) <= end_ns + CLOCK_ERROR)
     answer = loads.held_one_more(PORT, "C", at(1.3), at(1.205), at(1.3005) + CLOCK_ERROR, connected_counter(spans),
-                                 arrived, lambda load, clients, read_before: 0)
+                                 arrived, lambda load, clients, read_before: 0, no_within_ns=GRACE)
     assert answer == (True, (at(1.1), at(1.4)))

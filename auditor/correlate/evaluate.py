@@ -65,10 +65,11 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     if details.pop("awaiting_spans", False) and completed is None:
         return None  # the gauges' orphans may be requests still running whose spans have not come
     if known and completed is None and racing and origin_span is not None \
-            and origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS \
+            and (origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS or details.get("leaving_untold")) \
             and details.get("orphaned_scrapes") == 0 and not details.get("aborts_counted"):
         # The span ended as the client closed, and the gauges never saw the request held after:
-        # a client closing after the last byte and a server reacting at once look the same.
+        # a client closing after the last byte and a server reacting at once look the same. Nor
+        # can one whose leaving the scrapes could not tell (a host too busy for a whole listing).
         known, details["close_races_span_end"] = False, True
     decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now, started_ns=started,
                                completed_by=completed, work_stopped_known=known), corr.grace_seconds)
@@ -179,6 +180,8 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
         details["orphaned_scrapes"] = by_metrics.orphaned_scrapes
         if by_metrics.held_one_more is not None:
             details["held_one_more"] = by_metrics.held_one_more
+        elif racing and not by_metrics.awaiting_spans:  # asked, and no scrape within the window could say
+            details["leaving_untold"] = True
         if by_metrics.orphaned_scrapes == 0 and corr.loads.aborts_cover(port, disconnect, answered, connected):
             details["aborts_counted"] = True
         if by_metrics.awaiting_spans:
@@ -235,7 +238,7 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     request.compared_ns = None
     if racing:
         held = corr.loads.held_one_more(port, request.key, disconnect, hop.start_ns, until, connected, arrived,
-                                        corr.unspanned_clients)
+                                        corr.unspanned_clients, no_within_ns=int(corr.grace_seconds * 1e9))
         request.compared_ns = None if held is None else held[1]
         if held is None or not held[0]:
             corr.loads.unregister(port, request.key)
@@ -243,7 +246,7 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
                 return ev.MetricsEnd(None, 0.0, 0, awaiting_spans=True), port, disconnect, max(disconnect, hop.end_ns)
             (first, second), answered = held[1] or (disconnect, disconnect), max(disconnect, hop.end_ns)
             return ev.MetricsEnd(max(disconnect, hop.start_ns), (second - first) / 1e9, 0, second,
-                                 held_one_more=False), port, disconnect, answered
+                                 held_one_more=held[0]), port, disconnect, answered
     corr.loads.register(port, request.key, disconnect, connected_until_ns=until)
     if request.scrape_sweep is None and now - disconnect > ev.SWEEP_AFTER_NS:  # a long sweep: checkpoints
         request.scrape_sweep = ev.ScrapeSweep()

@@ -428,16 +428,17 @@ class EngineLoads:
 
     def held_one_more(self, port: int, request: Hashable, disconnect_ns: int, span_start_ns: int,
                       connected_until_ns: int, connected_at: Callable[[int, int], int], arrived: Callable[[int, int], int],
-                      unspanned: Callable[[EngineLoad, tuple[tuple[str, int, int], ...], int | None], int]
-                      ) -> tuple[bool, tuple[int, int] | None] | None:
+                      unspanned: Callable[[EngineLoad, tuple[tuple[str, int, int], ...], int | None], int],
+                      no_within_ns: int) -> tuple[bool | None, tuple[int, int] | None] | None:
         """Whether the engine held one more request once this one's client had left than before:
         the orphans (held - connected) at the first scrape that no longer counts it connected, less
         those at the one before the last that did (or that came before its span began), above the
         registered requests whose spans ended in between (each may have become an orphan there).
         With the answer, the first and last scrapes compared; None while no scrape after it that
-        says has come. With no scrape from before it left (the daemon started since), there is
-        nothing to compare: (True, None), and it is read like any leaver. ``span_start_ns``: when
-        its server span began.
+        says has come; an answer of None where none said within HELD_ONE_MORE_WINDOW_NS (its
+        verdict cannot tell). With no scrape from before it left (the daemon started since), there
+        is nothing to compare: (True, None), and it is read like any leaver. ``span_start_ns``:
+        when its server span began.
 
         ``work_end`` gives orphans to the latest leaver first, which is right when every leaver
         left its work running. A client that closed as its response ended, its span ending with
@@ -445,14 +446,23 @@ class EngineLoads:
         their work would seem to stop when it left. Where a request may be such a client, this
         says whether its leaving added an orphan at all.
 
+        Yes where the rise is more than the others can make; no where, even had every orphan of
+        the first scrape ended by the second, the count did not rise: an orphan that ended in
+        between and one this request added leave the count as it was, and the two cannot be told
+        apart (so an engine running earlier leavers' work on never answers no). A no says its work
+        was not running at the second scrape: only within ``no_within_ns`` of the disconnect (the
+        grace) does that make it stopped at once.
+
         Clients the kernel listed at the second scrape whose requests no span tells yet
         (``unspanned``, with when each was last read) do not count as its orphans, nor, where read
-        before the first scrape compared, as those of the earlier ones (held there too). Errs
-        toward no: requests that arrived as an earlier scrape was read (counted connected, maybe
-        not held yet) count as its orphans, and untold clients read in between count at neither.
-        A second scrape that says nothing (not listed soon after the disconnect, or listed
-        incompletely) is passed over for the next, up to HELD_ONE_MORE_WINDOW_NS after the span's
-        end."""
+        before the first scrape compared, as those of the earlier ones (held there too). Requests
+        that arrived as either scrape was read (``arrived``: counted connected, maybe not held yet)
+        may each be an orphan there or not: a yes holds with all of them orphans at the first and
+        none at the second, a no with none at the first and all at the second; between the two
+        the second scrape says nothing. Untold clients read in between count at neither (errs
+        toward no). A second scrape that says nothing (that, not listed soon after the disconnect,
+        or listed incompletely) is passed over for the next, up to HELD_ONE_MORE_WINDOW_NS after
+        the span's end."""
         series = self._loads.get(port, [])
         after = bisect.bisect_right(series, connected_until_ns, key=lambda item: item.ts_ns)
         if after == 0:
@@ -472,15 +482,17 @@ class EngineLoads:
             return True, None
         before = series[index]
         before_end = before.answered_ns or before.ts_ns
-        base = before.running + before.waiting - connected_at(before.ts_ns, before_end) + arrived(before.ts_ns, before_end)
+        base = before.running + before.waiting - connected_at(before.ts_ns, before_end)
+        base_arrived = arrived(before.ts_ns, before_end)
         listed = self._clients.get(port)
         ended = self._untils_sorted.get(port, _NO_TIMES)
         packed = self._disconnects.get(port, {}).get(hash(request))
         own_until = None if packed is None else _unpair(packed)[1]
         for load in series[after:]:
             if load.ts_ns - connected_until_ns > HELD_ONE_MORE_WINDOW_NS:
-                return False, (before.ts_ns, load.ts_ns)
-            orphans = load.running + load.waiting - connected_at(load.ts_ns, load.answered_ns or load.ts_ns)
+                return None, (before.ts_ns, load.ts_ns)
+            load_end = load.answered_ns or load.ts_ns
+            orphans = load.running + load.waiting - connected_at(load.ts_ns, load_end)
             held_before = base
             if listed is not None:
                 clients = listed.get(load.ts_ns, _UNLISTED)
@@ -495,7 +507,12 @@ class EngineLoads:
             others = bisect.bisect_left(ended, load.ts_ns) - bisect.bisect_left(ended, before.ts_ns)
             if own_until is not None and before.ts_ns <= own_until < load.ts_ns:
                 others -= 1
-            return orphans - held_before > others, (before.ts_ns, load.ts_ns)
+            # Each registered other may have added one; each orphan of the first scrape may have ended.
+            if orphans - (held_before + base_arrived) > others:
+                return True, (before.ts_ns, load.ts_ns)
+            if load.ts_ns - disconnect_ns <= no_within_ns and \
+                    orphans + arrived(load.ts_ns, load_end) - held_before + max(0, held_before + base_arrived) <= 0:
+                return False, (before.ts_ns, load.ts_ns)
         return None
 
     def read_until(self, port: int, answered_ns: int) -> int | None:
