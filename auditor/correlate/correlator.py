@@ -46,6 +46,7 @@ from auditor.correlate.requests import (
 )
 from auditor.correlate.roundcpu import RoundCpu
 from auditor.correlate.traces import TraceIndex, Tuple4, disconnect_instant, norm_addr, span_tuple
+from auditor.correlate.untold import UntoldClients
 from auditor.correlate.verdict import CLOCK_ERROR_NS, NORMAL_FINISH, TOKENS_AFTER_DISCONNECT_ATTR
 from auditor.correlate.waste import CostSources
 from auditor.model import (
@@ -73,6 +74,9 @@ PRUNE_EVERY_NS = 10 * 1_000_000_000
 # last data read from a client belongs to a span that started at most this long before it (a
 # later request on a kept-alive connection is read after the span before it ended).
 REQUEST_READ_NS = 50_000_000
+# Listings' untold clients are kept this long (UntoldClients): the scrapes the verdicts of a busy
+# port read again and again. Older ones, read by long sweeps, are tested again when asked.
+UNTOLD_KEPT_NS = 10_000_000_000
 _END_OF_TIME = sys.maxsize
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
 # The probe's events are stored a batch to a row (auditor.store.eventblocks); the cursor is an
@@ -158,7 +162,7 @@ class Correlator:
         self.loads = EngineLoads()
         self.loads.clients_kept_ns = self.memory_ns  # as long as the spans that tell them are held
         # (port, scrape, read before) -> unspanned_clients, this round
-        self._unspanned: dict[tuple[int, int, int | None], int] = {}
+        self._untold = UntoldClients(self._told, norm_addr)
         # Ports whose coming scrapes a verdict of this round reads undecided: their clients are
         # wanted with them (the daemon asks the scraper, ``EngineMetricsScraper.want_clients``).
         self.clients_wanted: set[int] = set()
@@ -411,7 +415,6 @@ class Correlator:
         cpu.start()
         self._touched = set()
         self.arrived = []
-        self._unspanned = {}
         self.clients_wanted = set()
         self.add_live(live or [])
         self._read_spans()
@@ -422,6 +425,8 @@ class Correlator:
         self._join_pending(now)
         self._rekey()
         self._check_unjoined_spans(now)
+        self._untold.news(self._news)
+        self._untold.forget_before(now - UNTOLD_KEPT_NS)
         changed: list[tuple[OpenRequest, RequestVerdict]] = []
         news, registered = self._take_news(), self.loads.take_registered()
         self._forget_checkpoints(news, registered)
@@ -724,22 +729,15 @@ class Correlator:
         REQUEST_READ_NS before that read; a span that started earlier is an earlier request's, and
         the one read last is not told yet. A client whose told request ended before the scrape is
         idle, kept alive. ``read_before_ns``: only clients last read by then (their untold requests
-        were held at that moment too). Counted once a round (spans come between rounds)."""
-        key = (load.server_port, load.ts_ns, read_before_ns)
-        counted = self._unspanned.get(key)
-        if counted is None:
-            port, by_ns = load.server_port, (load.answered_ns or load.ts_ns) + CLOCK_ERROR_NS
-            counted = 0
-            for address, client_port, last_read_ns in clients:
-                if read_before_ns is not None and last_read_ns > read_before_ns:
-                    continue
-                tuple4 = (norm_addr(address), client_port, port)
-                read_from_ns = last_read_ns - REQUEST_READ_NS
-                if not any(read_from_ns <= span.start_ns <= by_ns for span in self.spans.on_connection(tuple4)) \
-                        and not self.live.explains(tuple4, by_ns, read_from_ns):
-                    counted += 1
-            self._unspanned[key] = counted
-        return counted
+        were held at that moment too). Each listing is tested once and kept (``UntoldClients``),
+        its untold clients tested again as spans and notices come on their connections."""
+        return self._untold.count(load, clients, (load.answered_ns or load.ts_ns) + CLOCK_ERROR_NS, read_before_ns)
+
+    def _told(self, tuple4: Tuple4, last_read_ns: int, by_ns: int) -> bool:
+        """Whether a server span or start notice on the connection tells its request read last."""
+        read_from_ns = last_read_ns - REQUEST_READ_NS
+        return any(read_from_ns <= span.start_ns <= by_ns for span in self.spans.on_connection(tuple4)) \
+            or self.live.explains(tuple4, by_ns, read_from_ns)
 
     def alarm_at(self, ts_ns: int) -> None:
         """A request judged this round becomes an in-flight zombie at ``ts_ns`` if nothing changes."""
