@@ -76,7 +76,7 @@ PRUNE_EVERY_NS = 10 * 1_000_000_000
 REQUEST_READ_NS = 50_000_000
 # Listings' untold clients are kept this long (UntoldClients): the scrapes the verdicts of a busy
 # port read again and again. Older ones, read by long sweeps, are tested again when asked.
-UNTOLD_KEPT_NS = 10_000_000_000
+UNTOLD_KEPT_NS = 3_000_000_000
 _END_OF_TIME = sys.maxsize
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
 # The probe's events are stored a batch to a row (auditor.store.eventblocks); the cursor is an

@@ -41,7 +41,8 @@ class UntoldClients:
         self._told = told
         self._address = address
         self._listings: dict[Key, _Listing] = {}
-        self._holding: dict[Tuple4, set[Key]] = {}  # client -> the listings where it is untold
+        # client -> (the one tuple every listing holds it by, the listings where it is untold)
+        self._holding: dict[Tuple4, tuple[Tuple4, set[Key]]] = {}
         self._by_age: list[Key] = []  # (port, scrape time) in a heap by time: pruned from the oldest
 
     def __len__(self) -> int:
@@ -59,8 +60,11 @@ class UntoldClients:
             for address, client_port, last_read_ns in clients:
                 tuple4 = (self._address(address), client_port, port)
                 if not self._told(tuple4, last_read_ns, by_ns):
-                    listing.untold[tuple4] = last_read_ns
-                    self._holding.setdefault(tuple4, set()).add(key)
+                    held = self._holding.get(tuple4)
+                    if held is None:
+                        held = self._holding[tuple4] = (tuple4, set())
+                    listing.untold[held[0]] = last_read_ns
+                    held[1].add(key)
             listing.reads = sorted(listing.untold.values())
             heapq.heappush(self._by_age, (load.ts_ns, load.server_port))
         reads = listing.reads
@@ -69,9 +73,10 @@ class UntoldClients:
     def news(self, connections: Iterable[Tuple4]) -> None:
         """Spans or notices came on these connections: re-test them where they were untold."""
         for tuple4 in connections:
-            keys = self._holding.get(tuple4)
-            if not keys:
+            held = self._holding.get(tuple4)
+            if held is None:
                 continue
+            keys = held[1]
             for key in list(keys):
                 listing = self._listings[key]
                 last_read_ns = listing.untold[tuple4]
@@ -90,8 +95,8 @@ class UntoldClients:
             if listing is None:
                 continue
             for tuple4 in listing.untold:
-                keys = self._holding.get(tuple4)
-                if keys is not None:
-                    keys.discard((port, scraped_ns))
-                    if not keys:
+                held = self._holding.get(tuple4)
+                if held is not None:
+                    held[1].discard((port, scraped_ns))
+                    if not held[1]:
                         del self._holding[tuple4]
