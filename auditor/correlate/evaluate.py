@@ -9,6 +9,7 @@ notices, the engine's own /metrics, and for completion what the server had sent.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -172,9 +173,6 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
     scraped = _metrics_work_end(corr, request, subtree, now, racing)
     if scraped is not None:
         by_metrics, port, disconnect, answered = scraped
-
-        def connected(start: int, end: int) -> int:
-            return corr.connected_at(port, start - CLOCK_ERROR_NS, end + CLOCK_ERROR_NS)
         details["evidence"], details["work_end_exact"] = ev.ENGINE_METRICS, "scrape"
         details["work_end_resolution_s"] = round(by_metrics.resolution_s, 3)
         details["orphaned_scrapes"] = by_metrics.orphaned_scrapes
@@ -182,7 +180,8 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
             details["held_one_more"] = by_metrics.held_one_more
         elif racing and not by_metrics.awaiting_spans:  # asked, and no scrape within the window could say
             details["leaving_untold"] = True
-        if by_metrics.orphaned_scrapes == 0 and corr.loads.aborts_cover(port, disconnect, answered, connected):
+        if by_metrics.orphaned_scrapes == 0 and corr.loads.aborts_cover(
+                port, disconnect, answered, _connected_on(corr, port)):
             details["aborts_counted"] = True
         if by_metrics.awaiting_spans:
             details["awaiting_spans"] = True
@@ -228,9 +227,7 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
         return None
     disconnect = request.disconnects.get(span_tuple(hop), origin).ts_ns
     port, until = hop.server_port or 0, hop.end_ns + CLOCK_ERROR_NS
-
-    def connected(start: int, end: int) -> int:
-        return corr.connected_at(port, start - CLOCK_ERROR_NS, end + CLOCK_ERROR_NS)
+    connected = _connected_on(corr, port)
 
     def arrived(start: int, end: int) -> int:
         return corr.spans.server_spans_started(port, start, end + CLOCK_ERROR_NS)
@@ -257,6 +254,14 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     if ended is not None and racing:
         ended = replace(ended, held_one_more=True)
     return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))
+
+
+def _connected_on(corr: Correlator, port: int) -> Callable[[int, int], int]:
+    """Requests in flight on ``port`` at any moment of a scrape's [sent, answered], give or take
+    the clock error: the connected count its orphans are read against."""
+    def connected(start: int, end: int) -> int:
+        return corr.connected_at(port, start - CLOCK_ERROR_NS, end + CLOCK_ERROR_NS)
+    return connected
 
 
 def _scraped_hop(corr: Correlator, subtree: list[SpanRecord]) -> SpanRecord | None:
