@@ -207,6 +207,7 @@ class Correlator:
         self.alarm_due_ns: int | None = None
         # Connections with a new span, kernel event or live notice of their server span this round.
         self._news: set[Tuple4] = set()
+        self._spanned: set[Tuple4] = set()  # of those, the ones with a new server span or start notice
         self._news_ns: int | None = None  # the oldest moment new evidence concerns, since the last evaluation
         self._counted: dict[str, int] = {}  # what coverage counted (its source id), and when: never twice
         # The same for closes counted at their window's end (idle or unjoined), by event id: with a
@@ -280,7 +281,10 @@ class Correlator:
         for event in events:  # an end changes what was running from its start on
             started = self.live.started_at(event.trace_id, event.span_id) if event.event == "end" else None
             self._news_at(event.ts_ns if started is None else min(started, event.ts_ns))
-        self._touched |= self.live.add(events, self._news)
+        started_on: set[Tuple4] = set()
+        self._touched |= self.live.add(events, started_on)
+        self._news |= started_on
+        self._spanned |= started_on
 
     def _news_at(self, ts_ns: int) -> None:
         if self._news_ns is None or ts_ns < self._news_ns:
@@ -369,6 +373,7 @@ class Correlator:
             self._learn_spanning_service(span)
         if span.role is SpanRole.HTTP_SERVER and span.peer_port:
             self._news.add(span_tuple(span))
+            self._spanned.add(span_tuple(span))
         if span.role is SpanRole.HTTP_SERVER:
             if span.peer_rewritten:
                 self._count(CoverageKind.PROXY_REWRITTEN_PEER, f"span:{span.trace_id}:{span.span_id}", span.end_ns)
@@ -425,7 +430,8 @@ class Correlator:
         self._join_pending(now)
         self._rekey()
         self._check_unjoined_spans(now)
-        self._untold.news(self._news)
+        self._untold.news(self._spanned)
+        self._spanned = set()
         self._untold.forget_before(now - UNTOLD_KEPT_NS)
         changed: list[tuple[OpenRequest, RequestVerdict]] = []
         news, registered = self._take_news(), self.loads.take_registered()
