@@ -255,6 +255,28 @@ def test_without_the_kernels_clients_a_request_whose_span_has_not_come_reads_as_
     assert seen.count("inflight_zombie") >= 15 and "zombie" in seen, seen
 
 
+def test_listed_clients_are_told_once_their_spans_come_and_counted_by_when_each_was_read(store: Store) -> None:
+    """The untold clients of a listing: none told at first; a span that began after a client's
+    last read (less REQUEST_READ_NS) tells it from the next round on, one that began earlier (an
+    earlier request on the connection) does not; ``read_before_ns`` counts those read by then."""
+    clock = Clock()
+    correlator = make(store, clock)
+    clients = (("127.0.0.1", 40101, 1.0), ("127.0.0.1", 40102, 1.2), ("127.0.0.1", 40103, 1.4))
+    scrape = load(2.0, 3, clients=clients)
+    listed = scrape.connections or ()
+    clock.now = T0 + 3 * S
+    correlator.tick()
+    assert correlator.unspanned_clients(scrape, listed) == 3
+    assert correlator.unspanned_clients(scrape, listed, read_before_ns=T0 + int(1.2 * S)) == 2
+    store.insert_spans([http_span("a", 0.98, 9.0, client=("127.0.0.1", 40101)),  # read 20 ms after it began
+                        http_span("b", 0.5, 0.6, span="6", client=("127.0.0.1", 40102))])  # an earlier request
+    assert correlator.unspanned_clients(scrape, listed) == 3  # spans come between rounds
+    clock.now = T0 + 4 * S
+    correlator.tick()
+    assert correlator.unspanned_clients(scrape, listed) == 2
+    assert correlator.unspanned_clients(scrape, listed, read_before_ns=T0 + int(1.2 * S)) == 1
+
+
 def test_without_the_kernels_clients_a_close_racing_the_span_end_takes_no_orphan_it_did_not_add(store: Store) -> None:
     """As above, but c's span ended 3 ms after the close: a response read whole or a server that
     heard at once. x's untold work reads as an orphan before c left and after: c's leaving added

@@ -22,6 +22,7 @@ kernel event is settled, so a restart resumes from there and upserts change noth
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import logging
@@ -46,7 +47,6 @@ from auditor.correlate.requests import (
 )
 from auditor.correlate.roundcpu import RoundCpu
 from auditor.correlate.traces import TraceIndex, Tuple4, disconnect_instant, norm_addr, span_tuple
-from auditor.correlate.untold import UntoldClients
 from auditor.correlate.verdict import CLOCK_ERROR_NS, NORMAL_FINISH, TOKENS_AFTER_DISCONNECT_ATTR
 from auditor.correlate.waste import CostSources
 from auditor.model import (
@@ -74,9 +74,6 @@ PRUNE_EVERY_NS = 10 * 1_000_000_000
 # last data read from a client belongs to a span that started at most this long before it (a
 # later request on a kept-alive connection is read after the span before it ended).
 REQUEST_READ_NS = 50_000_000
-# Listings' untold clients are kept this long (UntoldClients): the scrapes the verdicts of a busy
-# port read again and again. Older ones, read by long sweeps, are tested again when asked.
-UNTOLD_KEPT_NS = 3_000_000_000
 _END_OF_TIME = sys.maxsize
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
 # The probe's events are stored a batch to a row (auditor.store.eventblocks); the cursor is an
@@ -162,7 +159,9 @@ class Correlator:
         self.loads = EngineLoads()
         self.loads.clients_kept_ns = self.memory_ns  # as long as the spans that tell them are held
         # (port, scrape, read before) -> unspanned_clients, this round
-        self._untold = UntoldClients(self._told, norm_addr)
+        self._unspanned: dict[tuple[int, int], list[int]] = {}  # a round's untold clients by scrape
+        # connection -> (its latest read asked of, when the first span or notice telling it began)
+        self._telling: dict[Tuple4, tuple[int, int]] = {}
         # Ports whose coming scrapes a verdict of this round reads undecided: their clients are
         # wanted with them (the daemon asks the scraper, ``EngineMetricsScraper.want_clients``).
         self.clients_wanted: set[int] = set()
@@ -420,6 +419,7 @@ class Correlator:
         cpu.start()
         self._touched = set()
         self.arrived = []
+        self._unspanned = {}
         self.clients_wanted = set()
         self.add_live(live or [])
         self._read_spans()
@@ -430,9 +430,9 @@ class Correlator:
         self._join_pending(now)
         self._rekey()
         self._check_unjoined_spans(now)
-        self._untold.news(self._spanned)
+        for tuple4 in self._spanned:
+            self._telling.pop(tuple4, None)
         self._spanned = set()
-        self._untold.forget_before(now - UNTOLD_KEPT_NS)
         changed: list[tuple[OpenRequest, RequestVerdict]] = []
         news, registered = self._take_news(), self.loads.take_registered()
         self._forget_checkpoints(news, registered)
@@ -735,15 +735,32 @@ class Correlator:
         REQUEST_READ_NS before that read; a span that started earlier is an earlier request's, and
         the one read last is not told yet. A client whose told request ended before the scrape is
         idle, kept alive. ``read_before_ns``: only clients last read by then (their untold requests
-        were held at that moment too). Each listing is tested once and kept (``UntoldClients``),
-        its untold clients tested again as spans and notices come on their connections."""
-        return self._untold.count(load, clients, (load.answered_ns or load.ts_ns) + CLOCK_ERROR_NS, read_before_ns)
+        were held at that moment too). Counted once a round (spans come between rounds)."""
+        key = (load.server_port, load.ts_ns)
+        reads = self._unspanned.get(key)
+        if reads is None:  # when each untold client was last read, sorted: any read_before_ns is a bisection
+            port, by_ns = load.server_port, (load.answered_ns or load.ts_ns) + CLOCK_ERROR_NS
+            untold: list[int] = []
+            for address, client_port, last_read_ns in clients:
+                if self._first_telling((norm_addr(address), client_port, port), last_read_ns) > by_ns:
+                    untold.append(last_read_ns)
+            reads = self._unspanned[key] = sorted(untold)
+        return len(reads) if read_before_ns is None else bisect.bisect_right(reads, read_before_ns)
 
-    def _told(self, tuple4: Tuple4, last_read_ns: int, by_ns: int) -> bool:
-        """Whether a server span or start notice on the connection tells its request read last."""
+    def _first_telling(self, tuple4: Tuple4, last_read_ns: int) -> int:
+        """When the first server span or start notice on the connection that can tell its request
+        read last began (_END_OF_TIME: none yet): one that began at most REQUEST_READ_NS before
+        that read. Kept per connection for its latest read until a span or notice comes on it
+        (``_spanned``): a busy port's listings name the same connections scrape after scrape."""
+        known = self._telling.get(tuple4)
+        if known is not None and known[0] == last_read_ns:
+            return known[1]
         read_from_ns = last_read_ns - REQUEST_READ_NS
-        return any(read_from_ns <= span.start_ns <= by_ns for span in self.spans.on_connection(tuple4)) \
-            or self.live.explains(tuple4, by_ns, read_from_ns)
+        first = min((span.start_ns for span in self.spans.on_connection(tuple4) if span.start_ns >= read_from_ns),
+                    default=_END_OF_TIME)
+        first = min(first, self.live.first_start_on(tuple4, read_from_ns))
+        self._telling[tuple4] = (last_read_ns, first)
+        return first
 
     def alarm_at(self, ts_ns: int) -> None:
         """A request judged this round becomes an in-flight zombie at ``ts_ns`` if nothing changes."""
@@ -896,6 +913,8 @@ class Correlator:
         # Scrapes for an open request's whole run (a long zombie needs them all); connections' last
         # closes for the memory window (well past SAME_CONNECTION_NS).
         self.loads.prune(cutoff, closes_cutoff_ns=memory_cutoff)
+        listed_cutoff = now - self.loads.clients_kept_ns  # no listing read before then is kept
+        self._telling = {tuple4: known for tuple4, known in self._telling.items() if known[0] >= listed_cutoff}
         for table in (self._events_by_tuple, self._closed_by_tuple, self._local_fin_by_tuple):
             drop_front(table, lambda stamps: max(stamps) < memory_cutoff)  # in the order of their last event
         # Start notices are what joins a waiting close to a span known only live: kept while a close

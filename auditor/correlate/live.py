@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -71,10 +72,10 @@ class LiveState:
         return in_flight_among(notices, _started, running_at, ts_ns, closed_at, wait_ns,
                                earliest_ns, peer_fin=peer_fin, events_at=events_at)
 
-    def explains(self, tuple4: Tuple4, started_by_ns: int, started_from_ns: int) -> bool:
-        """Whether a server span's start notice on this connection tells a request that started
-        in [``started_from_ns``, ``started_by_ns``]."""
-        return any(started_from_ns <= live.ts_ns <= started_by_ns for live in self._by_tuple.get(tuple4, ()))
+    def first_start_on(self, tuple4: Tuple4, from_ns: int) -> int:
+        """When the first server span on this connection that started at ``from_ns`` or later began,
+        as start notices tell (sys.maxsize: none)."""
+        return min((live.ts_ns for live in self._by_tuple.get(tuple4, ()) if live.ts_ns >= from_ns), default=sys.maxsize)
 
     def running(self, trace_id: str, span_ids: set[str]) -> bool:
         """Whether any of these spans, or any engine work of the trace, is still running."""
