@@ -371,8 +371,9 @@ class Correlator:
                                             and span.service not in self.services_spanning_finishes):
             self._learn_spanning_service(span)
         if span.role is SpanRole.HTTP_SERVER and span.peer_port:
-            self._news.add(span_tuple(span))
-            self._spanned.add(span_tuple(span))
+            connection = span_tuple(span)
+            self._news.add(connection)
+            self._spanned.add(connection)
         if span.role is SpanRole.HTTP_SERVER:
             if span.peer_rewritten:
                 self._count(CoverageKind.PROXY_REWRITTEN_PEER, f"span:{span.trace_id}:{span.span_id}", span.end_ns)
