@@ -457,22 +457,35 @@ def test_http_spans_only_a_close_after_the_last_byte_takes_no_orphan_of_earlier_
         assert row.details["held_one_more"] is True
 
 
-def test_http_spans_only_a_close_after_the_last_byte_is_a_zombie_where_its_leaving_adds_an_orphan(
-        store: Store) -> None:
+def run_late_cancel(store: Store, late_end: float, complete: Callable[[int], bool] | None = None) -> dict[int, Any]:
+    """An earlier client left at 1.0 s and a late one at 2.0 s, its server's span ending at
+    ``late_end``; the engine ran both on (to 3.0 and 2.6 s). ``complete(i)``: whether the kernel's
+    listing with the i-th scrape (every 250 ms) was whole; None: no listings. The verdicts by
+    client port."""
     clock = Clock()
     correlator = make(store, clock)
-    earlier, late = ("127.0.0.1", 40080), ("127.0.0.1", 40081)
-    # As above, but the late client cancelled and its engine ran on to 2.6 s: three orphans before
-    # it left, four after, whatever its span's end says.
-    store.insert_spans([http_span("e", 0.2, 1.0005, client=earlier), http_span("l", 0.5, 2.0003, span="6", client=late)])
-    store.insert_conn_events([close(1.0, client=earlier), close(2.0, client=late)])
+    store.insert_spans([http_span("e", 0.2, 1.0005, client=LATE_CANCEL[0]),
+                        http_span("l", 0.5, late_end, span="6", client=LATE_CANCEL[1])])
+    store.insert_conn_events([close(1.0, client=LATE_CANCEL[0]), close(2.0, client=LATE_CANCEL[1])])
 
     def held(at: float) -> int:
         return (0.2 <= at < 3.0) + (0.5 <= at < 2.6)
-    correlator.add_engine_load([load(0.25 * i, held(0.25 * i)) for i in range(1, 25)])
+    correlator.add_engine_load([load(0.25 * i, held(0.25 * i), clients=None if complete is None else (),
+                                     complete=complete is None or complete(i)) for i in range(1, 25)])
     clock.now = T0 + 12 * S
     correlator.tick()
-    rows = {r.client_port: r for r in verdicts(store)}
+    return {r.client_port: r for r in verdicts(store)}
+
+
+LATE_CANCEL = (("127.0.0.1", 40080), ("127.0.0.1", 40081))
+
+
+def test_http_spans_only_a_close_after_the_last_byte_is_a_zombie_where_its_leaving_adds_an_orphan(
+        store: Store) -> None:
+    # As above, but the late client cancelled and its engine ran on to 2.6 s: three orphans before
+    # it left, four after, whatever its span's end says.
+    rows = run_late_cancel(store, 2.0003)
+    earlier, late = LATE_CANCEL
     assert rows[late[1]].verdict == "zombie" and rows[late[1]].details["held_one_more"] is True
     # The later leaver's orphan is the one that ends first here; the latest-leaver-first rule
     # says otherwise, and only to a scrape's resolution either way: both ran on past 2.5 s.
@@ -480,22 +493,12 @@ def test_http_spans_only_a_close_after_the_last_byte_is_a_zombie_where_its_leavi
 
 
 def test_http_spans_only_a_leaving_no_scrape_could_tell_is_unconfirmed(store: Store) -> None:
-    clock = Clock()
-    correlator = make(store, clock)
-    earlier, late = ("127.0.0.1", 40082), ("127.0.0.1", 40083)
-    # As above, the late client cancelled and its engine ran on to 2.6 s, its server's span ending
-    # 5 ms after the close (a busy server). The kernel listed the port's clients at every scrape,
-    # but from 2.0 s on a client was accepted during each listing: none can say whether the late
-    # client's leaving added an orphan. It is no aborted request: nothing tells.
-    store.insert_spans([http_span("e", 0.2, 1.0005, client=earlier), http_span("l", 0.5, 2.005, span="6", client=late)])
-    store.insert_conn_events([close(1.0, client=earlier), close(2.0, client=late)])
-
-    def held(at: float) -> int:
-        return (0.2 <= at < 3.0) + (0.5 <= at < 2.6)
-    correlator.add_engine_load([load(0.25 * i, held(0.25 * i), clients=(), complete=i < 8) for i in range(1, 25)])
-    clock.now = T0 + 12 * S
-    correlator.tick()
-    rows = {r.client_port: r for r in verdicts(store)}
+    # As above, its server's span ending 5 ms after the close (a busy server). The kernel listed
+    # the port's clients at every scrape, but from 2.0 s on a client was accepted during each
+    # listing: none can say whether the late client's leaving added an orphan. It is no aborted
+    # request: nothing tells.
+    rows = run_late_cancel(store, 2.005, complete=lambda i: i < 8)
+    late = LATE_CANCEL[1]
     assert (rows[late[1]].verdict, rows[late[1]].details["evidence"]) == ("unconfirmed", "http_only")
     assert rows[late[1]].details["leaving_untold"] and "held_one_more" not in rows[late[1]].details
 
