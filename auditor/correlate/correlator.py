@@ -158,8 +158,9 @@ class Correlator:
         self.services_spanning_finishes: set[str] = set()
         self.loads = EngineLoads()
         self.loads.clients_kept_ns = self.memory_ns  # as long as the spans that tell them are held
-        # (port, scrape, read before) -> unspanned_clients, this round
-        self._unspanned: dict[tuple[int, int], list[int]] = {}  # a round's untold clients by scrape
+        # (port, scrape) -> when each client unspanned_clients found untold there was last read,
+        # sorted: counted once a round
+        self._unspanned: dict[tuple[int, int], list[int]] = {}
         # connection -> (its latest read asked of, when the first span or notice telling it began)
         self._telling: dict[Tuple4, tuple[int, int]] = {}
         # Ports whose coming scrapes a verdict of this round reads undecided: their clients are
@@ -206,7 +207,7 @@ class Correlator:
         self.alarm_due_ns: int | None = None
         # Connections with a new span, kernel event or live notice of their server span this round.
         self._news: set[Tuple4] = set()
-        self._spanned: set[Tuple4] = set()  # of those, the ones with a new server span or start notice
+        self._spanned: set[Tuple4] = set()  # of those, the ones with a new server span or live notice
         self._news_ns: int | None = None  # the oldest moment new evidence concerns, since the last evaluation
         self._counted: dict[str, int] = {}  # what coverage counted (its source id), and when: never twice
         # The same for closes counted at their window's end (idle or unjoined), by event id: with a
