@@ -207,7 +207,6 @@ class Correlator:
         self.alarm_due_ns: int | None = None
         # Connections with a new span, kernel event or live notice of their server span this round.
         self._news: set[Tuple4] = set()
-        self._spanned: set[Tuple4] = set()  # of those, the ones with a new server span or live notice
         self._news_ns: int | None = None  # the oldest moment new evidence concerns, since the last evaluation
         self._counted: dict[str, int] = {}  # what coverage counted (its source id), and when: never twice
         # The same for closes counted at their window's end (idle or unjoined), by event id: with a
@@ -281,10 +280,7 @@ class Correlator:
         for event in events:  # an end changes what was running from its start on
             started = self.live.started_at(event.trace_id, event.span_id) if event.event == "end" else None
             self._news_at(event.ts_ns if started is None else min(started, event.ts_ns))
-        started_on: set[Tuple4] = set()
-        self._touched |= self.live.add(events, started_on)
-        self._news |= started_on
-        self._spanned |= started_on
+        self._touched |= self.live.add(events, self._news)
 
     def _news_at(self, ts_ns: int) -> None:
         if self._news_ns is None or ts_ns < self._news_ns:
@@ -372,9 +368,7 @@ class Correlator:
                                             and span.service not in self.services_spanning_finishes):
             self._learn_spanning_service(span)
         if span.role is SpanRole.HTTP_SERVER and span.peer_port:
-            connection = span_tuple(span)
-            self._news.add(connection)
-            self._spanned.add(connection)
+            self._news.add(span_tuple(span))
         if span.role is SpanRole.HTTP_SERVER:
             if span.peer_rewritten:
                 self._count(CoverageKind.PROXY_REWRITTEN_PEER, f"span:{span.trace_id}:{span.span_id}", span.end_ns)
@@ -432,9 +426,8 @@ class Correlator:
         self._join_pending(now)
         self._rekey()
         self._check_unjoined_spans(now)
-        for tuple4 in self._spanned:
+        for tuple4 in self._news:  # a span or notice on it may tell its client now
             self._telling.pop(tuple4, None)
-        self._spanned = set()
         changed: list[tuple[OpenRequest, RequestVerdict]] = []
         news, registered = self._take_news(), self.loads.take_registered()
         self._forget_checkpoints(news, registered)
@@ -752,8 +745,8 @@ class Correlator:
     def _first_telling(self, tuple4: Tuple4, last_read_ns: int) -> int:
         """When the first server span or start notice on the connection that can tell its request
         read last began (_END_OF_TIME: none yet): one that began at most REQUEST_READ_NS before
-        that read. Kept per connection for its latest read until a span or notice comes on it
-        (``_spanned``): a busy port's listings name the same connections scrape after scrape."""
+        that read. Kept per connection for its latest read until news comes on it (``_news``): a
+        busy port's listings name the same connections scrape after scrape."""
         known = self._telling.get(tuple4)
         if known is not None and known[0] == last_read_ns:
             return known[1]

@@ -119,7 +119,8 @@ def _may_have_answered(corr: Correlator, disconnect_ns: int, origin_span: SpanRe
     complete) or its engine spans every normal finish (then a missing engine span means not
     complete). The gauges, or the engine's abort counter rising by as many as the clients that
     left, may still tell. Within the clock error, gauges that never held it after leave it
-    unconfirmed; later, they say it was aborted (the server heard of the close)."""
+    unconfirmed; later, they say it was aborted (the server heard of the close), unless no scrape
+    could tell whether its leaving added an orphan (unconfirmed too)."""
     if origin_span is None or origin_span.start_ns > disconnect_ns \
             or origin_span.end_ns - disconnect_ns > SPAN_END_RACE_NS:
         return False
@@ -178,7 +179,7 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
         details["orphaned_scrapes"] = by_metrics.orphaned_scrapes
         if by_metrics.held_one_more is not None:
             details["held_one_more"] = by_metrics.held_one_more
-        elif racing and not by_metrics.awaiting_spans:  # asked, and no scrape within the window could say
+        if by_metrics.leaving_untold:
             details["leaving_untold"] = True
         if by_metrics.orphaned_scrapes == 0 and corr.loads.aborts_cover(
                 port, disconnect, answered, _connected_on(corr, port)):
@@ -243,7 +244,7 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
                 return ev.MetricsEnd(None, 0.0, 0, awaiting_spans=True), port, disconnect, max(disconnect, hop.end_ns)
             (first, second), answered = held[1] or (disconnect, disconnect), max(disconnect, hop.end_ns)
             return ev.MetricsEnd(max(disconnect, hop.start_ns), (second - first) / 1e9, 0, second,
-                                 held_one_more=held[0]), port, disconnect, answered
+                                 held_one_more=held[0], leaving_untold=held[0] is None), port, disconnect, answered
     corr.loads.register(port, request.key, disconnect, connected_until_ns=until)
     if request.scrape_sweep is None and now - disconnect > ev.SWEEP_AFTER_NS:  # a long sweep: checkpoints
         request.scrape_sweep = ev.ScrapeSweep()

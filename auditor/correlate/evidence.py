@@ -81,6 +81,7 @@ class MetricsEnd:
     # Where asked (a client that may have closed after the last byte): whether the engine held one
     # more request once it left (EngineLoads.held_one_more)
     held_one_more: bool | None = None
+    leaving_untold: bool = False  # asked, and no scrape within HELD_ONE_MORE_WINDOW_NS could say
 
 
 # Evidence this long after a scrape may still change what the sweep read there: the connected count
@@ -510,10 +511,12 @@ class EngineLoads:
             if own_until is not None and before.ts_ns <= own_until < load.ts_ns:
                 others -= 1
             # Each registered other may have added one; each orphan of the first scrape may have ended.
-            if orphans - (held_before + base_arrived) > others:
+            least_rise = orphans - (held_before + base_arrived)
+            most_rise = orphans + arrived(load.ts_ns, load_end) - held_before
+            may_have_ended = max(0, held_before + base_arrived)  # the first scrape's orphans, at most
+            if least_rise > others:
                 return True, (before.ts_ns, load.ts_ns)
-            if load.ts_ns - disconnect_ns <= no_within_ns and \
-                    orphans + arrived(load.ts_ns, load_end) - held_before + max(0, held_before + base_arrived) <= 0:
+            if load.ts_ns - disconnect_ns <= no_within_ns and most_rise + may_have_ended <= 0:
                 return False, (before.ts_ns, load.ts_ns)
         return None
 
