@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-demo test lint demo bench clean
+.PHONY: setup setup-demo test lint demo bench probe-object clean
 
 setup:
 	@EXTRAS=dev POSTGRES=1 ./.ci/setup.sh
@@ -25,6 +25,11 @@ demo: setup-demo
 
 bench: setup
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# After a change to probes/disconnect.bpf.c or disconnect.h (as root: bcc compiles and loads it);
+# tests/test_probe_prebuilt.py fails until the object is rebuilt.
+probe-object: setup
+	$(PY) -m probes.prebuild
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

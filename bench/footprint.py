@@ -9,7 +9,8 @@ itself there (RSS, the sum of its threads' CPU) against /proc's. Side by side in
 load from elsewhere on the host falls on both alike; compare the columns, not figures from
 different runs.
 
-- child: the default; a short-lived child compiles and attaches, the daemon keeps descriptors.
+- prebuilt: the default; the program bcc compiled at build time, loaded with bpf(2) alone.
+- child: a short-lived child compiles and attaches, the daemon keeps descriptors.
 - inprocess: bcc compiles and attaches inside the daemon (the path kept for other machines).
 
 With ``--compare REV`` a daemon of git revision REV's code (child loader) runs beside them.
@@ -21,7 +22,7 @@ request running or waiting; 50 histograms), which the daemon
 scrapes at its configured rate: a host with an idle engine, all of it. ``--engine none`` leaves
 the port bound but not listening: a host whose engine has not started, or is gone.
 
-Usage: .venv/bin/python bench/footprint.py [--seconds 30] [--settle 5] [--grpc] [--loaders child,inprocess]
+Usage: .venv/bin/python bench/footprint.py [--seconds 30] [--settle 5] [--grpc] [--loaders prebuilt,child,inprocess]
                                            [--compare REV] [--engine idle|vllm|none]
 """
 
@@ -63,9 +64,11 @@ def metrics(port: int) -> str:
         return ""
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int, children: bool = False) -> float:
+    """User and system CPU; with ``children``, that of its children reaped so far too (the loader's)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if children else 0)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def memory_mib(pid: int) -> dict[str, float]:
@@ -184,11 +187,13 @@ class Daemon:
                                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                             filter(None, [str(tree), os.environ.get("PYTHONPATH")]))})
         self.ready_s: float | None = None
+        self.startup_cpu = 0.0  # CPU seconds until ready, its children's (a loader's compile) included
 
     def check_ready(self) -> bool:
         ready = f'auditor_disconnect_source_info{{source="{self.source}"}} 1.0'
         if self.ready_s is None and ready in metrics(self.metrics_port):
             self.ready_s = time.monotonic() - self.started
+            self.startup_cpu = cpu_seconds(self.process.pid, children=True)
         return self.ready_s is not None
 
     def stop(self) -> None:
@@ -216,7 +221,8 @@ def measure(daemons: list[Daemon], seconds: float) -> dict[str, dict[str, float]
         pid = daemon.process.pid
         cpu = cpu_seconds(pid) - before[daemon.loader]
         results[daemon.loader] = {"cpu_percent": cpu / wall * 100, **memory_mib(pid),
-                                  "llvm": float(llvm_mapped(pid)), "ready_s": daemon.ready_s or 0.0}
+                                  "llvm": float(llvm_mapped(pid)), "ready_s": daemon.ready_s or 0.0,
+                                  "startup_cpu": daemon.startup_cpu}
         # Each thread's share, by its Python name (threads of one name add up).
         names, spent = thread_names(pid), thread_cpu_seconds(pid)
         for tid, (seconds_now, woke_now) in spent.items():
@@ -243,7 +249,7 @@ def report(results: dict[str, dict[str, float]], seconds: float, grpc: bool, eng
     rows = [("CPU, % of one core", "cpu_percent", "{:.2f}"), ("RSS, MiB", "VmRSS", "{:.1f}"),
             ("PSS, MiB", "Pss", "{:.1f}"), ("private, MiB", "Private", "{:.1f}"),
             ("peak RSS, MiB", "VmHWM", "{:.1f}"), ("libbcc/LLVM mapped", "llvm", "{}"),
-            ("ready after, s", "ready_s", "{:.1f}"),
+            ("ready after, s", "ready_s", "{:.1f}"), ("start-up CPU, s", "startup_cpu", "{:.2f}"),
             (f"CPU a scrape, ms ({SCRAPES})", "scrape_cpu_ms", "{:.2f}"), ("a scrape takes, ms", "scrape_ms", "{:.2f}"),
             ("RSS, MiB: /metrics", "own_rss", "{:.1f}"), ("RSS, MiB: /proc", "proc_rss", "{:.1f}"),
             ("CPU, s: /metrics", "own_threads_cpu", "{:.2f}"), ("CPU, s: /proc", "proc_cpu", "{:.2f}")]
@@ -268,8 +274,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--settle", type=float, default=5)
     parser.add_argument("--grpc", action="store_true", help="also listen for OTLP/gRPC, as the unit does")
-    parser.add_argument("--loaders", default="child,inprocess",
-                        help="comma-separated: child, inprocess (BPF loaders), procfs (the /proc source)")
+    parser.add_argument("--loaders", default="prebuilt,child,inprocess",
+                        help="comma-separated: prebuilt, child, inprocess (BPF loaders), procfs (the /proc source)")
     parser.add_argument("--compare", metavar="REV", help="also run git revision REV's daemon beside them (the /proc "
                         "source when the first loader is procfs, else the child loader)")
     parser.add_argument("--engine", choices=tuple(ENGINES), default="idle",

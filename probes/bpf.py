@@ -1,10 +1,12 @@
 """The eBPF disconnect probe: loads ``disconnect.bpf.c`` and turns its ring buffer into
 ``ConnEvent`` records.
 
-bcc compiles and attaches it in a short-lived child (``probes.loader``, driven by
-``probes.handoff``), so this process keeps descriptors and never maps LLVM; where that cannot
-work, bcc runs in-process (``probes.inprocess``, see ``default_loader``). Checks run before bcc
-is touched, so a host without root, bcc, tracefs or kernel headers gets a ``ProbeUnavailable``
+Three loaders (``default_loader``): the program as bcc compiled it at build time, loaded with
+bpf(2) alone (``probes.prebuilt``: no bcc, headers or LLVM on the host, and no compile at start);
+where this kernel refuses that, bcc compiles and attaches it in a short-lived child
+(``probes.loader``, driven by ``probes.handoff``), so this process keeps descriptors and never
+maps LLVM; where that cannot work, bcc runs in-process (``probes.inprocess``). Checks run before
+bcc is touched, so a host without root, bcc, tracefs or kernel headers gets a ``ProbeUnavailable``
 that says what to do, never a compiler dump. The program text is assembled
 once (header inlined, settings as defines) and that exact text is loaded, so ``--dump-bpf`` shows
 what runs. The port filter is the ``watched_ports`` map, changed with map updates while attached.
@@ -29,7 +31,7 @@ from typing import Any
 from auditor.config import ProbeConfig
 from auditor.errors import ConfigError
 from auditor.model import ConnEvent, EventRun
-from probes import bpfsys, ringbuf
+from probes import bpfsys, prebuilt, ringbuf
 from probes.bpfsys import ProgramRuns
 from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
 from probes.clock import MonotonicToWall
@@ -118,8 +120,9 @@ def bpf_unavailable_reason(*, tracefs_roots: Iterable[Path] = TRACEFS_ROOTS,
                            modules_root: Path = Path("/lib/modules"),
                            kheaders: Path = Path("/sys/kernel/kheaders.tar.xz"),
                            check_bcc: bool = True,
-                           caps: int | None = None) -> ProbeUnavailable | None:
+                           caps: int | None = None, compiles: bool = True) -> ProbeUnavailable | None:
     """Why the probe cannot load here (reason and fix), or None when every precondition holds.
+    ``compiles``: bcc compiles it here (it needs bcc and kernel headers; the prebuilt probe not).
 
     Privilege is judged from effective capabilities (``probes.caps``), never the uid, so the unit's
     ``User=auditor`` with ambient capabilities loads the probe. The same checks, in the same words,
@@ -130,7 +133,7 @@ def bpf_unavailable_reason(*, tracefs_roots: Iterable[Path] = TRACEFS_ROOTS,
         return ProbeUnavailable(f"eBPF needs {', '.join(missing)} (missing from the effective set)",
                                 f"run as root, or grant AmbientCapabilities={UNIT_CAPABILITIES} "
                                 "(systemd/auditor.service does); or use --source procfs")
-    if check_bcc and not _bcc_installed():
+    if compiles and check_bcc and not _bcc_installed():
         return ProbeUnavailable("bcc is not importable",
                                 "run `make setup` as root (apt-get install python3-bpfcc)")
     roots = [root for root in tracefs_roots if (root / "events").is_dir()]
@@ -142,7 +145,7 @@ def bpf_unavailable_reason(*, tracefs_roots: Iterable[Path] = TRACEFS_ROOTS,
             return ProbeUnavailable(f"this kernel has no {tracepoint.replace('/', ':')} tracepoint",
                                     "the probe needs Linux 4.16 or later; use --source procfs")
     build = modules_root / platform.release() / "build"
-    if not (build / "include").is_dir() and not kheaders.exists():
+    if compiles and not (build / "include").is_dir() and not kheaders.exists():
         return ProbeUnavailable(
             f"kernel headers are missing at {build}",
             f"apt-get install linux-headers-{platform.release()} (or link the distribution's "
@@ -157,13 +160,25 @@ def _checked_ports(ports: Iterable[int]) -> frozenset[int]:
     return checked
 
 
-LOADERS = ("child", "inprocess")
+LOADERS = ("prebuilt", "child", "inprocess")
 
 
 def default_loader() -> str:
+    """``prebuilt`` (bcc's compile kept at build time, ``probes.prebuilt``) where this machine can
+    read the ring buffer and issue bpf(2) itself and the object is there; the source falls back to
+    ``compiling_loader`` where this kernel refuses it."""
+    return "prebuilt" if prebuilt.PREBUILT_FILE.is_file() and bpfsys.supported() and ringbuf.supported() \
+        else compiling_loader()
+
+
+def compiling_loader() -> str:
     """``child`` (compile in a short-lived process, keep descriptors) where this machine can read
     the ring buffer and issue bpf(2) itself; else ``inprocess`` (bcc stays loaded)."""
     return "child" if ringbuf.supported() and bpfsys.supported() else "inprocess"
+
+
+def _tracefs_root() -> Path:
+    return next(root for root in TRACEFS_ROOTS if (root / "events").is_dir())
 
 
 class BpfConnEventSource:
@@ -195,25 +210,46 @@ class BpfConnEventSource:
         self.loader = loader or ("inprocess" if mapped_reader is False else default_loader())
         if self.loader not in LOADERS:
             raise ConfigError(f"BPF loader {self.loader!r} is unknown; use one of {', '.join(LOADERS)}")
-        if self.loader == "child" and mapped_reader is False:
-            raise ConfigError("the child loader leaves only the mapped ring buffer to read; "
+        if self.loader != "inprocess" and mapped_reader is False:
+            raise ConfigError(f"the {self.loader} loader leaves only the mapped ring buffer to read; "
                               "mapped_reader=False needs loader='inprocess'")
-        problem = bpf_unavailable_reason()
-        if problem is not None:
-            raise problem
         self._program: LoadedProgram | BccProgram
+        # Why the prebuilt probe did not load, where the source compiled it instead (doctor says it).
+        self.prebuilt_refused: str | None = None
+        if self.loader == "prebuilt":
+            problem = bpf_unavailable_reason(compiles=False)
+            if problem is not None:
+                raise problem
+            try:
+                self._program = prebuilt.load(
+                    ringbuf_bytes=ringbuf_pages * mmap.PAGESIZE, client_slot_bits=self.client_slot_bits,
+                    wakeup_every=default_wakeup_every(ringbuf_pages) if wakeup_every is None else wakeup_every,
+                    tracepoints=tuple(tp.replace("/", ":") for tp in TRACEPOINTS), tracefs=_tracefs_root())
+            except ProbeUnavailable as exc:
+                if loader is not None:  # asked for by name: no other
+                    raise
+                log.warning("the prebuilt probe cannot load here (%s); compiling it with bcc instead", exc.reason)
+                self.prebuilt_refused, self.loader = exc.reason, compiling_loader()
+        if self.loader != "prebuilt":
+            problem = bpf_unavailable_reason()
+            if problem is not None:
+                if self.prebuilt_refused:
+                    raise ProbeUnavailable(f"{self.prebuilt_refused}; and to compile it, {problem.reason}",
+                                           problem.fix)
+                raise problem
         if self.loader == "child":
             self._program = load_in_child(
                 self.text, PROGRAM_CFLAGS, ringbuf_bytes=ringbuf_pages * mmap.PAGESIZE,
                 tracepoints=tuple(tp.replace("/", ":") for tp in TRACEPOINTS),
                 client_slot_bits=self.client_slot_bits)
-        else:
+        elif self.loader == "inprocess":
             self._program = BccProgram(self.text, PROGRAM_CFLAGS, self.client_slot_bits)
+        log.info("eBPF probe loaded by the %s loader", self.loader)
         self._unpack = self._program.record
         self._mapped: ringbuf.MappedRingBuffer | None = None
         # Batch reads of the mapped ring (default where sound), else bcc's callback per record.
         # Descriptors alone offer only the mapped read.
-        self._use_mapped = self.loader == "child" or (
+        self._use_mapped = self.loader in ("child", "prebuilt") or (
             ringbuf.supported() if mapped_reader is None else mapped_reader)
         self._reads_runs = self._use_mapped and is_stored_layout(self._unpack)
 

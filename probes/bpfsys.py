@@ -1,8 +1,9 @@
-"""The few bpf(2) commands the daemon needs on maps it was handed, through ctypes: no bcc, no LLVM.
+"""The few bpf(2) commands the daemon needs, through ctypes: no bcc, no LLVM.
 
-The program is compiled and attached by a short-lived child (``probes.loader``); the daemon keeps
-only file descriptors. Updating the port filter, reading the lost-event counter and checking what
-a descriptor is are single system calls, done here. The syscall number differs per architecture;
+Updating the port filter, reading the lost-event counter and checking what a descriptor is are
+single system calls on the maps the loader handed over. Loading the prebuilt probe
+(``probes.prebuilt``) takes three more: creating its maps, loading its programs, and attaching
+each to its tracepoint through a perf event (``perf_event_open``, as bcc attaches them). The syscall number differs per architecture;
 an architecture missing from ``SYSCALL_NUMBERS`` gets ``BpfSyscallError`` rather than a guess.
 """
 
@@ -18,11 +19,16 @@ from pathlib import Path
 
 # __NR_bpf: arch/x86/entry/syscalls/syscall_64.tbl and include/uapi/asm-generic/unistd.h.
 SYSCALL_NUMBERS = {"x86_64": 321, "amd64": 321, "aarch64": 280, "arm64": 280}
+PERF_EVENT_OPEN_NUMBERS = {"x86_64": 298, "amd64": 298, "aarch64": 241, "arm64": 241}
 
 # enum bpf_cmd (include/uapi/linux/bpf.h)
 BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM, BPF_MAP_GET_NEXT_KEY = 1, 2, 3, 4
 BPF_MAP_LOOKUP_BATCH = 24
 BPF_MAP_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD = 14, 15
+BPF_MAP_CREATE, BPF_PROG_LOAD = 0, 5
+BPF_PROG_TYPE_TRACEPOINT = 5
+BPF_F_MMAPABLE = 1 << 10
+BPF_OBJ_NAME_LEN = 16
 BPF_ANY, BPF_NOEXIST = 0, 1
 # enum bpf_map_type: the four the probe hands over
 BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_PERCPU_ARRAY, BPF_MAP_TYPE_RINGBUF = 1, 2, 6, 27
@@ -39,6 +45,20 @@ _INFO_ATTR = struct.Struct("=IIQ")
 # struct bpf_map_info, its first fields: type, id, key_size, value_size, max_entries, map_flags.
 _MAP_INFO = struct.Struct("=IIIIII")
 _MAP_INFO_BYTES = 88  # the whole struct on current kernels; an older kernel fills less
+# ... for BPF_MAP_CREATE: map_type, key_size, value_size, max_entries, map_flags, inner_map_fd,
+# numa_node, map_name[16]; the rest zero.
+_MAP_CREATE_ATTR = struct.Struct("=IIIIIII16s")
+# ... for BPF_PROG_LOAD: prog_type, insn_cnt, u64 insns, u64 license, log_level, log_size, u64
+# log_buf, kern_version, prog_flags, prog_name[16]; the rest zero.
+_PROG_LOAD_ATTR = struct.Struct("=IIQQIIQII16s")
+_ATTR_BYTES = 128  # what the kernel reads of the attributes; the tail past what it knows is zero
+VERIFIER_LOG_BYTES = 1 << 20
+# struct perf_event_attr (PERF_ATTR_SIZE_VER5: 112 bytes): type, size, config, sample_period,
+# sample_type, read_format, the flag bits, wakeup_events; the rest zero.
+_PERF_ATTR = struct.Struct("=IIQQQQQI")
+PERF_ATTR_BYTES = 112
+PERF_TYPE_TRACEPOINT, PERF_SAMPLE_RAW, PERF_FLAG_FD_CLOEXEC = 2, 1 << 10, 1 << 3
+PERF_EVENT_IOC_ENABLE, PERF_EVENT_IOC_SET_BPF = 0x2400, 0x40042408
 
 
 class BpfSyscallError(OSError):
@@ -52,15 +72,17 @@ class MapInfo:
     key_size: int
     value_size: int
     max_entries: int
+    flags: int = 0
 
 
-def syscall_number(machine: str | None = None) -> int:
+def syscall_number(machine: str | None = None, numbers: dict[str, int] = SYSCALL_NUMBERS,
+                   call: str = "bpf(2)") -> int:
     arch = (machine or platform.machine()).lower()
     try:
-        return SYSCALL_NUMBERS[arch]
+        return numbers[arch]
     except KeyError:
-        raise BpfSyscallError(errno.ENOSYS, f"the bpf(2) syscall number of {arch} is not known "
-                              f"here (known: {', '.join(sorted(SYSCALL_NUMBERS))})") from None
+        raise BpfSyscallError(errno.ENOSYS, f"the {call} syscall number of {arch} is not known "
+                              f"here (known: {', '.join(sorted(numbers))})") from None
 
 
 def supported() -> bool:
@@ -197,8 +219,75 @@ def map_info(fd: int) -> MapInfo:
     info = ctypes.create_string_buffer(_MAP_INFO_BYTES)
     attr = ctypes.create_string_buffer(_INFO_ATTR.pack(fd, _MAP_INFO_BYTES, ctypes.addressof(info)))
     _bpf(BPF_OBJ_GET_INFO_BY_FD, attr, "object info")
-    map_type, map_id, key_size, value_size, max_entries, _flags = _MAP_INFO.unpack_from(info.raw)
-    return MapInfo(map_type, map_id, key_size, value_size, max_entries)
+    map_type, map_id, key_size, value_size, max_entries, flags = _MAP_INFO.unpack_from(info.raw)
+    return MapInfo(map_type, map_id, key_size, value_size, max_entries, flags)
+
+
+def _object_name(name: str) -> bytes:
+    """A map's or program's name as the kernel takes it: at most 15 characters of letters, digits,
+    ``_`` and ``.`` (bpftool shows it)."""
+    kept = "".join(c if c.isalnum() or c in "_." else "_" for c in name)
+    return kept.encode()[:BPF_OBJ_NAME_LEN - 1]
+
+
+def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, flags: int = 0,
+               name: str = "") -> int:
+    """A new map; its descriptor (close-on-exec, as the kernel gives every BPF descriptor)."""
+    attr = ctypes.create_string_buffer(_MAP_CREATE_ATTR.pack(
+        map_type, key_size, value_size, max_entries, flags, 0, 0, _object_name(name)).ljust(_ATTR_BYTES, b"\0"))
+    return _bpf(BPF_MAP_CREATE, attr, f"map create {name}")
+
+
+def prog_load(prog_type: int, instructions: bytes, license: str, name: str = "") -> int:
+    """Load a program; refused, the error ends with the last line of the verifier's log (it is
+    asked for only then: a load with a log costs the verifier's text)."""
+    insns = ctypes.create_string_buffer(instructions, len(instructions))
+    license_buf = ctypes.create_string_buffer(license.encode())
+
+    def load(log: ctypes.Array[ctypes.c_char] | None) -> int:
+        attr = ctypes.create_string_buffer(_PROG_LOAD_ATTR.pack(
+            prog_type, len(instructions) // 8, ctypes.addressof(insns), ctypes.addressof(license_buf),
+            1 if log is not None else 0, len(log) if log is not None else 0,
+            ctypes.addressof(log) if log is not None else 0, 0, 0, _object_name(name)).ljust(_ATTR_BYTES, b"\0"))
+        return _bpf(BPF_PROG_LOAD, attr, f"program load {name}")
+
+    try:
+        return load(None)
+    except BpfSyscallError as exc:
+        if exc.errno not in (errno.EACCES, errno.EINVAL):  # the verifier's two answers
+            raise
+        log = ctypes.create_string_buffer(VERIFIER_LOG_BYTES)
+        try:
+            return load(log)  # the same program again: refused again, now with the log
+        except BpfSyscallError as again:
+            # The log ends in its statistics ("processed N insns ..."): the reason is the line before.
+            lines = [line for line in log.value.decode(errors="replace").splitlines()
+                     if line.strip() and not line.startswith(("processed ", "verification time"))]
+            last = lines[-1][:200] if lines else "no verifier log"
+            raise BpfSyscallError(again.errno, f"{again.strerror}; the verifier: {last}") from None
+
+
+def perf_event_open_tracepoint(tracepoint_id: int) -> int:
+    """A perf event on one tracepoint (all processes, counted on CPU 0: a program attached to it runs
+    on every CPU), as bcc opens one to attach a program to it."""
+    attr = ctypes.create_string_buffer(_PERF_ATTR.pack(
+        PERF_TYPE_TRACEPOINT, PERF_ATTR_BYTES, tracepoint_id, 1, PERF_SAMPLE_RAW, 0, 0, 1).ljust(PERF_ATTR_BYTES, b"\0"))
+    number = syscall_number(numbers=PERF_EVENT_OPEN_NUMBERS, call="perf_event_open(2)")
+    result = int(_libc.syscall(ctypes.c_long(number), attr, ctypes.c_int(-1), ctypes.c_int(0),
+                               ctypes.c_int(-1), ctypes.c_ulong(PERF_FLAG_FD_CLOEXEC)))
+    if result < 0:
+        code = ctypes.get_errno()
+        raise BpfSyscallError(code, f"perf_event_open(tracepoint {tracepoint_id}): {os.strerror(code)}")
+    return result
+
+
+def attach_to_perf_event(perf_fd: int, prog_fd: int) -> None:
+    """Run the program on the perf event's tracepoint, from now on."""
+    for request, argument, what in ((PERF_EVENT_IOC_SET_BPF, prog_fd, "set program"),
+                                    (PERF_EVENT_IOC_ENABLE, 0, "enable")):
+        if _libc.ioctl(ctypes.c_int(perf_fd), ctypes.c_ulong(request), ctypes.c_int(argument)) < 0:
+            code = ctypes.get_errno()
+            raise BpfSyscallError(code, f"perf event ioctl ({what}): {os.strerror(code)}")
 
 
 def map_by_id(map_id: int) -> int:

@@ -70,12 +70,16 @@ def test_doctor_json_schema(tmp_path: Path) -> None:
     doc = json.loads(result.output)
     assert doc["schema"] == "auditor.cli.doctor/v1"
     names = [c["name"] for c in doc["checks"]]
-    assert names == ["privileges", "bpf_syscall", "tracefs", "kernel_headers", "bcc", "fallback", "nvml", "ports",
+    assert names == ["privileges", "bpf_syscall", "tracefs", "prebuilt_probe", "kernel_headers", "bcc", "fallback", "nvml", "ports",
                      "database", "postgres_driver", "otlp_reader"]
     for check in doc["checks"]:
         assert check["state"] in ("ok", "degraded", "failed")
         assert check["state"] == "ok" or check["fix"] or check["name"] in ("nvml",)
     assert doc["can_run"] is True and result.exit_code == 0
+    states = {c["name"]: c["state"] for c in doc["checks"]}
+    if states["privileges"] == "ok":  # as root here: the probe loads without bcc
+        assert states["prebuilt_probe"] == "ok" and doc["probe_loader"] == "prebuilt"
+        assert doc["disconnect_source"] == "bpf"
 
 
 def test_doctor_says_which_otlp_reader_reads_spans(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -78,14 +78,15 @@ def wait_time_wait(server_port: int, client_port: int, host: str = "127.0.0.1") 
         diag.close()
 
 
-@pytest.fixture(scope="module", params=["child", "inprocess"])
+@pytest.fixture(scope="module", params=["prebuilt", "child", "inprocess"])
 def probe(request: pytest.FixtureRequest) -> Iterator[Probe]:
-    # Both loaders: the default (a child compiles, the process keeps descriptors) and bcc kept
-    # in-process (machines where descriptors alone are not enough).
-    if request.param == "child":
+    # Every loader: the default (bcc's compile kept at build time, loaded with bpf(2) alone), a
+    # child that compiles it (the process keeps descriptors) and bcc kept in-process (machines
+    # where descriptors alone are not enough).
+    if request.param == "prebuilt":
         source = open_source([], prefer="bpf", host="probe-test")
     else:
-        source = BpfConnEventSource([], host="probe-test", loader="inprocess")
+        source = BpfConnEventSource([], host="probe-test", loader=request.param)
     assert isinstance(source, BpfConnEventSource) and source.loader == request.param
     source.start()
     yield Probe(source)

@@ -48,6 +48,12 @@ def test_a_complete_host_has_no_reason(tmp_path: Path) -> None:
     assert bpf_unavailable_reason(**fake_host(tmp_path)) is None  # type: ignore[arg-type]
 
 
+def test_the_prebuilt_probe_needs_no_kernel_headers_or_bcc(tmp_path: Path) -> None:
+    host = fake_host(tmp_path, headers=False)
+    host["check_bcc"] = True
+    assert bpf_unavailable_reason(**host, compiles=False) is None  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("setup", "reason", "fix"), [
     ({"caps": 0}, "eBPF needs CAP_BPF, CAP_PERFMON, CAP_DAC_READ_SEARCH", "use --source procfs"),
     ({"caps": capability_mask(CAP_BPF, CAP_PERFMON)}, "eBPF needs CAP_DAC_READ_SEARCH",
@@ -68,13 +74,38 @@ def test_each_missing_piece_is_named_with_its_fix(tmp_path: Path, setup: dict[st
     assert str(problem) == f"{problem.reason}: {problem.fix}"
 
 
-def test_prefer_bpf_without_bcc_raises_the_doctor_message(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.privileged
+def test_without_bcc_the_prebuilt_probe_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "bcc", None)
+    source = open_source([8000], prefer="bpf")
+    try:
+        assert source.loader == "prebuilt" and source.prebuilt_refused is None  # type: ignore[attr-defined]
+    finally:
+        source.stop()
+
+
+def test_prefer_bpf_without_bcc_or_a_prebuilt_probe_raises_the_doctor_message(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "bcc", None)
+    monkeypatch.setattr("probes.prebuilt.PREBUILT_FILE", tmp_path / "missing.json")
     with pytest.raises(ProbeUnavailable) as caught:
         open_source([8000], prefer="bpf")
     message = str(caught.value)
     assert ("bcc is not importable: run `make setup` as root (apt-get install python3-bpfcc)"
             in message) or "eBPF needs CAP_" in message
+
+
+def test_prefer_bpf_names_why_the_prebuilt_probe_was_refused_too(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    broken = tmp_path / "disconnect.prebuilt.json"
+    broken.write_text("garbage")
+    monkeypatch.setitem(sys.modules, "bcc", None)
+    monkeypatch.setattr("probes.prebuilt.PREBUILT_FILE", broken)
+    with pytest.raises(ProbeUnavailable) as caught:
+        open_source([8000], prefer="bpf")
+    message = str(caught.value)
+    assert ("the prebuilt probe disconnect.prebuilt.json is not usable (not JSON" in message
+            and "; and to compile it, bcc is not importable" in message) or "eBPF needs CAP_" in message
 
 
 def test_unsignalled_records_never_fill_more_than_a_quarter_of_the_ring() -> None:

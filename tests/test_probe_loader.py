@@ -23,7 +23,14 @@ import pytest
 
 from auditor.model import ConnEventKind
 from probes import ProbeUnavailable, bpfsys, open_source
-from probes.bpf import PROGRAM_CFLAGS, TRACEPOINTS, BpfConnEventSource, default_loader, program_text
+from probes.bpf import (
+    PROGRAM_CFLAGS,
+    TRACEPOINTS,
+    BpfConnEventSource,
+    compiling_loader,
+    default_loader,
+    program_text,
+)
 from probes.handoff import load_in_child
 from tests.e2e import wait_for
 
@@ -76,9 +83,11 @@ def load(command: list[str] | None = None, text: str | None = None, timeout_s: f
 
 # -- the real loader ----------------------------------------------------------------------------
 @pytest.mark.privileged
-def test_child_loaded_probe_sees_fin_and_rst_after_the_child_is_gone() -> None:
+@pytest.mark.parametrize("loader", ["child", "prebuilt"])
+def test_a_probe_loaded_without_bcc_here_sees_fin_and_rst(loader: str) -> None:
+    # The child compiled it and exited; the prebuilt probe was never compiled here.
     server = socket.create_server(("127.0.0.1", 0))
-    source = BpfConnEventSource([server.getsockname()[1]], host="loader-test", loader="child")
+    source = BpfConnEventSource([server.getsockname()[1]], host="loader-test", loader=loader)
     try:
         assert children_running("probes.loader") == []  # it exited: only descriptors remain here
         source.start()
@@ -101,7 +110,7 @@ def test_child_loaded_probe_sees_fin_and_rst_after_the_child_is_gone() -> None:
 
 
 @pytest.mark.privileged
-@pytest.mark.parametrize("loader", ["child", "inprocess"])
+@pytest.mark.parametrize("loader", ["prebuilt", "child", "inprocess"])
 def test_the_kernel_counts_the_probes_runs_while_asked(loader: str, bpf_run_stats: None) -> None:
     # Every state change of every TCP socket on the host runs the program, watched port or not.
     server = socket.create_server(("127.0.0.1", 0))
@@ -197,12 +206,16 @@ def test_a_program_without_the_server_pid_map_is_refused() -> None:
 
 
 @pytest.mark.privileged
-def test_auto_falls_back_when_the_child_cannot_load(monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_falls_back_when_neither_the_prebuilt_probe_nor_the_child_loads(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    broken = tmp_path / "disconnect.prebuilt.json"
+    broken.write_text('{"format_version": 1}')
+    monkeypatch.setattr("probes.prebuilt.PREBUILT_FILE", broken)
     monkeypatch.setattr("probes.bpf.program_text", lambda *_a, **_k: "this is not C\n")
     with caplog.at_level(logging.WARNING):
         source = open_source([8000], prefer="auto", host="h")
     assert source.name == "procfs"
+    assert "the prebuilt probe disconnect.prebuilt.json is not usable (KeyError: 'variants')" in caplog.text
     assert "the BPF program failed to load" in caplog.text
     with pytest.raises(ProbeUnavailable, match="the BPF program failed to load"):
         open_source([8000], prefer="bpf", host="h")
@@ -283,6 +296,8 @@ def test_architectures_without_a_known_syscall_number_keep_bcc_in_process(
     monkeypatch.setattr("platform.machine", lambda: "riscv64")
     assert default_loader() == "inprocess"
     monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    assert default_loader() == "prebuilt" and compiling_loader() == "child"
+    monkeypatch.setattr("probes.prebuilt.PREBUILT_FILE", Path("/nonexistent/disconnect.prebuilt.json"))
     assert default_loader() == "child"
 
 

@@ -191,8 +191,9 @@ def test_poller_thread_delivers_through_poll_within_the_interval(server: socket.
 
 
 def test_auto_falls_back_and_says_what_is_lost(monkeypatch: pytest.MonkeyPatch,
-                                               caplog: pytest.LogCaptureFixture) -> None:
+                                               caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "bcc", None)  # bcc not importable, for real
+    monkeypatch.setattr("probes.prebuilt.PREBUILT_FILE", tmp_path / "missing.json")  # nor a prebuilt probe
     with caplog.at_level(logging.WARNING):
         source = open_source([8000], prefer="auto")
     assert source.name == "procfs"

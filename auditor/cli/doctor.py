@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import mmap
 import os
 import platform
 import socket
@@ -25,7 +26,7 @@ from typing import Any
 import click
 
 from auditor.cli.util import common_options
-from auditor.config import Config, parse_address
+from auditor.config import Config, ProbeConfig, parse_address
 from auditor.errors import AuditorError
 
 SCHEMA = "auditor.cli.doctor/v1"
@@ -90,6 +91,34 @@ def check_tracefs() -> Check:
             return Check("tracefs", OK, detail + ", tcp:tcp_receive_reset and tcp:tcp_rcv_space_adjust present")
     return Check("tracefs", DEGRADED, "tracefs not mounted: the eBPF probe cannot attach",
                  "mount -t tracefs nodev /sys/kernel/tracing")
+
+
+def check_prebuilt_probe() -> Check:
+    """Load and attach the probe as bcc compiled it at build time (``probes.prebuilt``), then let it
+    go: what the daemon tries first, needing neither bcc nor kernel headers."""
+    from probes import ProbeUnavailable, prebuilt
+    from probes.bpf import (
+        TRACEFS_ROOTS,
+        TRACEPOINTS,
+        default_client_slot_bits,
+        default_wakeup_every,
+    )
+
+    fix = "the daemon compiles the probe with bcc instead: see the kernel_headers and bcc checks"
+    roots = [root for root in TRACEFS_ROOTS if (root / "events").is_dir()]
+    if not roots:
+        return Check("prebuilt_probe", DEGRADED, "tracefs not mounted: the eBPF probe cannot attach",
+                     "mount -t tracefs nodev /sys/kernel/tracing")
+    pages = ProbeConfig().ring_buffer_pages
+    started = time.monotonic()
+    try:
+        program = prebuilt.load(ringbuf_bytes=pages * mmap.PAGESIZE, wakeup_every=default_wakeup_every(pages),
+                                client_slot_bits=default_client_slot_bits(),
+                                tracepoints=tuple(tp.replace("/", ":") for tp in TRACEPOINTS), tracefs=roots[0])
+    except ProbeUnavailable as exc:
+        return Check("prebuilt_probe", DEGRADED, exc.reason, fix)
+    program.close()
+    return Check("prebuilt_probe", OK, f"loaded and attached without bcc in {(time.monotonic() - started) * 1e3:.0f} ms")
 
 
 def check_kernel_headers() -> Check:
@@ -398,7 +427,7 @@ def check_otlp_reader() -> Check:
 
 def run_checks(config: Config) -> list[Check]:
     checks: list[Callable[[], Check]] = [
-        check_privileges, check_bpf_syscall, check_tracefs, check_kernel_headers, check_bcc,
+        check_privileges, check_bpf_syscall, check_tracefs, check_prebuilt_probe, check_kernel_headers, check_bcc,
         lambda: check_fallback(config.probe.poll_hz), lambda: check_nvml(config.probe.ports),
         lambda: check_ports(config),
         lambda: check_database(config),
@@ -419,9 +448,19 @@ def can_run(checks: list[Check]) -> bool:
 
 
 def disconnect_source(checks: list[Check]) -> str:
+    return "bpf" if probe_loader(checks) else "procfs (fallback: poll-interval timing)"
+
+
+def probe_loader(checks: list[Check]) -> str | None:
+    """How the daemon would load the eBPF probe here: ``prebuilt`` (bcc's compile kept at build
+    time), ``bcc`` (compiled at start), or None (the /proc fallback runs)."""
     by_name = {c.name: c.state for c in checks}
-    bpf_ready = all(by_name.get(n) == OK for n in ("privileges", "bpf_syscall", "bcc"))
-    return "bpf" if bpf_ready else "procfs (fallback: poll-interval timing)"
+    if all(by_name.get(n) == OK for n in ("privileges", "bpf_syscall")):
+        if by_name.get("prebuilt_probe") == OK:
+            return "prebuilt"
+        if by_name.get("bcc") == OK:
+            return "bcc"
+    return None
 
 
 @click.command("doctor")
@@ -435,6 +474,7 @@ def doctor_command(config: Config, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({
             "schema": SCHEMA, "can_run": runnable, "disconnect_source": disconnect_source(checks),
+            "probe_loader": probe_loader(checks),
             "checks": [dataclasses.asdict(c) for c in checks],
         }, indent=2))
     else:
@@ -445,6 +485,7 @@ def doctor_command(config: Config, as_json: bool) -> None:
             if c.fix and c.state != OK:
                 click.echo(f"{'':<{width}}  {'':<8}  fix: {c.fix}")
         verdict = "can run" if runnable else "cannot run"
-        click.echo(f"\nThe daemon {verdict}; disconnect source: {disconnect_source(checks)} "
+        loader = {"prebuilt": ", the prebuilt probe", "bcc": ", compiled by bcc"}.get(probe_loader(checks) or "", "")
+        click.echo(f"\nThe daemon {verdict}; disconnect source: {disconnect_source(checks)}{loader} "
                    f"({time.monotonic() - started:.1f} s)")
     sys.exit(0 if runnable else 1)
