@@ -8,7 +8,7 @@
 #   MEMORY_PROBE=1 CHECKS=detection LOAD_SECONDS=420 EXPORT_DELAY_MS=5000 ALARMS=0 bench/gpu_check.sh
 #       the daemon's memory by part each minute of the load (the 100 MiB goal's reading on a GPU host)
 #   CHECKS="tests nvml poller" bench/gpu_check.sh   only those checks, of:
-#       compiled tests nvml engine demo footprint poller detection alone   (all by default)
+#       compiled tests nvml engine demo footprint poller probe detection alone   (all by default)
 set -u
 out=${1:-gpu-check}
 mkdir -p "$out"
@@ -16,7 +16,7 @@ py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 section() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
-checks=" ${CHECKS:-compiled tests nvml engine demo footprint poller detection alone} "
+checks=" ${CHECKS:-compiled tests nvml engine demo footprint poller probe detection alone} "
 wanted() { [[ $checks == *" $1 "* ]]; }
 
 section "host"
@@ -60,6 +60,19 @@ fi
 if wanted poller; then
 section "the /proc poller's own CPU per poll"
 timeout 150 "$py" bench/poller_cost.py --rounds 2 2>&1 | tee "$out/poller-cost.log"
+fi
+
+if wanted probe; then
+# No bcc or kernel headers on these hosts: the probe as it ships (probes/disconnect.prebuilt.json)
+# either loads on this kernel or says why, and then the same load as below runs on it.
+section "the prebuilt eBPF probe on this kernel"
+timeout 60 "$py" -m auditor doctor 2>&1 | tee "$out/doctor.log"
+if grep -q "disconnect source: bpf, the prebuilt probe" "$out/doctor.log"; then
+    load=${LOAD_SECONDS:-60}
+    timeout $((load + 180)) "$py" bench/detection.py --source bpf --device cuda --alarms "${ALARMS:-10}" \
+        --load-seconds "$load" --otlp grpc ${EXPORT_DELAY_MS:+--export-delay-ms "$EXPORT_DELAY_MS"} 2>&1 \
+        | tee "$out/detection-bpf.log"
+fi
 fi
 
 if wanted detection; then
