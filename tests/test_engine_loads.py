@@ -146,6 +146,44 @@ def test_a_request_that_arrives_while_a_scrape_is_answered_ends_no_orphans_work(
         assert ended.work_end_ns == at(0.45) and ended.orphaned_scrapes == 1
 
 
+@pytest.mark.parametrize("guarded", [True, False], ids=["endings-confirmed", "endings-trusted"])
+def test_a_request_finished_before_its_span_ends_hides_no_orphan(guarded: bool) -> None:
+    """A's client left at 0.3 s; its work ran on to 2.0 s. B and C ran beside it and the engine
+    finished them at 1.09 s, but their server spans ended only at 1.13 s (the last bytes sent on a
+    loaded host): the scrape of 1.1 s counts both connected and running none of them, so shows no
+    orphan. The next scrapes show A's again: that scrape is passed over (a CI run's case: the
+    zombie's work end 271 ms early)."""
+    runs = {"A": (0.0, 2.0), "B": (0.1, 1.09), "C": (0.15, 1.09)}
+    spans = {"A": (0.0, 0.301), "B": (0.1, 1.13), "C": (0.15, 1.13)}
+    loads = scraped(runs)
+    loads.register(PORT, "A", at(0.3), connected_until_ns=at(0.301) + CLOCK_ERROR)
+
+    def ending(start_ns: int, end_ns: int) -> int:
+        return sum(1 for _, last in spans.values() if start_ns - CLOCK_ERROR < at(last) <= end_ns + 100 * MS)
+
+    ended = loads.work_end(PORT, at(0.3), at(0.3), connected_counter(spans),
+                           connected_until_ns=at(0.301) + CLOCK_ERROR, ending=ending if guarded else None)
+    assert ended is not None and ended.work_end_ns is not None
+    if guarded:
+        assert ended.work_end_ns == at(1.95) and ended.orphaned_scrapes == 15  # 0.4-1.0 s and 1.2-1.9 s
+    else:  # what the daemon judged before: the scrape of 1.1 s ended A's work
+        assert ended.work_end_ns == at(1.05)
+    # Where A's work ended between that scrape and the next, the next decides: between 1.0 and 1.2 s.
+    runs["A"] = (0.0, 1.15)
+    loads = scraped(runs)
+    loads.register(PORT, "A", at(0.3), connected_until_ns=at(0.301) + CLOCK_ERROR)
+    ended = loads.work_end(PORT, at(0.3), at(0.3), connected_counter(spans),
+                           connected_until_ns=at(0.301) + CLOCK_ERROR, ending=ending)
+    assert ended is not None and ended.work_end_ns == at(1.1) and ended.resolution_s == pytest.approx(0.2)
+    # Where the endings cannot hide an orphan (A done by then too), that scrape decides at once.
+    runs["A"] = (0.0, 1.09)
+    loads = scraped(runs)
+    loads.register(PORT, "A", at(0.3), connected_until_ns=at(0.301) + CLOCK_ERROR)
+    ended = loads.work_end(PORT, at(0.3), at(0.3), connected_counter(spans),
+                           connected_until_ns=at(0.301) + CLOCK_ERROR, ending=ending)
+    assert ended is not None and ended.work_end_ns == at(1.05) and ended.read_until_ns == at(1.1)
+
+
 def test_a_sweep_read_on_from_its_checkpoints_ends_where_a_whole_sweep_does() -> None:
     """The first test's A and B (B noticed late), the scrapes arriving one by one and A's work end
     read after each, on from the sweep's checkpoints (news dropping those it touches, as the

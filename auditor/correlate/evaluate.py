@@ -233,6 +233,9 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     def arrived(start: int, end: int) -> int:
         return corr.spans.server_spans_started(port, start, end + CLOCK_ERROR_NS)
 
+    def ending(start: int, end: int) -> int:
+        return corr.spans.server_spans_ended(port, start - CLOCK_ERROR_NS, end + ev.ENDING_NS)
+
     request.compared_ns = None
     if racing:
         held = corr.loads.held_one_more(port, request.key, disconnect, hop.start_ns, until, connected, arrived,
@@ -251,7 +254,7 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
         corr.checkpointed(request)
     ended = corr.loads.work_end(port, disconnect, max(disconnect, hop.start_ns), connected,
                                 connected_until_ns=until, arrived=arrived, sweep=request.scrape_sweep,
-                                unspanned=corr.unspanned_clients)
+                                unspanned=corr.unspanned_clients, ending=ending)
     if ended is not None and racing:
         ended = replace(ended, held_one_more=True)
     return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))

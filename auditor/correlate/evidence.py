@@ -96,6 +96,11 @@ UNLISTED_AFTER_LEAVING_NS = 750_000_000
 # A request whose leaving may have added no orphan is asked of the scrapes this long after its span's
 # end (EngineLoads.held_one_more): enough for one listed scrape after the disconnect.
 HELD_ONE_MORE_WINDOW_NS = 2_000_000_000
+# An engine drops a finished request from its running gauge before the server has sent the last
+# bytes and ended the request's span: a scrape read in between counts it connected and not held,
+# which hides an orphan. Spans that ended this soon after a scrape's answer may be such (a loaded
+# host's event loop stretches the gap to tens of milliseconds).
+ENDING_NS = 100_000_000
 _UNLISTED: Any = object()  # no listing with a scrape (a listing of no client is an empty tuple)
 
 
@@ -337,8 +342,8 @@ class EngineLoads:
     def work_end(self, port: int, disconnect_ns: int, started_ns: int,
                  connected_at: Callable[[int, int], int], connected_until_ns: int | None = None,
                  arrived: Callable[[int, int], int] | None = None, sweep: ScrapeSweep | None = None,
-                 unspanned: Callable[[EngineLoad, tuple[tuple[str, int, int], ...]], int] | None = None
-                 ) -> MetricsEnd | None:
+                 unspanned: Callable[[EngineLoad, tuple[tuple[str, int, int], ...]], int] | None = None,
+                 ending: Callable[[int, int], int] | None = None) -> MetricsEnd | None:
         """When this request's work ended, as the gauges tell; None when no scrape came after it left.
 
         At each scrape after ``started_ns``, orphans = held - connected, where connected counts every
@@ -367,6 +372,12 @@ class EngineLoads:
         daemon heard of it) says neither either. With nothing decided but such scrapes, the
         answer is ``awaiting_spans``.
 
+        ``ending(start, end)``: server spans that ended from the scrape's sending to ENDING_NS after
+        its answer. The connected count holds them, but the engine may have finished them already
+        when it read its gauges: a scrape that shows no orphan only because of them may hide one.
+        Such a scrape is passed over, once: the next one decides (an orphan there again, or the end
+        between the last scrape that counted it and that one).
+
         ``sweep``: the request's checkpoints (``ScrapeSweep``), kept by the caller from round to round."""
         series = self._loads.get(port, [])
         first_after = max(started_ns, connected_until_ns or started_ns)
@@ -383,6 +394,7 @@ class EngineLoads:
         taken = left_before
         last_orphaned: int | None = None
         count, unsure = 0, 0
+        masked = False  # a scrape with no orphan that ``ending`` may explain was passed over
         # The clients the kernel listed at the port's scrapes; a port never listed (sock_diag
         # refused) is read against the spans alone.
         listed = self._clients.get(port) if unspanned is not None else None
@@ -411,15 +423,20 @@ class EngineLoads:
                     if undecided:
                         unsure = load.ts_ns  # requests whose spans have not come may be what it holds
                         continue
+                masked = False  # it held the work after all: the scrape passed over hid the orphan
                 last_orphaned, count = load.ts_ns, count + 1
                 if sweep is not None and not unsure:  # a checkpoint past an undecided scrape would skip it
                     sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count))
                 continue
-            if arrived is not None and orphans + arrived(load.ts_ns, load.answered_ns or load.ts_ns) > newer:
-                if sweep is not None and not unsure:
+            answered = load.answered_ns or load.ts_ns
+            if arrived is not None and orphans + arrived(load.ts_ns, answered) > newer:
+                if sweep is not None and not unsure and not masked:
                     sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count))
                 continue
-            read_until = max(load.ts_ns, load.answered_ns or load.ts_ns)
+            if not masked and ending is not None and orphans + ending(load.ts_ns, answered) > newer:
+                masked = True  # passed over: the next scrape says
+                continue
+            read_until = max(load.ts_ns, answered)
             if last_orphaned is None:
                 return MetricsEnd(max(started_ns, disconnect_ns), (load.ts_ns - started_ns) / 1e9, 0, read_until,
                                   unsure_until_ns=unsure or None)

@@ -119,6 +119,10 @@ class PortSpans:
         """Spans that started in (after, until]."""
         return bisect.bisect_right(self._starts, until_ns) - bisect.bisect_right(self._starts, after_ns)
 
+    def ended(self, after_ns: int, until_ns: int) -> int:
+        """Spans that ended in (after, until]."""
+        return bisect.bisect_right(self._ends, until_ns) - bisect.bisect_right(self._ends, after_ns)
+
     def remove_many(self, spans: Iterable[SpanRecord]) -> bool:
         """Forget these spans (each added once); False when none is left. The prune forgets the
         port's oldest spans, whose times lie at the front of its sorted lists: deleting them one by
@@ -242,6 +246,11 @@ class TraceIndex:
         """How many server spans on ``port`` started in (after, until]."""
         spans = self._http_by_port.get(port)
         return 0 if spans is None else spans.started(after_ns, until_ns)
+
+    def server_spans_ended(self, port: int, after_ns: int, until_ns: int) -> int:
+        """How many server spans on ``port`` ended in (after, until]."""
+        spans = self._http_by_port.get(port)
+        return 0 if spans is None else spans.ended(after_ns, until_ns)
 
     def server_spans_on(self, port: int, ts_ns: int, until_ns: int, also: set[tuple[str, str]]) -> int:
         """How many server spans on ``port`` were in flight at any moment of [ts, until], counting
