@@ -87,6 +87,9 @@ def test_gateway_and_engine_count_each_request_once(tmp_path: Path, trace_contex
             assert wait_for(lambda: server_spans(daemon) >= 2 * len(everything), timeout_s=10)
             assert wait_for(lambda: {"gw-fin", "gw-rst"} <= {r.request_id for r in verdict_rows(daemon)},
                             timeout_s=20)
+            if trace_context == "yes":  # the engine's span joins the gateway's trace: judged by it then
+                wait_for(lambda: all(r.details.get("engine_span") for r in verdict_rows(daemon)
+                                     if r.request_id in ("gw-fin", "gw-rst")), timeout_s=10)
             time.sleep(1.0)
             rows = verdict_rows(daemon)
             assert report_requests(daemon, since) == len(everything) == 5

@@ -66,11 +66,14 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     if details.pop("awaiting_spans", False) and completed is None:
         return None  # the gauges' orphans may be requests still running whose spans have not come
     if known and completed is None and racing and origin_span is not None \
-            and (origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS or details.get("leaving_untold")) \
+            and (origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS or details.get("leaving_untold")
+                 or origin.kind == "fin") \
             and details.get("orphaned_scrapes") == 0 and not details.get("aborts_counted"):
         # The span ended as the client closed, and the gauges never saw the request held after:
         # a client closing after the last byte and a server reacting at once look the same. Nor
         # can one whose leaving the scrapes could not tell (a host too busy for a whole listing).
+        # A FIN is how a client that read the whole response closes: a server that ends the span a
+        # few milliseconds after it (a loaded host's event loop) may have been done before it.
         known, details["close_races_span_end"] = False, True
     decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now, started_ns=started,
                                completed_by=completed, work_stopped_known=known), corr.grace_seconds)
@@ -118,9 +121,10 @@ def _may_have_answered(corr: Correlator, disconnect_ns: int, origin_span: SpanRe
     at once look the same, unless the server records its sends (then no final send means not
     complete) or its engine spans every normal finish (then a missing engine span means not
     complete). The gauges, or the engine's abort counter rising by as many as the clients that
-    left, may still tell. Within the clock error, gauges that never held it after leave it
-    unconfirmed; later, they say it was aborted (the server heard of the close), unless no scrape
-    could tell whether its leaving added an orphan (unconfirmed too)."""
+    left, may still tell. After a FIN (how a client that read it all closes), or within the clock
+    error, gauges that never held it after leave it unconfirmed; after a reset, later, they say it
+    was aborted (the server heard of the close), unless no scrape could tell whether its leaving
+    added an orphan (unconfirmed too)."""
     if origin_span is None or origin_span.start_ns > disconnect_ns \
             or origin_span.end_ns - disconnect_ns > SPAN_END_RACE_NS:
         return False
