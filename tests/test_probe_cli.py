@@ -45,6 +45,10 @@ EVENT_LINE_SCHEMA: dict[str, Any] = {
 # Runs the real entry point; `block_bcc` makes `import bcc` fail the way it does without bcc.
 ENTRY = "import sys\nfrom auditor.cli import main\nmain()\n"
 ENTRY_WITHOUT_BCC = "import sys\nsys.modules['bcc'] = None\nfrom auditor.cli import main\nmain()\n"
+# ... and without the prebuilt probe either: nothing loads the eBPF probe.
+ENTRY_WITHOUT_EBPF = ("import sys, pathlib, probes.prebuilt as p\nsys.modules['bcc'] = None\n"
+                      "p.PREBUILT_FILE = pathlib.Path('/nonexistent/disconnect.prebuilt.json')\n"
+                      "from auditor.cli import main\nmain()\n")
 
 
 @pytest.mark.parametrize(("value", "message"), [
@@ -207,9 +211,20 @@ def test_json_stream_from_the_fallback(server: socket.socket) -> None:
     run_stream(server, "procfs", signal.SIGTERM)
 
 
+def test_without_bcc_the_probe_runs_prebuilt(server: socket.socket) -> None:
+    port = str(server.getsockname()[1])
+    child = Probe("--port", port, "--source", "bpf", entry=ENTRY_WITHOUT_BCC)
+    try:
+        if os.geteuid() == 0:
+            child.wait_stderr("with bpf")
+    finally:
+        code, stderr = child.stop()
+    assert code == (0 if os.geteuid() == 0 else 1), stderr
+
+
 def test_missing_bcc_is_an_error_for_bpf_and_a_fallback_for_auto(server: socket.socket) -> None:
     port = str(server.getsockname()[1])
-    forced = subprocess.run([sys.executable, "-c", ENTRY_WITHOUT_BCC, "probe", "--port", port,
+    forced = subprocess.run([sys.executable, "-c", ENTRY_WITHOUT_EBPF, "probe", "--port", port,
                              "--source", "bpf"], capture_output=True, text=True, timeout=60)
     assert forced.returncode == 1
     expected = ("bcc is not importable: run `make setup` as root" if os.geteuid() == 0
@@ -217,7 +232,7 @@ def test_missing_bcc_is_an_error_for_bpf_and_a_fallback_for_auto(server: socket.
     assert forced.stderr.strip().splitlines()[-1].startswith(f"Error: {expected}"), forced.stderr
     assert "Traceback" not in forced.stderr
 
-    child = Probe("--port", port, "--source", "auto", entry=ENTRY_WITHOUT_BCC)
+    child = Probe("--port", port, "--source", "auto", entry=ENTRY_WITHOUT_EBPF)
     try:
         seen = child.wait_stderr("with procfs")
     finally:
