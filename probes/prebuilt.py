@@ -243,14 +243,10 @@ def load(*, ringbuf_bytes: int, wakeup_every: int, client_slot_bits: int, tracep
         if len(record.unpack(bytes(record.size))) != RECORD_FIELDS:
             raise ValueError(f"record_format {prebuilt.record_format!r} is not the {RECORD_FIELDS} fields of struct event")
         return LoadedProgram(fds, record, ringbuf_bytes, client_slot_bits)
-    except ProbeUnavailable:
+    except BaseException as exc:  # nothing stays attached: closing the descriptors detaches
         close_all(fds)
-        raise
-    except (OSError, ValueError, struct.error) as exc:
-        close_all(fds)
-        raise ProbeUnavailable(f"the prebuilt probe did not load ({_first_line(exc)})", FIX) from None
-    except BaseException:
-        close_all(fds)
+        if isinstance(exc, (OSError, ValueError, struct.error)):
+            raise ProbeUnavailable(f"the prebuilt probe did not load ({_first_line(exc)})", FIX) from None
         raise
     finally:
         for fd in internal:
