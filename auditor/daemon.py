@@ -56,6 +56,7 @@ ALARM_ROUND_GAP_S = 0.2
 class DaemonStatus:
     started_at: float = field(default_factory=time.time)
     source: str = "none"
+    probe_loader: str | None = None  # with the eBPF source: prebuilt, child or inprocess
     http_port: int | None = None
     grpc_port: int | None = None
     metrics_port: int | None = None
@@ -152,6 +153,7 @@ class Daemon:
         self._parts["probe"] = source
         self._parts["event_writer"] = ConnEventWriter(self.store)
         self.status.source = source.name
+        self.status.probe_loader = getattr(source, "loader", None)
         self._spawn("probe", self._probe_loop)
 
     def _start_receivers(self) -> None:
@@ -424,7 +426,7 @@ class Daemon:
     def readings(self) -> SourceReadings:
         """What /metrics shows of the parts, read from them at scrape time: their own running totals,
         so nothing is pushed, and a part that is not there (yet) reads as zero."""
-        readings = SourceReadings(source=self.status.source)
+        readings = SourceReadings(source=self.status.source, probe_loader=self.status.probe_loader)
         correlator = getattr(self, "correlator", None)
         if correlator is not None:
             stats = correlator.stats

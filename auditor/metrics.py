@@ -44,6 +44,7 @@ class SourceReadings:
     """Running totals and levels of the daemon's parts, read at scrape time (see ``Daemon.readings``)."""
 
     source: str = "none"
+    probe_loader: str | None = None  # how the eBPF probe was loaded (probes.bpf.LOADERS); None without it
     inflight_zombies: int = 0
     idle_closes: int = 0
     unjoined_disconnects: int = 0
@@ -265,6 +266,12 @@ def readings_families(r: SourceReadings) -> Iterator[Family]:
                          "disconnects are seen)", labels=["source"])
     source.add_metric([r.source], 1)
     yield source
+    if r.probe_loader:
+        loader = GaugeFamily("auditor_probe_loader_info", "How the eBPF probe was loaded: prebuilt (the "
+                             "program shipped compiled), child or inprocess (compiled by bcc at start, "
+                             "where this kernel refused the prebuilt one)", labels=["loader"])
+        loader.add_metric([r.probe_loader], 1)
+        yield loader
 
 
 def _probe_runs_families(r: SourceReadings) -> Iterator[Family]:

@@ -97,6 +97,7 @@ def test_unit_capabilities_without_root_load_the_probe(state_dir: Path, bpf_run_
             assert 'auditor_disconnect_source_info{source="bpf"} 1.0' in text, log.read_text()[-3000:]
             # Without bcc's compile: the program built with the project, loaded with bpf(2) alone.
             assert "eBPF probe loaded by the prebuilt loader" in log.read_text()
+            assert 'auditor_probe_loader_info{loader="prebuilt"} 1.0' in text
             # Loaded is not enough: a reset on the watched port must reach the daemon.
             client = socket.create_connection(("127.0.0.1", watched))
             accepted, _ = server.accept()

@@ -65,8 +65,10 @@ def test_sources_are_read_when_prometheus_scrapes() -> None:
         assert "auditor_live_notices_total" not in first  # no live receiver
         assert first["auditor_build_info"] == {(("version", __version__),): 1}
         assert first["auditor_disconnect_source_info"] == {(("source", "procfs"),): 1}
+        assert "auditor_probe_loader_info" not in first  # no eBPF probe
         assert not [name for name in first if name.endswith("_created")]
         readings.spans_received, readings.inflight_zombies, readings.store_write_errors["spans"] = 9, 2, 1
+        readings.source, readings.probe_loader = "bpf", "prebuilt"
         readings.live_notices = {"accepted": 5, "rejected": 1, "dropped": 0}
         metrics.settled(RequestVerdict(request_key="h/t/s", host="h", verdict=Verdict.ZOMBIE, disconnect_at_ns=1, disconnect_kind="fin",
                                        request_start_ns=0, work_end_ns=4,
@@ -74,6 +76,7 @@ def test_sources_are_read_when_prometheus_scrapes() -> None:
         second = scrape(server.port)
         assert second["auditor_spans_received_total"] == {(): 9}
         assert second["auditor_inflight_zombies"] == {(): 2}
+        assert second["auditor_probe_loader_info"] == {(("loader", "prebuilt"),): 1}
         assert second["auditor_live_notices_total"] == {
             (("result", "accepted"),): 5, (("result", "rejected"),): 1, (("result", "dropped"),): 0}
         assert second["auditor_store_write_errors_total"] == {(("writer", "spans"),): 1}
