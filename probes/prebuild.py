@@ -161,7 +161,7 @@ def build() -> dict[str, Any]:
             programs[tracepoint] = {"instructions": base64.b64encode(normalized(instructions, references)).decode(),
                                     "maps": references, "wakeup": sites}
         variants[str(bits)] = {"maps": maps, "programs": programs}
-    return {"format_version": FORMAT_VERSION, "source_sha256": source_digest(), "license": "GPL",
+    return {"format_version": FORMAT_VERSION, "source_crc32": source_digest(), "license": "GPL",
             "record_format": record, "fields": fields, "variants": variants}
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import json
 import os
 import re
@@ -52,11 +51,13 @@ _FIELD = re.compile(r"field:(?P<decl>[^;]*);\s*offset:(?P<offset>\d+);\s*size:(?
 
 
 def source_digest(directory: Path = PROGRAM_DIR) -> str:
-    """sha256 of the program's source files, in order: what the object was compiled from."""
-    digest = hashlib.sha256()
+    """CRC-32 of the program's source files, in order: what the object was compiled from. A check
+    against a stale object, not against tampering (the object is the package's own file); hashlib
+    would map OpenSSL into the daemon, 3.5 MiB of RSS."""
+    crc = 0
     for name in SOURCE_FILES:
-        digest.update((directory / name).read_bytes())
-    return digest.hexdigest()
+        crc = binascii.crc32((directory / name).read_bytes(), crc)
+    return f"{crc:08x}"
 
 
 def format_fields(text: str) -> dict[str, tuple[int, int]]:
@@ -93,7 +94,7 @@ class Variant:
 
 @dataclass(frozen=True)
 class Prebuilt:
-    source_sha256: str
+    source_crc32: str
     license: str
     record_format: str
     fields: dict[str, dict[str, tuple[int, int]]]  # tracepoint -> the fields the program names
@@ -125,7 +126,7 @@ def _parsed(data: Any) -> Prebuilt:
     variants = {int(bits): _variant(_dict(variant)) for bits, variant in _dict(data["variants"]).items()}
     fields = {tracepoint: {name: (_int(at[0]), _int(at[1])) for name, at in _dict(named).items()}
               for tracepoint, named in _dict(data["fields"]).items()}
-    return Prebuilt(_str(data["source_sha256"]), _str(data["license"]), _str(data["record_format"]),
+    return Prebuilt(_str(data["source_crc32"]), _str(data["license"]), _str(data["record_format"]),
                     fields, variants)
 
 
@@ -171,10 +172,10 @@ def _dict(value: object) -> dict[str, Any]:
 
 
 def unusable_reason(prebuilt: Prebuilt, client_slot_bits: int, tracepoints: Iterable[str],
-                    tracefs: Path, source_sha256: str | None = None) -> str | None:
+                    tracefs: Path, source_crc32: str | None = None) -> str | None:
     """Why ``prebuilt`` cannot run here as it is (one line), or None: its source, its variant, the
     running kernel's tracepoint records (from ``tracefs``)."""
-    if prebuilt.source_sha256 != (source_sha256 or source_digest()):
+    if prebuilt.source_crc32 != (source_crc32 or source_digest()):
         return "the prebuilt probe was compiled from another version of disconnect.bpf.c"
     if client_slot_bits not in prebuilt.variants:
         return (f"the prebuilt probe has no variant with {client_slot_bits} client slot bits "

@@ -55,7 +55,7 @@ def test_format_files_are_read_by_field_name() -> None:
 def test_the_committed_object_is_of_the_program_as_it_is_now() -> None:
     # A change to disconnect.bpf.c or disconnect.h needs `make probe-object` (as root, with bcc).
     data = committed()
-    assert data["source_sha256"] == prebuilt.source_digest()
+    assert data["source_crc32"] == prebuilt.source_digest()
     loaded = prebuilt.read()
     assert set(loaded.variants) == {0, CLIENT_SLOT_BITS}
     for variant in loaded.variants.values():
@@ -81,7 +81,7 @@ def test_an_object_of_another_source_or_without_the_variant_is_refused(tmp_path:
     data = committed()
     loaded = prebuilt.read()
     tracefs = fake_tracefs(tmp_path, data)
-    assert prebuilt.unusable_reason(loaded, CLIENT_SLOT_BITS, TRACEPOINT_NAMES, tracefs, source_sha256="0" * 64) == \
+    assert prebuilt.unusable_reason(loaded, CLIENT_SLOT_BITS, TRACEPOINT_NAMES, tracefs, source_crc32="0" * 8) == \
         "the prebuilt probe was compiled from another version of disconnect.bpf.c"
     assert prebuilt.unusable_reason(loaded, 9, TRACEPOINT_NAMES, tracefs) == \
         f"the prebuilt probe has no variant with 9 client slot bits (it has 0, {CLIENT_SLOT_BITS})"
