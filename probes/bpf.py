@@ -58,6 +58,7 @@ RECORD_BYTES = 64  # struct event (56) plus the ring buffer's 8-byte record head
 MAX_PORTS = 1024  # the size of the server_pids map in disconnect.bpf.c
 PROGRAM_CFLAGS = [f"-I{PROGRAM_DIR}"]  # where the program's #include "disconnect.h" is found
 TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset", "tcp/tcp_rcv_space_adjust")
+TRACEPOINT_NAMES = tuple(tp.replace("/", ":") for tp in TRACEPOINTS)  # category:name, as loaders take them
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 
 PID_MAX_LIMIT = 1 << 22  # the kernel's ceiling for pid_max (include/linux/threads.h)
@@ -177,8 +178,17 @@ def compiling_loader() -> str:
     return "child" if ringbuf.supported() and bpfsys.supported() else "inprocess"
 
 
-def _tracefs_root() -> Path:
-    return next(root for root in TRACEFS_ROOTS if (root / "events").is_dir())
+def load_prebuilt(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES, wakeup_every: int | None = None,
+                  client_slot_bits: int | None = None) -> LoadedProgram:
+    """The prebuilt probe loaded and attached with these settings (the daemon's defaults where None);
+    ProbeUnavailable with the reason where it cannot be."""
+    root = next((root for root in TRACEFS_ROOTS if (root / "events").is_dir()), None)
+    if root is None:
+        raise ProbeUnavailable("tracefs is not mounted", "run `mount -t tracefs nodev /sys/kernel/tracing`")
+    return prebuilt.load(
+        ringbuf_bytes=ringbuf_pages * mmap.PAGESIZE, tracepoints=TRACEPOINT_NAMES, tracefs=root,
+        wakeup_every=default_wakeup_every(ringbuf_pages) if wakeup_every is None else wakeup_every,
+        client_slot_bits=default_client_slot_bits() if client_slot_bits is None else client_slot_bits)
 
 
 class BpfConnEventSource:
@@ -222,10 +232,7 @@ class BpfConnEventSource:
             if problem is not None:
                 raise problem
             try:
-                self._program = prebuilt.load(
-                    ringbuf_bytes=ringbuf_pages * mmap.PAGESIZE, client_slot_bits=self.client_slot_bits,
-                    wakeup_every=default_wakeup_every(ringbuf_pages) if wakeup_every is None else wakeup_every,
-                    tracepoints=tuple(tp.replace("/", ":") for tp in TRACEPOINTS), tracefs=_tracefs_root())
+                self._program = load_prebuilt(ringbuf_pages, wakeup_every, self.client_slot_bits)
             except ProbeUnavailable as exc:
                 if loader is not None:  # asked for by name: no other
                     raise
@@ -241,7 +248,7 @@ class BpfConnEventSource:
         if self.loader == "child":
             self._program = load_in_child(
                 self.text, PROGRAM_CFLAGS, ringbuf_bytes=ringbuf_pages * mmap.PAGESIZE,
-                tracepoints=tuple(tp.replace("/", ":") for tp in TRACEPOINTS),
+                tracepoints=TRACEPOINT_NAMES,
                 client_slot_bits=self.client_slot_bits)
         elif self.loader == "inprocess":
             self._program = BccProgram(self.text, PROGRAM_CFLAGS, self.client_slot_bits)

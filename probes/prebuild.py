@@ -34,6 +34,7 @@ from probes.bpf import (
     PROGRAM_CFLAGS,
     PROGRAM_FILE,
     TRACEFS_ROOTS,
+    TRACEPOINT_NAMES,
     TRACEPOINTS,
     program_text,
 )
@@ -72,8 +73,7 @@ def compile_variant(bits: int, wakeup_every: int) -> tuple[dict[str, bytes], dic
         by_fd[fd] = name
         maps[name] = {"type": info.type, "key_size": info.key_size, "value_size": info.value_size,
                       "max_entries": info.max_entries, "flags": info.flags}
-    programs = {tp.replace("/", ":"): bytes(bpf.dump_func(tracepoint_function(tp.replace("/", ":").encode())))
-                for tp in TRACEPOINTS}
+    programs = {name: bytes(bpf.dump_func(tracepoint_function(name.encode()))) for name in TRACEPOINT_NAMES}
     events = bpf[b"events"]
     record = struct_format(events.event(ctypes.create_string_buffer(4096)).__class__).format
     bpf.cleanup()
@@ -139,9 +139,9 @@ def build() -> dict[str, Any]:
     tracefs = next(root for root in TRACEFS_ROOTS if (root / "events").is_dir())
     named = named_fields(PROGRAM_FILE.read_text())
     fields = {}
-    for tracepoint in TRACEPOINTS:
-        running = format_fields((tracefs / "events" / tracepoint / "format").read_text())
-        fields[tracepoint.replace("/", ":")] = {name: list(at) for name, at in sorted(running.items()) if name in named}
+    for path, tracepoint in zip(TRACEPOINTS, TRACEPOINT_NAMES, strict=True):
+        running = format_fields((tracefs / "events" / path / "format").read_text())
+        fields[tracepoint] = {name: list(at) for name, at in sorted(running.items()) if name in named}
     variants: dict[str, Any] = {}
     record = ""
     for bits in (0, CLIENT_SLOT_BITS):

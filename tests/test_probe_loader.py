@@ -25,7 +25,7 @@ from auditor.model import ConnEventKind
 from probes import ProbeUnavailable, bpfsys, open_source
 from probes.bpf import (
     PROGRAM_CFLAGS,
-    TRACEPOINTS,
+    TRACEPOINT_NAMES,
     BpfConnEventSource,
     compiling_loader,
     default_loader,
@@ -35,7 +35,6 @@ from probes.handoff import load_in_child
 from tests.e2e import wait_for
 
 PEER_FIN, PEER_RST, CLOSED = ConnEventKind.PEER_FIN, ConnEventKind.PEER_RST, ConnEventKind.CLOSED
-TRACEPOINT_NAMES = tuple(tp.replace("/", ":") for tp in TRACEPOINTS)
 PAGE = 4096
 REPO = Path(__file__).resolve().parents[1]
 LIBBCC_OR_LLVM = ("libbcc", "libLLVM", "libclang")

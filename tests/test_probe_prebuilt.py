@@ -12,10 +12,9 @@ from typing import Any
 import pytest
 
 from probes import prebuilt
-from probes.bpf import CLIENT_SLOT_BITS, TRACEFS_ROOTS, TRACEPOINTS
+from probes.bpf import CLIENT_SLOT_BITS, TRACEFS_ROOTS, TRACEPOINT_NAMES
 from probes.source import ProbeUnavailable
 
-TRACEPOINT_NAMES = tuple(tp.replace("/", ":") for tp in TRACEPOINTS)
 STATE_FORMAT = """name: inet_sock_set_state
 ID: 2287
 format:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
-import mmap
 import os
 import platform
 import socket
@@ -26,7 +25,7 @@ from typing import Any
 import click
 
 from auditor.cli.util import common_options
-from auditor.config import Config, ProbeConfig, parse_address
+from auditor.config import Config, parse_address
 from auditor.errors import AuditorError
 
 SCHEMA = "auditor.cli.doctor/v1"
@@ -96,27 +95,16 @@ def check_tracefs() -> Check:
 def check_prebuilt_probe() -> Check:
     """Load and attach the probe as bcc compiled it at build time (``probes.prebuilt``), then let it
     go: what the daemon tries first, needing neither bcc nor kernel headers."""
-    from probes import ProbeUnavailable, prebuilt
-    from probes.bpf import (
-        TRACEFS_ROOTS,
-        TRACEPOINTS,
-        default_client_slot_bits,
-        default_wakeup_every,
-    )
+    from probes import ProbeUnavailable
+    from probes.bpf import load_prebuilt
 
-    fix = "the daemon compiles the probe with bcc instead: see the kernel_headers and bcc checks"
-    roots = [root for root in TRACEFS_ROOTS if (root / "events").is_dir()]
-    if not roots:
-        return Check("prebuilt_probe", DEGRADED, "tracefs not mounted: the eBPF probe cannot attach",
-                     "mount -t tracefs nodev /sys/kernel/tracing")
-    pages = ProbeConfig().ring_buffer_pages
     started = time.monotonic()
     try:
-        program = prebuilt.load(ringbuf_bytes=pages * mmap.PAGESIZE, wakeup_every=default_wakeup_every(pages),
-                                client_slot_bits=default_client_slot_bits(),
-                                tracepoints=tuple(tp.replace("/", ":") for tp in TRACEPOINTS), tracefs=roots[0])
+        program = load_prebuilt()
     except ProbeUnavailable as exc:
-        return Check("prebuilt_probe", DEGRADED, exc.reason, fix)
+        return Check("prebuilt_probe", DEGRADED, exc.reason,
+                     exc.fix if exc.reason == "tracefs is not mounted"
+                     else "the daemon compiles the probe with bcc instead: see the kernel_headers and bcc checks")
     program.close()
     return Check("prebuilt_probe", OK, f"loaded and attached without bcc in {(time.monotonic() - started) * 1e3:.0f} ms")
 
