@@ -93,9 +93,12 @@ def default_wakeup_every(ringbuf_pages: int, cpus: int | None = None) -> int:
 
 
 def program_text(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
-                 wakeup_every: int | None = None, client_slot_bits: int = 0) -> str:
+                 wakeup_every: int | None = None, client_slot_bits: int = 0, *,
+                 family_from_socket: bool | None = None) -> str:
     """The program bcc compiles: settings as defines before the source, which #includes the shared
-    event header from ``PROGRAM_DIR`` (see ``PROGRAM_CFLAGS``)."""
+    event header from ``PROGRAM_DIR`` (see ``PROGRAM_CFLAGS``). ``family_from_socket``: the tcp:*
+    programs read the socket's family from the socket, not the record (None: where this kernel's
+    records lack it, ``tcp_records_lack_family``)."""
     if ringbuf_pages <= 0 or ringbuf_pages & (ringbuf_pages - 1):
         raise ValueError(f"ringbuf_pages must be a power of two, got {ringbuf_pages}")
     if wakeup_every is None:
@@ -104,9 +107,27 @@ def program_text(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
         raise ValueError(f"wakeup_every must be at least 1, got {wakeup_every}")
     if not 0 <= client_slot_bits <= 20:
         raise ValueError(f"client_slot_bits must be 0 to 20, got {client_slot_bits}")
+    if family_from_socket is None:
+        family_from_socket = tcp_records_lack_family()
     source = PROGRAM_FILE.read_text()
     return (f"#define RINGBUF_PAGES {ringbuf_pages}\n#define WAKEUP_EVERY {wakeup_every}\n"
-            f"#define CLIENT_SLOT_BITS {client_slot_bits}\n{source}")
+            f"#define CLIENT_SLOT_BITS {client_slot_bits}\n"
+            + ("#define FAMILY_FROM_SOCKET 1\n" if family_from_socket else "") + source)
+
+
+def tcp_records_lack_family(tracefs_roots: Iterable[Path] = TRACEFS_ROOTS) -> bool:
+    """Whether this kernel's tcp:* tracepoint records lack the socket's family (5.10's do)."""
+    root = next((root for root in tracefs_roots if (root / "events").is_dir()), None)
+    if root is None:
+        return False
+    for tracepoint in prebuilt.FAMILY_TRACEPOINTS:
+        try:
+            text = (root / "events" / tracepoint.replace(":", "/") / "format").read_text()
+        except OSError:
+            continue
+        if "family" not in prebuilt.format_fields(text):
+            return True
+    return False
 
 
 def _bcc_installed() -> bool:

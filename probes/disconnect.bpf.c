@@ -18,7 +18,8 @@
  *
  * Only server-side sockets are reported: the local port (sport) must be in watched_ports, which
  * user space updates at run time. Loopback clients of a watched port have it as dport, not sport.
- * Build-time settings arrive as defines: RINGBUF_PAGES, WAKEUP_EVERY.
+ * Build-time settings arrive as defines: RINGBUF_PAGES, WAKEUP_EVERY, CLIENT_SLOT_BITS and
+ * FAMILY_FROM_SOCKET (see TCP_FAMILY).
  *
  * server_pids names the process serving each watched port: the tgid of the task that closed one
  * of its connections, taken only on the transitions the server's own close() or shutdown() makes
@@ -70,6 +71,24 @@
 #define AF_INET_ 2
 #define AF_INET6_ 10
 #define IPPROTO_TCP_ 6
+
+/* The socket's address family on the tcp:* tracepoints (tcp_receive_reset, tcp_rcv_space_adjust).
+ * Their records carry it on newer kernels; older ones (5.10's) lack the field, and user space then
+ * defines FAMILY_FROM_SOCKET: the family is read from the socket itself, skc_family, which follows
+ * struct sock_common's address, hash and port words (offset 16) on every kernel with these
+ * tracepoints. sock:inet_sock_set_state has always carried it. */
+#ifdef FAMILY_FROM_SOCKET
+#define SKC_FAMILY_OFFSET 16
+static __always_inline u16 socket_family(const void *skaddr)
+{
+    u16 family = 0;
+    bpf_probe_read_kernel(&family, sizeof(family), (const char *)skaddr + SKC_FAMILY_OFFSET);
+    return family;
+}
+#define TCP_FAMILY(args) socket_family((args)->skaddr)
+#else
+#define TCP_FAMILY(args) ((args)->family)
+#endif
 
 /* A bit a port (65,536 bits): an array lookup is the first thing every state change and every
  * read on the host costs, where a hash lookup cost several times more. */
@@ -140,13 +159,13 @@ static __always_inline u64 wakeup_flag(void)
     return BPF_RB_FORCE_WAKEUP;
 }
 
-#define CLIENT_KEY(k, args)                                                         \
+#define CLIENT_KEY(k, args, family_)                                                \
     do {                                                                            \
         __builtin_memset(&(k), 0, sizeof(k));                                       \
         (k).sport = (args)->sport;                                                  \
         (k).dport = (args)->dport;                                                  \
-        (k).family = (args)->family;                                                \
-        if ((args)->family == AF_INET_)                                             \
+        (k).family = (family_);                                                     \
+        if ((family_) == AF_INET_)                                                  \
             __builtin_memcpy((k).daddr, (args)->daddr, 4);                          \
         else                                                                        \
             __builtin_memcpy((k).daddr, (args)->daddr_v6, 16);                      \
@@ -196,18 +215,18 @@ static __always_inline void note_server(u16 sport)
 
 /* Addresses are copied field by field from the tracepoint record; a macro keeps every access a
  * constant offset into the context, which the verifier accepts. */
-#define FILL_EVENT(e, args, kind_, oldstate_)                                       \
+#define FILL_EVENT(e, args, family_, kind_, oldstate_)                              \
     do {                                                                            \
         (e)->ts_ns = bpf_ktime_get_ns();                                            \
         (e)->skaddr = (u64)(args)->skaddr;                                          \
         (e)->sport = (args)->sport;                                                 \
         (e)->dport = (args)->dport;                                                 \
-        (e)->family = (args)->family;                                               \
+        (e)->family = (family_);                                                    \
         (e)->kind = (kind_);                                                        \
         (e)->oldstate = (oldstate_);                                                \
         __builtin_memset((e)->saddr, 0, sizeof((e)->saddr));                        \
         __builtin_memset((e)->daddr, 0, sizeof((e)->daddr));                        \
-        if ((args)->family == AF_INET_) {                                           \
+        if ((family_) == AF_INET_) {                                                \
             __builtin_memcpy((e)->saddr, (args)->saddr, 4);                         \
             __builtin_memcpy((e)->daddr, (args)->daddr, 4);                         \
         } else {                                                                    \
@@ -232,12 +251,12 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 #if CLIENT_SLOT_BITS
             if (slot && __sync_val_compare_and_swap(&slot->owner, 0, skaddr) == 0) {
                 slot->client.accepted_ns = slot->client.last_read_ns = now;
-                CLIENT_KEY(slot->key, args); /* sport, which marks it listed, set with the rest */
+                CLIENT_KEY(slot->key, args, args->family); /* sport, which marks it listed, set with the rest */
             } else
 #endif
             {
                 struct client_key k;
-                CLIENT_KEY(k, args);
+                CLIENT_KEY(k, args, args->family);
                 struct client c = {};
                 c.accepted_ns = c.last_read_ns = now;
                 if (clients.update(&k, &c) == 0)
@@ -257,7 +276,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 #endif
         } else {
             struct client_key k;
-            CLIENT_KEY(k, args);
+            CLIENT_KEY(k, args, args->family);
             if (clients.delete(&k) == 0)
                 count_client(COUNT_HASH_REMOVED);
         }
@@ -296,7 +315,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         count_lost();
         return 0;
     }
-    FILL_EVENT(e, args, kind, oldstate);
+    FILL_EVENT(e, args, args->family, kind, oldstate);
     events.ringbuf_submit(e, wakeup_flag());
     return 0;
 }
@@ -319,7 +338,8 @@ TRACEPOINT_PROBE(tcp, tcp_receive_reset)
         count_lost();
         return 0;
     }
-    FILL_EVENT(e, args, EVENT_PEER_RST, 0);
+    u16 family = TCP_FAMILY(args);
+    FILL_EVENT(e, args, family, EVENT_PEER_RST, 0);
     events.ringbuf_submit(e, wakeup_flag());
     return 0;
 }
@@ -336,7 +356,8 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
         return 0;
     }
     struct client_key k;
-    CLIENT_KEY(k, args);
+    u16 family = TCP_FAMILY(args);
+    CLIENT_KEY(k, args, family);
     struct client *c = clients.lookup(&k);
     if (c)
         c->last_read_ns = bpf_ktime_get_ns();

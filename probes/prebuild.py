@@ -10,7 +10,10 @@ BPF compare-and-swap) it compiles the program twice, with two wake-up intervals,
   must give exactly what bcc gives);
 - each map's type, sizes, entries and flags, as the kernel reports them;
 - the tracepoint record fields the program names (``args->field``), at the offsets this host's
-  tracefs gave bcc: the loader refuses a kernel whose records differ there;
+  tracefs gave bcc: the loader moves the program's loads where a kernel's records put them
+  elsewhere, and refuses one that lacks a field or sizes it otherwise;
+- the tcp:* programs compiled again with FAMILY_FROM_SOCKET, for kernels whose tcp:* records
+  lack the socket's family (the loader takes those there).
 - the event record's layout, and the source's digest.
 
 Anything else in the instructions that a later kernel would have to resolve (another pseudo
@@ -37,10 +40,12 @@ from probes.bpf import (
     TRACEPOINT_NAMES,
     TRACEPOINTS,
     program_text,
+    tcp_records_lack_family,
 )
 from probes.loader import tracepoint_function
 from probes.prebuilt import (
     BPF_PSEUDO_MAP_FD,
+    FAMILY_TRACEPOINTS,
     FORMAT_VERSION,
     INSN,
     LD_IMM64,
@@ -55,14 +60,18 @@ BPF_CALL, BPF_JMP = 0x80, 0x05
 _MAP_DECLARATION = re.compile(r"BPF_(?:ARRAY|HASH|PERCPU_ARRAY|RINGBUF_OUTPUT)\((\w+)|BPF_F_TABLE\([^,]+,[^,]+,[^,]+,\s*(\w+)")
 
 
-def compile_variant(bits: int, wakeup_every: int) -> tuple[dict[str, bytes], dict[str, dict[str, int]], dict[int, str], str]:
+Compiled = tuple[dict[str, bytes], dict[str, dict[str, int]], dict[int, str], str]
+
+
+def compile_variant(bits: int, wakeup_every: int, family_from_socket: bool = False) -> Compiled:
     """Compile and load once: instructions by tracepoint, the maps as the kernel has them, which
     descriptor is which map, and the event record's layout."""
     from bcc import BPF
 
     from probes.decode import struct_format
 
-    bpf = BPF(text=program_text(wakeup_every=wakeup_every, client_slot_bits=bits).encode(), cflags=PROGRAM_CFLAGS)
+    text = program_text(wakeup_every=wakeup_every, client_slot_bits=bits, family_from_socket=family_from_socket)
+    bpf = BPF(text=text.encode(), cflags=PROGRAM_CFLAGS)
     source = PROGRAM_FILE.read_text()
     names = {first or second for first, second in _MAP_DECLARATION.findall(source)}
     by_fd: dict[int, str] = {}
@@ -134,9 +143,9 @@ def named_fields(source: str) -> set[str]:
 
 
 def build() -> dict[str, Any]:
-    from probes.prebuilt import ProgramSpec, patched
-
     tracefs = next(root for root in TRACEFS_ROOTS if (root / "events").is_dir())
+    if tcp_records_lack_family((tracefs,)):
+        raise ValueError("this kernel's tcp:* records lack the family field: build where they have it")
     named = named_fields(PROGRAM_FILE.read_text())
     fields = {}
     for path, tracepoint in zip(TRACEPOINTS, TRACEPOINT_NAMES, strict=True):
@@ -145,24 +154,40 @@ def build() -> dict[str, Any]:
     variants: dict[str, Any] = {}
     record = ""
     for bits in (0, CLIENT_SLOT_BITS):
-        compiles = [compile_variant(bits, wakeup) for wakeup in (*SENTINELS, CHECK_WAKEUP)]
-        (first, maps, by_fd, record), (second, _, by_fd_2, _), (check, _, by_fd_3, _) = compiles
-        programs = {}
-        for tracepoint, instructions in first.items():
-            references = relocations(instructions, by_fd)
-            references_2, references_3 = relocations(second[tracepoint], by_fd_2), relocations(check[tracepoint], by_fd_3)
-            if references != references_2 or references != references_3:
-                raise ValueError(f"{tracepoint}: the compiles name their maps at other instructions")
-            sites = wakeup_sites(normalized(instructions, references), normalized(second[tracepoint], references))
-            spec = ProgramSpec(instructions, tuple((i, n) for i, n in references), tuple((i, d) for i, d in sites))
-            zero = {name: 0 for name in maps}
-            if patched(spec, zero, CHECK_WAKEUP) != normalized(check[tracepoint], references):
-                raise ValueError(f"{tracepoint}: patching the interval does not give what bcc compiles")
-            programs[tracepoint] = {"instructions": base64.b64encode(normalized(instructions, references)).decode(),
-                                    "maps": references, "wakeup": sites}
-        variants[str(bits)] = {"maps": maps, "programs": programs}
+        programs, maps, record = programs_of([compile_variant(bits, wakeup) for wakeup in (*SENTINELS, CHECK_WAKEUP)])
+        others, other_maps, other_record = programs_of(
+            [compile_variant(bits, wakeup, family_from_socket=True) for wakeup in (*SENTINELS, CHECK_WAKEUP)])
+        if (other_maps, other_record) != (maps, record):
+            raise ValueError("FAMILY_FROM_SOCKET changed the maps or the event record")
+        for tracepoint in set(TRACEPOINT_NAMES) - set(FAMILY_TRACEPOINTS):
+            if others[tracepoint] != programs[tracepoint]:
+                raise ValueError(f"FAMILY_FROM_SOCKET changed {tracepoint}'s program")
+        variants[str(bits)] = {"maps": maps, "programs": programs,
+                               "family_from_socket": {tp: others[tp] for tp in FAMILY_TRACEPOINTS}}
     return {"format_version": FORMAT_VERSION, "source_crc32": source_digest(), "license": "GPL",
             "record_format": record, "fields": fields, "variants": variants}
+
+
+def programs_of(compiles: list[Compiled]) -> tuple[dict[str, Any], dict[str, dict[str, int]], str]:
+    """From the three compiles (SENTINELS, then CHECK_WAKEUP): each program's normalized
+    instructions, map references and wake-up sites; the maps; the event record."""
+    from probes.prebuilt import ProgramSpec, patched
+
+    (first, maps, by_fd, record), (second, _, by_fd_2, _), (check, _, by_fd_3, _) = compiles
+    programs = {}
+    for tracepoint, instructions in first.items():
+        references = relocations(instructions, by_fd)
+        references_2, references_3 = relocations(second[tracepoint], by_fd_2), relocations(check[tracepoint], by_fd_3)
+        if references != references_2 or references != references_3:
+            raise ValueError(f"{tracepoint}: the compiles name their maps at other instructions")
+        sites = wakeup_sites(normalized(instructions, references), normalized(second[tracepoint], references))
+        spec = ProgramSpec(instructions, tuple((i, n) for i, n in references), tuple((i, d) for i, d in sites))
+        zero = {name: 0 for name in maps}
+        if patched(spec, zero, CHECK_WAKEUP) != normalized(check[tracepoint], references):
+            raise ValueError(f"{tracepoint}: patching the interval does not give what bcc compiles")
+        programs[tracepoint] = {"instructions": base64.b64encode(normalized(instructions, references)).decode(),
+                                "maps": references, "wakeup": sites}
+    return programs, maps, record
 
 
 def main(argv: list[str] | None = None) -> int:

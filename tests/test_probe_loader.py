@@ -7,6 +7,7 @@ over the real socket protocol; only the compile and load cases need eBPF privile
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from auditor.model import ConnEventKind
-from probes import ProbeUnavailable, bpfsys, open_source
+from probes import ProbeUnavailable, bpfsys, open_source, prebuilt
 from probes.bpf import (
     PROGRAM_CFLAGS,
     TRACEPOINT_NAMES,
@@ -82,7 +83,7 @@ def load(command: list[str] | None = None, text: str | None = None, timeout_s: f
 
 # -- the real loader ----------------------------------------------------------------------------
 @pytest.mark.privileged
-@pytest.mark.parametrize("loader", ["child", "prebuilt"])
+@pytest.mark.parametrize("loader", [pytest.param("child", marks=pytest.mark.compiles), "prebuilt"])
 def test_a_probe_loaded_without_bcc_here_sees_fin_and_rst(loader: str) -> None:
     # The child compiled it and exited; the prebuilt probe was never compiled here.
     server = socket.create_server(("127.0.0.1", 0))
@@ -109,7 +110,7 @@ def test_a_probe_loaded_without_bcc_here_sees_fin_and_rst(loader: str) -> None:
 
 
 @pytest.mark.privileged
-@pytest.mark.parametrize("loader", ["prebuilt", "child", "inprocess"])
+@pytest.mark.parametrize("loader", ["prebuilt", pytest.param("child", marks=pytest.mark.compiles), pytest.param("inprocess", marks=pytest.mark.compiles)])
 def test_the_kernel_counts_the_probes_runs_while_asked(loader: str, bpf_run_stats: None) -> None:
     # Every state change of every TCP socket on the host runs the program, watched port or not.
     server = socket.create_server(("127.0.0.1", 0))
@@ -153,6 +154,7 @@ def test_run_counts_come_from_a_programs_fdinfo_and_nothing_else(tmp_path: Path)
 
 
 @pytest.mark.privileged
+@pytest.mark.compiles
 def test_stop_frees_the_program_and_its_maps() -> None:
     # The kernel frees a map once nothing refers to it: not the child (gone), not a perf event
     # (detached), not the daemon (closed). Freeing is deferred, hence the wait.
@@ -177,6 +179,7 @@ def test_stop_frees_the_program_and_its_maps() -> None:
 
 
 @pytest.mark.privileged
+@pytest.mark.compiles
 def test_an_unloadable_program_is_probe_unavailable_with_the_childs_one_line_reason() -> None:
     broken = program_text().replace("return 0;", "return undeclared_name;", 1)
     with pytest.raises(ProbeUnavailable) as caught:
@@ -189,6 +192,7 @@ def test_an_unloadable_program_is_probe_unavailable_with_the_childs_one_line_rea
 
 
 @pytest.mark.privileged
+@pytest.mark.compiles
 def test_a_program_without_the_probes_maps_is_refused_and_detached() -> None:
     bare = "TRACEPOINT_PROBE(tcp, tcp_receive_reset) { return 0; }\n"
     with pytest.raises(ProbeUnavailable, match=r"the program lacks what the probe reads \(no events map\)"):
@@ -196,6 +200,7 @@ def test_a_program_without_the_probes_maps_is_refused_and_detached() -> None:
 
 
 @pytest.mark.privileged
+@pytest.mark.compiles
 def test_a_program_without_the_server_pid_map_is_refused() -> None:
     renamed = program_text().replace("server_pids", "other_pids")
     assert renamed != program_text()
@@ -205,10 +210,11 @@ def test_a_program_without_the_server_pid_map_is_refused() -> None:
 
 
 @pytest.mark.privileged
+@pytest.mark.compiles
 def test_auto_falls_back_when_neither_the_prebuilt_probe_nor_the_child_loads(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     broken = tmp_path / "disconnect.prebuilt.json"
-    broken.write_text('{"format_version": 1}')
+    broken.write_text(json.dumps({"format_version": prebuilt.FORMAT_VERSION}))
     monkeypatch.setattr("probes.prebuilt.PREBUILT_FILE", broken)
     monkeypatch.setattr("probes.bpf.program_text", lambda *_a, **_k: "this is not C\n")
     with caplog.at_level(logging.WARNING):
@@ -310,6 +316,7 @@ def test_an_unknown_loader_or_a_reader_it_cannot_offer_is_a_config_error() -> No
 
 
 @pytest.mark.privileged
+@pytest.mark.compiles
 def test_bccs_callback_reader_brings_bcc_in_process_and_reads() -> None:
     server = socket.create_server(("127.0.0.1", 0))
     source = BpfConnEventSource([server.getsockname()[1]], mapped_reader=False)
