@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-demo test lint demo bench probe-object clean
+.PHONY: setup setup-demo test lint demo bench probe-object probe-kernels clean
 
 setup:
 	@EXTRAS=dev POSTGRES=1 ./.ci/setup.sh
@@ -30,6 +30,10 @@ bench: setup
 # tests/test_probe_prebuilt.py fails until the object is rebuilt.
 probe-object: setup
 	$(PY) -m probes.prebuild
+
+# The prebuilt probe on Debian's 5.10, 6.1 and 6.12 kernels, each in a virtual machine.
+probe-kernels: setup
+	$(PY) bench/probe_kernels.py --pytest
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

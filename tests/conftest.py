@@ -2,6 +2,8 @@
 
 - ``privileged``: needs root and a working eBPF stack. Where ``AUDITOR_REQUIRE_PRIVILEGED=1`` (CI),
   a missing capability fails the test loudly; elsewhere it is skipped with the reason.
+- ``compiles``: a privileged test that also compiles the probe with bcc (kernel headers included);
+  on a host where only the prebuilt probe loads it is skipped, the prebuilt ones run.
 - ``gpu``: needs NVML and at least one GPU; skipped with the reason where NVML finds none.
 """
 
@@ -19,11 +21,12 @@ from collectors.spanwriter import SpanWriter
 from tests.pgserver import find_pg_bin, postgres_server
 
 
-def _bpf_unavailable_reason() -> str | None:
-    # The probe's own judgement (capabilities, bcc, tracefs, headers): one answer everywhere.
+def _bpf_unavailable_reason(compiles: bool = True) -> str | None:
+    # The probe's own judgement (capabilities, tracefs; with ``compiles``, bcc and kernel headers
+    # too): one answer everywhere.
     from probes.bpf import bpf_unavailable_reason
 
-    problem = bpf_unavailable_reason()
+    problem = bpf_unavailable_reason(compiles=compiles)
     return None if problem is None else str(problem)
 
 
@@ -43,10 +46,11 @@ def _gpu_unavailable_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    bpf_reason = _bpf_unavailable_reason()
+    reasons = {compiles: _bpf_unavailable_reason(compiles) for compiles in (False, True)}
     gpu_reason = _gpu_unavailable_reason() if any("gpu" in i.keywords for i in items) else None
     required = os.environ.get("AUDITOR_REQUIRE_PRIVILEGED") == "1"
     for item in items:
+        bpf_reason = reasons["compiles" in item.keywords]
         if "privileged" in item.keywords and bpf_reason and not required:
             item.add_marker(pytest.mark.skip(reason=f"privileged: {bpf_reason}"))
         if "gpu" in item.keywords and gpu_reason:
@@ -55,7 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if "privileged" in item.keywords and os.environ.get("AUDITOR_REQUIRE_PRIVILEGED") == "1":
-        reason = _bpf_unavailable_reason()
+        reason = _bpf_unavailable_reason("compiles" in item.keywords)
         if reason:
             pytest.fail(f"privileged test cannot run here, and CI requires it: {reason}", pytrace=False)
 

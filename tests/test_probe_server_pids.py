@@ -82,7 +82,7 @@ class Server:
         self.process.wait()
 
 
-@pytest.fixture(scope="module", params=["child", "inprocess"])
+@pytest.fixture(scope="module", params=["prebuilt", pytest.param("child", marks=pytest.mark.compiles), pytest.param("inprocess", marks=pytest.mark.compiles)])
 def source(request: pytest.FixtureRequest) -> Iterator[BpfConnEventSource]:
     probe = BpfConnEventSource([], host="pid-test", loader=request.param)
     probe.start()
