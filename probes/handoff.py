@@ -51,8 +51,9 @@ class LoadedProgram:
     perf-event descriptor detaches the tracepoints; the kernel frees program and maps with it."""
 
     def __init__(self, fds: dict[str, int], record: struct.Struct, ringbuf_bytes: int,
-                 client_slot_bits: int = 0) -> None:
+                 client_slot_bits: int = 0, fitted: tuple[str, ...] = ()) -> None:
         self.fds = fds
+        self.fitted = fitted  # what the prebuilt loader changed to fit this kernel (prebuilt.Fitted.changes)
         self.record = record
         self.ringbuf_bytes = ringbuf_bytes
         self.events_fd = fds["map:events"]

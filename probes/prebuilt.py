@@ -410,7 +410,7 @@ def load(*, ringbuf_bytes: int, wakeup_every: int, client_slot_bits: int, tracep
         record = struct.Struct(prebuilt.record_format)
         if len(record.unpack(bytes(record.size))) != RECORD_FIELDS:
             raise ValueError(f"record_format {prebuilt.record_format!r} is not the {RECORD_FIELDS} fields of struct event")
-        return LoadedProgram(fds, record, ringbuf_bytes, client_slot_bits)
+        return LoadedProgram(fds, record, ringbuf_bytes, client_slot_bits, fit.changes)
     except BaseException as exc:  # nothing stays attached: closing the descriptors detaches
         close_all(fds)
         if isinstance(exc, OSError) and exc.errno == errno.EPERM and memlock_counts:

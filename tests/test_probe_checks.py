@@ -139,3 +139,18 @@ def test_doctor_and_probe_agree_on_this_process() -> None:
 ])
 def test_client_slots_only_where_the_kernel_has_bpf_compare_and_swap(release: str, bits: int) -> None:
     assert default_client_slot_bits(release) == bits
+
+
+@pytest.mark.privileged
+def test_doctor_says_what_the_prebuilt_probe_changed_to_fit_the_kernel(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    # A kernel whose tcp:* records lack the family (5.10's), as this one's tracefs told without it.
+    from auditor.cli.doctor import OK, check_prebuilt_probe
+    from tests.test_probe_bpf import tracefs_without_tcp_family
+
+    monkeypatch.setattr("probes.bpf.TRACEFS_ROOTS", (tracefs_without_tcp_family(tmp_path),))
+    check = check_prebuilt_probe()
+    assert check.state == OK, check
+    assert check.detail.startswith("loaded and attached without bcc in ")
+    assert ("(fitted to this kernel: tcp:tcp_receive_reset: the record has no family field; the socket's is "
+            "read instead; tcp:tcp_rcv_space_adjust: the record has no family field") in check.detail

@@ -111,6 +111,22 @@ def test_a_kernel_that_moved_the_fields_gets_the_programs_loads_moved_with_them(
         assert loaded.variants[0].programs[tracepoint].instructions != before
 
 
+@pytest.mark.parametrize("bits", [0, CLIENT_SLOT_BITS])
+def test_every_record_load_of_every_program_is_followed(bits: int) -> None:
+    # Every field eight bytes further on: each program's loads from the record all move by eight
+    # (none goes through a register the analysis cannot place), and nothing else changes.
+    data = committed()
+    variant = prebuilt.read().variants[bits]
+    for tracepoint, program in [*variant.programs.items(), *variant.family_from_socket.items()]:
+        built = {name: (offset, size) for name, (offset, size) in data["fields"][tracepoint].items()}
+        moved = {name: (offset + 8, size) for name, (offset, size) in built.items()}
+        before, after = program.instructions, prebuilt.relocated(program.instructions, built, moved)
+        changed = [(prebuilt.INSN.unpack_from(before, i), prebuilt.INSN.unpack_from(after, i))
+                   for i in range(0, len(before), 8) if before[i:i + 8] != after[i:i + 8]]
+        assert len(changed) >= 5, tracepoint
+        assert all(old[0] & 7 == 1 and new[2] - old[2] == 8 for old, new in changed), tracepoint
+
+
 def insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
     return prebuilt.INSN.pack(code, dst | src << 4, off, imm)
 

@@ -106,7 +106,9 @@ def check_prebuilt_probe() -> Check:
                      exc.fix if exc.reason == "tracefs is not mounted"
                      else "the daemon compiles the probe with bcc instead: see the kernel_headers and bcc checks")
     program.close()
-    return Check("prebuilt_probe", OK, f"loaded and attached without bcc in {(time.monotonic() - started) * 1e3:.0f} ms")
+    fitted = f" (fitted to this kernel: {'; '.join(program.fitted)})" if program.fitted else ""
+    return Check("prebuilt_probe", OK,
+                 f"loaded and attached without bcc in {(time.monotonic() - started) * 1e3:.0f} ms{fitted}")
 
 
 def check_kernel_headers() -> Check:
