@@ -52,23 +52,22 @@ MIRROR = "http://deb.debian.org/debian"
 SUITES = ("bullseye", "bookworm", "trixie")
 RESULT = "probe-kernels-result: "  # the guest's lines that carry its findings, on the serial console
 # What the guest needs of the virtual environment: not the type checker, the linters or pip.
-SITE_SKIPPED = re.compile(r"^(pip|setuptools|mypy|mypyc|mypy_extensions|ruff|.*__mypyc.*\.so|_distutils_hack|"
+SITE_SKIPPED = re.compile(r"^(pip|setuptools|mypy|mypyc|mypy_extensions|ruff|.*__mypyc.*\.so|"
                           r"pip-.*|setuptools-.*|mypy-.*)$")
 STDLIB_SKIPPED = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data",
                   "config-3.11-x86_64-linux-gnu", "site-packages", "dist-packages"}
 INIT = """#!/bin/busybox sh
 /bin/busybox --install -s /bin
-mkdir -p /proc /sys /dev /tmp /run
+mkdir -p /proc /sys /dev /tmp /run  # the initramfs is writable as it is: no tmpfs over the tree in it
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
-mount -t tmpfs tmpfs /tmp
 mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null || mount -t debugfs debugfs /sys/kernel/debug
 mount -t bpf bpf /sys/fs/bpf 2>/dev/null
 ip link set lo up
 for module in /modules/*.ko; do [ -f "$module" ] && insmod "$module"; done
 cd {repo}
-HOME=/tmp PYTHONDONTWRITEBYTECODE=1 {python} bench/probe_kernels.py --guest "$@"
+HOME=/tmp PYTHONDONTWRITEBYTECODE=1 PYTHONPATH={repo} {python} bench/probe_kernels.py --guest "$@"
 echo "probe-kernels-exit: $?"
 poweroff -f
 """
