@@ -12,7 +12,8 @@ GPU host that never installed them. Inside, as init, it:
 - loads the daemon's eBPF source with the prebuilt loader, timed, and closes loopback connections
   at a watched port three ways: a client FIN, a client reset, the server closing first;
 - with ``--pytest``, runs the probe's own tests on that kernel (tests/test_probe_prebuilt.py and
-  tests/test_probe_bpf.py; those marked ``compiles`` skip, as on any host without bcc).
+  tests/test_probe_bpf.py; those marked ``compiles`` skip, as on any host without bcc), or with
+  ``--tests PATH`` (repeatable) those test files instead: the daemon's own end-to-end ones too.
 
 Kernels: Debian's cloud kernels by suite (bullseye 5.10, bookworm 6.1, trixie 6.12), fetched
 from deb.debian.org once into ``--cache``, or any bzImage given with ``--vmlinuz``. Prints one row a
@@ -24,7 +25,7 @@ and a Debian/Ubuntu host with dpkg-deb. Emulated, a kernel takes a minute or two
 the run then ends at ``--timeout`` and says so). Load times under emulation are not the kernel's.
 
 Usage: .venv/bin/python bench/probe_kernels.py [--suites bullseye,bookworm,trixie] [--vmlinuz PATH ...]
-                                               [--pytest] [--kvm] [--cache DIR] [--json]
+                                               [--pytest | --tests PATH ...] [--kvm] [--cache DIR] [--json]
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def build_initramfs(path: Path) -> int:
     cpio.host_path(guest_python)
     site = Path(sysconfig.get_paths()["purelib"])
     cpio.host_path(site, skip={"__pycache__"}, skip_re=SITE_SKIPPED)
-    for part in ("auditor", "probes", "collectors", "tests", "bench", "pyproject.toml"):
+    for part in ("auditor", "probes", "collectors", "replay", "systemd", "tests", "bench", "pyproject.toml"):
         cpio.host_path(REPO / part, skip={"__pycache__", ".pytest_cache"})
     elves = [python, *stdlib.glob("lib-dynload/*.so"), *site.rglob("*.so"), *REPO.glob("collectors/*.so")]
     for library in sorted(shared_libraries(elves)):
@@ -299,7 +300,10 @@ def closes(source: Any, listener: socket.socket) -> dict[str, str]:
     return seen
 
 
-def guest(run_pytest: bool) -> int:
+PROBE_TESTS = ["tests/test_probe_prebuilt.py", "tests/test_probe_bpf.py"]
+
+
+def guest(tests: list[str]) -> int:
     from probes import bpf, prebuilt
 
     row: dict[str, Any] = {"kernel": os.uname().release}
@@ -325,14 +329,14 @@ def guest(run_pytest: bool) -> int:
         row["closes"] = closes(source, listener)
         source.stop()
     say(row)
-    if run_pytest:
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 "tests/test_probe_prebuilt.py", "tests/test_probe_bpf.py"],
+    if tests:
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                                 capture_output=True, text=True, check=False, cwd=REPO,
                                 env={**os.environ, "COLUMNS": "400"})
         lines = result.stdout.strip().splitlines()
         say({"kernel": row["kernel"], "pytest": lines[-1] if lines else result.stderr[-300:],
-             "failures": [line[:400] for line in lines if line.startswith(("FAILED", "ERROR"))][:12]})
+             "failures": [line[:400] for line in lines if line.startswith(("FAILED", "ERROR"))][:12],
+             "errors": [line[:300] for line in lines if line.startswith("E ")][:12]})
     return 0
 
 
@@ -344,6 +348,8 @@ def main() -> int:
                         "(comma-separated; empty for none)")
     parser.add_argument("--vmlinuz", type=Path, action="append", default=[], help="another kernel image to boot")
     parser.add_argument("--pytest", action="store_true", help="also run the probe's tests on each kernel")
+    parser.add_argument("--tests", action="append", default=[], metavar="PATH",
+                        help="run these test files on each kernel instead of the probe's (repeatable)")
     parser.add_argument("--cache", type=Path, default=Path("/var/tmp/auditor-kernels"),
                         help="where kernels are kept between runs")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a kernel may take, boot to power-off")
@@ -352,11 +358,12 @@ def main() -> int:
     parser.add_argument("--guest", action="store_true", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
     if args.guest:
-        return guest(args.pytest)
+        return guest(args.tests or (PROBE_TESTS if args.pytest else []))
     if not shutil.which("qemu-system-x86_64"):
         raise SystemExit("no qemu-system-x86_64: apt-get install qemu-system-x86 busybox-static")
     args.cache.mkdir(parents=True, exist_ok=True)
     kernels = [debian_kernel(suite, args.cache) for suite in filter(None, args.suites.split(","))] + args.vmlinuz
+    guest_args = [f"--tests={path}" for path in args.tests] or (["--pytest"] if args.pytest else [])
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="probe-kernels-") as scratch:
         initramfs = Path(scratch) / "initramfs.cpio"
@@ -364,8 +371,8 @@ def main() -> int:
         print(f"initramfs: {size / 2**20:.0f} MiB; {'KVM' if args.kvm else 'emulated'}",
               file=sys.stderr)
         for vmlinuz in kernels:
-            found, console, seconds = boot(vmlinuz, with_modules(initramfs, vmlinuz, Path(scratch) / "kernel.cpio"), ["--pytest"] if args.pytest else [], args.timeout,
-                                           args.kvm)
+            kernel_initramfs = with_modules(initramfs, vmlinuz, Path(scratch) / "kernel.cpio")
+            found, console, seconds = boot(vmlinuz, kernel_initramfs, guest_args, args.timeout, args.kvm)
             row: dict[str, Any] = {"image": vmlinuz.name, "boot_to_off_s": round(seconds, 1)}
             for part in found:
                 row.update(part)
@@ -389,7 +396,7 @@ def main() -> int:
                 print(f"  {key}: {row[key]}")
         if "pytest" in row:
             print(f"  tests: {row['pytest']}")
-            for failure in row.get("failures", []):
+            for failure in row.get("failures", []) + row.get("errors", []):
                 print(f"    {failure}")
     return 0
 
