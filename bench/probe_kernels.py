@@ -312,9 +312,7 @@ def guest(tests: list[str]) -> int:
     row["client_slot_bits"] = bits
     row["refused"] = prebuilt.unusable_reason(prebuilt.read(), bits, bpf.TRACEPOINT_NAMES, tracefs)
     if row["refused"]:  # the records as this kernel lays them out, for the row's reader
-        row["fields"] = {tracepoint: prebuilt.format_fields(
-            (tracefs / "events" / tracepoint.replace(":", "/") / "format").read_text())
-            for tracepoint in bpf.TRACEPOINT_NAMES}
+        row["fields"] = {tracepoint: prebuilt.record_fields(tracefs, tracepoint) for tracepoint in bpf.TRACEPOINT_NAMES}
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)

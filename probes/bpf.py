@@ -122,11 +122,10 @@ def tcp_records_lack_family(tracefs_roots: Iterable[Path] = TRACEFS_ROOTS) -> bo
         return False
     for tracepoint in prebuilt.FAMILY_TRACEPOINTS:
         try:
-            text = (root / "events" / tracepoint.replace(":", "/") / "format").read_text()
+            if "family" not in prebuilt.record_fields(root, tracepoint):
+                return True
         except OSError:
             continue
-        if "family" not in prebuilt.format_fields(text):
-            return True
     return False
 
 
@@ -237,7 +236,6 @@ class BpfConnEventSource:
         self._client_keys: dict[bytes, tuple[int, str, int]] = {}  # clients map key -> (port, address, its port)
         self._backlog = False
         self.client_slot_bits = default_client_slot_bits() if client_slot_bits is None else client_slot_bits
-        self.text = program_text(ringbuf_pages, wakeup_every, self.client_slot_bits)
         # bcc's per-record callback reader needs bcc in this process.
         self.loader = loader or ("inprocess" if mapped_reader is False else default_loader())
         if self.loader not in LOADERS:
@@ -268,11 +266,12 @@ class BpfConnEventSource:
                 raise problem
         if self.loader == "child":
             self._program = load_in_child(
-                self.text, PROGRAM_CFLAGS, ringbuf_bytes=ringbuf_pages * mmap.PAGESIZE,
+                program_text(ringbuf_pages, wakeup_every, self.client_slot_bits), PROGRAM_CFLAGS, ringbuf_bytes=ringbuf_pages * mmap.PAGESIZE,
                 tracepoints=TRACEPOINT_NAMES,
                 client_slot_bits=self.client_slot_bits)
         elif self.loader == "inprocess":
-            self._program = BccProgram(self.text, PROGRAM_CFLAGS, self.client_slot_bits)
+            self._program = BccProgram(program_text(ringbuf_pages, wakeup_every, self.client_slot_bits),
+                                       PROGRAM_CFLAGS, self.client_slot_bits)
         log.info("eBPF probe loaded by the %s loader", self.loader)
         self._unpack = self._program.record
         self._mapped: ringbuf.MappedRingBuffer | None = None

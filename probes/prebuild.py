@@ -38,7 +38,6 @@ from probes.bpf import (
     PROGRAM_FILE,
     TRACEFS_ROOTS,
     TRACEPOINT_NAMES,
-    TRACEPOINTS,
     program_text,
     tcp_records_lack_family,
 )
@@ -50,7 +49,7 @@ from probes.prebuilt import (
     INSN,
     LD_IMM64,
     PREBUILT_FILE,
-    format_fields,
+    record_fields,
     source_digest,
 )
 
@@ -148,8 +147,8 @@ def build() -> dict[str, Any]:
         raise ValueError("this kernel's tcp:* records lack the family field: build where they have it")
     named = named_fields(PROGRAM_FILE.read_text())
     fields = {}
-    for path, tracepoint in zip(TRACEPOINTS, TRACEPOINT_NAMES, strict=True):
-        running = format_fields((tracefs / "events" / path / "format").read_text())
+    for tracepoint in TRACEPOINT_NAMES:
+        running = record_fields(tracefs, tracepoint)
         fields[tracepoint] = {name: list(at) for name, at in sorted(running.items()) if name in named}
     variants: dict[str, Any] = {}
     record = ""

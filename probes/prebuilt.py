@@ -71,6 +71,12 @@ def source_digest(directory: Path = PROGRAM_DIR) -> str:
     return f"{crc:08x}"
 
 
+def record_fields(tracefs: Path, tracepoint: str) -> dict[str, tuple[int, int]]:
+    """The running kernel's record of ``tracepoint`` (category:name) as its format file lays it
+    out; OSError where it cannot be read."""
+    return format_fields((tracefs / "events" / tracepoint.replace(":", "/") / "format").read_text())
+
+
 def format_fields(text: str) -> dict[str, tuple[int, int]]:
     """A tracefs format file's fields: name -> (offset, size)."""
     fields = {}
@@ -221,11 +227,10 @@ def fitted(prebuilt: Prebuilt, client_slot_bits: int, tracepoints: Iterable[str]
     for tracepoint in tracepoints:
         if tracepoint not in variant.programs:
             raise ProbeUnavailable(f"the prebuilt probe has no program for {tracepoint}", FIX)
-        path = tracefs / "events" / tracepoint.replace(":", "/") / "format"
         try:
-            running = format_fields(path.read_text())
+            running = record_fields(tracefs, tracepoint)
         except OSError as exc:
-            raise ProbeUnavailable(f"{path} cannot be read ({exc.strerror or exc})", FIX) from None
+            raise ProbeUnavailable(f"{exc.filename} cannot be read ({exc.strerror or exc})", FIX) from None
         built = prebuilt.fields.get(tracepoint, {})
         program = variant.programs[tracepoint]
         if "family" in built and "family" not in running and tracepoint in variant.family_from_socket:
@@ -254,7 +259,7 @@ def fitted(prebuilt: Prebuilt, client_slot_bits: int, tracepoints: Iterable[str]
 # -- moving record loads (a small CO-RE for tracepoint records) ---------------------------------
 _CLASS_LD, _CLASS_LDX, _CLASS_ST, _CLASS_STX, _CLASS_ALU, _CLASS_JMP, _CLASS_JMP32, _CLASS_ALU64 = range(8)
 _SIZES = {0x00: 4, 0x08: 2, 0x10: 1, 0x18: 8}  # BPF_W, BPF_H, BPF_B, BPF_DW
-_MODE_MEM, _MODE_ATOMIC = 0x60, 0xC0
+_MODE_ATOMIC = 0xC0
 _CALL, _EXIT, _JA = 0x80, 0x90, 0x00
 _ADD, _SUB, _MOV = 0x00, 0x10, 0xB0
 _BPF_X = 0x08  # the source operand is a register
@@ -357,10 +362,7 @@ def _merge(known: dict[int, int] | None, incoming: dict[int, int]) -> dict[int, 
     """Two paths' context registers: where they differ (or one lacks it), the register is unsure."""
     if known is None:
         return incoming
-    merged = {reg: at for reg, at in known.items() if incoming.get(reg) == at}
-    merged.update({reg: _UNSURE for reg in known.keys() ^ incoming.keys()})
-    merged.update({reg: _UNSURE for reg in known.keys() & incoming.keys() if known[reg] != incoming[reg]})
-    return merged
+    return {reg: known[reg] if known.get(reg) == incoming.get(reg) else _UNSURE for reg in known.keys() | incoming.keys()}
 
 
 def patched(program: ProgramSpec, map_fds: dict[str, int], wakeup_every: int) -> bytes:
