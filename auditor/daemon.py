@@ -241,8 +241,9 @@ class Daemon:
             if probe is not None:
                 probe.set_own_endpoints(endpoints)
 
-        # The clients connected to the engines' ports: the eBPF probe keeps a table of them; without
-        # it, a sock_diag walk a listing.
+        # The clients connected to the engines' ports: the eBPF probe keeps a table of them; the /proc
+        # source lists them with a poll of its own (no walk more than the polls'); without either, a
+        # sock_diag walk a listing.
         lister: Any = self._parts.get("probe")
         if not hasattr(lister, "clients"):
             from probes.sockdiag import ConnectedClients

@@ -29,7 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from auditor.model import ConnEvent, ConnEventKind
-from probes.sockdiag import TCP_TIME_WAIT, DestroyNotices, Freed, SockDiag, TcpAccepts
+from probes.sockdiag import (
+    TCP_ESTABLISHED,
+    TCP_TIME_WAIT,
+    DestroyNotices,
+    Freed,
+    SockDiag,
+    TcpAccepts,
+)
 from probes.source import OwnEnd, validate_ports
 
 log = logging.getLogger(__name__)
@@ -173,6 +180,8 @@ class ProcfsConnEventSource:
         self._baseline_ports: set[int] = set(self._ports)  # seen sockets are history, not events
         self._seen: dict[SocketKey, _Seen] = {}
         self._last_scan_ns: int | None = None
+        self._snapshot_ns = 0  # when the latest snapshot's dump ended (wall clock)
+        self._listed_at = -1e9  # monotonic start of the latest scan made for a listing (``clients``)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._read_errors = 0
@@ -279,6 +288,35 @@ class ProcfsConnEventSource:
             except queue.Empty:
                 return events
 
+    def clients(self, ports: Iterable[int]) -> dict[int, tuple[tuple[str, int, int], ...]] | None:
+        """The clients connected to each of ``ports`` now (``EngineLoad.connections``): address,
+        port, and when data from each last came in (wall-clock ns: tcp_info's last_data_recv, the
+        kernel's receipt). A scan of its own, with tcp_info asked in its dump, that is also the
+        poller's next poll: the poller waits a whole interval after it, so the engine scraper's
+        listings cost no walk of the established hash beside the polls'. None without sock_diag
+        (or before ``start``); ports not watched are left out."""
+        with self._scan_lock:
+            if self._diag is None or self._last_scan_ns is None:
+                return None
+            self._listed_at = time.monotonic()
+            self._scan(listing=True)
+            diag, now = self._diag, self._snapshot_ns
+            if diag is None:  # the dump failed: /proc/net/tcp from now on, which has no tcp_info
+                return None
+            wanted = set(ports) & self._dumped_ports
+            found: dict[int, list[tuple[str, int, int]]] = {port: [] for port in wanted}
+            for (_family, _local, port, peer, peer_port), seen in self._seen.items():
+                if port in wanted and seen.state == TCP_ESTABLISHED:
+                    last_ms = diag.last_data_recv(seen.freed_as) or 0
+                    found[port].append((peer, peer_port, now - last_ms * 1_000_000))
+        return {port: tuple(clients) for port, clients in found.items()}
+
+    def accepted(self) -> int | None:
+        """Connections this network namespace accepted so far, every port (``TcpAccepts``); None
+        when it cannot be read. Unchanged around a listing of ``clients``: none is missing from it."""
+        with self._scan_lock:
+            return self._accepts.read() if self._accepts is not None else None
+
     def server_pids(self) -> dict[int, int]:
         """Nothing: a poll sees sockets, not which process closed them (the eBPF probe does)."""
         return {}
@@ -308,9 +346,11 @@ class ProcfsConnEventSource:
         # A plain sleep, not a wait on the stop event: twenty wake-ups a second, idle or not, and
         # one from time.sleep costs less (92 against 128 us at 50 ms here, bench/wakeup_cost.py).
         # A stop is seen within a tick, or STOP_CHECK_S at slow rates.
+        # A listing's scan (``clients``) is a poll too: the next is a whole interval after it.
         next_tick = time.monotonic() + self.interval_s
         while True:
-            while (remaining := next_tick - time.monotonic()) > 0 and not self._stop.is_set():
+            while ((remaining := max(next_tick, self._listed_at + self.interval_s) - time.monotonic()) > 0
+                   and not self._stop.is_set()):
                 time.sleep(min(remaining, STOP_CHECK_S))
             if self._stop.is_set():
                 return
@@ -328,13 +368,14 @@ class ProcfsConnEventSource:
         with self._scan_lock:
             return self._scan()
 
-    def _scan(self) -> list[ConnEvent]:
+    def _scan(self, listing: bool = False) -> list[ConnEvent]:
         with self._lock:
             ports = self._ports
             baseline_ports, self._baseline_ports = self._baseline_ports, set()
             own = self._own_now()
         scan_started_ns = time.time_ns()
-        current, whole = self._snapshot(ports)
+        current, whole = self._snapshot(ports, listing)
+        self._snapshot_ns = time.time_ns()
         if own:
             if whole and self._own_closed:
                 self._forget_own_gone(current)
@@ -489,23 +530,24 @@ class ProcfsConnEventSource:
         except OSError:
             return None  # the next snapshot falls back to /proc/net/tcp if netlink broke
 
-    def _diag_entries(self, ports: frozenset[int]) -> tuple[list[tuple[SocketKey, int, int]], bool]:
+    def _diag_entries(self, ports: frozenset[int], listing: bool) -> tuple[list[tuple[SocketKey, int, int]], bool]:
         """A dump, or, when no TCP connection was accepted since the last one, a lookup of each
         socket it listed: an idle port costs a counter read instead of a walk of the whole
-        established hash (0.2 ms, most of the fallback's idle CPU). True with a dump."""
+        established hash (about 1 ms here, most of the fallback's idle CPU). A ``listing`` always
+        dumps, asking each socket's tcp_info. True with a dump."""
         assert self._diag is not None
         accepts = self._accepts.read() if self._accepts is not None else None
-        if (accepts is not None and accepts == self._accepts_at_dump and ports == self._dumped_ports
+        if (not listing and accepts is not None and accepts == self._accepts_at_dump and ports == self._dumped_ports
                 and len(self._seen) <= LOOKUPS_INSTEAD_OF_DUMP):
             return self._diag.still_listed(self._seen), False
         self._accepts_at_dump, self._dumped_ports = accepts, ports
-        return list(self._diag.sockets(ports)), True
+        return list(self._diag.sockets(ports, info=listing)), True
 
-    def _snapshot(self, ports: frozenset[int]) -> tuple[dict[SocketKey, _Seen], bool]:
+    def _snapshot(self, ports: frozenset[int], listing: bool = False) -> tuple[dict[SocketKey, _Seen], bool]:
         """The sockets on the ports, and whether that is every one of them (not only those looked up)."""
         if self._diag is not None:
             try:
-                entries, whole = self._diag_entries(ports)
+                entries, whole = self._diag_entries(ports, listing)
                 return {key: _Seen(state, inode or None, cookie) for key, state, inode, cookie in entries}, whole
             except OSError as exc:
                 log.warning("sock_diag failed (%s); parsing /proc/net/tcp from now on", exc)

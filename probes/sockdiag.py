@@ -4,7 +4,7 @@ This is what ``ss`` does: a dump request with an inet_diag bytecode filter (``sp
 sport == p2 ...``) so the kernel walks its socket tables and sends back only the watched ports.
 Parsing /proc/net/tcp instead means formatting and reading every socket on the host as text on
 every poll (milliseconds a pass). The walk itself visits every bucket of the established hash
-(262,144 on a small VM, about 0.2 ms), and IPv4 and IPv6 share that table: the older
+(262,144 on a small VM, about 1 ms here), and IPv4 and IPv6 share that table: the older
 TCPDIAG_GETSOCK request dumps both families in one walk, so it is tried first; SOCK_DIAG_BY_FAMILY,
 one walk per family, is what a kernel without it gets. Unprivileged: sock_diag lists the sockets of
 this network namespace to any user.
@@ -109,29 +109,40 @@ class SockDiag:
         # The socket id bytes of each reply entry -> its decoded key: a long-lived connection is
         # decoded once, not on every poll.
         self._decoded: dict[bytes, SocketKey] = {}
-        self._info: dict[int, int] = {}  # inode -> last_data_recv (ms), of the dump ``established`` reads
+        # cookie -> last_data_recv (ms), of the latest walk that asked for tcp_info. By cookie, not
+        # inode: a connection not yet taken from its listener's queue has inode 0.
+        self._info: dict[int, int] = {}
 
     def close(self) -> None:
         self._sock.close()
 
-    def sockets(self, ports: frozenset[int]) -> Iterator[DiagEntry]:
-        """Every non-listening TCP socket (IPv4 and IPv6) whose local port is in ``ports``."""
+    def sockets(self, ports: frozenset[int], info: bool = False) -> Iterator[DiagEntry]:
+        """Every non-listening TCP socket (IPv4 and IPv6) whose local port is in ``ports``. With
+        ``info``, each one's tcp_info is asked too: ``last_data_recv`` reads it after the walk."""
         if not ports:
             return
-        attribute = self._port_attribute(ports)
+        attribute, ext = self._port_attribute(ports), (1 << (INET_DIAG_INFO - 1)) if info else 0
+        if info:
+            self._info.clear()
         if self._one_walk:
             try:
                 # Collected first: a refusal arrives before any socket, and must not duplicate any.
                 found = list(self._dump(TCPDIAG_GETSOCK, _COMPAT_REQUEST.pack(
-                    socket.AF_INET, 0, 0, 0, STATES, 0) + attribute, ports))
+                    socket.AF_INET, 0, 0, ext, STATES, 0) + attribute, ports, info=info))
             except OSError:
                 self._one_walk = False
             else:
                 yield from found
                 return
         for family in (socket.AF_INET, socket.AF_INET6):
-            body = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, STATES) + attribute
-            yield from self._dump(SOCK_DIAG_BY_FAMILY, body, ports)
+            body = _REQUEST.pack(family, socket.IPPROTO_TCP, ext, 0, STATES) + attribute
+            yield from self._dump(SOCK_DIAG_BY_FAMILY, body, ports, info=info)
+
+    def last_data_recv(self, cookie: int) -> int | None:
+        """How many milliseconds before the last walk asked with tcp_info (``sockets(info=True)``,
+        ``established``) the socket of the kernel's ``cookie`` last received data from its peer;
+        None when that walk did not list it."""
+        return self._info.get(cookie)
 
     def established(self, ports: frozenset[int]) -> dict[int, list[tuple[SocketKey, int]]]:
         """The ESTABLISHED TCP sockets (IPv4 and IPv6) on the local ``ports``, each with how many
@@ -154,8 +165,8 @@ class SockDiag:
             for family in (socket.AF_INET, socket.AF_INET6):
                 body = _REQUEST.pack(family, socket.IPPROTO_TCP, ext, 0, state) + attribute
                 entries += self._dump(SOCK_DIAG_BY_FAMILY, body, ports, states=state, info=True)
-        for key, _state, inode, _cookie in entries:
-            found[key[2]].append((key, self._info.get(inode, 0)))
+        for key, _state, _inode, cookie in entries:
+            found[key[2]].append((key, self._info.get(cookie, 0)))
         return found
 
     def listening(self, ports: frozenset[int]) -> Iterator[DiagEntry]:
@@ -227,7 +238,7 @@ class SockDiag:
                 entry = self._entry(data, payload, ports, states)
                 if entry is not None:
                     if info:
-                        self._info[entry[2]] = _last_data_recv(data, payload + MSG_BYTES, offset) or 0
+                        self._info[entry[3]] = _last_data_recv(data, payload + MSG_BYTES, offset) or 0
                     yield entry
                 if single:
                     return

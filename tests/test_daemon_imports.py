@@ -94,6 +94,7 @@ try:
         cancelled.close()
         done.close()
     prune(daemon.store, RetentionPolicy(), host=daemon.config.host_id)
+    lister = "client_lister" in daemon._parts  # a walker of its own beside the /proc source's polls
 finally:
     daemon.request_stop()
     daemon.stop()
@@ -102,7 +103,7 @@ unused = ("sqlalchemy", "asyncio", "alembic", "mako", "bcc", "grpc", "openteleme
           "urllib.request", "wsgiref", "google", "opentelemetry.proto.collector", "opentelemetry.proto.trace",
           "opentelemetry.proto.common", "opentelemetry.proto.resource")
 loaded = sorted(name for name in sys.modules if any(name == top or name.startswith(top + ".") for top in unused))
-print(json.dumps({"verdicts": verdicts, "loaded": loaded}))
+print(json.dumps({"verdicts": verdicts, "loaded": loaded, "lister": lister}))
 """
 
 
@@ -115,3 +116,4 @@ def test_the_running_daemon_never_imports_what_it_does_not_use(transport: str, t
     # The paths ran: spans in, a disconnect joined, a verdict written and read back.
     assert ["left", "zombie"] in result["verdicts"], (result, done.stderr[-3000:])
     assert result["loaded"] == [], "the daemon imported " + ", ".join(result["loaded"])
+    assert result["lister"] is False  # the scraper's listings are the /proc source's polls

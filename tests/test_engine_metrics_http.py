@@ -13,6 +13,7 @@ import pytest
 
 from auditor.model import EngineLoad
 from collectors.enginemetrics import MAX_PAGE_BYTES, EngineMetricsScraper
+from probes.procfs import ProcfsConnEventSource
 from probes.sockdiag import ConnectedClients
 
 PAGE = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"
@@ -157,12 +158,20 @@ def test_the_scraper_names_the_connections_it_holds_open(serve: Callable[..., Se
     assert server.connections == 2
 
 
-def test_a_scrape_lists_the_clients_connected_to_the_port_but_its_own_when_asked(serve: Callable[..., Server]) -> None:
+@pytest.mark.parametrize("lister_kind", ["walk", "procfs"])
+def test_a_scrape_lists_the_clients_connected_to_the_port_but_its_own_when_asked(serve: Callable[..., Server],
+                                                                                 lister_kind: str) -> None:
     # The kernel's word on who is connected as the scrape is sent (sock_diag), while a client has
     # just left the port or a verdict reads its scrapes: a client that sent its request 0.3 s
-    # before and waits for its answer, with when it sent; not the scraper itself.
+    # before and waits for its answer, with when it sent; not the scraper itself. Listed by a walk
+    # of its own (a daemon with neither probe) or by the /proc source's poll.
     server = serve([content_length()] * 3)
-    lister = ConnectedClients()  # sock_diag, as a daemon without the eBPF probe lists them
+    lister: ConnectedClients | ProcfsConnEventSource
+    if lister_kind == "walk":
+        lister = ConnectedClients()
+    else:
+        lister = ProcfsConnEventSource([server.port], sock_diag=True)
+        lister.start()
     client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=2, filtered=False,
                                   listed_clients=lister.clients, accepted=lister.accepted)
     [unlisted] = client.scrape_all([server.port])  # the scraper's connection, kept alive from now on
@@ -178,7 +187,10 @@ def test_a_scrape_lists_the_clients_connected_to_the_port_but_its_own_when_asked
     finally:
         waiting.close()
         client.close()
-        lister.close()
+        if isinstance(lister, ConnectedClients):
+            lister.close()
+        else:
+            lister.stop()
     assert load is not None and load.connections is not None and load.connections_complete
     [(address, port, last_sent_ns)] = load.connections
     assert (address, port) == waiting_end

@@ -296,7 +296,7 @@ def counting_source(port: int) -> tuple[ProcfsConnEventSource, FixedOpens, list,
     dumps: list = []
     lookups: list = []
     dump, look = source._diag.sockets, source._diag.still_listed
-    source._diag.sockets = lambda ports: dumps.append(ports) or dump(ports)  # type: ignore[method-assign]
+    source._diag.sockets = lambda ports, info=False: dumps.append(ports) or dump(ports, info)  # type: ignore[method-assign]
     source._diag.still_listed = lambda keys: lookups.append(dict(keys)) or look(keys)  # type: ignore[method-assign]
     return source, opens, dumps, lookups
 
@@ -345,7 +345,7 @@ def test_outgoing_connections_cost_no_walk_and_an_accepted_one_does(server: sock
     assert isinstance(source._accepts, TcpAccepts) and source._diag is not None
     dumps: list = []
     dump = source._diag.sockets
-    source._diag.sockets = lambda ports: dumps.append(ports) or dump(ports)  # type: ignore[method-assign]
+    source._diag.sockets = lambda ports, info=False: dumps.append(ports) or dump(ports, info)  # type: ignore[method-assign]
     source.scan()
     for _ in range(3):
         with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", refused_port)):
@@ -606,7 +606,7 @@ def test_a_socket_freed_just_after_the_snapshot_that_listed_it(server: socket.so
     accepted.close()
     time.sleep(0.02)
     with monkeypatch.context() as patch:
-        patch.setattr(source, "_snapshot", lambda ports: stale)
+        patch.setattr(source, "_snapshot", lambda ports, listing=False: stale)
         assert source.scan() == []
     assert len(source._early) == 1
     second = time.time_ns()
@@ -776,3 +776,68 @@ def test_decoded_socket_ids_are_kept_to_a_bound() -> None:
         message = bytes([socket.AF_INET, 1, 0, 0]) + struct.pack(">HH", 8000, client_port) + loopback * 2 + bytes(32)
         assert _decoded_key(decoded, message, 0) == (4, "127.0.0.1", 8000, "127.0.0.1", client_port)
         assert len(decoded) <= DECODED_CACHE_MAX
+
+
+def test_a_listing_of_the_clients_connected_is_a_poll_with_each_ones_last_data(server: socket.socket) -> None:
+    """What the engine scraper reads without the eBPF probe: the ESTABLISHED clients of the asked
+    ports that are watched, each with when its last data came in (tcp_info), from a poll that
+    queues its events like any other."""
+    other = listener()
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=True)
+    assert source.clients([port_of(server)]) is None  # no baseline yet
+    source.scan()
+    quiet = socket.create_connection(server.getsockname())  # connected, never sends
+    quiet_end, _ = server.accept()
+    talker = socket.create_connection(server.getsockname())
+    talker_end, _ = server.accept()
+    time.sleep(0.05)
+    sent = time.time_ns()
+    talker.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    assert talker_end.recv(100)
+    time.sleep(0.2)
+    listed = source.clients([port_of(server), port_of(other)])
+    assert listed is not None and set(listed) == {port_of(server)}  # the unwatched port is left out
+    by_port = {client_port: last_ns for _address, client_port, last_ns in listed[port_of(server)]}
+    assert set(by_port) == {port_of(quiet), port_of(talker)}
+    # The kernel's times are jiffies, read in ms: a tick (up to 10 ms) either way.
+    assert sent - 20_000_000 <= by_port[port_of(talker)] <= sent + 20_000_000
+    assert by_port[port_of(quiet)] < sent - 40_000_000  # its last data (none: the handshake) came before
+    talker_port = port_of(talker)
+    talker.close()
+    time.sleep(0.02)
+    listed = source.clients([port_of(server)])
+    assert listed is not None
+    assert [client_port for _a, client_port, _t in listed[port_of(server)]] == [port_of(quiet)]
+    assert kinds_for(source.poll(timeout_s=0), talker_port) == [PEER_FIN]  # the listing was a poll
+    for sock in (quiet, quiet_end, talker_end, other):
+        sock.close()
+    source.stop()
+    assert source.clients([port_of(server)]) is None
+
+
+def test_a_listing_stands_for_the_pollers_next_poll(server: socket.socket) -> None:
+    """While the scraper lists the clients more often than the poller polls, the poller makes no
+    poll of its own: each listing pushes its next a whole interval on. Left alone, it polls."""
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=True, poll_hz=5)  # every 200 ms
+    polls: list[bool] = []
+    scan = source._scan
+
+    def counted(listing: bool = False) -> list:
+        polls.append(listing)
+        return scan(listing)
+
+    source._scan = counted  # type: ignore[method-assign]
+    source.start()
+    try:
+        polls.clear()
+        time.sleep(1.0)
+        assert polls.count(False) >= 3  # about five of its own
+        polls.clear()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            assert source.clients([port_of(server)]) is not None
+            time.sleep(0.1)
+        assert polls.count(True) >= 8
+        assert polls.count(False) <= 1  # one already due as the first listing came, at most
+    finally:
+        source.stop()
