@@ -841,3 +841,36 @@ def test_a_listing_stands_for_the_pollers_next_poll(server: socket.socket) -> No
         assert polls.count(False) <= 1  # one already due as the first listing came, at most
     finally:
         source.stop()
+
+
+def test_a_listing_reads_a_poll_made_a_moment_before_when_nothing_was_accepted_since(
+        server: socket.socket, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listing just after a poll whose dump saw every connection there is reads that poll's
+    sockets and tcp_info, with no walk of its own; a connection accepted since, or a poll too old
+    or made of lookups, means a walk."""
+    monkeypatch.setattr("probes.procfs.LISTING_REUSE_S", 5.0)  # "a moment" however slow the host
+    source, opens, dumps, lookups = counting_source(port_of(server))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    client.sendall(b"x")
+    assert accepted.recv(1) == b"x"
+    sent = time.time_ns()
+    opens.value += 1
+    source.scan()  # the baseline: a dump
+    assert len(dumps) == 1
+    for _ in range(2):
+        listed = source.clients([port_of(server)])
+        assert listed is not None and len(dumps) == 1  # no walk: the poll's dump is read
+        [(address, client_port, last_ns)] = listed[port_of(server)]
+        assert (address, client_port) == client.getsockname()[:2]
+        assert sent - 20_000_000 <= last_ns <= sent + 20_000_000
+    opens.value += 1  # a connection accepted (elsewhere) since the dump
+    assert source.clients([port_of(server)]) is not None and len(dumps) == 2
+    source.scan()  # nothing accepted since: a lookup of the one socket, not a dump
+    assert len(dumps) == 2 and len(lookups) == 1
+    assert source.clients([port_of(server)]) is not None and len(dumps) == 3  # lookups hold no tcp_info
+    monkeypatch.setattr("probes.procfs.LISTING_REUSE_S", 0.0)
+    assert source.clients([port_of(server)]) is not None and len(dumps) == 4  # too old
+    client.close()
+    accepted.close()
+    source.stop()
