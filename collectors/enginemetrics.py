@@ -371,10 +371,9 @@ class EngineMetricsScraper:
     def _connected(self, ports: Iterable[int]) -> dict[int, tuple[tuple[str, int, int], ...]]:
         """The clients connected to each of ``ports`` now, but this scraper, each with when the
         server last read data from it (``EngineLoad.connections``), from ``listed_clients`` (the
-        eBPF probe's table, about 50 us; or the /proc source's latest poll, made at once where the
-        last is not fresh: a sock_diag walk of the kernel's established hash, about a millisecond
-        on a host of 262,144 buckets, that stands for the poller's next); nothing where it cannot
-        tell."""
+        eBPF probe's table, about 50 us; or the /proc source's poll, made at once: a sock_diag
+        walk of the kernel's established hash, about a millisecond on a host of 262,144 buckets,
+        that stands for the poller's next); nothing where it cannot tell."""
         found = self.listed_clients(ports) if self.listed_clients is not None else None
         if found is None:
             return {}

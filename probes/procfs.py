@@ -64,10 +64,6 @@ WHOLE_SCANS_KEPT = 256  # (start, end) of the latest full snapshots: 13 s at 20 
 # scrape connections' server ends, or sockets held since they closed: their notices are read this
 # often, not every poll (a read that finds none is most of an idle poll's added cost).
 QUIET_NOTICES_EVERY_S = 1.0
-# A listing of the clients connected (``clients``) reads the latest poll, not a walk of its own,
-# when that poll's dump began at most this long before and no connection was accepted since: a
-# walk now would list the same sockets, as they were this much earlier.
-LISTING_REUSE_S = 0.010
 
 SocketKey = tuple[int, str, int, str, int]  # family, server addr, server port, client addr, client port
 
@@ -186,7 +182,6 @@ class ProcfsConnEventSource:
         self._last_scan_ns: int | None = None
         self._snapshot_ns = 0  # when the latest snapshot's dump ended (wall clock)
         self._listed_at = -1e9  # monotonic start of the latest scan made for a listing (``clients``)
-        self._dumped_at: float | None = None  # monotonic start of the latest scan, if it dumped
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._read_errors = 0
@@ -296,19 +291,17 @@ class ProcfsConnEventSource:
     def clients(self, ports: Iterable[int]) -> dict[int, tuple[tuple[str, int, int], ...]] | None:
         """The clients connected to each of ``ports`` now (``EngineLoad.connections``): address,
         port, and when data from each last came in (wall-clock ns: tcp_info's last_data_recv, the
-        kernel's receipt). Read from the latest poll where its dump began within LISTING_REUSE_S
-        and no connection was accepted since; else from a poll made at once, which the poller
-        counts as its own (its next comes a whole interval after). So the engine scraper's
-        listings cost no walk of the established hash beside the polls'. None without sock_diag
-        (or before ``start``); ports not watched are left out."""
+        kernel's receipt). A poll made at once, its dump asking each socket's tcp_info, that
+        stands for the poller's next: the poller's ticks follow on a whole interval after it. So
+        the engine scraper's listings cost no walk of the established hash beside the polls'.
+        Not read from a poll made a moment before: a client that left since would be listed, and
+        its request, still in the engine's gauges at the scrape, not counted an orphan there.
+        None without sock_diag (or before ``start``); ports not watched are left out."""
         with self._scan_lock:
             if self._diag is None or self._last_scan_ns is None:
                 return None
-            accepts = self._accepts.read() if self._accepts is not None else None
-            if (self._dumped_at is None or time.monotonic() - self._dumped_at > LISTING_REUSE_S
-                    or accepts is None or accepts != self._accepts_at_dump):
-                self._listed_at = time.monotonic()
-                self._scan(listing=True)
+            self._listed_at = time.monotonic()
+            self._scan(listing=True)
             diag, now = self._diag, self._snapshot_ns
             if diag is None:  # the dump failed: /proc/net/tcp from now on, which has no tcp_info
                 return None
@@ -545,16 +538,14 @@ class ProcfsConnEventSource:
         """A dump, or, when no TCP connection was accepted since the last one, a lookup of each
         socket it listed: an idle port costs a counter read instead of a walk of the whole
         established hash (about 1 ms here, most of the fallback's idle CPU). A ``listing`` always
-        dumps. A dump asks each socket's tcp_info too, for a listing that reads it (``clients``).
-        True with a dump."""
+        dumps, asking each socket's tcp_info. True with a dump."""
         assert self._diag is not None
         accepts = self._accepts.read() if self._accepts is not None else None
         if (not listing and accepts is not None and accepts == self._accepts_at_dump and ports == self._dumped_ports
                 and len(self._seen) <= LOOKUPS_INSTEAD_OF_DUMP):
-            self._dumped_at = None
             return self._diag.still_listed(self._seen), False
-        self._accepts_at_dump, self._dumped_ports, self._dumped_at = accepts, ports, time.monotonic()
-        return list(self._diag.sockets(ports, info=True)), True
+        self._accepts_at_dump, self._dumped_ports = accepts, ports
+        return list(self._diag.sockets(ports, info=listing)), True
 
     def _snapshot(self, ports: frozenset[int], listing: bool = False) -> tuple[dict[SocketKey, _Seen], bool]:
         """The sockets on the ports, and whether that is every one of them (not only those looked up)."""

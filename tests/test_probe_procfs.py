@@ -816,9 +816,10 @@ def test_a_listing_of_the_clients_connected_is_a_poll_with_each_ones_last_data(s
 
 
 def test_a_listing_stands_for_the_pollers_next_poll(server: socket.socket) -> None:
-    """While the scraper lists the clients more often than the poller polls, the poller makes no
-    poll of its own: each listing pushes its next a whole interval on. Left alone, it polls."""
-    source = ProcfsConnEventSource([port_of(server)], sock_diag=True, poll_hz=5)  # every 200 ms
+    """A listing is a poll: the poller's ticks follow on a whole interval after it. Listed more
+    often than it polls, the poller makes no poll of its own; listed less often (the engine
+    scraper's fixed cadence), each listing takes the place of one of its polls."""
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=True, poll_hz=20)  # every 50 ms
     polls: list[bool] = []
     scan = source._scan
 
@@ -826,51 +827,31 @@ def test_a_listing_stands_for_the_pollers_next_poll(server: socket.socket) -> No
         polls.append(listing)
         return scan(listing)
 
+    def list_every(seconds: float, for_s: float) -> None:
+        polls.clear()
+        tick = time.monotonic()
+        while tick < started + for_s:
+            assert source.clients([port_of(server)]) is not None
+            tick += seconds
+            time.sleep(max(0.0, tick - time.monotonic()))
+
     source._scan = counted  # type: ignore[method-assign]
     source.start()
     try:
         polls.clear()
-        time.sleep(1.0)
-        assert polls.count(False) >= 3  # about five of its own
-        polls.clear()
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            assert source.clients([port_of(server)]) is not None
-            time.sleep(0.1)
-        assert polls.count(True) >= 8
+        time.sleep(2.0)
+        alone = polls.count(False)
+        assert alone >= 20  # about forty
+        started = time.monotonic()
+        list_every(0.025, 1.0)
+        assert polls.count(True) >= 10
         assert polls.count(False) <= 1  # one already due as the first listing came, at most
+        started = time.monotonic()
+        list_every(0.25, 2.0)
+        listings = polls.count(True)
+        assert listings >= 6
+        # Kept on their own phase, the polls would be as many as alone, the listings beside them;
+        # here four polls and a listing take the time of five polls.
+        assert polls.count(False) <= alone - listings // 2, (alone, listings, polls.count(False))
     finally:
         source.stop()
-
-
-def test_a_listing_reads_a_poll_made_a_moment_before_when_nothing_was_accepted_since(
-        server: socket.socket, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A listing just after a poll whose dump saw every connection there is reads that poll's
-    sockets and tcp_info, with no walk of its own; a connection accepted since, or a poll too old
-    or made of lookups, means a walk."""
-    monkeypatch.setattr("probes.procfs.LISTING_REUSE_S", 5.0)  # "a moment" however slow the host
-    source, opens, dumps, lookups = counting_source(port_of(server))
-    client = socket.create_connection(server.getsockname())
-    accepted, _ = server.accept()
-    client.sendall(b"x")
-    assert accepted.recv(1) == b"x"
-    sent = time.time_ns()
-    opens.value += 1
-    source.scan()  # the baseline: a dump
-    assert len(dumps) == 1
-    for _ in range(2):
-        listed = source.clients([port_of(server)])
-        assert listed is not None and len(dumps) == 1  # no walk: the poll's dump is read
-        [(address, client_port, last_ns)] = listed[port_of(server)]
-        assert (address, client_port) == client.getsockname()[:2]
-        assert sent - 20_000_000 <= last_ns <= sent + 20_000_000
-    opens.value += 1  # a connection accepted (elsewhere) since the dump
-    assert source.clients([port_of(server)]) is not None and len(dumps) == 2
-    source.scan()  # nothing accepted since: a lookup of the one socket, not a dump
-    assert len(dumps) == 2 and len(lookups) == 1
-    assert source.clients([port_of(server)]) is not None and len(dumps) == 3  # lookups hold no tcp_info
-    monkeypatch.setattr("probes.procfs.LISTING_REUSE_S", 0.0)
-    assert source.clients([port_of(server)]) is not None and len(dumps) == 4  # too old
-    client.close()
-    accepted.close()
-    source.stop()
