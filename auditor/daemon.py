@@ -241,8 +241,8 @@ class Daemon:
             if probe is not None:
                 probe.set_own_endpoints(endpoints)
 
-        # The clients connected to the engines' ports: the eBPF probe keeps a table of them; the /proc
-        # source makes a poll for each (the poller skips its next); without either, a
+        # The clients connected to the engines' ports: the eBPF probe keeps a table of them; the
+        # /proc source makes a poll for each (the poller skips its next); without either, a
         # sock_diag walk a listing.
         lister: Any = self._parts.get("probe")
         if not hasattr(lister, "clients"):

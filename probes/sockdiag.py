@@ -119,24 +119,7 @@ class SockDiag:
     def sockets(self, ports: frozenset[int], info: bool = False) -> Iterator[DiagEntry]:
         """Every non-listening TCP socket (IPv4 and IPv6) whose local port is in ``ports``. With
         ``info``, each one's tcp_info is asked too: ``last_data_recv`` reads it after the walk."""
-        if not ports:
-            return
-        attribute, ext = self._port_attribute(ports), (1 << (INET_DIAG_INFO - 1)) if info else 0
-        if info:
-            self._info.clear()
-        if self._one_walk:
-            try:
-                # Collected first: a refusal arrives before any socket, and must not duplicate any.
-                found = list(self._dump(TCPDIAG_GETSOCK, _COMPAT_REQUEST.pack(
-                    socket.AF_INET, 0, 0, ext, STATES, 0) + attribute, ports, info=info))
-            except OSError:
-                self._one_walk = False
-            else:
-                yield from found
-                return
-        for family in (socket.AF_INET, socket.AF_INET6):
-            body = _REQUEST.pack(family, socket.IPPROTO_TCP, ext, 0, STATES) + attribute
-            yield from self._dump(SOCK_DIAG_BY_FAMILY, body, ports, info=info)
+        return self._walk(ports, STATES, ~(1 << TCP_LISTEN), info)
 
     def last_data_recv(self, cookie: int) -> int | None:
         """How many milliseconds before the last walk asked with tcp_info (``sockets(info=True)``,
@@ -147,27 +130,36 @@ class SockDiag:
     def established(self, ports: frozenset[int]) -> dict[int, list[tuple[SocketKey, int]]]:
         """The ESTABLISHED TCP sockets (IPv4 and IPv6) on the local ``ports``, each with how many
         milliseconds ago its peer last sent it data (``tcp_info``'s ``last_data_recv``: the
-        kernel's jiffies, a few ms apart). One walk of the established hash for all of them where
-        the kernel takes the older request for both families, else one a family."""
+        kernel's jiffies, a few ms apart)."""
         found: dict[int, list[tuple[SocketKey, int]]] = {port: [] for port in ports}
-        if not ports:
-            return found
-        attribute, ext, state = self._port_attribute(ports), 1 << (INET_DIAG_INFO - 1), 1 << TCP_ESTABLISHED
-        self._info.clear()
-        entries: list[DiagEntry] = []
-        if self._one_walk:
-            try:
-                entries = list(self._dump(TCPDIAG_GETSOCK, _COMPAT_REQUEST.pack(socket.AF_INET, 0, 0, ext, state, 0)
-                                          + attribute, ports, states=state, info=True))
-            except OSError:
-                self._one_walk = False
-        if not self._one_walk:
-            for family in (socket.AF_INET, socket.AF_INET6):
-                body = _REQUEST.pack(family, socket.IPPROTO_TCP, ext, 0, state) + attribute
-                entries += self._dump(SOCK_DIAG_BY_FAMILY, body, ports, states=state, info=True)
-        for key, _state, _inode, cookie in entries:
+        state = 1 << TCP_ESTABLISHED
+        for key, _state, _inode, cookie in list(self._walk(ports, state, state, info=True)):
             found[key[2]].append((key, self._info.get(cookie, 0)))
         return found
+
+    def _walk(self, ports: frozenset[int], asked: int, kept: int, info: bool) -> Iterator[DiagEntry]:
+        """The sockets on the local ``ports`` in the ``asked`` states (the kernel's mask; ``kept``
+        guards a kernel that ignored it), with their tcp_info where ``info``. One walk of the
+        established hash for both families where the kernel takes the older request, else one a
+        family."""
+        if not ports:
+            return
+        attribute, ext = self._port_attribute(ports), (1 << (INET_DIAG_INFO - 1)) if info else 0
+        if info:
+            self._info.clear()
+        if self._one_walk:
+            try:
+                # Collected first: a refusal arrives before any socket, and must not duplicate any.
+                found = list(self._dump(TCPDIAG_GETSOCK, _COMPAT_REQUEST.pack(
+                    socket.AF_INET, 0, 0, ext, asked, 0) + attribute, ports, states=kept, info=info))
+            except OSError:
+                self._one_walk = False
+            else:
+                yield from found
+                return
+        for family in (socket.AF_INET, socket.AF_INET6):
+            body = _REQUEST.pack(family, socket.IPPROTO_TCP, ext, 0, asked) + attribute
+            yield from self._dump(SOCK_DIAG_BY_FAMILY, body, ports, states=kept, info=info)
 
     def listening(self, ports: frozenset[int]) -> Iterator[DiagEntry]:
         """Every LISTEN TCP socket (IPv4 and IPv6) whose local port is in ``ports``: the kernel walks
