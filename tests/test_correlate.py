@@ -404,6 +404,50 @@ def test_http_spans_only_orphan_in_the_gauges_is_a_zombie_to_a_scrape(store: Sto
     assert row.details["work_end_resolution_s"] == 0.25
 
 
+@pytest.mark.parametrize("span_end", [1.05, 1.001], ids=["handler-heard-later", "span-ended-as-it-closed"])
+def test_http_spans_only_a_close_no_scrape_followed_yet_waits_for_the_next_scrape(store: Store,
+                                                                                  span_end: float) -> None:
+    """Judged before its port's next scrape, a request's work is not yet told: no verdict then (an
+    'unconfirmed' a round would write and take back), and a round of its own as its grace ends.
+    The same for one whose span ended as its client closed (asked whether its leaving added an
+    orphan, EngineLoads.held_one_more)."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span("z", 0, span_end)])
+    store.insert_conn_events([close(1.0)])
+    correlator.add_engine_load([load(0.5 + 0.25 * i, 1) for i in range(2)])  # the last at 0.75 s
+    clock.now = T0 + int(1.2 * S)
+    correlator.tick()
+    assert verdicts(store) == [] and correlator.alarm_due_ns == T0 + int(1.5 * S) + 1
+    # Still no scrape at the grace's end: another round as soon as the daemon allows.
+    clock.now = T0 + int(1.6 * S)
+    correlator.tick()
+    assert verdicts(store) == [] and correlator.alarm_due_ns == T0 + int(1.5 * S) + 1
+    correlator.add_engine_load([load(0.5 + 0.25 * i, 1) for i in range(2, 5)])  # held on after it left
+    clock.now = T0 + int(1.8 * S)
+    correlator.tick()
+    assert [r.verdict for r in verdicts(store)] == ["inflight_zombie"]
+
+
+@pytest.mark.parametrize("span_end", [1.05, 1.001], ids=["handler-heard-later", "span-ended-as-it-closed"])
+def test_http_spans_only_a_port_whose_scrapes_stopped_leaves_its_close_unconfirmed(store: Store,
+                                                                                    span_end: float) -> None:
+    """Its engine gone (no scrape since): unconfirmed once the wait for a scrape is over, also where
+    the span ended as the client closed and its leaving was to be asked of the scrapes."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span("z", 0, span_end)])
+    store.insert_conn_events([close(1.0)])
+    correlator.add_engine_load([load(0.5 + 0.25 * i, 1) for i in range(2)])
+    clock.now = T0 + int(1.2 * S)
+    correlator.tick()
+    assert verdicts(store) == []
+    clock.now = T0 + int(3.1 * S)  # no scrape within HELD_ONE_MORE_WINDOW_NS: nothing tells its work
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "unconfirmed" and correlator.alarm_due_ns is None
+
+
 def test_a_polled_close_the_span_end_falls_inside_orders_nothing(store: Store) -> None:
     clock = Clock()
     correlator = make(store, clock)

@@ -37,6 +37,9 @@ ENGINE_SETTLE_AFTER_LIVE_END_NS = 2_000_000_000
 # at full CPU: bench/detection.py --weak-load --load-behavior detached --load-tokens 300), as a
 # server that hears of a disconnect does. Such a request owns orphans only if its leaving added one.
 SPAN_END_RACE_NS = 10_000_000
+# An undecided request past its grace asks for rounds of its own this long: then the scheduled
+# rounds (correlate.interval_seconds, 1 s) look at it as soon.
+ALARM_RETRY_NS = 1_000_000_000
 # A verdict whose only change is its lag (an in-flight zombie's grows every round) is no change.
 _COMPARED = tuple(name for name in RequestVerdict.__dataclass_fields__ if name != "lag_seconds")
 
@@ -63,8 +66,15 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
         hop = _scraped_hop(corr, subtree)
         if hop is not None:  # registered by _metrics_work_end, as it may own orphans: a done request owns none
             corr.loads.unregister(hop.server_port or 0, request.key)
-    if details.pop("awaiting_spans", False) and completed is None:
-        return None  # the gauges' orphans may be requests still running whose spans have not come
+    unscraped = details.pop("unscraped", False)
+    if details.pop("awaiting", False) and completed is None:
+        # The gauges' orphans may be requests still running whose spans have not come, or no
+        # scrape since it left has come yet. That scrape is due within a scrape interval: then a
+        # round of its own as its grace ends, where it may be a zombie (not for spans to come: a
+        # busy port always has some, and the scheduled rounds read them as soon).
+        if unscraped:
+            _alarm_round(corr, origin.ts_ns, now)
+        return None
     if known and completed is None and racing and origin_span is not None \
             and (origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS or details.get("leaving_untold")
                  or origin.kind == "fin") \
@@ -79,7 +89,7 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
                                completed_by=completed, work_stopped_known=known), corr.grace_seconds)
     if decision is None:
         if work_end is None:  # still running, inside its grace: the alarm is due when the grace ends
-            corr.alarm_at(inflight_from(origin.ts_ns, corr.grace_seconds))
+            _alarm_round(corr, origin.ts_ns, now)
         return None
     if completed is not None:
         details["evidence"], provisional = completed, False
@@ -112,6 +122,15 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     if unchanged and decision.verdict is not Verdict.INFLIGHT_ZOMBIE:
         return None
     return verdict
+
+
+def _alarm_round(corr: Correlator, disconnect_ns: int, now: int) -> None:
+    """A round of its own when the request's grace ends, where it becomes an in-flight zombie if
+    its work still runs; past that moment, as soon as the daemon allows (``alarm_at``), for up to
+    ALARM_RETRY_NS: a request that evidence to come may make a zombie waits for no scheduled round."""
+    due = inflight_from(disconnect_ns, corr.grace_seconds)
+    if now < due + ALARM_RETRY_NS:
+        corr.alarm_at(due)
 
 
 def _may_have_answered(corr: Correlator, disconnect_ns: int, origin_span: SpanRecord | None,
@@ -188,8 +207,10 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
         if by_metrics.orphaned_scrapes == 0 and corr.loads.aborts_cover(
                 port, disconnect, answered, _connected_on(corr, port)):
             details["aborts_counted"] = True
-        if by_metrics.awaiting_spans:
-            details["awaiting_spans"] = True
+        if by_metrics.awaiting:
+            details["awaiting"] = True
+            if by_metrics.unscraped:
+                details["unscraped"] = True
         if by_metrics.work_end_ns is None:
             corr.clients_wanted.add(port)  # its next scrapes decide it: with the clients connected
             return None, True, True
@@ -244,11 +265,15 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     if racing:
         held = corr.loads.held_one_more(port, request.key, disconnect, hop.start_ns, until, connected, arrived,
                                         corr.unspanned_clients, no_within_ns=int(corr.grace_seconds * 1e9))
+        if held is None and now - until > ev.HELD_ONE_MORE_WINDOW_NS:
+            held = (None, None)  # no scrape came in the window (its engine's scrapes stopped): untold
         request.compared_ns = None if held is None else held[1]
         if held is None or not held[0]:
             corr.loads.unregister(port, request.key)
             if held is None:  # no scrape after it that says yet: nothing is said of it
-                return ev.MetricsEnd(None, 0.0, 0, awaiting_spans=True), port, disconnect, max(disconnect, hop.end_ns)
+                unscraped = not corr.loads.scraped_after(port, until)
+                return ev.MetricsEnd(None, 0.0, 0, awaiting=True, unscraped=unscraped), port, disconnect, \
+                    max(disconnect, hop.end_ns)
             (first, second), answered = held[1] or (disconnect, disconnect), max(disconnect, hop.end_ns)
             return ev.MetricsEnd(max(disconnect, hop.start_ns), (second - first) / 1e9, 0, second,
                                  held_one_more=held[0], leaving_untold=held[0] is None), port, disconnect, answered
@@ -259,6 +284,11 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     ended = corr.loads.work_end(port, disconnect, max(disconnect, hop.start_ns), connected,
                                 connected_until_ns=until, arrived=arrived, sweep=request.scrape_sweep,
                                 unspanned=corr.unspanned_clients, ending=ending)
+    if ended is None and now - disconnect < ev.HELD_ONE_MORE_WINDOW_NS \
+            and not corr.loads.scraped_after(port, max(disconnect, hop.start_ns, until)):
+        # No scrape since it left yet (the port is scraped every quarter second): the next says.
+        # Read now, nothing would tell whether its work stopped, and it would be unconfirmed.
+        ended = ev.MetricsEnd(None, 0.0, 0, awaiting=True, unscraped=True)
     if ended is not None and racing:
         ended = replace(ended, held_one_more=True)
     return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))

@@ -73,9 +73,12 @@ class MetricsEnd:
     resolution_s: float  # the scrape interval around the end
     orphaned_scrapes: int  # scrapes that counted it as running after its client left
     read_until_ns: int | None = None  # the latest moment the scrapes that decided it span
-    # Nothing decided yet, and scrapes whose orphans the kernel's connected clients may hold (their
-    # spans not come): whether this request's work goes on cannot be told before those spans come.
-    awaiting_spans: bool = False
+    # Nothing decided yet: no scrape since it left, or only scrapes whose orphans the kernel's
+    # connected clients may hold (their spans not come). Whether this request's work goes on cannot
+    # be told before the next scrapes, or those spans, come.
+    awaiting: bool = False
+    # Of those, no scrape since it left at all: the next, a scrape interval away at most, says.
+    unscraped: bool = False
     # The last such scrape skipped on the way to the answer: spans still to come may change it.
     unsure_until_ns: int | None = None
     # Where asked (a client that may have closed after the last byte): whether the engine held one
@@ -94,7 +97,9 @@ SWEEP_AFTER_NS = 4_000_000_000  # a request whose client left longer ago than th
 # port's scrapes listed before) says nothing of an orphan.
 UNLISTED_AFTER_LEAVING_NS = 750_000_000
 # A request whose leaving may have added no orphan is asked of the scrapes this long after its span's
-# end (EngineLoads.held_one_more): enough for one listed scrape after the disconnect.
+# end (EngineLoads.held_one_more): enough for one listed scrape after the disconnect. A request on a
+# scraped port that no scrape since its client left says anything of waits as long for one (no
+# verdict until then) before it is read as one whose work nothing tells.
 HELD_ONE_MORE_WINDOW_NS = 2_000_000_000
 # An engine drops a finished request from its running gauge before the server has sent the last
 # bytes and ended the request's span: a scrape read in between counts it connected and not held,
@@ -290,6 +295,11 @@ class EngineLoads:
     def watched(self, port: int) -> bool:
         return bool(self._loads.get(port))
 
+    def scraped_after(self, port: int, ts_ns: int) -> bool:
+        """Whether a scrape of the port taken after ``ts_ns`` has come."""
+        series = self._loads.get(port)
+        return series is not None and bool(series) and series[-1].ts_ns > ts_ns
+
     def register(self, port: int, request: Hashable, disconnect_ns: int, connected_until_ns: int | None = None) -> None:
         """A disconnected request that may own orphans; ``connected_until_ns``: the connected count
         (``connected_at`` in ``work_end``) holds its server span at every scrape up to then (its
@@ -370,7 +380,7 @@ class EngineLoads:
         just left it or a verdict reads its scrapes (``EngineMetricsScraper.want_clients``); a
         scrape it did not list within UNLISTED_AFTER_LEAVING_NS of the disconnect (before the
         daemon heard of it) says neither either. With nothing decided but such scrapes, the
-        answer is ``awaiting_spans``.
+        answer is ``awaiting``.
 
         ``ending(start, end)``: server spans that ended from the scrape's sending to ENDING_NS after
         its answer. The connected count holds them, but the engine may have finished them already
@@ -443,7 +453,7 @@ class EngineLoads:
             return MetricsEnd((last_orphaned + load.ts_ns) // 2, (load.ts_ns - last_orphaned) / 1e9, count,
                               read_until, unsure_until_ns=unsure or None)
         if last_orphaned is None:
-            return MetricsEnd(None, 0.0, 0, awaiting_spans=True) if unsure else None
+            return MetricsEnd(None, 0.0, 0, awaiting=True) if unsure else None
         return MetricsEnd(None, 0.0, count)
 
     def held_one_more(self, port: int, request: Hashable, disconnect_ns: int, span_start_ns: int,
