@@ -654,6 +654,10 @@ def _step_share(step: str, run: dict[str, Any]) -> float | None:
     return float(run["steps"][step]) if step in run["steps"] else None
 
 
+def _rounds_a_second(run: dict[str, Any]) -> float | None:
+    return run["rounds"] / run["wall"] if run.get("wall") else None
+
+
 def _span_us(run: dict[str, Any]) -> float | None:
     return run["span_us"]
 
@@ -677,6 +681,7 @@ def print_comparison(results: dict[str, list[dict[str, Any]]], args: argparse.Na
     steps = list(dict.fromkeys(step for runs in results.values() for run in runs for step in run["steps"]))
     rows += [(f"  correlator: {step}", functools.partial(_step_share, step), "{:.2f}") for step in steps]
     rows += [("  correlator: us a span taken", _span_us, "{:.1f}")] if steps else []
+    rows += [("  correlator: rounds a second", _rounds_a_second, "{:.2f}")] if steps else []
     for title, value, fmt in rows:
         # A revision from before the correlator told its steps has none: "-", not a zero.
         told = [[v for v in map(value, results[label]) if v is not None] for label in labels]

@@ -37,9 +37,6 @@ ENGINE_SETTLE_AFTER_LIVE_END_NS = 2_000_000_000
 # at full CPU: bench/detection.py --weak-load --load-behavior detached --load-tokens 300), as a
 # server that hears of a disconnect does. Such a request owns orphans only if its leaving added one.
 SPAN_END_RACE_NS = 10_000_000
-# An undecided request past its grace asks for rounds of its own this long: then the scheduled
-# rounds (correlate.interval_seconds, 1 s) look at it as soon.
-ALARM_RETRY_NS = 1_000_000_000
 # A verdict whose only change is its lag (an in-flight zombie's grows every round) is no change.
 _COMPARED = tuple(name for name in RequestVerdict.__dataclass_fields__ if name != "lag_seconds")
 
@@ -66,14 +63,11 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
         hop = _scraped_hop(corr, subtree)
         if hop is not None:  # registered by _metrics_work_end, as it may own orphans: a done request owns none
             corr.loads.unregister(hop.server_port or 0, request.key)
-    unscraped = details.pop("unscraped", False)
     if details.pop("awaiting", False) and completed is None:
-        # The gauges' orphans may be requests still running whose spans have not come, or no
-        # scrape since it left has come yet. That scrape is due within a scrape interval: then a
-        # round of its own as its grace ends, where it may be a zombie (not for spans to come: a
-        # busy port always has some, and the scheduled rounds read them as soon).
-        if unscraped:
-            _alarm_round(corr, origin.ts_ns, now)
+        # No scrape since it left has come yet, or the gauges' orphans may be requests still
+        # running whose spans have not come: the next round reads what has come by then. (A round
+        # of its own as its grace ends cost the correlator a sixth more at 100 requests/s, for
+        # alarms 0.01-0.06 s sooner at the median: docs/footprint.md, fifty-first pass.)
         return None
     if known and completed is None and racing and origin_span is not None \
             and (origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS or details.get("leaving_untold")
@@ -89,7 +83,7 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
                                completed_by=completed, work_stopped_known=known), corr.grace_seconds)
     if decision is None:
         if work_end is None:  # still running, inside its grace: the alarm is due when the grace ends
-            _alarm_round(corr, origin.ts_ns, now)
+            corr.alarm_at(inflight_from(origin.ts_ns, corr.grace_seconds))
         return None
     if completed is not None:
         details["evidence"], provisional = completed, False
@@ -122,15 +116,6 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     if unchanged and decision.verdict is not Verdict.INFLIGHT_ZOMBIE:
         return None
     return verdict
-
-
-def _alarm_round(corr: Correlator, disconnect_ns: int, now: int) -> None:
-    """A round of its own when the request's grace ends, where it becomes an in-flight zombie if
-    its work still runs; past that moment, as soon as the daemon allows (``alarm_at``), for up to
-    ALARM_RETRY_NS: a request that evidence to come may make a zombie waits for no scheduled round."""
-    due = inflight_from(disconnect_ns, corr.grace_seconds)
-    if now < due + ALARM_RETRY_NS:
-        corr.alarm_at(due)
 
 
 def _may_have_answered(corr: Correlator, disconnect_ns: int, origin_span: SpanRecord | None,
@@ -209,8 +194,6 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
             details["aborts_counted"] = True
         if by_metrics.awaiting:
             details["awaiting"] = True
-            if by_metrics.unscraped:
-                details["unscraped"] = True
         if by_metrics.work_end_ns is None:
             corr.clients_wanted.add(port)  # its next scrapes decide it: with the clients connected
             return None, True, True
@@ -271,9 +254,7 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
         if held is None or not held[0]:
             corr.loads.unregister(port, request.key)
             if held is None:  # no scrape after it that says yet: nothing is said of it
-                unscraped = not corr.loads.scraped_after(port, until)
-                return ev.MetricsEnd(None, 0.0, 0, awaiting=True, unscraped=unscraped), port, disconnect, \
-                    max(disconnect, hop.end_ns)
+                return ev.MetricsEnd(None, 0.0, 0, awaiting=True), port, disconnect, max(disconnect, hop.end_ns)
             (first, second), answered = held[1] or (disconnect, disconnect), max(disconnect, hop.end_ns)
             return ev.MetricsEnd(max(disconnect, hop.start_ns), (second - first) / 1e9, 0, second,
                                  held_one_more=held[0], leaving_untold=held[0] is None), port, disconnect, answered
@@ -288,7 +269,7 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
             and not corr.loads.scraped_after(port, max(disconnect, hop.start_ns, until)):
         # No scrape since it left yet (the port is scraped every quarter second): the next says.
         # Read now, nothing would tell whether its work stopped, and it would be unconfirmed.
-        ended = ev.MetricsEnd(None, 0.0, 0, awaiting=True, unscraped=True)
+        ended = ev.MetricsEnd(None, 0.0, 0, awaiting=True)
     if ended is not None and racing:
         ended = replace(ended, held_one_more=True)
     return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))

@@ -77,8 +77,6 @@ class MetricsEnd:
     # connected clients may hold (their spans not come). Whether this request's work goes on cannot
     # be told before the next scrapes, or those spans, come.
     awaiting: bool = False
-    # Of those, no scrape since it left at all: the next, a scrape interval away at most, says.
-    unscraped: bool = False
     # The last such scrape skipped on the way to the answer: spans still to come may change it.
     unsure_until_ns: int | None = None
     # Where asked (a client that may have closed after the last byte): whether the engine held one
