@@ -12,12 +12,16 @@ Scenarios, each in a fresh process, the poller at 20 Hz on a loopback listener's
 
 Then what one walk of the kernel's established hash costs here, and how many TCP sockets this
 namespace holds: under load most of a poll is that walk, which grows with the hash (with the
-host's memory) and with the sockets in it (TIME_WAIT included).
+host's memory) and with the sockets in it (TIME_WAIT included). With ``--time-wait 5000,15000``,
+the walk again with that many loopback connections closed client first, each left in TIME_WAIT
+for the kernel's 60 s, as a host serving a connection a request holds them (at 100 a second,
+6,000).
 
 With ``--compare REV`` git revision REV's poller runs too, alternately, each tree in its own
 processes (``--rounds``); a tree whose poller cannot be told its own connections shows "-" there.
 
 Usage: .venv/bin/python bench/poller_cost.py [--seconds 6] [--rounds 3] [--compare REV] [--scenarios idle,out,load]
+                                             [--time-wait 5000,15000]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fallback_cpu import load, serve  # the same listener and load as the polled sources' bench
@@ -115,6 +120,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each tree and scenario")
     parser.add_argument("--compare", metavar="REV", help="also run git revision REV's poller, alternately")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of " + ", ".join(SCENARIOS))
+    parser.add_argument("--time-wait", type=counts_list, default=[], metavar="N,N",
+                        help="also time the walk with this many more sockets in TIME_WAIT each (comma-separated, "
+                             "rising; at most 20,000: the ephemeral ports of one loopback address)")
     parser.add_argument("--child", choices=SCENARIOS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -159,6 +167,8 @@ def main() -> int:
     counts = tcp_socket_counts()
     print(f"  one walk of the established hash (a dump for an unused port): {walk_cpu_us(300):.0f} us of CPU, "
           f"this namespace holding {counts.get('inuse', 0)} TCP sockets in use and {counts.get('tw', 0)} in TIME_WAIT")
+    for asked, held, walk_us in time_wait_walks(args.time_wait, walk_cpu_us, tcp_socket_counts):
+        print(f"  the walk with {asked:,} more in TIME_WAIT ({held:,} counted by the kernel): {walk_us:.0f} us of CPU")
     from probes.sockdiag import DECODED_CACHE_MAX
 
     each = decoded_id_bytes(DECODED_CACHE_MAX)
@@ -169,10 +179,58 @@ def main() -> int:
     return 0
 
 
+def counts_list(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated whole numbers, e.g. 5000,15000") from None
+    if counts != sorted(counts) or any(n < 0 or n > 20_000 for n in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: rising counts from 0 to 20,000")
+    return counts
+
+
+def time_wait_walks(counts: list[int], walk_cpu_us: Callable[[int], float],
+                    socket_counts: Callable[[], dict[str, int]]) -> list[tuple[int, int, float]]:
+    """For each count (rising), (count, the kernel's TIME_WAIT count, one walk's CPU in us) with that
+    many more loopback connections closed client first: each client end stays in TIME_WAIT, in
+    the established hash the walk reads. The connections are made at once, well inside the 60 s
+    a TIME_WAIT socket lasts."""
+    if not counts:
+        return []
+    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    port = listener.getsockname()[1]
+
+    def serve_closes() -> None:  # the server end closes on the client's FIN, after it
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # the listener closed: done
+            with conn:
+                conn.recv(1)
+
+    server = threading.Thread(target=serve_closes, daemon=True)
+    server.start()
+    rows, made = [], 0
+    try:
+        for count in counts:
+            for _ in range(count - made):
+                with socket.create_connection(("127.0.0.1", port), timeout=5):
+                    pass  # nothing sent or unread: the close is a FIN, and this end waits in TIME_WAIT
+            made = count
+            time.sleep(0.2)  # the server ends closed too
+            rows.append((count, socket_counts().get("tw", 0), walk_cpu_us(200)))
+    finally:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        listener.close()
+        server.join(timeout=5)
+    return rows
+
+
 def decoded_id_bytes(count: int) -> float:
     """Python memory a sock_diag reader holds for each socket id it keeps decoded (the id's bytes,
     its key of addresses and ports), as a port taking a connection a request makes them."""
-    import socket
     import struct
     import tracemalloc
 
