@@ -251,7 +251,8 @@ class Daemon:
             lister = self._parts["client_lister"] = ConnectedClients()
         scraper = EngineMetricsScraper(lambda: set(self._ports), keep, interval_s=settings.interval_seconds,
                                        path=settings.path, on_connections=own_connections,
-                                       listed_clients=lister.clients, accepted=lister.accepted)
+                                       listed_clients=lister.clients, accepted=lister.accepted,
+                                       listing_complete=getattr(lister, "listing_complete", None))
         self._parts["engine_metrics"] = scraper.start()
 
     def _drain_engine_loads(self) -> list[EngineLoad]:

@@ -312,10 +312,12 @@ class EngineMetricsScraper:
                  quiet_after_s: float = QUIET_AFTER_S, quiet_interval_s: float = QUIET_INTERVAL_S,
                  on_connections: Callable[[frozenset[tuple[str, int, int]]], None] | None = None,
                  listed_clients: Callable[[Iterable[int]], dict[int, tuple[tuple[str, int, int], ...]] | None]
-                 | None = None, accepted: Callable[[], int | None] | None = None) -> None:
+                 | None = None, accepted: Callable[[], int | None] | None = None,
+                 listing_complete: Callable[[int], bool | None] | None = None) -> None:
         self.ports = ports
         self.listed_clients = listed_clients
         self.accepted = accepted
+        self.listing_complete = listing_complete
         self.on_connections = on_connections
         self.sink = sink
         self.interval_s = interval_s
@@ -445,7 +447,8 @@ class EngineMetricsScraper:
                        if self._list_until.get(port, -math.inf) > now and self._skip_until.get(port, 0.0) <= now]
         # A client accepted between the listing and a scrape's answer may be among the requests the
         # gauges hold and not among the clients listed: a count of accepts (``_accepts_now``)
-        # before and after says whether any was; if so the scrape's listing is incomplete.
+        # before and after says whether any was; if so the scrape's listing is incomplete, unless
+        # ``listing_complete`` (the /proc source, whose count is every port's) finds none on its port.
         accepts = self._accepts_now() if listing else None
         walked = self._connected(listing) if listing else {}
         for port in wanted:
@@ -468,7 +471,10 @@ class EngineMetricsScraper:
             self._skip_until.pop(port, None)
             if port in walked:
                 after = self._accepts_now() if accepts is not None else None
-                load = replace(load, connections=walked[port], connections_complete=after in (None, accepts))
+                complete = after in (None, accepts)
+                if not complete and self.listing_complete is not None:
+                    complete = self.listing_complete(port) is True  # accepted elsewhere, not on this port
+                load = replace(load, connections=walked[port], connections_complete=complete)
             loads.append(load)
         return loads
 

@@ -194,6 +194,10 @@ class ProcfsConnEventSource:
         self._overflows = 0  # those of notices closed since (``lost_events``)
         self._notices_read_at = 0.0  # monotonic
         self._accepts_at_dump: int | None = None  # read just before the last full dump
+        # The sockets of each port the latest listing (``clients``) named, and the ports on which a
+        # connection freed unseen since it began (``_unseen``): what ``listing_complete`` compares.
+        self._listed_keys: dict[int, set[SocketKey]] = {}
+        self._unseen_on: set[int] = set()
         self._dumped_ports: frozenset[int] = frozenset()
         # The daemon's own connections to watched ports, by (its address, its port, server port): left out.
         self._own_open: frozenset[OwnEnd] = frozenset()
@@ -301,11 +305,13 @@ class ProcfsConnEventSource:
             if self._diag is None or self._last_scan_ns is None:
                 return None
             self._listed_at = time.monotonic()
+            self._unseen_on = set()
             self._scan(listing=True)
             diag, now = self._diag, self._snapshot_ns
             if diag is None:  # the dump failed: /proc/net/tcp from now on, which has no tcp_info
                 return None
             wanted = set(ports) & self._dumped_ports
+            self._listed_keys = {port: {key for key in self._seen if key[2] == port} for port in wanted}
             found: dict[int, list[tuple[str, int, int]]] = {port: [] for port in wanted}
             for (_family, _local, port, peer, peer_port), seen in self._seen.items():
                 if port in wanted and seen.state == TCP_ESTABLISHED:
@@ -318,6 +324,26 @@ class ProcfsConnEventSource:
         when it cannot be read. Unchanged around a listing of ``clients``: none is missing from it."""
         with self._scan_lock:
             return self._accepts.read() if self._accepts is not None else None
+
+    def listing_complete(self, port: int) -> bool | None:
+        """Whether no client of ``port`` can be missing from the latest listing (``clients``), asked
+        once ``accepted`` moved (a connection accepted on some port since the listing). A poll made
+        at once, that stands for the poller's next: the listing is complete if it finds no socket
+        on the port that the listing lacked, and no connection on the port was freed unseen since
+        the listing began (one that opened and closed in between, told by the kernel's notices).
+        None where it cannot tell (no sock_diag, no notices, or notices lost): the namespace's
+        count decides, as without this."""
+        with self._scan_lock:
+            listed = self._listed_keys.get(port)
+            notices = self._notices
+            if listed is None or self._diag is None or notices is None:
+                return None
+            lost = notices.overflows
+            self._listed_at = time.monotonic()
+            self._scan()
+            if self._diag is None or self._notices is not notices or notices.overflows != lost:
+                return None
+            return port not in self._unseen_on and all(key in listed for key in self._seen if key[2] == port)
 
     def server_pids(self) -> dict[int, int]:
         """Nothing: a poll sees sockets, not which process closed them (the eBPF probe does)."""
@@ -482,6 +508,7 @@ class ProcfsConnEventSource:
             key = notice.key
             if (key[3], key[4], key[2]) in own:
                 continue
+            self._unseen_on.add(key[2])
             data_by_ns = notice.by_ns - notice.last_data_recv_ms * 1_000_000 + JIFFY_NS
             last = min(notice.by_ns, self._listed_by(data_by_ns))
             # Only FINs both ways leave a TIME_WAIT to ask about (a lookup): which side was first.

@@ -197,6 +197,31 @@ def test_a_scrape_lists_the_clients_connected_to_the_port_but_its_own_when_asked
     assert abs(last_sent_ns - sent_ns) < 20_000_000, (last_sent_ns - sent_ns) / 1e6
 
 
+@pytest.mark.parametrize(("moved", "port_says", "complete"), [
+    (False, None, True), (True, True, True), (True, False, False), (True, None, False)],
+    ids=["no accept", "accepts elsewhere", "an accept on the port", "cannot tell"])
+def test_a_listing_the_namespaces_accepts_moved_around_asks_its_port(serve: Callable[..., Server], moved: bool,
+                                                                      port_says: bool | None, complete: bool) -> None:
+    """The /proc source counts every port's accepts: where that count moved between the listing and
+    the scrape's answer, the lister is asked whether the listed port itself took a client."""
+    server = serve([content_length()] * 2)
+    counts = iter([0, 1 if moved else 0])
+    asked: list[int] = []
+
+    def listing_complete(port: int) -> bool | None:
+        asked.append(port)
+        return port_says
+
+    client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=2, filtered=False,
+                                  listed_clients=lambda ports: {port: () for port in ports},
+                                  accepted=lambda: next(counts), listing_complete=listing_complete)
+    client.want_clients([server.port])
+    [load] = client.scrape_all([server.port])
+    client.close()
+    assert load.connections == () and load.connections_complete is complete
+    assert asked == ([server.port] if moved else [])
+
+
 @pytest.mark.parametrize(("answer", "error"), [
     (b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", "HTTP 404"),
     (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (MAX_PAGE_BYTES + 1), "bytes (at most"),

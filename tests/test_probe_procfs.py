@@ -16,7 +16,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -813,6 +813,43 @@ def test_a_listing_of_the_clients_connected_is_a_poll_with_each_ones_last_data(s
         sock.close()
     source.stop()
     assert source.clients([port_of(server)]) is None
+
+
+def test_a_listing_is_complete_unless_its_own_port_took_a_client_since(server: socket.socket) -> None:
+    """The namespace counts every port's accepts; asked once that count moved, a poll tells whether
+    the listed port itself took a client since the listing: one still connected, or one that came
+    and went (the kernel's notice of its freed socket). Another port's accepts leave it complete."""
+    elsewhere = listener()  # not watched: a service beside the engine
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=True)
+    assert source.notices is not None
+    assert source.listing_complete(port_of(server)) is None  # nothing listed yet
+    source.scan()
+    kept = socket.create_connection(server.getsockname())
+    kept_end, _ = server.accept()
+    held: list[socket.socket] = []
+
+    def listed_then(step: Callable[[], None]) -> bool | None:
+        assert source.clients([port_of(server)]) is not None
+        before = source.accepted()
+        step()
+        assert source.accepted() != before  # the namespace's count moved: alone, incomplete
+        return source.listing_complete(port_of(server))
+
+    def accept_elsewhere() -> None:
+        held.append(socket.create_connection(elsewhere.getsockname()))
+        held.append(elsewhere.accept()[0])
+
+    def accept_here() -> None:
+        held.append(socket.create_connection(server.getsockname()))
+        held.append(server.accept()[0])
+
+    assert listed_then(accept_elsewhere) is True
+    assert listed_then(accept_here) is False
+    assert listed_then(lambda: short_connection(server, "fin")) is False  # came and went in between
+    assert listed_then(accept_elsewhere) is True  # what the last poll saw is no news to the next listing
+    for sock in (kept, kept_end, elsewhere, *held):
+        sock.close()
+    source.stop()
 
 
 def test_a_listing_stands_for_the_pollers_next_poll(server: socket.socket) -> None:
