@@ -49,7 +49,6 @@ import asyncio
 import atexit
 import contextlib
 import functools
-import http.client
 import json
 import math
 import os
@@ -74,6 +73,7 @@ import tomllib
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from auditor.config import ProbeConfig
+from collectors.enginemetrics import PageConnection
 from replay.client import KeptConnections, RequestPlan, run_load
 from replay.engine.launch import running_engine
 from replay.engine.truth import expected_verdict
@@ -105,20 +105,21 @@ def scrape(port: int) -> str:
     nothing then: docs/verdicts.md)."""
     connections = _kept.__dict__.setdefault("by_port", {})
     for attempt in (0, 1):
-        connection = connections.pop(port, None) or http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        connection = connections.pop(port, None) or PageConnection("127.0.0.1", port, timeout_s=2)
         try:
-            connection.request("GET", "/metrics")
-            response = connection.getresponse()
-            body = response.read()
-        except (OSError, http.client.HTTPException):
+            status, body, keep_alive = connection.get("/metrics")
+        except (OSError, ValueError):
             connection.close()  # a daemon since stopped (another is on the port now): one fresh try
             if attempt:
                 raise
             continue
-        if response.status != 200:
+        if status != 200:
             connection.close()
-            raise OSError(f"/metrics on port {port}: HTTP {response.status}")
-        connections[port] = connection
+            raise OSError(f"/metrics on port {port}: HTTP {status}")
+        if keep_alive:
+            connections[port] = connection
+        else:
+            connection.close()
         return body.decode()
     raise AssertionError("unreachable")
 

@@ -296,7 +296,7 @@ class EngineLoads:
     def scraped_after(self, port: int, ts_ns: int) -> bool:
         """Whether a scrape of the port taken after ``ts_ns`` has come."""
         series = self._loads.get(port)
-        return series is not None and bool(series) and series[-1].ts_ns > ts_ns
+        return series[-1].ts_ns > ts_ns if series else False
 
     def register(self, port: int, request: Hashable, disconnect_ns: int, connected_until_ns: int | None = None) -> None:
         """A disconnected request that may own orphans; ``connected_until_ns``: the connected count
