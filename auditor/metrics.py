@@ -46,6 +46,9 @@ class SourceReadings:
     source: str = "none"
     probe_loader: str | None = None  # how the eBPF probe was loaded (probes.bpf.LOADERS); None without it
     inflight_zombies: int = 0
+    # Per scraped inference port: requests its engine held after their clients had left for longer
+    # than the grace, by its gauges and the kernel's listing alone (CorrelatorStats.orphans).
+    engine_orphans: dict[int, int] = field(default_factory=dict)
     idle_closes: int = 0
     unjoined_disconnects: int = 0
     unjoined_spans: int = 0
@@ -233,6 +236,13 @@ def readings_families(r: SourceReadings) -> Iterator[Family]:
     """The families read from the sources and the correlator as they are now."""
     yield GaugeFamily("auditor_inflight_zombies", "Zombies running now (disconnect seen, work still going "
                       "after grace)", value=r.inflight_zombies)
+    if r.engine_orphans:
+        orphans = GaugeFamily("auditor_engine_orphans", "Requests the engine on this port held whose clients "
+                              "had left more than the grace before: its gauges less the clients the kernel "
+                              "listed connected, told before any span (a lower bound)", labels=["port"])
+        for port, count in sorted(r.engine_orphans.items()):
+            orphans.add_metric([str(port)], count)
+        yield orphans
     yield CounterFamily("auditor_idle_closes", "Closes with no request in flight (normal)", value=r.idle_closes)
     yield CounterFamily("auditor_unjoined_disconnects", "Disconnects with no span to join",
                         value=r.unjoined_disconnects)

@@ -1785,3 +1785,33 @@ def test_a_seconds_closes_past_the_detail_columns_width_go_to_more_rows() -> Non
     assert sorted(i for row in idle for i in _counted_close_ids(str(row["detail"])) or []) == ids
     assert [(row["ts_ns"], row["count"], row["detail"]) for row in rows if row["kind"] == "unjoined_disconnect"] == [
         (T0 + S + 5, 1, "evs:7")]
+
+
+def test_work_that_runs_on_before_any_span_comes_is_in_flight_by_its_port(store: Store) -> None:
+    """vLLM's five-second export: the close is in, no span yet. The engine holds two requests while
+    the kernel lists one client connected: the other's work runs on, an in-flight zombie the moment
+    its grace is past, by the port's count alone; and none once the work stops."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_conn_events([close(1.0, client=("127.0.0.1", 40002))])
+    still = (("127.0.0.1", 40003, 0.9),)
+    loads = [replace(load(at, 2, clients=still), answered_ns=T0 + int((at + 0.005) * S)) for at in (1.25, 1.75)]
+    correlator.add_engine_load(loads[:1])
+    clock.now = T0 + int(1.5 * S)
+    correlator.tick()
+    # Its scrape is not read yet (the closes of its time may still come), but the port's coming
+    # scrapes are listed and a round is due as it is read.
+    assert correlator.stats.inflight_zombies == 0 and correlator.stats.orphans == {}
+    assert correlator.clients_wanted == {SERVER_PORT}
+    assert correlator.alarm_due_ns == T0 + int(2.005 * S)
+    correlator.add_engine_load(loads[1:])
+    clock.now = T0 + int(2.6 * S)
+    correlator.tick()
+    assert correlator.stats.orphans == {SERVER_PORT: 1} and correlator.stats.inflight_zombies == 1
+    assert correlator.clients_wanted == {SERVER_PORT}
+    assert verdicts(store) == []  # no span: no request to write a verdict for, yet
+    correlator.add_engine_load([replace(load(2.5, 1, clients=still), answered_ns=T0 + int(2.505 * S))])
+    clock.now = T0 + int(3.5 * S)
+    correlator.tick()
+    assert correlator.stats.orphans == {SERVER_PORT: 0} and correlator.stats.inflight_zombies == 0
+    assert correlator.clients_wanted == set()

@@ -328,3 +328,70 @@ def test_a_scrape_read_as_its_span_began_is_not_compared_with() -> None:
     answer = loads.held_one_more(PORT, "C", at(1.3), at(1.205), at(1.3005) + CLOCK_ERROR, connected_counter(spans),
                                  arrived, lambda load, clients, read_before: 0, no_within_ns=GRACE)
     assert answer == (True, (at(1.1), at(1.4)))
+
+
+def listed_load(seconds: float, held: int, clients: int, complete: bool = True, answer_ms: int = 5) -> EngineLoad:
+    connections = tuple(("127.0.0.1", 40000 + i, at(seconds)) for i in range(clients))
+    return EngineLoad(at(seconds), PORT, running=held, answered_ns=at(seconds) + answer_ms * MS,
+                      connections=connections, connections_complete=complete)
+
+
+def test_orphans_past_the_grace_are_told_by_the_port_alone() -> None:
+    """vLLM's five-second span export: no span says whose the work is yet. Two clients connected,
+    three requests held; the third's client left at 1.0 s."""
+    loads = EngineLoads()
+    loads.note_departure(("127.0.0.1", 39999, PORT), at(1.0))
+    loads.add([listed_load(1.25, held=3, clients=2), listed_load(1.75, held=3, clients=2)])
+    # Within the grace at 1.25 s: it may yet be aborted; 0.75 s after it left, by 1.75 s, it was not.
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(1.3)) == (0, at(1.25))
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.5)) == (1, at(1.75))
+    # A scrape not yet read far enough past its answer for its time's closes to have come is not read.
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(1.75)) == (0, at(1.25))
+    # The work stopped: the next listed scrape holds only the two connected.
+    loads.add([listed_load(2.0, held=2, clients=2)])
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(3.0)) == (0, at(2.0))
+
+
+def test_an_orphan_counts_against_a_close_of_its_scrapes_time_not_its_own() -> None:
+    """A client that left just before the scrape (or a polled close seen just after it) may own the
+    orphan: however long ago the other left, the count is a lower bound, never an extra one."""
+    loads = EngineLoads()
+    loads.note_departure(("127.0.0.1", 39998, PORT), at(0.2))
+    loads.add([listed_load(1.5, held=1, clients=0)])
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(3.0)) == (1, at(1.5))
+    loads.note_departure(("127.0.0.1", 39997, PORT), at(1.4))  # within the grace before it
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(3.0)) == (0, at(1.5))
+    loads.note_departure(("127.0.0.1", 39996, PORT), at(1.9))  # after its answer, within a poll's slack
+    loads.add([listed_load(1.75, held=2, clients=0)])
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(3.0)) == (0, at(1.75))
+
+
+def test_an_incomplete_or_stale_listing_tells_no_orphans() -> None:
+    loads = EngineLoads()
+    loads.note_departure(("127.0.0.1", 39999, PORT), at(0.1))
+    loads.add([listed_load(1.0, held=1, clients=0)])
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.0)) == (1, at(1.0))
+    # A client accepted between the listing and the answer may be missing from it: the scrape
+    # before is the latest that tells.
+    loads.add([listed_load(1.25, held=2, clients=0, complete=False)])
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.0)) == (1, at(1.0))
+    assert loads.held_beyond_listed(PORT) == (at(1.25) + 5 * MS, None)
+    # A listing of seconds ago says nothing of now; nor does a port never listed.
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(4.5)) is None
+    loads.add([EngineLoad(at(1.5), PORT + 1, running=3)])
+    assert loads.orphans_past(PORT + 1, GRACE, read_by_ns=at(2.0)) is None
+
+
+def test_idle_clients_and_waiting_requests_count_as_the_engine_holds_them() -> None:
+    loads = EngineLoads()
+    loads.note_departure(("127.0.0.1", 39999, PORT), at(0.1))
+    # One running, one waiting, three clients listed (one idle on a kept-alive connection): no
+    # orphan can be told, though the leaver's work may run on.
+    loads.add([EngineLoad(at(1.0), PORT, running=1, waiting=1, answered_ns=at(1.005),
+                          connections=tuple(("127.0.0.1", 40000 + i, at(0.9)) for i in range(3)))])
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.0)) == (0, at(1.0))
+    assert loads.held_beyond_listed(PORT) is None
+    loads.add([EngineLoad(at(1.25), PORT, running=2, waiting=2, answered_ns=at(1.255),
+                          connections=tuple(("127.0.0.1", 40000 + i, at(0.9)) for i in range(3)))])
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.0)) == (1, at(1.25))
+    assert loads.held_beyond_listed(PORT) == (at(1.255), 1)

@@ -12,9 +12,11 @@ engine is ``aborted``, even when the client's close raced the server span's end.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -243,3 +245,66 @@ def test_a_cancel_beside_requests_whose_spans_have_not_come(tmp_path: Path, beha
         first = next((at for at, verdict in seen if verdict == "inflight_zombie"), None)
         assert first is not None and first < 0.3 + GRACE_S + 1.0, seen
         assert abs(rows["left"].work_end_ns - truth["finished_at"]) <= SCRAPE_S * 1.5e9, (rows["left"].details, truth)
+
+
+def daemon_gauges(daemon: Any, engine_port: int) -> tuple[float, float]:
+    """(auditor_inflight_zombies, auditor_engine_orphans of the engine's port), from its /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{daemon.status.metrics_port}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    inflight = re.search(r"^auditor_inflight_zombies (\S+)$", text, re.M)
+    orphans = re.search(rf'^auditor_engine_orphans{{port="{engine_port}"}} (\S+)$', text, re.M)
+    assert inflight is not None, text
+    return float(inflight.group(1)), float(orphans.group(1)) if orphans else 0.0
+
+
+@pytest.mark.parametrize(("behavior", "source"), [("abort", "bpf"), ("detached", "bpf"), ("detached", "procfs")])
+def test_work_that_runs_on_is_alarmed_about_before_its_span_comes(tmp_path: Path, behavior: str, source: str) -> None:
+    """vLLM's signal set with spans that come long after (its exporter's five seconds, here thirty):
+    two requests run with their clients connected while a third's client leaves at 0.3 s. An
+    engine that runs the third on is shown so on /metrics (``auditor_inflight_zombies``,
+    ``auditor_engine_orphans``) within two seconds of the grace, while no span has come and the
+    truth log says its work still ran, and no longer once the truth says it stopped; one that
+    aborts it is never shown."""
+    truth_log = tmp_path / "truth.jsonl"
+    args = ["--engine-span", "none", "--metrics-names", "vllm"]
+    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S, "probe.source": source,
+                                     "correlate.late_span_seconds": 40.0}) as daemon, running_engine(
+            behavior=behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
+            step_ms=10, extra_args=args, env={**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "30000"}) as engine:
+        daemon.set_ports({engine.port})
+        time.sleep(0.5)  # the port's first scrapes
+        # Running past the third's work: a client kept connected after its answer counts against
+        # the port's orphans (it may hold a request for all the kernel tells), as does a close
+        # within the grace, so the count is a lower bound.
+        longs = [kept_alive(engine.port, hold_s=0.5, stream=stream, max_tokens=600, request_id=f"long-{stream}")
+                 for stream in (True, False)]
+        time.sleep(0.2)
+        sent_at = time.time()
+        cancel = cancel_after(engine.port, 0.3, "rst", stream=True, max_tokens=400, request_id="left")
+        seen: list[tuple[float, float, float]] = []  # (wall time, in-flight zombies, the port's orphans)
+        while time.time() - sent_at < 7.5:
+            seen.append((time.time(), *daemon_gauges(daemon, engine.port)))
+            time.sleep(0.05)
+        cancel.join()
+        for thread in longs:
+            thread.join()
+        spans_seen = daemon.readings().spans_received
+        [truth] = [t for t in engine.wait_for_truth(3, timeout=30) if t.get("disconnect_at")]
+    assert spans_seen == 0, "a span came: the alarm was not told by the port alone"
+    want = expected_verdict(truth)
+    left_s, finished_s = truth["disconnect_at"] / 1e9, truth["finished_at"] / 1e9
+    if want == "aborted":
+        assert all(inflight == 0 and orphans == 0 for _, inflight, orphans in seen), seen
+        return
+    assert want == "zombie", truth
+    first = next((at for at, inflight, orphans in seen if orphans >= 1 and inflight >= 1), None)
+    assert first is not None, seen
+    assert left_s + GRACE_S < first < left_s + GRACE_S + 2.0, (first - left_s, seen)
+    assert first < finished_s, "the work was not running any more when it was shown running"
+    assert all(orphans <= 1 for _, _, orphans in seen), seen  # the two connected clients' work never
+    # Shown while it ran, and no longer within two seconds of its end.
+    timeline = [(round(at - left_s, 2), inflight, orphans) for at, inflight, orphans in seen]
+    assert all(orphans == 1 for at, _, orphans in seen if first <= at < finished_s - 0.1), \
+        (finished_s - left_s, timeline)
+    after = [orphans for at, _, orphans in seen if at > finished_s + 2.0]
+    assert after and not any(after), (finished_s - left_s, timeline)

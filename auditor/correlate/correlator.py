@@ -33,7 +33,7 @@ from dataclasses import replace
 from typing import Any
 
 from auditor.correlate.evaluate import clock_dependent, evaluate
-from auditor.correlate.evidence import FINAL_SEND_ATTR, EngineLoads, Registered
+from auditor.correlate.evidence import FINAL_SEND_ATTR, ORPHANS_SETTLE_NS, EngineLoads, Registered
 from auditor.correlate.feed import SpanFeed
 from auditor.correlate.live import LiveState
 from auditor.correlate.prune import drop_front
@@ -474,6 +474,7 @@ class Correlator:
             self._to_settle.add(request.key)
         self._news = set()  # joined with: kept when the round fails before
         first_unreported = self._settle(now)
+        self._count_orphans(now)
         self._save_state(first_unreported)
         self._prune(now)
         self.stats.pending_disconnects = len(self._pending)
@@ -761,6 +762,29 @@ class Correlator:
         """A request judged this round becomes an in-flight zombie at ``ts_ns`` if nothing changes."""
         if self.alarm_due_ns is None or ts_ns < self.alarm_due_ns:
             self.alarm_due_ns = ts_ns
+
+    def _count_orphans(self, now: int) -> None:
+        """The engines' orphans by port, told before any span (``EngineLoads.orphans_past``): work
+        whose client left, alarmed about while the spans that say whose it is have not come. The
+        in-flight zombie count is the larger of the verdicts' and the ports' (each a lower bound of
+        the same work). A port whose latest listed scrape held more than its clients keeps being
+        listed, and a round runs as its scrape is read if it may add to the count."""
+        grace_ns = int(self.grace_seconds * 1e9)
+        orphans: dict[int, int] = {}
+        for port in self.loads.listed_ports():
+            counted = self.loads.orphans_past(port, grace_ns, now - ORPHANS_SETTLE_NS)
+            if counted is not None:
+                orphans[port] = counted[0]
+            beyond = self.loads.held_beyond_listed(port)
+            if beyond is not None:
+                self.clients_wanted.add(port)
+                answered, excess = beyond
+                # A round as it is read only for orphans not counted yet: work that runs on for
+                # minutes is scraped four times a second, and counted already.
+                if excess is not None and excess > orphans.get(port, 0) and answered + ORPHANS_SETTLE_NS > now:
+                    self.alarm_at(answered + ORPHANS_SETTLE_NS)
+        self.stats.orphans = orphans
+        self.stats.inflight_zombies = max(len(self._inflight), sum(orphans.values()))
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _settle(self, now: int) -> int | None:

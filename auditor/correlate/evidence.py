@@ -104,6 +104,14 @@ HELD_ONE_MORE_WINDOW_NS = 2_000_000_000
 # which hides an orphan. Spans that ended this soon after a scrape's answer may be such (a loaded
 # host's event loop stretches the gap to tens of milliseconds).
 ENDING_NS = 100_000_000
+# The engine's orphans counted by port alone (``EngineLoads.orphans_past``), before any span says
+# whose they are: a scrape is read this long after its answer, when the closes of its time have come
+# (the daemon takes the probe's events every quarter second and stores them before each round); a
+# close is counted with the scrape up to this long after its answer (a polled close is seen after it
+# happened, by up to a poll); and a count older than ORPHANS_STALE_NS says nothing of now.
+ORPHANS_SETTLE_NS = 750_000_000
+ORPHANS_CLOSE_SLACK_NS = 500_000_000
+ORPHANS_STALE_NS = 3_000_000_000
 _UNLISTED: Any = object()  # no listing with a scrape (a listing of no client is an empty tuple)
 
 
@@ -453,6 +461,64 @@ class EngineLoads:
         if last_orphaned is None:
             return MetricsEnd(None, 0.0, 0, awaiting=True) if unsure else None
         return MetricsEnd(None, 0.0, count)
+
+    def orphans_past(self, port: int, grace_ns: int, read_by_ns: int) -> tuple[int, int] | None:
+        """How many requests the engine on ``port`` held whose clients had left more than
+        ``grace_ns`` before, at its latest scrape answered by ``read_by_ns`` with the clients
+        connected listed completely (and the scrape's time); None without such a scrape in the last
+        ORPHANS_STALE_NS. Told by the port alone, before any span or notice says whose they are: an
+        engine that exports its spans every few seconds (vLLM), or a request whose span ends only
+        with its work, is alarmed about from its gauges and the kernel.
+
+        held (running + waiting) - the clients listed connected - the clients that left from
+        ``grace_ns`` before the scrape to its answer (and a polled close's slack): each client
+        connected holds at most one request (HTTP/1.1, as the engines serve it), and a listing no
+        client was accepted during (``connections_complete``) misses none that the gauges count. A
+        lower bound: an idle kept-alive client, a scraper's connection, a close that answered
+        nothing, each counts against it. It assumes that every request the engine holds came over
+        this port."""
+        listed, series = self._clients.get(port), self._loads.get(port)
+        if not listed or not series:
+            return None
+        for ts_ns in reversed(listed):
+            if ts_ns < read_by_ns - ORPHANS_STALE_NS:
+                return None
+            clients = listed[ts_ns]
+            index = bisect.bisect_left(series, ts_ns, key=_TS)
+            if clients is None or index == len(series) or series[index].ts_ns != ts_ns:
+                continue
+            load = series[index]
+            answered = load.answered_ns or load.ts_ns
+            if answered > read_by_ns:
+                continue
+            closes = self._departures.get(port, _NO_TIMES)
+            recent = bisect.bisect_right(closes, answered + ORPHANS_CLOSE_SLACK_NS) \
+                - bisect.bisect_right(closes, load.ts_ns - grace_ns - CLOCK_ERROR_NS)
+            return max(0, load.running + load.waiting - len(clients) - recent), load.ts_ns
+        return None
+
+    def held_beyond_listed(self, port: int) -> tuple[int, int | None] | None:
+        """The port's latest listed scrape: when it was answered, and how many requests it held
+        beyond the clients listed connected (None: listed incompletely), where that is more than
+        none: orphans, maybe within their grace, that the coming scrapes must list again. None
+        otherwise."""
+        listed, series = self._clients.get(port), self._loads.get(port)
+        if not listed or not series:
+            return None
+        ts_ns = next(reversed(listed))
+        clients = listed[ts_ns]
+        index = bisect.bisect_left(series, ts_ns, key=_TS)
+        if index == len(series) or series[index].ts_ns != ts_ns:
+            return None
+        load = series[index]
+        answered = load.answered_ns or load.ts_ns
+        if clients is None:
+            return answered, None
+        excess = load.running + load.waiting - len(clients)
+        return (answered, excess) if excess > 0 else None
+
+    def listed_ports(self) -> list[int]:
+        return list(self._clients)
 
     def held_one_more(self, port: int, request: Hashable, disconnect_ns: int, span_start_ns: int,
                       connected_until_ns: int, connected_at: Callable[[int, int], int], arrived: Callable[[int, int], int],

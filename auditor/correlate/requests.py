@@ -175,3 +175,6 @@ class CorrelatorStats:
     proxy_rewritten: int = 0
     pending_disconnects: int = 0
     inflight_zombies: int = 0
+    # Per scraped port, the requests its engine held whose clients had left more than the grace
+    # before, by its gauges and the kernel's listing alone (EngineLoads.orphans_past); absent: not told.
+    orphans: dict[int, int] = field(default_factory=dict)
