@@ -30,8 +30,9 @@ from replay.capture import (
     DEFAULT_MAX_TOKENS,
     CapturedRequest,
     CaptureError,
+    check_output,
+    replace_capture,
     synthetic_body,
-    write_capture,
 )
 
 FORMATS = ("aiperf", "mooncake")
@@ -166,10 +167,7 @@ def import_benchmark(source: Path, fmt: str, out: Path, *, model: str | None, pa
     if not model:
         raise CaptureError(f"a {fmt} file does not name the model; pass --model NAME, the model the "
                            "target engine serves")
-    if out.exists() and not force:
-        raise CaptureError(f"{out} exists; pass --force to replace it, or another -o")
+    check_output(out, force=force)
     reader = read_aiperf if fmt == "aiperf" else read_mooncake
     requests = reader(source, model=model, path_route=path_route, stream=stream)
-    for suffix in ("", "-wal", "-shm"):
-        out.with_name(out.name + suffix).unlink(missing_ok=True)
-    return write_capture(out, requests, name=name or source.stem, source=f"{fmt}:{source.name}")
+    return replace_capture(out, requests, name=name or source.stem, source=f"{fmt}:{source.name}")

@@ -63,7 +63,7 @@ def export_command(config: Config, since: dt.datetime, until: dt.datetime | None
     Example:
       auditor capture export --since 1h -o capture.db
     """
-    from replay.capture import count_server_spans, export_capture
+    from replay.capture import CaptureError, check_output, count_server_spans, export_capture
 
     until = until or dt.datetime.now(dt.timezone.utc)
     if until <= since:
@@ -71,6 +71,12 @@ def export_command(config: Config, since: dt.datetime, until: dt.datetime | None
                                  f"{since.isoformat(timespec='seconds')}; e.g. --since 2h --until 1h",
                                  param_hint="--until")
     store = open_store(config, create=False)
+    try:
+        # Every refusal but "exists" (which --force answers) before anything is read or written.
+        check_output(output, force=True, store=store)
+    except CaptureError as exc:
+        store.close()
+        raise click.BadParameter(str(exc), param_hint="-o/--output") from exc
     since_ns, until_ns = to_ns(since), to_ns(until)
     with errors_as_click(), _progress(max(1, count_server_spans(store, since_ns, until_ns, host)),
                                       "  exporting") as bar:
