@@ -96,6 +96,18 @@ def test_both_spellings_of_one_setting_are_refused() -> None:
     assert result.exit_code == 2 and "give one spelling, not both" in result.output, result.output
 
 
+@pytest.mark.parametrize("option", ["--cancel-rate", "--request-cancellation-rate", "--cancel-after",
+                                    "--request-cancellation-delay", "--speed", "--request-timeout", "--settle",
+                                    "--span-delay", "--wait"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN"])
+def test_non_finite_timings_are_refused_by_option(option: str, value: str) -> None:
+    """nan passes every range check (each comparison with it is false); inf never ends a wait."""
+    result = CliRunner().invoke(cli, ["replay", "x.db", "--target", "http://127.0.0.1:1", option, value])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output, result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+
+
 def test_capture_finds_engine_spans_in_traces_of_their_own(store: Store, tmp_path: Path) -> None:
     # vLLM without a client traceparent: its llm_request span is a trace of its own, named after
     # the X-Request-Id (cmpl-<id>, chatcmpl-<id>).
