@@ -114,6 +114,41 @@ def test_until_before_since_is_rejected(db: str) -> None:
     assert "is not after --since" in result.stderr and "e.g. --since 2h --until 1h" in result.stderr
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--since", "999999999w"], "'--since': '999999999w' back from now reaches before 1970"),
+    (["--since", "200000w"], "'--since': '200000w' back from now reaches before 1970"),
+    (["--since", "9" * 400 + "s"], "back from now reaches before 1970"),
+    (["--since", "1600-01-01T00:00:00Z"], "'--since': '1600-01-01T00:00:00Z' is before 1970"),
+    (["--since", "0001-01-01T00:00:00+05:00"], "is before 1970"),
+    (["--until", "2300-01-01T00:00:00Z"], "'--until': '2300-01-01T00:00:00Z' is too far in the future"),
+    (["--since", "9999-12-31T23:59:59-05:00"], "is too far in the future"),
+])
+@pytest.mark.parametrize("command", ["report", "capture export"])
+def test_times_outside_what_the_store_holds_are_refused(db: str, tmp_path: Path, command: str, args: list[str],
+                                                        message: str) -> None:
+    """Stored times are 64-bit nanoseconds since 1970; beyond them a window used to end in an
+    OverflowError traceback."""
+    out = tmp_path / "capture.db"
+    extra = ["-o", str(out)] if command.startswith("capture") else []
+    result = CliRunner().invoke(cli, [*command.split(), *extra, "--db", db, *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output, result.stderr
+    assert isinstance(result.exception, SystemExit) and not out.exists()
+
+
+@pytest.mark.parametrize("args", [["--since", "1h", "--until", "1h"], ["--since", "0s"],
+                                  ["--since", "0s", "--until", "0s"]])
+@pytest.mark.parametrize("command", ["report", "capture export"])
+def test_an_empty_window_is_refused(db: str, tmp_path: Path, command: str, args: list[str]) -> None:
+    """Both options and the default --until read "now" once: equal durations are an empty window."""
+    out = tmp_path / "capture.db"
+    extra = ["-o", str(out)] if command.startswith("capture") else []
+    result = CliRunner().invoke(cli, [*command.split(), *extra, "--db", db, *args])
+    assert result.exit_code == 2, result.output
+    assert "is not after --since" in result.stderr, result.stderr
+    assert not out.exists()
+
+
 def test_missing_database_is_one_line_and_nothing_is_created(tmp_path: Path) -> None:
     path = tmp_path / "nowhere.db"
     result = CliRunner().invoke(cli, ["report", "--db", f"sqlite:///{path}"])

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import click
 
-from auditor.cli.util import TIME, FiniteFloatRange, common_options, errors_as_click, open_store
+from auditor.cli.util import TIME, FiniteFloatRange, common_options, errors_as_click, now, open_store
 from auditor.config import Config, apply_overrides, load_config
 from auditor.errors import AuditorError
 from auditor.report.model import to_ns
@@ -65,7 +65,7 @@ def export_command(config: Config, since: dt.datetime, until: dt.datetime | None
     """
     from replay.capture import CaptureError, check_output, count_server_spans, export_capture
 
-    until = until or dt.datetime.now(dt.timezone.utc)
+    until = until or now()
     if until <= since:
         raise click.BadParameter(f"{until.isoformat(timespec='seconds')} is not after --since "
                                  f"{since.isoformat(timespec='seconds')}; e.g. --since 2h --until 1h",
