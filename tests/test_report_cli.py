@@ -149,6 +149,12 @@ def test_an_empty_window_is_refused(db: str, tmp_path: Path, command: str, args:
     assert not out.exists()
 
 
+def test_empty_output_path_is_refused(db: str) -> None:
+    result = CliRunner().invoke(cli, ["report", "--db", db, "-o", "", "--format", "json"])
+    assert result.exit_code == 2, result.output
+    assert "'' names no file" in result.stderr and isinstance(result.exception, SystemExit)
+
+
 def test_missing_database_is_one_line_and_nothing_is_created(tmp_path: Path) -> None:
     path = tmp_path / "nowhere.db"
     result = CliRunner().invoke(cli, ["report", "--db", f"sqlite:///{path}"])

@@ -119,9 +119,13 @@ def import_command(source: Path, fmt: str, model: str | None, endpoint: str, str
       auditor capture import artifacts/run/profile_export.jsonl --format aiperf --model M -o capture.db
       auditor capture import trace.jsonl --format mooncake --model M -o capture.db
     """
-    from replay.capture import CHAT_PATH, DEFAULT_PATH
+    from replay.capture import CHAT_PATH, DEFAULT_PATH, CaptureError, check_output
     from replay.imports import import_benchmark
 
+    try:
+        check_output(output, force=True)  # every refusal but "exists", which --force answers
+    except CaptureError as exc:
+        raise click.BadParameter(str(exc), param_hint="-o/--output") from exc
     with errors_as_click():
         capture_id, count = import_benchmark(source, fmt, output, model=model, name=name, force=force, stream=stream,
                                              path_route=CHAT_PATH if endpoint == "chat" else DEFAULT_PATH)

@@ -54,6 +54,9 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
 
     if as_json:
         output_format = "json"
+    if output is not None and not Path(output).name:
+        raise click.BadParameter(f"{output!r} names no file; give one, e.g. -o zombies.html or leave -o out "
+                                 "for standard output", param_hint="-o/--output")
     until = until or now()
     if until <= since:
         raise click.BadParameter(
