@@ -207,6 +207,19 @@ def test_mooncake_trace_keeps_arrivals_lengths_and_shared_prefixes(tmp_path: Pat
     ("mooncake", ['{"timestamp": 0, "input_length": 5, "output_length": 0}'], "line 1: output_length 0"),
     ("mooncake", ['[1, 2]'], "line 1: a list, not an object"),
     ("mooncake", ['{"timestamp": -4, "input_length": 5, "output_length": 2}'], "line 1: timestamp -4"),
+    ("mooncake", ['{"timestamp": 0, "input_length": 5, "output_length": 2}',
+                  '{"timestamp": 1e400, "input_length": 5, "output_length": 2}'], "line 2: timestamp inf"),
+    ("mooncake", ['{"timestamp": NaN, "input_length": 5, "output_length": 2}'], "line 1: timestamp nan"),
+    ("mooncake", ['{"timestamp": 1e13, "input_length": 5, "output_length": 2}'], "line 1: timestamp 10000000000000.0 is not milliseconds"),
+    ("mooncake", ['{"timestamp": 0, "input_length": 10000000000, "output_length": 2}'],
+     "line 1: input_length 10000000000 is not a number from 0 to 1048576"),
+    ("mooncake", ['{"timestamp": 0, "input_length": NaN, "output_length": 2}'], "line 1: input_length nan"),
+    ("mooncake", ['{"timestamp": 0, "input_length": 5, "output_length": 1e400}'], "line 1: output_length inf"),
+    ("aiperf", ['{"metadata": {"request_start_ns": 5}, "metrics": {"input_sequence_length": {"value": 1e12}}}'],
+     "line 1: metrics.input_sequence_length 1000000000000.0 is not a token count"),
+    ("aiperf", ['{"metadata": {"request_start_ns": 5}, "metrics": {"output_sequence_length": NaN}}'],
+     "line 1: metrics.output_sequence_length nan"),
+    ("aiperf", ['{"metadata": {"request_start_ns": 100000000000000000000}}'], "line 1: metadata.request_start_ns"),
 ])
 def test_imported_garbage_names_the_line(tmp_path: Path, fmt: str, lines: list[str], message: str) -> None:
     source = tmp_path / "in.jsonl"
@@ -216,6 +229,16 @@ def test_imported_garbage_names_the_line(tmp_path: Path, fmt: str, lines: list[s
     assert result.exit_code == 1 and result.output.startswith("Error: "), result.output
     assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
     assert not (tmp_path / "out.db").exists()
+
+
+def test_import_to_an_empty_path_or_a_device_is_refused(tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2}\n')
+    for out, message in (("", "is empty or a directory"), ("/dev/null", "/dev/null is not a regular file")):
+        result = CliRunner().invoke(cli, ["capture", "import", str(source), "--format", "mooncake", "--model", "m",
+                                          "-o", out, "--force"])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert isinstance(result.exception, SystemExit)
 
 
 def test_fin_cancels_drain_and_rst_cancels_reset() -> None:
