@@ -325,6 +325,18 @@ def open_capture_store(path: Path) -> Store:
     return store
 
 
+def check_writable(path: Path) -> None:
+    """Refuse a capture file the replay could read but not record its run in: the file, and its
+    directory, where SQLite keeps the file's write-ahead log."""
+    directory = path.parent
+    if not os.access(path, os.W_OK):
+        raise CaptureError(f"{path} is read-only; the replay records its run and verdicts there: make it "
+                           f"writable (e.g. chmod u+w {path}) or replay a writable copy")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise CaptureError(f"cannot write in {directory}, where SQLite keeps {path.name}'s journal; make the "
+                           "directory writable or replay a copy of the capture elsewhere")
+
+
 def read_capture(store: Store, capture_id: int | None = None) -> Capture:
     """One capture of the file: the given id, else the newest. Rows that make no sense are refused
     with the row named, never replayed half-understood."""

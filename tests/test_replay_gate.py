@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -106,6 +108,35 @@ def test_non_finite_timings_are_refused_by_option(option: str, value: str) -> No
     assert result.exit_code == 2, result.output
     assert f"Invalid value for '{option}'" in result.output, result.output
     assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+
+
+def test_target_port_zero_is_refused() -> None:
+    result = CliRunner().invoke(cli, ["replay", "x.db", "--target", "http://127.0.0.1:0"])
+    assert result.exit_code == 2 and "port 0 is no engine's port" in result.output, result.output
+
+
+def test_a_read_only_capture_is_refused_before_any_traffic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit 1 means zombies: a replay that could not record its results must not end with it, nor
+    load the engine for nothing."""
+    capture = tmp_path / "capture.db"
+    write_capture(capture, [CapturedRequest(0.0, CHAT_PATH, {"model": "m"})])
+    capture.chmod(0o444)
+    if os.geteuid() == 0:  # permission bits do not bind root: answer as for anyone else
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: access(path, mode, **kw) and not (
+            mode & os.W_OK and Path(path) == capture))
+    engine = socket.socket()
+    engine.bind(("127.0.0.1", 0))
+    engine.listen()
+    engine.setblocking(False)
+    try:
+        result = CliRunner().invoke(cli, ["replay", str(capture), "--target",
+                                          f"http://127.0.0.1:{engine.getsockname()[1]}", "--otlp-http", ""])
+        assert result.exit_code == 2 and "is read-only; the replay records its run" in result.output, result.output
+        with pytest.raises(BlockingIOError):
+            engine.accept()  # nothing was sent
+    finally:
+        engine.close()
 
 
 def test_capture_finds_engine_spans_in_traces_of_their_own(store: Store, tmp_path: Path) -> None:
