@@ -171,6 +171,26 @@ def test_store_at_the_base_revision_is_migrated(tmp_path: Path) -> None:
     assert Store(f"sqlite:///{path}", upgrade=False).current_revision() is not None
 
 
+@pytest.mark.parametrize("command", [["report"], ["db", "upgrade"], ["capture", "export", "-o", "{tmp}/c.db"]])
+@pytest.mark.parametrize("options", ["", "?timeout=3"])
+def test_a_foreign_sqlite_file_is_refused_byte_for_byte_untouched(tmp_path: Path, command: list[str],
+                                                                  options: str) -> None:
+    """The refusal comes before any connection sets its pragmas: journal_mode=WAL would have
+    rewritten the file's header (and left -wal and -shm files beside it)."""
+    path = tmp_path / "other.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE foo (x)")
+        conn.execute("INSERT INTO foo VALUES (1)")
+    conn.close()
+    before = path.read_bytes()
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in command]
+    result = CliRunner().invoke(cli, [*args, "--db", f"sqlite:///{path}{options}"])
+    assert result.exit_code == 1, result.output
+    assert "holds tables ['foo'] but no auditor schema; refusing to touch it" in result.output, result.output
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
+
+
 def test_newer_schema_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "new.db"
     Store(f"sqlite:///{path}").close()
