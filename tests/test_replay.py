@@ -11,8 +11,8 @@ import re
 import socket
 import subprocess
 import sys
-from dataclasses import replace
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema

@@ -22,7 +22,14 @@ from typing import Any, TypeVar
 
 import click
 
-from auditor.cli.util import TIME, FiniteFloatRange, common_options, errors_as_click, now, open_store
+from auditor.cli.util import (
+    TIME,
+    FiniteFloatRange,
+    common_options,
+    errors_as_click,
+    now,
+    open_store,
+)
 from auditor.config import Config, apply_overrides, load_config
 from auditor.errors import AuditorError
 from auditor.report.model import to_ns
