@@ -11,6 +11,7 @@ in a section, upper-cased: ``AUDITOR_DB``, ``AUDITOR_PROBE_PORTS=8000,8001``,
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
 import sys
@@ -139,6 +140,9 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
 
     def validate(self) -> None:
+        for section in SECTIONS:
+            for item in dataclasses.fields(getattr(self, section)):
+                _finite(f"{section}.{item.name}", getattr(getattr(self, section), item.name))
         if self.probe.source not in ("auto", "bpf", "procfs"):
             raise ConfigError(f"probe.source = {self.probe.source!r}: allowed are auto, bpf, procfs")
         for port in self.probe.ports:
@@ -165,7 +169,14 @@ class Config:
         self.export.validate()
 
 
+def _finite(key: str, value: Any) -> None:
+    """Refuse nan and inf, which every comparison lets through or gets wrong."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} = {value}: expected a finite number, e.g. 0.5")
+
+
 def _positive(key: str, value: float) -> None:
+    _finite(key, value)
     if value <= 0:
         raise ConfigError(f"{key} must be greater than 0 (got {value})")
 
@@ -208,7 +219,10 @@ def _coerce(key: str, kind: Any, value: Any, *, from_text: bool) -> Any:
         if kind is float:
             if isinstance(value, bool) or (not from_text and not isinstance(value, (int, float))):
                 raise ValueError
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):  # nan, inf: valid TOML and float() text, never a setting
+                raise ConfigError(f"{key} = {value!r}: expected a finite number, e.g. 0.5")
+            return number
         if kind is str:
             if not from_text and not isinstance(value, str):
                 raise ValueError
@@ -260,8 +274,10 @@ def _environment(environ: Mapping[str, str]) -> dict[str, Any]:
         if rest in top_level:
             result[rest] = value
             continue
-        section, _, key = rest.partition("_")
-        if section in SECTIONS and key:
+        # The longest section that prefixes the name: engine_metrics before a section "engine".
+        section = max((s for s in SECTIONS if rest.startswith(f"{s}_")), key=len, default="")
+        key = rest[len(section) + 1:] if section else ""
+        if section and key:
             result.setdefault(section, {})[key] = value
         else:
             raise ConfigError(f"environment variable {name} is not a configuration key; "

@@ -14,7 +14,9 @@ and verdicts into it, and a later run compares with an earlier one in the same f
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -185,13 +187,84 @@ def export_capture(store: Store, out: Path, *, since_ns: int, until_ns: int, hos
                    on_progress: Callable[[int], None] | None = None) -> tuple[int, int]:
     """Write the window's requests to a new capture file; returns (capture id, requests).
     ``on_progress`` gets the number of requests written since its last call."""
-    if out.exists() and not force:
-        raise CaptureError(f"{out} exists; pass --force to replace it, or another -o")
-    for suffix in ("", "-wal", "-shm"):  # the file and its SQLite companions
-        out.with_name(out.name + suffix).unlink(missing_ok=True)
-    return write_capture(out, _entry_requests(store, since_ns, until_ns, host, stream_default), name=name,
-                         window_start_ns=since_ns, window_end_ns=until_ns, source=store.where(),
-                         on_progress=on_progress)
+    check_output(out, force=force, store=store)
+    return replace_capture(out, _entry_requests(store, since_ns, until_ns, host, stream_default), name=name,
+                           window_start_ns=since_ns, window_end_ns=until_ns, source=store.where(),
+                           on_progress=on_progress)
+
+
+def _store_file(store: Store) -> Path | None:
+    """The SQLite file a store reads, or None for a server or an in-memory database."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        url = make_url(store.url)
+    except ArgumentError:
+        return None
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+        return None
+    return Path(url.database.removeprefix("file:"))
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        if os.path.samefile(a, b):
+            return True
+    except OSError:
+        pass  # one of them does not exist (yet)
+    return a.resolve() == b.resolve()
+
+
+def check_output(out: Path, *, force: bool, store: Store | None = None) -> None:
+    """Refuse an output path a capture cannot safely be written to: no name, the store being read
+    (writing would destroy what is exported), something that exists without ``force``, or anything
+    but a regular file (a device, a directory)."""
+    if not str(out) or not out.name or out.name == "..":
+        raise CaptureError(f"the output path {str(out)!r} is empty or a directory; give the capture file's name, "
+                           "e.g. -o capture.db")
+    source = _store_file(store) if store is not None else None
+    if store is not None and source is not None and _same_file(source, out):
+        raise CaptureError(f"{out} is the database being exported ({store.where()}); "
+                           "write the capture to another file, e.g. -o capture.db")
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise CaptureError(f"{out} exists; pass --force to replace it, or another -o")
+        if not out.is_file():
+            raise CaptureError(f"{out} is not a regular file; --force replaces only a file: pass another -o")
+
+
+def _remove_sqlite_files(path: Path, suffixes: Iterable[str] = ("", "-wal", "-shm", "-journal")) -> None:
+    for suffix in suffixes:
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+
+
+def replace_capture(out: Path, requests: Iterable[CapturedRequest], **kwargs: Any) -> tuple[int, int]:
+    """``write_capture`` into a new file beside ``out``, renamed over it only once complete: a failed
+    export leaves no half-written capture, and a file it was to replace stays as it was."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    except OSError as exc:
+        raise CaptureError(f"cannot write a capture to {out}: {exc.strerror or exc}; "
+                           "check the directory exists and is writable") from exc
+    os.close(fd)
+    temporary = Path(name)
+    try:
+        result = write_capture(temporary, requests, name=kwargs.pop("name", "") or out.stem, **kwargs)
+        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes 0600; a capture file is shared like any other
+        _remove_sqlite_files(out, ("-wal", "-shm", "-journal"))  # the old file's companions would corrupt the new one
+        os.replace(temporary, out)
+    except OSError as exc:
+        raise CaptureError(f"cannot write a capture to {out}: {exc.strerror or exc}") from exc
+    finally:
+        _remove_sqlite_files(temporary)
+    return result
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _captured_row(capture_id: int, request: CapturedRequest) -> dict[str, Any]:
@@ -250,6 +323,18 @@ def open_capture_store(path: Path) -> Store:
     except AuditorError as exc:
         raise CaptureError(f"{path} is not a capture file: {exc}") from exc
     return store
+
+
+def check_writable(path: Path) -> None:
+    """Refuse a capture file the replay could read but not record its run in: the file, and its
+    directory, where SQLite keeps the file's write-ahead log."""
+    directory = path.parent
+    if not os.access(path, os.W_OK):
+        raise CaptureError(f"{path} is read-only; the replay records its run and verdicts there: make it "
+                           f"writable (e.g. chmod u+w {path}) or replay a writable copy")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise CaptureError(f"cannot write in {directory}, where SQLite keeps {path.name}'s journal; make the "
+                           "directory writable or replay a copy of the capture elsewhere")
 
 
 def read_capture(store: Store, capture_id: int | None = None) -> Capture:

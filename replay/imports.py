@@ -19,6 +19,7 @@ capture never gets an invented model.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Iterator
 from dataclasses import replace
@@ -30,11 +31,18 @@ from replay.capture import (
     DEFAULT_MAX_TOKENS,
     CapturedRequest,
     CaptureError,
+    check_output,
+    replace_capture,
     synthetic_body,
-    write_capture,
 )
 
 FORMATS = ("aiperf", "mooncake")
+# A prompt or output length beyond the largest context windows is a broken line, not a request:
+# its synthetic prompt alone would take gigabytes.
+MAX_TOKENS = 1 << 20
+# Offsets are kept as 64-bit nanoseconds: a trace spans at most 9e12 ms (285 years).
+MAX_TIMESTAMP_MS = 9e12
+MAX_NANOS = 2**63 - 1
 
 
 def _lines(path: Path, fmt: str) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -68,11 +76,18 @@ def _metric(metrics: Any, *names: str) -> float | None:
     return None
 
 
+def _length(value: float | None, name: str, where: str) -> float | None:
+    """A token count read from a metric, refused by line and name when no request has it."""
+    if value is not None and not (math.isfinite(value) and 0 <= value <= MAX_TOKENS):
+        raise CaptureError(f"{where}: metrics.{name} {value!r} is not a token count from 0 to {MAX_TOKENS}")
+    return value
+
+
 def _nanos(metadata: dict[str, Any], key: str, where: str) -> int | None:
     value = metadata.get(key)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_NANOS:
         raise CaptureError(f"{where}: metadata.{key} {value!r} is not a time in nanoseconds")
     return value
 
@@ -99,8 +114,9 @@ def read_aiperf(path: Path, *, model: str, path_route: str, stream: bool) -> lis
                 raise CaptureError(f"{where}: was_cancelled without a cancellation_time_ns after "
                                    "request_start_ns; the cancel's delay is unknown")
             after_s = (cancelled_at - start) / 1e9
-        prompt = _metric(record.get("metrics"), "input_sequence_length", "error_isl")
-        output = _metric(record.get("metrics"), "output_sequence_length")
+        prompt = _length(_metric(record.get("metrics"), "input_sequence_length", "error_isl"),
+                         "input_sequence_length", where)
+        output = _length(_metric(record.get("metrics"), "output_sequence_length"), "output_sequence_length", where)
         body = synthetic_body(path_route, model, round(prompt) if prompt else None,
                               max(1, round(output)) if output else None, stream)
         found.append((start, CapturedRequest(0.0, path_route, body, after_s, "fin" if after_s is not None else None),
@@ -118,9 +134,10 @@ def read_aiperf(path: Path, *, model: str, path_route: str, stream: bool) -> lis
 
 def _count(record: dict[str, Any], key: str, where: str, minimum: int) -> int:
     value = record.get(key)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < minimum:
-        raise CaptureError(f"{where}: {key} {value!r} is not a number >= {minimum}; a mooncake trace line "
-                           "has timestamp (ms), input_length and output_length")
+    # "not minimum <= value <= MAX": nan fails it too, where "value < minimum" lets it through.
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not minimum <= value <= MAX_TOKENS:
+        raise CaptureError(f"{where}: {key} {value!r} is not a number from {minimum} to {MAX_TOKENS}; a mooncake "
+                           "trace line has timestamp (ms), input_length and output_length")
     return int(value)
 
 
@@ -137,8 +154,10 @@ def read_mooncake(path: Path, *, model: str, path_route: str, stream: bool) -> l
     for number, record in _lines(path, "mooncake trace"):
         where = f"{path} line {number}"
         timestamp_ms = record.get("timestamp")
-        if not isinstance(timestamp_ms, (int, float)) or isinstance(timestamp_ms, bool) or timestamp_ms < 0:
-            raise CaptureError(f"{where}: timestamp {timestamp_ms!r} is not milliseconds >= 0")
+        if (not isinstance(timestamp_ms, (int, float)) or isinstance(timestamp_ms, bool)
+                or not 0 <= timestamp_ms <= MAX_TIMESTAMP_MS):  # nan and 1e400 (inf) included
+            raise CaptureError(f"{where}: timestamp {timestamp_ms!r} is not milliseconds from 0 to "
+                               f"{MAX_TIMESTAMP_MS:.0e}")
         input_length = _count(record, "input_length", where, 0)
         body = synthetic_body(path_route, model, input_length, _count(record, "output_length", where, 1), stream)
         hash_ids = record.get("hash_ids")
@@ -166,10 +185,7 @@ def import_benchmark(source: Path, fmt: str, out: Path, *, model: str | None, pa
     if not model:
         raise CaptureError(f"a {fmt} file does not name the model; pass --model NAME, the model the "
                            "target engine serves")
-    if out.exists() and not force:
-        raise CaptureError(f"{out} exists; pass --force to replace it, or another -o")
+    check_output(out, force=force)
     reader = read_aiperf if fmt == "aiperf" else read_mooncake
     requests = reader(source, model=model, path_route=path_route, stream=stream)
-    for suffix in ("", "-wal", "-shm"):
-        out.with_name(out.name + suffix).unlink(missing_ok=True)
-    return write_capture(out, requests, name=name or source.stem, source=f"{fmt}:{source.name}")
+    return replace_capture(out, requests, name=name or source.stem, source=f"{fmt}:{source.name}")

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from auditor.errors import AuditorError
 from auditor.store import Store
-from replay.capture import Capture, CaptureError, open_capture_store, read_capture
+from replay.capture import Capture, CaptureError, check_writable, open_capture_store, read_capture
 from replay.client import RequestPlan, run_load
 from replay.run import (
     EngineLoad,
@@ -102,7 +102,10 @@ def local_target(url: str) -> tuple[str, int]:
     if parts.scheme != "http" or not parts.hostname:
         raise TargetError(f"--target {url!r}: give the engine's URL on this host, like http://127.0.0.1:8000")
     try:
-        port = parts.port or 80
+        port = 80 if parts.port is None else parts.port
+        if port == 0:
+            raise TargetError(f"--target {url!r}: port 0 is no engine's port; give the port it serves, "
+                              "like http://127.0.0.1:8000")
         infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
     except (ValueError, OSError) as exc:
         raise TargetError(f"--target {url!r}: {exc}") from exc
@@ -164,6 +167,7 @@ def run_replay(settings: ReplaySettings, make_pipeline: Callable[[dict[str, Any]
         store.close()
     if not capture.requests:
         raise CaptureError(f"capture {capture.id} in {settings.capture_file} has no requests")
+    check_writable(settings.capture_file)  # before any traffic, not when the results are written
     plans = plan_replay(capture, settings.options, tag=f"replay-{time.strftime('%H%M%S')}")
     pipeline = make_pipeline(settings.pipeline_overrides())
     pipeline.start()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from auditor.config import load_config
+from auditor.config import Config, load_config
 from auditor.errors import ConfigError
 
 
@@ -59,6 +60,23 @@ def test_bad_environment_names_the_variable() -> None:
         load_config(environ={"AUDITOR_PROBE_PORTS": "eighty"})
     with pytest.raises(ConfigError, match="AUDITOR_GRACE is not a configuration key"):
         load_config(environ={"AUDITOR_GRACE": "1"})
+
+
+@pytest.mark.parametrize("text", ["nan", "+inf", "-inf"])
+@pytest.mark.parametrize("key", ["correlate.grace_seconds", "correlate.interval_seconds", "probe.poll_hz",
+                                 "retention.raw_hours", "retention.verdict_days", "retention.interval_seconds",
+                                 "engine_metrics.interval_seconds", "correlate.late_span_seconds"])
+def test_nan_and_infinity_are_refused_by_name(tmp_path: Path, key: str, text: str) -> None:
+    """nan and inf are valid TOML floats and float() text, and slip past every < or > check."""
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)} = .*: expected a finite number"):
+        load_config(write(tmp_path, f"[{section}]\n{name} = {text}\n"), environ={})
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)} = '{re.escape(text)}': expected a finite number"):
+        load_config(environ={f"AUDITOR_{section.upper()}_{name.upper()}": text})
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)} = nan: expected a finite number"):
+        config = Config()
+        setattr(getattr(config, section), name, float("nan"))
+        config.validate()
 
 
 def test_missing_file_is_an_error(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -107,6 +108,48 @@ def test_export_finds_a_requests_spans_across_a_minute_boundary(store: Store, tm
     assert count == 1
     (request,) = read_capture(open_capture_store(out), capture_id).requests
     assert request.body["max_tokens"] == 333
+
+
+def test_export_never_overwrites_its_own_store_or_a_device(store: Store, tmp_path: Path) -> None:
+    """-o naming the --db file (however spelt), an empty path, /dev/null or a directory is refused
+    with exit 2 before anything is read or written; the store keeps every byte."""
+    store.insert_spans([http_span("a", 0.0, 4.0, span="1")])
+    db = Path(store.url.removeprefix("sqlite:///"))
+    store.close()
+    before = db.read_bytes()
+    for out, message in ((str(db), "is the database being exported"),
+                         (str(tmp_path / "." / db.name), "is the database being exported"),
+                         ("", "is empty or a directory"),
+                         ("/dev/null", "is not a regular file")):
+        result = auditor("capture", "export", "--db", store.url, "--since", "1h", "-o", out, "--force")
+        assert result.returncode == 2, (out, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    link = tmp_path / "link.db"
+    link.symlink_to(db)
+    with pytest.raises(CaptureError, match="is the database being exported"):
+        export(Store(store.url), link, since_ns=T0, until_ns=T0 + 10 * S, force=True)
+    assert db.read_bytes() == before
+
+
+def test_a_failed_export_leaves_the_old_capture_as_it_was(store: Store, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import replay.capture
+
+    store.insert_spans([http_span("a", 0.0, 4.0, span="1"), http_span("b", 1.0, 2.0, span="2")])
+    out = tmp_path / "capture.db"
+    assert export(store, out, since_ns=T0, until_ns=T0 + 10 * S)[1] == 2
+    before = out.read_bytes()
+
+    def failing(*args: object) -> Iterator[CapturedRequest]:
+        yield CapturedRequest(0.0, CHAT_PATH, {"model": "m"})
+        raise CaptureError("the store went away")
+
+    monkeypatch.setattr(replay.capture, "_entry_requests", failing)
+    with pytest.raises(CaptureError, match="went away"):
+        export(store, out, since_ns=T0, until_ns=T0 + 10 * S, force=True)
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("capture", ".capture"))) == ["capture.db"]
+    assert len(read_capture(open_capture_store(out)).requests) == 2
 
 
 @pytest.mark.slow

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -94,6 +96,47 @@ def test_both_spellings_of_one_setting_are_refused() -> None:
     result = CliRunner().invoke(cli, ["replay", "x.db", "--target", "http://127.0.0.1:1", "--cancel-rate", "0.1",
                                       "--request-cancellation-rate", "10"])
     assert result.exit_code == 2 and "give one spelling, not both" in result.output, result.output
+
+
+@pytest.mark.parametrize("option", ["--cancel-rate", "--request-cancellation-rate", "--cancel-after",
+                                    "--request-cancellation-delay", "--speed", "--request-timeout", "--settle",
+                                    "--span-delay", "--wait"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN"])
+def test_non_finite_timings_are_refused_by_option(option: str, value: str) -> None:
+    """nan passes every range check (each comparison with it is false); inf never ends a wait."""
+    result = CliRunner().invoke(cli, ["replay", "x.db", "--target", "http://127.0.0.1:1", option, value])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output, result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+
+
+def test_target_port_zero_is_refused() -> None:
+    result = CliRunner().invoke(cli, ["replay", "x.db", "--target", "http://127.0.0.1:0"])
+    assert result.exit_code == 2 and "port 0 is no engine's port" in result.output, result.output
+
+
+def test_a_read_only_capture_is_refused_before_any_traffic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit 1 means zombies: a replay that could not record its results must not end with it, nor
+    load the engine for nothing."""
+    capture = tmp_path / "capture.db"
+    write_capture(capture, [CapturedRequest(0.0, CHAT_PATH, {"model": "m"})])
+    capture.chmod(0o444)
+    if os.geteuid() == 0:  # permission bits do not bind root: answer as for anyone else
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: access(path, mode, **kw) and not (
+            mode & os.W_OK and Path(path) == capture))
+    engine = socket.socket()
+    engine.bind(("127.0.0.1", 0))
+    engine.listen()
+    engine.setblocking(False)
+    try:
+        result = CliRunner().invoke(cli, ["replay", str(capture), "--target",
+                                          f"http://127.0.0.1:{engine.getsockname()[1]}", "--otlp-http", ""])
+        assert result.exit_code == 2 and "is read-only; the replay records its run" in result.output, result.output
+        with pytest.raises(BlockingIOError):
+            engine.accept()  # nothing was sent
+    finally:
+        engine.close()
 
 
 def test_capture_finds_engine_spans_in_traces_of_their_own(store: Store, tmp_path: Path) -> None:
@@ -195,6 +238,19 @@ def test_mooncake_trace_keeps_arrivals_lengths_and_shared_prefixes(tmp_path: Pat
     ("mooncake", ['{"timestamp": 0, "input_length": 5, "output_length": 0}'], "line 1: output_length 0"),
     ("mooncake", ['[1, 2]'], "line 1: a list, not an object"),
     ("mooncake", ['{"timestamp": -4, "input_length": 5, "output_length": 2}'], "line 1: timestamp -4"),
+    ("mooncake", ['{"timestamp": 0, "input_length": 5, "output_length": 2}',
+                  '{"timestamp": 1e400, "input_length": 5, "output_length": 2}'], "line 2: timestamp inf"),
+    ("mooncake", ['{"timestamp": NaN, "input_length": 5, "output_length": 2}'], "line 1: timestamp nan"),
+    ("mooncake", ['{"timestamp": 1e13, "input_length": 5, "output_length": 2}'], "line 1: timestamp 10000000000000.0 is not milliseconds"),
+    ("mooncake", ['{"timestamp": 0, "input_length": 10000000000, "output_length": 2}'],
+     "line 1: input_length 10000000000 is not a number from 0 to 1048576"),
+    ("mooncake", ['{"timestamp": 0, "input_length": NaN, "output_length": 2}'], "line 1: input_length nan"),
+    ("mooncake", ['{"timestamp": 0, "input_length": 5, "output_length": 1e400}'], "line 1: output_length inf"),
+    ("aiperf", ['{"metadata": {"request_start_ns": 5}, "metrics": {"input_sequence_length": {"value": 1e12}}}'],
+     "line 1: metrics.input_sequence_length 1000000000000.0 is not a token count"),
+    ("aiperf", ['{"metadata": {"request_start_ns": 5}, "metrics": {"output_sequence_length": NaN}}'],
+     "line 1: metrics.output_sequence_length nan"),
+    ("aiperf", ['{"metadata": {"request_start_ns": 100000000000000000000}}'], "line 1: metadata.request_start_ns"),
 ])
 def test_imported_garbage_names_the_line(tmp_path: Path, fmt: str, lines: list[str], message: str) -> None:
     source = tmp_path / "in.jsonl"
@@ -204,6 +260,16 @@ def test_imported_garbage_names_the_line(tmp_path: Path, fmt: str, lines: list[s
     assert result.exit_code == 1 and result.output.startswith("Error: "), result.output
     assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
     assert not (tmp_path / "out.db").exists()
+
+
+def test_import_to_an_empty_path_or_a_device_is_refused(tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2}\n')
+    for out, message in (("", "is empty or a directory"), ("/dev/null", "/dev/null is not a regular file")):
+        result = CliRunner().invoke(cli, ["capture", "import", str(source), "--format", "mooncake", "--model", "m",
+                                          "-o", out, "--force"])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert isinstance(result.exception, SystemExit)
 
 
 def test_fin_cancels_drain_and_rst_cancels_reset() -> None:

@@ -114,6 +114,47 @@ def test_until_before_since_is_rejected(db: str) -> None:
     assert "is not after --since" in result.stderr and "e.g. --since 2h --until 1h" in result.stderr
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--since", "999999999w"], "'--since': '999999999w' back from now reaches before 1970"),
+    (["--since", "200000w"], "'--since': '200000w' back from now reaches before 1970"),
+    (["--since", "9" * 400 + "s"], "back from now reaches before 1970"),
+    (["--since", "1600-01-01T00:00:00Z"], "'--since': '1600-01-01T00:00:00Z' is before 1970"),
+    (["--since", "0001-01-01T00:00:00+05:00"], "is before 1970"),
+    (["--until", "2300-01-01T00:00:00Z"], "'--until': '2300-01-01T00:00:00Z' is too far in the future"),
+    (["--since", "9999-12-31T23:59:59-05:00"], "is too far in the future"),
+])
+@pytest.mark.parametrize("command", ["report", "capture export"])
+def test_times_outside_what_the_store_holds_are_refused(db: str, tmp_path: Path, command: str, args: list[str],
+                                                        message: str) -> None:
+    """Stored times are 64-bit nanoseconds since 1970; beyond them a window used to end in an
+    OverflowError traceback."""
+    out = tmp_path / "capture.db"
+    extra = ["-o", str(out)] if command.startswith("capture") else []
+    result = CliRunner().invoke(cli, [*command.split(), *extra, "--db", db, *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output, result.stderr
+    assert isinstance(result.exception, SystemExit) and not out.exists()
+
+
+@pytest.mark.parametrize("args", [["--since", "1h", "--until", "1h"], ["--since", "0s"],
+                                  ["--since", "0s", "--until", "0s"]])
+@pytest.mark.parametrize("command", ["report", "capture export"])
+def test_an_empty_window_is_refused(db: str, tmp_path: Path, command: str, args: list[str]) -> None:
+    """Both options and the default --until read "now" once: equal durations are an empty window."""
+    out = tmp_path / "capture.db"
+    extra = ["-o", str(out)] if command.startswith("capture") else []
+    result = CliRunner().invoke(cli, [*command.split(), *extra, "--db", db, *args])
+    assert result.exit_code == 2, result.output
+    assert "is not after --since" in result.stderr, result.stderr
+    assert not out.exists()
+
+
+def test_empty_output_path_is_refused(db: str) -> None:
+    result = CliRunner().invoke(cli, ["report", "--db", db, "-o", "", "--format", "json"])
+    assert result.exit_code == 2, result.output
+    assert "'' names no file" in result.stderr and isinstance(result.exception, SystemExit)
+
+
 def test_missing_database_is_one_line_and_nothing_is_created(tmp_path: Path) -> None:
     path = tmp_path / "nowhere.db"
     result = CliRunner().invoke(cli, ["report", "--db", f"sqlite:///{path}"])
@@ -128,6 +169,26 @@ def test_store_at_the_base_revision_is_migrated(tmp_path: Path) -> None:
     code, out, _ = invoke("--db", f"sqlite:///{path}", "--since", "1h")
     assert code == 0 and "the store holds no requests yet" in out
     assert Store(f"sqlite:///{path}", upgrade=False).current_revision() is not None
+
+
+@pytest.mark.parametrize("command", [["report"], ["db", "upgrade"], ["capture", "export", "-o", "{tmp}/c.db"]])
+@pytest.mark.parametrize("options", ["", "?timeout=3"])
+def test_a_foreign_sqlite_file_is_refused_byte_for_byte_untouched(tmp_path: Path, command: list[str],
+                                                                  options: str) -> None:
+    """The refusal comes before any connection sets its pragmas: journal_mode=WAL would have
+    rewritten the file's header (and left -wal and -shm files beside it)."""
+    path = tmp_path / "other.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE foo (x)")
+        conn.execute("INSERT INTO foo VALUES (1)")
+    conn.close()
+    before = path.read_bytes()
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in command]
+    result = CliRunner().invoke(cli, [*args, "--db", f"sqlite:///{path}{options}"])
+    assert result.exit_code == 1, result.output
+    assert "holds tables ['foo'] but no auditor schema; refusing to touch it" in result.output, result.output
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
 
 
 def test_newer_schema_is_a_clear_error(tmp_path: Path) -> None:

@@ -22,7 +22,14 @@ from typing import Any, TypeVar
 
 import click
 
-from auditor.cli.util import TIME, common_options, errors_as_click, open_store
+from auditor.cli.util import (
+    TIME,
+    FiniteFloatRange,
+    common_options,
+    errors_as_click,
+    now,
+    open_store,
+)
 from auditor.config import Config, apply_overrides, load_config
 from auditor.errors import AuditorError
 from auditor.report.model import to_ns
@@ -63,14 +70,20 @@ def export_command(config: Config, since: dt.datetime, until: dt.datetime | None
     Example:
       auditor capture export --since 1h -o capture.db
     """
-    from replay.capture import count_server_spans, export_capture
+    from replay.capture import CaptureError, check_output, count_server_spans, export_capture
 
-    until = until or dt.datetime.now(dt.timezone.utc)
+    until = until or now()
     if until <= since:
         raise click.BadParameter(f"{until.isoformat(timespec='seconds')} is not after --since "
                                  f"{since.isoformat(timespec='seconds')}; e.g. --since 2h --until 1h",
                                  param_hint="--until")
     store = open_store(config, create=False)
+    try:
+        # Every refusal but "exists" (which --force answers) before anything is read or written.
+        check_output(output, force=True, store=store)
+    except CaptureError as exc:
+        store.close()
+        raise click.BadParameter(str(exc), param_hint="-o/--output") from exc
     since_ns, until_ns = to_ns(since), to_ns(until)
     with errors_as_click(), _progress(max(1, count_server_spans(store, since_ns, until_ns, host)),
                                       "  exporting") as bar:
@@ -113,9 +126,13 @@ def import_command(source: Path, fmt: str, model: str | None, endpoint: str, str
       auditor capture import artifacts/run/profile_export.jsonl --format aiperf --model M -o capture.db
       auditor capture import trace.jsonl --format mooncake --model M -o capture.db
     """
-    from replay.capture import CHAT_PATH, DEFAULT_PATH
+    from replay.capture import CHAT_PATH, DEFAULT_PATH, CaptureError, check_output
     from replay.imports import import_benchmark
 
+    try:
+        check_output(output, force=True)  # every refusal but "exists", which --force answers
+    except CaptureError as exc:
+        raise click.BadParameter(str(exc), param_hint="-o/--output") from exc
     with errors_as_click():
         capture_id, count = import_benchmark(source, fmt, output, model=model, name=name, force=force, stream=stream,
                                              path_route=CHAT_PATH if endpoint == "chat" else DEFAULT_PATH)
@@ -209,15 +226,15 @@ def _options(*decorators: Callable[[F], F]) -> Callable[[F], F]:
 
 
 _cancel_options = _options(
-    click.option("--cancel-rate", type=click.FloatRange(0.0, 1.0),
+    click.option("--cancel-rate", type=FiniteFloatRange(0.0, 1.0),
                  help="Fraction of requests cancelled by the client, chosen by --seed [default: 0.3; 0 with "
                       "--as-captured, where it adds cancels to requests the capture saw complete]."),
-    click.option("--request-cancellation-rate", "aiperf_rate", type=click.FloatRange(0.0, 100.0), metavar="PERCENT",
+    click.option("--request-cancellation-rate", "aiperf_rate", type=FiniteFloatRange(0.0, 100.0), metavar="PERCENT",
                  help="AIPerf's spelling: the percentage of requests cancelled (10 = --cancel-rate 0.1)."),
-    click.option("--cancel-after", type=click.FloatRange(min=0.0), metavar="SECONDS",
+    click.option("--cancel-after", type=FiniteFloatRange(min=0.0), metavar="SECONDS",
                  help="Cancel this long after the request was fully written (0: right after sending) "
                       "[default: 0.5]."),
-    click.option("--request-cancellation-delay", "aiperf_delay", type=click.FloatRange(min=0.0), metavar="SECONDS",
+    click.option("--request-cancellation-delay", "aiperf_delay", type=FiniteFloatRange(min=0.0), metavar="SECONDS",
                  help="AIPerf's spelling of --cancel-after (seconds after the request was fully sent)."),
     click.option("--as-captured", is_flag=True,
                  help="Replay the capture's own disconnects (delay and FIN/RST) instead of --cancel-rate."),
@@ -226,7 +243,7 @@ _cancel_options = _options(
 )
 
 _load_options = _options(
-    click.option("--speed", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
+    click.option("--speed", type=FiniteFloatRange(min=0.0), default=1.0, show_default=True,
                  help="Replay the capture's timing this many times faster; 0: as fast as --concurrency allows."),
     click.option("--concurrency", type=click.IntRange(1, 4096), default=16, show_default=True),
     click.option("--limit", type=click.IntRange(min=1), help="Replay only the first N requests."),
@@ -234,7 +251,7 @@ _load_options = _options(
     click.option("--model", help="Send this model name instead of the captured one (required where the "
                                  "capture has none)."),
     click.option("--request-timeout", "--request-timeout-seconds", "request_timeout", default=600.0,
-                 type=click.FloatRange(min=0.1), show_default=True, metavar="SECONDS",
+                 type=FiniteFloatRange(min=0.1), show_default=True, metavar="SECONDS",
                  help="A request neither cancelled nor answered by then counts as an error."),
 )
 
@@ -242,13 +259,13 @@ _receiver_options = _options(
     click.option("--otlp-http", default="127.0.0.1:4318", show_default=True, metavar="ADDR",
                  help="Where to receive the engine's spans (point its OTLP exporter here); '' to disable."),
     click.option("--otlp-grpc", default="", metavar="ADDR", help="OTLP/gRPC receiver address [default: off]."),
-    click.option("--settle", type=click.FloatRange(min=1.0), default=60.0, show_default=True, metavar="SECONDS",
+    click.option("--settle", type=FiniteFloatRange(min=1.0), default=60.0, show_default=True, metavar="SECONDS",
                  help="How long an engine span may follow its request's end and still count (a detached "
                       "engine reports when it finishes)."),
-    click.option("--span-delay", type=click.FloatRange(min=0.0), default=5.0, show_default=True, metavar="SECONDS",
+    click.option("--span-delay", type=FiniteFloatRange(min=0.0), default=5.0, show_default=True, metavar="SECONDS",
                  help="The engine exporter's batch delay (OTEL_BSP_SCHEDULE_DELAY): once its /metrics shows "
                       "it idle this long, no span can still come."),
-    click.option("--wait", "wait_s", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
+    click.option("--wait", "wait_s", type=FiniteFloatRange(min=1.0), default=120.0, show_default=True,
                  metavar="SECONDS", help="The longest to wait for verdicts after the last request."),
 )
 

@@ -11,7 +11,7 @@ from typing import TextIO
 
 import click
 
-from auditor.cli.util import TIME, common_options, errors_as_click, open_store
+from auditor.cli.util import TIME, common_options, errors_as_click, now, open_store
 from auditor.config import Config
 from auditor.errors import StoreError
 from auditor.report.model import Report, ReportQuery, to_ns
@@ -54,7 +54,10 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
 
     if as_json:
         output_format = "json"
-    until = until or dt.datetime.now(dt.timezone.utc)
+    if output is not None and not Path(output).name:
+        raise click.BadParameter(f"{output!r} names no file; give one, e.g. -o zombies.html or leave -o out "
+                                 "for standard output", param_hint="-o/--output")
+    until = until or now()
     if until <= since:
         raise click.BadParameter(
             f"{until.isoformat(timespec='seconds')} is not after --since "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import math
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -96,6 +97,17 @@ class PortType(click.ParamType):  # type: ignore[type-arg]  # generic only in ne
         return number
 
 
+class FiniteFloatRange(click.FloatRange):
+    """``click.FloatRange`` without nan and inf, which pass its bounds (every comparison with nan
+    is false) and then crash or stall what the option times."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number; give one in the range {self._describe_range()}", param, ctx)
+        return number
+
+
 # One or more <number><unit> parts, largest unit first: 30m, 1h30m, 1h 30m, 2d12h, 1.5h, 500ms.
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)")
 _DURATION = re.compile(r"^\s*(?:\d+(?:\.\d+)?\s*(?:ms|s|m|h|d|w)\s*)+$")
@@ -121,8 +133,24 @@ def parse_duration(text: str) -> dt.timedelta | None:
     return dt.timedelta(seconds=seconds)
 
 
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+# Times are stored as signed 64-bit nanoseconds since 1970: the last one is in April 2262.
+LATEST = EPOCH + dt.timedelta(microseconds=(2**63 - 1) // 1000)
+
+
+def now() -> dt.datetime:
+    """This invocation's "now", read once: ``--since 1h --until 1h`` is an empty window, not a
+    window of the microseconds between reading the clock for each option."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return dt.datetime.now(dt.timezone.utc)
+    moment: dt.datetime = ctx.meta.setdefault("auditor.now", dt.datetime.now(dt.timezone.utc))
+    return moment
+
+
 class TimeType(click.ParamType):  # type: ignore[type-arg]
-    """A moment: a duration back from now (``30m``, ``1h30m``, ``2d``) or an RFC 3339 time."""
+    """A moment: a duration back from now (``30m``, ``1h30m``, ``2d``) or an RFC 3339 time, from
+    1970 to 2262 (what 64-bit nanoseconds since 1970 hold)."""
 
     name = "time"
 
@@ -134,8 +162,14 @@ class TimeType(click.ParamType):  # type: ignore[type-arg]
             duration = parse_duration(text)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
+        except OverflowError:
+            duration = dt.timedelta.max  # more days than a timedelta holds: long before 1970
         if duration is not None:
-            return dt.datetime.now(dt.timezone.utc) - duration
+            current = now()
+            if duration > current - EPOCH:
+                self.fail(f"{text.strip()!r} back from now reaches before 1970; give a shorter duration "
+                          "or a time, e.g. 2d or 2026-11-22T10:00:00Z", param, ctx)
+            return current - duration
         try:
             moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
         except ValueError:
@@ -143,6 +177,16 @@ class TimeType(click.ParamType):  # type: ignore[type-arg]
                       "use e.g. 30m, 1h30m, 2d or 2026-11-22T10:00:00Z", param, ctx)
         if moment.tzinfo is None:
             self.fail(f"{text!r} has no time zone; add one, e.g. 2026-11-22T10:00:00Z", param, ctx)
+        try:
+            too_early, too_late = moment < EPOCH, moment > LATEST
+        except OverflowError:  # a zone offset that moves the time out of datetime's years 1-9999
+            too_early, too_late = moment.year < 1970, moment.year >= 1970
+        if too_early:
+            self.fail(f"{text!r} is before 1970, earlier than anything recorded; "
+                      "give a later time, e.g. 2026-11-22T10:00:00Z", param, ctx)
+        if too_late:
+            self.fail(f"{text!r} is too far in the future (the latest time is "
+                      f"{LATEST.isoformat(timespec='seconds')}); give an earlier time", param, ctx)
         return moment
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 import time
@@ -137,9 +138,13 @@ class Store:
         self.sql: Sql
         if path is not None:
             _check_sqlite_path(path, create=create)
+            if check:
+                _refuse_foreign_sqlite(path, self.url)
             self.sql = SqliteSql(path)
         else:
             self._engine = _make_engine(self.url, create=create)
+            if check and self._engine.dialect.name == "sqlite" and self._engine.url.database:
+                _refuse_foreign_sqlite(self._engine.url.database, self.where())
             self.sql = EngineSql(self._engine)
         self._sessions: Any = None  # an ORM sessionmaker, made on first use
         self._verdict_statement: Any = None  # built on first use (False: this database has none)
@@ -496,6 +501,36 @@ def _check_sqlite_path(database: str, *, create: bool) -> None:
             raise StoreError(f"no database at {path}; run `auditor run` first or pass --db")
         if not path.parent.exists():
             raise StoreError(f"directory {path.parent} does not exist; create it or pass another --db")
+
+
+def _refuse_foreign_sqlite(database: str, where: str) -> None:
+    """Refuse another application's SQLite file before any connection of ours opens it: each sets
+    ``journal_mode=WAL``, which rewrites the file's header, so the schema check that follows would
+    refuse a file it had already changed. Read-only here; anything it cannot read is left to the
+    store's own checks, which name the problem."""
+    path = Path(database.removeprefix("file:"))
+    try:
+        if not path.is_file() or path.stat().st_size == 0:
+            return
+        uri = f"{path.resolve().as_uri()}?mode=ro"
+    except (OSError, ValueError):
+        return
+    try:
+        conn = sqlite3.connect(uri, uri=True, timeout=5)
+    except sqlite3.Error:
+        return
+    try:
+        tables = {name for (name,) in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")}
+        versioned = "alembic_version" in tables and conn.execute(
+            "SELECT 1 FROM alembic_version LIMIT 1").fetchone() is not None
+    except sqlite3.Error:
+        return  # not a database, encrypted, locked: the store's own checks say which
+    finally:
+        conn.close()
+    if tables and not versioned:
+        raise StoreError(f"{where} holds tables {sorted(tables)[:3]} but no auditor schema; "
+                         "refusing to touch it: pass another --db")
 
 
 def _make_engine(url: str, *, create: bool) -> Engine:

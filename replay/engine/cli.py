@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from auditor.cli.util import FiniteFloatRange
 from auditor.errors import AuditorError
 from replay.engine.behaviors import BEHAVIORS
 from replay.engine.signals import METRIC_STYLES
@@ -62,11 +63,11 @@ def serve(app: object, sock: socket.socket, log_level: str) -> None:
 @click.option("--port-file", type=click.Path(dir_okay=False), help="Write the bound port to this file.")
 @click.option("--behavior", type=click.Choice(BEHAVIORS), default="abort", show_default=True,
               help="What happens when a client disconnects (see docs/engine.md).")
-@click.option("--late-seconds", type=click.FloatRange(0, 3600), default=2.0, show_default=True,
+@click.option("--late-seconds", type=FiniteFloatRange(0, 3600), default=2.0, show_default=True,
               help="Delay of the abort for --behavior late.")
 @click.option("--max-batch", type=click.IntRange(1, 4096), default=8, show_default=True,
               help="Most requests in one batch; others wait in the queue.")
-@click.option("--step-ms", type=click.FloatRange(0.1, 10000), default=20.0, show_default=True,
+@click.option("--step-ms", type=FiniteFloatRange(0.1, 10000), default=20.0, show_default=True,
               help="Calibrated cost of one decode step.")
 @click.option("--prefill-chunk", type=click.IntRange(1, 1 << 20), default=64, show_default=True,
               help="Prompt tokens prefilled per step (chunked prefill).")
