@@ -1803,7 +1803,7 @@ def test_work_that_runs_on_before_any_span_comes_is_in_flight_by_its_port(store:
     # scrapes are listed and a round is due as it is read.
     assert correlator.stats.inflight_zombies == 0 and correlator.stats.orphans == {}
     assert correlator.clients_wanted == {SERVER_PORT}
-    assert correlator.alarm_due_ns == T0 + int(2.005 * S)
+    assert correlator.alarm_due_ns == T0 + int(1.755 * S)
     correlator.add_engine_load(loads[1:])
     clock.now = T0 + int(2.6 * S)
     correlator.tick()
@@ -1815,3 +1815,22 @@ def test_work_that_runs_on_before_any_span_comes_is_in_flight_by_its_port(store:
     correlator.tick()
     assert correlator.stats.orphans == {SERVER_PORT: 0} and correlator.stats.inflight_zombies == 0
     assert correlator.clients_wanted == set()
+
+
+def test_rounds_of_their_own_for_a_ports_orphans_stop_where_closes_keep_them_uncounted(store: Store) -> None:
+    """A zombie beside a client a request: every scrape has closes within its grace, so the port's
+    count cannot tell the orphan. Rounds of their own look again for two seconds from when the
+    excess rose, not for as long as the work runs."""
+    clock = Clock()
+    correlator = make(store, clock)
+    due = []
+    for tenth in range(5, 60, 5):
+        at = tenth / 10
+        store.insert_conn_events([close(at - 0.1, client=("127.0.0.1", 41000 + tenth))])
+        correlator.add_engine_load([replace(load(at, 1, clients=()), answered_ns=T0 + int((at + 0.005) * S))])
+        clock.now = T0 + int((at + 0.01) * S)
+        correlator.tick()
+        assert correlator.stats.orphans.get(SERVER_PORT, 0) == 0
+        assert correlator.clients_wanted == {SERVER_PORT}  # listed for as long as it holds more
+        due.append(correlator.alarm_due_ns is not None)
+    assert due == [True] * 4 + [False] * 7, due

@@ -33,7 +33,14 @@ from dataclasses import replace
 from typing import Any
 
 from auditor.correlate.evaluate import clock_dependent, evaluate
-from auditor.correlate.evidence import FINAL_SEND_ATTR, ORPHANS_SETTLE_NS, EngineLoads, Registered
+from auditor.correlate.evidence import (
+    FINAL_SEND_ATTR,
+    ORPHANS_LOOK_AGAIN_NS,
+    ORPHANS_LOOK_FOR_NS,
+    ORPHANS_SETTLE_NS,
+    EngineLoads,
+    Registered,
+)
 from auditor.correlate.feed import SpanFeed
 from auditor.correlate.live import LiveState
 from auditor.correlate.prune import drop_front
@@ -205,6 +212,9 @@ class Correlator:
         # and becomes an in-flight zombie (evaluate sets it): the daemon runs a round then rather
         # than at its next scheduled one, so that an alarm waits for no round (docs/daemon.md).
         self.alarm_due_ns: int | None = None
+        # port -> (requests its latest listed scrape held beyond its clients, when that rose): the
+        # rounds of their own for orphans not counted yet (``_count_orphans``).
+        self._excess_seen: dict[int, tuple[int, int]] = {}
         # Connections with a new span, kernel event or live notice of their server span this round.
         self._news: set[Tuple4] = set()
         self._news_ns: int | None = None  # the oldest moment new evidence concerns, since the last evaluation
@@ -768,7 +778,8 @@ class Correlator:
         whose client left, alarmed about while the spans that say whose it is have not come. The
         in-flight zombie count is the larger of the verdicts' and the ports' (each a lower bound of
         the same work). A port whose latest listed scrape held more than its clients keeps being
-        listed, and a round runs as its scrape is read if it may add to the count."""
+        listed, and while it may add to the count a round runs as it is read, then a quarter second
+        apart until it does or its excess goes, for up to two seconds."""
         grace_ns = int(self.grace_seconds * 1e9)
         orphans: dict[int, int] = {}
         for port in self.loads.listed_ports():
@@ -779,10 +790,18 @@ class Correlator:
             if beyond is not None:
                 self.clients_wanted.add(port)
                 answered, excess = beyond
-                # A round as it is read only for orphans not counted yet: work that runs on for
-                # minutes is scraped four times a second, and counted already.
-                if excess is not None and excess > orphans.get(port, 0) and answered + ORPHANS_SETTLE_NS > now:
-                    self.alarm_at(answered + ORPHANS_SETTLE_NS)
+                # Rounds of their own only for orphans not counted yet (within their grace, or in
+                # a scrape not read yet), and for ORPHANS_LOOK_FOR_NS from when the excess rose: work
+                # that runs on for minutes is counted already, or (beside closes that keep coming)
+                # cannot be.
+                if excess is not None and excess > orphans.get(port, 0):
+                    seen = self._excess_seen.get(port)
+                    if seen is None or excess > seen[0]:
+                        seen = self._excess_seen[port] = (excess, now)
+                    if now - seen[1] < ORPHANS_LOOK_FOR_NS:
+                        self.alarm_at(max(answered + ORPHANS_SETTLE_NS, now + ORPHANS_LOOK_AGAIN_NS))
+                    continue
+            self._excess_seen.pop(port, None)
         self.stats.orphans = orphans
         self.stats.inflight_zombies = max(len(self._inflight), sum(orphans.values()))
 
