@@ -63,6 +63,57 @@ def test_db_upgrade_then_status(tmp_path: Path) -> None:
     assert result.exit_code == 0 and "up to date" in result.output
 
 
+def foreign_sqlite(path: Path) -> bytes:
+    """Another application's SQLite file (one table, no auditor schema); its bytes."""
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE foo (x INTEGER)")
+    conn.commit()
+    conn.close()
+    return path.read_bytes()
+
+
+def test_db_status_refuses_another_applications_sqlite_file(tmp_path: Path) -> None:
+    """Not "needs `auditor db upgrade`", which the upgrade then refuses: the file is not ours."""
+    path = tmp_path / "other.db"
+    before = foreign_sqlite(path)
+    for args in (["db", "status"], ["db", "upgrade"]):
+        result = CliRunner().invoke(cli, [*args, "--db", f"sqlite:///{path}"])
+        assert result.exit_code == 1, result.output
+        assert result.output.startswith("Error: ") and "no auditor schema" in result.output, result.output
+        assert "needs" not in result.output
+    assert path.read_bytes() == before
+
+
+def test_doctor_checks_a_database_not_created_yet_without_creating_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking leaves no empty ./auditor.db behind for a later report to read as an empty store."""
+    from auditor.cli.doctor import OK, check_database
+    from auditor.config import Config
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    monkeypatch.setattr("auditor.store.db.SYSTEM_DB_DIR", tmp_path / "no-service")
+    check = check_database(Config())
+    assert check.state == OK and "not created yet (the daemon creates it at start)" in check.detail, check
+    assert list(tmp_path.iterdir()) == []
+    result = CliRunner().invoke(cli, ["report"])
+    assert result.exit_code == 1 and "no database at auditor.db; run `auditor run` first" in result.output
+
+
+def test_doctor_says_another_applications_sqlite_file_is_not_the_auditors(tmp_path: Path) -> None:
+    from auditor.cli.doctor import FAILED, check_database
+    from auditor.config import Config
+
+    path = tmp_path / "other.db"
+    before = foreign_sqlite(path)
+    check = check_database(Config(db=f"sqlite:///{path}"))
+    assert check.state == FAILED and "no auditor schema" in check.detail, check
+    assert "another application's" in check.fix
+    assert path.read_bytes() == before
+
+
 def test_doctor_json_schema(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["doctor", "--json", "--db", f"sqlite:///{tmp_path}/a.db"],
                                 env={"AUDITOR_OTLP_HTTP": "127.0.0.1:0", "AUDITOR_OTLP_GRPC": "127.0.0.1:0",

@@ -138,12 +138,11 @@ class Store:
         self.sql: Sql
         if path is not None:
             _check_sqlite_path(path, create=create)
-            if check:
-                _refuse_foreign_sqlite(path, self.url)
+            _refuse_foreign_sqlite(path, self.url)  # even unchecked: opening it would rewrite its header
             self.sql = SqliteSql(path)
         else:
             self._engine = _make_engine(self.url, create=create)
-            if check and self._engine.dialect.name == "sqlite" and self._engine.url.database:
+            if self._engine.dialect.name == "sqlite" and self._engine.url.database:
                 _refuse_foreign_sqlite(self._engine.url.database, self.where())
             self.sql = EngineSql(self._engine)
         self._sessions: Any = None  # an ORM sessionmaker, made on first use
