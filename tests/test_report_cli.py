@@ -191,6 +191,35 @@ def test_a_foreign_sqlite_file_is_refused_byte_for_byte_untouched(tmp_path: Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
 
 
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:", "sqlite:///file::memory:?uri=true"])
+@pytest.mark.parametrize("command", [["report"], ["db", "upgrade"], ["db", "status"],
+                                     ["capture", "export", "-o", "{tmp}/c.db"]])
+def test_sqlite_in_memory_is_refused_where_a_stored_database_is_read(tmp_path: Path, command: list[str],
+                                                                    url: str) -> None:
+    """A database in memory dies with the process: reading one says "no requests yet", and
+    upgrading one "succeeds", about nothing."""
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in command]
+    result = CliRunner().invoke(cli, [*args, "--db", url])
+    assert result.exit_code == 1, result.output
+    assert result.stderr == (f"Error: --db {url!r} is SQLite in memory, which holds nothing across processes; "
+                             "give a file, e.g. sqlite:///auditor.db\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("where", "named"), [
+    ("flag", "--db 'garbage'"), ("env", "AUDITOR_DB 'garbage'"), ("file", "db 'garbage' in {tmp}/a.toml")])
+def test_a_bad_database_url_is_named_by_where_it_came_from(tmp_path: Path, where: str, named: str) -> None:
+    """Not "--db" when the user never passed --db."""
+    config = tmp_path / "a.toml"
+    config.write_text('db = "garbage"\n')
+    args, env = {"flag": (["--db", "garbage"], {}), "env": ([], {"AUDITOR_DB": "garbage"}),
+                 "file": (["--config", str(config)], {})}[where]
+    result = CliRunner().invoke(cli, ["report", *args], env=env)
+    assert result.exit_code == 1, result.output
+    assert result.stderr == (f"Error: {named.replace('{tmp}', str(tmp_path))} is not a database URL; "
+                             "try sqlite:///auditor.db or postgresql+psycopg://user@host/db\n")
+
+
 def test_newer_schema_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "new.db"
     Store(f"sqlite:///{path}").close()

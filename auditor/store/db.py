@@ -540,7 +540,7 @@ def _make_engine(url: str, *, create: bool) -> Engine:
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
-        raise StoreError(f"--db {url!r} is not a database URL; try sqlite:///auditor.db "
+        raise StoreError(f"{url!r} is not a database URL; try sqlite:///auditor.db "
                          "or postgresql+psycopg://user@host/db") from exc
     if parsed.get_backend_name() == "sqlite":
         _check_sqlite_path(parsed.database or "", create=create)
