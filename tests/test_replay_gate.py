@@ -262,14 +262,18 @@ def test_imported_garbage_names_the_line(tmp_path: Path, fmt: str, lines: list[s
     assert not (tmp_path / "out.db").exists()
 
 
-def test_import_to_an_empty_path_or_a_device_is_refused(tmp_path: Path) -> None:
+def test_import_to_an_empty_path_a_device_or_standard_output_is_refused(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
     source = tmp_path / "in.jsonl"
     source.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2}\n')
-    for out, message in (("", "is empty or a directory"), ("/dev/null", "/dev/null is not a regular file")):
+    for out, message in (("", "is empty or a directory"), ("/dev/null", "/dev/null is not a regular file"),
+                         ("-", "a capture is a SQLite file, which cannot go to standard output (-o -)")):
         result = CliRunner().invoke(cli, ["capture", "import", str(source), "--format", "mooncake", "--model", "m",
                                           "-o", out, "--force"])
         assert result.exit_code == 2 and message in result.output, result.output
         assert isinstance(result.exception, SystemExit)
+    assert not (tmp_path / "-").exists()
 
 
 def test_fin_cancels_drain_and_rst_cancels_reset() -> None:

@@ -114,6 +114,26 @@ def test_until_before_since_is_rejected(db: str) -> None:
     assert "is not after --since" in result.stderr and "e.g. --since 2h --until 1h" in result.stderr
 
 
+@pytest.mark.parametrize("command", ["report", "capture export"])
+def test_a_since_in_the_future_is_blamed_on_since(db: str, tmp_path: Path, command: str) -> None:
+    """Without --until the window ends now: the error is --since's, not that of an --until never given."""
+    out = tmp_path / "capture.db"
+    extra = ["-o", str(out)] if command.startswith("capture") else []
+    result = CliRunner().invoke(cli, [*command.split(), *extra, "--db", db, "--since", "2200-01-01T00:00:00Z"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for --since: 2200-01-01T00:00:00+00:00 is in the future" in result.stderr, result.stderr
+    assert "--until" not in result.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("fmt", ["csv", "table", "html"])
+def test_json_and_another_format_are_refused(db: str, fmt: str) -> None:
+    result = CliRunner().invoke(cli, ["report", "--db", db, "--format", fmt, "--json"])
+    assert result.exit_code == 2, result.output
+    assert f"--json and --format {fmt} ask for two formats; give one" in result.stderr, result.stderr
+    code, out, _ = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "json", "--json")
+    assert code == 0 and json.loads(out)["schema"] == "auditor.report/v1"
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--since", "999999999w"], "'--since': '999999999w' back from now reaches before 1970"),
     (["--since", "200000w"], "'--since': '200000w' back from now reaches before 1970"),
@@ -153,6 +173,26 @@ def test_empty_output_path_is_refused(db: str) -> None:
     result = CliRunner().invoke(cli, ["report", "--db", db, "-o", "", "--format", "json"])
     assert result.exit_code == 2, result.output
     assert "'' names no file" in result.stderr and isinstance(result.exception, SystemExit)
+
+
+def test_dash_output_is_standard_output(db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    code, out, err = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "json", "-o", "-")
+    assert code == 0 and json.loads(out)["schema"] == "auditor.report/v1"
+    assert "wrote" not in err and list(here.iterdir()) == []
+
+
+def test_capture_export_to_dash_is_refused(db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture is SQLite: standard output cannot hold it, and a file named - is nobody's intent."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    result = CliRunner().invoke(cli, ["capture", "export", "--db", db, "-o", "-"])
+    assert result.exit_code == 2, result.output
+    assert "a capture is a SQLite file, which cannot go to standard output (-o -)" in result.stderr
+    assert list(here.iterdir()) == []
 
 
 def test_missing_database_is_one_line_and_nothing_is_created(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from auditor.cli.util import (
     FiniteFloatRange,
     common_options,
     errors_as_click,
+    future_since,
     now,
     open_store,
 )
@@ -72,6 +73,8 @@ def export_command(config: Config, since: dt.datetime, until: dt.datetime | None
     """
     from replay.capture import CaptureError, check_output, count_server_spans, export_capture
 
+    if until is None and since > now():
+        raise click.BadParameter(future_since(since), param_hint="--since")
     until = until or now()
     if until <= since:
         raise click.BadParameter(f"{until.isoformat(timespec='seconds')} is not after --since "

@@ -262,5 +262,11 @@ class TimeType(click.ParamType):  # type: ignore[type-arg]
         return moment
 
 
+def future_since(since: dt.datetime) -> str:
+    """Why a window that starts after now and has no --until is empty (it would end now)."""
+    return (f"{since.isoformat(timespec='seconds')} is in the future, and the window ends now; "
+            "give an earlier time or a duration back from now, e.g. --since 1h")
+
+
 PORT = PortType()
 TIME = TimeType()
