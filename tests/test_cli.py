@@ -133,6 +133,30 @@ def test_doctor_json_schema(tmp_path: Path) -> None:
         assert doc["disconnect_source"] == "bpf"
 
 
+def test_doctor_text_fits_an_80_column_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Details and fixes wrap under a hanging indent; a word longer than a line is cut, not left
+    to overflow. Nothing is lost."""
+    from auditor.cli.doctor import DEGRADED, FAILED, Check, check_database, check_fallback, render_text
+    from auditor.config import Config
+
+    monkeypatch.setenv("COLUMNS", "80")
+    checks = [check_fallback(poll_hz=20.0, walks=5), check_database(Config(db=f"sqlite:///{tmp_path}/{'x' * 90}.db")),
+              Check("privileges", DEGRADED, "uid 1000 without CAP_BPF, CAP_PERFMON: eBPF probe unavailable",
+                    "run as root, or under systemd with AmbientCapabilities=CAP_BPF CAP_PERFMON CAP_NET_ADMIN "
+                    "CAP_SYS_RESOURCE CAP_DAC_READ_SEARCH"),
+              Check("ports", FAILED, "in use: " + "; ".join(f"otlp.http 127.0.0.1:{port} (Address already in use, "
+                                                             "held by pid 4242 (python -m http.server))"
+                                                             for port in (4318, 4317)), "stop what holds them", required=True)]
+    lines = render_text(checks, 1.0)
+    assert all(len(line) <= 80 for line in lines), "\n".join(line for line in lines if len(line) > 80)
+    assert lines[0].startswith("fallback    ok        a walk of the kernel's TCP table costs")
+    assert lines[1].startswith(" " * 22) and not lines[1].startswith(" " * 23)
+    words = " ".join(lines).split()
+    assert "AmbientCapabilities=CAP_BPF" in words and "fix:" in words
+    assert "".join(line.strip() for line in lines if "xxxx" in line).count("x") >= 90
+    assert lines[-2].startswith("The daemon cannot run; disconnect source: ") and lines[-1].startswith("  ")
+
+
 def test_doctor_says_which_otlp_reader_reads_spans(monkeypatch: pytest.MonkeyPatch) -> None:
     from auditor.cli.doctor import DEGRADED, OK, check_otlp_reader
     from collectors import otlp_wire

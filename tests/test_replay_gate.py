@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import click
 import jsonschema
 import pytest
 from click.testing import CliRunner
@@ -274,6 +275,34 @@ def test_import_to_an_empty_path_a_device_or_standard_output_is_refused(tmp_path
         assert result.exit_code == 2 and message in result.output, result.output
         assert isinstance(result.exception, SystemExit)
     assert not (tmp_path / "-").exists()
+
+
+def test_replay_summary_fits_80_columns() -> None:
+    """The worst zombies' table shows the trace id's first 16 hex digits (--json has all 32)."""
+    from auditor.cli.replay import _print_summary
+    from replay.capture import Capture
+    from replay.run import ReplaySummary
+
+    summary = ReplaySummary(run_id=3, capture_id=1, target="http://127.0.0.1:8000", sent=200, cancelled=60,
+                            planned_cancels=60, verdicts={"inflight_zombie": 40, "aborted": 20},
+                            evidence={"inflight_zombie": {"engine_span": 40}, "aborted": {"engine_metrics": 20}},
+                            zombies=40, zombie_seconds=812.5, lag_p50_s=12.5, lag_max_s=120.25,
+                            baseline_run_id=2, baseline_zombies=41,
+                            baseline={"sent": 200, "zombies": 41, "verdicts": {"zombie": 41}})
+    summary.worst = [{"request_id": f"replay-101112-{i:06d}", "trace_id": "0af7651916cd43dd8448eb211c80319c",
+                      "verdict": "inflight_zombie", "lag_seconds": 1234.56, "tokens_after_disconnect": 123456,
+                      "phase": "prefill", "disconnect_kind": "fin"} for i in range(3)]
+    capture = Capture(id=1, name="staging", window_start_ns=0, window_end_ns=1, source="", requests=[])
+
+    @click.command()
+    def show() -> None:
+        _print_summary(summary, capture)
+
+    result = CliRunner().invoke(show, [], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    table = result.output.splitlines()
+    assert all(len(line) <= 80 for line in table), "\n".join(line for line in table if len(line) > 80)
+    assert "  replay-101112-000000 0af7651916cd43dd… 1234.56 123456 prefill  fin" in table
 
 
 def test_fin_cancels_drain_and_rst_cancels_reset() -> None:

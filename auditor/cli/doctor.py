@@ -13,9 +13,11 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -496,6 +498,33 @@ def probe_loader(checks: list[Check]) -> str | None:
     return None
 
 
+def render_text(checks: list[Check], elapsed_s: float, columns: int | None = None) -> list[str]:
+    """The checks for people: name, state, then the detail and its fix wrapped to the terminal's
+    width (80 columns when it has none) under a hanging indent."""
+    columns = columns or shutil.get_terminal_size((80, 24)).columns
+    marks = {OK: "ok", DEGRADED: "degraded", FAILED: "FAILED"}
+    width = max(len(c.name) for c in checks)
+    indent = " " * (width + 12)
+    lines = []
+    for c in checks:
+        lines += _wrap(c.detail, columns, f"{c.name:<{width}}  {marks[c.state]:<8}  ", indent)
+        if c.fix and c.state != OK:
+            lines += _wrap(f"fix: {c.fix}", columns, indent, indent + "     ")
+    verdict = "can run" if can_run(checks) else "cannot run"
+    loader = {"prebuilt": ", the prebuilt probe", "bcc": ", compiled by bcc"}.get(probe_loader(checks) or "", "")
+    return [*lines, "", *_wrap(f"The daemon {verdict}; disconnect source: {disconnect_source(checks)}{loader} "
+                               f"({elapsed_s:.1f} s)", columns, "", "  ")]
+
+
+def _wrap(text: str, columns: int, first: str, rest: str) -> list[str]:
+    """``text`` in lines of at most ``columns`` (but never narrower than 40 for the text itself),
+    the first after ``first``, the others after ``rest``. A word longer than a line (a path, a
+    URL) is cut rather than left to overflow."""
+    width = max(columns, len(rest) + 40, len(first) + 40)
+    return textwrap.wrap(text, width, initial_indent=first, subsequent_indent=rest,
+                         break_on_hyphens=False) or [first.rstrip()]
+
+
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document (schema in docs/doctor.md).")
 @common_options
@@ -511,14 +540,6 @@ def doctor_command(config: Config, as_json: bool) -> None:
             "checks": [dataclasses.asdict(c) for c in checks],
         }, indent=2))
     else:
-        marks = {OK: "ok", DEGRADED: "degraded", FAILED: "FAILED"}
-        width = max(len(c.name) for c in checks)
-        for c in checks:
-            click.echo(f"{c.name:<{width}}  {marks[c.state]:<8}  {c.detail}")
-            if c.fix and c.state != OK:
-                click.echo(f"{'':<{width}}  {'':<8}  fix: {c.fix}")
-        verdict = "can run" if runnable else "cannot run"
-        loader = {"prebuilt": ", the prebuilt probe", "bcc": ", compiled by bcc"}.get(probe_loader(checks) or "", "")
-        click.echo(f"\nThe daemon {verdict}; disconnect source: {disconnect_source(checks)}{loader} "
-                   f"({time.monotonic() - started:.1f} s)")
+        for line in render_text(checks, time.monotonic() - started):
+            click.echo(line)
     sys.exit(0 if runnable else 1)
