@@ -237,7 +237,10 @@ def test_mooncake_trace_keeps_arrivals_lengths_and_shared_prefixes(tmp_path: Pat
     ("aiperf", ['{"metadata": {"request_start_ns": 5, "was_cancelled": true}}'], "line 1: was_cancelled without"),
     ("aiperf", ['{"metadata": {"request_start_ns": 5, "benchmark_phase": "warmup"}}'], "holds no profiling records"),
     ("mooncake", ['{"timestamp": 0, "input_length": 5, "output_length": 0}'], "line 1: output_length 0"),
-    ("mooncake", ['[1, 2]'], "line 1: a list, not an object"),
+    ("mooncake", ['[1, 2]'], "line 1: an array, not an object; is this a mooncake trace file?"),
+    ("aiperf", ['"x"'], "line 1: a string, not an object; is this an AIPerf profile_export.jsonl file?"),
+    ("aiperf", ["{oops"], "not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
+                          "is this an AIPerf profile_export.jsonl file (JSON Lines"),
     ("mooncake", ['{"timestamp": -4, "input_length": 5, "output_length": 2}'], "line 1: timestamp -4"),
     ("mooncake", ['{"timestamp": 0, "input_length": 5, "output_length": 2}',
                   '{"timestamp": 1e400, "input_length": 5, "output_length": 2}'], "line 2: timestamp inf"),
@@ -261,6 +264,15 @@ def test_imported_garbage_names_the_line(tmp_path: Path, fmt: str, lines: list[s
     assert result.exit_code == 1 and result.output.startswith("Error: "), result.output
     assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
     assert not (tmp_path / "out.db").exists()
+
+
+def test_import_without_a_model_names_the_format_with_its_article(tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"metadata": {"request_start_ns": 5}}\n')
+    result = CliRunner().invoke(cli, ["capture", "import", str(source), "--format", "aiperf",
+                                      "-o", str(tmp_path / "out.db")])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("Error: an AIPerf profile_export.jsonl does not name the model; pass --model")
 
 
 def test_import_to_an_empty_path_a_device_or_standard_output_is_refused(tmp_path: Path,
