@@ -305,9 +305,17 @@ def test_durations_single_and_compound(text: str, seconds: float) -> None:
     assert duration is not None and duration.total_seconds() == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("text", ["1h30", "h30m", "1h-30m", "1.h", "1hour", "", "2026-11-22T10:00:00Z"])
+@pytest.mark.parametrize("text", ["1h30", "h30m", "1h-30m", "1.h", "1hour", "", "2026-11-22T10:00:00Z",
+                                  "\u0661h", "1\u0660m", "\uff11h", "1.\u0665h"])
 def test_not_durations(text: str) -> None:
     assert parse_duration(text) is None
+
+
+def test_a_duration_in_other_digits_is_refused(db: str) -> None:
+    """Only ASCII digits, as for --port: "١h" is not 1h."""
+    result = CliRunner().invoke(cli, ["report", "--db", db, "--since", "\u0661h"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--since': '\u0661h' is neither a duration nor a time" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("bad", ["30m1h", "1h1h", "5s1m", "1m1ms1s"])
