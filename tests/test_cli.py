@@ -136,7 +136,14 @@ def test_doctor_json_schema(tmp_path: Path) -> None:
 def test_doctor_text_fits_an_80_column_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Details and fixes wrap under a hanging indent; a word longer than a line is cut, not left
     to overflow. Nothing is lost."""
-    from auditor.cli.doctor import DEGRADED, FAILED, Check, check_database, check_fallback, render_text
+    from auditor.cli.doctor import (
+        DEGRADED,
+        FAILED,
+        Check,
+        check_database,
+        check_fallback,
+        render_text,
+    )
     from auditor.config import Config
 
     monkeypatch.setenv("COLUMNS", "80")

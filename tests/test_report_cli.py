@@ -312,7 +312,7 @@ def test_not_durations(text: str) -> None:
 
 
 def test_a_duration_in_other_digits_is_refused(db: str) -> None:
-    """Only ASCII digits, as for --port: "١h" is not 1h."""
+    """Only ASCII digits, as for --port: U+0661 (Arabic-Indic one) then h is not 1h."""
     result = CliRunner().invoke(cli, ["report", "--db", db, "--since", "\u0661h"])
     assert result.exit_code == 2, result.output
     assert "Invalid value for '--since': '\u0661h' is neither a duration nor a time" in result.stderr, result.stderr

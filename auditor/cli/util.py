@@ -181,7 +181,7 @@ class FiniteFloatRange(click.FloatRange):
 
 
 # One or more <number><unit> parts, largest unit first: 30m, 1h30m, 1h 30m, 2d12h, 1.5h, 500ms.
-# ASCII digits only, as for ports: \d would take "١h" (an Arabic-Indic one) for 1h.
+# ASCII digits only, as for ports: \d would take an Arabic-Indic one (U+0661 then h) for 1h.
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d|w)")
 _DURATION = re.compile(r"^\s*(?:[0-9]+(?:\.[0-9]+)?\s*(?:ms|s|m|h|d|w)\s*)+$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
