@@ -220,6 +220,9 @@ def check_output(out: Path, *, force: bool, store: Store | None = None) -> None:
     """Refuse an output path a capture cannot safely be written to: no name, the store being read
     (writing would destroy what is exported), something that exists without ``force``, or anything
     but a regular file (a device, a directory)."""
+    if str(out) == "-":
+        raise CaptureError("a capture is a SQLite file, which cannot go to standard output (-o -); "
+                           "give the file's name, e.g. -o capture.db")
     if not str(out) or not out.name or out.name == "..":
         raise CaptureError(f"the output path {str(out)!r} is empty or a directory; give the capture file's name, "
                            "e.g. -o capture.db")

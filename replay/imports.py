@@ -37,12 +37,23 @@ from replay.capture import (
 )
 
 FORMATS = ("aiperf", "mooncake")
+# Each format as errors name it, with its article.
+KINDS = {"aiperf": "an AIPerf profile_export.jsonl", "mooncake": "a mooncake trace"}
 # A prompt or output length beyond the largest context windows is a broken line, not a request:
 # its synthetic prompt alone would take gigabytes.
 MAX_TOKENS = 1 << 20
 # Offsets are kept as 64-bit nanoseconds: a trace spans at most 9e12 ms (285 years).
 MAX_TIMESTAMP_MS = 9e12
 MAX_NANOS = 2**63 - 1
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, with its article: "an array", "a string", "null"."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {list: "an array", str: "a string", int: "a number", float: "a number"}.get(type(value), "a value")
 
 
 def _lines(path: Path, fmt: str) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -58,11 +69,11 @@ def _lines(path: Path, fmt: str) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 record = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise CaptureError(f"{path} line {number}: not JSON ({exc}); is this a {fmt} file "
+                raise CaptureError(f"{path} line {number}: not JSON ({exc}); is this {fmt} file "
                                    "(JSON Lines, one object per line)?") from None
             if not isinstance(record, dict):
-                raise CaptureError(f"{path} line {number}: a {type(record).__name__}, not an object; "
-                                   f"is this a {fmt} file?")
+                raise CaptureError(f"{path} line {number}: {_json_kind(record)}, not an object; "
+                                   f"is this {fmt} file?")
             yield number, record
 
 
@@ -95,7 +106,7 @@ def _nanos(metadata: dict[str, Any], key: str, where: str) -> int | None:
 def read_aiperf(path: Path, *, model: str, path_route: str, stream: bool) -> list[CapturedRequest]:
     """The profiling records of an AIPerf profile export, in start order."""
     found: list[tuple[int, CapturedRequest, bool]] = []  # (start ns, request, output length known)
-    for number, record in _lines(path, "AIPerf profile_export.jsonl"):
+    for number, record in _lines(path, KINDS["aiperf"]):
         where = f"{path} line {number}"
         metadata = record.get("metadata")
         if not isinstance(metadata, dict):
@@ -151,7 +162,7 @@ def _block_prompt(hash_ids: list[Any], input_length: int) -> str:
 def read_mooncake(path: Path, *, model: str, path_route: str, stream: bool) -> list[CapturedRequest]:
     """The requests of a mooncake-style trace, in arrival order."""
     found = []
-    for number, record in _lines(path, "mooncake trace"):
+    for number, record in _lines(path, KINDS["mooncake"]):
         where = f"{path} line {number}"
         timestamp_ms = record.get("timestamp")
         if (not isinstance(timestamp_ms, (int, float)) or isinstance(timestamp_ms, bool)
@@ -183,7 +194,7 @@ def import_benchmark(source: Path, fmt: str, out: Path, *, model: str | None, pa
     if fmt not in FORMATS:
         raise CaptureError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
     if not model:
-        raise CaptureError(f"a {fmt} file does not name the model; pass --model NAME, the model the "
+        raise CaptureError(f"{KINDS[fmt]} does not name the model; pass --model NAME, the model the "
                            "target engine serves")
     check_output(out, force=force)
     reader = read_aiperf if fmt == "aiperf" else read_mooncake

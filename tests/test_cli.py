@@ -63,6 +63,57 @@ def test_db_upgrade_then_status(tmp_path: Path) -> None:
     assert result.exit_code == 0 and "up to date" in result.output
 
 
+def foreign_sqlite(path: Path) -> bytes:
+    """Another application's SQLite file (one table, no auditor schema); its bytes."""
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE foo (x INTEGER)")
+    conn.commit()
+    conn.close()
+    return path.read_bytes()
+
+
+def test_db_status_refuses_another_applications_sqlite_file(tmp_path: Path) -> None:
+    """Not "needs `auditor db upgrade`", which the upgrade then refuses: the file is not ours."""
+    path = tmp_path / "other.db"
+    before = foreign_sqlite(path)
+    for args in (["db", "status"], ["db", "upgrade"]):
+        result = CliRunner().invoke(cli, [*args, "--db", f"sqlite:///{path}"])
+        assert result.exit_code == 1, result.output
+        assert result.output.startswith("Error: ") and "no auditor schema" in result.output, result.output
+        assert "needs" not in result.output
+    assert path.read_bytes() == before
+
+
+def test_doctor_checks_a_database_not_created_yet_without_creating_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking leaves no empty ./auditor.db behind for a later report to read as an empty store."""
+    from auditor.cli.doctor import OK, check_database
+    from auditor.config import Config
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    monkeypatch.setattr("auditor.store.db.SYSTEM_DB_DIR", tmp_path / "no-service")
+    check = check_database(Config())
+    assert check.state == OK and "not created yet (the daemon creates it at start)" in check.detail, check
+    assert list(tmp_path.iterdir()) == []
+    result = CliRunner().invoke(cli, ["report"])
+    assert result.exit_code == 1 and "no database at auditor.db; run `auditor run` first" in result.output
+
+
+def test_doctor_says_another_applications_sqlite_file_is_not_the_auditors(tmp_path: Path) -> None:
+    from auditor.cli.doctor import FAILED, check_database
+    from auditor.config import Config
+
+    path = tmp_path / "other.db"
+    before = foreign_sqlite(path)
+    check = check_database(Config(db=f"sqlite:///{path}"))
+    assert check.state == FAILED and "no auditor schema" in check.detail, check
+    assert "another application's" in check.fix
+    assert path.read_bytes() == before
+
+
 def test_doctor_json_schema(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["doctor", "--json", "--db", f"sqlite:///{tmp_path}/a.db"],
                                 env={"AUDITOR_OTLP_HTTP": "127.0.0.1:0", "AUDITOR_OTLP_GRPC": "127.0.0.1:0",
@@ -80,6 +131,37 @@ def test_doctor_json_schema(tmp_path: Path) -> None:
     if states["privileges"] == "ok":  # as root here: the probe loads without bcc
         assert states["prebuilt_probe"] == "ok" and doc["probe_loader"] == "prebuilt"
         assert doc["disconnect_source"] == "bpf"
+
+
+def test_doctor_text_fits_an_80_column_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Details and fixes wrap under a hanging indent; a word longer than a line is cut, not left
+    to overflow. Nothing is lost."""
+    from auditor.cli.doctor import (
+        DEGRADED,
+        FAILED,
+        Check,
+        check_database,
+        check_fallback,
+        render_text,
+    )
+    from auditor.config import Config
+
+    monkeypatch.setenv("COLUMNS", "80")
+    checks = [check_fallback(poll_hz=20.0, walks=5), check_database(Config(db=f"sqlite:///{tmp_path}/{'x' * 90}.db")),
+              Check("privileges", DEGRADED, "uid 1000 without CAP_BPF, CAP_PERFMON: eBPF probe unavailable",
+                    "run as root, or under systemd with AmbientCapabilities=CAP_BPF CAP_PERFMON CAP_NET_ADMIN "
+                    "CAP_SYS_RESOURCE CAP_DAC_READ_SEARCH"),
+              Check("ports", FAILED, "in use: " + "; ".join(f"otlp.http 127.0.0.1:{port} (Address already in use, "
+                                                             "held by pid 4242 (python -m http.server))"
+                                                             for port in (4318, 4317)), "stop what holds them", required=True)]
+    lines = render_text(checks, 1.0)
+    assert all(len(line) <= 80 for line in lines), "\n".join(line for line in lines if len(line) > 80)
+    assert lines[0].startswith("fallback    ok        a walk of the kernel's TCP table costs")
+    assert lines[1].startswith(" " * 22) and not lines[1].startswith(" " * 23)
+    words = " ".join(lines).split()
+    assert "AmbientCapabilities=CAP_BPF" in words and "fix:" in words
+    assert "".join(line.strip() for line in lines if "xxxx" in line).count("x") >= 90
+    assert lines[-2].startswith("The daemon cannot run; disconnect source: ") and lines[-1].startswith("  ")
 
 
 def test_doctor_says_which_otlp_reader_reads_spans(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import click
 import jsonschema
 import pytest
 from click.testing import CliRunner
@@ -236,7 +237,10 @@ def test_mooncake_trace_keeps_arrivals_lengths_and_shared_prefixes(tmp_path: Pat
     ("aiperf", ['{"metadata": {"request_start_ns": 5, "was_cancelled": true}}'], "line 1: was_cancelled without"),
     ("aiperf", ['{"metadata": {"request_start_ns": 5, "benchmark_phase": "warmup"}}'], "holds no profiling records"),
     ("mooncake", ['{"timestamp": 0, "input_length": 5, "output_length": 0}'], "line 1: output_length 0"),
-    ("mooncake", ['[1, 2]'], "line 1: a list, not an object"),
+    ("mooncake", ['[1, 2]'], "line 1: an array, not an object; is this a mooncake trace file?"),
+    ("aiperf", ['"x"'], "line 1: a string, not an object; is this an AIPerf profile_export.jsonl file?"),
+    ("aiperf", ["{oops"], "not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
+                          "is this an AIPerf profile_export.jsonl file (JSON Lines"),
     ("mooncake", ['{"timestamp": -4, "input_length": 5, "output_length": 2}'], "line 1: timestamp -4"),
     ("mooncake", ['{"timestamp": 0, "input_length": 5, "output_length": 2}',
                   '{"timestamp": 1e400, "input_length": 5, "output_length": 2}'], "line 2: timestamp inf"),
@@ -262,14 +266,55 @@ def test_imported_garbage_names_the_line(tmp_path: Path, fmt: str, lines: list[s
     assert not (tmp_path / "out.db").exists()
 
 
-def test_import_to_an_empty_path_or_a_device_is_refused(tmp_path: Path) -> None:
+def test_import_without_a_model_names_the_format_with_its_article(tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"metadata": {"request_start_ns": 5}}\n')
+    result = CliRunner().invoke(cli, ["capture", "import", str(source), "--format", "aiperf",
+                                      "-o", str(tmp_path / "out.db")])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("Error: an AIPerf profile_export.jsonl does not name the model; pass --model")
+
+
+def test_import_to_an_empty_path_a_device_or_standard_output_is_refused(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
     source = tmp_path / "in.jsonl"
     source.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2}\n')
-    for out, message in (("", "is empty or a directory"), ("/dev/null", "/dev/null is not a regular file")):
+    for out, message in (("", "is empty or a directory"), ("/dev/null", "/dev/null is not a regular file"),
+                         ("-", "a capture is a SQLite file, which cannot go to standard output (-o -)")):
         result = CliRunner().invoke(cli, ["capture", "import", str(source), "--format", "mooncake", "--model", "m",
                                           "-o", out, "--force"])
         assert result.exit_code == 2 and message in result.output, result.output
         assert isinstance(result.exception, SystemExit)
+    assert not (tmp_path / "-").exists()
+
+
+def test_replay_summary_fits_80_columns() -> None:
+    """The worst zombies' table shows the trace id's first 16 hex digits (--json has all 32)."""
+    from auditor.cli.replay import _print_summary
+    from replay.capture import Capture
+    from replay.run import ReplaySummary
+
+    summary = ReplaySummary(run_id=3, capture_id=1, target="http://127.0.0.1:8000", sent=200, cancelled=60,
+                            planned_cancels=60, verdicts={"inflight_zombie": 40, "aborted": 20},
+                            evidence={"inflight_zombie": {"engine_span": 40}, "aborted": {"engine_metrics": 20}},
+                            zombies=40, zombie_seconds=812.5, lag_p50_s=12.5, lag_max_s=120.25,
+                            baseline_run_id=2, baseline_zombies=41,
+                            baseline={"sent": 200, "zombies": 41, "verdicts": {"zombie": 41}})
+    summary.worst = [{"request_id": f"replay-101112-{i:06d}", "trace_id": "0af7651916cd43dd8448eb211c80319c",
+                      "verdict": "inflight_zombie", "lag_seconds": 1234.56, "tokens_after_disconnect": 123456,
+                      "phase": "prefill", "disconnect_kind": "fin"} for i in range(3)]
+    capture = Capture(id=1, name="staging", window_start_ns=0, window_end_ns=1, source="", requests=[])
+
+    @click.command()
+    def show() -> None:
+        _print_summary(summary, capture)
+
+    result = CliRunner().invoke(show, [], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    table = result.output.splitlines()
+    assert all(len(line) <= 80 for line in table), "\n".join(line for line in table if len(line) > 80)
+    assert "  replay-101112-000000 0af7651916cd43dd… 1234.56 123456 prefill  fin" in table
 
 
 def test_fin_cancels_drain_and_rst_cancels_reset() -> None:

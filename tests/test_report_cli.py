@@ -114,6 +114,26 @@ def test_until_before_since_is_rejected(db: str) -> None:
     assert "is not after --since" in result.stderr and "e.g. --since 2h --until 1h" in result.stderr
 
 
+@pytest.mark.parametrize("command", ["report", "capture export"])
+def test_a_since_in_the_future_is_blamed_on_since(db: str, tmp_path: Path, command: str) -> None:
+    """Without --until the window ends now: the error is --since's, not that of an --until never given."""
+    out = tmp_path / "capture.db"
+    extra = ["-o", str(out)] if command.startswith("capture") else []
+    result = CliRunner().invoke(cli, [*command.split(), *extra, "--db", db, "--since", "2200-01-01T00:00:00Z"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for --since: 2200-01-01T00:00:00+00:00 is in the future" in result.stderr, result.stderr
+    assert "--until" not in result.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("fmt", ["csv", "table", "html"])
+def test_json_and_another_format_are_refused(db: str, fmt: str) -> None:
+    result = CliRunner().invoke(cli, ["report", "--db", db, "--format", fmt, "--json"])
+    assert result.exit_code == 2, result.output
+    assert f"--json and --format {fmt} ask for two formats; give one" in result.stderr, result.stderr
+    code, out, _ = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "json", "--json")
+    assert code == 0 and json.loads(out)["schema"] == "auditor.report/v1"
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--since", "999999999w"], "'--since': '999999999w' back from now reaches before 1970"),
     (["--since", "200000w"], "'--since': '200000w' back from now reaches before 1970"),
@@ -155,6 +175,26 @@ def test_empty_output_path_is_refused(db: str) -> None:
     assert "'' names no file" in result.stderr and isinstance(result.exception, SystemExit)
 
 
+def test_dash_output_is_standard_output(db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    code, out, err = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "json", "-o", "-")
+    assert code == 0 and json.loads(out)["schema"] == "auditor.report/v1"
+    assert "wrote" not in err and list(here.iterdir()) == []
+
+
+def test_capture_export_to_dash_is_refused(db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture is SQLite: standard output cannot hold it, and a file named - is nobody's intent."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    result = CliRunner().invoke(cli, ["capture", "export", "--db", db, "-o", "-"])
+    assert result.exit_code == 2, result.output
+    assert "a capture is a SQLite file, which cannot go to standard output (-o -)" in result.stderr
+    assert list(here.iterdir()) == []
+
+
 def test_missing_database_is_one_line_and_nothing_is_created(tmp_path: Path) -> None:
     path = tmp_path / "nowhere.db"
     result = CliRunner().invoke(cli, ["report", "--db", f"sqlite:///{path}"])
@@ -189,6 +229,35 @@ def test_a_foreign_sqlite_file_is_refused_byte_for_byte_untouched(tmp_path: Path
     assert "holds tables ['foo'] but no auditor schema; refusing to touch it" in result.output, result.output
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:", "sqlite:///file::memory:?uri=true"])
+@pytest.mark.parametrize("command", [["report"], ["db", "upgrade"], ["db", "status"],
+                                     ["capture", "export", "-o", "{tmp}/c.db"]])
+def test_sqlite_in_memory_is_refused_where_a_stored_database_is_read(tmp_path: Path, command: list[str],
+                                                                    url: str) -> None:
+    """A database in memory dies with the process: reading one says "no requests yet", and
+    upgrading one "succeeds", about nothing."""
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in command]
+    result = CliRunner().invoke(cli, [*args, "--db", url])
+    assert result.exit_code == 1, result.output
+    assert result.stderr == (f"Error: --db {url!r} is SQLite in memory, which holds nothing across processes; "
+                             "give a file, e.g. sqlite:///auditor.db\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("where", "named"), [
+    ("flag", "--db 'garbage'"), ("env", "AUDITOR_DB 'garbage'"), ("file", "db 'garbage' in {tmp}/a.toml")])
+def test_a_bad_database_url_is_named_by_where_it_came_from(tmp_path: Path, where: str, named: str) -> None:
+    """Not "--db" when the user never passed --db."""
+    config = tmp_path / "a.toml"
+    config.write_text('db = "garbage"\n')
+    args, env = {"flag": (["--db", "garbage"], {}), "env": ([], {"AUDITOR_DB": "garbage"}),
+                 "file": (["--config", str(config)], {})}[where]
+    result = CliRunner().invoke(cli, ["report", *args], env=env)
+    assert result.exit_code == 1, result.output
+    assert result.stderr == (f"Error: {named.replace('{tmp}', str(tmp_path))} is not a database URL; "
+                             "try sqlite:///auditor.db or postgresql+psycopg://user@host/db\n")
 
 
 def test_newer_schema_is_a_clear_error(tmp_path: Path) -> None:
@@ -236,9 +305,17 @@ def test_durations_single_and_compound(text: str, seconds: float) -> None:
     assert duration is not None and duration.total_seconds() == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("text", ["1h30", "h30m", "1h-30m", "1.h", "1hour", "", "2026-11-22T10:00:00Z"])
+@pytest.mark.parametrize("text", ["1h30", "h30m", "1h-30m", "1.h", "1hour", "", "2026-11-22T10:00:00Z",
+                                  "\u0661h", "1\u0660m", "\uff11h", "1.\u0665h"])
 def test_not_durations(text: str) -> None:
     assert parse_duration(text) is None
+
+
+def test_a_duration_in_other_digits_is_refused(db: str) -> None:
+    """Only ASCII digits, as for --port: U+0661 (Arabic-Indic one) then h is not 1h."""
+    result = CliRunner().invoke(cli, ["report", "--db", db, "--since", "\u0661h"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--since': '\u0661h' is neither a duration nor a time" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("bad", ["30m1h", "1h1h", "5s1m", "1m1ms1s"])

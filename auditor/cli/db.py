@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from auditor.cli.util import common_options, errors_as_click, store_url
+from auditor.cli.util import common_options, errors_as_click, refuse_in_memory, store_url
 from auditor.config import Config
 
 
@@ -19,6 +19,8 @@ def upgrade(config: Config) -> None:
     """Apply pending migrations (the daemon also does this at start)."""
     from auditor.store import Store
 
+    if config.db:
+        refuse_in_memory(config.db)
     with errors_as_click():
         store = Store(config.db or None, upgrade=True)
         click.echo(f"{store.url}: schema at {store.current_revision()} (head)")

@@ -13,9 +13,11 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -369,25 +371,68 @@ def check_ports(config: Config) -> Check:
 
 
 def check_database(config: Config) -> Check:
+    """The daemon's store, opened as it would open it, but never created: a database that does not
+    exist yet is judged by its directory, so that asking leaves no empty file behind for a later
+    ``auditor report`` to read as an empty store."""
     from auditor.store import Store, default_db_url
 
     url = config.db or default_db_url()
+    fix = "pass a writable --db (sqlite:///PATH or postgresql+psycopg://...)"
+    path = _sqlite_path(url)
+    if path is not None and not path.exists():
+        directory = path.parent
+        if not directory.is_dir():
+            return Check("database", FAILED, f"{url}: directory {directory} does not exist",
+                         f"create {directory}, or {fix}", required=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return Check("database", FAILED, f"{url}: not created yet, and {directory} is not writable",
+                         f"make {directory} writable for the daemon's user, or {fix}", required=True)
+        return Check("database", OK, f"{url}: not created yet (the daemon creates it at start); "
+                     f"{directory.resolve()} writable", required=True)
     try:
-        store = Store(url, check=False)
+        store = Store(url, check=False, create=False)
         try:
             current, head = store.current_revision(), store.head_revision()
             with store.engine.begin() as conn:  # a real write transaction, rolled back
                 conn.exec_driver_sql("CREATE TEMPORARY TABLE auditor_doctor_probe (x INTEGER)")
         finally:
             store.close()
-    except (AuditorError, Exception) as exc:
-        return Check("database", FAILED, f"{url}: {str(exc).splitlines()[0][:200]}",
-                     "pass a writable --db (sqlite:///PATH or postgresql+psycopg://...)", required=True)
+    except AuditorError as exc:
+        said = str(exc).splitlines()[0][:300]
+        foreign = "no auditor schema" in said
+        return Check("database", FAILED, said if said.startswith(url) else f"{url}: {said}",
+                     "the file is another application's: pass --db with the auditor's database, or a new "
+                     "path the daemon creates" if foreign else fix, required=True)
+    except Exception as exc:
+        return Check("database", FAILED, f"{url}: {str(exc).splitlines()[0][:200]}", fix, required=True)
     if current is not None and current != head:
         state = f"schema {current}, will migrate to {head} at start"
     else:
         state = f"schema {current or 'empty, created at start'}"
     return Check("database", OK, f"{url} writable; {state}", required=True)
+
+
+def _sqlite_path(url: str) -> Path | None:
+    """The file of a SQLite URL (``sqlite:///PATH``, with or without options); None for another
+    database, SQLite in memory, or a URL that is none."""
+    from auditor.store.db import sqlite_file
+
+    path = sqlite_file(url)
+    if path is not None:
+        return Path(path)
+    if not url.startswith("sqlite"):
+        return None
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return None
+    database = parsed.database or ""
+    if parsed.get_backend_name() != "sqlite" or database in ("", ":memory:") or database.startswith("file:"):
+        return None
+    return Path(database)
 
 
 def check_postgres_driver() -> Check:
@@ -453,6 +498,33 @@ def probe_loader(checks: list[Check]) -> str | None:
     return None
 
 
+def render_text(checks: list[Check], elapsed_s: float, columns: int | None = None) -> list[str]:
+    """The checks for people: name, state, then the detail and its fix wrapped to the terminal's
+    width (80 columns when it has none) under a hanging indent."""
+    columns = columns or shutil.get_terminal_size((80, 24)).columns
+    marks = {OK: "ok", DEGRADED: "degraded", FAILED: "FAILED"}
+    width = max(len(c.name) for c in checks)
+    indent = " " * (width + 12)
+    lines = []
+    for c in checks:
+        lines += _wrap(c.detail, columns, f"{c.name:<{width}}  {marks[c.state]:<8}  ", indent)
+        if c.fix and c.state != OK:
+            lines += _wrap(f"fix: {c.fix}", columns, indent, indent + "     ")
+    verdict = "can run" if can_run(checks) else "cannot run"
+    loader = {"prebuilt": ", the prebuilt probe", "bcc": ", compiled by bcc"}.get(probe_loader(checks) or "", "")
+    return [*lines, "", *_wrap(f"The daemon {verdict}; disconnect source: {disconnect_source(checks)}{loader} "
+                               f"({elapsed_s:.1f} s)", columns, "", "  ")]
+
+
+def _wrap(text: str, columns: int, first: str, rest: str) -> list[str]:
+    """``text`` in lines of at most ``columns`` (but never narrower than 40 for the text itself),
+    the first after ``first``, the others after ``rest``. A word longer than a line (a path, a
+    URL) is cut rather than left to overflow."""
+    width = max(columns, len(rest) + 40, len(first) + 40)
+    return textwrap.wrap(text, width, initial_indent=first, subsequent_indent=rest,
+                         break_on_hyphens=False) or [first.rstrip()]
+
+
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document (schema in docs/doctor.md).")
 @common_options
@@ -468,14 +540,6 @@ def doctor_command(config: Config, as_json: bool) -> None:
             "checks": [dataclasses.asdict(c) for c in checks],
         }, indent=2))
     else:
-        marks = {OK: "ok", DEGRADED: "degraded", FAILED: "FAILED"}
-        width = max(len(c.name) for c in checks)
-        for c in checks:
-            click.echo(f"{c.name:<{width}}  {marks[c.state]:<8}  {c.detail}")
-            if c.fix and c.state != OK:
-                click.echo(f"{'':<{width}}  {'':<8}  fix: {c.fix}")
-        verdict = "can run" if runnable else "cannot run"
-        loader = {"prebuilt": ", the prebuilt probe", "bcc": ", compiled by bcc"}.get(probe_loader(checks) or "", "")
-        click.echo(f"\nThe daemon {verdict}; disconnect source: {disconnect_source(checks)}{loader} "
-                   f"({time.monotonic() - started:.1f} s)")
+        for line in render_text(checks, time.monotonic() - started):
+            click.echo(line)
     sys.exit(0 if runnable else 1)

@@ -27,6 +27,7 @@ from auditor.cli.util import (
     FiniteFloatRange,
     common_options,
     errors_as_click,
+    future_since,
     now,
     open_store,
 )
@@ -72,6 +73,8 @@ def export_command(config: Config, since: dt.datetime, until: dt.datetime | None
     """
     from replay.capture import CaptureError, check_output, count_server_spans, export_capture
 
+    if until is None and since > now():
+        raise click.BadParameter(future_since(since), param_hint="--since")
     until = until or now()
     if until <= since:
         raise click.BadParameter(f"{until.isoformat(timespec='seconds')} is not after --since "
@@ -157,6 +160,11 @@ def _cell(value: Any) -> str:
     return f"{value:.1f}" if isinstance(value, float) else str(value)
 
 
+def _clip(text: str, width: int) -> str:
+    """``text`` in ``width`` columns: cut, with an ellipsis, when longer."""
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
 def _verdict_rows(sides: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
     """"verdict (evidence)" rows over every side; a side that kept only counts shows them under "-"."""
     per_side = []
@@ -203,11 +211,14 @@ def _print_summary(summary: Any, capture: Any) -> None:
     if summary.lag_p50_s is not None:
         click.echo(f"  lag p50 {summary.lag_p50_s:.2f} s, max {summary.lag_max_s:.2f} s")
     if summary.worst:
-        click.echo(f"  {'request id':<20} {'trace id':<32} {'lag s':>7} {'tokens':>6} {'phase':<8} close")
+        # 80 columns: the trace id's first 16 hex digits (--json has all 32).
+        click.echo(f"  {'request id':<20} {'trace id':<17} {'lag s':>7} {'tokens':>6} {'phase':<8} close")
         for w in summary.worst:
             lag_s = f"{w['lag_seconds']:.2f}" if w["lag_seconds"] is not None else "-"
-            click.echo(f"  {w['request_id']:<20} {w['trace_id']:<32} {lag_s:>7} "
-                       f"{w['tokens_after_disconnect'] or 0:>6} {w['phase']:<8} {w['disconnect_kind']}")
+            request_id, trace_id, phase, close = (_clip(f"{w[key]}", width) for key, width in (
+                ("request_id", 20), ("trace_id", 17), ("phase", 8), ("disconnect_kind", 5)))
+            click.echo(f"  {request_id:<20} {trace_id:<17} {lag_s:>7} "
+                       f"{w['tokens_after_disconnect'] or 0:>6} {phase:<8} {close}")
     for error in summary.first_errors:
         click.echo(f"  error: {error}", err=True)
     if summary.baseline_zombies is not None:

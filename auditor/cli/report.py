@@ -11,7 +11,7 @@ from typing import TextIO
 
 import click
 
-from auditor.cli.util import TIME, common_options, errors_as_click, now, open_store
+from auditor.cli.util import TIME, common_options, errors_as_click, future_since, now, open_store
 from auditor.config import Config
 from auditor.errors import StoreError
 from auditor.report.model import Report, ReportQuery, to_ns
@@ -34,8 +34,8 @@ FORMATS = ("table", "json", "csv", "html")
               show_default=True, help="table for people; json and csv for machines; html for a "
               "self-contained page with plots.")
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
-              help="Write to this file instead of standard output.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
+              help="Write to this file instead of standard output ('-': standard output).")
 @common_options
 def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: str | None,
            service: str | None, route: str | None, model: str | None, top: int,
@@ -52,11 +52,18 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
     """
     from auditor.report.query import build_report
 
+    if as_json and output_format != "json" and _given("output_format"):
+        raise click.UsageError(f"--json and --format {output_format} ask for two formats; give one, "
+                               f"e.g. --format {output_format}")
     if as_json:
         output_format = "json"
+    if output == "-":
+        output = None
     if output is not None and not Path(output).name:
         raise click.BadParameter(f"{output!r} names no file; give one, e.g. -o zombies.html or leave -o out "
                                  "for standard output", param_hint="-o/--output")
+    if until is None and since > now():
+        raise click.BadParameter(future_since(since), param_hint="--since")
     until = until or now()
     if until <= since:
         raise click.BadParameter(
@@ -78,6 +85,13 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
     if result.empty and (output_format != "table" or output):
         click.echo(f"note: {result.empty_message()}", err=True)
     _write(result, output_format, output)
+
+
+def _given(name: str) -> bool:
+    """Whether the user gave this option (on the command line or from the environment)."""
+    from click.core import ParameterSource
+
+    return click.get_current_context().get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
 
 
 def check_reachable(url: str) -> None:

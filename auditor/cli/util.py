@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import math
+import os
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -33,9 +34,79 @@ def common_options(func: F) -> F:
     def wrapper(*args: Any, config_path: str | None, db_url: str | None, **kwargs: Any) -> Any:
         with errors_as_click():
             config = load_config(config_path, overrides={"db": db_url})
+        origin = _db_origin(db_url, config_path)
+        click.get_current_context().meta[DB_ORIGIN] = origin
+        if config.db:
+            _check_db_url(config.db, origin)
         return func(*args, config=config, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+DB_ORIGIN = "auditor.db_origin"
+
+
+def _db_origin(db_url: str | None, config_path: str | None) -> str:
+    """Where the database URL came from, as errors name it (``URL`` stands for it): the later
+    source wins, as in ``load_config``."""
+    if db_url is not None:
+        return "--db URL"
+    if "AUDITOR_DB" in os.environ:
+        return "AUDITOR_DB URL"
+    return f"db URL in {config_path or os.environ.get('AUDITOR_CONFIG') or 'the config file'}"
+
+
+def named_db(url: str, origin: str | None = None) -> str:
+    """The database URL as errors name it, with where it came from: ``--db 'x'``, ``AUDITOR_DB 'x'``
+    or ``db 'x' in auditor.toml``."""
+    if origin is None:
+        ctx = click.get_current_context(silent=True)
+        origin = (ctx.meta.get(DB_ORIGIN) if ctx is not None else None) or "--db URL"
+    return origin.replace("URL", repr(url), 1)
+
+
+def _check_db_url(url: str, origin: str) -> None:
+    """Refuse a URL SQLAlchemy cannot parse, naming where it came from. A plain SQLite file's URL
+    needs no parsing (and the daemon, no SQLAlchemy)."""
+    from auditor.store.db import sqlite_file
+
+    if sqlite_file(url) is not None:
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        make_url(url)
+    except ArgumentError:
+        raise click.ClickException(f"{named_db(url, origin)} is not a database URL; try sqlite:///auditor.db "
+                                   "or postgresql+psycopg://user@host/db") from None
+
+
+def in_memory(url: str) -> bool:
+    """Whether ``url`` is SQLite in memory (``sqlite://``, ``sqlite:///:memory:``, a ``mode=memory``
+    URI): a database that lives and dies with one process."""
+    from auditor.store.db import sqlite_file
+
+    if not url.startswith("sqlite") or sqlite_file(url) is not None:
+        return False
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return False
+    database = parsed.database or ""
+    return parsed.get_backend_name() == "sqlite" and (
+        database in ("", ":memory:") or database.startswith("file::memory:")
+        or parsed.query.get("mode") == "memory" or "mode=memory" in database)
+
+
+def refuse_in_memory(url: str) -> None:
+    """For commands that read or upgrade a stored database: one in memory holds nothing they could."""
+    if in_memory(url):
+        raise click.ClickException(f"{named_db(url)} is SQLite in memory, which holds nothing across "
+                                   "processes; give a file, e.g. sqlite:///auditor.db")
 
 
 class errors_as_click:
@@ -58,6 +129,7 @@ def store_url(config: Config) -> tuple[str, bool]:
     from auditor.store import default_db_url
 
     if config.db:
+        refuse_in_memory(config.db)
         return config.db, False
     with errors_as_click():
         return default_db_url(find_service_db=True), True
@@ -109,8 +181,9 @@ class FiniteFloatRange(click.FloatRange):
 
 
 # One or more <number><unit> parts, largest unit first: 30m, 1h30m, 1h 30m, 2d12h, 1.5h, 500ms.
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)")
-_DURATION = re.compile(r"^\s*(?:\d+(?:\.\d+)?\s*(?:ms|s|m|h|d|w)\s*)+$")
+# ASCII digits only, as for ports: \d would take an Arabic-Indic one (U+0661 then h) for 1h.
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d|w)")
+_DURATION = re.compile(r"^\s*(?:[0-9]+(?:\.[0-9]+)?\s*(?:ms|s|m|h|d|w)\s*)+$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
@@ -188,6 +261,12 @@ class TimeType(click.ParamType):  # type: ignore[type-arg]
             self.fail(f"{text!r} is too far in the future (the latest time is "
                       f"{LATEST.isoformat(timespec='seconds')}); give an earlier time", param, ctx)
         return moment
+
+
+def future_since(since: dt.datetime) -> str:
+    """Why a window that starts after now and has no --until is empty (it would end now)."""
+    return (f"{since.isoformat(timespec='seconds')} is in the future, and the window ends now; "
+            "give an earlier time or a duration back from now, e.g. --since 1h")
 
 
 PORT = PortType()

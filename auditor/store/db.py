@@ -138,12 +138,11 @@ class Store:
         self.sql: Sql
         if path is not None:
             _check_sqlite_path(path, create=create)
-            if check:
-                _refuse_foreign_sqlite(path, self.url)
+            _refuse_foreign_sqlite(path, self.url)  # even unchecked: opening it would rewrite its header
             self.sql = SqliteSql(path)
         else:
             self._engine = _make_engine(self.url, create=create)
-            if check and self._engine.dialect.name == "sqlite" and self._engine.url.database:
+            if self._engine.dialect.name == "sqlite" and self._engine.url.database:
                 _refuse_foreign_sqlite(self._engine.url.database, self.where())
             self.sql = EngineSql(self._engine)
         self._sessions: Any = None  # an ORM sessionmaker, made on first use
@@ -541,7 +540,7 @@ def _make_engine(url: str, *, create: bool) -> Engine:
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
-        raise StoreError(f"--db {url!r} is not a database URL; try sqlite:///auditor.db "
+        raise StoreError(f"{url!r} is not a database URL; try sqlite:///auditor.db "
                          "or postgresql+psycopg://user@host/db") from exc
     if parsed.get_backend_name() == "sqlite":
         _check_sqlite_path(parsed.database or "", create=create)
