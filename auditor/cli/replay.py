@@ -24,7 +24,6 @@ import click
 
 from auditor.cli.util import (
     TIME,
-    FiniteFloatRange,
     common_options,
     errors_as_click,
     future_since,
@@ -33,6 +32,7 @@ from auditor.cli.util import (
 )
 from auditor.config import Config, apply_overrides, load_config
 from auditor.errors import AuditorError
+from auditor.params import FiniteFloatRange
 from auditor.report.model import to_ns
 
 EXIT_ZOMBIES, EXIT_ERROR, EXIT_INCONCLUSIVE, EXIT_UNSOUND = 1, 2, 3, 4

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import click
 
-from auditor.cli.util import FiniteFloatRange
 from auditor.errors import AuditorError
+from auditor.params import FiniteFloatRange
 from replay.engine.behaviors import BEHAVIORS
 from replay.engine.signals import METRIC_STYLES
 
