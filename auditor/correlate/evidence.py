@@ -482,17 +482,15 @@ class EngineLoads:
         lower bound: an idle kept-alive client, a scraper's connection, a close that answered
         nothing, each counts against it. It assumes that every request the engine holds came over
         this port."""
-        listed, series = self._clients.get(port), self._loads.get(port)
-        if not listed or not series:
+        listed = self._clients.get(port)
+        if not listed:
             return None
         for ts_ns in reversed(listed):
             if ts_ns < read_by_ns - ORPHANS_STALE_NS:
                 return None
-            clients = listed[ts_ns]
-            index = bisect.bisect_left(series, ts_ns, key=_TS)
-            if clients is None or index == len(series) or series[index].ts_ns != ts_ns:
+            clients, load = listed[ts_ns], self._scrape_at(port, ts_ns)
+            if clients is None or load is None:
                 continue
-            load = series[index]
             answered = load.answered_ns or load.ts_ns
             if answered > read_by_ns:
                 continue
@@ -507,15 +505,13 @@ class EngineLoads:
         beyond the clients listed connected (None: listed incompletely), where that is more than
         none: orphans, maybe within their grace, that the coming scrapes must list again. None
         otherwise."""
-        listed, series = self._clients.get(port), self._loads.get(port)
-        if not listed or not series:
+        listed = self._clients.get(port)
+        if not listed:
             return None
         ts_ns = next(reversed(listed))
-        clients = listed[ts_ns]
-        index = bisect.bisect_left(series, ts_ns, key=_TS)
-        if index == len(series) or series[index].ts_ns != ts_ns:
+        clients, load = listed[ts_ns], self._scrape_at(port, ts_ns)
+        if load is None:
             return None
-        load = series[index]
         answered = load.answered_ns or load.ts_ns
         if clients is None:
             return answered, None
@@ -524,6 +520,12 @@ class EngineLoads:
 
     def listed_ports(self) -> list[int]:
         return list(self._clients)
+
+    def _scrape_at(self, port: int, ts_ns: int) -> EngineLoad | None:
+        """The port's scrape taken at ``ts_ns`` (a listing's key), None where it is no longer kept."""
+        series = self._loads.get(port, [])
+        index = bisect.bisect_left(series, ts_ns, key=_TS)
+        return series[index] if index < len(series) and series[index].ts_ns == ts_ns else None
 
     def held_one_more(self, port: int, request: Hashable, disconnect_ns: int, span_start_ns: int,
                       connected_until_ns: int, connected_at: Callable[[int, int], int], arrived: Callable[[int, int], int],
