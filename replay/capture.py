@@ -28,7 +28,15 @@ from sqlalchemy.orm import aliased
 
 from auditor.errors import AuditorError
 from auditor.model import NEAR_MINUTES, SpanRole, minutes_around
-from auditor.store import CapturedRequestRow, CaptureRow, SpanRow, Store, VerdictRow, found_near
+from auditor.store import (
+    CapturedRequestRow,
+    CaptureRow,
+    SpanRow,
+    Store,
+    VerdictRow,
+    found_near,
+    sqlite_database,
+)
 
 DEFAULT_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
@@ -195,16 +203,8 @@ def export_capture(store: Store, out: Path, *, since_ns: int, until_ns: int, hos
 
 def _store_file(store: Store) -> Path | None:
     """The SQLite file a store reads, or None for a server or an in-memory database."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        url = make_url(store.url)
-    except ArgumentError:
-        return None
-    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
-        return None
-    return Path(url.database.removeprefix("file:"))
+    database = sqlite_database(store.url)
+    return None if database is None else Path(database.removeprefix("file:"))
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -414,25 +414,11 @@ def check_database(config: Config) -> Check:
 
 def _sqlite_path(url: str) -> Path | None:
     """The file of a SQLite URL (``sqlite:///PATH``, with or without options); None for another
-    database, SQLite in memory, or a URL that is none."""
-    from auditor.store.db import sqlite_file
+    database, SQLite in memory, a ``file:`` URI, or a URL that is none."""
+    from auditor.store import sqlite_database
 
-    path = sqlite_file(url)
-    if path is not None:
-        return Path(path)
-    if not url.startswith("sqlite"):
-        return None
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        return None
-    database = parsed.database or ""
-    if parsed.get_backend_name() != "sqlite" or database in ("", ":memory:") or database.startswith("file:"):
-        return None
-    return Path(database)
+    database = sqlite_database(url)
+    return None if database is None or database.startswith("file:") else Path(database)
 
 
 def check_postgres_driver() -> Check:

@@ -8,7 +8,7 @@ never asks for them (the daemon on a SQLite file) never imports SQLAlchemy.
 
 from typing import TYPE_CHECKING, Any
 
-from auditor.store.db import Store, default_db_url, span_from_row
+from auditor.store.db import Store, default_db_url, span_from_row, sqlite_database
 from auditor.store.rows import dumps_json, row_layout, use_batch_rows
 from auditor.store.spankeys import found_near
 
@@ -34,9 +34,26 @@ _ORM_NAMES = frozenset({
 })
 
 __all__ = [
-    "Base", "CaptureRow", "CapturedRequestRow", "ConnEventBlockRow", "CorrelatorStateRow", "CoverageRow",
-    "ReplayResultRow", "ReplayRunRow", "SpanRow", "Store", "UtilSampleRow", "VerdictRow",
-    "default_db_url", "dumps_json", "found_near", "row_layout", "span_from_row", "tables", "use_batch_rows",
+    "Base",
+    "CaptureRow",
+    "CapturedRequestRow",
+    "ConnEventBlockRow",
+    "CorrelatorStateRow",
+    "CoverageRow",
+    "ReplayResultRow",
+    "ReplayRunRow",
+    "SpanRow",
+    "Store",
+    "UtilSampleRow",
+    "VerdictRow",
+    "default_db_url",
+    "dumps_json",
+    "found_near",
+    "row_layout",
+    "span_from_row",
+    "sqlite_database",
+    "tables",
+    "use_batch_rows",
 ]
 
 

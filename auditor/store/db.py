@@ -126,6 +126,24 @@ def sqlite_file(url: str) -> str | None:
     return None
 
 
+def sqlite_database(url: str) -> str | None:
+    """The database of any SQLite URL as SQLAlchemy reads it (options allowed; a ``file:`` URI as
+    written); None for another database, SQLite in memory, or a URL that is none."""
+    if not url.startswith("sqlite"):
+        return None
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return None
+    database = parsed.database or ""
+    if parsed.get_backend_name() != "sqlite" or database in ("", ":memory:"):
+        return None
+    return database
+
+
 class Store:
     """A migrated database and the batch writes the sources use."""
 
