@@ -1817,6 +1817,27 @@ def test_work_that_runs_on_before_any_span_comes_is_in_flight_by_its_port(store:
     assert correlator.clients_wanted == set()
 
 
+def test_a_zombie_counted_by_its_port_leaves_the_count_in_the_round_its_span_ends_it(store: Store) -> None:
+    """The port counted the orphan from its latest listed scrape; the spans then say its work ended
+    (a settled zombie), and no listing has come since. The in-flight count drops in that round, not
+    when a later listing or the count's staleness would say: a gauge left at 1 hides the next one."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_conn_events([close(1.0)])
+    still = (("127.0.0.1", 40003, 0.9),)
+    correlator.add_engine_load([replace(load(at, 2, clients=still), answered_ns=T0 + int((at + 0.005) * S))
+                                for at in (1.25, 1.75)])
+    clock.now = T0 + int(2.6 * S)
+    correlator.tick()
+    assert correlator.stats.orphans == {SERVER_PORT: 1} and correlator.stats.inflight_zombies == 1
+    store.insert_spans([http_span("a", 0, 1.0), engine_span("a", 0, 2.7, "length", tokens=200)])
+    clock.now = T0 + int(3.0 * S)
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "zombie" and row.work_end_ns == T0 + int(2.7 * S)
+    assert correlator.stats.orphans == {SERVER_PORT: 0} and correlator.stats.inflight_zombies == 0
+
+
 def test_rounds_of_their_own_for_a_ports_orphans_stop_where_closes_keep_them_uncounted(store: Store) -> None:
     """A zombie beside a client a request: every scrape has closes within its grace, so the port's
     count cannot tell the orphan. Rounds of their own look again for two seconds from when the

@@ -352,6 +352,33 @@ def test_orphans_past_the_grace_are_told_by_the_port_alone() -> None:
     assert loads.orphans_past(PORT, GRACE, read_by_ns=at(3.0)) == (0, at(2.0))
 
 
+def test_an_orphan_whose_work_is_known_to_have_ended_leaves_the_count_at_once() -> None:
+    """A zombie settled by its span (its work ended at 2.1 s) while the port's latest listed scrape
+    (1.75 s) still holds it: the count drops with the span, not seconds later with a new listing.
+    Work that ended before that scrape, or that left within its grace, was never counted there."""
+    loads = EngineLoads()
+    loads.note_departure(("127.0.0.1", 39999, PORT), at(1.0))
+    loads.add([listed_load(1.75, held=3, clients=2)])
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.5)) == (1, at(1.75))
+    loads.work_ended(PORT, "aborted", left_ns=at(1.6), ended_ns=at(1.62), grace_ns=GRACE)  # never an orphan
+    loads.work_ended(PORT, "earlier", left_ns=at(0.2), ended_ns=at(1.7), grace_ns=GRACE)  # ended before the scrape
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.5)) == (1, at(1.75))
+    loads.work_ended(PORT, "zombie", left_ns=at(1.0), ended_ns=at(2.1), grace_ns=GRACE)
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.5)) == (0, at(1.75))
+    # Another port's ends are not this one's.
+    loads.work_ended(PORT + 1, "elsewhere", left_ns=at(1.0), ended_ns=at(2.4), grace_ns=GRACE)
+    loads.add([listed_load(2.25, held=3, clients=2)])  # an orphan of a client that left unseen
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(3.0)) == (1, at(2.25))
+
+
+def test_the_ends_kept_for_the_count_stay_few() -> None:
+    """A zombie a second on a port never listed again: only the ends of the last seconds are kept."""
+    loads = EngineLoads()
+    for second in range(1000):
+        loads.work_ended(PORT, f"z{second}", left_ns=at(second), ended_ns=at(second + 2), grace_ns=GRACE)
+    assert len(loads._ended[PORT]) <= 2 * 64
+
+
 def test_an_orphan_counts_against_a_close_of_its_scrapes_time_not_its_own() -> None:
     """A client that left just before the scrape (or a polled close seen just after it) may own the
     orphan: however long ago the other left, the count is a lower bound, never an extra one."""

@@ -482,6 +482,9 @@ class Correlator:
             request.written = verdict
             request.checked(now, changed=False)  # when to look again, now that this verdict stands
             self._to_settle.add(request.key)
+            if verdict.server_port and verdict.work_end_ns and verdict.verdict is not Verdict.INFLIGHT_ZOMBIE:
+                self.loads.work_ended(verdict.server_port, verdict.request_key, verdict.disconnect_at_ns,
+                                      verdict.work_end_ns, int(self.grace_seconds * 1e9))
         self._news = set()  # joined with: kept when the round fails before
         first_unreported = self._settle(now)
         self._count_orphans(now)

@@ -237,6 +237,11 @@ class EngineLoads:
         # without them.
         self._clients: dict[int, dict[int, tuple[tuple[str, int, int], ...] | None]] = {}  # None: incomplete
         self.clients_kept_ns = 60_000_000_000
+        # port -> request -> (its client's close, its work's end), for requests whose work went on
+        # after their clients left and is known to have ended (``work_ended``): orphans a listed
+        # scrape counted that are gone since. Kept for ORPHANS_STALE_NS and the settling after it.
+        self._ended: dict[int, dict[str, tuple[int, int]]] = {}
+        self._ended_room: dict[int, int] = {}
 
     def _changed(self, ts_ns: int) -> None:
         if self.changed_ns is None or ts_ns < self.changed_ns:
@@ -476,7 +481,9 @@ class EngineLoads:
         with its work, is alarmed about from its gauges and the kernel.
 
         held (running + waiting) - the clients listed connected - the clients that left from
-        ``grace_ns`` before the scrape to its answer (and a polled close's slack): each client
+        ``grace_ns`` before the scrape to its answer (and a polled close's slack) - the orphans
+        known to have ended since the scrape (``work_ended``: without them the count would hold a
+        zombie settled by its span until the port is listed again, up to ORPHANS_STALE_NS): each client
         connected holds at most one request (HTTP/1.1, as the engines serve it), and a listing no
         client was accepted during (``connections_complete``) misses none that the gauges count. A
         lower bound: an idle kept-alive client, a scraper's connection, a close that answered
@@ -497,8 +504,35 @@ class EngineLoads:
             closes = self._departures.get(port, _NO_TIMES)
             recent = bisect.bisect_right(closes, answered + ORPHANS_CLOSE_SLACK_NS) \
                 - bisect.bisect_right(closes, load.ts_ns - grace_ns - CLOCK_ERROR_NS)
-            return max(0, load.running + load.waiting - len(clients) - recent), load.ts_ns
+            return max(0, load.running + load.waiting - len(clients) - recent
+                       - self._ended_since(port, load.ts_ns, grace_ns, read_by_ns)), load.ts_ns
         return None
+
+    def work_ended(self, port: int, request: str, left_ns: int, ended_ns: int, grace_ns: int) -> None:
+        """``request``'s work on ``port``, whose client left at ``left_ns``, ended at ``ended_ns``
+        (told by its span or notice): an orphan that a scrape before ``ended_ns`` counted and that
+        the port's count no longer holds, though no scrape listed since says so. Only work that
+        outlived its client by the grace can have been counted."""
+        if ended_ns - left_ns <= grace_ns - CLOCK_ERROR_NS:
+            return
+        ended = self._ended.setdefault(port, {})
+        ended[request] = (left_ns, ended_ns)
+        if len(ended) > self._ended_room.get(port, 64):  # pruned as it doubles: each end costs O(1)
+            forget = ended_ns - ORPHANS_STALE_NS - ORPHANS_SETTLE_NS - CLOCK_ERROR_NS
+            for old in [r for r, (_, end) in ended.items() if end < forget]:
+                del ended[old]
+            self._ended_room[port] = max(64, 2 * len(ended))
+
+    def _ended_since(self, port: int, ts_ns: int, grace_ns: int, read_by_ns: int) -> int:
+        """Of the orphans the port's scrape at ``ts_ns`` may have counted (clients gone past the
+        grace, within the clock's error), how many are known to have ended since."""
+        ended = self._ended.get(port)
+        if not ended:
+            return 0
+        forget = read_by_ns - ORPHANS_STALE_NS - ORPHANS_SETTLE_NS  # older than any scrape still read
+        for request in [r for r, (_, end) in ended.items() if end < forget]:
+            del ended[request]
+        return sum(1 for left, end in ended.values() if end > ts_ns and left <= ts_ns - grace_ns + CLOCK_ERROR_NS)
 
     def held_beyond_listed(self, port: int) -> tuple[int, int | None] | None:
         """The port's latest listed scrape: when it was answered, and how many requests it held
