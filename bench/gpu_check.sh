@@ -6,7 +6,8 @@
 #   LOAD_SECONDS=600 bench/gpu_check.sh   a longer load, to see whether the daemon's RSS levels off
 #   EXPORT_DELAY_MS=5000 ALARMS=0 bench/gpu_check.sh   the detection load's spans at vLLM's 5 s cadence
 #   MEMORY_PROBE=1 CHECKS=detection LOAD_SECONDS=420 EXPORT_DELAY_MS=5000 ALARMS=0 bench/gpu_check.sh
-#       the daemon's memory by part each minute of the load (the 100 MiB goal's reading on a GPU host)
+#       the daemon's memory by part each minute of the load (the 100 MiB goal's reading on a GPU host;
+#       with CHECKS=probe, of the daemon on the prebuilt eBPF probe)
 #   CHECKS="tests nvml poller" bench/gpu_check.sh   only those checks, of:
 #       compiled tests nvml engine demo footprint poller probe detection alone   (all by default)
 set -u
@@ -66,12 +67,16 @@ if wanted probe; then
 # No bcc or kernel headers on these hosts: the probe as it ships (probes/disconnect.prebuilt.json)
 # either loads on this kernel or says why, and then the same load as below runs on it.
 section "the prebuilt eBPF probe on this kernel"
-timeout 60 "$py" -m auditor doctor 2>&1 | tee "$out/doctor.log"
+# Some GPU hosts' images leave tracefs unmounted (systemd mounts it at boot; the unit asks for it).
+if [[ ! -d /sys/kernel/tracing/events && $(id -u) == 0 ]]; then
+    echo "tracefs not mounted: mounting it"; mount -t tracefs nodev /sys/kernel/tracing
+fi
+COLUMNS=200 timeout 60 "$py" -m auditor doctor 2>&1 | tee "$out/doctor.log"
 if grep -q "disconnect source: bpf, the prebuilt probe" "$out/doctor.log"; then
     load=${LOAD_SECONDS:-60}
     timeout $((load + 180)) "$py" bench/detection.py --source bpf --device cuda --alarms "${ALARMS:-10}" \
-        --load-seconds "$load" --otlp grpc ${EXPORT_DELAY_MS:+--export-delay-ms "$EXPORT_DELAY_MS"} 2>&1 \
-        | tee "$out/detection-bpf.log"
+        --load-seconds "$load" --otlp grpc ${EXPORT_DELAY_MS:+--export-delay-ms "$EXPORT_DELAY_MS"} \
+        ${MEMORY_PROBE:+--memory-probe} 2>&1 | tee "$out/detection-bpf.log"
 fi
 fi
 
