@@ -409,16 +409,23 @@ def test_an_incomplete_or_stale_listing_tells_no_orphans() -> None:
     assert loads.orphans_past(PORT + 1, GRACE, read_by_ns=at(2.0)) is None
 
 
-def test_idle_clients_and_waiting_requests_count_as_the_engine_holds_them() -> None:
+def test_idle_clients_count_against_the_port_and_a_queued_orphan_only_once_it_runs() -> None:
+    """A request that only waits in the queue costs nothing (DESIGN §5): its client gone, it is no
+    orphan until the engine runs it. An idle kept-alive client counts against the count."""
     loads = EngineLoads()
     loads.note_departure(("127.0.0.1", 39999, PORT), at(0.1))
-    # One running, one waiting, three clients listed (one idle on a kept-alive connection): no
-    # orphan can be told, though the leaver's work may run on.
+    # One running, its client listed, and the leaver's request waiting: no orphan yet.
     loads.add([EngineLoad(at(1.0), PORT, running=1, waiting=1, answered_ns=at(1.005),
-                          connections=tuple(("127.0.0.1", 40000 + i, at(0.9)) for i in range(3)))])
+                          connections=(("127.0.0.1", 40000, at(0.9)),))])
     assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.0)) == (0, at(1.0))
     assert loads.held_beyond_listed(PORT) is None
-    loads.add([EngineLoad(at(1.25), PORT, running=2, waiting=2, answered_ns=at(1.255),
-                          connections=tuple(("127.0.0.1", 40000 + i, at(0.9)) for i in range(3)))])
+    # The engine takes it up: two running, one client.
+    loads.add([EngineLoad(at(1.25), PORT, running=2, waiting=0, answered_ns=at(1.255),
+                          connections=(("127.0.0.1", 40000, at(0.9)),))])
     assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.0)) == (1, at(1.25))
     assert loads.held_beyond_listed(PORT) == (at(1.255), 1)
+    # A third client listed, idle on a kept-alive connection: the orphan can no longer be told.
+    loads.add([EngineLoad(at(1.5), PORT, running=2, waiting=0, answered_ns=at(1.505),
+                          connections=tuple(("127.0.0.1", 40000 + i, at(0.9)) for i in range(2)))])
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.5)) == (0, at(1.5))
+    assert loads.held_beyond_listed(PORT) is None

@@ -780,7 +780,7 @@ class Correlator:
         """The engines' orphans by port, told before any span (``EngineLoads.orphans_past``): work
         whose client left, alarmed about while the spans that say whose it is have not come. The
         in-flight zombie count is the larger of the verdicts' and the ports' (each a lower bound of
-        the same work). A port whose latest listed scrape held more than its clients keeps being
+        the same work). A port whose latest listed scrape ran more than its clients keeps being
         listed, and while it may add to the count a round runs as it is read, then a quarter second
         apart until it does or its excess goes, for up to two seconds."""
         grace_ns = int(self.grace_seconds * 1e9)

@@ -473,21 +473,22 @@ class EngineLoads:
         return MetricsEnd(None, 0.0, count)
 
     def orphans_past(self, port: int, grace_ns: int, read_by_ns: int) -> tuple[int, int] | None:
-        """How many requests the engine on ``port`` held whose clients had left more than
+        """How many requests the engine on ``port`` ran whose clients had left more than
         ``grace_ns`` before, at its latest scrape answered by ``read_by_ns`` with the clients
         connected listed completely (and the scrape's time); None without such a scrape in the last
         ORPHANS_STALE_NS. Told by the port alone, before any span or notice says whose they are: an
         engine that exports its spans every few seconds (vLLM), or a request whose span ends only
         with its work, is alarmed about from its gauges and the kernel.
 
-        held (running + waiting) - the clients listed connected - the clients that left from
+        running - the clients listed connected - the clients that left from
         ``grace_ns`` before the scrape to its answer (and a polled close's slack) - the orphans
         known to have ended since the scrape (``work_ended``: without them the count would hold a
         zombie settled by its span until the port is listed again, up to ORPHANS_STALE_NS): each client
         connected holds at most one request (HTTP/1.1, as the engines serve it), and a listing no
-        client was accepted during (``connections_complete``) misses none that the gauges count. A
-        lower bound: an idle kept-alive client, a scraper's connection, a close that answered
-        nothing, each counts against it. It assumes that every request the engine holds came over
+        client was accepted during (``connections_complete``) misses none that the gauges count.
+        Running only: a request that waits in the queue costs nothing yet (DESIGN §5), and is counted
+        once it runs. A lower bound: an idle kept-alive client, a waiting request's client, a
+        scraper's connection, a close that answered nothing, each counts against it. It assumes that every request the engine holds came over
         this port."""
         listed = self._clients.get(port)
         if not listed:
@@ -504,7 +505,7 @@ class EngineLoads:
             closes = self._departures.get(port, _NO_TIMES)
             recent = bisect.bisect_right(closes, answered + ORPHANS_CLOSE_SLACK_NS) \
                 - bisect.bisect_right(closes, load.ts_ns - grace_ns - CLOCK_ERROR_NS)
-            return max(0, load.running + load.waiting - len(clients) - recent
+            return max(0, load.running - len(clients) - recent
                        - self._ended_since(port, load.ts_ns, grace_ns, read_by_ns)), load.ts_ns
         return None
 
@@ -535,7 +536,7 @@ class EngineLoads:
         return sum(1 for left, end in ended.values() if end > ts_ns and left <= ts_ns - grace_ns + CLOCK_ERROR_NS)
 
     def held_beyond_listed(self, port: int) -> tuple[int, int | None] | None:
-        """The port's latest listed scrape: when it was answered, and how many requests it held
+        """The port's latest listed scrape: when it was answered, and how many requests it ran
         beyond the clients listed connected (None: listed incompletely), where that is more than
         none: orphans, maybe within their grace, that the coming scrapes must list again. None
         otherwise."""
@@ -549,7 +550,7 @@ class EngineLoads:
         answered = load.answered_ns or load.ts_ns
         if clients is None:
             return answered, None
-        excess = load.running + load.waiting - len(clients)
+        excess = load.running - len(clients)
         return (answered, excess) if excess > 0 else None
 
     def listed_ports(self) -> list[int]:
