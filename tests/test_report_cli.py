@@ -289,6 +289,28 @@ def test_unwritable_output_is_a_clear_error(db: str, tmp_path: Path) -> None:
     assert "r.json" in result.stderr and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("fmt", ["json", "csv", "html", "table"])
+def test_output_replaces_a_report_but_nothing_else_without_force(db: str, tmp_path: Path, fmt: str) -> None:
+    """Run as root, `-o /etc/passwd` would rename a report over it: a file that holds no report
+    is left alone unless --force, and a report of any format (the last run's) is replaced."""
+    args = ["--db", db, "--since", SINCE, "--until", UNTIL, "--format", fmt]
+    other = tmp_path / "auditor.toml"
+    other.write_text("[store]\nurl = 'sqlite:///x.db'\n")
+    code, _, err = invoke(*args, "-o", str(other))
+    assert code == 2 and "holds no report" in err and "--force" in err
+    assert other.read_text() == "[store]\nurl = 'sqlite:///x.db'\n"
+    report = tmp_path / f"r.{fmt}"
+    assert invoke(*args, "-o", str(report))[0] == 0
+    for again in ("json", "csv", "html", "table"):  # any format over any format's report
+        code, _, err = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--format", again, "-o", str(report))
+        assert code == 0, err
+    assert invoke(*args, "-o", str(other), "--force")[0] == 0
+    assert other.read_text() != "[store]\nurl = 'sqlite:///x.db'\n"
+    empty = tmp_path / "made-by-mktemp"
+    empty.touch()
+    assert invoke(*args, "-o", str(empty))[0] == 0 and empty.stat().st_size > 0
+
+
 def test_output_to_a_device_writes_through_it(db: str) -> None:
     # Renaming a temporary file over /dev/null would replace the device for everyone.
     code, _, _ = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "json",

@@ -35,11 +35,13 @@ FORMATS = ("table", "json", "csv", "html")
               "self-contained page with plots.")
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
-              help="Write to this file instead of standard output ('-': standard output).")
+              help="Write to this file instead of standard output ('-': standard output). An "
+              "existing file is replaced only if it holds a report, or with --force.")
+@click.option("--force", is_flag=True, help="Replace the -o file even if it holds something other than a report.")
 @common_options
 def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: str | None,
            service: str | None, route: str | None, model: str | None, top: int,
-           output_format: str, as_json: bool, output: str | None) -> None:
+           output_format: str, as_json: bool, output: str | None, force: bool) -> None:
     """Findings over a window: disconnects, zombies, and the GPU time they wasted.
 
     \b
@@ -62,6 +64,9 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
     if output is not None and not Path(output).name:
         raise click.BadParameter(f"{output!r} names no file; give one, e.g. -o zombies.html or leave -o out "
                                  "for standard output", param_hint="-o/--output")
+    if output is not None and not force and not _replaceable(Path(output)):
+        raise click.BadParameter(f"{output} exists and holds no report (renaming a report over it would lose "
+                                 "it); give another name, or --force to replace it", param_hint="-o/--output")
     if until is None and since > now():
         raise click.BadParameter(future_since(since), param_hint="--since")
     until = until or now()
@@ -162,6 +167,28 @@ def _write(result: Report, output_format: str, output: str | None) -> None:
         raise click.ClickException(f"cannot write {output}: {exc.strerror or exc}; "
                                    "check the directory exists and is writable") from exc
     click.echo(f"wrote {output_format} report to {output}", err=True)
+
+
+# How each format's report begins (JSON and table) or what its first lines hold (HTML, CSV): a file
+# that -o may replace without --force.
+_REPORT_OPENINGS = ('{\n  "schema": "auditor.report/', "Zombie requests  ")
+
+
+def _replaceable(target: Path) -> bool:
+    """Whether -o may write ``target`` without --force: a new or empty file, a device or FIFO
+    (written through), or a report this command wrote before. Anything else (a typo'd config
+    file, /etc/passwd for root) would be replaced by a rename and lost."""
+    try:
+        if not target.is_file() or target.stat().st_size == 0:
+            return True
+        with target.open("rb") as existing:
+            head = existing.read(4096).decode("utf-8", errors="replace")
+    except OSError:
+        return True  # unreadable or gone: the write itself reports what is wrong
+    from auditor.report.render_data import REQUEST_FIELDS
+
+    return (head.startswith(_REPORT_OPENINGS) or head.startswith(",".join(REQUEST_FIELDS) + "\n")
+            or (head.startswith("<!DOCTYPE html>") and "<title>Zombie requests " in head))
 
 
 def _umask() -> int:
