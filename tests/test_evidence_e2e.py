@@ -308,3 +308,43 @@ def test_work_that_runs_on_is_alarmed_about_before_its_span_comes(tmp_path: Path
         (finished_s - left_s, timeline)
     after = [orphans for at, _, orphans in seen if at > finished_s + 2.0]
     assert after and not any(after), (finished_s - left_s, timeline)
+
+
+@pytest.mark.parametrize("source", ["bpf", "procfs"])
+def test_a_queued_orphan_is_shown_in_flight_only_once_the_engine_runs_it(tmp_path: Path, source: str) -> None:
+    """One request at a time, vLLM's signals, spans thirty seconds away: a request queued behind
+    another loses its client at 0.3 s. While it waits it costs nothing (DESIGN §5) and is not shown
+    in flight; the engine, detached, runs it once the one ahead ends, and from then (the truth log's
+    ``scheduled_at``) it is shown, by the port alone."""
+    truth_log = tmp_path / "truth.jsonl"
+    args = ["--engine-span", "none", "--metrics-names", "vllm"]
+    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S, "probe.source": source,
+                                     "correlate.late_span_seconds": 40.0}) as daemon, running_engine(
+            behavior="detached", otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
+            step_ms=10, max_batch=1, extra_args=args,
+            env={**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "30000"}) as engine:
+        daemon.set_ports({engine.port})
+        time.sleep(0.5)  # the port's first scrapes
+        ahead = complete(engine.port, stream=True, max_tokens=250, request_id="ahead")
+        time.sleep(0.2)
+        cancel = cancel_after(engine.port, 0.3, "rst", stream=True, max_tokens=500, request_id="left")
+        seen: list[tuple[float, float, float]] = []  # (wall time, in-flight zombies, the port's orphans)
+        started = time.time()
+        while time.time() - started < 9.0:
+            seen.append((time.time(), *daemon_gauges(daemon, engine.port)))
+            time.sleep(0.05)
+        cancel.join()
+        ahead.join()
+        spans_seen = daemon.readings().spans_received
+        truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(2, timeout=30)}
+    assert spans_seen == 0, "a span came: the alarm was not told by the port alone"
+    truth = truths["left"]
+    left_s, run_s, finished_s = (truth[key] / 1e9 for key in ("disconnect_at", "scheduled_at", "finished_at"))
+    assert left_s + GRACE_S + 0.5 < run_s, ("it did not wait long past its client's leaving", truth)
+    timeline = [(round(at - left_s, 2), inflight, orphans) for at, inflight, orphans in seen]
+    # Waiting: never shown, though its client left seconds before.
+    assert all(inflight == 0 and orphans == 0 for at, inflight, orphans in seen if at < run_s), \
+        (run_s - left_s, timeline)
+    # Running: shown (the close of the one ahead counts against the count for its grace).
+    first = next((at for at, inflight, orphans in seen if at >= run_s and inflight >= 1 and orphans >= 1), None)
+    assert first is not None and first < min(finished_s, run_s + GRACE_S + 2.0), (run_s - left_s, timeline)
