@@ -66,12 +66,27 @@ def validate_ports(ports: Iterable[int]) -> frozenset[int]:
     return frozenset(checked)
 
 
-def fallback_warning(poll_hz: float) -> str:
+def fallback_warning(poll_hz: float, walk_us: float | None = None) -> str:
+    """What the /proc fallback costs and loses, for the log line that says the daemon runs it.
+    ``walk_us``: this host's walk of the kernel's TCP table, measured (None: not measured)."""
     interval_ms = 1000.0 / poll_hz
-    return (f"falling back to polling /proc/net/tcp at {poll_hz:g} Hz, which loses: "
-            f"timing precision (disconnect times are only good to about {interval_ms:.0f} ms), "
-            "FIN vs RST (a connection that vanishes between polls is reported as peer_rst), "
-            f"and connections that open and close within {interval_ms:.0f} ms")
+    cost = ("" if walk_us is None else
+            f"; each poll after a new connection walks the kernel's whole TCP table, {walk_us:.0f} us of CPU "
+            f"here: about {walk_us * poll_hz / 1e4:.1f}% of a core while connections arrive, where the eBPF "
+            "probe costs a fraction of a percent")
+    return (f"falling back to polling the kernel's socket table (sock_diag) at {poll_hz:g} Hz: disconnect "
+            f"times are good to about {interval_ms:.0f} ms{cost}; `auditor doctor` says what the probe needs")
+
+
+def measured_walk_us(repeats: int = 10) -> float | None:
+    """This host's walk of the kernel's TCP table (``probes.sockdiag.walk_cpu_us``), None where
+    sock_diag is refused (the poller then parses /proc/net/tcp)."""
+    from probes.sockdiag import walk_cpu_us
+
+    try:
+        return walk_cpu_us(repeats)
+    except OSError:
+        return None
 
 
 def open_source(ports: Iterable[int], prefer: str = "auto", host: str | None = None, *,
@@ -94,7 +109,7 @@ def open_source(ports: Iterable[int], prefer: str = "auto", host: str | None = N
         except ProbeUnavailable as exc:
             if prefer == "bpf":
                 raise
-            log.warning("kernel probe unavailable (%s); %s", exc, fallback_warning(poll_hz))
+            log.warning("kernel probe unavailable (%s); %s", exc, fallback_warning(poll_hz, measured_walk_us()))
     from probes.procfs import ProcfsConnEventSource
 
     return ProcfsConnEventSource(port_set, host=host_name, poll_hz=poll_hz)

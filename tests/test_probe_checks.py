@@ -95,6 +95,20 @@ def test_prefer_bpf_without_bcc_or_a_prebuilt_probe_raises_the_doctor_message(
             in message) or "eBPF needs CAP_" in message
 
 
+def test_the_fallback_says_what_its_polls_cost_on_this_host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A host whose tracefs is unmounted (an H200 micro-VM's image) ran the /proc fallback at 17.7%
+    of a core: the log line says the walk's measured cost, not only what the fallback loses."""
+    monkeypatch.setitem(sys.modules, "bcc", None)
+    monkeypatch.setattr("probes.prebuilt.PREBUILT_FILE", tmp_path / "missing.json")
+    monkeypatch.setattr("probes.sockdiag.walk_cpu_us", lambda repeats=100: 4708.0)
+    with caplog.at_level("WARNING", logger="probes.source"):
+        source = open_source([8000], prefer="auto", poll_hz=20)
+    assert type(source).__name__ == "ProcfsConnEventSource"
+    [line] = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert "4708 us of CPU here: about 9.4% of a core" in line and "auditor doctor" in line
+
+
 def test_prefer_bpf_names_why_the_prebuilt_probe_was_refused_too(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     broken = tmp_path / "disconnect.prebuilt.json"
