@@ -8,6 +8,8 @@
 #   MEMORY_PROBE=1 CHECKS=detection LOAD_SECONDS=420 EXPORT_DELAY_MS=5000 ALARMS=0 bench/gpu_check.sh
 #       the daemon's memory by part each minute of the load (the 100 MiB goal's reading on a GPU host;
 #       with CHECKS=probe, of the daemon on the prebuilt eBPF probe)
+#   PROFILE=1 CHECKS=probe bench/gpu_check.sh   py-spy's stacks of the daemon on the eBPF source, in
+#       DIR/profile-bpf.txt (where its CPU goes on a server core)
 #   CHECKS="tests nvml poller" bench/gpu_check.sh   only those checks, of:
 #       compiled tests nvml engine demo footprint poller probe detection alone   (all by default)
 set -u
@@ -76,7 +78,8 @@ if grep -q "disconnect source: bpf, the prebuilt probe" "$out/doctor.log"; then
     load=${LOAD_SECONDS:-60}
     timeout $((load + 180)) "$py" bench/detection.py --source bpf --device cuda --alarms "${ALARMS:-10}" \
         --load-seconds "$load" --otlp grpc ${EXPORT_DELAY_MS:+--export-delay-ms "$EXPORT_DELAY_MS"} \
-        ${MEMORY_PROBE:+--memory-probe} 2>&1 | tee "$out/detection-bpf.log"
+        ${MEMORY_PROBE:+--memory-probe} ${PROFILE:+--profile "$out/profile-bpf.txt" --profile-rate 100} 2>&1 \
+        | tee "$out/detection-bpf.log"
 fi
 fi
 
