@@ -64,9 +64,10 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
     if output is not None and not Path(output).name:
         raise click.BadParameter(f"{output!r} names no file; give one, e.g. -o zombies.html or leave -o out "
                                  "for standard output", param_hint="-o/--output")
-    if output is not None and not force and not _replaceable(Path(output)):
-        raise click.BadParameter(f"{output} exists and holds no report (renaming a report over it would lose "
-                                 "it); give another name, or --force to replace it", param_hint="-o/--output")
+    refusal = None if output is None or force else _not_replaceable(Path(output))
+    if refusal:
+        raise click.BadParameter(f"{output} {refusal} (renaming a report over it would lose it); give another "
+                                 "name, or --force to replace it", param_hint="-o/--output")
     if until is None and since > now():
         raise click.BadParameter(future_since(since), param_hint="--since")
     until = until or now()
@@ -174,21 +175,23 @@ def _write(result: Report, output_format: str, output: str | None) -> None:
 _REPORT_OPENINGS = ('{\n  "schema": "auditor.report/', "Zombie requests  ")
 
 
-def _replaceable(target: Path) -> bool:
-    """Whether -o may write ``target`` without --force: a new or empty file, a device or FIFO
-    (written through), or a report this command wrote before. Anything else (a typo'd config
-    file, /etc/passwd for root) would be replaced by a rename and lost."""
+def _not_replaceable(target: Path) -> str | None:
+    """Why -o may not write ``target`` without --force, None where it may: a new or empty file, a
+    device or FIFO (written through), or a report this command wrote before. Anything else (a
+    typo'd config file, /etc/passwd for root) would be replaced by a rename and lost."""
     try:
         if not target.is_file() or target.stat().st_size == 0:
-            return True
+            return None
         with target.open("rb") as existing:
             head = existing.read(4096).decode("utf-8", errors="replace")
-    except OSError:
-        return True  # unreadable or gone: the write itself reports what is wrong
+    except OSError as exc:
+        return f"exists and cannot be read to tell whether it holds a report ({exc.strerror or exc})"
     from auditor.report.render_data import REQUEST_FIELDS
 
-    return (head.startswith(_REPORT_OPENINGS) or head.startswith(",".join(REQUEST_FIELDS) + "\n")
-            or (head.startswith("<!DOCTYPE html>") and "<title>Zombie requests " in head))
+    if (head.startswith(_REPORT_OPENINGS) or head.startswith(",".join(REQUEST_FIELDS) + "\n")
+            or (head.startswith("<!DOCTYPE html>") and "<title>Zombie requests " in head)):
+        return None
+    return "exists and holds no report"
 
 
 def _umask() -> int:
