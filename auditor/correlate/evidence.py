@@ -480,16 +480,16 @@ class EngineLoads:
         engine that exports its spans every few seconds (vLLM), or a request whose span ends only
         with its work, is alarmed about from its gauges and the kernel.
 
-        running - the clients listed connected - the clients that left from
-        ``grace_ns`` before the scrape to its answer (and a polled close's slack) - the orphans
-        known to have ended since the scrape (``work_ended``: without them the count would hold a
-        zombie settled by its span until the port is listed again, up to ORPHANS_STALE_NS): each client
-        connected holds at most one request (HTTP/1.1, as the engines serve it), and a listing no
-        client was accepted during (``connections_complete``) misses none that the gauges count.
-        Running only: a request that waits in the queue costs nothing yet (DESIGN §5), and is counted
-        once it runs. A lower bound: an idle kept-alive client, a waiting request's client, a
-        scraper's connection, a close that answered nothing, each counts against it. It assumes that every request the engine holds came over
-        this port."""
+        running - the clients listed connected - the clients that left from ``grace_ns`` before
+        the scrape to its answer (and a polled close's slack) - the orphans known to have ended
+        since the scrape (``work_ended``: without them the count would hold a zombie settled by its
+        span until the port is listed again, up to ORPHANS_STALE_NS). Each client connected holds
+        at most one request (HTTP/1.1, as the engines serve it), and a listing no client was
+        accepted during (``connections_complete``) misses none that the gauges count. Running
+        only: a request that waits in the queue costs nothing yet (DESIGN §5), and is counted once
+        it runs. A lower bound: an idle kept-alive client, a waiting request's client, a scraper's
+        connection, a close that answered nothing, each counts against it. It assumes that every
+        request the engine holds came over this port."""
         listed = self._clients.get(port)
         if not listed:
             return None
