@@ -311,6 +311,31 @@ def test_output_replaces_a_report_but_nothing_else_without_force(db: str, tmp_pa
     assert invoke(*args, "-o", str(empty))[0] == 0 and empty.stat().st_size > 0
 
 
+def test_output_that_cannot_be_read_is_not_replaced_without_force(db: str, tmp_path: Path) -> None:
+    """Whose file it is cannot be told without reading it: refused and left as it was. As root, the
+    report runs without the capabilities that read any file (setpriv)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv, which drops the capability to read any file")
+        prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all"]
+    private = tmp_path / "private.csv"
+    private.write_text("someone else's\n")
+    private.chmod(0o200)  # writable, not readable
+    result = subprocess.run([*prefix, sys.executable, "-m", "auditor", "report", "--db", db, "--since", SINCE,
+                             "--until", UNTIL, "--format", "csv", "-o", str(private)],
+                            capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[1])
+    private.chmod(0o600)
+    assert result.returncode == 2, result.stderr
+    assert "is not readable" in result.stderr  # click's own check of -o, before the report's
+    assert private.read_text() == "someone else's\n"
+
+
 def test_output_to_a_device_writes_through_it(db: str) -> None:
     # Renaming a temporary file over /dev/null would replace the device for everyone.
     code, _, _ = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "json",
