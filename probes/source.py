@@ -74,8 +74,10 @@ def fallback_warning(poll_hz: float, walk_us: float | None = None) -> str:
             f"; each poll after a new connection walks the kernel's whole TCP table, {walk_us:.0f} us of CPU "
             f"here: about {walk_us * poll_hz / 1e4:.1f}% of a core while connections arrive, where the eBPF "
             "probe costs a fraction of a percent")
-    return (f"falling back to polling the kernel's socket table (sock_diag) at {poll_hz:g} Hz: disconnect "
-            f"times are good to about {interval_ms:.0f} ms{cost}; `auditor doctor` says what the probe needs")
+    return (f"falling back to polling the kernel's socket table (sock_diag) at {poll_hz:g} Hz, which loses "
+            f"timing precision (disconnect times are good to about {interval_ms:.0f} ms) and, where the kernel "
+            f"refuses its notices of freed sockets, FIN vs RST and connections shorter than a poll{cost}; "
+            "`auditor doctor` says what the probe needs")
 
 
 def measured_walk_us(repeats: int = 10) -> float | None:
