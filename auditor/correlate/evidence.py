@@ -505,8 +505,8 @@ class EngineLoads:
             closes = self._departures.get(port, _NO_TIMES)
             recent = bisect.bisect_right(closes, answered + ORPHANS_CLOSE_SLACK_NS) \
                 - bisect.bisect_right(closes, load.ts_ns - grace_ns - CLOCK_ERROR_NS)
-            return max(0, load.running - len(clients) - recent
-                       - self._ended_since(port, load.ts_ns, grace_ns, read_by_ns)), load.ts_ns
+            return max(0, load.running - len(clients) - recent - self._ended_since(port, load.ts_ns, grace_ns)), \
+                load.ts_ns
         return None
 
     def work_ended(self, port: int, request: str, left_ns: int, ended_ns: int, grace_ns: int) -> None:
@@ -524,15 +524,13 @@ class EngineLoads:
                 del ended[old]
             self._ended_room[port] = max(64, 2 * len(ended))
 
-    def _ended_since(self, port: int, ts_ns: int, grace_ns: int, read_by_ns: int) -> int:
+    def _ended_since(self, port: int, ts_ns: int, grace_ns: int) -> int:
         """Of the orphans the port's scrape at ``ts_ns`` may have counted (clients gone past the
-        grace, within the clock's error), how many are known to have ended since."""
+        grace, within the clock's error), how many are known to have ended since. Ends older than
+        any scrape still read stay until ``work_ended`` prunes them: ``end > ts_ns`` passes them by."""
         ended = self._ended.get(port)
         if not ended:
             return 0
-        forget = read_by_ns - ORPHANS_STALE_NS - ORPHANS_SETTLE_NS  # older than any scrape still read
-        for request in [r for r, (_, end) in ended.items() if end < forget]:
-            del ended[request]
         return sum(1 for left, end in ended.values() if end > ts_ns and left <= ts_ns - grace_ns + CLOCK_ERROR_NS)
 
     def held_beyond_listed(self, port: int) -> tuple[int, int | None] | None:
