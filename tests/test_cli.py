@@ -164,6 +164,20 @@ def test_doctor_text_fits_an_80_column_terminal(tmp_path: Path, monkeypatch: pyt
     assert lines[-2].startswith("The daemon cannot run; disconnect source: ") and lines[-1].startswith("  ")
 
 
+def test_doctor_names_the_disconnect_source_as_a_label() -> None:
+    """JSON and /metrics say ``bpf`` or ``procfs``; the text line says what the fallback times by."""
+    from auditor.cli.doctor import DEGRADED, OK, Check, disconnect_source, probe_loader, render_text
+
+    fallback = [Check("privileges", DEGRADED, "uid 1000 without CAP_BPF", "run as root"),
+                Check("bpf_syscall", OK, "bpf(2) answers", "")]
+    probe = [Check("privileges", OK, "root", ""), Check("bpf_syscall", OK, "bpf(2) answers", ""),
+             Check("prebuilt_probe", OK, "loads", "")]
+    assert (disconnect_source(fallback), probe_loader(fallback)) == ("procfs", None)
+    assert (disconnect_source(probe), probe_loader(probe)) == ("bpf", "prebuilt")
+    assert "disconnect source: procfs (fallback: poll-interval timing)" in " ".join(render_text(fallback, 0.1, 200))
+    assert "disconnect source: bpf, the prebuilt probe (" in " ".join(render_text(probe, 0.1, 200))
+
+
 def test_doctor_says_which_otlp_reader_reads_spans(monkeypatch: pytest.MonkeyPatch) -> None:
     from auditor.cli.doctor import DEGRADED, OK, check_otlp_reader
     from collectors import otlp_wire

@@ -469,7 +469,8 @@ def can_run(checks: list[Check]) -> bool:
 
 
 def disconnect_source(checks: list[Check]) -> str:
-    return "bpf" if probe_loader(checks) else "procfs (fallback: poll-interval timing)"
+    """``bpf`` or ``procfs``: the daemon's source of disconnects here (a label, as on /metrics)."""
+    return "bpf" if probe_loader(checks) else "procfs"
 
 
 def probe_loader(checks: list[Check]) -> str | None:
@@ -497,7 +498,8 @@ def render_text(checks: list[Check], elapsed_s: float, columns: int | None = Non
         if c.fix and c.state != OK:
             lines += _wrap(f"fix: {c.fix}", columns, indent, indent + "     ")
     verdict = "can run" if can_run(checks) else "cannot run"
-    loader = {"prebuilt": ", the prebuilt probe", "bcc": ", compiled by bcc"}.get(probe_loader(checks) or "", "")
+    loader = {"prebuilt": ", the prebuilt probe", "bcc": ", compiled by bcc"}.get(
+        probe_loader(checks) or "", " (fallback: poll-interval timing)")
     return [*lines, "", *_wrap(f"The daemon {verdict}; disconnect source: {disconnect_source(checks)}{loader} "
                                f"({elapsed_s:.1f} s)", columns, "", "  ")]
 
