@@ -53,6 +53,8 @@ def answered_first(request: CapturedRequest) -> bool:
 def plan_replay(capture: Capture, options: ReplayOptions, *, tag: str) -> list[RequestPlan]:
     requests = capture.requests[: options.limit] if options.limit is not None else capture.requests
     injected = sample_cancels(len(requests), options.cancel_rate, options.seed)
+    # Timing counts from the first request sent: an export's window may begin long before it.
+    first_s = min((request.offset_s for request in requests), default=0.0)
     plans = []
     for index, (request, inject) in enumerate(zip(requests, injected, strict=True)):
         delay: float | None = None
@@ -71,7 +73,7 @@ def plan_replay(capture: Capture, options: ReplayOptions, *, tag: str) -> list[R
         plans.append(RequestPlan(
             request_id=f"{tag}-{index:06d}", trace_id=secrets.token_hex(16), body=body, path=request.path,
             cancel_after_s=delay, close_with=close,
-            start_at_s=request.offset_s / options.speed if options.speed > 0 else 0.0))
+            start_at_s=(request.offset_s - first_s) / options.speed if options.speed > 0 else 0.0))
     return plans
 
 

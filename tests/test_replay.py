@@ -216,6 +216,9 @@ def test_plans_replay_captured_disconnects_and_timing() -> None:
                                                         strict=True)]), "capture").zombies == 2
     injected = plan_replay(capture, ReplayOptions(cancel_rate=1.0, cancel_after_s=0.25), tag="t")
     assert [p.cancel_after_s for p in injected] == [0.25, 0.25, 0.25]
+    # An export's window may begin long before its first request: timing counts from that request.
+    late = replace(capture, requests=[replace(r, offset_s=r.offset_s + 569.0) for r in capture.requests])
+    assert [p.start_at_s for p in plan_replay(late, ReplayOptions(speed=1.0), tag="t")] == [0.0, 2.0, 4.0]
 
 
 def test_load_keeps_start_times_and_the_concurrency_bound() -> None:
