@@ -168,3 +168,37 @@ def test_a_reset_is_a_disconnect_too(tmp_path: Path) -> None:
         record = wait_record(engine, "chatcmpl-reset")
     assert record["finish_reason"] == "abort" and record["phase_at_disconnect"] == "decode"
     assert record["tokens_generated"] < VICTIM_TOKENS
+
+
+def test_an_engine_stops_when_its_launcher_is_killed(tmp_path: Path) -> None:
+    """A launcher killed outright (SIGKILL: no clean-up of its own) leaves no engine running: a
+    detached engine would generate on, a core's worth, with nobody to stop it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from replay.engine.launch import running_engine\n"
+         "with running_engine(behavior='detached') as engine:\n"
+         "    print(engine.pid, flush=True)\n"
+         "    time.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert launcher.stdout is not None
+    engine_pid = int(launcher.stdout.readline())
+    os.kill(engine_pid, 0)  # running
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(engine_pid, 0)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{engine_pid}/stat") as stat:
+            if stat.read().split(") ")[1].startswith("Z"):  # exited, not yet reaped by init
+                return
+        time.sleep(0.1)
+    os.kill(engine_pid, signal.SIGKILL)
+    raise AssertionError("the engine outlived its launcher by 10 s")

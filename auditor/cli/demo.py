@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import signal
 import socket
 import tempfile
 import time
@@ -169,6 +170,10 @@ def run_demo(output_dir: Path, device: str = "cpu") -> int:
     return 0 if passed else 1
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 @click.command("demo")
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where the store and the HTML report go [default: a new temporary directory].")
@@ -183,6 +188,9 @@ def demo_command(output_dir: Path | None, device: str) -> None:
         problem = cuda_unavailable_reason()
         if problem:
             raise click.UsageError(problem)
+    # Stopped by SIGTERM (systemd, timeout, kill), the demo unwinds as on Ctrl-C: its daemon and
+    # engines stop and their scratch directories go, rather than an engine left generating.
+    signal.signal(signal.SIGTERM, _interrupted)
     directory = output_dir or Path(tempfile.mkdtemp(prefix="auditor-demo-"))
     # The daemon's one journal line per zombie: the demo shows them in its own table instead.
     logging.getLogger("auditor.findings").setLevel(logging.ERROR)

@@ -46,6 +46,25 @@ def _write_port_file(path: str, port: int) -> None:
                                "check that its directory exists and is writable") from exc
 
 
+def exit_with_parent(parent_pid: int, every_s: float = 0.5, grace_s: float = 5.0) -> None:
+    """Stop this engine once ``parent_pid`` (the launcher) is gone: a launcher killed outright
+    runs no clean-up, and an engine left behind (a detached one generates on) holds a core.
+    SIGTERM first (uvicorn's graceful stop), then exit regardless after ``grace_s``."""
+    import signal
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(every_s)
+        logging.getLogger(__name__).warning("the launcher (pid %d) is gone: stopping", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def serve(app: object, sock: socket.socket, log_level: str) -> None:
     import uvicorn
 
@@ -100,13 +119,15 @@ def serve(app: object, sock: socket.socket, log_level: str) -> None:
               help="Gateway: send the trace context (traceparent) upstream.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
+@click.option("--exit-with-parent", "parent_pid", type=click.IntRange(1), hidden=True,
+              help="Stop when the process of this pid (the launcher) is gone.")
 def engine(host: str, port: int, port_file: str | None, behavior: str, late_seconds: float, max_batch: int,
            step_ms: float, prefill_chunk: int, device: str, model: str, otlp: str | None,
            service_name: str | None, live: str | None, trace_aborted: bool, truth_log: str | None,
            gateway_upstream: str | None, propagate: str, log_level: str, engine_span: str = "llm_request",
            metrics_names: str = "ref", send_spans: bool = False, one_at_a_time: bool = False,
            no_process_pid: bool = False, duplicate_server_span: bool = False,
-           trace_context: str = "yes") -> None:
+           trace_context: str = "yes", parent_pid: int | None = None) -> None:
     """Run the reference engine: an OpenAI-compatible server with real batching and compute.
 
     It reproduces how real engines treat a client that disconnects (--behavior), traces like
@@ -145,4 +166,6 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
         raise click.ClickException(str(exc)) from exc
     click.echo(f"{what} listening on http://{host}:{bound} (pid {os.getpid()})", err=True)
     sys.stderr.flush()
+    if parent_pid is not None:
+        exit_with_parent(parent_pid)
     serve(app, sock, log_level)

@@ -115,7 +115,7 @@ def running_engine(port: int = 0, behavior: str = "abort", otlp: str | None = No
         log_path = Path(scratch) / "engine.log"
         command = [sys.executable, "-m", "replay.engine", "--host", host, "--port", str(port),
                    "--port-file", str(port_file), "--behavior", behavior, "--step-ms", str(step_ms),
-                   "--max-batch", str(max_batch)]
+                   "--max-batch", str(max_batch), "--exit-with-parent", str(os.getpid())]
         if otlp is not None:
             command += ["--otlp", otlp]
         if truth_log is not None:
