@@ -147,9 +147,11 @@ class Daemon:
                                  ringbuf_pages=self.config.probe.ring_buffer_pages)
             source.start()
         except AuditorError as exc:
-            log.error("no disconnect source: %s", exc)
-            self.status.source = "none"
-            return
+            # Without one the daemon would judge nothing, yet look healthy to systemd.
+            other = (", or set probe.source = \"auto\" (--source auto) to run the /proc fallback"
+                     if self.config.probe.source == "bpf" else "")
+            raise AuditorError(f"no disconnect source (probe.source = {self.config.probe.source!r}): {exc}; "
+                               f"`auditor doctor` says what works on this host{other}") from exc
         self._parts["probe"] = source
         self._parts["event_writer"] = ConnEventWriter(self.store)
         self.status.source = source.name

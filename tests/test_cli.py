@@ -271,6 +271,19 @@ def test_doctor_loads_a_real_bpf_program(tmp_path: Path) -> None:
     assert check.state == "ok", check
 
 
+def test_run_without_its_disconnect_source_refuses_to_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """probe.source = "bpf" where the probe cannot load: exit 1 naming why and what to do, not a
+    daemon that runs judging nothing while systemd shows it active."""
+    monkeypatch.setitem(sys.modules, "bcc", None)
+    monkeypatch.setattr("probes.prebuilt.PREBUILT_FILE", tmp_path / "missing.json")
+    result = CliRunner().invoke(cli, ["run", "--db", f"sqlite:///{tmp_path / 'a.db'}", "--port", "1", "--source", "bpf",
+                                      "--otlp-http", "", "--otlp-grpc", "", "--metrics", "", "--live", ""])
+    assert result.exit_code == 1, result.output
+    assert "Error: no disconnect source (probe.source = 'bpf'): " in result.output
+    assert "`auditor doctor` says what works on this host, or set probe.source = \"auto\"" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
 def test_run_with_a_busy_address_says_so_in_one_line(tmp_path: Path) -> None:
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
