@@ -284,6 +284,22 @@ def test_run_without_its_disconnect_source_refuses_to_start(tmp_path: Path, monk
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
+def test_run_and_doctor_refuse_sqlite_in_memory(tmp_path: Path) -> None:
+    """The daemon's schema is made in a child process and its threads each open the database:
+    in memory, each would see one of its own (no such table, then tracebacks at stop)."""
+    from auditor.cli.doctor import check_database
+    from auditor.config import Config
+
+    result = CliRunner().invoke(cli, ["run", "--db", "sqlite://", "--port", "1", "--source", "procfs",
+                                      "--otlp-http", "", "--otlp-grpc", "", "--metrics", "", "--live", ""])
+    assert result.exit_code == 1 and "Error: --db 'sqlite://' is SQLite in memory" in result.output, result.output
+    for url in ("sqlite://", "sqlite:///:memory:"):
+        check = check_database(Config(db=url))
+        assert (check.state, check.required) == ("failed", True) and "in memory" in check.detail, check
+    relative = check_database(Config(db="sqlite:///no-such-dir-here/a.db"))
+    assert relative.state == "failed" and str(Path.cwd() / "no-such-dir-here") in relative.detail, relative
+
+
 def test_run_with_a_busy_address_says_so_in_one_line(tmp_path: Path) -> None:
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))

@@ -378,9 +378,15 @@ def check_database(config: Config) -> Check:
 
     url = config.db or default_db_url()
     fix = "pass a writable --db (sqlite:///PATH or postgresql+psycopg://...)"
+    from auditor.cli.util import in_memory
+
+    if in_memory(url):
+        return Check("database", FAILED, f"{url} is SQLite in memory: the daemon's threads and the child "
+                     "that makes its schema would each see a database of their own, and nothing outlives it",
+                     fix, required=True)
     path = _sqlite_path(url)
     if path is not None and not path.exists():
-        directory = path.parent
+        directory = path.parent.resolve()
         if not directory.is_dir():
             return Check("database", FAILED, f"{url}: directory {directory} does not exist",
                          f"create {directory}, or {fix}", required=True)
@@ -388,7 +394,7 @@ def check_database(config: Config) -> Check:
             return Check("database", FAILED, f"{url}: not created yet, and {directory} is not writable",
                          f"make {directory} writable for the daemon's user, or {fix}", required=True)
         return Check("database", OK, f"{url}: not created yet (the daemon creates it at start); "
-                     f"{directory.resolve()} writable", required=True)
+                     f"{directory} writable", required=True)
     try:
         store = Store(url, check=False, create=False)
         try:

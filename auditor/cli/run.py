@@ -10,7 +10,7 @@ from types import FrameType
 
 import click
 
-from auditor.cli.util import PORT, common_options, errors_as_click
+from auditor.cli.util import PORT, common_options, errors_as_click, refuse_in_memory
 from auditor.config import Config, apply_overrides
 
 GC_FIRST_GENERATION = 20_000
@@ -45,6 +45,8 @@ def run_command(config: Config, ports: tuple[int, ...], otlp_http: str | None, o
                      "correlate.grace_seconds": grace, "host_id": host_id, "probe.source": source,
                      "spans.engine_names": list(engine_spans) or None}
         config = apply_overrides(config, overrides)
+    refuse_in_memory(config.db or "")
+    with errors_as_click():
         daemon = Daemon(config)
         daemon.start()
     # The start-up's objects (modules, config, compiled queries) live as long as the process:
