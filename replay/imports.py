@@ -59,16 +59,21 @@ def _json_kind(value: Any) -> str:
 def _lines(path: Path, fmt: str) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-blank line; anything else is refused with its line."""
     try:
-        handle = path.open(encoding="utf-8")
+        handle = path.open("rb")
     except OSError as exc:
         raise CaptureError(f"cannot read {path}: {exc.strerror or exc}") from exc
     with handle:
-        for number, line in enumerate(handle, 1):
+        for number, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise CaptureError(f"{path} line {number}: not UTF-8 text; is this {fmt} file "
+                                   "(JSON Lines, one object per line)?") from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            except json.JSONDecodeError as exc:
                 raise CaptureError(f"{path} line {number}: not JSON ({exc}); is this {fmt} file "
                                    "(JSON Lines, one object per line)?") from None
             if not isinstance(record, dict):
@@ -165,6 +170,9 @@ def read_mooncake(path: Path, *, model: str, path_route: str, stream: bool) -> l
     for number, record in _lines(path, KINDS["mooncake"]):
         where = f"{path} line {number}"
         timestamp_ms = record.get("timestamp")
+        if timestamp_ms is None:
+            raise CaptureError(f"{where}: no timestamp field (its arrival in milliseconds); is this {KINDS['mooncake']} "
+                               "file?")
         if (not isinstance(timestamp_ms, (int, float)) or isinstance(timestamp_ms, bool)
                 or not 0 <= timestamp_ms <= MAX_TIMESTAMP_MS):  # nan and 1e400 (inf) included
             raise CaptureError(f"{where}: timestamp {timestamp_ms!r} is not milliseconds from 0 to "

@@ -242,6 +242,7 @@ def test_mooncake_trace_keeps_arrivals_lengths_and_shared_prefixes(tmp_path: Pat
     ("aiperf", ["{oops"], "not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
                           "is this an AIPerf profile_export.jsonl file (JSON Lines"),
     ("mooncake", ['{"timestamp": -4, "input_length": 5, "output_length": 2}'], "line 1: timestamp -4"),
+    ("mooncake", ['{"a": 1}'], "line 1: no timestamp field (its arrival in milliseconds); is this a mooncake trace"),
     ("mooncake", ['{"timestamp": 0, "input_length": 5, "output_length": 2}',
                   '{"timestamp": 1e400, "input_length": 5, "output_length": 2}'], "line 2: timestamp inf"),
     ("mooncake", ['{"timestamp": NaN, "input_length": 5, "output_length": 2}'], "line 1: timestamp nan"),
@@ -263,6 +264,21 @@ def test_imported_garbage_names_the_line(tmp_path: Path, fmt: str, lines: list[s
                                       "-o", str(tmp_path / "out.db")])
     assert result.exit_code == 1 and result.output.startswith("Error: "), result.output
     assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert not (tmp_path / "out.db").exists()
+
+
+def test_import_of_a_binary_or_missing_file_says_so_in_one_line(tmp_path: Path) -> None:
+    binary = tmp_path / "rand.db"
+    binary.write_bytes(b'{"timestamp": 0, "input_length": 5, "output_length": 2}\n\xa5\x00\xff\n')
+    result = CliRunner().invoke(cli, ["capture", "import", str(binary), "--format", "mooncake", "--model", "m",
+                                      "-o", str(tmp_path / "out.db")])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert result.output.strip() == (f"Error: {binary} line 2: not UTF-8 text; is this a mooncake trace file "
+                                     "(JSON Lines, one object per line)?"), result.output
+    # A file that is not there is named before anything else is asked for.
+    result = CliRunner().invoke(cli, ["capture", "import", str(tmp_path / "nope.jsonl"), "--format", "aiperf",
+                                      "-o", str(tmp_path / "out.db")])
+    assert result.exit_code == 2 and "does not exist" in result.output and "--model" not in result.output, result.output
     assert not (tmp_path / "out.db").exists()
 
 

@@ -104,11 +104,11 @@ def export_command(config: Config, since: dt.datetime, until: dt.datetime | None
 
 
 @capture.command("import")
-@click.argument("source", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("source", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--format", "fmt", type=click.Choice(["aiperf", "mooncake"]), required=True,
               help="aiperf: AIPerf's profile_export.jsonl; mooncake: a JSONL trace of timestamp (ms), "
                    "input_length, output_length[, hash_ids].")
-@click.option("--model", help="The model to send (neither format records it).")
+@click.option("--model", help="Required: the model to send (neither format records it).")
 @click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
               help="Replay to /v1/chat/completions or /v1/completions.")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Replay as streaming requests.")
