@@ -321,6 +321,8 @@ def open_capture_store(path: Path) -> Store:
     """The capture file as a store, migrated; refuses what is not an auditor capture."""
     if not path.is_file():
         raise CaptureError(f"{path}: no such capture file; make one with `auditor capture export -o {path}`")
+    if path.stat().st_size == 0:  # opening it would write a whole schema into whatever file this was
+        raise CaptureError(f"{path} is an empty file, not a capture; make one with `auditor capture export -o FILE`")
     try:
         store = Store(f"sqlite:///{path}", create=False)
     except AuditorError as exc:

@@ -63,6 +63,29 @@ def test_db_upgrade_then_status(tmp_path: Path) -> None:
     assert result.exit_code == 0 and "up to date" in result.output
 
 
+def test_db_status_of_a_store_newer_than_this_auditor_says_to_upgrade_the_auditor(tmp_path: Path) -> None:
+    """Not "needs `auditor db upgrade`", which then refuses it: the auditor is the older one."""
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path}/a.db"
+    assert CliRunner().invoke(cli, ["db", "upgrade", "--db", url]).exit_code == 0
+    with sqlite3.connect(tmp_path / "a.db") as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '9999'")
+    result = CliRunner().invoke(cli, ["db", "status", "--db", url])
+    assert result.exit_code == 0 and "schema 9999" in result.output, result.output
+    assert "newer than this auditor knows: upgrade the auditor" in result.output and "db upgrade" not in result.output
+
+
+def test_replay_leaves_an_empty_file_untouched(tmp_path: Path) -> None:
+    """An empty file is no capture: replay says so and writes nothing into it, where it used to
+    migrate it (a whole schema in a file named e.jsonl)."""
+    empty = tmp_path / "e.jsonl"
+    empty.touch()
+    result = CliRunner().invoke(cli, ["replay", str(empty), "--target", "http://127.0.0.1:1"])
+    assert result.exit_code == 2 and f"{empty} is an empty file, not a capture" in result.output, result.output
+    assert empty.stat().st_size == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["e.jsonl"]
+
+
 def foreign_sqlite(path: Path) -> bytes:
     """Another application's SQLite file (one table, no auditor schema); its bytes."""
     import sqlite3

@@ -31,11 +31,17 @@ def upgrade(config: Config) -> None:
 def status(config: Config) -> None:
     """Show the store's schema revision without changing anything."""
     from auditor.store import Store
+    from auditor.store.db import revisions
 
     url, _found = store_url(config)
     with errors_as_click():
         store = Store(url, check=False, create=False)
         current = store.current_revision() or "none"
-        head = store.head_revision()
-        state = "up to date" if current == head else "needs `auditor db upgrade`"
+        known, head = revisions()
+        if current == head:
+            state = "up to date"
+        elif current != "none" and current not in known:
+            state = "newer than this auditor knows: upgrade the auditor (its package) to read it"
+        else:
+            state = "needs `auditor db upgrade`"
         click.echo(f"{store.url}: schema {current}, head {head}: {state}")
