@@ -47,6 +47,22 @@ def test_table_is_the_default(db: str) -> None:
     assert max(len(line) for line in out.splitlines()) <= 100
 
 
+def test_table_fits_the_terminal_it_is_printed_on(db: str, tmp_path: Path) -> None:
+    """COLUMNS=80: every line within 80, ids still whole; to a file, the 100-column layout."""
+    result = CliRunner().invoke(cli, ["report", "--db", db, "--since", SINCE, "--until", UNTIL],
+                                env={"COLUMNS": "80"}, catch_exceptions=False)
+    lines = result.stdout.splitlines()
+    assert result.exit_code == 0 and max(len(line) for line in lines) <= 80, [line for line in lines if len(line) > 80]
+    assert trace(9) in result.stdout and "<script>alert(1)</script>" in result.stdout
+    assert "unconfirmed counts are in --format json" in result.stdout
+    out = tmp_path / "r.txt"
+    result = CliRunner().invoke(cli, ["report", "--db", db, "--since", SINCE, "--until", UNTIL, "-o", str(out)],
+                                env={"COLUMNS": "80"}, catch_exceptions=False)
+    text = out.read_text()
+    assert result.exit_code == 0 and " complete aborted " in text and "unconfirmed counts" not in text
+    assert max(len(line) for line in text.splitlines()) > 80  # no terminal narrows a file
+
+
 def test_json_on_stdout_validates(db: str) -> None:
     code, out, _ = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "json",
                           "--route", "/v1/chat/completions", "--top", "2")

@@ -14,6 +14,7 @@ import datetime as dt
 import logging
 import signal
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -105,6 +106,7 @@ def _gate(config: Any, capture_path: Path, device: str) -> Any:
 
 
 def run_demo(output_dir: Path, device: str = "cpu") -> int:
+    from auditor.cli.report import terminal_width
     from auditor.daemon import Daemon
     from auditor.report.model import ReportQuery
     from auditor.report.query import build_report
@@ -137,7 +139,7 @@ def run_demo(output_dir: Path, device: str = "cpu") -> int:
         report = build_report(daemon.store, ReportQuery(since_ns=start_ns, until_ns=end_ns, top=5),
                               with_requests=True, with_series=True)
         click.secho("\n2. What the auditor found", bold=True)
-        click.echo(render_table(report))
+        click.echo(render_table(report, terminal_width(sys.stdout)))
         html_path = output_dir / "report.html"
         html_path.write_text(render_html(report))
     finally:

@@ -200,6 +200,16 @@ def _umask() -> int:
     return mask
 
 
+def terminal_width(out: TextIO) -> int:
+    """The width of the terminal standard output is (``COLUMNS`` first, as shells set it); 100 for
+    ``-o FILE`` or a pipe, which no terminal narrows."""
+    import shutil
+
+    if out is not sys.stdout or ("COLUMNS" not in os.environ and not out.isatty()):
+        return 100
+    return shutil.get_terminal_size((100, 24)).columns
+
+
 def _render(result: Report, output_format: str, out: TextIO) -> None:
     if output_format == "json":
         from auditor.report.render_data import write_json
@@ -216,4 +226,4 @@ def _render(result: Report, output_format: str, out: TextIO) -> None:
     else:
         from auditor.report.render_table import render_table
 
-        out.write(render_table(result))
+        out.write(render_table(result, terminal_width(out)))

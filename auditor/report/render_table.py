@@ -1,4 +1,6 @@
-"""The report for people at a terminal: aligned columns with units, never wider than 100 columns.
+"""The report for people at a terminal: aligned columns with units, 100 columns wide, or as narrow as
+80 for a terminal that is (``width``): then the notes wrap, and the breakdowns and the worst zombies
+keep the columns that tell where the zombies are (the others are in the totals and in JSON).
 
 Text from the store (routes, models, request ids) is user-controlled: control characters are shown
 escaped so that a crafted request id cannot move the cursor or recolour the terminal.
@@ -6,10 +8,13 @@ escaped so that a crafted request id cannot move the cursor or recolour the term
 
 from __future__ import annotations
 
+import textwrap
+
 from auditor.report.model import BreakdownRow, Report
 from auditor.timefmt import rfc3339_seconds
 
 WIDTH = 100
+NARROWEST = 80
 BREAKDOWN_ROWS = 10  # per dimension; the JSON output has them all
 DIMENSION_TITLES = {"service": "service", "route": "route", "model": "model", "phase": "phase at disconnect",
                     "disconnect_kind": "disconnect kind", "host": "host"}
@@ -49,40 +54,50 @@ def percent(part: float, whole: float) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
 
 
-def render_table(report: Report) -> str:
-    lines = _header(report)
+def render_table(report: Report, width: int = WIDTH) -> str:
+    """The report in at most ``width`` columns (80 to 100; outside that, the nearest)."""
+    width = max(NARROWEST, min(WIDTH, width))
+    lines = _header(report, width)
     if report.empty:
         lines += ["", report.empty_message()]
         return "\n".join(lines) + "\n"
-    lines += _totals(report)
+    lines += _totals(report, width)
+    if width < WIDTH and any(report.breakdowns.values()):
+        lines += ["", "Breakdowns narrowed to this terminal: their completed, aborted and",
+                  "unconfirmed counts are in --format json (or 100 columns)."]
     for dimension, rows in report.breakdowns.items():
-        lines += _breakdown(DIMENSION_TITLES.get(dimension, dimension), rows, report.totals.cost_unit)
-    lines += _worst(report)
+        lines += _breakdown(DIMENSION_TITLES.get(dimension, dimension), rows, report.totals.cost_unit, width)
+    lines += _worst(report, width)
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
-def _header(report: Report) -> list[str]:
+def _header(report: Report, width: int) -> list[str]:
     query = report.query
     window = (f"{rfc3339_seconds(query.since_ns)} to {rfc3339_seconds(query.until_ns)} "
               f"({duration((query.until_ns - query.since_ns) / 1e9)})")
     lines = [f"Zombie requests  {window}"]
     filters = query.describe_filters()
     if filters:
-        lines.append(clip(f"filters: {printable(filters)}", WIDTH))
+        lines.append(clip(f"filters: {printable(filters)}", width))
     return lines
 
 
-def _totals(report: Report) -> list[str]:
+def _totals(report: Report, width: int) -> list[str]:
     t = report.totals
+    value_width = 16 if width >= WIDTH else 14
 
     def row(label: str, value: str, note: str = "") -> str:
-        return f"  {label:<22}{value:>16}  {note}"
+        first = f"  {label:<22}{value:>{value_width}}  "
+        if len(first) + len(note) <= width:
+            return first + note
+        wrapped = textwrap.wrap(note, width - len(first)) or [""]
+        return "\n".join([first + wrapped[0], *(" " * len(first) + more for more in wrapped[1:])])
 
     gpu_note = (f"{percent(t.wasted_gpu_seconds, t.gpu_seconds)} of {t.gpu_seconds:,.0f} GPU-s "
                 f"({t.gpus} GPU{'s' if t.gpus != 1 else ''} x window)"
                 if t.gpu_seconds else "no GPU samples in the window")
     estimated = f"{t.wasted_tokens_estimated:,} of them estimated" if t.wasted_tokens_estimated else ""
-    return [
+    rows = [
         "",
         "Totals",
         row("requests", f"{t.requests:,}", "HTTP server spans that started in the window"),
@@ -114,53 +129,72 @@ def _totals(report: Report) -> list[str]:
         row("peerless span joins", f"{t.peerless_span_joins:,}",
             "spans without a peer, joined by server port (inferred)"),
     ]
+    return [line for text in rows for line in text.split("\n")]
 
 
-def _breakdown_header(unit: str) -> str:
+def _breakdown_header(unit: str, wide: bool) -> str:
+    if not wide:
+        return (f"  {'':<20} {'disconn':>7} {'zombie':>7} {'in-flight':>9} {'zombie s':>9} {'tokens':>8} "
+                f"{unit + '-s':>8}")
     return (f"  {'':<20} {'disconn':>7} {'complete':>8} {'aborted':>7} {'zombie':>7} "
             f"{'in-flight':>9} {'unconf':>6} {'zombie s':>9} {'tokens':>8} {unit + '-s':>8}")
 
 
-def _breakdown(title: str, rows: list[BreakdownRow], unit: str) -> list[str]:
+def _breakdown(title: str, rows: list[BreakdownRow], unit: str, width: int) -> list[str]:
     if not rows:
         return []
-    lines = ["", f"By {title}", _breakdown_header(unit)]
+    wide = width >= WIDTH
+    lines = ["", f"By {title}", _breakdown_header(unit, wide)]
     for row in rows[:BREAKDOWN_ROWS]:
+        key = f"  {clip(printable(row.key, '(none)'), 20):<20} {row.disconnects:>7,} "
+        tail = (f"{row.zombies:>7,} {row.inflight_zombies:>9,} {row.zombie_seconds:>9,.1f} "
+                f"{row.wasted_tokens:>8,} {row.wasted_seconds(unit):>8,.1f}")
+        if not wide:
+            lines.append(key + tail)
+            continue
         lines.append(
-            f"  {clip(printable(row.key, '(none)'), 20):<20} {row.disconnects:>7,} {row.completed:>8,} "
-            f"{row.aborted:>7,} {row.zombies:>7,} {row.inflight_zombies:>9,} {row.unconfirmed:>6,} "
-            f"{row.zombie_seconds:>9,.1f} {row.wasted_tokens:>8,} {row.wasted_seconds(unit):>8,.1f}")
+            f"{key}{row.completed:>8,} {row.aborted:>7,} {row.zombies:>7,} {row.inflight_zombies:>9,} "
+            f"{row.unconfirmed:>6,} {row.zombie_seconds:>9,.1f} {row.wasted_tokens:>8,} "
+            f"{row.wasted_seconds(unit):>8,.1f}")
     if len(rows) > BREAKDOWN_ROWS:
         lines.append(f"  ... and {len(rows) - BREAKDOWN_ROWS} more (all of them in --format json)")
     return lines
 
 
-def _worst(report: Report) -> list[str]:
+def _worst(report: Report, width: int) -> list[str]:
     if report.query.top == 0:
         return []
     if not report.worst_zombies:
         return ["", "No zombies in the window."]
     unit = report.totals.cost_unit
+    wide = width >= WIDTH
+    # Narrower: the disconnect's date without its year, routes and models clipped shorter.
+    at_width, at_cut, route_width, model_width = (20, 0, 20, 14) if wide else (14, 5, 13, 10)
     lines = ["", "Worst zombies (by zombie time; ids are full, for lookup in a tracing backend)",
-             f"  {'#':>2} {'zombie s':>9} {'verdict':<9} {'phase':<7} {'disconnect (UTC)':<20} "
-             f"{'route':<20} {'model':<14} {unit + '-s':>7}"]
+             f"  {'#':>2} {'zombie s':>9} {'verdict':<9} {'phase':<7} "
+             f"{'disconnect (UTC)' if wide else 'left at (UTC)':<{at_width}} "
+             f"{'route':<{route_width}} {'model':<{model_width}} {unit + '-s':>7}"]
     for rank, finding in enumerate(report.worst_zombies, 1):
+        at = rfc3339_seconds(finding.disconnect_at_ns)[at_cut:]
+        if not wide:
+            at = at.replace("T", " ").removesuffix("Z")
         lines.append(
             f"  {rank:>2} {finding.lag_seconds or 0.0:>9,.1f} "
             f"{VERDICT_LABELS.get(finding.verdict, finding.verdict):<9} {clip(finding.phase, 7):<7} "
-            f"{rfc3339_seconds(finding.disconnect_at_ns):<20} "
-            f"{clip(printable(finding.route), 20):<20} {clip(printable(finding.model), 14):<14} "
+            f"{at:<{at_width}} "
+            f"{clip(printable(finding.route), route_width):<{route_width}} "
+            f"{clip(printable(finding.model), model_width):<{model_width}} "
             f"{finding.wasted_seconds(unit):>7,.1f}")
-        lines += _id_lines("request", printable(finding.request_id))
-        lines += _id_lines("trace", printable(finding.trace_id))
+        lines += _id_lines("request", printable(finding.request_id), width)
+        lines += _id_lines("trace", printable(finding.trace_id), width)
         lines.append(f"{'':5}host {printable(finding.host)}  client {printable(finding.client)}")
     return lines
 
 
-def _id_lines(label: str, identifier: str) -> list[str]:
+def _id_lines(label: str, identifier: str, width: int) -> list[str]:
     """An id printed whole; one longer than a line continues on the next rather than being cut."""
     prefix = f"{'':5}{label:<8}"
-    room = WIDTH - len(prefix)
+    room = width - len(prefix)
     chunks = [identifier[i:i + room] for i in range(0, len(identifier), room)] or [""]
     return [prefix + chunks[0]] + [" " * len(prefix) + chunk for chunk in chunks[1:]]
 
