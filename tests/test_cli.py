@@ -201,6 +201,33 @@ def test_doctor_names_the_disconnect_source_as_a_label() -> None:
     assert "disconnect source: bpf, the prebuilt probe (" in " ".join(render_text(probe, 0.1, 200))
 
 
+def test_doctor_as_a_user_tracefs_refuses_names_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """tracefs is root's alone (mode 0700): a user's doctor says so and how to run, not 'check
+    itself failed' with no fix."""
+    from auditor.cli import doctor
+
+    locked = tmp_path / "tracing"
+
+    def exists(path: Path) -> bool:
+        if str(path).startswith(str(locked)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return False
+
+    monkeypatch.setattr(doctor, "TRACEFS_DIRS", (locked,))
+    monkeypatch.setattr(Path, "exists", exists)
+    check = doctor.check_tracefs()
+    assert check.state == doctor.DEGRADED and "readable by root only" in check.detail, check
+    assert check.fix.startswith("run as root, or under systemd with AmbientCapabilities=CAP_BPF"), check
+
+    def refused() -> None:
+        raise PermissionError(13, "Permission denied", "/sys/kernel/tracing/events")
+
+    monkeypatch.setattr("probes.bpf.load_prebuilt", refused)
+    check = doctor.check_prebuilt_probe()
+    assert check.state == doctor.DEGRADED and "Permission denied: /sys/kernel/tracing/events" in check.detail
+    assert check.fix == doctor.root_or_unit()
+
+
 def test_doctor_says_which_otlp_reader_reads_spans(monkeypatch: pytest.MonkeyPatch) -> None:
     from auditor.cli.doctor import DEGRADED, OK, check_otlp_reader
     from collectors import otlp_wire

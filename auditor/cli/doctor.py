@@ -58,7 +58,7 @@ def check_privileges() -> Check:
     if not missing:
         return Check("privileges", OK, f"{who}, {UNIT_CAPABILITIES.replace(' ', ', ')} effective")
     return Check("privileges", DEGRADED, f"{who} without {', '.join(missing)}: eBPF probe unavailable",
-                 f"run as root, or under systemd with AmbientCapabilities={UNIT_CAPABILITIES}")
+                 root_or_unit())
 
 
 def check_bpf_syscall() -> Check:
@@ -80,9 +80,21 @@ def check_bpf_syscall() -> Check:
                  "run as root (or grant CAP_BPF); check kernel.unprivileged_bpf_disabled")
 
 
+def root_or_unit() -> str:
+    """The fix for what only root, or the unit's capabilities, may do."""
+    from probes.caps import UNIT_CAPABILITIES
+
+    return f"run as root, or under systemd with AmbientCapabilities={UNIT_CAPABILITIES}"
+
+
 def check_tracefs() -> Check:
     for base in TRACEFS_DIRS:
-        if (base / "events/sock/inet_sock_set_state").exists():
+        try:
+            present = (base / "events/sock/inet_sock_set_state").exists()
+        except PermissionError:
+            return Check("tracefs", DEGRADED, f"{base} is mounted but readable by root only: this user cannot see "
+                         "the tracepoints the eBPF probe attaches to", root_or_unit())
+        if present:
             detail = f"{base} mounted, sock:inet_sock_set_state present"
             missing = [name for name in ("tcp_receive_reset", "tcp_rcv_space_adjust")
                        if not (base / "events/tcp" / name).exists()]
@@ -103,6 +115,9 @@ def check_prebuilt_probe() -> Check:
     started = time.monotonic()
     try:
         program = load_prebuilt()
+    except PermissionError as exc:
+        return Check("prebuilt_probe", DEGRADED, f"cannot load the prebuilt probe as this user ({exc.strerror}: "
+                     f"{exc.filename})", root_or_unit())
     except ProbeUnavailable as exc:
         return Check("prebuilt_probe", DEGRADED, exc.reason,
                      exc.fix if exc.reason == "tracefs is not mounted"
@@ -466,7 +481,8 @@ def run_checks(config: Config) -> list[Check]:
             results.append(check())
         except Exception as exc:  # a broken check must not hide the others
             name = getattr(check, "__name__", "check").removeprefix("check_")
-            results.append(Check(name, DEGRADED, f"check itself failed: {exc}"))
+            results.append(Check(name, DEGRADED, f"check itself failed: {exc}",
+                                 root_or_unit() if isinstance(exc, PermissionError) else ""))
     return results
 
 
