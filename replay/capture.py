@@ -326,7 +326,9 @@ def open_capture_store(path: Path) -> Store:
     try:
         store = Store(f"sqlite:///{path}", create=False)
     except AuditorError as exc:
-        raise CaptureError(f"{path} is not a capture file: {exc}") from exc
+        # The store's errors speak to --db, which replay has not: here the file is the argument.
+        reason = str(exc).replace("pass another --db", "pass another capture file")
+        raise CaptureError(f"{path} is not a capture file: {reason}") from exc
     return store
 
 

@@ -192,6 +192,7 @@ def test_capture_garbage_is_refused_with_what_to_do(tmp_path: Path) -> None:
         result = auditor("replay", *args)
         assert result.returncode == 2, (args, result.stdout, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert "--db" not in result.stderr, result.stderr  # replay has no such option
     busy.close()
 
 

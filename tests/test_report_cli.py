@@ -262,6 +262,14 @@ def test_sqlite_in_memory_is_refused_where_a_stored_database_is_read(tmp_path: P
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_database_other_than_sqlite_or_postgresql_is_named_as_unsupported(tmp_path: Path) -> None:
+    """Not a missing MySQLdb module with a hint to install the PostgreSQL extra."""
+    result = CliRunner().invoke(cli, ["report", "--db", "mysql://u:secret@x/y", "--since", "1h"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr == ("Error: mysql://u:***@x/y: the auditor stores to SQLite or PostgreSQL only; "
+                             "try sqlite:///auditor.db or postgresql+psycopg://user@host/db\n")
+
+
 @pytest.mark.parametrize(("where", "named"), [
     ("flag", "--db 'garbage'"), ("env", "AUDITOR_DB 'garbage'"), ("file", "db 'garbage' in {tmp}/a.toml")])
 def test_a_bad_database_url_is_named_by_where_it_came_from(tmp_path: Path, where: str, named: str) -> None:

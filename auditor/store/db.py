@@ -560,6 +560,9 @@ def _make_engine(url: str, *, create: bool) -> Engine:
     except ArgumentError as exc:
         raise StoreError(f"{url!r} is not a database URL; try sqlite:///auditor.db "
                          "or postgresql+psycopg://user@host/db") from exc
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise StoreError(f"{parsed.render_as_string(hide_password=True)}: the auditor stores to SQLite or "
+                         "PostgreSQL only; try sqlite:///auditor.db or postgresql+psycopg://user@host/db")
     if parsed.get_backend_name() == "sqlite":
         _check_sqlite_path(parsed.database or "", create=create)
         engine = create_engine(parsed, connect_args={"timeout": 5})
