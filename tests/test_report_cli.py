@@ -128,6 +128,10 @@ def test_until_before_since_is_rejected(db: str) -> None:
     result = CliRunner().invoke(cli, ["report", "--db", db, "--since", "1h", "--until", "2h"])
     assert result.exit_code == 2
     assert "is not after --since" in result.stderr and "e.g. --since 2h --until 1h" in result.stderr
+    # A window to end now that starts now is --since's fault, not an --until nobody gave.
+    result = CliRunner().invoke(cli, ["report", "--db", db, "--since", "0s"])
+    assert result.exit_code == 2 and "Invalid value for --since: " in result.stderr, result.stderr
+    assert "is now: the window up to now is empty; give a duration back from now, e.g. --since 1h" in result.stderr
 
 
 @pytest.mark.parametrize("command", ["report", "capture export"])
@@ -181,7 +185,8 @@ def test_an_empty_window_is_refused(db: str, tmp_path: Path, command: str, args:
     extra = ["-o", str(out)] if command.startswith("capture") else []
     result = CliRunner().invoke(cli, [*command.split(), *extra, "--db", db, *args])
     assert result.exit_code == 2, result.output
-    assert "is not after --since" in result.stderr, result.stderr
+    empty = "is now: the window up to now is empty" if "--until" not in args else "is not after --since"
+    assert empty in result.stderr, result.stderr
     assert not out.exists()
 
 

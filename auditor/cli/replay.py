@@ -26,9 +26,9 @@ from auditor.cli.util import (
     TIME,
     common_options,
     errors_as_click,
-    future_since,
     now,
     open_store,
+    window_end,
 )
 from auditor.config import Config, apply_overrides, load_config
 from auditor.errors import AuditorError
@@ -73,13 +73,7 @@ def export_command(config: Config, since: dt.datetime, until: dt.datetime | None
     """
     from replay.capture import CaptureError, check_output, count_server_spans, export_capture
 
-    if until is None and since > now():
-        raise click.BadParameter(future_since(since), param_hint="--since")
-    until = until or now()
-    if until <= since:
-        raise click.BadParameter(f"{until.isoformat(timespec='seconds')} is not after --since "
-                                 f"{since.isoformat(timespec='seconds')}; e.g. --since 2h --until 1h",
-                                 param_hint="--until")
+    until = window_end(since, until, now())
     store = open_store(config, create=False)
     try:
         # Every refusal but "exists" (which --force answers) before anything is read or written.

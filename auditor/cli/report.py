@@ -11,7 +11,7 @@ from typing import TextIO
 
 import click
 
-from auditor.cli.util import TIME, common_options, errors_as_click, future_since, now, open_store
+from auditor.cli.util import TIME, common_options, errors_as_click, now, open_store, window_end
 from auditor.config import Config
 from auditor.errors import StoreError
 from auditor.report.model import Report, ReportQuery, to_ns
@@ -68,14 +68,7 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
     if refusal:
         raise click.BadParameter(f"{output} {refusal} (renaming a report over it would lose it); give another "
                                  "name, or --force to replace it", param_hint="-o/--output")
-    if until is None and since > now():
-        raise click.BadParameter(future_since(since), param_hint="--since")
-    until = until or now()
-    if until <= since:
-        raise click.BadParameter(
-            f"{until.isoformat(timespec='seconds')} is not after --since "
-            f"{since.isoformat(timespec='seconds')}; "
-            "e.g. --since 2h --until 1h", param_hint="--until")
+    until = window_end(since, until, now())
     query = ReportQuery(since_ns=to_ns(since), until_ns=to_ns(until), host=host, service=service,
                         route=route, model=model, top=top)
     with errors_as_click():

@@ -257,5 +257,22 @@ def future_since(since: dt.datetime) -> str:
             "give an earlier time or a duration back from now, e.g. --since 1h")
 
 
+def window_end(since: dt.datetime, until: dt.datetime | None, now: dt.datetime) -> dt.datetime:
+    """The window's end (``until``, else now), refusing an empty window with the option to blame:
+    --since when the window was to end now, --until when both were given."""
+    if until is None:
+        if since > now:
+            raise click.BadParameter(future_since(since), param_hint="--since")
+        if since == now:
+            raise click.BadParameter(f"{since.isoformat(timespec='seconds')} is now: the window up to now is "
+                                     "empty; give a duration back from now, e.g. --since 1h", param_hint="--since")
+        return now
+    if until <= since:
+        raise click.BadParameter(f"{until.isoformat(timespec='seconds')} is not after --since "
+                                 f"{since.isoformat(timespec='seconds')}; e.g. --since 2h --until 1h",
+                                 param_hint="--until")
+    return until
+
+
 PORT = PortType()
 TIME = TimeType()
