@@ -129,22 +129,30 @@ def gate(summary: ReplaySummary) -> tuple[str, list[str]]:
     """The release gate's decision and its reasons: "zombies" (work went on after clients left),
     "unsound" (requests failed, or fewer cancels happened than planned: the run did not test what it
     meant to), "inconclusive" (cancels without a final verdict) or "pass"."""
+    labelled = gate_reasons(summary)
+    return (labelled[0][0] if labelled else "pass"), [reason for _, reason in labelled]
+
+
+def gate_reasons(summary: ReplaySummary) -> list[tuple[str, str]]:
+    """Each reason against passing with its own kind, the deciding one first: a run with zombies
+    and failed requests fails for both, and says which is which."""
     reasons = []
     if summary.zombies:
-        reasons.append(f"{summary.zombies} zombies ({summary.zombie_seconds:.1f} zombie-seconds)")
+        reasons.append(("zombies", f"{summary.zombies} zombies ({summary.zombie_seconds:.1f} zombie-seconds)"))
     if summary.errors:
         kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(summary.error_kinds.items()))
-        reasons.append(f"{summary.errors} of {summary.sent} requests failed ({kinds})")
+        reasons.append(("unsound", f"{summary.errors} of {summary.sent} requests failed ({kinds})"))
     if summary.cancelled < summary.planned_cancels:
-        reasons.append(f"only {summary.cancelled} of {summary.planned_cancels} planned cancels happened "
-                       "(the others were answered, or failed, before their timer fired)")
+        reasons.append(("unsound", f"only {summary.cancelled} of {summary.planned_cancels} planned cancels "
+                                   "happened (the others were answered, or failed, before their timer fired)"))
     if reasons:
-        return ("zombies" if summary.zombies else "unsound"), reasons
+        return reasons
     if summary.unjudged:
-        reasons.append(f"{summary.unjudged} cancelled requests got no verdict")
+        reasons.append(("inconclusive", f"{summary.unjudged} cancelled requests got no verdict"))
     if summary.provisional:
-        reasons.append(f"{summary.provisional} verdicts could still become zombies when the wait ran out")
-    return ("inconclusive", reasons) if reasons else ("pass", [])
+        reasons.append(("inconclusive", f"{summary.provisional} verdicts could still become zombies when the wait "
+                                        "ran out"))
+    return reasons
 
 
 def error_kind(error: str) -> str:

@@ -385,3 +385,17 @@ def test_engine_load_reads_the_prometheus_exposition() -> None:
     assert busy_from_metrics(text) == 3.0
     assert busy_from_metrics("process_cpu_seconds_total 3\n") is None
     assert busy_from_metrics("this is { not prometheus\n") is None
+
+
+def test_each_gate_reason_carries_its_own_kind() -> None:
+    """Zombies beside too few cancels: the run fails for zombies, and the cancels line says
+    unsound, not zombies (as docs/replay.md's reasons read)."""
+    from replay.run import ReplaySummary, gate, gate_reasons
+
+    summary = ReplaySummary(sent=4, cancelled=2, planned_cancels=4, zombies=1, zombie_seconds=3.0)
+    assert gate(summary) == ("zombies", ["1 zombies (3.0 zombie-seconds)", "only 2 of 4 planned cancels happened "
+                                         "(the others were answered, or failed, before their timer fired)"])
+    assert [kind for kind, _ in gate_reasons(summary)] == ["zombies", "unsound"]
+    assert gate(ReplaySummary(sent=4, cancelled=2, planned_cancels=2, unjudged=1)) == (
+        "inconclusive", ["1 cancelled requests got no verdict"])
+    assert gate(ReplaySummary(sent=4, cancelled=2, planned_cancels=2)) == ("pass", [])

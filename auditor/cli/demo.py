@@ -152,15 +152,15 @@ def run_demo(output_dir: Path, device: str = "cpu") -> int:
                                                until_ns=end_ns)
         click.echo(f"  auditor capture export: {captured} requests -> {capture_path}")
         summary = _gate(config, capture_path, device)
-    from replay.run import gate
+    from replay.run import gate, gate_reasons
 
     zombies_before = sum(before.get(v, 0) for v in ZOMBIE_VERDICTS)
     click.echo(f"  auditor replay --as-captured: {summary.cancelled} of {summary.planned_cancels} planned cancels "
                f"happened, {summary.sent} requests sent, errors = {summary.errors}; verdicts {summary.verdicts}"
                + (f", {summary.unjudged} without one" if summary.unjudged else ""))
-    decision, reasons = gate(summary)
-    for reason in reasons:
-        click.echo(f"  {decision}: {reason}")
+    decision, _ = gate(summary)
+    for kind, reason in gate_reasons(summary):
+        click.echo(f"  {kind}: {reason}")
     passed = decision == "pass" and zombies_before > 0
     click.secho(f"\nZombies: {zombies_before} → {summary.zombies} ({cancelled} requests cancelled by their clients "
                 f"in production, replayed with the same disconnects; errors = {summary.errors}; gate "

@@ -335,7 +335,7 @@ def replay_command(capture_file: Path, target: str, capture_id: int | None, opti
       auditor replay capture.db --target http://127.0.0.1:8000 --cancel-rate 0.3
       auditor replay capture.db --target http://127.0.0.1:8000 --as-captured --baseline previous
     """
-    from replay.run import gate
+    from replay.run import gate, gate_reasons
     from replay.session import ReplaySettings, local_target
 
     logging.basicConfig(level=logging.WARNING, format="auditor replay: %(levelname)s %(message)s", stream=sys.stderr)
@@ -350,12 +350,13 @@ def replay_command(capture_file: Path, target: str, capture_id: int | None, opti
         click.echo(json.dumps(summary.as_json(), indent=2))
     else:
         _print_summary(summary, capture_data)
-    decision, reasons = gate(summary)
+    decision, _ = gate(summary)
+    reasons = gate_reasons(summary)
     if decision == "inconclusive":
-        reasons.append(f"check that the engine exports spans to {settings.otlp_http or settings.otlp_grpc} and "
-                       f"serves port {port}, or raise --wait")
-    for reason in reasons:
-        click.echo(f"{decision}: {reason}", err=True)
+        reasons.append((decision, f"check that the engine exports spans to {settings.otlp_http or settings.otlp_grpc} "
+                                  f"and serves port {port}, or raise --wait"))
+    for kind, reason in reasons:
+        click.echo(f"{kind}: {reason}", err=True)
     if decision != "pass":
         raise SystemExit(EXIT_BY_GATE[decision])
 
