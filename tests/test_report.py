@@ -180,6 +180,20 @@ def test_series_buckets_the_window(filled: Store) -> None:
     assert by_trace[trace(9)].utilization and by_trace[trace(11)].utilization == []  # gpu-b: no GPU
 
 
+def test_a_host_without_gpu_samples_plots_its_engines_cpu(filled: Store) -> None:
+    """gpu-b has no NVML samples, only /proc's of its engine (1.5 cores for 1 s): the second plot
+    is completed requests against that CPU, not an empty GPU axis captioned as if it were busy."""
+    query = ReportQuery(since_ns=T0, until_ns=at(3600), host="gpu-b")
+    report = build_report(filled, query, with_series=True)
+    assert report.series is not None and all(b.gpu_util_percent is None for b in report.series)
+    assert report.series[0].engine_cores == pytest.approx(1.5 / 60)  # 1.5 core-seconds over a minute
+    assert all(b.engine_cores is None for b in report.series[1:])
+    page = render_html(report)
+    assert "Completed requests against the engines' CPU" in page
+    assert "against GPU utilization" not in page and "engine CPU, cores" in page
+    assert "Completed requests against GPU utilization" in render_html(build_report(filled, HOUR, with_series=True))
+
+
 def test_empty_window_says_where_the_data_is(filled: Store) -> None:
     report = build_report(filled, ReportQuery(since_ns=at(86400), until_ns=at(90000)))
     assert report.empty

@@ -321,6 +321,19 @@ def _series(conn: Connection, query: ReportQuery, width_ns: int) -> list[Bucket]
                                      .group_by(sample_bucket)):
         if mean is not None:
             util[int(bucket)] = float(mean)
+    # The engine processes' CPU, where /proc samples them: core-seconds (a sample's share of a core
+    # times the time it covers) over the slice's length, so a slice with gaps in its samples reads low,
+    # never high.
+    cores: dict[int, float] = {}
+    cpu_bucket = _bucket_of(samples.c.ts_ns, since, width_ns)
+    for bucket, core_seconds in conn.execute(
+            select(cpu_bucket, func.sum(samples.c.util_percent * samples.c.interval_s / 100.0))
+            .where(*([samples.c.host == query.host] if query.host is not None else []),
+                   samples.c.ts_ns >= since, samples.c.ts_ns < until, samples.c.source == "procfs",
+                   samples.c.util_percent.is_not(None), samples.c.interval_s.is_not(None))
+            .group_by(cpu_bucket)):
+        if core_seconds is not None:
+            cores[int(bucket)] = float(core_seconds) / (width_ns / NS)
     series = []
     for index in range(count):
         row = findings.get(index)
@@ -331,6 +344,7 @@ def _series(conn: Connection, query: ReportQuery, width_ns: int) -> list[Bucket]
             wasted_gpu_seconds=float(row.wasted_gpu_seconds) if row is not None else 0.0,
             gpu_util_percent=util.get(index),
             wasted_cpu_seconds=float(row.wasted_cpu_seconds) if row is not None else 0.0,
+            engine_cores=cores.get(index),
         ))
     return series
 

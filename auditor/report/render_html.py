@@ -85,14 +85,23 @@ def _plots(report: Report) -> list[str]:
             Series("zombies (by disconnect time)", [b.zombies for b in report.series], "#d9534f", "bar",
                    counts=True),
             Series(f"wasted {unit}-seconds", wasted, "#7a4fd9"))]
-        parts += ["<h2>Completed requests against GPU utilization</h2>",
-                  '<p class="sub">Zombies show as the gap: the GPU stays busy while fewer requests '
-                  "complete.</p>", time_chart(
-            "completed requests per minute against GPU utilization", starts, report.bucket_ns,
-            Series("completed requests / min", [b.completed_requests / minutes for b in report.series],
-                   "#2f7ed8"),
-            Series("GPU utilization %", [b.gpu_util_percent for b in report.series], "#f0ad4e",
-                   fixed_max=100.0))]
+        completed = Series("completed requests / min", [b.completed_requests / minutes for b in report.series],
+                           "#2f7ed8")
+        if any(b.gpu_util_percent is not None for b in report.series) or \
+                not any(b.engine_cores is not None for b in report.series):
+            parts += ["<h2>Completed requests against GPU utilization</h2>",
+                      '<p class="sub">Zombies show as the gap: the GPU stays busy while fewer requests '
+                      "complete.</p>", time_chart(
+                "completed requests per minute against GPU utilization", starts, report.bucket_ns, completed,
+                Series("GPU utilization %", [b.gpu_util_percent for b in report.series], "#f0ad4e",
+                       fixed_max=100.0))]
+        else:  # no GPU samples, the engines' CPU read from /proc: that is where the work shows
+            parts += ["<h2>Completed requests against the engines' CPU</h2>",
+                      '<p class="sub">No GPU samples in the window. Zombies show as the gap: the engines '
+                      "stay busy while fewer requests complete.</p>", time_chart(
+                "completed requests per minute against the engine processes' CPU in cores", starts,
+                report.bucket_ns, completed,
+                Series("engine CPU, cores", [b.engine_cores for b in report.series], "#f0ad4e"))]
     if report.timelines:
         parts += ["<h2>Worst zombies, request by request</h2>", zombie_timelines(report.timelines)]
     return parts
