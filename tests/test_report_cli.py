@@ -63,6 +63,22 @@ def test_table_fits_the_terminal_it_is_printed_on(db: str, tmp_path: Path) -> No
     assert max(len(line) for line in text.splitlines()) > 80  # no terminal narrows a file
 
 
+def test_the_output_files_name_picks_the_format_unless_one_is_given(db: str, tmp_path: Path) -> None:
+    """-o zombies.html is the page, not a table in a file named .html; a --format given wins, with
+    a warning where the name says otherwise."""
+    window = ["--db", db, "--since", SINCE, "--until", UNTIL]
+    for name, opening in (("z.html", "<!DOCTYPE html>"), ("z.JSON", "{"), ("z.csv", "request_id,trace_id,"),
+                          ("z.txt", "Zombie requests"), ("z.out", "Zombie requests")):
+        code, _, err = invoke(*window, "-o", str(tmp_path / name))
+        assert code == 0 and (tmp_path / name).read_text().startswith(opening), (name, err)
+        assert "warning" not in err
+    code, _, err = invoke(*window, "--format", "html", "-o", str(tmp_path / "r.json"))
+    assert code == 0 and (tmp_path / "r.json").read_text().startswith("<!DOCTYPE html>")
+    assert f"warning: writing html to {tmp_path / 'r.json'}, whose name says json" in err
+    code, _, err = invoke(*window, "--json", "-o", str(tmp_path / "r2.json"))
+    assert code == 0 and "warning" not in err
+
+
 def test_json_on_stdout_validates(db: str) -> None:
     code, out, _ = invoke("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "json",
                           "--route", "/v1/chat/completions", "--top", "2")

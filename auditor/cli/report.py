@@ -19,6 +19,9 @@ from auditor.report.model import Report, ReportQuery, to_ns
 FORMATS = ("table", "json", "csv", "html")
 
 
+FORMAT_BY_SUFFIX = {".html": "html", ".htm": "html", ".json": "json", ".csv": "csv", ".txt": "table"}
+
+
 @click.command()
 @click.option("--since", type=TIME, default="1h", show_default=True,
               help="Start of the window: a duration back from now (30m, 1h, 2d) or an RFC 3339 time.")
@@ -35,8 +38,9 @@ FORMATS = ("table", "json", "csv", "html")
               "self-contained page with plots.")
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
-              help="Write to this file instead of standard output ('-': standard output). An "
-              "existing file is replaced only if it holds a report, or with --force.")
+              help="Write to this file instead of standard output ('-': standard output); without "
+              "--format, its name's .html, .json, .csv or .txt picks the format. An existing file is "
+              "replaced only if it holds a report, or with --force.")
 @click.option("--force", is_flag=True, help="Replace the -o file even if it holds something other than a report.")
 @common_options
 def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: str | None,
@@ -64,6 +68,11 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
     if output is not None and not Path(output).name:
         raise click.BadParameter(f"{output!r} names no file; give one, e.g. -o zombies.html or leave -o out "
                                  "for standard output", param_hint="-o/--output")
+    named = None if output is None else FORMAT_BY_SUFFIX.get(Path(output).suffix.lower())
+    if named is not None and not (as_json or _given("output_format")):
+        output_format = named  # -o zombies.html: the page, not a table in a file named .html
+    elif named is not None and named != output_format:
+        click.echo(f"warning: writing {output_format} to {output}, whose name says {named}", err=True)
     refusal = None if output is None or force else _not_replaceable(Path(output))
     if refusal:
         raise click.BadParameter(f"{output} {refusal} (renaming a report over it would lose it); give another "
