@@ -177,7 +177,7 @@ class Bucket:
     wasted_gpu_seconds: float
     gpu_util_percent: float | None  # mean whole-GPU utilization; None without samples
     wasted_cpu_seconds: float = 0.0
-    engine_cores: float | None = None  # the followed engine processes' CPU, in cores (/proc samples)
+    engine_cores: float | None = None  # engine processes' CPU in cores (/proc), read only without GPU samples
 
 
 @dataclass(frozen=True, slots=True)

@@ -321,12 +321,12 @@ def _series(conn: Connection, query: ReportQuery, width_ns: int) -> list[Bucket]
                                      .group_by(sample_bucket)):
         if mean is not None:
             util[int(bucket)] = float(mean)
-    # The engine processes' CPU, where /proc samples them: core-seconds (a sample's share of a core
-    # times the time it covers) over the slice's length, so a slice with gaps in its samples reads low,
-    # never high.
+    # Without GPU samples, the engine processes' CPU where /proc samples them: core-seconds (a
+    # sample's share of a core times the time it covers) over the slice's length, so a slice with
+    # gaps in its samples reads low, never high. (With GPU samples nothing plots it: not read.)
     cores: dict[int, float] = {}
     cpu_bucket = _bucket_of(samples.c.ts_ns, since, width_ns)
-    for bucket, core_seconds in conn.execute(
+    for bucket, core_seconds in [] if util else conn.execute(
             select(cpu_bucket, func.sum(samples.c.util_percent * samples.c.interval_s / 100.0))
             .where(*([samples.c.host == query.host] if query.host is not None else []),
                    samples.c.ts_ns >= since, samples.c.ts_ns < until, samples.c.source == "procfs",
