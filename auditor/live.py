@@ -65,18 +65,25 @@ class LiveReporter:
         except Exception:  # full buffer, no daemon, anything: the server must not notice
             self.dropped += 1
 
-    def _work(self, event: str, trace_id: str, span_id: str, name: str) -> None:
-        self.send({"v": 1, "ev": event, "trace": trace_id, "span": span_id, "name": name,
+    def _work(self, event: str, trace_id: str, span_id: str, name: str, finish: str | None = None) -> None:
+        payload = {"v": 1, "ev": event, "trace": trace_id, "span": span_id, "name": name,
                    "kind": "internal", "ts": time.time_ns(), "peer": None, "peer_port": None,
-                   "port": None, "pid": self.pid, "service": self.service, "engine": True})
+                   "port": None, "pid": self.pid, "service": self.service, "engine": True}
+        if finish:
+            payload["finish"] = finish
+        self.send(payload)
 
     def work_started(self, trace_id: str, span_id: str, name: str = "llm_request") -> None:
         """Engine work on a request began (call where the scheduler accepts it)."""
         self._work("start", trace_id, span_id, name)
 
-    def work_ended(self, trace_id: str, span_id: str, name: str = "llm_request") -> None:
-        """Engine work on a request stopped: finished, aborted or failed."""
-        self._work("end", trace_id, span_id, name)
+    def work_ended(self, trace_id: str, span_id: str, name: str = "llm_request",
+                   finish_reason: str | None = None) -> None:
+        """Engine work on a request stopped: finished, aborted or failed. ``finish_reason`` as the
+        engine's span would say it (``stop``, ``length``, ``abort``): a normal finish before the
+        client left tells a complete response even where the engine's span cannot be joined to the
+        request's (no ``traceparent``, no ``X-Request-Id``)."""
+        self._work("end", trace_id, span_id, name, finish_reason)
 
     def close(self) -> None:
         self._sock.close()

@@ -209,6 +209,8 @@ class LiveEvent:
     pid: int | None
     service: str
     engine: bool  # engine work (not an HTTP span)
+    # An engine end's finish reason where the engine tells it (stop, length, abort, ...); None: untold.
+    finish: str | None = None
 
     def as_span(self) -> SpanRecord:
         """A stand-in server span for a request known only from its start notice."""

@@ -38,6 +38,7 @@ def parse_datagram(data: bytes) -> LiveEvent | None:
             peer_port=opt_int(doc.get("peer_port")), server_port=opt_int(doc.get("port")),
             pid=opt_int(doc.get("pid")), service=str(doc.get("service", ""))[:255],
             engine=bool(doc.get("engine")),
+            finish=str(finish)[:32] if isinstance(finish := doc.get("finish"), str) and finish else None,
         )
     except (ValueError, KeyError, TypeError):
         return None

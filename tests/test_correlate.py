@@ -724,6 +724,36 @@ def test_live_notice_gives_inflight_zombie_before_any_span(store: Store) -> None
     assert row.verdict == "zombie" and abs(row.lag_seconds - 2.0) < 1e-6
 
 
+@pytest.mark.parametrize(("finish", "want"), [("stop", "completed"), ("length", "completed"), (None, "unconfirmed"),
+                                               ("abort", "aborted")])
+@pytest.mark.parametrize("kind", [ConnEventKind.PEER_FIN, ConnEventKind.PEER_RST])
+def test_an_engine_end_notice_before_the_close_is_judged_by_its_finish(store: Store, finish: str | None, want: str,
+                                                                      kind: ConnEventKind) -> None:
+    """A plain client (no traceparent, no X-Request-Id) reads the whole answer and closes; the
+    server span ends a millisecond after the close, and the engine's span is of a trace of its own
+    that nothing joins (the reference engine, vLLM). The engine's end notice came 2 ms before the
+    close: told a normal finish, the response was complete; untold, that end orders nothing (a
+    server aborting on the close looks the same), so unconfirmed, never the 'aborted' it used to
+    read; told an abort, aborted."""
+    clock = Clock()
+    correlator = make(store, clock)
+    trace, work = "a" * 32, "b" * 16
+    correlator.tick([LiveEvent("start", trace, work, "llm_request", "internal", T0 + int(0.01 * S), None, None, None,
+                               123, "engine", True)])
+    end = LiveEvent("end", trace, work, "llm_request", "internal", T0 + int(0.998 * S), None, None, None, 123, "engine",
+                    True, finish)
+    store.insert_spans([http_span("a", 0, 1.0011)])
+    store.insert_conn_events([close(1.0, kind)])
+    clock.now = T0 + int(1.2 * S)
+    correlator.tick([end])
+    clock.now = T0 + 9 * S  # past the late-span window: settled
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == want, (row.verdict, row.details)
+    assert row.details["evidence"] == ("http_only" if want == "unconfirmed" else "live_notice"), row.details
+    assert row.details.get("close_races_span_end", False) is (want == "unconfirmed")
+
+
 def test_a_live_notice_of_a_later_connection_on_a_reused_port_does_not_take_an_idle_close(store: Store) -> None:
     """An idle keep-alive connection closed (the client's FIN, the server's close at once); seconds
     later a new connection from the same client port carries a request that finishes with its

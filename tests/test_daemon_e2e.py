@@ -159,6 +159,36 @@ def test_live_notices_flag_a_zombie_while_it_runs(tmp_path: Path) -> None:
         assert row.lag_seconds > flagged.lag_seconds >= GRACE_S, (row.lag_seconds, flagged.lag_seconds)
 
 
+@pytest.mark.parametrize("source", SOURCES)
+def test_plain_clients_with_live_notices_match_truth(tmp_path: Path, source: str) -> None:
+    """curl and the openai SDK send no traceparent and no X-Request-Id: the engine's span is then
+    of a trace of its own that nothing joins, and its live notices are its only word on the
+    request. A client that reads the whole answer and closes at once races the server span's end
+    (most of these do); none of them may be judged aborted or a zombie (the end notice says how
+    the engine finished), and those that left mid-decode are aborted, against the truth log."""
+    with running_daemon(tmp_path, **daemon_overrides(source)) as daemon, running_engine(
+            behavior="abort", otlp=f"http://127.0.0.1:{daemon.status.http_port}", step_ms=10,
+            truth_log=tmp_path / "truth.jsonl", extra_args=["--live", f"127.0.0.1:{daemon.status.live_port}"]) as engine:
+        daemon.set_ports({engine.port})
+        for index in range(12):
+            complete(engine.port, stream=index % 2 == 0, max_tokens=4, request_id=None).join()
+        for kind in ("fin", "rst"):
+            cancel_after(engine.port, 0.3, kind, stream=True, max_tokens=200, request_id=None).join()
+        assert wait_for(lambda: len(engine.truth()) == 14, timeout_s=20)
+        truths = {t["client_port"]: t for t in engine.truth()}
+        left = {port for port, t in truths.items() if t.get("disconnect_at")}
+        assert len(left) == 2, truths
+        assert wait_for(lambda: left <= {r.client_port for r in verdict_rows(daemon)}, timeout_s=15)
+        time.sleep(3.5)  # past the late-span window: every verdict settled
+        rows = {r.client_port: r for r in verdict_rows(daemon)}
+    wrong = {port: (rows[port].verdict, truths[port].get("finish_reason"), rows[port].details)
+             for port in rows if (rows[port].verdict == "aborted") is not (port in left)
+             or rows[port].verdict in ("zombie", "inflight_zombie")}
+    assert not wrong, wrong
+    raced = [rows[port].verdict for port in rows if port not in left]
+    assert set(raced) <= {"completed"}, raced  # the end notice told a normal finish: never unconfirmed
+
+
 @pytest.mark.privileged
 def test_vllm_style_abort_without_engine_span_is_aborted(tmp_path: Path) -> None:
     with running_daemon(tmp_path) as daemon, running_engine(

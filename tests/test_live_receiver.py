@@ -88,3 +88,28 @@ def test_stop_ends_the_gathering_wait_at_once() -> None:
     finally:
         sender.close()
         receiver.stop()
+
+
+def test_an_engine_end_carries_its_finish_as_told_and_nothing_else() -> None:
+    """LiveReporter.work_ended's finish reason round-trips; a finish of the wrong type, or none,
+    is untold (None), never a made-up one; a long one is cut, not refused."""
+    from auditor.live import LiveReporter
+    from collectors.live import parse_datagram
+
+    receiver = LiveReceiver("127.0.0.1", 0)
+    receiver.start()
+    reporter = LiveReporter(("127.0.0.1", receiver.port), service="engine")
+    try:
+        reporter.work_ended("ab" * 16, "cd" * 8, finish_reason="length")
+        reporter.work_ended("ab" * 16, "cd" * 8)
+        assert wait_for(lambda: receiver.received == 2, 5, 0.01)
+        told, untold = receiver.drain()
+        assert (told.engine, told.event, told.finish) == (True, "end", "length")
+        assert (untold.engine, untold.finish) == (True, None)
+    finally:
+        reporter.close()
+        receiver.stop()
+    base = json.loads(notice("end"))
+    for finish, read in ((123, None), (True, None), ("", None), (None, None), ("x" * 100, "x" * 32), ("stop", "stop")):
+        event = parse_datagram(json.dumps({**base, "engine": True, "finish": finish}).encode())
+        assert event is not None and event.finish == read, (finish, event)

@@ -58,6 +58,16 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     # An engine span without a finish reason (a configured name) cannot say the response was complete.
     completed = None if engine and engine.finish_reason else ev.completed_by(
         origin.ts_ns, origin_span, subtree, corr.local_fins(origin.tuple4), CLOCK_ERROR_NS, origin.earliest_ns)
+    # Without the engine's span (one of its own trace, no request id to join it by), the engine's
+    # end notice: done by the time the client left (within the clock's error), a normal finish is
+    # a complete response, as the span's would be; with its finish untold, the end orders nothing.
+    done_by_leaving = told_normal = None
+    if engine is None and details.get("evidence") == ev.LIVE_NOTICE:
+        live_end = corr.live.engine_end(trace_id)
+        if live_end is not None and live_end <= origin.ts_ns + CLOCK_ERROR_NS:
+            done_by_leaving, told_normal = live_end, corr.live.engine_finished_normally(trace_id)
+            if told_normal and completed is None:
+                completed = ev.LIVE_NOTICE
     if completed is not None:
         corr.loads.completed_departure(origin.tuple4[2], origin.ts_ns)
         hop = _scraped_hop(corr, subtree)
@@ -72,8 +82,10 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     if known and completed is None and racing and origin_span is not None \
             and (origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS or details.get("leaving_untold")
                  or origin.kind == "fin") \
-            and details.get("orphaned_scrapes") == 0 and not details.get("aborts_counted"):
-        # The span ended as the client closed, and the gauges never saw the request held after:
+            and ((details.get("orphaned_scrapes") == 0 and not details.get("aborts_counted"))
+                 or (done_by_leaving is not None and told_normal is None)):
+        # The span ended as the client closed, and the gauges never saw the request held after (or
+        # the engine's end notice, its finish untold, came as the client left, not after):
         # a client closing after the last byte and a server reacting at once look the same. Nor
         # can one whose leaving the scrapes could not tell (a host too busy for a whole listing).
         # A FIN is how a client that read the whole response closes: a server that ends the span a

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from auditor.correlate.ids import HexKey, SpanKey, hex_key, span_key
 from auditor.correlate.prune import drop_front
 from auditor.correlate.traces import Tuple4, in_flight_among, norm_addr
+from auditor.correlate.verdict import NORMAL_FINISH
 from auditor.model import LiveEvent
 
 
@@ -19,6 +20,7 @@ class LiveState:
         self._running: dict[tuple[str, str], LiveEvent] = {}
         # Kept for the horizon, one entry a request: by number, not by text (auditor.correlate.ids).
         self._engine_end: dict[HexKey, int] = {}  # trace -> when its engine work last ended
+        self._engine_normal: dict[HexKey, bool] = {}  # trace -> whether that end was a normal finish, if told
         self._span_end: dict[SpanKey, int] = {}  # server span -> when it ended
         self._by_tuple: dict[Tuple4, list[LiveEvent]] = defaultdict(list)
 
@@ -40,6 +42,10 @@ class LiveState:
                 trace = hex_key(event.trace_id)
                 self._engine_end.pop(trace, None)  # to the end: both are pruned from the front
                 self._engine_end[trace] = event.ts_ns
+                if event.finish is None:
+                    self._engine_normal.pop(trace, None)
+                else:
+                    self._engine_normal[trace] = event.finish in NORMAL_FINISH
             else:
                 span = span_key(*key)
                 self._span_end.pop(span, None)
@@ -88,6 +94,10 @@ class LiveState:
     def engine_end(self, trace_id: str) -> int | None:
         return self._engine_end.get(hex_key(trace_id))
 
+    def engine_finished_normally(self, trace_id: str) -> bool | None:
+        """Whether the trace's last engine end was a normal finish (stop, length); None: untold."""
+        return self._engine_normal.get(hex_key(trace_id))
+
     def running_on(self, port: int, ts_ns: int, until_ns: int | None = None) -> set[tuple[str, str]]:
         """Server spans running on ``port`` and started by ``until_ns`` (default ``ts_ns``), as far
         as notices tell."""
@@ -121,7 +131,8 @@ class LiveState:
                     self._by_tuple[tuple4] = kept
         # Both in the order the notices ended, give or take a clock: from the front.
         drop_front(self._span_end, lambda ended: ended < cutoff_ns)
-        drop_front(self._engine_end, lambda ended: ended < cutoff_ns)
+        for trace, _ in drop_front(self._engine_end, lambda ended: ended < cutoff_ns):
+            self._engine_normal.pop(trace, None)
 
 
 def _started(live: LiveEvent) -> int:

@@ -132,7 +132,7 @@ class Tracing:
 
     def work_ended(self, request: RequestHandle) -> None:
         if self.live is not None and request.work_key is not None:
-            self.live.work_ended(*request.work_key)
+            self.live.work_ended(*request.work_key, finish_reason=request.finish_reason or "abort")
 
     def shutdown(self) -> None:
         try:
