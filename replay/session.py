@@ -70,6 +70,7 @@ class Pipeline(Protocol):
     """What replay needs of the auditor pipeline (``auditor.daemon.Daemon`` is one)."""
 
     store: Store
+    host: str  # as its correlator keys what it has read
 
     @property
     def source_name(self) -> str: ...
@@ -170,6 +171,14 @@ def run_replay(settings: ReplaySettings, make_pipeline: Callable[[dict[str, Any]
     check_writable(settings.capture_file)  # before any traffic, not when the results are written
     plans = plan_replay(capture, settings.options, tag=f"replay-{time.strftime('%H%M%S')}")
     pipeline = make_pipeline(settings.pipeline_overrides())
+    # Earlier runs' closes in the capture file are theirs, judged and recorded: were this run's
+    # pipeline to read them (those a stopped run left unsettled), it would judge them again and
+    # log their zombies a second time.
+    store = open_capture_store(settings.capture_file)
+    try:
+        store.correlate_after_stored_events(pipeline.host)
+    finally:
+        store.close()
     pipeline.start()
     try:
         try:

@@ -1885,3 +1885,26 @@ def test_rounds_of_their_own_for_a_ports_orphans_stop_where_closes_keep_them_unc
         assert correlator.clients_wanted == {SERVER_PORT}  # listed for as long as it holds more
         due.append(correlator.alarm_due_ns is not None)
     assert due == [True] * 4 + [False] * 7, due
+
+
+@pytest.mark.parametrize("after_stored", [False, True])
+def test_a_correlator_started_after_the_stored_events_judges_none_of_them(store: Store, after_stored: bool) -> None:
+    """A replay into a capture file that earlier runs wrote: their closes, left unsettled when they
+    stopped, are theirs (judged and recorded). A correlator told to start after them judges none
+    again (it logged their zombies a second time, with other costs); one not told does."""
+    store.insert_spans([http_span("a", 0, 9.0), engine_span("a", 0, 9.0, "length")])
+    store.insert_conn_events([close(1.0)])
+    if after_stored:
+        store.correlate_after_stored_events("h")
+    clock = Clock()
+    clock.now = T0 + 20 * S
+    make(store, clock).tick()
+    assert [row.verdict for row in verdicts(store)] == ([] if after_stored else ["zombie"])
+    # What comes next is judged as ever.
+    store.insert_spans([http_span("b", 30, 31.0, client=("127.0.0.1", 40002)),
+                        engine_span("b", 30, 31.0, "stop")])
+    store.insert_conn_events([close(30.4, client=("127.0.0.1", 40002))])
+    correlator = make(store, clock)
+    clock.now = T0 + 40 * S
+    correlator.tick()
+    assert sorted(row.verdict for row in verdicts(store)) == (["zombie"] if after_stored else ["zombie", "zombie"])

@@ -341,6 +341,21 @@ class Store:
             rows = eventblocks.block_rows(kept)
         return self._insert_blocks(rows)
 
+    def correlate_after_stored_events(self, host: str) -> None:
+        """Have ``host``'s correlator start after every kernel event stored so far, as if it had
+        settled them: for a pipeline that judges only what comes next on a store of earlier runs
+        (a replay into its capture file, whose earlier runs' results are recorded already)."""
+        with self.sql.begin() as conn:
+            last_block = conn.scalar("SELECT max(id) FROM conn_event_blocks")
+            if last_block is None:
+                return
+            values = {"host": host, "settled_event_id": eventblocks.block_read(int(last_block)),
+                      "updated_ns": time.time_ns()}
+            if not conn.run("UPDATE correlator_state SET settled_event_id = :settled_event_id, "
+                            "updated_ns = :updated_ns WHERE host = :host", values):
+                conn.run("INSERT INTO correlator_state (host, settled_event_id, updated_ns) "
+                         "VALUES (:host, :settled_event_id, :updated_ns)", values)
+
     def insert_event_runs(self, runs: Iterable[EventRun]) -> int:
         """Store the probe's undecoded runs as they are, a block each, one transaction; returns
         the events stored."""
