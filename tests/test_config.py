@@ -84,6 +84,17 @@ def test_missing_file_is_an_error(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.toml", environ={})
 
 
-def test_shipped_example_config_is_valid() -> None:
+def test_shipped_example_config_is_valid_and_holds_every_key_at_its_default() -> None:
+    """docs/configuration.md points at it as "every key and its default"."""
+    import dataclasses
+
+    import tomllib
+
+    from auditor.config import SECTIONS, Config
+
     example = Path(__file__).parents[1] / "systemd" / "auditor.toml"
-    load_config(example, environ={})
+    assert load_config(example, environ={}) == load_config(None, environ={})
+    written = tomllib.loads(example.read_text())
+    for section in SECTIONS:
+        keys = {item.name for item in dataclasses.fields(getattr(Config(), section))}
+        assert set(written.get(section, {})) == keys, section

@@ -364,3 +364,13 @@ def test_replay_finds_zombies_then_confirms_the_fix(tmp_path: Path) -> None:
                                        "GROUP BY run_id, verdict ORDER BY run_id").all()
     assert [tuple(r) for r in runs] == [(1, 1), (2, 1)]
     assert [tuple(r) for r in results] == [(1, "zombie", 6), (2, "aborted", 6)]
+
+
+def test_the_schema_names_every_verdict_a_replay_can_count() -> None:
+    """A replay counts whatever verdict its cancels got, unconfirmed included (an engine whose end
+    nothing tells): the schema must take each."""
+    from auditor.model import Verdict
+
+    properties = REPLAY_SCHEMA["properties"]
+    for field in ("verdicts", "evidence"):
+        assert set(properties[field]["propertyNames"]["enum"]) == {v.value for v in Verdict}, field

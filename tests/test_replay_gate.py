@@ -287,8 +287,8 @@ def test_import_without_a_model_names_the_format_with_its_article(tmp_path: Path
     source.write_text('{"metadata": {"request_start_ns": 5}}\n')
     result = CliRunner().invoke(cli, ["capture", "import", str(source), "--format", "aiperf",
                                       "-o", str(tmp_path / "out.db")])
-    assert result.exit_code == 1, result.output
-    assert result.output.startswith("Error: an AIPerf profile_export.jsonl does not name the model; pass --model")
+    assert result.exit_code == 2, result.output
+    assert "Error: an AIPerf profile_export.jsonl does not name the model; pass --model" in result.output
 
 
 def test_import_to_an_empty_path_a_device_or_standard_output_is_refused(tmp_path: Path,

@@ -124,7 +124,11 @@ def import_command(source: Path, fmt: str, model: str | None, endpoint: str, str
       auditor capture import trace.jsonl --format mooncake --model M -o capture.db
     """
     from replay.capture import CHAT_PATH, DEFAULT_PATH, CaptureError, check_output
-    from replay.imports import import_benchmark
+    from replay.imports import KINDS, import_benchmark
+
+    if not model:  # a usage error, as a missing option is: exit 2
+        raise click.UsageError(f"{KINDS[fmt]} does not name the model; pass --model NAME, the model the "
+                               "target engine serves")
 
     try:
         check_output(output, force=True)  # every refusal but "exists", which --force answers
