@@ -141,6 +141,49 @@ def http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool,
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize(("behavior", "names"), [("abort", "vllm"), ("detached", "vllm"), ("abort", "sglang")])
+def test_plain_clients_against_an_engine_that_spans_in_its_own_traces(tmp_path: Path, behavior: str,
+                                                                      names: str) -> None:
+    """vLLM behind the openai SDK: no traceparent and no X-Request-Id reach the engine, so its
+    llm_request spans are traces of their own with ids it made up, joined to no request; the
+    gauges and their abort counter are what tell. Clients that read the whole answer (racing the
+    span's end) or that the server closed on are never aborted nor zombies; cancels get the truth's
+    verdict. Matched to the truth log by client port, the only thing both sides know."""
+    truth_log = tmp_path / "truth.jsonl"
+    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S}) as daemon, running_engine(
+            behavior=behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
+            step_ms=10, extra_args=["--metrics-names", names]) as engine:
+        daemon.set_ports({engine.port})
+        for _ in range(4):
+            complete(engine.port, stream=True, max_tokens=8, request_id=None).join()
+            complete(engine.port, stream=False, max_tokens=8, request_id=None).join()
+        for kind, stream in (("fin", True), ("rst", False), ("fin", False)):
+            cancel_after(engine.port, 0.3, kind, stream=stream, max_tokens=150, request_id=None).join()
+            time.sleep(0.2)
+        truths = {t["client_port"]: t for t in engine.wait_for_truth(11, timeout=30)}
+        left = {port for port, t in truths.items() if t.get("disconnect_at")}
+        assert len(left) == 3, truths
+
+        def settled() -> bool:
+            rows = {r.client_port: r for r in verdict_rows(daemon)}
+            return all(port in rows and not rows[port].details.get("provisional") for port in left)
+
+        assert wait_for(settled, timeout_s=30), [(r.client_port, r.verdict, r.details) for r in verdict_rows(daemon)]
+        time.sleep(1.0)
+        rows = {r.client_port: r for r in verdict_rows(daemon)}
+    problems = []
+    for port, row in rows.items():
+        truth = truths[port]
+        if port not in left:
+            if row.verdict in ("aborted", "zombie", "inflight_zombie"):
+                problems.append(f"{port}: {row.verdict} for a completed request ({row.details})")
+            continue
+        want = expected_verdict(truth)
+        if row.verdict != want:
+            problems.append(f"{port}: {row.verdict}, truth {want} ({row.details})")
+    assert not problems, "\n".join(problems)
+
+
 def test_one_at_a_time_request_cancelled_while_waiting_is_no_zombie_and_costs_nothing(tmp_path: Path) -> None:
     truth_log = tmp_path / "truth.jsonl"
     with running_daemon(tmp_path, **{

@@ -19,8 +19,9 @@ class LiveState:
     def __init__(self) -> None:
         self._running: dict[tuple[str, str], LiveEvent] = {}
         # Kept for the horizon, one entry a request: by number, not by text (auditor.correlate.ids).
-        self._engine_end: dict[HexKey, int] = {}  # trace -> when its engine work last ended
-        self._engine_normal: dict[HexKey, bool] = {}  # trace -> whether that end was a normal finish, if told
+        # trace -> when its engine work last ended and what the notice told of the finish, packed
+        # in one int (``_packed``): one entry a request for the horizon, 90,000 at 100 a second.
+        self._engine_end: dict[HexKey, int] = {}
         self._span_end: dict[SpanKey, int] = {}  # server span -> when it ended
         self._by_tuple: dict[Tuple4, list[LiveEvent]] = defaultdict(list)
 
@@ -41,11 +42,7 @@ class LiveState:
             if event.engine or (started is not None and started.engine):
                 trace = hex_key(event.trace_id)
                 self._engine_end.pop(trace, None)  # to the end: both are pruned from the front
-                self._engine_end[trace] = event.ts_ns
-                if event.finish is None:
-                    self._engine_normal.pop(trace, None)
-                else:
-                    self._engine_normal[trace] = event.finish in NORMAL_FINISH
+                self._engine_end[trace] = _packed(event.ts_ns, event.finish)
             else:
                 span = span_key(*key)
                 self._span_end.pop(span, None)
@@ -92,11 +89,13 @@ class LiveState:
         return self._span_end.get(span_key(trace_id, span_id))
 
     def engine_end(self, trace_id: str) -> int | None:
-        return self._engine_end.get(hex_key(trace_id))
+        packed = self._engine_end.get(hex_key(trace_id))
+        return None if packed is None else _ended_ns(packed)
 
     def engine_finished_normally(self, trace_id: str) -> bool | None:
         """Whether the trace's last engine end was a normal finish (stop, length); None: untold."""
-        return self._engine_normal.get(hex_key(trace_id))
+        packed = self._engine_end.get(hex_key(trace_id))
+        return None if packed is None else _FINISH_TOLD[packed & _FINISH_MASK]
 
     def running_on(self, port: int, ts_ns: int, until_ns: int | None = None) -> set[tuple[str, str]]:
         """Server spans running on ``port`` and started by ``until_ns`` (default ``ts_ns``), as far
@@ -131,8 +130,22 @@ class LiveState:
                     self._by_tuple[tuple4] = kept
         # Both in the order the notices ended, give or take a clock: from the front.
         drop_front(self._span_end, lambda ended: ended < cutoff_ns)
-        for trace, _ in drop_front(self._engine_end, lambda ended: ended < cutoff_ns):
-            self._engine_normal.pop(trace, None)
+        drop_front(self._engine_end, lambda packed: _ended_ns(packed) < cutoff_ns)
+
+
+# An engine end as one int: the time to the microsecond (the clock error is 2 ms), shifted left two
+# bits, and in them whether its notice told a normal finish (1), another finish (2), or none (0).
+_FINISH_MASK = 0b11
+_FINISH_TOLD = (None, True, False, None)
+
+
+def _packed(ts_ns: int, finish: str | None) -> int:
+    told = 0 if finish is None else 1 if finish in NORMAL_FINISH else 2
+    return (ts_ns // 1000) << 2 | told
+
+
+def _ended_ns(packed: int) -> int:
+    return (packed >> 2) * 1000
 
 
 def _started(live: LiveEvent) -> int:
