@@ -727,10 +727,11 @@ def test_live_notice_gives_inflight_zombie_before_any_span(store: Store) -> None
 @pytest.mark.parametrize(("finish", "want"), [("stop", "completed"), ("length", "completed"), (None, "unconfirmed"),
                                                ("abort", "aborted")])
 @pytest.mark.parametrize("kind", [ConnEventKind.PEER_FIN, ConnEventKind.PEER_RST])
+@pytest.mark.parametrize("span_end", [1.0011, 1.015])  # racing the close; 15 ms late (a busy server)
 def test_an_engine_end_notice_before_the_close_is_judged_by_its_finish(store: Store, finish: str | None, want: str,
-                                                                      kind: ConnEventKind) -> None:
+                                                                      kind: ConnEventKind, span_end: float) -> None:
     """A plain client (no traceparent, no X-Request-Id) reads the whole answer and closes; the
-    server span ends a millisecond after the close, and the engine's span is of a trace of its own
+    server span ends a millisecond after the close (or 15 ms, on a busy host), and the engine's span is of a trace of its own
     that nothing joins (the reference engine, vLLM). The engine's end notice came 2 ms before the
     close: told a normal finish, the response was complete; untold, that end orders nothing (a
     server aborting on the close looks the same), so unconfirmed, never the 'aborted' it used to
@@ -742,7 +743,7 @@ def test_an_engine_end_notice_before_the_close_is_judged_by_its_finish(store: St
                                123, "engine", True)])
     end = LiveEvent("end", trace, work, "llm_request", "internal", T0 + int(0.998 * S), None, None, None, 123, "engine",
                     True, finish)
-    store.insert_spans([http_span("a", 0, 1.0011)])
+    store.insert_spans([http_span("a", 0, span_end)])
     store.insert_conn_events([close(1.0, kind)])
     clock.now = T0 + int(1.2 * S)
     correlator.tick([end])
@@ -751,7 +752,7 @@ def test_an_engine_end_notice_before_the_close_is_judged_by_its_finish(store: St
     [row] = verdicts(store)
     assert row.verdict == want, (row.verdict, row.details)
     assert row.details["evidence"] == ("http_only" if want == "unconfirmed" else "live_notice"), row.details
-    assert row.details.get("close_races_span_end", False) is (want == "unconfirmed")
+    assert row.details.get("engine_done_as_client_left", False) is (want == "unconfirmed")
 
 
 def test_a_live_notice_of_a_later_connection_on_a_reused_port_does_not_take_an_idle_close(store: Store) -> None:

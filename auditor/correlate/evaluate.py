@@ -60,14 +60,16 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
         origin.ts_ns, origin_span, subtree, corr.local_fins(origin.tuple4), CLOCK_ERROR_NS, origin.earliest_ns)
     # Without the engine's span (one of its own trace, no request id to join it by), the engine's
     # end notice: done by the time the client left (within the clock's error), a normal finish is
-    # a complete response, as the span's would be; with its finish untold, the end orders nothing.
-    done_by_leaving = told_normal = None
+    # a complete response, as the span's would be. With its finish untold, that end is no abort the
+    # close caused, nor known to be a complete answer: unconfirmed (below).
+    untold_done = False
     if engine is None and details.get("evidence") == ev.LIVE_NOTICE:
         live_end = corr.live.engine_end(trace_id)
         if live_end is not None and live_end <= origin.ts_ns + CLOCK_ERROR_NS:
-            done_by_leaving, told_normal = live_end, corr.live.engine_finished_normally(trace_id)
+            told_normal = corr.live.engine_finished_normally(trace_id)
             if told_normal and completed is None:
                 completed = ev.LIVE_NOTICE
+            untold_done = told_normal is None
     if completed is not None:
         corr.loads.completed_departure(origin.tuple4[2], origin.ts_ns)
         hop = _scraped_hop(corr, subtree)
@@ -82,15 +84,15 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     if known and completed is None and racing and origin_span is not None \
             and (origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS or details.get("leaving_untold")
                  or origin.kind == "fin") \
-            and ((details.get("orphaned_scrapes") == 0 and not details.get("aborts_counted"))
-                 or (done_by_leaving is not None and told_normal is None)):
-        # The span ended as the client closed, and the gauges never saw the request held after (or
-        # the engine's end notice, its finish untold, came as the client left, not after):
+            and details.get("orphaned_scrapes") == 0 and not details.get("aborts_counted"):
+        # The span ended as the client closed, and the gauges never saw the request held after:
         # a client closing after the last byte and a server reacting at once look the same. Nor
         # can one whose leaving the scrapes could not tell (a host too busy for a whole listing).
         # A FIN is how a client that read the whole response closes: a server that ends the span a
         # few milliseconds after it (a loaded host's event loop) may have been done before it.
         known, details["close_races_span_end"] = False, True
+    if known and completed is None and untold_done:
+        known, details["engine_done_as_client_left"] = False, True
     decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now, started_ns=started,
                                completed_by=completed, work_stopped_known=known), corr.grace_seconds)
     if decision is None:
