@@ -1909,3 +1909,24 @@ def test_a_correlator_started_after_the_stored_events_judges_none_of_them(store:
     clock.now = T0 + 40 * S
     correlator.tick()
     assert sorted(row.verdict for row in verdicts(store)) == (["zombie"] if after_stored else ["zombie", "zombie"])
+
+
+def test_only_an_engine_span_that_joins_a_request_teaches_that_its_service_spans_every_finish(store: Store) -> None:
+    """vLLM behind the openai SDK: no traceparent, no X-Request-Id, so each llm_request is a trace
+    of its own with an id the engine made up. Learning from those that the service spans every
+    normal finish made every request's missing engine span read as 'not complete', and a client
+    that closed as its answer ended as aborted. Joined by trace or by the request id, it teaches."""
+    clock = Clock()
+    correlator = make(store, clock)
+    lone = replace(engine_span("c", 0, 1.0, "stop", request_id="cmpl-0f1e2d"), service="vllm")
+    store.insert_spans([replace(http_span("a", 0, 1.0), service="vllm"), lone])
+    correlator.tick()
+    assert correlator.services_spanning_finishes == set()
+    named = replace(engine_span("d", 2, 3.0, "length", request_id="cmpl-r1"), service="vllm-engine")
+    store.insert_spans([named, replace(http_span("b", 2, 3.0, request_id="r1"), service="vllm")])
+    correlator.tick()
+    assert correlator.services_spanning_finishes == {"vllm", "vllm-engine"}
+    store.insert_spans([replace(engine_span("e", 4, 5.0, "stop"), service="sglang"),
+                        replace(http_span("e", 4, 5.0), service="sglang-api")])
+    correlator.tick()
+    assert correlator.services_spanning_finishes == {"vllm", "vllm-engine", "sglang", "sglang-api"}

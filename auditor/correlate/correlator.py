@@ -533,12 +533,20 @@ class Correlator:
             self._keep_settled(request)
 
     def _learn_spanning_service(self, arrived: SpanRecord) -> None:
-        """An engine span of a normal finish marks its service, and the HTTP services of its trace
-        (whichever of them arrives last), as ones that span every finish."""
+        """An engine span of a normal finish that joins a request marks its service, and the
+        request's HTTP services (whichever arrives last), as ones that span every finish: a
+        missing engine span then means the response was not complete. It joins by its trace, or
+        by the request id the engine derived from X-Request-Id. One in a trace of its own that
+        nothing names (a client that sent neither traceparent nor X-Request-Id, as curl and the
+        openai SDK) tells nothing of the requests: nothing is learned from it."""
         trace = list(self.spans.trace(arrived.trace_id))
-        if not any(s.role is SpanRole.ENGINE and s.finish_reason in NORMAL_FINISH for s in trace):
+        http = [s for s in trace if s.role is SpanRole.HTTP_SERVER]
+        engines = [s for s in trace if s.role is SpanRole.ENGINE]
+        if arrived.role is SpanRole.HTTP_SERVER:
+            engines += self.spans.engines_named_by(arrived)
+        if not http or not any(s.finish_reason in NORMAL_FINISH for s in engines):
             return
-        learned = {s.service for s in trace if s.service and s.role in (SpanRole.ENGINE, SpanRole.HTTP_SERVER)}
+        learned = {s.service for s in (*http, *engines) if s.service}
         if not learned <= self.services_spanning_finishes:
             self.services_spanning_finishes |= learned
             self._news_at(0)

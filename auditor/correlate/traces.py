@@ -229,6 +229,14 @@ class TraceIndex:
     def get(self, trace_id: str, span_id: str) -> SpanRecord | None:
         return self._by_trace.get(trace_id, {}).get(span_id)
 
+    def engines_named_by(self, http: SpanRecord) -> list[SpanRecord]:
+        """The engine spans whose request id the engine derived from this server span's
+        ``X-Request-Id`` (``engine_request_ids``), in whatever trace they are."""
+        if not http.request_id:
+            return []
+        found = (self._engine_by_request_id.get(candidate) for candidate in engine_request_ids(http.request_id))
+        return [engine for engine in found if engine is not None]
+
     def trace(self, trace_id: str) -> Iterable[SpanRecord]:
         return self._by_trace.get(trace_id, {}).values()
 
