@@ -101,10 +101,6 @@ _LAST_SPAN = "SELECT coalesce(max(id), 0) FROM spans"
 _SAVED_POSITION = "SELECT settled_event_id FROM correlator_state WHERE host = :host"
 _COUNTED = ("SELECT detail, ts_ns FROM coverage "
             "WHERE host = :host AND ts_ns > :since AND detail IS NOT NULL")
-_SAVE_POSITION = ("UPDATE correlator_state SET settled_event_id = :settled_event_id, updated_ns = :updated_ns "
-                  "WHERE host = :host")
-_FIRST_POSITION = ("INSERT INTO correlator_state (host, settled_event_id, updated_ns) "
-                   "VALUES (:host, :settled_event_id, :updated_ns)")
 _CLOSED, _LOCAL_FIN, _PEER_RST = ConnEventKind.CLOSED.value, ConnEventKind.LOCAL_FIN.value, ConnEventKind.PEER_RST.value
 _DEPARTURES = {ConnEventKind.PEER_FIN.value: "fin", ConnEventKind.PEER_RST.value: "rst"}
 _STATS = {CoverageKind.IDLE_CLOSE: "idle_closes", CoverageKind.UNJOINED_DISCONNECT: "unjoined_disconnects",
@@ -931,10 +927,7 @@ class Correlator:
             settled = first_unreported - 1
         if settled == self._saved_position:
             return
-        values = {"host": self.host, "settled_event_id": settled, "updated_ns": time.time_ns()}
-        with self.store.sql.begin() as conn:  # one row per host: updated, or inserted the first time
-            if not conn.run(_SAVE_POSITION, values):
-                conn.run(_FIRST_POSITION, values)
+        self.store.save_correlator_position(self.host, settled)
         self._saved_position = settled
 
     def _prune(self, now: int) -> None:

@@ -345,12 +345,16 @@ class Store:
         """Have ``host``'s correlator start after every kernel event stored so far, as if it had
         settled them: for a pipeline that judges only what comes next on a store of earlier runs
         (a replay into its capture file, whose earlier runs' results are recorded already)."""
-        with self.sql.begin() as conn:
+        with self.sql.connect() as conn:
             last_block = conn.scalar("SELECT max(id) FROM conn_event_blocks")
-            if last_block is None:
-                return
-            values = {"host": host, "settled_event_id": eventblocks.block_read(int(last_block)),
-                      "updated_ns": time.time_ns()}
+        if last_block is not None:
+            self.save_correlator_position(host, eventblocks.block_read(int(last_block)))
+
+    def save_correlator_position(self, host: str, settled_event_id: int) -> None:
+        """``host``'s correlator has settled every kernel event up to this id: a restart reads on
+        from there. One row per host: updated, or inserted the first time."""
+        values = {"host": host, "settled_event_id": settled_event_id, "updated_ns": time.time_ns()}
+        with self.sql.begin() as conn:
             if not conn.run("UPDATE correlator_state SET settled_event_id = :settled_event_id, "
                             "updated_ns = :updated_ns WHERE host = :host", values):
                 conn.run("INSERT INTO correlator_state (host, settled_event_id, updated_ns) "
