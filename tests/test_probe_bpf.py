@@ -478,6 +478,11 @@ def test_burst_of_20000_connections_loses_nothing(probe: Probe) -> None:
     probe.source.set_ports([port])
     lost_before = probe.source.lost_events()
     stop = threading.Event()
+    # The kernel's truth is the connections the server accepted: on loopback a client's final ACK
+    # and its reset can take two CPUs' queues and cross, and a reset that reaches the connection
+    # while it is still a request (before the ACK made it a socket) resets no socket, so no probe
+    # can report it. Seen once in many CI runs; such a connection is never accepted.
+    accepted_peers: list[int] = []  # appended by the acceptor only
 
     def accept_and_close() -> None:
         # Close only after the client's reset has arrived: the server never closes first, and
@@ -485,9 +490,10 @@ def test_burst_of_20000_connections_loses_nothing(probe: Probe) -> None:
         server.settimeout(0.2)
         while not stop.is_set():
             try:
-                accepted, _ = server.accept()
+                accepted, peer = server.accept()
             except OSError:
                 continue
+            accepted_peers.append(peer[1])
             accepted.settimeout(5)
             with contextlib.suppress(OSError):
                 accepted.recv(1)
@@ -504,8 +510,16 @@ def test_burst_of_20000_connections_loses_nothing(probe: Probe) -> None:
             client.close()
             if len(client_ports) % 2000 == 0:
                 probe.events += probe.source.poll(timeout_s=0)
-        probe.wait_for(lambda _: sum(e.kind == PEER_RST for e in probe.of(port)) >= total,
-                       timeout_s=30)
+        deadline = time.monotonic() + 30
+        while len(accepted_peers) < total and time.monotonic() < deadline:
+            before = len(accepted_peers)
+            probe.events += probe.source.poll(timeout_s=0)
+            time.sleep(0.5)
+            if len(accepted_peers) == before:
+                break  # the accept queue is drained: whatever is left never became a socket
+        probe.wait_for(
+            lambda _: sum(e.kind == PEER_RST for e in probe.of(port)) >= len(accepted_peers),
+            timeout_s=30)
         probe.wait_for(lambda _: False, timeout_s=0.3)
     finally:
         stop.set()
@@ -513,8 +527,12 @@ def test_burst_of_20000_connections_loses_nothing(probe: Probe) -> None:
         server.close()
 
     mine = probe.of(port)
+    accepted_ports = Counter(accepted_peers)
     assert probe.source.lost_events() == lost_before == 0
-    assert Counter(e.client_port for e in mine if e.kind == PEER_RST) == client_ports
+    # Nearly every connection became a socket; a crossing is rare (a handful would be a fault).
+    assert accepted_ports.total() >= total - total // 1000, (accepted_ports.total(), total)
+    assert not accepted_ports - client_ports  # nothing accepted that no client here opened
+    assert Counter(e.client_port for e in mine if e.kind == PEER_RST) == accepted_ports
     # A reset's own close is not reported, but where the kernel splits the two (a reset taken from
     # the socket's backlog in process context, then preempted or moved) it is, by design: a record
     # too many, never one missing (probes/disconnect.bpf.c). Seen twice in about fifteen runs here.
