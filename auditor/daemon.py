@@ -65,6 +65,12 @@ class DaemonStatus:
     errors: int = 0
 
 
+def stalled_after(interval_s: float) -> float:
+    """Seconds without a correlation round after which the daemon is stuck: the unit's watchdog
+    period, or five rounds where rounds are set further apart."""
+    return max(30.0, 5 * interval_s)
+
+
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -78,6 +84,7 @@ class Daemon:
         self._ports = set(config.probe.ports)
         self._lost_reported = 0
         self._failing = False
+        self._round_ended = time.monotonic()  # the correlator's last round, for /healthz
         self._samples: list[UtilSample] = []  # taken, not yet committed
         self._samples_lock = threading.Lock()
         self._samples_commit_lock = threading.Lock()  # one commit at a time keeps row ids in time order
@@ -114,12 +121,13 @@ class Daemon:
                               lambda pids: self._sample_pids(extra_pids | pids), find_engines=self._find_engines)
         self._heap_trim = HeapTrim()
         self._start_engine_metrics()
+        self._round_ended = time.monotonic()
         self._spawn("correlator", self._correlate_loop)
         self._start_retention()
         if self.config.metrics.listen:
             host, port = parse_address(self.config.metrics.listen, "metrics.listen")
             with listening("metrics.listen", self.config.metrics.listen):
-                server = MetricsServer(self.metrics.registry, host, port)
+                server = MetricsServer(self.metrics.registry, host, port, health=self.health)
             self._parts["metrics"] = server
             self.status.metrics_port = server.port
         notify_systemd(f"READY=1\nSTATUS=watching ports {sorted(self._ports)} via {self.status.source}")
@@ -416,7 +424,19 @@ class Daemon:
                             str(getattr(exc, "orig", None) or exc).splitlines()[0])
                 self._failing = True
         finally:
-            self.metrics.correlation_round(time.monotonic() - started, failed=failed)
+            self._round_ended = time.monotonic()
+            self.metrics.correlation_round(self._round_ended - started, failed=failed)
+
+    def health(self) -> tuple[bool, str]:
+        """What ``/healthz`` answers: unhealthy only when the correlator's rounds stopped, the same
+        thing the unit's watchdog (WatchdogSec=30s) restarts the daemon for. A round that fails (the
+        database away) is not: a restart would not bring the database back."""
+        since = time.monotonic() - self._round_ended
+        if since > stalled_after(self.config.correlate.interval_seconds):
+            return False, f"stalled: no correlation round for {since:.0f} s"
+        if self._failing:
+            return True, f"ok, but correlation rounds fail (last {since:.1f} s ago): see the daemon's log"
+        return True, f"ok: last correlation round {since:.1f} s ago, source {self.status.source}"
 
     def _report_lost_events(self) -> None:
         source = self._parts.get("probe")

@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 from urllib.parse import parse_qs, urlsplit
 
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 METRICS_PATHS = ("/metrics", "/")
+HEALTH_PATH = "/healthz"
 
 
 class Sample(NamedTuple):
@@ -238,6 +239,10 @@ class _Handler(http1.Handler):
 
     def do_GET(self) -> None:
         url = urlsplit(self.path)
+        if url.path == HEALTH_PATH and self.server.health is not None:
+            healthy, reason = self.server.health()
+            self.answer(200 if healthy else 503, reason.encode() + b"\n", content_type="text/plain; charset=utf-8")
+            return
         if url.path not in METRICS_PATHS:
             self.refuse(404, f"no such page {url.path[:100]!r}; the metrics are at /metrics")
             return
@@ -257,16 +262,21 @@ class _Handler(http1.Handler):
 
 
 class _Server(http1.Server):
-    def __init__(self, address: tuple[str, int], registry: Registry) -> None:
+    def __init__(self, address: tuple[str, int], registry: Registry,
+                 health: Callable[[], tuple[bool, str]] | None) -> None:
         self.registry = registry
+        self.health = health
         super().__init__(address, _Handler, max_connections=8, socket_timeout_s=15.0, name="metrics")
 
 
 class MetricsServer:
-    """``/metrics`` on its own thread; binding raises OSError (e.g. address in use)."""
+    """``/metrics`` on its own thread; binding raises OSError (e.g. address in use). With ``health``,
+    ``/healthz`` answers 200 or 503 with its reason: a liveness check for what serving /metrics,
+    on a thread of its own, cannot tell."""
 
-    def __init__(self, registry: Registry, host: str, port: int) -> None:
-        self._server = _Server((host, port), registry)
+    def __init__(self, registry: Registry, host: str, port: int,
+                 health: Callable[[], tuple[bool, str]] | None = None) -> None:
+        self._server = _Server((host, port), registry, health)
         # The serving loop wakes this often only to see a stop; each wake-up costs CPU on an idle host.
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 1.0},
                                         name="metrics-http", daemon=True)
