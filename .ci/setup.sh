@@ -117,6 +117,18 @@ if [ ! -e "$stamp" ] && ! { [ "$extras" = engine ] && [ -e "$venv/.installed-$ha
     touch "$stamp"
 fi
 
+# Prometheus's promtool for the tests of the alert rules: the one binary, from Debian's package.
+if [ "$extras" = dev ] && [ ! -x "$venv/bin/promtool" ] && command -v apt-get >/dev/null 2>&1; then
+    scratch=$(mktemp -d)
+    if (cd "$scratch" && apt-get download -qq prometheus 2>/dev/null) \
+            && dpkg-deb --fsys-tarfile "$scratch"/prometheus_*.deb | tar -xO ./usr/bin/promtool > "$scratch/promtool"; then
+        install -m 755 "$scratch/promtool" "$venv/bin/promtool"
+    else
+        say "could not fetch promtool (Debian's prometheus package): the alert rules' tests will skip"
+    fi
+    rm -rf "$scratch"
+fi
+
 if ! "$venv/bin/python" -c 'import collectors._otlp_wire, collectors._normalize' 2>/dev/null; then
     say "the compiled OTLP reader or record builder was not built (no C compiler or Python headers?): spans are read and built in slower Python"
 fi
