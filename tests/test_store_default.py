@@ -164,3 +164,21 @@ def test_a_group_readable_units_database_is_read_while_the_daemon_runs(host: Pat
         daemon.close()
     assert code == 0, output
     assert f"database: sqlite:///{host / 'auditor.db'}" in output
+
+
+def test_db_upgrade_upgrades_the_units_database(host: Path) -> None:
+    """After a package upgrade, `auditor db upgrade` on the host means the service's database; it
+    used to migrate (and create) an auditor.db in whatever directory the shell was in."""
+    make_store(host / "auditor.db")
+    result = CliRunner().invoke(cli, ["db", "upgrade"])
+    assert result.exit_code == 0, result.output
+    assert f"sqlite:///{host / 'auditor.db'}: schema at" in result.stdout
+    assert not Path("auditor.db").exists()
+
+
+@pytest.mark.parametrize(("command", "finds_the_units"), [
+    (["report"], True), (["capture", "export"], True), (["db", "status"], True), (["db", "upgrade"], True),
+    (["run"], False), (["doctor"], False)])
+def test_db_help_says_which_database_each_command_opens(command: list[str], finds_the_units: bool) -> None:
+    text = " ".join(CliRunner().invoke(cli, [*command, "--help"]).output.split())
+    assert ("/var/lib/auditor/auditor.db when it exists" in text) == finds_the_units, text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from auditor.cli.util import common_options, errors_as_click, refuse_in_memory, store_url
+from auditor.cli.util import errors_as_click, reading_options, store_url
 from auditor.config import Config
 
 
@@ -14,20 +14,19 @@ def db() -> None:
 
 
 @db.command()
-@common_options
+@reading_options
 def upgrade(config: Config) -> None:
     """Apply pending migrations (the daemon also does this at start)."""
     from auditor.store import Store
 
-    if config.db:
-        refuse_in_memory(config.db)
+    url, _found = store_url(config)  # on the host, the service's database: the one to upgrade
     with errors_as_click():
-        store = Store(config.db or None, upgrade=True)
+        store = Store(url, upgrade=True)
         click.echo(f"{store.url}: schema at {store.current_revision()} (head)")
 
 
 @db.command()
-@common_options
+@reading_options
 def status(config: Config) -> None:
     """Show the store's schema revision without changing anything."""
     from auditor.store import Store

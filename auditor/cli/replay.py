@@ -24,10 +24,10 @@ import click
 
 from auditor.cli.util import (
     TIME,
-    common_options,
     errors_as_click,
     now,
     open_store,
+    reading_options,
     window_end,
 )
 from auditor.config import Config, apply_overrides, load_config
@@ -62,7 +62,7 @@ def capture() -> None:
               help="The capture file to write (SQLite).")
 @click.option("--force", is_flag=True, help="Replace the output file if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@common_options
+@reading_options
 def export_command(config: Config, since: dt.datetime, until: dt.datetime | None, host: str | None, name: str,
                    stream_default: bool, output: Path, force: bool, as_json: bool) -> None:
     """Write the requests of a window to a standalone capture file for `auditor replay`.

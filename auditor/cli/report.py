@@ -11,7 +11,7 @@ from typing import TextIO
 
 import click
 
-from auditor.cli.util import TIME, common_options, errors_as_click, now, open_store, window_end
+from auditor.cli.util import TIME, errors_as_click, now, open_store, reading_options, window_end
 from auditor.config import Config
 from auditor.errors import StoreError
 from auditor.report.model import Report, ReportQuery, to_ns
@@ -42,7 +42,7 @@ FORMAT_BY_SUFFIX = {".html": "html", ".htm": "html", ".json": "json", ".csv": "c
               "--format, its name's .html, .json, .csv or .txt picks the format. An existing file is "
               "replaced only if it holds a report, or with --force.")
 @click.option("--force", is_flag=True, help="Replace the -o file even if it holds something other than a report.")
-@common_options
+@reading_options
 def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: str | None,
            service: str | None, route: str | None, model: str | None, top: int,
            output_format: str, as_json: bool, output: str | None, force: bool) -> None:

@@ -21,14 +21,26 @@ from auditor.errors import AuditorError
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+DB_HELP = "Database URL [default: auditor.db in systemd's $STATE_DIRECTORY, else in this directory]."
+FOUND_DB_HELP = ("Database URL [default: the auditor service's /var/lib/auditor/auditor.db when it exists, "
+                 "else auditor.db in this directory].")
+
+
 def common_options(func: F) -> F:
     """Add ``--db`` and ``--config`` and pass the resolved ``config`` to the command."""
+    return _with_common_options(func, DB_HELP)
 
+
+def reading_options(func: F) -> F:
+    """``common_options`` for a command that reads what the daemon wrote: without a database named,
+    it opens the service's (``store_url``), and its help says so."""
+    return _with_common_options(func, FOUND_DB_HELP)
+
+
+def _with_common_options(func: F, db_help: str) -> F:
     @click.option("--config", "config_path", type=click.Path(dir_okay=False),
                   help="TOML configuration file (AUDITOR_* variables override it).")
-    @click.option("--db", "db_url", metavar="URL",
-                  help="Database URL [default: the auditor service's /var/lib/auditor/auditor.db when it "
-                       "exists, else sqlite:///auditor.db].")
+    @click.option("--db", "db_url", metavar="URL", help=db_help)
     @functools.wraps(func)
     def wrapper(*args: Any, config_path: str | None, db_url: str | None, **kwargs: Any) -> Any:
         with errors_as_click():
