@@ -15,6 +15,8 @@ from click.testing import CliRunner
 
 from auditor.cli import cli
 from auditor.config import load_config
+from auditor.errors import ConfigError
+from auditor.promtext import HEALTH_PATH
 
 MANIFEST = Path(__file__).resolve().parent.parent / "docs" / "deploy" / "daemonset.yaml"
 
@@ -76,12 +78,23 @@ def test_nvml_through_the_nvidia_runtime(pod: dict[str, Any], container: dict[st
     assert "nvidia.com/gpu" not in container["resources"].get("limits", {})  # watches GPUs, takes none
 
 
-def test_liveness_scrapes_the_metrics_listener(documents: dict[str, dict[str, Any]],
-                                               container: dict[str, Any], tmp_path: Path) -> None:
+def test_liveness_asks_the_health_of_the_metrics_listener(documents: dict[str, dict[str, Any]],
+                                                          container: dict[str, Any], tmp_path: Path) -> None:
+    """/healthz fails when the correlator stops (tests/test_daemon_health.py); /metrics would not."""
     config = load_config(_config_file(documents, tmp_path), environ={})
     host, _, port = config.metrics.listen.rpartition(":")
     probe = container["livenessProbe"]["httpGet"]
-    assert (probe["host"], probe["port"], probe["path"]) == (host, int(port), "/metrics")
+    assert (probe["host"], probe["port"], probe["path"]) == (host, int(port), HEALTH_PATH)
+    ready = container["readinessProbe"]["httpGet"]
+    assert (ready["host"], ready["port"]) == (host, int(port))
+
+
+def test_services_put_no_variables_in_the_daemons_environment(pod: dict[str, Any]) -> None:
+    """Kubernetes gives a pod AUDITOR_SERVICE_HOST, AUDITOR_PORT, ... for a Service named auditor in
+    its namespace; every AUDITOR_* variable is configuration, and those would stop the daemon."""
+    with pytest.raises(ConfigError, match="AUDITOR_PORT is not a configuration key"):
+        load_config(None, environ={"AUDITOR_PORT": "tcp://10.0.0.1:9464"})
+    assert pod["enableServiceLinks"] is False
 
 
 def test_config_map_is_a_valid_configuration(documents: dict[str, dict[str, Any]], tmp_path: Path) -> None:
