@@ -278,3 +278,93 @@ def test_every_verdict_is_counted_and_shown(store: Store) -> None:
     validate(report_dict(report))
     table = render_table(report)
     assert "  unconfirmed" in table and max(len(line) for line in table.splitlines()) <= 100
+
+
+def test_a_window_without_requests_still_shows_what_was_lost(store: Store) -> None:
+    """Events lost by the ring buffer and closes with nothing to join, in a window with no request:
+    the table and the page used to say only "no requests", as if nothing had happened."""
+    from auditor.model import CoverageKind
+
+    store.add_coverage(CoverageKind.LOST_KERNEL_EVENTS, 5000, host="gpu-a", ts_ns=at(60))
+    store.add_coverage(CoverageKind.UNJOINED_DISCONNECT, 40, host="gpu-a", ts_ns=at(61))
+    report = build_report(store, HOUR, with_series=True)
+    assert report.empty and report.has_coverage
+    table = render_table(report)
+    assert "no requests between" in table
+    assert "lost kernel events" in table and "5,000" in table and "findings may be missing" in table
+    assert "unjoined disconnects" in table and "40" in table
+    page = render_html(report)
+    assert "coverage: lost kernel events" in page and "5,000: findings may be missing" in page
+    assert "Coverage" not in render_table(build_report(store, ReportQuery(since_ns=at(7200), until_ns=at(9000))))
+
+
+def test_tokens_nothing_told_are_unknown_not_zero(store: Store) -> None:
+    """Zombies judged without an engine span have no token count: the total is unknown, not 0 tokens
+    generated for nobody, and a partly known total is a lower bound."""
+    from auditor.model import Phase, Verdict
+    from tests.report_data import _verdict
+
+    store.upsert_verdicts([_verdict(30 + i, Verdict.ZOMBIE, start_s=100.0 * i, disconnect_s=100.0 * i + 1,
+                                    end_s=100.0 * i + 5, lag=4.0, tokens=None, max_tokens=None,
+                                    phase=Phase.UNKNOWN) for i in range(3)])
+    report = build_report(store, HOUR)
+    assert (report.totals.wasted_tokens, report.totals.zombies_without_tokens) == (0, 3)
+    table = render_table(report)
+    assert any(line.split()[:3] == ["wasted", "tokens", "unknown"] for line in table.splitlines()), table
+    assert "no engine span told the tokens of any zombie" in table
+    document = report_dict(report)
+    validate(document)
+    assert document["totals"]["zombies_without_tokens"] == 3
+    assert "<b>unknown</b><span>tokens generated for nobody</span>" in render_html(report)
+    # The cap is as unknown as the tokens: not counted as requests sent without one.
+    assert report.totals.uncapped_disconnects == 0
+
+    store.upsert_verdicts([_verdict(40, Verdict.ZOMBIE, start_s=500, disconnect_s=501, end_s=510, lag=9.0,
+                                    tokens=120)])
+    partly = build_report(store, HOUR)
+    assert (partly.totals.wasted_tokens, partly.totals.zombies_without_tokens) == (120, 3)
+    assert "at least: unknown for 3 zombies" in render_table(partly)
+
+
+def test_gpu_time_is_the_window_up_to_now(filled: Store) -> None:
+    """A window that ends in the future has no GPU time there yet: counting it made the waste's
+    share of GPU time shrink with every day --until was set ahead."""
+    import time
+
+    until = time.time_ns() + 180 * 86400 * 1_000_000_000
+    before = time.time_ns()
+    t = build_report(filled, ReportQuery(since_ns=T0, until_ns=until)).totals
+    after = time.time_ns()
+    assert t.gpus == 2
+    assert 2 * (before - T0) / 1e9 <= t.gpu_seconds <= 2 * (after - T0) / 1e9
+
+
+def test_disconnects_beyond_the_window_requests_are_no_share() -> None:
+    from auditor.report.model import Totals
+    from auditor.report.render_table import disconnects_note
+
+    assert disconnects_note(Totals(requests=4, disconnects=1)).startswith("25.0% of requests")
+    note = disconnects_note(Totals(requests=2, disconnects=4))
+    assert "%" not in note and "some began before it" in note
+
+
+def test_html_says_what_its_tables_leave_out_and_dates_the_worst(store: Store) -> None:
+    from auditor.model import Verdict
+    from tests.report_data import _verdict
+
+    store.upsert_verdicts([_verdict(100 + i, Verdict.ZOMBIE, start_s=10.0 * i, disconnect_s=10.0 * i + 1,
+                                    end_s=10.0 * i + 3, lag=2.0, route=f"/v1/route-{i}",
+                                    request_id="\x1b[31mred" if i == 0 else None) for i in range(63)])
+    page = render_html(build_report(store, HOUR, with_series=True))
+    assert "... and 13 more (all of them in --format json or csv)" in page
+    assert rfc3339(at(1))[:10] in page.split("Worst zombies</h2>")[1]  # the date, not the time alone
+    assert "\x1b" not in page and "\\x1b[31mred" in page
+
+
+def test_a_lone_point_between_gaps_is_drawn() -> None:
+    from auditor.report.svg import Series, time_chart
+
+    chart = time_chart("x", [0, 60_000_000_000, 120_000_000_000], 60_000_000_000,
+                       Series("a", [1.0, 2.0, 3.0], "#111111"),
+                       Series("b", [None, 0.5, None], "#222222"))
+    assert '<circle' in chart and 'fill="#222222"' in chart

@@ -62,9 +62,10 @@ class Totals:
     zombie_seconds: float = 0.0
     wasted_tokens: int = 0
     wasted_tokens_estimated: int = 0  # the part of wasted_tokens that the engine did not report exactly
+    zombies_without_tokens: int = 0  # zombies whose tokens nothing told (no engine span): not in wasted_tokens
     wasted_gpu_seconds: float = 0.0
     wasted_cpu_seconds: float = 0.0
-    uncapped_disconnects: int = 0  # disconnected requests sent without max_tokens
+    uncapped_disconnects: int = 0  # disconnected requests known (from an engine span) to have had no max_tokens
     uncosted_zombies: int = 0  # zombies whose engine's GPU/CPU time could not be read (details.cost_unmeasured)
     idle_closes: int = 0
     unjoined_disconnects: int = 0
@@ -205,6 +206,14 @@ class Report:
     @property
     def empty(self) -> bool:
         return self.totals.requests == 0 and self.totals.disconnects == 0
+
+    @property
+    def has_coverage(self) -> bool:
+        """Whether the window holds anything seen that is not a verdict (closes, spans, losses):
+        shown even where it holds no request."""
+        t = self.totals
+        return any((t.idle_closes, t.unjoined_disconnects, t.unjoined_spans, t.lost_kernel_events,
+                    t.proxy_rewritten_peers, t.peerless_span_joins))
 
     def empty_message(self) -> str:
         """What an empty window means and where the nearest data is."""

@@ -194,6 +194,8 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
                # max_tokens comes from the engine span; without one (phase unknown) it is unknown,
                # which is not the same as uncapped.
                _count_if(v.max_tokens.is_(None) & (v.phase != "unknown")).label("uncapped"),
+               _count_if(v.verdict.in_(ZOMBIE_VERDICTS) & v.tokens_after_disconnect.is_(None))
+               .label("tokens_unknown"),
                _count_if(v.verdict.in_(ZOMBIE_VERDICTS)
                          & v.details["cost_unmeasured"].as_string().is_not(None)).label("uncosted"))
         .where(*_verdict_filter(query)).group_by(*keys, v.verdict)).all()
@@ -211,6 +213,7 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
         totals.wasted_gpu_seconds += float(row.gpu)
         totals.wasted_cpu_seconds += float(row.cpu)
         totals.uncapped_disconnects += int(row.uncapped)
+        totals.zombies_without_tokens += int(row.tokens_unknown)
         totals.uncosted_zombies += int(row.uncosted)
         for dimension in BREAKDOWN_DIMENSIONS:
             acc = folded[dimension].setdefault(row._mapping[dimension], [0.0] * 10)
@@ -263,7 +266,9 @@ def _fill_gpu_time(conn: Connection, query: ReportQuery, totals: Totals) -> None
         .group_by(samples.c.gpu_index, samples.c.host)).all()
     totals.gpus = len(per_gpu)
     totals.gpu_busy_seconds = sum(float(row.busy) for row in per_gpu)
-    totals.gpu_seconds = totals.gpus * (query.until_ns - query.since_ns) / NS
+    # Capacity is the time that has passed: a window that ends in the future has none there yet.
+    elapsed_ns = max(0, min(query.until_ns, time.time_ns()) - query.since_ns)
+    totals.gpu_seconds = totals.gpus * elapsed_ns / NS
 
 
 # -- breakdowns and lists -----------------------------------------------------------------------

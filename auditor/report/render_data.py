@@ -145,6 +145,7 @@ def report_header_dict(report: Report) -> dict[str, Any]:
             "zombie_seconds": _number(totals.zombie_seconds, 6),
             "wasted_tokens": totals.wasted_tokens,
             "wasted_tokens_estimated": totals.wasted_tokens_estimated,
+            "zombies_without_tokens": totals.zombies_without_tokens,
             "wasted_gpu_seconds": _number(totals.wasted_gpu_seconds, 6),
             "wasted_cpu_seconds": _number(totals.wasted_cpu_seconds, 6),
             "gpus": totals.gpus,

@@ -7,7 +7,15 @@ the store is escaped (request ids, routes and models are chosen by clients).
 from __future__ import annotations
 
 from auditor.report.model import Report, RequestFinding
-from auditor.report.render_table import DIMENSION_TITLES, VERDICT_LABELS, duration, percent
+from auditor.report.render_table import (
+    BREAKDOWN_ROWS_HTML,
+    DIMENSION_TITLES,
+    VERDICT_LABELS,
+    disconnects_note,
+    duration,
+    percent,
+    tokens_value,
+)
 from auditor.report.svg import Series, esc, time_chart, zombie_timelines
 from auditor.timefmt import rfc3339, rfc3339_seconds
 
@@ -43,8 +51,11 @@ def render_html(report: Report) -> str:
     ]
     if report.empty:
         body.append(f'<p class="note">{esc(report.empty_message())}</p>')
+        if report.has_coverage:  # lost events or closes seen in a window without requests: say so
+            body += _coverage_table(report)
     else:
-        body += _cards(report) + _plots(report) + _totals_table(report) + _breakdowns(report)
+        body += _cards(report) + _plots(report) + _totals_table(report) + _coverage_table(report)
+        body += _breakdowns(report)
         body += _worst_table(report.worst_zombies, report.totals.cost_unit)
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             '<meta name="viewport" content="width=device-width,initial-scale=1">'
@@ -60,13 +71,16 @@ def _cards(report: Report) -> list[str]:
     else:
         wasted = (f"{t.wasted_gpu_seconds:,.1f} GPU-s",
                   f"wasted, {share * 100:.2f}% of GPU time" if share is not None else "wasted (no GPU samples)")
+    tokens, _ = tokens_value(t)
     cards = [
         (f"{t.requests:,}", "requests"),
-        (f"{t.disconnects:,}", f"disconnects ({percent(t.disconnects, t.requests)})"),
+        (f"{t.disconnects:,}", f"disconnects ({percent(t.disconnects, t.requests)})"
+         if t.disconnects <= t.requests else "disconnects (some of requests begun before the window)"),
         (f"{t.zombies + t.inflight_zombies:,}", f"zombies ({t.inflight_zombies:,} still running)"),
         (duration(t.zombie_seconds), "zombie time"),
         wasted,
-        (f"{t.wasted_tokens:,}", "tokens generated for nobody"),
+        (tokens, "tokens generated for nobody" + (" (at least)" if t.zombies_without_tokens and tokens != "unknown"
+                                                  else "")),
     ]
     return ['<div class="cards">'] + [
         f'<div class="card"><b>{esc(value)}</b><span>{esc(label)}</span></div>' for value, label in cards
@@ -111,25 +125,35 @@ def _totals_table(report: Report) -> list[str]:
     t = report.totals
     gpu = (f"{percent(t.wasted_gpu_seconds, t.gpu_seconds)} of {t.gpu_seconds:,.0f} GPU-s "
            f"({t.gpus} GPUs x window)" if t.gpu_seconds else "no GPU samples in the window")
+    tokens, tokens_note = tokens_value(t)
     rows = [
-        ("requests", f"{t.requests:,}"), ("disconnects", f"{t.disconnects:,}"),
+        ("requests", f"{t.requests:,}"), ("disconnects", f"{t.disconnects:,}; {disconnects_note(t)}"),
         ("completed", f"{t.completed:,}"), ("aborted", f"{t.aborted:,}"),
         ("zombie", f"{t.zombies:,}"), ("in-flight zombie", f"{t.inflight_zombies:,}"),
         ("unconfirmed", f"{t.unconfirmed:,}"),
         ("zombie time", f"{t.zombie_seconds:,.1f} s"),
-        ("wasted tokens", f"{t.wasted_tokens:,} ({t.wasted_tokens_estimated:,} estimated)"),
+        ("wasted tokens", f"{tokens} ({tokens_note})" if tokens_note else tokens),
         ("wasted GPU time", f"{t.wasted_gpu_seconds:,.1f} GPU-s, {gpu}"),
         ("wasted CPU time", f"{t.wasted_cpu_seconds:,.1f} CPU-s"),
-        ("disconnected requests without max_tokens", f"{t.uncapped_disconnects:,}"),
+        ("disconnected requests without max_tokens (as engine spans tell)", f"{t.uncapped_disconnects:,}"),
         ("zombies not costed (details.cost_unmeasured says why)", f"{t.uncosted_zombies:,}"),
+    ]
+    return ["<h2>Totals</h2><table>"] + [
+        f"<tr><td>{esc(label)}</td><td>{esc(value)}</td></tr>" for label, value in rows] + ["</table>"]
+
+
+def _coverage_table(report: Report) -> list[str]:
+    t = report.totals
+    rows = [
         ("coverage: idle closes", f"{t.idle_closes:,}"),
         ("coverage: unjoined disconnects", f"{t.unjoined_disconnects:,}"),
         ("coverage: unjoined spans", f"{t.unjoined_spans:,}"),
-        ("coverage: lost kernel events", f"{t.lost_kernel_events:,}"),
+        ("coverage: lost kernel events",
+         f"{t.lost_kernel_events:,}" + (": findings may be missing" if t.lost_kernel_events else "")),
         ("coverage: proxy-rewritten peers", f"{t.proxy_rewritten_peers:,}"),
         ("coverage: peerless span joins", f"{t.peerless_span_joins:,}"),
     ]
-    return ["<h2>Totals</h2><table>"] + [
+    return ["<h2>Coverage (seen, but not a verdict)</h2><table>"] + [
         f"<tr><td>{esc(label)}</td><td>{esc(value)}</td></tr>" for label, value in rows] + ["</table>"]
 
 
@@ -142,13 +166,16 @@ def _breakdowns(report: Report) -> list[str]:
         parts.append(f"<h2>By {esc(DIMENSION_TITLES.get(dimension, dimension))}</h2><table><tr>"
                      "<th></th><th>disconnects</th><th>completed</th><th>aborted</th><th>zombie</th>"
                      f"<th>in-flight</th><th>unconfirmed</th><th>zombie s</th><th>tokens</th><th>{unit}-s</th></tr>")
-        for row in rows[:50]:
+        for row in rows[:BREAKDOWN_ROWS_HTML]:
             parts.append(
                 f"<tr><td>{esc(row.key if row.key is not None else '(none)')}</td>"
                 f"<td>{row.disconnects:,}</td><td>{row.completed:,}</td><td>{row.aborted:,}</td>"
                 f"<td>{row.zombies:,}</td><td>{row.inflight_zombies:,}</td><td>{row.unconfirmed:,}</td>"
                 f"<td>{row.zombie_seconds:,.1f}</td><td>{row.wasted_tokens:,}</td>"
                 f"<td>{row.wasted_seconds(unit):,.1f}</td></tr>")
+        if len(rows) > BREAKDOWN_ROWS_HTML:
+            parts.append(f'<tr><td colspan="10">... and {len(rows) - BREAKDOWN_ROWS_HTML:,} more '
+                         "(all of them in --format json or csv)</td></tr>")
         parts.append("</table>")
     return parts
 
@@ -163,7 +190,7 @@ def _worst_table(findings: list[RequestFinding], unit: str) -> list[str]:
         parts.append(
             f'<tr><td class="id">{esc(f.request_id or "")}</td><td class="id">{esc(f.trace_id or "")}</td>'
             f"<td>{esc(VERDICT_LABELS.get(f.verdict, f.verdict))}</td>"
-            f"<td>{f.lag_seconds or 0.0:,.1f}</td><td>{esc(rfc3339(f.disconnect_at_ns)[11:23])}</td>"
+            f"<td>{f.lag_seconds or 0.0:,.1f}</td><td>{esc(rfc3339(f.disconnect_at_ns)[:23].replace('T', ' '))}</td>"
             f"<td>{esc(f.route or '')}</td><td>{esc(f.model or '')}</td><td>{esc(f.host)}</td>"
             f"<td>{f.wasted_seconds(unit):,.1f}</td></tr>")
     parts.append("</table>")

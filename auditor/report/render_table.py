@@ -9,13 +9,15 @@ escaped so that a crafted request id cannot move the cursor or recolour the term
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Callable
 
-from auditor.report.model import BreakdownRow, Report
+from auditor.report.model import BreakdownRow, Report, Totals
 from auditor.timefmt import rfc3339_seconds
 
 WIDTH = 100
 NARROWEST = 80
 BREAKDOWN_ROWS = 10  # per dimension; the JSON output has them all
+BREAKDOWN_ROWS_HTML = 50
 DIMENSION_TITLES = {"service": "service", "route": "route", "model": "model", "phase": "phase at disconnect",
                     "disconnect_kind": "disconnect kind", "host": "host"}
 VERDICT_LABELS = {"completed": "completed", "aborted": "aborted", "zombie": "zombie",
@@ -60,8 +62,10 @@ def render_table(report: Report, width: int = WIDTH) -> str:
     lines = _header(report, width)
     if report.empty:
         lines += ["", report.empty_message()]
-        return "\n".join(lines) + "\n"
-    lines += _totals(report, width)
+        if report.has_coverage:  # lost events or closes seen in a window without requests: say so
+            lines += _coverage(report, width)
+        return "\n".join(line.rstrip() for line in lines) + "\n"
+    lines += _totals(report, width) + _coverage(report, width)
     if width < WIDTH and any(report.breakdowns.values()):
         lines += ["", "Breakdowns narrowed to this terminal: their completed, aborted and",
                   "unconfirmed counts are in --format json (or 100 columns)."]
@@ -82,8 +86,7 @@ def _header(report: Report, width: int) -> list[str]:
     return lines
 
 
-def _totals(report: Report, width: int) -> list[str]:
-    t = report.totals
+def _row_maker(width: int) -> Callable[..., str]:
     value_width = 16 if width >= WIDTH else 14
 
     def row(label: str, value: str, note: str = "") -> str:
@@ -93,16 +96,41 @@ def _totals(report: Report, width: int) -> list[str]:
         wrapped = textwrap.wrap(note, width - len(first)) or [""]
         return "\n".join([first + wrapped[0], *(" " * len(first) + more for more in wrapped[1:])])
 
+    return row
+
+
+def disconnects_note(t: Totals) -> str:
+    """Disconnects are counted by when the client left and requests by when they started: a window
+    can hold more of the first, and a share over 100% would say nothing."""
+    if t.disconnects <= t.requests:
+        return f"{percent(t.disconnects, t.requests)} of requests: client left while in flight"
+    return "client left while in flight (more than the requests begun in the window: some began before it)"
+
+
+def tokens_value(t: Totals) -> tuple[str, str]:
+    """Wasted tokens and their note: "unknown" where no zombie's count is known."""
+    zombies = t.zombies + t.inflight_zombies
+    if zombies and t.zombies_without_tokens == zombies and not t.wasted_tokens:
+        return "unknown", "no engine span told the tokens of any zombie"
+    notes = [f"{t.wasted_tokens_estimated:,} of them estimated"] if t.wasted_tokens_estimated else []
+    if t.zombies_without_tokens:
+        notes.append(f"at least: unknown for {t.zombies_without_tokens:,} zombie"
+                     f"{'s' if t.zombies_without_tokens != 1 else ''}")
+    return f"{t.wasted_tokens:,}", "; ".join(notes)
+
+
+def _totals(report: Report, width: int) -> list[str]:
+    t = report.totals
+    row = _row_maker(width)
     gpu_note = (f"{percent(t.wasted_gpu_seconds, t.gpu_seconds)} of {t.gpu_seconds:,.0f} GPU-s "
                 f"({t.gpus} GPU{'s' if t.gpus != 1 else ''} x window)"
                 if t.gpu_seconds else "no GPU samples in the window")
-    estimated = f"{t.wasted_tokens_estimated:,} of them estimated" if t.wasted_tokens_estimated else ""
+    tokens, tokens_note = tokens_value(t)
     rows = [
         "",
         "Totals",
         row("requests", f"{t.requests:,}", "HTTP server spans that started in the window"),
-        row("disconnects", f"{t.disconnects:,}",
-            f"{percent(t.disconnects, t.requests)} of requests: client left while in flight"),
+        row("disconnects", f"{t.disconnects:,}", disconnects_note(t)),
         row("  completed", f"{t.completed:,}", "response was already complete"),
         row("  aborted", f"{t.aborted:,}", "work stopped within the grace period"),
         row("  zombie", f"{t.zombies:,}", "work went on after the client left"),
@@ -110,14 +138,22 @@ def _totals(report: Report, width: int) -> list[str]:
         row("  unconfirmed", f"{t.unconfirmed:,}", "client left early; nothing told if work stopped"),
         row("zombie time", f"{t.zombie_seconds:,.1f} s",
             duration(t.zombie_seconds) if t.zombie_seconds >= 60 else ""),
-        row("wasted tokens", f"{t.wasted_tokens:,}", estimated),
+        row("wasted tokens", tokens, tokens_note),
         row("wasted GPU time", f"{t.wasted_gpu_seconds:,.1f} GPU-s", gpu_note),
         row("wasted CPU time", f"{t.wasted_cpu_seconds:,.1f} CPU-s"),
         row("no max_tokens cap", f"{t.uncapped_disconnects:,}",
-            "disconnected requests that could run unbounded"),
+            "disconnected requests that could run unbounded (as engine spans tell)"),
         *([row("zombies not costed", f"{t.uncosted_zombies:,}",
                "engine process unknown: details.cost_unmeasured")]
           if t.uncosted_zombies else []),
+    ]
+    return [line for text in rows for line in text.split("\n")]
+
+
+def _coverage(report: Report, width: int) -> list[str]:
+    t = report.totals
+    row = _row_maker(width)
+    rows = [
         "",
         "Coverage (seen, but not a verdict)",
         row("idle closes", f"{t.idle_closes:,}", "keep-alive closes between requests (normal)"),

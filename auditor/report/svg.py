@@ -19,7 +19,12 @@ TICKS = 5  # axis intervals: 1, 2 and 5 x 10^k divide into round steps
 
 
 def esc(text: object) -> str:
-    return escape(str(text), quote=True)
+    """HTML-escaped, with control characters shown as escapes (``\\x1b``): a crafted request id
+    must not recolour the terminal of whoever runs ``cat`` on the page."""
+    value = str(text)
+    if not value.isprintable():
+        value = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in value)
+    return escape(value, quote=True)
 
 
 def nice_ceiling(value: float) -> float:
@@ -139,8 +144,11 @@ def _draw(series: Series, top: float, slot: float, plot_h: float) -> str:
             runs.append([])
             continue
         runs[-1].append(f"{LEFT + slot * (index + 0.5):.1f},{y_of(value):.1f}")
-    return "".join(f'<polyline fill="none" stroke="{series.color}" stroke-width="2" '
-                   f'points="{" ".join(run)}"/>' for run in runs if run)
+    # A point with gaps on both sides is no line: drawn as a dot, or it would not show at all.
+    return "".join(f'<polyline fill="none" stroke="{series.color}" stroke-width="2" points="{" ".join(run)}"/>'
+                   if len(run) > 1 else
+                   f'<circle cx="{run[0].split(",")[0]}" cy="{run[0].split(",")[1]}" r="2.5" fill="{series.color}"/>'
+                   for run in runs if run)
 
 
 def _width_label(width_ns: int) -> str:
