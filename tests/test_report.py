@@ -368,3 +368,22 @@ def test_a_lone_point_between_gaps_is_drawn() -> None:
                        Series("a", [1.0, 2.0, 3.0], "#111111"),
                        Series("b", [None, 0.5, None], "#222222"))
     assert '<circle' in chart and 'fill="#222222"' in chart
+
+
+def test_wide_characters_keep_the_columns(store: Store) -> None:
+    """A route or host in CJK takes two terminal cells a character: counted by len() it pushed
+    its row's columns two cells right per character, past the terminal's edge."""
+    from auditor.model import Verdict
+    from auditor.report.render_table import cells
+    from tests.report_data import _verdict
+
+    wide, narrow = "/v1/東京" * 6, "/v1/tokyo-" * 6
+    store.upsert_verdicts([_verdict(60 + i, Verdict.ZOMBIE, start_s=10.0 * i, disconnect_s=10.0 * i + 1,
+                                    end_s=10.0 * i + 3, lag=2.0, route=route, host="gpu-ü-東京")
+                           for i, route in enumerate((wide, narrow))])
+    table = render_table(build_report(store, HOUR))
+    lines = table.splitlines()
+    assert max(cells(line) for line in lines) <= 100, max(lines, key=cells)
+    by_route = lines[lines.index("By route") + 2:lines.index("By route") + 4]
+    assert len(by_route) == 2 and cells(by_route[0]) == cells(by_route[1]), by_route
+    assert "東京" in by_route[0] or "東京" in by_route[1]

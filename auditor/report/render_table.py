@@ -9,6 +9,7 @@ escaped so that a crafted request id cannot move the cursor or recolour the term
 from __future__ import annotations
 
 import textwrap
+import unicodedata
 from collections.abc import Callable
 
 from auditor.report.model import BreakdownRow, Report, Totals
@@ -33,8 +34,31 @@ def printable(text: str | None, empty: str = "-") -> str:
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
+def cells(text: str) -> int:
+    """Terminal cells ``text`` takes: wide (East Asian) characters take two, combining marks none."""
+    if text.isascii():
+        return len(text)
+    return sum(0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1
+               for ch in text)
+
+
 def clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
+    """``text`` in at most ``width`` terminal cells, cut with an ellipsis."""
+    if cells(text) <= width:
+        return text
+    kept, used = [], 1  # the ellipsis
+    for ch in text:
+        used += cells(ch)
+        if used > width:
+            break
+        kept.append(ch)
+    return "".join(kept) + "…"
+
+
+def fit(text: str, width: int) -> str:
+    """``text`` clipped and padded to exactly ``width`` terminal cells (a column)."""
+    text = clip(text, width)
+    return text + " " * (width - cells(text))
 
 
 def duration(seconds: float) -> str:
@@ -182,7 +206,7 @@ def _breakdown(title: str, rows: list[BreakdownRow], unit: str, width: int) -> l
     wide = width >= WIDTH
     lines = ["", f"By {title}", _breakdown_header(unit, wide)]
     for row in rows[:BREAKDOWN_ROWS]:
-        key = f"  {clip(printable(row.key, '(none)'), 20):<20} {row.disconnects:>7,} "
+        key = f"  {fit(printable(row.key, '(none)'), 20)} {row.disconnects:>7,} "
         tail = (f"{row.zombies:>7,} {row.inflight_zombies:>9,} {row.zombie_seconds:>9,.1f} "
                 f"{row.wasted_tokens:>8,} {row.wasted_seconds(unit):>8,.1f}")
         if not wide:
@@ -218,8 +242,8 @@ def _worst(report: Report, width: int) -> list[str]:
             f"  {rank:>2} {finding.lag_seconds or 0.0:>9,.1f} "
             f"{VERDICT_LABELS.get(finding.verdict, finding.verdict):<9} {clip(finding.phase, 7):<7} "
             f"{at:<{at_width}} "
-            f"{clip(printable(finding.route), route_width):<{route_width}} "
-            f"{clip(printable(finding.model), model_width):<{model_width}} "
+            f"{fit(printable(finding.route), route_width)} "
+            f"{fit(printable(finding.model), model_width)} "
             f"{finding.wasted_seconds(unit):>7,.1f}")
         lines += _id_lines("request", printable(finding.request_id), width)
         lines += _id_lines("trace", printable(finding.trace_id), width)
