@@ -141,15 +141,17 @@ def bpf_unavailable_reason(*, tracefs_roots: Iterable[Path] = TRACEFS_ROOTS,
                            modules_root: Path = Path("/lib/modules"),
                            kheaders: Path = Path("/sys/kernel/kheaders.tar.xz"),
                            check_bcc: bool = True,
-                           caps: int | None = None, compiles: bool = True) -> ProbeUnavailable | None:
+                           caps: int | None = None, euid: int | None = None,
+                           compiles: bool = True) -> ProbeUnavailable | None:
     """Why the probe cannot load here (reason and fix), or None when every precondition holds.
     ``compiles``: bcc compiles it here (it needs bcc and kernel headers; the prebuilt probe not).
 
     Privilege is judged from effective capabilities (``probes.caps``), never the uid, so the unit's
-    ``User=auditor`` with ambient capabilities loads the probe. The same checks, in the same words,
-    as ``auditor doctor``; the paths and the capability mask can be pointed elsewhere.
+    ``User=auditor`` with ambient capabilities loads the probe (the uid only tells whether tracefs's
+    0700 files are this process's own). The same checks, in the same words, as ``auditor doctor``;
+    the paths, the capability mask and the uid can be pointed elsewhere.
     """
-    missing = missing_bpf_capabilities(caps)
+    missing = missing_bpf_capabilities(caps, euid)
     if missing:
         return ProbeUnavailable(f"eBPF needs {', '.join(missing)} (missing from the effective set)",
                                 f"run as root, or grant AmbientCapabilities={UNIT_CAPABILITIES} "
@@ -160,7 +162,8 @@ def bpf_unavailable_reason(*, tracefs_roots: Iterable[Path] = TRACEFS_ROOTS,
     roots = [root for root in tracefs_roots if (root / "events").is_dir()]
     if not roots:
         return ProbeUnavailable("tracefs is not mounted",
-                                "run `mount -t tracefs nodev /sys/kernel/tracing`")
+                                "run `mount -t tracefs nodev /sys/kernel/tracing` (at boot: `systemctl enable --now "
+                                "sys-kernel-tracing.mount`), then restart the daemon")
     for tracepoint in TRACEPOINTS:
         if not any((root / "events" / tracepoint / "format").exists() for root in roots):
             return ProbeUnavailable(f"this kernel has no {tracepoint.replace('/', ':')} tracepoint",
@@ -204,7 +207,8 @@ def load_prebuilt(ringbuf_pages: int = DEFAULT_RINGBUF_PAGES, wakeup_every: int 
     ProbeUnavailable with the reason where it cannot be."""
     root = next((root for root in TRACEFS_ROOTS if (root / "events").is_dir()), None)
     if root is None:
-        raise ProbeUnavailable("tracefs is not mounted", "run `mount -t tracefs nodev /sys/kernel/tracing`")
+        raise ProbeUnavailable("tracefs is not mounted", "run `mount -t tracefs nodev /sys/kernel/tracing` (at boot: `systemctl enable --now "
+                                "sys-kernel-tracing.mount`), then restart the daemon")
     return prebuilt.load(
         ringbuf_bytes=ringbuf_pages * mmap.PAGESIZE, tracepoints=TRACEPOINT_NAMES, tracefs=root,
         wakeup_every=default_wakeup_every(ringbuf_pages) if wakeup_every is None else wakeup_every,

@@ -41,7 +41,7 @@ def fake_host(root: Path, *, tracefs: bool = True, tracepoints: bool = True,
     if headers:
         (modules / platform.release() / "build" / "include").mkdir(parents=True)
     return {"tracefs_roots": [tracing], "modules_root": modules,
-            "kheaders": root / "no-kheaders", "check_bcc": False, "caps": UNIT_CAPS}
+            "kheaders": root / "no-kheaders", "check_bcc": False, "caps": UNIT_CAPS, "euid": 65534}
 
 
 def test_a_complete_host_has_no_reason(tmp_path: Path) -> None:
@@ -59,7 +59,8 @@ def test_the_prebuilt_probe_needs_no_kernel_headers_or_bcc(tmp_path: Path) -> No
     ({"caps": capability_mask(CAP_BPF, CAP_PERFMON)}, "eBPF needs CAP_DAC_READ_SEARCH",
      "AmbientCapabilities=CAP_BPF CAP_PERFMON CAP_DAC_READ_SEARCH"),
     ({"tracefs": False, "tracepoints": False}, "tracefs is not mounted",
-     "mount -t tracefs nodev /sys/kernel/tracing"),
+     "mount -t tracefs nodev /sys/kernel/tracing` (at boot: `systemctl enable --now sys-kernel-tracing.mount`), "
+     "then restart the daemon"),
     ({"tracepoints": False}, "no sock:inet_sock_set_state tracepoint", "Linux 4.16"),
     ({"headers": False}, "kernel headers are missing", "apt-get install linux-headers-"),
 ])
@@ -137,7 +138,15 @@ def test_unsignalled_records_never_fill_more_than_a_quarter_of_the_ring() -> Non
     ((CAP_DAC_READ_SEARCH,), ["CAP_BPF", "CAP_PERFMON"]),
 ])
 def test_readiness_is_decided_by_capabilities(bits: tuple[int, ...], missing: list[str]) -> None:
-    assert missing_bpf_capabilities(capability_mask(*bits)) == missing
+    assert missing_bpf_capabilities(capability_mask(*bits), euid=65534) == missing
+
+
+def test_root_reads_its_own_tracefs_without_a_dac_capability() -> None:
+    """tracefs is 0700 root: root reads it as its owner. Root with only CAP_BPF and CAP_PERFMON
+    loads the probe (the prebuilt one loads and attaches so); it used to be sent to the fallback
+    and told to run as root."""
+    assert missing_bpf_capabilities(capability_mask(CAP_BPF, CAP_PERFMON), euid=0) == []
+    assert missing_bpf_capabilities(capability_mask(CAP_DAC_READ_SEARCH), euid=0) == ["CAP_BPF", "CAP_PERFMON"]
 
 
 def test_doctor_and_probe_agree_on_this_process() -> None:

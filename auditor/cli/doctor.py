@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ import click
 
 from auditor.cli.util import common_options
 from auditor.config import Config, parse_address
-from auditor.errors import AuditorError
+from auditor.errors import AuditorError, ConfigError
 
 SCHEMA = "auditor.cli.doctor/v1"
 
@@ -51,14 +52,15 @@ class Check:
 
 def check_privileges() -> Check:
     """Judged by ``probes.caps``, the same function the probe uses: capabilities, not the uid."""
-    from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
+    from probes.caps import missing_bpf_capabilities, present_capabilities
 
     missing = missing_bpf_capabilities()
     who = "root" if os.geteuid() == 0 else f"uid {os.geteuid()}"
+    present = ", ".join(present_capabilities()) or "none of the probe's capabilities"
     if not missing:
-        return Check("privileges", OK, f"{who}, {UNIT_CAPABILITIES.replace(' ', ', ')} effective")
-    return Check("privileges", DEGRADED, f"{who} without {', '.join(missing)}: eBPF probe unavailable",
-                 root_or_unit())
+        return Check("privileges", OK, f"{who}, {present} effective")
+    return Check("privileges", DEGRADED, f"{who} without {', '.join(missing)} ({present} effective): "
+                 "eBPF probe unavailable", root_or_unit())
 
 
 def check_bpf_syscall() -> Check:
@@ -81,10 +83,19 @@ def check_bpf_syscall() -> Check:
 
 
 def root_or_unit() -> str:
-    """The fix for what only root, or the unit's capabilities, may do."""
-    from probes.caps import UNIT_CAPABILITIES
+    """The fix for what only root, or the unit's capabilities, may do: naming what this process
+    lacks, where it lacks any."""
+    from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
 
-    return f"run as root, or under systemd with AmbientCapabilities={UNIT_CAPABILITIES}"
+    missing = missing_bpf_capabilities()
+    lacking = f" (this process lacks {', '.join(missing)})" if missing else ""
+    return f"run as root, or under systemd with AmbientCapabilities={UNIT_CAPABILITIES}{lacking}"
+
+
+# A daemon picks its disconnect source once, at start: a fix to the probe's host needs a restart.
+RESTART = "then restart the daemon (systemctl restart auditor): it picks its source at start"
+TRACEFS_FIX = ("mount -t tracefs nodev /sys/kernel/tracing (and at every boot: systemctl enable --now "
+               f"sys-kernel-tracing.mount); {RESTART}")
 
 
 def check_tracefs() -> Check:
@@ -102,8 +113,7 @@ def check_tracefs() -> Check:
                 return Check("tracefs", DEGRADED, detail + f"; tcp:{', tcp:'.join(missing)} missing: the eBPF "
                              "probe cannot attach", "the probe needs Linux 4.16 or later; use --source procfs")
             return Check("tracefs", OK, detail + ", tcp:tcp_receive_reset and tcp:tcp_rcv_space_adjust present")
-    return Check("tracefs", DEGRADED, "tracefs not mounted: the eBPF probe cannot attach",
-                 "mount -t tracefs nodev /sys/kernel/tracing")
+    return Check("tracefs", DEGRADED, "tracefs not mounted: the eBPF probe cannot attach", TRACEFS_FIX)
 
 
 def check_prebuilt_probe() -> Check:
@@ -111,6 +121,7 @@ def check_prebuilt_probe() -> Check:
     go: what the daemon tries first, needing neither bcc nor kernel headers."""
     from probes import ProbeUnavailable
     from probes.bpf import load_prebuilt
+    from probes.caps import missing_bpf_capabilities
 
     started = time.monotonic()
     try:
@@ -119,9 +130,13 @@ def check_prebuilt_probe() -> Check:
         return Check("prebuilt_probe", DEGRADED, f"cannot load the prebuilt probe as this user ({exc.strerror}: "
                      f"{exc.filename})", root_or_unit())
     except ProbeUnavailable as exc:
-        return Check("prebuilt_probe", DEGRADED, exc.reason,
-                     exc.fix if exc.reason == "tracefs is not mounted"
-                     else "the daemon compiles the probe with bcc instead: see the kernel_headers and bcc checks")
+        if exc.reason == "tracefs is not mounted":
+            fix = TRACEFS_FIX
+        elif missing_bpf_capabilities():  # refused for want of a capability: bcc would be refused too
+            fix = root_or_unit()
+        else:
+            fix = "the daemon compiles the probe with bcc instead: see the kernel_headers and bcc checks"
+        return Check("prebuilt_probe", DEGRADED, exc.reason, fix)
     program.close()
     fitted = f" (fitted to this kernel: {'; '.join(program.fitted)})" if program.fitted else ""
     return Check("prebuilt_probe", OK,
@@ -152,8 +167,10 @@ def check_bcc(timeout_s: float = 60.0) -> Check:
         return Check("bcc", DEGRADED, "bcc is not importable",
                      "make setup (as root), or: apt-get install python3-bpfcc and link "
                      "/usr/lib/python3/dist-packages/bcc into the venv")
+    from probes.caps import missing_bpf_capabilities
+
     return Check("bcc", DEGRADED, f"test program failed to load: {last[:200]}",
-                 "see the kernel_headers and tracefs checks; run as root")
+                 root_or_unit() if missing_bpf_capabilities() else "see the kernel_headers and tracefs checks")
 
 
 def check_fallback(poll_hz: float, walks: int = 100) -> Check:
@@ -358,7 +375,7 @@ def check_ports(config: Config) -> Check:
     running here (then ``doctor`` is being asked about a working install, not a conflict)."""
     addresses = {"otlp.http": config.otlp.http, "otlp.grpc": config.otlp.grpc,
                  "metrics.listen": config.metrics.listen, "live.listen": config.live.listen}
-    free, ours, busy = [], [], []
+    free, ours, busy, unnamed = [], [], [], []
     for key, kind in LISTENERS:
         addr = addresses[key]
         if not addr:
@@ -371,9 +388,15 @@ def check_ports(config: Config) -> Check:
         holder = socket_holder(socket_inodes(port, kind))
         if holder is not None and is_auditor_daemon(holder[1]):
             ours.append((addr, holder[0]))
+        elif holder is None:
+            unnamed.append((key, addr, reason))
         else:
-            by = f", held by pid {holder[0]} ({' '.join(holder[1])[:80]})" if holder else ""
-            busy.append(f"{key} {addr} ({reason}{by})")
+            busy.append(f"{key} {addr} ({reason}, held by pid {holder[0]} ({' '.join(holder[1])[:80]}))")
+    # Another user's process (the service's, asked from a shell with fewer privileges) cannot be
+    # named from /proc: an auditor answering on the metrics address says whose they are.
+    service = bool(unnamed) and auditor_answers(config.metrics.listen)
+    if not service:
+        busy += [f"{key} {addr} ({reason})" for key, addr, reason in unnamed]
     if busy:
         return Check("ports", FAILED, "in use: " + "; ".join(busy),
                      "stop what holds them (ss -ltnup), or set other addresses in auditor.toml",
@@ -382,7 +405,28 @@ def check_ports(config: Config) -> Check:
     for pid in sorted({pid for _, pid in ours}):
         held = ", ".join(addr for addr, holder_pid in ours if holder_pid == pid)
         parts.append(f"{held} held by the running auditor (pid {pid})")
+    if service:
+        parts.append(f"{', '.join(addr for _, addr, _ in unnamed)} held by the running auditor (it answers on "
+                     f"metrics.listen {config.metrics.listen}; its process is another user's)")
     return Check("ports", OK, "; ".join(parts) or "no listeners configured", required=True)
+
+
+def auditor_answers(metrics_listen: str, timeout_s: float = 1.0) -> bool:
+    """Whether an auditor daemon serves ``/metrics`` at this address now."""
+    if not metrics_listen:
+        return False
+    try:
+        host, port = parse_address(metrics_listen, "metrics.listen")
+    except ConfigError:  # a bad address is the config loader's to report
+        return False
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    target = f"[{host}]" if ":" in host else host
+    try:
+        with urllib.request.urlopen(f"http://{target}:{port}/metrics?name[]=auditor_build_info",
+                                    timeout=timeout_s) as response:
+            return b"auditor_build_info" in response.read(65536)
+    except (OSError, ValueError):
+        return False
 
 
 def check_database(config: Config) -> Check:
@@ -483,7 +527,26 @@ def run_checks(config: Config) -> list[Check]:
             name = getattr(check, "__name__", "check").removeprefix("check_")
             results.append(Check(name, DEGRADED, f"check itself failed: {exc}",
                                  root_or_unit() if isinstance(exc, PermissionError) else ""))
+    results.append(check_source(config.probe.source, results))
     return results
+
+
+def check_source(source: str, checks: list[Check]) -> Check:
+    """``probe.source`` against what loads here, as ``auditor run`` decides: ``bpf`` where the eBPF
+    probe cannot load is a daemon that exits 1 at start."""
+    loaded = probe_loader(checks) is not None
+    if source == "procfs":
+        return Check("source", OK, "probe.source = procfs: the /proc fallback, as configured"
+                     + ("; the eBPF probe would load here (probe.source = auto uses it)" if loaded else ""),
+                     required=True)
+    if source == "bpf" and not loaded:
+        return Check("source", FAILED, "probe.source = bpf, and the eBPF probe cannot load here (the checks "
+                     "above say why): the daemon would exit at start",
+                     "fix what the checks above name, or set probe.source = auto (the /proc fallback "
+                     "where the probe cannot load)", required=True)
+    return Check("source", OK, f"probe.source = {source}: "
+                 + ("the eBPF probe" if loaded else "the /proc fallback, as the eBPF probe cannot load here"),
+                 required=True)
 
 
 def can_run(checks: list[Check]) -> bool:
@@ -497,8 +560,11 @@ def disconnect_source(checks: list[Check]) -> str:
 
 def probe_loader(checks: list[Check]) -> str | None:
     """How the daemon would load the eBPF probe here: ``prebuilt`` (bcc's compile kept at build
-    time), ``bcc`` (compiled at start), or None (the /proc fallback runs)."""
+    time), ``bcc`` (compiled at start), or None (the /proc fallback runs, by configuration when
+    the ``source`` check says ``probe.source = procfs``)."""
     by_name = {c.name: c.state for c in checks}
+    if any(c.name == "source" and c.detail.startswith("probe.source = procfs") for c in checks):
+        return None
     if all(by_name.get(n) == OK for n in ("privileges", "bpf_syscall")):
         if by_name.get("prebuilt_probe") == OK:
             return "prebuilt"
