@@ -184,6 +184,49 @@ def test_plain_clients_against_an_engine_that_spans_in_its_own_traces(tmp_path: 
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("source", ["procfs", pytest.param("bpf", marks=pytest.mark.privileged)])
+def test_fastapis_second_server_span_leaves_completed_clients_completed(tmp_path: Path, source: str) -> None:
+    """FastAPI's own telemetry over an ASGI middleware: two SERVER spans a request, the second a
+    child of the first on the same connection. vLLM's gauges, no engine span, plain clients: two
+    read their whole answer while four cancel at once on an engine that runs on after them. The
+    port's requests in flight were counted twice, and both completed clients were judged zombies
+    (both sources, every run)."""
+    truth_log = tmp_path / "truth.jsonl"
+    with running_daemon(tmp_path, **{"probe.source": source, "engine_metrics.interval_seconds": SCRAPE_S,
+                                     "correlate.late_span_seconds": 10.0}) as daemon, running_engine(
+            behavior="detached", otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
+            step_ms=10, max_batch=16,
+            extra_args=["--engine-span", "none", "--metrics-names", "vllm", "--duplicate-server-span"]) as engine:
+        daemon.set_ports({engine.port})
+        threads = [complete(engine.port, stream=True, max_tokens=40, request_id=None) for _ in range(2)]
+        for kind in ("fin", "rst"):
+            for stream in (True, False):
+                threads.append(cancel_after(engine.port, 0.1, kind, stream=stream, max_tokens=150, request_id=None))
+                time.sleep(0.05)
+        for thread in threads:
+            thread.join()
+        truths = {t["client_port"]: t for t in engine.wait_for_truth(6, timeout=30)}
+        left = {port for port, t in truths.items() if t.get("disconnect_at")}
+        assert len(left) == 4, truths
+
+        def settled() -> bool:
+            rows = {r.client_port: r for r in verdict_rows(daemon)}
+            return all(port in rows and not rows[port].details.get("provisional") for port in left)
+
+        assert wait_for(settled, timeout_s=40), [(r.client_port, r.verdict, r.details) for r in verdict_rows(daemon)]
+        time.sleep(1.0)
+        rows = {r.client_port: r for r in verdict_rows(daemon)}
+    problems = []
+    for port, row in rows.items():
+        if port not in left:
+            if row.verdict in ("aborted", "zombie", "inflight_zombie"):
+                problems.append(f"{port}: {row.verdict} for a completed request ({row.details})")
+        elif row.verdict not in (expected_verdict(truths[port]), "unconfirmed"):
+            problems.append(f"{port}: {row.verdict}, truth {expected_verdict(truths[port])} ({row.details})")
+    assert not problems, "\n".join(problems)
+    assert sum(rows[port].verdict == "zombie" for port in left) >= 1  # the gauges still tell zombies
+
+
 def test_one_at_a_time_request_cancelled_while_waiting_is_no_zombie_and_costs_nothing(tmp_path: Path) -> None:
     truth_log = tmp_path / "truth.jsonl"
     with running_daemon(tmp_path, **{

@@ -105,3 +105,44 @@ def test_removing_many_at_once_equals_removing_them_one_by_one() -> None:
         assert at_once.in_flight(ts, until) == one_by_one.in_flight(ts, until) == brute, (ts, until)
         assert at_once.started(ts, until) == one_by_one.started(ts, until)
     assert not at_once.remove_many(left)
+
+
+def connection_span(trace: int, span_id: int, parent: int | None, start: int, end: int,
+                    peer_port: int = 40000) -> SpanRecord:
+    return replace(span(trace, start, end), span_id=f"{span_id:016x}",
+                   parent_span_id=None if parent is None else f"{parent:016x}", peer_addr="10.0.0.7",
+                   peer_port=peer_port)
+
+
+def test_a_duplicate_server_span_counts_once_in_either_order() -> None:
+    """FastAPI's instrumentation adds a second SERVER span inside the ASGI middleware's, on the
+    same connection: one request, however the two arrive. Counted twice, one request in flight
+    read as two to the gauges' arithmetic, and a client that read its whole answer was judged to
+    have left work running."""
+    for order in ("child first", "parent first"):
+        index = TraceIndex()
+        outer, inner = connection_span(1, 1, None, 0, 100), connection_span(1, 2, 1, 5, 95)
+        for item in ([inner, outer] if order == "child first" else [outer, inner]):
+            index.add(item, arrived_ns=100)
+        assert index.server_spans_on(8000, 50, 50, also=set()) == 1, order
+        assert index.server_spans_started(8000, -1, 100) == 1 and index.server_spans_ended(8000, 0, 100) == 1, order
+        # A third level of the same (a middleware's own span) still makes one request.
+        index.add(connection_span(1, 3, 2, 10, 90), arrived_ns=100)
+        assert index.server_spans_on(8000, 50, 50, also=set()) == 1, order
+        index.prune(cutoff_ns=200, keep=set())  # what was counted is what leaves
+        assert index.server_spans_on(8000, 50, 50, also=set()) == 0
+
+
+def test_parallel_requests_of_one_trace_on_one_connection_count_each() -> None:
+    """HTTP/2: an agent's two calls in one trace share a connection; siblings, not duplicates."""
+    index = TraceIndex()
+    client = replace(connection_span(1, 1, None, 0, 100), role=SpanRole.OTHER, kind=3, server_port=None)
+    index.add(client, arrived_ns=100)
+    for span_id, (start, end) in ((2, (5, 95)), (3, (10, 50))):
+        index.add(connection_span(1, span_id, 1, start, end), arrived_ns=100)
+    assert index.server_spans_on(8000, 20, 20, also=set()) == 2
+    # The same spans on two connections (another client port) are two requests too.
+    other = TraceIndex()
+    other.add(connection_span(2, 1, None, 0, 100), arrived_ns=100)
+    other.add(connection_span(2, 2, 1, 5, 95, peer_port=40001), arrived_ns=100)
+    assert other.server_spans_on(8000, 50, 50, also=set()) == 2

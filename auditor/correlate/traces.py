@@ -54,6 +54,17 @@ def span_tuple(span: SpanRecord) -> Tuple4:
     return (norm_addr(span.peer_addr), span.peer_port or 0, span.server_port or 0)
 
 
+def _counts_on_port(span: SpanRecord, trace: dict[str, SpanRecord]) -> bool:
+    """Whether a server span counts among its port's requests: not when its parent is a server
+    span of the same connection, as FastAPI's instrumentation makes a second one inside the ASGI
+    middleware's. Counted twice, a request in flight read as two to the gauges' arithmetic: a
+    client that read its whole answer was judged to have left work running (a zombie). Parallel
+    requests of one trace on one HTTP/2 connection are siblings, not parent and child: each counts."""
+    parent = trace.get(span.parent_span_id) if span.parent_span_id else None
+    return not (parent is not None and parent.role is SpanRole.HTTP_SERVER and span.peer_port
+                and not span.peer_rewritten and span_tuple(parent) == span_tuple(span))
+
+
 def engine_request_ids(http_request_id: str) -> tuple[str, ...]:
     """The ids vLLM gives a request that arrived with ``X-Request-Id: <id>``."""
     return (http_request_id, f"chatcmpl-{http_request_id}", f"cmpl-{http_request_id}")
@@ -122,6 +133,11 @@ class PortSpans:
     def ended(self, after_ns: int, until_ns: int) -> int:
         """Spans that ended in (after, until]."""
         return bisect.bisect_right(self._ends, until_ns) - bisect.bisect_right(self._ends, after_ns)
+
+    def remove(self, span: SpanRecord) -> None:
+        """Forget one span (added once) that stays indexed but no longer counts."""
+        del self._starts[bisect.bisect_left(self._starts, span.start_ns)]
+        del self._ends[bisect.bisect_left(self._ends, span.end_ns)]
 
     def remove_many(self, spans: Iterable[SpanRecord]) -> bool:
         """Forget these spans (each added once); False when none is left. The prune forgets the
@@ -216,8 +232,9 @@ class TraceIndex:
         if arrival != newest:  # a trace's spans mostly come together: one entry for them
             self._arrivals.append(arrival)
             self._entries[span.trace_id] += 1
-        if span.role is SpanRole.HTTP_SERVER and span.server_port:
+        if span.role is SpanRole.HTTP_SERVER and span.server_port and _counts_on_port(span, spans):
             self._http_by_port[span.server_port].add(span)
+            self._uncount_children(span)
         if span.role is SpanRole.HTTP_SERVER and not span.peer_rewritten and span.peer_port and span.server_port:
             self._http_by_tuple[span_tuple(span)].append(span)
         elif span.role is SpanRole.HTTP_SERVER and not span.peer_rewritten and not span.peer_port and span.server_port:
@@ -225,6 +242,14 @@ class TraceIndex:
         elif span.role is SpanRole.ENGINE and span.request_id:
             self._engine_by_request_id[span.request_id] = span
         return True
+
+    def _uncount_children(self, span: SpanRecord) -> None:
+        """A server span's duplicates that came before it (a child ends, and is exported, first)
+        stop counting on its port now that it is here."""
+        if span.peer_port and not span.peer_rewritten:
+            for other in self._http_by_tuple.get(span_tuple(span), ()):
+                if other.parent_span_id == span.span_id and other.trace_id == span.trace_id:
+                    self._http_by_port[span.server_port or 0].remove(other)
 
     def get(self, trace_id: str, span_id: str) -> SpanRecord | None:
         return self._by_trace.get(trace_id, {}).get(span_id)
@@ -394,8 +419,9 @@ class TraceIndex:
     def _forget(self, trace_id: str, leaving: dict[int, list[SpanRecord]]) -> None:
         """Drop a trace's spans; its server spans are added to ``leaving`` (by port), for the
         caller to take out of their ports' lists in one pass each."""
-        for span in self._by_trace.pop(trace_id, {}).values():
-            if span.role is SpanRole.HTTP_SERVER and span.server_port:
+        spans = self._by_trace.pop(trace_id, {})
+        for span in spans.values():
+            if span.role is SpanRole.HTTP_SERVER and span.server_port and _counts_on_port(span, spans):
                 leaving.setdefault(span.server_port, []).append(span)
             if span.role is SpanRole.ENGINE and span.request_id:
                 if self._engine_by_request_id.get(span.request_id) is span:
