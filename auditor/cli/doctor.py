@@ -335,7 +335,7 @@ def socket_inodes(port: int, kind: int, proc_root: Path = Path("/proc")) -> set[
 
 def socket_holder(inodes: set[int], proc_root: Path = Path("/proc")) -> tuple[int, list[str]] | None:
     """The process (pid, argv) that has one of these socket inodes open, found through its fds.
-    Other users' fds need root (or CAP_DAC_READ_SEARCH); unreadable processes are skipped."""
+    Other users' fds need root (or CAP_SYS_PTRACE); unreadable processes are skipped."""
     links = {f"socket:[{inode}]" for inode in inodes}
     if not links:
         return None
