@@ -127,3 +127,38 @@ def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.1) -> bool:
 def expected_verdict(truth: dict[str, Any], grace_s: float = GRACE_S) -> str:
     """What really happened to a request whose client left, from the engine's own log."""
     return truth_verdict(truth, grace_s)
+
+
+def settled_by_client_port(daemon: Daemon, engine: Any, requests: int, leavers: int, timeout_s: float = 30.0
+                           ) -> tuple[dict[int, dict[str, Any]], set[int], dict[int, VerdictRow]]:
+    """For plain clients (no X-Request-Id), matched by client port, the only thing the truth log
+    and the verdicts both know: wait for the truth of ``requests`` requests, ``leavers`` of them
+    left by their client, and for those leavers' verdicts to settle. The truths, the leavers'
+    ports, and the verdict rows, by client port."""
+    truths = {t["client_port"]: t for t in engine.wait_for_truth(requests, timeout=30)}
+    left = {port for port, t in truths.items() if t.get("disconnect_at")}
+    assert len(left) == leavers, truths
+
+    def settled() -> bool:
+        rows = {r.client_port: r for r in verdict_rows(daemon)}
+        return all(port in rows and not rows[port].details.get("provisional") for port in left)
+
+    assert wait_for(settled, timeout_s=timeout_s), [(r.client_port, r.verdict, r.details) for r in verdict_rows(daemon)]
+    time.sleep(1.0)  # anything that would still change them
+    return truths, left, {r.client_port: r for r in verdict_rows(daemon)}
+
+
+def against_truth(rows: dict[int, VerdictRow], truths: dict[int, dict[str, Any]], left: set[int], *,
+                  unconfirmed_ok: bool) -> list[str]:
+    """Verdicts the truth log contradicts: a finding for a request that completed, and a leaver
+    judged otherwise than the truth (or than ``unconfirmed``, where that is allowed)."""
+    problems = []
+    for port, row in rows.items():
+        if port not in left:
+            if row.verdict in ("aborted", "zombie", "inflight_zombie"):
+                problems.append(f"{port}: {row.verdict} for a completed request ({row.details})")
+            continue
+        want = expected_verdict(truths[port])
+        if row.verdict != want and not (unconfirmed_ok and row.verdict == "unconfirmed"):
+            problems.append(f"{port}: {row.verdict}, truth {want} ({row.details})")
+    return problems

@@ -25,12 +25,14 @@ import pytest
 from replay.engine.launch import running_engine
 from tests.e2e import (
     GRACE_S,
+    against_truth,
     cancel_after,
     complete,
     expected_verdict,
     read_response,
     running_daemon,
     send_request,
+    settled_by_client_port,
     verdict_rows,
     wait_for,
 )
@@ -160,27 +162,8 @@ def test_plain_clients_against_an_engine_that_spans_in_its_own_traces(tmp_path: 
         for kind, stream in (("fin", True), ("rst", False), ("fin", False)):
             cancel_after(engine.port, 0.3, kind, stream=stream, max_tokens=150, request_id=None).join()
             time.sleep(0.2)
-        truths = {t["client_port"]: t for t in engine.wait_for_truth(11, timeout=30)}
-        left = {port for port, t in truths.items() if t.get("disconnect_at")}
-        assert len(left) == 3, truths
-
-        def settled() -> bool:
-            rows = {r.client_port: r for r in verdict_rows(daemon)}
-            return all(port in rows and not rows[port].details.get("provisional") for port in left)
-
-        assert wait_for(settled, timeout_s=30), [(r.client_port, r.verdict, r.details) for r in verdict_rows(daemon)]
-        time.sleep(1.0)
-        rows = {r.client_port: r for r in verdict_rows(daemon)}
-    problems = []
-    for port, row in rows.items():
-        truth = truths[port]
-        if port not in left:
-            if row.verdict in ("aborted", "zombie", "inflight_zombie"):
-                problems.append(f"{port}: {row.verdict} for a completed request ({row.details})")
-            continue
-        want = expected_verdict(truth)
-        if row.verdict != want:
-            problems.append(f"{port}: {row.verdict}, truth {want} ({row.details})")
+        truths, left, rows = settled_by_client_port(daemon, engine, requests=11, leavers=3)
+    problems = against_truth(rows, truths, left, unconfirmed_ok=False)
     assert not problems, "\n".join(problems)
 
 
@@ -205,24 +188,8 @@ def test_fastapis_second_server_span_leaves_completed_clients_completed(tmp_path
                 time.sleep(0.05)
         for thread in threads:
             thread.join()
-        truths = {t["client_port"]: t for t in engine.wait_for_truth(6, timeout=30)}
-        left = {port for port, t in truths.items() if t.get("disconnect_at")}
-        assert len(left) == 4, truths
-
-        def settled() -> bool:
-            rows = {r.client_port: r for r in verdict_rows(daemon)}
-            return all(port in rows and not rows[port].details.get("provisional") for port in left)
-
-        assert wait_for(settled, timeout_s=40), [(r.client_port, r.verdict, r.details) for r in verdict_rows(daemon)]
-        time.sleep(1.0)
-        rows = {r.client_port: r for r in verdict_rows(daemon)}
-    problems = []
-    for port, row in rows.items():
-        if port not in left:
-            if row.verdict in ("aborted", "zombie", "inflight_zombie"):
-                problems.append(f"{port}: {row.verdict} for a completed request ({row.details})")
-        elif row.verdict not in (expected_verdict(truths[port]), "unconfirmed"):
-            problems.append(f"{port}: {row.verdict}, truth {expected_verdict(truths[port])} ({row.details})")
+        truths, left, rows = settled_by_client_port(daemon, engine, requests=6, leavers=4, timeout_s=40)
+    problems = against_truth(rows, truths, left, unconfirmed_ok=True)
     assert not problems, "\n".join(problems)
     assert sum(rows[port].verdict == "zombie" for port in left) >= 1  # the gauges still tell zombies
 
