@@ -14,6 +14,7 @@ and verdicts into it, and a later run compares with an earlier one in the same f
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import tempfile
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import and_, func, select
+from sqlalchemy import Text, and_, func, select, type_coerce
 from sqlalchemy.orm import aliased
 
 from auditor.errors import AuditorError
@@ -359,7 +360,8 @@ def read_capture(store: Store, capture_id: int | None = None) -> Capture:
                                f"{store.where()} holds no capture; make one with `auditor capture export`")
         c = CapturedRequestRow
         rows = session.execute(select(c.id, c.offset_ns, c.route, c.model, c.stream, c.prompt_tokens, c.max_tokens,
-                                      c.disconnect_after_ns, c.disconnect_kind, c.original_verdict, c.body)
+                                      c.disconnect_after_ns, c.disconnect_kind, c.original_verdict,
+                                      type_coerce(c.body, Text))  # parsed per row: a bad one is named
                                .where(c.capture_id == capture.id).order_by(c.offset_ns, c.id))
         requests = [_request_from_row(row) for row in rows]
         return Capture(capture.id, capture.name, capture.window_start_ns, capture.window_end_ns, capture.source,
@@ -377,6 +379,11 @@ def _request_from_row(row: Any) -> CapturedRequest:
         problem = f"disconnect_after_ns {after_ns} is negative"
     elif kind not in (None, "fin", "rst"):
         problem = f"disconnect_kind {kind!r} is not fin or rst"
+    if problem is None and body is not None:
+        try:
+            body = json.loads(body)
+        except ValueError as exc:
+            problem = f"body is not JSON ({exc})"
     if problem is not None:
         raise CaptureError(f"captured request {row_id}: {problem}")
     if not isinstance(body, dict) or not body:

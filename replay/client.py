@@ -145,7 +145,11 @@ def _request_bytes(connection: h11.Connection, plan: RequestPlan, host: str, *, 
         h11.Request(method="POST", target=plan.path, headers=headers), h11.Data(data=data), h11.EndOfMessage()))
 
 
-async def _abort(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, close_with: str) -> None:
+async def _abort(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, close_with: str,
+                 connection: h11.Connection | None = None, outcome: RequestOutcome | None = None) -> None:
+    """Close at the planned moment: a reset, or a FIN and a drain of what the server still sends,
+    whose status line, where one comes, goes to ``outcome`` (a target that refused the request
+    answers it as the cancel goes out, and that is no abort)."""
     sock = writer.get_extra_info("socket")
     if close_with == "rst" and sock is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -155,11 +159,26 @@ async def _abort(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, clo
         sock.shutdown(socket.SHUT_WR)  # FIN now, at the planned moment
     try:
         async with asyncio.timeout(FIN_DRAIN_S):
-            while await reader.read(65536):
-                pass
+            while data := await reader.read(65536):
+                if connection is not None and outcome is not None and outcome.status is None:
+                    _note_status(connection, data, outcome)
     except (TimeoutError, OSError):
         pass  # an engine still streaming to a closed client: close anyway
     writer.close()
+
+
+def _note_status(connection: h11.Connection, data: bytes, outcome: RequestOutcome) -> None:
+    """The response's status, if ``data`` completes its head."""
+    try:
+        connection.receive_data(data)
+        while (event := connection.next_event()) is not h11.NEED_DATA:
+            if isinstance(event, h11.Response):
+                outcome.status = event.status_code
+                return
+            if isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                return
+    except h11.ProtocolError:
+        return
 
 
 async def _run_one(host: str, port: int, plan: RequestPlan, timeout_s: float | None,
@@ -200,9 +219,11 @@ async def _exchange(host: str, port: int, plan: RequestPlan, timeout_s: float | 
                 timed_out = True
             else:  # still waiting for the response when the timer fired: cancel
                 outcome.cancelled_at_ns = time.time_ns()
+                answered = outcome.status is not None
+                await _abort(reader, writer, plan.close_with, connection, outcome)
                 if outcome.status is not None and outcome.status >= 400:
-                    outcome.error = f"HTTP {outcome.status} before the cancel"
-                await _abort(reader, writer, plan.close_with)
+                    outcome.error = (f"HTTP {outcome.status} " + ("before the cancel" if answered else
+                                     "as the cancel went out: the target refused the request"))
                 return outcome, False
         else:
             read.result()

@@ -97,6 +97,7 @@ class ReplaySummary:
     lag_p50_s: float | None = None
     lag_max_s: float | None = None
     wasted_tokens: int = 0
+    zombies_without_tokens: int = 0  # their tokens nothing told (no engine span): not in wasted_tokens
     wasted_gpu_seconds: float = 0.0
     wasted_cpu_seconds: float = 0.0
     baseline_run_id: int | None = None
@@ -115,7 +116,7 @@ class ReplaySummary:
 
 # What the report sets side by side for the baseline and the new run.
 COMPARED = ("sent", "errors", "planned_cancels", "cancelled", "verdicts", "evidence", "zombies", "zombie_seconds",
-            "wasted_tokens", "wasted_gpu_seconds", "wasted_cpu_seconds")
+            "wasted_tokens", "zombies_without_tokens", "wasted_gpu_seconds", "wasted_cpu_seconds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +143,9 @@ def gate_reasons(summary: ReplaySummary) -> list[tuple[str, str]]:
     if summary.errors:
         kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(summary.error_kinds.items()))
         reasons.append(("unsound", f"{summary.errors} of {summary.sent} requests failed ({kinds})"))
+    if summary.sent and not summary.planned_cancels:
+        reasons.append(("unsound", "no request was cancelled, so no disconnect was tested (the capture holds "
+                                   "none to replay as captured: plan some with --cancel-rate)"))
     if summary.cancelled < summary.planned_cancels:
         reasons.append(("unsound", f"only {summary.cancelled} of {summary.planned_cancels} planned cancels "
                                    "happened (the others were answered, or failed, before their timer fired)"))
@@ -312,6 +316,7 @@ def _count_verdict(summary: ReplaySummary, plan: RequestPlan, row: VerdictRow | 
     summary.zombies += 1
     summary.zombie_seconds += row.lag_seconds or 0.0
     summary.wasted_tokens += row.tokens_after_disconnect or 0
+    summary.zombies_without_tokens += row.tokens_after_disconnect is None
     summary.wasted_gpu_seconds += row.wasted_gpu_seconds or 0.0
     summary.wasted_cpu_seconds += row.wasted_cpu_seconds or 0.0
     if row.lag_seconds is not None:
@@ -330,13 +335,15 @@ def resolve_baseline(store: Store, capture: Capture, baseline: str | None,
         return None
     if baseline == "capture":
         requests = capture.requests[:limit] if limit is not None else capture.requests
+        # Over the disconnects a replay cancels, as its own verdicts are: a client that left after
+        # a complete answer is no cancel, and its `completed` is not a verdict the replay can lose.
+        cancelled = [r for r in requests if r.disconnect_after_s is not None and not answered_first(r)]
         verdicts: dict[str, int] = {}
-        for request in requests:
+        for request in cancelled:
             if request.original_verdict:
                 verdicts[request.original_verdict] = verdicts.get(request.original_verdict, 0) + 1
         zombies = sum(count for verdict, count in verdicts.items() if verdict in ZOMBIES)
-        disconnects = sum(1 for r in requests if r.disconnect_after_s is not None and not answered_first(r))
-        return Baseline(None, zombies, {"sent": len(requests), "cancelled": disconnects, "verdicts": verdicts,
+        return Baseline(None, zombies, {"sent": len(requests), "cancelled": len(cancelled), "verdicts": verdicts,
                                         "zombies": zombies})
     with store.session() as session:
         if baseline == "previous":
@@ -355,6 +362,12 @@ def resolve_baseline(store: Store, capture: Capture, baseline: str | None,
             if run is None:
                 known = list(session.scalars(select(ReplayRunRow.id).order_by(ReplayRunRow.id)))
                 raise CaptureError(f"--baseline {run_id}: no such replay run in this file (runs: {known})")
+            if run.capture_id is not None and run.capture_id != capture.id:  # other traffic: its zombie count says nothing of this run's
+                same = list(session.scalars(select(ReplayRunRow.id).where(ReplayRunRow.capture_id == capture.id)
+                                            .order_by(ReplayRunRow.id)))
+                raise CaptureError(f"--baseline {run_id}: that run replayed capture {run.capture_id}, and this "
+                                   f"replays capture {capture.id}; compare with one of its runs ({same}) or "
+                                   "--baseline previous")
         figures = dict(run.summary or {})
     counted = figures.get("zombies")
     if not isinstance(counted, int):

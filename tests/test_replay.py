@@ -215,6 +215,11 @@ def test_plans_replay_captured_disconnects_and_timing() -> None:
     assert resolve_baseline(Store("sqlite://"), replace(capture, requests=[
         replace(r, original_verdict=v) for r, v in zip(capture.requests, ["zombie", None, "inflight_zombie"],
                                                         strict=True)]), "capture").zombies == 2
+    # Its verdicts are over what replay cancels: a client that left after a complete answer is none.
+    with_completed = resolve_baseline(Store("sqlite://"), replace(capture, requests=[
+        replace(r, original_verdict=v) for r, v in zip(capture.requests, ["completed", None, "zombie"], strict=True)]),
+        "capture")
+    assert with_completed.figures == {"sent": 3, "cancelled": 1, "verdicts": {"zombie": 1}, "zombies": 1}
     injected = plan_replay(capture, ReplayOptions(cancel_rate=1.0, cancel_after_s=0.25), tag="t")
     assert [p.cancel_after_s for p in injected] == [0.25, 0.25, 0.25]
     # An export's window may begin long before its first request: timing counts from that request.
@@ -374,3 +379,26 @@ def test_the_schema_names_every_verdict_a_replay_can_count() -> None:
     properties = REPLAY_SCHEMA["properties"]
     for field in ("verdicts", "evidence"):
         assert set(properties[field]["propertyNames"]["enum"]) == {v.value for v in Verdict}, field
+
+
+def test_a_baseline_run_of_another_capture_is_refused(tmp_path: Path) -> None:
+    """'Zombies: 9 -> 0 (baseline run 2)' where run 2 replayed other traffic said nothing, and
+    said it with no word of warning."""
+    from auditor.store.schema import CaptureRow, ReplayRunRow
+    from replay.capture import CaptureError
+
+    store = Store(f"sqlite:///{tmp_path / 'c.db'}")
+    with store.session() as session:
+        session.add_all([CaptureRow(id=i, created_ns=0, name=f"c{i}", window_start_ns=0, window_end_ns=1, source="")
+                         for i in (1, 2)])
+        session.add_all([ReplayRunRow(id=7, started_ns=0, capture_id=1, target="t", parameters={},
+                                      summary={"zombies": 9}),
+                         ReplayRunRow(id=8, started_ns=1, capture_id=2, target="t", parameters={},
+                                      summary={"zombies": 0})])
+        session.commit()
+    second = Capture(2, "c2", 0, 1, "", [CapturedRequest(0.0, "/v1/completions", {"model": "m"})])
+    with pytest.raises(CaptureError, match=r"--baseline 7: that run replayed capture 1, and this replays "
+                                           r"capture 2; compare with one of its runs \(\[8\]\)"):
+        resolve_baseline(store, second, "7")
+    assert resolve_baseline(store, second, "8").zombies == 0
+    assert resolve_baseline(store, second, "previous").run_id == 8

@@ -40,10 +40,22 @@ from tests.test_replay import REPLAY_SCHEMA, auditor, free_port
 @pytest.fixture
 def answers_404() -> Iterator[int]:
     """A real HTTP/1.1 server that answers 404 to everything, like an engine serving another route."""
+    yield from serving_404(delay_s=0.0)
+
+
+@pytest.fixture
+def answers_404_late() -> Iterator[int]:
+    """The same, 50 ms after the request: a cancel timer of 0 s always fires first."""
+    yield from serving_404(delay_s=0.05)
+
+
+def serving_404(delay_s: float) -> Iterator[int]:
+    import time
 
     class NotFound(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            time.sleep(delay_s)
             body = b'{"detail":"Not Found"}'
             self.send_response(404)
             self.send_header("Content-Length", str(len(body)))
@@ -399,3 +411,42 @@ def test_each_gate_reason_carries_its_own_kind() -> None:
     assert gate(ReplaySummary(sent=4, cancelled=2, planned_cancels=2, unjudged=1)) == (
         "inconclusive", ["1 cancelled requests got no verdict"])
     assert gate(ReplaySummary(sent=4, cancelled=2, planned_cancels=2)) == ("pass", [])
+
+
+def test_a_run_that_cancels_nothing_tested_nothing() -> None:
+    """An export of a quiet hour replayed --as-captured (or --cancel-rate 0) cancels nothing: it
+    passed the gate against an engine that leaves a zombie at every disconnect."""
+    from replay.run import ReplaySummary, gate
+
+    decision, reasons = gate(ReplaySummary(sent=8, completed=8, planned_cancels=0))
+    assert decision == "unsound" and "no request was cancelled" in reasons[0] and "--cancel-rate" in reasons[0]
+    assert gate(ReplaySummary(sent=0))[0] == "pass"  # nothing sent is refused earlier, not judged here
+
+
+def test_a_refusal_that_comes_as_the_cancel_goes_out_is_an_error(answers_404_late: int) -> None:
+    """--cancel-after 0: the timer fires before the 404 arrives. The FIN's drain reads it: the
+    target refused the request, which is no abort (6 of 6 were counted clean aborts, gate pass)."""
+    plans = [RequestPlan(f"r{i}", f"{i + 1:032x}", {"model": "nope", "prompt": "hi"}, cancel_after_s=0.0,
+                         close_with="fin") for i in range(6)]
+    outcomes = asyncio.run(run_load("127.0.0.1", answers_404_late, plans, concurrency=2))
+    assert all(o.cancelled_at_ns is not None for o in outcomes)
+    assert all(o.error is not None and o.error.startswith("HTTP 404") for o in outcomes), [o.error for o in outcomes]
+
+
+def test_a_captured_body_that_is_not_json_is_named(tmp_path: Path) -> None:
+    """It raised JSONDecodeError through the CLI: a traceback and exit 1, which means zombies."""
+    import sqlite3
+
+    capture = tmp_path / "capture.db"
+    write_capture(capture, [CapturedRequest(0.01 * i, "/v1/completions", {"model": "m", "prompt": "hi"})
+                            for i in range(3)])
+    with sqlite3.connect(capture) as conn:
+        (row_id,) = conn.execute("SELECT min(id) FROM captured_requests").fetchone()
+        conn.execute("UPDATE captured_requests SET body = 'not json' WHERE id = ?", (row_id,))
+    conn.close()
+    with pytest.raises(CaptureError, match=f"captured request {row_id}: body is not JSON"):
+        read_capture(open_capture_store(capture))
+    result = auditor("replay", str(capture), "--target", "http://127.0.0.1:1", "--otlp-http",
+                     f"127.0.0.1:{free_port()}")
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "body is not JSON" in result.stderr and "Traceback" not in result.stderr

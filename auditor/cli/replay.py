@@ -188,6 +188,7 @@ def _comparison(summary: Any) -> list[tuple[str, list[str]]]:
         f"{side['cancelled']} of {_cell(side.get('planned_cancels'))}" for side in sides])
     return [row("sent", "sent"), row("errors", "errors"), cancels, *_verdict_rows(sides), row("zombies", "zombies"),
             row("zombie-seconds", "zombie_seconds"), row("tokens after disconnect", "wasted_tokens"),
+            row("  zombies, tokens unknown", "zombies_without_tokens"),
             row("wasted GPU-seconds", "wasted_gpu_seconds"), row("wasted CPU-seconds", "wasted_cpu_seconds")]
 
 
@@ -215,8 +216,8 @@ def _print_summary(summary: Any, capture: Any) -> None:
             lag_s = f"{w['lag_seconds']:.2f}" if w["lag_seconds"] is not None else "-"
             request_id, trace_id, phase, close = (_clip(f"{w[key]}", width) for key, width in (
                 ("request_id", 20), ("trace_id", 17), ("phase", 8), ("disconnect_kind", 5)))
-            click.echo(f"  {request_id:<20} {trace_id:<17} {lag_s:>7} "
-                       f"{w['tokens_after_disconnect'] or 0:>6} {phase:<8} {close}")
+            tokens = "-" if w["tokens_after_disconnect"] is None else w["tokens_after_disconnect"]  # unknown
+            click.echo(f"  {request_id:<20} {trace_id:<17} {lag_s:>7} {tokens:>6} {phase:<8} {close}")
     for error in summary.first_errors:
         click.echo(f"  error: {error}", err=True)
     if summary.baseline_zombies is not None:
