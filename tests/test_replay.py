@@ -86,6 +86,10 @@ def test_export_takes_entry_requests_of_the_window(store: Store, tmp_path: Path)
         "capture_id": 1, "requests": 2, "file": str(cli_out)}, result.stderr
     again = auditor("capture", "export", "--db", store.url, "--since", since, "--until", until, "-o", str(cli_out))
     assert again.returncode == 1 and "exists; pass --force" in again.stderr, again.stderr
+    empty_window = auditor("capture", "export", "--db", store.url, "--since", "2020-01-01T00:00:00Z", "--until",
+                           "2020-01-01T01:00:00Z", "-o", str(tmp_path / "empty.db"), "--json")
+    assert empty_window.returncode == 0 and json.loads(empty_window.stdout)["requests"] == 0
+    assert "warning: no requests between" in empty_window.stderr  # --json kept it quiet
     backwards = auditor("capture", "export", "--db", store.url, "--since", until, "--until", since, "-o", "x.db")
     assert backwards.returncode == 2 and "is not after --since" in backwards.stderr
     with pytest.raises(CaptureError, match="exists; pass --force"):
@@ -186,13 +190,14 @@ def test_capture_garbage_is_refused_with_what_to_do(tmp_path: Path) -> None:
                           ([str(good), "--target", "http://127.0.0.1:1", "--baseline", "previous"],
                            "no earlier replay"),
                           ([str(good), "--target", "http://127.0.0.1:1", "--otlp-http", busy_address],
-                           "Address already in use"),
+                           f"cannot listen on --otlp-http {busy_address}: Address already in use"),
                           ([str(good), "--target", "http://127.0.0.1:1", "--otlp-http", "127.0.0.1:0"],
                            "is the engine up?")):
         result = auditor("replay", *args)
         assert result.returncode == 2, (args, result.stdout, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
         assert "--db" not in result.stderr, result.stderr  # replay has no such option
+        assert "otlp.http" not in result.stderr, result.stderr  # nor a configuration key to set
     busy.close()
 
 

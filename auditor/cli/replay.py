@@ -87,12 +87,12 @@ def export_command(config: Config, since: dt.datetime, until: dt.datetime | None
         capture_id, count = export_capture(store, output, since_ns=since_ns, until_ns=until_ns, host=host,
                                            name=name, stream_default=stream_default, force=force,
                                            on_progress=bar.update)
+    if count == 0:  # on standard error, so --json's output stays one object
+        click.echo(f"warning: no requests between {since.isoformat(timespec='seconds')} and "
+                   f"{until.isoformat(timespec='seconds')}; the capture is empty", err=True)
     if as_json:
         click.echo(json.dumps({"capture_id": capture_id, "requests": count, "file": str(output)}))
         return
-    if count == 0:
-        click.echo(f"warning: no requests between {since.isoformat(timespec='seconds')} and "
-                   f"{until.isoformat(timespec='seconds')}; the capture is empty", err=True)
     click.echo(f"capture {capture_id}: {count} requests -> {output}\n"
                f"replay it: auditor replay {output} --target http://127.0.0.1:PORT")
 
@@ -190,6 +190,18 @@ def _comparison(summary: Any) -> list[tuple[str, list[str]]]:
             row("zombie-seconds", "zombie_seconds"), row("tokens after disconnect", "wasted_tokens"),
             row("  zombies, tokens unknown", "zombies_without_tokens"),
             row("wasted GPU-seconds", "wasted_gpu_seconds"), row("wasted CPU-seconds", "wasted_cpu_seconds")]
+
+
+# The receivers' settings as replay takes them: the pipeline names a listener that cannot bind by
+# its configuration key, which replay users set with these flags.
+RECEIVER_FLAGS = {"otlp.http": "--otlp-http", "otlp.grpc": "--otlp-grpc"}
+
+
+def _as_replay_flags(message: str) -> str:
+    for key, flag in RECEIVER_FLAGS.items():
+        message = message.replace(f"cannot listen on {key} ", f"cannot listen on {flag} ").replace(
+            f"or set {key} to another address", f"or pass {flag} another address")
+    return message
 
 
 def _print_summary(summary: Any, capture: Any) -> None:
@@ -350,7 +362,7 @@ def replay_command(capture_file: Path, target: str, capture_id: int | None, opti
                                   capture_id=capture_id, baseline=baseline, **receiver)
         summary, capture_data = run_replay_here(load_config(config_path), settings)
     except AuditorError as exc:
-        raise ReplayError(str(exc)) from exc
+        raise ReplayError(_as_replay_flags(str(exc))) from exc
     if as_json:
         click.echo(json.dumps(summary.as_json(), indent=2))
     else:
