@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -147,9 +148,36 @@ def import_command(source: Path, fmt: str, model: str | None, endpoint: str, str
 
 # -- replay -----------------------------------------------------------------------------------------
 def _progress(length: int, label: str) -> Any:
-    """A progress bar on standard error (standard output stays for the result)."""
+    """A progress bar on standard error (standard output stays for the result); where standard
+    error is no terminal (a CI log), a line of counts now and then instead, which a bar is not."""
+    if not sys.stderr.isatty():
+        return _LineProgress(length, label)
     progressbar: Any = click.progressbar  # its overloads confuse mypy
     return progressbar(length=length, label=label, width=30, file=sys.stderr)
+
+
+class _LineProgress:
+    """``label: done/total`` on standard error, at most every ``every_s`` seconds, and at the end."""
+
+    def __init__(self, length: int, label: str, every_s: float = 10.0) -> None:
+        self.length, self.label, self.every_s = length, label.strip(), every_s
+        self.done, self._said_at, self._said = 0, time.monotonic(), -1
+
+    def __enter__(self) -> _LineProgress:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._said != self.done:
+            self._say()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if time.monotonic() - self._said_at >= self.every_s:
+            self._say()
+
+    def _say(self) -> None:
+        click.echo(f"{self.label}: {self.done}/{self.length}", err=True)
+        self._said_at, self._said = time.monotonic(), self.done
 
 
 def _cell(value: Any) -> str:
