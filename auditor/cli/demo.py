@@ -196,4 +196,6 @@ def demo_command(output_dir: Path | None, device: str) -> None:
     directory = output_dir or Path(tempfile.mkdtemp(prefix="auditor-demo-"))
     # The daemon's one journal line per zombie: the demo shows them in its own table instead.
     logging.getLogger("auditor.findings").setLevel(logging.ERROR)
+    if device == "cpu":  # the engines run on the CPU, and the demo costs zombies in CPU-seconds
+        logging.getLogger("collectors.nvml").setLevel(logging.ERROR)
     raise SystemExit(run_demo(directory, device))
