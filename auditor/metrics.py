@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from auditor import __version__
-from auditor.model import RequestVerdict
+from auditor.model import RequestVerdict, Verdict
 from auditor.ownstats import OwnCostCollector
 from auditor.promtext import (
     CounterFamily,
@@ -124,6 +124,11 @@ class DaemonMetrics:
     def settled(self, verdict: RequestVerdict) -> None:
         with self._lock:
             route, model = self._label("route", verdict.route), self._label("model", verdict.model)
+            if (verdict.verdict.value, route, model) not in self._verdicts:
+                # Every verdict's series of a route and model from its first verdict on, at 0: a
+                # counter that appears at 1 is one increase() and rate() never see.
+                for kind in Verdict:
+                    self._verdicts.setdefault((kind.value, route, model), 0)
             self._verdicts[(verdict.verdict.value, route, model)] += 1
             if verdict.verdict.is_zombie:
                 if verdict.lag_seconds is not None:

@@ -80,8 +80,11 @@ def test_sources_are_read_when_prometheus_scrapes() -> None:
         assert second["auditor_live_notices_total"] == {
             (("result", "accepted"),): 5, (("result", "rejected"),): 1, (("result", "dropped"),): 0}
         assert second["auditor_store_write_errors_total"] == {(("writer", "spans"),): 1}
+        # Every verdict's series of the route and model, at 0 until one comes: the first zombie
+        # after a completed request is one that increase() sees.
         assert second["auditor_disconnect_verdicts_total"] == {
-            (("model", "m"), ("route", "/v1/completions"), ("verdict", "zombie")): 1}
+            (("model", "m"), ("route", "/v1/completions"), ("verdict", kind.value)): int(kind is Verdict.ZOMBIE)
+            for kind in Verdict}
         assert second["auditor_wasted_gpu_seconds_total"] == {(): 1.5}
         assert second["auditor_zombies_uncosted_total"] == {(): 0}
         metrics.settled(RequestVerdict(request_key="h/t/u", host="h", verdict=Verdict.ZOMBIE, disconnect_at_ns=1,
