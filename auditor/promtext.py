@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 METRICS_PATHS = ("/metrics", "/")
 HEALTH_PATH = "/healthz"
+MAX_CONNECTIONS = 32
+IDLE_TIMEOUT_S = 5.0  # a connection silent this long is closed (between requests, or within one)
 
 
 class Sample(NamedTuple):
@@ -253,12 +255,26 @@ class _Handler(http1.Handler):
             log.exception("a /metrics scrape failed")
             self.refuse(500, "the metrics could not be read; see the daemon's log")
             return
-        extra = {}
-        if "gzip" in (self.headers.get("Accept-Encoding") or "").lower():
+        extra = {"Vary": "Accept-Encoding"}
+        if accepts_gzip(self.headers.get("Accept-Encoding") or ""):
             body, extra["Content-Encoding"] = gzip.compress(body, 6), "gzip"
         self.answer(200, body, content_type=CONTENT_TYPE, extra=extra)
 
     do_HEAD = do_GET
+
+
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an Accept-Encoding header takes gzip: named (or ``*``) with a weight above 0."""
+    for item in accept_encoding.lower().split(","):
+        name, _, params = item.partition(";")
+        if name.strip() not in ("gzip", "*"):
+            continue
+        weight = params.strip().removeprefix("q=") if params.strip().startswith("q=") else "1"
+        try:
+            return float(weight) > 0
+        except ValueError:
+            return False
+    return False
 
 
 class _Server(http1.Server):
@@ -266,7 +282,11 @@ class _Server(http1.Server):
                  health: Callable[[], tuple[bool, str]] | None) -> None:
         self.registry = registry
         self.health = health
-        super().__init__(address, _Handler, max_connections=8, socket_timeout_s=15.0, name="metrics")
+        # A connection holds its thread until it is silent for the timeout: eight idle ones (a port
+        # scan, replicas' kept-alive connections between scrapes) used to answer every scrape 503
+        # for 15 s. Scrapers reconnect at no cost; a slot is a thread, a few hundred KiB at most.
+        super().__init__(address, _Handler, max_connections=MAX_CONNECTIONS, socket_timeout_s=IDLE_TIMEOUT_S,
+                         name="metrics")
 
 
 class MetricsServer:

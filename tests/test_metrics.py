@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.error
 import urllib.request
 from types import SimpleNamespace
 
@@ -141,3 +142,40 @@ def test_label_values_are_bounded() -> None:
     assert set(labels[MAX_LABEL_VALUES:]) == {"other"}
     assert metrics._label("route", None) == "other"  # "unknown" is new too, and there is no room
     assert metrics._label("route", "/r0") == "/r0"
+
+
+def test_idle_connections_do_not_lock_out_the_scraper() -> None:
+    """Eight silent connections (a port scan, kept-alive connections between scrapes) took every
+    slot for 15 s: each scrape was answered 503, which reads as the daemon being down."""
+    import socket
+    import time
+
+    from auditor.promtext import IDLE_TIMEOUT_S, MAX_CONNECTIONS
+
+    metrics = DaemonMetrics()
+    server = MetricsServer(metrics.registry, "127.0.0.1", 0)
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(8)]
+    try:
+        assert "auditor_build_info" in scrape(server.port)
+        idle += [socket.create_connection(("127.0.0.1", server.port)) for _ in range(MAX_CONNECTIONS)]
+        time.sleep(0.2)
+        refused = urllib.request.Request(f"http://127.0.0.1:{server.port}/metrics")
+        try:
+            urllib.request.urlopen(refused, timeout=5)
+            raise AssertionError("every slot is taken: the scrape should be answered 503")
+        except urllib.error.HTTPError as error:
+            assert error.code == 503
+        time.sleep(IDLE_TIMEOUT_S + 0.5)  # the silent ones are closed
+        assert "auditor_build_info" in scrape(server.port)
+    finally:
+        for sock in idle:
+            sock.close()
+        server.stop()
+
+
+def test_gzip_only_where_the_scraper_takes_it() -> None:
+    from auditor.promtext import accepts_gzip
+
+    assert accepts_gzip("gzip") and accepts_gzip("deflate, gzip;q=0.5") and accepts_gzip("*")
+    assert not accepts_gzip("gzip;q=0, identity") and not accepts_gzip("identity") and not accepts_gzip("")
+    assert not accepts_gzip("gzip;q=nope")
