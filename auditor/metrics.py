@@ -191,7 +191,8 @@ class DaemonMetrics:
                             "weighted, shared among requests in flight)", value=self._wasted["gpu"])
         yield CounterFamily("auditor_wasted_cpu_seconds", "CPU-seconds spent on zombies",
                             value=self._wasted["cpu"])
-        yield CounterFamily("auditor_wasted_tokens", "Tokens generated after the client left",
+        yield CounterFamily("auditor_wasted_tokens", "Tokens generated after the client left, as engine "
+                            "spans told them (a zombie judged without one adds none)",
                             value=self._wasted["tokens"])
         yield CounterFamily("auditor_zombies_uncosted", "Zombies whose engine's GPU or CPU time could not "
                             "be read (its process, or its GPU processes on a host of several GPUs, not "
