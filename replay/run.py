@@ -165,6 +165,11 @@ def error_kind(error: str) -> str:
     return " ".join(head.split()[:2]) if head.startswith("HTTP") else head
 
 
+# The evidence word of a verdict whose server span answered a 4xx refusal (the correlator's, named
+# here as replay reads verdicts from the store, not from the correlator).
+REFUSED = "refused"
+
+
 def evidence_of(details: dict[str, Any] | None) -> str:
     """What decided a verdict, from its details: the correlator's own word where it gives one,
     else whether the engine's span was there; "-" where the details say nothing."""
@@ -266,6 +271,10 @@ def record_run(store: Store, capture: Capture, target: str, options: ReplayOptio
             continue
         summary.cancelled += 1
         row = verdicts.get(plan.trace_id)
+        if row is not None and not outcome.error and (row.details or {}).get("evidence") == REFUSED:
+            # A reset sent before the answer reads nothing: the server span says the target
+            # refused the request (a 4xx), which tests no cancel.
+            _count_error(summary, plan.request_id, "HTTP 4xx: the target refused the request (its span says)")
         _count_verdict(summary, plan, row, final, lags)
         results.append({"request_id": plan.request_id, "trace_id": plan.trace_id,
                         "cancel_delay_s": plan.cancel_after_s, "disconnect_kind": plan.close_with,

@@ -1930,3 +1930,25 @@ def test_only_an_engine_span_that_joins_a_request_teaches_that_its_service_spans
                         replace(http_span("e", 4, 5.0), service="sglang-api")])
     correlator.tick()
     assert correlator.services_spanning_finishes == {"vllm", "vllm-engine", "sglang", "sglang-api"}
+
+
+@pytest.mark.parametrize(("status", "ends_at", "want"), [
+    (404, 1.005, "completed"),  # answered as the client closed: a scanner, a wrong route
+    (429, 3.0, "completed"),  # the refusal came after the client had left: still nothing ran
+    (499, 1.005, "unconfirmed"),  # a server's word for "the client left": no refusal
+    (200, 1.005, "unconfirmed"),
+])
+def test_a_refused_request_is_a_complete_answer(store: Store, status: int, ends_at: float, want: str) -> None:
+    """A 4xx answer (not found, bad request, rate limited) means no work ran: a client that read it
+    and closed at once was judged unconfirmed, and every scanner's request on an engine's port
+    swelled the unconfirmed count."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([replace(http_span("b", 0, ends_at), http_status=status)])
+    store.insert_conn_events([close(1.0)])
+    correlator.add_engine_load([load(0.25 * i, 0) for i in range(1, 16)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == want, row.details
+    assert (row.details.get("evidence") == "refused") is (want == "completed")

@@ -407,3 +407,24 @@ def test_a_baseline_run_of_another_capture_is_refused(tmp_path: Path) -> None:
         resolve_baseline(store, second, "7")
     assert resolve_baseline(store, second, "8").zombies == 0
     assert resolve_baseline(store, second, "previous").run_id == 8
+
+
+def test_requests_the_target_refused_under_reset_cancels_are_errors(tmp_path: Path) -> None:
+    """Cancels at 0 s closed with a reset read nothing back: a target that answers 404 (a model it
+    does not serve) looked like one that aborted every request, and the gate passed. The server
+    span says 404: those are errors, and the run is unsound."""
+    capture = tmp_path / "capture.db"
+    write_capture(capture, [CapturedRequest(0.05 * i, "/v1/completions", {"model": "m", "prompt": "hi",
+                                                                          "max_tokens": 50}) for i in range(4)])
+    otlp_port = free_port()
+    with running_engine(behavior="detached", otlp=f"http://127.0.0.1:{otlp_port}", step_ms=15) as engine:
+        result = auditor("replay", str(capture), "--target", engine.url, "--model", "no-such-model",
+                         "--cancel-rate", "1", "--cancel-after", "0", "--close", "rst", "--speed", "0",
+                         "--otlp-http", f"127.0.0.1:{otlp_port}", "--span-delay", "1", "--wait", "30", "--json")
+    summary = json.loads(result.stdout)
+    assert result.returncode == 4, (summary, result.stderr)
+    # Each a refusal, or no verdict at all: a reset that beat the request to the engine leaves no
+    # span to judge (unjudged). Never an abort.
+    assert summary["gate"] == "unsound" and summary["errors"] >= 1, summary
+    assert summary["errors"] + summary["unjudged"] == 4, summary
+    assert set(summary["verdicts"]) == {"completed"} and set(summary["evidence"]["completed"]) == {"refused"}, summary

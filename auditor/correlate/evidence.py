@@ -42,6 +42,15 @@ ENGINE_METRICS = "engine_metrics"
 KERNEL_ORDER = "kernel_order"
 LAST_SEND = "last_send"
 SPAN_END = "span_end"
+REFUSED = "refused"
+# 4xx answers a server gives before any work (bad request, not found, too long, rate limited),
+# less those that tell of the client's leaving or waiting: 408 (it was too slow), 499 (it left).
+NOT_REFUSALS = frozenset({408, 499})
+
+
+def refused(http_status: int | None) -> bool:
+    """Whether a server span's status is a refusal: the request was answered, and nothing ran."""
+    return http_status is not None and 400 <= http_status < 500 and http_status not in NOT_REFUSALS
 HTTP_ONLY = "http_only"
 
 
@@ -54,6 +63,8 @@ def completed_by(disconnect_ns: int, http_span: SpanRecord | None, subtree: Iter
     hears of the disconnect), so its end orders nothing."""
     if http_span is None:
         return None
+    if refused(http_span.http_status):
+        return REFUSED  # a complete answer, whenever the client left: no work to go on
     if any(http_span.start_ns <= fin <= disconnect_ns for fin in local_fins):
         return KERNEL_ORDER  # the server closed first: it had nothing more to send
     for span in subtree:
