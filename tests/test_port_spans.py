@@ -131,6 +131,14 @@ def test_a_duplicate_server_span_counts_once_in_either_order() -> None:
         assert index.server_spans_on(8000, 50, 50, also=set()) == 1, order
         index.prune(cutoff_ns=200, keep=set())  # what was counted is what leaves
         assert index.server_spans_on(8000, 50, 50, also=set()) == 0
+    # The middle one last: the innermost counted until its parent came, though that parent
+    # counts not itself (its own parent is here).
+    index = TraceIndex()
+    for item in (connection_span(1, 1, None, 0, 100), connection_span(1, 3, 2, 10, 90), connection_span(1, 2, 1, 5, 95)):
+        index.add(item, arrived_ns=100)
+    assert index.server_spans_on(8000, 50, 50, also=set()) == 1
+    index.prune(cutoff_ns=200, keep=set())
+    assert index.server_spans_on(8000, 50, 50, also=set()) == 0 and index.server_spans_started(8000, -1, 100) == 0
 
 
 def test_parallel_requests_of_one_trace_on_one_connection_count_each() -> None:

@@ -43,6 +43,7 @@ KERNEL_ORDER = "kernel_order"
 LAST_SEND = "last_send"
 SPAN_END = "span_end"
 REFUSED = "refused"
+HTTP_ONLY = "http_only"
 # 4xx answers a server gives before any work (bad request, not found, too long, rate limited),
 # less those that tell of the client's leaving or waiting: 408 (it was too slow), 499 (it left).
 NOT_REFUSALS = frozenset({408, 499})
@@ -51,7 +52,6 @@ NOT_REFUSALS = frozenset({408, 499})
 def refused(http_status: int | None) -> bool:
     """Whether a server span's status is a refusal: the request was answered, and nothing ran."""
     return http_status is not None and 400 <= http_status < 500 and http_status not in NOT_REFUSALS
-HTTP_ONLY = "http_only"
 
 
 def completed_by(disconnect_ns: int, http_span: SpanRecord | None, subtree: Iterable[SpanRecord],

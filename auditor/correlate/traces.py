@@ -232,9 +232,10 @@ class TraceIndex:
         if arrival != newest:  # a trace's spans mostly come together: one entry for them
             self._arrivals.append(arrival)
             self._entries[span.trace_id] += 1
-        if span.role is SpanRole.HTTP_SERVER and span.server_port and _counts_on_port(span, spans):
-            self._http_by_port[span.server_port].add(span)
-            self._uncount_children(span)
+        if span.role is SpanRole.HTTP_SERVER and span.server_port:
+            if _counts_on_port(span, spans):
+                self._http_by_port[span.server_port].add(span)
+            self._uncount_children(span)  # counted or not itself: its children are duplicates now
         if span.role is SpanRole.HTTP_SERVER and not span.peer_rewritten and span.peer_port and span.server_port:
             self._http_by_tuple[span_tuple(span)].append(span)
         elif span.role is SpanRole.HTTP_SERVER and not span.peer_rewritten and not span.peer_port and span.server_port:
@@ -245,7 +246,8 @@ class TraceIndex:
 
     def _uncount_children(self, span: SpanRecord) -> None:
         """A server span's duplicates that came before it (a child ends, and is exported, first)
-        stop counting on its port now that it is here."""
+        stop counting on its port now that it is here: whether a span counts depends on its
+        parent alone (``_counts_on_port``), so the prune takes out exactly what was counted."""
         if span.peer_port and not span.peer_rewritten:
             for other in self._http_by_tuple.get(span_tuple(span), ()):
                 if other.parent_span_id == span.span_id and other.trace_id == span.trace_id:
