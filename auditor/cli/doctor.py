@@ -93,9 +93,11 @@ def root_or_unit() -> str:
 
 
 # A daemon picks its disconnect source once, at start: a fix to the probe's host needs a restart.
-RESTART = "then restart the daemon (systemctl restart auditor): it picks its source at start"
 TRACEFS_FIX = ("mount -t tracefs nodev /sys/kernel/tracing (and at every boot: systemctl enable --now "
-               f"sys-kernel-tracing.mount); {RESTART}")
+               "sys-kernel-tracing.mount); then restart the daemon (systemctl restart auditor): it picks "
+               "its source at start")
+# How the ``source`` check begins where the configuration asks for the fallback (probe_loader reads it).
+PROCFS_BY_CONFIG = "probe.source = procfs"
 
 
 def check_tracefs() -> Check:
@@ -536,7 +538,7 @@ def check_source(source: str, checks: list[Check]) -> Check:
     probe cannot load is a daemon that exits 1 at start."""
     loaded = probe_loader(checks) is not None
     if source == "procfs":
-        return Check("source", OK, "probe.source = procfs: the /proc fallback, as configured"
+        return Check("source", OK, f"{PROCFS_BY_CONFIG}: the /proc fallback, as configured"
                      + ("; the eBPF probe would load here (probe.source = auto uses it)" if loaded else ""),
                      required=True)
     if source == "bpf" and not loaded:
@@ -563,7 +565,7 @@ def probe_loader(checks: list[Check]) -> str | None:
     time), ``bcc`` (compiled at start), or None (the /proc fallback runs, by configuration when
     the ``source`` check says ``probe.source = procfs``)."""
     by_name = {c.name: c.state for c in checks}
-    if any(c.name == "source" and c.detail.startswith("probe.source = procfs") for c in checks):
+    if any(c.name == "source" and c.detail.startswith(PROCFS_BY_CONFIG) for c in checks):
         return None
     if all(by_name.get(n) == OK for n in ("privileges", "bpf_syscall")):
         if by_name.get("prebuilt_probe") == OK:
