@@ -136,8 +136,8 @@ def span_summary(store: Store) -> list[Any]:
 def dump(store: Store) -> str:
     """What each host holds, for a failure message."""
     with store.engine.connect() as conn:
-        verdicts = conn.execute(text("SELECT host, server_port, request_id, verdict FROM verdicts "
-                                     "ORDER BY host, request_id")).all()
+        verdicts = conn.execute(text("SELECT host, server_port, request_id, verdict, details FROM verdicts "
+                                     "ORDER BY host, request_id")).all()  # details: which rule decided
     events = collections.Counter((e.host, e.server_port, e.kind.value) for e in store.conn_events())
     return f"events {sorted(events.items())}\nverdicts {verdicts}"
 
