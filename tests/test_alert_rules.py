@@ -1,15 +1,18 @@
 """The Prometheus rules (docs/deploy/prometheus-alerts.yml) checked and run by Prometheus's own
 promtool on series shaped as the daemon exports them (tests/alerts/rules.test.yml): a zombie counter
-that first appears at 1, one that keeps its count, a restart, one daemon of a fleet down."""
+that first appears at 1, one that keeps its count, a restart, one daemon of a fleet down; and the
+dashboard's counts over its range on such series."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,5 +36,49 @@ def test_the_rules_are_valid() -> None:
 
 def test_the_alerts_fire_when_they_should_and_only_then() -> None:
     result = run("test", "rules", "rules.test.yml", cwd=ROOT / "tests" / "alerts")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+# The dashboard's counts over its time range, on series as the daemon exports them: a route and
+# model's counters appear with its first verdict (the zombie's at 1, the others at 0). Grafana's
+# variables are given the values a user would pick.
+DASHBOARD_VARS = {"$__range": "30m", "$instance": ".*"}
+DASHBOARD_SERIES = {
+    # route a: its first zombie inside the range (10m-40m), and no other; four completed later
+    ('zombie', '/a'): '_x15 1x25', ('completed', '/a'): '_x15 0x15 4x10',
+    # route b: counters from before the range, no zombie in it
+    ('zombie', '/b'): '3x40', ('completed', '/b'): '10x40',
+    # route c: first zombie inside the range, two more later: three, not counted twice
+    ('zombie', '/c'): '_x15 1x10 3x15', ('completed', '/c'): '_x15 0x25',
+}
+
+
+def dashboard_panel_exprs(title: str) -> list[str]:
+    dashboard = json.loads((ROOT / "docs" / "deploy" / "grafana-auditor.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] if panel.get("title") == title
+             for target in panel.get("targets", [])]
+    assert exprs, title
+    for name, value in DASHBOARD_VARS.items():
+        exprs = [expr.replace(name, value) for expr in exprs]
+    return exprs
+
+
+def test_the_dashboards_counts_include_a_routes_first_zombie(tmp_path: Path) -> None:
+    found = dashboard_panel_exprs("Zombies found")[0]  # the second target is the uncosted ones
+    share, = dashboard_panel_exprs("Zombie share of disconnects")
+    by_route, = dashboard_panel_exprs("Zombies by route and model")
+    series = [{"series": f'auditor_disconnect_verdicts_total{{job="auditor",instance="gpu-1:9464",route="{route}",'
+                         f'model="m",verdict="{verdict}"}}', "values": values}
+              for (verdict, route), values in DASHBOARD_SERIES.items()]
+    tests = [{"expr": found, "eval_time": "40m", "exp_samples": [{"labels": "{}", "value": 4}]},
+             {"expr": share, "eval_time": "40m", "exp_samples": [{"labels": "{}", "value": 0.5}]},
+             {"expr": by_route, "eval_time": "40m",
+              "exp_samples": [{"labels": f'{{route="{route}", model="m"}}', "value": value}
+                              for route, value in (("/a", 1), ("/b", 0), ("/c", 3))]}]
+    (tmp_path / "dashboard.test.yml").write_text(yaml.safe_dump(
+        {"evaluation_interval": "1m", "tests": [{"interval": "1m", "input_series": series,
+                                                 "promql_expr_test": tests}]}))
+    result = run("test", "rules", "dashboard.test.yml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
