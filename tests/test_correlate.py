@@ -1932,6 +1932,28 @@ def test_only_an_engine_span_that_joins_a_request_teaches_that_its_service_spans
     assert correlator.services_spanning_finishes == {"vllm", "vllm-engine", "sglang", "sglang-api"}
 
 
+def test_an_engine_span_that_comes_after_its_server_span_teaches_too(store: Store) -> None:
+    """vLLM exports its llm_request spans through a tracer of its own, apart from the HTTP
+    instrumentation's: the engine span named by a request's X-Request-Id may come in a later export
+    than the server span. Looked for only from the server span's side, it taught nothing, and a
+    close racing the end of a request of that service read as a possible complete answer."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([replace(http_span("b", 2, 3.0, request_id="r1"), service="vllm")])
+    correlator.tick()
+    assert correlator.services_spanning_finishes == set()
+    store.insert_spans([replace(engine_span("d", 2, 2.9, "length", request_id="cmpl-r1"), service="vllm-engine")])
+    correlator.tick()
+    assert correlator.services_spanning_finishes == {"vllm", "vllm-engine"}
+    # An aborted request's engine span teaches nothing, whichever comes first.
+    store.insert_spans([replace(http_span("f", 6, 7.0, request_id="r2", client=("127.0.0.1", 40002)),
+                                service="sglang-api")])
+    correlator.tick()
+    store.insert_spans([replace(engine_span("g", 6, 6.9, "abort", request_id="r2"), service="sglang")])
+    correlator.tick()
+    assert correlator.services_spanning_finishes == {"vllm", "vllm-engine"}
+
+
 @pytest.mark.parametrize(("status", "ends_at", "want"), [
     (404, 1.005, "completed"),  # answered as the client closed: a scanner, a wrong route
     (429, 3.0, "completed"),  # the refusal came after the client had left: still nothing ran

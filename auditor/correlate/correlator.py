@@ -83,6 +83,9 @@ PRUNE_EVERY_NS = 10 * 1_000_000_000
 REQUEST_READ_NS = 50_000_000
 _END_OF_TIME = sys.maxsize
 READ_ROWS = 50_000  # rows per store read: a long backlog is taken over several rounds
+# Server spans remembered by request id until their service is known to span finishes: the newest
+# this many (at 100 requests/s, 40 s of them; an engine span comes within its exporter's delay).
+UNLEARNED_REQUEST_IDS = 4096
 # The probe's events are stored a batch to a row (auditor.store.eventblocks); the cursor is an
 # event id, and the block it lies in is read again only while it was read part way (a restart).
 # A round reads blocks that hold about READ_ROWS events together (a block holds one to tens of
@@ -159,6 +162,9 @@ class Correlator:
         # Services seen to send an engine span for a normal finish (vLLM with tracing on): for them,
         # no engine span by the end of the late-span window says the work was aborted.
         self.services_spanning_finishes: set[str] = set()
+        # Request id -> service of recent server spans of services not known to span finishes: an
+        # engine span named by one may come later (vLLM exports it through a tracer of its own).
+        self._unlearned_by_request_id: dict[str, str] = {}
         self.loads = EngineLoads()
         self.loads.clients_kept_ns = self.memory_ns  # as long as the spans that tell them are held
         # (port, scrape) -> when each client unspanned_clients found untold there was last read,
@@ -530,19 +536,28 @@ class Correlator:
 
     def _learn_spanning_service(self, arrived: SpanRecord) -> None:
         """An engine span of a normal finish that joins a request marks its service, and the
-        request's HTTP services (whichever arrives last), as ones that span every finish: a
-        missing engine span then means the response was not complete. It joins by its trace, or
-        by the request id the engine derived from X-Request-Id. One in a trace of its own that
+        request's HTTP services (whichever arrives last: vLLM exports its engine spans apart from
+        the HTTP ones), as ones that span every finish: a missing engine span then means the
+        response was not complete. It joins by its trace, or by the request id the engine derived
+        from X-Request-Id (server spans that came first are remembered by it). One in a trace of its own that
         nothing names (a client that sent neither traceparent nor X-Request-Id, as curl and the
         openai SDK) tells nothing of the requests: nothing is learned from it."""
         trace = list(self.spans.trace(arrived.trace_id))
         http = [s for s in trace if s.role is SpanRole.HTTP_SERVER]
         engines = [s for s in trace if s.role is SpanRole.ENGINE]
+        named: list[str] = []  # services of server spans that came before this engine span named them
         if arrived.role is SpanRole.HTTP_SERVER:
             engines += self.spans.engines_named_by(arrived)
-        if not http or not any(s.finish_reason in NORMAL_FINISH for s in engines):
+        elif not http and arrived.request_id:
+            named = [service for request_id in _settled_request_ids(arrived.request_id)
+                     if (service := self._unlearned_by_request_id.get(request_id)) is not None]
+        if not (http or named) or not any(s.finish_reason in NORMAL_FINISH for s in engines):
+            if arrived.role is SpanRole.HTTP_SERVER and arrived.request_id and arrived.service:
+                self._unlearned_by_request_id[arrived.request_id] = arrived.service
+                if len(self._unlearned_by_request_id) > UNLEARNED_REQUEST_IDS:
+                    del self._unlearned_by_request_id[next(iter(self._unlearned_by_request_id))]
             return
-        learned = {s.service for s in (*http, *engines) if s.service}
+        learned = {s.service for s in (*http, *engines) if s.service} | set(named)
         if not learned <= self.services_spanning_finishes:
             self.services_spanning_finishes |= learned
             self._news_at(0)
