@@ -28,6 +28,7 @@ static PyObject *hostport_fn;   /* attributes.port_from_hostport(text) */
 static PyObject *cut_fn;        /* attributes.cut_text(text, limit) */
 static PyObject *as_int_fn;     /* attributes.as_int, for values other than an exact int or a bool */
 static PyObject *as_float_fn;   /* attributes.as_float, for values other than an exact float */
+static PyObject *as_finish_fn;  /* attributes.as_finish, for finish reasons sent as JSON text */
 static PyObject *kind_names, *status_names, *genai_keys;
 static PyObject *role_engine, *role_server, *role_client, *role_other;
 static PyObject *text_unset, *text_unspecified, *text_empty, *dropped_key;
@@ -59,6 +60,17 @@ as_str(PyObject *value)
     if (PyUnicode_Check(value))
         return Py_NewRef(value);
     Py_RETURN_NONE;
+}
+
+static PyObject *
+as_finish(PyObject *value)
+{
+    PyObject *text = as_str(value);
+    if (text == NULL || !PyUnicode_Check(text) || PyUnicode_GET_LENGTH(text) == 0 ||
+        PyUnicode_READ_CHAR(text, 0) != '[')
+        return text;
+    Py_SETREF(text, PyObject_CallOneArg(as_finish_fn, text));
+    return text;
 }
 
 static PyObject *
@@ -430,7 +442,7 @@ build_span(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
     /* The GenAI and vLLM engine columns (normalize._engine_columns). */
     if (has_genai) {
-        if ((f[F_FINISH_REASON] = take(attrs, key_tuples[K_FINISH], as_str)) == NULL ||
+        if ((f[F_FINISH_REASON] = take(attrs, key_tuples[K_FINISH], as_finish)) == NULL ||
             (f[F_MODEL] = take(attrs, key_tuples[K_MODEL], as_str)) == NULL ||
             (f[F_PROMPT_TOKENS] = take(attrs, key_tuples[K_PROMPT], as_count)) == NULL ||
             (f[F_COMPLETION_TOKENS] = take(attrs, key_tuples[K_COMPLETION], as_count)) == NULL ||
@@ -782,7 +794,7 @@ configure(PyObject *self, PyObject *args)
     Py_ssize_t offsets[N_FIELDS];
     if (record != Py_None && record_slots(record, offsets) < 0)
         return NULL;
-    if (texts_of(functions, 6, "functions") < 0 || texts_of(names, 2, "names") < 0 || texts_of(roles, 4, "roles") < 0 ||
+    if (texts_of(functions, 7, "functions") < 0 || texts_of(names, 2, "names") < 0 || texts_of(roles, 4, "roles") < 0 ||
         texts_of(texts, 4, "texts") < 0 || texts_of(keys, N_KEY_TUPLES, "keys") < 0 ||
         texts_of(single, N_SINGLE_KEYS, "single keys") < 0 || all_texts(single, "single keys") < 0 ||
         all_texts(texts, "texts") < 0)
@@ -790,7 +802,7 @@ configure(PyObject *self, PyObject *args)
     for (int i = 0; i < N_KEY_TUPLES; i++)
         if (all_texts(PyTuple_GET_ITEM(keys, i), "keys") < 0)
             return NULL;
-    for (int i = 0; i < 6; i++)
+    for (int i = 0; i < 7; i++)
         if (!PyCallable_Check(PyTuple_GET_ITEM(functions, i)))
             return PyErr_Format(PyExc_TypeError, "functions: item %d is not callable", i);
     if (!PyDict_Check(PyTuple_GET_ITEM(names, 0)) || !PyDict_Check(PyTuple_GET_ITEM(names, 1)))
@@ -798,8 +810,9 @@ configure(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(widths, "nnnnnn:widths", &name_chars, &peer_addr_chars, &request_id_chars, &route_chars,
                           &model_chars, &finish_chars))
         return NULL;
-    PyObject **function_slots[] = {&new_span_fn, &engine_fn, &hostport_fn, &cut_fn, &as_int_fn, &as_float_fn};
-    for (int i = 0; i < 6; i++)
+    PyObject **function_slots[] = {&new_span_fn, &engine_fn, &hostport_fn, &cut_fn, &as_int_fn, &as_float_fn,
+                                   &as_finish_fn};
+    for (int i = 0; i < 7; i++)
         Py_XSETREF(*function_slots[i], Py_NewRef(PyTuple_GET_ITEM(functions, i)));
     Py_XSETREF(kind_names, Py_NewRef(PyTuple_GET_ITEM(names, 0)));
     Py_XSETREF(status_names, Py_NewRef(PyTuple_GET_ITEM(names, 1)));

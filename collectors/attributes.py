@@ -7,6 +7,7 @@ type as missing instead of failing the span.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -134,6 +135,21 @@ def as_str(value: Any) -> str | None:
     if isinstance(value, str):
         return value
     return None
+
+
+def as_finish(value: Any) -> str | None:
+    """A finish reason: ``as_str``'s, and the first of a list sent as JSON text (vLLM sets
+    ``gen_ai.response.finish_reasons`` to ``json.dumps(["stop"])``, a string, not an array)."""
+    text = as_str(value)
+    if text is None or not text.startswith("["):
+        return text
+    try:
+        reasons = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    if isinstance(reasons, list) and reasons and isinstance(reasons[0], str):
+        return reasons[0]
+    return text
 
 
 def as_port(value: Any) -> int | None:

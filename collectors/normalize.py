@@ -23,6 +23,7 @@ from auditor.semconv import PEER_ADDR_KEYS, PEER_PORT_KEYS, SERVER_PORT_KEYS
 from auditor.store import dumps_json, row_layout, use_batch_rows
 from collectors.attributes import (
     as_count,
+    as_finish,
     as_float,
     as_int,
     as_pid,
@@ -351,7 +352,7 @@ _NO_ENGINE_COLUMNS = _EngineColumns()
 
 def _engine_columns(attrs: dict[str, Any]) -> _EngineColumns:
     return _EngineColumns(
-        finish=take(attrs, FINISH_KEYS, as_str),
+        finish=take(attrs, FINISH_KEYS, as_finish),
         model=take(attrs, MODEL_KEYS, as_str),
         prompt_tokens=take(attrs, PROMPT_KEYS, as_count),
         completion_tokens=take(attrs, COMPLETION_KEYS, as_count),
@@ -378,7 +379,7 @@ def _compiled() -> Any:
         return None
     try:
         _normalize.configure(
-            (_new_span, is_engine_span, port_from_hostport, cut_text, as_int, as_float),
+            (_new_span, is_engine_span, port_from_hostport, cut_text, as_int, as_float, as_finish),
             (_KIND_NAMES, _STATUS_NAMES),
             (SpanRole.ENGINE, SpanRole.HTTP_SERVER, SpanRole.HTTP_CLIENT, SpanRole.OTHER),
             ("unset", "unspecified", "", "auditor.dropped_attributes"),

@@ -17,7 +17,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from auditor.model import SpanRole
 from collectors import normalize as normalization
-from collectors.attributes import MAX_ATTRIBUTES, MAX_STRING_CHARS, TOO_DEEP_MARK
+from collectors.attributes import MAX_ATTRIBUTES, MAX_STRING_CHARS, TOO_DEEP_MARK, cut_text
 from collectors.normalize import NormalizeResult, normalize_body
 from collectors.normalize import normalize_request as from_message
 from collectors.otlp_wire import Unusual
@@ -148,6 +148,19 @@ def test_vllm_llm_request_span() -> None:
     assert (record.finish_reason, record.model, record.process_pid) == ("length", "m-1", 4242)
     assert record.host == "node-a"  # no host.name: the receiver's host
     assert record.attributes == {"gen_ai.request.temperature": 0.7}
+
+
+@pytest.mark.parametrize(("sent", "read"), [
+    ('["stop"]', "stop"), ('["abort"]', "abort"), ('["length", "stop"]', "length"),  # vLLM: json.dumps(list)
+    (["stop"], "stop"), ("stop", "stop"),  # an array, as the GenAI conventions say; a plain string
+    ("[stop", "[stop"), ("[1]", "[1]"), ("[]", "[]"), ("[" * 5000, "[" * 5000),  # not a list of text: as sent
+])
+def test_finish_reasons_sent_as_json_text(sent: Any, read: str) -> None:
+    """vLLM sets gen_ai.response.finish_reasons to json.dumps([reason]): a string. Read as it
+    came, a normal finish never read as one."""
+    attrs = {"gen_ai.request.id": "cmpl-1", "gen_ai.response.finish_reasons": sent}
+    (record,) = normalize_request(request(span("llm_request", SERVER, attrs))).spans
+    assert record.finish_reason == cut_text(read, normalization._COLUMN_CHARS["finish_reason"])
 
 
 def test_genai_input_output_token_names_and_process_pid() -> None:

@@ -148,7 +148,7 @@ def test_the_compiled_builder_on_the_spans_engines_send() -> None:
     vllm = {"gen_ai.request.id": "chatcmpl-9", "gen_ai.usage.prompt_tokens": 812,
             "gen_ai.usage.completion_tokens": 128, "gen_ai.request.max_tokens": 256,
             "gen_ai.latency.time_in_queue": 0.012, "gen_ai.response.model": "llama-3-8b",
-            "gen_ai.response.finish_reasons": ["stop"], "gen_ai.request.temperature": 0.7}
+            "gen_ai.response.finish_reasons": '["stop"]', "gen_ai.request.temperature": 0.7}  # vLLM's JSON text
     client = {"http.method": "POST", "url.full": "http://engine:8001/v1/completions",
               "server.address": "engine", "http.request.header.x-request-id": "gw-1"}
     proxied = {"http.request.method": "GET", "client.address": "203.0.113.9", "client.port": 0,

@@ -13,6 +13,7 @@ from the HTTP server span, which vLLM's engine never sees), and vLLM's attribute
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import socket
@@ -166,6 +167,9 @@ def emit_llm_request_span(tracer: trace.Tracer, request: RequestHandle, name: st
     assert request.finished_at is not None
     seconds = 1e-9
     attributes: dict[str, object] = {}
+    reasons = [request.finish_reason or "abort"]
+    # vLLM sends its finish reasons as JSON text (json.dumps of the list); the GenAI conventions an array.
+    finish_reasons: object = reasons if name == GENAI_STYLE else json.dumps(reasons)
     if name == GENAI_STYLE:
         operation = "chat" if request.request_id.startswith("chatcmpl-") else "text_completion"
         name = f"{operation} {request.model}"
@@ -178,7 +182,7 @@ def emit_llm_request_span(tracer: trace.Tracer, request: RequestHandle, name: st
         ATTR_MAX_TOKENS: request.max_tokens,
         ATTR_RESPONSE_MODEL: request.model,
         ATTR_N: request.n,
-        ATTR_FINISH_REASONS: [request.finish_reason or "abort"],
+        ATTR_FINISH_REASONS: finish_reasons,
     }
     if request.scheduled_at is not None and request.queued_at is not None:
         attributes[ATTR_TIME_IN_QUEUE] = (request.scheduled_at - request.queued_at) * seconds
