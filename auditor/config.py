@@ -114,6 +114,8 @@ class RetentionConfig:
     def validate(self) -> None:
         if self.raw_hours < 0 or self.verdict_days < 0:
             raise ConfigError("retention.raw_hours and retention.verdict_days must be 0 (keep forever) or more")
+        _at_most("retention.raw_hours", self.raw_hours, CENTURY_DAYS * 24, "100 years; 0 keeps them forever")
+        _at_most("retention.verdict_days", self.verdict_days, CENTURY_DAYS, "100 years; 0 keeps them forever")
         if 0 < self.raw_hours < 1:
             # The correlator re-reads the last 15 minutes after a restart, and late spans reopen verdicts.
             raise ConfigError(f"retention.raw_hours = {self.raw_hours}: keep raw rows at least 1 hour (0: forever)")
@@ -122,6 +124,7 @@ class RetentionConfig:
                               f"{self.raw_hours}: findings must outlive the evidence they come from")
         _positive("retention.batch_rows", self.batch_rows)
         _positive("retention.interval_seconds", self.interval_seconds)
+        _at_most("retention.interval_seconds", self.interval_seconds, DAY_SECONDS, "a day")
 
 
 @dataclass
@@ -154,12 +157,23 @@ class Config:
             raise ConfigError(f"probe.ring_buffer_mib = {mib!r}: must be a power of two from 1 to 1024 "
                               "(the kernel's ring buffers are a power of two pages)")
         _positive("sampler.interval_ms", self.sampler.interval_ms)
+        _at_most("sampler.interval_ms", self.sampler.interval_ms, DAY_SECONDS * 1000, "a day")
+        for pid in self.sampler.procfs_pids:
+            if not 1 <= pid <= PID_MAX:
+                raise ConfigError(f"sampler.procfs_pids: {pid} is not a process id (1-{PID_MAX}, Linux's "
+                                  "largest pid_max); list the pids of running processes, e.g. [1234]")
         _positive("correlate.interval_seconds", self.correlate.interval_seconds)
+        _at_most("correlate.interval_seconds", self.correlate.interval_seconds, DAY_SECONDS, "a day")
         _positive("engine_metrics.interval_seconds", self.engine_metrics.interval_seconds)
+        _at_most("engine_metrics.interval_seconds", self.engine_metrics.interval_seconds, DAY_SECONDS, "a day")
         if not self.engine_metrics.path.startswith("/"):
             raise ConfigError(f"engine_metrics.path = {self.engine_metrics.path!r}: must start with /")
         if self.correlate.grace_seconds < 0:
             raise ConfigError("correlate.grace_seconds must be 0 or more")
+        _at_most("correlate.grace_seconds", self.correlate.grace_seconds, DAY_SECONDS, "a day")
+        if self.correlate.late_span_seconds < 0:
+            raise ConfigError("correlate.late_span_seconds must be 0 or more")
+        _at_most("correlate.late_span_seconds", self.correlate.late_span_seconds, DAY_SECONDS, "a day")
         _positive("otlp.max_body_bytes", self.otlp.max_body_bytes)
         for key, addr in (("otlp.http", self.otlp.http), ("otlp.grpc", self.otlp.grpc),
                           ("metrics.listen", self.metrics.listen), ("live.listen", self.live.listen)):
@@ -173,6 +187,18 @@ def _finite(key: str, value: Any) -> None:
     """Refuse nan and inf, which every comparison lets through or gets wrong."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key} = {value}: expected a finite number, e.g. 0.5")
+
+
+DAY_SECONDS = 86_400
+CENTURY_DAYS = 36_525
+PID_MAX = 4_194_304  # the kernel's PID_MAX_LIMIT: no pid_max is larger
+
+
+def _at_most(key: str, value: float, limit: float, meaning: str) -> None:
+    """Refuse a duration longer than anything it could mean: one too large for the nanoseconds and
+    timers it becomes would fail later, in the daemon, rather than here."""
+    if value > limit:
+        raise ConfigError(f"{key} = {value}: must be at most {limit:g} ({meaning})")
 
 
 def _positive(key: str, value: float) -> None:

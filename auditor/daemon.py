@@ -34,7 +34,7 @@ from auditor.metrics import DaemonMetrics, SourceReadings
 from auditor.model import ConnEvent, CoverageKind, EngineLoad, EventRun, RequestVerdict, UtilSample
 from auditor.promtext import MetricsServer
 from auditor.service import HeapTrim, listening, notify_systemd, quietly
-from auditor.store import Store
+from auditor.store import Store, default_db_url, unwritable_sqlite
 from auditor.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,11 @@ class Daemon:
 
     # -- start ------------------------------------------------------------------------------
     def start(self) -> None:
-        self.store = Store(self.config.db or None, migrate_in_child=True)
+        url = self.config.db or default_db_url()
+        unwritable = unwritable_sqlite(url)
+        if unwritable:  # else it starts, answers /healthz, and fails every round on a read-only database
+            raise StoreError("; ".join(unwritable))
+        self.store = Store(url, migrate_in_child=True)
         self._span_feed = SpanFeed()  # committed spans, to the correlator without a read back
         self._start_probe()
         self._start_receivers()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +136,65 @@ def test_doctor_says_another_applications_sqlite_file_is_not_the_auditors(tmp_pa
     assert check.state == FAILED and "no auditor schema" in check.detail, check
     assert "another application's" in check.fix
     assert path.read_bytes() == before
+
+
+def test_doctor_tells_a_database_it_cannot_write_by_writing_to_the_main_file(tmp_path: Path) -> None:
+    """A temporary table goes to SQLite's temporary database: the doctor said "writable" of a
+    file the daemon then failed every write to."""
+    from auditor.cli.doctor import FAILED, OK, check_database
+    from auditor.config import Config
+    from auditor.store import Store
+
+    path = tmp_path / "a.db"
+    Store(f"sqlite:///{path}").close()
+    check = check_database(Config(db=f"sqlite:///file:{path}?mode=ro&uri=true"))
+    assert check.state == FAILED and "attempt to write a readonly database" in check.detail, check
+    written = check_database(Config(db=f"sqlite:///{path}"))
+    assert written.state == OK and "writable" in written.detail, written
+    with sqlite3.connect(path) as conn:  # the write was rolled back
+        assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'auditor_doctor_probe'").fetchall() == []
+
+
+def test_doctor_and_run_refuse_a_sqlite_file_this_user_cannot_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 0444 file, or root's 0644 file for the auditor user: SQLite opens it read-only without a
+    word, so the daemon ran, answered /healthz, and failed every round. (os.access stands in for
+    the other user: root may write anything.)"""
+    import os
+
+    from auditor.cli.doctor import FAILED, check_database
+    from auditor.config import Config
+    from auditor.store import Store, unwritable_sqlite
+
+    path = tmp_path / "a.db"
+    Store(f"sqlite:///{path}").close()
+    assert unwritable_sqlite(f"sqlite:///{path}") is None
+    real_access = os.access
+    monkeypatch.setattr("auditor.store.db.os.access",
+                        lambda file, mode, **kw: Path(file) != path and real_access(file, mode, **kw))
+    what, fix = unwritable_sqlite(f"sqlite:///{path}") or ("", "")
+    assert what.startswith(f"{path} is not writable by user ") and "chmod u+w" in fix and "--db" in fix
+    check = check_database(Config(db=f"sqlite:///{path}"))
+    assert check.state == FAILED and f"{path} is not writable by user" in check.detail, check
+    result = CliRunner().invoke(cli, ["run", "--db", f"sqlite:///{path}", "--port", "1", "--source", "procfs",
+                                      "--otlp-http", "", "--otlp-grpc", "", "--metrics", "", "--live", ""])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(f"Error: {path} is not writable by user ") and "chown" in result.stderr
+    monkeypatch.setattr("auditor.store.db.os.access",
+                        lambda file, mode, **kw: Path(file) != tmp_path and real_access(file, mode, **kw))
+    what, fix = unwritable_sqlite(f"sqlite:///{path}") or ("", "")
+    assert what.startswith(f"{tmp_path}, the directory of {path}, is not writable") and "-wal" in what
+
+
+def test_doctor_hides_a_postgresql_password(tmp_path: Path) -> None:
+    from auditor.cli.doctor import _without_password
+
+    url = "postgresql+psycopg://u:pw@127.0.0.1:1/db"
+    for args in (["doctor"], ["doctor", "--json"]):
+        result = CliRunner().invoke(cli, [*args, "--db", url])
+        assert "u:***@127.0.0.1:1/db" in result.output and ":pw@" not in result.output, result.output
+    assert _without_password(url) == "postgresql+psycopg://u:***@127.0.0.1:1/db"
+    assert _without_password("sqlite:///file:/x.db?mode=ro&uri=true") == "sqlite:///file:/x.db?mode=ro&uri=true"
 
 
 def test_doctor_json_schema(tmp_path: Path) -> None:
@@ -381,6 +441,35 @@ def test_demo_on_cuda_without_a_gpu_says_so_before_starting_anything(tmp_path: P
     assert result.exit_code == 2, result.output
     assert "--device cuda" in result.output and "use --device cpu" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_demo_refuses_a_directory_holding_a_store_without_force(tmp_path: Path) -> None:
+    """`auditor demo -o /var/lib/auditor` deleted the service's database: now a usage error that
+    names the files and the way out, and the files are left as they were."""
+    (tmp_path / "auditor.db").write_bytes(b"the service's")
+    (tmp_path / "auditor.db-wal").write_bytes(b"")
+    result = CliRunner().invoke(cli, ["demo", "-o", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert (f"Error: Invalid value for -o/--output-dir: {tmp_path} holds auditor.db, auditor.db-wal, which the "
+            "demo would delete") in result.stderr
+    assert "--force to replace them" in result.stderr and "Traceback" not in result.output
+    assert (tmp_path / "auditor.db").read_bytes() == b"the service's"
+
+
+def test_demo_refuses_a_directory_it_cannot_make_or_write_in_one_line(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a PermissionError traceback from mkdir or from the store."""
+    (tmp_path / "file").write_text("")
+    result = CliRunner().invoke(cli, ["demo", "-o", str(tmp_path / "file" / "out")])
+    assert result.exit_code == 2, result.output
+    assert f"cannot use {tmp_path / 'file' / 'out'} (Not a directory); give a directory this user can write" \
+        in result.stderr
+    import auditor.cli.demo
+
+    monkeypatch.setattr(auditor.cli.demo.os, "access", lambda path, mode: False)  # as a user, not root
+    result = CliRunner().invoke(cli, ["demo", "-o", str(tmp_path / "ro")])
+    assert result.exit_code == 2, result.output
+    assert f"{tmp_path / 'ro'} is not writable by this user; give a directory this user can write" in result.stderr
 
 
 def test_doctor_says_when_nvml_measures_no_utilization_of_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

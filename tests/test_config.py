@@ -79,6 +79,38 @@ def test_nan_and_infinity_are_refused_by_name(tmp_path: Path, key: str, text: st
         config.validate()
 
 
+@pytest.mark.parametrize(("key", "value", "limit"), [
+    ("correlate.grace_seconds", "1e300", "86400 (a day)"),
+    ("correlate.interval_seconds", "1e300", "86400 (a day)"),
+    ("correlate.late_span_seconds", "1e300", "86400 (a day)"),
+    ("engine_metrics.interval_seconds", "1e300", "86400 (a day)"),
+    ("retention.interval_seconds", "1e300", "86400 (a day)"),
+    ("sampler.interval_ms", "99999999999999999", "8.64e+07 (a day)"),
+    ("retention.raw_hours", "1e300", "876600 (100 years; 0 keeps them forever)"),
+    ("retention.verdict_days", "1e300", "36525 (100 years; 0 keeps them forever)"),
+])
+def test_durations_longer_than_they_could_mean_are_refused_by_name(tmp_path: Path, key: str, value: str,
+                                                                   limit: str) -> None:
+    """Not an OverflowError later: the correlator's nanoseconds at start, every retention pass."""
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} = .*: must be at most {re.escape(limit)}$"):
+        load_config(write(tmp_path, f"[{section}]\n{name} = {value}\n"), environ={})
+
+
+def test_late_span_seconds_below_zero_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"correlate\.late_span_seconds must be 0 or more"):
+        load_config(write(tmp_path, "[correlate]\nlate_span_seconds = -1\n"), environ={})
+
+
+@pytest.mark.parametrize("pid", [0, -1, 4194305, 99999999999])
+def test_procfs_pids_outside_linux_pid_range_are_refused(tmp_path: Path, pid: int) -> None:
+    """Not a warning from the sampler ten times a second for ever, nor silently nothing."""
+    with pytest.raises(ConfigError, match=rf"sampler\.procfs_pids: {pid} is not a process id \(1-4194304"):
+        load_config(write(tmp_path, f"[sampler]\nprocfs_pids = [{pid}]\n"), environ={})
+    assert load_config(write(tmp_path, "[sampler]\nprocfs_pids = [1, 4194304]\n"),
+                       environ={}).sampler.procfs_pids == [1, 4194304]
+
+
 def test_missing_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml", environ={})

@@ -23,6 +23,7 @@ from click.testing import CliRunner
 from auditor.cli import cli
 from auditor.config import Config
 from probes import bpfsys
+from probes.caps import UNIT_CAPABILITIES
 
 # The --json line schema, as documented in docs/probe.md.
 EVENT_LINE_SCHEMA: dict[str, Any] = {
@@ -64,6 +65,24 @@ def test_bad_ports_are_one_line_errors(value: str, message: str) -> None:
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_dump_bpf_where_tracefs_is_refused_says_what_is_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a user tracefs refuses (root's 0700 events directory): a one-line error naming the
+    capabilities and the way out, not a PermissionError traceback."""
+    import probes.bpf
+
+    def refused(*_args: object, **_kwargs: object) -> bool:
+        raise PermissionError(13, "Permission denied", "/sys/kernel/tracing/events")
+
+    monkeypatch.setattr(probes.bpf, "tcp_records_lack_family", refused)
+    monkeypatch.setattr("probes.caps.missing_bpf_capabilities", lambda: ["CAP_BPF", "CAP_PERFMON"])
+    result = CliRunner().invoke(cli, ["probe", "--port", "28000", "--dump-bpf"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr == ("Error: --dump-bpf reads this kernel's tracepoint formats from "
+                             "/sys/kernel/tracing/events, which this user cannot read; eBPF needs CAP_BPF, "
+                             "CAP_PERFMON (missing from the effective set): run as root, or grant "
+                             f"AmbientCapabilities={UNIT_CAPABILITIES} (systemd/auditor.service does)\n")
 
 
 def test_dump_bpf_prints_the_program_that_is_loaded(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from auditor.cli import cli
 from auditor.cli.util import parse_duration
+from auditor.errors import StoreError
 from auditor.store import Store
 from tests.report_data import SINCE, UNTIL, fill, trace
 
@@ -303,6 +304,23 @@ def test_a_bad_database_url_is_named_by_where_it_came_from(tmp_path: Path, where
     assert result.exit_code == 1, result.output
     assert result.stderr == (f"Error: {named.replace('{tmp}', str(tmp_path))} is not a database URL; "
                              "try sqlite:///auditor.db or postgresql+psycopg://user@host/db\n")
+
+
+@pytest.mark.parametrize("url", ["postgresql://u@127.0.0.1:abc/db", "postgresql://u@h:1:2/db",
+                                 "postgresql://u@[::1/db", "postgresql://u@h:/db"])
+@pytest.mark.parametrize("command", [["report"], ["db", "status"], ["db", "upgrade"], ["doctor"], ["run"]])
+def test_a_database_url_with_a_bad_port_or_ipv6_address_is_not_a_database_url(url: str, command: list[str]) -> None:
+    """SQLAlchemy raises ValueError, not ArgumentError, for these: no traceback either way."""
+    result = CliRunner().invoke(cli, [*command, "--db", url], env={"AUDITOR_DB": None})
+    assert result.exit_code == 1, result.output
+    assert result.stderr == (f"Error: --db {url!r} is not a database URL; "
+                             "try sqlite:///auditor.db or postgresql+psycopg://user@host/db\n")
+
+
+def test_the_store_names_a_database_url_with_a_bad_port(tmp_path: Path) -> None:
+    """The daemon's own path (no CLI in between) refuses it as the CLI does."""
+    with pytest.raises(StoreError, match="is not a database URL"):
+        Store("postgresql://u@127.0.0.1:abc/db")
 
 
 def test_newer_schema_is_a_clear_error(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import os
 import signal
 import socket
 import sys
@@ -119,7 +120,7 @@ def run_demo(output_dir: Path, device: str = "cpu") -> int:
     output_dir.mkdir(parents=True, exist_ok=True)
     db_path = output_dir / "auditor.db"
     capture_path = output_dir / "capture.db"
-    for stale in [*output_dir.glob("auditor.db*"), *output_dir.glob("capture.db*")]:
+    for stale in _stores_in(output_dir):  # refused by the command unless --force
         stale.unlink()
     click.secho("auditor demo: zombie requests found, costed, and a fix proven, on this machine", bold=True)
     config = _daemon_config(output_dir)
@@ -172,6 +173,31 @@ def run_demo(output_dir: Path, device: str = "cpu") -> int:
     return 0 if passed else 1
 
 
+def _stores_in(directory: Path) -> list[Path]:
+    """The files a run in ``directory`` replaces: the stores and their journals."""
+    return sorted([*directory.glob("auditor.db*"), *directory.glob("capture.db*")])
+
+
+def _check_output_dir(directory: Path, force: bool) -> None:
+    """Make -o's directory, refusing one this user cannot write (before any engine starts) and one
+    that holds stores the demo would delete without --force: ``-o /var/lib/auditor`` would
+    otherwise wipe the service's database."""
+    hint = "-o/--output-dir"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        stores = _stores_in(directory)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot use {directory} ({exc.strerror or exc}); give a directory this user "
+                                 "can write, e.g. -o ./auditor-demo", param_hint=hint) from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"{directory} is not writable by this user; give a directory this user can "
+                                 "write, e.g. -o ./auditor-demo", param_hint=hint)
+    if stores and not force:
+        raise click.BadParameter(f"{directory} holds {', '.join(p.name for p in stores)}, which the demo would "
+                                 "delete (another store, a service's database?); give a new or empty directory, "
+                                 "or --force to replace them", param_hint=hint)
+
+
 def _interrupted(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -179,10 +205,11 @@ def _interrupted(signum: int, frame: object) -> None:
 @click.command("demo")
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where the store and the HTML report go [default: a new temporary directory].")
+@click.option("--force", is_flag=True, help="Replace the auditor.db and capture.db that -o's directory holds.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="The engine's compute: cpu (NumPy), or cuda (PyTorch on this host's GPU, so the zombies' "
               "cost is NVML's GPU-seconds).")
-def demo_command(output_dir: Path | None, device: str) -> None:
+def demo_command(output_dir: Path | None, device: str, force: bool) -> None:
     """Run the whole story on this machine: zombies found, costed, then fixed (about a minute)."""
     if device == "cuda":
         from replay.engine.compute import cuda_unavailable_reason
@@ -190,6 +217,8 @@ def demo_command(output_dir: Path | None, device: str) -> None:
         problem = cuda_unavailable_reason()
         if problem:
             raise click.UsageError(problem)
+    if output_dir is not None:
+        _check_output_dir(output_dir, force)
     # Stopped by SIGTERM (systemd, timeout, kill), the demo unwinds as on Ctrl-C: its daemon and
     # engines stop and their scratch directories go, rather than an engine left generating.
     signal.signal(signal.SIGTERM, _interrupted)

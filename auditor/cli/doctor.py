@@ -435,48 +435,78 @@ def check_database(config: Config) -> Check:
     """The daemon's store, opened as it would open it, but never created: a database that does not
     exist yet is judged by its directory, so that asking leaves no empty file behind for a later
     ``auditor report`` to read as an empty store."""
-    from auditor.store import Store, default_db_url
+    from auditor.store import Store, default_db_url, unwritable_sqlite
 
     url = config.db or default_db_url()
+    shown = _without_password(url)
     fix = "pass a writable --db (sqlite:///PATH or postgresql+psycopg://...)"
     from auditor.cli.util import in_memory
 
     if in_memory(url):
-        return Check("database", FAILED, f"{url} is SQLite in memory: the daemon's threads and the child "
+        return Check("database", FAILED, f"{shown} is SQLite in memory: the daemon's threads and the child "
                      "that makes its schema would each see a database of their own, and nothing outlives it",
                      fix, required=True)
     path = _sqlite_path(url)
     if path is not None and not path.exists():
         directory = path.parent.resolve()
         if not directory.is_dir():
-            return Check("database", FAILED, f"{url}: directory {directory} does not exist",
+            return Check("database", FAILED, f"{shown}: directory {directory} does not exist",
                          f"create {directory}, or {fix}", required=True)
         if not os.access(directory, os.W_OK | os.X_OK):
-            return Check("database", FAILED, f"{url}: not created yet, and {directory} is not writable",
+            return Check("database", FAILED, f"{shown}: not created yet, and {directory} is not writable",
                          f"make {directory} writable for the daemon's user, or {fix}", required=True)
-        return Check("database", OK, f"{url}: not created yet (the daemon creates it at start); "
+        return Check("database", OK, f"{shown}: not created yet (the daemon creates it at start); "
                      f"{directory} writable", required=True)
+    unwritable = unwritable_sqlite(url)
+    if unwritable:
+        return Check("database", FAILED, f"{shown}: {unwritable[0]}", unwritable[1], required=True)
     try:
         store = Store(url, check=False, create=False)
         try:
             current, head = store.current_revision(), store.head_revision()
-            with store.engine.begin() as conn:  # a real write transaction, rolled back
-                conn.exec_driver_sql("CREATE TEMPORARY TABLE auditor_doctor_probe (x INTEGER)")
+            with store.engine.connect() as conn:
+                if store.dialect == "sqlite":
+                    # A write to the main file, rolled back: a temporary table goes to SQLite's
+                    # temporary database, and BEGIN IMMEDIATE takes a WAL file's write lock, neither
+                    # of which a read-only file refuses. The driver runs DDL outside a transaction
+                    # of its own: hence the explicit BEGIN.
+                    conn.exec_driver_sql("BEGIN IMMEDIATE")
+                    conn.exec_driver_sql("CREATE TABLE main.auditor_doctor_probe (x INTEGER)")
+                    conn.exec_driver_sql("ROLLBACK")
+                else:
+                    with conn.begin():  # a real write transaction, rolled back
+                        conn.exec_driver_sql("CREATE TEMPORARY TABLE auditor_doctor_probe (x INTEGER)")
         finally:
             store.close()
     except AuditorError as exc:
         said = str(exc).splitlines()[0][:300]
         foreign = "no auditor schema" in said
-        return Check("database", FAILED, said if said.startswith(url) else f"{url}: {said}",
+        return Check("database", FAILED, said if shown in said else f"{shown}: {said}",
                      "the file is another application's: pass --db with the auditor's database, or a new "
                      "path the daemon creates" if foreign else fix, required=True)
     except Exception as exc:
-        return Check("database", FAILED, f"{url}: {str(exc).splitlines()[0][:200]}", fix, required=True)
+        said = str(exc).splitlines()[0][:200]
+        if path is not None and "readonly" in said:  # read-only mount, or a permission os.access missed
+            fix = f"make {path} and its directory writable for the daemon's user (chown, chmod u+w), or {fix}"
+        return Check("database", FAILED, f"{shown}: {said}", fix, required=True)
     if current is not None and current != head:
         state = f"schema {current}, will migrate to {head} at start"
     else:
         state = f"schema {current or 'empty, created at start'}"
-    return Check("database", OK, f"{url} writable; {state}", required=True)
+    return Check("database", OK, f"{shown} writable; {state}", required=True)
+
+
+def _without_password(url: str) -> str:
+    """The URL as the doctor prints it: a PostgreSQL password hidden (``u:***@host``)."""
+    if url.startswith("sqlite"):
+        return url  # SQLite has no password, and rendering would escape a file: URI's colon
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return url  # no URL, so no password to find in it; --db's own check names it
 
 
 def _sqlite_path(url: str) -> Path | None:

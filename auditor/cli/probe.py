@@ -86,8 +86,11 @@ def probe(config: Config, ports: tuple[int, ...], as_json: bool, dump_bpf: bool,
     if dump_bpf:
         from probes.bpf import default_client_slot_bits, program_text
 
-        click.echo(program_text(config.probe.ring_buffer_pages, client_slot_bits=default_client_slot_bits()),
-                   nl=False)
+        try:
+            text = program_text(config.probe.ring_buffer_pages, client_slot_bits=default_client_slot_bits())
+        except PermissionError as exc:  # the program fits this kernel's tracepoint formats, in tracefs
+            raise click.ClickException(_dump_refused(exc)) from None
+        click.echo(text, nl=False)
         return
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s", stream=sys.stderr)
     watched = list(ports) or list(config.probe.ports)
@@ -129,6 +132,17 @@ def probe(config: Config, ports: tuple[int, ...], as_json: bool, dump_bpf: bool,
     else:
         lost_text = "losses not countable: /proc polling misses what happens between polls"
     click.echo(f"stopped: {shown} events shown, {lost_text} ({src.name}){kernel}", err=True)
+
+
+def _dump_refused(exc: OSError) -> str:
+    """Why --dump-bpf cannot read the tracepoint formats the program is fitted to, in the words
+    the probe itself uses when it cannot load."""
+    from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
+
+    missing = missing_bpf_capabilities() or ["CAP_DAC_READ_SEARCH"]
+    return (f"--dump-bpf reads this kernel's tracepoint formats from {exc.filename or 'tracefs'}, which this "
+            f"user cannot read; eBPF needs {', '.join(missing)} (missing from the effective set): run as root, "
+            f"or grant AmbientCapabilities={UNIT_CAPABILITIES} (systemd/auditor.service does)")
 
 
 def kernel_time_text(src: object) -> str:

@@ -116,7 +116,7 @@ def check_reachable(url: str) -> None:
         return
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):
         return  # the store explains malformed URLs
     if parsed.get_backend_name() == "sqlite":
         return

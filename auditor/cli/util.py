@@ -88,7 +88,7 @@ def _check_db_url(url: str, origin: str) -> None:
 
     try:
         make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number, a broken [IPv6]
         raise click.ClickException(f"{named_db(url, origin)} is not a database URL; try sqlite:///auditor.db "
                                    "or postgresql+psycopg://user@host/db") from None
 
@@ -105,7 +105,7 @@ def in_memory(url: str) -> bool:
 
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):
         return False
     database = parsed.database or ""
     return parsed.get_backend_name() == "sqlite" and (

@@ -8,7 +8,13 @@ never asks for them (the daemon on a SQLite file) never imports SQLAlchemy.
 
 from typing import TYPE_CHECKING, Any
 
-from auditor.store.db import Store, default_db_url, span_from_row, sqlite_database
+from auditor.store.db import (
+    Store,
+    default_db_url,
+    span_from_row,
+    sqlite_database,
+    unwritable_sqlite,
+)
 from auditor.store.rows import dumps_json, row_layout, use_batch_rows
 from auditor.store.spankeys import found_near
 
@@ -53,6 +59,7 @@ __all__ = [
     "span_from_row",
     "sqlite_database",
     "tables",
+    "unwritable_sqlite",
     "use_batch_rows",
 ]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import re
 import sqlite3
 import subprocess
@@ -136,7 +137,7 @@ def sqlite_database(url: str) -> str | None:
 
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
         return None
     database = parsed.database or ""
     if parsed.get_backend_name() != "sqlite" or database in ("", ":memory:"):
@@ -539,6 +540,33 @@ def _check_sqlite_path(database: str, *, create: bool) -> None:
             raise StoreError(f"directory {path.parent} does not exist; create it or pass another --db")
 
 
+def unwritable_sqlite(url: str) -> tuple[str, str] | None:
+    """Why this user cannot write the SQLite file of ``url``, and the fix; None where it can (or for
+    another database, or SQLite in memory). SQLite opens a file it cannot write read-only without a
+    word, so a daemon on it would start, answer /healthz and fail every write; and it writes its
+    -wal, -shm and -journal files beside the database, so their directory must be writable too."""
+    database = sqlite_file(url) or sqlite_database(url)
+    if database is None or database.startswith("file:"):
+        return None
+    path = Path(database)
+    directory = path.parent.resolve()
+    try:
+        user = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        user = f"uid {os.geteuid()}"
+    effective = os.access in os.supports_effective_ids
+    for file in (path, Path(f"{path}-wal"), Path(f"{path}-shm"), Path(f"{path}-journal")):
+        if file.exists() and not os.access(file, os.W_OK, effective_ids=effective):
+            return (f"{file} is not writable by user {user}, and the daemon writes to it",
+                    f"give that user the file (chown {user} {file}) or write permission (chmod u+w {file}), "
+                    "or pass another --db")
+    if directory.is_dir() and not os.access(directory, os.W_OK | os.X_OK, effective_ids=effective):
+        return (f"{directory}, the directory of {path}, is not writable by user {user}, and SQLite writes "
+                "its -wal and -shm files beside the database",
+                f"give that user the directory (chown {user} {directory}), or pass another --db")
+    return None
+
+
 def _refuse_foreign_sqlite(database: str, where: str) -> None:
     """Refuse another application's SQLite file before any connection of ours opens it: each sets
     ``journal_mode=WAL``, which rewrites the file's header, so the schema check that follows would
@@ -576,7 +604,7 @@ def _make_engine(url: str, *, create: bool) -> Engine:
 
     try:
         parsed = make_url(url)
-    except ArgumentError as exc:
+    except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number, a broken [IPv6]
         raise StoreError(f"{url!r} is not a database URL; try sqlite:///auditor.db "
                          "or postgresql+psycopg://user@host/db") from exc
     if parsed.get_backend_name() not in ("sqlite", "postgresql"):
