@@ -41,22 +41,29 @@ from auditor.model import EngineLoad
 log = logging.getLogger(__name__)
 
 # (style, running gauge, waiting gauge, generated-token counter), in the engines' own names. The
-# parser strips a counter's ``_total``; the names here are without it.
+# parser strips a counter's ``_total``; the names here are without it. TGI's is the sum of a
+# histogram of each finished request's tokens.
 KNOWN_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("vllm", "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens"),
     ("sglang", "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:generation_tokens"),
-    ("tgi", "tgi_batch_current_size", "tgi_queue_size", "tgi_request_generated_tokens"),
+    ("tgi", "tgi_batch_current_size", "tgi_queue_size", "tgi_request_generated_tokens_sum"),
     ("llamacpp", "llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:tokens_predicted"),
     ("ref", "ref_engine_num_requests_running", "ref_engine_num_requests_waiting", "ref_engine_generation_tokens"),
 )
 # Each engine's own count of the requests it aborted: (counter without ``_total``, label, value);
 # a label of None counts every series. The counter rising between the scrapes around a disconnect
-# says the work of the cancelled request stopped. TGI and llama.cpp count no aborts.
+# says the work of the cancelled request stopped. vLLM's "abort" series does not count a request
+# aborted because its client left (its abort path records no finished-request stats; vLLM issues
+# 31503, 55634): it stays flat, and is read in case a version counts them. TGI counts a request
+# whose client is gone as ``tgi_request_failure{err="dropped"}`` when it stops its work, and lists
+# the series only from the first (``ABORTS_LISTED_ONCE_COUNTED``). llama.cpp counts no aborts.
 ABORT_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {
     "vllm": ("vllm:request_success", "finished_reason", "abort"),
     "sglang": ("sglang:num_aborted_requests", None, None),
+    "tgi": ("tgi_request_failure", "err", "dropped"),
     "ref": ("ref_engine_requests", "finish_reason", "abort"),
 }
+ABORTS_LISTED_ONCE_COUNTED = frozenset({"tgi"})  # no series on the page: none aborted yet
 NOT_AN_ENGINE_BACKOFF_S = 30.0
 _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux's
 # An engine that has held no request (nothing running or waiting) and seen no client leave for
@@ -150,9 +157,11 @@ def parse_load(text: str, *, ts_ns: int, server_port: int) -> EngineLoad | None:
     style, values = found
     _, running, waiting, tokens = _STYLES[style]
     abort_counter = ABORT_COUNTERS.get(style)
+    aborted = values.get(abort_counter[0], 0.0 if style in ABORTS_LISTED_ONCE_COUNTED else None) \
+        if abort_counter else None
     return EngineLoad(ts_ns=ts_ns, server_port=server_port, running=int(values[running]),
                       waiting=int(values.get(waiting, 0.0)), generated_tokens=values.get(tokens),
-                      style=style, aborted=values.get(abort_counter[0]) if abort_counter else None)
+                      style=style, aborted=aborted)
 
 
 def page_series(text: str) -> tuple[str, frozenset[str]] | None:
@@ -176,7 +185,7 @@ def _values(text: str, names: tuple[str, ...]) -> dict[str, float]:
     """The sum of each named gauge's or counter's series (an abort counter's matching ones)."""
     values: dict[str, float] = {}
     for sample_name, labels, value in known_series(text, names):
-        if sample_name.endswith(("_created", "_bucket", "_count", "_sum")):
+        if sample_name.endswith(("_created", "_bucket", "_count", "_sum")) and sample_name not in names:
             continue
         name = sample_name.removesuffix("_total")
         if name in _ABORT_NAMES:

@@ -30,11 +30,20 @@ sglang:num_aborted_requests_total{model_name="m"} 4.0
 LLAMACPP = """# TYPE llamacpp:requests_processing gauge
 llamacpp:requests_processing 1
 """
+# TGI (the metrics crate): a counter's series appears with its first count; a client gone is "dropped".
+TGI = """# TYPE tgi_batch_current_size gauge
+tgi_batch_current_size 2
+# TYPE tgi_request_failure counter
+tgi_request_failure{err="validation"} 5
+tgi_request_failure{err="dropped"} 2
+"""
 
 
 @pytest.mark.parametrize(("page", "aborted"), [
     (VLLM, 3.0), (VLLM.replace('finished_reason="abort"', 'finished_reason="stop"'), 0.0),
-    (SGLANG, 4.0), (LLAMACPP, None)])
+    (SGLANG, 4.0), (LLAMACPP, None), (TGI, 2.0),
+    (TGI.replace('tgi_request_failure{err="dropped"} 2\n', ""), 0.0),  # none dropped yet: no series
+    ("\n".join(line for line in TGI.splitlines() if "failure" not in line), 0.0)])
 def test_the_abort_count_is_read_under_each_engines_names(page: str, aborted: float | None) -> None:
     load = parse_load(page, ts_ns=1, server_port=8000)
     assert load is not None and load.aborted == aborted
@@ -56,7 +65,7 @@ def raced(correlator: Correlator, store: Store, clients: list[tuple[str, int]], 
 @pytest.mark.parametrize(("aborts", "verdict"), [
     ([3.0, 4.0, 4.0], "aborted"),  # the counter rose by one around the one departure
     ([3.0, 3.0, 3.0], "unconfirmed"),  # no abort: a response that just ended looks the same
-    ([None, None, None], "unconfirmed"),  # an engine that counts no aborts (TGI, llama.cpp)
+    ([None, None, None], "unconfirmed"),  # an engine that counts no aborts (llama.cpp)
     ([3.0, 2.0, 2.0], "unconfirmed")])  # a reset (engine restart) says nothing
 def test_a_close_racing_the_span_end_is_aborted_only_when_the_engine_counted_the_abort(
         store: Store, aborts: list[float | None], verdict: str) -> None:

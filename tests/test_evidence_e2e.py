@@ -39,7 +39,9 @@ from tests.e2e import (
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow]
 SCRAPE_S = 0.1
-COUNTS_ABORTS = ("vllm", "sglang")  # the engines whose /metrics count aborted requests
+# The engines whose /metrics count requests aborted because their client left (vLLM's "abort"
+# series does not: the reference engine's vLLM names keep it at 0, as vLLM does).
+COUNTS_ABORTS = ("sglang", "tgi")
 
 
 def close_after_last_byte(port: int, request_id: str) -> threading.Thread:
@@ -81,9 +83,11 @@ def drive(port: int, tag: str) -> None:
     # A cancelled non-streaming response sent nothing: the service's other responses show it marks its sends.
     ("abort", "tgi", True),
     ("abort", "llamacpp", False),
-    # The engine counts its aborts: every cancelled request is aborted, whichever way the close raced.
+    # vLLM counts no client's abort: a close that raced the span's end cannot be told from a complete answer.
     ("abort", "vllm", False),
-    ("abort", "sglang", False)])
+    # The engine counts its aborts: every cancelled request is aborted, whichever way the close raced.
+    ("abort", "sglang", False),
+    ("abort", "tgi", False)])
 def test_http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool) -> None:
     http_spans_only(tmp_path, behavior, names, send_spans, source="bpf")
 
@@ -148,9 +152,11 @@ def test_plain_clients_against_an_engine_that_spans_in_its_own_traces(tmp_path: 
                                                                       names: str) -> None:
     """vLLM behind the openai SDK: no traceparent and no X-Request-Id reach the engine, so its
     llm_request spans are traces of their own with ids it made up, joined to no request; the
-    gauges and their abort counter are what tell. Clients that read the whole answer (racing the
-    span's end) or that the server closed on are never aborted nor zombies; cancels get the truth's
-    verdict. Matched to the truth log by client port, the only thing both sides know."""
+    gauges (and SGLang's abort counter) are what tell. Clients that read the whole answer (racing
+    the span's end) or that the server closed on are never aborted nor zombies; cancels get the
+    truth's verdict, or, where a close raced the span's end and no abort counter can tell (vLLM's
+    counts no client's abort), `unconfirmed`. Matched to the truth log by client port, the only
+    thing both sides know."""
     truth_log = tmp_path / "truth.jsonl"
     with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S}) as daemon, running_engine(
             behavior=behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
@@ -163,7 +169,7 @@ def test_plain_clients_against_an_engine_that_spans_in_its_own_traces(tmp_path: 
             cancel_after(engine.port, 0.3, kind, stream=stream, max_tokens=150, request_id=None).join()
             time.sleep(0.2)
         truths, left, rows = settled_by_client_port(daemon, engine, requests=11, leavers=3)
-    problems = against_truth(rows, truths, left, unconfirmed_ok=False)
+    problems = against_truth(rows, truths, left, unconfirmed_ok=behavior == "abort" and names not in COUNTS_ABORTS)
     assert not problems, "\n".join(problems)
 
 
@@ -288,6 +294,8 @@ def test_a_cancel_beside_requests_whose_spans_have_not_come(tmp_path: Path, beha
         assert wait_for(settled, timeout_s=30), [(r.request_id, r.verdict, r.details) for r in verdict_rows(daemon)]
         rows = {r.request_id: r for r in verdict_rows(daemon)}
     want = expected_verdict(truth)
+    if want == "aborted" and rows["left"].details.get("close_races_span_end"):
+        want = "unconfirmed"  # the span ended within the clock error of the reset; vLLM counts no client's abort
     assert rows["left"].verdict == want, (rows["left"].details, truth)
     for finished in ("long-True", "long-False"):  # their clients closed a while after the last byte
         assert finished not in rows or rows[finished].verdict not in ("aborted", "zombie", "inflight_zombie"), \

@@ -105,6 +105,9 @@ def serve(app: object, sock: socket.socket, log_level: str) -> None:
 @click.option("--metrics-names", type=click.Choice(METRIC_STYLES), default="ref", show_default=True,
               help="Also export running/waiting/tokens under this engine's metric names.")
 @click.option("--send-spans", is_flag=True, help="Record 'http send' sub-spans, the last one marked.")
+@click.option("--gauges-on-steps", is_flag=True,
+              help="The --metrics-names gauges change only when the engine steps, as vLLM's: after every "
+              "request was aborted at once they keep their last values until the next request.")
 @click.option("--one-at-a-time", is_flag=True, help="Serve one request at a time; others wait unread.")
 @click.option("--no-process-pid", is_flag=True,
               help="Leave process.pid out of the span resource, as the OpenTelemetry SDK does by default.")
@@ -127,7 +130,7 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
            gateway_upstream: str | None, propagate: str, log_level: str, engine_span: str = "llm_request",
            metrics_names: str = "ref", send_spans: bool = False, one_at_a_time: bool = False,
            no_process_pid: bool = False, duplicate_server_span: bool = False,
-           trace_context: str = "yes", parent_pid: int | None = None) -> None:
+           trace_context: str = "yes", parent_pid: int | None = None, gauges_on_steps: bool = False) -> None:
     """Run the reference engine: an OpenAI-compatible server with real batching and compute.
 
     It reproduces how real engines treat a client that disconnects (--behavior), traces like
@@ -154,7 +157,7 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
                 service_name=service_name or "ref-engine", trace_aborted=trace_aborted, live=live,
                 engine_span=engine_span, metrics_names=metrics_names, send_spans=send_spans,
                 one_at_a_time=one_at_a_time, process_pid=not no_process_pid,
-                duplicate_server_span=duplicate_server_span))
+                duplicate_server_span=duplicate_server_span, gauges_on_steps=gauges_on_steps))
             app = server.app()
             what = (f"engine {model} behavior={behavior} max_batch={max_batch} step={step_ms}ms "
                     f"({server.engine.backend.layers} layers on {device})")

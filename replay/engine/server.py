@@ -75,6 +75,7 @@ class EngineSettings:
     truth_log: str | None = None
     service_name: str = "ref-engine"
     trace_aborted: bool = False
+    gauges_on_steps: bool = False  # the style's gauges read at each step only, as vLLM's
     live: str | None = None  # HOST:PORT of the auditor's live notices
     # Signal profile (replay.engine.signals): what an observer gets, shaped like a real engine's.
     engine_span: str = "llm_request"  # "none": HTTP server spans only
@@ -92,7 +93,7 @@ def error_response(error: ApiError) -> JSONResponse:
 class EngineMetrics:
     """Prometheus metrics of one engine, in their own registry."""
 
-    def __init__(self, engine: Engine, style: str = "ref") -> None:
+    def __init__(self, engine: Engine, style: str = "ref", gauges_on_steps: bool = False) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("ref_engine_requests", "Finished requests by finish reason.",
                                 ["finish_reason"], registry=self.registry)
@@ -113,7 +114,7 @@ class EngineMetrics:
         waiting = Gauge("ref_engine_num_requests_waiting", "Requests in the waiting queue.", registry=self.registry)
         running.set_function(lambda: engine.counts()[0])
         waiting.set_function(lambda: engine.counts()[1])
-        self.style = StyleMetrics(self.registry, style, engine.counts)
+        self.style = StyleMetrics(self.registry, style, engine.counts, on_steps=gauges_on_steps)
 
 
 class EngineServer:
@@ -126,7 +127,7 @@ class EngineServer:
         backend = make_backend(settings.device, settings.step_ms)
         self.engine = Engine(backend, max_batch=settings.max_batch, prefill_chunk=settings.prefill_chunk,
                              on_finish=self._on_finish, on_step=self._on_step)
-        self.metrics = EngineMetrics(self.engine, settings.metrics_names)
+        self.metrics = EngineMetrics(self.engine, settings.metrics_names, settings.gauges_on_steps)
 
     # -- engine thread callbacks ---------------------------------------------------------------
 
@@ -139,7 +140,7 @@ class EngineServer:
         self.tracing.work_ended(request)
         reason = request.finish_reason or "abort"
         self.metrics.requests.labels(reason).inc()
-        self.metrics.style.finish(reason)
+        self.metrics.style.finish(reason, request.tokens_generated)
         self.metrics.prompt_tokens.inc(request.prompt_tokens)
         if request.tokens_after_disconnect:
             self.metrics.tokens_after_disconnect.inc(request.tokens_after_disconnect)

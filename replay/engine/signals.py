@@ -11,6 +11,7 @@ verdicts can be checked against the truth log for every combination:
 | ``--metrics-names STYLE`` | running/waiting gauges, token counter and (where the engine has one) finished/aborted counter also under ``vllm``, ``sglang``, ``tgi`` or ``llamacpp`` names |
 | ``--send-spans`` | the HTTP server span gets ``http send`` sub-spans; the one that ends the response says so |
 | ``--one-at-a-time`` | one request is served at a time; the rest wait before the HTTP handler (llama.cpp ``-np 1``) |
+| ``--gauges-on-steps`` | the style's gauges change only when the engine steps (vLLM's: every request aborted at once leaves them at their last values) |
 | ``--duplicate-server-span`` | a second ASGI instrumentation adds a second SERVER span, child of the first, per request (FastAPI's own telemetry over a hand-added middleware) |
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 from opentelemetry import context
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 PROPAGATOR = TraceContextTextMapPropagator()
@@ -35,14 +36,22 @@ METRIC_NAMES: dict[str, tuple[str, str, str]] = {
     "tgi": ("tgi_batch_current_size", "tgi_queue_size", "tgi_request_generated_tokens"),
     "llamacpp": ("llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:tokens_predicted"),
 }
-# How each engine counts finished requests: vLLM by ``finished_reason`` (stop, length, abort),
-# SGLang all requests and aborted ones apart; TGI and llama.cpp count no aborts.
+# How each engine counts finished requests: vLLM by ``finished_reason`` (stop, length, abort), but
+# a request aborted because its client left never reaches that count (the output processor's abort
+# path records no finished-request stats: the "abort" series stays 0); SGLang all requests and
+# aborted ones apart; TGI counts a request whose client is gone as a failure, ``err="dropped"``,
+# when it stops its work (its series appears with the first); llama.cpp counts no aborts.
 FINISH_COUNTERS: dict[str, tuple[str, str]] = {
     "vllm": ("vllm:request_success", "Finished requests by finish reason (engine's own name)."),
 }
 ABORT_COUNTERS: dict[str, tuple[str, str]] = {
     "sglang": ("sglang:num_aborted_requests", "Aborted requests (engine's own name)."),
 }
+DROPPED_COUNTERS: dict[str, tuple[str, str, str]] = {
+    "tgi": ("tgi_request_failure", "err", "dropped"),
+}
+# TGI's generated tokens are a histogram of each finished request's count, not a counter.
+TOKEN_HISTOGRAMS = frozenset({"tgi"})
 # Marks the send that ends the response (ASGI ``more_body`` false), so an observer can tell a
 # complete response from one the handler abandoned.
 ATTR_FINAL_SEND = "asgi.event.final"
@@ -51,16 +60,28 @@ ATTR_FINAL_SEND = "asgi.event.final"
 class StyleMetrics:
     """Running/waiting gauges, a token counter and the finish counters named as ``style``'s engine names them."""
 
-    def __init__(self, registry: CollectorRegistry, style: str, counts: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, registry: CollectorRegistry, style: str, counts: Callable[[], tuple[int, int]], *,
+                 on_steps: bool = False) -> None:
         self.tokens: Counter | None = None
+        self.tokens_per_request: Histogram | None = None
         self.finished: Counter | None = None
         self.aborted: Counter | None = None
+        self.dropped: Counter | None = None
+        # on_steps: what the last step left, as vLLM publishes its scheduler's counts with each step
+        # (vLLM issues 22545, 29928: every request aborted at once leaves them at their last values).
+        self._counts = counts
+        self._stepped = (0, 0)
         if style not in METRIC_NAMES:
             return
         running, waiting, tokens = METRIC_NAMES[style]
-        Gauge(running, "Requests running (engine's own name).", registry=registry).set_function(lambda: counts()[0])
-        Gauge(waiting, "Requests waiting (engine's own name).", registry=registry).set_function(lambda: counts()[1])
-        self.tokens = Counter(tokens, "Generated tokens (engine's own name).", registry=registry)
+        shown: Callable[[], tuple[int, int]] = (lambda: self._stepped) if on_steps else counts
+        Gauge(running, "Requests running (engine's own name).", registry=registry).set_function(lambda: shown()[0])
+        Gauge(waiting, "Requests waiting (engine's own name).", registry=registry).set_function(lambda: shown()[1])
+        if style in TOKEN_HISTOGRAMS:
+            self.tokens_per_request = Histogram(tokens, "Generated tokens per request (engine's own name).",
+                                                buckets=(1, 4, 16, 64, 256, 1024, 4096), registry=registry)
+        else:
+            self.tokens = Counter(tokens, "Generated tokens (engine's own name).", registry=registry)
         if style in FINISH_COUNTERS:
             name, text = FINISH_COUNTERS[style]
             self.finished = Counter(name, text, ["finished_reason"], registry=registry)
@@ -68,16 +89,25 @@ class StyleMetrics:
                 self.finished.labels(reason)
         if style in ABORT_COUNTERS:
             self.aborted = Counter(*ABORT_COUNTERS[style], registry=registry)
+        if style in DROPPED_COUNTERS:
+            name, label, self._dropped_value = DROPPED_COUNTERS[style]
+            self.dropped = Counter(name, "Failed requests by error (engine's own name).", [label], registry=registry)
 
     def step(self, tokens: int) -> None:
+        self._stepped = self._counts()
         if self.tokens is not None:
             self.tokens.inc(tokens)
 
-    def finish(self, reason: str) -> None:
-        if self.finished is not None:
+    def finish(self, reason: str, tokens: int = 0) -> None:
+        """A request finished (``reason`` "abort": its client left and its work stopped)."""
+        if self.finished is not None and reason != "abort":
             self.finished.labels(reason).inc()
         if self.aborted is not None and reason == "abort":
             self.aborted.inc()
+        if self.dropped is not None and reason == "abort":
+            self.dropped.labels(self._dropped_value).inc()
+        if self.tokens_per_request is not None:
+            self.tokens_per_request.observe(tokens)
 
 
 def mark_final_send(span: Any, scope: dict[str, Any], message: dict[str, Any]) -> None:
