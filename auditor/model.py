@@ -245,6 +245,9 @@ class EngineLoad:
     running: int
     waiting: int = 0
     generated_tokens: float | None = None  # the engine's cumulative generated-token counter
+    # The tokens it computed (generated and prompt), where it counts them at every step (vLLM): not
+    # moving for a second while its gauges hold requests, no step ran and the gauges are stale.
+    step_tokens: float | None = None
     style: str = ""  # whose metric names matched: vllm, sglang, tgi, llamacpp, ref
     aborted: float | None = None  # the engine's cumulative count of aborted requests; None: it has none
     # When the answer came: the gauges describe one moment in [ts_ns, answered_ns], so a request

@@ -64,6 +64,12 @@ ABORT_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {
     "ref": ("ref_engine_requests", "finish_reason", "abort"),
 }
 ABORTS_LISTED_ONCE_COUNTED = frozenset({"tgi"})  # no series on the page: none aborted yet
+# The counters an engine adds to at every step it runs (vLLM records each step's stats): their sum is
+# ``EngineLoad.step_tokens``. vLLM publishes its gauges with each step too, so after every request
+# was aborted at once they keep their last values (vLLM issues 22545, 29928) while these stand still.
+STEP_COUNTERS: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm:generation_tokens", "vllm:prompt_tokens"),
+}
 NOT_AN_ENGINE_BACKOFF_S = 30.0
 _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux's
 # An engine that has held no request (nothing running or waiting) and seen no client leave for
@@ -84,7 +90,8 @@ MAX_HEAD_BYTES = 64 * 1024
 
 
 _WANTED = tuple(name for entry in KNOWN_METRICS for name in entry[1:]) + tuple(
-    counter for counter, _, _ in ABORT_COUNTERS.values())
+    counter for counter, _, _ in ABORT_COUNTERS.values()) + tuple(
+    name for names in STEP_COUNTERS.values() for name in names)
 _ABORT_NAMES = {counter: (label, value) for counter, label, value in ABORT_COUNTERS.values()}
 # The sample names to ask a prometheus_client server for (``name[]``): counters as ``_total``.
 _SAMPLE_NAMES = tuple(dict.fromkeys(
@@ -159,9 +166,10 @@ def parse_load(text: str, *, ts_ns: int, server_port: int) -> EngineLoad | None:
     abort_counter = ABORT_COUNTERS.get(style)
     aborted = values.get(abort_counter[0], 0.0 if style in ABORTS_LISTED_ONCE_COUNTED else None) \
         if abort_counter else None
+    steps = [values[name] for name in STEP_COUNTERS.get(style, ()) if name in values]
     return EngineLoad(ts_ns=ts_ns, server_port=server_port, running=int(values[running]),
                       waiting=int(values.get(waiting, 0.0)), generated_tokens=values.get(tokens),
-                      style=style, aborted=aborted)
+                      style=style, aborted=aborted, step_tokens=sum(steps) if steps else None)
 
 
 def page_series(text: str) -> tuple[str, frozenset[str]] | None:
@@ -175,7 +183,8 @@ def _engine_values(text: str) -> tuple[str, dict[str, float]] | None:
         if running not in text:  # no series of this engine's (a scan that stops at the first)
             continue
         abort_counter = ABORT_COUNTERS.get(style)
-        values = _values(text, (running, waiting, tokens) + ((abort_counter[0],) if abort_counter else ()))
+        values = _values(text, (running, waiting, tokens) + ((abort_counter[0],) if abort_counter else ())
+                         + STEP_COUNTERS.get(style, ()))
         if running in values:  # else the name was only in a comment, a label, or another series' name
             return style, values
     return None

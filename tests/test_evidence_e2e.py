@@ -409,3 +409,39 @@ def test_a_queued_orphan_is_shown_in_flight_only_once_the_engine_runs_it(tmp_pat
     # Running: shown (the close of the one ahead counts against the count for its grace).
     first = next((at for at, inflight, orphans in seen if at >= run_s and inflight >= 1 and orphans >= 1), None)
     assert first is not None and first < min(finished_s, run_s + GRACE_S + 2.0), (run_s - left_s, timeline)
+
+
+@pytest.mark.parametrize("behavior", ["abort", "detached"])
+def test_gauges_vllm_leaves_after_every_request_was_aborted(tmp_path: Path, behavior: str) -> None:
+    """vLLM publishes its gauges with each engine step: when every request it holds is aborted at
+    once and none comes after, they keep their last values (vLLM issues 22545, 29928). Its step
+    counters stand still then. Read as they were, the three aborted requests were orphans running
+    on: all three `inflight_zombie` for as long as the engine stayed idle. An engine that runs them
+    on keeps stepping, and they are zombies."""
+    truth_log = tmp_path / "truth.jsonl"
+    args = ["--engine-span", "none", "--metrics-names", "vllm", "--gauges-on-steps"]
+    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S,
+                                     "correlate.late_span_seconds": 5.0}) as daemon, running_engine(
+            behavior=behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
+            step_ms=10, extra_args=args) as engine:
+        daemon.set_ports({engine.port})
+        time.sleep(0.5)  # the port's first scrapes
+        threads = [cancel_after(engine.port, 0.3, kind, stream=True, max_tokens=300, request_id=f"all-{i}")
+                   for i, kind in enumerate(("fin", "rst", "fin"))]
+        for thread in threads:
+            thread.join()
+        truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(3, timeout=30)}
+
+        def settled() -> bool:
+            rows = {r.request_id: r for r in verdict_rows(daemon)}
+            return all(rid in rows and not rows[rid].details.get("provisional") for rid in truths)
+
+        assert wait_for(settled, timeout_s=30), [(r.request_id, r.verdict, r.details) for r in verdict_rows(daemon)]
+        rows = {r.request_id: r for r in verdict_rows(daemon)}
+    problems = []
+    for request_id, truth in truths.items():
+        want, got = expected_verdict(truth), rows[request_id]
+        # A close racing the span's end on vLLM's signals is unconfirmed (it counts no client's abort).
+        if got.verdict != want and not (want == "aborted" and got.verdict == "unconfirmed"):
+            problems.append(f"{request_id}: {got.verdict}, truth {want} ({got.details})")
+    assert not problems, "\n".join(problems)

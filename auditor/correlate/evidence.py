@@ -34,6 +34,9 @@ FINAL_SEND_ATTR = "asgi.event.final"
 SERVER_CLOSED_FIRST_NS = 1_000_000_000  # a client's close this soon after the server's FIN answers it
 SAME_CONNECTION_NS = 30_000_000_000  # closes of one connection this close together are one departure
 ABORT_LOOKBACK_NS = 1_000_000_000  # departures counted before the first scrape, when there is none earlier
+# An engine that counts its work at every step and counted none this long ran no step: longer than
+# any step (a decode step takes tens of milliseconds; a chunk of a long prompt's prefill, hundreds).
+STILL_NS = 1_000_000_000
 
 # The evidence names a verdict records in details["evidence"].
 ENGINE_SPAN = "engine_span"
@@ -253,6 +256,7 @@ class EngineLoads:
         # scrape counted that are gone since. Kept for ORPHANS_STALE_NS and the settling after it.
         self._ended: dict[int, dict[str, tuple[int, int]]] = {}
         self._ended_room: dict[int, int] = {}
+        self._still_since: dict[int, int] = {}  # port -> the first scrape of its latest step count
 
     def _changed(self, ts_ns: int) -> None:
         if self.changed_ns is None or ts_ns < self.changed_ns:
@@ -286,9 +290,34 @@ class EngineLoads:
                 bisect.insort(series, load, key=_TS)
             else:
                 series.append(load)
+                if load.step_tokens is not None:
+                    self._unstale(load.server_port, series)
             ports.add(load.server_port)
             self._changed(load.ts_ns)
         return ports
+
+    def _unstale(self, port: int, series: list[EngineLoad]) -> None:
+        """An engine that counts its work at every step (``EngineLoad.step_tokens``) and counted
+        none for STILL_NS ran no step then: what its gauges held from the first scrape of that
+        count on was not running. vLLM publishes its gauges with each step, so a batch aborted at
+        once, with no request after, left them at their last values (vLLM issues 22545, 29928):
+        read as they were, every aborted request was an orphan running on for ever. Those scrapes
+        are read as holding nothing, and that is news from the first of them."""
+        last = series[-1]
+        since = self._still_since.get(port)
+        if since is None or len(series) < 2 or series[-2].step_tokens != last.step_tokens:
+            self._still_since[port] = last.ts_ns
+            return
+        if last.ts_ns - since < STILL_NS:
+            return
+        first = bisect.bisect_left(series, since, key=_TS)
+        for i in range(len(series) - 1, first - 1, -1):
+            if not (series[i].running or series[i].waiting):
+                if i < len(series) - 1:
+                    break  # read as holding nothing already, and those before it too
+                continue
+            series[i] = replace(series[i], running=0, waiting=0)
+            self._changed(series[i].ts_ns)
 
     def note_departure(self, connection: tuple[str, int, int], ts_ns: int, server_fins: Iterable[int] = ()) -> None:
         """A client closed (FIN or RST) ``connection`` (client address, client port, server port):
@@ -706,6 +735,7 @@ class EngineLoads:
             if not series:
                 del self._loads[port]
                 self._clients.pop(port, None)
+                self._still_since.pop(port, None)
         # Registrations and last closes go from the first made up to the first kept: they are made in
         # about time order, and a pass then touches only what it forgets.
         for port, requests in list(self._disconnects.items()):

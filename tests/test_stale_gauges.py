@@ -1,0 +1,58 @@
+"""Gauges an engine publishes only with its steps (vLLM): after every request it held was aborted at
+once, with no request after, they keep their last values (vLLM issues 22545, 29928). Its step
+counters (tokens generated and computed) stand still then; read as they were, each aborted request
+was an orphan running on, a zombie for ever."""
+
+from __future__ import annotations
+
+import pytest
+
+from auditor.model import ConnEventKind, EngineLoad
+from auditor.store import Store
+from collectors.enginemetrics import parse_load
+from tests.test_correlate import SERVER_PORT, T0, Clock, close, http_span, make, verdicts
+
+S = 1_000_000_000
+CLIENTS = [("127.0.0.1", 40001 + i) for i in range(3)]
+
+
+def loads(start: float, stop: float, still_after: float | None) -> list[EngineLoad]:
+    """vLLM's scrapes every 0.1 s holding the three requests; its step counter moving until
+    ``still_after`` (None: throughout, the engine runs them on)."""
+    found = []
+    for i in range(round(start * 10), round(stop * 10) + 1):
+        at = i / 10
+        moving = still_after is None or at <= still_after
+        found.append(EngineLoad(ts_ns=T0 + int(at * S), server_port=SERVER_PORT, running=3, style="vllm",
+                                aborted=0.0, step_tokens=float(i if moving else round(still_after * 10) + 1)))
+    return found
+
+
+@pytest.mark.parametrize(("still_after", "want"), [(1.05, "aborted"), (None, "inflight_zombie")])
+def test_gauges_left_by_an_engine_that_ran_no_step_hold_nothing(store: Store, still_after: float | None,
+                                                               want: str) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span(str(i + 1), 0, 1.05, span=str(i + 1), client=c) for i, c in enumerate(CLIENTS)])
+    store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST, client=c) for c in CLIENTS])
+    correlator.add_engine_load(loads(0.3, 1.5, still_after))
+    clock.now = T0 + int(1.5 * S)
+    correlator.tick()  # the counter has stood still for less than a second: nothing can tell yet
+    correlator.add_engine_load(loads(1.6, 8.0, still_after))
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    rows = verdicts(store)
+    assert [row.verdict for row in rows] == [want] * 3, [(row.verdict, row.details) for row in rows]
+    if want == "aborted":  # the work ended by the first scrape whose counter had stopped
+        assert all(row.work_end_ns <= T0 + int(1.1 * S) for row in rows), [row.work_end_ns - T0 for row in rows]
+
+
+def test_the_step_counters_are_read_where_the_engine_counts_at_every_step() -> None:
+    page = ('vllm:num_requests_running{model_name="m"} 2.0\n'
+            'vllm:generation_tokens_total{model_name="m"} 100.0\n'
+            'vllm:prompt_tokens_total{model_name="m"} 40.0\n'
+            'vllm:prompt_tokens_cached_total{model_name="m"} 7.0\n')
+    load = parse_load(page, ts_ns=1, server_port=8000)
+    assert load is not None and load.step_tokens == 140.0
+    load = parse_load('sglang:num_running_reqs 1\nsglang:generation_tokens_total 5\n', ts_ns=1, server_port=8000)
+    assert load is not None and load.step_tokens is None  # SGLang publishes every 40 decode steps
