@@ -248,6 +248,8 @@ class EngineLoad:
     # The tokens it computed (generated and prompt), where it counts them at every step (vLLM): not
     # moving for a second while its gauges hold requests, no step ran and the gauges are stale.
     step_tokens: float | None = None
+    # The one model its gauges name (vLLM's and SGLang's ``model_name`` label); None: none, or several.
+    model: str | None = None
     style: str = ""  # whose metric names matched: vllm, sglang, tgi, llamacpp, ref
     aborted: float | None = None  # the engine's cumulative count of aborted requests; None: it has none
     # When the answer came: the gauges describe one moment in [ts_ns, answered_ns], so a request

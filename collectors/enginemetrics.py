@@ -64,6 +64,8 @@ ABORT_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {
     "ref": ("ref_engine_requests", "finish_reason", "abort"),
 }
 ABORTS_LISTED_ONCE_COUNTED = frozenset({"tgi"})  # no series on the page: none aborted yet
+MODEL_LABEL = "model_name"  # the served model, on vLLM's and SGLang's gauges
+MAX_MODEL_CHARS = 255
 # The counters an engine adds to at every step it runs (vLLM records each step's stats): their sum is
 # ``EngineLoad.step_tokens``. vLLM publishes its gauges with each step too, so after every request
 # was aborted at once they keep their last values (vLLM issues 22545, 29928) while these stand still.
@@ -169,7 +171,18 @@ def parse_load(text: str, *, ts_ns: int, server_port: int) -> EngineLoad | None:
     steps = [values[name] for name in STEP_COUNTERS.get(style, ()) if name in values]
     return EngineLoad(ts_ns=ts_ns, server_port=server_port, running=int(values[running]),
                       waiting=int(values.get(waiting, 0.0)), generated_tokens=values.get(tokens),
-                      style=style, aborted=aborted, step_tokens=sum(steps) if steps else None)
+                      style=style, aborted=aborted, step_tokens=sum(steps) if steps else None,
+                      model=_served_model(text, running))
+
+
+def _served_model(text: str, running: str) -> str | None:
+    """The model the running gauge's series name (``model_name``, vLLM's and SGLang's label), when
+    they name exactly one: vLLM's ``llm_request`` span carries no model, and an HTTP span none."""
+    models = {labels.get(MODEL_LABEL) for name, labels, _ in known_series(text, (running,)) if name == running}
+    if len(models) != 1:
+        return None
+    model = models.pop()
+    return model[:MAX_MODEL_CHARS] if model else None
 
 
 def page_series(text: str) -> tuple[str, frozenset[str]] | None:

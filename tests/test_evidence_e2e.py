@@ -42,6 +42,7 @@ SCRAPE_S = 0.1
 # The engines whose /metrics count requests aborted because their client left (vLLM's "abort"
 # series does not: the reference engine's vLLM names keep it at 0, as vLLM does).
 COUNTS_ABORTS = ("sglang", "tgi")
+NAME_THE_MODEL = ("vllm", "sglang")  # the engines whose gauges name the model served (model_name)
 
 
 def close_after_last_byte(port: int, request_id: str) -> threading.Thread:
@@ -143,6 +144,8 @@ def http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool,
             problems.append(f"{request_id}: decided by {row.details.get('evidence')}, not the engine's gauges")
         if want == "zombie" and abs(row.work_end_ns - truth["finished_at"]) > SCRAPE_S * 1.5e9:
             problems.append(f"{request_id}: work end off by {(row.work_end_ns - truth['finished_at']) / 1e9:.3f} s")
+        if names in NAME_THE_MODEL and row.model != "ref-llm-1b":  # no span names it: the gauges do
+            problems.append(f"{request_id}: model {row.model!r}, not the one the gauges name")
     assert {rid.removeprefix("cmpl-") for rid in cancelled} <= set(rows)
     assert not problems, "\n".join(problems)
 

@@ -5,6 +5,8 @@ was an orphan running on, a zombie for ever."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from auditor.model import ConnEventKind, EngineLoad
@@ -47,12 +49,26 @@ def test_gauges_left_by_an_engine_that_ran_no_step_hold_nothing(store: Store, st
         assert all(row.work_end_ns <= T0 + int(1.1 * S) for row in rows), [row.work_end_ns - T0 for row in rows]
 
 
+def test_a_verdict_without_a_span_that_names_the_model_takes_the_one_the_gauges_name(store: Store) -> None:
+    """vLLM's llm_request carries no model and an HTTP span none: its gauges' model_name does."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span(str(i + 1), 0, 1.05, span=str(i + 1), client=c) for i, c in enumerate(CLIENTS)])
+    store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST, client=c) for c in CLIENTS])
+    correlator.add_engine_load([replace(load, model="meta-llama/Llama-3-8B") for load in loads(0.3, 8.0, None)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    assert [row.model for row in verdicts(store)] == ["meta-llama/Llama-3-8B"] * 3
+
+
 def test_the_step_counters_are_read_where_the_engine_counts_at_every_step() -> None:
     page = ('vllm:num_requests_running{model_name="m"} 2.0\n'
             'vllm:generation_tokens_total{model_name="m"} 100.0\n'
             'vllm:prompt_tokens_total{model_name="m"} 40.0\n'
             'vllm:prompt_tokens_cached_total{model_name="m"} 7.0\n')
     load = parse_load(page, ts_ns=1, server_port=8000)
-    assert load is not None and load.step_tokens == 140.0
+    assert load is not None and load.step_tokens == 140.0 and load.model == "m"
+    two = page + 'vllm:num_requests_running{model_name="n"} 1.0\n'
+    assert parse_load(two, ts_ns=1, server_port=8000).model is None  # type: ignore[union-attr]  # which one?
     load = parse_load('sglang:num_running_reqs 1\nsglang:generation_tokens_total 5\n', ts_ns=1, server_port=8000)
     assert load is not None and load.step_tokens is None  # SGLang publishes every 40 decode steps

@@ -119,7 +119,8 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
         lag_seconds=decision.lag_seconds, phase=phase_at(origin.ts_ns, engine), trace_id=trace_id,
         request_id=(origin_span.request_id if origin_span else None) or (engine.request_id if engine else None),
         service=base.service if base else None, route=base.route if base else None,
-        model=(engine.model if engine else None) or (base.model if base else None),
+        model=(engine.model if engine else None) or (base.model if base else None)
+        or corr.loads.model_of(origin.tuple4[2]),  # vLLM's llm_request names none: its gauges do
         client_addr=origin.tuple4[0], client_port=origin.tuple4[1], server_port=origin.tuple4[2],
         max_tokens=engine.max_tokens if engine else (origin_span.max_tokens if origin_span else None),
         tokens_after_disconnect=tokens, tokens_exact=exact, wasted_gpu_seconds=gpu_s,

@@ -257,6 +257,7 @@ class EngineLoads:
         self._ended: dict[int, dict[str, tuple[int, int]]] = {}
         self._ended_room: dict[int, int] = {}
         self._still_since: dict[int, int] = {}  # port -> the first scrape of its latest step count
+        self._models: dict[int, str] = {}  # port -> the model its latest scrape that named one named
 
     def _changed(self, ts_ns: int) -> None:
         if self.changed_ns is None or ts_ns < self.changed_ns:
@@ -285,6 +286,8 @@ class EngineLoads:
                 while (first := next(iter(listed))) < cutoff:  # listed in time order: from the front
                     del listed[first]
                 load = replace(load, connections=None)  # kept apart, and for less long than the scrape
+            if load.model is not None:
+                self._models[load.server_port] = load.model
             series = self._loads[load.server_port]
             if series and load.ts_ns < series[-1].ts_ns:
                 bisect.insort(series, load, key=_TS)
@@ -295,6 +298,10 @@ class EngineLoads:
             ports.add(load.server_port)
             self._changed(load.ts_ns)
         return ports
+
+    def model_of(self, port: int) -> str | None:
+        """The model the engine on ``port`` serves, as its gauges name it (``EngineLoad.model``)."""
+        return self._models.get(port)
 
     def _unstale(self, port: int, series: list[EngineLoad]) -> None:
         """An engine that counts its work at every step (``EngineLoad.step_tokens``) and counted
@@ -736,6 +743,7 @@ class EngineLoads:
                 del self._loads[port]
                 self._clients.pop(port, None)
                 self._still_since.pop(port, None)
+                self._models.pop(port, None)
         # Registrations and last closes go from the first made up to the first kept: they are made in
         # about time order, and a pass then touches only what it forgets.
         for port, requests in list(self._disconnects.items()):

@@ -93,7 +93,8 @@ def error_response(error: ApiError) -> JSONResponse:
 class EngineMetrics:
     """Prometheus metrics of one engine, in their own registry."""
 
-    def __init__(self, engine: Engine, style: str = "ref", gauges_on_steps: bool = False) -> None:
+    def __init__(self, engine: Engine, style: str = "ref", gauges_on_steps: bool = False,
+                 model: str = "ref-llm-1b") -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("ref_engine_requests", "Finished requests by finish reason.",
                                 ["finish_reason"], registry=self.registry)
@@ -114,7 +115,7 @@ class EngineMetrics:
         waiting = Gauge("ref_engine_num_requests_waiting", "Requests in the waiting queue.", registry=self.registry)
         running.set_function(lambda: engine.counts()[0])
         waiting.set_function(lambda: engine.counts()[1])
-        self.style = StyleMetrics(self.registry, style, engine.counts, on_steps=gauges_on_steps)
+        self.style = StyleMetrics(self.registry, style, engine.counts, on_steps=gauges_on_steps, model=model)
 
 
 class EngineServer:
@@ -127,7 +128,7 @@ class EngineServer:
         backend = make_backend(settings.device, settings.step_ms)
         self.engine = Engine(backend, max_batch=settings.max_batch, prefill_chunk=settings.prefill_chunk,
                              on_finish=self._on_finish, on_step=self._on_step)
-        self.metrics = EngineMetrics(self.engine, settings.metrics_names, settings.gauges_on_steps)
+        self.metrics = EngineMetrics(self.engine, settings.metrics_names, settings.gauges_on_steps, settings.model)
 
     # -- engine thread callbacks ---------------------------------------------------------------
 

@@ -18,6 +18,7 @@ verdicts can be checked against the truth log for every combination:
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,11 @@ DROPPED_COUNTERS: dict[str, tuple[str, str, str]] = {
 }
 # TGI's generated tokens are a histogram of each finished request's count, not a counter.
 TOKEN_HISTOGRAMS = frozenset({"tgi"})
+# The labels of the gauges' series (None: the model served), as each engine sets them.
+MODEL_LABELS: dict[str, dict[str, str | None]] = {
+    "vllm": {"engine": "0", "model_name": None},
+    "sglang": {"model_name": None},
+}
 # Marks the send that ends the response (ASGI ``more_body`` false), so an observer can tell a
 # complete response from one the handler abandoned.
 ATTR_FINAL_SEND = "asgi.event.final"
@@ -61,7 +67,7 @@ class StyleMetrics:
     """Running/waiting gauges, a token counter and the finish counters named as ``style``'s engine names them."""
 
     def __init__(self, registry: CollectorRegistry, style: str, counts: Callable[[], tuple[int, int]], *,
-                 on_steps: bool = False) -> None:
+                 on_steps: bool = False, model: str = "ref-llm-1b") -> None:
         self.tokens: Counter | None = None
         self.tokens_per_request: Histogram | None = None
         self.finished: Counter | None = None
@@ -75,8 +81,13 @@ class StyleMetrics:
             return
         running, waiting, tokens = METRIC_NAMES[style]
         shown: Callable[[], tuple[int, int]] = (lambda: self._stepped) if on_steps else counts
-        Gauge(running, "Requests running (engine's own name).", registry=registry).set_function(lambda: shown()[0])
-        Gauge(waiting, "Requests waiting (engine's own name).", registry=registry).set_function(lambda: shown()[1])
+        labels = MODEL_LABELS.get(style, {})  # vLLM and SGLang name the model served on their gauges
+        for index, (name, text) in enumerate(((running, "Requests running (engine's own name)."),
+                                              (waiting, "Requests waiting (engine's own name)."))):
+            gauge = Gauge(name, text, list(labels), registry=registry)
+            series = gauge.labels(**{label: model if value is None else value for label, value in labels.items()}) \
+                if labels else gauge
+            series.set_function(functools.partial(_count_of, shown, index))
         if style in TOKEN_HISTOGRAMS:
             self.tokens_per_request = Histogram(tokens, "Generated tokens per request (engine's own name).",
                                                 buckets=(1, 4, 16, 64, 256, 1024, 4096), registry=registry)
@@ -108,6 +119,10 @@ class StyleMetrics:
             self.dropped.labels(self._dropped_value).inc()
         if self.tokens_per_request is not None:
             self.tokens_per_request.observe(tokens)
+
+
+def _count_of(counts: Callable[[], tuple[int, int]], index: int) -> int:
+    return counts()[index]
 
 
 def mark_final_send(span: Any, scope: dict[str, Any], message: dict[str, Any]) -> None:
