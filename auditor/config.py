@@ -241,9 +241,13 @@ def _coerce(key: str, kind: Any, value: Any, *, from_text: bool) -> Any:
         if kind is int:
             if isinstance(value, bool) or (not from_text and not isinstance(value, int)):
                 raise ValueError
+            if from_text and not str(value).isascii():  # int() takes "٨٠٠٠"; --port does not
+                raise ValueError
             return int(value)
         if kind is float:
             if isinstance(value, bool) or (not from_text and not isinstance(value, (int, float))):
+                raise ValueError
+            if from_text and not str(value).isascii():
                 raise ValueError
             number = float(value)
             if not math.isfinite(number):  # nan, inf: valid TOML and float() text, never a setting

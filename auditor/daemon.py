@@ -137,7 +137,8 @@ class Daemon:
         notify_systemd(f"READY=1\nSTATUS=watching ports {sorted(self._ports)} via {self.status.source}")
         self._ready.set()
         log.info("auditor running: source=%s otlp-http=%s otlp-grpc=%s metrics=%s live=%s", self.status.source,
-                 self.status.http_port, self.status.grpc_port, self.status.metrics_port, self.status.live_port)
+                 *("off" if port is None else port for port in (self.status.http_port, self.status.grpc_port,
+                                                                self.status.metrics_port, self.status.live_port)))
 
     @property
     def source_name(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import socket
@@ -77,9 +78,23 @@ def listening(key: str, address: str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        port = address.rsplit(":", 1)[-1]
-        raise ConfigError(f"cannot listen on {key} {address}: {exc.strerror or exc}; find what holds it with "
-                          f"`ss -ltnup 'sport = :{port}'`, or set {key} to another address ('' turns it off)") from exc
+        raise ConfigError(f"cannot listen on {key} {address}: {exc.strerror or exc}; "
+                          f"{_bind_advice(exc, key, address)}") from exc
+
+
+def _bind_advice(exc: OSError, key: str, address: str) -> str:
+    """What to do about a listener that cannot bind, for the reason it cannot."""
+    port_text = address.rsplit(":", 1)[-1]
+    port = int(port_text) if port_text.isascii() and port_text.isdigit() else None
+    other = f"set {key} to another address ('' turns it off)"
+    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+        return f"set {key} to an address of this host, e.g. 127.0.0.1 or 0.0.0.0 ('' turns it off)"
+    if exc.errno == errno.EACCES and port is not None and port < 1024:
+        return (f"ports below 1024 need root or CAP_NET_BIND_SERVICE; set {key} to a port of 1024 or more "
+                "('' turns it off), or grant the capability")
+    if exc.errno == errno.EADDRINUSE:
+        return f"find what holds it with `ss -ltnup 'sport = :{port_text}'`, or {other}"
+    return other
 
 
 def notify_systemd(message: str) -> bool:

@@ -417,9 +417,9 @@ class OtlpGrpcReceiver:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind((self.host, self.requested_port))
             listener.listen(128)
-        except OSError as exc:
+        except OSError:
             listener.close()
-            raise OSError(exc.errno, f"cannot listen on {self.host}:{self.requested_port} ({exc.strerror})") from exc
+            raise
         self._listener, self._port = listener, int(listener.getsockname()[1])
         self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="otlp-grpc")
         self._thread = threading.Thread(target=self._accept, args=(listener,), name="otlp-grpc", daemon=True)

@@ -57,6 +57,30 @@ def test_config_typo_is_one_line_error(tmp_path: Path) -> None:
     assert not (tmp_path / "a.db").exists()
 
 
+@pytest.mark.parametrize(("flag", "value", "key", "message"), [
+    ("--grace", "nan", "correlate.grace_seconds", "nan: expected a finite number, e.g. 0.5"),
+    ("--grace", "-1", "correlate.grace_seconds", "must be 0 or more"),
+    ("--otlp-http", "foo", "otlp.http", "'foo': expected HOST:PORT, e.g. 127.0.0.1:4318"),
+    ("--metrics", "127.0.0.1:99999", "metrics.listen", "'127.0.0.1:99999': expected HOST:PORT, e.g. 127.0.0.1:4318"),
+])
+def test_a_bad_run_flag_is_a_usage_error_naming_the_flag(tmp_path: Path, flag: str, value: str, key: str,
+                                                         message: str) -> None:
+    """docs/cli.md: a bad argument is a usage error (exit 2); the same value from the config file
+    is a configuration error naming its key (exit 1)."""
+    db = f"sqlite:///{tmp_path}/a.db"
+    result = CliRunner().invoke(cli, ["run", "--db", db, flag, value])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("Usage: ") and result.stderr.endswith(
+        f"Error: Invalid value for '{flag}': {message}\n"), result.stderr
+    section, _, name = key.partition(".")
+    config = tmp_path / "auditor.toml"
+    config.write_text(f"[{section}]\n{name} = {value if flag == '--grace' else repr(value)}\n")
+    result = CliRunner().invoke(cli, ["run", "--db", db, "--config", str(config)])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(f"Error: {key}"), result.stderr
+    assert not (tmp_path / "a.db").exists()
+
+
 def test_db_upgrade_then_status(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/a.db"
     assert CliRunner().invoke(cli, ["db", "upgrade", "--db", url]).exit_code == 0

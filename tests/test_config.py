@@ -62,6 +62,15 @@ def test_bad_environment_names_the_variable() -> None:
         load_config(environ={"AUDITOR_GRACE": "1"})
 
 
+@pytest.mark.parametrize(("name", "text", "key"), [
+    ("AUDITOR_PROBE_PORTS", "\u0668\u0660\u0660\u0660", "probe.ports"),
+    ("AUDITOR_CORRELATE_GRACE_SECONDS", "\u0661", "correlate.grace_seconds")])
+def test_the_environment_takes_ascii_digits_only(name: str, text: str, key: str) -> None:
+    """As --port does: int() and float() take Arabic-Indic digits, which nobody means as a setting."""
+    with pytest.raises(ConfigError, match=f"{re.escape(key)} = '{text}': expected"):
+        load_config(environ={name: text})
+
+
 @pytest.mark.parametrize("text", ["nan", "+inf", "-inf"])
 @pytest.mark.parametrize("key", ["correlate.grace_seconds", "correlate.interval_seconds", "probe.poll_hz",
                                  "retention.raw_hours", "retention.verdict_days", "retention.interval_seconds",

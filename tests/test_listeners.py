@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -16,6 +17,8 @@ from click.testing import CliRunner
 
 from auditor.cli import cli
 from auditor.cli.doctor import is_auditor_daemon
+from auditor.errors import ConfigError
+from auditor.service import listening
 
 OFF = {"otlp.http": "", "otlp.grpc": "", "metrics.listen": "", "live.listen": ""}
 RUN_FLAGS = {"otlp.http": "--otlp-http", "otlp.grpc": "--otlp-grpc", "metrics.listen": "--metrics",
@@ -60,6 +63,34 @@ def test_run_on_a_busy_address_exits_with_one_error_line(tmp_path: Path, key: st
     assert "Traceback" not in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(("error", "address", "reason", "advice"), [
+    (OSError(errno.EACCES, "Permission denied"), "127.0.0.1:80", "Permission denied",
+     "ports below 1024 need root or CAP_NET_BIND_SERVICE; set otlp.http to a port of 1024 or more ('' turns it off), "
+     "or grant the capability"),
+    (OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address"), "192.0.2.7:4318",
+     "Cannot assign requested address",
+     "set otlp.http to an address of this host, e.g. 127.0.0.1 or 0.0.0.0 ('' turns it off)"),
+    (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), "999.1.1.1:4318", "Name or service not known",
+     "set otlp.http to an address of this host, e.g. 127.0.0.1 or 0.0.0.0 ('' turns it off)"),
+    (OSError(errno.EACCES, "Permission denied"), "127.0.0.1:4318", "Permission denied",
+     "set otlp.http to another address ('' turns it off)"),
+])
+def test_a_listener_that_cannot_bind_gets_advice_for_its_reason(error: OSError, address: str, reason: str,
+                                                                  advice: str) -> None:
+    with pytest.raises(ConfigError) as raised, listening("otlp.http", address):
+        raise error
+    assert str(raised.value) == f"cannot listen on otlp.http {address}: {reason}; {advice}"
+
+
+def test_grpc_on_an_address_not_on_this_host_says_so_once(tmp_path: Path) -> None:
+    result = subprocess.run(run_args(tmp_path / "a.db", {"otlp.grpc": "192.0.2.7:4317"}), capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert errors == ["Error: cannot listen on otlp.grpc 192.0.2.7:4317: Cannot assign requested address; set "
+                      "otlp.grpc to an address of this host, e.g. 127.0.0.1 or 0.0.0.0 ('' turns it off)"], errors
+
+
 def doctor_ports(tmp_path: Path, addresses: dict[str, str]) -> tuple[dict, int]:
     env = {ENV[key]: address for key, address in {**OFF, **addresses}.items()}
     result = CliRunner().invoke(cli, ["doctor", "--json", "--db", f"sqlite:///{tmp_path}/doctor.db"], env=env)
@@ -85,6 +116,7 @@ def test_doctor_accepts_the_ports_the_running_auditor_holds(tmp_path: Path) -> N
         deadline = time.monotonic() + 60
         while "auditor running" not in (line := daemon.stderr.readline() if daemon.stderr else ""):
             assert line and time.monotonic() < deadline, "the daemon did not start"
+        assert " otlp-grpc=off " in line, line  # a receiver turned off says so, not None
         ports, exit_code = doctor_ports(tmp_path, addresses)
         with held(socket.SOCK_STREAM) as foreign:  # the daemon's ports beside a foreign one
             other = f"127.0.0.1:{foreign.getsockname()[1]}"

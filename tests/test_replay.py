@@ -85,7 +85,7 @@ def test_export_takes_entry_requests_of_the_window(store: Store, tmp_path: Path)
     assert result.returncode == 0 and json.loads(result.stdout) == {
         "capture_id": 1, "requests": 2, "file": str(cli_out)}, result.stderr
     again = auditor("capture", "export", "--db", store.url, "--since", since, "--until", until, "-o", str(cli_out))
-    assert again.returncode == 1 and "exists; pass --force" in again.stderr, again.stderr
+    assert again.returncode == 2 and "exists; pass --force" in again.stderr, again.stderr  # refused up front
     empty_window = auditor("capture", "export", "--db", store.url, "--since", "2020-01-01T00:00:00Z", "--until",
                            "2020-01-01T01:00:00Z", "-o", str(tmp_path / "empty.db"), "--json")
     assert empty_window.returncode == 0 and json.loads(empty_window.stdout)["requests"] == 0

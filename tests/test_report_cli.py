@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import importlib.util
 import json
 import socket
 import sqlite3
@@ -12,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from auditor.cli import cli
-from auditor.cli.util import parse_duration
+from auditor.cli.util import TIME, parse_duration
 from auditor.errors import StoreError
 from auditor.store import Store
 from tests.report_data import SINCE, UNTIL, fill, trace
@@ -233,12 +235,54 @@ def test_capture_export_to_dash_is_refused(db: str, tmp_path: Path, monkeypatch:
     assert list(here.iterdir()) == []
 
 
+def test_capture_export_over_an_existing_file_is_refused_before_exporting(db: str, tmp_path: Path) -> None:
+    """As report refuses its -o: a usage error, and nothing read or written, not an export then exit 1."""
+    other = tmp_path / "passwd"
+    other.write_text("root:x:0:0::/root:/bin/sh\n")
+    result = CliRunner().invoke(cli, ["capture", "export", "--db", db, "--since", SINCE, "--until", UNTIL,
+                                      "-o", str(other)])
+    assert result.exit_code == 2, result.output
+    assert f"{other} exists; pass --force to replace it, or another -o" in result.stderr, result.stderr
+    assert "exporting" not in result.output and other.read_text() == "root:x:0:0::/root:/bin/sh\n"
+    assert not list(tmp_path.glob(".passwd.*"))  # no capture was written beside it
+
+
+@pytest.mark.parametrize("text", ["2026-11-22T10:00:00z", "2026-11-22t10:00:00z"])
+def test_a_lowercase_z_is_utc_as_rfc_3339_allows(text: str) -> None:
+    assert TIME.convert(text, None, None) == dt.datetime(2026, 11, 22, 10, tzinfo=dt.timezone.utc)
+
+
 def test_missing_database_is_one_line_and_nothing_is_created(tmp_path: Path) -> None:
     path = tmp_path / "nowhere.db"
     result = CliRunner().invoke(cli, ["report", "--db", f"sqlite:///{path}"])
     assert result.exit_code == 1
     assert result.stderr == f"Error: no database at {path}; run `auditor run` first or pass --db\n"
     assert not path.exists()
+
+
+@pytest.mark.parametrize("command", [["report"], ["db", "status"]])
+@pytest.mark.parametrize("where", ["env", "file"])
+def test_a_missing_database_names_the_setting_it_came_from(tmp_path: Path, command: list[str], where: str) -> None:
+    """Not "or pass --db" when the path came from AUDITOR_DB or the config file."""
+    path = tmp_path / "nowhere.db"
+    config = tmp_path / "a.toml"
+    config.write_text(f'db = "sqlite:///{path}"\n')
+    args, env, source = {"env": ([], {"AUDITOR_DB": f"sqlite:///{path}"}, "AUDITOR_DB"),
+                         "file": (["--config", str(config)], {}, f"db in {config}")}[where]
+    result = CliRunner().invoke(cli, [*command, *args], env={"AUDITOR_DB": None, **env})
+    assert result.exit_code == 1, result.output
+    assert result.stderr == (f"Error: no database at {path} (from {source}); run `auditor run` first or set "
+                             f"{source} to the database it writes\n")
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("command", [["report"], ["db", "status"], ["db", "upgrade"]])
+def test_a_directory_as_the_database_is_named_as_one(tmp_path: Path, command: list[str]) -> None:
+    """Not SQLite's "unable to open database file"."""
+    result = CliRunner().invoke(cli, [*command, "--db", f"sqlite:///{tmp_path}"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr == (f"Error: {tmp_path} is a directory, not a database file; name a file in it, e.g. "
+                             f"sqlite:///{tmp_path}/auditor.db\n")
 
 
 def test_store_at_the_base_revision_is_migrated(tmp_path: Path) -> None:
@@ -343,6 +387,41 @@ def test_unreachable_postgres_names_the_url_without_the_password() -> None:
     assert len(lines) == 1 and "s3cret" not in result.stderr
     assert lines[0].startswith(f"Error: cannot reach the database at postgresql+psycopg://auditor:***@127.0.0.1:{port}/auditor")
     assert "check that the server is running" in lines[0]
+
+
+@pytest.mark.parametrize("command", [["report"], ["db", "status"]])
+@pytest.mark.parametrize(("where", "named"), [("flag", "--db"), ("env", "AUDITOR_DB"), ("file", "db in {tmp}/a.toml")])
+def test_unreachable_postgres_is_named_by_where_its_url_came_from(tmp_path: Path, command: list[str], where: str,
+                                                                 named: str) -> None:
+    """Not "the host and port in --db" when no --db was given, and the same words from both commands."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"postgresql+psycopg://auditor@127.0.0.1:{port}/auditor"
+    config = tmp_path / "a.toml"
+    config.write_text(f'db = "{url}"\n')
+    args, env = {"flag": (["--db", url], {}), "env": ([], {"AUDITOR_DB": url}),
+                 "file": (["--config", str(config)], {})}[where]
+    result = CliRunner().invoke(cli, [*command, *args], env={"AUDITOR_DB": None, **env})
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: cannot reach the database at {url} ("), lines
+    assert lines[0].endswith(f"; check that the server is running, the host and port given by "
+                             f"{named.replace('{tmp}', str(tmp_path))}, and the user and password"), lines
+
+
+@pytest.mark.parametrize("driver", ["psycopg2", "asyncpg"])
+def test_a_postgresql_driver_other_than_psycopg_is_told_the_url_to_use(driver: str) -> None:
+    """The postgres extra installs psycopg 3: installing it again would not help a psycopg2 URL."""
+    if importlib.util.find_spec(driver) is not None:
+        pytest.skip(f"{driver} is installed here")
+    result = CliRunner().invoke(cli, ["report", "--db", f"postgresql+{driver}://u:pw@127.0.0.1:1/db"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(f"Error: cannot use postgresql+{driver}://u:***@127.0.0.1:1/db: "), result.stderr
+    assert result.stderr.endswith("; the auditor talks to PostgreSQL through psycopg (3), which the extra "
+                                  "zombie-auditor[postgres] installs: write the URL as "
+                                  "postgresql+psycopg://u:***@127.0.0.1:1/db\n"), result.stderr
+    assert "pip install" not in result.stderr
 
 
 def test_unwritable_output_is_a_clear_error(db: str, tmp_path: Path) -> None:

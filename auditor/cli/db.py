@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import click
 
-from auditor.cli.util import errors_as_click, reading_options, store_url
+from auditor.cli.util import (
+    check_reachable,
+    errors_as_click,
+    reading_options,
+    refuse_missing,
+    store_url,
+)
 from auditor.config import Config
 
 
@@ -32,7 +38,9 @@ def status(config: Config) -> None:
     from auditor.store import Store
     from auditor.store.db import revisions
 
-    url, _found = store_url(config)
+    url, found = store_url(config)
+    refuse_missing(url, found)
+    check_reachable(config.db)
     with errors_as_click():
         store = Store(url, check=False, create=False)
         current = store.current_revision() or "none"

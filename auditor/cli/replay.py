@@ -77,8 +77,8 @@ def export_command(config: Config, since: dt.datetime, until: dt.datetime | None
     until = window_end(since, until, now())
     store = open_store(config, create=False)
     try:
-        # Every refusal but "exists" (which --force answers) before anything is read or written.
-        check_output(output, force=True, store=store)
+        # Every refusal, "exists" (which --force answers) too, before anything is read or written.
+        check_output(output, force=force, store=store)
     except CaptureError as exc:
         store.close()
         raise click.BadParameter(str(exc), param_hint="-o/--output") from exc
@@ -228,7 +228,7 @@ RECEIVER_FLAGS = {"otlp.http": "--otlp-http", "otlp.grpc": "--otlp-grpc"}
 def _as_replay_flags(message: str) -> str:
     for key, flag in RECEIVER_FLAGS.items():
         message = message.replace(f"cannot listen on {key} ", f"cannot listen on {flag} ").replace(
-            f"or set {key} to another address", f"or pass {flag} another address")
+            f"set {key} to ", f"pass {flag} ")
     return message
 
 

@@ -11,9 +11,16 @@ from typing import TextIO
 
 import click
 
-from auditor.cli.util import TIME, errors_as_click, now, open_store, reading_options, window_end
+from auditor.cli.util import (
+    TIME,
+    check_reachable,
+    errors_as_click,
+    now,
+    open_store,
+    reading_options,
+    window_end,
+)
 from auditor.config import Config
-from auditor.errors import StoreError
 from auditor.report.model import Report, ReportQuery, to_ns
 
 FORMATS = ("table", "json", "csv", "html")
@@ -100,46 +107,6 @@ def _given(name: str) -> bool:
     from click.core import ParameterSource
 
     return click.get_current_context().get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
-
-
-def check_reachable(url: str) -> None:
-    """Fail early, naming the server, when a network database does not answer.
-
-    SQLite files are checked by the store itself; a server that is down would otherwise surface
-    as a schema error that suggests moving the database aside.
-    """
-    from sqlalchemy import create_engine
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
-
-    if not url:
-        return
-    try:
-        parsed = make_url(url)
-    except (ArgumentError, ValueError):
-        return  # the store explains malformed URLs
-    if parsed.get_backend_name() == "sqlite":
-        return
-    where = parsed.render_as_string(hide_password=True)
-    try:
-        engine = create_engine(parsed, connect_args=_connect_timeout(parsed.get_backend_name()))
-    except (ImportError, ArgumentError):
-        return  # the store explains missing drivers
-    try:
-        with engine.connect():
-            pass
-    except SQLAlchemyError as exc:
-        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-        raise StoreError(
-            f"cannot reach the database at {where} ({reason[0] if reason else type(exc).__name__}); "
-            "check that the server is running, the host and port in --db, and the user and password"
-        ) from exc
-    finally:
-        engine.dispose()
-
-
-def _connect_timeout(backend: str) -> dict[str, int]:
-    return {"connect_timeout": 5} if backend == "postgresql" else {}
 
 
 def _write(result: Report, output_format: str, output: str | None) -> None:

@@ -11,6 +11,7 @@ import functools
 import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -74,6 +75,54 @@ def named_db(url: str, origin: str | None = None) -> str:
         ctx = click.get_current_context(silent=True)
         origin = (ctx.meta.get(DB_ORIGIN) if ctx is not None else None) or "--db URL"
     return origin.replace("URL", repr(url), 1)
+
+
+def db_source() -> str:
+    """Where the database URL came from, as advice names it: ``--db``, ``AUDITOR_DB`` or ``db in auditor.toml``."""
+    ctx = click.get_current_context(silent=True)
+    origin = (ctx.meta.get(DB_ORIGIN) if ctx is not None else None) or "--db URL"
+    return origin.replace(" URL", "", 1)
+
+
+def check_reachable(url: str) -> None:
+    """Fail early, naming the server and where its URL came from, when a network database does not
+    answer; ``report`` and ``db status`` say it alike.
+
+    SQLite files are checked by the store itself; a server that is down would otherwise surface
+    as a schema error that suggests moving the database aside.
+    """
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+    if not url:
+        return
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return  # the store explains malformed URLs
+    if parsed.get_backend_name() == "sqlite":
+        return
+    where = parsed.render_as_string(hide_password=True)
+    try:
+        engine = create_engine(parsed, connect_args=_connect_timeout(parsed.get_backend_name()))
+    except (ImportError, ArgumentError):
+        return  # the store explains missing drivers
+    try:
+        with engine.connect():
+            pass
+    except SQLAlchemyError as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        raise click.ClickException(
+            f"cannot reach the database at {where} ({reason[0] if reason else type(exc).__name__}); "
+            f"check that the server is running, the host and port given by {db_source()}, and the user "
+            "and password") from exc
+    finally:
+        engine.dispose()
+
+
+def _connect_timeout(backend: str) -> dict[str, int]:
+    return {"connect_timeout": 5} if backend == "postgresql" else {}
 
 
 def _check_db_url(url: str, origin: str) -> None:
@@ -146,6 +195,21 @@ def store_url(config: Config) -> tuple[str, bool]:
         return default_db_url(find_service_db=True), True
 
 
+def refuse_missing(url: str, found: bool) -> None:
+    """For commands that only read: a SQLite file that is not there is refused, naming the setting
+    to change (``--db``, ``AUDITOR_DB``, ``db in auditor.toml``), before anything creates it."""
+    from auditor.store.db import sqlite_file
+
+    database = sqlite_file(url)
+    if not database or database == ":memory:" or database.startswith("file:") or Path(database).exists():
+        return
+    source = "--db" if found else db_source()
+    if source == "--db":
+        raise click.ClickException(f"no database at {database}; run `auditor run` first or pass --db")
+    raise click.ClickException(f"no database at {database} (from {source}); run `auditor run` first or set "
+                               f"{source} to the database it writes")
+
+
 def open_store(config: Config, *, create: bool = True) -> Any:
     """The configured store, migrated; errors become click errors.
 
@@ -155,6 +219,8 @@ def open_store(config: Config, *, create: bool = True) -> Any:
     from auditor.store import Store
 
     url, found = store_url(config)
+    if not create:
+        refuse_missing(url, found)
     with errors_as_click():
         store = Store(url, create=create)
     if found:
@@ -244,7 +310,7 @@ class TimeType(click.ParamType):  # type: ignore[type-arg]
                           "or a time, e.g. 2d or 2026-11-22T10:00:00Z", param, ctx)
             return current - duration
         try:
-            moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+            moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))  # RFC 3339: z too
         except ValueError:
             self.fail(f"{text!r} is neither a duration nor a time; "
                       "use e.g. 30m, 1h30m, 2d or 2026-11-22T10:00:00Z", param, ctx)

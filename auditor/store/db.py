@@ -534,6 +534,9 @@ def _sqlite_verdict_upsert() -> str:
 def _check_sqlite_path(database: str, *, create: bool) -> None:
     if database and database != ":memory:" and not database.startswith("file:"):
         path = Path(database)
+        if path.is_dir():
+            raise StoreError(f"{path} is a directory, not a database file; name a file in it, e.g. "
+                             f"sqlite:///{path / 'auditor.db'}")
         if not path.exists() and not create:
             raise StoreError(f"no database at {path}; run `auditor run` first or pass --db")
         if not path.parent.exists():
@@ -618,7 +621,13 @@ def _make_engine(url: str, *, create: bool) -> Engine:
     try:
         return create_engine(parsed, pool_pre_ping=True)
     except (ImportError, ArgumentError) as exc:
-        raise StoreError(f"cannot use {parsed.render_as_string(hide_password=True)}: {exc}; "
+        where = parsed.render_as_string(hide_password=True)
+        if parsed.get_driver_name() != "psycopg":  # postgresql:// alone means psycopg2 to SQLAlchemy
+            suggested = parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=True)
+            raise StoreError(f"cannot use {where}: {exc}; the auditor talks to PostgreSQL through psycopg "
+                             f"(3), which the extra zombie-auditor[postgres] installs: write the URL as "
+                             f"{suggested}") from exc
+        raise StoreError(f"cannot use {where}: {exc}; "
                          "for PostgreSQL install the extra: pip install 'zombie-auditor[postgres]'") from exc
 
 
