@@ -448,3 +448,45 @@ def test_gauges_vllm_leaves_after_every_request_was_aborted(tmp_path: Path, beha
         if got.verdict != want and not (want == "aborted" and got.verdict == "unconfirmed"):
             problems.append(f"{request_id}: {got.verdict}, truth {want} ({got.details})")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("source", ["procfs", "bpf"])
+@pytest.mark.parametrize("close", ["fin", "rst"])
+def test_a_close_right_after_the_next_request_on_a_kept_alive_connection_is_that_requests(
+        tmp_path: Path, source: str, close: str) -> None:
+    """A kept-alive client reads an answer, sends its next request and leaves at once (a user who
+    stops a generation as it starts), before the server has ended the answer's span. The exact
+    close was joined to the answer: beside the engine running the next request on, the completed
+    answer was judged a zombie (6 of 8 with a reset on the eBPF source, 2 of 8 with a FIN) and the
+    request really left had no verdict. vLLM's signal set, against the truth log."""
+    truth_log = tmp_path / "truth.jsonl"
+    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S, "probe.source": source,
+                                     "correlate.late_span_seconds": 5.0}) as daemon, running_engine(
+            behavior="detached", otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
+            step_ms=10, extra_args=["--engine-span", "none", "--metrics-names", "vllm"]) as engine:
+        daemon.set_ports({engine.port})
+        time.sleep(0.5)  # the port's first scrapes
+        for i in range(3):
+            sock = socket.create_connection(("127.0.0.1", engine.port))
+            send_request(engine.port, stream=True, max_tokens=20, request_id=f"ka{i}-done", sock=sock)
+            read_response(sock)
+            send_request(engine.port, stream=True, max_tokens=150, request_id=f"ka{i}-next", sock=sock)
+            if close == "rst":
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+            sock.close()
+            time.sleep(0.7)
+        truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(6, timeout=30)}
+        left = {rid for rid, t in truths.items() if t.get("disconnect_at")}
+        assert left == {f"ka{i}-next" for i in range(3)}, truths
+
+        def settled() -> bool:
+            rows = {r.request_id: r for r in verdict_rows(daemon)}
+            return all(rid in rows and not rows[rid].details.get("provisional") for rid in left)
+
+        assert wait_for(settled, timeout_s=30), [(r.request_id, r.verdict, r.details) for r in verdict_rows(daemon)]
+        rows = {r.request_id: r for r in verdict_rows(daemon)}
+    problems = [f"{rid}: {row.verdict} for a completed request ({row.details})" for rid, row in rows.items()
+                if rid not in left and row.verdict in ("aborted", "zombie", "inflight_zombie")]
+    problems += [f"{rid}: {rows[rid].verdict}, truth {expected_verdict(truths[rid])} ({rows[rid].details})"
+                 for rid in left if rows[rid].verdict not in (expected_verdict(truths[rid]), "unconfirmed")]
+    assert not problems, "\n".join(problems)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from auditor.correlate.traces import PortSpans, TraceIndex
+import pytest
+
+from auditor.correlate.traces import PortSpans, TraceIndex, in_flight_among
 from auditor.model import SpanRecord, SpanRole
 
 
@@ -154,3 +156,40 @@ def test_parallel_requests_of_one_trace_on_one_connection_count_each() -> None:
     other.add(connection_span(2, 1, None, 0, 100), arrived_ns=100)
     other.add(connection_span(2, 2, 1, 5, 95, peer_port=40001), arrived_ns=100)
     assert other.server_spans_on(8000, 50, 50, also=set()) == 2
+
+
+MS = 1_000_000
+
+
+def keep_alive_spans(answer_ends_after_ms: float, next_after_ms: float = 0.5) -> list[tuple[int, int]]:
+    """(start, end) of two requests on one connection, in ns from the client's close at 0: the
+    answer it had (ending ``answer_ends_after_ms`` after the close), and the next one, which the
+    server read ``next_after_ms`` after the close."""
+    return [(-300 * MS, int(answer_ends_after_ms * MS)), (int(next_after_ms * MS), 100 * MS)]
+
+
+@pytest.mark.parametrize(("answer_ends_after_ms", "reset", "polled", "want"), [
+    (0.065, False, False, 1),  # answered, next request sent, FIN at once: the next request's
+    (0.065, True, False, 1),  # the same with a reset
+    (0.065, False, True, 0),  # a polled close: its instant unknown, the answer in flight in it
+    (50, False, False, 0),  # the answer still going 50 ms after the close: the client left it
+])
+def test_a_close_right_after_sending_the_next_request_is_the_next_requests(
+        answer_ends_after_ms: float, reset: bool, polled: bool, want: int) -> None:
+    """A keep-alive client read an answer, sent its next request and closed at once, before the
+    server had ended the answer's span (its span ends a fraction of a millisecond after its last
+    byte). The close was taken for the answer's: a completed request judged a zombie beside the
+    engine running the next one on, and the next one, the request really left, judged nothing."""
+    spans = keep_alive_spans(answer_ends_after_ms)
+    chosen = in_flight_among(spans, lambda s: s[0], lambda s, ns: s[1] >= ns, 0, [], 5_000 * MS,
+                             -40 * MS if polled else None, peer_fin=not reset, events_at=[0])
+    assert chosen == spans[want]
+
+
+def test_a_later_request_of_another_connection_on_the_4_tuple_does_not_take_the_close() -> None:
+    """After a reset nothing holds the 4-tuple: a span that starts after another connection's
+    events there is that connection's, and the close stays the answer's."""
+    spans = keep_alive_spans(0.065, next_after_ms=5)
+    chosen = in_flight_among(spans, lambda s: s[0], lambda s, ns: s[1] >= ns, 0, [], 5_000 * MS, None,
+                             peer_fin=False, events_at=[0, 3 * MS])
+    assert chosen == spans[0]
