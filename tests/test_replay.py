@@ -422,9 +422,13 @@ def test_requests_the_target_refused_under_reset_cancels_are_errors(tmp_path: Pa
                          "--cancel-rate", "1", "--cancel-after", "0", "--close", "rst", "--speed", "0",
                          "--otlp-http", f"127.0.0.1:{otlp_port}", "--span-delay", "1", "--wait", "30", "--json")
     summary = json.loads(result.stdout)
-    assert result.returncode == 4, (summary, result.stderr)
     # Each a refusal, or no verdict at all: a reset that beat the request to the engine leaves no
-    # span to judge (unjudged). Never an abort.
-    assert summary["gate"] == "unsound" and summary["errors"] >= 1, summary
+    # span to judge (unjudged). Never an abort, never a pass.
     assert summary["errors"] + summary["unjudged"] == 4, summary
+    if summary["errors"] == 0:
+        # On a loaded host every reset can beat its request to the engine: nothing was tested, and
+        # the run says so (inconclusive), not that it passed.
+        assert result.returncode == 3 and summary["gate"] == "inconclusive", (summary, result.stderr)
+        return
+    assert result.returncode == 4 and summary["gate"] == "unsound", (summary, result.stderr)
     assert set(summary["verdicts"]) == {"completed"} and set(summary["evidence"]["completed"]) == {"refused"}, summary
