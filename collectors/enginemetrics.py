@@ -80,6 +80,9 @@ _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux's
 # engines of a host with several are not scraped at the rate of its busy one. The first second of a
 # request that comes to a quiet engine is read at that coarser step; a disconnect is scraped at once.
 QUIET_AFTER_S = 10.0
+# Step counters that have not moved this long: no step ran (the correlator reads such gauges as
+# holding nothing, auditor.correlate.evidence.STILL_NS; a step takes far less).
+STILL_S = 1.0
 QUIET_INTERVAL_S = 1.0
 IDLE_RECHECK_S = 2.0  # with no engine to scrape, how soon a newly watched port is tried
 # How long after a client left a port (``activity``), or a verdict asked (``want_clients``), its
@@ -374,6 +377,7 @@ class EngineMetricsScraper:
         # Per port: the last scrape that showed a request held (or failed), or a client leaving;
         # and when it is scraped next (a port not in it: at once).
         self._active_at: dict[int, float] = {}
+        self._stepped: dict[int, tuple[float, float]] = {}  # port -> (its step count, when it last moved)
         self._next_at: dict[int, float] = {}
         self._lock = threading.Lock()  # the two above: the loop schedules, departures wake
         self._thread: threading.Thread | None = None
@@ -522,6 +526,7 @@ class EngineMetricsScraper:
                 for gone in set(self._next_at) - ports:
                     self._next_at.pop(gone)
                     self._active_at.pop(gone, None)
+                    self._stepped.pop(gone, None)
                     self._list_until.pop(gone, None)
             due = sorted(port for port in ports if self._next_at.get(port, now) <= now)
             try:
@@ -548,11 +553,24 @@ class EngineMetricsScraper:
         with self._lock:
             for port in scraped:
                 load = loads.get(port)
-                if load is None or load.running or load.waiting:
+                still = load is not None and self._stood_still(port, load, now)
+                if load is None or ((load.running or load.waiting) and not still):
                     self._active_at[port] = now
                 active_at = self._active_at.setdefault(port, now)
                 step = self.quiet_interval_s if now - active_at >= self.quiet_after_s else self.interval_s
                 self._next_at[port] = max(self._next_at.get(port, began) + step, now)
+
+    def _stood_still(self, port: int, load: EngineLoad, now: float) -> bool:
+        """Whether the engine's step counters (``EngineLoad.step_tokens``) have not moved for
+        STILL_S: its gauges then hold requests no step runs (vLLM's after a batch aborted at once),
+        and the port goes quiet as an idle one does, until a request makes it step again."""
+        if load.step_tokens is None:
+            return False
+        seen = self._stepped.get(port)
+        if seen is None or seen[0] != load.step_tokens or not (load.running or load.waiting):
+            self._stepped[port] = (load.step_tokens, now)  # (holding nothing: nothing to go stale yet)
+            return False
+        return now - seen[1] >= STILL_S
 
     def quiet_ports(self) -> set[int]:
         """The watched ports scraped at the quiet rate now."""

@@ -288,6 +288,31 @@ def vllm_registry() -> Iterator[tuple[object, int]]:
 
 
 @contextlib.contextmanager
+def stepping(registry: object, every_s: float = 0.05) -> Iterator[None]:
+    """The engine runs what its gauges hold: its generated-token counter moves at every step."""
+    import threading
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    assert isinstance(registry, CollectorRegistry)
+    tokens = next(c for c, names in registry._collector_to_names.items() if "vllm:generation_tokens_total" in names)
+    assert isinstance(tokens, Counter)
+    stop = threading.Event()
+
+    def step() -> None:
+        while not stop.wait(every_s):
+            tokens.inc(4)
+
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+@contextlib.contextmanager
 def serving_vllm_registry(running: int, waiting: int) -> Iterator[tuple[object, int]]:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -372,8 +397,28 @@ def test_quiet_engines_are_scraped_seldom_until_a_request_or_a_departure(vllm_re
         time.sleep(1.0)  # quiet again; then the engine takes a request: seen at the next quiet scrape
         assert scraper.quiet
         running.set(2)
-        time.sleep(1.3)
-        assert not scraper.quiet
+        with stepping(registry):
+            time.sleep(1.3)
+            assert not scraper.quiet
+    finally:
+        scraper.stop()
+
+
+def test_gauges_no_step_refreshes_let_the_port_go_quiet(vllm_registry: tuple[object, int]) -> None:
+    """vLLM's gauges after every request was aborted at once keep their last values, and its step
+    counters stand still: scraped at the rate for as long as they said so, the port now goes quiet
+    as an idle one does, and busy again once the engine steps."""
+    import time
+
+    registry, port = vllm_registry
+    scraper = EngineMetricsScraper(lambda: [port], lambda loads: None, interval_s=0.05, timeout_s=2,
+                                   quiet_after_s=0.5, quiet_interval_s=1.0).start()
+    try:
+        time.sleep(2.5)  # three held, no step: still after 1 s, quiet 0.5 s later
+        assert scraper.quiet
+        with stepping(registry):  # the engine steps again
+            time.sleep(1.3)
+            assert not scraper.quiet
     finally:
         scraper.stop()
 
@@ -387,8 +432,8 @@ def test_an_idle_engine_beside_a_busy_one_is_scraped_at_the_quiet_rate() -> None
         for load in loads:
             scraped.setdefault(load.server_port, []).append(time.monotonic())
 
-    with serving_vllm_registry(running=2, waiting=0) as (_, busy), \
-            serving_vllm_registry(running=0, waiting=0) as (_, idle):
+    with serving_vllm_registry(running=2, waiting=0) as (busy_registry, busy), \
+            serving_vllm_registry(running=0, waiting=0) as (_, idle), stepping(busy_registry):
         scraper = EngineMetricsScraper(lambda: [busy, idle], keep, interval_s=0.05, timeout_s=2,
                                        quiet_after_s=0.5, quiet_interval_s=1.0).start()
         try:
