@@ -183,6 +183,10 @@ class Correlator:
         self._recent_unjoined = Disconnects()  # written off: a late span may still claim them back
         self._unjoined_kind: dict[int, CoverageKind] = {}  # how each of those was counted
         self._open: dict[RequestKey, OpenRequest] = {}
+        # The close joined to an open request, by connection, as it came (before ``_join`` moved
+        # its instant) and the key of the request holding it: a span that arrives later on the
+        # connection may be the request the close really left (``_rejoin``).
+        self._joined: dict[Tuple4, tuple[Disconnect, RequestKey]] = {}
         # What ``_settle`` keeps of the open requests, so that a round looks only at those that
         # changed, not at the hundreds that wait out their late-span window (ten cancels a second
         # keep about 600 open): those opened, reopened, given a disconnect or a new verdict since
@@ -436,6 +440,7 @@ class Correlator:
         cpu.mark("events")
         now = self.clock()
         self._join_pending(now)
+        self._rejoin()
         self._rekey()
         self._check_unjoined_spans(now)
         for tuple4 in self._news:  # a span or notice on it may tell its client now
@@ -666,7 +671,7 @@ class Correlator:
             self.spans.claim_peerless(span)
             self._pending.remove(disconnect)
             self._count(CoverageKind.PEERLESS_SPAN_JOINED, f"peerless:{span.trace_id}:{span.span_id}", span.start_ns)
-            self._join(disconnect, span)
+            self._join(disconnect, span, rejoinable=False)
 
     def _may_have_carried_a_span(self, reset: Disconnect) -> bool:
         """Whether the reset's connection may have carried a span that names it: any span on its
@@ -678,13 +683,56 @@ class Correlator:
         return any(span.start_ns > reset.ts_ns or not any(span.start_ns <= ts < ended_by for ts in closes)
                    for span in self.spans.on_connection(reset.tuple4))
 
-    def _join(self, disconnect: Disconnect, span: SpanRecord) -> None:
+    def _join(self, disconnect: Disconnect, span: SpanRecord, *, rejoinable: bool = True) -> None:
         """Add the close to the request of ``span``, at the instant its interval allows."""
+        root = self.spans.root(span)
+        key = (root.trace_id, root.span_id)
+        if rejoinable:
+            known = self._joined.get(disconnect.tuple4)
+            if known is None or known[1] != key or disconnect.ts_ns < known[0].ts_ns:
+                self._joined[disconnect.tuple4] = (disconnect, key)
         instant = disconnect_instant(span, disconnect.ts_ns, disconnect.earliest_ns)
         if instant != disconnect.ts_ns:
             disconnect = replace(disconnect, ts_ns=instant)
-        root = self.spans.root(span)
-        self._open_request((root.trace_id, root.span_id)).add(disconnect)
+        self._open_request(key).add(disconnect)
+
+    def _rejoin(self) -> None:
+        """Join again, by the same rules, a close that a request still open holds, once a span on
+        its connection arrives after the join: which request a close left must not depend on the
+        order the spans came in. A keep-alive client that read an answer, sent its next request and
+        left was joined to the answer (then the only span there) when the next request's span came
+        later: a completed request judged a zombie, and the request left judged nothing. A request
+        left with no close is let go, its verdict unwritten; one already reported final keeps it."""
+        joined = self._joined
+        for tuple4 in self._news & joined.keys() if joined else ():
+            disconnect, key = joined[tuple4]
+            request = self._open.get(key)
+            if request is None or request.reported is not None or tuple4 not in request.disconnects:
+                del joined[tuple4]
+                continue
+            span = self._span_in_flight(disconnect)
+            if span is None:
+                continue
+            root = self.spans.root(span)
+            if (root.trace_id, root.span_id) == key:
+                continue
+            self._unjoin(request, tuple4)
+            self._join(disconnect, span)
+
+    def _unjoin(self, request: OpenRequest, tuple4: Tuple4) -> None:
+        """Take the close on ``tuple4`` from ``request``; without a close left, let it go."""
+        del request.disconnects[tuple4]
+        self.loads.unregister(tuple4[2], request.key)
+        self._touched.add(request.key[0])
+        if request.disconnects:
+            request.first = min(request.disconnects.values(), key=lambda d: d.ts_ns)
+            self._to_settle.add(request.key)
+            return
+        del self._open[request.key]
+        self._inflight.discard(request.key)
+        self._checkpointed.pop(id(request), None)
+        if request.written is not None:
+            self.store.delete_verdict(request.written.request_key)
 
     def _rekey(self) -> None:
         """Merge requests whose outermost span became known (a gateway's span arriving after the
@@ -703,8 +751,11 @@ class Correlator:
             if request.written is not None:
                 self.store.delete_verdict(request.written.request_key)
             target = self._open_request((root.trace_id, root.span_id))
-            for disconnect in request.disconnects.values():
+            for tuple4, disconnect in request.disconnects.items():
                 target.add(disconnect)
+                known = self._joined.get(tuple4)
+                if known is not None and known[1] == key:
+                    self._joined[tuple4] = (known[0], target.key)
             target.live_span = target.live_span or request.live_span
 
     def _span_in_flight(self, disconnect: Disconnect) -> SpanRecord | None:
@@ -956,6 +1007,7 @@ class Correlator:
         self.spans.prune(memory_cutoff, keep={key[0] for key in self._open})
         # Requests no longer open keep no checkpoints that matter (a reopen drops them): let go.
         self._checkpointed = {key: r for key, r in self._checkpointed.items() if self._open.get(r.key) is r}
+        self._joined = {tuple4: known for tuple4, known in self._joined.items() if known[1] in self._open}
         # From the trace whose request settled first, up to the first one still in its window.
         for _trace_id, settled in drop_front(
                 self._settled, lambda requests: all(r.origin().ts_ns < memory_cutoff for r in requests.values())):
