@@ -147,7 +147,9 @@ class EngineServer:
             self.metrics.tokens_after_disconnect.inc(request.tokens_after_disconnect)
         # Like vLLM 0.33: an aborted request leaves no llm_request span unless asked for.
         if (reason != "abort" or self.settings.trace_aborted) and self.settings.engine_span != "none":
-            emit_llm_request_span(self.tracing.tracer, request, self.settings.engine_span)
+            # The reference's own names are the ideal signal set; with vLLM's, its span as vLLM's.
+            emit_llm_request_span(self.tracing.tracer, request, self.settings.engine_span,
+                                  names_model=self.settings.metrics_names == "ref")
         if self.truth is not None:
             self.truth.write(truth_record(request, self.settings.behavior))
 

@@ -7,7 +7,7 @@ verdicts can be checked against the truth log for every combination:
 
 | flag | effect |
 |---|---|
-| ``--engine-span NAME`` | the engine span's name (``llm_request`` as vLLM; ``none``: HTTP server spans only) |
+| ``--engine-span NAME`` | the engine span's name (``llm_request`` as vLLM; ``none``: HTTP server spans only); with another engine's ``--metrics-names``, ``llm_request`` names no model, as vLLM's |
 | ``--metrics-names STYLE`` | running/waiting gauges, token counter and (where the engine has one) finished/aborted counter also under ``vllm``, ``sglang``, ``tgi`` or ``llamacpp`` names |
 | ``--send-spans`` | the HTTP server span gets ``http send`` sub-spans; the one that ends the response says so |
 | ``--one-at-a-time`` | one request is served at a time; the rest wait before the HTTP handler (llama.cpp ``-np 1``) |
