@@ -1976,13 +1976,17 @@ def test_a_refused_request_is_a_complete_answer(store: Store, status: int, ends_
     assert (row.details.get("evidence") == "refused") is (want == "completed")
 
 
+@pytest.mark.parametrize("engine_spans", [False, True])
 @pytest.mark.parametrize("polled_close", [True, False])
-def test_a_close_joins_the_next_request_whose_span_comes_after_the_join(store: Store, polled_close: bool) -> None:
+def test_a_close_joins_the_next_request_whose_span_comes_after_the_join(
+        store: Store, polled_close: bool, engine_spans: bool) -> None:
     """A kept-alive client read an answer, sent its next request and left. The answer's span came
     first and took the close; the next request's span came a round later. Which request a close
     left must not depend on the order spans come in: the next one takes it, and the answer,
-    completed, keeps no verdict (it was judged a zombie beside the engine running the next one on,
-    and the request really left judged nothing: 1 of 4 on the /proc source)."""
+    completed, keeps no verdict. Before: on HTTP spans and gauges the answer was judged a zombie
+    beside the engine running the next one on (1 of 4 on the /proc source), the request really
+    left judged nothing; with engine spans the answer settled complete at once and the next
+    request, a zombie, was missed."""
     clock = Clock()
     settled: list[RequestVerdict] = []
     correlator = make(store, clock, settled)
@@ -1990,19 +1994,22 @@ def test_a_close_joins_the_next_request_whose_span_comes_after_the_join(store: S
     leaving = close(0.99) if not polled_close else polled(1.0, 0.95, ConnEventKind.PEER_FIN, CLIENT)
     if not polled_close:
         leaving = leaving._replace(ts_ns=T0 + int(0.97995 * S))  # before the answer's span ended
-    store.insert_spans([answer])
+    store.insert_spans([answer] + ([engine_span("a", 0, 0.979, "stop", request_id="cmpl-a")] if engine_spans else []))
     store.insert_conn_events([leaving])
     # The engine ran the next request on to 3 s: a scrape every 0.1 s.
     correlator.add_engine_load([load(0.9, 1)] + [load(1.0 + 0.1 * i, 1 if i < 20 else 0) for i in range(40)])
     clock.now = T0 + int(2.5 * S)
     correlator.tick()
     first = {row.trace_id[0]: row.verdict for row in verdicts(store)}
-    store.insert_spans([following])
-    clock.now = T0 + int(2.7 * S)
+    store.insert_spans([following] + ([engine_span("b", 0.98, 3.0, "length", request_id="cmpl-b")]
+                                      if engine_spans else []))
+    clock.now = T0 + int(3.2 * S)
     correlator.tick()
     clock.now = T0 + 12 * S
     correlator.tick()
     rows = {row.trace_id[0]: row for row in verdicts(store)}
     assert set(rows) == {"b"}, (first, {k: (r.verdict, r.details) for k, r in rows.items()})
-    assert rows["b"].verdict == "zombie" and rows["b"].details["evidence"] == "engine_metrics"
-    assert [v.trace_id[0] for v in settled] == ["b"]
+    assert rows["b"].verdict == "zombie"
+    assert rows["b"].details["evidence"] == ("engine_span" if engine_spans else "engine_metrics")
+    # Reported complete at once, the answer's count stays (a counter never goes back).
+    assert [(v.trace_id[0], v.verdict.value) for v in settled] == [("a", "completed")] * engine_spans + [("b", "zombie")]

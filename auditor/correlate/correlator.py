@@ -439,8 +439,8 @@ class Correlator:
         self._read_events()
         cpu.mark("events")
         now = self.clock()
+        self._rejoin()  # the closes joined in earlier rounds: those joined in this one saw its spans
         self._join_pending(now)
-        self._rejoin()
         self._rekey()
         self._check_unjoined_spans(now)
         for tuple4 in self._news:  # a span or notice on it may tell its client now
@@ -701,13 +701,17 @@ class Correlator:
         its connection arrives after the join: which request a close left must not depend on the
         order the spans came in. A keep-alive client that read an answer, sent its next request and
         left was joined to the answer (then the only span there) when the next request's span came
-        later: a completed request judged a zombie, and the request left judged nothing. A request
-        left with no close is let go, its verdict unwritten; one already reported final keeps it."""
+        later: a completed request judged a zombie, and the request left judged nothing (a zombie
+        missed, where the answer's engine span had settled it complete at once). A request left
+        with no close is let go, its verdict unwritten. A finding reported final keeps its close
+        (counters and exported findings never go back); a completed one gives it up, its count
+        kept."""
         joined = self._joined
-        for tuple4 in self._news & joined.keys() if joined else ():
+        for tuple4 in [tuple4 for tuple4 in self._news if tuple4 in joined] if joined else ():
             disconnect, key = joined[tuple4]
-            request = self._open.get(key)
-            if request is None or request.reported is not None or tuple4 not in request.disconnects:
+            request = self._open.get(key) or self._settled.get(key[0], {}).get(key[1])
+            if request is None or request.reported not in (None, Verdict.COMPLETED) \
+                    or tuple4 not in request.disconnects:
                 del joined[tuple4]
                 continue
             span = self._span_in_flight(disconnect)
@@ -720,16 +724,26 @@ class Correlator:
             self._join(disconnect, span)
 
     def _unjoin(self, request: OpenRequest, tuple4: Tuple4) -> None:
-        """Take the close on ``tuple4`` from ``request``; without a close left, let it go."""
+        """Take the close on ``tuple4`` from ``request`` (open, or settled complete); without a
+        close left, let it go."""
+        trace_id, span_id = key = request.key
+        if self._open.get(key) is not request:  # settled: open again, as a late span would
+            settled = self._settled[trace_id]
+            del settled[span_id]
+            if not settled:
+                del self._settled[trace_id]
+            self._unsettle({span_id: request})
+            self._reopen(request)
         del request.disconnects[tuple4]
-        self.loads.unregister(tuple4[2], request.key)
-        self._touched.add(request.key[0])
+        self.loads.unregister(tuple4[2], key)
+        self._touched.add(trace_id)
         if request.disconnects:
             request.first = min(request.disconnects.values(), key=lambda d: d.ts_ns)
-            self._to_settle.add(request.key)
+            self._to_settle.add(key)
             return
-        del self._open[request.key]
-        self._inflight.discard(request.key)
+        del self._open[key]
+        self._to_settle.discard(key)
+        self._inflight.discard(key)
         self._checkpointed.pop(id(request), None)
         if request.written is not None:
             self.store.delete_verdict(request.written.request_key)
@@ -1007,7 +1021,10 @@ class Correlator:
         self.spans.prune(memory_cutoff, keep={key[0] for key in self._open})
         # Requests no longer open keep no checkpoints that matter (a reopen drops them): let go.
         self._checkpointed = {key: r for key, r in self._checkpointed.items() if self._open.get(r.key) is r}
-        self._joined = {tuple4: known for tuple4, known in self._joined.items() if known[1] in self._open}
+        # A settled request's close only while a span may still come in its late-span window.
+        late_cutoff = now - self.late_ns
+        self._joined = {tuple4: known for tuple4, known in self._joined.items() if known[1] in self._open
+                        or (known[1][0] in self._settled and known[0].ts_ns >= late_cutoff)}
         # From the trace whose request settled first, up to the first one still in its window.
         for _trace_id, settled in drop_front(
                 self._settled, lambda requests: all(r.origin().ts_ns < memory_cutoff for r in requests.values())):
