@@ -236,6 +236,16 @@ class UtilSample:
     interval_s: float | None = None  # the window the reading covers
 
 
+# How long an engine's step series (``EngineLoad.step_tokens``) may stand still while its work runs,
+# by whose names it uses: vLLM publishes with each step (a second is longer than any step, a chunk
+# of a long prompt's prefill included); SGLang logs its gauges with each prefill batch and every 40
+# decode steps (``decode_log_interval``), and idle only every 30 s.
+STEP_STILL_NS: dict[str, int] = {"vllm": 1_000_000_000, "sglang": 5_000_000_000}
+# The engines whose gauges move only when they log a batch: their work may have run on for up to
+# one log interval after the last log that moved them.
+LOGGED_STYLES = frozenset({"sglang"})
+
+
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
     """One scrape of an engine's own /metrics: how many requests it was running and holding."""
@@ -245,8 +255,9 @@ class EngineLoad:
     running: int
     waiting: int = 0
     generated_tokens: float | None = None  # the engine's cumulative generated-token counter
-    # The tokens it computed (generated and prompt), where it counts them at every step (vLLM): not
-    # moving for a second while its gauges hold requests, no step ran and the gauges are stale.
+    # The sum of the series its every published step moves (STEP_STILL_NS): vLLM's generated and
+    # prompt token counters; SGLang's KV tokens in use and generation throughput, which it logs
+    # with its gauges. Standing still while the gauges hold requests: no step ran, they are stale.
     step_tokens: float | None = None
     # The one model its gauges name (vLLM's and SGLang's ``model_name`` label); None: none, or several.
     model: str | None = None

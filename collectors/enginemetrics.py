@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from urllib.parse import quote
 
-from auditor.model import EngineLoad
+from auditor.model import STEP_STILL_NS, EngineLoad
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +66,17 @@ ABORT_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {
 ABORTS_LISTED_ONCE_COUNTED = frozenset({"tgi"})  # no series on the page: none aborted yet
 MODEL_LABEL = "model_name"  # the served model, on vLLM's and SGLang's gauges
 MAX_MODEL_CHARS = 255
-# The counters an engine adds to at every step it runs (vLLM records each step's stats): their sum is
-# ``EngineLoad.step_tokens``. vLLM publishes its gauges with each step too, so after every request
-# was aborted at once they keep their last values (vLLM issues 22545, 29928) while these stand still.
-STEP_COUNTERS: dict[str, tuple[str, ...]] = {
+# The series an engine moves at every step it publishes its gauges with: their sum is
+# ``EngineLoad.step_tokens``. vLLM records each step's token counts and publishes its gauges with
+# each step, so after every request was aborted at once the gauges keep their last values (vLLM
+# issues 22545, 29928) while these stand still. SGLang sets its gauges only when it logs a batch
+# (each prefill, every 40 decode steps, idle every 30 s): the KV tokens in use and the generation
+# throughput move with each log while work runs.
+STEP_SERIES: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm:generation_tokens", "vllm:prompt_tokens"),
+    "sglang": ("sglang:num_used_tokens", "sglang:gen_throughput"),
 }
+_STEP_GAUGES = frozenset({"sglang:num_used_tokens", "sglang:gen_throughput"})  # the rest are counters
 NOT_AN_ENGINE_BACKOFF_S = 30.0
 _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux's
 # An engine that has held no request (nothing running or waiting) and seen no client leave for
@@ -80,9 +85,6 @@ _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux's
 # engines of a host with several are not scraped at the rate of its busy one. The first second of a
 # request that comes to a quiet engine is read at that coarser step; a disconnect is scraped at once.
 QUIET_AFTER_S = 10.0
-# Step counters that have not moved this long: no step ran (the correlator reads such gauges as
-# holding nothing, auditor.correlate.evidence.STILL_NS; a step takes far less).
-STILL_S = 1.0
 QUIET_INTERVAL_S = 1.0
 IDLE_RECHECK_S = 2.0  # with no engine to scrape, how soon a newly watched port is tried
 # How long after a client left a port (``activity``), or a verdict asked (``want_clients``), its
@@ -96,13 +98,14 @@ MAX_HEAD_BYTES = 64 * 1024
 
 _WANTED = tuple(name for entry in KNOWN_METRICS for name in entry[1:]) + tuple(
     counter for counter, _, _ in ABORT_COUNTERS.values()) + tuple(
-    name for names in STEP_COUNTERS.values() for name in names)
+    name for names in STEP_SERIES.values() for name in names)
 _ABORT_NAMES = {counter: (label, value) for counter, label, value in ABORT_COUNTERS.values()}
 # The sample names to ask a prometheus_client server for (``name[]``): counters as ``_total``.
 _SAMPLE_NAMES = tuple(dict.fromkeys(
     name for style, running, waiting, tokens in KNOWN_METRICS
     for name in (running, waiting, f"{tokens}_total")
-    + ((f"{ABORT_COUNTERS[style][0]}_total",) if style in ABORT_COUNTERS else ())))
+    + ((f"{ABORT_COUNTERS[style][0]}_total",) if style in ABORT_COUNTERS else ())
+    + tuple(name if name in _STEP_GAUGES else f"{name}_total" for name in STEP_SERIES.get(style, ()))))
 
 
 def filtered_path(path: str) -> str:
@@ -171,7 +174,7 @@ def parse_load(text: str, *, ts_ns: int, server_port: int) -> EngineLoad | None:
     abort_counter = ABORT_COUNTERS.get(style)
     aborted = values.get(abort_counter[0], 0.0 if style in ABORTS_LISTED_ONCE_COUNTED else None) \
         if abort_counter else None
-    steps = [values[name] for name in STEP_COUNTERS.get(style, ()) if name in values]
+    steps = [values[name] for name in STEP_SERIES.get(style, ()) if name in values]
     return EngineLoad(ts_ns=ts_ns, server_port=server_port, running=int(values[running]),
                       waiting=int(values.get(waiting, 0.0)), generated_tokens=values.get(tokens),
                       style=style, aborted=aborted, step_tokens=sum(steps) if steps else None,
@@ -200,7 +203,7 @@ def _engine_values(text: str) -> tuple[str, dict[str, float]] | None:
             continue
         abort_counter = ABORT_COUNTERS.get(style)
         values = _values(text, (running, waiting, tokens) + ((abort_counter[0],) if abort_counter else ())
-                         + STEP_COUNTERS.get(style, ()))
+                         + STEP_SERIES.get(style, ()))
         if running in values:  # else the name was only in a comment, a label, or another series' name
             return style, values
     return None
@@ -561,16 +564,16 @@ class EngineMetricsScraper:
                 self._next_at[port] = max(self._next_at.get(port, began) + step, now)
 
     def _stood_still(self, port: int, load: EngineLoad, now: float) -> bool:
-        """Whether the engine's step counters (``EngineLoad.step_tokens``) have not moved for
-        STILL_S: its gauges then hold requests no step runs (vLLM's after a batch aborted at once),
-        and the port goes quiet as an idle one does, until a request makes it step again."""
+        """Whether the engine's step series (``EngineLoad.step_tokens``) have not moved for its
+        STEP_STILL_NS: its gauges then hold requests no step runs (vLLM's after a batch aborted at
+        once), and the port goes quiet as an idle one does, until a request makes it step again."""
         if load.step_tokens is None:
             return False
         seen = self._stepped.get(port)
         if seen is None or seen[0] != load.step_tokens or not (load.running or load.waiting):
             self._stepped[port] = (load.step_tokens, now)  # (holding nothing: nothing to go stale yet)
             return False
-        return now - seen[1] >= STILL_S
+        return now - seen[1] >= STEP_STILL_NS.get(load.style, STEP_STILL_NS["vllm"]) / 1e9
 
     def quiet_ports(self) -> set[int]:
         """The watched ports scraped at the quiet rate now."""

@@ -320,6 +320,7 @@ def serving_vllm_registry(running: int, waiting: int) -> Iterator[tuple[object, 
     Gauge("vllm:num_requests_running", "Running.", registry=registry).set(running)
     Gauge("vllm:num_requests_waiting", "Waiting.", registry=registry).set(waiting)
     Counter("vllm:generation_tokens", "Tokens.", registry=registry).inc(1234)
+    Counter("vllm:prompt_tokens", "Prompt tokens.", registry=registry).inc(4321)  # a step series too
     Counter("vllm:request_success", "Finished.", ["finished_reason"], registry=registry).labels("abort").inc(2)
     for i in range(40):
         Histogram(f"vllm:latency_{i}_seconds", "A histogram.", registry=registry,

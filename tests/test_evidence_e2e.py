@@ -414,15 +414,16 @@ def test_a_queued_orphan_is_shown_in_flight_only_once_the_engine_runs_it(tmp_pat
     assert first is not None and first < min(finished_s, run_s + GRACE_S + 2.0), (run_s - left_s, timeline)
 
 
+@pytest.mark.parametrize("names", ["vllm", "sglang"])
 @pytest.mark.parametrize("behavior", ["abort", "detached"])
-def test_gauges_vllm_leaves_after_every_request_was_aborted(tmp_path: Path, behavior: str) -> None:
+def test_gauges_vllm_leaves_after_every_request_was_aborted(tmp_path: Path, behavior: str, names: str) -> None:
     """vLLM publishes its gauges with each engine step: when every request it holds is aborted at
     once and none comes after, they keep their last values (vLLM issues 22545, 29928). Its step
     counters stand still then. Read as they were, the three aborted requests were orphans running
     on: all three `inflight_zombie` for as long as the engine stayed idle. An engine that runs them
     on keeps stepping, and they are zombies."""
     truth_log = tmp_path / "truth.jsonl"
-    args = ["--engine-span", "none", "--metrics-names", "vllm", "--gauges-on-steps"]
+    args = ["--engine-span", "none", "--metrics-names", names, "--gauges-on-steps"]
     with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S,
                                      "correlate.late_span_seconds": 5.0}) as daemon, running_engine(
             behavior=behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,

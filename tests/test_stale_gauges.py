@@ -1,7 +1,8 @@
-"""Gauges an engine publishes only with its steps (vLLM): after every request it held was aborted at
-once, with no request after, they keep their last values (vLLM issues 22545, 29928). Its step
-counters (tokens generated and computed) stand still then; read as they were, each aborted request
-was an orphan running on, a zombie for ever."""
+"""Gauges an engine publishes only with its steps (vLLM) or its logs (SGLang, every 40 decode steps):
+after every request it held was aborted at once, with no request after, they keep their last values
+(vLLM issues 22545, 29928; SGLang logs again only after 30 s idle). Its step series (vLLM's token
+counters, SGLang's KV tokens and throughput) stand still then; read as they were, each aborted
+request was an orphan running on, a zombie for ever."""
 
 from __future__ import annotations
 
@@ -71,4 +72,43 @@ def test_the_step_counters_are_read_where_the_engine_counts_at_every_step() -> N
     two = page + 'vllm:num_requests_running{model_name="n"} 1.0\n'
     assert parse_load(two, ts_ns=1, server_port=8000).model is None  # type: ignore[union-attr]  # which one?
     load = parse_load('sglang:num_running_reqs 1\nsglang:generation_tokens_total 5\n', ts_ns=1, server_port=8000)
-    assert load is not None and load.step_tokens is None  # SGLang publishes every 40 decode steps
+    assert load is not None and load.step_tokens is None  # no series its logs move: nothing to go by
+    load = parse_load('sglang:num_running_reqs{model_name="m"} 1\nsglang:generation_tokens_total 5\n'
+                      'sglang:num_used_tokens{model_name="m"} 300\nsglang:gen_throughput{model_name="m"} 41.5\n',
+                      ts_ns=1, server_port=8000)
+    assert load is not None and load.step_tokens == 341.5 and load.model == "m"
+
+
+def sglang_loads(start: float, stop: float, last_log: float | None) -> list[EngineLoad]:
+    """SGLang's scrapes every 0.1 s holding the three requests: it logs its gauges every 40 decode
+    steps (0.4 s here) while it runs them, and not after ``last_log`` (None: it runs them on)."""
+    found = []
+    for i in range(round(start * 10), round(stop * 10) + 1):
+        at = i / 10
+        logged = at if last_log is None else min(at, last_log)
+        log = int(logged / 0.4 + 1e-9)  # the logs so far: the series move with each
+        found.append(EngineLoad(ts_ns=T0 + int(at * S), server_port=SERVER_PORT, running=3, style="sglang",
+                                aborted=0.0, step_tokens=float(300 + 3 * 40 * log) + 0.5 * log))
+    return found
+
+
+@pytest.mark.parametrize(("last_log", "want"), [(2.0, "zombie"), (None, "inflight_zombie")])
+def test_sglang_gauges_its_scheduler_stopped_logging_hold_nothing_after_a_log_interval(
+        store: Store, last_log: float | None, want: str) -> None:
+    """SGLang sets its gauges only when its scheduler logs a batch (every 40 decode steps) and,
+    idle, every 30 s: the three requests it aborted a second after their clients left (its abort
+    waits first) stayed in its gauges for up to 30 s, zombies that long. Once its logs stood still
+    for longer than its logs come while it runs, it ran no batch: it ran on at most one log
+    interval after the last."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span(str(i + 1), 0, 1.05, span=str(i + 1), client=c) for i, c in enumerate(CLIENTS)])
+    store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST, client=c) for c in CLIENTS])
+    correlator.add_engine_load(sglang_loads(0.3, 9.0, last_log))
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    rows = verdicts(store)
+    assert [row.verdict for row in rows] == [want] * 3, [(row.verdict, row.details) for row in rows]
+    if last_log is not None:  # its work ended within one log interval after its last log
+        ends = [(row.work_end_ns - T0) / S for row in rows]
+        assert all(last_log <= end <= last_log + 0.5 for end in ends), ends

@@ -28,15 +28,12 @@ from typing import Any
 from auditor.correlate.checkpoints import Checkpoints
 from auditor.correlate.prune import drop_front
 from auditor.correlate.verdict import CLOCK_ERROR_NS
-from auditor.model import EngineLoad, SpanRecord
+from auditor.model import LOGGED_STYLES, STEP_STILL_NS, EngineLoad, SpanRecord
 
 FINAL_SEND_ATTR = "asgi.event.final"
 SERVER_CLOSED_FIRST_NS = 1_000_000_000  # a client's close this soon after the server's FIN answers it
 SAME_CONNECTION_NS = 30_000_000_000  # closes of one connection this close together are one departure
 ABORT_LOOKBACK_NS = 1_000_000_000  # departures counted before the first scrape, when there is none earlier
-# An engine that counts its work at every step and counted none this long ran no step: longer than
-# any step (a decode step takes tens of milliseconds; a chunk of a long prompt's prefill, hundreds).
-STILL_NS = 1_000_000_000
 
 # The evidence names a verdict records in details["evidence"].
 ENGINE_SPAN = "engine_span"
@@ -257,6 +254,7 @@ class EngineLoads:
         self._ended: dict[int, dict[str, tuple[int, int]]] = {}
         self._ended_room: dict[int, int] = {}
         self._still_since: dict[int, int] = {}  # port -> the first scrape of its latest step count
+        self._log_gaps: dict[int, list[int]] = {}  # port -> its last four intervals between logs of work
         self._models: dict[int, str] = {}  # port -> the model its latest scrape that named one named
 
     def _changed(self, ts_ns: int) -> None:
@@ -304,20 +302,29 @@ class EngineLoads:
         return self._models.get(port)
 
     def _unstale(self, port: int, series: list[EngineLoad]) -> None:
-        """An engine that counts its work at every step (``EngineLoad.step_tokens``) and counted
-        none for STILL_NS ran no step then: what its gauges held from the first scrape of that
-        count on was not running. vLLM publishes its gauges with each step, so a batch aborted at
-        once, with no request after, left them at their last values (vLLM issues 22545, 29928):
-        read as they were, every aborted request was an orphan running on for ever. Those scrapes
-        are read as holding nothing, and that is news from the first of them."""
+        """An engine whose step series (``EngineLoad.step_tokens``) stood still for its
+        STEP_STILL_NS ran no step then: what its gauges held from the first scrape of that value on
+        was not running. vLLM publishes its gauges with each step, so a batch aborted at once, with
+        no request after, left them at their last values (vLLM issues 22545, 29928): read as they
+        were, every aborted request was an orphan running on for ever. Those scrapes are read as
+        holding nothing, and that is news from the first of them. An engine that publishes only
+        when it logs a batch (LOGGED_STYLES: SGLang, every 40 decode steps) may have run on for a
+        log interval after its last log: read as running for the longest of its last intervals."""
         last = series[-1]
         since = self._still_since.get(port)
         if since is None or len(series) < 2 or series[-2].step_tokens != last.step_tokens:
             self._still_since[port] = last.ts_ns
+            previous = series[-2] if len(series) > 1 else None
+            if since is not None and last.style in LOGGED_STYLES and previous is not None \
+                    and (previous.running or previous.waiting):  # an interval between logs of work
+                gaps = self._log_gaps.setdefault(port, [])
+                gaps[:] = [*gaps[-3:], last.ts_ns - since]
             return
-        if last.ts_ns - since < STILL_NS:
+        still_ns = STEP_STILL_NS.get(last.style, STEP_STILL_NS["vllm"])
+        if last.ts_ns - since < still_ns:
             return
-        first = bisect.bisect_left(series, since, key=_TS)
+        ran_on = min(max(self._log_gaps.get(port) or [0]), still_ns) if last.style in LOGGED_STYLES else 0
+        first = bisect.bisect_left(series, since + ran_on, key=_TS)
         for i in range(len(series) - 1, first - 1, -1):
             if not (series[i].running or series[i].waiting):
                 if i < len(series) - 1:
@@ -743,6 +750,7 @@ class EngineLoads:
                 del self._loads[port]
                 self._clients.pop(port, None)
                 self._still_since.pop(port, None)
+                self._log_gaps.pop(port, None)
                 self._models.pop(port, None)
         # Registrations and last closes go from the first made up to the first kept: they are made in
         # about time order, and a pass then touches only what it forgets.

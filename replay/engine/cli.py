@@ -106,8 +106,9 @@ def serve(app: object, sock: socket.socket, log_level: str) -> None:
               help="Also export running/waiting/tokens under this engine's metric names.")
 @click.option("--send-spans", is_flag=True, help="Record 'http send' sub-spans, the last one marked.")
 @click.option("--gauges-on-steps", is_flag=True,
-              help="The --metrics-names gauges change only when the engine steps, as vLLM's: after every "
-              "request was aborted at once they keep their last values until the next request.")
+              help="The --metrics-names gauges change only when the engine steps, as vLLM's (SGLang's: when "
+              "it logs a batch, every 40 steps, idle every 30 s): after every request was aborted at once "
+              "they keep their last values until the next request.")
 @click.option("--one-at-a-time", is_flag=True, help="Serve one request at a time; others wait unread.")
 @click.option("--no-process-pid", is_flag=True,
               help="Leave process.pid out of the span resource, as the OpenTelemetry SDK does by default.")

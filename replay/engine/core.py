@@ -89,7 +89,7 @@ class Engine:
 
     def __init__(self, backend: ComputeBackend, *, max_batch: int = 8, prefill_chunk: int = 64,
                  on_finish: Callable[[RequestHandle], None] | None = None,
-                 on_step: Callable[[float, int], None] | None = None) -> None:
+                 on_step: Callable[[float, int, bool], None] | None = None) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.backend = backend
@@ -154,6 +154,11 @@ class Engine:
         """(running, waiting) right now."""
         with self._lock:
             return len(self._running), len(self._waiting)
+
+    def tokens_held(self) -> int:
+        """The tokens the running requests hold in the KV cache (prompt so far and generated)."""
+        with self._lock:
+            return sum(r.prefilled_tokens + r.tokens_generated for r in self._running.values())
 
     # -- the loop (engine thread only) ---------------------------------------------------------
 
@@ -273,7 +278,7 @@ class Engine:
             self._finish_callbacks(request)
         if self._on_step is not None:
             try:
-                self._on_step(elapsed, len(deliveries))
+                self._on_step(elapsed, len(deliveries), bool(prefilling))
             except Exception:
                 self._callback_failed("on_step")
 

@@ -115,7 +115,8 @@ class EngineMetrics:
         waiting = Gauge("ref_engine_num_requests_waiting", "Requests in the waiting queue.", registry=self.registry)
         running.set_function(lambda: engine.counts()[0])
         waiting.set_function(lambda: engine.counts()[1])
-        self.style = StyleMetrics(self.registry, style, engine.counts, on_steps=gauges_on_steps, model=model)
+        self.style = StyleMetrics(self.registry, style, engine.counts, on_steps=gauges_on_steps, model=model,
+                                  tokens_held=engine.tokens_held)
 
 
 class EngineServer:
@@ -132,10 +133,10 @@ class EngineServer:
 
     # -- engine thread callbacks ---------------------------------------------------------------
 
-    def _on_step(self, seconds: float, tokens: int) -> None:
+    def _on_step(self, seconds: float, tokens: int, prefilled: bool) -> None:
         self.metrics.step_seconds.observe(seconds)
         self.metrics.generation_tokens.inc(tokens)
-        self.metrics.style.step(tokens)
+        self.metrics.style.step(tokens, prefilled)
 
     def _on_finish(self, request: RequestHandle) -> None:
         self.tracing.work_ended(request)

@@ -11,7 +11,7 @@ verdicts can be checked against the truth log for every combination:
 | ``--metrics-names STYLE`` | running/waiting gauges, token counter and (where the engine has one) finished/aborted counter also under ``vllm``, ``sglang``, ``tgi`` or ``llamacpp`` names |
 | ``--send-spans`` | the HTTP server span gets ``http send`` sub-spans; the one that ends the response says so |
 | ``--one-at-a-time`` | one request is served at a time; the rest wait before the HTTP handler (llama.cpp ``-np 1``) |
-| ``--gauges-on-steps`` | the style's gauges change only when the engine steps (vLLM's: every request aborted at once leaves them at their last values) |
+| ``--gauges-on-steps`` | the style's gauges change only when the engine steps (vLLM's: every request aborted at once leaves them at their last values), or, for SGLang's, when it logs a batch: each prefill, every 40 decode steps, and idle every 30 s |
 | ``--duplicate-server-span`` | a second ASGI instrumentation adds a second SERVER span, child of the first, per request (FastAPI's own telemetry over a hand-added middleware) |
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,13 @@ MODEL_LABELS: dict[str, dict[str, str | None]] = {
     "vllm": {"engine": "0", "model_name": None},
     "sglang": {"model_name": None},
 }
+# Engines that publish their scheduler's gauges only when they log a batch: SGLang at each prefill
+# batch and every ``decode_log_interval`` (40) decode steps, and, idle, every 30 s (its scheduler's
+# memory check). With them go the series its log always moves while work runs: the KV tokens in use
+# and the generation throughput over the logged steps (0 when idle).
+LOGGED_EVERY_STEPS: dict[str, int] = {"sglang": 40}
+IDLE_LOG_S: dict[str, float] = {"sglang": 30.0}
+LOG_GAUGES: dict[str, tuple[str, str]] = {"sglang": ("sglang:num_used_tokens", "sglang:gen_throughput")}
 # Marks the send that ends the response (ASGI ``more_body`` false), so an observer can tell a
 # complete response from one the handler abandoned.
 ATTR_FINAL_SEND = "asgi.event.final"
@@ -67,27 +75,42 @@ class StyleMetrics:
     """Running/waiting gauges, a token counter and the finish counters named as ``style``'s engine names them."""
 
     def __init__(self, registry: CollectorRegistry, style: str, counts: Callable[[], tuple[int, int]], *,
-                 on_steps: bool = False, model: str = "ref-llm-1b") -> None:
+                 on_steps: bool = False, model: str = "ref-llm-1b",
+                 tokens_held: Callable[[], int] = lambda: 0) -> None:
         self.tokens: Counter | None = None
         self.tokens_per_request: Histogram | None = None
         self.finished: Counter | None = None
         self.aborted: Counter | None = None
         self.dropped: Counter | None = None
-        # on_steps: what the last step left, as vLLM publishes its scheduler's counts with each step
-        # (vLLM issues 22545, 29928: every request aborted at once leaves them at their last values).
+        # on_steps: what the last published step left, as vLLM publishes its scheduler's counts
+        # with each step (vLLM issues 22545, 29928: every request aborted at once leaves them at
+        # their last values), and SGLang with each logged batch (LOGGED_EVERY_STEPS).
         self._counts = counts
+        self._tokens_held = tokens_held
+        self._on_steps = on_steps
+        self._log_every = LOGGED_EVERY_STEPS.get(style, 1)
+        self._idle_log_s = IDLE_LOG_S.get(style)
         self._stepped = (0, 0)
+        self._steps = 0
+        self._logged: tuple[int, float] = (0, 0.0)  # (KV tokens in use, generation tokens/s) at the last log
+        self._logged_at = time.monotonic()
+        self._generated_since_log = 0
         if style not in METRIC_NAMES:
             return
         running, waiting, tokens = METRIC_NAMES[style]
-        shown: Callable[[], tuple[int, int]] = (lambda: self._stepped) if on_steps else counts
+        shown: Callable[[], tuple[int, int]] = self._published if on_steps else counts
         labels = MODEL_LABELS.get(style, {})  # vLLM and SGLang name the model served on their gauges
+        values = {label: model if value is None else value for label, value in labels.items()}
         for index, (name, text) in enumerate(((running, "Requests running (engine's own name)."),
                                               (waiting, "Requests waiting (engine's own name)."))):
             gauge = Gauge(name, text, list(labels), registry=registry)
-            series = gauge.labels(**{label: model if value is None else value for label, value in labels.items()}) \
-                if labels else gauge
+            series = gauge.labels(**values) if labels else gauge
             series.set_function(functools.partial(_count_of, shown, index))
+        for index, name in enumerate(LOG_GAUGES.get(style, ())):
+            gauge = Gauge(name, "What the scheduler's last log held (engine's own name).", list(labels),
+                          registry=registry)
+            series = gauge.labels(**values) if labels else gauge
+            series.set_function(functools.partial(self._log_value, index))
         if style in TOKEN_HISTOGRAMS:
             self.tokens_per_request = Histogram(tokens, "Generated tokens per request (engine's own name).",
                                                 buckets=(1, 4, 16, 64, 256, 1024, 4096), registry=registry)
@@ -104,10 +127,33 @@ class StyleMetrics:
             name, label, self._dropped_value = DROPPED_COUNTERS[style]
             self.dropped = Counter(name, "Failed requests by error (engine's own name).", [label], registry=registry)
 
-    def step(self, tokens: int) -> None:
-        self._stepped = self._counts()
+    def step(self, tokens: int, prefilled: bool = False) -> None:
+        """An engine step that generated ``tokens`` (``prefilled``: it ran a prefill)."""
+        self._steps += 1
+        self._generated_since_log += tokens
+        if not self._on_steps or prefilled or self._steps % self._log_every == 0:
+            self._log(idle=False)
         if self.tokens is not None:
             self.tokens.inc(tokens)
+
+    def _log(self, *, idle: bool) -> None:
+        now = time.monotonic()
+        rate = 0.0 if idle else self._generated_since_log / max(now - self._logged_at, 1e-6)
+        self._stepped = self._counts()
+        self._logged, self._logged_at, self._generated_since_log = (self._tokens_held(), rate), now, 0
+
+    def _published(self) -> tuple[int, int]:
+        """The counts the last log left; an idle engine logs again every IDLE_LOG_S."""
+        if self._idle_log_s is not None and time.monotonic() - self._logged_at >= self._idle_log_s:
+            self._log(idle=True)
+        return self._stepped
+
+    def _log_value(self, index: int) -> float:
+        if self._on_steps:
+            self._published()
+        else:  # read live: what a log now would hold
+            self._logged = (self._tokens_held(), self._logged[1])
+        return float(self._logged[index])
 
     def finish(self, reason: str, tokens: int = 0) -> None:
         """A request finished (``reason`` "abort": its client left and its work stopped)."""
