@@ -352,6 +352,26 @@ def test_orphans_past_the_grace_are_told_by_the_port_alone() -> None:
     assert loads.orphans_past(PORT, GRACE, read_by_ns=at(3.0)) == (0, at(2.0))
 
 
+def test_sglang_gauges_count_no_orphan_of_a_request_that_finished_before_its_log_was_shown() -> None:
+    """SGLang's gauges are its last log's (every 40 decode steps): the log at 1.01 s held the
+    request that finished and whose client left at 1.02 s, and the engine, idle, logs no more.
+    Its scrapes show that log from 1.1 s on; 0.7 s after the client left it is no orphan: the
+    clients that left since the scrape before the log was shown count against it."""
+    loads = EngineLoads()
+
+    def logged(seconds: float, held: int, log: int) -> EngineLoad:
+        load = listed_load(seconds, held=held, clients=0)
+        return EngineLoad(load.ts_ns, PORT, running=held, answered_ns=load.answered_ns, connections=(),
+                          connections_complete=True, style="sglang", step_tokens=float(log))
+    loads.add([logged(1.0, 1, 1)])
+    loads.note_departure(("127.0.0.1", 39999, PORT), at(1.02))
+    loads.add([logged(seconds / 10, 1, 2) for seconds in range(11, 19)])
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.5)) == (0, at(1.8))
+    # Logged after the client left (a log at 1.85 s still holding it): an orphan.
+    loads.add([logged(1.9, 1, 3)])
+    assert loads.orphans_past(PORT, GRACE, read_by_ns=at(3.0)) == (1, at(1.9))
+
+
 def test_an_orphan_whose_work_is_known_to_have_ended_leaves_the_count_at_once() -> None:
     """A zombie settled by its span (its work ended at 2.1 s) while the port's latest listed scrape
     (1.75 s) still holds it: the count drops with the span, not seconds later with a new listing.

@@ -112,3 +112,26 @@ def test_sglang_gauges_its_scheduler_stopped_logging_hold_nothing_after_a_log_in
     if last_log is not None:  # its work ended within one log interval after its last log
         ends = [(row.work_end_ns - T0) / S for row in rows]
         assert all(last_log <= end <= last_log + 0.5 for end in ends), ends
+
+
+def test_a_request_sglang_finished_as_its_client_closed_is_not_held_by_a_log_from_before(store: Store) -> None:
+    """SGLang's gauges are its last log's: a request that finished as its client closed (the close
+    racing the span's end) is still in the log made just before, which the first scrape after the
+    close shows; with no log after (the engine idle), it looked held after its client left, and
+    a completed request was judged a zombie. Only a log after a scrape that came after the close
+    says what it held then; none came, so its gauges cannot tell (unconfirmed)."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span("1", 0, 1.02, client=CLIENTS[0])])
+    store.insert_conn_events([close(1.0198, client=CLIENTS[0])])
+    logs = (0.4, 0.8, 1.01)  # running 1 at each; none after it finished at 1.02
+
+    def scrape(at: float) -> EngineLoad:
+        done = sum(1 for log in logs if log <= at)
+        return EngineLoad(ts_ns=T0 + int(at * S), server_port=SERVER_PORT, running=1 if done else 0,
+                          style="sglang", aborted=0.0, step_tokens=float(10 * done))
+    correlator.add_engine_load([scrape(i / 10) for i in range(3, 91)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == "unconfirmed", row.details

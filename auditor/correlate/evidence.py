@@ -535,7 +535,8 @@ class EngineLoads:
         with its work, is alarmed about from its gauges and the kernel.
 
         running - the clients listed connected - the clients that left from ``grace_ns`` before
-        the scrape to its answer (and a polled close's slack) - the orphans known to have ended
+        the scrape (before its log, where the engine logs its gauges: ``_shown_since``) to its
+        answer (and a polled close's slack) - the orphans known to have ended
         since the scrape (``work_ended``: without them the count would hold a zombie settled by its
         span until the port is listed again, up to ORPHANS_STALE_NS). Each client connected holds
         at most one request (HTTP/1.1, as the engines serve it), and a listing no client was
@@ -558,7 +559,7 @@ class EngineLoads:
                 continue
             closes = self._departures.get(port, _NO_TIMES)
             recent = bisect.bisect_right(closes, answered + ORPHANS_CLOSE_SLACK_NS) \
-                - bisect.bisect_right(closes, load.ts_ns - grace_ns - CLOCK_ERROR_NS)
+                - bisect.bisect_right(closes, self._shown_since(port, load) - grace_ns - CLOCK_ERROR_NS)
             return max(0, load.running - len(clients) - recent - self._ended_since(port, load.ts_ns, grace_ns)), \
                 load.ts_ns
         return None
@@ -607,6 +608,17 @@ class EngineLoads:
 
     def listed_ports(self) -> list[int]:
         return list(self._clients)
+
+    def _shown_since(self, port: int, load: EngineLoad) -> int:
+        """The earliest moment ``load``'s gauges may show: its own, but for an engine that sets
+        them when it logs a batch (LOGGED_STYLES), the scrape before the first that showed its log."""
+        if load.style not in LOGGED_STYLES:
+            return load.ts_ns
+        series = self._loads.get(port, [])
+        index = bisect.bisect_left(series, load.ts_ns, key=_TS)
+        while index > 0 and series[index - 1].step_tokens == load.step_tokens:
+            index -= 1
+        return series[index - 1].ts_ns if index > 0 else load.ts_ns
 
     def _scrape_at(self, port: int, ts_ns: int) -> EngineLoad | None:
         """The port's scrape taken at ``ts_ns`` (a listing's key), None where it is no longer kept."""
@@ -676,9 +688,19 @@ class EngineLoads:
         ended = self._untils_sorted.get(port, _NO_TIMES)
         packed = self._disconnects.get(port, {}).get(hash(request))
         own_until = None if packed is None else _unpair(packed)[1]
+        # An engine that sets its gauges when it logs a batch (SGLang, every 40 decode steps) shows,
+        # until its next log, what it held at its last: a request it finished before the client
+        # left is still in them. The log the first scrape after the close shows may have come
+        # before the close too (any time since the scrape before): only a later log, after a
+        # scrape that came after the close, says what it held after.
+        logged_before: tuple[float | None, ...] = ()
+        if series[after - 1].style in LOGGED_STYLES and after < len(series):
+            logged_before = (series[after - 1].step_tokens, series[after].step_tokens)
         for load in series[after:]:
             if load.ts_ns - connected_until_ns > HELD_ONE_MORE_WINDOW_NS:
                 return None, (before.ts_ns, load.ts_ns)
+            if load.step_tokens in logged_before:
+                continue
             load_end = load.answered_ns or load.ts_ns
             orphans = load.running + load.waiting - connected_at(load.ts_ns, load_end)
             held_before = base
