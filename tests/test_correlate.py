@@ -503,6 +503,33 @@ def test_http_spans_only_a_close_after_the_last_byte_takes_no_orphan_of_earlier_
         assert row.details["held_one_more"] is True
 
 
+def test_two_closes_as_responses_end_one_left_running_is_no_finding_for_the_other(store: Store) -> None:
+    """A proxy's upstream connections, one a request (nginx without keepalive): it closes each as
+    its client leaves or its response ends, and the engine's handler returns on the close. One
+    request was complete when its connection closed at 2.01 s, the other left its work running to
+    3.0 s when its own closed at 2.0 s; both spans ended with their closes. The engine held one
+    more after both: which one added it nothing tells. The first judged took the rise (a completed
+    request judged a zombie, 13 of 190 behind nginx) and the other's, its own, was untold."""
+    clock = Clock()
+    correlator = make(store, clock)
+    done, left = ("127.0.0.1", 40080), ("127.0.0.1", 40081)
+    store.insert_spans([http_span("d", 0.5, 2.0103, client=done), http_span("z", 0.6, 2.0003, span="6", client=left)])
+    store.insert_conn_events([close(2.01, client=done), close(2.0, client=left)])
+
+    def held(at: float) -> int:
+        return (0.5 <= at < 2.009) + (0.6 <= at < 3.0)
+    correlator.add_engine_load([load(0.25 * i, held(0.25 * i)) for i in range(1, 9)])  # to 2.0 s
+    clock.now = T0 + int(2.05 * S)
+    correlator.tick()  # no scrape after the closes yet: neither says
+    correlator.add_engine_load([load(0.25 * i, held(0.25 * i)) for i in range(9, 25)])
+    clock.now = T0 + 12 * S
+    correlator.tick()
+    correlator.tick()
+    rows = {r.client_port: r for r in verdicts(store)}
+    assert rows[done[1]].verdict not in ("zombie", "aborted", "inflight_zombie"), rows[done[1]].details
+    assert rows[left[1]].verdict in ("zombie", "unconfirmed"), rows[left[1]].details
+
+
 def run_late_cancel(store: Store, late_end: float, complete: Callable[[int], bool] | None = None) -> dict[int, Any]:
     """An earlier client left at 1.0 s and a late one at 2.0 s, its server's span ending at
     ``late_end``; the engine ran both on (to 3.0 and 2.6 s). ``complete(i)``: whether the kernel's

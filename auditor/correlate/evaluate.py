@@ -268,6 +268,10 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
         request.compared_ns = None if held is None else held[1]
         if held is None or not held[0]:
             corr.loads.unregister(port, request.key)
+            # Until known to have added none, it may have added an orphan where another's rise is
+            # asked: two clients that closed as their responses ended, one left its work running
+            # (a proxy's upstream connections, one a request), cannot both be told from the rise.
+            corr.loads.racing(port, request.key, until if held is None or held[0] is None else None)
             if held is None:  # no scrape after it that says yet: nothing is said of it
                 return ev.MetricsEnd(None, 0.0, 0, awaiting=True), port, disconnect, max(disconnect, hop.end_ns)
             (first, second), answered = held[1] or (disconnect, disconnect), max(disconnect, hop.end_ns)

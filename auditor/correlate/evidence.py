@@ -229,6 +229,10 @@ class EngineLoads:
         # span, as one number (``_pair``); two of the horizon's requests would have to share a
         # 64-bit hash for one to take the other's place.
         self._disconnects: dict[int, dict[int, int]] = defaultdict(dict)
+        # port -> {hash(request): connected until} of the leavers that may have closed after their
+        # last byte (``held_one_more``) whose own rise is not known to be none: no registered
+        # leaver, yet each may have added an orphan where another's rise is asked.
+        self._racers: dict[int, dict[int, int]] = defaultdict(dict)
         self._disconnect_times: dict[int, array[int]] = defaultdict(_times)  # port -> those disconnects, sorted
         self._connected_until: dict[int, array[int]] = defaultdict(_times)  # port -> their "until", alike
         self._untils_sorted: dict[int, array[int]] = defaultdict(_times)  # port -> those "until"s, sorted
@@ -376,6 +380,7 @@ class EngineLoads:
         span's end and the clock error), so no scrape before then counts it as an orphan too."""
         until = disconnect_ns - 1 if connected_until_ns is None else connected_until_ns
         key, registered = hash(request), _pair(disconnect_ns, until)
+        self.racing(port, request, None)
         packed = self._disconnects[port].get(key)
         if packed == registered:
             return
@@ -391,9 +396,20 @@ class EngineLoads:
         ended = self._untils_sorted[port]
         ended.insert(bisect.bisect_right(ended, until), until)
 
+    def racing(self, port: int, request: Hashable, connected_until_ns: int | None) -> None:
+        """``request``, a leaver that may have closed after its last byte, may have added an orphan
+        (its ``held_one_more`` not answered, or untold); None: it added none."""
+        if connected_until_ns is None:
+            racers = self._racers.get(port)
+            if racers:
+                racers.pop(hash(request), None)
+        else:
+            self._racers[port][hash(request)] = connected_until_ns
+
     def unregister(self, port: int, request: Hashable) -> None:
         """A registered request proved complete when its client left (kernel order, final send,
         span end): its work was done, so it owns no orphan and claims none before earlier leavers."""
+        self.racing(port, request, None)
         requests = self._disconnects.get(port)
         packed = None if requests is None else requests.pop(hash(request), None)
         if packed is not None:
@@ -686,8 +702,10 @@ class EngineLoads:
         base_arrived = arrived(before.ts_ns, before_end)
         listed = self._clients.get(port)
         ended = self._untils_sorted.get(port, _NO_TIMES)
-        packed = self._disconnects.get(port, {}).get(hash(request))
+        own = hash(request)
+        packed = self._disconnects.get(port, {}).get(own)
         own_until = None if packed is None else _unpair(packed)[1]
+        racers = self._racers.get(port)
         # An engine that sets its gauges when it logs a batch (SGLang, every 40 decode steps) shows,
         # until its next log, what it held at its last: a request it finished before the client
         # left is still in them. The log the first scrape after the close shows may have come
@@ -717,6 +735,9 @@ class EngineLoads:
             others = bisect.bisect_left(ended, load.ts_ns) - bisect.bisect_left(ended, before.ts_ns)
             if own_until is not None and before.ts_ns <= own_until < load.ts_ns:
                 others -= 1
+            if racers:  # others that may have closed after their last byte, their own rise unknown
+                others += sum(1 for key, until in racers.items()
+                              if key != own and before.ts_ns <= until < load.ts_ns)
             # Each registered other may have added one; each orphan of the first scrape may have ended.
             least_rise = orphans - (held_before + base_arrived)
             most_rise = orphans + arrived(load.ts_ns, load_end) - held_before
@@ -765,6 +786,11 @@ class EngineLoads:
 
     def prune(self, cutoff_ns: int, closes_cutoff_ns: int | None = None) -> None:
         closes_cutoff_ns = cutoff_ns if closes_cutoff_ns is None else max(cutoff_ns, closes_cutoff_ns)
+        for port, racers in list(self._racers.items()):
+            for key in [key for key, until in racers.items() if until < cutoff_ns]:
+                del racers[key]
+            if not racers:
+                del self._racers[port]
         for port, series in list(self._loads.items()):
             keep = bisect.bisect_left(series, cutoff_ns, key=_TS)
             del series[:keep]
