@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from auditor.correlate.evaluate import clock_dependent, evaluate
+from auditor.correlate.evaluate import SPAN_END_RACE_NS, clock_dependent, evaluate
 from auditor.correlate.evidence import (
     FINAL_SEND_ATTR,
     ORPHANS_LOOK_AGAIN_NS,
@@ -694,6 +694,10 @@ class Correlator:
         instant = disconnect_instant(span, disconnect.ts_ns, disconnect.earliest_ns)
         if instant != disconnect.ts_ns:
             disconnect = replace(disconnect, ts_ns=instant)
+        if span.server_port and span.start_ns <= instant and span.end_ns - instant <= SPAN_END_RACE_NS:
+            # It may have closed after its last byte: until its own evaluation says, it may have
+            # added an orphan where another's rise is asked in this round (EngineLoads.racing).
+            self.loads.racing(span.server_port, key, span.end_ns + CLOCK_ERROR_NS)
         self._open_request(key).add(disconnect)
 
     def _rejoin(self) -> None:

@@ -786,8 +786,8 @@ class EngineLoads:
 
     def prune(self, cutoff_ns: int, closes_cutoff_ns: int | None = None) -> None:
         closes_cutoff_ns = cutoff_ns if closes_cutoff_ns is None else max(cutoff_ns, closes_cutoff_ns)
-        for port, racers in list(self._racers.items()):
-            for key in [key for key, until in racers.items() if until < cutoff_ns]:
+        for port, racers in list(self._racers.items()):  # asked of only near their own close
+            for key in [key for key, until in racers.items() if until < closes_cutoff_ns]:
                 del racers[key]
             if not racers:
                 del self._racers[port]
