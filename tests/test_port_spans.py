@@ -171,7 +171,7 @@ def keep_alive_spans(answer_ends_after_ms: float, next_after_ms: float = 0.5) ->
 @pytest.mark.parametrize(("answer_ends_after_ms", "reset", "polled", "want"), [
     (0.065, False, False, 1),  # answered, next request sent, FIN at once: the next request's
     (0.065, True, False, 1),  # the same with a reset
-    (0.065, False, True, 0),  # a polled close: its instant unknown, the answer in flight in it
+    (0.065, False, True, 1),  # a polled close: the next request was sent before it, read after the poll
     (50, False, False, 0),  # the answer still going 50 ms after the close: the client left it
 ])
 def test_a_close_right_after_sending_the_next_request_is_the_next_requests(

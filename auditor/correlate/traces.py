@@ -175,11 +175,12 @@ def in_flight_among(items: Iterable[T], start: Callable[[T], int], running_at: C
                                                  events_at=events_at)
     if running:
         latest = max(running, key=start)
-        if unread and earliest_ns is None and not running_at(latest, ts_ns + NEXT_REQUEST_RACE_NS):
+        if unread and not running_at(latest, ts_ns + NEXT_REQUEST_RACE_NS):
             # A keep-alive client read the whole answer, sent its next request and left at once,
             # before the server had ended the answer's span: it left that next request, which the
             # server read after the close, and the answer was complete (an HTTP/1.1 client sends
-            # the next request only once it has read the last; none pipelines).
+            # the next request only once it has read the last; none pipelines). A polled close
+            # too: the server may read that request only after the poll that saw the close.
             return first
         return latest
     return first if unread else None
