@@ -431,4 +431,10 @@ def test_requests_the_target_refused_under_reset_cancels_are_errors(tmp_path: Pa
         assert result.returncode == 3 and summary["gate"] == "inconclusive", (summary, result.stderr)
         return
     assert result.returncode == 4 and summary["gate"] == "unsound", (summary, result.stderr)
-    assert set(summary["verdicts"]) == {"completed"} and set(summary["evidence"]["completed"]) == {"refused"}, summary
+    # A refusal the client read before its timer fired is its own error (HTTP 404, no cancel to
+    # judge: seen once in CI, the answer beat the reset); one the reset cut short is judged by its
+    # span: completed, refused, and counted an error (HTTP 4xx).
+    assert set(summary["error_kinds"]) <= {"HTTP 404", "HTTP 4xx"}, summary
+    assert set(summary["verdicts"]) <= {"completed"}, summary
+    assert set(summary["evidence"].get("completed", {})) <= {"refused"}, summary
+    assert summary["verdicts"].get("completed", 0) <= summary["errors"], summary
