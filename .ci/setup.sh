@@ -129,6 +129,23 @@ if [ "$extras" = dev ] && [ ! -x "$venv/bin/promtool" ] && command -v apt-get >/
     rm -rf "$scratch"
 fi
 
+# nginx for the tests behind a real proxy (tests/nginx.py): the one binary, from the distribution's
+# package, not the package itself (whose install starts a web server on port 80).
+if [ "$extras" = dev ] && [ ! -x "$venv/bin/nginx" ] && ! command -v nginx >/dev/null 2>&1 \
+        && [ ! -x /usr/sbin/nginx ] && command -v apt-get >/dev/null 2>&1; then
+    scratch=$(mktemp -d)
+    for package in nginx nginx-core nginx-light; do
+        if (cd "$scratch" && apt-get download -qq "$package" 2>/dev/null) \
+                && dpkg-deb --fsys-tarfile "$scratch"/"$package"_*.deb | tar -xO ./usr/sbin/nginx > "$scratch/nginx" 2>/dev/null \
+                && [ -s "$scratch/nginx" ]; then
+            install -m 755 "$scratch/nginx" "$venv/bin/nginx"
+            break
+        fi
+    done
+    [ -x "$venv/bin/nginx" ] || say "could not fetch nginx (the distribution's nginx package): the tests behind nginx will skip"
+    rm -rf "$scratch"
+fi
+
 if ! "$venv/bin/python" -c 'import collectors._otlp_wire, collectors._normalize' 2>/dev/null; then
     say "the compiled OTLP reader or record builder was not built (no C compiler or Python headers?): spans are read and built in slower Python"
 fi
