@@ -8,7 +8,7 @@ engine span, vLLM's /metrics names). Prints one line per cell: false findings (c
 judged zombie or aborted) and how the cancels were judged, side by side.
 
 Usage: .venv/bin/python bench/behind_nginx.py [--runs 1] [--variant nokeep ...] [--source bpf ...]
-                                              [--behavior detached ...] [--details]
+                                              [--behavior detached ...] [--span-delay-ms 5000] [--details]
 Needs nginx (`make setup` takes the binary from Debian's package) and, for the eBPF source, root.
 """
 
@@ -32,6 +32,8 @@ def main() -> int:
     parser.add_argument("--source", action="append", choices=("bpf", "procfs"), help="disconnect source (repeatable)")
     parser.add_argument("--behavior", action="append", choices=("detached", "abort"), help="engine (repeatable)")
     parser.add_argument("--runs", type=int, default=1, help="runs a cell, each with its own engine, daemon and nginx")
+    parser.add_argument("--span-delay-ms", type=int, default=None, metavar="MS",
+                        help="the engine's span export delay (vLLM keeps the OpenTelemetry SDK's 5000) [default: 200]")
     parser.add_argument("--details", action="store_true", help="print what the truth contradicts, per run")
     args = parser.parse_args()
     if find_nginx() is None:
@@ -46,7 +48,8 @@ def main() -> int:
             print(f"[{number}/{len(cells)}] {variant} {source} {behavior}: run {run + 1} of {args.runs}",
                   file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory(prefix="behind-nginx-") as tmp:
-                rows, truths, actions = run_behind_nginx(Path(tmp), variant, source, behavior)
+                rows, truths, actions = run_behind_nginx(Path(tmp), variant, source, behavior,
+                                                         span_delay_ms=args.span_delay_ms)
             tally, problems = against_truth(rows, truths)
             tally["client errors"] += sum(1 for action in actions if action.error)
             total += tally
@@ -54,7 +57,8 @@ def main() -> int:
                 for line in problems:
                     print(f"    {variant} {source} {behavior} run {run + 1}: {line}")
         totals[(variant, source, behavior)] = total
-    print(f"\n{args.runs} run(s) a cell; plain clients, no engine span, vLLM's /metrics names")
+    delay = "" if args.span_delay_ms is None else f", spans exported every {args.span_delay_ms} ms"
+    print(f"\n{args.runs} run(s) a cell; plain clients, no engine span, vLLM's /metrics names{delay}")
     print(f"{'nginx':<10} {'source':<7} {'engine':<9} {'false findings':>16} {'cancels':>8} {'right':>6} "
           f"{'unconf.':>8} {'otherwise':>10} {'no verdict':>11}")
     grand: Counter[str] = Counter()

@@ -251,14 +251,18 @@ SETTINGS = {"probe.poll_hz": 20, "correlate.late_span_seconds": 10.0, "engine_me
 
 
 def run_behind_nginx(tmp: Path, variant: str, source: str, behavior: str, *, engine_span: str = "none",
-                     metrics_names: str = "vllm", timeout_s: float = 60.0
+                     metrics_names: str = "vllm", span_delay_ms: int | None = None, timeout_s: float = 60.0
                      ) -> tuple[list[VerdictRow], list[dict[str, Any]], list[Action]]:
     """The daemon watching the engine's port, nginx in front, ``plan()`` sent to nginx: once every
-    verdict has settled, the verdicts, the engine's truth records and the actions (their errors)."""
+    verdict has settled, the verdicts, the engine's truth records and the actions (their errors).
+    ``span_delay_ms``: how long the engine's spans wait to be exported (the OpenTelemetry SDK's
+    default, which vLLM keeps, is 5000; the reference engine's 200)."""
+    env = None if span_delay_ms is None else {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": str(span_delay_ms)}
     with running_daemon(tmp, **{"probe.source": source, **SETTINGS}) as daemon, \
             running_engine(behavior=behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}",
                            truth_log=tmp / "truth.jsonl", step_ms=10, max_batch=16,
-                           extra_args=["--engine-span", engine_span, "--metrics-names", metrics_names]) as engine:
+                           extra_args=["--engine-span", engine_span, "--metrics-names", metrics_names],
+                           env=env) as engine:
         daemon.set_ports({engine.port})
         with nginx_proxy(tmp / "nginx", variant, engine.port) as port:
             actions = plan()
