@@ -23,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.nginx import VARIANTS, against_truth, find_nginx, run_behind_nginx
+from tests.e2e import tally_against_truth
+from tests.nginx import VARIANTS, find_nginx, run_behind_nginx
 
 
 def main() -> int:
@@ -50,7 +51,7 @@ def main() -> int:
             with tempfile.TemporaryDirectory(prefix="behind-nginx-") as tmp:
                 rows, truths, actions = run_behind_nginx(Path(tmp), variant, source, behavior,
                                                          span_delay_ms=args.span_delay_ms)
-            tally, problems = against_truth(rows, truths)
+            tally, problems = tally_against_truth(rows, truths)
             tally["client errors"] += sum(1 for action in actions if action.error)
             total += tally
             if args.details:

@@ -24,9 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from replay.engine.launch import running_engine
-from tests.e2e import cancel_after, complete, expected_verdict, running_daemon, verdict_rows
-
-FINDINGS = ("zombie", "inflight_zombie", "aborted")
+from tests.e2e import (
+    FINDINGS,
+    cancel_after,
+    complete,
+    expected_verdict,
+    running_daemon,
+    verdict_rows,
+)
 
 
 def one_run(args: argparse.Namespace) -> Counter[str]:

@@ -7,7 +7,8 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from auditor.store import VerdictRow
 from replay.engine.truth import expected_verdict as truth_verdict
 
 GRACE_S = 0.5
+FINDINGS = ("zombie", "inflight_zombie", "aborted")
 
 
 @contextmanager
@@ -155,10 +157,52 @@ def against_truth(rows: dict[int, VerdictRow], truths: dict[int, dict[str, Any]]
     problems = []
     for port, row in rows.items():
         if port not in left:
-            if row.verdict in ("aborted", "zombie", "inflight_zombie"):
+            if row.verdict in FINDINGS:
                 problems.append(f"{port}: {row.verdict} for a completed request ({row.details})")
             continue
         want = expected_verdict(truths[port])
         if row.verdict != want and not (unconfirmed_ok and row.verdict == "unconfirmed"):
             problems.append(f"{port}: {row.verdict}, truth {want} ({row.details})")
     return problems
+
+
+def tally_against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]]) -> tuple[Counter[str], list[str]]:
+    """For plain clients on shared connections (a proxy's upstream pool, an SDK's): each verdict
+    matched to the truth record on its client port that arrived nearest its start;
+    the tally (completed, false findings, cancels, cancels right / unconfirmed / judged otherwise /
+    without a verdict, rows without truth) and a line for each thing the truth contradicts."""
+    by_port: dict[int, list[dict[str, Any]]] = {}
+    for truth in truths:
+        by_port.setdefault(truth.get("client_port") or 0, []).append(truth)
+    matched: dict[int, list[VerdictRow]] = {}
+    tally: Counter[str] = Counter()
+    problems: list[str] = []
+    for row in rows:
+        candidates = by_port.get(row.client_port or 0)
+        if not candidates:
+            tally["rows without truth"] += 1
+            problems.append(f"port {row.client_port}: {row.verdict} with no request on that port ({row.details})")
+            continue
+        nearest = min(candidates, key=lambda truth: abs(truth["arrival_at"] - row.request_start_ns))
+        matched.setdefault(id(nearest), []).append(row)
+    for truth in truths:
+        found = matched.get(id(truth), [])
+        port, want = truth.get("client_port"), expected_verdict(truth) if truth.get("disconnect_at") else "completed"
+        if want == "completed":
+            tally["completed"] += 1
+            wrong = [row for row in found if row.verdict in FINDINGS]
+            tally["false findings"] += bool(wrong)
+            problems += [f"port {port}: {row.verdict} for a completed request ({row.details})" for row in wrong]
+            continue
+        tally["cancels"] += 1
+        if not found:
+            tally["cancels without a verdict"] += 1
+            problems.append(f"port {port}: no verdict for a request whose client left (truth {want})")
+        elif found[0].verdict == want:
+            tally["cancels right"] += 1
+        elif found[0].verdict == "unconfirmed":
+            tally["cancels unconfirmed"] += 1
+        else:
+            tally["cancels judged otherwise"] += 1
+            problems.append(f"port {port}: {found[0].verdict}, truth {want} ({found[0].details})")
+    return tally, problems

@@ -18,7 +18,6 @@ import struct
 import subprocess
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,15 +27,12 @@ from typing import Any
 from auditor.store import VerdictRow
 from replay.engine.launch import running_engine
 from tests.e2e import (
-    expected_verdict,
     read_response,
     running_daemon,
     send_request,
     verdict_rows,
     wait_for,
 )
-
-FINDINGS = ("zombie", "inflight_zombie", "aborted")
 
 # The configs users copy for an OpenAI-compatible server, as the upstream block and location lines.
 VARIANTS = {
@@ -202,48 +198,6 @@ def run_plan(port: int, actions: Sequence[Action]) -> None:
         thread.start()
     for thread in threads:
         thread.join(60)
-
-
-# -- against the truth log -----------------------------------------------------------------------
-def against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]]) -> tuple[Counter[str], list[str]]:
-    """Each verdict matched to the truth record on its client port that arrived nearest its start;
-    the tally (completed, false findings, cancels, cancels right / unconfirmed / judged otherwise /
-    without a verdict, rows without truth) and a line for each thing the truth contradicts."""
-    by_port: dict[int, list[dict[str, Any]]] = {}
-    for truth in truths:
-        by_port.setdefault(truth.get("client_port") or 0, []).append(truth)
-    matched: dict[int, list[VerdictRow]] = {}
-    tally: Counter[str] = Counter()
-    problems: list[str] = []
-    for row in rows:
-        candidates = by_port.get(row.client_port or 0)
-        if not candidates:
-            tally["rows without truth"] += 1
-            problems.append(f"port {row.client_port}: {row.verdict} with no request on that port ({row.details})")
-            continue
-        nearest = min(candidates, key=lambda truth: abs(truth["arrival_at"] - row.request_start_ns))
-        matched.setdefault(id(nearest), []).append(row)
-    for truth in truths:
-        found = matched.get(id(truth), [])
-        port, want = truth.get("client_port"), expected_verdict(truth) if truth.get("disconnect_at") else "completed"
-        if want == "completed":
-            tally["completed"] += 1
-            wrong = [row for row in found if row.verdict in FINDINGS]
-            tally["false findings"] += bool(wrong)
-            problems += [f"port {port}: {row.verdict} for a completed request ({row.details})" for row in wrong]
-            continue
-        tally["cancels"] += 1
-        if not found:
-            tally["cancels without a verdict"] += 1
-            problems.append(f"port {port}: no verdict for a request whose client left (truth {want})")
-        elif found[0].verdict == want:
-            tally["cancels right"] += 1
-        elif found[0].verdict == "unconfirmed":
-            tally["cancels unconfirmed"] += 1
-        else:
-            tally["cancels judged otherwise"] += 1
-            problems.append(f"port {port}: {found[0].verdict}, truth {want} ({found[0].details})")
-    return tally, problems
 
 
 # -- one run -------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.nginx import against_truth, find_nginx, run_behind_nginx
+from tests.e2e import tally_against_truth
+from tests.nginx import find_nginx, run_behind_nginx
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(find_nginx() is None, reason="nginx not found: run `make setup` as root")]
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.slow,
 def test_verdicts_behind_nginx_match_truth(tmp_path: Path, variant: str, source: str) -> None:
     rows, truths, actions = run_behind_nginx(tmp_path, variant, source, "detached")
     assert not [action for action in actions if action.error], [action.error for action in actions]
-    tally, problems = against_truth(rows, truths)
+    tally, problems = tally_against_truth(rows, truths)
     # The plan's 15 requests that complete all reach the engine; of its 8 leavers, those that left
     # within 15 ms may be gone before nginx forwarded them (no truth record, nothing to judge).
     assert tally["completed"] == 15, tally
