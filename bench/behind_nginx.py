@@ -9,6 +9,7 @@ judged zombie or aborted) and how the cancels were judged, side by side.
 
 Usage: .venv/bin/python bench/behind_nginx.py [--runs 1] [--variant nokeep ...] [--source bpf ...]
                                               [--behavior detached ...] [--span-delay-ms 5000] [--details]
+                                              [--engine-span none] [--metrics-names vllm] [--engine-flag F]
 Needs nginx (`make setup` takes the binary from Debian's package) and, for the eBPF source, root.
 """
 
@@ -33,6 +34,10 @@ def main() -> int:
     parser.add_argument("--source", action="append", choices=("bpf", "procfs"), help="disconnect source (repeatable)")
     parser.add_argument("--behavior", action="append", choices=("detached", "abort"), help="engine (repeatable)")
     parser.add_argument("--runs", type=int, default=1, help="runs a cell, each with its own engine, daemon and nginx")
+    parser.add_argument("--engine-span", default="none", help="the engine's --engine-span (none, llm_request, genai)")
+    parser.add_argument("--metrics-names", default="vllm", help="the engine's --metrics-names (vllm, sglang, tgi, ...)")
+    parser.add_argument("--engine-flag", action="append", default=[], metavar="FLAG",
+                        help="another flag for the engine, e.g. --engine-flag=--gauges-on-steps (repeatable)")
     parser.add_argument("--span-delay-ms", type=int, default=None, metavar="MS",
                         help="the engine's span export delay (vLLM keeps the OpenTelemetry SDK's 5000) [default: 200]")
     parser.add_argument("--details", action="store_true", help="print what the truth contradicts, per run")
@@ -50,7 +55,8 @@ def main() -> int:
                   file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory(prefix="behind-nginx-") as tmp:
                 rows, truths, actions = run_behind_nginx(Path(tmp), variant, source, behavior,
-                                                         span_delay_ms=args.span_delay_ms)
+                                                         engine_span=args.engine_span, metrics_names=args.metrics_names,
+                                                         engine_flags=args.engine_flag, span_delay_ms=args.span_delay_ms)
             tally, problems = tally_against_truth(rows, truths)
             tally["client errors"] += sum(1 for action in actions if action.error)
             total += tally
@@ -59,7 +65,9 @@ def main() -> int:
                     print(f"    {variant} {source} {behavior} run {run + 1}: {line}")
         totals[(variant, source, behavior)] = total
     delay = "" if args.span_delay_ms is None else f", spans exported every {args.span_delay_ms} ms"
-    print(f"\n{args.runs} run(s) a cell; plain clients, no engine span, vLLM's /metrics names{delay}")
+    flags = "".join(" " + flag for flag in args.engine_flag)
+    print(f"\n{args.runs} run(s) a cell; plain clients, engine span {args.engine_span}, "
+          f"{args.metrics_names} /metrics names{flags}{delay}")
     print(f"{'nginx':<10} {'source':<7} {'engine':<9} {'false findings':>16} {'cancels':>8} {'right':>6} "
           f"{'unconf.':>8} {'otherwise':>10} {'no verdict':>11}")
     grand: Counter[str] = Counter()

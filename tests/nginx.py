@@ -205,7 +205,8 @@ SETTINGS = {"probe.poll_hz": 20, "correlate.late_span_seconds": 10.0, "engine_me
 
 
 def run_behind_nginx(tmp: Path, variant: str, source: str, behavior: str, *, engine_span: str = "none",
-                     metrics_names: str = "vllm", span_delay_ms: int | None = None, timeout_s: float = 60.0
+                     metrics_names: str = "vllm", engine_flags: Sequence[str] = (), span_delay_ms: int | None = None,
+                     timeout_s: float = 60.0
                      ) -> tuple[list[VerdictRow], list[dict[str, Any]], list[Action]]:
     """The daemon watching the engine's port, nginx in front, ``plan()`` sent to nginx: once every
     verdict has settled, the verdicts, the engine's truth records and the actions (their errors).
@@ -215,7 +216,7 @@ def run_behind_nginx(tmp: Path, variant: str, source: str, behavior: str, *, eng
     with running_daemon(tmp, **{"probe.source": source, **SETTINGS}) as daemon, \
             running_engine(behavior=behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}",
                            truth_log=tmp / "truth.jsonl", step_ms=10, max_batch=16,
-                           extra_args=["--engine-span", engine_span, "--metrics-names", metrics_names],
+                           extra_args=["--engine-span", engine_span, "--metrics-names", metrics_names, *engine_flags],
                            env=env) as engine:
         daemon.set_ports({engine.port})
         with nginx_proxy(tmp / "nginx", variant, engine.port) as port:
