@@ -257,6 +257,41 @@ def test_a_leaving_that_adds_no_orphan_is_told_from_one_that_does() -> None:
     assert held_one_more(both, "C", 1.3, 1.3005, spans) == (True, (at(1.2), at(1.4)))  # its own is no other
 
 
+def test_a_logged_engine_reads_its_gauges_as_of_any_moment_since_its_log() -> None:
+    """SGLang's gauges are its last log's. Behind nginx without upstream keepalive each upstream
+    connection closes as its answer ends: Y's request completed at 1.449 s and closed at 1.45 s,
+    after the log of 1.42 s that held it; the scrape of 1.5 s shows that log. D's client closed at
+    1.3 s after its last byte (its work ended at 1.29 s); L runs on, connected. Y is connected at
+    every moment since that log may show, so no orphan: D's leaving added none. C, cancelled at the
+    same moment and run on to 2.0 s, did add one."""
+    logs = [0.0, 0.42, 0.82, 1.22, 1.42, 1.82, 2.22, 2.62]
+
+    def logged(runs: dict[str, tuple[float, float]]) -> EngineLoads:
+        loads = EngineLoads()
+        for tenth in range(31):
+            log = max(i for i, when in enumerate(logs) if when <= tenth / 10)
+            held = sum(1 for start, end in runs.values() if start <= logs[log] < end)
+            loads.add([EngineLoad(at(tenth / 10), PORT, running=held, style="sglang", step_tokens=float(log))])
+        return loads
+    spans = {"L": (0.0, 3.0), "Y": (0.5, 1.45), "D": (0.8, 1.3005)}
+    finished = logged({"L": (0.0, 3.0), "Y": (0.5, 1.449), "D": (0.8, 1.29)})
+    assert held_one_more(finished, "D", 1.3, 1.3005, spans) == (False, (at(1.2), at(1.5)))
+    cancelled = logged({"L": (0.0, 3.0), "Y": (0.5, 1.449), "C": (0.8, 2.0)})
+    assert held_one_more(cancelled, "C", 1.3, 1.3005, {"L": spans["L"], "Y": spans["Y"], "C": spans["D"]}) \
+        == (True, (at(1.2), at(1.5)))
+    # N's request arrived at 1.1 s, after the log of 0.82 s the scrape of 1.2 s shows: connected
+    # there but not in its gauges. Counted held there, the log of 1.42 s (L and N) would have
+    # risen by one with D's leaving. As of the log, neither held nor connected: no rise.
+    spans = {"L": (0.0, 3.0), "N": (1.1, 3.0), "D": (0.8, 1.3005)}
+    late = logged({"L": (0.0, 3.0), "N": (1.1, 3.0), "D": (0.8, 1.29)})
+
+    def arrived(start_ns: int, end_ns: int) -> int:
+        return sum(1 for first, _ in spans.values() if start_ns < at(first) <= end_ns + CLOCK_ERROR)
+    assert late.held_one_more(PORT, "D", at(1.3), at(0.8), at(1.3005) + CLOCK_ERROR, connected_counter(spans),
+                              arrived, lambda load, clients, read_before: 0, no_within_ns=GRACE) \
+        == (False, (at(1.2), at(1.5)))
+
+
 def test_a_leaving_is_compared_with_a_scrape_that_says_and_none_before_it_says_yes() -> None:
     spans = {"Z": (0.0, 0.5005), "C": (0.8, 1.3005)}
     loads = scraped({"Z": (0.0, 2.5), "C": (0.8, 2.4)})
