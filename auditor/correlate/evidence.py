@@ -640,11 +640,13 @@ class EngineLoads:
         """When the gauges ``load`` shows were set: as it was read (sent to answered), but for an
         engine that sets them when it logs a batch (LOGGED_STYLES), at its log, between the scrape
         before the first that showed it and that first one. Read against the requests connected
-        as it was read, a logged engine's gauges lose those that completed and closed since its
-        log (still in them) and gain those that arrived since (not yet in them): behind a proxy
-        that closes each upstream connection as its answer ends, such closes come in bursts, each
-        read as one orphan more, and completed requests were judged zombies (bench/behind_nginx.py
-        on SGLang's cadence: 7 of 90)."""
+        as it was read, a logged engine's gauges hold requests that completed and closed since its
+        log: behind a proxy that closes each upstream connection as its answer ends, such closes
+        come in bursts, each read as one orphan more, and completed requests were judged zombies
+        (bench/behind_nginx.py on SGLang's cadence: 7 of 90). ``held_one_more`` reads its later
+        scrapes so; the earlier one it compares with is read as it was read: the leavers' own
+        arrivals are often in that one's log interval, and counted maybe held there they left
+        leavers that closed together without an answer (tests/test_evidence_e2e.py)."""
         if load.style not in LOGGED_STYLES:
             return load.ts_ns, load.answered_ns or load.ts_ns
         series = self._loads.get(port, [])
@@ -715,9 +717,9 @@ class EngineLoads:
         if index < 0:
             return True, None
         before = series[index]
-        before_from, before_end = self._set_between(port, before)
-        base = before.running + before.waiting - connected_at(before_from, before_end)
-        base_arrived = arrived(before_from, before_end)
+        before_end = before.answered_ns or before.ts_ns
+        base = before.running + before.waiting - connected_at(before.ts_ns, before_end)
+        base_arrived = arrived(before.ts_ns, before_end)
         listed = self._clients.get(port)
         ended = self._untils_sorted.get(port, _NO_TIMES)
         own = hash(request)
