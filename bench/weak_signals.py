@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from replay.engine.launch import running_engine
 from tests.e2e import (
-    FINDINGS,
     cancel_after,
     complete,
     expected_verdict,
     running_daemon,
+    tally_against_truth,
     verdict_rows,
 )
 
@@ -58,9 +58,9 @@ def one_run(args: argparse.Namespace) -> Counter[str]:
                 thread.join()
             print(f"waiting {args.settle_s:g} s for the verdicts", file=sys.stderr)
             time.sleep(args.settle_s)
-            rows = {row.client_port: row for row in verdict_rows(daemon)}
+            judged = verdict_rows(daemon)
             truths = engine.truth()
-    tally: Counter[str] = Counter()
+    rows = {row.client_port: row for row in judged}
     print(f"{'request':<14} {'client port':<12} {'verdict':<16} {'decided by':<16} truth")
     for truth in truths:
         request_id = truth["request_id"].removeprefix("cmpl-")
@@ -70,15 +70,7 @@ def one_run(args: argparse.Namespace) -> Counter[str]:
         print(f"{request_id[:14]:<14} {truth.get('client_port')!s:<12} {verdict:<16} {(row.details.get('evidence') if row else '-') or '-':<16} {want}")
         if args.details and row is not None:
             print(f"    {row.details}")
-        if want == "completed":
-            tally["completed"] += 1
-            tally["false findings"] += verdict in FINDINGS
-        else:
-            tally["cancels"] += 1
-            tally["cancels without a verdict"] += row is None
-            tally["cancels right"] += verdict == want
-            tally["cancels unconfirmed"] += verdict == "unconfirmed"
-            tally["cancels judged otherwise"] += row is not None and verdict not in (want, "unconfirmed")
+    tally, _ = tally_against_truth(judged, truths)
     print(f"false findings {tally['false findings']}; cancels without a verdict "
           f"{tally['cancels without a verdict']}, judged otherwise {tally['cancels judged otherwise']}, "
           f"unconfirmed {tally['cancels unconfirmed']}")

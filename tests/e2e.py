@@ -112,6 +112,13 @@ def complete(port: int, **request: Any) -> threading.Thread:
     return thread
 
 
+def free_port() -> int:
+    """A loopback port free as asked (another process may take it before it is bound)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def verdict_rows(daemon: Daemon) -> list[VerdictRow]:
     with daemon.store.session() as session:
         return list(session.scalars(select(VerdictRow)))
@@ -124,6 +131,14 @@ def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.1) -> bool:
             return True
         time.sleep(interval_s)
     return bool(predicate())
+
+
+def leavers_settled(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]]) -> bool:
+    """Every request the truth log says its client left has a verdict on its client port, and no
+    verdict is provisional (for plain clients, matched by client port)."""
+    judged = {row.client_port for row in rows}
+    return (all(truth["client_port"] in judged for truth in truths if truth.get("disconnect_at"))
+            and not any(row.details.get("provisional") for row in rows))
 
 
 def expected_verdict(truth: dict[str, Any], grace_s: float = GRACE_S) -> str:

@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import threading
 import time
@@ -27,6 +26,9 @@ from typing import Any
 from auditor.store import VerdictRow
 from replay.engine.launch import running_engine
 from tests.e2e import (
+    disconnect,
+    free_port,
+    leavers_settled,
     read_response,
     running_daemon,
     send_request,
@@ -84,12 +86,6 @@ def find_nginx() -> Path | None:
     return beside if beside.exists() else None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def nginx_proxy(base: Path, variant: str, upstream_port: int) -> Iterator[int]:
     """nginx proxying 127.0.0.1:<port it yields> to the engine, its files under ``base``."""
@@ -98,7 +94,7 @@ def nginx_proxy(base: Path, variant: str, upstream_port: int) -> Iterator[int]:
         raise RuntimeError("nginx not found; run `make setup` as root (it takes the binary from Debian's package)")
     keepalive, buffering = VARIANTS[variant]
     base.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     config = base / "nginx.conf"
     config.write_text(_CONFIG.format(base=base, upstream_port=upstream_port, port=port, keepalive=keepalive,
                                      buffering=buffering))
@@ -158,14 +154,14 @@ class Action:
                 except TimeoutError:
                     continue
             if self.leave == "rst":
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            else:
-                sock.setblocking(False)  # drain: a close with unread data would send a reset
-                try:
-                    while sock.recv(65536):
-                        pass
-                except OSError:
+                disconnect(sock, "rst")
+                return
+            sock.setblocking(False)  # drain: a close with unread data would send a reset
+            try:
+                while sock.recv(65536):
                     pass
+            except OSError:
+                pass
             sock.close()
         except OSError as exc:
             self.error = repr(exc)
@@ -229,13 +225,10 @@ def run_behind_nginx(tmp: Path, variant: str, source: str, behavior: str, *, eng
         seen = {"count": -1, "since": time.monotonic()}
 
         def settled() -> bool:
-            truths, rows = engine.truth(), verdict_rows(daemon)
+            truths = engine.truth()
             if len(truths) != seen["count"]:
                 seen["count"], seen["since"] = len(truths), time.monotonic()
-            judged = {row.client_port for row in rows}
-            return (time.monotonic() - seen["since"] >= 2.0
-                    and all(t["client_port"] in judged for t in truths if t.get("disconnect_at"))
-                    and not any(row.details.get("provisional") for row in rows))
+            return time.monotonic() - seen["since"] >= 2.0 and leavers_settled(verdict_rows(daemon), truths)
 
         wait_for(settled, timeout_s=timeout_s, interval_s=0.25)
         time.sleep(1.0)  # anything that would still change them

@@ -13,7 +13,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import pytest
 from replay.client import RequestPlan, run_load
 from replay.engine.launch import running_engine
 from tests.cgroups import CgroupsUnavailable, Limits, limited
-from tests.e2e import GRACE_S, cancel_after, expected_verdict, wait_for
+from tests.e2e import GRACE_S, cancel_after, expected_verdict, free_port, wait_for
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
@@ -44,12 +43,6 @@ def unit_limits() -> tuple[int, float]:
     cpu = re.search(r"^CPUQuota=(\d+)%$", text, re.M)
     assert memory and cpu, "the unit sets no MemoryMax=<n>[KMG] and CPUQuota=<n>%"
     return int(memory.group(1)) * SIZES[memory.group(2)], float(cpu.group(1))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def serving(port: int) -> bool:

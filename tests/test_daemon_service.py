@@ -16,15 +16,9 @@ from sqlalchemy import func, select
 
 from auditor.store import CoverageRow, Store, VerdictRow
 from replay.engine.launch import running_engine
-from tests.e2e import cancel_after, wait_for
+from tests.e2e import cancel_after, free_port, wait_for
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_daemon(db: str, engine_port: int, otlp_port: int, metrics_port: int, notify: Path) -> subprocess.Popen[bytes]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from probes.caps import UNIT_CAPABILITIES
-from tests.e2e import wait_for
+from tests.e2e import free_port, wait_for
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) not installed")]
@@ -40,12 +40,6 @@ def unit_capabilities() -> str:
     names = line.group(1).split()
     assert " ".join(names) == UNIT_CAPABILITIES
     return ",".join("+" + name.removeprefix("CAP_").lower() for name in names)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def metrics(port: int) -> str:

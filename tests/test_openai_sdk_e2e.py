@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from replay.engine.launch import running_engine
-from tests.e2e import running_daemon, tally_against_truth, verdict_rows, wait_for
+from tests.e2e import leavers_settled, running_daemon, tally_against_truth, verdict_rows, wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -81,14 +81,8 @@ def test_requests_the_openai_sdk_gave_up_on_match_truth(tmp_path: Path, source: 
         truths = engine.wait_for_truth(completed + given_up, timeout=30)
         assert len(truths) == completed + given_up, truths
 
-        def settled() -> bool:
-            rows = verdict_rows(daemon)
-            judged = {row.client_port for row in rows}
-            return (all(t["client_port"] in judged for t in truths if t.get("disconnect_at"))
-                    and not any(row.details.get("provisional") for row in rows))
-
-        assert wait_for(settled, timeout_s=40, interval_s=0.25), [(r.client_port, r.verdict, r.details)
-                                                                  for r in verdict_rows(daemon)]
+        assert wait_for(lambda: leavers_settled(verdict_rows(daemon), truths), timeout_s=40, interval_s=0.25), \
+            [(r.client_port, r.verdict, r.details) for r in verdict_rows(daemon)]
         time.sleep(1.0)  # anything that would still change them
         tally, problems = tally_against_truth(verdict_rows(daemon), truths)
     assert tally["completed"] == completed and tally["cancels"] == given_up, (tally, truths)

@@ -34,15 +34,10 @@ from replay.capture import export_capture as export
 from replay.client import KeptConnections, RequestOutcome, RequestPlan, run_load
 from replay.engine.launch import running_engine
 from replay.run import ReplayOptions, plan_replay, resolve_baseline
+from tests.e2e import free_port
 from tests.test_correlate import T0, S, engine_span, http_span
 
 REPLAY_SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "replay.schema.json").read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def auditor(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:

@@ -630,29 +630,29 @@ class EngineLoads:
         them when it logs a batch (LOGGED_STYLES), the scrape before the first that showed its log."""
         if load.style not in LOGGED_STYLES:
             return load.ts_ns
+        series, index = self._first_showing(port, load)
+        return series[index - 1].ts_ns if index > 0 else load.ts_ns
+
+    def _first_showing(self, port: int, load: EngineLoad) -> tuple[list[EngineLoad], int]:
+        """The port's scrapes and the index of the first that showed ``load``'s log."""
         series = self._loads.get(port, [])
         index = bisect.bisect_left(series, load.ts_ns, key=_TS)
         while index > 0 and series[index - 1].step_tokens == load.step_tokens:
             index -= 1
-        return series[index - 1].ts_ns if index > 0 else load.ts_ns
+        return series, index
 
     def _set_between(self, port: int, load: EngineLoad) -> tuple[int, int]:
         """When the gauges ``load`` shows were set: as it was read (sent to answered), but for an
         engine that sets them when it logs a batch (LOGGED_STYLES), at its log, between the scrape
-        before the first that showed it and that first one. Read against the requests connected
-        as it was read, a logged engine's gauges hold requests that completed and closed since its
-        log: behind a proxy that closes each upstream connection as its answer ends, such closes
-        come in bursts, each read as one orphan more, and completed requests were judged zombies
-        (bench/behind_nginx.py on SGLang's cadence: 7 of 90). ``held_one_more`` reads its later
-        scrapes so; the earlier one it compares with is read as it was read: the leavers' own
-        arrivals are often in that one's log interval, and counted maybe held there they left
-        leavers that closed together without an answer (tests/test_evidence_e2e.py)."""
+        before the first that showed it and that first one. Read as it was read, such gauges hold
+        requests that completed and closed since the log: behind a proxy that closes each upstream
+        connection as its answer ends, each was one orphan more, and completed requests were judged
+        zombies (bench/behind_nginx.py on SGLang's cadence: 7 of 90). ``held_one_more`` reads its
+        later scrapes so, not the one it compares with: the leavers' own arrivals often fall in
+        that one's interval, and three clients that left together went unanswered."""
         if load.style not in LOGGED_STYLES:
             return load.ts_ns, load.answered_ns or load.ts_ns
-        series = self._loads.get(port, [])
-        index = bisect.bisect_left(series, load.ts_ns, key=_TS)
-        while index > 0 and series[index - 1].step_tokens == load.step_tokens:
-            index -= 1
+        series, index = self._first_showing(port, load)
         first = series[index] if index < len(series) else load
         return (series[index - 1].ts_ns if index > 0 else first.ts_ns), first.answered_ns or first.ts_ns
 
