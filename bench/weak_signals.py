@@ -46,6 +46,7 @@ def one_run(args: argparse.Namespace) -> Counter[str]:
         with running_engine(behavior=args.behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}",
                             truth_log=tmp / "truth.jsonl", step_ms=10, max_batch=16, extra_args=engine_args) as engine:
             daemon.set_ports({engine.port})
+            time.sleep(0.5)  # the port's first scrapes: a request under way as the daemon starts has none before it
             name = (lambda label: None) if args.plain else (lambda label: label)
             threads = [complete(engine.port, stream=True, max_tokens=args.done_tokens, request_id=name(f"done{i}"))
                        for i in range(2)]

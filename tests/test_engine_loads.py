@@ -257,6 +257,56 @@ def test_a_leaving_that_adds_no_orphan_is_told_from_one_that_does() -> None:
     assert held_one_more(both, "C", 1.3, 1.3005, spans) == (True, (at(1.2), at(1.4)))  # its own is no other
 
 
+def logged_scrapes(logs: list[float], runs: dict[str, tuple[float, float]]) -> EngineLoads:
+    """Scrapes every 100 ms for 3 s of an engine that sets its gauges only when it logs (SGLang),
+    at ``logs`` (seconds): each shows what the last log held of ``runs``."""
+    loads = EngineLoads()
+    for tenth in range(31):
+        log = max(i for i, when in enumerate(logs) if when <= tenth / 10)
+        held = sum(1 for start, end in runs.values() if start <= logs[log] < end)
+        loads.add([EngineLoad(at(tenth / 10), PORT, running=held, style="sglang", step_tokens=float(log))])
+    return loads
+
+
+def test_a_logged_engine_compares_a_leaving_with_gauges_logged_before_the_request_began() -> None:
+    """A batch full (SGLang, two slots): W1 and W2 arrive at 0.4 and 0.45 s and their clients leave
+    at once; they wait for a slot and are logged only at the next decode log, 0.98 s, and run on.
+    D's request, prefilled and logged at 0.26 s, completes at 0.95 s and its client closes. The
+    scrape compared with (0.8 s) shows the log of 0.26 s, which came before W1 and W2 arrived:
+    read against it, the two were a rise D's leaving made, and D a zombie (2 of 4 completed
+    requests in bench/weak_signals.py with --max-batch=2). D's own log came after 0.2 s: that
+    scrape is compared with, and W1 and W2 are leavers that may have added an orphan since."""
+    logs = [0.0, 0.26, 0.98, 1.38, 1.78, 2.18, 2.58]
+    spans = {"D": (0.25, 0.951), "W1": (0.4, 0.401), "W2": (0.45, 0.451)}
+
+    def loads(d_runs_to: float) -> EngineLoads:
+        scrapes = logged_scrapes(logs, {"D": (0.25, d_runs_to), "W1": (0.4, 3.0), "W2": (0.45, 3.0)})
+        for name in ("W1", "W2"):
+            scrapes.register(PORT, name, at(spans[name][0]), connected_until_ns=at(spans[name][1]) + CLOCK_ERROR,
+                             started_ns=at(spans[name][0]))
+        return scrapes
+    completed = held_one_more(loads(0.95), "D", 0.95, 0.951, spans)
+    assert completed is not None and completed[0] is None, completed  # no rise beyond the two: untold
+    assert held_one_more(loads(3.0), "D", 0.95, 0.951, spans) == (True, (at(0.0), at(1.4)))
+
+
+def test_a_leaver_logged_after_it_began_claims_no_orphan_of_an_earlier_one() -> None:
+    """E's client left at 0.23 s and its work ran on to 2.0 s. N arrived at 0.27 s, after the log of
+    0.25 s, and left at once; it waited and ran from the next log on. The scrapes that show the log
+    of 0.25 s hold A and E: N, the newer leaver, is not in them, but latest leaver first it took
+    E's orphan, and E's work was judged stopped at its close. N may be missing from them: they say
+    nothing of E, and the next log's do."""
+    logs = [0.0, 0.25, 0.65, 1.05, 1.45, 1.85, 2.25, 2.65]
+    spans = {"A": (0.2, 0.9), "E": (0.21, 0.231), "N": (0.27, 0.271)}
+    loads = logged_scrapes(logs, {"A": (0.2, 0.9), "E": (0.21, 2.0), "N": (0.27, 2.5)})
+    for name, left in (("E", 0.23), ("N", 0.27)):
+        loads.register(PORT, name, at(left), connected_until_ns=at(spans[name][1]) + CLOCK_ERROR,
+                       started_ns=at(spans[name][0]))
+    ended = loads.work_end(PORT, at(0.23), at(0.23), connected_counter(spans),
+                           connected_until_ns=at(0.231) + CLOCK_ERROR)
+    assert ended is not None and ended.work_end_ns == at(2.25) and ended.orphaned_scrapes == 16, ended
+
+
 def test_a_logged_engine_counts_no_orphan_of_a_request_that_closed_after_its_log() -> None:
     """SGLang's gauges are its last log's. Behind nginx without upstream keepalive each upstream
     connection closes as its answer ends: Y's request completed at 1.449 s and closed at 1.45 s,
@@ -267,18 +317,13 @@ def test_a_logged_engine_counts_no_orphan_of_a_request_that_closed_after_its_log
     logs = [0.0, 0.42, 0.82, 1.22, 1.42, 1.82, 2.22, 2.62]
 
     def logged(runs: dict[str, tuple[float, float]]) -> EngineLoads:
-        loads = EngineLoads()
-        for tenth in range(31):
-            log = max(i for i, when in enumerate(logs) if when <= tenth / 10)
-            held = sum(1 for start, end in runs.values() if start <= logs[log] < end)
-            loads.add([EngineLoad(at(tenth / 10), PORT, running=held, style="sglang", step_tokens=float(log))])
-        return loads
+        return logged_scrapes(logs, runs)
     spans = {"L": (0.0, 3.0), "Y": (0.5, 1.45), "D": (0.8, 1.3005)}
     finished = logged({"L": (0.0, 3.0), "Y": (0.5, 1.449), "D": (0.8, 1.29)})
-    assert held_one_more(finished, "D", 1.3, 1.3005, spans) == (False, (at(1.2), at(1.5)))
+    assert held_one_more(finished, "D", 1.3, 1.3005, spans) == (False, (at(0.0), at(1.5)))
     cancelled = logged({"L": (0.0, 3.0), "Y": (0.5, 1.449), "C": (0.8, 2.0)})
     assert held_one_more(cancelled, "C", 1.3, 1.3005, {"L": spans["L"], "Y": spans["Y"], "C": spans["D"]}) \
-        == (True, (at(1.2), at(1.5)))
+        == (True, (at(0.0), at(1.5)))
 
 
 def test_a_leaving_is_compared_with_a_scrape_that_says_and_none_before_it_says_yes() -> None:

@@ -277,7 +277,7 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
             (first, second), answered = held[1] or (disconnect, disconnect), max(disconnect, hop.end_ns)
             return ev.MetricsEnd(max(disconnect, hop.start_ns), (second - first) / 1e9, 0, second,
                                  held_one_more=held[0], leaving_untold=held[0] is None), port, disconnect, answered
-    corr.loads.register(port, request.key, disconnect, connected_until_ns=until)
+    corr.loads.register(port, request.key, disconnect, connected_until_ns=until, started_ns=hop.start_ns)
     if request.scrape_sweep is None and now - disconnect > ev.SWEEP_AFTER_NS:  # a long sweep: checkpoints
         request.scrape_sweep = ev.ScrapeSweep()
         corr.checkpointed(request)

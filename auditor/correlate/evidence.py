@@ -235,6 +235,7 @@ class EngineLoads:
         self._racers: dict[int, dict[int, int]] = defaultdict(dict)
         self._disconnect_times: dict[int, array[int]] = defaultdict(_times)  # port -> those disconnects, sorted
         self._connected_until: dict[int, array[int]] = defaultdict(_times)  # port -> their "until", alike
+        self._span_starts: dict[int, array[int]] = defaultdict(_times)  # port -> when their spans began, alike
         self._untils_sorted: dict[int, array[int]] = defaultdict(_times)  # port -> those "until"s, sorted
         # port -> every client close (kernel), sorted; kept for the horizon, one a request: 8-byte
         # integers in an array, not int objects in a list (40 bytes each)
@@ -374,10 +375,12 @@ class EngineLoads:
         series = self._loads.get(port)
         return series[-1].ts_ns > ts_ns if series else False
 
-    def register(self, port: int, request: Hashable, disconnect_ns: int, connected_until_ns: int | None = None) -> None:
+    def register(self, port: int, request: Hashable, disconnect_ns: int, connected_until_ns: int | None = None,
+                 started_ns: int | None = None) -> None:
         """A disconnected request that may own orphans; ``connected_until_ns``: the connected count
         (``connected_at`` in ``work_end``) holds its server span at every scrape up to then (its
-        span's end and the clock error), so no scrape before then counts it as an orphan too."""
+        span's end and the clock error), so no scrape before then counts it as an orphan too.
+        ``started_ns``: when its server span began (unknown: its disconnect, the latest it can be)."""
         until = disconnect_ns - 1 if connected_until_ns is None else connected_until_ns
         key, registered = hash(request), _pair(disconnect_ns, until)
         self.racing(port, request, None)
@@ -393,6 +396,7 @@ class EngineLoads:
         index = bisect.bisect_right(times, disconnect_ns)
         times.insert(index, disconnect_ns)
         untils.insert(index, until)
+        self._span_starts[port].insert(index, disconnect_ns if started_ns is None else min(started_ns, disconnect_ns))
         ended = self._untils_sorted[port]
         ended.insert(bisect.bisect_right(ended, until), until)
 
@@ -423,7 +427,7 @@ class EngineLoads:
         while index < len(times) and times[index] == known[0] and untils[index] != known[1]:
             index += 1
         if index < len(times) and times[index] == known[0]:
-            del times[index], untils[index]
+            del times[index], untils[index], self._span_starts[port][index]
             _take_one(self._untils_sorted[port], known[1])
         self._registered_at(*known)
 
@@ -525,7 +529,8 @@ class EngineLoads:
                     sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count))
                 continue
             answered = load.answered_ns or load.ts_ns
-            if arrived is not None and orphans + arrived(load.ts_ns, answered) > newer:
+            if (arrived is not None and orphans + arrived(load.ts_ns, answered) > newer) or (
+                    load.style in LOGGED_STYLES and orphans + self._unlogged(port, load, left_before, left_by_then) > newer):
                 if sweep is not None and not unsure and not masked:
                     sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count))
                 continue
@@ -541,6 +546,20 @@ class EngineLoads:
         if last_orphaned is None:
             return MetricsEnd(None, 0.0, 0, awaiting=True) if unsure else None
         return MetricsEnd(None, 0.0, count)
+
+    def _unlogged(self, port: int, load: EngineLoad, first: int, last: int) -> int:
+        """Of the registered leavers ``first`` to ``last`` (in disconnect order) that the connected
+        count no longer holds at ``load``, how many began after its gauges may have been set (an
+        engine that logs them, LOGGED_STYLES): each may be missing from them, so cannot be taken
+        to hold an orphan there. A request waiting for a batch slot is shown only at the next log;
+        read as held, one that arrived and left after the log claimed an earlier leaver's orphan,
+        and that one's running work was judged stopped at its close."""
+        if first >= last:
+            return 0
+        since = self._set_between(port, load)[0] - CLOCK_ERROR_NS
+        times, untils, starts = self._disconnect_times[port], self._connected_until[port], self._span_starts[port]
+        return sum(1 for index in range(max(first, bisect.bisect_left(times, since)), last)
+                   if starts[index] > since and untils[index] < load.ts_ns)
 
     def orphans_past(self, port: int, grace_ns: int, read_by_ns: int) -> tuple[int, int] | None:
         """How many requests the engine on ``port`` ran whose clients had left more than
@@ -714,12 +733,33 @@ class EngineLoads:
         index = after - 2 if after >= 2 else after - 1
         if read_as_it_began(series[index]):
             index -= 1
+        # An engine that logs its gauges (LOGGED_STYLES) shows there what it held at its log, any
+        # time from the scrape before the first that showed it on: where this request may have
+        # arrived after that log, the scrape counts it connected but its gauges may not hold it
+        # (a request waiting for a batch slot is logged only at the next decode log). The scrape
+        # before that log's first showing is taken, until one read before the request began or
+        # whose log came after it (or the first kept: nothing earlier says more).
+        while index >= 0 and series[index].style in LOGGED_STYLES:
+            load = series[index]
+            if span_start_ns > (load.answered_ns or load.ts_ns) + CLOCK_ERROR_NS:
+                break
+            if read_as_it_began(load):
+                index -= 1
+                continue
+            _, first = self._first_showing(port, load)
+            if first == 0 or span_start_ns <= series[first - 1].ts_ns - CLOCK_ERROR_NS:
+                break
+            index = first - 1
         if index < 0:
             return True, None
         before = series[index]
         before_end = before.answered_ns or before.ts_ns
         base = before.running + before.waiting - connected_at(before.ts_ns, before_end)
-        base_arrived = arrived(before.ts_ns, before_end)
+        # From when its gauges may have been set: requests that arrived since may be in them or
+        # not (counted connected as it was read), and requests whose spans ended since may have
+        # left their work in the later scrapes' gauges without being in its own.
+        since = self._set_between(port, before)[0]
+        base_arrived = arrived(since, before_end)
         listed = self._clients.get(port)
         ended = self._untils_sorted.get(port, _NO_TIMES)
         own = hash(request)
@@ -736,7 +776,7 @@ class EngineLoads:
             logged_before = (series[after - 1].step_tokens, series[after].step_tokens)
         for load in series[after:]:
             if load.ts_ns - connected_until_ns > HELD_ONE_MORE_WINDOW_NS:
-                return None, (before.ts_ns, load.ts_ns)
+                return None, (since, load.ts_ns)
             if load.step_tokens in logged_before:
                 continue
             load_from, load_end = self._set_between(port, load)
@@ -752,20 +792,20 @@ class EngineLoads:
                 else:  # untold there, and where read before the scrape compared with, untold there too
                     orphans -= unspanned(load, clients, None)
                     held_before -= unspanned(load, clients, before.ts_ns)
-            others = bisect.bisect_left(ended, load.ts_ns) - bisect.bisect_left(ended, before.ts_ns)
-            if own_until is not None and before.ts_ns <= own_until < load.ts_ns:
+            others = bisect.bisect_left(ended, load.ts_ns) - bisect.bisect_left(ended, since)
+            if own_until is not None and since <= own_until < load.ts_ns:
                 others -= 1
             if racers:  # others that may have closed after their last byte, their own rise unknown
                 others += sum(1 for key, until in racers.items()
-                              if key != own and before.ts_ns <= until < load.ts_ns)
+                              if key != own and since <= until < load.ts_ns)
             # Each registered other may have added one; each orphan of the first scrape may have ended.
             least_rise = orphans - (held_before + base_arrived)
             most_rise = orphans + arrived(load_from, load_end) - held_before
             may_have_ended = max(0, held_before + base_arrived)  # the first scrape's orphans, at most
             if least_rise > others:
-                return True, (before.ts_ns, load.ts_ns)
+                return True, (since, load.ts_ns)
             if load.ts_ns - disconnect_ns <= no_within_ns and most_rise + may_have_ended <= 0:
-                return False, (before.ts_ns, load.ts_ns)
+                return False, (since, load.ts_ns)
         return None
 
     def read_until(self, port: int, answered_ns: int) -> int | None:
@@ -829,9 +869,10 @@ class EngineLoads:
             ended = self._untils_sorted[port]
             for until in untils[:gone]:
                 _take_one(ended, until)
-            del times[:gone], untils[:gone]
+            del times[:gone], untils[:gone], self._span_starts[port][:gone]
             if not requests:
                 del self._disconnects[port], self._disconnect_times[port], self._connected_until[port]
+                del self._span_starts[port]
                 del self._untils_sorted[port]
         # A connection's last close matters for SAME_CONNECTION_NS only: kept from ``closes_cutoff_ns``.
         drop_front(self._departed, lambda last_close: last_close < closes_cutoff_ns)
