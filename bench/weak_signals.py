@@ -62,19 +62,27 @@ def one_run(args: argparse.Namespace) -> Counter[str]:
             judged = verdict_rows(daemon)
             truths = engine.truth()
     rows = {row.client_port: row for row in judged}
+    # A request the engine read after its client's reset names no client port: the verdict on a
+    # port no truth names that started nearest its arrival (as tally_against_truth matches it).
+    named = {truth.get("client_port") for truth in truths}
+    unnamed = [row for row in judged if row.client_port not in named]
     print(f"{'request':<14} {'client port':<12} {'verdict':<16} {'decided by':<16} truth")
     for truth in truths:
         request_id = truth["request_id"].removeprefix("cmpl-")
         row = rows.get(truth.get("client_port"))
+        if truth.get("client_port") is None and unnamed:
+            row = min(unnamed, key=lambda candidate: abs(candidate.request_start_ns - truth["arrival_at"]))
         want = expected_verdict(truth) if truth.get("disconnect_at") else "completed"
         verdict = row.verdict if row is not None else "-"
-        print(f"{request_id[:14]:<14} {truth.get('client_port')!s:<12} {verdict:<16} {(row.details.get('evidence') if row else '-') or '-':<16} {want}")
+        port = truth.get("client_port") or (f"({row.client_port})" if row is not None else None)
+        print(f"{request_id[:14]:<14} {port!s:<12} {verdict:<16} {(row.details.get('evidence') if row else '-') or '-':<16} {want}")
         if args.details and row is not None:
             print(f"    {row.details}")
     tally, _ = tally_against_truth(judged, truths)
     print(f"false findings {tally['false findings']}; cancels without a verdict "
           f"{tally['cancels without a verdict']}, judged otherwise {tally['cancels judged otherwise']}, "
-          f"unconfirmed {tally['cancels unconfirmed']}")
+          f"unconfirmed {tally['cancels unconfirmed']}, unmatched {tally['cancels unmatched']}; verdicts on a port "
+          f"no request of the truth names {tally['rows without truth']}")
     return tally
 
 
@@ -110,7 +118,8 @@ def main() -> int:
               f"{''.join(' ' + flag for flag in args.engine_flag)}): false findings {total['false findings']} "
               f"of {total['completed']} completed; of {total['cancels']} cancels {total['cancels right']} right, "
               f"{total['cancels unconfirmed']} unconfirmed, {total['cancels judged otherwise']} judged otherwise, "
-              f"{total['cancels without a verdict']} without a verdict")
+              f"{total['cancels without a verdict']} without a verdict, {total['cancels unmatched']} unmatched "
+              f"(reset before the engine read them: the truth names no client port)")
     return 0
 
 

@@ -183,9 +183,11 @@ def against_truth(rows: dict[int, VerdictRow], truths: dict[int, dict[str, Any]]
 
 def tally_against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]]) -> tuple[Counter[str], list[str]]:
     """For plain clients on shared connections (a proxy's upstream pool, an SDK's): each verdict
-    matched to the truth record on its client port that arrived nearest its start;
+    matched to the truth record on its client port that arrived nearest its start (on a port no
+    truth names, among those that name none);
     the tally (completed, false findings, cancels, cancels right / unconfirmed / judged otherwise /
-    without a verdict, rows without truth) and a line for each thing the truth contradicts."""
+    without a verdict / unmatched (the engine read it after its client's reset, and the truth names
+    no client port), rows without truth) and a line for each thing the truth contradicts."""
     by_port: dict[int, list[dict[str, Any]]] = {}
     for truth in truths:
         by_port.setdefault(truth.get("client_port") or 0, []).append(truth)
@@ -193,7 +195,9 @@ def tally_against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, A
     tally: Counter[str] = Counter()
     problems: list[str] = []
     for row in rows:
-        candidates = by_port.get(row.client_port or 0)
+        # A request the engine read after its client's reset has no client port in the truth:
+        # a verdict on a port no truth names is matched among those by arrival.
+        candidates = by_port.get(row.client_port or 0) or by_port.get(0)
         if not candidates:
             tally["rows without truth"] += 1
             problems.append(f"port {row.client_port}: {row.verdict} with no request on that port ({row.details})")
@@ -210,7 +214,11 @@ def tally_against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, A
             problems += [f"port {port}: {row.verdict} for a completed request ({row.details})" for row in wrong]
             continue
         tally["cancels"] += 1
-        if not found:
+        if not found and port is None:  # reset before the engine read it: the truth names no client port
+            tally["cancels unmatched"] += 1
+            problems.append(f"{truth['request_id']}: the engine read it after its client's reset (truth {want}, "
+                            "no client port to match a verdict by)")
+        elif not found:
             tally["cancels without a verdict"] += 1
             problems.append(f"port {port}: no verdict for a request whose client left (truth {want})")
         elif found[0].verdict == want:
