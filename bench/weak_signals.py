@@ -28,6 +28,7 @@ from tests.e2e import (
     cancel_after,
     complete,
     expected_verdict,
+    match_to_truth,
     running_daemon,
     tally_against_truth,
     verdict_rows,
@@ -61,17 +62,11 @@ def one_run(args: argparse.Namespace) -> Counter[str]:
             time.sleep(args.settle_s)
             judged = verdict_rows(daemon)
             truths = engine.truth()
-    rows = {row.client_port: row for row in judged}
-    # A request the engine read after its client's reset names no client port: the verdict on a
-    # port no truth names that started nearest its arrival (as tally_against_truth matches it).
-    named = {truth.get("client_port") for truth in truths}
-    unnamed = [row for row in judged if row.client_port not in named]
+    matched, _ = match_to_truth(judged, truths)  # as the tally matches them
     print(f"{'request':<14} {'client port':<12} {'verdict':<16} {'decided by':<16} truth")
     for truth in truths:
         request_id = truth["request_id"].removeprefix("cmpl-")
-        row = rows.get(truth.get("client_port"))
-        if truth.get("client_port") is None and unnamed:
-            row = min(unnamed, key=lambda candidate: abs(candidate.request_start_ns - truth["arrival_at"]))
+        row = next(iter(matched.get(id(truth), [])), None)
         want = expected_verdict(truth) if truth.get("disconnect_at") else "completed"
         verdict = row.verdict if row is not None else "-"
         port = truth.get("client_port") or (f"({row.client_port})" if row is not None else None)

@@ -181,29 +181,39 @@ def against_truth(rows: dict[int, VerdictRow], truths: dict[int, dict[str, Any]]
     return problems
 
 
-def tally_against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]]) -> tuple[Counter[str], list[str]]:
-    """For plain clients on shared connections (a proxy's upstream pool, an SDK's): each verdict
-    matched to the truth record on its client port that arrived nearest its start (on a port no
-    truth names, among those that name none);
-    the tally (completed, false findings, cancels, cancels right / unconfirmed / judged otherwise /
-    without a verdict / unmatched (the engine read it after its client's reset, and the truth names
-    no client port), rows without truth) and a line for each thing the truth contradicts."""
+def match_to_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]]
+                   ) -> tuple[dict[int, list[VerdictRow]], list[VerdictRow]]:
+    """Each verdict matched to the truth record on its client port that arrived nearest its start
+    (on a port no truth names, among those that name none: a request the engine read after its
+    client's reset has no client port in the truth): the rows by ``id`` of their truth, and the
+    rows no truth could take."""
     by_port: dict[int, list[dict[str, Any]]] = {}
     for truth in truths:
         by_port.setdefault(truth.get("client_port") or 0, []).append(truth)
     matched: dict[int, list[VerdictRow]] = {}
-    tally: Counter[str] = Counter()
-    problems: list[str] = []
+    unmatched: list[VerdictRow] = []
     for row in rows:
-        # A request the engine read after its client's reset has no client port in the truth:
-        # a verdict on a port no truth names is matched among those by arrival.
         candidates = by_port.get(row.client_port or 0) or by_port.get(0)
         if not candidates:
-            tally["rows without truth"] += 1
-            problems.append(f"port {row.client_port}: {row.verdict} with no request on that port ({row.details})")
+            unmatched.append(row)
             continue
         nearest = min(candidates, key=lambda truth: abs(truth["arrival_at"] - row.request_start_ns))
         matched.setdefault(id(nearest), []).append(row)
+    return matched, unmatched
+
+
+def tally_against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]]) -> tuple[Counter[str], list[str]]:
+    """For plain clients on shared connections (a proxy's upstream pool, an SDK's): each verdict
+    matched to its truth record (``match_to_truth``);
+    the tally (completed, false findings, cancels, cancels right / unconfirmed / judged otherwise /
+    without a verdict / unmatched (the engine read it after its client's reset, and the truth names
+    no client port), rows without truth) and a line for each thing the truth contradicts."""
+    matched, unmatched = match_to_truth(rows, truths)
+    tally: Counter[str] = Counter()
+    problems: list[str] = []
+    for row in unmatched:
+        tally["rows without truth"] += 1
+        problems.append(f"port {row.client_port}: {row.verdict} with no request on that port ({row.details})")
     for truth in truths:
         found = matched.get(id(truth), [])
         port, want = truth.get("client_port"), expected_verdict(truth) if truth.get("disconnect_at") else "completed"
