@@ -760,21 +760,24 @@ def test_live_notice_gives_inflight_zombie_before_any_span(store: Store) -> None
                                                ("abort", "aborted")])
 @pytest.mark.parametrize("kind", [ConnEventKind.PEER_FIN, ConnEventKind.PEER_RST])
 @pytest.mark.parametrize("span_end", [1.0011, 1.015])  # racing the close; 15 ms late (a busy server)
-def test_an_engine_end_notice_before_the_close_is_judged_by_its_finish(store: Store, finish: str | None, want: str,
-                                                                      kind: ConnEventKind, span_end: float) -> None:
+@pytest.mark.parametrize("told_at", [0.998, 1.006])  # before the close; after it (told after the last token left)
+def test_an_engine_end_notice_as_the_client_closes_is_judged_by_its_finish(
+        store: Store, finish: str | None, want: str, kind: ConnEventKind, span_end: float, told_at: float) -> None:
     """A plain client (no traceparent, no X-Request-Id) reads the whole answer and closes; the
-    server span ends a millisecond after the close (or 15 ms, on a busy host), and the engine's span is of a trace of its own
-    that nothing joins (the reference engine, vLLM). The engine's end notice came 2 ms before the
-    close: told a normal finish, the response was complete; untold, that end orders nothing (a
-    server aborting on the close looks the same), so unconfirmed, never the 'aborted' it used to
-    read; told an abort, aborted."""
+    server span ends a millisecond after the close (or 15 ms, on a busy host), and the engine's span
+    is of a trace of its own that nothing joins (the reference engine, vLLM). The engine's end
+    notice came 2 ms before the close, or 6 ms after it (the engine tells its end after handing the
+    last token over; a client that reads it and closes at once can be first on a loaded host):
+    told a normal finish, the response was complete; untold, that end orders nothing (a server
+    aborting on the close looks the same), so unconfirmed, never the 'aborted' it used to read;
+    told an abort, aborted."""
     clock = Clock()
     correlator = make(store, clock)
     trace, work = "a" * 32, "b" * 16
     correlator.tick([LiveEvent("start", trace, work, "llm_request", "internal", T0 + int(0.01 * S), None, None, None,
                                123, "engine", True)])
-    end = LiveEvent("end", trace, work, "llm_request", "internal", T0 + int(0.998 * S), None, None, None, 123, "engine",
-                    True, finish)
+    end = LiveEvent("end", trace, work, "llm_request", "internal", T0 + int(told_at * S), None, None, None, 123,
+                    "engine", True, finish)
     store.insert_spans([http_span("a", 0, span_end)])
     store.insert_conn_events([close(1.0, kind)])
     clock.now = T0 + int(1.2 * S)

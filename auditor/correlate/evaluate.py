@@ -61,11 +61,17 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     # Without the engine's span (one of its own trace, no request id to join it by), the engine's
     # end notice: done by the time the client left (within the clock's error), a normal finish is
     # a complete response, as the span's would be. With its finish untold, that end is no abort the
-    # close caused, nor known to be a complete answer: unconfirmed (below).
+    # close caused, nor known to be a complete answer: unconfirmed (below). The engine tells its end
+    # after it handed the last token over, and a client that read it and closed at once can be first
+    # by milliseconds on a busy host: where nothing marks the server's sends, an end told up to
+    # SPAN_END_RACE_NS after the close reads as one told before it.
     untold_done = False
     if engine is None and details.get("evidence") == ev.LIVE_NOTICE:
         live_end = corr.live.engine_end(trace_id)
-        if live_end is not None and live_end <= origin.ts_ns + CLOCK_ERROR_NS:
+        as_it_left = live_end is not None and (
+            live_end <= origin.ts_ns + CLOCK_ERROR_NS
+            or (live_end - origin.ts_ns <= SPAN_END_RACE_NS and _sends_unmarked(corr, origin.ts_ns, origin_span, subtree)))
+        if as_it_left:
             told_normal = corr.live.engine_finished_normally(trace_id)
             if told_normal and completed is None:
                 completed = ev.LIVE_NOTICE
@@ -144,8 +150,15 @@ def _may_have_answered(corr: Correlator, disconnect_ns: int, origin_span: SpanRe
     error, gauges that never held it after leave it unconfirmed; after a reset, later, they say it
     was aborted (the server heard of the close), unless no scrape could tell whether its leaving
     added an orphan (unconfirmed too)."""
-    if origin_span is None or origin_span.start_ns > disconnect_ns \
-            or origin_span.end_ns - disconnect_ns > SPAN_END_RACE_NS:
+    return origin_span is not None and origin_span.end_ns - disconnect_ns <= SPAN_END_RACE_NS \
+        and _sends_unmarked(corr, disconnect_ns, origin_span, subtree)
+
+
+def _sends_unmarked(corr: Correlator, disconnect_ns: int, origin_span: SpanRecord | None,
+                    subtree: list[SpanRecord]) -> bool:
+    """The server read the request before the client closed, and neither its sends nor its engine's
+    normal finishes are recorded: nothing tells whether the client had the whole response."""
+    if origin_span is None or origin_span.start_ns > disconnect_ns:
         return False
     sends = origin_span.service in corr.services_marking_sends or any(
         s.parent_span_id == origin_span.span_id and ev.FINAL_SEND_ATTR in s.attributes for s in subtree)
