@@ -272,10 +272,14 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     def ending(start: int, end: int) -> int:
         return corr.spans.server_spans_ended(port, start - CLOCK_ERROR_NS, end + ev.ENDING_NS)
 
+    def spans_ended(start: int, end: int) -> int:
+        return corr.spans.server_spans_ended(port, start - CLOCK_ERROR_NS, end + CLOCK_ERROR_NS)
+
     request.compared_ns = None
     if racing:
         held = corr.loads.held_one_more(port, request.key, disconnect, hop.start_ns, until, connected, arrived,
-                                        corr.unspanned_clients, no_within_ns=int(corr.grace_seconds * 1e9))
+                                        corr.unspanned_clients, no_within_ns=int(corr.grace_seconds * 1e9),
+                                        spans_ended=spans_ended)
         if held is None and now - until > ev.HELD_ONE_MORE_WINDOW_NS:
             held = (None, None)  # no scrape came in the window (its engine's scrapes stopped): untold
         request.compared_ns = None if held is None else held[1]
@@ -290,7 +294,7 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
             (first, second), answered = held[1] or (disconnect, disconnect), max(disconnect, hop.end_ns)
             return ev.MetricsEnd(max(disconnect, hop.start_ns), (second - first) / 1e9, 0, second,
                                  held_one_more=held[0], leaving_untold=held[0] is None), port, disconnect, answered
-    corr.loads.register(port, request.key, disconnect, connected_until_ns=until, started_ns=hop.start_ns)
+    corr.loads.register(port, request.key, disconnect, connected_until_ns=until)
     if request.scrape_sweep is None and now - disconnect > ev.SWEEP_AFTER_NS:  # a long sweep: checkpoints
         request.scrape_sweep = ev.ScrapeSweep()
         corr.checkpointed(request)

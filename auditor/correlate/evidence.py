@@ -235,7 +235,6 @@ class EngineLoads:
         self._racers: dict[int, dict[int, int]] = defaultdict(dict)
         self._disconnect_times: dict[int, array[int]] = defaultdict(_times)  # port -> those disconnects, sorted
         self._connected_until: dict[int, array[int]] = defaultdict(_times)  # port -> their "until", alike
-        self._span_starts: dict[int, array[int]] = defaultdict(_times)  # port -> when their spans began, alike
         self._untils_sorted: dict[int, array[int]] = defaultdict(_times)  # port -> those "until"s, sorted
         # port -> every client close (kernel), sorted; kept for the horizon, one a request: 8-byte
         # integers in an array, not int objects in a list (40 bytes each)
@@ -375,12 +374,10 @@ class EngineLoads:
         series = self._loads.get(port)
         return series[-1].ts_ns > ts_ns if series else False
 
-    def register(self, port: int, request: Hashable, disconnect_ns: int, connected_until_ns: int | None = None,
-                 started_ns: int | None = None) -> None:
+    def register(self, port: int, request: Hashable, disconnect_ns: int, connected_until_ns: int | None = None) -> None:
         """A disconnected request that may own orphans; ``connected_until_ns``: the connected count
         (``connected_at`` in ``work_end``) holds its server span at every scrape up to then (its
-        span's end and the clock error), so no scrape before then counts it as an orphan too.
-        ``started_ns``: when its server span began (unknown: its disconnect, the latest it can be)."""
+        span's end and the clock error), so no scrape before then counts it as an orphan too."""
         until = disconnect_ns - 1 if connected_until_ns is None else connected_until_ns
         key, registered = hash(request), _pair(disconnect_ns, until)
         self.racing(port, request, None)
@@ -396,7 +393,6 @@ class EngineLoads:
         index = bisect.bisect_right(times, disconnect_ns)
         times.insert(index, disconnect_ns)
         untils.insert(index, until)
-        self._span_starts[port].insert(index, disconnect_ns if started_ns is None else min(started_ns, disconnect_ns))
         ended = self._untils_sorted[port]
         ended.insert(bisect.bisect_right(ended, until), until)
 
@@ -427,7 +423,7 @@ class EngineLoads:
         while index < len(times) and times[index] == known[0] and untils[index] != known[1]:
             index += 1
         if index < len(times) and times[index] == known[0]:
-            del times[index], untils[index], self._span_starts[port][index]
+            del times[index], untils[index]
             _take_one(self._untils_sorted[port], known[1])
         self._registered_at(*known)
 
@@ -447,20 +443,22 @@ class EngineLoads:
         """When this request's work ended, as the gauges tell; None when no scrape came after it left.
 
         At each scrape after ``started_ns``, orphans = held - connected, where connected counts every
-        request in flight at any moment the scrape spans (``connected_at(start, end)``). Requests that left later
-        claim orphans first: an engine finishes what it started first, so a newer orphan outlives an
-        older one. The work ends between the last scrape that still counted it and the next.
+        request in flight at any moment the scrape's gauges may have been set (``connected_at(start,
+        end)`` over ``_set_between``: as it was read, or for an engine that logs them, over its log's
+        interval, so every scrape of one log reads alike). Requests that left later claim orphans
+        first: an engine finishes what it started first, so a newer orphan outlives an older one. The
+        work ends between the last scrape that still counted it and the next.
 
         Scrapes up to ``connected_until_ns`` count this request itself as connected (its server span
         had not ended, give or take the clock error), so they cannot show it orphaned: they say
         nothing of its work and are skipped.
 
-        ``arrived(start, end)``: server spans that started after the scrape was sent (up to its
-        answer and the clock error). The connected count holds them, but the engine may not have
-        taken them up when it read its gauges: a scrape that shows no orphan only because of them
-        says neither, and is skipped too. The work then ends between the last scrape that counted
-        it and the first that shows it gone whatever those requests were, and the resolution says
-        how far apart those are.
+        ``arrived(start, end)``: server spans that started after the scrape's gauges may have been set
+        from (up to its answer, or its log's first showing, and the clock error). The connected count
+        holds them, but the engine may not have taken them up when it read its gauges: a scrape that
+        shows no orphan only because of them says neither, and is skipped too. The work then ends
+        between the last scrape that counted it and the first that shows it gone whatever those requests
+        were, and the resolution says how far apart those are.
 
         ``unspanned(load, clients)``: of the clients the kernel listed connected to the port as
         the scrape was sent (kept for ``clients_kept_ns``), how many may hold a request that no
@@ -472,11 +470,12 @@ class EngineLoads:
         daemon heard of it) says neither either. With nothing decided but such scrapes, the
         answer is ``awaiting``.
 
-        ``ending(start, end)``: server spans that ended from the scrape's sending to ENDING_NS after
-        its answer. The connected count holds them, but the engine may have finished them already
-        when it read its gauges: a scrape that shows no orphan only because of them may hide one.
-        Such a scrape is passed over, once: the next one decides (an orphan there again, or the end
-        between the last scrape that counted it and that one).
+        ``ending(start, end)``: server spans that ended from when the scrape's gauges may have been set
+        to ENDING_NS after that. The connected count holds them, but the engine may have finished them
+        already when it read its gauges: a scrape that shows no orphan only because of them may hide
+        one. Such a scrape is passed over, once (with every other scrape of its log): the next one
+        decides (an orphan there again, or the end between the last scrape that counted it and that
+        one).
 
         ``sweep``: the request's checkpoints (``ScrapeSweep``), kept by the caller from round to round."""
         series = self._loads.get(port, [])
@@ -495,6 +494,7 @@ class EngineLoads:
         last_orphaned: int | None = None
         count, unsure = 0, 0
         masked = False  # a scrape with no orphan that ``ending`` may explain was passed over
+        masked_from = 0  # when that scrape's gauges may have been set from
         # The clients the kernel listed at the port's scrapes; a port never listed (sock_diag
         # refused) is read against the spans alone.
         listed = self._clients.get(port) if unspanned is not None else None
@@ -505,14 +505,20 @@ class EngineLoads:
             start = bisect.bisect_right(series, swept_ns, key=_TS)
             taken = max(left_before, bisect.bisect_right(times, swept_ns))
         for load in series[start:]:
+            # When its gauges were set: as it was read, or at its log (LOGGED_STYLES), which may
+            # predate the scrape by a whole interval. A log that may have come before the request
+            # left (or while its span still counted it) says nothing of its work after.
+            read_from, read_end = self._set_between(port, load)
+            if read_from < first_after:
+                continue
             left_by_then = bisect.bisect_right(times, load.ts_ns)
             for index in range(taken, left_by_then):
                 heapq.heappush(still_connected, untils[index])
             taken = max(taken, left_by_then)
-            while still_connected and still_connected[0] < load.ts_ns:
+            while still_connected and still_connected[0] < read_from:
                 heapq.heappop(still_connected)
             newer = max(0, left_by_then - left_before - len(still_connected))
-            orphans = load.running + load.waiting - connected_at(load.ts_ns, load.answered_ns or load.ts_ns)
+            orphans = load.running + load.waiting - connected_at(read_from, read_end)
             if orphans > newer:
                 if listed is not None and unspanned is not None:
                     clients = listed.get(load.ts_ns, _UNLISTED)
@@ -528,15 +534,15 @@ class EngineLoads:
                 if sweep is not None and not unsure:  # a checkpoint past an undecided scrape would skip it
                     sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count))
                 continue
-            answered = load.answered_ns or load.ts_ns
-            if (arrived is not None and orphans + arrived(load.ts_ns, answered) > newer) or (
-                    load.style in LOGGED_STYLES and orphans + self._unlogged(port, load, left_before, left_by_then) > newer):
+            if arrived is not None and orphans + arrived(read_from, read_end) > newer:
                 if sweep is not None and not unsure and not masked:
                     sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count))
                 continue
-            if not masked and ending is not None and orphans + ending(load.ts_ns, answered) > newer:
-                masked = True  # passed over: the next scrape says
+            if ending is not None and orphans + ending(read_from, read_end) > newer \
+                    and (not masked or (load.style in LOGGED_STYLES and read_from == masked_from)):
+                masked, masked_from = True, read_from  # passed over (each scrape of its log): the next says
                 continue
+            answered = load.answered_ns or load.ts_ns
             read_until = max(load.ts_ns, answered)
             if last_orphaned is None:
                 return MetricsEnd(max(started_ns, disconnect_ns), (load.ts_ns - started_ns) / 1e9, 0, read_until,
@@ -546,20 +552,6 @@ class EngineLoads:
         if last_orphaned is None:
             return MetricsEnd(None, 0.0, 0, awaiting=True) if unsure else None
         return MetricsEnd(None, 0.0, count)
-
-    def _unlogged(self, port: int, load: EngineLoad, first: int, last: int) -> int:
-        """Of the registered leavers ``first`` to ``last`` (in disconnect order) that the connected
-        count no longer holds at ``load``, how many began after its gauges may have been set (an
-        engine that logs them, LOGGED_STYLES): each may be missing from them, so cannot be taken
-        to hold an orphan there. A request waiting for a batch slot is shown only at the next log;
-        read as held, one that arrived and left after the log claimed an earlier leaver's orphan,
-        and that one's running work was judged stopped at its close."""
-        if first >= last:
-            return 0
-        since = self._set_between(port, load)[0] - CLOCK_ERROR_NS
-        times, untils, starts = self._disconnect_times[port], self._connected_until[port], self._span_starts[port]
-        return sum(1 for index in range(max(first, bisect.bisect_left(times, since)), last)
-                   if starts[index] > since and untils[index] < load.ts_ns)
 
     def orphans_past(self, port: int, grace_ns: int, read_by_ns: int) -> tuple[int, int] | None:
         """How many requests the engine on ``port`` ran whose clients had left more than
@@ -666,9 +658,10 @@ class EngineLoads:
         before the first that showed it and that first one. Read as it was read, such gauges hold
         requests that completed and closed since the log: behind a proxy that closes each upstream
         connection as its answer ends, each was one orphan more, and completed requests were judged
-        zombies (bench/behind_nginx.py on SGLang's cadence: 7 of 90). ``held_one_more`` reads its
-        later scrapes so, not the one it compares with: the leavers' own arrivals often fall in
-        that one's interval, and three clients that left together went unanswered."""
+        zombies (bench/behind_nginx.py on SGLang's cadence: 7 of 90); read so by ``work_end``, requests
+        that arrived after the log were counted connected and not held, and a running orphan
+        vanished between two scrapes of one log (zombies judged aborted). ``held_one_more`` reads its
+        later scrapes so, and the one it compares with from that one's interval on."""
         if load.style not in LOGGED_STYLES:
             return load.ts_ns, load.answered_ns or load.ts_ns
         series, index = self._first_showing(port, load)
@@ -684,7 +677,8 @@ class EngineLoads:
     def held_one_more(self, port: int, request: Hashable, disconnect_ns: int, span_start_ns: int,
                       connected_until_ns: int, connected_at: Callable[[int, int], int], arrived: Callable[[int, int], int],
                       unspanned: Callable[[EngineLoad, tuple[tuple[str, int, int], ...], int | None], int],
-                      no_within_ns: int) -> tuple[bool | None, tuple[int, int] | None] | None:
+                      no_within_ns: int, spans_ended: Callable[[int, int], int] | None = None,
+                      ) -> tuple[bool | None, tuple[int, int] | None] | None:
         """Whether the engine held one more request once this one's client had left than before:
         the orphans (held - connected) at the first scrape that no longer counts it connected, less
         those at the one before the last that did (or that came before its span began), above the
@@ -717,7 +711,12 @@ class EngineLoads:
         the second scrape says nothing. Untold clients read in between count at neither (errs
         toward no). A second scrape that says nothing (that, not listed soon after the disconnect,
         or listed incompletely) is passed over for the next, up to HELD_ONE_MORE_WINDOW_NS after
-        the span's end."""
+        the span's end.
+
+        ``spans_ended(start, end)``: server spans that ended then. A logged scrape is read against the
+        requests connected at any moment of its log's interval, and each that ended in it may have
+        ended before the log, so be missing from its gauges and hide an orphan: a no holds only
+        with every one of them an orphan too."""
         series = self._loads.get(port, [])
         after = bisect.bisect_right(series, connected_until_ns, key=_TS)
         if after == 0:
@@ -802,6 +801,8 @@ class EngineLoads:
             least_rise = orphans - (held_before + base_arrived)
             most_rise = orphans + arrived(load_from, load_end) - held_before
             may_have_ended = max(0, held_before + base_arrived)  # the first scrape's orphans, at most
+            if spans_ended is not None and load.style in LOGGED_STYLES:
+                most_rise += spans_ended(load_from, load_end)
             if least_rise > others:
                 return True, (since, load.ts_ns)
             if load.ts_ns - disconnect_ns <= no_within_ns and most_rise + may_have_ended <= 0:
@@ -869,10 +870,9 @@ class EngineLoads:
             ended = self._untils_sorted[port]
             for until in untils[:gone]:
                 _take_one(ended, until)
-            del times[:gone], untils[:gone], self._span_starts[port][:gone]
+            del times[:gone], untils[:gone]
             if not requests:
                 del self._disconnects[port], self._disconnect_times[port], self._connected_until[port]
-                del self._span_starts[port]
                 del self._untils_sorted[port]
         # A connection's last close matters for SAME_CONNECTION_NS only: kept from ``closes_cutoff_ns``.
         drop_front(self._departed, lambda last_close: last_close < closes_cutoff_ns)
