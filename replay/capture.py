@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import random
+import sqlite3
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -236,6 +237,39 @@ def check_output(out: Path, *, force: bool, store: Store | None = None) -> None:
             raise CaptureError(f"{out} exists; pass --force to replace it, or another -o")
         if not out.is_file():
             raise CaptureError(f"{out} is not a regular file; --force replaces only a file: pass another -o")
+        if (reason := _not_a_capture(out)) is not None:
+            raise CaptureError(f"{out} {reason}; --force replaces only a capture file: pass another -o, "
+                               "or remove it yourself if it is to go")
+
+
+# Tables a capture file leaves empty: rows there are a daemon's record, which no capture replaces.
+_RECORDED_TABLES = ("spans", "verdicts", "conn_event_blocks", "util_samples")
+
+
+def _not_a_capture(path: Path) -> str | None:
+    """Why ``path`` is not a file --force may replace, None where it is: an empty file, or an
+    auditor file holding captures and no recorded traffic. Read-only."""
+    try:
+        if path.stat().st_size == 0:
+            return None
+        # immutable: no -wal or -shm left beside a file that may stay (a read-only open makes them);
+        # what a writer has not checkpointed yet is unseen, which can only refuse more.
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True, timeout=5)
+    except (OSError, ValueError, sqlite3.Error) as exc:
+        return f"cannot be read to tell whether it is a capture ({exc})"
+    try:
+        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "captures" not in tables or "alembic_version" not in tables:
+            return "holds no capture"
+        recorded = [t for t in _RECORDED_TABLES  # whether any row, not how many: a store may be large
+                    if t in tables and conn.execute(f"SELECT 1 FROM {t} LIMIT 1").fetchone()]
+    except sqlite3.DatabaseError:
+        return "holds no capture (not a SQLite database)"
+    finally:
+        conn.close()
+    if recorded:
+        return f"is an auditor store with recorded traffic (its {', '.join(recorded)}), not a capture"
+    return None
 
 
 def _remove_sqlite_files(path: Path, suffixes: Iterable[str] = ("", "-wal", "-shm", "-journal")) -> None:

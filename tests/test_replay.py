@@ -130,6 +130,34 @@ def test_export_never_overwrites_its_own_store_or_a_device(store: Store, tmp_pat
     assert db.read_bytes() == before
 
 
+def test_force_replaces_a_capture_or_an_empty_file_and_nothing_else(store: Store, tmp_path: Path) -> None:
+    """--force answers "exists" for a capture; another auditor store (a backup of the daemon's,
+    holding its record) or a file of something else is refused with exit 2, every byte kept."""
+    store.insert_spans([http_span("a", 0.0, 4.0, span="1")])
+    other_store = tmp_path / "backup.db"
+    backup = Store(f"sqlite:///{other_store}")
+    backup.insert_spans([http_span("b", 0.0, 4.0, span="2")])
+    backup.close()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me\n")
+    for target, message in ((other_store, "is an auditor store with recorded traffic (its spans)"),
+                            (notes, "holds no capture")):
+        before = target.read_bytes()
+        result = auditor("capture", "export", "--db", store.url, "--since", "1h", "-o", str(target), "--force")
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert "--force replaces only a capture file" in result.stderr and "Traceback" not in result.stderr
+        assert target.read_bytes() == before
+    imported = auditor("capture", "import", str(notes), "--format", "aiperf", "--model", "m", "-o", str(other_store),
+                       "--force")
+    assert imported.returncode == 2 and "is an auditor store with recorded traffic" in imported.stderr, imported.stderr
+    empty, capture = tmp_path / "empty.db", tmp_path / "capture.db"
+    empty.touch()
+    assert export(store, capture, since_ns=T0, until_ns=T0 + 10 * S)[1] == 1
+    for target in (empty, capture):
+        assert export(store, target, since_ns=T0, until_ns=T0 + 10 * S, force=True)[1] == 1
+        assert len(read_capture(open_capture_store(target)).requests) == 1
+
+
 def test_a_failed_export_leaves_the_old_capture_as_it_was(store: Store, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import replay.capture

@@ -54,6 +54,54 @@ def test_foreign_database_is_not_touched(tmp_path: Path) -> None:
         Store(f"sqlite:///{path}")
 
 
+def test_the_head_tables_named_for_the_daemon_are_the_schemas() -> None:
+    from auditor.store.db import HEAD_TABLES
+
+    assert set(Base.metadata.tables) | {"alembic_version"} == HEAD_TABLES
+
+
+def test_a_store_missing_a_table_is_refused_and_db_status_says_which(tmp_path: Path) -> None:
+    """A table dropped by hand behind a head revision is named at open (the daemon would otherwise
+    fail at its first write) and by ``db status``, which exits 1; nothing is recreated."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "auditor.db"
+    Store(f"sqlite:///{path}").close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE verdicts")
+    with pytest.raises(StoreError, match=r"lacks its table\(s\) verdicts"):
+        Store(f"sqlite:///{path}")
+    status = subprocess.run([sys.executable, "-m", "auditor", "db", "status", "--db", f"sqlite:///{path}"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert status.returncode == 1 and "table(s) verdicts missing" in status.stdout, (status.stdout, status.stderr)
+    with sqlite3.connect(path) as conn:
+        assert "verdicts" not in {n for (n,) in conn.execute("SELECT name FROM sqlite_master")}
+
+
+@pytest.mark.parametrize(("query", "message"), [
+    ("foo=bar", r"would ignore the option\(s\) foo"),
+    ("mode=ro", r"would ignore the option\(s\) mode; .*only with uri=true"),
+    ("timeout=soon", "an option's value cannot be read"),
+])
+def test_sqlite_url_options_the_driver_would_not_take_are_refused(tmp_path: Path, query: str, message: str) -> None:
+    path = tmp_path / "auditor.db"
+    with pytest.raises(StoreError, match=message):
+        Store(f"sqlite:///{path}?{query}")
+    assert not path.exists()
+
+
+def test_sqlite_url_options_the_driver_takes_open_the_store(tmp_path: Path) -> None:
+    path = tmp_path / "auditor.db"
+    Store(f"sqlite:///{path}").close()
+    store = Store(f"sqlite:///{path}?timeout=3")
+    assert store.current_revision() == store.head_revision()
+    store.close()
+    read_only = Store(f"sqlite:///file:{path}?mode=ro&uri=true", upgrade=False)
+    assert read_only.current_revision() == read_only.head_revision()
+    read_only.close()
+
+
 def test_spans_are_not_duplicated(store: Store) -> None:
     span = SpanRecord(trace_id="a" * 32, span_id="b" * 16, parent_span_id=None, name="POST /v1/completions",
                       kind="server", start_ns=1, end_ns=2, role=SpanRole.HTTP_SERVER)

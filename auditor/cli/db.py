@@ -45,10 +45,16 @@ def status(config: Config) -> None:
         store = Store(url, check=False, create=False)
         current = store.current_revision() or "none"
         known, head = revisions()
-        if current == head:
+        missing = store.missing_tables() if current == head else []
+        if missing:
+            state = (f"table(s) {', '.join(missing)} missing: something else changed it; move it aside "
+                     "(the daemon starts a new one) or restore it from a backup")
+        elif current == head:
             state = "up to date"
         elif current != "none" and current not in known:
             state = "newer than this auditor knows: upgrade the auditor (its package) to read it"
         else:
             state = "needs `auditor db upgrade`"
         click.echo(f"{store.url}: schema {current}, head {head}: {state}")
+        if missing:
+            raise SystemExit(1)

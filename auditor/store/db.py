@@ -71,6 +71,12 @@ _REVISION_LINE = re.compile(r"^(down_revision|revision)\s*(?::[^=]*)?=\s*(None|\
 MIGRATE_TIMEOUT_S = 600.0
 
 
+# The tables of the head schema (auditor.store.tables; a test holds the two alike), named here so
+# the daemon checks them without importing SQLAlchemy's metadata.
+HEAD_TABLES = frozenset({"alembic_version", "conn_event_blocks", "spans", "util_samples", "verdicts", "coverage",
+                         "captures", "captured_requests", "replay_runs", "replay_results", "correlator_state"})
+
+
 @cache
 def revisions() -> tuple[frozenset[str], str]:
     """(every revision the migration scripts know, the head): read from the scripts' own
@@ -207,6 +213,11 @@ class Store:
                 "move it aside or pass another --db"
             ) from exc
 
+    def missing_tables(self) -> list[str]:
+        """The head schema's tables this database lacks (dropped by hand, a restore of part of it)."""
+        with self.sql.connect() as conn:
+            return sorted(HEAD_TABLES - conn.table_names())
+
     def check_schema(self, *, upgrade: bool = True, in_child: bool = False) -> None:
         current = self.current_revision()
         known, head = revisions()
@@ -216,6 +227,10 @@ class Store:
                 "upgrade the auditor or point --db elsewhere"
             )
         if current == head:
+            if missing := self.missing_tables():
+                raise StoreError(f"{self.where()} records schema {head} but lacks its table(s) {', '.join(missing)}: "
+                                 "something else changed it; move it aside (the daemon starts a new one) "
+                                 "or pass another --db")
             return
         if current is None:
             with self.sql.connect() as conn:
@@ -615,7 +630,7 @@ def _make_engine(url: str, *, create: bool) -> Engine:
                          "PostgreSQL only; try sqlite:///auditor.db or postgresql+psycopg://user@host/db")
     if parsed.get_backend_name() == "sqlite":
         _check_sqlite_path(parsed.database or "", create=create)
-        engine = create_engine(parsed, connect_args={"timeout": 5})
+        engine = _sqlite_engine(parsed)
         event.listen(engine, "connect", lambda dbapi_connection, _record: sqlite_pragmas(dbapi_connection))
         return engine
     try:
@@ -629,6 +644,35 @@ def _make_engine(url: str, *, create: bool) -> Engine:
                              f"{suggested}") from exc
         raise StoreError(f"cannot use {where}: {exc}; "
                          "for PostgreSQL install the extra: pip install 'zombie-auditor[postgres]'") from exc
+
+
+def _sqlite_engine(parsed: Any) -> Engine:
+    """A SQLite engine, refusing URL options the driver would ignore (SQLAlchemy only warns, and
+    the store would run without what the user asked for) or cannot read."""
+    import warnings
+
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import SAWarning
+
+    where = parsed.render_as_string(hide_password=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SAWarning)
+        try:
+            engine = create_engine(parsed, connect_args={"timeout": 5})
+            engine.dialect.create_connect_args(engine.url)  # where the options are read; no connection
+        except (TypeError, ValueError) as exc:
+            raise StoreError(f"{where}: an option's value cannot be read ({exc}); fix it or drop it "
+                             "from the URL") from exc
+    ignored = [str(w.message) for w in caught if issubclass(w.category, SAWarning)]
+    if ignored:
+        options = ", ".join(sorted(k for k in parsed.query if k not in _PYSQLITE_OPTIONS))
+        raise StoreError(f"{where}: SQLite's driver would ignore the option(s) {options}; it reads "
+                         f"{', '.join(_PYSQLITE_OPTIONS)} from the URL, and SQLite's own URI options (mode=ro, "
+                         "cache=shared) only with uri=true and the database written as file:PATH")
+    return engine
+
+
+_PYSQLITE_OPTIONS = ("uri", "timeout", "isolation_level", "detect_types", "check_same_thread", "cached_statements")
 
 
 # A span's columns in the order ``span_from_values`` reads them: the record's fields.
