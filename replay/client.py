@@ -47,6 +47,7 @@ class RequestOutcome:
     plan: RequestPlan
     sent_at_ns: int = 0  # T2
     cancelled_at_ns: int | None = None
+    timed_out_at_ns: int | None = None  # the client gave up on the answer (its timeout) and closed
     completed: bool = False  # the whole response was read before any cancel
     status: int | None = None
     bytes_read: int = 0
@@ -216,6 +217,7 @@ async def _exchange(host: str, port: int, plan: RequestPlan, timeout_s: float | 
             await asyncio.wait({read})  # let it end: the drain below reads the same stream
             if plan.cancel_after_s is None:  # no answer within --request-timeout
                 outcome.error = f"timeout: no complete response after {timeout_s:g} s"
+                outcome.timed_out_at_ns = time.time_ns()
                 timed_out = True
             else:  # still waiting for the response when the timer fired: cancel
                 outcome.cancelled_at_ns = time.time_ns()

@@ -90,6 +90,8 @@ class ReplaySummary:
     error_kinds: dict[str, int] = field(default_factory=dict)  # "HTTP 404", "connect", "timeout", ...
     verdicts: dict[str, int] = field(default_factory=dict)  # for the cancelled requests
     evidence: dict[str, dict[str, int]] = field(default_factory=dict)  # verdict -> what decided it -> count
+    timed_out: int = 0  # not cancelled, but the client gave up after --request-timeout (among the errors)
+    timed_out_zombies: int = 0  # of those, the ones the engine went on with: counted in zombies too
     unjudged: int = 0  # cancelled, yet no verdict: the disconnect or the span never reached the auditor
     provisional: int = 0  # a verdict that could still turn into a zombie when the wait ran out
     zombies: int = 0
@@ -115,7 +117,8 @@ class ReplaySummary:
 
 
 # What the report sets side by side for the baseline and the new run.
-COMPARED = ("sent", "errors", "planned_cancels", "cancelled", "verdicts", "evidence", "zombies", "zombie_seconds",
+COMPARED = ("sent", "errors", "planned_cancels", "cancelled", "verdicts", "evidence", "timed_out", "timed_out_zombies",
+            "zombies", "zombie_seconds",
             "wasted_tokens", "zombies_without_tokens", "wasted_gpu_seconds", "wasted_cpu_seconds")
 
 
@@ -139,7 +142,9 @@ def gate_reasons(summary: ReplaySummary) -> list[tuple[str, str]]:
     and failed requests fails for both, and says which is which."""
     reasons = []
     if summary.zombies:
-        reasons.append(("zombies", f"{summary.zombies} zombies ({summary.zombie_seconds:.1f} zombie-seconds)"))
+        timed_out = (f"; {summary.timed_out_zombies} of them after the client's --request-timeout"
+                     if summary.timed_out_zombies else "")
+        reasons.append(("zombies", f"{summary.zombies} zombies ({summary.zombie_seconds:.1f} zombie-seconds{timed_out})"))
     if summary.errors:
         kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(summary.error_kinds.items()))
         reasons.append(("unsound", f"{summary.errors} of {summary.sent} requests failed ({kinds})"))
@@ -241,8 +246,14 @@ def verdicts_for(store: Store, plans: list[RequestPlan], started_ns: int) -> dic
     return found
 
 
+def left_early(outcomes: list[RequestOutcome]) -> list[RequestPlan]:
+    """The requests whose client left before the answer's end: the cancelled ones, and those it gave
+    up on after --request-timeout (a client's timeout leaves a zombie as surely as a cancel)."""
+    return [o.plan for o in outcomes if o.cancelled_at_ns is not None or o.timed_out_at_ns is not None]
+
+
 def settled(store: Store, cancelled: list[RequestPlan], started_ns: int) -> tuple[int, int]:
-    """(cancelled requests with a verdict, of them not final yet): an in-flight zombie, or a
+    """(requests left early with a verdict, of them not final yet): an in-flight zombie, or a
     verdict still waiting for a late engine span (an abort without one is provisional until the
     correlator's late-span window has passed, because a detached engine reports only at its end)."""
     rows = verdicts_for(store, cancelled, started_ns)
@@ -267,6 +278,17 @@ def record_run(store: Store, capture: Capture, target: str, options: ReplayOptio
         summary.completed += outcome.completed
         if outcome.error:
             _count_error(summary, plan.request_id, outcome.error)
+        if outcome.timed_out_at_ns is not None:
+            summary.timed_out += 1
+            row = verdicts.get(plan.trace_id)
+            if row is not None and row.verdict in ZOMBIES:
+                summary.timed_out_zombies += 1
+                _count_zombie(summary, plan, row, lags, left="timeout")
+            results.append({"request_id": plan.request_id, "trace_id": plan.trace_id,
+                            "cancel_delay_s": options.request_timeout_s, "disconnect_kind": "timeout",
+                            "verdict": row.verdict if row is not None else None,
+                            "lag_seconds": row.lag_seconds if row is not None else None})
+            continue
         if outcome.cancelled_at_ns is None:
             continue
         summary.cancelled += 1
@@ -320,8 +342,13 @@ def _count_verdict(summary: ReplaySummary, plan: RequestPlan, row: VerdictRow | 
     by_evidence[evidence] = by_evidence.get(evidence, 0) + 1
     if not final and verdict not in ZOMBIES and (row.details or {}).get("provisional"):
         summary.provisional += 1
-    if verdict not in ZOMBIES:
-        return
+    if verdict in ZOMBIES:
+        _count_zombie(summary, plan, row, lags, left="cancel")
+
+
+def _count_zombie(summary: ReplaySummary, plan: RequestPlan, row: VerdictRow, lags: list[float], *,
+                  left: str) -> None:
+    """A zombie's figures into the run's; ``left``: how its client left ("cancel", "timeout")."""
     summary.zombies += 1
     summary.zombie_seconds += row.lag_seconds or 0.0
     summary.wasted_tokens += row.tokens_after_disconnect or 0
@@ -330,9 +357,9 @@ def _count_verdict(summary: ReplaySummary, plan: RequestPlan, row: VerdictRow | 
     summary.wasted_cpu_seconds += row.wasted_cpu_seconds or 0.0
     if row.lag_seconds is not None:
         lags.append(row.lag_seconds)
-    summary.worst.append({"request_id": plan.request_id, "trace_id": plan.trace_id, "verdict": verdict,
+    summary.worst.append({"request_id": plan.request_id, "trace_id": plan.trace_id, "verdict": row.verdict,
                           "lag_seconds": row.lag_seconds, "tokens_after_disconnect": row.tokens_after_disconnect,
-                          "phase": row.phase, "disconnect_kind": row.disconnect_kind})
+                          "phase": row.phase, "disconnect_kind": row.disconnect_kind, "left": left})
 
 
 def resolve_baseline(store: Store, capture: Capture, baseline: str | None,

@@ -26,6 +26,7 @@ from replay.run import (
     EngineLoad,
     ReplayOptions,
     ReplaySummary,
+    left_early,
     plan_replay,
     record_run,
     resolve_baseline,
@@ -127,8 +128,8 @@ def local_target(url: str) -> tuple[str, int]:
 def wait_for_verdicts(pipeline: Pipeline, cancelled: list[RequestPlan], started_ns: int, engine: EngineLoad,
                       timeout_s: float, span_delay_s: float,
                       progress: ProgressFactory = silent_progress) -> tuple[str, bool]:
-    """Wait until every cancelled request has a final verdict; returns why the wait ended, and
-    whether every verdict is final then.
+    """Wait until every request left early (``cancelled``: the cancels and the client's timeouts)
+    has a final verdict; returns why the wait ended, and whether every verdict is final then.
 
     A verdict is final once its engine span arrived. An abort without one (vLLM emits none) stays
     provisional through the late-span window, because a detached engine reports only when it
@@ -194,7 +195,7 @@ def run_replay(settings: ReplaySettings, make_pipeline: Callable[[dict[str, Any]
                                             concurrency=settings.options.concurrency,
                                             timeout_s=settings.options.request_timeout_s,
                                             on_done=lambda _outcome: bar.update(1)))
-        cancelled = [o.plan for o in outcomes if o.cancelled_at_ns is not None]
+        cancelled = left_early(outcomes)
         engine = EngineLoad(settings.host, settings.port)
         try:
             ended, final = wait_for_verdicts(pipeline, cancelled, started_ns, engine, settings.wait_s,

@@ -399,6 +399,44 @@ def test_replay_finds_zombies_then_confirms_the_fix(tmp_path: Path) -> None:
     assert [tuple(r) for r in results] == [(1, "zombie", 6), (2, "aborted", 6)]
 
 
+def test_zombies_left_by_the_clients_timeout_fail_the_gate_as_zombies(tmp_path: Path) -> None:
+    """A request the client gave up on (--request-timeout) is an error, and where the engine went
+    on generating, a zombie too: the gate said only "unsound" (exit 4) of an engine that kept
+    working after its clients left. Its verdict is waited for like a cancel's and counted apart."""
+    capture = tmp_path / "capture.db"
+    write_capture(capture, [CapturedRequest(offset_s=0.05 * i, path="/v1/completions",
+                                            body={"model": "ref-llm-1b", "prompt": "token " * 16, "max_tokens": 250,
+                                                  "stream": i % 2 == 0})
+                            for i in range(6)], name="timeouts")
+    otlp_port = free_port()
+    replay_args = ["--cancel-rate", "0.5", "--cancel-after", "0.3", "--request-timeout", "0.6", "--speed", "0",
+                   "--otlp-http", f"127.0.0.1:{otlp_port}", "--span-delay", "1", "--wait", "90", "--json"]
+    with running_engine(behavior="detached", otlp=f"http://127.0.0.1:{otlp_port}", step_ms=15) as engine:
+        buggy = auditor("replay", str(capture), "--target", engine.url, *replay_args)
+    result = json.loads(buggy.stdout)
+    jsonschema.Draft202012Validator(REPLAY_SCHEMA).validate(result)
+    timed_out = 6 - result["planned_cancels"]
+    assert 0 < timed_out < 6 and result["cancelled"] == result["planned_cancels"], result
+    assert result["timed_out"] == timed_out and result["error_kinds"] == {"timeout": timed_out}, result
+    assert result["timed_out_zombies"] == timed_out and result["zombies"] == 6, result
+    assert buggy.returncode == 1 and result["gate"] == "zombies", (result, buggy.stderr)
+    assert f"; {timed_out} of them after the client's --request-timeout" in result["gate_reasons"][0], result
+    assert {w["left"] for w in result["worst"]} == {"cancel", "timeout"}, result["worst"]
+    with running_engine(behavior="abort", otlp=f"http://127.0.0.1:{otlp_port}", step_ms=15) as engine:
+        fixed = auditor("replay", str(capture), "--target", engine.url, *replay_args[:-1], "--baseline", "previous")
+    # The fixed engine stops for a timeout as for a cancel: no zombie, and the timeouts leave the run
+    # unsound (they are failed requests), never a pass.
+    assert fixed.returncode == 4, (fixed.stdout, fixed.stderr)
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in fixed.stdout.splitlines())}
+    assert rows["timed out (client gave up)"] == [str(timed_out)] * 2, fixed.stdout
+    assert rows["zombies after it"] == [str(timed_out), "0"] and rows["zombies"] == ["6", "0"], fixed.stdout
+    store = Store(f"sqlite:///{capture}")
+    with store.engine.connect() as conn:
+        kinds = conn.exec_driver_sql("SELECT run_id, disconnect_kind, count(*) FROM replay_results "
+                                     "WHERE disconnect_kind = 'timeout' GROUP BY run_id ORDER BY run_id").all()
+    assert [tuple(k) for k in kinds] == [(1, "timeout", timed_out), (2, "timeout", timed_out)]
+
+
 def test_the_schema_names_every_verdict_a_replay_can_count() -> None:
     """A replay counts whatever verdict its cancels got, unconfirmed included (an engine whose end
     nothing tells): the schema must take each."""

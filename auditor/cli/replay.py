@@ -214,8 +214,10 @@ def _comparison(summary: Any) -> list[tuple[str, list[str]]]:
     cancels = ("cancelled as planned", [
         "-" if side.get("cancelled") is None else
         f"{side['cancelled']} of {_cell(side.get('planned_cancels'))}" for side in sides])
-    return [row("sent", "sent"), row("errors", "errors"), cancels, *_verdict_rows(sides), row("zombies", "zombies"),
-            row("zombie-seconds", "zombie_seconds"), row("tokens after disconnect", "wasted_tokens"),
+    timeouts = ([row("timed out (client gave up)", "timed_out"), row("  zombies after it", "timed_out_zombies")]
+                if any(side.get("timed_out") for side in sides) else [])
+    return [row("sent", "sent"), row("errors", "errors"), cancels, *_verdict_rows(sides), *timeouts,
+            row("zombies", "zombies"), row("zombie-seconds", "zombie_seconds"), row("tokens after disconnect", "wasted_tokens"),
             row("  zombies, tokens unknown", "zombies_without_tokens"),
             row("wasted GPU-seconds", "wasted_gpu_seconds"), row("wasted CPU-seconds", "wasted_cpu_seconds")]
 
@@ -251,13 +253,14 @@ def _print_summary(summary: Any, capture: Any) -> None:
         click.echo(f"  lag p50 {summary.lag_p50_s:.2f} s, max {summary.lag_max_s:.2f} s")
     if summary.worst:
         # 80 columns: the trace id's first 16 hex digits (--json has all 32).
-        click.echo(f"  {'request id':<20} {'trace id':<17} {'lag s':>7} {'tokens':>6} {'phase':<8} close")
+        click.echo(f"  {'request id':<20} {'trace id':<17} {'lag s':>7} {'tokens':>6} {'phase':<8} close (how)")
         for w in summary.worst:
             lag_s = f"{w['lag_seconds']:.2f}" if w["lag_seconds"] is not None else "-"
             request_id, trace_id, phase, close = (_clip(f"{w[key]}", width) for key, width in (
                 ("request_id", 20), ("trace_id", 17), ("phase", 8), ("disconnect_kind", 5)))
             tokens = "-" if w["tokens_after_disconnect"] is None else w["tokens_after_disconnect"]  # unknown
-            click.echo(f"  {request_id:<20} {trace_id:<17} {lag_s:>7} {tokens:>6} {phase:<8} {close}")
+            how = " (timeout)" if w.get("left") == "timeout" else ""
+            click.echo(f"  {request_id:<20} {trace_id:<17} {lag_s:>7} {tokens:>6} {phase:<8} {close}{how}")
     for error in summary.first_errors:
         click.echo(f"  error: {error}", err=True)
     if summary.baseline_zombies is not None:
