@@ -78,6 +78,10 @@ STEP_SERIES: dict[str, tuple[str, ...]] = {
 }
 _STEP_GAUGES = frozenset({"sglang:num_used_tokens", "sglang:gen_throughput"})  # the rest are counters
 NOT_AN_ENGINE_BACKOFF_S = 30.0
+# A port whose engine answered before and then failed a scrape (a /metrics slow past the timeout
+# under load, a restart) is tried again at the rate, then twice as long after each failure in a
+# row, up to NOT_AN_ENGINE_BACKOFF_S: thirty seconds without its gauges for one slow answer would
+# leave every zombie of that time to its spans alone.
 _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux's
 # An engine that has held no request (nothing running or waiting) and seen no client leave for
 # QUIET_AFTER_S is scraped every QUIET_INTERVAL_S until a scrape shows a request or a client leaves
@@ -372,6 +376,8 @@ class EngineMetricsScraper:
         self.clock = clock
         self.errors = 0
         self._skip_until: dict[int, float] = {}
+        self._answered: set[int] = set()  # ports whose engine answered a scrape once
+        self._failed: dict[int, int] = {}  # port -> its scrapes failed in a row
         self._connections: dict[int, PageConnection] = {}
         self._ends: set[tuple[str, int, int]] = set()  # the connections open now (see on_connections)
         # Per port: until when (monotonic) its scrapes list the clients connected (``want_clients``).
@@ -508,16 +514,25 @@ class EngineMetricsScraper:
             except Exception as exc:  # a port that is down or not HTTP: try again later
                 self.errors += 1
                 self.filters.pop(port, None)  # whatever answers next is asked both ways again
+                failed = self._failed[port] = self._failed.get(port, 0) + 1
+                backoff = (min(NOT_AN_ENGINE_BACKOFF_S, self.interval_s * 2 ** (failed - 1))
+                           if port in self._answered else NOT_AN_ENGINE_BACKOFF_S)
                 if port not in self._skip_until:
-                    log.info("no engine metrics on port %d (%s); retrying every %.0f s", port, exc,
-                             NOT_AN_ENGINE_BACKOFF_S)
-                self._skip_until[port] = now + NOT_AN_ENGINE_BACKOFF_S
+                    if port in self._answered:
+                        log.info("engine metrics on port %d failed (%s); retrying in %.2g s, then less often "
+                                 "while it fails (up to every %.0f s)", port, exc, backoff, NOT_AN_ENGINE_BACKOFF_S)
+                    else:
+                        log.info("no engine metrics on port %d (%s); retrying every %.0f s", port, exc,
+                                 NOT_AN_ENGINE_BACKOFF_S)
+                self._skip_until[port] = now + backoff
                 continue
             if load is None:
                 self.filters.pop(port, None)
                 self._skip_until[port] = now + NOT_AN_ENGINE_BACKOFF_S
                 continue
             self._skip_until.pop(port, None)
+            self._failed.pop(port, None)
+            self._answered.add(port)
             if load.running or load.waiting:
                 self._holding.add(port)
             else:
@@ -548,6 +563,8 @@ class EngineMetricsScraper:
                     self._stepped.pop(gone, None)
                     self._list_until.pop(gone, None)
                     self._holding.discard(gone)
+                    self._answered.discard(gone)
+                    self._failed.pop(gone, None)
             due = sorted(port for port in ports if self._next_at.get(port, now) <= now)
             try:
                 loads = self.scrape_all(due)

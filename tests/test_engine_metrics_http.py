@@ -265,6 +265,39 @@ def test_an_answer_that_is_no_page_is_an_error_naming_why(serve: Callable[..., S
     client.close()
 
 
+def test_an_engine_that_answered_before_is_tried_again_soon_after_a_failed_scrape(serve: Callable[..., Server]) -> None:
+    """One failed scrape of an engine that answered before (a /metrics slow past the timeout under
+    load) kept its gauges away for 30 s, every zombie of that time left to its spans: it is tried
+    again at the rate, then twice as long after each failure in a row; a port that never answered
+    as an engine still waits 30 s."""
+    import time
+
+    from collectors.enginemetrics import NOT_AN_ENGINE_BACKOFF_S
+
+    def hang_up(conn: socket.socket) -> None:
+        conn.close()
+
+    server = serve([content_length(), hang_up, hang_up, hang_up, content_length()])
+    client = EngineMetricsScraper(lambda: [], lambda loads: None, interval_s=0.25, timeout_s=2, filtered=False)
+    assert len(client.scrape_all([server.port])) == 1
+    waits = []
+    for _ in range(2):  # hung up on: the kept connection and then a fresh one, then a fresh one
+        began = time.monotonic()
+        assert client.scrape_all([server.port]) == []
+        waits.append(client._skip_until[server.port] - began)
+        client._skip_until[server.port] = 0.0  # as if that wait were over
+    assert 0.2 < waits[0] < 0.35 and 0.45 < waits[1] < 0.6, waits
+    [load] = client.scrape_all([server.port])
+    assert load.running == 2 and server.port not in client._skip_until
+    client.close()
+    never = socket.socket()
+    never.bind(("127.0.0.1", 0))  # bound, never listening: refused
+    began = time.monotonic()
+    assert client.scrape_all([never.getsockname()[1]]) == []
+    assert client._skip_until[never.getsockname()[1]] - began > NOT_AN_ENGINE_BACKOFF_S - 1
+    never.close()
+
+
 def test_a_newly_watched_port_is_scraped_at_once_while_the_old_ones_back_off(serve: Callable[..., Server]) -> None:
     import time
 
