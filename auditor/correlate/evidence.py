@@ -257,7 +257,6 @@ class EngineLoads:
         # (the correlator's memory window, as the spans that tell them): older scrapes are read
         # without them.
         self._clients: dict[int, dict[int, tuple[tuple[str, int, int], ...] | None]] = {}  # None: incomplete
-        self._busy_clients: dict[int, dict[int, tuple[tuple[str, int, int], ...] | None]] = {}  # alike, busy-only
         self._busy_listings: dict[int, deque[int]] = {}  # port -> its busy-only listings not yet settled
         self.clients_kept_ns = 60_000_000_000
         # port -> request -> (its client's close, its work's end), for requests whose work went on
@@ -290,10 +289,7 @@ class EngineLoads:
         ports = set()
         for load in loads:
             if load.connections is not None:
-                # A busy-only listing is kept apart: it stands in only for a scrape the daemon could
-                # not have had listed, before it heard of a close (``_listing``).
-                kept = self._busy_clients if load.listed_while_busy else self._clients
-                listed = kept.setdefault(load.server_port, {})
+                listed = self._clients.setdefault(load.server_port, {})
                 listed[load.ts_ns] = load.connections if load.connections_complete else None
                 cutoff = load.ts_ns - self.clients_kept_ns
                 while (first := next(iter(listed))) < cutoff:  # listed in time order: from the front
@@ -322,22 +318,12 @@ class EngineLoads:
         where a listing is read only for the scrapes soon after a close."""
         pending = self._busy_listings.setdefault(port, deque())
         pending.append(ts_ns)
-        listed, closes = self._busy_clients.get(port, {}), self._departures.get(port, _NO_TIMES)
+        listed, closes = self._clients.get(port, {}), self._departures.get(port, _NO_TIMES)
         while pending and pending[0] < ts_ns - BUSY_LISTING_SETTLE_NS:
             at = pending.popleft()
             index = bisect.bisect_right(closes, at)
             if index == 0 or closes[index - 1] < at - BUSY_LISTING_NEAR_NS:
                 listed.pop(at, None)
-
-    def _listing(self, listed: dict[int, Any], port: int, ts_ns: int, disconnect_ns: int) -> Any:
-        """The clients listed with the port's scrape at ``ts_ns`` (None: incompletely; _UNLISTED:
-        not listed), read for a request whose client left at ``disconnect_ns``. A scrape listed only
-        because the engine was busy counts only where an unlisted one would say nothing: within
-        UNLISTED_AFTER_LEAVING_NS of the disconnect, before the daemon could have asked for it."""
-        clients = listed.get(ts_ns, _UNLISTED)
-        if clients is _UNLISTED and ts_ns - disconnect_ns <= UNLISTED_AFTER_LEAVING_NS:
-            clients = self._busy_clients.get(port, {}).get(ts_ns, _UNLISTED)
-        return clients
 
     def model_of(self, port: int) -> str | None:
         """The model the engine on ``port`` serves, as its gauges name it (``EngineLoad.model``)."""
@@ -559,7 +545,7 @@ class EngineLoads:
             orphans = load.running + load.waiting - connected_at(read_from, read_end)
             if orphans > newer:
                 if listed is not None and unspanned is not None:
-                    clients = self._listing(listed, port, load.ts_ns, disconnect_ns)
+                    clients = listed.get(load.ts_ns, _UNLISTED)
                     if clients is _UNLISTED:  # undecided only before the daemon heard of the disconnect
                         undecided = load.ts_ns - disconnect_ns <= UNLISTED_AFTER_LEAVING_NS
                     else:  # a listing a client may be missing from (None) says nothing either
@@ -820,7 +806,7 @@ class EngineLoads:
             orphans = load.running + load.waiting - connected_at(load_from, load_end)
             held_before = base
             if listed is not None:
-                clients = self._listing(listed, port, load.ts_ns, disconnect_ns)
+                clients = listed.get(load.ts_ns, _UNLISTED)
                 if clients is _UNLISTED:
                     if load.ts_ns - disconnect_ns <= UNLISTED_AFTER_LEAVING_NS:
                         continue
@@ -897,7 +883,6 @@ class EngineLoads:
                 del self._loads[port]
                 self._clients.pop(port, None)
                 self._busy_listings.pop(port, None)
-                self._busy_clients.pop(port, None)
                 self._still_since.pop(port, None)
                 self._log_gaps.pop(port, None)
                 self._models.pop(port, None)
