@@ -552,23 +552,3 @@ def test_idle_clients_count_against_the_port_and_a_queued_orphan_only_once_it_ru
                           connections=tuple(("127.0.0.1", 40000 + i, at(0.9)) for i in range(2)))])
     assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.5)) == (0, at(1.5))
     assert loads.held_beyond_listed(PORT) is None
-
-
-def test_a_busy_engines_listings_are_kept_only_near_a_clients_close() -> None:
-    """Listings made only because the engine was busy are read for the scrapes soon after a close:
-    once the daemon had time to hear of every close (BUSY_LISTING_SETTLE_NS), those that no close
-    came up to BUSY_LISTING_NEAR_NS before are forgotten; the rest, and every listing made because
-    a client left or a verdict asked, stay for the memory window."""
-    from auditor.correlate.evidence import BUSY_LISTING_NEAR_NS, BUSY_LISTING_SETTLE_NS
-
-    loads = EngineLoads()
-    client = (("127.0.0.1", 40100, at(0.0)),)
-    loads.note_departure(("127.0.0.1", 40200, PORT), at(5.0))
-    for tenth in range(0, 300, 5):  # every half second for 30 s, busy throughout
-        loads.add([EngineLoad(at(tenth / 10), PORT, running=1, connections=client,
-                              listed_while_busy=tenth != 100)])  # the one at 10 s: a verdict asked
-    kept = sorted(loads._clients[PORT])
-    settled = at(29.5) - BUSY_LISTING_SETTLE_NS
-    near = [ts for ts in range(at(5.0), at(5.0) + BUSY_LISTING_NEAR_NS + 1, at(0.5))]
-    assert [ts for ts in kept if ts < settled] == sorted({*near, at(10.0)}), [ts / S for ts in kept]
-    assert [ts for ts in kept if ts >= settled] == list(range(settled, at(29.5) + 1, at(0.5)))
