@@ -284,10 +284,7 @@ def record_run(store: Store, capture: Capture, target: str, options: ReplayOptio
             if row is not None and row.verdict in ZOMBIES:
                 summary.timed_out_zombies += 1
                 _count_zombie(summary, plan, row, lags, left="timeout")
-            results.append({"request_id": plan.request_id, "trace_id": plan.trace_id,
-                            "cancel_delay_s": options.request_timeout_s, "disconnect_kind": "timeout",
-                            "verdict": row.verdict if row is not None else None,
-                            "lag_seconds": row.lag_seconds if row is not None else None})
+            results.append(_result_row(plan, row, options.request_timeout_s, "timeout"))
             continue
         if outcome.cancelled_at_ns is None:
             continue
@@ -298,10 +295,7 @@ def record_run(store: Store, capture: Capture, target: str, options: ReplayOptio
             # refused the request (a 4xx), which tests no cancel.
             _count_error(summary, plan.request_id, "HTTP 4xx: the target refused the request (its span says)")
         _count_verdict(summary, plan, row, final, lags)
-        results.append({"request_id": plan.request_id, "trace_id": plan.trace_id,
-                        "cancel_delay_s": plan.cancel_after_s, "disconnect_kind": plan.close_with,
-                        "verdict": row.verdict if row is not None else None,
-                        "lag_seconds": row.lag_seconds if row is not None else None})
+        results.append(_result_row(plan, row, plan.cancel_after_s, plan.close_with))
     summary.worst.sort(key=lambda w: -(w["lag_seconds"] or 0.0))
     summary.worst = summary.worst[:10]
     if lags:
@@ -320,6 +314,13 @@ def record_run(store: Store, capture: Capture, target: str, options: ReplayOptio
         if results:
             session.execute(ReplayResultRow.__table__.insert(), [{"run_id": run.id, **r} for r in results])
     return summary
+
+
+def _result_row(plan: RequestPlan, row: VerdictRow | None, left_after_s: float | None, left_how: str) -> dict[str, Any]:
+    """One replay_results row: how and when the client left, and the verdict the auditor gave."""
+    return {"request_id": plan.request_id, "trace_id": plan.trace_id, "cancel_delay_s": left_after_s,
+            "disconnect_kind": left_how, "verdict": row.verdict if row is not None else None,
+            "lag_seconds": row.lag_seconds if row is not None else None}
 
 
 def _count_error(summary: ReplaySummary, request_id: str, error: str) -> None:

@@ -663,8 +663,7 @@ def _sqlite_engine(parsed: Any) -> Engine:
         except (TypeError, ValueError) as exc:
             raise StoreError(f"{where}: an option's value cannot be read ({exc}); fix it or drop it "
                              "from the URL") from exc
-    ignored = [str(w.message) for w in caught if issubclass(w.category, SAWarning)]
-    if ignored:
+    if any(issubclass(w.category, SAWarning) for w in caught):
         options = ", ".join(sorted(k for k in parsed.query if k not in _PYSQLITE_OPTIONS))
         raise StoreError(f"{where}: SQLite's driver would ignore the option(s) {options}; it reads "
                          f"{', '.join(_PYSQLITE_OPTIONS)} from the URL, and SQLite's own URI options (mode=ro, "
