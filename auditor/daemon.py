@@ -267,7 +267,8 @@ class Daemon:
         scraper = EngineMetricsScraper(lambda: set(self._ports), keep, interval_s=settings.interval_seconds,
                                        path=settings.path, on_connections=own_connections,
                                        listed_clients=lister.clients, accepted=lister.accepted,
-                                       listing_complete=getattr(lister, "listing_complete", None))
+                                       listing_complete=getattr(lister, "listing_complete", None),
+                                       list_while_busy=getattr(lister, "listing_is_cheap", False))
         self._parts["engine_metrics"] = scraper.start()
 
     def _drain_engine_loads(self) -> list[EngineLoad]:

@@ -274,6 +274,10 @@ class EngineLoad:
     # False: a client was accepted (of a watched port, by the probe's count; of any port without
     # it) between the listing and the answer, so a client of this port may be missing from it.
     connections_complete: bool = True
+    # Listed only because the engine held requests (``EngineMetricsScraper(list_while_busy=True)``),
+    # not because a client had left or a verdict asked: kept a short while unless a client left
+    # near it (``EngineLoads.add``).
+    listed_while_busy: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -354,11 +354,19 @@ class EngineMetricsScraper:
                  on_connections: Callable[[frozenset[tuple[str, int, int]]], None] | None = None,
                  listed_clients: Callable[[Iterable[int]], dict[int, tuple[tuple[str, int, int], ...]] | None]
                  | None = None, accepted: Callable[[], int | None] | None = None,
-                 listing_complete: Callable[[int], bool | None] | None = None) -> None:
+                 listing_complete: Callable[[int], bool | None] | None = None,
+                 list_while_busy: bool = False) -> None:
         self.ports = ports
         self.listed_clients = listed_clients
         self.accepted = accepted
         self.listing_complete = listing_complete
+        # List the clients with every scrape of a port whose engine held requests at its last, not
+        # only once the daemon has heard a client left: it hears of a lone close up to the probe
+        # loop's poll later (0.25 s), and the scrapes in between, unlisted, say nothing of that
+        # client's work. For a lister that reads a table (the eBPF probe's, about 50 us), not one
+        # that walks the kernel's sockets.
+        self.list_while_busy = list_while_busy
+        self._holding: set[int] = set()  # ports whose last scrape showed requests held
         self.on_connections = on_connections
         self.sink = sink
         self.interval_s = interval_s
@@ -489,6 +497,9 @@ class EngineMetricsScraper:
         with self._lock:
             listing = [port for port in wanted
                        if self._list_until.get(port, -math.inf) > now and self._skip_until.get(port, 0.0) <= now]
+        busy_only = {port for port in wanted if port in self._holding and port not in listing
+                     and self._skip_until.get(port, 0.0) <= now} if self.list_while_busy else set()
+        listing += sorted(busy_only)
         # A client accepted between the listing and a scrape's answer may be among the requests the
         # gauges hold and not among the clients listed: a count of accepts (``_accepts_now``)
         # before and after says whether any was; if so the scrape's listing is incomplete, unless
@@ -522,12 +533,17 @@ class EngineMetricsScraper:
             self._skip_until.pop(port, None)
             self._failed.pop(port, None)
             self._answered.add(port)
+            if load.running or load.waiting:
+                self._holding.add(port)
+            else:
+                self._holding.discard(port)
             if port in walked:
                 after = self._accepts_now() if accepts is not None else None
                 complete = after in (None, accepts)
                 if not complete and self.listing_complete is not None:
                     complete = self.listing_complete(port) is True  # accepted elsewhere, not on this port
-                load = replace(load, connections=walked[port], connections_complete=complete)
+                load = replace(load, connections=walked[port], connections_complete=complete,
+                               listed_while_busy=port in busy_only)
             loads.append(load)
         return loads
 
@@ -546,6 +562,7 @@ class EngineMetricsScraper:
                     self._active_at.pop(gone, None)
                     self._stepped.pop(gone, None)
                     self._list_until.pop(gone, None)
+                    self._holding.discard(gone)
                     self._answered.discard(gone)
                     self._failed.pop(gone, None)
             due = sorted(port for port in ports if self._next_at.get(port, now) <= now)

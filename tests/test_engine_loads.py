@@ -552,3 +552,30 @@ def test_idle_clients_count_against_the_port_and_a_queued_orphan_only_once_it_ru
                           connections=tuple(("127.0.0.1", 40000 + i, at(0.9)) for i in range(2)))])
     assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.5)) == (0, at(1.5))
     assert loads.held_beyond_listed(PORT) is None
+
+
+def test_a_busy_engines_listings_are_kept_only_near_a_clients_close() -> None:
+    """Listings made only because the engine was busy are read for the scrapes soon after a close
+    (in place of a scrape the daemon could not have had listed yet):
+    once the daemon had time to hear of every close (BUSY_LISTING_SETTLE_NS), those that no close
+    came up to BUSY_LISTING_NEAR_NS before are forgotten; the rest, and every listing made because
+    a client left or a verdict asked, stay for the memory window."""
+    from auditor.correlate.evidence import BUSY_LISTING_NEAR_NS, BUSY_LISTING_SETTLE_NS
+
+    loads = EngineLoads()
+    client = (("127.0.0.1", 40100, at(0.0)),)
+    loads.note_departure(("127.0.0.1", 40200, PORT), at(5.0))
+    for tenth in range(0, 300, 5):  # every half second for 30 s, busy throughout
+        loads.add([EngineLoad(at(tenth / 10), PORT, running=1, connections=client,
+                              listed_while_busy=tenth != 100)])  # the one at 10 s: a verdict asked
+    kept = sorted(loads._busy_clients[PORT])
+    settled = at(29.5) - BUSY_LISTING_SETTLE_NS
+    near = [ts for ts in range(at(5.0), at(5.0) + BUSY_LISTING_NEAR_NS + 1, at(0.5))]
+    assert [ts for ts in kept if ts < settled] == near, [ts / S for ts in kept]
+    assert [ts for ts in kept if ts >= settled] == list(range(settled, at(29.5) + 1, at(0.5)))
+    assert list(loads._clients[PORT]) == [at(10.0)]  # asked for: kept with the others
+    # A busy-only listing stands in for a scrape only within UNLISTED_AFTER_LEAVING_NS of a close.
+    from auditor.correlate.evidence import _UNLISTED
+
+    assert loads._listing(loads._clients[PORT], PORT, at(5.5), at(5.0)) == client
+    assert loads._listing(loads._clients[PORT], PORT, at(6.5), at(5.0)) is _UNLISTED

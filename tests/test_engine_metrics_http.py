@@ -222,6 +222,34 @@ def test_a_listing_the_namespaces_accepts_moved_around_asks_its_port(serve: Call
     assert asked == ([server.port] if moved else [])
 
 
+@pytest.mark.parametrize("cheap", [True, False], ids=["table", "walk"])
+def test_a_busy_engines_scrapes_list_its_clients_where_listing_is_cheap(serve: Callable[..., Server],
+                                                                         cheap: bool) -> None:
+    """The daemon hears of a lone close up to the probe loop's poll late, and the scrapes in
+    between, unlisted, said nothing of that client's work: with a lister that reads a table (the
+    eBPF probe's), every scrape after one that showed requests held lists the clients, marked so
+    (``listed_while_busy``); an idle engine's are not listed, nor, with a lister that walks the
+    kernel's sockets, a busy one's until a client leaves."""
+    idle = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+    server = serve([content_length(idle), content_length(), content_length(), content_length(idle),
+                    content_length(idle)])
+    asked: list[list[int]] = []
+
+    def lister(ports: object) -> dict[int, tuple[tuple[str, int, int], ...]]:
+        asked.append(sorted(ports))  # type: ignore[call-overload]
+        return {port: (("127.0.0.1", 40000, 1),) for port in ports}  # type: ignore[attr-defined]
+
+    client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=2, filtered=False,
+                                  listed_clients=lister, list_while_busy=cheap)
+    loads = [client.scrape_all([server.port])[0] for _ in range(5)]
+    client.close()
+    # idle, busy (listed from the next on), busy, idle (still listed: the last scrape held), idle
+    listed = [load.connections is not None for load in loads]
+    assert listed == ([False, False, True, True, False] if cheap else [False] * 5), listed
+    assert [load.listed_while_busy for load in loads] == listed
+    assert len(asked) == sum(listed)
+
+
 @pytest.mark.parametrize(("answer", "error"), [
     (b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", "HTTP 404"),
     (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (MAX_PAGE_BYTES + 1), "bytes (at most"),

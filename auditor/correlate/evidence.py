@@ -20,7 +20,7 @@ import bisect
 import heapq
 import operator
 from array import array
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -105,6 +105,12 @@ SWEEP_AFTER_NS = 4_000_000_000  # a request whose client left longer ago than th
 # from its next scrape on: a scrape this soon after a disconnect that it did not list (one of the
 # port's scrapes listed before) says nothing of an orphan.
 UNLISTED_AFTER_LEAVING_NS = 750_000_000
+# A listing made only because the engine held requests is kept (for the memory window) where a
+# client's close came at most BUSY_LISTING_NEAR_NS before it (the scraper's own listing window
+# after a close: the listings it would have made had it heard of the close at once); the others are
+# forgotten once BUSY_LISTING_SETTLE_NS has passed, time for the daemon to hear of every close.
+BUSY_LISTING_NEAR_NS = 2_000_000_000
+BUSY_LISTING_SETTLE_NS = 10_000_000_000
 # A request whose leaving may have added no orphan is asked of the scrapes this long after its span's
 # end (EngineLoads.held_one_more): enough for one listed scrape after the disconnect. A request on a
 # scraped port that no scrape since its client left says anything of waits as long for one (no
@@ -251,6 +257,8 @@ class EngineLoads:
         # (the correlator's memory window, as the spans that tell them): older scrapes are read
         # without them.
         self._clients: dict[int, dict[int, tuple[tuple[str, int, int], ...] | None]] = {}  # None: incomplete
+        self._busy_clients: dict[int, dict[int, tuple[tuple[str, int, int], ...] | None]] = {}  # alike, busy-only
+        self._busy_listings: dict[int, deque[int]] = {}  # port -> its busy-only listings not yet settled
         self.clients_kept_ns = 60_000_000_000
         # port -> request -> (its client's close, its work's end), for requests whose work went on
         # after their clients left and is known to have ended (``work_ended``): orphans a listed
@@ -282,11 +290,16 @@ class EngineLoads:
         ports = set()
         for load in loads:
             if load.connections is not None:
-                listed = self._clients.setdefault(load.server_port, {})
+                # A busy-only listing is kept apart: it stands in only for a scrape the daemon could
+                # not have had listed, before it heard of a close (``_listing``).
+                kept = self._busy_clients if load.listed_while_busy else self._clients
+                listed = kept.setdefault(load.server_port, {})
                 listed[load.ts_ns] = load.connections if load.connections_complete else None
                 cutoff = load.ts_ns - self.clients_kept_ns
                 while (first := next(iter(listed))) < cutoff:  # listed in time order: from the front
                     del listed[first]
+                if load.listed_while_busy:
+                    self._drop_busy_listings(load.server_port, load.ts_ns)
                 load = replace(load, connections=None)  # kept apart, and for less long than the scrape
             if load.model is not None:
                 self._models[load.server_port] = load.model
@@ -300,6 +313,31 @@ class EngineLoads:
             ports.add(load.server_port)
             self._changed(load.ts_ns)
         return ports
+
+    def _drop_busy_listings(self, port: int, ts_ns: int) -> None:
+        """Note a listing made only because the engine was busy (``EngineLoad.listed_while_busy``),
+        and forget those of the port that no client's close came up to BUSY_LISTING_NEAR_NS before,
+        once BUSY_LISTING_SETTLE_NS has passed for the daemon to hear of any: a port whose clients
+        keep their connections (a pool) would otherwise keep one a scrape for the memory window,
+        where a listing is read only for the scrapes soon after a close."""
+        pending = self._busy_listings.setdefault(port, deque())
+        pending.append(ts_ns)
+        listed, closes = self._busy_clients.get(port, {}), self._departures.get(port, _NO_TIMES)
+        while pending and pending[0] < ts_ns - BUSY_LISTING_SETTLE_NS:
+            at = pending.popleft()
+            index = bisect.bisect_right(closes, at)
+            if index == 0 or closes[index - 1] < at - BUSY_LISTING_NEAR_NS:
+                listed.pop(at, None)
+
+    def _listing(self, listed: dict[int, Any], port: int, ts_ns: int, disconnect_ns: int) -> Any:
+        """The clients listed with the port's scrape at ``ts_ns`` (None: incompletely; _UNLISTED:
+        not listed), read for a request whose client left at ``disconnect_ns``. A scrape listed only
+        because the engine was busy counts only where an unlisted one would say nothing: within
+        UNLISTED_AFTER_LEAVING_NS of the disconnect, before the daemon could have asked for it."""
+        clients = listed.get(ts_ns, _UNLISTED)
+        if clients is _UNLISTED and ts_ns - disconnect_ns <= UNLISTED_AFTER_LEAVING_NS:
+            clients = self._busy_clients.get(port, {}).get(ts_ns, _UNLISTED)
+        return clients
 
     def model_of(self, port: int) -> str | None:
         """The model the engine on ``port`` serves, as its gauges name it (``EngineLoad.model``)."""
@@ -521,7 +559,7 @@ class EngineLoads:
             orphans = load.running + load.waiting - connected_at(read_from, read_end)
             if orphans > newer:
                 if listed is not None and unspanned is not None:
-                    clients = listed.get(load.ts_ns, _UNLISTED)
+                    clients = self._listing(listed, port, load.ts_ns, disconnect_ns)
                     if clients is _UNLISTED:  # undecided only before the daemon heard of the disconnect
                         undecided = load.ts_ns - disconnect_ns <= UNLISTED_AFTER_LEAVING_NS
                     else:  # a listing a client may be missing from (None) says nothing either
@@ -782,7 +820,7 @@ class EngineLoads:
             orphans = load.running + load.waiting - connected_at(load_from, load_end)
             held_before = base
             if listed is not None:
-                clients = listed.get(load.ts_ns, _UNLISTED)
+                clients = self._listing(listed, port, load.ts_ns, disconnect_ns)
                 if clients is _UNLISTED:
                     if load.ts_ns - disconnect_ns <= UNLISTED_AFTER_LEAVING_NS:
                         continue
@@ -858,6 +896,8 @@ class EngineLoads:
             if not series:
                 del self._loads[port]
                 self._clients.pop(port, None)
+                self._busy_listings.pop(port, None)
+                self._busy_clients.pop(port, None)
                 self._still_since.pop(port, None)
                 self._log_gaps.pop(port, None)
                 self._models.pop(port, None)
