@@ -143,7 +143,8 @@ def http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool,
         if want != "unconfirmed" and row.details.get("evidence") != "engine_metrics":
             problems.append(f"{request_id}: decided by {row.details.get('evidence')}, not the engine's gauges")
         if want == "zombie" and abs(row.work_end_ns - truth["finished_at"]) > SCRAPE_S * 1.5e9:
-            problems.append(f"{request_id}: work end off by {(row.work_end_ns - truth['finished_at']) / 1e9:.3f} s")
+            problems.append(f"{request_id}: work end off by {(row.work_end_ns - truth['finished_at']) / 1e9:.3f} s "
+                            f"({row.details})")
         if names in NAME_THE_MODEL and row.model != "ref-llm-1b":  # no span names it: the gauges do
             problems.append(f"{request_id}: model {row.model!r}, not the one the gauges name")
     assert {rid.removeprefix("cmpl-") for rid in cancelled} <= set(rows)
