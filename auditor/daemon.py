@@ -40,6 +40,11 @@ from auditor.upkeep import Upkeep
 log = logging.getLogger(__name__)
 
 PROBE_POLL_S = 0.25
+# After a client left, the eBPF probe's reader polls this often for a while: the kernel wakes it
+# for a departure at most once in DEPARTURE_WAKEUP_NS (disconnect.bpf.c), and a second one left
+# in between is heard by this poll, not the next quarter second's.
+PROBE_POLL_AFTER_DEPARTURE_S = 0.1
+PROBE_QUICK_POLLS_FOR_S = 1.0
 # Kernel events are committed by each correlation round just before it reads them; the probe loop
 # commits them itself only when no round has for this long (a round stuck on a locked store).
 EVENT_FLUSH_BACKSTOP_S = 1.0
@@ -327,17 +332,22 @@ class Daemon:
         # The eBPF probe's records go to the store undecoded where their layout allows: the
         # correlator decodes them once, when it reads them (auditor.store.eventblocks).
         runs = bool(getattr(source, "reads_runs", False))
+        woken_by_departures = bool(getattr(source, "wakes_on_departure", False))
+        quick_until = 0.0
         while not self._stop.is_set():
             try:
-                # A lone event waits for the timeout (the kernel wakes the reader only for a full
-                # batch); its timestamp is the kernel's, so waiting moves no verdict, only its
-                # discovery, well inside a correlation round. Each idle wake-up costs CPU.
+                # A lone event but a client's leaving waits for the timeout (the kernel wakes the
+                # reader only for a full batch or a departure); its timestamp is the kernel's, so
+                # waiting moves no verdict, only its discovery. Each idle wake-up costs CPU.
+                timeout_s = PROBE_POLL_AFTER_DEPARTURE_S if time.monotonic() < quick_until else PROBE_POLL_S
                 if runs:
-                    taken = source.poll_runs(timeout_s=PROBE_POLL_S)
-                    self._took(taken, [departures(run.records, run.stride) for run in taken], writer)
+                    taken = source.poll_runs(timeout_s=timeout_s)
+                    left = self._took(taken, [departures(run.records, run.stride) for run in taken], writer)
                 else:
-                    taken = source.poll(timeout_s=PROBE_POLL_S)
-                    self._took(taken, [_departure(event) for event in taken], writer)
+                    taken = source.poll(timeout_s=timeout_s)
+                    left = self._took(taken, [_departure(event) for event in taken], writer)
+                if left and woken_by_departures:
+                    quick_until = time.monotonic() + PROBE_QUICK_POLLS_FOR_S
                 if time.monotonic() - self._events_flushed_at >= EVENT_FLUSH_BACKSTOP_S:
                     self._flush_events()
             except Exception:
@@ -345,11 +355,12 @@ class Daemon:
                 time.sleep(0.1)
 
     def _took(self, taken: list[ConnEvent] | list[EventRun], found: list[tuple[int, int, set[int]]],
-              writer: Any) -> None:
+              writer: Any) -> bool:
         """Queue what the probe gave for the store, count its disconnects, and wake the scrapes of
-        the ports clients left. ``found``: (peer FINs, peer resets, their server ports) of each item."""
+        the ports clients left. ``found``: (peer FINs, peer resets, their server ports) of each
+        item. Whether any client left."""
         if not taken:
-            return
+            return False
         writer.add(taken)
         departed: set[int] = set()
         for fins, resets, ports in found:
@@ -359,6 +370,7 @@ class Daemon:
             departed |= ports
         if departed:
             self._departed(departed)
+        return bool(departed)
 
     def _correlate_loop(self) -> None:
         """Rounds on a fixed schedule (correlate.interval_seconds), and one in between when a request

@@ -223,6 +223,9 @@ class BpfConnEventSource:
     # ``clients`` reads the program's table (about 50 us), no walk of the kernel's sockets: the
     # engine scraper may list them with every scrape of a busy engine.
     listing_is_cheap = True
+    # The kernel wakes the reader for a client's leaving (at most once in DEPARTURE_WAKEUP_NS,
+    # disconnect.bpf.c), not only for a full batch.
+    wakes_on_departure = True
 
     def __init__(self, ports: Iterable[int] = (), *, host: str = "",
                  ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,

@@ -41,7 +41,12 @@
  * Records are submitted without waking the reader, except every WAKEUP_EVERY-th on a CPU: one
  * wake-up per record would cost the server (irq work in its softirq) and the reader (a Python
  * round trip per event). User space also consumes on its poll timeout, so a lone event on a quiet
- * host waits at most one poll interval; its timestamp is taken here and never delayed.
+ * host waits at most one poll interval; its timestamp is taken here and never delayed. A client's
+ * leaving (its FIN or reset) wakes the reader at once unless another's did, on any CPU, within
+ * DEPARTURE_WAKEUP_NS: the daemon acts on a departure (it lists the port's clients with the next
+ * scrape, and samples the GPU), so it hears of a lone one within microseconds, and pays at most
+ * one such wake-up a DEPARTURE_WAKEUP_NS however many clients leave (user space polls that often
+ * after a departure, for the ones in between).
  */
 #include <uapi/linux/ptrace.h>
 #include "disconnect.h"
@@ -51,6 +56,9 @@
 #endif
 #ifndef WAKEUP_EVERY
 #define WAKEUP_EVERY 1024
+#endif
+#ifndef DEPARTURE_WAKEUP_NS
+#define DEPARTURE_WAKEUP_NS 100000000ULL
 #endif
 #ifndef MAX_CLIENTS
 #define MAX_CLIENTS 65536
@@ -97,6 +105,7 @@ BPF_HASH(server_pids, u16, u32, 1024); /* server port -> tgid; user space delete
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost_events, u64, 1);
 BPF_PERCPU_ARRAY(unsignalled, u32, 1);
+BPF_ARRAY(departure_woken, u64, 1); /* when a departure last woke the reader (any CPU: races only wake it twice) */
 struct client_key {
     u16 sport;
     u16 dport;
@@ -147,16 +156,24 @@ static __always_inline void count_lost(void)
         (*lost)++;
 }
 
-static __always_inline u64 wakeup_flag(void)
+static __always_inline u64 wakeup_flag(u64 now_ns, int departure)
 {
     u32 zero = 0;
     u32 *count = unsignalled.lookup(&zero);
     if (!count)
         return 0; /* cannot happen for an array; fall back to the kernel's adaptive wake-up */
-    if (++(*count) < WAKEUP_EVERY)
-        return BPF_RB_NO_WAKEUP;
-    *count = 0;
-    return BPF_RB_FORCE_WAKEUP;
+    if (++(*count) >= WAKEUP_EVERY) {
+        *count = 0;
+        return BPF_RB_FORCE_WAKEUP;
+    }
+    if (departure) {
+        u64 *woken = departure_woken.lookup(&zero);
+        if (woken && now_ns - *woken >= DEPARTURE_WAKEUP_NS) {
+            *woken = now_ns;
+            return BPF_RB_FORCE_WAKEUP;
+        }
+    }
+    return BPF_RB_NO_WAKEUP;
 }
 
 #define CLIENT_KEY(k, args, family_)                                                \
@@ -316,7 +333,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         return 0;
     }
     FILL_EVENT(e, args, args->family, kind, oldstate);
-    events.ringbuf_submit(e, wakeup_flag());
+    events.ringbuf_submit(e, wakeup_flag(e->ts_ns, kind == EVENT_PEER_FIN));
     return 0;
 }
 
@@ -340,7 +357,7 @@ TRACEPOINT_PROBE(tcp, tcp_receive_reset)
     }
     u16 family = TCP_FAMILY(args);
     FILL_EVENT(e, args, family, EVENT_PEER_RST, 0);
-    events.ringbuf_submit(e, wakeup_flag());
+    events.ringbuf_submit(e, wakeup_flag(e->ts_ns, 1));
     return 0;
 }
 

@@ -1,0 +1,148 @@
+"""How soon the daemon hears that a client left: from the client's close to the probe loop's
+report of it (``Daemon._took``, which wakes the port's scrapes and the GPU sampler), for lone
+closes on a quiet host and for bursts of closes a few milliseconds apart, with the eBPF probe.
+Also the probe thread's CPU and wake-ups while idle and during the closes.
+
+Runs the daemon in this process (as root) against a plain TCP server on loopback that reads what
+each client sends; every client sends a line, reads nothing, and half-closes (a FIN).
+Run it from another tree (a git worktree) to compare: the probe program is that tree's.
+
+Usage: .venv/bin/python bench/departure_heard.py [--lone 20] [--bursts 10] [--burst-size 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.e2e import running_daemon
+
+
+def serve(listener: socket.socket, stop: threading.Event) -> None:
+    """Accept clients and read each to its end, then close: the server side of every close."""
+    listener.settimeout(0.2)
+    while not stop.is_set():
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+
+        def drain(conn: socket.socket = conn) -> None:
+            with conn:
+                while conn.recv(4096):
+                    pass
+        threading.Thread(target=drain, daemon=True).start()
+
+
+def thread_cpu_s(native_id: int) -> float:
+    """CPU seconds of this process's thread ``native_id`` so far (from /proc)."""
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100.0
+
+
+def wakeups(native_id: int) -> int:
+    """The thread's context switches so far, voluntary and not: about its wake-ups."""
+    status = Path(f"/proc/self/task/{native_id}/status").read_text()
+    return sum(int(line.split()[1]) for line in status.splitlines() if line.endswith("ctxt_switches") or
+               "ctxt_switches:" in line)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lone", type=int, default=20, help="lone closes, 0.6 s apart")
+    parser.add_argument("--bursts", type=int, default=10, help="bursts of closes, 0.6 s apart")
+    parser.add_argument("--burst-size", type=int, default=4)
+    parser.add_argument("--burst-gap-ms", type=float, default=30.0, help="between the closes of a burst")
+    parser.add_argument("--idle-seconds", type=float, default=10.0)
+    args = parser.parse_args()
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+    threading.Thread(target=serve, args=(listener, stop), daemon=True).start()
+    heard: list[tuple[int, int]] = []  # (monotonic ns, departures reported), in order
+    tmp = Path(tempfile.mkdtemp(prefix="departure-heard-"))
+    with running_daemon(tmp, **{"probe.source": "bpf", "engine_metrics.scrape": False}) as daemon:
+        took = daemon._took
+
+        def recording(taken, found, writer):  # type: ignore[no-untyped-def]
+            left = sum(fins + resets for fins, resets, _ in found)
+            if left:
+                heard.append((time.monotonic_ns(), left))
+            return took(taken, found, writer)
+
+        daemon._took = recording  # type: ignore[method-assign]
+        daemon.set_ports({port})
+        time.sleep(1.0)
+        probe_thread = next(t.native_id for t in threading.enumerate() if t.name == "probe")
+        assert probe_thread is not None
+        cpu0, woken0, t0 = thread_cpu_s(probe_thread), wakeups(probe_thread), time.monotonic()
+        time.sleep(args.idle_seconds)
+        idle_s = time.monotonic() - t0
+        idle_cpu = (thread_cpu_s(probe_thread) - cpu0) / idle_s
+        idle_woken = (wakeups(probe_thread) - woken0) / idle_s
+
+        closes: list[tuple[str, int]] = []
+
+        def leave() -> None:
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"hello\n")
+            time.sleep(0.02)
+            closes.append(("", time.monotonic_ns()))
+            sock.shutdown(socket.SHUT_WR)
+            threading.Timer(2.0, sock.close).start()
+
+        cpu0, woken0, t0 = thread_cpu_s(probe_thread), wakeups(probe_thread), time.monotonic()
+        for _ in range(args.lone):
+            leave()
+            closes[-1] = ("lone", closes[-1][1])
+            time.sleep(0.6)
+        for _ in range(args.bursts):
+            for _ in range(args.burst_size):
+                leave()
+                closes[-1] = ("burst", closes[-1][1])
+                time.sleep(args.burst_gap_ms / 1000)
+            time.sleep(0.6)
+        time.sleep(0.5)
+        busy_s = time.monotonic() - t0
+        busy_cpu = (thread_cpu_s(probe_thread) - cpu0) / busy_s
+        busy_woken = (wakeups(probe_thread) - woken0) / busy_s
+    stop.set()
+
+    # The k-th close is heard when the reported departures first reach k (only this bench's
+    # clients leave the watched port).
+    reported, at = 0, []
+    for ts, count in heard:
+        reported += count
+        at.append((reported, ts))
+    lags: dict[str, list[float]] = {"lone": [], "burst": []}
+    missing = 0
+    for k, (kind, closed) in enumerate(closes, start=1):
+        found = next((ts for total, ts in at if total >= k), None)
+        if found is None:
+            missing += 1
+            continue
+        lags[kind].append(max(0.0, (found - closed) / 1e6))
+    print(f"probe thread: idle {idle_cpu * 100:.2f}% of a core, {idle_woken:.1f} wake-ups/s; "
+          f"during the closes {busy_cpu * 100:.2f}%, {busy_woken:.1f} wake-ups/s")
+    print(f"{'closes':<8}{'count':>6}{'p50 ms':>9}{'p90 ms':>9}{'max ms':>9}")
+    for kind, values in lags.items():
+        if values:
+            values.sort()
+            p90 = values[min(len(values) - 1, int(len(values) * 0.9))]
+            print(f"{kind:<8}{len(values):>6}{statistics.median(values):>9.1f}{p90:>9.1f}{values[-1]:>9.1f}")
+    if missing:
+        print(f"{missing} closes never reported")
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
