@@ -236,7 +236,8 @@ class Daemon:
     def _departed(self, ports: set[int]) -> None:
         """Clients left these watched ports. A sampler that found its engine quiet samples once a
         second: a sample now ends the quiet one near the disconnect, where a zombie's cost begins
-        (up to PROBE_POLL_S after it; the costing puts the busy part of that reading at its end).
+        (the eBPF probe's within milliseconds, the /proc source's within its poll; the costing
+        puts the busy part of that reading at its end).
         The scraper scrapes a quiet one of these engines at once, and at its rate from then on."""
         if "sampling" in self._parts:
             self._parts["sampling"].wake()

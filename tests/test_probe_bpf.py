@@ -470,6 +470,46 @@ def test_loopback_clients_of_the_watched_port_are_not_reported(probe: Probe) -> 
     server.close()
 
 
+def test_a_clients_leaving_wakes_the_reader_at_once_and_at_most_once_a_tenth_of_a_second(probe: Probe) -> None:
+    """A few records do not wake a sleeping reader (it waits for a batch or its timeout), but a
+    client's FIN does, unless another departure woke it within 100 ms (DEPARTURE_WAKEUP_NS):
+    that one waits for the reader's timeout, or the next departure after the 100 ms."""
+    server = listener()
+    probe.source.set_ports([port_of(server)])
+
+    def poll_across_a_fin(timeout_s: float, drain: bool) -> tuple[list[ConnEvent], float, int]:
+        """Connect, then half-close while a reader sleeps in poll: what it returned, how long after
+        the FIN, and the client's port."""
+        client = socket.create_connection(("127.0.0.1", port_of(server)))
+        accepted, _ = server.accept()
+        if drain:  # what earlier tests left (a connection's opening makes no record)
+            probe.wait_for(lambda _: False, timeout_s=0.05)
+        found: list[tuple[list[ConnEvent], float]] = []
+        reader = threading.Thread(target=lambda: found.append((probe.source.poll(timeout_s=timeout_s),
+                                                               time.monotonic())))
+        reader.start()
+        time.sleep(0.01)  # the reader sleeps in its poll
+        fin_at = time.monotonic()
+        client.shutdown(socket.SHUT_WR)
+        reader.join()
+        client_port = client.getsockname()[1]
+        threading.Timer(1.0, lambda: (client.close(), accepted.close())).start()
+        events, returned_at = found[0]
+        probe.events += events
+        return events, returned_at - fin_at, client_port
+
+    time.sleep(0.15)  # no departure woke the reader within DEPARTURE_WAKEUP_NS
+    events, after_s, client_port = poll_across_a_fin(timeout_s=3.0, drain=True)
+    assert after_s < 1.0, f"the reader slept {after_s:.2f} s past the FIN"
+    assert PEER_FIN in [e.kind for e in events if e.client_port == client_port]
+    # At once again, within the 100 ms: this FIN waits for the timeout (unless this CPU's batch of
+    # WAKEUP_EVERY records happens to fill with it).
+    events, after_s, client_port = poll_across_a_fin(timeout_s=0.6, drain=False)
+    assert after_s > 0.4, f"a second departure within 100 ms woke the reader {after_s * 1000:.0f} ms after it"
+    assert PEER_FIN in [e.kind for e in probe.wait_for(lambda _: False, timeout_s=0.1) if e.client_port == client_port]
+    server.close()
+
+
 @pytest.mark.timeout(120)
 def test_burst_of_20000_connections_loses_nothing(probe: Probe) -> None:
     total = 20_000

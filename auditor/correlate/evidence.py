@@ -101,7 +101,8 @@ class MetricsEnd:
 SWEEP_NEWS_MARGIN_NS = 1_000_000_000
 SWEEP_CHECKPOINT_NS = 1_000_000_000
 SWEEP_AFTER_NS = 4_000_000_000  # a request whose client left longer ago than this keeps checkpoints
-# The daemon hears of a disconnect within the probe's poll (0.25 s) and lists the port's clients
+# The daemon hears of a disconnect within milliseconds (the eBPF probe wakes it; within 0.1 s of
+# another close), or the /proc source's poll, later on a loaded host, and lists the port's clients
 # from its next scrape on: a scrape this soon after a disconnect that it did not list (one of the
 # port's scrapes listed before) says nothing of an orphan.
 UNLISTED_AFTER_LEAVING_NS = 750_000_000
