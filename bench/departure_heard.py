@@ -13,6 +13,7 @@ Usage: .venv/bin/python bench/departure_heard.py [--lone 20] [--bursts 10] [--bu
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import sys
@@ -23,36 +24,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.detection import thread_cpu_seconds
+from bench.fallback_cpu import serve
 from tests.e2e import running_daemon
 
 
-def serve(listener: socket.socket, stop: threading.Event) -> None:
-    """Accept clients and read each to its end, then close: the server side of every close."""
-    listener.settimeout(0.2)
-    while not stop.is_set():
-        try:
-            conn, _ = listener.accept()
-        except TimeoutError:
-            continue
-
-        def drain(conn: socket.socket = conn) -> None:
-            with conn:
-                while conn.recv(4096):
-                    pass
-        threading.Thread(target=drain, daemon=True).start()
+def drain(conn: socket.socket) -> None:
+    """The server side of a client: read to its end, then close."""
+    with conn:
+        while conn.recv(4096):
+            pass
 
 
-def thread_cpu_s(native_id: int) -> float:
-    """CPU seconds of this process's thread ``native_id`` so far (from /proc)."""
-    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100.0
-
-
-def wakeups(native_id: int) -> int:
-    """The thread's context switches so far, voluntary and not: about its wake-ups."""
-    status = Path(f"/proc/self/task/{native_id}/status").read_text()
-    return sum(int(line.split()[1]) for line in status.splitlines() if line.endswith("ctxt_switches") or
-               "ctxt_switches:" in line)
+def probe_thread(native_id: int) -> tuple[float, int]:
+    """The probe thread's CPU seconds and voluntary wake-ups so far."""
+    return thread_cpu_seconds(os.getpid())[native_id]
 
 
 def main() -> int:
@@ -67,7 +53,7 @@ def main() -> int:
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     stop = threading.Event()
-    threading.Thread(target=serve, args=(listener, stop), daemon=True).start()
+    threading.Thread(target=serve, args=(listener, stop, drain), daemon=True).start()
     heard: list[tuple[int, int]] = []  # (monotonic ns, departures reported), in order
     tmp = Path(tempfile.mkdtemp(prefix="departure-heard-"))
     with running_daemon(tmp, **{"probe.source": "bpf", "engine_metrics.scrape": False}) as daemon:
@@ -82,13 +68,12 @@ def main() -> int:
         daemon._took = recording  # type: ignore[method-assign]
         daemon.set_ports({port})
         time.sleep(1.0)
-        probe_thread = next(t.native_id for t in threading.enumerate() if t.name == "probe")
-        assert probe_thread is not None
-        cpu0, woken0, t0 = thread_cpu_s(probe_thread), wakeups(probe_thread), time.monotonic()
+        probe = next(t.native_id for t in threading.enumerate() if t.name == "probe")
+        assert probe is not None
+        (cpu0, woken0), t0 = probe_thread(probe), time.monotonic()
         time.sleep(args.idle_seconds)
-        idle_s = time.monotonic() - t0
-        idle_cpu = (thread_cpu_s(probe_thread) - cpu0) / idle_s
-        idle_woken = (wakeups(probe_thread) - woken0) / idle_s
+        (cpu1, woken1), idle_s = probe_thread(probe), time.monotonic() - t0
+        idle_cpu, idle_woken = (cpu1 - cpu0) / idle_s, (woken1 - woken0) / idle_s
 
         closes: list[tuple[str, int]] = []
 
@@ -100,7 +85,7 @@ def main() -> int:
             sock.shutdown(socket.SHUT_WR)
             threading.Timer(2.0, sock.close).start()
 
-        cpu0, woken0, t0 = thread_cpu_s(probe_thread), wakeups(probe_thread), time.monotonic()
+        (cpu0, woken0), t0 = probe_thread(probe), time.monotonic()
         for _ in range(args.lone):
             leave()
             closes[-1] = ("lone", closes[-1][1])
@@ -112,9 +97,8 @@ def main() -> int:
                 time.sleep(args.burst_gap_ms / 1000)
             time.sleep(0.6)
         time.sleep(0.5)
-        busy_s = time.monotonic() - t0
-        busy_cpu = (thread_cpu_s(probe_thread) - cpu0) / busy_s
-        busy_woken = (wakeups(probe_thread) - woken0) / busy_s
+        (cpu1, woken1), busy_s = probe_thread(probe), time.monotonic() - t0
+        busy_cpu, busy_woken = (cpu1 - cpu0) / busy_s, (woken1 - woken0) / busy_s
     stop.set()
 
     # The k-th close is heard when the reported departures first reach k (only this bench's
