@@ -337,9 +337,9 @@ class Daemon:
         quick_until = 0.0
         while not self._stop.is_set():
             try:
-                # A lone event but a client's leaving waits for the timeout (the kernel wakes the
-                # reader only for a full batch or a departure); its timestamp is the kernel's, so
-                # waiting moves no verdict, only its discovery. Each idle wake-up costs CPU.
+                # A lone event waits for the timeout unless it is a client's leaving (the kernel
+                # wakes the reader for a full batch, or a departure); its timestamp is the kernel's,
+                # so waiting moves no verdict, only its discovery. Each idle wake-up costs CPU.
                 timeout_s = PROBE_POLL_AFTER_DEPARTURE_S if time.monotonic() < quick_until else PROBE_POLL_S
                 if runs:
                     taken = source.poll_runs(timeout_s=timeout_s)
