@@ -77,23 +77,21 @@ def main() -> int:
 
         closes: list[tuple[str, int]] = []
 
-        def leave() -> None:
+        def leave(kind: str) -> None:
             sock = socket.create_connection(("127.0.0.1", port))
             sock.sendall(b"hello\n")
             time.sleep(0.02)
-            closes.append(("", time.monotonic_ns()))
+            closes.append((kind, time.monotonic_ns()))
             sock.shutdown(socket.SHUT_WR)
             threading.Timer(2.0, sock.close).start()
 
         (cpu0, woken0), t0 = probe_thread(probe), time.monotonic()
         for _ in range(args.lone):
-            leave()
-            closes[-1] = ("lone", closes[-1][1])
+            leave("lone")
             time.sleep(0.6)
         for _ in range(args.bursts):
             for _ in range(args.burst_size):
-                leave()
-                closes[-1] = ("burst", closes[-1][1])
+                leave("burst")
                 time.sleep(args.burst_gap_ms / 1000)
             time.sleep(0.6)
         time.sleep(0.5)
