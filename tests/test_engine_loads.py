@@ -211,14 +211,14 @@ def test_a_sweep_read_on_from_its_checkpoints_ends_where_a_whole_sweep_does() ->
     expected = whole.work_end(PORT, at(0.25), at(0.25), connected_counter(spans),
                               connected_until_ns=at(0.26) + CLOCK_ERROR)
     assert ended == expected and expected is not None and expected.work_end_ns == at(1.95)
-    assert any(held for held, _, _ in sweep.states)  # B's "until", from a checkpoint after 1.3 s
+    assert any(held for held, *_ in sweep.states)  # B's "until", from a checkpoint after 1.3 s
 
 
 def test_a_sweep_is_reached_by_news_exactly_where_news_would_drop_checkpoints() -> None:
     sweep = ScrapeSweep()  # news drops checkpoints up to a second (its margin) before it
     assert sweep.resume(("port", "disconnect")) is None and not sweep.reaches(at(0))
-    sweep.mark(at(1), ((), None, 0))
-    sweep.mark(at(2), ((), at(2), 1))
+    sweep.mark(at(1), ((), None, 0, None))
+    sweep.mark(at(2), ((), at(2), 1, at(2)))
     for news, reaches, kept in ((3.5, False, 2), (3.0, True, 1)):
         assert sweep.reaches(at(news)) is reaches
         sweep.forget_from(at(news))
@@ -257,6 +257,41 @@ def test_a_leaving_that_adds_no_orphan_is_told_from_one_that_does() -> None:
     both.register(PORT, "C", at(1.3), connected_until_ns=at(1.3005) + CLOCK_ERROR)
     assert held_one_more(both, "D", 1.3, 1.3005, spans) is None
     assert held_one_more(both, "C", 1.3, 1.3005, spans) == (True, (at(1.2), at(1.4)))  # its own is no other
+
+
+def test_a_later_leaver_whose_rise_is_untold_may_own_the_orphans_an_earlier_one_is_given() -> None:
+    """A's client left at 0.25 s and its work ran on to 1.43 s; B's left at 0.5 s, its work ran on
+    to 2.5 s. C's client closed as its span ended, at 1.41 s, and its work ran on to 2.8 s; whether
+    its leaving added an orphan is untold (A's ended in the same scrapes), so it is no registered
+    leaver. Read as owning none, its orphan is taken for A's until B's work ends, then for B's:
+    each end is given late, to a scrape's resolution. Each says how much earlier it may be, and
+    the truth lies within."""
+    runs = {"A": (0.0, 1.43), "B": (0.3, 2.5), "C": (0.6, 2.8)}
+    spans = {"A": (0.0, 0.26), "B": (0.3, 0.51), "C": (0.6, 1.41)}
+    loads = scraped(runs)
+    loads.register(PORT, "A", at(0.25), connected_until_ns=at(0.26) + CLOCK_ERROR)
+    loads.register(PORT, "B", at(0.5), connected_until_ns=at(0.51) + CLOCK_ERROR)
+    loads.racing(PORT, "C", at(1.41) + CLOCK_ERROR)
+    for name, left, truth, estimate, earliest in (("A", 0.25, 1.43, 2.45, 1.4), ("B", 0.5, 2.5, 2.75, 2.4)):
+        ended = loads.work_end(PORT, at(left), at(left), connected_counter(spans),
+                               connected_until_ns=at(spans[name][1]) + CLOCK_ERROR)
+        assert ended is not None and ended.work_end_ns == at(estimate) and ended.resolution_s == pytest.approx(0.1)
+        assert ended.earliest_ns == at(earliest), name
+        assert ended.earliest_ns <= at(truth) <= ended.work_end_ns + at(ended.resolution_s / 2)
+    # Told to have added none (``held_one_more`` no), or registered, C leaves no doubt.
+    loads.racing(PORT, "C", None)
+    ended = loads.work_end(PORT, at(0.25), at(0.25), connected_counter(spans), connected_until_ns=at(0.26) + CLOCK_ERROR)
+    assert ended is not None and ended.earliest_ns is None
+    loads.register(PORT, "C", at(1.41), connected_until_ns=at(1.41) + CLOCK_ERROR)
+    ended = loads.work_end(PORT, at(0.25), at(0.25), connected_counter(spans), connected_until_ns=at(0.26) + CLOCK_ERROR)
+    assert ended is not None and ended.work_end_ns == at(1.45) and ended.earliest_ns is None
+    # A racer that left before A is no later leaver: it changes nothing of A's end.
+    early = scraped(runs)
+    early.register(PORT, "A", at(0.25), connected_until_ns=at(0.26) + CLOCK_ERROR)
+    early.register(PORT, "B", at(0.5), connected_until_ns=at(0.51) + CLOCK_ERROR)
+    early.racing(PORT, "D", at(0.2))
+    ended = early.work_end(PORT, at(0.25), at(0.25), connected_counter(spans), connected_until_ns=at(0.26) + CLOCK_ERROR)
+    assert ended is not None and ended.earliest_ns is None
 
 
 def logged_scrapes(logs: list[float], runs: dict[str, tuple[float, float]]) -> EngineLoads:

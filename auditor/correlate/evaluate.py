@@ -226,6 +226,9 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
             corr.clients_wanted.add(port)  # its next scrapes decide it: with the clients connected
             return None, True, True
         end = max(work_end, by_metrics.work_end_ns)
+        if by_metrics.earliest_ns is not None and max(work_end, by_metrics.earliest_ns) < end:
+            # Later leavers whose leaving the gauges could not tell may own the orphans it was given.
+            details["work_end_may_be_earlier_s"] = round((end - max(work_end, by_metrics.earliest_ns)) / 1e9, 3)
         # An engine span may still arrive and say exactly; until then the scrape's word stands.
         # Other requests' spans and disconnects, and scrapes, change it without touching this
         # request, but only those that concern the moments its deciding scrapes span: once the

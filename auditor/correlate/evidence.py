@@ -94,6 +94,10 @@ class MetricsEnd:
     # more request once it left (EngineLoads.held_one_more)
     held_one_more: bool | None = None
     leaving_untold: bool = False  # asked, and no scrape within HELD_ONE_MORE_WINDOW_NS could say
+    # The earliest the work may have ended, where that is before the last scrape that counted it:
+    # leavers after it whose own rise is untold (``EngineLoads.racing``) may own the orphans it was
+    # given since. None: the end is as exact as ``resolution_s`` says.
+    earliest_ns: int | None = None
 
 
 # Evidence this long after a scrape may still change what the sweep read there: the connected count
@@ -139,8 +143,8 @@ _UNLISTED: Any = object()  # no listing with a scrape (a listing of no client is
 
 
 # A sweep's state after a scrape: the heap of "until"s still connected, the last orphaned scrape,
-# how many were orphaned.
-SweepState = tuple[tuple[int, ...], int | None, int]
+# how many were orphaned, the last orphaned whatever the untold racers owned.
+SweepState = tuple[tuple[int, ...], int | None, int, int | None]
 
 
 class ScrapeSweep(Checkpoints[SweepState]):
@@ -516,6 +520,12 @@ class EngineLoads:
         decides (an orphan there again, or the end between the last scrape that counted it and that
         one).
 
+        Leavers that may have closed after their last byte and whose own rise is not known
+        (``racing``: ``held_one_more`` untold or not answered yet) are no registered leavers: read
+        as owning no orphan, the likelier (a client that read its whole answer). But each that left
+        after this request may own one of the orphans it is given: then its work may have ended as
+        early as the last scrape that held more orphans than they could (``earliest_ns``).
+
         ``sweep``: the request's checkpoints (``ScrapeSweep``), kept by the caller from round to round."""
         series = self._loads.get(port, [])
         first_after = max(started_ns, connected_until_ns or started_ns)
@@ -534,12 +544,16 @@ class EngineLoads:
         count, unsure = 0, 0
         masked = False  # a scrape with no orphan that ``ending`` may explain was passed over
         masked_from = 0  # when that scrape's gauges may have been set from
+        # The racers that left after this request (their "until"s, sorted), and the last scrape
+        # orphaned even had each of them that was no longer connected there left an orphan.
+        racers = sorted(until for until in self._racers.get(port, {}).values() if until > disconnect_ns)
+        last_sure: int | None = None
         # The clients the kernel listed at the port's scrapes; a port never listed (sock_diag
         # refused) is read against the spans alone.
         listed = self._clients.get(port) if unspanned is not None else None
         found = sweep.resume((port, disconnect_ns, first_after)) if sweep is not None else None
         if found is not None:  # on from the checkpoint: what the sweep held after that scrape
-            swept_ns, (held, last_orphaned, count) = found
+            swept_ns, (held, last_orphaned, count, last_sure) = found
             still_connected = list(held)
             start = bisect.bisect_right(series, swept_ns, key=_TS)
             taken = max(left_before, bisect.bisect_right(times, swept_ns))
@@ -559,23 +573,29 @@ class EngineLoads:
             newer = max(0, left_by_then - left_before - len(still_connected))
             orphans = load.running + load.waiting - connected_at(read_from, read_end)
             if orphans > newer:
+                owned = orphans  # of which the later leavers own one each, and this request one
                 if listed is not None and unspanned is not None:
                     clients = self._listing(listed, port, load.ts_ns, disconnect_ns)
                     if clients is _UNLISTED:  # undecided only before the daemon heard of the disconnect
                         undecided = load.ts_ns - disconnect_ns <= UNLISTED_AFTER_LEAVING_NS
-                    else:  # a listing a client may be missing from (None) says nothing either
-                        undecided = clients is None or orphans - unspanned(load, clients) <= newer
+                    elif clients is None:  # a listing a client may be missing from says nothing either
+                        undecided = True
+                    else:
+                        owned = orphans - unspanned(load, clients)
+                        undecided = owned <= newer
                     if undecided:
                         unsure = load.ts_ns  # requests whose spans have not come may be what it holds
                         continue
                 masked = False  # it held the work after all: the scrape passed over hid the orphan
                 last_orphaned, count = load.ts_ns, count + 1
+                if owned > newer + bisect.bisect_left(racers, read_from):
+                    last_sure = load.ts_ns
                 if sweep is not None and not unsure:  # a checkpoint past an undecided scrape would skip it
-                    sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count))
+                    sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count, last_sure))
                 continue
             if arrived is not None and orphans + arrived(read_from, read_end) > newer:
                 if sweep is not None and not unsure and not masked:
-                    sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count))
+                    sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count, last_sure))
                 continue
             if ending is not None and orphans + ending(read_from, read_end) > newer \
                     and (not masked or (load.style in LOGGED_STYLES and read_from == masked_from)):
@@ -586,8 +606,9 @@ class EngineLoads:
             if last_orphaned is None:
                 return MetricsEnd(max(started_ns, disconnect_ns), (load.ts_ns - started_ns) / 1e9, 0, read_until,
                                   unsure_until_ns=unsure or None)
+            earliest = None if last_sure == last_orphaned else last_sure or max(started_ns, disconnect_ns)
             return MetricsEnd((last_orphaned + load.ts_ns) // 2, (load.ts_ns - last_orphaned) / 1e9, count,
-                              read_until, unsure_until_ns=unsure or None)
+                              read_until, unsure_until_ns=unsure or None, earliest_ns=earliest)
         if last_orphaned is None:
             return MetricsEnd(None, 0.0, 0, awaiting=True) if unsure else None
         return MetricsEnd(None, 0.0, count)
