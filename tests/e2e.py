@@ -202,6 +202,26 @@ def match_to_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]]
     return matched, unmatched
 
 
+# A scrape reads the engine's gauges a step or two from its own time, and the clocks agree within
+# the clock error: how far outside the end a verdict claims a work end may fall and still be right.
+WORK_END_SLACK_NS = 50_000_000
+
+
+def _tally_work_end(tally: Counter[str], row: VerdictRow, truth: dict[str, Any]) -> None:
+    """A zombie the gauges decided: whether the truth's end lies where the verdict says, its
+    estimate give or take half its resolution, or up to ``work_end_may_be_earlier_s`` before."""
+    if row.verdict != "zombie" or row.work_end_ns is None or row.details.get("evidence") != "engine_metrics" \
+            or truth.get("finished_at") is None:
+        return
+    half = row.details.get("work_end_resolution_s", 0) / 2 * 1e9 + WORK_END_SLACK_NS
+    earlier = row.details.get("work_end_may_be_earlier_s", 0) * 1e9
+    off = truth["finished_at"] - row.work_end_ns
+    tally["zombie work ends"] += 1
+    tally["work ends that may be earlier"] += bool(earlier)
+    tally["work ends off the estimate"] += abs(off) > half
+    tally["work ends outside the claim"] += not -half - earlier <= off <= half
+
+
 def tally_against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]]) -> tuple[Counter[str], list[str]]:
     """For plain clients on shared connections (a proxy's upstream pool, an SDK's): each verdict
     matched to its truth record (``match_to_truth``);
@@ -233,6 +253,7 @@ def tally_against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, A
             problems.append(f"port {port}: no verdict for a request whose client left (truth {want})")
         elif found[0].verdict == want:
             tally["cancels right"] += 1
+            _tally_work_end(tally, found[0], truth)
         elif found[0].verdict == "unconfirmed":
             tally["cancels unconfirmed"] += 1
         else:

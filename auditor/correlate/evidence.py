@@ -244,6 +244,7 @@ class EngineLoads:
         # last byte (``held_one_more``) whose own rise is not known to be none: no registered
         # leaver, yet each may have added an orphan where another's rise is asked.
         self._racers: dict[int, dict[int, int]] = defaultdict(dict)
+        self._racer_untils: dict[int, array[int]] = defaultdict(_times)  # port -> those "until"s, sorted
         self._disconnect_times: dict[int, array[int]] = defaultdict(_times)  # port -> those disconnects, sorted
         self._connected_until: dict[int, array[int]] = defaultdict(_times)  # port -> their "until", alike
         self._untils_sorted: dict[int, array[int]] = defaultdict(_times)  # port -> those "until"s, sorted
@@ -442,12 +443,14 @@ class EngineLoads:
     def racing(self, port: int, request: Hashable, connected_until_ns: int | None) -> None:
         """``request``, a leaver that may have closed after its last byte, may have added an orphan
         (its ``held_one_more`` not answered, or untold); None: it added none."""
-        if connected_until_ns is None:
-            racers = self._racers.get(port)
-            if racers:
-                racers.pop(hash(request), None)
-        else:
-            self._racers[port][hash(request)] = connected_until_ns
+        racers, key = self._racers.get(port), hash(request)
+        known = None if racers is None else racers.pop(key, None)
+        if known is not None:
+            _take_one(self._racer_untils[port], known)
+        if connected_until_ns is not None:
+            self._racers[port][key] = connected_until_ns
+            untils = self._racer_untils[port]
+            untils.insert(bisect.bisect_right(untils, connected_until_ns), connected_until_ns)
 
     def unregister(self, port: int, request: Hashable) -> None:
         """A registered request proved complete when its client left (kernel order, final send,
@@ -546,7 +549,8 @@ class EngineLoads:
         masked_from = 0  # when that scrape's gauges may have been set from
         # The racers that left after this request (their "until"s, sorted), and the last scrape
         # orphaned even had each of them that was no longer connected there left an orphan.
-        racers = sorted(until for until in self._racers.get(port, {}).values() if until > disconnect_ns)
+        racers = self._racer_untils.get(port, _NO_TIMES)
+        racers_before = bisect.bisect_right(racers, disconnect_ns)
         last_sure: int | None = None
         # The clients the kernel listed at the port's scrapes; a port never listed (sock_diag
         # refused) is read against the spans alone.
@@ -588,7 +592,7 @@ class EngineLoads:
                         continue
                 masked = False  # it held the work after all: the scrape passed over hid the orphan
                 last_orphaned, count = load.ts_ns, count + 1
-                if owned > newer + bisect.bisect_left(racers, read_from):
+                if owned > newer + max(0, bisect.bisect_left(racers, read_from) - racers_before):
                     last_sure = load.ts_ns
                 if sweep is not None and not unsure:  # a checkpoint past an undecided scrape would skip it
                     sweep.mark(load.ts_ns, (tuple(still_connected), last_orphaned, count, last_sure))
@@ -910,8 +914,10 @@ class EngineLoads:
         for port, racers in list(self._racers.items()):  # asked of only near their own close
             for key in [key for key, until in racers.items() if until < closes_cutoff_ns]:
                 del racers[key]
+            untils = self._racer_untils[port]
+            del untils[:bisect.bisect_left(untils, closes_cutoff_ns)]
             if not racers:
-                del self._racers[port]
+                del self._racers[port], self._racer_untils[port]
         for port, series in list(self._loads.items()):
             keep = bisect.bisect_left(series, cutoff_ns, key=_TS)
             del series[:keep]
