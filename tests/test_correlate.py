@@ -496,9 +496,12 @@ def test_http_spans_only_a_close_after_the_last_byte_takes_no_orphan_of_earlier_
     # leaver first, one would have made it a zombie and ended one of the three at 2.0 s.
     assert (rows[done[1]].verdict, rows[done[1]].details["evidence"]) == ("unconfirmed", "http_only")
     assert rows[done[1]].details["leaving_untold"] and rows[done[1]].details["close_races_span_end"]
+    assert "work_end_resolution_s" not in rows[done[1]].details  # no end is told: none to a scrape
     for client in zombies:
         row = rows[client[1]]
         assert row.verdict == "zombie" and row.work_end_ns == T0 + int(2.875 * S), row
+        # Had that client left its work running, it could own one of the three orphans, no more.
+        assert "work_end_may_be_earlier_s" not in row.details, row.details
         # Their own spans ended with their clients' resets too: each leaving added an orphan.
         assert row.details["held_one_more"] is True
 

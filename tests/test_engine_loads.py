@@ -271,7 +271,7 @@ def test_a_later_leaver_whose_rise_is_untold_may_own_the_orphans_an_earlier_one_
     loads = scraped(runs)
     loads.register(PORT, "A", at(0.25), connected_until_ns=at(0.26) + CLOCK_ERROR)
     loads.register(PORT, "B", at(0.5), connected_until_ns=at(0.51) + CLOCK_ERROR)
-    loads.racing(PORT, "C", at(1.41) + CLOCK_ERROR)
+    loads.racing(PORT, "C", (at(1.41), at(1.41) + CLOCK_ERROR))
     for name, left, truth, estimate, earliest in (("A", 0.25, 1.43, 2.45, 1.4), ("B", 0.5, 2.5, 2.75, 2.4)):
         ended = loads.work_end(PORT, at(left), at(left), connected_counter(spans),
                                connected_until_ns=at(spans[name][1]) + CLOCK_ERROR)
@@ -285,11 +285,12 @@ def test_a_later_leaver_whose_rise_is_untold_may_own_the_orphans_an_earlier_one_
     loads.register(PORT, "C", at(1.41), connected_until_ns=at(1.41) + CLOCK_ERROR)
     ended = loads.work_end(PORT, at(0.25), at(0.25), connected_counter(spans), connected_until_ns=at(0.26) + CLOCK_ERROR)
     assert ended is not None and ended.work_end_ns == at(1.45) and ended.earliest_ns is None
-    # A racer that left before A is no later leaver: it changes nothing of A's end.
+    # A racer that left before A (or as A did) is no later leaver: it changes nothing of A's end.
     early = scraped(runs)
     early.register(PORT, "A", at(0.25), connected_until_ns=at(0.26) + CLOCK_ERROR)
     early.register(PORT, "B", at(0.5), connected_until_ns=at(0.51) + CLOCK_ERROR)
-    early.racing(PORT, "D", at(0.2))
+    early.racing(PORT, "D", (at(0.2), at(0.2) + CLOCK_ERROR))
+    early.racing(PORT, "E", (at(0.25), at(0.2505) + CLOCK_ERROR))
     ended = early.work_end(PORT, at(0.25), at(0.25), connected_counter(spans), connected_until_ns=at(0.26) + CLOCK_ERROR)
     assert ended is not None and ended.earliest_ns is None
 

@@ -697,7 +697,7 @@ class Correlator:
         if span.server_port and span.start_ns <= instant and span.end_ns - instant <= SPAN_END_RACE_NS:
             # It may have closed after its last byte: until its own evaluation says, it may have
             # added an orphan where another's rise is asked in this round (EngineLoads.racing).
-            self.loads.racing(span.server_port, key, span.end_ns + CLOCK_ERROR_NS)
+            self.loads.racing(span.server_port, key, (instant, span.end_ns + CLOCK_ERROR_NS))
         self._open_request(key).add(disconnect)
 
     def _rejoin(self) -> None:

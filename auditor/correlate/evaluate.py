@@ -109,6 +109,8 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
         details["evidence"], provisional = completed, False
     if decision.verdict is Verdict.UNCONFIRMED:
         details["evidence"], details["work_end_exact"] = ev.HTTP_ONLY, "none"
+        for told in ("work_end_resolution_s", "work_end_may_be_earlier_s"):  # of an end nothing tells
+            details.pop(told, None)
     details["provisional"] = provisional
     if started is not None:
         details["waited_unread_s"] = round((started - origin.ts_ns) / 1e9, 6)
@@ -291,7 +293,7 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
             # Until known to have added none, it may have added an orphan where another's rise is
             # asked: two clients that closed as their responses ended, one left its work running
             # (a proxy's upstream connections, one a request), cannot both be told from the rise.
-            corr.loads.racing(port, request.key, until if held is None or held[0] is None else None)
+            corr.loads.racing(port, request.key, (disconnect, until) if held is None or held[0] is None else None)
             if held is None:  # no scrape after it that says yet: nothing is said of it
                 return ev.MetricsEnd(None, 0.0, 0, awaiting=True), port, disconnect, max(disconnect, hop.end_ns)
             (first, second), answered = held[1] or (disconnect, disconnect), max(disconnect, hop.end_ns)

@@ -240,11 +240,13 @@ class EngineLoads:
         # span, as one number (``_pair``); two of the horizon's requests would have to share a
         # 64-bit hash for one to take the other's place.
         self._disconnects: dict[int, dict[int, int]] = defaultdict(dict)
-        # port -> {hash(request): connected until} of the leavers that may have closed after their
-        # last byte (``held_one_more``) whose own rise is not known to be none: no registered
-        # leaver, yet each may have added an orphan where another's rise is asked.
+        # port -> {hash(request): its close and until when it was connected (``_pair``)} of the
+        # leavers that may have closed after their last byte (``held_one_more``) whose own rise is
+        # not known to be none: no registered leaver, yet each may have added an orphan where
+        # another's rise is asked, or that ``work_end`` gives an earlier leaver.
         self._racers: dict[int, dict[int, int]] = defaultdict(dict)
         self._racer_untils: dict[int, array[int]] = defaultdict(_times)  # port -> those "until"s, sorted
+        self._racer_closes: dict[int, array[int]] = defaultdict(_times)  # port -> their closes, sorted
         self._disconnect_times: dict[int, array[int]] = defaultdict(_times)  # port -> those disconnects, sorted
         self._connected_until: dict[int, array[int]] = defaultdict(_times)  # port -> their "until", alike
         self._untils_sorted: dict[int, array[int]] = defaultdict(_times)  # port -> those "until"s, sorted
@@ -440,17 +442,23 @@ class EngineLoads:
         ended = self._untils_sorted[port]
         ended.insert(bisect.bisect_right(ended, until), until)
 
-    def racing(self, port: int, request: Hashable, connected_until_ns: int | None) -> None:
+    def racing(self, port: int, request: Hashable, left_until: tuple[int, int] | None) -> None:
         """``request``, a leaver that may have closed after its last byte, may have added an orphan
-        (its ``held_one_more`` not answered, or untold); None: it added none."""
-        racers, key = self._racers.get(port), hash(request)
+        (its ``held_one_more`` not answered, or untold): its client's close, and until when the
+        connected count holds its span; None: it added none."""
+        self._racer(port, hash(request), left_until)
+
+    def _racer(self, port: int, key: int, left_until: tuple[int, int] | None) -> None:
+        racers = self._racers.get(port)
         known = None if racers is None else racers.pop(key, None)
         if known is not None:
-            _take_one(self._racer_untils[port], known)
-        if connected_until_ns is not None:
-            self._racers[port][key] = connected_until_ns
-            untils = self._racer_untils[port]
-            untils.insert(bisect.bisect_right(untils, connected_until_ns), connected_until_ns)
+            left, until = _unpair(known)
+            _take_one(self._racer_closes[port], left)
+            _take_one(self._racer_untils[port], until)
+        if left_until is not None:
+            self._racers[port][key] = _pair(*left_until)
+            for times, ts_ns in ((self._racer_closes[port], left_until[0]), (self._racer_untils[port], left_until[1])):
+                times.insert(bisect.bisect_right(times, ts_ns), ts_ns)
 
     def unregister(self, port: int, request: Hashable) -> None:
         """A registered request proved complete when its client left (kernel order, final send,
@@ -549,8 +557,11 @@ class EngineLoads:
         masked_from = 0  # when that scrape's gauges may have been set from
         # The racers that left after this request (their "until"s, sorted), and the last scrape
         # orphaned even had each of them that was no longer connected there left an orphan.
+        # A racer closes within SPAN_END_RACE_NS of its span's end, so one that left by this request's
+        # disconnect is no longer connected at any scrape the sweep reads: each count of those
+        # gone by a scrape less those that left by the disconnect is of the later ones.
         racers = self._racer_untils.get(port, _NO_TIMES)
-        racers_before = bisect.bisect_right(racers, disconnect_ns)
+        racers_before = bisect.bisect_right(self._racer_closes.get(port, _NO_TIMES), disconnect_ns)
         last_sure: int | None = None
         # The clients the kernel listed at the port's scrapes; a port never listed (sock_diag
         # refused) is read against the spans alone.
@@ -859,8 +870,8 @@ class EngineLoads:
             if own_until is not None and since <= own_until < load.ts_ns:
                 others -= 1
             if racers:  # others that may have closed after their last byte, their own rise unknown
-                others += sum(1 for key, until in racers.items()
-                              if key != own and since <= until < load.ts_ns)
+                others += sum(1 for key, packed in racers.items()
+                              if key != own and since <= _unpair(packed)[1] < load.ts_ns)
             # Each registered other may have added one; each orphan of the first scrape may have ended.
             least_rise = orphans - (held_before + base_arrived)
             most_rise = orphans + arrived(load_from, load_end) - held_before
@@ -912,12 +923,10 @@ class EngineLoads:
     def prune(self, cutoff_ns: int, closes_cutoff_ns: int | None = None) -> None:
         closes_cutoff_ns = cutoff_ns if closes_cutoff_ns is None else max(cutoff_ns, closes_cutoff_ns)
         for port, racers in list(self._racers.items()):  # asked of only near their own close
-            for key in [key for key, until in racers.items() if until < closes_cutoff_ns]:
-                del racers[key]
-            untils = self._racer_untils[port]
-            del untils[:bisect.bisect_left(untils, closes_cutoff_ns)]
+            for key in [key for key, packed in racers.items() if _unpair(packed)[1] < closes_cutoff_ns]:
+                self._racer(port, key, None)
             if not racers:
-                del self._racers[port], self._racer_untils[port]
+                del self._racers[port], self._racer_untils[port], self._racer_closes[port]
         for port, series in list(self._loads.items()):
             keep = bisect.bisect_left(series, cutoff_ns, key=_TS)
             del series[:keep]
