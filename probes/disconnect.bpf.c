@@ -44,7 +44,7 @@
  * host waits at most one poll interval; its timestamp is taken here and never delayed. A client's
  * leaving (its FIN or reset) wakes the reader at once unless another's did, on any CPU, within
  * DEPARTURE_WAKEUP_NS: the daemon acts on a departure (it lists the port's clients with the next
- * scrape, and samples the GPU), so it hears of a lone one within microseconds, and pays at most
+ * scrape, and samples the GPU), so it hears of a lone one within a millisecond, and pays at most
  * one such wake-up a DEPARTURE_WAKEUP_NS however many clients leave (user space polls that often
  * after a departure, for the ones in between).
  */
