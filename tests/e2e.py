@@ -207,14 +207,20 @@ def match_to_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]]
 WORK_END_SLACK_NS = 50_000_000
 
 
+def may_be_earlier_ns(row: VerdictRow) -> float:
+    """How much earlier than its work end a verdict says the work may have ended (``lag_at_least_s``)."""
+    floor = row.details.get("lag_at_least_s")
+    return 0.0 if floor is None or row.lag_seconds is None else (row.lag_seconds - floor) * 1e9
+
+
 def _tally_work_end(tally: Counter[str], row: VerdictRow, truth: dict[str, Any]) -> None:
     """A zombie the gauges decided: whether the truth's end lies where the verdict says, its
-    estimate give or take half its resolution, or up to ``work_end_may_be_earlier_s`` before."""
+    estimate give or take half its resolution, or as early as ``lag_at_least_s`` after the close."""
     if row.verdict != "zombie" or row.work_end_ns is None or row.details.get("evidence") != "engine_metrics" \
             or truth.get("finished_at") is None:
         return
     half = row.details.get("work_end_resolution_s", 0) / 2 * 1e9 + WORK_END_SLACK_NS
-    earlier = row.details.get("work_end_may_be_earlier_s", 0) * 1e9
+    earlier = may_be_earlier_ns(row)
     off = truth["finished_at"] - row.work_end_ns
     tally["zombie work ends"] += 1
     tally["work ends that may be earlier"] += bool(earlier)

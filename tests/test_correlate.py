@@ -501,9 +501,41 @@ def test_http_spans_only_a_close_after_the_last_byte_takes_no_orphan_of_earlier_
         row = rows[client[1]]
         assert row.verdict == "zombie" and row.work_end_ns == T0 + int(2.875 * S), row
         # Had that client left its work running, it could own one of the three orphans, no more.
-        assert "work_end_may_be_earlier_s" not in row.details, row.details
+        assert "lag_at_least_s" not in row.details, row.details
         # Their own spans ended with their clients' resets too: each leaving added an orphan.
         assert row.details["held_one_more"] is True
+
+
+def test_a_zombie_beside_a_later_leaver_whose_rise_is_untold_says_how_soon_it_may_have_stopped(store: Store) -> None:
+    """The test above with one zombie: its client reset at 1.0 s, its work ran on to 3.0 s. The
+    other client's leaving at 2.0 s is untold (the zombie's orphan may have ended as its work ran
+    on), so it is read as owning no orphan, and the zombie's work as ending at 2.875 s. Had that
+    client left its work running, the orphan from 2.0 s on was its: the zombie says its work may
+    have stopped as soon as 0.75 s after its client left (the last scrape before that close), and
+    while it runs, the in-flight alarm says so too."""
+    clock = Clock()
+    correlator = make(store, clock)
+    zombie, done = ("127.0.0.1", 40080), ("127.0.0.1", 40081)
+    store.insert_spans([http_span("z", 0.2, 1.0005, client=zombie), http_span("d", 0.5, 2.0003, span="6", client=done)])
+    store.insert_conn_events([close(1.0, ConnEventKind.PEER_RST, client=zombie), close(2.0, client=done)])
+
+    def held(at: float) -> int:
+        return (0.2 <= at < 3.0) + (0.5 <= at < 1.999)
+    correlator.add_engine_load([load(0.25 * i, held(0.25 * i)) for i in range(1, 12)])
+    clock.now = T0 + int(2.8 * S)
+    correlator.tick()
+    correlator.tick()
+    rows = {r.client_port: r for r in verdicts(store)}
+    assert rows[zombie[1]].verdict == "inflight_zombie" and rows[zombie[1]].details["lag_at_least_s"] == 0.75
+    correlator.add_engine_load([load(0.25 * i, held(0.25 * i)) for i in range(12, 25)])
+    clock.now = T0 + 12 * S
+    correlator.tick()
+    correlator.tick()
+    rows = {r.client_port: r for r in verdicts(store)}
+    assert rows[done[1]].verdict == "unconfirmed" and rows[done[1]].details["leaving_untold"]
+    row = rows[zombie[1]]
+    assert row.verdict == "zombie" and row.work_end_ns == T0 + int(2.875 * S) and row.lag_seconds == 1.875
+    assert row.details["lag_at_least_s"] == 0.75 and row.details["work_end_resolution_s"] == 0.25
 
 
 @pytest.mark.parametrize("scraped_by_first_round", [False, True])

@@ -29,6 +29,7 @@ from tests.e2e import (
     cancel_after,
     complete,
     expected_verdict,
+    may_be_earlier_ns,
     read_response,
     running_daemon,
     send_request,
@@ -152,7 +153,7 @@ def http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool,
         if want != "unconfirmed" and row.details.get("evidence") != "engine_metrics":
             problems.append(f"{request_id}: decided by {row.details.get('evidence')}, not the engine's gauges")
         # Where later leavers' rise is untold, the verdict says how much earlier the end may be.
-        earlier_ns = row.details.get("work_end_may_be_earlier_s", 0) * 1e9
+        earlier_ns = may_be_earlier_ns(row)
         if want == "zombie" and not -SCRAPE_S * 1.5e9 - earlier_ns <= truth["finished_at"] - row.work_end_ns \
                 <= SCRAPE_S * 1.5e9:
             problems.append(f"{request_id}: work end off by {(row.work_end_ns - truth['finished_at']) / 1e9:.3f} s "

@@ -109,11 +109,13 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
         details["evidence"], provisional = completed, False
     if decision.verdict is Verdict.UNCONFIRMED:
         details["evidence"], details["work_end_exact"] = ev.HTTP_ONLY, "none"
-        for told in ("work_end_resolution_s", "work_end_may_be_earlier_s"):  # of an end nothing tells
+        for told in ("work_end_resolution_s", "lag_at_least_s"):  # of an end nothing tells
             details.pop(told, None)
     details["provisional"] = provisional
     if started is not None:
         details["waited_unread_s"] = round((started - origin.ts_ns) / 1e9, 6)
+        if "lag_at_least_s" in details:  # the lag counts from when the server read it
+            details["lag_at_least_s"] = round(max(0.0, details["lag_at_least_s"] - (started - origin.ts_ns) / 1e9), 3)
     base = root or (request.live_span.as_span() if request.live_span else None)
     tokens, exact = tokens_after_disconnect(origin.ts_ns, engine)
     gpu_s = cpu_s = 0.0
@@ -224,13 +226,15 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
             details["aborts_counted"] = True
         if by_metrics.awaiting:
             details["awaiting"] = True
+        if by_metrics.earliest_ns is not None and max(work_end, by_metrics.earliest_ns) < (by_metrics.work_end_ns or now):
+            # Later leavers whose leaving the gauges could not tell may own the orphans it was given
+            # since: its work may have stopped that soon after its client left (from its close here;
+            # evaluate counts from when the server read it, where that was later).
+            details["lag_at_least_s"] = round(max(0, max(work_end, by_metrics.earliest_ns) - request.origin().ts_ns) / 1e9, 3)
         if by_metrics.work_end_ns is None:
             corr.clients_wanted.add(port)  # its next scrapes decide it: with the clients connected
             return None, True, True
         end = max(work_end, by_metrics.work_end_ns)
-        if by_metrics.earliest_ns is not None and max(work_end, by_metrics.earliest_ns) < end:
-            # Later leavers whose leaving the gauges could not tell may own the orphans it was given.
-            details["work_end_may_be_earlier_s"] = round((end - max(work_end, by_metrics.earliest_ns)) / 1e9, 3)
         # An engine span may still arrive and say exactly; until then the scrape's word stands.
         # Other requests' spans and disconnects, and scrapes, change it without touching this
         # request, but only those that concern the moments its deciding scrapes span: once the

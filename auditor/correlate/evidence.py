@@ -94,9 +94,9 @@ class MetricsEnd:
     # more request once it left (EngineLoads.held_one_more)
     held_one_more: bool | None = None
     leaving_untold: bool = False  # asked, and no scrape within HELD_ONE_MORE_WINDOW_NS could say
-    # The earliest the work may have ended, where that is before the last scrape that counted it:
-    # leavers after it whose own rise is untold (``EngineLoads.racing``) may own the orphans it was
-    # given since. None: the end is as exact as ``resolution_s`` says.
+    # The earliest the work may have ended (or, still orphaned, may have), where that is before the
+    # last scrape that counted it: leavers after it whose own rise is untold (``EngineLoads.racing``)
+    # may own the orphans it was given since. None: the end is as exact as ``resolution_s`` says.
     earliest_ns: int | None = None
 
 
@@ -572,6 +572,9 @@ class EngineLoads:
             still_connected = list(held)
             start = bisect.bisect_right(series, swept_ns, key=_TS)
             taken = max(left_before, bisect.bisect_right(times, swept_ns))
+        def earliest() -> int | None:
+            return None if last_sure == last_orphaned else last_sure or max(started_ns, disconnect_ns)
+
         for load in series[start:]:
             # When its gauges were set: as it was read, or at its log (LOGGED_STYLES), which may
             # predate the scrape by a whole interval. A log that may have come before the request
@@ -621,12 +624,11 @@ class EngineLoads:
             if last_orphaned is None:
                 return MetricsEnd(max(started_ns, disconnect_ns), (load.ts_ns - started_ns) / 1e9, 0, read_until,
                                   unsure_until_ns=unsure or None)
-            earliest = None if last_sure == last_orphaned else last_sure or max(started_ns, disconnect_ns)
             return MetricsEnd((last_orphaned + load.ts_ns) // 2, (load.ts_ns - last_orphaned) / 1e9, count,
-                              read_until, unsure_until_ns=unsure or None, earliest_ns=earliest)
+                              read_until, unsure_until_ns=unsure or None, earliest_ns=earliest())
         if last_orphaned is None:
             return MetricsEnd(None, 0.0, 0, awaiting=True) if unsure else None
-        return MetricsEnd(None, 0.0, count)
+        return MetricsEnd(None, 0.0, count, earliest_ns=earliest())
 
     def orphans_past(self, port: int, grace_ns: int, read_by_ns: int) -> tuple[int, int] | None:
         """How many requests the engine on ``port`` ran whose clients had left more than
