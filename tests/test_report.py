@@ -112,11 +112,12 @@ def test_json_matches_the_schema_and_lists_every_disconnect(filled: Store) -> No
     assert zombie == {
         "request_id": EVIL_ID, "trace_id": trace(9), "verdict": "zombie",
         "disconnect_at": rfc3339(at(901)), "disconnect_kind": "fin", "work_end_at": rfc3339(at(913.5)),
-        "lag_seconds": 12.5, "phase": "decode", "route": CHAT, "model": LLAMA, "service": "vllm",
+        "lag_seconds": 12.5, "lag_at_least_seconds": None, "phase": "decode", "route": CHAT, "model": LLAMA, "service": "vllm",
         "client": "10.0.0.7:40009", "host": "gpu-a", "request_start_at": rfc3339(at(900)),
         "max_tokens": 512, "wasted_tokens": 900, "tokens_exact": True, "wasted_gpu_seconds": 10.0,
         "wasted_cpu_seconds": 0.0}
     assert requests[4]["work_end_at"] is None and requests[4]["verdict"] == "inflight_zombie"
+    assert requests[3]["lag_seconds"] == 3.0 and requests[3]["lag_at_least_seconds"] == 1.25
 
 
 def test_csv_has_one_row_per_disconnect_with_the_json_field_names(filled: Store) -> None:
@@ -359,6 +360,11 @@ def test_html_says_what_its_tables_leave_out_and_dates_the_worst(store: Store) -
     assert "... and 13 more (all of them in --format json or csv)" in page
     assert rfc3339(at(1))[:10] in page.split("Worst zombies</h2>")[1]  # the date, not the time alone
     assert "\x1b" not in page and "\\x1b[31mred" in page
+
+
+def test_html_shows_how_short_a_zombie_may_have_been_where_later_leavers_may_own_its_work(filled: Store) -> None:
+    worst = render_html(build_report(filled, HOUR)).split("Worst zombies</h2>")[1].split("</table>")[0]
+    assert worst.count("&ge;") == 1 and "3.0 (&ge; 1.2)</span>" in worst
 
 
 def test_a_lone_point_between_gaps_is_drawn() -> None:

@@ -126,6 +126,9 @@ class RequestFinding(NamedTuple):
     request_start_ns: int
     work_end_ns: int | None
     lag_seconds: float | None
+    # How soon after the disconnect the work may have stopped, where clients that left after it may
+    # own the orphans its engine's gauges gave it (details.lag_at_least_s); None: as exact as its evidence.
+    lag_at_least_seconds: float | None
     phase: str
     route: str | None
     model: str | None

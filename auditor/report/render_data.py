@@ -25,8 +25,8 @@ from auditor.timefmt import rfc3339, rfc3339_or_none
 # The fields of one request, in order: the JSON object keys and the CSV header.
 REQUEST_FIELDS = (
     "request_id", "trace_id", "verdict", "disconnect_at", "disconnect_kind", "work_end_at",
-    "lag_seconds", "phase", "route", "model", "service", "client", "host", "request_start_at",
-    "max_tokens", "wasted_tokens", "tokens_exact", "wasted_gpu_seconds", "wasted_cpu_seconds",
+    "lag_seconds", "lag_at_least_seconds", "phase", "route", "model", "service", "client", "host",
+    "request_start_at", "max_tokens", "wasted_tokens", "tokens_exact", "wasted_gpu_seconds", "wasted_cpu_seconds",
 )
 
 
@@ -51,6 +51,7 @@ def request_dict(finding: RequestFinding) -> dict[str, Any]:
         "disconnect_kind": finding.disconnect_kind,
         "work_end_at": rfc3339_or_none(finding.work_end_ns),
         "lag_seconds": _finite(finding.lag_seconds),
+        "lag_at_least_seconds": _finite(finding.lag_at_least_seconds),
         "phase": finding.phase,
         "route": finding.route,
         "model": finding.model,
@@ -95,7 +96,8 @@ def request_json(finding: RequestFinding) -> str:
         f'"disconnect_at": "{rfc3339(f.disconnect_at_ns)}", '
         f'"disconnect_kind": {encode_basestring(f.disconnect_kind)}, '
         f'"work_end_at": {_json_time(f.work_end_ns)}, '
-        f'"lag_seconds": {_json_float(f.lag_seconds)}, "phase": {encode_basestring(f.phase)}, '
+        f'"lag_seconds": {_json_float(f.lag_seconds)}, '
+        f'"lag_at_least_seconds": {_json_float(f.lag_at_least_seconds)}, "phase": {encode_basestring(f.phase)}, '
         f'"route": {_text(f.route)}, "model": {_text(f.model)}, "service": {_text(f.service)}, '
         f'"client": {_text(f.client)}, "host": {encode_basestring(f.host)}, '
         f'"request_start_at": "{rfc3339(f.request_start_ns)}", '

@@ -180,6 +180,15 @@ def _breakdowns(report: Report) -> list[str]:
     return parts
 
 
+def _lag(finding: RequestFinding) -> str:
+    """A zombie's time, with how short it may have been where later leavers may own its orphans."""
+    shown = f"{finding.lag_seconds or 0.0:,.1f}"
+    if finding.lag_at_least_seconds is None:
+        return shown
+    return (f'<span title="its work may have stopped this soon after the client left: clients that left '
+            f'after it may own the work the gauges gave it">{shown} (&ge; {finding.lag_at_least_seconds:,.1f})</span>')
+
+
 def _worst_table(findings: list[RequestFinding], unit: str) -> list[str]:
     if not findings:
         return ["<h2>Worst zombies</h2><p>No zombies in the window.</p>"]
@@ -190,7 +199,7 @@ def _worst_table(findings: list[RequestFinding], unit: str) -> list[str]:
         parts.append(
             f'<tr><td class="id">{esc(f.request_id or "")}</td><td class="id">{esc(f.trace_id or "")}</td>'
             f"<td>{esc(VERDICT_LABELS.get(f.verdict, f.verdict))}</td>"
-            f"<td>{f.lag_seconds or 0.0:,.1f}</td><td>{esc(rfc3339(f.disconnect_at_ns)[:23].replace('T', ' '))}</td>"
+            f"<td>{_lag(f)}</td><td>{esc(rfc3339(f.disconnect_at_ns)[:23].replace('T', ' '))}</td>"
             f"<td>{esc(f.route or '')}</td><td>{esc(f.model or '')}</td><td>{esc(f.host)}</td>"
             f"<td>{f.wasted_seconds(unit):,.1f}</td></tr>")
     parts.append("</table>")

@@ -245,6 +245,9 @@ def _worst(report: Report, width: int) -> list[str]:
             f"{fit(printable(finding.route), route_width)} "
             f"{fit(printable(finding.model), model_width)} "
             f"{finding.wasted_seconds(unit):>7,.1f}")
+        if finding.lag_at_least_seconds is not None:  # within 80 columns
+            lines.append(f"{'':5}ran on at least {finding.lag_at_least_seconds:,.1f} s: "
+                         "clients that left later may own its work")
         lines += _id_lines("request", printable(finding.request_id), width)
         lines += _id_lines("trace", printable(finding.trace_id), width)
         lines.append(f"{'':5}host {printable(finding.host)}  client {printable(finding.client)}")

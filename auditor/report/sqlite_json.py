@@ -50,6 +50,7 @@ def request_json_column(table: Table) -> ColumnElement[str]:
         ("disconnect_kind", c.disconnect_kind),
         ("work_end_at", _time(c.work_end_ns)),
         ("lag_seconds", _float(c.lag_seconds)),
+        ("lag_at_least_seconds", _float(c.details["lag_at_least_s"].as_float())),
         ("phase", c.phase),
         ("route", c.route),
         ("model", c.model),
