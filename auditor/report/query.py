@@ -41,7 +41,7 @@ from auditor.report.model import (
     ZombieTimeline,
 )
 from auditor.report.requests import count_requests
-from auditor.report.sqlite_json import request_json_column
+from auditor.report.sqlite_json import lag_at_least, request_json_column
 from auditor.store import Store, tables
 
 spans, verdicts, coverage, samples = tables.spans, tables.verdicts, tables.coverage, tables.util_samples
@@ -57,7 +57,7 @@ TIMELINE_POINTS = 48
 FINDING_COLUMNS = (
     verdicts.c.request_id, verdicts.c.trace_id, verdicts.c.verdict, verdicts.c.disconnect_at_ns,
     verdicts.c.disconnect_kind, verdicts.c.request_start_ns, verdicts.c.work_end_ns, verdicts.c.lag_seconds,
-    verdicts.c.details["lag_at_least_s"].as_float().label("lag_at_least_seconds"),
+    lag_at_least(verdicts).label("lag_at_least_seconds"),
     verdicts.c.phase, verdicts.c.route, verdicts.c.model, verdicts.c.service, verdicts.c.client_addr, verdicts.c.client_port, verdicts.c.host, verdicts.c.max_tokens,
     verdicts.c.tokens_after_disconnect, verdicts.c.tokens_exact, verdicts.c.wasted_gpu_seconds,
     verdicts.c.wasted_cpu_seconds,

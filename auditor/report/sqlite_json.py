@@ -15,6 +15,8 @@ from typing import Any
 from sqlalchemy import Table, case, func, literal
 from sqlalchemy.sql.elements import ColumnElement
 
+from auditor.report.model import ZOMBIE_VERDICTS
+
 NS = 1_000_000_000
 FLOAT_DIGITS = 9  # as render_data rounds per-request floats
 
@@ -39,6 +41,12 @@ def _client(table: Table) -> ColumnElement[Any]:
                 else_=func.printf("%s:%d", shown, port))
 
 
+def lag_at_least(table: Table) -> ColumnElement[Any]:
+    """A zombie's ``details.lag_at_least_s`` (plain SQL, every backend): read for zombies alone, so
+    the other verdicts' details are not parsed (a tenth of the JSON report's time for all of them)."""
+    return case((table.c.verdict.in_(ZOMBIE_VERDICTS), table.c.details["lag_at_least_s"].as_float()), else_=None)
+
+
 def request_json_column(table: Table) -> ColumnElement[str]:
     """A ``json_object(...)`` over a verdicts table with the keys of one JSON request object."""
     c = table.c
@@ -50,7 +58,7 @@ def request_json_column(table: Table) -> ColumnElement[str]:
         ("disconnect_kind", c.disconnect_kind),
         ("work_end_at", _time(c.work_end_ns)),
         ("lag_seconds", _float(c.lag_seconds)),
-        ("lag_at_least_seconds", _float(c.details["lag_at_least_s"].as_float())),
+        ("lag_at_least_seconds", _float(lag_at_least(table))),
         ("phase", c.phase),
         ("route", c.route),
         ("model", c.model),
