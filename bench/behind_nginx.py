@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.e2e import tally_against_truth
+from tests.e2e import tally_against_truth, work_ends_line
 from tests.nginx import VARIANTS, find_nginx, run_behind_nginx
 
 
@@ -80,6 +80,7 @@ def main() -> int:
     print(f"{'all':<28} {grand['false findings']:>5} of {grand['completed']:<7} {grand['cancels']:>8} "
           f"{grand['cancels right']:>6} {grand['cancels unconfirmed']:>8} {grand['cancels judged otherwise']:>10} "
           f"{grand['cancels without a verdict']:>11}")
+    print(work_ends_line(grand))
     if grand["rows without truth"] or grand["client errors"]:
         print(f"rows without truth {grand['rows without truth']}, client errors {grand['client errors']}")
     return 0

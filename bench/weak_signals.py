@@ -32,6 +32,7 @@ from tests.e2e import (
     running_daemon,
     tally_against_truth,
     verdict_rows,
+    work_ends_line,
 )
 
 
@@ -78,14 +79,8 @@ def one_run(args: argparse.Namespace) -> Counter[str]:
           f"{tally['cancels without a verdict']}, judged otherwise {tally['cancels judged otherwise']}, "
           f"unconfirmed {tally['cancels unconfirmed']}, unmatched {tally['cancels unmatched']}; verdicts on a port "
           f"no request of the truth names {tally['rows without truth']}")
-    print(work_ends(tally))
+    print(work_ends_line(tally))
     return tally
-
-
-def work_ends(tally: Counter[str]) -> str:
-    return (f"zombies' work ends from the gauges {tally['zombie work ends']}: off the estimate (beyond half its "
-            f"resolution) {tally['work ends off the estimate']}, told they may be earlier "
-            f"{tally['work ends that may be earlier']}, outside what the verdict claims {tally['work ends outside the claim']}")
 
 
 def main() -> int:
@@ -122,7 +117,7 @@ def main() -> int:
               f"{total['cancels unconfirmed']} unconfirmed, {total['cancels judged otherwise']} judged otherwise, "
               f"{total['cancels without a verdict']} without a verdict, {total['cancels unmatched']} unmatched "
               f"(reset before the engine read them: the truth names no client port)")
-        print(work_ends(total))
+        print(work_ends_line(total))
     return 0
 
 

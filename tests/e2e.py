@@ -228,6 +228,13 @@ def _tally_work_end(tally: Counter[str], row: VerdictRow, truth: dict[str, Any])
     tally["work ends outside the claim"] += not -half - earlier <= off <= half
 
 
+def work_ends_line(tally: Counter[str]) -> str:
+    """The tally's zombie work ends against the truth, as one line."""
+    return (f"zombies' work ends from the gauges {tally['zombie work ends']}: off the estimate (beyond half its "
+            f"resolution) {tally['work ends off the estimate']}, told they may be earlier "
+            f"{tally['work ends that may be earlier']}, outside what the verdict claims {tally['work ends outside the claim']}")
+
+
 def tally_against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]]) -> tuple[Counter[str], list[str]]:
     """For plain clients on shared connections (a proxy's upstream pool, an SDK's): each verdict
     matched to its truth record (``match_to_truth``);
