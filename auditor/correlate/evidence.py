@@ -572,6 +572,7 @@ class EngineLoads:
             still_connected = list(held)
             start = bisect.bisect_right(series, swept_ns, key=_TS)
             taken = max(left_before, bisect.bisect_right(times, swept_ns))
+
         def earliest() -> int | None:
             return None if last_sure == last_orphaned else last_sure or max(started_ns, disconnect_ns)
 
