@@ -27,6 +27,7 @@ from typing import Any
 
 from auditor.config import Config, parse_address
 from auditor.correlate import Correlator
+from auditor.correlate.evidence import ORPHANS_SETTLE_WOKEN_NS
 from auditor.correlate.feed import SpanFeed
 from auditor.errors import AuditorError, StoreError
 from auditor.kernelrecord import departures
@@ -124,6 +125,8 @@ class Daemon:
         probe: Any = self._parts.get("probe")
         if getattr(probe, "notices", None) is not None:  # the /proc source's resets are resets while they come
             self.correlator.polled_resets_exact = lambda: probe.notices is not None
+        if getattr(probe, "wakes_on_departure", False):  # a scrape's closes are in sooner
+            self.correlator.orphans_settle_ns = ORPHANS_SETTLE_WOKEN_NS
         procfs = self._parts.get("procfs")
         extra_pids = set(self.config.sampler.procfs_pids)
         self._upkeep = Upkeep(self.store, self.host, self.metrics, None if procfs is None else

@@ -13,7 +13,7 @@ from sqlalchemy import event, func, select
 
 from auditor.correlate import Correlator
 from auditor.correlate.correlator import _counted_close_ids
-from auditor.correlate.evidence import FINAL_SEND_ATTR
+from auditor.correlate.evidence import FINAL_SEND_ATTR, ORPHANS_SETTLE_WOKEN_NS
 from auditor.model import (
     ConnEvent,
     ConnEventKind,
@@ -1916,6 +1916,28 @@ def test_work_that_runs_on_before_any_span_comes_is_in_flight_by_its_port(store:
     correlator.tick()
     assert correlator.stats.orphans == {SERVER_PORT: 0} and correlator.stats.inflight_zombies == 0
     assert correlator.clients_wanted == set()
+
+
+@pytest.mark.parametrize("woken", [False, True], ids=["polled source", "source that wakes the daemon"])
+def test_the_ports_count_reads_a_scrape_once_the_closes_of_its_time_are_in(store: Store, woken: bool) -> None:
+    """The test above's close and scrapes, read at 2.0 s. Polled, a close may reach the store up to
+    a poll late: the scrape answered at 1.755 s is read only from 2.255 s, and the one before it
+    (the close within its grace) says no orphan. From a source that wakes the daemon as a client
+    leaves, it is read from 1.955 s: the orphan is counted 0.3 s sooner."""
+    clock = Clock()
+    correlator = make(store, clock)
+    if woken:
+        correlator.orphans_settle_ns = ORPHANS_SETTLE_WOKEN_NS
+    store.insert_conn_events([close(1.0, client=("127.0.0.1", 40002))])
+    still = (("127.0.0.1", 40003, 0.9),)
+    correlator.add_engine_load([replace(load(at, 2, clients=still), answered_ns=T0 + int((at + 0.005) * S))
+                                for at in (1.25, 1.75)])
+    clock.now = T0 + int(2.0 * S)
+    correlator.tick()
+    assert correlator.stats.orphans == {SERVER_PORT: int(woken)} and correlator.stats.inflight_zombies == int(woken)
+    clock.now = T0 + int(2.3 * S)
+    correlator.tick()
+    assert correlator.stats.orphans == {SERVER_PORT: 1}
 
 
 def test_a_zombie_counted_by_its_port_leaves_the_count_in_the_round_its_span_ends_it(store: Store) -> None:

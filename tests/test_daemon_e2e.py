@@ -21,6 +21,7 @@ import pytest
 from sqlalchemy import func, select
 
 from auditor.correlate.correlator import EVENTS_SETTLE_NS
+from auditor.correlate.evidence import ORPHANS_SETTLE_NS, ORPHANS_SETTLE_WOKEN_NS
 from auditor.model import CoverageKind
 from auditor.store import CoverageRow, SpanRow
 from replay.engine.launch import running_engine
@@ -114,6 +115,8 @@ def test_verdicts_match_truth(tmp_path: Path, behavior: str, source: str) -> Non
             step_ms=10, max_batch=2,
             extra_args=["--late-seconds", "1.0", "--prefill-chunk", "64", "--trace-aborted"]) as engine:
         assert daemon.source_name == source
+        # The port's orphans are read once a scrape's closes are in: sooner where the probe wakes the daemon.
+        assert daemon.correlator.orphans_settle_ns == (ORPHANS_SETTLE_WOKEN_NS if source == "bpf" else ORPHANS_SETTLE_NS)
         cancelled, truths, judged = drive_and_judge(daemon, engine, behavior)
         rows = {row.request_id: row for row in judged}
         all_truth = engine.truth()

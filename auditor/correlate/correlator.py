@@ -146,6 +146,9 @@ class Correlator:
         self.watched_ports = watched_ports or (lambda: set())
         # Whether the disconnect source's polled resets are surely resets (``_join_peerless``).
         self.polled_resets_exact: Callable[[], bool] = lambda: False
+        # How long after a scrape's answer the closes of its time are all in (``_count_orphans``):
+        # ORPHANS_SETTLE_WOKEN_NS where the source wakes the daemon as clients leave.
+        self.orphans_settle_ns = ORPHANS_SETTLE_NS
         self.on_settled = on_settled or (lambda verdict: None)
         self.clock = clock
         self.stats = CorrelatorStats()
@@ -874,7 +877,7 @@ class Correlator:
         grace_ns = int(self.grace_seconds * 1e9)
         orphans: dict[int, int] = {}
         for port in self.loads.listed_ports():
-            counted = self.loads.orphans_past(port, grace_ns, now - ORPHANS_SETTLE_NS)
+            counted = self.loads.orphans_past(port, grace_ns, now - self.orphans_settle_ns)
             if counted is not None:
                 orphans[port] = counted[0]
             beyond = self.loads.held_beyond_listed(port)
@@ -890,7 +893,7 @@ class Correlator:
                     if seen is None or excess > seen[0]:
                         seen = self._excess_seen[port] = (excess, now)
                     if now - seen[1] < ORPHANS_LOOK_FOR_NS:
-                        self.alarm_at(max(answered + ORPHANS_SETTLE_NS, now + ORPHANS_LOOK_AGAIN_NS))
+                        self.alarm_at(max(answered + self.orphans_settle_ns, now + ORPHANS_LOOK_AGAIN_NS))
                     continue
             self._excess_seen.pop(port, None)
         self.stats.orphans = orphans

@@ -128,13 +128,16 @@ HELD_ONE_MORE_WINDOW_NS = 2_000_000_000
 ENDING_NS = 100_000_000
 # The engine's orphans counted by port alone (``EngineLoads.orphans_past``), before any span says
 # whose they are: a scrape is read this long after its answer, when the closes of its time have come
-# (the daemon takes the probe's events every quarter second, the /proc source's polls as often, and
-# stores them before each round); a close is counted with the scrape up to as long after its answer
-# (a polled close is seen after it happened, by up to a poll); a count older than ORPHANS_STALE_NS
-# says nothing of now. While a scrape holds more than its clients and the count, a round looks
+# (the /proc source's polls come every quarter second, later on a loaded host, and the daemon stores
+# what they found before each round); with a source that wakes the daemon as clients leave (the eBPF
+# probe: a lone close within a millisecond, one of a burst within the 0.1 s the daemon then polls
+# at) after ORPHANS_SETTLE_WOKEN_NS. A close is counted with the scrape up to ORPHANS_CLOSE_SLACK_NS
+# after its answer (a polled close is seen after it happened, by up to a poll); a count older than
+# ORPHANS_STALE_NS says nothing of now. While a scrape holds more than its clients and the count, a round looks
 # again ORPHANS_LOOK_AGAIN_NS later (the engines' scrapes come a quarter second apart), for up to
 # ORPHANS_LOOK_FOR_NS after that excess rose (the grace and a scrape's settling, with room).
 ORPHANS_SETTLE_NS = 500_000_000
+ORPHANS_SETTLE_WOKEN_NS = 200_000_000
 ORPHANS_CLOSE_SLACK_NS = ORPHANS_SETTLE_NS
 ORPHANS_LOOK_AGAIN_NS = 250_000_000
 ORPHANS_LOOK_FOR_NS = 2_000_000_000
