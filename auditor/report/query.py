@@ -58,7 +58,8 @@ FINDING_COLUMNS = (
     verdicts.c.request_id, verdicts.c.trace_id, verdicts.c.verdict, verdicts.c.disconnect_at_ns,
     verdicts.c.disconnect_kind, verdicts.c.request_start_ns, verdicts.c.work_end_ns, verdicts.c.lag_seconds,
     lag_at_least(verdicts).label("lag_at_least_seconds"),
-    verdicts.c.phase, verdicts.c.route, verdicts.c.model, verdicts.c.service, verdicts.c.client_addr, verdicts.c.client_port, verdicts.c.host, verdicts.c.max_tokens,
+    verdicts.c.phase, verdicts.c.route, verdicts.c.model, verdicts.c.service, verdicts.c.client_addr,
+    verdicts.c.client_port, verdicts.c.host, verdicts.c.max_tokens,
     verdicts.c.tokens_after_disconnect, verdicts.c.tokens_exact, verdicts.c.wasted_gpu_seconds,
     verdicts.c.wasted_cpu_seconds,
 )

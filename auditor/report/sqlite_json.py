@@ -43,7 +43,7 @@ def _client(table: Table) -> ColumnElement[Any]:
 
 def lag_at_least(table: Table) -> ColumnElement[Any]:
     """A zombie's ``details.lag_at_least_s`` (plain SQL, every backend): read for zombies alone, so
-    the other verdicts' details are not parsed (a tenth of the JSON report's time for all of them)."""
+    the other verdicts' details are not parsed."""
     return case((table.c.verdict.in_(ZOMBIE_VERDICTS), table.c.details["lag_at_least_s"].as_float()), else_=None)
 
 
