@@ -846,6 +846,9 @@ class EngineLoads:
         packed = self._disconnects.get(port, {}).get(own)
         own_until = None if packed is None else _unpair(packed)[1]
         racers = self._racers.get(port)
+        racer_untils = self._racer_untils.get(port, _NO_TIMES)  # counted by bisection, as ``work_end`` does
+        racing = None if racers is None else racers.get(own)
+        own_racing = None if racing is None else _unpair(racing)[1]
         # An engine that sets its gauges when it logs a batch (SGLang, every 40 decode steps) shows,
         # until its next log, what it held at its last: a request it finished before the client
         # left is still in them. The log the first scrape after the close shows may have come
@@ -876,8 +879,9 @@ class EngineLoads:
             if own_until is not None and since <= own_until < load.ts_ns:
                 others -= 1
             if racers:  # others that may have closed after their last byte, their own rise unknown
-                others += sum(1 for key, packed in racers.items()
-                              if key != own and since <= _unpair(packed)[1] < load.ts_ns)
+                others += bisect.bisect_left(racer_untils, load.ts_ns) - bisect.bisect_left(racer_untils, since)
+                if own_racing is not None and since <= own_racing < load.ts_ns:
+                    others -= 1
             # Each registered other may have added one; each orphan of the first scrape may have ended.
             least_rise = orphans - (held_before + base_arrived)
             most_rise = orphans + arrived(load_from, load_end) - held_before
