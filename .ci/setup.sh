@@ -48,6 +48,8 @@ if command -v apt-get >/dev/null 2>&1; then
     [ "$postgres" = 1 ] && wanted+=(postgresql)
     # The tests' independent HTTP/2 client (nghttp2) for the OTLP/gRPC receiver.
     [ "$extras" = dev ] && wanted+=(curl)
+    # The tests' network namespaces (an engine in a container's own network): ip netns, veth.
+    [ "$extras" = dev ] && wanted+=(iproute2)
     # Virtual machines on other kernels for the prebuilt probe's test (bench/probe_kernels.py).
     [ "$extras" = dev ] && [ "$arch" = amd64 ] && wanted+=(qemu-system-x86 busybox-static)
     # A C compiler and Python's headers build the compiled OTLP reader and record builder

@@ -29,10 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from auditor.model import ConnEvent, ConnEventKind
+from probes.netns import Namespace, NetNamespaces
 from probes.sockdiag import (
     TCP_ESTABLISHED,
     TCP_TIME_WAIT,
     DestroyNotices,
+    DiagEntry,
     Freed,
     SockDiag,
     TcpAccepts,
@@ -64,6 +66,10 @@ WHOLE_SCANS_KEPT = 256  # (start, end) of the latest full snapshots: 13 s at 20 
 # scrape connections' server ends, or sockets held since they closed: their notices are read this
 # often, not every poll (a read that finds none is most of an idle poll's added cost).
 QUIET_NOTICES_EVERY_S = 1.0
+# How often the other network namespaces that listen on a watched port are looked for (a stat of
+# every process's TCP table: probes.netns), and at once when the ports change. A server that begins
+# listening in one (a container started) is watched this long after at the latest.
+NETNS_REFRESH_S = 10.0
 
 SocketKey = tuple[int, str, int, str, int]  # family, server addr, server port, client addr, client port
 
@@ -73,6 +79,8 @@ class _Seen:
     state: int
     cookie: int | None  # the socket inode while it has one (TIME_WAIT entries show 0)
     freed_as: int = 0  # the kernel's cookie of the socket (sock_diag's), named by its notice when freed
+    # Read from another network namespace's /proc table: TIME_WAIT listed, no tcp_info, no notice.
+    foreign: bool = False
 
 
 def _left_after(notice: Freed) -> int:
@@ -161,19 +169,30 @@ class ProcfsConnEventSource:
     """Connection events diffed from socket snapshots taken ``poll_hz`` times a second.
 
     Snapshots come from sock_diag when ``sock_diag`` is true (default: when ``proc_root`` is the
-    real /proc and a netlink socket opens), else from ``proc_root``/net/tcp{,6}.
+    real /proc and a netlink socket opens), else from ``proc_root``/net/tcp{,6}. With
+    ``other_namespaces``, a watched port listened on in another network namespace (a container's
+    engine) is also read from that namespace's ``/proc/<pid>/net/tcp{,6}`` (``probes.netns``): a
+    connection that opens and closes between two polls there is not seen, one that vanished from
+    ESTABLISHED is told reset, and the port's clients are not listed (``clients``).
     """
 
     name = "procfs"
 
     def __init__(self, ports: Iterable[int] = (), *, host: str = "", poll_hz: float = 20.0,
-                 proc_root: Path = Path("/proc"), sock_diag: bool | None = None) -> None:
+                 proc_root: Path = Path("/proc"), sock_diag: bool | None = None,
+                 other_namespaces: bool = False) -> None:
         if not poll_hz > 0:
             raise ValueError(f"poll_hz must be greater than 0, got {poll_hz}")
         self._ports = validate_ports(ports)
         self._host = host
         self.interval_s = 1.0 / poll_hz
+        self._proc_root = proc_root
         self._tables = ((4, proc_root / "net" / "tcp"), (6, proc_root / "net" / "tcp6"))
+        # Servers of watched ports in other network namespaces (containers), read from their tables.
+        self._netns = NetNamespaces(proc_root) if other_namespaces else None
+        self._foreign: dict[int, list[Namespace]] = {}  # port -> the other namespaces listening on it
+        self._netns_at = -1e9  # monotonic time of the latest look for them
+        self._netns_ports: frozenset[int] = frozenset()
         self._queue: queue.SimpleQueue[ConnEvent] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards the port sets (set_ports runs on other threads)
         self._scan_lock = threading.Lock()  # one scan at a time: the poller's or a caller's
@@ -310,7 +329,8 @@ class ProcfsConnEventSource:
             diag, now = self._diag, self._snapshot_ns
             if diag is None:  # the dump failed: /proc/net/tcp from now on, which has no tcp_info
                 return None
-            wanted = set(ports) & self._dumped_ports
+            # A port also served in another namespace: its clients there have no tcp_info to list.
+            wanted = set(ports) & self._dumped_ports - self._foreign.keys()
             self._listed_keys = {port: {key for key in self._seen if key[2] == port} for port in wanted}
             found: dict[int, list[tuple[str, int, int]]] = {port: [] for port in wanted}
             for (_family, _local, port, peer, peer_port), seen in self._seen.items():
@@ -344,6 +364,10 @@ class ProcfsConnEventSource:
             if self._diag is None or self._notices is not notices or notices.overflows != lost:
                 return None
             return port not in self._unseen_on and all(key in listed for key in self._seen if key[2] == port)
+
+    def other_namespaces(self) -> dict[int, list[Namespace]]:
+        """Port -> the other network namespaces found listening on it at the latest look."""
+        return dict(self._foreign)
 
     def server_pids(self) -> dict[int, int]:
         """Nothing: a poll sees sockets, not which process closed them (the eBPF probe does)."""
@@ -401,6 +425,10 @@ class ProcfsConnEventSource:
     def _scan(self, listing: bool = False) -> list[ConnEvent]:
         with self._lock:
             ports = self._ports
+        if self._netns is not None and (ports != self._netns_ports
+                                        or time.monotonic() >= self._netns_at + NETNS_REFRESH_S):
+            self._look_for_namespaces(ports)
+        with self._lock:
             baseline_ports, self._baseline_ports = self._baseline_ports, set()
             own = self._own_now()
         scan_started_ns = time.time_ns()
@@ -454,6 +482,30 @@ class ProcfsConnEventSource:
         for event in events:
             self._queue.put(event)
         return events
+
+    def _look_for_namespaces(self, ports: frozenset[int]) -> None:
+        """Find the other namespaces listening on the ports. A socket listed in one found anew (a
+        container started since the last look, or a port watched since) is the baseline there: no
+        event, as for a port newly watched."""
+        assert self._netns is not None
+        self._netns_at, self._netns_ports = time.monotonic(), ports
+        try:
+            found = self._netns.refresh(ports)
+        except OSError as exc:  # /proc unreadable: keep what was found before
+            log.warning("looking for servers in other network namespaces failed (%s)", exc)
+            return
+        known = {(port, namespace.ident) for port, namespaces in self._foreign.items() for namespace in namespaces}
+        new = {port for port, namespaces in found.items() for namespace in namespaces
+               if (port, namespace.ident) not in known}
+        for port in sorted(new):
+            log.info("port %d is listened on in another network namespace (a container's; read through "
+                     "/proc/%d/net)", port, found[port][0].pid)
+        for port in sorted(self._foreign.keys() - found.keys()):
+            log.info("port %d: no longer listened on in another network namespace", port)
+        self._foreign = found
+        if new:
+            with self._lock:
+                self._baseline_ports |= new
 
     # -- the kernel's notices of freed sockets ------------------------------------------------
     def _take_notices(self, current: dict[SocketKey, _Seen], quiet: bool) -> dict[int, Freed]:
@@ -549,7 +601,7 @@ class ProcfsConnEventSource:
         """The state of a socket missing from this snapshot: None (gone) from /proc/net/tcp, which
         lists every state. A sock_diag dump leaves out TIME_WAIT and CLOSE, so an open socket that
         left it is asked about alone: TIME_WAIT means both sides closed (not a reset)."""
-        return self._state_of(key) if before.state in OPEN else None
+        return self._state_of(key) if before.state in OPEN and not before.foreign else None
 
     def _state_of(self, key: SocketKey) -> int | None:
         """The state of the one socket ``key`` names, asked of sock_diag; None when there is none,
@@ -561,21 +613,45 @@ class ProcfsConnEventSource:
         except OSError:
             return None  # the next snapshot falls back to /proc/net/tcp if netlink broke
 
-    def _diag_entries(self, ports: frozenset[int], listing: bool) -> tuple[list[tuple[SocketKey, int, int]], bool]:
+    def _diag_entries(self, ports: frozenset[int], listing: bool) -> tuple[list[DiagEntry], bool]:
         """A dump, or, when no TCP connection was accepted since the last one, a lookup of each
         socket it listed: an idle port costs a counter read instead of a walk of the whole
         established hash (about 1 ms here, most of the fallback's idle CPU). A ``listing`` always
         dumps, asking each socket's tcp_info. True with a dump."""
         assert self._diag is not None
         accepts = self._accepts.read() if self._accepts is not None else None
-        if (not listing and accepts is not None and accepts == self._accepts_at_dump and ports == self._dumped_ports
-                and len(self._seen) <= LOOKUPS_INSTEAD_OF_DUMP):
-            return self._diag.still_listed(self._seen), False
+        if not listing and accepts is not None and accepts == self._accepts_at_dump and ports == self._dumped_ports:
+            own = {key: seen for key, seen in self._seen.items() if not seen.foreign}
+            if len(own) <= LOOKUPS_INSTEAD_OF_DUMP:
+                return self._diag.still_listed(own), False
         self._accepts_at_dump, self._dumped_ports = accepts, ports
         return list(self._diag.sockets(ports, info=listing)), True
 
     def _snapshot(self, ports: frozenset[int], listing: bool = False) -> tuple[dict[SocketKey, _Seen], bool]:
         """The sockets on the ports, and whether that is every one of them (not only those looked up)."""
+        current, whole = self._own_snapshot(ports, listing)
+        for (version, path), namespace_ports in self._foreign_tables(ports).items():
+            try:
+                text = path.read_text()
+            except OSError:  # its process ended: the next look finds another in that namespace
+                continue
+            for key, seen in parse_proc_net_tcp(text, version, namespace_ports).items():
+                seen.foreign = True
+                current.setdefault(key, seen)
+        return current, whole
+
+    def _foreign_tables(self, ports: frozenset[int]) -> dict[tuple[int, Path], frozenset[int]]:
+        """(IP version, table) of each other namespace listening on a watched port -> its ports."""
+        tables: dict[tuple[int, Path], set[int]] = {}
+        for port, namespaces in self._foreign.items():
+            if port in ports:
+                for namespace in namespaces:
+                    for table in namespace.tables(self._proc_root):
+                        tables.setdefault(table, set()).add(port)
+        return {table: frozenset(found) for table, found in tables.items()}
+
+    def _own_snapshot(self, ports: frozenset[int], listing: bool) -> tuple[dict[SocketKey, _Seen], bool]:
+        """The sockets on the ports in the daemon's own network namespace (see ``_snapshot``)."""
         if self._diag is not None:
             try:
                 entries, whole = self._diag_entries(ports, listing)

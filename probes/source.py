@@ -114,4 +114,4 @@ def open_source(ports: Iterable[int], prefer: str = "auto", host: str | None = N
             log.warning("kernel probe unavailable (%s); %s", exc, fallback_warning(poll_hz, measured_walk_us()))
     from probes.procfs import ProcfsConnEventSource
 
-    return ProcfsConnEventSource(port_set, host=host_name, poll_hz=poll_hz)
+    return ProcfsConnEventSource(port_set, host=host_name, poll_hz=poll_hz, other_namespaces=True)

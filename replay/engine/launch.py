@@ -108,8 +108,10 @@ def _healthy(host: str, port: int) -> bool:
 def running_engine(port: int = 0, behavior: str = "abort", otlp: str | None = None,
                    truth_log: str | os.PathLike[str] | None = None, step_ms: float = 10.0, max_batch: int = 8,
                    extra_args: Sequence[str] = (), host: str = "127.0.0.1", startup_timeout: float = 30.0,
-                   env: dict[str, str] | None = None) -> Iterator[EngineProcess]:
-    """Run ``python -m replay.engine`` with these settings for the duration of the ``with`` block."""
+                   env: dict[str, str] | None = None, netns: str | None = None) -> Iterator[EngineProcess]:
+    """Run ``python -m replay.engine`` with these settings for the duration of the ``with`` block;
+    in the named network namespace (``ip netns``) where ``netns`` is given, as a container's
+    engine runs (``ip`` execs it: the pid is the engine's)."""
     with tempfile.TemporaryDirectory(prefix="ref-engine-") as scratch:
         port_file = Path(scratch) / "port"
         log_path = Path(scratch) / "engine.log"
@@ -121,6 +123,8 @@ def running_engine(port: int = 0, behavior: str = "abort", otlp: str | None = No
         if truth_log is not None:
             command += ["--truth-log", str(truth_log)]
         command += list(extra_args)
+        if netns is not None:
+            command = ["ip", "netns", "exec", netns, *command]
         child_env = dict(os.environ if env is None else env)
         # Importable even where the project is not installed (a checkout run in place).
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PROJECT_ROOT), child_env.get("PYTHONPATH")]))

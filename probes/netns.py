@@ -1,0 +1,112 @@
+"""The network namespaces other than the daemon's that listen on a watched port: containers' engines.
+
+Each network namespace has its own TCP tables. An engine in a container with a network of its own
+(Docker's default bridge, a pod's network) serves from sockets that neither sock_diag nor
+/proc/net/tcp, read from the daemon's namespace, ever list. The eBPF probe's tracepoints fire in
+every namespace; the /proc fallback reads each such namespace's table itself.
+
+Entering a namespace (``setns``) needs CAP_SYS_ADMIN, and naming one (the ``/proc/<pid>/ns/net``
+link) a ptrace read of a process in it. Neither is needed to read ``/proc/<pid>/net/tcp``, which
+lists the network namespace of process ``<pid>`` to any user. Its inode number tells the
+namespaces apart: each namespace registers its own proc entries, and every process in it shows
+the same one. So ``NetNamespaces.refresh`` stats that file for every process (a few microseconds
+each), keeps one process per namespace, and reads the LISTEN rows of each namespace but the
+daemon's own for the watched ports. A namespace whose process ends is read through another of its
+processes; one with none left is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LISTEN = "0A"  # the st column of /proc/net/tcp
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """A network namespace other than the daemon's, read through one of its processes."""
+
+    ident: int  # the inode of its tcp table, the same through every process in it
+    pid: int  # a process in it when last looked
+
+    def tables(self, proc_root: Path) -> tuple[tuple[int, Path], tuple[int, Path]]:
+        """(IP version, path) of its two TCP tables."""
+        net = proc_root / str(self.pid) / "net"
+        return (4, net / "tcp"), (6, net / "tcp6")
+
+
+def _ident(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:  # the process ended, or this kernel hides it
+        return None
+
+
+def listening_ports(text: str, ports: frozenset[int]) -> set[int]:
+    """The ``ports`` a /proc/net/tcp{,6} ``text`` has a LISTEN socket on; lines it cannot read skipped."""
+    found: set[int] = set()
+    for line in text.splitlines()[1:]:
+        fields = line.split(None, 4)
+        if len(fields) < 4 or fields[3] != LISTEN:
+            continue
+        try:
+            port = int(fields[1].rpartition(":")[2], 16)
+        except ValueError:
+            continue
+        if port in ports:
+            found.add(port)
+    return found
+
+
+class NetNamespaces:
+    """Which of the watched ports are listened on in which other network namespaces."""
+
+    def __init__(self, proc_root: Path = Path("/proc")) -> None:
+        self.proc_root = proc_root
+        self.own = _ident(proc_root / "self" / "net" / "tcp")
+        self._members: dict[int, int] = {}  # namespace -> the process it was last read through
+        self.processes_read = 0  # processes stat'ed by the latest refresh (its cost grows with them)
+
+    def refresh(self, ports: Iterable[int]) -> dict[int, list[Namespace]]:
+        """Port -> the other namespaces with a socket listening on it, in a stable order; every
+        process's namespace looked at anew (one may have entered another since)."""
+        wanted = frozenset(ports)
+        if not wanted or self.own is None:
+            return {}
+        by_ident: dict[int, list[int]] = {}
+        try:
+            names = os.listdir(self.proc_root)
+        except OSError as exc:
+            log.warning("cannot list %s (%s): servers in other network namespaces are not found", self.proc_root, exc)
+            return {}
+        self.processes_read = 0
+        for name in names:
+            if not name.isdigit():
+                continue
+            self.processes_read += 1
+            ident = _ident(self.proc_root / name / "net" / "tcp")
+            if ident is not None and ident != self.own:
+                by_ident.setdefault(ident, []).append(int(name))
+        members: dict[int, int] = {}
+        for ident, pids in by_ident.items():
+            kept = self._members.get(ident)
+            members[ident] = kept if kept in pids else min(pids)
+        self._members = members
+        found: dict[int, list[Namespace]] = {}
+        for ident, pid in sorted(members.items()):
+            namespace = Namespace(ident, pid)
+            listened: set[int] = set()
+            for _version, path in namespace.tables(self.proc_root):
+                try:
+                    listened |= listening_ports(path.read_text(), wanted)
+                except OSError:
+                    continue  # it ended meanwhile: looked at again next time
+            for port in listened:
+                found.setdefault(port, []).append(namespace)
+        return found

@@ -1,0 +1,110 @@
+"""An engine in a network namespace of its own, as in a container on Docker's bridge or in a pod:
+its sockets are in that namespace's tables, not the daemon's. The daemon on the host must judge its
+cancelled requests against the engine's truth log with either source: the eBPF probe's tracepoints
+fire in every namespace; the /proc fallback finds the namespace (probes.netns) and reads its
+table. Needs root and iproute2 (ip netns, a veth pair); the clients reach the engine over the veth,
+as a container's are routed to it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from probes.netns import NetNamespaces
+from replay.engine.launch import running_engine
+from tests.e2e import (
+    cancel_after,
+    complete,
+    running_daemon,
+    tally_against_truth,
+    verdict_rows,
+    wait_for,
+)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                       reason="needs root and iproute2 (ip) to make a network namespace"),
+]
+
+HOST_ADDR, ENGINE_ADDR = "10.231.7.1", "10.231.7.2"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    """A network namespace joined to this one by a veth pair: the engine's end at ENGINE_ADDR."""
+    name, link = f"audns{os.getpid()}", f"aud{os.getpid() % 100000}h"
+    _ip("netns", "add", name)
+    try:
+        _ip("-n", name, "link", "set", "lo", "up")
+        _ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", name)
+        _ip("addr", "add", f"{HOST_ADDR}/30", "dev", link)
+        _ip("link", "set", link, "up")
+        _ip("-n", name, "addr", "add", f"{ENGINE_ADDR}/30", "dev", "eth0")
+        _ip("-n", name, "link", "set", "eth0", "up")
+        yield name
+    finally:
+        subprocess.run(["ip", "link", "del", link], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_other_namespaces_listening_are_found(namespace: str) -> None:
+    """Found by the port listened on there, not by a port listened on here; gone when its last
+    process ends."""
+    server = subprocess.Popen(["ip", "netns", "exec", namespace, "python3", "-c",
+                               "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 8765)); "
+                               "s.listen(); print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None and server.stdout.readline() == b"up\n"
+        with socket.create_server(("127.0.0.1", 0)) as here:
+            own_port = here.getsockname()[1]
+            spaces = NetNamespaces()
+            found = spaces.refresh({8765, own_port, 8766})
+            assert set(found) == {8765}, found
+            (space,) = found[8765]
+            assert space.pid == server.pid and spaces.processes_read > 1
+    finally:
+        server.kill()
+        server.wait()
+    assert NetNamespaces().refresh({8765}) == {}
+
+
+@pytest.mark.parametrize("behavior", ["detached", "abort"])
+@pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
+def test_engine_in_its_own_network_judged_against_truth(tmp_path: Path, namespace: str, source: str,
+                                                        behavior: str) -> None:
+    with running_daemon(tmp_path, **{"probe.source": source, "probe.poll_hz": 20.0,
+                                     "otlp.http": f"{HOST_ADDR}:0"}) as daemon, running_engine(
+            behavior=behavior, otlp=f"http://{HOST_ADDR}:{daemon.status.http_port}",
+            truth_log=tmp_path / "truth.jsonl", step_ms=10, max_batch=4, host=ENGINE_ADDR, netns=namespace,
+            extra_args=["--trace-aborted"]) as engine:
+        assert daemon.source_name == source
+        daemon.set_ports({engine.port})
+        if source == "procfs":  # the poller found the engine's namespace as the port was watched
+            assert wait_for(lambda: engine.port in daemon._parts["probe"].other_namespaces(), timeout_s=5)
+        time.sleep(0.3)
+        clients = [complete(engine.port, stream=index % 2 == 0, max_tokens=8, request_id=f"ok{index}",
+                            host=ENGINE_ADDR) for index in range(3)]
+        clients += [cancel_after(engine.port, 0.3, kind, stream=True, max_tokens=150, request_id=f"{kind}{index}",
+                                 host=ENGINE_ADDR) for index in range(2) for kind in ("fin", "rst")]
+        for client in clients:
+            client.join()
+        assert wait_for(lambda: len(engine.truth()) == 7, timeout_s=20)
+        # Settled once the engine's spans of their ends are in (a zombie is unconfirmed until then).
+        wait_for(lambda: tally_against_truth(verdict_rows(daemon), engine.truth())[0]["cancels right"] == 4,
+                 timeout_s=15)
+        time.sleep(0.5)  # and nothing revised after
+        tally, problems = tally_against_truth(verdict_rows(daemon), engine.truth())
+    assert tally["cancels"] == 4 and tally["completed"] == 3, tally
+    assert tally["cancels right"] == 4 and not problems, (tally, problems)
