@@ -219,10 +219,12 @@ class Daemon:
 
             samplers.append(NvmlSampler(host=self.host,
                                         per_process_always=self.config.sampler.nvml_per_process_always))
+        from probes.netns import NetNamespaces
         from probes.sockdiag import listening_inodes
 
-        # Engines whose spans name no process; their sockets asked of the kernel, not /proc/net/tcp.
-        self._parts["listeners"] = ListenerPids(listening=listening_inodes)
+        # Engines whose spans name no process; their sockets asked of the kernel, not /proc/net/tcp,
+        # and of containers' network namespaces.
+        self._parts["listeners"] = ListenerPids(listening=listening_inodes, other_namespaces=NetNamespaces())
         procfs = ProcfsSampler(host=self.host)
         procfs.set_pids(self.config.sampler.procfs_pids)
         samplers.append(procfs)

@@ -14,6 +14,12 @@ finds engines of other users this way only with CAP_SYS_PTRACE in its capability
 (the eBPF probe sees which process closes a connection on the port, no ptrace needed); a port still
 unresolved stays so, and verdicts say why and what would help in ``cost_unmeasured``.
 
+An engine in a container with a network of its own listens in that namespace, not the daemon's
+(``probes.netns`` finds it, looked for at most every ``rescan_s``); where both listen on a port,
+the other namespace's process is taken: the host's end is a proxy's (Docker's ``docker-proxy``
+holds each published port), the container's the engine. A port listened on in several other
+namespaces names no process: which one serves a request is not known.
+
 An answer that found every port's process holds while those processes live, checked again in full
 every ``verify_s``; otherwise every ``refresh_s``. Found pids are cached by inode and checked
 cheaply (their link still names the inode); the full scan of ``/proc`` runs only for inodes not yet
@@ -27,6 +33,8 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from probes.netns import NetNamespaces
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +104,12 @@ class ListenerPids:
     def __init__(self, proc_root: str | os.PathLike[str] = "/proc", *, refresh_s: float = 2.0,
                  verify_s: float = 60.0, rescan_s: float = 10.0,
                  monotonic: Callable[[], float] = time.monotonic,
-                 listening: Callable[[set[int]], dict[int, set[int]]] | None = None) -> None:
+                 listening: Callable[[set[int]], dict[int, set[int]]] | None = None,
+                 other_namespaces: NetNamespaces | None = None) -> None:
         self.proc_root = Path(proc_root)
+        self._netns = other_namespaces
+        # (ports, monotonic time, port -> namespaces found, port -> their LISTEN inodes)
+        self._netns_answer: tuple[frozenset[int], float, dict[int, int], dict[int, set[int]]] | None = None
         # Port -> listening inodes, a cheaper way than /proc/net/tcp (which stays the fallback).
         self._listening = listening
         self.refresh_s = refresh_s
@@ -164,6 +176,8 @@ class ListenerPids:
                 log.debug("listening sockets not told (%s); reading /proc/net/tcp", exc)
         if inodes is None:
             inodes = listening_inodes(ports, self.proc_root)
+        namespaces, elsewhere = self._elsewhere(ports)
+        inodes = {**inodes, **elsewhere}
         self._pid_by_inode = {i: p for i, p in self._pid_by_inode.items()
                               if any(i in found for found in inodes.values()) and self._still_holds(p, i)}
         missing = {i for found in inodes.values() for i in found} - self._pid_by_inode.keys()
@@ -176,7 +190,11 @@ class ListenerPids:
         unknown: dict[int, str] = {}
         for port in sorted(ports):
             held = [self._pid_by_inode[i] for i in sorted(inodes.get(port, ())) if i in self._pid_by_inode]
-            if held:
+            if namespaces.get(port, 0) > 1:
+                unknown[port] = (f"port {port} is listened on in {namespaces[port]} other network namespaces "
+                                 "(containers), and which one's process serves a request is not known; put "
+                                 "process.pid in each engine's OpenTelemetry resource")
+            elif held:
                 pids[port] = held[0]
             elif port not in inodes:
                 unknown[port] = f"nothing listens on port {port} on this host"
@@ -186,3 +204,16 @@ class ListenerPids:
                                     " CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE)" if self._denied else "")
                                  + "; to name it, put process.pid in the engine's OpenTelemetry resource")
         return pids, unknown
+
+    def _elsewhere(self, ports: set[int]) -> tuple[dict[int, int], dict[int, set[int]]]:
+        """(port -> how many other network namespaces listen on it, port -> their LISTEN inodes),
+        looked for at most every ``rescan_s`` (a stat of every process's TCP table)."""
+        if self._netns is None:
+            return {}, {}
+        asked, now = frozenset(ports), self._monotonic()
+        cached = self._netns_answer
+        if cached is None or cached[0] != asked or now - cached[1] >= self.rescan_s:
+            found = self._netns.refresh(asked)
+            cached = self._netns_answer = (asked, now, {port: len(spaces) for port, spaces in found.items()},
+                                           dict(self._netns.inodes))
+        return cached[2], cached[3]

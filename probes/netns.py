@@ -48,19 +48,20 @@ def _ident(path: Path) -> int | None:
         return None
 
 
-def listening_ports(text: str, ports: frozenset[int]) -> set[int]:
-    """The ``ports`` a /proc/net/tcp{,6} ``text`` has a LISTEN socket on; lines it cannot read skipped."""
-    found: set[int] = set()
+def listening(text: str, ports: frozenset[int]) -> dict[int, set[int]]:
+    """Port -> inodes of the LISTEN sockets a /proc/net/tcp{,6} ``text`` lists on the ``ports``;
+    lines it cannot read skipped."""
+    found: dict[int, set[int]] = {}
     for line in text.splitlines()[1:]:
-        fields = line.split(None, 4)
-        if len(fields) < 4 or fields[3] != LISTEN:
+        fields = line.split(None, 10)
+        if len(fields) < 10 or fields[3] != LISTEN:
             continue
         try:
-            port = int(fields[1].rpartition(":")[2], 16)
+            port, inode = int(fields[1].rpartition(":")[2], 16), int(fields[9])
         except ValueError:
             continue
         if port in ports:
-            found.add(port)
+            found.setdefault(port, set()).add(inode)
     return found
 
 
@@ -72,11 +73,13 @@ class NetNamespaces:
         self.own = _ident(proc_root / "self" / "net" / "tcp")
         self._members: dict[int, int] = {}  # namespace -> the process it was last read through
         self.processes_read = 0  # processes stat'ed by the latest refresh (its cost grows with them)
+        self.inodes: dict[int, set[int]] = {}  # port -> its LISTEN sockets there, at the latest refresh
 
     def refresh(self, ports: Iterable[int]) -> dict[int, list[Namespace]]:
         """Port -> the other namespaces with a socket listening on it, in a stable order; every
         process's namespace looked at anew (one may have entered another since)."""
         wanted = frozenset(ports)
+        self.inodes = {}
         if not wanted or self.own is None:
             return {}
         by_ident: dict[int, list[int]] = {}
@@ -101,12 +104,15 @@ class NetNamespaces:
         found: dict[int, list[Namespace]] = {}
         for ident, pid in sorted(members.items()):
             namespace = Namespace(ident, pid)
-            listened: set[int] = set()
+            listened: dict[int, set[int]] = {}
             for _version, path in namespace.tables(self.proc_root):
                 try:
-                    listened |= listening_ports(path.read_text(), wanted)
+                    text = path.read_text()
                 except OSError:
                     continue  # it ended meanwhile: looked at again next time
-            for port in listened:
+                for port, inodes in listening(text, wanted).items():
+                    listened.setdefault(port, set()).update(inodes)
+            for port, inodes in listened.items():
                 found.setdefault(port, []).append(namespace)
+                self.inodes.setdefault(port, set()).update(inodes)
         return found

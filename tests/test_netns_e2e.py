@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from collectors.listeners import ListenerPids
 from probes.netns import NetNamespaces
 from replay.engine.launch import running_engine
 from tests.e2e import (
@@ -62,11 +63,8 @@ def namespace() -> Iterator[str]:
 def test_other_namespaces_listening_are_found(namespace: str) -> None:
     """Found by the port listened on there, not by a port listened on here; gone when its last
     process ends."""
-    server = subprocess.Popen(["ip", "netns", "exec", namespace, "python3", "-c",
-                               "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 8765)); "
-                               "s.listen(); print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    server = _listen_in(namespace, 8765)
     try:
-        assert server.stdout is not None and server.stdout.readline() == b"up\n"
         with socket.create_server(("127.0.0.1", 0)) as here:
             own_port = here.getsockname()[1]
             spaces = NetNamespaces()
@@ -78,6 +76,36 @@ def test_other_namespaces_listening_are_found(namespace: str) -> None:
         server.kill()
         server.wait()
     assert NetNamespaces().refresh({8765}) == {}
+
+
+def _listen_in(namespace: str, port: int) -> subprocess.Popen[bytes]:
+    """A process listening on ``port`` in ``namespace`` (``ip`` execs it: its pid is the listener's)."""
+    server = subprocess.Popen(["ip", "netns", "exec", namespace, "python3", "-c",
+                               f"import socket, time; s = socket.socket(); s.bind(('0.0.0.0', {port})); "
+                               "s.listen(); print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    assert server.stdout is not None and server.stdout.readline() == b"up\n"
+    return server
+
+
+def test_the_engine_process_is_the_one_listening_in_the_other_namespace(namespace: str) -> None:
+    """Spans without process.pid: the engine is the process listening in the container's namespace,
+    also where a process here listens on the same port (a proxy's end, as docker-proxy's); with two
+    other namespaces listening on it, none, and the reason says so."""
+    second = f"{namespace}b"
+    servers = [_listen_in(namespace, 8765)]
+    try:
+        with socket.create_server(("0.0.0.0", 8765)):  # the host's end: a proxy's
+            pids, unknown = ListenerPids(other_namespaces=NetNamespaces()).resolve({8765})
+            assert pids == {8765: servers[0].pid}, unknown
+            _ip("netns", "add", second)
+            servers.append(_listen_in(second, 8765))
+            pids, unknown = ListenerPids(other_namespaces=NetNamespaces()).resolve({8765})
+        assert pids == {} and "listened on in 2 other network namespaces" in unknown[8765], unknown
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "netns", "del", second], capture_output=True)
 
 
 @pytest.mark.parametrize("behavior", ["detached", "abort"])
