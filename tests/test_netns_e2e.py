@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from auditor.cli.doctor import check_engines
 from collectors.listeners import ListenerPids
 from probes.netns import NetNamespaces
 from replay.engine.launch import running_engine
@@ -97,10 +98,16 @@ def test_the_engine_process_is_the_one_listening_in_the_other_namespace(namespac
         with socket.create_server(("0.0.0.0", 8765)):  # the host's end: a proxy's
             pids, unknown = ListenerPids(other_namespaces=NetNamespaces()).resolve({8765})
             assert pids == {8765: servers[0].pid}, unknown
+            told = check_engines([8765, 8766])
+            assert told.state == "ok" and (f"port 8765: listened on in 1 other network namespace(s) (pid "
+                                           f"{servers[0].pid}'s) and here (a proxy's end)") in told.detail, told
+            assert "port 8766: nothing listens on it yet" in told.detail, told
             _ip("netns", "add", second)
             servers.append(_listen_in(second, 8765))
             pids, unknown = ListenerPids(other_namespaces=NetNamespaces()).resolve({8765})
+            told = check_engines([8765])
         assert pids == {} and "listened on in 2 other network namespaces" in unknown[8765], unknown
+        assert told.state == "degraded" and "process.pid" in told.fix, told
     finally:
         for server in servers:
             server.kill()

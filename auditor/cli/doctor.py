@@ -207,6 +207,41 @@ def check_fallback(poll_hz: float, walks: int = 100) -> Check:
                  "than a poll is missed)")
 
 
+def check_engines(ports: Iterable[int], proc_root: Path = Path("/proc")) -> Check:
+    """Where each watched port is listened on: in this network namespace, in a container's network
+    of its own (``probes.netns``), both (the host's end a proxy's, as Docker's docker-proxy), or
+    nowhere yet. The eBPF probe sees every namespace; the /proc fallback reads another's table
+    through a process in it. Several other namespaces on one port leave its engine process, and so
+    its zombies' cost, unknown where spans carry no ``process.pid``."""
+    from collectors.listeners import listening_inodes
+    from probes.netns import NetNamespaces
+
+    wanted = sorted(set(ports))
+    here = listening_inodes(wanted, proc_root)
+    elsewhere = NetNamespaces(proc_root).refresh(wanted)
+    parts = []
+    for port in wanted:
+        spaces = elsewhere.get(port, [])
+        if not spaces:
+            parts.append(f"port {port}: " + ("listened on here" if port in here else "nothing listens on it yet"))
+            continue
+        through = ", ".join(f"pid {space.pid}'s" for space in spaces)
+        parts.append(f"port {port}: listened on in {len(spaces)} other network namespace(s) ({through})"
+                     + (" and here (a proxy's end)" if port in here else ""))
+    detail = "; ".join(parts) or "no port watched"
+    if elsewhere:
+        detail += ("; the eBPF probe sees every network namespace; the /proc fallback reads another's "
+                   "/proc/<pid>/net/tcp, without the kernel's notices: a connection shorter than a poll is "
+                   "missed there, and a client's FIN is told from a reset only when a poll sees it")
+    several = [port for port in wanted if len(elsewhere.get(port, [])) > 1]
+    if several:
+        return Check("engines", DEGRADED, detail, f"port(s) {', '.join(map(str, several))} are listened on in "
+                     "several containers' networks, so which process serves a request is not known: put "
+                     "process.pid in each engine's OpenTelemetry resource (OTEL_RESOURCE_ATTRIBUTES) to cost "
+                     "their zombies")
+    return Check("engines", OK, detail)
+
+
 def check_nvml(ports: Iterable[int] = ()) -> Check:
     """NVML and its GPUs; and, for each watched port whose engine is running, the GPU processes
     its cost will be read from (the listener and the processes it started). On a host with several
@@ -546,7 +581,8 @@ def check_otlp_reader() -> Check:
 def run_checks(config: Config) -> list[Check]:
     checks: list[Callable[[], Check]] = [
         check_privileges, check_bpf_syscall, check_tracefs, check_prebuilt_probe, check_kernel_headers, check_bcc,
-        lambda: check_fallback(config.probe.poll_hz), lambda: check_nvml(config.probe.ports),
+        lambda: check_fallback(config.probe.poll_hz), lambda: check_engines(config.probe.ports),
+        lambda: check_nvml(config.probe.ports),
         lambda: check_ports(config),
         lambda: check_database(config),
         check_postgres_driver, check_otlp_reader,
