@@ -193,6 +193,11 @@ class ProcfsConnEventSource:
         self._foreign: dict[int, list[Namespace]] = {}  # port -> the other namespaces listening on it
         self._netns_at = -1e9  # monotonic time of the latest look for them
         self._netns_ports: frozenset[int] = frozenset()
+        # Per other namespace (by ident): its accept counter, the count at its latest read, and how
+        # many sockets on watched ports that read listed: a namespace that listed none and accepted
+        # none since is not read (the read walks the kernel's whole connection hash).
+        self._foreign_accepts: dict[int, TcpAccepts | None] = {}
+        self._foreign_read: dict[int, tuple[int | None, int]] = {}
         self._queue: queue.SimpleQueue[ConnEvent] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards the port sets (set_ports runs on other threads)
         self._scan_lock = threading.Lock()  # one scan at a time: the poller's or a caller's
@@ -391,6 +396,10 @@ class ProcfsConnEventSource:
             self._close_notices()
             if self._accepts is not None:
                 self._accepts.close()
+            for accepts in self._foreign_accepts.values():
+                if accepts is not None:
+                    accepts.close()
+            self._foreign_accepts = {}
 
     # -- scanning ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -503,6 +512,12 @@ class ProcfsConnEventSource:
         for port in sorted(self._foreign.keys() - found.keys()):
             log.info("port %d: no longer listened on in another network namespace", port)
         self._foreign = found
+        idents = {namespace.ident for namespaces in found.values() for namespace in namespaces}
+        for ident in self._foreign_accepts.keys() - idents:
+            accepts = self._foreign_accepts.pop(ident)
+            self._foreign_read.pop(ident, None)
+            if accepts is not None:
+                accepts.close()
         if new:
             with self._lock:
                 self._baseline_ports |= new
@@ -630,25 +645,43 @@ class ProcfsConnEventSource:
     def _snapshot(self, ports: frozenset[int], listing: bool = False) -> tuple[dict[SocketKey, _Seen], bool]:
         """The sockets on the ports, and whether that is every one of them (not only those looked up)."""
         current, whole = self._own_snapshot(ports, listing)
-        for (version, path), namespace_ports in self._foreign_tables(ports).items():
-            try:
-                text = path.read_text()
-            except OSError:  # its process ended: the next look finds another in that namespace
-                continue
-            for key, seen in parse_proc_net_tcp(text, version, namespace_ports).items():
-                seen.foreign = True
-                current.setdefault(key, seen)
+        for namespace, namespace_ports in self._foreign_namespaces(ports):
+            accepted = self._foreign_accepted(namespace)
+            before = self._foreign_read.get(namespace.ident)
+            if accepted is not None and before is not None and before == (accepted, 0):
+                continue  # listed nothing, accepted nothing since: nothing to list
+            listed = 0
+            for version, path in namespace.tables(self._proc_root):
+                try:
+                    text = path.read_text()
+                except OSError:  # its process ended: the next look finds another in that namespace
+                    continue
+                for key, seen in parse_proc_net_tcp(text, version, namespace_ports).items():
+                    seen.foreign = True
+                    current.setdefault(key, seen)
+                    listed += 1
+            self._foreign_read[namespace.ident] = (accepted, listed)
         return current, whole
 
-    def _foreign_tables(self, ports: frozenset[int]) -> dict[tuple[int, Path], frozenset[int]]:
-        """(IP version, table) of each other namespace listening on a watched port -> its ports."""
-        tables: dict[tuple[int, Path], set[int]] = {}
+    def _foreign_namespaces(self, ports: frozenset[int]) -> list[tuple[Namespace, frozenset[int]]]:
+        """Each other namespace listening on a watched port, with those ports."""
+        found: dict[Namespace, set[int]] = {}
         for port, namespaces in self._foreign.items():
             if port in ports:
                 for namespace in namespaces:
-                    for table in namespace.tables(self._proc_root):
-                        tables.setdefault(table, set()).add(port)
-        return {table: frozenset(found) for table, found in tables.items()}
+                    found.setdefault(namespace, set()).add(port)
+        return [(namespace, frozenset(found_ports)) for namespace, found_ports in found.items()]
+
+    def _foreign_accepted(self, namespace: Namespace) -> int | None:
+        """The connections the namespace accepted so far (its PassiveOpens), None where unreadable.
+        Its counters file is kept open: it stays that namespace's after the process ends."""
+        if namespace.ident not in self._foreign_accepts:
+            try:
+                self._foreign_accepts[namespace.ident] = TcpAccepts(str(namespace.snmp(self._proc_root)))
+            except OSError:
+                self._foreign_accepts[namespace.ident] = None
+        accepts = self._foreign_accepts[namespace.ident]
+        return accepts.read() if accepts is not None else None
 
     def _own_snapshot(self, ports: frozenset[int], listing: bool) -> tuple[dict[SocketKey, _Seen], bool]:
         """The sockets on the ports in the daemon's own network namespace (see ``_snapshot``)."""

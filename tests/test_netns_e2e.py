@@ -19,6 +19,7 @@ import pytest
 
 from auditor.cli.doctor import check_engines
 from collectors.listeners import ListenerPids
+from probes import procfs
 from probes.netns import NetNamespaces
 from replay.engine.launch import running_engine
 from tests.e2e import (
@@ -113,6 +114,36 @@ def test_the_engine_process_is_the_one_listening_in_the_other_namespace(namespac
             server.kill()
             server.wait()
         subprocess.run(["ip", "netns", "del", second], capture_output=True)
+
+
+def test_the_poller_reads_another_namespace_only_while_it_may_list_something(namespace: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The namespace's table (a walk of the kernel's whole connection hash) is read once while it
+    lists nothing on the port and accepts nothing; a client's connection and its FIN are seen."""
+    reads: list[int] = []
+    parse = procfs.parse_proc_net_tcp
+    monkeypatch.setattr(procfs, "parse_proc_net_tcp", lambda *args: reads.append(1) or parse(*args))
+    server = _listen_in(namespace, 8765)
+    source = procfs.ProcfsConnEventSource([8765], other_namespaces=True)
+    try:
+        source.scan()  # the baseline, as start() takes it (no poller thread: each scan here is the test's)
+        assert 8765 in source.other_namespaces()
+        for _ in range(5):
+            source.scan()
+        assert len(reads) == 1, reads  # the baseline read; none since
+        client = socket.create_connection((ENGINE_ADDR, 8765))
+        client_port = client.getsockname()[1]
+        source.scan()
+        assert len(reads) == 2, reads  # it accepted one: read
+        client.shutdown(socket.SHUT_WR)
+        client.close()
+        time.sleep(0.05)
+        events = [event for event in source.scan() if event.client_port == client_port]
+        assert [(event.kind.value, event.server_addr) for event in events] == [("peer_fin", ENGINE_ADDR)], events
+    finally:
+        source.stop()
+        server.kill()
+        server.wait()
 
 
 @pytest.mark.parametrize("behavior", ["detached", "abort"])

@@ -1,0 +1,127 @@
+"""What finding and reading containers' network namespaces costs the daemon (probes.netns).
+
+The /proc fallback looks for other namespaces listening on a watched port every NETNS_REFRESH_S
+(a stat of every process's /proc/<pid>/net/tcp), and the engine-process lookup every 10 s at most
+where it is not final; the poller then reads each such namespace's table at every poll. This prints
+the CPU of one look with more processes on the host, and of one read of a namespace's table with
+more connections in it, and what each costs a core at the daemon's cadence.
+
+Needs root and iproute2 (ip netns). Starts sleeping processes and a server in a namespace of its
+own, connects to it over loopback inside that namespace, and removes all of it on exit.
+
+Usage: .venv/bin/python bench/netns_cost.py [--processes 0,500,1000] [--connections 0,100,1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from probes.netns import NetNamespaces
+from probes.procfs import NETNS_REFRESH_S, parse_proc_net_tcp
+from probes.sockdiag import TcpAccepts
+
+PORT = 8765
+SERVER = f"""
+import socket, sys, time
+server = socket.create_server(("127.0.0.1", {PORT}), backlog=4096)
+clients, accepted = [], []
+print("up", flush=True)
+for line in sys.stdin:
+    for _ in range(int(line)):
+        clients.append(socket.create_connection(("127.0.0.1", {PORT})))
+        accepted.append(server.accept()[0])
+    print(len(clients), flush=True)
+"""
+
+
+def cpu_per_call(call, repeats: int) -> float:
+    """Seconds of this process's CPU per call, the median of five batches."""
+    batches = []
+    for _ in range(5):
+        start = time.process_time()
+        for _ in range(repeats):
+            call()
+        batches.append((time.process_time() - start) / repeats)
+    return sorted(batches)[2]
+
+
+def counts(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--processes", type=counts, default=[0, 500, 1000],
+                        help="sleeping processes added to the host's for the look's figures")
+    parser.add_argument("--connections", type=counts, default=[0, 100, 1000],
+                        help="connections open in the namespace for the read's figures")
+    parser.add_argument("--poll-hz", type=float, default=20.0, help="the poller's rate, for the read's share")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (ip netns)", file=sys.stderr)
+        return 2
+    name = f"benchns{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    sleepers: list[subprocess.Popen[bytes]] = []
+    server = None
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        server = subprocess.Popen(["ip", "netns", "exec", name, sys.executable, "-c", SERVER],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert server.stdin is not None and server.stdout is not None
+        assert server.stdout.readline() == b"up\n"
+        spaces = NetNamespaces()
+        print(f"one look for other namespaces listening on a port (every {NETNS_REFRESH_S:g} s at most)")
+        print(f"{'processes':>10} {'ms a look':>10} {'us a process':>13} {'% of a core':>12}")
+        for extra in args.processes:
+            while len(sleepers) < extra:
+                sleepers.append(subprocess.Popen(["sleep", "600"]))
+            found = spaces.refresh({PORT})
+            assert PORT in found, "the namespace's server was not found"
+            look = cpu_per_call(lambda: spaces.refresh({PORT}), 20)
+            print(f"{spaces.processes_read:>10} {look * 1e3:>10.2f} {look * 1e6 / spaces.processes_read:>13.1f} "
+                  f"{look / NETNS_REFRESH_S * 100:>12.3f}")
+        (namespace,) = found[PORT]
+        tables = namespace.tables(Path("/proc"))
+        ports = frozenset({PORT})
+        accepts = TcpAccepts(str(namespace.snmp(Path("/proc"))))
+        idle = cpu_per_call(accepts.read, 2000)
+        accepts.close()
+        print(f"\nan idle namespace (no socket on the port, no accept since): its accept counter read, "
+              f"{idle * 1e6:.1f} us, {idle * args.poll_hz * 100:.3f}% of a core at {args.poll_hz:g} polls a second")
+        print(f"otherwise its tables read ({', '.join(path.name for _, path in tables)}: those listening on "
+              f"the port), at each poll")
+        print(f"{'connections':>11} {'us a read':>10} {'% of a core':>12}")
+        opened = 0
+        for wanted in args.connections:
+            server.stdin.write(f"{wanted - opened}\n".encode())
+            server.stdin.flush()
+            opened = int(server.stdout.readline())
+
+            def read() -> None:
+                for version, path in tables:
+                    parse_proc_net_tcp(path.read_text(), version, ports)
+
+            took = cpu_per_call(read, 200)
+            print(f"{opened:>11} {took * 1e6:>10.1f} {took * args.poll_hz * 100:>12.3f}")
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+        for sleeper in sleepers:
+            sleeper.wait()
+        if server is not None:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "netns", "del", name])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
