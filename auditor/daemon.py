@@ -275,11 +275,15 @@ class Daemon:
             from probes.sockdiag import ConnectedClients
 
             lister = self._parts["client_lister"] = ConnectedClients()
+        from probes.netns import EngineAddresses
+        from probes.sockdiag import listening_inodes
+
         scraper = EngineMetricsScraper(lambda: set(self._ports), keep, interval_s=settings.interval_seconds,
                                        path=settings.path, on_connections=own_connections,
                                        listed_clients=lister.clients, accepted=lister.accepted,
                                        listing_complete=getattr(lister, "listing_complete", None),
-                                       list_while_busy=getattr(lister, "listing_is_cheap", False))
+                                       list_while_busy=getattr(lister, "listing_is_cheap", False),
+                                       address_of=EngineAddresses(listening_inodes).of)
         self._parts["engine_metrics"] = scraper.start()
 
     def _drain_engine_loads(self) -> list[EngineLoad]:

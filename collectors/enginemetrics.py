@@ -355,8 +355,11 @@ class EngineMetricsScraper:
                  listed_clients: Callable[[Iterable[int]], dict[int, tuple[tuple[str, int, int], ...]] | None]
                  | None = None, accepted: Callable[[], int | None] | None = None,
                  listing_complete: Callable[[int], bool | None] | None = None,
-                 list_while_busy: bool = False) -> None:
+                 list_while_busy: bool = False, address_of: Callable[[int], str] | None = None) -> None:
         self.ports = ports
+        # The address of each port's engine, asked as a connection opens (``host`` without it): a
+        # container's engine on a network of its own is not on this namespace's loopback.
+        self.address_of = address_of
         self.listed_clients = listed_clients
         self.accepted = accepted
         self.listing_complete = listing_complete
@@ -470,7 +473,8 @@ class EngineMetricsScraper:
         raise AssertionError("unreachable")
 
     def _open(self, port: int) -> PageConnection:
-        connection = PageConnection(self.host, port, self.timeout_s)
+        host = self.address_of(port) if self.address_of is not None else self.host
+        connection = PageConnection(host, port, self.timeout_s)
         self._ends.add(connection.end)
         self._tell_connections()
         return connection

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,22 @@ class Namespace:
         the kernel's whole connection hash, shared by every namespace (1-5 ms on a large host)."""
         net = proc_root / str(self.pid) / "net"
         return [(version, net / ("tcp" if version == 4 else "tcp6")) for version in sorted(self.versions)]
+
+    def address(self, proc_root: Path) -> str | None:
+        """Its first IPv4 address other than loopback (the container's on its bridge, which the host
+        routes to), from the routing table's local entries; None where it has none or it ended."""
+        try:
+            lines = (proc_root / str(self.pid) / "net" / "fib_trie").read_text().splitlines()
+        except OSError:
+            return None
+        last = ""
+        for line in lines:
+            text = line.strip()
+            if text.startswith(("|-- ", "+-- ")):
+                last = text[4:].split(" ", 1)[0]
+            elif text == "/32 host LOCAL" and last and not last.startswith("127."):
+                return last
+        return None
 
     def snmp(self, proc_root: Path) -> Path:
         """Its counters (PassiveOpens: the connections its listeners accepted), read in microseconds."""
@@ -124,3 +141,43 @@ class NetNamespaces:
                 found.setdefault(port, []).append(namespace)
                 self.inodes.setdefault(port, set()).update(inodes)
         return found
+
+
+class EngineAddresses:
+    """The address to reach each watched port's engine at (its ``/metrics``): ``default`` (the
+    loopback) where the port is listened on in this namespace, a proxy's end included (Docker's
+    docker-proxy forwards a published port); else the address of the one other namespace that
+    listens on it (a container on a network of its own, reached at its bridge address). Each
+    port's answer is kept ``refresh_s``: the scraper asks as it opens a connection."""
+
+    def __init__(self, listening_here: Callable[[set[int]], dict[int, set[int]]],
+                 namespaces: NetNamespaces | None = None, *, default: str = "127.0.0.1",
+                 refresh_s: float = 10.0, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._here = listening_here
+        self._namespaces = namespaces if namespaces is not None else NetNamespaces()
+        self.default = default
+        self.refresh_s = refresh_s
+        self._monotonic = monotonic
+        self._known: dict[int, tuple[str, float]] = {}  # port -> (address, monotonic time told)
+
+    def of(self, port: int) -> str:
+        now = self._monotonic()
+        known = self._known.get(port)
+        if known is not None and now - known[1] < self.refresh_s:
+            return known[0]
+        address = self._look(port)
+        if address != (known[0] if known else self.default):
+            log.info("port %d: engine reached at %s", port, address)
+        self._known[port] = (address, now)
+        return address
+
+    def _look(self, port: int) -> str:
+        try:
+            if port in self._here({port}):
+                return self.default
+        except OSError:
+            pass  # not told: the other namespaces decide
+        found = self._namespaces.refresh({port}).get(port, [])
+        if len(found) != 1:  # nowhere (not started yet) or several: which one is not known
+            return self.default
+        return found[0].address(self._namespaces.proc_root) or self.default

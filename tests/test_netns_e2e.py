@@ -20,7 +20,7 @@ import pytest
 from auditor.cli.doctor import check_engines
 from collectors.listeners import ListenerPids
 from probes import procfs
-from probes.netns import NetNamespaces
+from probes.netns import EngineAddresses, NetNamespaces
 from replay.engine.launch import running_engine
 from tests.e2e import (
     cancel_after,
@@ -74,6 +74,10 @@ def test_other_namespaces_listening_are_found(namespace: str) -> None:
             assert set(found) == {8765}, found
             (space,) = found[8765]
             assert space.pid == server.pid and spaces.processes_read > 1
+            assert space.address(Path("/proc")) == ENGINE_ADDR
+            # Its engine's /metrics is reached there; at the loopback where this namespace listens too.
+            assert EngineAddresses(lambda ports: {}).of(8765) == ENGINE_ADDR
+            assert EngineAddresses(lambda ports: {8765: {1}}).of(8765) == "127.0.0.1"
     finally:
         server.kill()
         server.wait()
@@ -146,15 +150,18 @@ def test_the_poller_reads_another_namespace_only_while_it_may_list_something(nam
         server.wait()
 
 
-@pytest.mark.parametrize("behavior", ["detached", "abort"])
+@pytest.mark.parametrize(("behavior", "aborted_spans"), [("detached", True), ("abort", True), ("abort", False)],
+                         ids=["detached", "abort", "abort-vllm-like"])
 @pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
 def test_engine_in_its_own_network_judged_against_truth(tmp_path: Path, namespace: str, source: str,
-                                                        behavior: str) -> None:
+                                                        behavior: str, aborted_spans: bool) -> None:
+    """``abort-vllm-like``: no engine span for an aborted request, as vLLM; the abort is then told
+    by the engine's gauges, scraped at the container's address (its loopback is not the host's)."""
     with running_daemon(tmp_path, **{"probe.source": source, "probe.poll_hz": 20.0,
                                      "otlp.http": f"{HOST_ADDR}:0"}) as daemon, running_engine(
             behavior=behavior, otlp=f"http://{HOST_ADDR}:{daemon.status.http_port}",
             truth_log=tmp_path / "truth.jsonl", step_ms=10, max_batch=4, host=ENGINE_ADDR, netns=namespace,
-            extra_args=["--trace-aborted"]) as engine:
+            extra_args=["--trace-aborted"] if aborted_spans else []) as engine:
         assert daemon.source_name == source
         daemon.set_ports({engine.port})
         if source == "procfs":  # the poller found the engine's namespace as the port was watched
@@ -172,5 +179,7 @@ def test_engine_in_its_own_network_judged_against_truth(tmp_path: Path, namespac
                  timeout_s=15)
         time.sleep(0.5)  # and nothing revised after
         tally, problems = tally_against_truth(verdict_rows(daemon), engine.truth())
+        scraped = engine.port in daemon._parts["engine_metrics"]._answered
+    assert scraped, "the engine's /metrics was not reached at its own network's address"
     assert tally["cancels"] == 4 and tally["completed"] == 3, tally
     assert tally["cancels right"] == 4 and not problems, (tally, problems)
