@@ -7,10 +7,13 @@ as a container's are routed to it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
+import struct
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,27 +153,81 @@ def test_the_poller_reads_another_namespace_only_while_it_may_list_something(nam
         server.wait()
 
 
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    """One direction of a forwarded connection: a FIN passed on as a half-close, an error as a reset
+    of both ends (as docker-proxy does)."""
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+        sink.shutdown(socket.SHUT_WR)
+    except OSError:
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                end.close()
+
+
+@contextlib.contextmanager
+def published(port: int) -> Iterator[None]:
+    """The host's loopback ``port`` forwarded to the engine's, as Docker publishes a container's port
+    (``-p PORT:PORT``) through docker-proxy: the host then listens on the engine's port number too."""
+    server = socket.create_server(("127.0.0.1", port))
+    server.settimeout(0.1)
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                client = server.accept()[0]
+            except TimeoutError:
+                continue
+            try:
+                upstream = socket.create_connection((ENGINE_ADDR, port))
+            except OSError:  # the engine stopped (the test's end): the client is refused as docker-proxy refuses it
+                client.close()
+                continue
+            for pair in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pump, args=pair, daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+
+
 @pytest.mark.parametrize(("behavior", "aborted_spans"), [("detached", True), ("abort", True), ("abort", False)],
                          ids=["detached", "abort", "abort-vllm-like"])
+@pytest.mark.parametrize("via", ["routed", "published"])
 @pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
-def test_engine_in_its_own_network_judged_against_truth(tmp_path: Path, namespace: str, source: str,
+def test_engine_in_its_own_network_judged_against_truth(tmp_path: Path, namespace: str, source: str, via: str,
                                                         behavior: str, aborted_spans: bool) -> None:
-    """``abort-vllm-like``: no engine span for an aborted request, as vLLM; the abort is then told
-    by the engine's gauges, scraped at the container's address (its loopback is not the host's)."""
-    with running_daemon(tmp_path, **{"probe.source": source, "probe.poll_hz": 20.0,
-                                     "otlp.http": f"{HOST_ADDR}:0"}) as daemon, running_engine(
+    """``routed``: clients reach the engine at its own address (as Docker's DNAT routes a host's
+    clients from elsewhere); ``published``: through a forwarder on the host's loopback on the same
+    port number, as docker-proxy (the engine sees the forwarder's connection, closed as its client's
+    was). ``abort-vllm-like``: no engine span for an aborted request, as vLLM; the abort is then told
+    by the engine's gauges, scraped at the container's address (its loopback is not the host's) or
+    through the forwarder."""
+    with contextlib.ExitStack() as stack, running_daemon(tmp_path, **{
+            "probe.source": source, "probe.poll_hz": 20.0, "otlp.http": f"{HOST_ADDR}:0"}) as daemon, running_engine(
             behavior=behavior, otlp=f"http://{HOST_ADDR}:{daemon.status.http_port}",
             truth_log=tmp_path / "truth.jsonl", step_ms=10, max_batch=4, host=ENGINE_ADDR, netns=namespace,
             extra_args=["--trace-aborted"] if aborted_spans else []) as engine:
         assert daemon.source_name == source
+        forwarder = published(engine.port) if via == "published" else contextlib.nullcontext()
+        stack.enter_context(forwarder)
+        client_host = "127.0.0.1" if via == "published" else ENGINE_ADDR
         daemon.set_ports({engine.port})
         if source == "procfs":  # the poller found the engine's namespace as the port was watched
             assert wait_for(lambda: engine.port in daemon._parts["probe"].other_namespaces(), timeout_s=5)
         time.sleep(0.3)
         clients = [complete(engine.port, stream=index % 2 == 0, max_tokens=8, request_id=f"ok{index}",
-                            host=ENGINE_ADDR) for index in range(3)]
+                            host=client_host) for index in range(3)]
         clients += [cancel_after(engine.port, 0.3, kind, stream=True, max_tokens=150, request_id=f"{kind}{index}",
-                                 host=ENGINE_ADDR) for index in range(2) for kind in ("fin", "rst")]
+                                 host=client_host) for index in range(2) for kind in ("fin", "rst")]
         for client in clients:
             client.join()
         assert wait_for(lambda: len(engine.truth()) == 7, timeout_s=20)
