@@ -13,6 +13,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -121,6 +122,50 @@ def test_the_engine_process_is_the_one_listening_in_the_other_namespace(namespac
             server.kill()
             server.wait()
         subprocess.run(["ip", "netns", "del", second], capture_output=True)
+
+
+AS_THE_UNIT = """
+import socket, sys, time
+from pathlib import Path
+from probes.netns import NetNamespaces
+from probes.procfs import ProcfsConnEventSource
+
+found = NetNamespaces().refresh({8765})
+print("found", [(space.pid, space.address(Path("/proc"))) for space in found.get(8765, [])], flush=True)
+source = ProcfsConnEventSource([8765], other_namespaces=True)
+source.scan()
+print("ready", flush=True)
+sys.stdin.readline()  # the client connected and left
+time.sleep(0.05)
+print("events", [(event.kind.value, event.server_addr) for event in source.scan()], flush=True)
+"""
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) not installed")
+def test_the_unit_user_reads_the_other_namespace_without_privileges(namespace: str) -> None:
+    """What the /proc fallback reads of a container's network, as uid 65534 without a capability
+    (the unit's user is not root, and the engine's processes are root's here): the namespace, its
+    address, and a client's FIN there."""
+    server = _listen_in(namespace, 8765)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    reader = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
+                               sys.executable, "-c", AS_THE_UNIT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env=env, cwd="/")
+    try:
+        assert reader.stdin is not None and reader.stdout is not None
+        assert reader.stdout.readline().decode() == f"found [({server.pid}, '{ENGINE_ADDR}')]\n"
+        assert reader.stdout.readline() == b"ready\n"
+        client = socket.create_connection((ENGINE_ADDR, 8765))
+        time.sleep(0.05)
+        client.close()  # nothing unread: a FIN
+        reader.stdin.write(b"\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline().decode() == f"events [('peer_fin', '{ENGINE_ADDR}')]\n"
+    finally:
+        reader.kill()
+        reader.wait()
+        server.kill()
+        server.wait()
 
 
 def test_the_poller_reads_another_namespace_only_while_it_may_list_something(namespace: str,
