@@ -636,7 +636,7 @@ class ProcfsConnEventSource:
         assert self._diag is not None
         accepts = self._accepts.read() if self._accepts is not None else None
         if not listing and accepts is not None and accepts == self._accepts_at_dump and ports == self._dumped_ports:
-            own = {key: seen for key, seen in self._seen.items() if not seen.foreign}
+            own = {key: seen for key, seen in self._seen.items() if not seen.foreign} if self._foreign else self._seen
             if len(own) <= LOOKUPS_INSTEAD_OF_DUMP:
                 return self._diag.still_listed(own), False
         self._accepts_at_dump, self._dumped_ports = accepts, ports
