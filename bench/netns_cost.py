@@ -15,6 +15,7 @@ Usage: .venv/bin/python bench/netns_cost.py [--processes 0,500,1000] [--connecti
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -60,6 +61,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=counts, default=[0, 500, 1000],
                         help="sleeping processes added to the host's for the look's figures")
+    parser.add_argument("--namespaces", type=counts, default=[0, 10, 40],
+                        help="other namespaces listening on no watched port (idle containers), for the look's figures")
     parser.add_argument("--connections", type=counts, default=[0, 100, 1000],
                         help="connections open in the namespace for the read's figures")
     parser.add_argument("--poll-hz", type=float, default=20.0, help="the poller's rate, for the read's share")
@@ -70,6 +73,7 @@ def main() -> int:
     name = f"benchns{os.getpid()}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     sleepers: list[subprocess.Popen[bytes]] = []
+    idle: list[str] = []
     server = None
     try:
         subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
@@ -88,6 +92,22 @@ def main() -> int:
             look = cpu_per_call(lambda: spaces.refresh({PORT}), 20)
             print(f"{spaces.processes_read:>10} {look * 1e3:>10.2f} {look * 1e6 / spaces.processes_read:>13.1f} "
                   f"{look / NETNS_REFRESH_S * 100:>12.3f}")
+        print(f"\nwith other namespaces that listen on no watched port (idle containers), {spaces.processes_read} "
+              "processes: the first look reads each one's tables, later ones only where its socket count moved")
+        print(f"{'namespaces':>10} {'first, ms':>10} {'tables':>7} {'later, ms':>10} {'tables':>7} {'% of a core':>12}")
+        for wanted in args.namespaces:
+            while len(idle) < wanted:
+                idle.append(f"{name}i{len(idle)}")
+                subprocess.run(["ip", "netns", "add", idle[-1]], check=True)
+                sleepers.append(subprocess.Popen(["ip", "netns", "exec", idle[-1], "sleep", "600"]))
+            time.sleep(0.2)
+            fresh = NetNamespaces()
+            start = time.process_time()
+            fresh.refresh({PORT})
+            first, first_tables = time.process_time() - start, fresh.tables_read
+            later = cpu_per_call(functools.partial(fresh.refresh, {PORT}), 10)
+            print(f"{wanted:>10} {first * 1e3:>10.2f} {first_tables:>7} {later * 1e3:>10.2f} {fresh.tables_read:>7} "
+                  f"{later / NETNS_REFRESH_S * 100:>12.3f}")
         (namespace,) = found[PORT]
         tables = namespace.tables(Path("/proc"))
         ports = frozenset({PORT})
@@ -120,6 +140,8 @@ def main() -> int:
             server.kill()
             server.wait()
         subprocess.run(["ip", "netns", "del", name])
+        for extra in idle:
+            subprocess.run(["ip", "netns", "del", extra])
     return 0
 
 

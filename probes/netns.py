@@ -11,7 +11,9 @@ lists the network namespace of process ``<pid>`` to any user. Its inode number t
 namespaces apart: each namespace registers its own proc entries, and every process in it shows
 the same one. So ``NetNamespaces.refresh`` stats that file for every process (a few microseconds
 each), keeps one process per namespace, and reads the LISTEN rows of each namespace but the
-daemon's own for the watched ports. A namespace whose process ends is read through another of its
+daemon's own for the watched ports: again only where the namespace's own count of TCP sockets
+(its sockstat, read without a walk) moved since, or a minute passed, for a read walks the
+kernel's whole connection hash and a host may run many containers that serve no watched port. A namespace whose process ends is read through another of its
 processes; one with none left is gone.
 """
 
@@ -27,6 +29,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 LISTEN = "0A"  # the st column of /proc/net/tcp
+# A namespace whose count of TCP sockets has not moved is not read again for this long: a listener
+# that closed and another that opened between two looks leave the count where it was.
+REREAD_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +76,17 @@ def _ident(path: Path) -> int | None:
         return None
 
 
+def _socket_count(net: Path) -> tuple[int, int] | None:
+    """The namespace's TCP and TCP6 sockets in use (its own counts in sockstat, read without a walk
+    of the connection hash); None where unreadable."""
+    try:
+        counts = [next(line.split()[2] for line in (net / name).read_text().splitlines()
+                       if line.startswith(prefix)) for name, prefix in (("sockstat", "TCP: "), ("sockstat6", "TCP6: "))]
+        return int(counts[0]), int(counts[1])
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+
+
 def listening(text: str, ports: frozenset[int]) -> dict[int, set[int]]:
     """Port -> inodes of the LISTEN sockets a /proc/net/tcp{,6} ``text`` lists on the ``ports``;
     lines it cannot read skipped."""
@@ -91,12 +107,18 @@ def listening(text: str, ports: frozenset[int]) -> dict[int, set[int]]:
 class NetNamespaces:
     """Which of the watched ports are listened on in which other network namespaces."""
 
-    def __init__(self, proc_root: Path = Path("/proc")) -> None:
+    def __init__(self, proc_root: Path = Path("/proc"), monotonic: Callable[[], float] = time.monotonic) -> None:
         self.proc_root = proc_root
         self.own = _ident(proc_root / "self" / "net" / "tcp")
         self._members: dict[int, int] = {}  # namespace -> the process it was last read through
         self.processes_read = 0  # processes stat'ed by the latest refresh (its cost grows with them)
         self.inodes: dict[int, set[int]] = {}  # port -> its LISTEN sockets there, at the latest refresh
+        self.tables_read = 0  # TCP tables the latest refresh read (each a walk of the connection hash)
+        self._monotonic = monotonic
+        # namespace -> (its socket count, the ports asked, monotonic time, what its tables told) at
+        # its tables' latest read
+        self._read: dict[int, tuple[tuple[int, int] | None, frozenset[int], float, dict[int, set[int]],
+                                    frozenset[int]]] = {}
 
     def refresh(self, ports: Iterable[int]) -> dict[int, list[Namespace]]:
         """Port -> the other namespaces with a socket listening on it, in a stable order; every
@@ -124,23 +146,42 @@ class NetNamespaces:
             kept = self._members.get(ident)
             members[ident] = kept if kept in pids else min(pids)
         self._members = members
+        now = self._monotonic()
+        self._read = {ident: read for ident, read in self._read.items() if ident in members}
+        self.tables_read = 0
         found: dict[int, list[Namespace]] = {}
         for ident, pid in sorted(members.items()):
-            listened: dict[int, set[int]] = {}
-            versions: set[int] = set()
-            for version, path in Namespace(ident, pid).tables(self.proc_root):
-                try:
-                    text = path.read_text()
-                except OSError:
-                    continue  # it ended meanwhile: looked at again next time
-                for port, inodes in listening(text, wanted).items():
-                    listened.setdefault(port, set()).update(inodes)
-                    versions.add(version)
-            namespace = Namespace(ident, pid, frozenset(versions))
+            listened, versions = self._listeners(ident, pid, wanted, now)
+            namespace = Namespace(ident, pid, versions)
             for port, inodes in listened.items():
                 found.setdefault(port, []).append(namespace)
                 self.inodes.setdefault(port, set()).update(inodes)
         return found
+
+    def _listeners(self, ident: int, pid: int, wanted: frozenset[int], now: float
+                   ) -> tuple[dict[int, set[int]], frozenset[int]]:
+        """(port -> LISTEN inodes, the tables that have them) of one namespace. Its tables are read
+        again only where its own count of TCP sockets moved since (a new listener moves it), the
+        ports asked changed, or REREAD_S passed: each read walks the kernel's whole connection
+        hash, and a host may hold many containers that listen on no watched port."""
+        count = _socket_count(self.proc_root / str(pid) / "net")
+        before = self._read.get(ident)
+        if (before is not None and count is not None and before[0] == count and before[1] == wanted
+                and now - before[2] < REREAD_S):
+            return before[3], before[4]
+        listened: dict[int, set[int]] = {}
+        versions: set[int] = set()
+        for version, path in Namespace(ident, pid).tables(self.proc_root):
+            try:
+                text = path.read_text()
+            except OSError:
+                return {}, frozenset()  # it ended meanwhile: looked at again next time
+            self.tables_read += 1
+            for port, inodes in listening(text, wanted).items():
+                listened.setdefault(port, set()).update(inodes)
+                versions.add(version)
+        self._read[ident] = (count, wanted, now, listened, frozenset(versions))
+        return listened, frozenset(versions)
 
 
 class EngineAddresses:

@@ -97,6 +97,26 @@ def _listen_in(namespace: str, port: int) -> subprocess.Popen[bytes]:
     return server
 
 
+def test_a_namespace_that_listens_on_no_watched_port_is_read_again_once_its_sockets_change(namespace: str) -> None:
+    """Its tables (each a walk of the kernel's connection hash) are read at the first look, not at
+    the next while its socket count holds; a listener opened there moves the count and is found."""
+    sleeper = subprocess.Popen(["ip", "netns", "exec", namespace, "sleep", "60"])
+    server = None
+    try:
+        spaces = NetNamespaces()
+        assert wait_for(lambda: spaces.refresh({8765}) == {} and spaces.tables_read >= 2, timeout_s=5)
+        assert spaces.refresh({8765}) == {} and spaces.tables_read == 0
+        server = _listen_in(namespace, 8765)
+        found = spaces.refresh({8765})
+        assert [space.pid for space in found.get(8765, [])] in ([sleeper.pid], [server.pid]), found
+        assert spaces.tables_read >= 1
+    finally:
+        for process in (sleeper, server):
+            if process is not None:
+                process.kill()
+                process.wait()
+
+
 def test_the_engine_process_is_the_one_listening_in_the_other_namespace(namespace: str) -> None:
     """Spans without process.pid: the engine is the process listening in the container's namespace,
     also where a process here listens on the same port (a proxy's end, as docker-proxy's); with two
