@@ -127,14 +127,17 @@ def test_the_engine_process_is_the_one_listening_in_the_other_namespace(namespac
         with socket.create_server(("0.0.0.0", 8765)):  # the host's end: a proxy's
             pids, unknown = ListenerPids(other_namespaces=NetNamespaces()).resolve({8765})
             assert pids == {8765: servers[0].pid}, unknown
-            told = check_engines([8765, 8766])
+            told = check_engines([8765, 8766], otlp=("0.0.0.0:4318", ""))
             assert told.state == "ok" and (f"port 8765: listened on in 1 other network namespace(s) (pid "
                                            f"{servers[0].pid}'s) and here (a proxy's end)") in told.detail, told
             assert "port 8766: nothing listens on it yet" in told.detail, told
+            # The container's spans cannot reach receivers on this host's loopback.
+            told = check_engines([8765], otlp=("127.0.0.1:4318", "[::1]:4317"))
+            assert told.state == "degraded" and "otlp.http" in told.fix, told
             _ip("netns", "add", second)
             servers.append(_listen_in(second, 8765))
             pids, unknown = ListenerPids(other_namespaces=NetNamespaces()).resolve({8765})
-            told = check_engines([8765])
+            told = check_engines([8765], otlp=(f"{HOST_ADDR}:4318",))
         assert pids == {} and "listened on in 2 other network namespaces" in unknown[8765], unknown
         assert told.state == "degraded" and "process.pid" in told.fix, told
     finally:

@@ -207,12 +207,20 @@ def check_fallback(poll_hz: float, walks: int = 100) -> Check:
                  "than a poll is missed)")
 
 
-def check_engines(ports: Iterable[int], proc_root: Path = Path("/proc")) -> Check:
+def _loopback_only(addresses: Iterable[str]) -> bool:
+    """Whether every receiver address set (``HOST:PORT``; ``""`` is off) is on the loopback, where a
+    container on a network of its own cannot send."""
+    hosts = [address.rpartition(":")[0].strip("[]") for address in addresses if address]
+    return bool(hosts) and all(host in ("localhost", "::1") or host.startswith("127.") for host in hosts)
+
+
+def check_engines(ports: Iterable[int], proc_root: Path = Path("/proc"), otlp: Iterable[str] = ()) -> Check:
     """Where each watched port is listened on: in this network namespace, in a container's network
     of its own (``probes.netns``), both (the host's end a proxy's, as Docker's docker-proxy), or
     nowhere yet. The eBPF probe sees every namespace; the /proc fallback reads another's table
     through a process in it. Several other namespaces on one port leave its engine process, and so
-    its zombies' cost, unknown where spans carry no ``process.pid``."""
+    its zombies' cost, unknown where spans carry no ``process.pid``. A container's engine sends its
+    spans to its own loopback if ``otlp`` (the receivers' addresses) listen on this one only."""
     from collectors.listeners import listening_inodes
     from probes.netns import NetNamespaces
 
@@ -234,6 +242,11 @@ def check_engines(ports: Iterable[int], proc_root: Path = Path("/proc")) -> Chec
                    "/proc/<pid>/net/tcp, without the kernel's notices: a connection shorter than a poll is "
                    "missed there, and a client's FIN is told from a reset only when a poll sees it")
     several = [port for port in wanted if len(elsewhere.get(port, [])) > 1]
+    if elsewhere and _loopback_only(otlp):
+        return Check("engines", DEGRADED, detail, "the OTLP receivers listen on the loopback, which a container on "
+                     "a network of its own cannot reach (its 127.0.0.1 is its own): set otlp.http (or otlp.grpc) "
+                     "to this host's address on that network (the bridge's gateway, 172.17.0.1 on Docker's "
+                     "default) or 0.0.0.0 with otlp.token, and the engine's OTLP endpoint to it")
     if several:
         return Check("engines", DEGRADED, detail, f"port(s) {', '.join(map(str, several))} are listened on in "
                      "several containers' networks, so which process serves a request is not known: put "
@@ -581,7 +594,8 @@ def check_otlp_reader() -> Check:
 def run_checks(config: Config) -> list[Check]:
     checks: list[Callable[[], Check]] = [
         check_privileges, check_bpf_syscall, check_tracefs, check_prebuilt_probe, check_kernel_headers, check_bcc,
-        lambda: check_fallback(config.probe.poll_hz), lambda: check_engines(config.probe.ports),
+        lambda: check_fallback(config.probe.poll_hz),
+        lambda: check_engines(config.probe.ports, otlp=(config.otlp.http, config.otlp.grpc)),
         lambda: check_nvml(config.probe.ports),
         lambda: check_ports(config),
         lambda: check_database(config),
