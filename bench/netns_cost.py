@@ -112,10 +112,10 @@ def main() -> int:
         tables = namespace.tables(Path("/proc"))
         ports = frozenset({PORT})
         accepts = TcpAccepts(str(namespace.snmp(Path("/proc"))))
-        idle = cpu_per_call(accepts.read, 2000)
+        idle_read = cpu_per_call(accepts.read, 2000)
         accepts.close()
         print(f"\nan idle namespace (no socket on the port, no accept since): its accept counter read, "
-              f"{idle * 1e6:.1f} us, {idle * args.poll_hz * 100:.3f}% of a core at {args.poll_hz:g} polls a second")
+              f"{idle_read * 1e6:.1f} us, {idle_read * args.poll_hz * 100:.3f}% of a core at {args.poll_hz:g} polls a second")
         print(f"otherwise its tables read ({', '.join(path.name for _, path in tables)}: those listening on "
               f"the port), at each poll")
         print(f"{'connections':>11} {'us a read':>10} {'% of a core':>12}")
