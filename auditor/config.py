@@ -15,7 +15,7 @@ import math
 import mmap
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -214,6 +214,13 @@ def parse_address(text: str, key: str = "address") -> tuple[str, int]:
     if not sep or not host or not (port_text.isascii() and port_text.isdigit()) or not 0 <= int(port_text) <= 65535:
         raise ConfigError(f"{key} = {text!r}: expected HOST:PORT, e.g. 127.0.0.1:4318")
     return host, int(port_text)
+
+
+def loopback_only(addresses: Iterable[str]) -> bool:
+    """Whether every listener address set (``HOST:PORT``; ``""`` is off) is on the loopback, where a
+    container on a network of its own cannot send (its 127.0.0.1 is its own)."""
+    hosts = [address.rpartition(":")[0].strip("[]") for address in addresses if address]
+    return bool(hosts) and all(host in ("localhost", "::1") or host.startswith("127.") for host in hosts)
 
 
 SECTIONS: dict[str, type] = {

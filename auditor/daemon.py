@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from auditor.config import Config, parse_address
+from auditor.config import Config, loopback_only, parse_address
 from auditor.correlate import Correlator
 from auditor.correlate.evidence import ORPHANS_SETTLE_WOKEN_NS
 from auditor.correlate.feed import SpanFeed
@@ -88,6 +88,7 @@ class Daemon:
         self._threads: list[threading.Thread] = []
         self._parts: dict[str, Any] = {}
         self._ports = set(config.probe.ports)
+        self._told_contained: set[int] = set()  # ports whose engine in a container was warned of
         self._lost_reported = 0
         self._failing = False
         self._round_ended = time.monotonic()  # the correlator's last round, for /healthz
@@ -523,7 +524,22 @@ class Daemon:
         closers = probe.server_pids if probe is not None and probe.name == "bpf" else None
         found, unknown = listeners.resolve(self._ports, closers)
         self.correlator.cost.set_listeners(found, unknown)
+        self._warn_unreachable_receivers(listeners.in_other_namespaces)
         return set(found.values())
+
+    def _warn_unreachable_receivers(self, contained: set[int]) -> None:
+        """Once a port: its engine listens in a container's network, whose loopback is its own, and
+        the OTLP receivers listen on this one only. Its spans cannot come; every disconnect there
+        would be unjoined."""
+        otlp = self.config.otlp
+        new = contained - self._told_contained
+        if new and loopback_only((otlp.http, otlp.grpc)):
+            log.warning("port(s) %s: served in a container's network of its own, which cannot reach the OTLP "
+                        "receivers on this host's loopback (%s): its spans will not come. Set otlp.http (or "
+                        "otlp.grpc) to this host's address on that network (172.17.0.1 on Docker's default "
+                        "bridge) or 0.0.0.0 with otlp.token, and the engine's OTLP endpoint to it",
+                        ", ".join(map(str, sorted(new))), ", ".join(a for a in (otlp.http, otlp.grpc) if a))
+        self._told_contained |= new
 
     def set_ports(self, ports: set[int]) -> None:
         self._ports = set(ports)

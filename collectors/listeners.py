@@ -205,6 +205,11 @@ class ListenerPids:
                                  + "; to name it, put process.pid in the engine's OpenTelemetry resource")
         return pids, unknown
 
+    @property
+    def in_other_namespaces(self) -> set[int]:
+        """The ports other network namespaces listened on at the latest look."""
+        return set(self._netns_answer[2]) if self._netns_answer is not None else set()
+
     def _elsewhere(self, ports: set[int]) -> tuple[dict[int, int], dict[int, set[int]]]:
         """(port -> how many other network namespaces listen on it, port -> their LISTEN inodes),
         looked for at most every ``rescan_s`` (a stat of every process's TCP table)."""

@@ -147,6 +147,29 @@ def test_the_engine_process_is_the_one_listening_in_the_other_namespace(namespac
         subprocess.run(["ip", "netns", "del", second], capture_output=True)
 
 
+def test_the_daemon_says_a_containers_spans_cannot_reach_receivers_on_its_loopback(
+        tmp_path: Path, namespace: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Once, naming the port and what to set; not where a receiver listens off the loopback."""
+    server = _listen_in(namespace, 8765)
+    try:
+        for run, (http, warned) in enumerate((("127.0.0.1:0", True), (f"{HOST_ADDR}:0", False))):
+            caplog.clear()
+            (tmp_path / str(run)).mkdir()
+            with running_daemon(tmp_path / str(run), **{"probe.source": "procfs", "otlp.http": http,
+                                                    "otlp.grpc": ""}) as daemon:
+                daemon.set_ports({8765})
+                said = wait_for(lambda: "cannot reach the OTLP receivers" in caplog.text, timeout_s=3)
+                time.sleep(0.5)
+            assert said == warned, caplog.text
+            if warned:
+                assert caplog.text.count("cannot reach the OTLP receivers") == 1
+                assert "port(s) 8765: served in a container's network" in caplog.text
+                assert "otlp.http" in caplog.text
+    finally:
+        server.kill()
+        server.wait()
+
+
 AS_THE_UNIT = """
 import socket, sys, time
 from pathlib import Path

@@ -28,7 +28,7 @@ from typing import Any
 import click
 
 from auditor.cli.util import common_options
-from auditor.config import Config, parse_address
+from auditor.config import Config, loopback_only, parse_address
 from auditor.errors import AuditorError, ConfigError
 
 SCHEMA = "auditor.cli.doctor/v1"
@@ -207,13 +207,6 @@ def check_fallback(poll_hz: float, walks: int = 100) -> Check:
                  "than a poll is missed)")
 
 
-def _loopback_only(addresses: Iterable[str]) -> bool:
-    """Whether every receiver address set (``HOST:PORT``; ``""`` is off) is on the loopback, where a
-    container on a network of its own cannot send."""
-    hosts = [address.rpartition(":")[0].strip("[]") for address in addresses if address]
-    return bool(hosts) and all(host in ("localhost", "::1") or host.startswith("127.") for host in hosts)
-
-
 def check_engines(ports: Iterable[int], proc_root: Path = Path("/proc"), otlp: Iterable[str] = ()) -> Check:
     """Where each watched port is listened on: in this network namespace, in a container's network
     of its own (``probes.netns``), both (the host's end a proxy's, as Docker's docker-proxy), or
@@ -242,7 +235,7 @@ def check_engines(ports: Iterable[int], proc_root: Path = Path("/proc"), otlp: I
                    "/proc/<pid>/net/tcp, without the kernel's notices: a connection shorter than a poll is "
                    "missed there, and a client's FIN is told from a reset only when a poll sees it")
     several = [port for port in wanted if len(elsewhere.get(port, [])) > 1]
-    if elsewhere and _loopback_only(otlp):
+    if elsewhere and loopback_only(otlp):
         return Check("engines", DEGRADED, detail, "the OTLP receivers listen on the loopback, which a container on "
                      "a network of its own cannot reach (its 127.0.0.1 is its own): set otlp.http (or otlp.grpc) "
                      "to this host's address on that network (the bridge's gateway, 172.17.0.1 on Docker's "
