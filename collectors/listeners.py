@@ -15,7 +15,7 @@ finds engines of other users this way only with CAP_SYS_PTRACE in its capability
 unresolved stays so, and verdicts say why and what would help in ``cost_unmeasured``.
 
 An engine in a container with a network of its own listens in that namespace, not the daemon's
-(``probes.netns`` finds it, looked for at most every ``rescan_s``); where both listen on a port,
+(``probes.netns`` finds it, passed in by the daemon; looked for at most every ``rescan_s``); where both listen on a port,
 the other namespace's process is taken: the host's end is a proxy's (Docker's ``docker-proxy``
 holds each published port), the container's the engine. A port listened on in several other
 namespaces names no process: which one serves a request is not known.
@@ -31,10 +31,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-
-from probes.netns import NetNamespaces
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +97,16 @@ def holders(inodes: set[int], proc_root: Path = Path("/proc")) -> tuple[dict[int
     return found, denied
 
 
+class OtherNamespaces(Protocol):
+    """The other network namespaces listening on ports (the daemon passes ``probes.netns``'s)."""
+
+    inodes: dict[int, set[int]]  # port -> the LISTEN sockets there, at the latest refresh
+
+    def refresh(self, ports: Iterable[int]) -> Mapping[int, Sequence[object]]:
+        """Port -> the other namespaces listening on it."""
+        ...
+
+
 class ListenerPids:
     """Port -> pid of the process listening on it, cached; why not, for the ports it cannot tell."""
 
@@ -105,7 +114,7 @@ class ListenerPids:
                  verify_s: float = 60.0, rescan_s: float = 10.0,
                  monotonic: Callable[[], float] = time.monotonic,
                  listening: Callable[[set[int]], dict[int, set[int]]] | None = None,
-                 other_namespaces: NetNamespaces | None = None) -> None:
+                 other_namespaces: OtherNamespaces | None = None) -> None:
         self.proc_root = Path(proc_root)
         self._netns = other_namespaces
         # (ports, monotonic time, port -> namespaces found, port -> their LISTEN inodes)
