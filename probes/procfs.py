@@ -79,8 +79,9 @@ class _Seen:
     state: int
     cookie: int | None  # the socket inode while it has one (TIME_WAIT entries show 0)
     freed_as: int = 0  # the kernel's cookie of the socket (sock_diag's), named by its notice when freed
-    # Read from another network namespace's /proc table: TIME_WAIT listed, no tcp_info, no notice.
-    foreign: bool = False
+    # The other network namespace whose /proc table listed it (its ident; 0: the daemon's own): there
+    # TIME_WAIT is listed, and there is no tcp_info and no notice.
+    namespace: int = 0
 
 
 def _left_after(notice: Freed) -> int:
@@ -513,6 +514,11 @@ class ProcfsConnEventSource:
             log.info("port %d: no longer listened on in another network namespace", port)
         self._foreign = found
         idents = {namespace.ident for namespaces in found.values() for namespace in namespaces}
+        # A namespace that listens no more (its container stopped) took its connections with it:
+        # they ended with their server, not with their clients, so they leave no event.
+        gone = {key for key, seen in self._seen.items() if seen.namespace and seen.namespace not in idents}
+        for key in gone:
+            del self._seen[key]
         for ident in self._foreign_accepts.keys() - idents:
             accepts = self._foreign_accepts.pop(ident)
             self._foreign_read.pop(ident, None)
@@ -616,7 +622,7 @@ class ProcfsConnEventSource:
         """The state of a socket missing from this snapshot: None (gone) from /proc/net/tcp, which
         lists every state. A sock_diag dump leaves out TIME_WAIT and CLOSE, so an open socket that
         left it is asked about alone: TIME_WAIT means both sides closed (not a reset)."""
-        return self._state_of(key) if before.state in OPEN and not before.foreign else None
+        return self._state_of(key) if before.state in OPEN and not before.namespace else None
 
     def _state_of(self, key: SocketKey) -> int | None:
         """The state of the one socket ``key`` names, asked of sock_diag; None when there is none,
@@ -636,7 +642,7 @@ class ProcfsConnEventSource:
         assert self._diag is not None
         accepts = self._accepts.read() if self._accepts is not None else None
         if not listing and accepts is not None and accepts == self._accepts_at_dump and ports == self._dumped_ports:
-            own = {key: seen for key, seen in self._seen.items() if not seen.foreign} if self._foreign else self._seen
+            own = {key: seen for key, seen in self._seen.items() if not seen.namespace} if self._foreign else self._seen
             if len(own) <= LOOKUPS_INSTEAD_OF_DUMP:
                 return self._diag.still_listed(own), False
         self._accepts_at_dump, self._dumped_ports = accepts, ports
@@ -650,17 +656,21 @@ class ProcfsConnEventSource:
             before = self._foreign_read.get(namespace.ident)
             if accepted is not None and before is not None and before == (accepted, 0):
                 continue  # listed nothing, accepted nothing since: nothing to list
-            listed = 0
-            for version, path in namespace.tables(self._proc_root):
-                try:
-                    text = path.read_text()
-                except OSError:  # its process ended: the next look finds another in that namespace
-                    continue
-                for key, seen in parse_proc_net_tcp(text, version, namespace_ports).items():
-                    seen.foreign = True
-                    current.setdefault(key, seen)
-                    listed += 1
-            self._foreign_read[namespace.ident] = (accepted, listed)
+            try:
+                read = {key: seen for version, path in namespace.tables(self._proc_root)
+                        for key, seen in parse_proc_net_tcp(path.read_text(), version, namespace_ports).items()}
+            except OSError:
+                # The process it was read through ended: its sockets as they were, and a look at
+                # once for another process there, or for the namespace gone (its sockets with it).
+                self._netns_at = -1e9
+                for key, seen in self._seen.items():
+                    if seen.namespace == namespace.ident:
+                        current.setdefault(key, seen)
+                continue
+            for key, seen in read.items():
+                seen.namespace = namespace.ident
+                current.setdefault(key, seen)
+            self._foreign_read[namespace.ident] = (accepted, len(read))
         return current, whole
 
     def _foreign_namespaces(self, ports: frozenset[int]) -> list[tuple[Namespace, frozenset[int]]]:

@@ -170,6 +170,36 @@ def test_the_daemon_says_a_containers_spans_cannot_reach_receivers_on_its_loopba
         server.wait()
 
 
+def test_the_process_read_through_ending_is_no_disconnect(namespace: str) -> None:
+    """The poller reads the namespace through one of its processes. That process ending leaves the
+    connections as they were (read through another at once), and the namespace's last process
+    ending takes them with it: neither is a client that left."""
+    first = subprocess.Popen(["ip", "netns", "exec", namespace, "sleep", "60"])
+    time.sleep(0.2)
+    server = _listen_in(namespace, 8765)
+    source = procfs.ProcfsConnEventSource([8765], other_namespaces=True)
+    try:
+        source.scan()
+        assert [space.pid for space in source.other_namespaces()[8765]] == [first.pid]
+        client = socket.create_connection((ENGINE_ADDR, 8765))
+        time.sleep(0.05)
+        assert source.scan() == []  # a new open connection: no event
+        first.kill()
+        first.wait()
+        assert source.scan() == [] and source.scan() == []
+        assert [space.pid for space in source.other_namespaces()[8765]] == [server.pid]
+        server.kill()  # the namespace's last process: its sockets end with it
+        server.wait()
+        time.sleep(0.05)
+        assert source.scan() == [] and source.scan() == [] and source.other_namespaces() == {}
+        client.close()
+    finally:
+        source.stop()
+        for process in (first, server):
+            process.kill()
+            process.wait()
+
+
 AS_THE_UNIT = """
 import socket, sys, time
 from pathlib import Path
