@@ -250,7 +250,7 @@ class PageConnection:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         address, local_port = self._sock.getsockname()[:2]
         self.end: tuple[str, int, int] = (address, local_port, port)  # this end's address and port, the server's port
-        self._host = f"{host}:{port}"
+        self._host = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 literal in brackets
         self._requests: dict[str, bytes] = {}
         self._buffer = bytearray()
 

@@ -19,8 +19,10 @@ processes; one with none left is gone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -50,11 +52,13 @@ class Namespace:
 
     def address(self, proc_root: Path) -> str | None:
         """Its first IPv4 address other than loopback (the container's on its bridge, which the host
-        routes to), from the routing table's local entries; None where it has none or it ended."""
+        routes to), from the routing table's local entries; else its first global IPv6 address (an
+        IPv6-only pod network); None where it has neither or it ended."""
+        net = proc_root / str(self.pid) / "net"
         try:
-            lines = (proc_root / str(self.pid) / "net" / "fib_trie").read_text().splitlines()
+            lines = (net / "fib_trie").read_text().splitlines()
         except OSError:
-            return None
+            lines = []
         last = ""
         for line in lines:
             text = line.strip()
@@ -62,6 +66,15 @@ class Namespace:
                 last = text[4:].split(" ", 1)[0]
             elif text == "/32 host LOCAL" and last and not last.startswith("127."):
                 return last
+        try:
+            rows = (net / "if_inet6").read_text().splitlines()
+        except OSError:
+            return None
+        for row in rows:  # address (32 hex digits), interface index, prefix length, scope, flags, name
+            fields = row.split()
+            if len(fields) >= 4 and fields[3] == "00" and len(fields[0]) == 32:
+                with contextlib.suppress(ValueError):
+                    return socket.inet_ntop(socket.AF_INET6, bytes.fromhex(fields[0]))
         return None
 
     def snmp(self, proc_root: Path) -> Path:

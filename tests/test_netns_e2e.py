@@ -117,6 +117,30 @@ def test_a_namespace_that_listens_on_no_watched_port_is_read_again_once_its_sock
                 process.wait()
 
 
+def test_an_ipv6_only_network_is_reached_at_its_global_address(namespace: str) -> None:
+    """A namespace without an IPv4 address but the loopback (an IPv6-only pod network): its
+    global IPv6 address; the IPv4 one where it has both."""
+    second = f"{namespace}6"
+    link = f"aud{os.getpid() % 100000}v"
+    _ip("netns", "add", second)
+    servers: list[subprocess.Popen[bytes]] = []
+    try:
+        _ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", second)
+        _ip("-n", second, "addr", "add", "fd00:231::2/64", "dev", "eth0", "nodad")
+        _ip("-n", second, "link", "set", "eth0", "up")
+        _ip("-n", namespace, "addr", "add", "fd00:232::2/64", "dev", "eth0", "nodad")
+        servers = [_listen_in(second, 8765), _listen_in(namespace, 8766)]
+        found = NetNamespaces().refresh({8765, 8766})
+        assert found[8765][0].address(Path("/proc")) == "fd00:231::2", found
+        assert found[8766][0].address(Path("/proc")) == ENGINE_ADDR, found
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "link", "del", link], capture_output=True)
+        subprocess.run(["ip", "netns", "del", second], capture_output=True)
+
+
 def test_the_engine_process_is_the_one_listening_in_the_other_namespace(namespace: str) -> None:
     """Spans without process.pid: the engine is the process listening in the container's namespace,
     also where a process here listens on the same port (a proxy's end, as docker-proxy's); with two
