@@ -15,9 +15,9 @@ finds engines of other users this way only with CAP_SYS_PTRACE in its capability
 unresolved stays so, and verdicts say why and what would help in ``cost_unmeasured``.
 
 An engine in a container with a network of its own listens in that namespace, not the daemon's
-(``probes.netns`` finds it, passed in by the daemon; looked for at most every ``rescan_s``); where both listen on a port,
-the other namespace's process is taken: the host's end is a proxy's (Docker's ``docker-proxy``
-holds each published port), the container's the engine. A port listened on in several other
+(``probes.netns`` finds it, passed in by the daemon; looked for at most every ``rescan_s``). Where
+both listen on a port, the other namespace's process is taken: the host's end is a proxy's
+(Docker's ``docker-proxy`` holds each published port), the container's the engine. A port listened on in several other
 namespaces names no process: which one serves a request is not known.
 
 An answer that found every port's process holds while those processes live, checked again in full
