@@ -517,15 +517,16 @@ class Daemon:
     def _find_engines(self) -> set[int]:
         """The processes listening on the watched ports, for engines whose spans name no process:
         the correlator charges their cost, the CPU sampler follows them. Where /proc does not tell
-        (another user's engine, no CAP_SYS_PTRACE), the eBPF probe's closing process does."""
+        (another user's engine, no CAP_SYS_PTRACE), the eBPF probe's closing process does. A port
+        several containers serve has one in each, named by its address."""
         listeners, probe = self._parts.get("listeners"), self._parts.get("probe")
         if listeners is None:
             return set()
         closers = probe.server_pids if probe is not None and probe.name == "bpf" else None
         found, unknown = listeners.resolve(self._ports, closers)
-        self.correlator.cost.set_listeners(found, unknown)
+        self.correlator.cost.set_listeners(found, unknown, listeners.shared)
         self._warn_unreachable_receivers(listeners.in_other_namespaces)
-        return set(found.values())
+        return set(found.values()).union(*(by_address.values() for by_address in listeners.shared.values()))
 
     def _warn_unreachable_receivers(self, contained: set[int]) -> None:
         """Once a port: its engine listens in a container's network, whose loopback is its own, and

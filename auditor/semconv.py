@@ -63,3 +63,32 @@ def first_attribute(attributes: Mapping[str, Any] | None, keys: tuple[str, ...])
         if value is not None:
             return value
     return None
+
+
+# Where a span came from: the address of the OTLP client that sent it (the receivers add it). A
+# host's engines in containers on networks of their own send from their own addresses; pods of one
+# node that serve the same port are told apart by it (their processes, and who shared whose GPU
+# time). Not added for a loopback sender (an engine in the daemon's own network): nothing to tell.
+SENDER_KEY = "auditor.sender_address"
+
+
+def sender_address(peer: Any) -> str | None:
+    """The address an OTLP client sent from (its socket's peer: ``(address, port, ...)``), as
+    recorded on its spans: None for a loopback one (or none); an IPv4 address a dual-stack socket
+    shows mapped into IPv6 as the IPv4 one."""
+    address = (peer[0] if peer else None) if isinstance(peer, tuple) else peer
+    if not isinstance(address, str) or not address:
+        return None
+    if address.startswith("::ffff:") and "." in address:
+        address = address[7:]
+    if address.startswith("127.") or address == "::1":
+        return None
+    return address
+
+
+def engine_of(service: str, attributes: Mapping[str, Any] | None) -> str:
+    """Which engine a span's request ran on, for counting who shared it: its service, and where
+    its spans came from a container's own address, that address too (two pods serving one model
+    under one service name are two engines)."""
+    sender = attributes.get(SENDER_KEY) if attributes else None
+    return f"{service}@{sender}" if isinstance(sender, str) and sender else service

@@ -17,8 +17,10 @@ unresolved stays so, and verdicts say why and what would help in ``cost_unmeasur
 An engine in a container with a network of its own listens in that namespace, not the daemon's
 (``probes.netns`` finds it, passed in by the daemon; looked for at most every ``rescan_s``). Where
 both listen on a port, the other namespace's process is taken: the host's end is a proxy's
-(Docker's ``docker-proxy`` holds each published port), the container's the engine. A port listened on in several other
-namespaces names no process: which one serves a request is not known.
+(Docker's ``docker-proxy`` holds each published port), the container's the engine. A port listened
+on in several other namespaces (pods of one node serving the same port) names no process for the
+port as a whole: ``shared`` names each namespace's, by its address, which is where its engine's
+spans come from when it sends them straight to the daemon.
 
 An answer that found every port's process holds while those processes live, checked again in full
 every ``verify_s``; otherwise every ``refresh_s``. Found pids are cached by inode and checked
@@ -106,6 +108,10 @@ class OtherNamespaces(Protocol):
         """Port -> the other namespaces listening on it."""
         ...
 
+    def by_address(self, port: int) -> Mapping[str, set[int]]:
+        """The address of each namespace listening on ``port`` at the latest refresh -> its LISTEN sockets."""
+        ...
+
 
 class ListenerPids:
     """Port -> pid of the process listening on it, cached; why not, for the ports it cannot tell."""
@@ -117,8 +123,12 @@ class ListenerPids:
                  other_namespaces: OtherNamespaces | None = None) -> None:
         self.proc_root = Path(proc_root)
         self._netns = other_namespaces
-        # (ports, monotonic time, port -> namespaces found, port -> their LISTEN inodes)
-        self._netns_answer: tuple[frozenset[int], float, dict[int, int], dict[int, set[int]]] | None = None
+        # (ports, monotonic time, port -> namespaces found, port -> their LISTEN inodes, and for a
+        # port of several: port -> each one's address -> its LISTEN inodes)
+        self._netns_answer: tuple[frozenset[int], float, dict[int, int], dict[int, set[int]],
+                                  dict[int, dict[str, set[int]]]] | None = None
+        # A port listened on in several other namespaces -> each one's address -> its process.
+        self.shared: dict[int, dict[str, int]] = {}
         # Port -> listening inodes, a cheaper way than /proc/net/tcp (which stays the fallback).
         self._listening = listening
         self.refresh_s = refresh_s
@@ -166,14 +176,15 @@ class ListenerPids:
         named = closers()
         pids, still = dict(pids), {}
         for port, why in unknown.items():
-            pid = named.get(port)
+            # A port several containers serve: a process seen closing there is one of their engines.
+            pid = named.get(port) if port not in self.shared else None
             if pid is None:
-                still[port] = why + CLOSERS_HINT
+                still[port] = why + ("" if port in self.shared else CLOSERS_HINT)
                 continue
             pids[port] = pid
             if self._closers.get(port) != pid:
                 log.info("port %d: engine process %d, seen closing a connection by the eBPF probe", port, pid)
-        self._closers = {port: pids[port] for port in named.keys() & unknown.keys()}
+        self._closers = {port: pids[port] for port in named.keys() & unknown.keys() if port in pids}
         return pids, still
 
     def _resolve(self, ports: set[int]) -> tuple[dict[int, int], dict[int, str]]:
@@ -185,7 +196,7 @@ class ListenerPids:
                 log.debug("listening sockets not told (%s); reading /proc/net/tcp", exc)
         if inodes is None:
             inodes = listening_inodes(ports, self.proc_root)
-        namespaces, elsewhere = self._elsewhere(ports)
+        namespaces, elsewhere, addresses = self._elsewhere(ports)
         inodes = {**inodes, **elsewhere}
         self._pid_by_inode = {i: p for i, p in self._pid_by_inode.items()
                               if any(i in found for found in inodes.values()) and self._still_holds(p, i)}
@@ -197,37 +208,52 @@ class ListenerPids:
             self._pid_by_inode.update(found)
         pids: dict[int, int] = {}
         unknown: dict[int, str] = {}
+        self.shared = {}
         for port in sorted(ports):
             held = [self._pid_by_inode[i] for i in sorted(inodes.get(port, ())) if i in self._pid_by_inode]
             if namespaces.get(port, 0) > 1:
-                unknown[port] = (f"port {port} is listened on in {namespaces[port]} other network namespaces "
-                                 "(containers), and which one's process serves a request is not known; put "
-                                 "process.pid in each engine's OpenTelemetry resource")
+                shared = self.shared[port] = {
+                    address: min(self._pid_by_inode[i] for i in found & self._pid_by_inode.keys())
+                    for address, found in addresses.get(port, {}).items() if found & self._pid_by_inode.keys()}
+                several = f"port {port} is listened on in {namespaces[port]} other network namespaces (containers)"
+                if shared:
+                    unknown[port] = (f"{several}, and the spans came from none of their addresses (relayed, or "
+                                     "from elsewhere), so which one's process served the request is not known; "
+                                     "send each engine's spans straight to the daemon, or put process.pid in each "
+                                     "engine's OpenTelemetry resource")
+                else:
+                    unknown[port] = (f"{several}, and none of their listening processes was found"
+                                     + self._denied_hint() + "; put process.pid in each engine's OpenTelemetry "
+                                     "resource")
             elif held:
                 pids[port] = held[0]
             elif port not in inodes:
                 unknown[port] = f"nothing listens on port {port} on this host"
             else:
-                unknown[port] = (f"the process listening on port {port} was not found"
-                                 + (f" ({self._denied} processes' descriptors unreadable: the daemon needs"
-                                    " CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE)" if self._denied else "")
+                unknown[port] = (f"the process listening on port {port} was not found" + self._denied_hint()
                                  + "; to name it, put process.pid in the engine's OpenTelemetry resource")
         return pids, unknown
+
+    def _denied_hint(self) -> str:
+        return (f" ({self._denied} processes' descriptors unreadable: the daemon needs CAP_DAC_READ_SEARCH and "
+                "CAP_SYS_PTRACE)" if self._denied else "")
 
     @property
     def in_other_namespaces(self) -> set[int]:
         """The ports other network namespaces listened on at the latest look."""
         return set(self._netns_answer[2]) if self._netns_answer is not None else set()
 
-    def _elsewhere(self, ports: set[int]) -> tuple[dict[int, int], dict[int, set[int]]]:
-        """(port -> how many other network namespaces listen on it, port -> their LISTEN inodes),
+    def _elsewhere(self, ports: set[int]) -> tuple[dict[int, int], dict[int, set[int]], dict[int, dict[str, set[int]]]]:
+        """(port -> how many other network namespaces listen on it, port -> their LISTEN inodes,
+        and for a port listened on in several: port -> each one's address -> its LISTEN inodes),
         looked for at most every ``rescan_s`` (a stat of every process's TCP table)."""
         if self._netns is None:
-            return {}, {}
+            return {}, {}, {}
         asked, now = frozenset(ports), self._monotonic()
         cached = self._netns_answer
         if cached is None or cached[0] != asked or now - cached[1] >= self.rescan_s:
             found = self._netns.refresh(asked)
-            cached = self._netns_answer = (asked, now, {port: len(spaces) for port, spaces in found.items()},
-                                           dict(self._netns.inodes))
-        return cached[2], cached[3]
+            cached = self._netns_answer = (
+                asked, now, {port: len(spaces) for port, spaces in found.items()}, dict(self._netns.inodes),
+                {port: dict(self._netns.by_address(port)) for port, spaces in found.items() if len(spaces) > 1})
+        return cached[2], cached[3], cached[4]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from auditor.model import SpanRecord, SpanRole
-from auditor.semconv import PEER_ADDR_KEYS, PEER_PORT_KEYS, SERVER_PORT_KEYS
+from auditor.semconv import PEER_ADDR_KEYS, PEER_PORT_KEYS, SENDER_KEY, SERVER_PORT_KEYS
 from auditor.store import dumps_json, row_layout, use_batch_rows
 from collectors.attributes import (
     as_count,
@@ -180,12 +180,14 @@ _new_span = _slot_filler(SpanRecord, _SPAN_FIELDS)
 
 
 def normalize_request(request: ExportTraceServiceRequest, *, service_host: str = "",
-                      fallback_host: str = "") -> NormalizeResult:
+                      fallback_host: str = "", sender: str | None = None) -> NormalizeResult:
     """Normalize every span of a request; bad spans are counted, never fatal.
 
     ``service_host`` (the receiving daemon's host id) wins over the resource's ``host.name``: the
     spans a daemon receives come from its own machine's engines, and its correlator joins them to
-    its own kernel events by host. ``fallback_host`` stands in where neither is known."""
+    its own kernel events by host. ``fallback_host`` stands in where neither is known. ``sender``:
+    the address the request came from (``auditor.semconv.sender_address``), kept in each span's
+    attributes (``SENDER_KEY``)."""
     result = NormalizeResult()
     append = result.spans.append
     rejections = _Rejections()
@@ -208,10 +210,18 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
                     rejections.add(f"that could not be read ({type(exc).__name__})")
     result.rejected = rejections.count
     result.error_message = rejections.message(total)
+    if sender:
+        _mark_sender(result.spans, sender)
     return result
 
 
-def normalize_body(body: bytes, *, service_host: str = "", fallback_host: str = "") -> NormalizeResult:
+def _mark_sender(spans: list[SpanRecord], sender: str) -> None:
+    for span in spans:
+        span.attributes[SENDER_KEY] = sender
+
+
+def normalize_body(body: bytes, *, service_host: str = "", fallback_host: str = "",
+                   sender: str | None = None) -> NormalizeResult:
     """:func:`normalize_request` of a protobuf body, read without building the message
     (``collectors.otlp_wire``): the same spans and rejections. Raises ``otlp_wire.Unusual`` for a
     body that reader does not take; the caller then parses it (``otlp_codec.decode_request``)."""
@@ -233,6 +243,8 @@ def normalize_body(body: bytes, *, service_host: str = "", fallback_host: str = 
                 rejections.add(f"that could not be read ({type(exc).__name__})")
     result.rejected = rejections.count
     result.error_message = rejections.message(total)
+    if sender:
+        _mark_sender(result.spans, sender)
     return result
 
 

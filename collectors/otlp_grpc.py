@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from auditor import http1
+from auditor.semconv import sender_address
 from collectors import http2
 from collectors import otlp_codec as codec
 from collectors.http2 import ErrorCode
@@ -135,6 +136,8 @@ class _Connection:
         self.receiver = receiver
         self.sock = sock
         self.peer = peer
+        # Kept on its spans where it is not the loopback (auditor.semconv.SENDER_KEY).
+        self.sender = sender_address(peer)
         self.h2 = http2.ServerConnection(max_concurrent_streams=MAX_STREAMS_PER_CONNECTION,
                                          initial_window=WINDOW_BYTES, max_header_list_size=MAX_HEADER_LIST_BYTES)
         self.lock = threading.Lock()  # the HTTP/2 state and the socket's writes
@@ -554,7 +557,7 @@ class OtlpGrpcReceiver:
 
     def _serve(self, connection: _Connection, stream_id: int, call: _Call, message: bytes) -> None:
         try:
-            result: bytes | CallError = self._call(call, message)
+            result: bytes | CallError = self._call(call, message, connection.sender)
         except Exception as exc:  # a fault of ours: the call fails, the receiver goes on
             log.warning("OTLP/gRPC call failed: %r", exc, exc_info=True)
             result = CallError(INTERNAL, f"the receiver failed on this request ({type(exc).__name__})")
@@ -563,7 +566,7 @@ class OtlpGrpcReceiver:
         finally:
             self._release()
 
-    def _call(self, call: _Call, message: bytes) -> bytes | CallError:
+    def _call(self, call: _Call, message: bytes, sender: str | None = None) -> bytes | CallError:
         if call.compressed:
             try:
                 message = codec.inflate(message, call.encoding, self.max_message_bytes)
@@ -580,7 +583,7 @@ class OtlpGrpcReceiver:
                 self.dropped_items[call.signal] += items
             return b""
         try:
-            result = self._normalize(message)
+            result = self._normalize(message, sender)
         except CallError as exc:
             return exc
         try:
@@ -594,11 +597,13 @@ class OtlpGrpcReceiver:
             return b""
         return codec.encode_response(codec.PROTOBUF, result.rejected, result.error_message[:MAX_MESSAGE_TEXT])
 
-    def _normalize(self, message: bytes) -> NormalizeResult:
+    def _normalize(self, message: bytes, sender: str | None = None) -> NormalizeResult:
         """The message's spans: read from its bytes where it has the usual shape, anything else
-        parsed into the message (which names what is wrong with a bad one)."""
+        parsed into the message (which names what is wrong with a bad one). ``sender``: the
+        client's address, kept on each span (``auditor.semconv.SENDER_KEY``)."""
         try:
-            return normalize_body(message, service_host=self.service_host, fallback_host=self._fallback_host)
+            return normalize_body(message, service_host=self.service_host, fallback_host=self._fallback_host,
+                                  sender=sender)
         except Unusual:
             pass
         pb = codec.messages()  # protobuf, imported on the first body that needs it
@@ -607,7 +612,8 @@ class OtlpGrpcReceiver:
         except (pb.DecodeError, RecursionError, ValueError) as exc:
             raise CallError(INVALID_ARGUMENT,
                             f"request is not a valid ExportTraceServiceRequest protobuf ({exc})") from exc
-        return normalize_request(request, service_host=self.service_host, fallback_host=self._fallback_host)
+        return normalize_request(request, service_host=self.service_host, fallback_host=self._fallback_host,
+                                 sender=sender)
 
     @staticmethod
     def _refusal(exc: BackPressure) -> CallError:

@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from auditor import http1
+from auditor.semconv import sender_address
 from collectors import otlp_codec as codec
 from collectors.normalize import NormalizeResult, normalize_body, normalize_request
 from collectors.otlp_wire import Unusual
@@ -215,7 +216,7 @@ class OtlpHttpReceiver:
             if exchange.signal in DROPPED_SIGNALS:
                 self._drop(exchange, codec.decode_dropped(plain, exchange.content_type, exchange.signal))
                 return
-            result = self._normalize(plain, exchange.content_type)
+            result = self._normalize(plain, exchange.content_type, sender_address(handler.client_address))
         except codec.BodyError as exc:
             exchange.fail(exc.status, codec.RPC_INVALID_ARGUMENT, exc.message)
             return
@@ -296,16 +297,19 @@ class OtlpHttpReceiver:
             return None
         return bytes(body)
 
-    def _normalize(self, plain: bytes, content_type: str) -> NormalizeResult:
+    def _normalize(self, plain: bytes, content_type: str, sender: str | None = None) -> NormalizeResult:
         """The body's spans: a protobuf body read from its bytes where it has the usual shape,
-        anything else parsed into the message (which names what is wrong with a bad body)."""
+        anything else parsed into the message (which names what is wrong with a bad body).
+        ``sender``: the client's address, kept on each span (``auditor.semconv.SENDER_KEY``)."""
         if content_type == codec.PROTOBUF:
             try:
-                return normalize_body(plain, service_host=self.service_host, fallback_host=self._fallback_host)
+                return normalize_body(plain, service_host=self.service_host, fallback_host=self._fallback_host,
+                                      sender=sender)
             except Unusual:
                 pass
         request = codec.decode_request(plain, content_type)
-        return normalize_request(request, service_host=self.service_host, fallback_host=self._fallback_host)
+        return normalize_request(request, service_host=self.service_host, fallback_host=self._fallback_host,
+                                 sender=sender)
 
     def _store(self, exchange: _Exchange, result: NormalizeResult, plain_bytes: int) -> None:
         """Commit the spans; answer 200 only once they are committed."""

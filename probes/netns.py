@@ -126,6 +126,8 @@ class NetNamespaces:
         self._members: dict[int, int] = {}  # namespace -> the process it was last read through
         self.processes_read = 0  # processes stat'ed by the latest refresh (its cost grows with them)
         self.inodes: dict[int, set[int]] = {}  # port -> its LISTEN sockets there, at the latest refresh
+        # port -> [(a namespace listening on it, its LISTEN sockets there)], at the latest refresh
+        self.listeners: dict[int, list[tuple[Namespace, set[int]]]] = {}
         self.tables_read = 0  # TCP tables the latest refresh read (each a walk of the connection hash)
         self._monotonic = monotonic
         # namespace -> (its socket count, the ports asked, monotonic time, what its tables told) at
@@ -137,7 +139,7 @@ class NetNamespaces:
         """Port -> the other namespaces with a socket listening on it, in a stable order; every
         process's namespace looked at anew (one may have entered another since)."""
         wanted = frozenset(ports)
-        self.inodes = {}
+        self.inodes, self.listeners = {}, {}
         if not wanted or self.own is None:
             return {}
         by_ident: dict[int, list[int]] = {}
@@ -169,6 +171,17 @@ class NetNamespaces:
             for port, inodes in listened.items():
                 found.setdefault(port, []).append(namespace)
                 self.inodes.setdefault(port, set()).update(inodes)
+                self.listeners.setdefault(port, []).append((namespace, inodes))
+        return found
+
+    def by_address(self, port: int) -> dict[str, set[int]]:
+        """The address of each namespace listening on ``port`` at the latest refresh (its bridge's,
+        ``Namespace.address``) -> its LISTEN sockets there; one without an address left out."""
+        found: dict[str, set[int]] = {}
+        for namespace, inodes in self.listeners.get(port, ()):
+            address = namespace.address(self.proc_root)
+            if address is not None:
+                found.setdefault(address, set()).update(inodes)
         return found
 
     def _listeners(self, ident: int, pid: int, wanted: frozenset[int], now: float

@@ -16,6 +16,7 @@ from auditor.correlate import Correlator
 from auditor.correlate.checkpoints import MAX_CHECKPOINTS
 from auditor.correlate.waste import PartialCost, SampleCache
 from auditor.model import EngineLoad, LiveEvent, SpanRecord, SpanRole, UtilSample
+from auditor.semconv import SENDER_KEY, engine_of, sender_address
 from auditor.store import Store
 from tests.test_correlate import (
     CLIENT,
@@ -493,3 +494,61 @@ def test_a_settled_zombie_reopened_by_a_late_span_of_its_own_reads_its_window_af
                    kind="internal", role=SpanRole.OTHER, peer_addr=None, peer_port=None, server_port=None)
     store.insert_spans([late])
     assert judge(store, clock, 15.0, correlator)["a"] == pytest.approx(8.5, rel=0.01)
+
+
+def from_container(span: SpanRecord, address: str) -> SpanRecord:
+    """The span as the receivers keep it when its engine sent it from ``address`` (a container's)."""
+    return replace(span, attributes={**span.attributes, SENDER_KEY: address})
+
+
+def test_two_containers_serving_one_port_are_costed_each_by_its_own_engine(store: Store) -> None:
+    """Pods of a node serve port 8000 from networks of their own, under one service name, and their
+    spans name no process: each engine is the one listening at the address its spans came from.
+    ``a`` (first pod, its client gone at 2 s) runs 0-6 s beside ``b`` (second pod, 0-6 s, client
+    there); the first pod's engine is busy at 100 %, the second's at 50 %. ``a`` ran alone on its
+    engine: 4 CPU-s, not shared with ``b`` nor read from the second engine. ``c``, sent through a
+    collector (no container's address), has no engine to cost, and says why."""
+    first, second = "10.244.1.5", "10.244.1.6"
+    store.insert_spans([from_container(http_span("a", 0, 2.0), first),
+                        from_container(engine("a", 0, 6.0, 0.0, pid=None), first),
+                        from_container(http_span("b", 0, 6.0, client=OTHER), second),
+                        from_container(engine("b", 0, 6.0, 0.0, pid=None), second),
+                        http_span("c", 0, 2.0, client=("127.0.0.1", 40003)), engine("c", 0, 6.0, 0.0, pid=None)])
+    store.insert_conn_events([close(2.0), close(2.0, client=("127.0.0.1", 40003))])
+    busy(store, 8.0, pid=PID)
+    busy(store, 8.0, util=50.0, pid=PID + 1)
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.cost.set_listeners({}, {SERVER_PORT: "port 8000 is listened on in 2 other network namespaces"},
+                                  {SERVER_PORT: {first: PID, second: PID + 1}})
+    assert correlator.cost.engine_pid(None, SERVER_PORT, second) == PID + 1
+    assert correlator.cost.engine_pid(None, SERVER_PORT, "10.9.9.9") is None
+    assert correlator.cost.engine_pid(None, SERVER_PORT) is None
+    wasted = judge(store, clock, 10.0, correlator)
+    assert wasted["a"] == pytest.approx(4.0, rel=0.03)
+    rows = {row.trace_id[0]: row for row in verdicts(store)}
+    assert "cost_unmeasured" not in rows["a"].details
+    assert wasted["c"] == 0.0 and "2 other network namespaces" in rows["c"].details["cost_unmeasured"]
+
+
+def test_the_run_index_tells_engines_apart_by_where_their_spans_came_from() -> None:
+    """One service name, two containers: a request of one is no sharer of the other's; spans with
+    no container's address are counted by their service alone, as before."""
+    from auditor.correlate.waste import RunIndex, trace_key
+
+    runs = RunIndex()
+    runs.add(from_container(engine("a", 0.0, 4.0, queued_s=0.0), "10.244.1.5"))
+    runs.add(from_container(engine("b", 0.0, 4.0, queued_s=0.0), "10.244.1.6"))
+    runs.add(engine("c", 0.0, 4.0, queued_s=0.0))
+    at = T0 + 2 * S
+    assert runs.running_at(engine_of("engine", {SENDER_KEY: "10.244.1.5"}), at) == {trace_key("a" * 32)}
+    assert runs.running_at(engine_of("engine", {SENDER_KEY: "10.244.1.6"}), at) == {trace_key("b" * 32)}
+    assert runs.running_at(engine_of("engine", {}), at) == {trace_key("c" * 32)}
+
+
+@pytest.mark.parametrize(("peer", "kept"), [
+    (("10.244.1.5", 41000), "10.244.1.5"), (("::ffff:10.244.1.5", 41000, 0, 0), "10.244.1.5"),
+    (("fd00::5", 41000, 0, 0), "fd00::5"), (("127.0.0.1", 41000), None), (("127.8.0.1", 1), None),
+    (("::1", 41000, 0, 0), None), ((), None), ("", None), (None, None)])
+def test_the_sender_kept_on_spans_is_a_containers_address_not_the_loopback(peer: object, kept: str | None) -> None:
+    assert sender_address(peer) == kept

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,22 +49,29 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
-@pytest.fixture
-def namespace() -> Iterator[str]:
-    """A network namespace joined to this one by a veth pair: the engine's end at ENGINE_ADDR."""
-    name, link = f"audns{os.getpid()}", f"aud{os.getpid() % 100000}h"
+@contextlib.contextmanager
+def joined_namespace(name: str, link: str, host_addr: str, engine_addr: str) -> Iterator[str]:
+    """A network namespace joined to this one by a veth pair (a /30): this end at ``host_addr``,
+    the namespace's (its eth0) at ``engine_addr``."""
     _ip("netns", "add", name)
     try:
         _ip("-n", name, "link", "set", "lo", "up")
         _ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", name)
-        _ip("addr", "add", f"{HOST_ADDR}/30", "dev", link)
+        _ip("addr", "add", f"{host_addr}/30", "dev", link)
         _ip("link", "set", link, "up")
-        _ip("-n", name, "addr", "add", f"{ENGINE_ADDR}/30", "dev", "eth0")
+        _ip("-n", name, "addr", "add", f"{engine_addr}/30", "dev", "eth0")
         _ip("-n", name, "link", "set", "eth0", "up")
         yield name
     finally:
         subprocess.run(["ip", "link", "del", link], capture_output=True)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    """A network namespace joined to this one by a veth pair: the engine's end at ENGINE_ADDR."""
+    with joined_namespace(f"audns{os.getpid()}", f"aud{os.getpid() % 100000}h", HOST_ADDR, ENGINE_ADDR) as name:
+        yield name
 
 
 def test_other_namespaces_listening_are_found(namespace: str) -> None:
@@ -385,3 +393,72 @@ def test_engine_in_its_own_network_judged_against_truth(tmp_path: Path, namespac
     assert scraped, "the engine's /metrics was not reached at its own network's address"
     assert tally["cancels"] == 4 and tally["completed"] == 3, tally
     assert tally["cancels right"] == 4 and not problems, (tally, problems)
+
+
+@pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
+def test_two_containers_serving_one_port_are_each_costed_to_their_own_engine(tmp_path: Path, namespace: str,
+                                                                             source: str) -> None:
+    """Pods of one node serve the same port, each in a network of its own, and their spans name no
+    process (the SDK's default). Each sends its spans straight to the daemon (one over OTLP/HTTP,
+    the other over gRPC), from its own address:
+    its requests are judged against its own truth log, and its zombies costed to its own engine
+    process (the one listening at that address), where before neither was costed, and shared
+    among its own engine's requests only (both engines have one service name)."""
+    second_host, second_engine = "10.231.8.1", "10.231.8.2"
+    with contextlib.ExitStack() as stack:
+        other = stack.enter_context(joined_namespace(f"{namespace}c", f"aud{os.getpid() % 100000}c",
+                                                     second_host, second_engine))
+        daemon = stack.enter_context(running_daemon(tmp_path, **{
+            "probe.source": source, "probe.poll_hz": 20.0, "otlp.http": "0.0.0.0:0", "otlp.grpc": "0.0.0.0:0"}))
+        engines = {}
+        # One sends over OTLP/HTTP, the other over gRPC: each receiver keeps where spans came from.
+        for name, otlp, address in ((namespace, f"http://{HOST_ADDR}:{daemon.status.http_port}", ENGINE_ADDR),
+                                    (other, f"grpc://{second_host}:{daemon.status.grpc_port}", second_engine)):
+            engines[address] = stack.enter_context(running_engine(
+                port=engines[ENGINE_ADDR].port if engines else 0, behavior="detached",
+                otlp=otlp, truth_log=tmp_path / f"truth-{address}.jsonl", step_ms=10,
+                max_batch=4, host=address, netns=name, extra_args=["--no-process-pid"]))
+        port = engines[ENGINE_ADDR].port
+        daemon.set_ports({port})
+        cost = daemon.correlator.cost
+        assert wait_for(lambda: cost.shared.get(port) == {address: engine.pid for address, engine in engines.items()},
+                        timeout_s=15), (cost.shared, cost.unresolved)
+        clients = []
+        for address, cancels in ((ENGINE_ADDR, 3), (second_engine, 1)):
+            clients += [complete(port, stream=True, max_tokens=8, request_id=f"ok-{address}", host=address)]
+            clients += [cancel_after(port, 0.3, ("fin", "rst")[index % 2], stream=True, max_tokens=150,
+                                     request_id=f"gone{index}-{address}", host=address) for index in range(cancels)]
+        for client in clients:
+            client.join()
+        for address, engine in engines.items():
+            expected = 4 if address == ENGINE_ADDR else 2
+            assert wait_for(lambda engine=engine, expected=expected: len(engine.truth()) == expected,
+                            timeout_s=20), address
+
+        def told() -> dict[str, tuple[Counter[str], list[str]]]:
+            rows = verdict_rows(daemon)
+            # A client reaches each engine from this host's end of that engine's veth pair.
+            return {address: tally_against_truth([row for row in rows if row.client_addr == exporter], engine.truth())
+                    for (address, engine), exporter in zip(engines.items(), (HOST_ADDR, second_host), strict=True)}
+
+        assert wait_for(lambda: all(tally["cancels right"] == tally["cancels"] and not any(
+            row.verdict == "zombie" and row.details.get("provisional") for row in verdict_rows(daemon))
+            for tally, _ in told().values()), timeout_s=20), told()
+        time.sleep(0.5)
+        tallies, rows = told(), verdict_rows(daemon)
+    for address, (tally, problems) in tallies.items():
+        assert tally["cancels"] == (3 if address == ENGINE_ADDR else 1) and tally["completed"] == 1, (address, tally)
+        assert tally["cancels right"] == tally["cancels"] and not problems, (address, tally, problems)
+    zombies = [row for row in rows if row.verdict == "zombie"]
+    assert len(zombies) == 4, [(row.client_addr, row.verdict) for row in rows]
+    for row in zombies:
+        assert "cost_unmeasured" not in row.details and row.wasted_cpu_seconds > 0, (
+            row.client_addr, row.details.get("cost_unmeasured"))
+    # Each engine's zombies together were charged about its core for their window (less what the
+    # two engines and the daemon took from each other on this machine's cores): the three of the
+    # first shared it, the second's had it alone.
+    for exporter in (HOST_ADDR, second_host):
+        mine = [row for row in zombies if row.client_addr == exporter]
+        lag = sum(row.lag_seconds or 0.0 for row in mine) / len(mine)
+        charged = sum(row.wasted_cpu_seconds for row in mine)
+        assert 0.7 * lag < charged < 1.1 * lag, (exporter, charged, [row.lag_seconds for row in mine])

@@ -264,3 +264,19 @@ def test_record_builder_fills_every_field_or_uses_the_constructor() -> None:
 
     with pytest.raises(ValueError, match="negative"):
         _slot_filler(Checked, ("first", "second"))("a", -1)
+
+
+def test_the_senders_address_is_kept_on_each_span() -> None:
+    """Each span of a request sent from a container's address keeps it (SENDER_KEY), in the
+    attributes the store writes (read back in tests/test_cost_sharing.py); spans sent from the
+    loopback keep nothing more. A span that sends the key itself from a container has it
+    overwritten: where a span came from is the receiver's to say."""
+    from auditor.semconv import SENDER_KEY
+
+    req = request(span("POST", SERVER, OLD),
+                  span("llm_request", INTERNAL, {SENDER_KEY: "10.0.0.9"}, span_id=b"\x02" * 8))
+    got = normalize_request(req, sender="10.244.1.5")
+    assert [s.attributes.get(SENDER_KEY) for s in got.spans] == ["10.244.1.5", "10.244.1.5"]
+    assert got.spans[0].attributes is not got.spans[1].attributes
+    plain = normalize_request(request(span("POST", SERVER, OLD)))
+    assert SENDER_KEY not in plain.spans[0].attributes

@@ -211,9 +211,10 @@ def check_engines(ports: Iterable[int], proc_root: Path = Path("/proc"), otlp: I
     """Where each watched port is listened on: in this network namespace, in a container's network
     of its own (``probes.netns``), both (the host's end a proxy's, as Docker's docker-proxy), or
     nowhere yet. The eBPF probe sees every namespace; the /proc fallback reads another's table
-    through a process in it. Several other namespaces on one port leave its engine process, and so
-    its zombies' cost, unknown where spans carry no ``process.pid``. A container's engine sends its
-    spans to its own loopback if ``otlp`` (the receivers' addresses) listen on this one only."""
+    through a process in it. Several other namespaces on one port (pods of a node serving one port)
+    are told apart by the address their spans come from, and their engines' /metrics are not
+    scraped. A container's engine sends its spans to its own loopback if ``otlp`` (the receivers'
+    addresses) listen on this one only."""
     from collectors.listeners import listening_inodes
     from probes.netns import NetNamespaces
 
@@ -242,9 +243,11 @@ def check_engines(ports: Iterable[int], proc_root: Path = Path("/proc"), otlp: I
                      "default) or 0.0.0.0 with otlp.token, and the engine's OTLP endpoint to it")
     if several:
         return Check("engines", DEGRADED, detail, f"port(s) {', '.join(map(str, several))} are listened on in "
-                     "several containers' networks, so which process serves a request is not known: put "
-                     "process.pid in each engine's OpenTelemetry resource (OTEL_RESOURCE_ATTRIBUTES) to cost "
-                     "their zombies")
+                     "several containers' networks: a request is costed to the engine at the address its spans "
+                     "came from, so each engine must send them straight to this daemon (through a collector, "
+                     "put process.pid in each engine's OpenTelemetry resource instead); their /metrics are not "
+                     "scraped, so an engine that sends no span for an aborted request (vLLM) has its aborts "
+                     "unconfirmed: serve each engine on a port of its own to have them scraped")
     return Check("engines", OK, detail)
 
 

@@ -66,6 +66,7 @@ from auditor.model import (
     SpanRole,
     Verdict,
 )
+from auditor.semconv import SENDER_KEY
 from auditor.store.db import BLOCK_COLUMNS, SPAN_COLUMNS, Store, span_from_values, stored_events
 from auditor.store.eventblocks import block_of, block_read
 
@@ -109,8 +110,12 @@ _DEPARTURES = {ConnEventKind.PEER_FIN.value: "fin", ConnEventKind.PEER_RST.value
 _STATS = {CoverageKind.IDLE_CLOSE: "idle_closes", CoverageKind.UNJOINED_DISCONNECT: "unjoined_disconnects",
           CoverageKind.UNJOINED_SPAN: "unjoined_spans", CoverageKind.PROXY_REWRITTEN_PEER: "proxy_rewritten"}
 # The only span attributes a verdict reads: a span is held without the rest (most of its memory).
-JUDGED_ATTRIBUTES = frozenset({FINAL_SEND_ATTR, TOKENS_AFTER_DISCONNECT_ATTR})
+# The sender's address tells pods serving one port apart (auditor.semconv.SENDER_KEY).
+JUDGED_ATTRIBUTES = frozenset({FINAL_SEND_ATTR, TOKENS_AFTER_DISCONNECT_ATTR, SENDER_KEY})
 _NO_ATTRIBUTES: dict[str, Any] = {}  # the attributes of every held span that keeps none: never changed
+# The attributes of the held spans that keep only their sender's address: one dict an address, never changed.
+_SENDER_ONLY: dict[str, dict[str, Any]] = {}
+MAX_SENDERS_HELD = 1024
 # Span texts that repeat across spans: held once each (a span's memory is mostly its texts).
 SHARED_TEXTS = ("name", "kind", "service", "host", "status", "peer_addr", "route", "model", "finish_reason")
 # Numbers that repeat across spans, each a 32-byte object of its own as the OTLP reader makes it:
@@ -1160,13 +1165,21 @@ def _lean(span: SpanRecord) -> SpanRecord:
     copy of each of the texts most spans repeat (service, name, route, ...). The record is the
     correlator's (read from the store, or handed over once committed), so it is changed in place:
     a copy of the record cost as much as the rest of indexing it. Most spans keep no attribute:
-    they share one empty dict (which nothing changes) instead of one each."""
+    they share one empty dict (which nothing changes) instead of one each, and those that keep
+    their sender's address alone one dict an address."""
     attributes = span.attributes
     if attributes and not attributes.keys() <= JUDGED_ATTRIBUTES:
         attributes = {k: attributes[k] for k in JUDGED_ATTRIBUTES if k in attributes}
         object.__setattr__(span, "attributes", attributes or _NO_ATTRIBUTES)
     elif not attributes and attributes is not _NO_ATTRIBUTES:
         object.__setattr__(span, "attributes", _NO_ATTRIBUTES)
+    if len(attributes) == 1 and SENDER_KEY in attributes:
+        sender = attributes[SENDER_KEY]
+        one = _SENDER_ONLY.get(sender) if isinstance(sender, str) else None
+        if one is None and isinstance(sender, str) and len(_SENDER_ONLY) < MAX_SENDERS_HELD:
+            one = _SENDER_ONLY[sender] = {SENDER_KEY: sender}
+        if one is not None and one is not attributes:
+            object.__setattr__(span, "attributes", one)
     _share_texts(span)
     for name in SHARED_NUMBERS:
         value = getattr(span, name)

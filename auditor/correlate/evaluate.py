@@ -27,6 +27,7 @@ from auditor.correlate.verdict import (
 )
 from auditor.correlate.waste import PARTIAL_MIN_NS, PartialCost, running_part, sharers_at, wasted
 from auditor.model import RequestVerdict, SpanRecord, SpanRole, Verdict
+from auditor.semconv import SENDER_KEY, engine_of
 
 if TYPE_CHECKING:
     from auditor.correlate.correlator import Correlator
@@ -345,10 +346,13 @@ def _waste(corr: Correlator, request: OpenRequest, origin: Any, started: int | N
         return 0.0, 0.0  # nothing ran for it: no window, or the gauges never held it after its client left
     span = engine or base
     service, trace_id = (span.service, span.trace_id) if span else ("", "")
+    # Where its spans came from: on a port several containers serve, which one's engine ran it.
+    sender = next((s.attributes.get(SENDER_KEY) for s in (engine, base) if s is not None and s.attributes
+                   and s.attributes.get(SENDER_KEY)), None)
     samples = corr.cost.samples
     samples.refresh(corr.clock())
     pid = corr.cost.engine_pid((engine.process_pid if engine else None) or (base.process_pid if base else None),
-                               port)
+                               port, sender)
     gpu = corr.cost.gpu_share(pid)
     if pid is None:
         details["cost_unmeasured"] = corr.cost.unresolved.get(
@@ -361,12 +365,13 @@ def _waste(corr: Correlator, request: OpenRequest, origin: Any, started: int | N
         details["gpu_time_of"] = gpu.source  # where the GPU time was read: "pid 5001", "GPUs 2, 3"
     # The engine's own running gauge when scraped: a request waiting its turn shares nothing.
     gauge = (lambda ts: corr.loads.running_at(port, ts)) if corr.loads.watched(port) else None
-    sharers = sharers_at(corr.spans.runs, service, trace_id, corr.live.running_work(service), gauge)
+    engine_name = engine_of(service, span.attributes if span else None)
+    sharers = sharers_at(corr.spans.runs, engine_name, trace_id, corr.live.running_work(service), gauge)
     if request.cost_partial is None and end_ns - start_ns > PARTIAL_MIN_NS:
         request.cost_partial = PartialCost()
         corr.checkpointed(request)
     cost = wasted(samples, start_ns=start_ns, end_ns=end_ns, pid=pid, sharers=sharers, gpu=gpu,
-                  partial=request.cost_partial, basis=(gauge is not None, service, trace_id))
+                  partial=request.cost_partial, basis=(gauge is not None, engine_name, trace_id))
     return round(cost.gpu_seconds, 6), round(cost.cpu_seconds, 6)
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from auditor.correlate.checkpoints import Checkpoints
 from auditor.model import SpanRecord, SpanRole
+from auditor.semconv import engine_of
 from auditor.store.db import Store
 
 DEFAULT_INTERVAL_S = 0.1
@@ -243,12 +244,18 @@ class CostSources:
         self._inner: dict[int, int | None] = {}  # a process -> its pid in its own namespace, once read
         self.pid_by_port: dict[int, int] = {}
         self.unresolved: dict[int, str] = {}  # port -> why its process is not known
+        # A port several containers serve (each in a network of its own) -> each one's address -> its process.
+        self.shared: dict[int, dict[str, int]] = {}
         self.changed = False  # the listeners changed since the correlator last looked
 
-    def set_listeners(self, pid_by_port: dict[int, int], unresolved: dict[int, str]) -> None:
-        """The engine processes found behind the watched ports (by whoever can look: the daemon)."""
-        if pid_by_port != self.pid_by_port or unresolved != self.unresolved:
+    def set_listeners(self, pid_by_port: dict[int, int], unresolved: dict[int, str],
+                      shared: dict[int, dict[str, int]] | None = None) -> None:
+        """The engine processes found behind the watched ports (by whoever can look: the daemon);
+        ``shared``: those of a port several containers serve, by each container's address."""
+        shared = shared or {}
+        if pid_by_port != self.pid_by_port or unresolved != self.unresolved or shared != self.shared:
             self.pid_by_port, self.unresolved, self.changed = dict(pid_by_port), dict(unresolved), True
+            self.shared = {port: dict(by_address) for port, by_address in shared.items()}
 
     def ancestors(self, pid: int) -> tuple[int, ...]:
         """A process's ancestors, nearest first, looked up once: a process's parent does not change
@@ -258,14 +265,18 @@ class CostSources:
             found = self._ancestors[pid] = ancestors_of(pid, self.parent_of)
         return found
 
-    def engine_pid(self, named: int | None, port: int) -> int | None:
-        """The host process to cost, from the pid the spans name and the one listening on the port.
-        A span's ``process.pid`` is the engine's pid in its own pid namespace: inside a container
-        (often 1, or 7) it names an unrelated process of this host, or init itself, whose
-        descendants would be every engine here. So where the listener, or a GPU process it
-        started, has that pid in its own namespace, that host process is the one. Otherwise the
-        named process is taken (the engine behind a proxy that holds the port), but never init."""
+    def engine_pid(self, named: int | None, port: int, sender: str | None = None) -> int | None:
+        """The host process to cost, from the pid the spans name and the one listening on the port
+        (on a port several containers serve, the one listening at the address the spans came
+        from, ``sender``). A span's ``process.pid`` is the engine's pid in its own pid namespace:
+        inside a container (often 1, or 7) it names an unrelated process of this host, or init
+        itself, whose descendants would be every engine here. So where the listener, or a GPU
+        process it started, has that pid in its own namespace, that host process is the one.
+        Otherwise the named process is taken (the engine behind a proxy that holds the port), but
+        never init."""
         listener = self.pid_by_port.get(port)
+        if listener is None and sender and port in self.shared:
+            listener = self.shared[port].get(sender)
         if named is None or named == listener:
             return listener
         if listener is not None and listener not in self.ancestors(named):
@@ -350,7 +361,8 @@ class _Runs:
 
 
 class RunIndex:
-    """Per service, when each request was running, in one-second buckets: fed as spans arrive.
+    """Per engine (``engine_of``: its service, and the address its spans came from where that is a
+    container's), when each request was running, in one-second buckets: fed as spans arrive.
 
     Engine spans give the running part; server spans stand in for services that send no engine
     span. A query looks at one bucket, so its cost is the concurrency there, not the horizon's size.
@@ -365,23 +377,24 @@ class RunIndex:
     def add(self, span: SpanRecord) -> None:
         if span.role not in (SpanRole.ENGINE, SpanRole.HTTP_SERVER) or span.end_ns < span.start_ns:
             return
-        engine = span.role is SpanRole.ENGINE
+        engine, name = span.role is SpanRole.ENGINE, engine_of(span.service, span.attributes)
         if engine:
-            self._engines.add(span.service)
-        elif span.service in self._engines:
+            self._engines.add(name)
+        elif name in self._engines:
             return  # its engine spans tell who ran
         start, end = running_part(span)
         last = end // BUCKET_NS
         first = max(start // BUCKET_NS, last - _BUCKET_SPAN_MAX)
         for bucket in range(first, last + 1):
-            self._buckets[(span.service, engine, bucket)].add(start, end, span.trace_id)
+            self._buckets[(name, engine, bucket)].add(start, end, span.trace_id)
         self.spans += 1
         self._prune(last)
 
-    def running_at(self, service: str, ts_ns: int) -> set[int]:
-        """The traces (``trace_key``) whose request ``service`` was running at ``ts_ns``."""
-        engine = service in self._engines
-        runs = self._buckets.get((service, engine, ts_ns // BUCKET_NS))
+    def running_at(self, engine_name: str, ts_ns: int) -> set[int]:
+        """The traces (``trace_key``) whose request engine ``engine_name`` (``engine_of``) was
+        running at ``ts_ns``."""
+        engine = engine_name in self._engines
+        runs = self._buckets.get((engine_name, engine, ts_ns // BUCKET_NS))
         if runs is None:
             return set()
         return {trace for start, end, trace in zip(runs.starts, runs.ends, runs.traces, strict=True)
@@ -398,17 +411,18 @@ class RunIndex:
         self._oldest_bucket = cutoff
 
 
-def sharers_at(runs: RunIndex, service: str, trace_id: str, live: dict[str, int],
+def sharers_at(runs: RunIndex, engine_name: str, trace_id: str, live: dict[str, int],
                gauge: Callable[[int], int | None] | None) -> Callable[[int], int]:
     """How many requests shared the engine at a moment: the gauge when scraped, else the running
-    spans and the live engine work not yet spanned, each request once, this one included."""
+    spans of engine ``engine_name`` (``engine_of``) and the live engine work not yet spanned, each
+    request once, this one included."""
 
     def count(ts_ns: int) -> int:
         if gauge is not None:
             counted = gauge(ts_ns)
             if counted is not None:
                 return max(1, counted)
-        traces = runs.running_at(service, ts_ns)
+        traces = runs.running_at(engine_name, ts_ns)
         traces.update(trace_key(trace) for trace, since in live.items() if since <= ts_ns)
         traces.add(trace_key(trace_id))
         return len(traces)
