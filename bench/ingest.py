@@ -26,6 +26,9 @@ the same bench driving it: on a shared machine only figures taken side by side c
 default: the compiled one where it was built); ``--compare-readers`` runs the working tree with
 each, alternately, as ``--compare`` does with two trees. ``--builder`` and ``--compare-builders``
 do the same with the span record builder (``collectors.normalize.build_span`` or its compiled twin).
+``--from-container`` normalizes the in-process and stages phases' spans as sent from a container's
+own address, which the receivers keep on each span; ``--compare-senders`` runs the working tree
+with and without it, alternately.
 """
 
 from __future__ import annotations
@@ -70,6 +73,10 @@ PHASES = ("stages", "in-process", "sustained", "flood")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 ORDERED_IDS = False  # --ordered-ids: trace ids in order, as this bench sent them before
 REPEATED_VALUES = False  # --repeated-values: the template's values in every body, as before
+# --from-container: the in-process and stages phases' spans as an engine in a container sends them,
+# from an address of its own, which the receivers keep on each span (auditor.sender_address).
+FROM_CONTAINER = "10.244.1.5"
+SENDER: str | None = None
 # Attribute values that differ from request to request in service, each drawn anew for every span
 # of every body, in a range whose encoding has the template value's length (3-byte varints for
 # ports, 2-byte for token counts, 8 bytes for doubles), so each is written where the template's was.
@@ -286,8 +293,10 @@ def body_normalizer() -> Any:
     from collectors.normalize import normalize_request
     from collectors.otlp_codec import PROTOBUF, decode_request
 
+    sent_from = {"sender": SENDER} if SENDER else {}
+
     def parsed(body: bytes) -> Any:
-        return normalize_request(decode_request(body, PROTOBUF), service_host="bench")
+        return normalize_request(decode_request(body, PROTOBUF), service_host="bench", **sent_from)
 
     try:
         from collectors.normalize import normalize_body
@@ -297,7 +306,7 @@ def body_normalizer() -> Any:
 
     def read(body: bytes) -> Any:
         try:
-            return normalize_body(body, service_host="bench")
+            return normalize_body(body, service_host="bench", **sent_from)
         except Unusual:
             return parsed(body)
 
@@ -502,7 +511,8 @@ def build_extensions(tree: Path) -> None:
 def compare(args: argparse.Namespace) -> None:
     """Old (``--compare REV``) and current code alternately, each run a fresh process; with
     ``--compare-readers`` (``--compare-builders``), the current code with each OTLP byte reader
-    (span record builder)."""
+    (span record builder); with ``--compare-senders``, the current code with spans sent from the
+    loopback and from a container's address."""
     here = Path(__file__).resolve().parent.parent
     forwarded = ["--phases", ",".join(args.phases), "--seconds", str(args.seconds), "--batch", str(args.batch),
                  "--senders", str(args.senders), "--max-queue-spans", str(args.max_queue_spans),
@@ -517,6 +527,8 @@ def compare(args: argparse.Namespace) -> None:
         elif args.compare_builders:
             runs = {"python builder": (here, ["--builder", "python"]),
                     "compiled": (here, ["--builder", "compiled"])}
+        elif args.compare_senders:
+            runs = {"loopback": (here, []), "container": (here, ["--from-container"])}
         else:
             runs = {args.compare: (export_tree(args.compare, Path(scratch)), []), "working tree": (here, [])}
         for round_no in range(1, args.rounds + 1):
@@ -570,15 +582,20 @@ def main() -> None:
     parser.add_argument("--repeated-values", action="store_true",
                         help="every body with the template's ports, token counts and latencies (the reader's "
                              "cache of key-values then hits on them), not values drawn for each span")
+    parser.add_argument("--from-container", action="store_true",
+                        help=f"the in-process and stages phases' spans sent from a container's address ({FROM_CONTAINER})")
+    parser.add_argument("--compare-senders", action="store_true",
+                        help="run the working tree with spans from the loopback and from a container, alternately")
     parser.add_argument("--sender", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global ORDERED_IDS, REPEATED_VALUES
+    global ORDERED_IDS, REPEATED_VALUES, SENDER
     ORDERED_IDS, REPEATED_VALUES = args.ordered_ids, args.repeated_values
+    SENDER = FROM_CONTAINER if args.from_container else None
     if args.sender:
         print(json.dumps(run_senders(args.port, args.senders, args.seconds, args.batch, args.seed, args.otlp)))
-    elif args.compare or args.compare_readers or args.compare_builders:
+    elif args.compare or args.compare_readers or args.compare_builders or args.compare_senders:
         compare(args)
     elif args.json:
         print(json.dumps(measure(args), indent=2))
