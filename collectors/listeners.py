@@ -37,9 +37,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from auditor.socktable import bound_inodes
+
 log = logging.getLogger(__name__)
 
-LISTEN = "0A"
 CLOSERS_HINT = "; the eBPF probe names it once the engine has closed a connection on the port"
 
 
@@ -56,17 +57,11 @@ def _listening_inodes_proc(wanted: set[int], proc_root: Path) -> dict[int, set[i
     found: dict[int, set[int]] = {}
     for table in ("tcp", "tcp6"):
         try:
-            lines = (proc_root / "net" / table).read_text().splitlines()[1:]
+            text = (proc_root / "net" / table).read_text()
         except OSError:
             continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 10 or fields[3] != LISTEN:
-                continue
-            port = int(fields[1].rsplit(":", 1)[1], 16)
-            inode = int(fields[9])
-            if port in wanted and inode:
-                found.setdefault(port, set()).add(inode)
+        for port, inodes in bound_inodes(text, wanted).items():
+            found.setdefault(port, set()).update(inodes)
     return found
 
 

@@ -28,9 +28,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from auditor.socktable import bound_inodes
+
 log = logging.getLogger(__name__)
 
-LISTEN = "0A"  # the st column of /proc/net/tcp
 # A namespace whose count of TCP sockets has not moved is not read again for this long: a listener
 # that closed and another that opened between two looks leave the count where it was.
 REREAD_S = 60.0
@@ -98,23 +99,6 @@ def _socket_count(net: Path) -> tuple[int, int] | None:
         return int(counts[0]), int(counts[1])
     except (OSError, StopIteration, IndexError, ValueError):
         return None
-
-
-def listening(text: str, ports: frozenset[int]) -> dict[int, set[int]]:
-    """Port -> inodes of the LISTEN sockets a /proc/net/tcp{,6} ``text`` lists on the ``ports``;
-    lines it cannot read skipped."""
-    found: dict[int, set[int]] = {}
-    for line in text.splitlines()[1:]:
-        fields = line.split(None, 10)
-        if len(fields) < 10 or fields[3] != LISTEN:
-            continue
-        try:
-            port, inode = int(fields[1].rpartition(":")[2], 16), int(fields[9])
-        except ValueError:
-            continue
-        if port in ports:
-            found.setdefault(port, set()).add(inode)
-    return found
 
 
 class NetNamespaces:
@@ -203,7 +187,7 @@ class NetNamespaces:
             except OSError:
                 return {}, frozenset()  # it ended meanwhile: looked at again next time
             self.tables_read += 1
-            for port, inodes in listening(text, wanted).items():
+            for port, inodes in bound_inodes(text, wanted).items():
                 listened.setdefault(port, set()).update(inodes)
                 versions.add(version)
         self._read[ident] = (count, wanted, now, listened, frozenset(versions))

@@ -145,3 +145,28 @@ def test_as_the_units_user_another_users_engine_needs_cap_sys_ptrace(extra: str)
     else:
         assert not found and "CAP_SYS_PTRACE" in unknown[str(port)], unknown
         assert "put process.pid in the engine's OpenTelemetry resource" in unknown[str(port)]
+
+
+def test_one_reader_of_the_kernels_socket_tables_skips_what_it_cannot_read() -> None:
+    """The listener lookup, the other namespaces' look and the doctor read /proc/net/{tcp,udp}{,6}
+    with one function: LISTEN rows (or unconnected UDP ones) on the ports asked, by inode; a
+    connection, another port, a socket without an inode, a short or garbled line are left out."""
+    from auditor.socktable import UDP_UNCONNECTED, bound_inodes
+
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    rows = [
+        "   0: 00000000:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1111 1 0",
+        "   1: 0100007F:1F40 0100007F:C350 01 00000000:00000000 00:00000000 00000000     0        0 2222 1 0",
+        "   2: 00000000:1F41 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3333 1 0",
+        "   3: 00000000:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 0 1 0",
+        "   4: 00000000:ZZZZ 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4444 1 0",
+        "   5: 00000000:1F40 00000000:0000 0A",
+        "   6: 00000000000000000000000000000000:1F40 00000000000000000000000000000000:0000 0A "
+        "00000000:00000000 00:00000000 00000000     0        0 5555 1 0",
+        "   7: 00000000:1F40 00000000:0000 07 00000000:00000000 00:00000000 00000000     0        0 6666 2 0",
+    ]
+    text = header + "\n".join(rows) + "\n"
+    assert bound_inodes(text, {8000}) == {8000: {1111, 5555}}
+    assert bound_inodes(text, {8000, 8001, 9}) == {8000: {1111, 5555}, 8001: {3333}}
+    assert bound_inodes(text, {8000}, UDP_UNCONNECTED) == {8000: {6666}}
+    assert bound_inodes("", {8000}) == {} and bound_inodes("garbage\n\x00\n", {8000}) == {}

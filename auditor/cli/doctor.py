@@ -30,6 +30,7 @@ import click
 from auditor.cli.util import common_options
 from auditor.config import Config, loopback_only, parse_address
 from auditor.errors import AuditorError, ConfigError
+from auditor.socktable import TCP_LISTEN, UDP_UNCONNECTED, bound_inodes
 
 SCHEMA = "auditor.cli.doctor/v1"
 
@@ -360,22 +361,18 @@ def _buffer_readable(pynvml: Any, handle: Any) -> bool:
 # the UDP receiver of live notices.
 LISTENERS = (("otlp.http", socket.SOCK_STREAM), ("otlp.grpc", socket.SOCK_STREAM),
              ("metrics.listen", socket.SOCK_STREAM), ("live.listen", socket.SOCK_DGRAM))
-TCP_LISTEN, UDP_UNCONNECTED = "0A", "07"  # st column of /proc/net/tcp and /proc/net/udp
 
 
 def socket_inodes(port: int, kind: int, proc_root: Path = Path("/proc")) -> set[int]:
     """Inodes of the listening (TCP) or unconnected (UDP) sockets bound to ``port``, any address."""
     proto, state = ("tcp", TCP_LISTEN) if kind == socket.SOCK_STREAM else ("udp", UDP_UNCONNECTED)
-    inodes = set()
+    inodes: set[int] = set()
     for table in (proc_root / "net" / proto, proc_root / "net" / f"{proto}6"):
         try:
-            lines = table.read_text().splitlines()[1:]
+            text = table.read_text()
         except OSError:
             continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 9 and fields[3] == state and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(int(fields[9]))
+        inodes |= bound_inodes(text, (port,), state).get(port, set())
     return inodes
 
 
