@@ -284,7 +284,7 @@ class Daemon:
                                        listed_clients=lister.clients, accepted=lister.accepted,
                                        listing_complete=getattr(lister, "listing_complete", None),
                                        list_while_busy=getattr(lister, "listing_is_cheap", False),
-                                       address_of=EngineAddresses(listening_inodes).of)
+                                       addresses_of=EngineAddresses(listening_inodes).of)
         self._parts["engine_metrics"] = scraper.start()
 
     def _drain_engine_loads(self) -> list[EngineLoad]:

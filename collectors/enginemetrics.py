@@ -229,6 +229,29 @@ def _values(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return values
 
 
+def summed(loads: list[EngineLoad]) -> EngineLoad:
+    """The gauges of the engines that serve one port (containers, each in a network of its own), as
+    of one engine: each count summed, a series one of them lacks lacking, one model where all name
+    it; the window from the first request sent to the last answer (each engine's moment is within
+    it). Engines of different kinds (their metric names) are not summed: OSError."""
+    first = loads[0]
+    if any(load.style != first.style for load in loads):
+        raise OSError(f"engines of different kinds on port {first.server_port}: "
+                      f"{', '.join(sorted({load.style for load in loads}))}")
+
+    def total(values: list[float | None]) -> float | None:
+        return None if any(value is None for value in values) else sum(value for value in values if value is not None)
+
+    models = {load.model for load in loads}
+    return EngineLoad(ts_ns=min(load.ts_ns for load in loads), server_port=first.server_port,
+                      running=sum(load.running for load in loads), waiting=sum(load.waiting for load in loads),
+                      generated_tokens=total([load.generated_tokens for load in loads]),
+                      step_tokens=total([load.step_tokens for load in loads]),
+                      model=models.pop() if len(models) == 1 else None, style=first.style,
+                      aborted=total([load.aborted for load in loads]),
+                      answered_ns=max(load.answered_ns or load.ts_ns for load in loads))
+
+
 class PageConnection:
     """One kept-alive HTTP/1.1 connection that GETs one path: status, body, and whether the
     connection may be used again. http.client parses each answer's headers with the email
@@ -355,11 +378,13 @@ class EngineMetricsScraper:
                  listed_clients: Callable[[Iterable[int]], dict[int, tuple[tuple[str, int, int], ...]] | None]
                  | None = None, accepted: Callable[[], int | None] | None = None,
                  listing_complete: Callable[[int], bool | None] | None = None,
-                 list_while_busy: bool = False, address_of: Callable[[int], str] | None = None) -> None:
+                 list_while_busy: bool = False,
+                 addresses_of: Callable[[int], tuple[str, ...]] | None = None) -> None:
         self.ports = ports
-        # The address of each port's engine, asked as a connection opens (``host`` without it): a
-        # container's engine on a network of its own is not on this namespace's loopback.
-        self.address_of = address_of
+        # The address of each port's engine, asked at each scrape (``host`` without it): a
+        # container's engine on a network of its own is not on this namespace's loopback; a port
+        # several containers serve has one engine at each of theirs.
+        self.addresses_of = addresses_of
         self.listed_clients = listed_clients
         self.accepted = accepted
         self.listing_complete = listing_complete
@@ -381,7 +406,7 @@ class EngineMetricsScraper:
         self._skip_until: dict[int, float] = {}
         self._answered: set[int] = set()  # ports whose engine answered a scrape once
         self._failed: dict[int, int] = {}  # port -> its scrapes failed in a row
-        self._connections: dict[int, PageConnection] = {}
+        self._connections: dict[tuple[int, str], PageConnection] = {}  # (port, address) -> its connection
         self._ends: set[tuple[str, int, int]] = set()  # the connections open now (see on_connections)
         # Per port: until when (monotonic) its scrapes list the clients connected (``want_clients``).
         self._list_until: dict[int, float] = {}
@@ -389,7 +414,7 @@ class EngineMetricsScraper:
         # Per port: whether its engine answers the filtered path with every series it has (None:
         # not known yet, read both ways at its next scrape). ``filtered=False``: never asked.
         self._ask_filtered = filtered
-        self.filters: dict[int, bool] = {}
+        self.filters: dict[tuple[int, str], bool] = {}  # by (port, address): each engine of a shared port
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by stop(), ports_changed() and activity() while quiet
         self.quiet_after_s = quiet_after_s
@@ -403,26 +428,43 @@ class EngineMetricsScraper:
         self._thread: threading.Thread | None = None
 
     def scrape(self, port: int) -> EngineLoad | None:
+        """The port's engine's gauges; of a port several containers serve (``addresses_of``
+        names each), their sum, as of one engine serving the port: the correlator reads it
+        against every client connected to the port. Only a round in which every one answered
+        gives one: without one's requests the sum would show the others' orphans gone."""
+        addresses = self.addresses_of(port) if self.addresses_of is not None else (self.host,)
+        if len(addresses) == 1:
+            return self._scrape_at(port, addresses[0])
+        loads = []
+        for address in addresses:
+            load = self._scrape_at(port, address)
+            if load is None:
+                raise OSError(f"the engine at {address} answered with no known metric")
+            loads.append(load)
+        return summed(loads)
+
+    def _scrape_at(self, port: int, address: str) -> EngineLoad | None:
         # The gauges describe the engine at one moment between the request and its answer; both
         # ends are kept so a request that started or ended in between is never taken for an orphan.
         ts_ns = self.clock()
-        filters = self.filters.get(port)
+        target = (port, address)
+        filters = self.filters.get(target)
         if filters:
             try:
-                load = parse_load(self._fetch(port, self._filtered_path), ts_ns=ts_ns, server_port=port)
+                load = parse_load(self._fetch(target, self._filtered_path), ts_ns=ts_ns, server_port=port)
             except (OSError, ValueError):
                 load = None
             if load is not None:
                 return replace(load, answered_ns=max(ts_ns, self.clock()))
-            del self.filters[port]  # the short page failed: the whole page, and ask again next time
+            del self.filters[target]  # the short page failed: the whole page, and ask again next time
             ts_ns = self.clock()
-        text = self._fetch(port, self.path)
+        text = self._fetch(target, self.path)
         load = parse_load(text, ts_ns=ts_ns, server_port=port)
         if load is None:
             return None
         load = replace(load, answered_ns=max(ts_ns, self.clock()))
         if filters is None and self._ask_filtered:
-            self.filters[port] = self._filters_alike(port, text)
+            self.filters[target] = self._filters_alike(target, text)
         return load
 
     def _connected(self, ports: Iterable[int]) -> dict[int, tuple[tuple[str, int, int], ...]]:
@@ -443,19 +485,20 @@ class EngineMetricsScraper:
         is then taken as complete)."""
         return self.accepted() if self.accepted is not None else None
 
-    def _filters_alike(self, port: int, whole: str) -> bool:
-        """Whether the port's filtered page has the same engine's same series as its whole page."""
+    def _filters_alike(self, target: tuple[int, str], whole: str) -> bool:
+        """Whether the engine's filtered page has the same engine's same series as its whole page."""
         try:
-            short = page_series(self._fetch(port, self._filtered_path))
+            short = page_series(self._fetch(target, self._filtered_path))
         except (OSError, ValueError):
             return False
         return short is not None and short == page_series(whole)
 
-    def _fetch(self, port: int, path: str) -> str:
-        """The page, over the port's kept-alive connection; a stale one is replaced once."""
+    def _fetch(self, target: tuple[int, str], path: str) -> str:
+        """The page of the engine at ``target`` (port, address), over its kept-alive connection; a
+        stale one is replaced once."""
         for attempt in (0, 1):
-            reused = port in self._connections
-            connection = self._connections.pop(port, None) or self._open(port)
+            reused = target in self._connections
+            connection = self._connections.pop(target, None) or self._open(target)
             try:
                 status, body, keep_alive = connection.get(path)
                 if status != 200:
@@ -466,14 +509,14 @@ class EngineMetricsScraper:
                     continue  # the engine closed the idle connection: one fresh try
                 raise
             if keep_alive:
-                self._connections[port] = connection
+                self._connections[target] = connection
             else:
                 self._close(connection)
             return body.decode("utf-8", errors="replace")
         raise AssertionError("unreachable")
 
-    def _open(self, port: int) -> PageConnection:
-        host = self.address_of(port) if self.address_of is not None else self.host
+    def _open(self, target: tuple[int, str]) -> PageConnection:
+        port, host = target
         connection = PageConnection(host, port, self.timeout_s)
         self._ends.add(connection.end)
         self._tell_connections()
@@ -517,7 +560,7 @@ class EngineMetricsScraper:
                 load = self.scrape(port)
             except Exception as exc:  # a port that is down or not HTTP: try again later
                 self.errors += 1
-                self.filters.pop(port, None)  # whatever answers next is asked both ways again
+                self._forget_filters(port)  # whatever answers next is asked both ways again
                 failed = self._failed[port] = self._failed.get(port, 0) + 1
                 backoff = (min(NOT_AN_ENGINE_BACKOFF_S, self.interval_s * 2 ** (failed - 1))
                            if port in self._answered else NOT_AN_ENGINE_BACKOFF_S)
@@ -531,7 +574,7 @@ class EngineMetricsScraper:
                 self._skip_until[port] = now + backoff
                 continue
             if load is None:
-                self.filters.pop(port, None)
+                self._forget_filters(port)
                 self._skip_until[port] = now + NOT_AN_ENGINE_BACKOFF_S
                 continue
             self._skip_until.pop(port, None)
@@ -550,6 +593,10 @@ class EngineMetricsScraper:
                                listed_while_busy=port in busy_only)
             loads.append(load)
         return loads
+
+    def _forget_filters(self, port: int) -> None:
+        for target in [target for target in self.filters if target[0] == port]:
+            del self.filters[target]
 
     def start(self) -> EngineMetricsScraper:
         self._thread = threading.Thread(target=self._loop, name="engine-metrics", daemon=True)

@@ -195,11 +195,12 @@ class NetNamespaces:
 
 
 class EngineAddresses:
-    """The address to reach each watched port's engine at (its ``/metrics``): ``default`` (the
-    loopback) where the port is listened on in this namespace, a proxy's end included (Docker's
-    docker-proxy forwards a published port); else the address of the one other namespace that
-    listens on it (a container on a network of its own, reached at its bridge address). Each
-    port's answer is kept ``refresh_s``: the scraper asks as it opens a connection."""
+    """The addresses to reach each watched port's engines at (their ``/metrics``): ``default``
+    (the loopback) where the port is listened on in this namespace and at most one other, a
+    proxy's end included (Docker's docker-proxy forwards a published port); else the address of
+    each other namespace that listens on it (a container on a network of its own, reached at its
+    bridge address; several: pods of a node serving one port). Each port's answer is kept
+    ``refresh_s``: the scraper asks at each scrape."""
 
     def __init__(self, listening_here: Callable[[set[int]], dict[int, set[int]]],
                  namespaces: NetNamespaces | None = None, *, default: str = "127.0.0.1",
@@ -209,26 +210,30 @@ class EngineAddresses:
         self.default = default
         self.refresh_s = refresh_s
         self._monotonic = monotonic
-        self._known: dict[int, tuple[str, float]] = {}  # port -> (address, monotonic time told)
+        self._known: dict[int, tuple[tuple[str, ...], float]] = {}  # port -> (addresses, monotonic time told)
 
-    def of(self, port: int) -> str:
+    def of(self, port: int) -> tuple[str, ...]:
+        """The port's engines' addresses: one, but for a port several other namespaces serve."""
         now = self._monotonic()
         known = self._known.get(port)
         if known is not None and now - known[1] < self.refresh_s:
             return known[0]
-        address = self._look(port)
-        if address != (known[0] if known else self.default):
-            log.info("port %d: engine reached at %s", port, address)
-        self._known[port] = (address, now)
-        return address
+        addresses = self._look(port)
+        if addresses != (known[0] if known else (self.default,)):
+            log.info("port %d: engine%s reached at %s", port, "s" if len(addresses) > 1 else "", ", ".join(addresses))
+        self._known[port] = (addresses, now)
+        return addresses
 
-    def _look(self, port: int) -> str:
+    def _look(self, port: int) -> tuple[str, ...]:
         try:
-            if port in self._here({port}):
-                return self.default
+            here = port in self._here({port})
         except OSError:
-            pass  # not told: the other namespaces decide
+            here = False  # not told: the other namespaces decide
         found = self._namespaces.refresh({port}).get(port, [])
-        if len(found) != 1:  # nowhere (not started yet) or several: which one is not known
-            return self.default
-        return found[0].address(self._namespaces.proc_root) or self.default
+        addresses = tuple(sorted(address for namespace in found
+                                 if (address := namespace.address(self._namespaces.proc_root)) is not None))
+        if len(found) > 1 and len(addresses) == len(found):
+            return addresses  # several containers serve it: each engine at its own address
+        if here or len(found) != 1 or not addresses:  # nowhere yet, or a namespace without an address
+            return (self.default,)
+        return addresses

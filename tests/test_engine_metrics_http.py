@@ -37,10 +37,10 @@ class Server:
     parts in writes of their own (with Nagle on, as a server's own socket has it), and a callable
     may close instead."""
 
-    def __init__(self, answers: list[Answer]) -> None:
+    def __init__(self, answers: list[Answer], host: str = "127.0.0.1", port: int = 0) -> None:
         self.answers = answers
         self.connections = 0
-        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener = socket.create_server((host, port))
         self.port = self.listener.getsockname()[1]
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -82,8 +82,8 @@ class Server:
 def serve() -> Iterator[Callable[[list[Answer]], Server]]:
     servers: list[Server] = []
 
-    def start(answers: list[Answer]) -> Server:
-        servers.append(Server(answers))
+    def start(answers: list[Answer], host: str = "127.0.0.1", port: int = 0) -> Server:
+        servers.append(Server(answers, host, port))
         return servers[-1]
 
     yield start
@@ -403,7 +403,7 @@ def test_a_prometheus_client_engine_is_scraped_for_its_known_series_only(vllm_re
     _, port = vllm_registry
     client = EngineMetricsScraper(lambda: [port], lambda loads: None, timeout_s=2)
     first = client.scrape(port)
-    assert client.filters == {port: True}  # its short page has every series its whole page has
+    assert client.filters == {(port, "127.0.0.1"): True}  # its short page has every series its whole page has
     loads = [first] + [client.scrape(port) for _ in range(3)]
     client.close()
     assert {(x.running, x.waiting, x.generated_tokens, x.aborted) for x in loads if x} == {(3, 1, 1234.0, 2.0)}
@@ -420,16 +420,16 @@ def test_an_engine_whose_short_page_lacks_series_is_read_whole(vllm_registry: tu
     registry, port = vllm_registry
     assert isinstance(registry, CollectorRegistry)
     client = EngineMetricsScraper(lambda: [port], lambda loads: None, timeout_s=2)
-    assert client.scrape(port) is not None and client.filters[port] is True
+    assert client.scrape(port) is not None and client.filters[(port, "127.0.0.1")] is True
     # The engine is replaced by one whose registry answers name[] with nothing (multiprocess mode).
     for collector in list(registry._collector_to_names):
         registry.unregister(collector)
     registry.register(DescribelessCollector(running=5))
     load = client.scrape(port)  # the short page fails: the whole page, in the same scrape
     assert load is not None and (load.running, load.waiting, load.aborted) == (5, 1, 2.0)
-    assert port not in client.filters
+    assert (port, "127.0.0.1") not in client.filters
     load = client.scrape(port)  # asked both ways again: the short page is not used
-    assert load is not None and load.running == 5 and client.filters[port] is False
+    assert load is not None and load.running == 5 and client.filters[(port, "127.0.0.1")] is False
     client.close()
 
 
@@ -512,3 +512,46 @@ def test_an_idle_engine_beside_a_busy_one_is_scraped_at_the_quiet_rate() -> None
             assert after and after[0] - left_at < 0.2 and len(after) >= 3 and not scraper.quiet_ports()
         finally:
             scraper.stop()
+
+
+def page(style: str, running: int, waiting: int, tokens: float | None = None, model: str = "m") -> bytes:
+    """A metrics page of ``style``'s names (vLLM's or SGLang's), labelled with ``model``."""
+    names = {"vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens_total"),
+             "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:generation_tokens_total")}[style]
+    lines = [f'{names[0]}{{model_name="{model}"}} {running}', f'{names[1]}{{model_name="{model}"}} {waiting}']
+    if tokens is not None:
+        lines.append(f'{names[2]}{{model_name="{model}"}} {tokens}')
+    return content_length(("\n".join(lines) + "\n").encode())
+
+
+def test_a_port_several_containers_serve_is_read_as_the_sum_of_their_engines(serve: Callable[..., Server]) -> None:
+    """Pods of a node serving one port, each in a network of its own, are scraped each at its own
+    address and read as one engine: counts summed, over the window from the first request to the
+    last answer. A round one of them does not answer as an engine of the same kind gives nothing
+    (without its requests the others' orphans would look gone): an error, counted."""
+    first = serve([page("vllm", 2, 1, 100.0)] * 3)
+    second = serve([page("vllm", 3, 0, 50.0), b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nno",
+                    page("sglang", 1, 0)], host="127.0.0.2", port=first.port)
+    client = EngineMetricsScraper(lambda: [first.port], lambda loads: None, timeout_s=2, filtered=False,
+                                  addresses_of=lambda port: ("127.0.0.1", "127.0.0.2"))
+    load = client.scrape(first.port)
+    assert load is not None and (load.running, load.waiting, load.generated_tokens) == (5, 1, 150.0)
+    assert load.server_port == first.port and load.style == "vllm" and load.model == "m"
+    assert load.answered_ns is not None and load.ts_ns <= load.answered_ns
+    assert client.scrape_all() == [] and client.errors == 1  # the second answered no metrics page
+    with pytest.raises(OSError, match="engines of different kinds"):
+        client.scrape(first.port)
+    client.close()
+    assert first.connections == 1 and second.connections == 1  # kept alive, each at its own address
+
+
+def test_the_sum_of_engines_lacks_what_one_of_them_lacks() -> None:
+    from collectors.enginemetrics import summed
+
+    loads = [EngineLoad(ts_ns=10, server_port=8000, running=1, generated_tokens=5.0, model="a", style="vllm",
+                        aborted=None, answered_ns=20),
+             EngineLoad(ts_ns=12, server_port=8000, running=2, waiting=4, generated_tokens=None, model="b",
+                        style="vllm", aborted=None, answered_ns=30)]
+    load = summed(loads)
+    assert (load.running, load.waiting, load.generated_tokens, load.model, load.aborted) == (3, 4, None, None, None)
+    assert (load.ts_ns, load.answered_ns) == (10, 30)

@@ -88,8 +88,8 @@ def test_other_namespaces_listening_are_found(namespace: str) -> None:
             assert space.pid == server.pid and spaces.processes_read > 1
             assert space.address(Path("/proc")) == ENGINE_ADDR
             # Its engine's /metrics is reached there; at the loopback where this namespace listens too.
-            assert EngineAddresses(lambda ports: {}).of(8765) == ENGINE_ADDR
-            assert EngineAddresses(lambda ports: {8765: {1}}).of(8765) == "127.0.0.1"
+            assert EngineAddresses(lambda ports: {}).of(8765) == (ENGINE_ADDR,)
+            assert EngineAddresses(lambda ports: {8765: {1}}).of(8765) == ("127.0.0.1",)
     finally:
         server.kill()
         server.wait()
@@ -171,7 +171,7 @@ def test_the_engine_process_is_the_one_listening_in_the_other_namespace(namespac
             pids, unknown = ListenerPids(other_namespaces=NetNamespaces()).resolve({8765})
             told = check_engines([8765], otlp=(f"{HOST_ADDR}:4318",))
         assert pids == {} and "listened on in 2 other network namespaces" in unknown[8765], unknown
-        assert told.state == "degraded" and "process.pid" in told.fix, told
+        assert told.state == "ok" and "8765: several engines, each scraped at its own address" in told.detail, told
     finally:
         for server in servers:
             server.kill()
@@ -395,15 +395,19 @@ def test_engine_in_its_own_network_judged_against_truth(tmp_path: Path, namespac
     assert tally["cancels right"] == 4 and not problems, (tally, problems)
 
 
+@pytest.mark.parametrize("behavior", ["detached", "abort-vllm-like"])
 @pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
-def test_two_containers_serving_one_port_are_each_costed_to_their_own_engine(tmp_path: Path, namespace: str,
-                                                                             source: str) -> None:
+def test_two_containers_serving_one_port_judged_and_costed_each_by_its_own_engine(
+        tmp_path: Path, namespace: str, source: str, behavior: str) -> None:
     """Pods of one node serve the same port, each in a network of its own, and their spans name no
     process (the SDK's default). Each sends its spans straight to the daemon (one over OTLP/HTTP,
-    the other over gRPC), from its own address:
-    its requests are judged against its own truth log, and its zombies costed to its own engine
-    process (the one listening at that address), where before neither was costed, and shared
-    among its own engine's requests only (both engines have one service name)."""
+    the other over gRPC), from its own address: its requests are judged against its own truth log.
+    ``detached``: its zombies are costed to its own engine process (the one listening at that
+    address), where before neither was costed, and shared among its own engine's requests only
+    (both engines have one service name). ``abort-vllm-like``: no engine span for an aborted
+    request, as vLLM: the aborts are told by the engines' gauges, each engine scraped at its own
+    address and their counts summed for the port, where before neither was scraped and every
+    abort was unconfirmed."""
     second_host, second_engine = "10.231.8.1", "10.231.8.2"
     with contextlib.ExitStack() as stack:
         other = stack.enter_context(joined_namespace(f"{namespace}c", f"aud{os.getpid() % 100000}c",
@@ -415,7 +419,7 @@ def test_two_containers_serving_one_port_are_each_costed_to_their_own_engine(tmp
         for name, otlp, address in ((namespace, f"http://{HOST_ADDR}:{daemon.status.http_port}", ENGINE_ADDR),
                                     (other, f"grpc://{second_host}:{daemon.status.grpc_port}", second_engine)):
             engines[address] = stack.enter_context(running_engine(
-                port=engines[ENGINE_ADDR].port if engines else 0, behavior="detached",
+                port=engines[ENGINE_ADDR].port if engines else 0, behavior=behavior.removesuffix("-vllm-like"),
                 otlp=otlp, truth_log=tmp_path / f"truth-{address}.jsonl", step_ms=10,
                 max_batch=4, host=address, netns=name, extra_args=["--no-process-pid"]))
         port = engines[ENGINE_ADDR].port
@@ -446,9 +450,16 @@ def test_two_containers_serving_one_port_are_each_costed_to_their_own_engine(tmp
             for tally, _ in told().values()), timeout_s=20), told()
         time.sleep(0.5)
         tallies, rows = told(), verdict_rows(daemon)
+        scraped = port in daemon._parts["engine_metrics"]._answered
     for address, (tally, problems) in tallies.items():
         assert tally["cancels"] == (3 if address == ENGINE_ADDR else 1) and tally["completed"] == 1, (address, tally)
         assert tally["cancels right"] == tally["cancels"] and not problems, (address, tally, problems)
+    assert scraped, "the engines' /metrics were not reached at their own networks' addresses"
+    if behavior != "detached":
+        aborts = [row for row in rows if row.verdict == "aborted"]
+        assert len(aborts) == 4 and all(row.details.get("evidence") == "engine_metrics" for row in aborts), [
+            (row.verdict, row.details.get("evidence")) for row in rows]
+        return
     zombies = [row for row in rows if row.verdict == "zombie"]
     assert len(zombies) == 4, [(row.client_addr, row.verdict) for row in rows]
     for row in zombies:

@@ -213,9 +213,9 @@ def check_engines(ports: Iterable[int], proc_root: Path = Path("/proc"), otlp: I
     of its own (``probes.netns``), both (the host's end a proxy's, as Docker's docker-proxy), or
     nowhere yet. The eBPF probe sees every namespace; the /proc fallback reads another's table
     through a process in it. Several other namespaces on one port (pods of a node serving one port)
-    are told apart by the address their spans come from, and their engines' /metrics are not
-    scraped. A container's engine sends its spans to its own loopback if ``otlp`` (the receivers'
-    addresses) listen on this one only."""
+    are told apart by the address their spans come from, and their engines' /metrics scraped each
+    at its own address and summed. A container's engine sends its spans to its own loopback if
+    ``otlp`` (the receivers' addresses) listen on this one only."""
     from collectors.listeners import listening_inodes
     from probes.netns import NetNamespaces
 
@@ -237,18 +237,16 @@ def check_engines(ports: Iterable[int], proc_root: Path = Path("/proc"), otlp: I
                    "/proc/<pid>/net/tcp, without the kernel's notices: a connection shorter than a poll is "
                    "missed there, and a client's FIN is told from a reset only when a poll sees it")
     several = [port for port in wanted if len(elsewhere.get(port, [])) > 1]
+    if several:
+        detail += (f"; port(s) {', '.join(map(str, several))}: several engines, each scraped at its own address "
+                   "and their gauges summed; a request is costed to the engine at the address its spans came "
+                   "from, so each engine must send them straight to this daemon (through a collector, put "
+                   "process.pid in each engine's OpenTelemetry resource)")
     if elsewhere and loopback_only(otlp):
         return Check("engines", DEGRADED, detail, "the OTLP receivers listen on the loopback, which a container on "
                      "a network of its own cannot reach (its 127.0.0.1 is its own): set otlp.http (or otlp.grpc) "
                      "to this host's address on that network (the bridge's gateway, 172.17.0.1 on Docker's "
                      "default) or 0.0.0.0 with otlp.token, and the engine's OTLP endpoint to it")
-    if several:
-        return Check("engines", DEGRADED, detail, f"port(s) {', '.join(map(str, several))} are listened on in "
-                     "several containers' networks: a request is costed to the engine at the address its spans "
-                     "came from, so each engine must send them straight to this daemon (through a collector, "
-                     "put process.pid in each engine's OpenTelemetry resource instead); their /metrics are not "
-                     "scraped, so an engine that sends no span for an aborted request (vLLM) has its aborts "
-                     "unconfirmed: serve each engine on a port of its own to have them scraped")
     return Check("engines", OK, detail)
 
 

@@ -363,8 +363,10 @@ def _waste(corr: Correlator, request: OpenRequest, origin: Any, started: int | N
         details["cost_unmeasured"] = f"no utilization samples of process {pid}"
     if gpu.source:
         details["gpu_time_of"] = gpu.source  # where the GPU time was read: "pid 5001", "GPUs 2, 3"
-    # The engine's own running gauge when scraped: a request waiting its turn shares nothing.
-    gauge = (lambda ts: corr.loads.running_at(port, ts)) if corr.loads.watched(port) else None
+    # The engine's own running gauge when scraped: a request waiting its turn shares nothing. Not
+    # on a port several containers serve: its gauges are their sum, and the time read one engine's.
+    gauge = ((lambda ts: corr.loads.running_at(port, ts))
+             if corr.loads.watched(port) and port not in corr.cost.shared else None)
     engine_name = engine_of(service, span.attributes if span else None)
     sharers = sharers_at(corr.spans.runs, engine_name, trace_id, corr.live.running_work(service), gauge)
     if request.cost_partial is None and end_ns - start_ns > PARTIAL_MIN_NS:
