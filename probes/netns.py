@@ -196,11 +196,11 @@ class NetNamespaces:
 
 class EngineAddresses:
     """The addresses to reach each watched port's engines at (their ``/metrics``): ``default``
-    (the loopback) where the port is listened on in this namespace and at most one other, a
-    proxy's end included (Docker's docker-proxy forwards a published port); else the address of
-    each other namespace that listens on it (a container on a network of its own, reached at its
-    bridge address; several: pods of a node serving one port). Each port's answer is kept
-    ``refresh_s``: the scraper asks at each scrape."""
+    (the loopback) where the port is listened on in this namespace, a proxy's end included
+    (Docker's docker-proxy forwards a published port); else the address of each other namespace
+    that listens on it (a container on a network of its own, reached at its bridge address;
+    several: pods of a node serving one port). Each port's answer is kept ``refresh_s``: the
+    scraper asks at each scrape."""
 
     def __init__(self, listening_here: Callable[[set[int]], dict[int, set[int]]],
                  namespaces: NetNamespaces | None = None, *, default: str = "127.0.0.1",
@@ -226,14 +226,13 @@ class EngineAddresses:
 
     def _look(self, port: int) -> tuple[str, ...]:
         try:
-            here = port in self._here({port})
+            if port in self._here({port}):
+                return (self.default,)  # no look at the others (a stat of every process) for an engine here
         except OSError:
-            here = False  # not told: the other namespaces decide
+            pass  # not told: the other namespaces decide
         found = self._namespaces.refresh({port}).get(port, [])
         addresses = tuple(sorted(address for namespace in found
                                  if (address := namespace.address(self._namespaces.proc_root)) is not None))
-        if len(found) > 1 and len(addresses) == len(found):
-            return addresses  # several containers serve it: each engine at its own address
-        if here or len(found) != 1 or not addresses:  # nowhere yet, or a namespace without an address
+        if not found or len(addresses) != len(found):  # nowhere yet, or a namespace without an address
             return (self.default,)
-        return addresses
+        return addresses  # one container's, or each of several serving the port

@@ -170,3 +170,33 @@ def test_one_reader_of_the_kernels_socket_tables_skips_what_it_cannot_read() -> 
     assert bound_inodes(text, {8000, 8001, 9}) == {8000: {1111, 5555}, 8001: {3333}}
     assert bound_inodes(text, {8000}, UDP_UNCONNECTED) == {8000: {6666}}
     assert bound_inodes("", {8000}) == {} and bound_inodes("garbage\n\x00\n", {8000}) == {}
+
+
+class TwoPods:
+    """Two other network namespaces listening on ``port``, as pods of a node serving one port:
+    the first's LISTEN socket is this test's listener (its process: this one), the second's an
+    inode no process here holds (another user's, unreadable)."""
+
+    def __init__(self, port: int, inode: int) -> None:
+        self.port = port
+        self.inodes = {port: {inode, 1}}
+        self._by_address = {"10.244.1.5": {inode}, "10.244.1.6": {1}}
+
+    def refresh(self, ports: object) -> dict[int, list[object]]:
+        return {self.port: [object(), object()]}
+
+    def by_address(self, port: int) -> dict[str, set[int]]:
+        return self._by_address if port == self.port else {}
+
+
+def test_a_port_several_containers_serve_names_each_ones_process_by_its_address() -> None:
+    """Each namespace's listener by its address (``shared``), none for the port as a whole; a
+    process the eBPF probe saw closing a connection there is one of their engines, not the port's."""
+    with listener() as engine:
+        port = engine.getsockname()[1]
+        inode = os.stat(f"/proc/self/fd/{engine.fileno()}").st_ino
+        finder = ListenerPids(listening=lambda ports: {}, other_namespaces=TwoPods(port, inode))
+        found, unknown = finder.resolve([port], closers=lambda: {port: 4242})
+    assert found == {} and finder.shared == {port: {"10.244.1.5": os.getpid()}}
+    assert "listened on in 2 other network namespaces" in unknown[port]
+    assert "the spans came from none of their addresses" in unknown[port] and CLOSERS_HINT not in unknown[port]
