@@ -278,6 +278,9 @@ class EngineLoad:
     # not because a client had left or a verdict asked: kept a short while unless a client left
     # near it (``EngineLoads.add``).
     listed_while_busy: bool = False
+    # A port several containers serve: its counts are their engines' sum, and this each one's
+    # running count by its address (who shared an engine's time is its own count). None: one engine.
+    running_by_address: tuple[tuple[str, int], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,11 +229,12 @@ def _values(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return values
 
 
-def summed(loads: list[EngineLoad]) -> EngineLoad:
-    """The gauges of the engines that serve one port (containers, each in a network of its own), as
-    of one engine: each count summed, a series one of them lacks lacking, one model where all name
-    it; the window from the first request sent to the last answer (each engine's moment is within
-    it). Engines of different kinds (their metric names) are not summed: OSError."""
+def summed(loads: list[EngineLoad], addresses: tuple[str, ...]) -> EngineLoad:
+    """The gauges of the engines that serve one port (containers, each in a network of its own, at
+    ``addresses``), as of one engine: each count summed, a series one of them lacks lacking, one
+    model where all name it; the window from the first request sent to the last answer (each
+    engine's moment is within it); and each one's running count by its address. Engines of
+    different kinds (their metric names) are not summed: OSError."""
     first = loads[0]
     if any(load.style != first.style for load in loads):
         raise OSError(f"engines of different kinds on port {first.server_port}: "
@@ -249,7 +250,9 @@ def summed(loads: list[EngineLoad]) -> EngineLoad:
                       step_tokens=total([load.step_tokens for load in loads]),
                       model=models.pop() if len(models) == 1 else None, style=first.style,
                       aborted=total([load.aborted for load in loads]),
-                      answered_ns=max(load.answered_ns or load.ts_ns for load in loads))
+                      answered_ns=max(load.answered_ns or load.ts_ns for load in loads),
+                      running_by_address=tuple((address, load.running) for address, load in zip(addresses, loads,
+                                                                                                 strict=True)))
 
 
 class PageConnection:
@@ -441,7 +444,7 @@ class EngineMetricsScraper:
             if load is None:
                 raise OSError(f"the engine at {address} answered with no known metric")
             loads.append(load)
-        return summed(loads)
+        return summed(loads, addresses)
 
     def _scrape_at(self, port: int, address: str) -> EngineLoad | None:
         # The gauges describe the engine at one moment between the request and its answer; both

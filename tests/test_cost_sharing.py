@@ -552,3 +552,20 @@ def test_the_run_index_tells_engines_apart_by_where_their_spans_came_from() -> N
     (("::1", 41000, 0, 0), None), ((), None), ("", None), (None, None)])
 def test_the_sender_kept_on_spans_is_a_containers_address_not_the_loopback(peer: object, kept: str | None) -> None:
     assert sender_address(peer) == kept
+
+
+def test_on_a_port_several_containers_serve_the_sharers_are_read_from_the_engines_own_count(store: Store) -> None:
+    """The port's scrapes sum its engines' gauges (3 running: 2 on the first pod, ``a`` and one whose
+    span has not come, 1 on the second); ``a``'s share of its engine's time is read from its own
+    engine's count: 2-6 s at 100 % by two = 2 CPU-s (the sum would make it 1.33, its spans alone 4)."""
+    first, second = "10.244.1.5", "10.244.1.6"
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.cost.set_listeners({}, {}, {SERVER_PORT: {first: PID, second: PID + 1}})
+    correlator.add_engine_load([EngineLoad(ts_ns=T0 + i * S // 10, server_port=SERVER_PORT, running=3,
+                                           running_by_address=((first, 2), (second, 1))) for i in range(80)])
+    store.insert_spans([from_container(http_span("a", 0, 2.0), first),
+                        from_container(engine("a", 0, 6.0, 0.0, pid=None), first)])
+    store.insert_conn_events([close(2.0)])
+    busy(store, 8.0)
+    assert judge(store, clock, 10.0, correlator)["a"] == pytest.approx(2.0, rel=0.03)

@@ -537,6 +537,7 @@ def test_a_port_several_containers_serve_is_read_as_the_sum_of_their_engines(ser
     load = client.scrape(first.port)
     assert load is not None and (load.running, load.waiting, load.generated_tokens) == (5, 1, 150.0)
     assert load.server_port == first.port and load.style == "vllm" and load.model == "m"
+    assert load.running_by_address == (("127.0.0.1", 2), ("127.0.0.2", 3))
     assert load.answered_ns is not None and load.ts_ns <= load.answered_ns
     assert client.scrape_all() == [] and client.errors == 1  # the second answered no metrics page
     with pytest.raises(OSError, match="engines of different kinds"):
@@ -552,6 +553,6 @@ def test_the_sum_of_engines_lacks_what_one_of_them_lacks() -> None:
                         aborted=None, answered_ns=20),
              EngineLoad(ts_ns=12, server_port=8000, running=2, waiting=4, generated_tokens=None, model="b",
                         style="vllm", aborted=None, answered_ns=30)]
-    load = summed(loads)
+    load = summed(loads, ("10.0.0.1", "10.0.0.2"))
     assert (load.running, load.waiting, load.generated_tokens, load.model, load.aborted) == (3, 4, None, None, None)
     assert (load.ts_ns, load.answered_ns) == (10, 30)

@@ -465,6 +465,8 @@ def test_two_containers_serving_one_port_judged_and_costed_each_by_its_own_engin
     for row in zombies:
         assert "cost_unmeasured" not in row.details and row.wasted_cpu_seconds > 0, (
             row.client_addr, row.details.get("cost_unmeasured"))
+        # Which pod's engine ran it: the one the client reached (each over its own veth pair).
+        assert row.details["engine_address"] == (ENGINE_ADDR if row.client_addr == HOST_ADDR else second_engine)
     # Each engine's zombies together were charged about its core for their window (less what the
     # two engines and the daemon took from each other on this machine's cores): the three of the
     # first shared it, the second's had it alone.

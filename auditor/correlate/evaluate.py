@@ -363,10 +363,13 @@ def _waste(corr: Correlator, request: OpenRequest, origin: Any, started: int | N
         details["cost_unmeasured"] = f"no utilization samples of process {pid}"
     if gpu.source:
         details["gpu_time_of"] = gpu.source  # where the GPU time was read: "pid 5001", "GPUs 2, 3"
-    # The engine's own running gauge when scraped: a request waiting its turn shares nothing. Not
-    # on a port several containers serve: its gauges are their sum, and the time read one engine's.
-    gauge = ((lambda ts: corr.loads.running_at(port, ts))
-             if corr.loads.watched(port) and port not in corr.cost.shared else None)
+    if sender and port in corr.cost.shared:
+        details["engine_address"] = sender  # which of the containers serving the port ran it
+    # The engine's own running gauge when scraped: a request waiting its turn shares nothing. On a
+    # port several containers serve, the count of the one its spans came from (the time read is its).
+    shared = port in corr.cost.shared
+    gauge = ((lambda ts: corr.loads.running_at(port, ts, sender if shared else None))
+             if corr.loads.watched(port) and (sender or not shared) else None)
     engine_name = engine_of(service, span.attributes if span else None)
     sharers = sharers_at(corr.spans.runs, engine_name, trace_id, corr.live.running_work(service), gauge)
     if request.cost_partial is None and end_ns - start_ns > PARTIAL_MIN_NS:

@@ -484,13 +484,20 @@ class EngineLoads:
             _take_one(self._untils_sorted[port], known[1])
         self._registered_at(*known)
 
-    def running_at(self, port: int, ts_ns: int) -> int | None:
-        """Requests the engine was running at ``ts_ns`` (the scrape before it), None without scrapes."""
+    def running_at(self, port: int, ts_ns: int, address: str | None = None) -> int | None:
+        """Requests the engine was running at ``ts_ns`` (the scrape before it), None without scrapes.
+        ``address``: on a port several containers serve, the count of the engine there (None where
+        that scrape has none of it)."""
         series = self._loads.get(port)
         if not series:
             return None
         index = bisect.bisect_right(series, ts_ns, key=_TS) - 1
-        return series[index].running if index >= 0 else None
+        if index < 0:
+            return None
+        load = series[index]
+        if address is not None and load.running_by_address is not None:
+            return next((running for at, running in load.running_by_address if at == address), None)
+        return load.running
 
     def work_end(self, port: int, disconnect_ns: int, started_ns: int,
                  connected_at: Callable[[int, int], int], connected_until_ns: int | None = None,
