@@ -241,7 +241,8 @@ def summed(loads: list[EngineLoad], addresses: tuple[str, ...]) -> EngineLoad:
                       f"{', '.join(sorted({load.style for load in loads}))}")
 
     def total(values: list[float | None]) -> float | None:
-        return None if any(value is None for value in values) else sum(value for value in values if value is not None)
+        present = [value for value in values if value is not None]
+        return sum(present) if len(present) == len(values) else None
 
     models = {load.model for load in loads}
     return EngineLoad(ts_ns=min(load.ts_ns for load in loads), server_port=first.server_port,

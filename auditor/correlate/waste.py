@@ -377,8 +377,9 @@ class RunIndex:
     def add(self, span: SpanRecord) -> None:
         if span.role not in (SpanRole.ENGINE, SpanRole.HTTP_SERVER) or span.end_ns < span.start_ns:
             return
+        engine = span.role is SpanRole.ENGINE
         # Most held spans keep no attribute (one shared empty dict): their engine is their service.
-        engine, name = span.role is SpanRole.ENGINE, engine_of(span.service, span.attributes) if span.attributes else span.service
+        name = engine_of(span.service, span.attributes) if span.attributes else span.service
         if engine:
             self._engines.add(name)
         elif name in self._engines:
