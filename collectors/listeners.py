@@ -97,7 +97,10 @@ def holders(inodes: set[int], proc_root: Path = Path("/proc")) -> tuple[dict[int
 class OtherNamespaces(Protocol):
     """The other network namespaces listening on ports (the daemon passes ``probes.netns``'s)."""
 
-    inodes: dict[int, set[int]]  # port -> the LISTEN sockets there, at the latest refresh
+    @property
+    def inodes(self) -> dict[int, set[int]]:
+        """Port -> the LISTEN sockets there, at the latest refresh."""
+        ...
 
     def refresh(self, ports: Iterable[int]) -> Mapping[int, Sequence[object]]:
         """Port -> the other namespaces listening on it."""

@@ -109,7 +109,6 @@ class NetNamespaces:
         self.own = _ident(proc_root / "self" / "net" / "tcp")
         self._members: dict[int, int] = {}  # namespace -> the process it was last read through
         self.processes_read = 0  # processes stat'ed by the latest refresh (its cost grows with them)
-        self.inodes: dict[int, set[int]] = {}  # port -> its LISTEN sockets there, at the latest refresh
         # port -> [(a namespace listening on it, its LISTEN sockets there)], at the latest refresh
         self.listeners: dict[int, list[tuple[Namespace, set[int]]]] = {}
         self.tables_read = 0  # TCP tables the latest refresh read (each a walk of the connection hash)
@@ -123,7 +122,7 @@ class NetNamespaces:
         """Port -> the other namespaces with a socket listening on it, in a stable order; every
         process's namespace looked at anew (one may have entered another since)."""
         wanted = frozenset(ports)
-        self.inodes, self.listeners = {}, {}
+        self.listeners = {}
         if not wanted or self.own is None:
             return {}
         by_ident: dict[int, list[int]] = {}
@@ -154,9 +153,13 @@ class NetNamespaces:
             namespace = Namespace(ident, pid, versions)
             for port, inodes in listened.items():
                 found.setdefault(port, []).append(namespace)
-                self.inodes.setdefault(port, set()).update(inodes)
                 self.listeners.setdefault(port, []).append((namespace, inodes))
         return found
+
+    @property
+    def inodes(self) -> dict[int, set[int]]:
+        """Port -> its LISTEN sockets in the other namespaces, at the latest refresh."""
+        return {port: set().union(*(inodes for _, inodes in listened)) for port, listened in self.listeners.items()}
 
     def by_address(self, port: int) -> dict[str, set[int]]:
         """The address of each namespace listening on ``port`` at the latest refresh (its bridge's,
@@ -231,8 +234,7 @@ class EngineAddresses:
         except OSError:
             pass  # not told: the other namespaces decide
         found = self._namespaces.refresh({port}).get(port, [])
-        addresses = tuple(sorted(address for namespace in found
-                                 if (address := namespace.address(self._namespaces.proc_root)) is not None))
+        addresses = tuple(sorted(self._namespaces.by_address(port)))
         if not found or len(addresses) != len(found):  # nowhere yet, or a namespace without an address
             return (self.default,)
         return addresses  # one container's, or each of several serving the port

@@ -347,8 +347,7 @@ def _waste(corr: Correlator, request: OpenRequest, origin: Any, started: int | N
     span = engine or base
     service, trace_id = (span.service, span.trace_id) if span else ("", "")
     # Where its spans came from: on a port several containers serve, which one's engine ran it.
-    sender = next((s.attributes.get(SENDER_KEY) for s in (engine, base) if s is not None and s.attributes
-                   and s.attributes.get(SENDER_KEY)), None)
+    sender = next((found for s in (engine, base) if s is not None and (found := s.attributes.get(SENDER_KEY))), None)
     samples = corr.cost.samples
     samples.refresh(corr.clock())
     pid = corr.cost.engine_pid((engine.process_pid if engine else None) or (base.process_pid if base else None),
