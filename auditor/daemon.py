@@ -518,13 +518,15 @@ class Daemon:
         """The processes listening on the watched ports, for engines whose spans name no process:
         the correlator charges their cost, the CPU sampler follows them. Where /proc does not tell
         (another user's engine, no CAP_SYS_PTRACE), the eBPF probe's closing process does. A port
-        several containers serve has one in each, named by its address."""
+        several containers serve has one in each, named by its address; the correlator is told
+        their addresses whether their processes are found or not (its joins weigh them)."""
         listeners, probe = self._parts.get("listeners"), self._parts.get("probe")
         if listeners is None:
             return set()
         closers = probe.server_pids if probe is not None and probe.name == "bpf" else None
         found, unknown = listeners.resolve(self._ports, closers)
         self.correlator.cost.set_listeners(found, unknown, listeners.shared)
+        self.correlator.set_servers(listeners.servers)
         self._warn_unreachable_receivers(listeners.in_other_namespaces)
         return set(found.values()).union(*(by_address.values() for by_address in listeners.shared.values()))
 

@@ -127,6 +127,8 @@ class ListenerPids:
                                   dict[int, dict[str, set[int]]]] | None = None
         # A port listened on in several other namespaces -> each one's address -> its process.
         self.shared: dict[int, dict[str, int]] = {}
+        # The same ports -> every such namespace's address, its process found or not.
+        self.servers: dict[int, frozenset[str]] = {}
         # Port -> listening inodes, a cheaper way than /proc/net/tcp (which stays the fallback).
         self._listening = listening
         self.refresh_s = refresh_s
@@ -207,6 +209,8 @@ class ListenerPids:
         pids: dict[int, int] = {}
         unknown: dict[int, str] = {}
         self.shared = {}
+        self.servers = {port: frozenset(by_address) for port, by_address in addresses.items()
+                        if namespaces.get(port, 0) > 1}
         for port in sorted(ports):
             held = [self._pid_by_inode[i] for i in sorted(inodes.get(port, ())) if i in self._pid_by_inode]
             if namespaces.get(port, 0) > 1:

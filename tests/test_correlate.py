@@ -14,6 +14,7 @@ from sqlalchemy import event, func, select
 from auditor.correlate import Correlator
 from auditor.correlate.correlator import _counted_close_ids
 from auditor.correlate.evidence import FINAL_SEND_ATTR, ORPHANS_SETTLE_WOKEN_NS
+from auditor.correlate.requests import Disconnect
 from auditor.model import (
     ConnEvent,
     ConnEventKind,
@@ -25,6 +26,7 @@ from auditor.model import (
     UtilSample,
     Verdict,
 )
+from auditor.semconv import SENDER_KEY
 from auditor.store import CoverageRow, Store, VerdictRow
 from auditor.store.eventblocks import event_id
 
@@ -751,6 +753,45 @@ def test_keep_alive_close_joins_the_request_in_flight_and_idle_close_is_counted(
     correlator.tick()
     assert coverage(store, "idle_close") == 1 and coverage(store, "unjoined_disconnect") == 0
     assert len(verdicts(store)) == 1
+
+
+def test_a_close_on_one_pod_is_not_joined_to_another_pods_request_on_the_same_4_tuple(store: Store) -> None:
+    """Two pods serve port 8000, and a gateway at one address reaches both from one source port
+    (CLIENT): ``b`` on the second pod runs 0-4 s and is read whole, ``a`` on the first ends at 1 s
+    and its connection closes at 1.5 s. That close is the first pod's (its server address), and
+    ``b``'s spans came from the second: no verdict for ``b``, an idle close. ``c`` on the first pod
+    is left at 2 s by its client on another port: a zombie. ``d``'s spans came through a collector
+    (its address is no pod's): a close on its 4-tuple at either pod may be its own, and is joined."""
+    first, second, collector = "10.244.1.5", "10.244.1.6", "10.0.0.9"
+    other, relayed = ("127.0.0.1", 40002), ("127.0.0.1", 40003)
+
+    def sent_from(span: SpanRecord, address: str) -> SpanRecord:
+        return replace(span, attributes={SENDER_KEY: address})
+
+    def closed_at(event: ConnEvent, address: str) -> ConnEvent:
+        return event._replace(server_addr=address)
+
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.set_servers({SERVER_PORT: frozenset({first, second})})
+    store.insert_spans([sent_from(http_span("b", 0, 4.0), second), sent_from(engine_span("b", 0, 4.0, "length"), second),
+                        sent_from(http_span("a", 0.5, 1.0), first),
+                        sent_from(http_span("c", 0, 4.0, client=other), first),
+                        sent_from(engine_span("c", 0, 4.0, "length", request_id="cmpl-c"), first),
+                        sent_from(http_span("d", 0, 4.0, client=relayed), collector),
+                        sent_from(engine_span("d", 0, 4.0, "length", request_id="cmpl-d"), collector)])
+    store.insert_conn_events([closed_at(close(1.5), first), closed_at(close(2.0, client=other), first),
+                              closed_at(close(2.0, client=relayed), second)])
+    clock.now = T0 + 5 * S
+    correlator.tick()
+    assert {row.trace_id[0]: row.verdict for row in verdicts(store)} == {"c": "zombie", "d": "zombie"}
+    clock.now = T0 + 7 * S
+    correlator.tick()
+    assert coverage(store, "idle_close") == 1 and coverage(store, "unjoined_disconnect") == 0
+    on = {address: Disconnect(1, T0, "fin", (*CLIENT, SERVER_PORT), server_addr=address)
+          for address in (first, second, collector, "")}
+    assert [correlator.elsewhere(on[address]) for address in (first, second, collector, "")] == [
+        {second}, {first}, frozenset(), frozenset()]
 
 
 def test_engine_span_joined_by_request_id(store: Store) -> None:

@@ -190,13 +190,16 @@ class TwoPods:
 
 
 def test_a_port_several_containers_serve_names_each_ones_process_by_its_address() -> None:
-    """Each namespace's listener by its address (``shared``), none for the port as a whole; a
-    process the eBPF probe saw closing a connection there is one of their engines, not the port's."""
+    """Each namespace's listener by its address (``shared``), none for the port as a whole, and
+    every namespace's address (``servers``); a process the eBPF probe saw closing a connection
+    there is one of their engines, not the port's."""
     with listener() as engine:
         port = engine.getsockname()[1]
         inode = os.stat(f"/proc/self/fd/{engine.fileno()}").st_ino
         finder = ListenerPids(listening=lambda ports: {}, other_namespaces=TwoPods(port, inode))
         found, unknown = finder.resolve([port], closers=lambda: {port: 4242})
     assert found == {} and finder.shared == {port: {"10.244.1.5": os.getpid()}}
+    # Both addresses serve the port, the second's process unread: the correlator's joins weigh both.
+    assert finder.servers == {port: {"10.244.1.5", "10.244.1.6"}}
     assert "listened on in 2 other network namespaces" in unknown[port]
     assert "the spans came from none of their addresses" in unknown[port] and CLOSERS_HINT not in unknown[port]

@@ -30,7 +30,10 @@ from replay.engine.launch import running_engine
 from tests.e2e import (
     cancel_after,
     complete,
+    disconnect,
+    read_response,
     running_daemon,
+    send_request,
     tally_against_truth,
     verdict_rows,
     wait_for,
@@ -475,3 +478,93 @@ def test_two_containers_serving_one_port_judged_and_costed_each_by_its_own_engin
         lag = sum(row.lag_seconds or 0.0 for row in mine) / len(mine)
         charged = sum(row.wasted_cpu_seconds for row in mine)
         assert 0.7 * lag < charged < 1.1 * lag, (exporter, charged, [row.lag_seconds for row in mine])
+
+
+def _bound_to(address: str, port: int) -> socket.socket:
+    """A client socket bound to ``address:port`` that another may share (SO_REUSEADDR): a client
+    of two pods may get one source port for both, as Linux picks source ports per destination."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, port))
+    return sock
+
+
+@pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
+def test_one_client_port_to_two_pods_joins_each_close_to_its_own_pods_request(
+        tmp_path: Path, namespace: str, source: str) -> None:
+    """A gateway reaches two pods of one port from one address, and two of its connections, one to
+    each pod, have the same source port: the same client address and port and server port. A
+    close on one must not be joined to the other pod's request in flight: the kernel's events say
+    which pod's socket closed (its address), and each pod's spans come from its own address."""
+    second_host, second_engine = "10.231.8.1", "10.231.8.2"
+    with contextlib.ExitStack() as stack:
+        other = stack.enter_context(joined_namespace(f"{namespace}c", f"aud{os.getpid() % 100000}c",
+                                                     second_host, second_engine))
+        for name, gateway in ((namespace, HOST_ADDR), (other, second_host)):  # each pod answers any host address
+            _ip("-n", name, "route", "add", "default", "via", gateway)
+        daemon = stack.enter_context(running_daemon(tmp_path, **{
+            "probe.source": source, "probe.poll_hz": 20.0, "otlp.http": "0.0.0.0:0"}))
+        engines = {}
+        for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host)):
+            engines[address] = stack.enter_context(running_engine(
+                port=engines[ENGINE_ADDR].port if engines else 0, behavior="detached",
+                otlp=f"http://{exporter}:{daemon.status.http_port}", truth_log=tmp_path / f"truth-{address}.jsonl",
+                step_ms=10, max_batch=4, host=address, netns=name, extra_args=["--no-process-pid"]))
+        port = engines[ENGINE_ADDR].port
+        daemon.set_ports({port})
+        if source == "procfs":
+            assert wait_for(lambda: len(daemon._parts["probe"].other_namespaces().get(port, ())) == 2, timeout_s=5)
+        time.sleep(0.3)
+
+        def pair(index: int, left: str) -> threading.Thread:
+            """On one source port, a request to each pod. ``done-fin``, ``done-rst``: a long one to the
+            second pod, read whole; 0.3 s in, a short one to the first, read whole, and its
+            connection closed 0.2 s later (as a gateway's pool lets an idle one go). ``fin``,
+            ``rst``: a long one to the first pod, and 0.3 s in a long one to the second (the latest
+            to start on the 4-tuple), read whole; the first's client leaves 0.3 s later."""
+            first = _bound_to(HOST_ADDR, 0)
+            second = _bound_to(HOST_ADDR, first.getsockname()[1])
+            first.connect((ENGINE_ADDR, port))
+            second.connect((second_engine, port))
+
+            def run() -> None:
+                with second:
+                    if left.startswith("done-"):
+                        send_request(port, stream=True, max_tokens=150, request_id=f"read{index}", sock=second)
+                        time.sleep(0.3)
+                        send_request(port, stream=False, max_tokens=4, request_id=f"short{index}", sock=first)
+                        read_response(first)
+                        time.sleep(0.2)
+                    else:
+                        send_request(port, stream=True, max_tokens=150, request_id=f"left{index}", sock=first)
+                        time.sleep(0.3)
+                        send_request(port, stream=True, max_tokens=150, request_id=f"read{index}", sock=second)
+                        time.sleep(0.3)
+                    disconnect(first, left.removeprefix("done-"))
+                    read_response(second)
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            return thread
+
+        for thread in [pair(index, left) for index, left in enumerate(("done-fin", "fin", "rst", "done-rst"))]:
+            thread.join()
+        for address, expected in ((ENGINE_ADDR, 4), (second_engine, 4)):
+            assert wait_for(lambda a=address, e=expected: len(engines[a].truth()) == e, timeout_s=20), address
+
+        def told() -> dict[str, tuple[Counter[str], list[str]]]:
+            rows = verdict_rows(daemon)
+            # The engine names a request by its X-Request-Id, prefixed as OpenAI's ids are.
+            return {address: tally_against_truth([row for row in rows if f"cmpl-{row.request_id}" in {
+                truth["request_id"] for truth in engine.truth()}], engine.truth()) for address, engine in engines.items()}
+
+        wait_for(lambda: told()[ENGINE_ADDR][0]["cancels right"] == 2 and not any(
+            row.details.get("provisional") for row in verdict_rows(daemon)), timeout_s=20)
+        time.sleep(1.0)
+        tallies = told()
+        rows = [(row.request_id, row.verdict) for row in verdict_rows(daemon)]
+    (first_tally, first_problems), (second_tally, second_problems) = tallies[ENGINE_ADDR], tallies[second_engine]
+    assert first_tally["cancels"] == 2 and first_tally["cancels right"] == 2 and not first_problems, (
+        first_tally, first_problems, rows)
+    assert second_tally["completed"] == 4 and not second_tally["false findings"] and not second_problems, (
+        second_tally, second_problems, rows)

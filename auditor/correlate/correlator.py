@@ -113,6 +113,7 @@ _STATS = {CoverageKind.IDLE_CLOSE: "idle_closes", CoverageKind.UNJOINED_DISCONNE
 # The sender's address tells pods serving one port apart (auditor.semconv.SENDER_KEY).
 JUDGED_ATTRIBUTES = frozenset({FINAL_SEND_ATTR, TOKENS_AFTER_DISCONNECT_ATTR, SENDER_KEY})
 _NO_ATTRIBUTES: dict[str, Any] = {}  # the attributes of every held span that keeps none: never changed
+_NOWHERE: frozenset[str] = frozenset()  # no other container's spans to leave out (``Correlator.elsewhere``)
 # The attributes of the held spans that keep only their sender's address: one dict an address, never changed.
 _SENDER_ONLY: dict[str, dict[str, Any]] = {}
 MAX_SENDERS_HELD = 1024
@@ -184,6 +185,9 @@ class Correlator:
         # wanted with them (the daemon asks the scraper, ``EngineMetricsScraper.want_clients``).
         self.clients_wanted: set[int] = set()
         self.cost = CostSources(store, host)  # samples and engine processes, for what zombies cost
+        # Port -> the addresses of the containers serving it, where several do (the daemon's
+        # listener lookup, ``set_servers``): a close there is joined only to spans from its own.
+        self.servers: dict[int, frozenset[str]] = {}
         self._pending = Disconnects()
         # Resets whose span started after them and ended too recently to tell whether a later event
         # shows a new connection on the 4-tuple (TraceIndex.in_flight): looked at again each round.
@@ -417,6 +421,7 @@ class Correlator:
         if not blocks:
             return
         previous: Tuple4 | None = None
+        servers = self.servers
         for event_id, event in stored_events(blocks):
             if event_id <= cursor:  # the part of a block read before a restart
                 continue
@@ -429,7 +434,8 @@ class Correlator:
             self._news_at(earliest_ns or ts_ns)
             self._note_event(tuple4, ts_ns, event_kind)
             if event_kind in _DEPARTURES:
-                self._pending.add(Disconnect(event_id, ts_ns, _DEPARTURES[event_kind], tuple4, earliest_ns))
+                server = norm_addr(event.server_addr) if servers and event.server_port in servers else ""
+                self._pending.add(Disconnect(event_id, ts_ns, _DEPARTURES[event_kind], tuple4, earliest_ns, server))
         self._event_cursor = block_read(blocks[-1][0])
 
     # -- the round --------------------------------------------------------------------------
@@ -671,7 +677,8 @@ class Correlator:
             candidates = [d for d in self._pending
                           if d.kind == "rst" and (polled or d.earliest_ns is None) and d.tuple4[2] == span.server_port
                           and span.start_ns - PEERLESS_BEFORE_NS <= d.ts_ns
-                          and _first_instant(d) <= span.start_ns and not self._may_have_carried_a_span(d)]
+                          and _first_instant(d) <= span.start_ns and not self._may_have_carried_a_span(d)
+                          and span.attributes.get(SENDER_KEY) not in self.elsewhere(d)]
             if not candidates:
                 continue
             # The nearest: an exact reset's instant, a polled one's middle.
@@ -689,7 +696,7 @@ class Correlator:
         closes = self._closed_by_tuple.get(reset.tuple4, ())
         ended_by = reset.ts_ns - REUSED_AFTER_NS
         return any(span.start_ns > reset.ts_ns or not any(span.start_ns <= ts < ended_by for ts in closes)
-                   for span in self.spans.on_connection(reset.tuple4))
+                   for span in self.spans.on_connection(reset.tuple4, self.elsewhere(reset)))
 
     def _join(self, disconnect: Disconnect, span: SpanRecord, *, rejoinable: bool = True) -> None:
         """Add the close to the request of ``span``, at the instant its interval allows."""
@@ -784,11 +791,30 @@ class Correlator:
                     self._joined[tuple4] = (known[0], target.key)
             target.live_span = target.live_span or request.live_span
 
+    def set_servers(self, servers: dict[int, frozenset[str]]) -> None:
+        """The ports several containers serve, each with their addresses (the daemon's listener
+        lookup, as it finds them)."""
+        self.servers = {port: frozenset(norm_addr(address) for address in addresses)
+                        for port, addresses in servers.items()}
+
+    def elsewhere(self, disconnect: Disconnect) -> frozenset[str]:
+        """On a port several containers serve, the addresses of those the close was not on: the
+        spans they send are their own requests. A gateway reaching two pods from one address may
+        have one source port for both (Linux picks source ports per destination), and a close on
+        one pod joined to the other's request in flight made that request, read whole, a zombie.
+        Spans from elsewhere (relayed by a collector, or from a pod not yet found) are not told
+        apart: they may be either's."""
+        addresses = self.servers.get(disconnect.tuple4[2]) if disconnect.server_addr else None
+        if not addresses or disconnect.server_addr not in addresses:
+            return _NOWHERE
+        return addresses - {disconnect.server_addr}
+
     def _span_in_flight(self, disconnect: Disconnect) -> SpanRecord | None:
         return self.spans.in_flight(disconnect.tuple4, disconnect.ts_ns,
                                     self._closed_by_tuple.get(disconnect.tuple4, ()), self.late_ns,
                                     disconnect.earliest_ns, peer_fin=disconnect.kind == "fin",
-                                    events_at=self._events_by_tuple.get(disconnect.tuple4, ()))
+                                    events_at=self._events_by_tuple.get(disconnect.tuple4, ()),
+                                    not_from=self.elsewhere(disconnect))
 
     def _live_in_flight(self, disconnect: Disconnect) -> LiveEvent | None:
         """As ``_span_in_flight``, from live notices: the same rules, so that a close waiting out its
@@ -799,7 +825,7 @@ class Correlator:
                                       events_at=self._events_by_tuple.get(disconnect.tuple4, ()))
 
     def _classify_unjoined(self, disconnect: Disconnect) -> CoverageKind:
-        spans = self.spans.on_connection(disconnect.tuple4)
+        spans = self.spans.on_connection(disconnect.tuple4, self.elsewhere(disconnect))
         if any(span.end_ns <= disconnect.ts_ns for span in spans):
             return CoverageKind.IDLE_CLOSE
         return CoverageKind.UNJOINED_DISCONNECT

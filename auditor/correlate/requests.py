@@ -23,6 +23,9 @@ class Disconnect:
     kind: str  # "fin" or "rst"
     tuple4: Tuple4
     earliest_ns: int | None = None  # a polled close: it happened in (earliest_ns, ts_ns]
+    # The server socket's address, kept only on a port several containers serve (``Correlator.
+    # servers``): which of them the close was on. "" elsewhere.
+    server_addr: str = ""
 
 
 class Disconnects:

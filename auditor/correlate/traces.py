@@ -12,10 +12,12 @@ import functools
 import ipaddress
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import TypeVar
 
 from auditor.correlate.waste import RunIndex
 from auditor.model import SpanRecord, SpanRole
+from auditor.semconv import SENDER_KEY
 
 T = TypeVar("T")
 
@@ -313,12 +315,17 @@ class TraceIndex:
         return (span is not None and span.role is SpanRole.HTTP_SERVER and span.server_port == port
                 and span.start_ns <= until_ns and span.end_ns >= ts_ns)
 
-    def on_connection(self, tuple4: Tuple4) -> list[SpanRecord]:
-        return self._http_by_tuple.get(tuple4, [])
+    def on_connection(self, tuple4: Tuple4, not_from: AbstractSet[str] = frozenset()) -> list[SpanRecord]:
+        """The server spans on a connection's 4-tuple, but those sent from ``not_from`` (the other
+        containers serving its port, ``Correlator.elsewhere``)."""
+        spans = self._http_by_tuple.get(tuple4, [])
+        if not_from and spans:
+            return [span for span in spans if span.attributes.get(SENDER_KEY) not in not_from]
+        return spans
 
     def in_flight(self, tuple4: Tuple4, ts_ns: int, closed_at: Iterable[int], wait_ns: int,
                   earliest_ns: int | None = None, *, peer_fin: bool = False,
-                  events_at: Iterable[int]) -> SpanRecord | None:
+                  events_at: Iterable[int], not_from: AbstractSet[str] = frozenset()) -> SpanRecord | None:
         """The server span in flight on this connection when the client left at ``ts_ns``.
 
         A polled close is an interval (``earliest_ns``, ``ts_ns``]: a span in flight at any moment
@@ -334,9 +341,10 @@ class TraceIndex:
         qualifies, and only while no later event on the 4-tuple (``events_at``: the times of every
         event on it) shows another connection there, since the reset socket makes none after its
         own close (the /proc source's ambiguous "gone", a FIN and the server's close within one
-        poll, reads as a reset and is judged the same way).
+        poll, reads as a reset and is judged the same way). Spans sent from ``not_from`` are not
+        looked at: another container's requests on a 4-tuple that its port shares with this one.
         """
-        return in_flight_among(self._http_by_tuple.get(tuple4, []), _span_start, _span_running_at, ts_ns,
+        return in_flight_among(self.on_connection(tuple4, not_from), _span_start, _span_running_at, ts_ns,
                                closed_at, wait_ns, earliest_ns, peer_fin=peer_fin, events_at=events_at)
 
     def peerless(self) -> list[SpanRecord]:
