@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from auditor.semconv import SENDER_KEY
+
 
 class ConnEventKind(str, enum.Enum):
     """What happened to a server-side TCP socket on an inference port."""
@@ -211,13 +213,17 @@ class LiveEvent:
     engine: bool  # engine work (not an HTTP span)
     # An engine end's finish reason where the engine tells it (stop, length, abort, ...); None: untold.
     finish: str | None = None
+    # The address the notice came from where it is a container's (``auditor.semconv.sender_address``),
+    # as the receivers keep it on spans: which of the engines serving one port sent it.
+    sender: str | None = None
 
     def as_span(self) -> SpanRecord:
         """A stand-in server span for a request known only from its start notice."""
         return SpanRecord(trace_id=self.trace_id, span_id=self.span_id, parent_span_id=None, name=self.name,
                           kind=self.kind, start_ns=self.ts_ns, end_ns=self.ts_ns, service=self.service,
                           role=SpanRole.HTTP_SERVER, peer_addr=self.peer_addr, peer_port=self.peer_port,
-                          server_port=self.server_port, process_pid=self.pid)
+                          server_port=self.server_port, process_pid=self.pid,
+                          attributes={SENDER_KEY: self.sender} if self.sender else {})
 
 
 @dataclass(frozen=True, slots=True)

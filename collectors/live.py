@@ -13,11 +13,12 @@ import threading
 from typing import Any
 
 from auditor.model import LiveEvent
-from auditor.semconv import MAX_DATAGRAM
+from auditor.semconv import MAX_DATAGRAM, sender_address
 
 
-def parse_datagram(data: bytes) -> LiveEvent | None:
-    """A datagram as a LiveEvent, or None when it is not one (garbage is dropped, never raised)."""
+def parse_datagram(data: bytes, sender: str | None = None) -> LiveEvent | None:
+    """A datagram as a LiveEvent, or None when it is not one (garbage is dropped, never raised).
+    ``sender``: the container address it came from (``sender_address``), None for the loopback."""
     try:
         doc = json.loads(data)
         if not isinstance(doc, dict) or doc.get("v") != 1 or doc.get("ev") not in ("start", "end"):
@@ -39,6 +40,7 @@ def parse_datagram(data: bytes) -> LiveEvent | None:
             pid=opt_int(doc.get("pid")), service=str(doc.get("service", ""))[:255],
             engine=bool(doc.get("engine")),
             finish=str(finish)[:32] if isinstance(finish := doc.get("finish"), str) and finish else None,
+            sender=sender,
         )
     except (ValueError, KeyError, TypeError):
         return None
@@ -53,7 +55,9 @@ class LiveReceiver:
     second one wake-up takes a batch of them instead of each its own (inside the daemon a wake-up
     costs more than the notice it reads). Notices wait at most ``gather_s`` longer; the socket's
     buffer holds hundreds (``SO_RCVBUF`` is capped by net.core.rmem_max). ``stop`` shuts the
-    socket, which ends the read at once."""
+    socket, which ends the read at once. Each notice keeps the address it came from where that is
+    a container's (``LiveEvent.sender``), as the OTLP receivers keep it on spans: on a port
+    several containers serve, which engine's request it tells."""
 
     GATHER_S = 0.05
     BATCH_FULL = 256  # a batch this large reads again at once: the buffer must not fill
@@ -82,14 +86,14 @@ class LiveReceiver:
         sock, size = self._sock, MAX_DATAGRAM + 1
         while not self._stop.is_set():
             try:
-                batch = [sock.recv(size)]
+                batch = [sock.recvfrom(size)]
             except OSError:
                 if self._stop.is_set():
                     return
                 continue
             try:
                 while len(batch) < self.BATCH_FULL:
-                    batch.append(sock.recv(size, socket.MSG_DONTWAIT))
+                    batch.append(sock.recvfrom(size, socket.MSG_DONTWAIT))
             except OSError:  # nothing more waiting (EAGAIN), or the socket was shut
                 pass
             if self._stop.is_set():  # the shut socket's empty read
@@ -98,11 +102,11 @@ class LiveReceiver:
             if len(batch) < self.BATCH_FULL:
                 self._stop.wait(self.gather_s)
 
-    def _take(self, batch: list[bytes]) -> None:
+    def _take(self, batch: list[tuple[bytes, Any]]) -> None:
         self.wakeups += 1
         events = []
-        for data in batch:
-            event = parse_datagram(data)
+        for data, peer in batch:
+            event = parse_datagram(data, sender_address(peer))
             if event is None:
                 self.rejected += 1
             else:

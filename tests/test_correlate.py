@@ -794,6 +794,31 @@ def test_a_close_on_one_pod_is_not_joined_to_another_pods_request_on_the_same_4_
         {second}, {first}, frozenset(), frozenset()]
 
 
+def test_a_close_on_one_pod_raises_no_alarm_for_another_pods_request_told_by_live_notices(store: Store) -> None:
+    """As above, told by live notices before any span: ``b``'s start came from the second pod and
+    still runs, and the first pod's close on the same 4-tuple is not joined to it (no in-flight
+    zombie); ``c``'s start came from the first pod, whose close on ``c``'s connection is: an alarm
+    once the grace is over. The sharers of ``c``'s engine are its own pod's requests, and those
+    told from no container's address."""
+    first, second = "10.244.1.5", "10.244.1.6"
+    other = ("127.0.0.1", 40002)
+
+    def start(trace: str, client: tuple[str, int], sender: str | None) -> LiveEvent:
+        return LiveEvent("start", trace * 32, "8" * 16, "POST", "server", T0, client[0], client[1], SERVER_PORT,
+                         None, "engine", False, sender=sender)
+
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.set_servers({SERVER_PORT: frozenset({first, second})})
+    correlator.tick([start("b", CLIENT, second), start("c", other, first), start("d", ("127.0.0.1", 40003), None)])
+    store.insert_conn_events([close(1.0)._replace(server_addr=first), close(1.0, client=other)._replace(server_addr=first)])
+    clock.now = T0 + int(1.6 * S)
+    correlator.tick()
+    assert [(row.trace_id[0], row.verdict) for row in verdicts(store)] == [("c", "inflight_zombie")]
+    assert set(correlator.live.running_work("engine", first)) == {"c" * 32, "d" * 32}
+    assert set(correlator.live.running_work("engine")) == {"b" * 32, "c" * 32, "d" * 32}
+
+
 def test_engine_span_joined_by_request_id(store: Store) -> None:
     clock = Clock()
     # Different trace ids: the engine did not continue the trace, but echoed X-Request-Id.

@@ -32,7 +32,9 @@ def test_notices_are_queued_garbage_is_counted_and_an_idle_receiver_sleeps_until
         for data in (notice("start"), b"\xff not json", b"", notice("end")):
             sender.sendto(data, ("127.0.0.1", receiver.port))
         assert wait_for(lambda: receiver.received == 2 and receiver.rejected == 2, 5, 0.01)
-        assert [event.event for event in receiver.drain()] == ["start", "end"]
+        drained = receiver.drain()
+        assert [event.event for event in drained] == ["start", "end"]
+        assert [event.sender for event in drained] == [None, None]  # the loopback is no container's
 
         thread_id = receiver._thread.native_id
         assert thread_id is not None
@@ -113,3 +115,17 @@ def test_an_engine_end_carries_its_finish_as_told_and_nothing_else() -> None:
     for finish, read in ((123, None), (True, None), ("", None), (None, None), ("x" * 100, "x" * 32), ("stop", "stop")):
         event = parse_datagram(json.dumps({**base, "engine": True, "finish": finish}).encode())
         assert event is not None and event.finish == read, (finish, event)
+
+
+def test_a_notice_keeps_the_container_address_it_came_from() -> None:
+    """As the OTLP receivers keep it on spans (``auditor.semconv.sender_address``): where several
+    containers serve one port, which engine's request a notice tells. An IPv4-mapped peer (a
+    dual-stack socket's) reads as IPv4; garbage from a container is still garbage."""
+    receiver = LiveReceiver("127.0.0.1", 0)
+    try:
+        receiver._take([(notice(), ("10.244.1.5", 39000)), (notice("end"), ("::ffff:10.244.1.6", 39000, 0, 0)),
+                        (b"garbage", ("10.244.1.7", 1))])
+        assert [event.sender for event in receiver.drain()] == ["10.244.1.5", "10.244.1.6"]
+        assert receiver.rejected == 1
+    finally:
+        receiver.stop()

@@ -489,13 +489,15 @@ def _bound_to(address: str, port: int) -> socket.socket:
     return sock
 
 
+@pytest.mark.parametrize("live", [False, True], ids=["spans", "live-notices"])
 @pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
 def test_one_client_port_to_two_pods_joins_each_close_to_its_own_pods_request(
-        tmp_path: Path, namespace: str, source: str) -> None:
+        tmp_path: Path, namespace: str, source: str, live: bool) -> None:
     """A gateway reaches two pods of one port from one address, and two of its connections, one to
     each pod, have the same source port: the same client address and port and server port. A
     close on one must not be joined to the other pod's request in flight: the kernel's events say
-    which pod's socket closed (its address), and each pod's spans come from its own address."""
+    which pod's socket closed (its address), and each pod's spans (and live notices, ``live``)
+    come from its own address."""
     second_host, second_engine = "10.231.8.1", "10.231.8.2"
     with contextlib.ExitStack() as stack:
         other = stack.enter_context(joined_namespace(f"{namespace}c", f"aud{os.getpid() % 100000}c",
@@ -503,13 +505,15 @@ def test_one_client_port_to_two_pods_joins_each_close_to_its_own_pods_request(
         for name, gateway in ((namespace, HOST_ADDR), (other, second_host)):  # each pod answers any host address
             _ip("-n", name, "route", "add", "default", "via", gateway)
         daemon = stack.enter_context(running_daemon(tmp_path, **{
-            "probe.source": source, "probe.poll_hz": 20.0, "otlp.http": "0.0.0.0:0"}))
+            "probe.source": source, "probe.poll_hz": 20.0, "otlp.http": "0.0.0.0:0",
+            "live.listen": "0.0.0.0:0" if live else ""}))
         engines = {}
         for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host)):
+            notices = ["--live", f"{exporter}:{daemon.status.live_port}"] if live else []
             engines[address] = stack.enter_context(running_engine(
                 port=engines[ENGINE_ADDR].port if engines else 0, behavior="detached",
                 otlp=f"http://{exporter}:{daemon.status.http_port}", truth_log=tmp_path / f"truth-{address}.jsonl",
-                step_ms=10, max_batch=4, host=address, netns=name, extra_args=["--no-process-pid"]))
+                step_ms=10, max_batch=4, host=address, netns=name, extra_args=["--no-process-pid", *notices]))
         port = engines[ENGINE_ADDR].port
         daemon.set_ports({port})
         if source == "procfs":

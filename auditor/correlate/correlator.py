@@ -822,7 +822,8 @@ class Correlator:
         return self.live.in_flight_on(disconnect.tuple4, disconnect.ts_ns,
                                       self._closed_by_tuple.get(disconnect.tuple4, ()), self.late_ns,
                                       disconnect.earliest_ns, peer_fin=disconnect.kind == "fin",
-                                      events_at=self._events_by_tuple.get(disconnect.tuple4, ()))
+                                      events_at=self._events_by_tuple.get(disconnect.tuple4, ()),
+                                      not_from=self.elsewhere(disconnect))
 
     def _classify_unjoined(self, disconnect: Disconnect) -> CoverageKind:
         spans = self.spans.on_connection(disconnect.tuple4, self.elsewhere(disconnect))

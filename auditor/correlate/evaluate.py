@@ -370,7 +370,7 @@ def _waste(corr: Correlator, request: OpenRequest, origin: Any, started: int | N
     gauge = ((lambda ts: corr.loads.running_at(port, ts, sender if shared else None))
              if corr.loads.watched(port) and (sender or not shared) else None)
     engine_name = engine_of(service, span.attributes if span else None)
-    sharers = sharers_at(corr.spans.runs, engine_name, trace_id, corr.live.running_work(service), gauge)
+    sharers = sharers_at(corr.spans.runs, engine_name, trace_id, corr.live.running_work(service, sender), gauge)
     if request.cost_partial is None and end_ns - start_ns > PARTIAL_MIN_NS:
         request.cost_partial = PartialCost()
         corr.checkpointed(request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 from auditor.correlate.ids import HexKey, SpanKey, hex_key, span_key
 from auditor.correlate.prune import drop_front
@@ -59,12 +60,15 @@ class LiveState:
 
     def in_flight_on(self, tuple4: Tuple4, ts_ns: int, closed_at: Iterable[int], wait_ns: int,
                      earliest_ns: int | None = None, *, peer_fin: bool = False,
-                     events_at: Iterable[int] = ()) -> LiveEvent | None:
+                     events_at: Iterable[int] = (), not_from: AbstractSet[str] = frozenset()) -> LiveEvent | None:
         """The server span in flight on this connection when the client left at ``ts_ns``, as far
         as notices tell, by the rules of ``TraceIndex.in_flight`` (the same arguments): one running
         then, the latest to start; else the first to start later, if the request was unread then
-        and the 4-tuple not reused in between (a client port comes round again within seconds)."""
+        and the 4-tuple not reused in between (a client port comes round again within seconds).
+        Notices sent from ``not_from`` (the other containers serving the port) are not looked at."""
         notices = self._by_tuple.get(tuple4)
+        if notices and not_from:
+            notices = [live for live in notices if live.sender not in not_from]
         if not notices:  # most closes: no notice on their connection (or none sent at all)
             return None
 
@@ -103,14 +107,16 @@ class LiveState:
         until = ts_ns if until_ns is None else until_ns
         return {key for key, e in self._running.items() if not e.engine and e.server_port == port and e.ts_ns <= until}
 
-    def running_work(self, service: str) -> dict[str, int]:
+    def running_work(self, service: str, sender: str | None = None) -> dict[str, int]:
         """Per trace, since when notices say ``service`` runs its work: engine work where the
-        service reports it, else its server spans. Notices start at submission: where the engine's
-        gauges are scraped, they, not these, tell who was running."""
-        engine = {e.trace_id: e.ts_ns for e in self._running.values() if e.service == service and e.engine}
-        if engine:
-            return engine
-        return {e.trace_id: e.ts_ns for e in self._running.values() if e.service == service}
+        service reports it, else its server spans. With ``sender`` (the container address its spans
+        came from, on a port several containers serve), that container's notices only, and those
+        from no container's address (a relay's, or the loopback's). Notices start at submission:
+        where the engine's gauges are scraped, they, not these, tell who was running."""
+        mine = [e for e in self._running.values()
+                if e.service == service and (sender is None or e.sender is None or e.sender == sender)]
+        work = {e.trace_id: e.ts_ns for e in mine if e.engine}
+        return work or {e.trace_id: e.ts_ns for e in mine}
 
     def prune(self, cutoff_ns: int, ended_before_ns: int | None = None) -> None:
         """Forget what notices told before ``cutoff_ns`` (the horizon). A server span's start notice,
