@@ -480,6 +480,60 @@ def test_two_containers_serving_one_port_judged_and_costed_each_by_its_own_engin
         assert 0.7 * lag < charged < 1.1 * lag, (exporter, charged, [row.lag_seconds for row in mine])
 
 
+@pytest.mark.parametrize("behavior", ["detached", "abort-vllm-like"])
+@pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
+def test_two_containers_serving_one_port_judge_requests_left_waiting_in_their_queues(
+        tmp_path: Path, namespace: str, source: str, behavior: str) -> None:
+    """Each pod's engine runs one request at a time: a long one read whole holds it, and the
+    requests behind it wait in its queue, where their clients leave (two on the first pod, one on
+    the second). ``detached``: each engine runs them later all the same (zombies); ``abort-vllm-
+    like``: each drops them from its queue with no span, told by its waiting gauge, which the
+    scrapes sum over the two engines."""
+    second_host, second_engine = "10.231.8.1", "10.231.8.2"
+    with contextlib.ExitStack() as stack:
+        other = stack.enter_context(joined_namespace(f"{namespace}c", f"aud{os.getpid() % 100000}c",
+                                                     second_host, second_engine))
+        daemon = stack.enter_context(running_daemon(tmp_path, **{
+            "probe.source": source, "probe.poll_hz": 20.0, "otlp.http": "0.0.0.0:0"}))
+        engines = {}
+        for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host)):
+            engines[address] = stack.enter_context(running_engine(
+                port=engines[ENGINE_ADDR].port if engines else 0, behavior=behavior.removesuffix("-vllm-like"),
+                otlp=f"http://{exporter}:{daemon.status.http_port}", truth_log=tmp_path / f"truth-{address}.jsonl",
+                step_ms=10, max_batch=1, host=address, netns=name, extra_args=["--no-process-pid"]))
+        port = engines[ENGINE_ADDR].port
+        daemon.set_ports({port})
+        assert wait_for(lambda: port in daemon._parts["engine_metrics"]._answered, timeout_s=15)
+        blockers = [complete(port, stream=True, max_tokens=120, request_id=f"held-{address}", host=address)
+                    for address in engines]
+        time.sleep(0.2)
+        queued = [cancel_after(port, 0.3, ("fin", "rst")[index % 2], stream=True, max_tokens=20,
+                               request_id=f"queued{index}-{address}", host=address)
+                  for address, count in ((ENGINE_ADDR, 2), (second_engine, 1)) for index in range(count)]
+        for client in [*blockers, *queued]:
+            client.join()
+        for address, expected in ((ENGINE_ADDR, 3), (second_engine, 2)):
+            assert wait_for(lambda a=address, e=expected: len(engines[a].truth()) == e, timeout_s=20), address
+
+        def told() -> dict[str, tuple[Counter[str], list[str]]]:
+            rows = verdict_rows(daemon)
+            return {address: tally_against_truth([row for row in rows if row.client_addr == exporter], engine.truth())
+                    for (address, engine), exporter in zip(engines.items(), (HOST_ADDR, second_host), strict=True)}
+
+        wait_for(lambda: all(tally["cancels right"] == tally["cancels"] for tally, _ in told().values()) and not any(
+            row.details.get("provisional") for row in verdict_rows(daemon)), timeout_s=20)
+        time.sleep(0.5)
+        tallies = told()
+        rows = [(row.request_id, row.verdict, row.phase, row.details.get("evidence")) for row in verdict_rows(daemon)]
+        truths = [(truth["request_id"], truth.get("phase_at_disconnect")) for engine in engines.values()
+                  for truth in engine.truth()]
+    # Their clients left them waiting, as the engines' own logs say.
+    assert sorted(phase for request_id, phase in truths if "queued" in request_id) == ["queued"] * 3, truths
+    for address, (tally, problems) in tallies.items():
+        assert tally["cancels"] == (2 if address == ENGINE_ADDR else 1) and tally["completed"] == 1, (address, tally)
+        assert tally["cancels right"] == tally["cancels"] and not problems, (address, tally, problems, rows, truths)
+
+
 def _bound_to(address: str, port: int) -> socket.socket:
     """A client socket bound to ``address:port`` that another may share (SO_REUSEADDR): a client
     of two pods may get one source port for both, as Linux picks source ports per destination."""
