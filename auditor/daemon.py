@@ -523,8 +523,10 @@ class Daemon:
         listeners, probe = self._parts.get("listeners"), self._parts.get("probe")
         if listeners is None:
             return set()
-        closers = probe.server_pids if probe is not None and probe.name == "bpf" else None
-        found, unknown = listeners.resolve(self._ports, closers)
+        if probe is not None and probe.name == "bpf":
+            found, unknown = listeners.resolve(self._ports, probe.server_pids, probe.server_pids_at)
+        else:
+            found, unknown = listeners.resolve(self._ports)
         self.correlator.cost.set_listeners(found, unknown, listeners.shared)
         self.correlator.set_servers(listeners.servers)
         self._warn_unreachable_receivers(listeners.in_other_namespaces)

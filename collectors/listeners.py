@@ -127,6 +127,7 @@ class ListenerPids:
                                   dict[int, dict[str, set[int]]]] | None = None
         # A port listened on in several other namespaces -> each one's address -> its process.
         self.shared: dict[int, dict[str, int]] = {}
+        self._found_shared: dict[int, dict[str, int]] = {}  # the same, as /proc told (``shared`` adds closers)
         # The same ports -> every such namespace's address, its process found or not.
         self.servers: dict[int, frozenset[str]] = {}
         # Port -> listening inodes, a cheaper way than /proc/net/tcp (which stays the fallback).
@@ -140,6 +141,7 @@ class ListenerPids:
         self._scanned_at: float | None = None
         self._denied = 0  # processes whose descriptors the last scan could not read
         self._closers: dict[int, int] = {}  # port -> pid taken from ``closers``, to log changes once
+        self._closers_at: dict[tuple[int, str], int] = {}  # the same, of ``closers_at``
         self.scans = 0
 
     def _still_holds(self, pid: int, inode: int) -> bool:
@@ -149,22 +151,46 @@ class ListenerPids:
         except OSError:
             return False
 
-    def resolve(self, ports: Iterable[int], closers: Callable[[], dict[int, int]] | None = None
+    def resolve(self, ports: Iterable[int], closers: Callable[[], dict[int, int]] | None = None,
+                closers_at: Callable[[], dict[int, dict[str, int]]] | None = None
                 ) -> tuple[dict[int, int], dict[int, str]]:
         """(port -> pid, port -> why unknown) for the ports asked; the same answer for ``refresh_s``,
         and up to ``verify_s`` while every port has a process and they all live (the scan of
         ``/proc/*/fd`` for a new inode costs milliseconds on a busy host).
         ``closers`` (port -> pid of a process seen closing a connection on it) is asked, on every
-        call, for the ports this lookup leaves unknown."""
+        call, for the ports this lookup leaves unknown; ``closers_at`` (the same by local address)
+        for the containers of a port several serve whose processes it did not find (``shared``)."""
         asked, now = frozenset(ports), self._monotonic()
         if self._answer is not None and self._answer[0] == asked:
             age, (pids, unknown) = now - self._answer[1], self._answer[2]
             if age < self.refresh_s or (age < self.verify_s and not unknown and all(
                     (self.proc_root / str(pid)).exists() for pid in pids.values())):
+                self._shared_with_closers(closers_at)
                 return self._with_closers(self._answer[2], closers)
         answer = self._resolve(set(asked))
         self._answer = (asked, now, answer)
+        self._shared_with_closers(closers_at)
         return self._with_closers(answer, closers)
+
+    def _shared_with_closers(self, closers_at: Callable[[], dict[int, dict[str, int]]] | None) -> None:
+        """``shared``: the containers' processes found in /proc, and for those not found (another
+        user's, read without CAP_SYS_PTRACE) the process the eBPF probe saw closing a connection at
+        the container's address."""
+        self.shared = {port: dict(found) for port, found in self._found_shared.items()}
+        missing = {port: addresses - self.shared.get(port, {}).keys() for port, addresses in self.servers.items()}
+        if closers_at is None or not any(missing.values()):
+            return
+        named, taken = closers_at(), {}
+        for port, addresses in missing.items():
+            for address in sorted(addresses):
+                pid = named.get(port, {}).get(address)
+                if pid is None:
+                    continue
+                self.shared.setdefault(port, {})[address] = taken[port, address] = pid
+                if self._closers_at.get((port, address)) != pid:
+                    log.info("port %d at %s: engine process %d, seen closing a connection by the eBPF probe",
+                             port, address, pid)
+        self._closers_at = taken
 
     def _with_closers(self, answer: tuple[dict[int, int], dict[int, str]],
                       closers: Callable[[], dict[int, int]] | None) -> tuple[dict[int, int], dict[int, str]]:
@@ -208,13 +234,13 @@ class ListenerPids:
             self._pid_by_inode.update(found)
         pids: dict[int, int] = {}
         unknown: dict[int, str] = {}
-        self.shared = {}
+        self._found_shared = {}
         self.servers = {port: frozenset(by_address) for port, by_address in addresses.items()
                         if namespaces.get(port, 0) > 1}
         for port in sorted(ports):
             held = [self._pid_by_inode[i] for i in sorted(inodes.get(port, ())) if i in self._pid_by_inode]
             if namespaces.get(port, 0) > 1:
-                shared = self.shared[port] = {
+                shared = self._found_shared[port] = {
                     address: min(self._pid_by_inode[i] for i in found & self._pid_by_inode.keys())
                     for address, found in addresses.get(port, {}).items() if found & self._pid_by_inode.keys()}
                 several = f"port {port} is listened on in {namespaces[port]} other network namespaces (containers)"
@@ -225,8 +251,8 @@ class ListenerPids:
                                      "engine's OpenTelemetry resource")
                 else:
                     unknown[port] = (f"{several}, and none of their listening processes was found"
-                                     + self._denied_hint() + "; put process.pid in each engine's OpenTelemetry "
-                                     "resource")
+                                     + self._denied_hint() + "; the eBPF probe names each once it sees it close "
+                                     "a connection, or put process.pid in each engine's OpenTelemetry resource")
             elif held:
                 pids[port] = held[0]
             elif port not in inodes:

@@ -36,7 +36,7 @@ from probes.bpfsys import ProgramRuns
 from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
 from probes.clock import MonotonicToWall
 from probes.decode import EventBuilder, is_stored_layout
-from probes.handoff import CLIENT, CLIENT_KEY, LoadedProgram, load_in_child
+from probes.handoff import CLIENT, CLIENT_KEY, SERVER_KEY, LoadedProgram, load_in_child
 from probes.inprocess import BccProgram
 from probes.sockdiag import SockDiag
 from probes.source import OwnEnd, ProbeUnavailable, validate_ports
@@ -79,6 +79,19 @@ def _client_key(family: int, port: int, peer: str, peer_port: int) -> bytes:
     """``struct client_key`` of a server socket on ``port`` (``SockDiag`` families: 4 or 6)."""
     kind = socket.AF_INET if family == 4 else socket.AF_INET6
     return CLIENT_KEY.pack(port, peer_port, kind, 0, socket.inet_pton(kind, peer).ljust(16, b"\0"))
+
+
+def server_key(key: bytes) -> tuple[int, str | None]:
+    """(port, address) of a ``struct server_key``: an IPv4-mapped IPv6 address as the IPv4 one (a
+    dual-stack engine's socket), as the namespaces' addresses are named; None for an unknown family."""
+    port, family, packed = SERVER_KEY.unpack_from(key)
+    if family == socket.AF_INET:
+        return port, socket.inet_ntop(socket.AF_INET, packed[:4])
+    if family != socket.AF_INET6:
+        return port, None
+    if packed[:12] == b"\0" * 10 + b"\xff\xff":
+        return port, socket.inet_ntop(socket.AF_INET, packed[12:])
+    return port, socket.inet_ntop(socket.AF_INET6, packed)
 
 
 def _is_live_pid(pid: int, proc_root: Path = Path("/proc")) -> bool:
@@ -389,19 +402,27 @@ class BpfConnEventSource:
 
     def server_pids(self) -> dict[int, int]:
         """Watched port -> the process last seen closing one of its connections itself (its
-        close() or shutdown(): see disconnect.bpf.c), for ports where one has. The kernel's value
-        is checked: one that names no live process (it exited, or it is not a pid) is left out."""
+        close() or shutdown(): see disconnect.bpf.c), for ports where one has; where it was seen
+        at several local addresses, the one at the lowest (one engine reached at several is one
+        process; several containers serving the port are told apart by ``server_pids_at``)."""
+        return {port: by_address[min(by_address)] for port, by_address in self.server_pids_at().items()}
+
+    def server_pids_at(self) -> dict[int, dict[str, int]]:
+        """Watched port -> its local address (a container's, where several serve the port) -> the
+        process last seen closing a connection there itself. The kernel's value is checked: one
+        that names no live process (it exited, or it is not a pid) is left out."""
         if not self._started or self._stopped:
             return {}
-        found: dict[int, int] = {}
-        for port in sorted(self._ports):
-            try:
-                pid = self._program.server_pid(port)
-            except Exception:  # an unreadable map names nobody; the events still flow
-                log.debug("reading the server pid of port %d failed", port, exc_info=True)
-                continue
-            if pid is not None and _is_live_pid(pid):
-                found[port] = pid
+        try:
+            entries = self._program.server_pids()
+        except Exception:  # an unreadable map names nobody; the events still flow
+            log.debug("reading the server pids failed", exc_info=True)
+            return {}
+        found: dict[int, dict[str, int]] = {}
+        for key, pid in sorted(entries.items()):
+            port, address = server_key(key)
+            if port in self._ports and address is not None and _is_live_pid(pid):
+                found.setdefault(port, {})[address] = pid
         return found
 
     def clients(self, ports: Iterable[int]) -> dict[int, tuple[tuple[str, int, int], ...]] | None:

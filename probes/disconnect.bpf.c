@@ -21,8 +21,9 @@
  * Build-time settings arrive as defines: RINGBUF_PAGES, WAKEUP_EVERY, CLIENT_SLOT_BITS and
  * FAMILY_FROM_SOCKET (see TCP_FAMILY).
  *
- * server_pids names the process serving each watched port: the tgid of the task that closed one
- * of its connections, taken only on the transitions the server's own close() or shutdown() makes
+ * server_pids names the process serving each watched port at each of its local addresses (pods of
+ * a node serve one port, each from its own network's address): the tgid of the task that closed
+ * one of its connections, taken only on the transitions the server's own close() or shutdown() makes
  * (ESTABLISHED -> FIN_WAIT1, CLOSE_WAIT -> LAST_ACK), which run in that process's context. A
  * received FIN, a reset or the final ACK are handled in softirq, where the current task is
  * whichever one the interrupt found (on loopback, often the client): those never write it.
@@ -101,7 +102,14 @@ static __always_inline u16 socket_family(const void *skaddr)
 /* A bit a port (65,536 bits): an array lookup is the first thing every state change and every
  * read on the host costs, where a hash lookup cost several times more. */
 BPF_ARRAY(watched_ports, u64, 1024);
-BPF_HASH(server_pids, u16, u32, 1024); /* server port -> tgid; user space deletes unwatched ports */
+/* A server socket's port and local address, as server_pids keys them. */
+struct server_key {
+    u16 sport;
+    u16 family;
+    u8 saddr[16]; /* 4 bytes for AF_INET (the rest zero), 16 for AF_INET6 */
+};
+/* (server port, address) -> tgid; user space deletes unwatched ports' entries */
+BPF_HASH(server_pids, struct server_key, u32, 4096);
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost_events, u64, 1);
 BPF_PERCPU_ARRAY(unsignalled, u32, 1);
@@ -221,14 +229,28 @@ static __always_inline int is_watched(u16 port)
 }
 
 /* Only from a transition the server process itself makes (see the top of this file). */
-static __always_inline void note_server(u16 sport)
+static __always_inline void note_server(struct server_key *key)
 {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    u32 *known = server_pids.lookup(&sport);
+    u32 *known = server_pids.lookup(key);
     if (known && *known == tgid)
         return; /* the usual case: a lookup, no update on every close */
-    server_pids.update(&sport, &tgid);
+    server_pids.update(key, &tgid);
 }
+
+/* note_server for the socket of a tracepoint record; a macro, as FILL_EVENT below. */
+#define NOTE_SERVER(args, family_)                                                  \
+    do {                                                                            \
+        struct server_key key_;                                                     \
+        __builtin_memset(&key_, 0, sizeof(key_));                                   \
+        key_.sport = (args)->sport;                                                 \
+        key_.family = (family_);                                                    \
+        if ((family_) == AF_INET_)                                                  \
+            __builtin_memcpy(key_.saddr, (args)->saddr, 4);                         \
+        else                                                                        \
+            __builtin_memcpy(key_.saddr, (args)->saddr_v6, 16);                     \
+        note_server(&key_);                                                         \
+    } while (0)
 
 /* Addresses are copied field by field from the tracepoint record; a macro keeps every access a
  * constant offset into the context, which the verifier accepts. */
@@ -315,9 +337,9 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         kind = EVENT_PEER_FIN;
     } else if (newstate == TCP_FIN_WAIT1_ && oldstate == TCP_ESTABLISHED_) {
         kind = EVENT_LOCAL_FIN;
-        note_server(sport);
+        NOTE_SERVER(args, args->family);
     } else if (newstate == TCP_LAST_ACK_ && oldstate == TCP_CLOSE_WAIT_) {
-        note_server(sport); /* the server's close() after the client's FIN: no event */
+        NOTE_SERVER(args, args->family); /* the server's close() after the client's FIN: no event */
         return 0;
     } else if (newstate == TCP_CLOSE_ && oldstate != TCP_LISTEN_ && oldstate != TCP_FIN_WAIT1_
                && oldstate != TCP_FIN_WAIT2_ && oldstate != TCP_CLOSING_

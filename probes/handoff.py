@@ -70,7 +70,10 @@ class LoadedProgram:
 
     def remove_port(self, port: int) -> None:
         self._set_bit(port, False)
-        bpfsys.map_delete(self.fds["map:server_pids"], _PORT.pack(port))
+        fd = self.fds["map:server_pids"]
+        for key in bpfsys.map_items(fd, SERVER_KEY.size, _PID.size):
+            if SERVER_KEY.unpack_from(key)[0] == port:
+                bpfsys.map_delete(fd, key)
 
     def _set_bit(self, port: int, on: bool) -> None:
         """The port's bit in ``watched_ports`` (a u64 a 64 ports); only this process writes it."""
@@ -79,15 +82,11 @@ class LoadedProgram:
         bit = 1 << (port & 63)
         bpfsys.map_update(fd, index, _COUNTER.pack(word | bit if on else word & ~bit))
 
-    def server_pid(self, port: int) -> int | None:
-        """The process the program last saw closing a connection on ``port`` (unchecked)."""
-        try:
-            raw = bpfsys.map_lookup(self.fds["map:server_pids"], _PORT.pack(port), _PID.size)
-        except bpfsys.BpfSyscallError as exc:
-            if exc.errno == errno.ENOENT:
-                return None
-            raise
-        return int(_PID.unpack(raw)[0])
+    def server_pids(self) -> dict[bytes, int]:
+        """``struct server_key`` (a watched port and a local address) -> the process the program
+        last saw closing a connection there (unchecked), for each one it has seen."""
+        items = bpfsys.map_items(self.fds["map:server_pids"], SERVER_KEY.size, _PID.size)
+        return {key: int(_PID.unpack(value)[0]) for key, value in items.items()}
 
     def clients(self) -> dict[bytes, bytes]:
         """The clients table (``struct client_key`` -> ``struct client``): every ESTABLISHED
@@ -140,8 +139,9 @@ class LoadedProgram:
         self.fds = {}
 
 
-_PORT, _INDEX, _COUNTER, _PID = (struct.Struct("=H"), struct.Struct("=i"), struct.Struct("=Q"),
-                                 struct.Struct("=I"))
+_INDEX, _COUNTER, _PID = struct.Struct("=i"), struct.Struct("=Q"), struct.Struct("=I")
+# disconnect.bpf.c's struct server_key (sport, family, saddr)
+SERVER_KEY = struct.Struct("=HH16s")
 # disconnect.bpf.c's struct client_key (sport, dport, family, pad, daddr) and struct client
 # (accepted_ns, last_read_ns)
 CLIENT_KEY, CLIENT = struct.Struct("=HHHH16s"), struct.Struct("=QQ")
@@ -284,7 +284,7 @@ def _check_kernel_objects(named: dict[str, int], ringbuf_bytes: int,
         "map:events": (bpfsys.BPF_MAP_TYPE_RINGBUF, 0, 0, ringbuf_bytes),
         "map:watched_ports": (bpfsys.BPF_MAP_TYPE_ARRAY, 4, 8, 1024),
         "map:lost_events": (bpfsys.BPF_MAP_TYPE_PERCPU_ARRAY, 4, 8, 1),
-        "map:server_pids": (bpfsys.BPF_MAP_TYPE_HASH, 2, 4, None),
+        "map:server_pids": (bpfsys.BPF_MAP_TYPE_HASH, SERVER_KEY.size, 4, None),
         "map:clients": (bpfsys.BPF_MAP_TYPE_HASH, CLIENT_KEY.size, CLIENT.size, None),
         "map:client_counts": (bpfsys.BPF_MAP_TYPE_ARRAY, 4, 8, 3),
         "map:client_slots": (bpfsys.BPF_MAP_TYPE_ARRAY, 4, SLOT.size, slot_count(client_slot_bits)),

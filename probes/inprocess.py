@@ -58,8 +58,9 @@ class BccProgram:
 
     def remove_port(self, port: int) -> None:
         self._set_bit(port, False)
-        with contextlib.suppress(KeyError):
-            del self._server_pids[ctypes.c_ushort(port)]
+        for key in [key for key in self._server_pids if key.sport == port]:
+            with contextlib.suppress(KeyError):
+                del self._server_pids[key]
 
     def _set_bit(self, port: int, on: bool) -> None:
         """The port's bit in ``watched_ports`` (a u64 a 64 ports)."""
@@ -67,11 +68,9 @@ class BccProgram:
         word, bit = int(self._watched[index].value), 1 << (port & 63)
         self._watched[index] = ctypes.c_ulonglong(word | bit if on else word & ~bit)
 
-    def server_pid(self, port: int) -> int | None:
-        try:
-            return int(self._server_pids[ctypes.c_ushort(port)].value)
-        except KeyError:
-            return None
+    def server_pids(self) -> dict[bytes, int]:
+        """As ``probes.handoff.LoadedProgram.server_pids`` gives them."""
+        return {bytes(key): int(value.value) for key, value in self._server_pids.items()}
 
     def clients(self) -> dict[bytes, bytes]:
         """The clients table, as ``probes.handoff.LoadedProgram.clients`` gives it."""

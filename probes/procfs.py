@@ -379,6 +379,10 @@ class ProcfsConnEventSource:
         """Nothing: a poll sees sockets, not which process closed them (the eBPF probe does)."""
         return {}
 
+    def server_pids_at(self) -> dict[int, dict[str, int]]:
+        """Nothing, as ``server_pids``."""
+        return {}
+
     def lost_events(self) -> int:
         """Times the kernel dropped notices of freed sockets (their buffer was full between two
         polls): at least one connection each may have gone unseen. Nothing else is dropped once

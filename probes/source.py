@@ -49,6 +49,8 @@ class ConnEventSource(Protocol):
 
     def server_pids(self) -> dict[int, int]: ...  # port -> the serving process, where known
 
+    def server_pids_at(self) -> dict[int, dict[str, int]]: ...  # the same by local address
+
     # This process's own connections to watched ports (the daemon's scrapes of its engines'
     # /metrics): not clients. A source may leave them out.
     def set_own_endpoints(self, endpoints: Iterable[OwnEnd]) -> None: ...

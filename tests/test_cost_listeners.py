@@ -192,7 +192,8 @@ class TwoPods:
 def test_a_port_several_containers_serve_names_each_ones_process_by_its_address() -> None:
     """Each namespace's listener by its address (``shared``), none for the port as a whole, and
     every namespace's address (``servers``); a process the eBPF probe saw closing a connection
-    there is one of their engines, not the port's."""
+    there is one of their engines, not the port's, and the one at a container's address names
+    that container's engine where /proc could not."""
     with listener() as engine:
         port = engine.getsockname()[1]
         inode = os.stat(f"/proc/self/fd/{engine.fileno()}").st_ino
@@ -201,5 +202,10 @@ def test_a_port_several_containers_serve_names_each_ones_process_by_its_address(
     assert found == {} and finder.shared == {port: {"10.244.1.5": os.getpid()}}
     # Both addresses serve the port, the second's process unread: the correlator's joins weigh both.
     assert finder.servers == {port: {"10.244.1.5", "10.244.1.6"}}
+    # The eBPF probe saw processes closing at each address: the second container's is taken from
+    # it (its descriptors are another user's), the first's stays the one /proc found.
+    finder.resolve([port], closers=lambda: {port: 4242},
+                   closers_at=lambda: {port: {"10.244.1.5": 4242, "10.244.1.6": 4343}, port + 1: {"10.0.0.1": 1}})
+    assert finder.shared == {port: {"10.244.1.5": os.getpid(), "10.244.1.6": 4343}}
     assert "listened on in 2 other network namespaces" in unknown[port]
     assert "the spans came from none of their addresses" in unknown[port] and CLOSERS_HINT not in unknown[port]

@@ -14,6 +14,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -21,8 +22,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from auditor.cli.doctor import check_engines
+from auditor.store import Store, VerdictRow
 from collectors.listeners import ListenerPids
 from probes import procfs
 from probes.netns import EngineAddresses, NetNamespaces
@@ -31,6 +34,7 @@ from tests.e2e import (
     cancel_after,
     complete,
     disconnect,
+    free_port,
     read_response,
     running_daemon,
     send_request,
@@ -478,6 +482,75 @@ def test_two_containers_serving_one_port_judged_and_costed_each_by_its_own_engin
         lag = sum(row.lag_seconds or 0.0 for row in mine) / len(mine)
         charged = sum(row.wasted_cpu_seconds for row in mine)
         assert 0.7 * lag < charged < 1.1 * lag, (exporter, charged, [row.lag_seconds for row in mine])
+
+
+@pytest.mark.privileged
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) not installed")
+def test_the_unit_user_costs_each_containers_zombies_to_the_engine_the_probe_saw_closing_there(
+        tmp_path: Path, namespace: str) -> None:
+    """The daemon as the systemd unit runs it (uid 65534, the unit's capabilities alone), two pods'
+    engines on one port run by root: their descriptors are unreadable without CAP_SYS_PTRACE, so the
+    listener lookup names neither process. The eBPF probe saw each close a connection at its own
+    address (the warm-up request's), and each pod's zombies are costed to that pod's engine."""
+    from tests.test_daemon_unprivileged import NOBODY, metrics, unit_capabilities
+
+    second_host, second_engine = "10.231.8.1", "10.231.8.2"
+    state = Path(tempfile.mkdtemp(prefix="auditor-nobody-"))
+    state.chmod(0o777)
+    http_port, metrics_port = free_port(), free_port()
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, state, ignore_errors=True)
+        other = stack.enter_context(joined_namespace(f"{namespace}c", f"aud{os.getpid() % 100000}c",
+                                                     second_host, second_engine))
+        engines = {}
+        for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host)):
+            engines[address] = stack.enter_context(running_engine(
+                port=engines[ENGINE_ADDR].port if engines else 0, behavior="detached",
+                otlp=f"http://{exporter}:{http_port}", truth_log=tmp_path / f"truth-{address}.jsonl",
+                step_ms=10, max_batch=4, host=address, netns=name, extra_args=["--no-process-pid"]))
+        port = engines[ENGINE_ADDR].port
+        caps = unit_capabilities()
+        log = state / "daemon.log"
+        with log.open("wb") as out:
+            daemon = subprocess.Popen(
+                ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", f"--inh-caps={caps}",
+                 f"--ambient-caps={caps}", "--", sys.executable, "-m", "auditor", "run",
+                 "--db", f"sqlite:///{state / 'auditor.db'}", "--port", str(port), "--source", "bpf",
+                 "--otlp-http", f"0.0.0.0:{http_port}", "--otlp-grpc", "", "--live", "",
+                 "--metrics", f"127.0.0.1:{metrics_port}"],
+                cwd=state, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+                                "HOME": str(state)}, stdout=out, stderr=subprocess.STDOUT)
+
+        def stop() -> None:
+            daemon.terminate()
+            daemon.wait(timeout=30)
+
+        stack.callback(stop)
+        assert wait_for(lambda: 'auditor_disconnect_source_info{source="bpf"} 1.0' in metrics(metrics_port),
+                        timeout_s=60), log.read_text()[-3000:]
+        for client in [complete(port, stream=True, max_tokens=4, request_id=f"warm-{address}", host=address)
+                       for address in engines]:
+            client.join()  # read whole: the client closes, then each engine
+        named = [f"port {port} at {address}: engine process {engine.pid}" for address, engine in engines.items()]
+        assert wait_for(lambda: all(line in log.read_text() for line in named), timeout_s=20), log.read_text()[-3000:]
+        clients = [cancel_after(port, 0.3, "fin", stream=True, max_tokens=150, request_id=f"gone{index}-{address}",
+                                host=address) for address, count in ((ENGINE_ADDR, 2), (second_engine, 1))
+                   for index in range(count)]
+        for client in clients:
+            client.join()
+        store = Store(f"sqlite:///{state / 'auditor.db'}", upgrade=False, create=False)
+
+        def zombies() -> list[VerdictRow]:
+            with store.session() as session:
+                return [row for row in session.scalars(select(VerdictRow)) if row.verdict == "zombie"
+                        and not row.details.get("provisional")]
+
+        assert wait_for(lambda: len(zombies()) == 3, timeout_s=30), (zombies(), log.read_text()[-3000:])
+        rows = zombies()
+    for row in rows:
+        assert "cost_unmeasured" not in row.details and row.wasted_cpu_seconds > 0, (
+            row.request_id, row.details.get("cost_unmeasured"))
+        assert row.details["engine_address"] == (ENGINE_ADDR if row.client_addr == HOST_ADDR else second_engine)
 
 
 @pytest.mark.parametrize("behavior", ["detached", "abort-vllm-like"])

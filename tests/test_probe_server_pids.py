@@ -21,6 +21,7 @@ import pytest
 from auditor.model import ConnEventKind
 from probes import bpfsys
 from probes.bpf import BpfConnEventSource
+from probes.handoff import SERVER_KEY
 from tests.test_probe_bpf import wait_time_wait
 
 pytestmark = pytest.mark.privileged
@@ -33,8 +34,11 @@ listeners, conns = [], []
 for line in sys.stdin:
     word = line.strip()
     reply = "ok"
-    if word == "listen":
-        listeners.append(socket.create_server(("127.0.0.1", 0)))
+    if word in ("listen", "listen-any", "listen-dual"):
+        if word == "listen-dual":  # IPv6 and IPv4 (as IPv4-mapped addresses) on one socket
+            listeners.append(socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True))
+        else:
+            listeners.append(socket.create_server(("127.0.0.1" if word == "listen" else "0.0.0.0", 0)))
         reply = str(listeners[-1].getsockname()[1])
     elif word == "accept":
         conns.append(listeners[-1].accept()[0])
@@ -102,16 +106,16 @@ def server(python: str) -> Iterator[Server]:
     child.stop()
 
 
-def watched_listener(source: BpfConnEventSource, server: Server) -> int:
+def watched_listener(source: BpfConnEventSource, server: Server, how: str = "listen") -> int:
     """A new listener in the server child, on a port the probe watches (and nothing else does)."""
-    port = int(server.ask("listen"))
+    port = int(server.ask(how))
     source.set_ports([port])
     return port
 
 
-def connect(server: Server, port: int) -> tuple[socket.socket, int]:
+def connect(server: Server, port: int, address: str = "127.0.0.1") -> tuple[socket.socket, int]:
     """A client connection the server child has accepted, and the client's port."""
-    client = socket.create_connection(("127.0.0.1", port))
+    client = socket.create_connection((address, port))
     server.ask("accept")
     return client, int(client.getsockname()[1])
 
@@ -179,6 +183,26 @@ def test_a_client_reset_names_nobody_and_keeps_the_server_once_named(source: Bpf
     assert source.server_pids() == {port: server.pid}
 
 
+@pytest.mark.parametrize("how", ["listen-any", "listen-dual"])
+def test_the_server_is_named_at_each_local_address_it_was_seen_closing_at(source: BpfConnEventSource,
+                                                                          server: Server, how: str) -> None:
+    """One listener reached at two local addresses (as a port several containers serve is reached
+    at each one's): the process is named at each where it closed a connection, and for the port at
+    the lowest. A dual-stack socket's IPv4 clients are IPv4-mapped IPv6 addresses to the kernel,
+    named as the IPv4 ones."""
+    port = watched_listener(source, server, how)
+    for address in ("127.0.0.3", "127.0.0.2"):
+        client, _ = connect(server, port, address)
+        server.ask("close")
+        client.close()
+    assert source.server_pids_at() == {port: {"127.0.0.2": server.pid, "127.0.0.3": server.pid}}
+    assert source.server_pids() == {port: server.pid}
+    # Unwatched, the port's entries at every address go.
+    source.set_ports([])
+    source.set_ports([port])
+    assert source.server_pids_at() == {}
+
+
 def server_pids_fd(source: BpfConnEventSource) -> int:
     program = source._program
     fds = getattr(program, "fds", None)
@@ -192,8 +216,10 @@ def test_values_that_name_no_live_process_are_left_out(source: BpfConnEventSourc
     source.set_ports(values)
     fd = server_pids_fd(source)
     for port, pid in {**values, 20006: 1}.items():  # 20006 is not watched
-        bpfsys.map_update(fd, struct.pack("=H", port), struct.pack("=I", pid))
+        bpfsys.map_update(fd, SERVER_KEY.pack(port, socket.AF_INET, socket.inet_aton("10.0.0.1")), struct.pack("=I", pid))
+    bpfsys.map_update(fd, SERVER_KEY.pack(20005, 99, b""), struct.pack("=I", 1))  # no address family: nobody
     assert source.server_pids() == {20005: 1}
+    assert source.server_pids_at() == {20005: {"10.0.0.1": 1}}
     # A port no longer watched loses its entry: watched again, it names nobody until a close.
     source.set_ports([20001])
     source.set_ports([20005])
