@@ -8,6 +8,8 @@ carry, so they win over the logical client address (which a proxy header can rew
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -69,7 +71,13 @@ def first_attribute(attributes: Mapping[str, Any] | None, keys: tuple[str, ...])
 # host's engines in containers on networks of their own send from their own addresses; pods of one
 # node that serve the same port are told apart by it (their processes, and who shared whose GPU
 # time). Not added for a loopback sender (an engine in the daemon's own network): nothing to tell.
+# Where the span's resource names its pod's address (POD_ADDRESS_KEY), that address instead: spans
+# relayed by a collector come from the collector's.
 SENDER_KEY = "auditor.sender_address"
+# The pod's address as a resource attribute: a collector's k8sattributes processor adds it (with
+# ``k8s.pod.ip`` among its ``extract.metadata``), or the pod's own OTEL_RESOURCE_ATTRIBUTES from the
+# downward API's status.podIP.
+POD_ADDRESS_KEY = "k8s.pod.ip"
 
 
 def sender_address(peer: Any) -> str | None:
@@ -84,6 +92,18 @@ def sender_address(peer: Any) -> str | None:
     if address.startswith("127.") or address == "::1":
         return None
     return address
+
+
+@functools.lru_cache(maxsize=1024)
+def named_address(value: str) -> str | None:
+    """A resource's ``k8s.pod.ip`` as a sender's address (``sender_address``'s rules, the text
+    written as an address is): None for what is not an IP address."""
+    try:
+        address = ipaddress.ip_address(value.strip())
+    except ValueError:
+        return None
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return sender_address(str(mapped or address))
 
 
 def engine_of(service: str, attributes: Mapping[str, Any] | None) -> str:

@@ -247,8 +247,9 @@ class ListenerPids:
                 if shared:
                     unknown[port] = (f"{several}, and the spans came from none of their addresses (relayed, or "
                                      "from elsewhere), so which one's process served the request is not known; "
-                                     "send each engine's spans straight to the daemon, or put process.pid in each "
-                                     "engine's OpenTelemetry resource")
+                                     "send each engine's spans straight to the daemon, name each pod's address in "
+                                     "its resource (k8s.pod.ip: a collector's k8sattributes processor adds it), or "
+                                     "put process.pid in each engine's OpenTelemetry resource")
                 else:
                     unknown[port] = (f"{several}, and none of their listening processes was found"
                                      + self._denied_hint() + "; the eBPF probe names each once it sees it close "

@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from auditor.model import SpanRecord, SpanRole
-from auditor.semconv import PEER_ADDR_KEYS, PEER_PORT_KEYS, SENDER_KEY, SERVER_PORT_KEYS
+from auditor.semconv import (
+    PEER_ADDR_KEYS,
+    PEER_PORT_KEYS,
+    POD_ADDRESS_KEY,
+    SENDER_KEY,
+    SERVER_PORT_KEYS,
+    named_address,
+)
 from auditor.store import dumps_json, row_layout, use_batch_rows
 from collectors.attributes import (
     as_count,
@@ -187,7 +194,8 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
     spans a daemon receives come from its own machine's engines, and its correlator joins them to
     its own kernel events by host. ``fallback_host`` stands in where neither is known. ``sender``:
     the address the request came from (``auditor.semconv.sender_address``), kept in each span's
-    attributes (``SENDER_KEY``)."""
+    attributes (``SENDER_KEY``), but for the spans of a resource that names its pod's address
+    (``POD_ADDRESS_KEY``), which keep that."""
     result = NormalizeResult()
     append = result.spans.append
     rejections = _Rejections()
@@ -195,6 +203,7 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
     for resource_spans in request.resource_spans:
         resource, _ = attributes_dict(resource_spans.resource.attributes)
         service, host, pid = _resource_columns(resource, service_host, fallback_host)
+        first = len(result.spans)
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 total += 1
@@ -208,16 +217,21 @@ def normalize_request(request: ExportTraceServiceRequest, *, service_host: str =
                     append(_build(head, span.name, span.kind, status, attrs, dropped, service, host, pid))
                 except Exception as exc:  # a bug here must cost one span, never the request
                     rejections.add(f"that could not be read ({type(exc).__name__})")
+        _mark_sender(result.spans, first, resource, sender)
     result.rejected = rejections.count
     result.error_message = rejections.message(total)
-    if sender:
-        _mark_sender(result.spans, sender)
     return result
 
 
-def _mark_sender(spans: list[SpanRecord], sender: str) -> None:
-    for span in spans:
-        span.attributes[SENDER_KEY] = sender
+def _mark_sender(spans: list[SpanRecord], first: int, resource: dict[str, Any], sender: str | None) -> None:
+    """Where the spans from ``first`` on, one resource's, came from: the pod address the resource
+    names, else the request's sender; nothing for neither (the loopback's)."""
+    named = resource.get(POD_ADDRESS_KEY)
+    if isinstance(named, str) and named:
+        sender = named_address(named) or sender
+    if sender:
+        for index in range(first, len(spans)):
+            spans[index].attributes[SENDER_KEY] = sender
 
 
 def normalize_body(body: bytes, *, service_host: str = "", fallback_host: str = "",
@@ -231,6 +245,7 @@ def normalize_body(body: bytes, *, service_host: str = "", fallback_host: str = 
     total = 0
     for resource, spans in read_request(body):
         service, host, pid = _resource_columns(resource, service_host, fallback_host)
+        first = len(result.spans)
         for trace_id, span_id, parent, start_ns, end_ns, name, kind, status, attrs in spans:
             total += 1
             try:
@@ -241,10 +256,9 @@ def normalize_body(body: bytes, *, service_host: str = "", fallback_host: str = 
                 append(_build(head, name, kind, status, attrs, 0, service, host, pid))
             except Exception as exc:  # as normalize_request: one span, never the request
                 rejections.add(f"that could not be read ({type(exc).__name__})")
+        _mark_sender(result.spans, first, resource, sender)
     result.rejected = rejections.count
     result.error_message = rejections.message(total)
-    if sender:
-        _mark_sender(result.spans, sender)
     return result
 
 

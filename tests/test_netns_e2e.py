@@ -8,6 +8,8 @@ as a container's are routed to it."""
 from __future__ import annotations
 
 import contextlib
+import http.client
+import http.server
 import os
 import shutil
 import socket
@@ -20,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -482,6 +485,88 @@ def test_two_containers_serving_one_port_judged_and_costed_each_by_its_own_engin
         lag = sum(row.lag_seconds or 0.0 for row in mine) / len(mine)
         charged = sum(row.wasted_cpu_seconds for row in mine)
         assert 0.7 * lag < charged < 1.1 * lag, (exporter, charged, [row.lag_seconds for row in mine])
+
+
+@contextlib.contextmanager
+def relaying(listen: str, target: str) -> Iterator[str]:
+    """An OTLP/HTTP relay at ``listen`` standing in for a collector: each export's body is posted on
+    to ``target`` (host:port) from ``listen``'s address, and its answer given back. Its URL."""
+    host, port = target.rsplit(":", 1)
+
+    class Relay(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            upstream = http.client.HTTPConnection(host, int(port), timeout=10, source_address=(listen, 0))
+            headers = {name: self.headers[name] for name in ("Content-Type", "Content-Encoding") if self.headers[name]}
+            upstream.request("POST", self.path, body, headers)
+            answer = upstream.getresponse()
+            data = answer.read()
+            upstream.close()
+            self.send_response(answer.status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer((listen, 0), Relay)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{listen}:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["pod-named", "unnamed"])
+def test_spans_relayed_by_a_collector_are_costed_to_the_pod_their_resource_names(
+        tmp_path: Path, namespace: str, named: bool) -> None:
+    """Two pods of one port send their spans through a collector (a relay on this host's address,
+    not the loopback), so they come from its address, and name no process. ``pod-named``: each
+    engine's resource names its pod's address (``k8s.pod.ip``, as the collector's k8sattributes
+    processor adds it), and each pod's zombies are costed to its own engine; ``unnamed``: which
+    pod's engine served them is not known, and each zombie says so."""
+    second_host, second_engine = "10.231.8.1", "10.231.8.2"
+    with contextlib.ExitStack() as stack:
+        other = stack.enter_context(joined_namespace(f"{namespace}c", f"aud{os.getpid() % 100000}c",
+                                                     second_host, second_engine))
+        _ip("-n", other, "route", "add", "default", "via", second_host)  # to the collector at HOST_ADDR
+        daemon = stack.enter_context(running_daemon(tmp_path, **{
+            "probe.source": "procfs", "probe.poll_hz": 20.0, "otlp.http": "0.0.0.0:0"}))
+        collector = stack.enter_context(relaying(HOST_ADDR, f"{HOST_ADDR}:{daemon.status.http_port}"))
+        engines = {}
+        for name, address in ((namespace, ENGINE_ADDR), (other, second_engine)):
+            resource = {"OTEL_RESOURCE_ATTRIBUTES": f"k8s.pod.ip={address}"} if named else {}
+            engines[address] = stack.enter_context(running_engine(
+                port=engines[ENGINE_ADDR].port if engines else 0, behavior="detached", otlp=collector,
+                truth_log=tmp_path / f"truth-{address}.jsonl", step_ms=10, max_batch=4, host=address, netns=name,
+                extra_args=["--no-process-pid"], env={**os.environ, **resource}))
+        port = engines[ENGINE_ADDR].port
+        daemon.set_ports({port})
+        cost = daemon.correlator.cost
+        assert wait_for(lambda: cost.shared.get(port) == {address: engine.pid for address, engine in engines.items()},
+                        timeout_s=15), (cost.shared, cost.unresolved)
+        clients = [cancel_after(port, 0.3, "fin", stream=True, max_tokens=150, request_id=f"gone{index}-{address}",
+                                host=address) for address, count in ((ENGINE_ADDR, 2), (second_engine, 1))
+                   for index in range(count)]
+        for client in clients:
+            client.join()
+
+        def zombies() -> list[Any]:
+            return [row for row in verdict_rows(daemon) if row.verdict == "zombie" and not row.details.get("provisional")]
+
+        assert wait_for(lambda: len(zombies()) == 3, timeout_s=30), [(row.request_id, row.verdict) for row in
+                                                                     verdict_rows(daemon)]
+        rows = zombies()
+    for row in rows:
+        if not named:
+            assert "the spans came from none of their addresses" in row.details["cost_unmeasured"], row.details
+            continue
+        assert "cost_unmeasured" not in row.details and row.wasted_cpu_seconds > 0, (
+            row.request_id, row.details.get("cost_unmeasured"))
+        assert row.details["engine_address"] == (ENGINE_ADDR if row.client_addr == HOST_ADDR else second_engine)
 
 
 @pytest.mark.privileged

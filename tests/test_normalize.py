@@ -280,3 +280,23 @@ def test_the_senders_address_is_kept_on_each_span() -> None:
     assert got.spans[0].attributes is not got.spans[1].attributes
     plain = normalize_request(request(span("POST", SERVER, OLD)))
     assert SENDER_KEY not in plain.spans[0].attributes
+
+
+@pytest.mark.parametrize(("named", "kept"), [("10.244.1.7", "10.244.1.7"), (" fd00::7 ", "fd00::7"),
+                                             ("::ffff:10.244.1.7", "10.244.1.7"), ("127.0.0.1", "10.0.0.9"),
+                                             ("not an address", "10.0.0.9"), ("", "10.0.0.9"), (7, "10.0.0.9")])
+def test_a_resource_that_names_its_pods_address_keeps_it_where_a_collector_relayed_it(named: Any, kept: str) -> None:
+    """Spans relayed by a collector come from its address (10.0.0.9); a resource with ``k8s.pod.ip``
+    (the collector's k8sattributes processor, or the pod's own resource) keeps the pod's instead,
+    each resource its own. What is no address, or a loopback one, leaves the sender's."""
+    from auditor.semconv import SENDER_KEY
+
+    req = request(span("POST", SERVER, OLD), resource={"service.name": "engine", "k8s.pod.ip": named})
+    other = req.resource_spans.add()
+    other.resource.attributes.add(key="service.name", value=value("engine"))
+    other.scope_spans.add().spans.append(span("POST", SERVER, OLD, span_id=b"\x02" * 8))
+    got = normalize_request(req, sender="10.0.0.9")
+    assert [s.attributes.get(SENDER_KEY) for s in got.spans] == [kept, "10.0.0.9"]
+    # From the loopback (a collector on this host), only the named pod is kept.
+    local = normalize_request(req)
+    assert [s.attributes.get(SENDER_KEY) for s in local.spans] == [None if kept == "10.0.0.9" else kept, None]
