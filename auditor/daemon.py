@@ -89,6 +89,9 @@ class Daemon:
         self._parts: dict[str, Any] = {}
         self._ports = set(config.probe.ports)
         self._told_contained: set[int] = set()  # ports whose engine in a container was warned of
+        # Which network namespace each process is in, one scan for the three readers of containers'
+        # networks (the /proc source, the engine-process lookup, the engines' addresses).
+        self._netns_scan: Any = None
         self._lost_reported = 0
         self._failing = False
         self._round_ended = time.monotonic()  # the correlator's last round, for /healthz
@@ -154,6 +157,14 @@ class Daemon:
         """Which disconnect source runs: bpf, procfs, or none."""
         return self.status.source
 
+    def _process_scan(self) -> Any:
+        """The one ``probes.netns.ProcessScan`` the daemon's readers of other namespaces share."""
+        if self._netns_scan is None:
+            from probes.netns import SCAN_REUSE_S, ProcessScan
+
+            self._netns_scan = ProcessScan(reuse_s=SCAN_REUSE_S)
+        return self._netns_scan
+
     def _spawn(self, name: str, target: Any) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
@@ -166,7 +177,7 @@ class Daemon:
         try:
             source = open_source(ports=sorted(self._ports), prefer=self.config.probe.source, host=self.host,
                                  poll_hz=self.config.probe.poll_hz,
-                                 ringbuf_pages=self.config.probe.ring_buffer_pages)
+                                 ringbuf_pages=self.config.probe.ring_buffer_pages, netns_scan=self._process_scan())
             source.start()
         except AuditorError as exc:
             # Without one the daemon would judge nothing, yet look healthy to systemd.
@@ -225,7 +236,8 @@ class Daemon:
 
         # Engines whose spans name no process; their sockets asked of the kernel, not /proc/net/tcp,
         # and of containers' network namespaces.
-        self._parts["listeners"] = ListenerPids(listening=listening_inodes, other_namespaces=NetNamespaces())
+        self._parts["listeners"] = ListenerPids(listening=listening_inodes,
+                                                other_namespaces=NetNamespaces(scan=self._process_scan()))
         procfs = ProcfsSampler(host=self.host)
         procfs.set_pids(self.config.sampler.procfs_pids)
         samplers.append(procfs)
@@ -276,7 +288,7 @@ class Daemon:
             from probes.sockdiag import ConnectedClients
 
             lister = self._parts["client_lister"] = ConnectedClients()
-        from probes.netns import EngineAddresses
+        from probes.netns import EngineAddresses, NetNamespaces
         from probes.sockdiag import listening_inodes
 
         scraper = EngineMetricsScraper(lambda: set(self._ports), keep, interval_s=settings.interval_seconds,
@@ -284,7 +296,8 @@ class Daemon:
                                        listed_clients=lister.clients, accepted=lister.accepted,
                                        listing_complete=getattr(lister, "listing_complete", None),
                                        list_while_busy=getattr(lister, "listing_is_cheap", False),
-                                       addresses_of=EngineAddresses(listening_inodes).of)
+                                       addresses_of=EngineAddresses(
+                                           listening_inodes, NetNamespaces(scan=self._process_scan())).of)
         self._parts["engine_metrics"] = scraper.start()
 
     def _drain_engine_loads(self) -> list[EngineLoad]:

@@ -6,10 +6,17 @@ where it is not final; the poller then reads each such namespace's table at ever
 the CPU of one look with more processes on the host, and of one read of a namespace's table with
 more connections in it, and what each costs a core at the daemon's cadence.
 
+With ``--daemon-seconds S``, the whole daemon (the /proc source, the engine-process lookup and
+the engines' scrapes: its three readers of other namespaces) watches the namespace's port for S
+seconds, twice: each reader with a scan of the processes of its own, as before they shared one,
+and sharing one (``probes.netns.ProcessScan``); it prints the scans a minute of each and what
+they cost a core at the host's process count.
+
 Needs root and iproute2 (ip netns). Starts sleeping processes and a server in a namespace of its
 own, connects to it over loopback inside that namespace, and removes all of it on exit.
 
 Usage: .venv/bin/python bench/netns_cost.py [--processes 0,500,1000] [--connections 0,100,1000]
+       [--daemon-seconds 60]
 """
 
 from __future__ import annotations
@@ -19,12 +26,13 @@ import functools
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probes.netns import NetNamespaces
+from probes.netns import SCAN_REUSE_S, NetNamespaces, ProcessScan
 from probes.procfs import NETNS_REFRESH_S, parse_proc_net_tcp
 from probes.sockdiag import TcpAccepts
 
@@ -57,6 +65,40 @@ def counts(text: str) -> list[int]:
     return [int(part) for part in text.split(",")]
 
 
+def daemon_scans(seconds: float, shared: bool) -> tuple[int, int]:
+    """(scans of the processes, processes a scan) of a daemon watching PORT for ``seconds``: its
+    readers of other namespaces sharing one scan, or each with one of its own (``shared`` False)."""
+    from auditor.config import apply_overrides, load_config
+    from auditor.daemon import Daemon
+
+    scans: list[ProcessScan] = []
+
+    def counted(daemon: Daemon) -> ProcessScan:
+        if shared and scans:
+            return scans[0]
+        scans.append(ProcessScan(reuse_s=SCAN_REUSE_S if shared else 0.0))
+        return scans[-1]
+
+    with tempfile.TemporaryDirectory(prefix="netns-bench-") as scratch:
+        config = load_config(environ={})
+        apply_overrides(config, {"db": f"sqlite:///{scratch}/auditor.db", "probe.ports": [PORT], "probe.source": "procfs",
+                                 "otlp.http": "127.0.0.1:0", "otlp.grpc": "", "metrics.listen": "127.0.0.1:0",
+                                 "live.listen": "", "sampler.nvml": False})
+        original = Daemon._process_scan
+        Daemon._process_scan = counted  # type: ignore[method-assign]
+        try:
+            daemon = Daemon(config)
+            daemon.start()
+            try:
+                time.sleep(seconds)
+            finally:
+                daemon.request_stop()
+                daemon.stop()
+        finally:
+            Daemon._process_scan = original  # type: ignore[method-assign]
+    return sum(scan.scans for scan in scans), max((scan.processes_read for scan in scans), default=0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=counts, default=[0, 500, 1000],
@@ -66,6 +108,8 @@ def main() -> int:
     parser.add_argument("--connections", type=counts, default=[0, 100, 1000],
                         help="connections open in the namespace for the read's figures")
     parser.add_argument("--poll-hz", type=float, default=20.0, help="the poller's rate, for the read's share")
+    parser.add_argument("--daemon-seconds", type=float, default=0.0,
+                        help="also run the daemon this long, its readers' scans apart and shared")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (ip netns)", file=sys.stderr)
@@ -131,6 +175,16 @@ def main() -> int:
 
             took = cpu_per_call(read, 200)
             print(f"{opened:>11} {took * 1e6:>10.1f} {took * args.poll_hz * 100:>12.3f}")
+        if args.daemon_seconds > 0:
+            look = cpu_per_call(lambda: spaces.refresh({PORT}), 20) / max(spaces.processes_read, 1)
+            print(f"\nthe daemon's readers of other namespaces over {args.daemon_seconds:g} s (the /proc source, "
+                  f"the engine-process lookup, the engines' scrapes), {look * 1e6:.1f} us a process scanned")
+            print(f"{'scans':>14} {'a minute':>9} {'processes':>10} {'% of a core':>12}")
+            for shared in (False, True):
+                done, processes = daemon_scans(args.daemon_seconds, shared)
+                per_minute = done * 60 / args.daemon_seconds
+                print(f"{'shared' if shared else 'one a reader':>14} {per_minute:>9.1f} {processes:>10} "
+                      f"{per_minute / 60 * processes * look * 100:>12.3f}")
     finally:
         for sleeper in sleepers:
             sleeper.kill()

@@ -102,8 +102,8 @@ class OtherNamespaces(Protocol):
         """Port -> the LISTEN sockets there, at the latest refresh."""
         ...
 
-    def refresh(self, ports: Iterable[int]) -> Mapping[int, Sequence[object]]:
-        """Port -> the other namespaces listening on it."""
+    def refresh(self, ports: Iterable[int], *, fresh: bool = False) -> Mapping[int, Sequence[object]]:
+        """Port -> the other namespaces listening on it (``fresh``: the processes looked at now)."""
         ...
 
     def by_address(self, port: int) -> Mapping[str, set[int]]:
@@ -281,7 +281,7 @@ class ListenerPids:
         asked, now = frozenset(ports), self._monotonic()
         cached = self._netns_answer
         if cached is None or cached[0] != asked or now - cached[1] >= self.rescan_s:
-            found = self._netns.refresh(asked)
+            found = self._netns.refresh(asked, fresh=cached is None or cached[0] != asked)
             cached = self._netns_answer = (
                 asked, now, {port: len(spaces) for port, spaces in found.items()}, dict(self._netns.inodes),
                 {port: dict(self._netns.by_address(port)) for port, spaces in found.items() if len(spaces) > 1})

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 # A namespace whose count of TCP sockets has not moved is not read again for this long: a listener
 # that closed and another that opened between two looks leave the count where it was.
 REREAD_S = 60.0
+# The daemon's readers of other namespaces each look every 10 s; a scan of the processes this young
+# answers any of them (``ProcessScan``).
+SCAN_REUSE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,14 +105,56 @@ def _socket_count(net: Path) -> tuple[int, int] | None:
         return None
 
 
-class NetNamespaces:
-    """Which of the watched ports are listened on in which other network namespaces."""
+class ProcessScan:
+    """Which network namespace each process is in: a stat of every process's ``net/tcp`` (a few
+    microseconds each; milliseconds on a host of thousands of processes). The daemon's readers of
+    other namespaces (the /proc source, the engine-process lookup, the engines' addresses) each look
+    every 10 s on their own; sharing one scan, one younger than ``reuse_s`` answers them all, where
+    each made its own (and the addresses' lookup one a port). Thread-safe: they run in different
+    threads. ``reuse_s`` 0: a scan each time asked."""
 
-    def __init__(self, proc_root: Path = Path("/proc"), monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, proc_root: Path = Path("/proc"), *, reuse_s: float = 0.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.proc_root = proc_root
+        self.reuse_s = reuse_s
+        self._monotonic = monotonic
+        self._lock = threading.Lock()
+        self._taken: tuple[float, dict[int, list[int]]] | None = None  # (monotonic time, the scan)
+        self.processes_read = 0  # processes stat'ed by the latest scan (its cost grows with them)
+        self.scans = 0
+
+    def by_namespace(self, fresh: bool = False) -> dict[int, list[int]]:
+        """Namespace (its tcp table's inode) -> its processes, every namespace's; taken anew where
+        ``fresh`` (a port just watched: an engine started a moment ago must be found). OSError
+        where /proc cannot be listed. Not to be changed: it may answer others too."""
+        with self._lock:
+            now = self._monotonic()
+            if not fresh and self._taken is not None and now - self._taken[0] < self.reuse_s:
+                return self._taken[1]
+            found: dict[int, list[int]] = {}
+            read = 0
+            for name in os.listdir(self.proc_root):
+                if not name.isdigit():
+                    continue
+                read += 1
+                ident = _ident(self.proc_root / name / "net" / "tcp")
+                if ident is not None:
+                    found.setdefault(ident, []).append(int(name))
+            self.processes_read, self.scans, self._taken = read, self.scans + 1, (now, found)
+            return found
+
+
+class NetNamespaces:
+    """Which of the watched ports are listened on in which other network namespaces; ``scan``: the
+    processes' namespaces, where shared (``ProcessScan``; by default one of its own, taken anew at
+    each refresh)."""
+
+    def __init__(self, proc_root: Path = Path("/proc"), monotonic: Callable[[], float] = time.monotonic,
+                 scan: ProcessScan | None = None) -> None:
         self.proc_root = proc_root
         self.own = _ident(proc_root / "self" / "net" / "tcp")
+        self._scan = scan if scan is not None else ProcessScan(proc_root, monotonic=monotonic)
         self._members: dict[int, int] = {}  # namespace -> the process it was last read through
-        self.processes_read = 0  # processes stat'ed by the latest refresh (its cost grows with them)
         # port -> [(a namespace listening on it, its LISTEN sockets there)], at the latest refresh
         self.listeners: dict[int, list[tuple[Namespace, set[int]]]] = {}
         self.tables_read = 0  # TCP tables the latest refresh read (each a walk of the connection hash)
@@ -118,29 +164,28 @@ class NetNamespaces:
         self._read: dict[int, tuple[tuple[int, int] | None, frozenset[int], float, dict[int, set[int]],
                                     frozenset[int]]] = {}
 
-    def refresh(self, ports: Iterable[int]) -> dict[int, list[Namespace]]:
+    @property
+    def processes_read(self) -> int:
+        """Processes stat'ed by the latest scan (its cost grows with them)."""
+        return self._scan.processes_read
+
+    def refresh(self, ports: Iterable[int], *, fresh: bool = False) -> dict[int, list[Namespace]]:
         """Port -> the other namespaces with a socket listening on it, in a stable order; every
-        process's namespace looked at anew (one may have entered another since)."""
+        process's namespace looked at anew (one may have entered another since), or as a shared
+        scan of them found it, at most its ``reuse_s`` ago, unless ``fresh`` (ports just watched)."""
         wanted = frozenset(ports)
         self.listeners = {}
         if not wanted or self.own is None:
             return {}
-        by_ident: dict[int, list[int]] = {}
         try:
-            names = os.listdir(self.proc_root)
+            by_ident = self._scan.by_namespace(fresh)
         except OSError as exc:
             log.warning("cannot list %s (%s): servers in other network namespaces are not found", self.proc_root, exc)
             return {}
-        self.processes_read = 0
-        for name in names:
-            if not name.isdigit():
-                continue
-            self.processes_read += 1
-            ident = _ident(self.proc_root / name / "net" / "tcp")
-            if ident is not None and ident != self.own:
-                by_ident.setdefault(ident, []).append(int(name))
         members: dict[int, int] = {}
         for ident, pids in by_ident.items():
+            if ident == self.own:
+                continue
             kept = self._members.get(ident)
             members[ident] = kept if kept in pids else min(pids)
         self._members = members
@@ -233,7 +278,7 @@ class EngineAddresses:
                 return (self.default,)  # no look at the others (a stat of every process) for an engine here
         except OSError:
             pass  # not told: the other namespaces decide
-        found = self._namespaces.refresh({port}).get(port, [])
+        found = self._namespaces.refresh({port}, fresh=port not in self._known).get(port, [])
         addresses = tuple(sorted(self._namespaces.by_address(port)))
         if not found or len(addresses) != len(found):  # nowhere yet, or a namespace without an address
             return (self.default,)

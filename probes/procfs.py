@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from auditor.model import ConnEvent, ConnEventKind
-from probes.netns import Namespace, NetNamespaces
+from probes.netns import Namespace, NetNamespaces, ProcessScan
 from probes.sockdiag import (
     TCP_ESTABLISHED,
     TCP_TIME_WAIT,
@@ -174,14 +174,15 @@ class ProcfsConnEventSource:
     ``other_namespaces``, a watched port listened on in another network namespace (a container's
     engine) is also read from that namespace's ``/proc/<pid>/net/tcp{,6}`` (``probes.netns``): a
     connection that opens and closes between two polls there is not seen, one that vanished from
-    ESTABLISHED is told reset, and the port's clients are not listed (``clients``).
+    ESTABLISHED is told reset, and the port's clients are not listed (``clients``). ``netns_scan``:
+    the processes' namespaces, where the daemon shares one scan of them (``probes.netns.ProcessScan``).
     """
 
     name = "procfs"
 
     def __init__(self, ports: Iterable[int] = (), *, host: str = "", poll_hz: float = 20.0,
                  proc_root: Path = Path("/proc"), sock_diag: bool | None = None,
-                 other_namespaces: bool = False) -> None:
+                 other_namespaces: bool = False, netns_scan: ProcessScan | None = None) -> None:
         if not poll_hz > 0:
             raise ValueError(f"poll_hz must be greater than 0, got {poll_hz}")
         self._ports = validate_ports(ports)
@@ -190,7 +191,7 @@ class ProcfsConnEventSource:
         self._proc_root = proc_root
         self._tables = ((4, proc_root / "net" / "tcp"), (6, proc_root / "net" / "tcp6"))
         # Servers of watched ports in other network namespaces (containers), read from their tables.
-        self._netns = NetNamespaces(proc_root) if other_namespaces else None
+        self._netns = NetNamespaces(proc_root, scan=netns_scan) if other_namespaces else None
         self._foreign: dict[int, list[Namespace]] = {}  # port -> the other namespaces listening on it
         self._netns_at = -1e9  # monotonic time of the latest look for them
         self._netns_ports: frozenset[int] = frozenset()
@@ -502,9 +503,10 @@ class ProcfsConnEventSource:
         container started since the last look, or a port watched since) is the baseline there: no
         event, as for a port newly watched."""
         assert self._netns is not None
+        fresh = ports != self._netns_ports  # ports just watched: look at the processes as they are now
         self._netns_at, self._netns_ports = time.monotonic(), ports
         try:
-            found = self._netns.refresh(ports)
+            found = self._netns.refresh(ports, fresh=fresh)
         except OSError as exc:  # /proc unreadable: keep what was found before
             log.warning("looking for servers in other network namespaces failed (%s)", exc)
             return

@@ -10,10 +10,13 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from auditor.errors import AuditorError, ConfigError
 from auditor.model import ConnEvent
+
+if TYPE_CHECKING:
+    from probes.netns import ProcessScan
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +97,10 @@ def measured_walk_us(repeats: int = 10) -> float | None:
 
 
 def open_source(ports: Iterable[int], prefer: str = "auto", host: str | None = None, *,
-                poll_hz: float = 20.0, ringbuf_pages: int | None = None) -> ConnEventSource:
-    """A connection-event source for ``ports``, not yet started.
+                poll_hz: float = 20.0, ringbuf_pages: int | None = None,
+                netns_scan: ProcessScan | None = None) -> ConnEventSource:
+    """A connection-event source for ``ports``, not yet started (``netns_scan``: the /proc
+    fallback's look at the processes' network namespaces, where the daemon shares one).
 
     ``prefer="bpf"`` raises ProbeUnavailable when the probe cannot load; ``"auto"`` falls back to
     the /proc poller with a warning that says what is lost; ``"procfs"`` never tries BPF.
@@ -116,4 +121,5 @@ def open_source(ports: Iterable[int], prefer: str = "auto", host: str | None = N
             log.warning("kernel probe unavailable (%s); %s", exc, fallback_warning(poll_hz, measured_walk_us()))
     from probes.procfs import ProcfsConnEventSource
 
-    return ProcfsConnEventSource(port_set, host=host_name, poll_hz=poll_hz, other_namespaces=True)
+    return ProcfsConnEventSource(port_set, host=host_name, poll_hz=poll_hz, other_namespaces=True,
+                                 netns_scan=netns_scan)

@@ -182,7 +182,7 @@ class TwoPods:
         self.inodes = {port: {inode, 1}}
         self._by_address = {"10.244.1.5": {inode}, "10.244.1.6": {1}}
 
-    def refresh(self, ports: object) -> dict[int, list[object]]:
+    def refresh(self, ports: object, *, fresh: bool = False) -> dict[int, list[object]]:
         return {self.port: [object(), object()]}
 
     def by_address(self, port: int) -> dict[str, set[int]]:

@@ -31,7 +31,7 @@ from auditor.cli.doctor import check_engines
 from auditor.store import Store, VerdictRow
 from collectors.listeners import ListenerPids
 from probes import procfs
-from probes.netns import EngineAddresses, NetNamespaces
+from probes.netns import EngineAddresses, NetNamespaces, ProcessScan
 from replay.engine.launch import running_engine
 from tests.e2e import (
     cancel_after,
@@ -104,6 +104,30 @@ def test_other_namespaces_listening_are_found(namespace: str) -> None:
         server.kill()
         server.wait()
     assert NetNamespaces().refresh({8765}) == {}
+
+
+def test_the_readers_of_other_namespaces_share_one_scan_of_the_processes(namespace: str) -> None:
+    """The daemon's three readers of containers' networks each look every 10 s; with one shared
+    ``ProcessScan`` a scan younger than its ``reuse_s`` answers all of them, and each still finds
+    the namespace; one whose process ended is no longer read through it, whichever scan."""
+    server = _listen_in(namespace, 8765)
+    clock = [100.0]
+    scan = ProcessScan(reuse_s=5.0, monotonic=lambda: clock[0])
+    readers = [NetNamespaces(scan=scan) for _ in range(3)]
+    try:
+        assert [set(reader.refresh({8765})) for reader in readers] == [{8765}] * 3
+        assert scan.scans == 1 and readers[0].processes_read == scan.processes_read > 1
+        clock[0] += 5.0
+        assert set(readers[1].refresh({8765})) == {8765} and scan.scans == 2
+        # A port just watched looks at the processes as they are now: an engine may have just started.
+        assert set(readers[0].refresh({8765}, fresh=True)) == {8765} and scan.scans == 3
+    finally:
+        server.kill()
+        server.wait()
+    # Its process gone, the namespace is not read through it, from the same scan or a new one.
+    assert readers[2].refresh({8765}) == {} and scan.scans == 3
+    clock[0] += 5.0
+    assert readers[2].refresh({8765}) == {} and scan.scans == 4
 
 
 def _listen_in(namespace: str, port: int) -> subprocess.Popen[bytes]:

@@ -240,8 +240,8 @@ def check_engines(ports: Iterable[int], proc_root: Path = Path("/proc"), otlp: I
     if several:
         detail += (f"; port(s) {', '.join(map(str, several))}: several engines, each scraped at its own address "
                    "and their gauges summed; a request is costed to the engine at the address its spans came "
-                   "from, so each engine must send them straight to this daemon (through a collector, put "
-                   "process.pid in each engine's OpenTelemetry resource)")
+                   "from, so each engine must send them straight to this daemon (through a collector, name "
+                   "each pod's address in its resource, k8s.pod.ip, or put process.pid there)")
     if elsewhere and loopback_only(otlp):
         return Check("engines", DEGRADED, detail, "the OTLP receivers listen on the loopback, which a container on "
                      "a network of its own cannot reach (its 127.0.0.1 is its own): set otlp.http (or otlp.grpc) "
