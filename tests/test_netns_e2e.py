@@ -725,15 +725,17 @@ def _bound_to(address: str, port: int) -> socket.socket:
     return sock
 
 
-@pytest.mark.parametrize("live", [False, True], ids=["spans", "live-notices"])
+@pytest.mark.parametrize("signals", ["spans", "live-notices", "vllm-like"])
 @pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
 def test_one_client_port_to_two_pods_joins_each_close_to_its_own_pods_request(
-        tmp_path: Path, namespace: str, source: str, live: bool) -> None:
+        tmp_path: Path, namespace: str, source: str, signals: str) -> None:
     """A gateway reaches two pods of one port from one address, and two of its connections, one to
     each pod, have the same source port: the same client address and port and server port. A
     close on one must not be joined to the other pod's request in flight: the kernel's events say
-    which pod's socket closed (its address), and each pod's spans (and live notices, ``live``)
-    come from its own address."""
+    which pod's socket closed (its address), and each pod's spans (and live notices) come from its
+    own address. ``spans``, ``live-notices``: engines that run on after their client left;
+    ``vllm-like``: engines that abort, with no span for an abort (their gauges tell it)."""
+    live = signals == "live-notices"
     second_host, second_engine = "10.231.8.1", "10.231.8.2"
     with contextlib.ExitStack() as stack:
         other = stack.enter_context(joined_namespace(f"{namespace}c", f"aud{os.getpid() % 100000}c",
@@ -747,7 +749,8 @@ def test_one_client_port_to_two_pods_joins_each_close_to_its_own_pods_request(
         for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host)):
             notices = ["--live", f"{exporter}:{daemon.status.live_port}"] if live else []
             engines[address] = stack.enter_context(running_engine(
-                port=engines[ENGINE_ADDR].port if engines else 0, behavior="detached",
+                port=engines[ENGINE_ADDR].port if engines else 0,
+                behavior="abort" if signals == "vllm-like" else "detached",
                 otlp=f"http://{exporter}:{daemon.status.http_port}", truth_log=tmp_path / f"truth-{address}.jsonl",
                 step_ms=10, max_batch=4, host=address, netns=name, extra_args=["--no-process-pid", *notices]))
         port = engines[ENGINE_ADDR].port
