@@ -773,6 +773,12 @@ def test_a_close_on_one_pod_is_not_joined_to_another_pods_request_on_the_same_4_
 
     clock = Clock()
     correlator = make(store, clock)
+    # The closes are read before the listener lookup has named the port's pods: they keep their
+    # server's address, and are weighed once it has.
+    store.insert_conn_events([closed_at(close(1.5), first), closed_at(close(2.0, client=other), first),
+                              closed_at(close(2.0, client=relayed), second)])
+    clock.now = T0 + int(2.1 * S)
+    correlator.tick()
     correlator.set_servers({SERVER_PORT: frozenset({first, second})})
     store.insert_spans([sent_from(http_span("b", 0, 4.0), second), sent_from(engine_span("b", 0, 4.0, "length"), second),
                         sent_from(http_span("a", 0.5, 1.0), first),
@@ -780,8 +786,6 @@ def test_a_close_on_one_pod_is_not_joined_to_another_pods_request_on_the_same_4_
                         sent_from(engine_span("c", 0, 4.0, "length", request_id="cmpl-c"), first),
                         sent_from(http_span("d", 0, 4.0, client=relayed), collector),
                         sent_from(engine_span("d", 0, 4.0, "length", request_id="cmpl-d"), collector)])
-    store.insert_conn_events([closed_at(close(1.5), first), closed_at(close(2.0, client=other), first),
-                              closed_at(close(2.0, client=relayed), second)])
     clock.now = T0 + 5 * S
     correlator.tick()
     assert {row.trace_id[0]: row.verdict for row in verdicts(store)} == {"c": "zombie", "d": "zombie"}

@@ -117,6 +117,7 @@ _NOWHERE: frozenset[str] = frozenset()  # no other container's spans to leave ou
 # The attributes of the held spans that keep only their sender's address: one dict an address, never changed.
 _SENDER_ONLY: dict[str, dict[str, Any]] = {}
 MAX_SENDERS_HELD = 1024
+MAX_SERVER_TEXTS = 1024
 # Span texts that repeat across spans: held once each (a span's memory is mostly its texts).
 SHARED_TEXTS = ("name", "kind", "service", "host", "status", "peer_addr", "route", "model", "finish_reason")
 # Numbers that repeat across spans, each a 32-byte object of its own as the OTLP reader makes it:
@@ -188,6 +189,9 @@ class Correlator:
         # Port -> the addresses of the containers serving it, where several do (the daemon's
         # listener lookup, ``set_servers``): a close there is joined only to spans from its own.
         self.servers: dict[int, frozenset[str]] = {}
+        # One text a server address for the disconnects held (the /proc source's blocks decode a
+        # new one an event): the host's own addresses, a few.
+        self._server_texts: dict[str, str] = {}
         self._pending = Disconnects()
         # Resets whose span started after them and ended too recently to tell whether a later event
         # shows a new connection on the 4-tuple (TraceIndex.in_flight): looked at again each round.
@@ -421,7 +425,6 @@ class Correlator:
         if not blocks:
             return
         previous: Tuple4 | None = None
-        servers = self.servers
         for event_id, event in stored_events(blocks):
             if event_id <= cursor:  # the part of a block read before a restart
                 continue
@@ -434,7 +437,11 @@ class Correlator:
             self._news_at(earliest_ns or ts_ns)
             self._note_event(tuple4, ts_ns, event_kind)
             if event_kind in _DEPARTURES:
-                server = norm_addr(event.server_addr) if servers and event.server_port in servers else ""
+                server = self._server_texts.get(event.server_addr)
+                if server is None:
+                    server = event.server_addr
+                    if len(self._server_texts) < MAX_SERVER_TEXTS:
+                        self._server_texts[server] = server
                 self._pending.add(Disconnect(event_id, ts_ns, _DEPARTURES[event_kind], tuple4, earliest_ns, server))
         self._event_cursor = block_read(blocks[-1][0])
 
@@ -805,9 +812,10 @@ class Correlator:
         Spans from elsewhere (relayed by a collector, or from a pod not yet found) are not told
         apart: they may be either's."""
         addresses = self.servers.get(disconnect.tuple4[2]) if disconnect.server_addr else None
-        if not addresses or disconnect.server_addr not in addresses:
+        if not addresses:
             return _NOWHERE
-        return addresses - {disconnect.server_addr}
+        server = norm_addr(disconnect.server_addr)  # as the kernel's record spelt it (an IPv4-mapped one)
+        return addresses - {server} if server in addresses else _NOWHERE
 
     def _span_in_flight(self, disconnect: Disconnect) -> SpanRecord | None:
         return self.spans.in_flight(disconnect.tuple4, disconnect.ts_ns,
