@@ -189,8 +189,8 @@ class Correlator:
         # Port -> the addresses of the containers serving it, where several do (the daemon's
         # listener lookup, ``set_servers``): a close there is joined only to spans from its own.
         self.servers: dict[int, frozenset[str]] = {}
-        # One text a server address for the disconnects held (the /proc source's blocks decode a
-        # new one an event): the host's own addresses, a few.
+        # The kernel record's text of a server address -> the one normalized text the disconnects
+        # hold (the /proc source's blocks decode a new text an event): the host's own addresses, a few.
         self._server_texts: dict[str, str] = {}
         self._pending = Disconnects()
         # Resets whose span started after them and ended too recently to tell whether a later event
@@ -439,9 +439,9 @@ class Correlator:
             if event_kind in _DEPARTURES:
                 server = self._server_texts.get(event.server_addr)
                 if server is None:
-                    server = event.server_addr
+                    server = norm_addr(event.server_addr)  # an IPv4-mapped one as IPv4, as spans name it
                     if len(self._server_texts) < MAX_SERVER_TEXTS:
-                        self._server_texts[server] = server
+                        self._server_texts[event.server_addr] = server
                 self._pending.add(Disconnect(event_id, ts_ns, _DEPARTURES[event_kind], tuple4, earliest_ns, server))
         self._event_cursor = block_read(blocks[-1][0])
 
@@ -812,10 +812,9 @@ class Correlator:
         Spans from elsewhere (relayed by a collector, or from a pod not yet found) are not told
         apart: they may be either's."""
         addresses = self.servers.get(disconnect.tuple4[2]) if disconnect.server_addr else None
-        if not addresses:
+        if not addresses or disconnect.server_addr not in addresses:
             return _NOWHERE
-        server = norm_addr(disconnect.server_addr)  # as the kernel's record spelt it (an IPv4-mapped one)
-        return addresses - {server} if server in addresses else _NOWHERE
+        return addresses - {disconnect.server_addr}
 
     def _span_in_flight(self, disconnect: Disconnect) -> SpanRecord | None:
         return self.spans.in_flight(disconnect.tuple4, disconnect.ts_ns,

@@ -23,8 +23,8 @@ class Disconnect:
     kind: str  # "fin" or "rst"
     tuple4: Tuple4
     earliest_ns: int | None = None  # a polled close: it happened in (earliest_ns, ts_ns]
-    # The server socket's address as the kernel's record gave it (one text an address, shared):
-    # on a port several containers serve, which of them the close was on (``Correlator.elsewhere``).
+    # The server socket's address, normalized (``norm_addr``; one text an address, shared): on a
+    # port several containers serve, which of them the close was on (``Correlator.elsewhere``).
     server_addr: str = ""
 
 
