@@ -75,10 +75,11 @@ def default_client_slot_bits(release: str | None = None) -> int:
     return CLIENT_SLOT_BITS if found and (int(found[1]), int(found[2])) >= ATOMICS_SINCE else 0
 
 
-def _client_key(family: int, port: int, peer: str, peer_port: int) -> bytes:
-    """``struct client_key`` of a server socket on ``port`` (``SockDiag`` families: 4 or 6)."""
+def _client_key(family: int, local: str, port: int, peer: str, peer_port: int) -> bytes:
+    """``struct client_key`` of a server socket at ``local``:``port`` (``SockDiag`` families: 4 or 6)."""
     kind = socket.AF_INET if family == 4 else socket.AF_INET6
-    return CLIENT_KEY.pack(port, peer_port, kind, 0, socket.inet_pton(kind, peer).ljust(16, b"\0"))
+    return CLIENT_KEY.pack(port, peer_port, kind, 0, socket.inet_pton(kind, peer).ljust(16, b"\0"),
+                           socket.inet_pton(kind, local).ljust(16, b"\0"))
 
 
 def server_key(key: bytes) -> tuple[int, str | None]:
@@ -445,7 +446,7 @@ class BpfConnEventSource:
         for key, value in values.items():
             client = decoded.get(key)
             if client is None:
-                sport, dport, family, _pad, address = CLIENT_KEY.unpack_from(key)
+                sport, dport, family, _pad, address, _server = CLIENT_KEY.unpack_from(key)
                 text = socket.inet_ntop(socket.AF_INET, address[:4]) if family == socket.AF_INET \
                     else socket.inet_ntop(socket.AF_INET6, address)
                 client = decoded[key] = (sport, text, dport)
@@ -545,9 +546,9 @@ class BpfConnEventSource:
             return
         try:
             def connected() -> dict[bytes, int]:  # key -> ms since the kernel last received data
-                return {_client_key(family, port, peer, peer_port): last_ms
+                return {_client_key(family, local, port, peer, peer_port): last_ms
                         for clients in diag.established(ports).values()
-                        for (family, _local, port, peer, peer_port), last_ms in clients}
+                        for (family, local, port, peer, peer_port), last_ms in clients}
 
             now = time.monotonic_ns()  # bpf_ktime_get_ns's clock
             found = connected()

@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterable
 
 from probes import bpfsys
 
-# struct client_slot: owner (the socket's address), struct client_key (24 bytes), struct client
-SLOT = struct.Struct("=Q24sQQ")
-KEY_AT, CLIENT_AT = 8, 32  # offsets of the key (its server port first) and of struct client
+# struct client_slot: owner (the socket's address), struct client_key (40 bytes), struct client
+SLOT = struct.Struct("=Q40sQQ")
+KEY_AT, CLIENT_AT = 8, 48  # offsets of the key (its server port first) and of struct client
 _NONZERO = bytes([0] + [1] * 255)  # a translate table: 1 for any byte but 0
 _FREE = bytes(KEY_AT)  # an unclaimed slot's owner
 # client_counts: accepted, put in the hash by the program, taken out of it by the program

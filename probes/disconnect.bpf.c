@@ -114,12 +114,15 @@ BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost_events, u64, 1);
 BPF_PERCPU_ARRAY(unsignalled, u32, 1);
 BPF_ARRAY(departure_woken, u64, 1); /* when a departure last woke the reader (any CPU: races only wake it twice) */
+/* The server's address too: a gateway holding a connection to each of two pods of one port from one
+ * address may be given one source port for both, and those are two clients. */
 struct client_key {
     u16 sport;
     u16 dport;
     u16 family;
     u16 pad;
     u8 daddr[16]; /* the client's address: IPv4 in the first four bytes */
+    u8 saddr[16]; /* the server socket's, alike */
 };
 struct client {
     u64 accepted_ns; /* 0: already connected when its port was watched (added by user space) */
@@ -190,10 +193,13 @@ static __always_inline u64 wakeup_flag(u64 now_ns, int departure)
         (k).sport = (args)->sport;                                                  \
         (k).dport = (args)->dport;                                                  \
         (k).family = (family_);                                                     \
-        if ((family_) == AF_INET_)                                                  \
+        if ((family_) == AF_INET_) {                                                \
             __builtin_memcpy((k).daddr, (args)->daddr, 4);                          \
-        else                                                                        \
+            __builtin_memcpy((k).saddr, (args)->saddr, 4);                          \
+        } else {                                                                    \
             __builtin_memcpy((k).daddr, (args)->daddr_v6, 16);                      \
+            __builtin_memcpy((k).saddr, (args)->saddr_v6, 16);                      \
+        }                                                                           \
     } while (0)
 
 /* The slot a socket may claim: its address, multiplied out (Fibonacci hashing). */

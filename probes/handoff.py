@@ -142,9 +142,9 @@ class LoadedProgram:
 _INDEX, _COUNTER, _PID = struct.Struct("=i"), struct.Struct("=Q"), struct.Struct("=I")
 # disconnect.bpf.c's struct server_key (sport, family, saddr)
 SERVER_KEY = struct.Struct("=HH16s")
-# disconnect.bpf.c's struct client_key (sport, dport, family, pad, daddr) and struct client
+# disconnect.bpf.c's struct client_key (sport, dport, family, pad, daddr, saddr) and struct client
 # (accepted_ns, last_read_ns)
-CLIENT_KEY, CLIENT = struct.Struct("=HHHH16s"), struct.Struct("=QQ")
+CLIENT_KEY, CLIENT = struct.Struct("=HHHH16s16s"), struct.Struct("=QQ")
 
 
 def load_in_child(text: str, cflags: list[str], *, ringbuf_bytes: int,

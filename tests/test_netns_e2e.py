@@ -725,7 +725,63 @@ def _bound_to(address: str, port: int) -> socket.socket:
     return sock
 
 
-@pytest.mark.parametrize("signals", ["spans", "live-notices", "vllm-like"])
+@pytest.mark.privileged
+def test_a_gateways_two_connections_on_one_client_port_are_two_clients_not_an_orphan(
+        tmp_path: Path, namespace: str) -> None:
+    """Two pods of one port, each running a long request from the same gateway address and source
+    port, nobody leaving: the port's summed gauges hold two requests, and the kernel lists two
+    clients (told apart by the server's address), so the daemon counts no zombie in flight. With
+    one client listed for the two, the request of one pod read as the other's orphan: an in-flight
+    zombie alarmed about for as long as both ran."""
+    second_host, second_engine = "10.231.9.1", "10.231.9.2"
+    with contextlib.ExitStack() as stack:
+        other = stack.enter_context(joined_namespace(f"{namespace}d", f"aud{os.getpid() % 100000}d",
+                                                     second_host, second_engine))
+        for name, gateway in ((namespace, HOST_ADDR), (other, second_host)):
+            _ip("-n", name, "route", "add", "default", "via", gateway)
+        daemon = stack.enter_context(running_daemon(tmp_path, **{
+            "probe.source": "bpf", "probe.poll_hz": 20.0, "otlp.http": "0.0.0.0:0",
+            "engine_metrics.interval_seconds": 0.1}))
+        engines = {}
+        for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host)):
+            engines[address] = stack.enter_context(running_engine(
+                port=engines[ENGINE_ADDR].port if engines else 0, behavior="detached",
+                otlp=f"http://{exporter}:{daemon.status.http_port}", truth_log=tmp_path / f"truth-{address}.jsonl",
+                step_ms=10, max_batch=4, host=address, netns=name,
+                extra_args=["--no-process-pid", "--engine-span", "none", "--metrics-names", "vllm"]))
+        port = engines[ENGINE_ADDR].port
+        daemon.set_ports({port})
+        time.sleep(0.5)
+        first = _bound_to(HOST_ADDR, 0)
+        second = _bound_to(HOST_ADDR, first.getsockname()[1])
+        first.connect((ENGINE_ADDR, port))
+        second.connect((second_engine, port))
+        shown: list[int] = []
+        with first, second:
+            for index, sock in enumerate((first, second)):
+                send_request(port, stream=True, max_tokens=400, request_id=f"long{index}", sock=sock)
+            readers = [threading.Thread(target=read_response, args=(sock,)) for sock in (first, second)]
+            for reader in readers:
+                reader.start()
+            time.sleep(0.3)  # a client that reads a short answer and leaves: the port's clients are listed
+            with socket.create_connection((ENGINE_ADDR, port)) as short:
+                send_request(port, stream=False, max_tokens=4, request_id="short", sock=short)
+                read_response(short)
+            while any(reader.is_alive() for reader in readers):  # about 4 s, 3 past the grace
+                shown.append(daemon.correlator.stats.inflight_zombies)
+                time.sleep(0.1)
+            for reader in readers:
+                reader.join()
+        for address, expected in ((ENGINE_ADDR, 2), (second_engine, 1)):
+            assert wait_for(lambda a=address, e=expected: len(engines[a].truth()) == e, timeout_s=20), address
+        assert all(truth["finish_reason"] == "length" and truth["disconnect_at"] is None
+                   for engine in engines.values() for truth in engine.truth()), [e.truth() for e in engines.values()]
+        scraped = port in daemon._parts["engine_metrics"]._answered
+    assert scraped and len(shown) > 20
+    assert not any(shown), f"zombies in flight shown while two clients read their answers: {shown}"
+
+
+@pytest.mark.parametrize("signals", ["spans", "live-notices", "vllm-like", "gauges-only"])
 @pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
 def test_one_client_port_to_two_pods_joins_each_close_to_its_own_pods_request(
         tmp_path: Path, namespace: str, source: str, signals: str) -> None:
@@ -748,11 +804,12 @@ def test_one_client_port_to_two_pods_joins_each_close_to_its_own_pods_request(
         engines = {}
         for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host)):
             notices = ["--live", f"{exporter}:{daemon.status.live_port}"] if live else []
+            gauges = ["--engine-span", "none", "--metrics-names", "vllm"] if signals == "gauges-only" else []
             engines[address] = stack.enter_context(running_engine(
                 port=engines[ENGINE_ADDR].port if engines else 0,
                 behavior="abort" if signals == "vllm-like" else "detached",
                 otlp=f"http://{exporter}:{daemon.status.http_port}", truth_log=tmp_path / f"truth-{address}.jsonl",
-                step_ms=10, max_batch=4, host=address, netns=name, extra_args=["--no-process-pid", *notices]))
+                step_ms=10, max_batch=4, host=address, netns=name, extra_args=["--no-process-pid", *notices, *gauges]))
         port = engines[ENGINE_ADDR].port
         daemon.set_ports({port})
         if source == "procfs":

@@ -422,6 +422,56 @@ def test_clients_past_the_slots_are_listed_from_the_hash(bits: int) -> None:
         source.stop()
 
 
+@pytest.mark.parametrize("bits", [0, 12])  # every client in the hash; in the slots (both prebuilt)
+def test_one_client_port_to_two_server_addresses_is_two_clients(bits: int) -> None:
+    """A gateway holding a connection to each of two pods of one port from one address may be given
+    one source port for both (Linux picks source ports per destination): two clients with the same
+    address and port, told apart only by the server's address. Both are listed, each close takes
+    out its own and not the other's, and the walk that seeds a newly watched port keeps both."""
+    source = BpfConnEventSource([], host="probe-test", client_slot_bits=bits)
+    source.start()
+    try:
+        server = listener(host="0.0.0.0")
+        port = port_of(server)
+        source.set_ports([port])
+
+        def pair() -> list[tuple[socket.socket, socket.socket]]:
+            ends = []
+            for server_address in ("127.0.0.1", "127.0.0.2"):
+                client = socket.socket()
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                client.bind(("127.0.0.1", port_of(ends[0][0]) if ends else 0))
+                client.connect((server_address, port))
+                ends.append((client, server.accept()[0]))
+            return ends
+
+        def listed() -> list[tuple[str, int]]:
+            found = source.clients([port])
+            assert found is not None
+            return sorted((address, client_port) for address, client_port, _read in found[port])
+
+        ends = pair()
+        client_port = port_of(ends[0][0])
+        assert listed() == [("127.0.0.1", client_port)] * 2
+        for (client, end), left in zip(ends, ([("127.0.0.1", client_port)], []), strict=True):  # the first pod's closes first
+            client.close()
+            end.close()
+            deadline = time.monotonic() + 5
+            while listed() != left:
+                assert time.monotonic() < deadline, f"listed after a close: {listed()}, not {left}"
+                time.sleep(0.01)
+        ends = pair()
+        source.set_ports([])
+        source.set_ports([port])  # watched again: both seeded from sock_diag
+        assert listed() == [("127.0.0.1", port_of(ends[0][0]))] * 2
+        for client, end in ends:
+            client.close()
+            end.close()
+        server.close()
+    finally:
+        source.stop()
+
+
 def connect_and_close(server: socket.socket) -> int:
     client = socket.create_connection(server.getsockname()[:2])
     accepted, _ = server.accept()
