@@ -42,6 +42,8 @@ from auditor.socktable import bound_inodes
 log = logging.getLogger(__name__)
 
 CLOSERS_HINT = "; the eBPF probe names it once the engine has closed a connection on the port"
+# The same for a port several containers serve, none of whose processes /proc gave.
+SHARED_CLOSERS_HINT = "; the eBPF probe names each once it sees it close a connection"
 
 
 def listening_inodes(ports: Iterable[int], proc_root: Path = Path("/proc")) -> dict[int, set[int]]:
@@ -202,10 +204,12 @@ class ListenerPids:
         named = closers()
         pids, still = dict(pids), {}
         for port, why in unknown.items():
-            # A port several containers serve: a process seen closing there is one of their engines.
-            pid = named.get(port) if port not in self.shared else None
+            # A port several containers serve: a process seen closing there is one of their engines,
+            # named by its address (``_shared_with_closers``), not the port's.
+            pid = named.get(port) if port not in self.servers else None
             if pid is None:
-                still[port] = why + ("" if port in self.shared else CLOSERS_HINT)
+                still[port] = why + (CLOSERS_HINT if port not in self.servers
+                                     else "" if self._found_shared.get(port) else SHARED_CLOSERS_HINT)
                 continue
             pids[port] = pid
             if self._closers.get(port) != pid:
@@ -252,8 +256,8 @@ class ListenerPids:
                                      "put process.pid in each engine's OpenTelemetry resource")
                 else:
                     unknown[port] = (f"{several}, and none of their listening processes was found"
-                                     + self._denied_hint() + "; the eBPF probe names each once it sees it close "
-                                     "a connection, or put process.pid in each engine's OpenTelemetry resource")
+                                     + self._denied_hint() + "; put process.pid in each engine's OpenTelemetry "
+                                     "resource")
             elif held:
                 pids[port] = held[0]
             elif port not in inodes:

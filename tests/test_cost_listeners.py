@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from collectors.listeners import CLOSERS_HINT, ListenerPids, listening_inodes
+from collectors.listeners import CLOSERS_HINT, SHARED_CLOSERS_HINT, ListenerPids, listening_inodes
 from probes.caps import UNIT_CAPABILITIES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -209,3 +209,19 @@ def test_a_port_several_containers_serve_names_each_ones_process_by_its_address(
     assert finder.shared == {port: {"10.244.1.5": os.getpid(), "10.244.1.6": 4343}}
     assert "listened on in 2 other network namespaces" in unknown[port]
     assert "the spans came from none of their addresses" in unknown[port] and CLOSERS_HINT not in unknown[port]
+    assert SHARED_CLOSERS_HINT not in unknown[port]
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_a_port_whose_containers_processes_are_all_unread_says_how_to_name_them(probe: bool) -> None:
+    """None of the containers' processes found (another user's, read without CAP_SYS_PTRACE): the
+    reason says so, and names the eBPF probe only where it is asked (the /proc source names none);
+    the process the probe saw closing on the port is none of the containers' own."""
+    with listener() as engine:
+        port = engine.getsockname()[1]
+        finder = ListenerPids(listening=lambda ports: {}, other_namespaces=TwoPods(port, 1))
+        closers = {"closers": lambda: {port: 4242}, "closers_at": lambda: {}} if probe else {}
+        found, unknown = finder.resolve([port], **closers)
+    assert found == {} and not any(finder.shared.values())
+    assert "none of their listening processes was found" in unknown[port]
+    assert "process.pid" in unknown[port] and (SHARED_CLOSERS_HINT in unknown[port]) == probe
