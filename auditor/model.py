@@ -252,6 +252,13 @@ STEP_STILL_NS: dict[str, int] = {"vllm": 1_000_000_000, "sglang": 5_000_000_000}
 LOGGED_STYLES = frozenset({"sglang"})
 
 
+# A client the kernel listed connected to a port: its address, its port, when data from it last
+# came to the server (ns), and the server socket's own address ("" where not known). Pods of one
+# node serving one port are told apart by the last: a gateway reaching two of them from one address
+# may be given one source port for both.
+ListedClient = tuple[str, int, int, str]
+
+
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
     """One scrape of an engine's own /metrics: how many requests it was running and holding."""
@@ -273,10 +280,9 @@ class EngineLoad:
     # that started or ended in between may or may not be in them. None: an instant.
     answered_ns: int | None = None
     # The clients connected to the port just before the scrape, the kernel's word (the eBPF probe's
-    # table, or sock_diag without it), listed while the correlator wants them: (client address,
-    # client port, when data from that client last came to the server, ns), the scraper's own
-    # connection left out. None: not listed with this scrape.
-    connections: tuple[tuple[str, int, int], ...] | None = None
+    # table, or sock_diag without it), listed while the correlator wants them (``ListedClient``),
+    # the scraper's own connections left out. None: not listed with this scrape.
+    connections: tuple[ListedClient, ...] | None = None
     # False: a client was accepted (of a watched port, by the probe's count; of any port without
     # it) between the listing and the answer, so a client of this port may be missing from it.
     connections_complete: bool = True

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from urllib.parse import quote
 
-from auditor.model import STEP_STILL_NS, EngineLoad
+from auditor.model import STEP_STILL_NS, EngineLoad, ListedClient
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,8 @@ class PageConnection:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         address, local_port = self._sock.getsockname()[:2]
         self.end: tuple[str, int, int] = (address, local_port, port)  # this end's address and port, the server's port
-        self._host = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 literal in brackets
+        self.host = host  # the engine's address
+        self._host_header = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 literal in brackets
         self._requests: dict[str, bytes] = {}
         self._buffer = bytearray()
 
@@ -285,7 +286,7 @@ class PageConnection:
         request = self._requests.get(path)
         if request is None:
             request = self._requests[path] = (
-                f"GET {path} HTTP/1.1\r\nHost: {self._host}\r\nAccept: text/plain\r\n"
+                f"GET {path} HTTP/1.1\r\nHost: {self._host_header}\r\nAccept: text/plain\r\n"
                 "User-Agent: zombie-auditor\r\n\r\n").encode()
         return request
 
@@ -379,7 +380,7 @@ class EngineMetricsScraper:
                  timeout_s: float = 1.0, clock: Callable[[], int] = time.time_ns, filtered: bool = True,
                  quiet_after_s: float = QUIET_AFTER_S, quiet_interval_s: float = QUIET_INTERVAL_S,
                  on_connections: Callable[[frozenset[tuple[str, int, int]]], None] | None = None,
-                 listed_clients: Callable[[Iterable[int]], dict[int, tuple[tuple[str, int, int], ...]] | None]
+                 listed_clients: Callable[[Iterable[int]], dict[int, tuple[ListedClient, ...]] | None]
                  | None = None, accepted: Callable[[], int | None] | None = None,
                  listing_complete: Callable[[int], bool | None] | None = None,
                  list_while_busy: bool = False,
@@ -412,6 +413,7 @@ class EngineMetricsScraper:
         self._failed: dict[int, int] = {}  # port -> its scrapes failed in a row
         self._connections: dict[tuple[int, str], PageConnection] = {}  # (port, address) -> its connection
         self._ends: set[tuple[str, int, int]] = set()  # the connections open now (see on_connections)
+        self._end_hosts: dict[tuple[str, int], set[str]] = {}  # their (address, port) -> the engines' addresses
         # Per port: until when (monotonic) its scrapes list the clients connected (``want_clients``).
         self._list_until: dict[int, float] = {}
         self._filtered_path = filtered_path(path)
@@ -471,17 +473,24 @@ class EngineMetricsScraper:
             self.filters[target] = self._filters_alike(target, text)
         return load
 
-    def _connected(self, ports: Iterable[int]) -> dict[int, tuple[tuple[str, int, int], ...]]:
+    def _connected(self, ports: Iterable[int]) -> dict[int, tuple[ListedClient, ...]]:
         """The clients connected to each of ``ports`` now, but this scraper, each with when the
         server last read data from it (``EngineLoad.connections``), from ``listed_clients`` (the
         eBPF probe's table, about 50 us; or the /proc source's poll, made at once: a sock_diag
         walk of the kernel's established hash, about a millisecond on a host of 262,144 buckets,
-        that stands for the poller's next); nothing where it cannot tell."""
+        that stands for the poller's next); nothing where it cannot tell. This scraper's own
+        connections are told by their engine's address too: one of them and a client of another
+        engine on the port (a pod of the node) may have the same address and port."""
         found = self.listed_clients(ports) if self.listed_clients is not None else None
         if found is None:
             return {}
-        own = {(end[0], end[1]) for end in self._ends}
-        return {port: tuple(c for c in clients if (c[0], c[1]) not in own) for port, clients in found.items()}
+        own = self._end_hosts
+
+        def is_own(client: ListedClient) -> bool:
+            hosts = own.get((client[0], client[1]))
+            return hosts is not None and (not client[3] or client[3].removeprefix("::ffff:") in hosts)
+
+        return {port: tuple(c for c in clients if not is_own(c)) for port, clients in found.items()}
 
     def _accepts_now(self) -> int | None:
         """The clients accepted so far (``accepted``: the eBPF probe's count for the watched ports,
@@ -523,12 +532,17 @@ class EngineMetricsScraper:
         port, host = target
         connection = PageConnection(host, port, self.timeout_s)
         self._ends.add(connection.end)
+        self._end_hosts.setdefault(connection.end[:2], set()).add(host)
         self._tell_connections()
         return connection
 
     def _close(self, connection: PageConnection) -> None:
         connection.close()
         self._ends.discard(connection.end)
+        hosts = self._end_hosts.get(connection.end[:2], set())
+        hosts.discard(connection.host)
+        if not hosts:
+            self._end_hosts.pop(connection.end[:2], None)
         self._tell_connections()
 
     def _tell_connections(self) -> None:

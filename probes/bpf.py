@@ -30,7 +30,7 @@ from typing import Any
 
 from auditor.config import ProbeConfig
 from auditor.errors import ConfigError
-from auditor.model import ConnEvent, EventRun
+from auditor.model import ConnEvent, EventRun, ListedClient
 from probes import bpfsys, prebuilt, ringbuf
 from probes.bpfsys import ProgramRuns
 from probes.caps import UNIT_CAPABILITIES, missing_bpf_capabilities
@@ -86,13 +86,19 @@ def server_key(key: bytes) -> tuple[int, str | None]:
     """(port, address) of a ``struct server_key``: an IPv4-mapped IPv6 address as the IPv4 one (a
     dual-stack engine's socket), as the namespaces' addresses are named; None for an unknown family."""
     port, family, packed = SERVER_KEY.unpack_from(key)
+    return port, server_address(family, packed)
+
+
+def server_address(family: int, packed: bytes) -> str | None:
+    """A server socket's address as the program keeps it (16 bytes, IPv4 in the first four): an
+    IPv4-mapped IPv6 address as the IPv4 one; None for an unknown family."""
     if family == socket.AF_INET:
-        return port, socket.inet_ntop(socket.AF_INET, packed[:4])
+        return socket.inet_ntop(socket.AF_INET, packed[:4])
     if family != socket.AF_INET6:
-        return port, None
+        return None
     if packed[:12] == b"\0" * 10 + b"\xff\xff":
-        return port, socket.inet_ntop(socket.AF_INET, packed[12:])
-    return port, socket.inet_ntop(socket.AF_INET6, packed)
+        return socket.inet_ntop(socket.AF_INET, packed[12:])
+    return socket.inet_ntop(socket.AF_INET6, packed)
 
 
 def _is_live_pid(pid: int, proc_root: Path = Path("/proc")) -> bool:
@@ -257,7 +263,7 @@ class BpfConnEventSource:
         self._malformed = 0
         self._lost_at_stop = 0
         self._build = EventBuilder()
-        self._client_keys: dict[bytes, tuple[int, str, int]] = {}  # clients map key -> (port, address, its port)
+        self._client_keys: dict[bytes, tuple[int, str, int, str]] = {}  # key -> (port, address, its port, server's)
         self._backlog = False
         self.client_slot_bits = default_client_slot_bits() if client_slot_bits is None else client_slot_bits
         # bcc's per-record callback reader needs bcc in this process.
@@ -426,10 +432,10 @@ class BpfConnEventSource:
                 found.setdefault(port, {})[address] = pid
         return found
 
-    def clients(self, ports: Iterable[int]) -> dict[int, tuple[tuple[str, int, int], ...]] | None:
+    def clients(self, ports: Iterable[int]) -> dict[int, tuple[ListedClient, ...]] | None:
         """The clients connected to each of ``ports`` now (``EngineLoad.connections``): address,
-        port, and when the server last read data from each (wall-clock ns), from the program's
-        ``clients`` map; None when it cannot be read."""
+        port, when the server last read data from each (wall-clock ns), and the server socket's
+        address, from the program's ``clients`` map; None when it cannot be read."""
         if not self._started or self._stopped:
             return None
         try:
@@ -439,19 +445,19 @@ class BpfConnEventSource:
             return None
         wanted = set(ports)
         offset = self._clock.offset_ns
-        found: dict[int, list[tuple[str, int, int]]] = {port: [] for port in wanted}
+        found: dict[int, list[ListedClient]] = {port: [] for port in wanted}
         decoded = self._client_keys
         if len(decoded) > len(values) * 4 + 1024:  # keys of clients long gone
             decoded.clear()
         for key, value in values.items():
             client = decoded.get(key)
             if client is None:
-                sport, dport, family, _pad, address, _server = CLIENT_KEY.unpack_from(key)
+                sport, dport, family, _pad, address, server = CLIENT_KEY.unpack_from(key)
                 text = socket.inet_ntop(socket.AF_INET, address[:4]) if family == socket.AF_INET \
                     else socket.inet_ntop(socket.AF_INET6, address)
-                client = decoded[key] = (sport, text, dport)
+                client = decoded[key] = (sport, text, dport, server_address(family, server) or "")
             if client[0] in wanted:
-                found[client[0]].append((client[1], client[2], CLIENT.unpack_from(value)[1] + offset))
+                found[client[0]].append((client[1], client[2], CLIENT.unpack_from(value)[1] + offset, client[3]))
         return {port: tuple(clients) for port, clients in found.items()}
 
     def accepted(self) -> int | None:

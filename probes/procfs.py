@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from auditor.model import ConnEvent, ConnEventKind
+from auditor.model import ConnEvent, ConnEventKind, ListedClient
 from probes.netns import Namespace, NetNamespaces, ProcessScan
 from probes.sockdiag import (
     TCP_ESTABLISHED,
@@ -318,10 +318,10 @@ class ProcfsConnEventSource:
             except queue.Empty:
                 return events
 
-    def clients(self, ports: Iterable[int]) -> dict[int, tuple[tuple[str, int, int], ...]] | None:
+    def clients(self, ports: Iterable[int]) -> dict[int, tuple[ListedClient, ...]] | None:
         """The clients connected to each of ``ports`` now (``EngineLoad.connections``): address,
-        port, and when data from each last came in (wall-clock ns: tcp_info's last_data_recv, the
-        kernel's receipt). A poll made at once, its dump asking each socket's tcp_info, that
+        port, when data from each last came in (wall-clock ns: tcp_info's last_data_recv, the
+        kernel's receipt), and the server socket's address. A poll made at once, its dump asking each socket's tcp_info, that
         stands for the poller's next: the poller's ticks follow on a whole interval after it. So
         the engine scraper's listings cost no walk of the established hash beside the polls'.
         Not read from a poll made a moment before: a client that left since would be listed, and
@@ -339,11 +339,11 @@ class ProcfsConnEventSource:
             # A port also served in another namespace: its clients there have no tcp_info to list.
             wanted = set(ports) & self._dumped_ports - self._foreign.keys()
             self._listed_keys = {port: {key for key in self._seen if key[2] == port} for port in wanted}
-            found: dict[int, list[tuple[str, int, int]]] = {port: [] for port in wanted}
-            for (_family, _local, port, peer, peer_port), seen in self._seen.items():
+            found: dict[int, list[ListedClient]] = {port: [] for port in wanted}
+            for (_family, local, port, peer, peer_port), seen in self._seen.items():
                 if port in wanted and seen.state == TCP_ESTABLISHED:
                     last_ms = diag.last_data_recv(seen.freed_as) or 0
-                    found[port].append((peer, peer_port, now - last_ms * 1_000_000))
+                    found[port].append((peer, peer_port, now - last_ms * 1_000_000, local))
         return {port: tuple(clients) for port, clients in found.items()}
 
     def accepted(self) -> int | None:

@@ -22,6 +22,10 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from auditor.model import ListedClient
 
 log = logging.getLogger(__name__)
 
@@ -447,9 +451,10 @@ class ConnectedClients:
         self._diag: SockDiag | bool | None = None  # False: the kernel refused it
         self._accepts: TcpAccepts | bool | None = None
 
-    def clients(self, ports: Iterable[int]) -> dict[int, tuple[tuple[str, int, int], ...]] | None:
+    def clients(self, ports: Iterable[int]) -> dict[int, tuple[ListedClient, ...]] | None:
         """Port -> (client address, client port, when data from it last came in, ns: tcp_info's
-        last_data_recv, the kernel's receipt rather than the server's read)."""
+        last_data_recv, the kernel's receipt rather than the server's read, and the server
+        socket's address)."""
         if self._diag is False:
             return None
         try:
@@ -462,8 +467,8 @@ class ConnectedClients:
             self._diag = False
             return None
         now = self._clock()
-        return {port: tuple((peer, peer_port, now - last_ms * 1_000_000)
-                            for (_family, _local, _port, peer, peer_port), last_ms in clients)
+        return {port: tuple((peer, peer_port, now - last_ms * 1_000_000, local)
+                            for (_family, local, _port, peer, peer_port), last_ms in clients)
                 for port, clients in found.items()}
 
     def accepted(self) -> int | None:

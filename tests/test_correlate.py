@@ -122,7 +122,7 @@ def load(at: float, running: int, waiting: int = 0, port: int = SERVER_PORT,
          clients: tuple[tuple[str, int, float], ...] | None = None, complete: bool = True) -> EngineLoad:
     """``clients``: (address, port, when it last sent data, s) of each connected client, the kernel's
     word; ``complete`` False: a client was accepted between the listing and the answer."""
-    connections = None if clients is None else tuple((a, p, T0 + int(sent * S)) for a, p, sent in clients)
+    connections = None if clients is None else tuple((a, p, T0 + int(sent * S), "") for a, p, sent in clients)
     return EngineLoad(ts_ns=T0 + int(at * S), server_port=port, running=running, waiting=waiting, style="vllm",
                       connections=connections, connections_complete=complete)
 
@@ -277,6 +277,32 @@ def test_listed_clients_are_told_once_their_spans_come_and_counted_by_when_each_
     correlator.tick()
     assert correlator.unspanned_clients(scrape, listed) == 2
     assert correlator.unspanned_clients(scrape, listed, read_before_ns=T0 + int(1.2 * S)) == 1
+
+
+def test_a_listed_client_of_one_pod_is_not_told_by_another_pods_span_on_its_4_tuple(store: Store) -> None:
+    """Two pods of one port, one gateway address and source port to both: the kernel lists a client
+    at each (the server's address tells them apart). ``a``'s span from the first pod tells the
+    first one's request; the second's, read before ``a`` began, runs on untold (its span comes when
+    it ends), and stays counted untold: taken as told, its request would read as an orphan. A span
+    relayed by a collector (no pod's address) may be either's, and tells both, as before."""
+    first, second, collector = "10.244.1.5", "10.244.1.6", "10.0.0.9"
+    clock = Clock()
+    correlator = make(store, clock)
+    correlator.set_servers({SERVER_PORT: frozenset({first, second})})
+    listed = (("127.0.0.1", 40001, T0 + int(0.9 * S), first), ("127.0.0.1", 40001, T0 + int(0.5 * S), second))
+    scrape = replace(load(2.0, 2), connections=listed)
+    store.insert_spans([replace(http_span("a", 0.9, 9.0, client=("127.0.0.1", 40001)),
+                                attributes={SENDER_KEY: first})])
+    clock.now = T0 + 3 * S
+    correlator.tick()
+    assert correlator.unspanned_clients(scrape, listed) == 1
+    unknown = tuple((*client[:3], "") for client in listed)  # a lister that cannot tell the server's address
+    assert correlator.unspanned_clients(replace(scrape, ts_ns=scrape.ts_ns + 1), unknown) == 0
+    store.insert_spans([replace(http_span("r", 0.95, 9.0, span="6", client=("127.0.0.1", 40001)),
+                                attributes={SENDER_KEY: collector})])
+    clock.now = T0 + 4 * S
+    correlator.tick()
+    assert correlator.unspanned_clients(replace(scrape, ts_ns=scrape.ts_ns + 2), listed) == 0
 
 
 def test_without_the_kernels_clients_a_close_racing_the_span_end_takes_no_orphan_it_did_not_add(store: Store) -> None:

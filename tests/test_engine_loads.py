@@ -407,10 +407,10 @@ def test_a_leaving_is_compared_with_a_scrape_that_says_and_none_before_it_says_y
     # scrape and nothing counts it connected. Listed untold at 2.1 s, it is no orphan there, nor at
     # the scrapes compared with, which held it too.
     untold = scraped({"Z": (0.0, 2.5), "C": (0.8, 2.4), "U": (0.0, 3.0)})
-    untold.add([EngineLoad(at(2.1), PORT, running=3, connections=(("127.0.0.1", 40100, at(0.05)),))])
+    untold.add([EngineLoad(at(2.1), PORT, running=3, connections=(("127.0.0.1", 40100, at(0.05), ""),))])
 
-    def unspanned(load: EngineLoad, clients: tuple[tuple[str, int, int], ...], read_before: int | None) -> int:
-        return sum(1 for _, _, last_read in clients if read_before is None or last_read <= read_before)
+    def unspanned(load: EngineLoad, clients: tuple[tuple[str, int, int, str], ...], read_before: int | None) -> int:
+        return sum(1 for _, _, last_read, _ in clients if read_before is None or last_read <= read_before)
     answer = untold.held_one_more(PORT, "C", at(1.3), at(0.8), at(1.3005) + CLOCK_ERROR, connected_counter(spans),
                                   lambda start, end: 0, unspanned, no_within_ns=GRACE)
     assert answer == (True, (at(1.2), at(2.1)))
@@ -470,7 +470,7 @@ def test_a_scrape_read_as_its_span_began_is_not_compared_with() -> None:
 
 
 def listed_load(seconds: float, held: int, clients: int, complete: bool = True, answer_ms: int = 5) -> EngineLoad:
-    connections = tuple(("127.0.0.1", 40000 + i, at(seconds)) for i in range(clients))
+    connections = tuple(("127.0.0.1", 40000 + i, at(seconds), "") for i in range(clients))
     return EngineLoad(at(seconds), PORT, running=held, answered_ns=at(seconds) + answer_ms * MS,
                       connections=connections, connections_complete=complete)
 
@@ -575,17 +575,17 @@ def test_idle_clients_count_against_the_port_and_a_queued_orphan_only_once_it_ru
     loads.note_departure(("127.0.0.1", 39999, PORT), at(0.1))
     # One running, its client listed, and the leaver's request waiting: no orphan yet.
     loads.add([EngineLoad(at(1.0), PORT, running=1, waiting=1, answered_ns=at(1.005),
-                          connections=(("127.0.0.1", 40000, at(0.9)),))])
+                          connections=(("127.0.0.1", 40000, at(0.9), ""),))])
     assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.0)) == (0, at(1.0))
     assert loads.held_beyond_listed(PORT) is None
     # The engine takes it up: two running, one client.
     loads.add([EngineLoad(at(1.25), PORT, running=2, waiting=0, answered_ns=at(1.255),
-                          connections=(("127.0.0.1", 40000, at(0.9)),))])
+                          connections=(("127.0.0.1", 40000, at(0.9), ""),))])
     assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.0)) == (1, at(1.25))
     assert loads.held_beyond_listed(PORT) == (at(1.255), 1)
     # A third client listed, idle on a kept-alive connection: the orphan can no longer be told.
     loads.add([EngineLoad(at(1.5), PORT, running=2, waiting=0, answered_ns=at(1.505),
-                          connections=tuple(("127.0.0.1", 40000 + i, at(0.9)) for i in range(2)))])
+                          connections=tuple(("127.0.0.1", 40000 + i, at(0.9), "") for i in range(2)))])
     assert loads.orphans_past(PORT, GRACE, read_by_ns=at(2.5)) == (0, at(1.5))
     assert loads.held_beyond_listed(PORT) is None
 
@@ -599,7 +599,7 @@ def test_a_busy_engines_listings_are_kept_only_near_a_clients_close() -> None:
     from auditor.correlate.evidence import BUSY_LISTING_NEAR_NS, BUSY_LISTING_SETTLE_NS
 
     loads = EngineLoads()
-    client = (("127.0.0.1", 40100, at(0.0)),)
+    client = (("127.0.0.1", 40100, at(0.0), ""),)
     loads.note_departure(("127.0.0.1", 40200, PORT), at(5.0))
     for tenth in range(0, 300, 5):  # every half second for 30 s, busy throughout
         loads.add([EngineLoad(at(tenth / 10), PORT, running=1, connections=client,

@@ -192,9 +192,44 @@ def test_a_scrape_lists_the_clients_connected_to_the_port_but_its_own_when_asked
         else:
             lister.stop()
     assert load is not None and load.connections is not None and load.connections_complete
-    [(address, port, last_sent_ns)] = load.connections
-    assert (address, port) == waiting_end
+    [(address, port, last_sent_ns, server_address)] = load.connections
+    assert (address, port, server_address) == (*waiting_end, "127.0.0.1")
     assert abs(last_sent_ns - sent_ns) < 20_000_000, (last_sent_ns - sent_ns) / 1e6
+
+
+def test_a_listing_leaves_out_the_scrapers_own_connection_by_its_engines_address_too(
+        serve: Callable[..., Server]) -> None:
+    """Pods of one node serving one port: the scraper's connection to one of them and another's
+    client (a gateway's, a host process's) may have the same address and port, told apart by the
+    server's address. Only the scraper's own is left out; a lister that cannot tell the server's
+    address ("") leaves out every client on the scraper's address and port, as before."""
+    server = serve([content_length()] * 3)
+    ends: list[tuple[str, int]] = []
+
+    def listed(ports: object) -> dict[int, tuple[tuple[str, int, int, str], ...]]:
+        (address, port), = ends
+        return {server.port: ((address, port, 1, "127.0.0.1"), (address, port, 2, "10.244.1.6"),
+                              (address, port, 3, "::ffff:127.0.0.1"), (address, port + 1, 4, "127.0.0.1"))}
+
+    def unknown(ports: object) -> dict[int, tuple[tuple[str, int, int, str], ...]]:
+        (address, port), = ends
+        return {server.port: ((address, port, 1, ""), (address, port + 1, 2, ""))}
+
+    def told(found: frozenset[tuple[str, int, int]]) -> None:
+        ends[:] = [end[:2] for end in found]
+
+    client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=2, filtered=False,
+                                  listed_clients=listed, accepted=lambda: 0, on_connections=told)
+    try:
+        client.scrape_all([server.port])  # the scraper's connection, kept alive from now on
+        client.want_clients([server.port])
+        [load] = client.scrape_all([server.port])
+        client.listed_clients = unknown
+        [unknowing] = client.scrape_all([server.port])
+    finally:
+        client.close()
+    assert load.connections is not None and [read for *_c, read, _s in load.connections] == [2, 4]
+    assert unknowing.connections is not None and [read for *_c, read, _s in unknowing.connections] == [2]
 
 
 @pytest.mark.parametrize(("moved", "port_says", "complete"), [
@@ -235,9 +270,9 @@ def test_a_busy_engines_scrapes_list_its_clients_where_listing_is_cheap(serve: C
                     content_length(idle)])
     asked: list[list[int]] = []
 
-    def lister(ports: object) -> dict[int, tuple[tuple[str, int, int], ...]]:
+    def lister(ports: object) -> dict[int, tuple[tuple[str, int, int, str], ...]]:
         asked.append(sorted(ports))  # type: ignore[call-overload]
-        return {port: (("127.0.0.1", 40000, 1),) for port in ports}  # type: ignore[attr-defined]
+        return {port: (("127.0.0.1", 40000, 1, "127.0.0.1"),) for port in ports}  # type: ignore[attr-defined]
 
     client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=2, filtered=False,
                                   listed_clients=lister, list_while_busy=cheap)

@@ -332,8 +332,8 @@ def test_the_clients_connected_are_listed_with_the_servers_last_read(probe: Prob
     listed = probe.source.clients([port_of(server)])
     assert listed is not None and set(listed) == {port_of(server)}
     assert accepted is not None and probe.source.accepted() == accepted + 3  # both watched ports
-    by_port = {client_port: last_read for _address, client_port, last_read in listed[port_of(server)]}
-    assert {address for address, _port, _read in listed[port_of(server)]} == {host}
+    by_port = {client_port: last_read for _address, client_port, last_read, _server in listed[port_of(server)]}
+    assert {(address, server) for address, _port, _read, server in listed[port_of(server)]} == {(host, host)}
     assert by_port.keys() == {port_of(quiet), port_of(talking)}
     assert abs(by_port[port_of(talking)] - read_at) < 5 * MS  # the server's read, not the client's send
     assert by_port[port_of(quiet)] < read_at - 40 * MS  # its accept: nothing read since
@@ -342,7 +342,7 @@ def test_the_clients_connected_are_listed_with_the_servers_last_read(probe: Prob
     talking_end.close()
     probe.wait_closed(port_of(server), talking_port)
     listed = probe.source.clients([port_of(server)])
-    assert listed is not None and [p for _a, p, _r in listed[port_of(server)]] == [port_of(quiet)]
+    assert listed is not None and [p for _a, p, _r, _s in listed[port_of(server)]] == [port_of(quiet)]
     for sock in (quiet, quiet_end, elsewhere, elsewhere_end, server, other):
         sock.close()
 
@@ -361,8 +361,8 @@ def test_clients_connected_before_their_port_was_watched_are_listed(probe: Probe
     probe.source.set_ports([port_of(server)])
     listed = probe.source.clients([port_of(server)])
     assert listed is not None
-    [(address, client_port, last_read)] = listed[port_of(server)]
-    assert (address, client_port) == ("127.0.0.1", port_of(before))
+    [(address, client_port, last_read, server_address)] = listed[port_of(server)]
+    assert (address, client_port, server_address) == ("127.0.0.1", port_of(before), "127.0.0.1")
     assert abs(last_read - read_at) < 20 * MS  # tcp_info's last_data_recv: the kernel's ticks
     before_port = port_of(before)
     before.close()
@@ -395,7 +395,7 @@ def test_clients_past_the_slots_are_listed_from_the_hash(bits: int) -> None:
             pairs.append((client, server.accept()[0]))
         listed = source.clients([port_of(server)])
         assert listed is not None
-        assert sorted(p for _a, p, _r in listed[port_of(server)]) == sorted(port_of(c) for c, _ in pairs)
+        assert sorted(p for _a, p, _r, _s in listed[port_of(server)]) == sorted(port_of(c) for c, _ in pairs)
         # A walk that finds clients the program has listed already (accepted as the port was being
         # watched) adds none of them twice: a copy in the hash would outlive its close.
         source._add_connected(frozenset([port_of(server)]))
@@ -408,7 +408,7 @@ def test_clients_past_the_slots_are_listed_from_the_hash(bits: int) -> None:
             time.sleep(0.01)
         listed = source.clients([port_of(server)])
         assert listed is not None
-        assert sorted(p for _a, p, _r in listed[port_of(server)]) == sorted(port_of(c) for c, _ in pairs[3:])
+        assert sorted(p for _a, p, _r, _s in listed[port_of(server)]) == sorted(port_of(c) for c, _ in pairs[3:])
         source.set_ports([])  # unwatched: their entries go, wherever they were
         assert source.clients([port_of(server)]) == {port_of(server): ()}
         source.set_ports([port_of(server)])  # watched again: seeded from sock_diag into the hash
@@ -445,15 +445,15 @@ def test_one_client_port_to_two_server_addresses_is_two_clients(bits: int) -> No
                 ends.append((client, server.accept()[0]))
             return ends
 
-        def listed() -> list[tuple[str, int]]:
+        def listed() -> list[tuple[str, int, str]]:
             found = source.clients([port])
             assert found is not None
-            return sorted((address, client_port) for address, client_port, _read in found[port])
+            return sorted((address, client_port, server) for address, client_port, _read, server in found[port])
 
         ends = pair()
         client_port = port_of(ends[0][0])
-        assert listed() == [("127.0.0.1", client_port)] * 2
-        for (client, end), left in zip(ends, ([("127.0.0.1", client_port)], []), strict=True):  # the first pod's closes first
+        assert listed() == [("127.0.0.1", client_port, "127.0.0.1"), ("127.0.0.1", client_port, "127.0.0.2")]
+        for (client, end), left in zip(ends, ([("127.0.0.1", client_port, "127.0.0.2")], []), strict=True):  # the first pod's closes first
             client.close()
             end.close()
             deadline = time.monotonic() + 5
@@ -463,7 +463,7 @@ def test_one_client_port_to_two_server_addresses_is_two_clients(bits: int) -> No
         ends = pair()
         source.set_ports([])
         source.set_ports([port])  # watched again: both seeded from sock_diag
-        assert listed() == [("127.0.0.1", port_of(ends[0][0]))] * 2
+        assert [client[:2] for client in listed()] == [("127.0.0.1", port_of(ends[0][0]))] * 2
         for client, end in ends:
             client.close()
             end.close()

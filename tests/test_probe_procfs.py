@@ -797,7 +797,8 @@ def test_a_listing_of_the_clients_connected_is_a_poll_with_each_ones_last_data(s
     time.sleep(0.2)
     listed = source.clients([port_of(server), port_of(other)])
     assert listed is not None and set(listed) == {port_of(server)}  # the unwatched port is left out
-    by_port = {client_port: last_ns for _address, client_port, last_ns in listed[port_of(server)]}
+    by_port = {client_port: last_ns for _address, client_port, last_ns, _server in listed[port_of(server)]}
+    assert {server for *_client, server in listed[port_of(server)]} == {"127.0.0.1"}
     assert set(by_port) == {port_of(quiet), port_of(talker)}
     # The kernel's times are jiffies, read in ms: a tick (up to 10 ms) either way.
     assert sent - 20_000_000 <= by_port[port_of(talker)] <= sent + 20_000_000
@@ -807,7 +808,7 @@ def test_a_listing_of_the_clients_connected_is_a_poll_with_each_ones_last_data(s
     time.sleep(0.02)
     listed = source.clients([port_of(server)])
     assert listed is not None
-    assert [client_port for _a, client_port, _t in listed[port_of(server)]] == [port_of(quiet)]
+    assert [client_port for _a, client_port, _t, _s in listed[port_of(server)]] == [port_of(quiet)]
     assert kinds_for(source.poll(timeout_s=0), talker_port) == [PEER_FIN]  # the listing was a poll
     for sock in (quiet, quiet_end, talker_end, other):
         sock.close()

@@ -60,6 +60,7 @@ from auditor.model import (
     ConnEventKind,
     CoverageKind,
     EngineLoad,
+    ListedClient,
     LiveEvent,
     RequestVerdict,
     SpanRecord,
@@ -181,7 +182,7 @@ class Correlator:
         # sorted: counted once a round
         self._unspanned: dict[tuple[int, int], list[int]] = {}
         # connection -> (its latest read asked of, when the first span or notice telling it began)
-        self._telling: dict[Tuple4, tuple[int, int]] = {}
+        self._telling: dict[Tuple4, tuple[int, frozenset[str], int]] = {}
         # Ports whose coming scrapes a verdict of this round reads undecided: their clients are
         # wanted with them (the daemon asks the scraper, ``EngineMetricsScraper.want_clients``).
         self.clients_wanted: set[int] = set()
@@ -811,10 +812,14 @@ class Correlator:
         one pod joined to the other's request in flight made that request, read whole, a zombie.
         Spans from elsewhere (relayed by a collector, or from a pod not yet found) are not told
         apart: they may be either's."""
-        addresses = self.servers.get(disconnect.tuple4[2]) if disconnect.server_addr else None
-        if not addresses or disconnect.server_addr not in addresses:
+        return self._other_servers(disconnect.tuple4[2], disconnect.server_addr)
+
+    def _other_servers(self, port: int, server_addr: str) -> frozenset[str]:
+        """``elsewhere`` for a connection to ``server_addr`` (normalized; "" not known) on ``port``."""
+        addresses = self.servers.get(port) if server_addr else None
+        if not addresses or server_addr not in addresses:
             return _NOWHERE
-        return addresses - {disconnect.server_addr}
+        return addresses - {server_addr}
 
     def _span_in_flight(self, disconnect: Disconnect) -> SpanRecord | None:
         return self.spans.in_flight(disconnect.tuple4, disconnect.ts_ns,
@@ -865,40 +870,42 @@ class Correlator:
         until = ts_ns if until_ns is None else max(ts_ns, until_ns)
         return self.spans.server_spans_on(port, ts_ns, until, also=self.live.running_on(port, ts_ns, until))
 
-    def unspanned_clients(self, load: EngineLoad, clients: tuple[tuple[str, int, int], ...],
+    def unspanned_clients(self, load: EngineLoad, clients: tuple[ListedClient, ...],
                           read_before_ns: int | None = None) -> int:
         """Of the clients the kernel listed connected to ``load``'s port as it was scraped
-        (address, port, when the server last read data from each), how many may hold a request
-        that the spans and notices do not tell yet. The request read last is told by a server span
+        (``ListedClient``), how many may hold a request that the spans and notices do not tell yet. The request read last is told by a server span
         (or its start notice) on that connection that started by the scrape's answer and at most
         REQUEST_READ_NS before that read; a span that started earlier is an earlier request's, and
-        the one read last is not told yet. A client whose told request ended before the scrape is
-        idle, kept alive. ``read_before_ns``: only clients last read by then (their untold requests
+        the one read last is not told yet. On a port several containers serve, a span another of
+        them sent tells none of this one's clients (a gateway may reach two from one address and
+        port). A client whose told request ended before the scrape is idle, kept alive. ``read_before_ns``: only clients last read by then (their untold requests
         were held at that moment too). Counted once a round (spans come between rounds)."""
         key = (load.server_port, load.ts_ns)
         reads = self._unspanned.get(key)
         if reads is None:  # when each untold client was last read, sorted: any read_before_ns is a bisection
             port, by_ns = load.server_port, (load.answered_ns or load.ts_ns) + CLOCK_ERROR_NS
             untold: list[int] = []
-            for address, client_port, last_read_ns in clients:
-                if self._first_telling((norm_addr(address), client_port, port), last_read_ns) > by_ns:
+            for address, client_port, last_read_ns, server in clients:
+                not_from = self._other_servers(port, norm_addr(server)) if server else _NOWHERE
+                if self._first_telling((norm_addr(address), client_port, port), last_read_ns, not_from) > by_ns:
                     untold.append(last_read_ns)
             reads = self._unspanned[key] = sorted(untold)
         return len(reads) if read_before_ns is None else bisect.bisect_right(reads, read_before_ns)
 
-    def _first_telling(self, tuple4: Tuple4, last_read_ns: int) -> int:
+    def _first_telling(self, tuple4: Tuple4, last_read_ns: int, not_from: frozenset[str] = _NOWHERE) -> int:
         """When the first server span or start notice on the connection that can tell its request
         read last began (_END_OF_TIME: none yet): one that began at most REQUEST_READ_NS before
-        that read. Kept per connection for its latest read until news comes on it (``_news``): a
-        busy port's listings name the same connections scrape after scrape."""
+        that read, and not sent from ``not_from``. Kept per connection for its latest read until
+        news comes on it (``_news``): a busy port's listings name the same connections scrape
+        after scrape."""
         known = self._telling.get(tuple4)
-        if known is not None and known[0] == last_read_ns:
-            return known[1]
+        if known is not None and known[0] == last_read_ns and known[1] == not_from:
+            return known[2]
         read_from_ns = last_read_ns - REQUEST_READ_NS
-        first = min((span.start_ns for span in self.spans.on_connection(tuple4) if span.start_ns >= read_from_ns),
-                    default=_END_OF_TIME)
-        first = min(first, self.live.first_start_on(tuple4, read_from_ns))
-        self._telling[tuple4] = (last_read_ns, first)
+        first = min((span.start_ns for span in self.spans.on_connection(tuple4, not_from)
+                     if span.start_ns >= read_from_ns), default=_END_OF_TIME)
+        first = min(first, self.live.first_start_on(tuple4, read_from_ns, not_from))
+        self._telling[tuple4] = (last_read_ns, not_from, first)
         return first
 
     def alarm_at(self, ts_ns: int) -> None:

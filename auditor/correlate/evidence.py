@@ -28,7 +28,7 @@ from typing import Any
 from auditor.correlate.checkpoints import Checkpoints
 from auditor.correlate.prune import drop_front
 from auditor.correlate.verdict import CLOCK_ERROR_NS
-from auditor.model import LOGGED_STYLES, STEP_STILL_NS, EngineLoad, SpanRecord
+from auditor.model import LOGGED_STYLES, STEP_STILL_NS, EngineLoad, ListedClient, SpanRecord
 
 FINAL_SEND_ATTR = "asgi.event.final"
 SERVER_CLOSED_FIRST_NS = 1_000_000_000  # a client's close this soon after the server's FIN answers it
@@ -267,8 +267,8 @@ class EngineLoads:
         # scrapes that listed them; kept for ``clients_kept_ns`` after the port's latest listing
         # (the correlator's memory window, as the spans that tell them): older scrapes are read
         # without them.
-        self._clients: dict[int, dict[int, tuple[tuple[str, int, int], ...] | None]] = {}  # None: incomplete
-        self._busy_clients: dict[int, dict[int, tuple[tuple[str, int, int], ...] | None]] = {}  # alike, busy-only
+        self._clients: dict[int, dict[int, tuple[ListedClient, ...] | None]] = {}  # None: incomplete
+        self._busy_clients: dict[int, dict[int, tuple[ListedClient, ...] | None]] = {}  # alike, busy-only
         self._busy_listings: dict[int, deque[int]] = {}  # port -> its busy-only listings not yet settled
         self.clients_kept_ns = 60_000_000_000
         # port -> request -> (its client's close, its work's end), for requests whose work went on
@@ -502,7 +502,7 @@ class EngineLoads:
     def work_end(self, port: int, disconnect_ns: int, started_ns: int,
                  connected_at: Callable[[int, int], int], connected_until_ns: int | None = None,
                  arrived: Callable[[int, int], int] | None = None, sweep: ScrapeSweep | None = None,
-                 unspanned: Callable[[EngineLoad, tuple[tuple[str, int, int], ...]], int] | None = None,
+                 unspanned: Callable[[EngineLoad, tuple[ListedClient, ...]], int] | None = None,
                  ending: Callable[[int, int], int] | None = None) -> MetricsEnd | None:
         """When this request's work ended, as the gauges tell; None when no scrape came after it left.
 
@@ -764,7 +764,7 @@ class EngineLoads:
 
     def held_one_more(self, port: int, request: Hashable, disconnect_ns: int, span_start_ns: int,
                       connected_until_ns: int, connected_at: Callable[[int, int], int], arrived: Callable[[int, int], int],
-                      unspanned: Callable[[EngineLoad, tuple[tuple[str, int, int], ...], int | None], int],
+                      unspanned: Callable[[EngineLoad, tuple[ListedClient, ...], int | None], int],
                       no_within_ns: int, spans_ended: Callable[[int, int], int] | None = None,
                       ) -> tuple[bool | None, tuple[int, int] | None] | None:
         """Whether the engine held one more request once this one's client had left than before:

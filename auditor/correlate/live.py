@@ -79,10 +79,11 @@ class LiveState:
         return in_flight_among(notices, _started, running_at, ts_ns, closed_at, wait_ns,
                                earliest_ns, peer_fin=peer_fin, events_at=events_at)
 
-    def first_start_on(self, tuple4: Tuple4, from_ns: int) -> int:
+    def first_start_on(self, tuple4: Tuple4, from_ns: int, not_from: AbstractSet[str] = frozenset()) -> int:
         """When the first server span on this connection that started at ``from_ns`` or later began,
-        as start notices tell (sys.maxsize: none)."""
-        return min((live.ts_ns for live in self._by_tuple.get(tuple4, ()) if live.ts_ns >= from_ns), default=sys.maxsize)
+        as start notices not sent from ``not_from`` tell (sys.maxsize: none)."""
+        return min((live.ts_ns for live in self._by_tuple.get(tuple4, ())
+                    if live.ts_ns >= from_ns and live.sender not in not_from), default=sys.maxsize)
 
     def running(self, trace_id: str, span_ids: set[str]) -> bool:
         """Whether any of these spans, or any engine work of the trace, is still running."""
