@@ -231,7 +231,7 @@ def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) 
     kernel_runs: dict[str, list[float]] = {name: [] for name in configs[1:]}
     read_back_cpu: list[float] = []  # the correlator's decoding of a round's stored events, per request
     last_block = 0
-    events = lost = 0
+    events = lost = maps_bytes = 0
     requests_probed = 0
     try:  # the kernel counts the programs' runs (a clock read or two each)
         stats_before: str | None = bpfsys.STATS_SYSCTL.read_text()
@@ -254,6 +254,7 @@ def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) 
                     continue
                 source = BpfConnEventSource([address[1]])  # loaded fresh, detached after
                 source.start()
+                maps_bytes = maps_bytes or maps_memory()
                 consumer = Consumer(source, ConnEventWriter(store) if name == "probe+store" else None,
                                     args.poll_seconds)
                 consumer.thread.start()
@@ -297,7 +298,21 @@ def http_overhead(args: argparse.Namespace, workdir: Path, per_connection: int) 
             "read back cpu": statistics.median(read_back_cpu),
             **{f"{name} rounds": " ".join(f"{value:,.0f}" for value in values)
                for name, values in rates.items()},
-            "events": events, "lost": lost}
+            "events": events, "lost": lost, "maps bytes": maps_bytes}
+
+
+def maps_memory() -> int:
+    """The kernel memory of the BPF maps this process holds open (each map's ``memlock`` in its
+    descriptor's fdinfo): the probe's, while it is loaded. Charged to the daemon's cgroup."""
+    total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            info = Path(f"/proc/self/fdinfo/{fd}").read_text()
+        except OSError:
+            continue
+        if "map_type:" in info:
+            total += next((int(line.split()[1]) for line in info.splitlines() if line.startswith("memlock:")), 0)
+    return total
 
 
 def event_rate(args: argparse.Namespace, workdir: Path, ring_mib: int, run: int) -> dict[str, float]:
@@ -595,6 +610,8 @@ def http_rows(http: dict[str, Any]) -> list[tuple[str, str, str]]:
         ("reader CPU per request, + store", f"{reader(http, 'probe+store') * 1e6:.1f} µs",
          f"{reader(http, 'probe+store') / http['without cpu']:.2%} of a request without the probe"),
         *kernel_rows(http),
+        ("probe maps' kernel memory", f"{http['maps bytes'] / 2**20:.2f} MiB",
+         "every map's memlock (fdinfo): charged to the daemon's cgroup"),
     ]
 
 

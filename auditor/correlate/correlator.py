@@ -885,8 +885,9 @@ class Correlator:
         if reads is None:  # when each untold client was last read, sorted: any read_before_ns is a bisection
             port, by_ns = load.server_port, (load.answered_ns or load.ts_ns) + CLOCK_ERROR_NS
             untold: list[int] = []
+            shared = port in self.servers  # else no client's server address is asked for
             for address, client_port, last_read_ns, server in clients:
-                not_from = self._other_servers(port, norm_addr(server)) if server else _NOWHERE
+                not_from = self._other_servers(port, norm_addr(server)) if shared and server else _NOWHERE
                 if self._first_telling((norm_addr(address), client_port, port), last_read_ns, not_from) > by_ns:
                     untold.append(last_read_ns)
             reads = self._unspanned[key] = sorted(untold)
