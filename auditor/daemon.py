@@ -297,7 +297,8 @@ class Daemon:
                                        listing_complete=getattr(lister, "listing_complete", None),
                                        list_while_busy=getattr(lister, "listing_is_cheap", False),
                                        addresses_of=EngineAddresses(
-                                           listening_inodes, NetNamespaces(scan=self._process_scan())).of)
+                                           listening_inodes, NetNamespaces(scan=self._process_scan())).of,
+                                       sends_spans=self.correlator.sends_spans)
         self._parts["engine_metrics"] = scraper.start()
 
     def _drain_engine_loads(self) -> list[EngineLoad]:

@@ -229,6 +229,10 @@ def _values(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return values
 
 
+class NoPage(OSError):
+    """The server answered the metrics path with a status that says it has no such page (4xx)."""
+
+
 def summed(loads: list[EngineLoad], addresses: tuple[str, ...]) -> EngineLoad:
     """The gauges of the engines that serve one port (containers, each in a network of its own, at
     ``addresses``), as of one engine: each count summed, a series one of them lacks lacking, one
@@ -384,12 +388,20 @@ class EngineMetricsScraper:
                  | None = None, accepted: Callable[[], int | None] | None = None,
                  listing_complete: Callable[[int], bool | None] | None = None,
                  list_while_busy: bool = False,
-                 addresses_of: Callable[[int], tuple[str, ...]] | None = None) -> None:
+                 addresses_of: Callable[[int], tuple[str, ...]] | None = None,
+                 sends_spans: Callable[[int, str], bool] | None = None) -> None:
         self.ports = ports
         # The address of each port's engine, asked at each scrape (``host`` without it): a
         # container's engine on a network of its own is not on this namespace's loopback; a port
         # several containers serve has one engine at each of theirs.
         self.addresses_of = addresses_of
+        # Whether spans on a port came from an address (the correlator's word): a server there that
+        # is no engine can be left out of the port's gauges only if none did (``scrape``).
+        self.sends_spans = sends_spans
+        # Of a port several containers serve, the servers that answered as no engine does, and
+        # until when (monotonic) they are left out: (port, address) -> until.
+        self._not_engines: dict[tuple[int, str], float] = {}
+        self.left_out: dict[int, frozenset[str]] = {}  # port -> those left out at its latest scrape
         self.listed_clients = listed_clients
         self.accepted = accepted
         self.listing_complete = listing_complete
@@ -436,18 +448,50 @@ class EngineMetricsScraper:
     def scrape(self, port: int) -> EngineLoad | None:
         """The port's engine's gauges; of a port several containers serve (``addresses_of``
         names each), their sum, as of one engine serving the port: the correlator reads it
-        against every client connected to the port. Only a round in which every one answered
-        gives one: without one's requests the sum would show the others' orphans gone."""
+        against every client connected to the port. Only a round in which every engine answered
+        gives one: without one's requests the sum would show the others' orphans gone.
+
+        A server there that answers as no engine does (a page without a known metric, or 4xx: a
+        web app, another kind of model server on the same port number) is left out, asked again
+        after NOT_AN_ENGINE_BACKOFF_S, and its clients left out of the port's listings by their
+        server's address (``scrape_all``), so the sum and the clients are of the same servers;
+        not while spans on the port come from its address (``sends_spans``): their requests are
+        among those the correlator counts connected, and the port then gives no reading."""
         addresses = self.addresses_of(port) if self.addresses_of is not None else (self.host,)
         if len(addresses) == 1:
+            self.left_out.pop(port, None)
             return self._scrape_at(port, addresses[0])
-        loads = []
+        now = time.monotonic()
+        loads, engines, others = [], [], []
         for address in addresses:
-            load = self._scrape_at(port, address)
-            if load is None:
-                raise OSError(f"the engine at {address} answered with no known metric")
-            loads.append(load)
-        return summed(loads, addresses)
+            if self._not_engines.get((port, address), 0.0) <= now:
+                try:
+                    load = self._scrape_at(port, address)
+                except NoPage as exc:
+                    load, why = None, str(exc)
+                else:
+                    why = "no known metric"
+                if load is not None:
+                    loads.append(load)
+                    engines.append(address)
+                    self._not_engines.pop((port, address), None)
+                    continue
+                if (port, address) not in self._not_engines:
+                    log.info("port %d: the server at %s answered its %s with %s: no engine; left out of the "
+                             "port's gauges and listings while no span on the port comes from it (asked again "
+                             "every %.0f s)", port, address, self.path, why, NOT_AN_ENGINE_BACKOFF_S)
+                self._not_engines[(port, address)] = now + NOT_AN_ENGINE_BACKOFF_S
+            if self.sends_spans is None or self.sends_spans(port, address):
+                raise OSError(f"the server at {address} answered with no known metric, and spans on port {port} "
+                              "came from its address")
+            others.append(address)
+        for gone in [key for key in self._not_engines if key[0] == port and key[1] not in addresses]:
+            del self._not_engines[gone]
+        if not loads:
+            self.left_out.pop(port, None)
+            return None
+        self.left_out[port] = frozenset(others)
+        return summed(loads, tuple(engines))
 
     def _scrape_at(self, port: int, address: str) -> EngineLoad | None:
         # The gauges describe the engine at one moment between the request and its answer; both
@@ -515,7 +559,7 @@ class EngineMetricsScraper:
             try:
                 status, body, keep_alive = connection.get(path)
                 if status != 200:
-                    raise OSError(f"HTTP {status}")
+                    raise (NoPage if 400 <= status < 500 else OSError)(f"HTTP {status}")
             except Exception:
                 self._close(connection)
                 if reused and attempt == 0:
@@ -607,7 +651,10 @@ class EngineMetricsScraper:
                 complete = after in (None, accepts)
                 if not complete and self.listing_complete is not None:
                     complete = self.listing_complete(port) is True  # accepted elsewhere, not on this port
-                load = replace(load, connections=walked[port], connections_complete=complete,
+                clients, left_out = walked[port], self.left_out.get(port)
+                if left_out:  # the clients of servers left out of the gauges (``scrape``)
+                    clients = tuple(c for c in clients if c[3].removeprefix("::ffff:") not in left_out)
+                load = replace(load, connections=clients, connections_complete=complete,
                                listed_while_busy=port in busy_only)
             loads.append(load)
         return loads

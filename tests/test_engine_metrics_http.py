@@ -197,6 +197,39 @@ def test_a_scrape_lists_the_clients_connected_to_the_port_but_its_own_when_asked
     assert abs(last_sent_ns - sent_ns) < 20_000_000, (last_sent_ns - sent_ns) / 1e6
 
 
+def test_a_server_on_a_shared_port_that_is_no_engine_is_left_out_unless_its_spans_count(
+        serve: Callable[..., Server]) -> None:
+    """One port at two addresses: an engine, and a server whose /metrics is 404 (no engine). The
+    port's load is the engine's alone, its listing without the other's clients (by the server's
+    address), and the other is not asked again for a while; but where spans on the port came from
+    the other's address (their requests are counted connected), the port gives no reading, as
+    while any of its engines does not answer."""
+    engine = serve([content_length()] * 4)
+    web = serve([b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"] * 4, host="127.0.0.2", port=engine.port)
+    spans_from: set[str] = set()
+
+    def listed(ports: object) -> dict[int, tuple[tuple[str, int, int, str], ...]]:
+        return {engine.port: (("10.0.0.7", 40000, 1, "127.0.0.1"), ("10.0.0.7", 40001, 2, "127.0.0.2"),
+                              ("10.0.0.8", 40002, 3, "::ffff:127.0.0.2"))}
+
+    client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=2, filtered=False,
+                                  listed_clients=listed, accepted=lambda: 0,
+                                  addresses_of=lambda port: ("127.0.0.1", "127.0.0.2"),
+                                  sends_spans=lambda port, address: address in spans_from)
+    try:
+        client.want_clients([engine.port])
+        [load] = client.scrape_all([engine.port])
+        assert client.left_out == {engine.port: {"127.0.0.2"}}
+        assert load.running_by_address == (("127.0.0.1", load.running),)
+        assert load.connections is not None and [read for *_c, read, _s in load.connections] == [1]
+        [again] = client.scrape_all([engine.port])  # the other is not asked again yet
+        assert again.running_by_address == load.running_by_address and web.connections == 1
+        spans_from.add("127.0.0.2")
+        assert client.scrape_all([engine.port]) == [] and client.errors == 1
+    finally:
+        client.close()
+
+
 def test_a_listing_leaves_out_the_scrapers_own_connection_by_its_engines_address_too(
         serve: Callable[..., Server]) -> None:
     """Pods of one node serving one port: the scraper's connection to one of them and another's
@@ -563,10 +596,11 @@ def test_a_port_several_containers_serve_is_read_as_the_sum_of_their_engines(ser
     """Pods of a node serving one port, each in a network of its own, are scraped each at its own
     address and read as one engine: counts summed, over the window from the first request to the
     last answer. A round one of them does not answer as an engine of the same kind gives nothing
-    (without its requests the others' orphans would look gone): an error, counted."""
+    (without its requests the others' orphans would look gone): an error, counted. So does one
+    that answers as no engine, where the scraper cannot tell whether spans came from it."""
     first = serve([page("vllm", 2, 1, 100.0)] * 3)
-    second = serve([page("vllm", 3, 0, 50.0), b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nno",
-                    page("sglang", 1, 0)], host="127.0.0.2", port=first.port)
+    second = serve([page("vllm", 3, 0, 50.0), page("sglang", 1, 0),
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nno"], host="127.0.0.2", port=first.port)
     client = EngineMetricsScraper(lambda: [first.port], lambda loads: None, timeout_s=2, filtered=False,
                                   addresses_of=lambda port: ("127.0.0.1", "127.0.0.2"))
     load = client.scrape(first.port)
@@ -574,9 +608,9 @@ def test_a_port_several_containers_serve_is_read_as_the_sum_of_their_engines(ser
     assert load.server_port == first.port and load.style == "vllm" and load.model == "m"
     assert load.running_by_address == (("127.0.0.1", 2), ("127.0.0.2", 3))
     assert load.answered_ns is not None and load.ts_ns <= load.answered_ns
-    assert client.scrape_all() == [] and client.errors == 1  # the second answered no metrics page
     with pytest.raises(OSError, match="engines of different kinds"):
         client.scrape(first.port)
+    assert client.scrape_all() == [] and client.errors == 1  # the second answered no metrics page
     client.close()
     assert first.connections == 1 and second.connections == 1  # kept alive, each at its own address
 

@@ -429,6 +429,61 @@ def test_engine_in_its_own_network_judged_against_truth(tmp_path: Path, namespac
     assert tally["cancels right"] == 4 and not problems, (tally, problems)
 
 
+@pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
+def test_a_server_on_the_engines_port_that_is_no_engine_is_left_out_of_its_gauges(
+        tmp_path: Path, namespace: str, source: str) -> None:
+    """A node's pods serve one port number, one of them an engine that sends no span for an aborted
+    request (as vLLM) and another a web server that is no engine (its /metrics: 404), with a client
+    of its own connected. The engine's aborts are told by its gauges: the other server is left out
+    of the port's gauges, and its client out of the port's listings (by the server's address),
+    where before the port gave no reading at all and every abort was unconfirmed."""
+    second_host, second_server = "10.231.10.1", "10.231.10.2"
+    with contextlib.ExitStack() as stack:
+        other = stack.enter_context(joined_namespace(f"{namespace}w", f"aud{os.getpid() % 100000}w",
+                                                     second_host, second_server))
+        daemon = stack.enter_context(running_daemon(tmp_path, **{
+            "probe.source": source, "probe.poll_hz": 20.0, "otlp.http": f"{HOST_ADDR}:0"}))
+        engine = stack.enter_context(running_engine(
+            behavior="abort", otlp=f"http://{HOST_ADDR}:{daemon.status.http_port}", truth_log=tmp_path / "truth.jsonl",
+            step_ms=10, max_batch=4, host=ENGINE_ADDR, netns=namespace, extra_args=["--no-process-pid"]))
+        web = subprocess.Popen(["ip", "netns", "exec", other, sys.executable, "-m", "http.server", str(engine.port),
+                                "--bind", second_server, "--directory", str(tmp_path)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stack.callback(web.wait, timeout=10)
+        stack.callback(web.terminate)
+        assert wait_for(lambda: _answers(second_server, engine.port), timeout_s=10)
+        idle = stack.enter_context(socket.create_connection((second_server, engine.port)))  # its own client
+        daemon.set_ports({engine.port})
+        scraper = daemon._parts["engine_metrics"]
+        assert wait_for(lambda: scraper.left_out.get(engine.port) == {second_server}, timeout_s=15), scraper.left_out
+        clients = [complete(engine.port, stream=index % 2 == 0, max_tokens=8, request_id=f"ok{index}",
+                            host=ENGINE_ADDR) for index in range(2)]
+        clients += [cancel_after(engine.port, 0.3, kind, stream=True, max_tokens=150, request_id=f"{kind}{index}",
+                                 host=ENGINE_ADDR) for index in range(2) for kind in ("fin", "rst")]
+        for client in clients:
+            client.join()
+        assert wait_for(lambda: len(engine.truth()) == 6, timeout_s=20)
+        wait_for(lambda: tally_against_truth(verdict_rows(daemon), engine.truth())[0]["cancels right"] == 4,
+                 timeout_s=15)
+        time.sleep(0.5)
+        tally, problems = tally_against_truth(verdict_rows(daemon), engine.truth())
+        rows = verdict_rows(daemon)
+        assert idle.fileno() >= 0
+    assert tally["cancels"] == 4 and tally["completed"] == 2, tally
+    assert tally["cancels right"] == 4 and not problems, (tally, problems)
+    aborts = [row for row in rows if row.verdict == "aborted"]
+    assert len(aborts) == 4 and all(row.details.get("evidence") == "engine_metrics" for row in aborts), [
+        (row.verdict, row.details.get("evidence")) for row in rows]
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("behavior", ["detached", "abort-vllm-like"])
 @pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
 def test_two_containers_serving_one_port_judged_and_costed_each_by_its_own_engine(

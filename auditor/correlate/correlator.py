@@ -814,6 +814,11 @@ class Correlator:
         apart: they may be either's."""
         return self._other_servers(disconnect.tuple4[2], disconnect.server_addr)
 
+    def sends_spans(self, port: int, address: str) -> bool:
+        """Whether server spans on ``port`` came from ``address`` (a container's, as the receivers
+        keep it); asked from the engine scraper's thread."""
+        return address in self.spans.senders.get(port, ())
+
     def _other_servers(self, port: int, server_addr: str) -> frozenset[str]:
         """``elsewhere`` for a connection to ``server_addr`` (normalized; "" not known) on ``port``."""
         addresses = self.servers.get(port) if server_addr else None

@@ -55,6 +55,11 @@ def norm_addr(addr: str | None) -> str:
     return str(ip)
 
 
+# Addresses a port's server spans came from (``TraceIndex.senders``), at most: past it the set
+# starts again (a node's pods are tens; addresses of pods gone are then forgotten).
+MAX_SENDERS = 1024
+
+
 def span_tuple(span: SpanRecord) -> Tuple4:
     return (norm_addr(span.peer_addr), span.peer_port or 0, span.server_port or 0)
 
@@ -227,6 +232,11 @@ class TraceIndex:
         # ``ts`` (which all started before it): two bisects, however many spans the port has seen.
         self._http_by_port: dict[int, PortSpans] = defaultdict(PortSpans)
         self.runs = RunIndex()  # when each request ran, for sharing its cost
+        # Server port -> the addresses its server spans came from (``auditor.sender_address``, kept
+        # for containers' spans): a server on the port that is no engine is left out of its summed
+        # gauges only while none of the spans counted there is its (EngineMetricsScraper.scrape).
+        # Read by the scraper's thread: a set replaced, never changed in place.
+        self.senders: dict[int, frozenset[str]] = {}
 
     def add(self, span: SpanRecord, arrived_ns: int) -> bool:
         """Index a span; False when it was already known (a duplicate delivery)."""
@@ -246,6 +256,10 @@ class TraceIndex:
             self._arrivals.append(arrival)
             self._entries[span.trace_id] += 1
         if span.role is SpanRole.HTTP_SERVER and span.server_port:
+            sender = span.attributes.get(SENDER_KEY)
+            if sender and sender not in self.senders.get(span.server_port, ()):
+                known = self.senders.get(span.server_port, frozenset())
+                self.senders[span.server_port] = known | {sender} if len(known) < MAX_SENDERS else frozenset({sender})
             if _counts_on_port(span, spans):
                 self._http_by_port[span.server_port].add(span)
             self._uncount_children(span)  # counted or not itself: its children are duplicates now
