@@ -78,6 +78,11 @@ STEP_SERIES: dict[str, tuple[str, ...]] = {
 }
 _STEP_GAUGES = frozenset({"sglang:num_used_tokens", "sglang:gen_throughput"})  # the rest are counters
 NOT_AN_ENGINE_BACKOFF_S = 30.0
+# A server of a port several containers serve that has not answered a scrape since it appeared (an
+# engine loading its model listens for minutes before it answers: vLLM binds its port first) is
+# asked again this often at most, each failure doubling the wait from the scrape interval.
+NOT_YET_BACKOFF_S = 10.0
+NOT_YET_TIMEOUT_S = 0.2
 # A port whose engine answered before and then failed a scrape (a /metrics slow past the timeout
 # under load, a restart) is tried again at the rate, then twice as long after each failure in a
 # row, up to NOT_AN_ENGINE_BACKOFF_S: thirty seconds without its gauges for one slow answer would
@@ -297,6 +302,9 @@ class PageConnection:
     def close(self) -> None:
         self._sock.close()
 
+    def set_timeout(self, timeout_s: float) -> None:
+        self._sock.settimeout(timeout_s)
+
     def get(self, path: str) -> tuple[int, bytes, bool]:
         self._buffer.clear()
         self._sock.sendall(self._request(path))
@@ -401,6 +409,9 @@ class EngineMetricsScraper:
         # Of a port several containers serve, the servers that answered as no engine does, and
         # until when (monotonic) they are left out: (port, address) -> until.
         self._not_engines: dict[tuple[int, str], float] = {}
+        self._engines_at: set[tuple[int, str]] = set()  # (port, address) of those that answered as engines
+        self._not_yet: dict[tuple[int, str], tuple[float, int]] = {}  # -> (asked again from, failures)
+        self._opening_timeout_s: float | None = None  # a connection opened now waits this, not timeout_s
         self.left_out: dict[int, frozenset[str]] = {}  # port -> those left out at its latest scrape
         self.listed_clients = listed_clients
         self.accepted = accepted
@@ -455,8 +466,12 @@ class EngineMetricsScraper:
         web app, another kind of model server on the same port number) is left out, asked again
         after NOT_AN_ENGINE_BACKOFF_S, and its clients left out of the port's listings by their
         server's address (``scrape_all``), so the sum and the clients are of the same servers;
-        not while spans on the port come from its address (``sends_spans``): their requests are
-        among those the correlator counts connected, and the port then gives no reading."""
+        so is one that fails (no answer in time, refused, 5xx) and has never answered as an
+        engine (a pod whose engine is still loading: it runs nothing the rounds before it counted),
+        asked again after up to NOT_YET_BACKOFF_S. Not while spans on the port come from its
+        address (``sends_spans``): their requests are among those the correlator counts
+        connected, and the port then gives no reading. One that answered as an engine before and
+        fails now costs the round, as before."""
         addresses = self.addresses_of(port) if self.addresses_of is not None else (self.host,)
         if len(addresses) == 1:
             self.left_out.pop(port, None)
@@ -464,34 +479,70 @@ class EngineMetricsScraper:
         now = time.monotonic()
         loads, engines, others = [], [], []
         for address in addresses:
-            if self._not_engines.get((port, address), 0.0) <= now:
-                try:
-                    load = self._scrape_at(port, address)
-                except NoPage as exc:
-                    load, why = None, str(exc)
-                else:
-                    why = "no known metric"
+            target = (port, address)
+            if self._not_engines.get(target, 0.0) <= now and self._not_yet.get(target, (0.0, 0))[0] <= now:
+                load, why = self._scrape_shared(target, now)
                 if load is not None:
                     loads.append(load)
                     engines.append(address)
-                    self._not_engines.pop((port, address), None)
                     continue
-                if (port, address) not in self._not_engines:
-                    log.info("port %d: the server at %s answered its %s with %s: no engine; left out of the "
-                             "port's gauges and listings while no span on the port comes from it (asked again "
-                             "every %.0f s)", port, address, self.path, why, NOT_AN_ENGINE_BACKOFF_S)
-                self._not_engines[(port, address)] = now + NOT_AN_ENGINE_BACKOFF_S
+                if why is not None:  # answered as no engine does
+                    if target not in self._not_engines:
+                        log.info("port %d: the server at %s answered its %s with %s: no engine; left out of the "
+                                 "port's gauges and listings while no span on the port comes from it (asked "
+                                 "again every %.0f s)", port, address, self.path, why, NOT_AN_ENGINE_BACKOFF_S)
+                    self._not_engines[target] = now + NOT_AN_ENGINE_BACKOFF_S
+                    self._not_yet.pop(target, None)
             if self.sends_spans is None or self.sends_spans(port, address):
-                raise OSError(f"the server at {address} answered with no known metric, and spans on port {port} "
-                              "came from its address")
+                state = "has not answered yet" if target in self._not_yet else "answered as no engine does"
+                raise OSError(f"the server at {address} {state}, and spans on port {port} came from its address")
             others.append(address)
-        for gone in [key for key in self._not_engines if key[0] == port and key[1] not in addresses]:
-            del self._not_engines[gone]
+        for table in (self._not_engines, self._not_yet):
+            for gone in [key for key in table if key[0] == port and key[1] not in addresses]:
+                del table[gone]
+        self._engines_at -= {key for key in self._engines_at if key[0] == port and key[1] not in addresses}
         if not loads:
             self.left_out.pop(port, None)
             return None
         self.left_out[port] = frozenset(others)
         return summed(loads, tuple(engines))
+
+    def _scrape_shared(self, target: tuple[int, str], now: float) -> tuple[EngineLoad | None, str | None]:
+        """One engine's scrape on a port several containers serve: (its load, None), or (None, why)
+        where it answered as no engine does, or (None, None) where it has never answered as an
+        engine and fails now (asked again after up to NOT_YET_BACKOFF_S, over a connection that
+        waits NOT_YET_TIMEOUT_S: an engine still loading its model accepts and never answers, and
+        the port's other engines' round should not wait on it). One that answered as an engine
+        before and fails now raises: the round has no reading."""
+        port, address = target
+        if target not in self._engines_at:  # a connection opened now waits less (``_open``)
+            self._opening_timeout_s = min(NOT_YET_TIMEOUT_S, self.timeout_s)
+        try:
+            load = self._scrape_at(port, address)
+        except NoPage as exc:
+            return None, str(exc)
+        except OSError as exc:
+            if target in self._engines_at:
+                raise
+            failures = self._not_yet.get(target, (0.0, 0))[1] + 1
+            self._not_yet[target] = (now + min(NOT_YET_BACKOFF_S, self.interval_s * 2 ** (failures - 1)), failures)
+            if failures == 1:
+                log.info("port %d: the server at %s has not answered its %s yet (%s): left out of the port's gauges "
+                         "and listings until it does, while no span on the port comes from it", port, address,
+                         self.path, exc)
+            return None, None
+        finally:
+            self._opening_timeout_s = None
+        if load is None:
+            return None, "no known metric"
+        self._not_engines.pop(target, None)
+        self._not_yet.pop(target, None)
+        if target not in self._engines_at:
+            self._engines_at.add(target)
+            connection = self._connections.get(target)
+            if connection is not None:
+                connection.set_timeout(self.timeout_s)  # opened waiting NOT_YET_TIMEOUT_S
+        return load, None
 
     def _scrape_at(self, port: int, address: str) -> EngineLoad | None:
         # The gauges describe the engine at one moment between the request and its answer; both
@@ -574,7 +625,7 @@ class EngineMetricsScraper:
 
     def _open(self, target: tuple[int, str]) -> PageConnection:
         port, host = target
-        connection = PageConnection(host, port, self.timeout_s)
+        connection = PageConnection(host, port, self._opening_timeout_s or self.timeout_s)
         self._ends.add(connection.end)
         self._end_hosts.setdefault(connection.end[:2], set()).add(host)
         self._tell_connections()

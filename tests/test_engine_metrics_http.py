@@ -230,6 +230,33 @@ def test_a_server_on_a_shared_port_that_is_no_engine_is_left_out_unless_its_span
         client.close()
 
 
+def test_a_server_on_a_shared_port_that_has_not_answered_yet_is_left_out_until_it_does(
+        serve: Callable[..., Server]) -> None:
+    """A pod whose engine is still loading its model listens and never answers (vLLM binds its port
+    first): the port's other engine is read alone meanwhile, without waiting out the scrape's
+    timeout on it, and the pod is asked again; once it has answered as an engine, a round it fails
+    gives no reading (its requests would be missing from the sum), as before."""
+    engine = serve([content_length()] * 6)
+    loading = socket.create_server(("127.0.0.2", engine.port))  # accepts into its backlog, answers nothing
+    client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=1.0, filtered=False, interval_s=0.05,
+                                  addresses_of=lambda port: ("127.0.0.1", "127.0.0.2"),
+                                  sends_spans=lambda port, address: False)
+    try:
+        began = time.monotonic()
+        [load] = client.scrape_all([engine.port])
+        assert time.monotonic() - began < 0.6  # NOT_YET_TIMEOUT_S on the loading pod, not the scrape's 1 s
+        assert client.left_out == {engine.port: {"127.0.0.2"}} and load.running_by_address == (("127.0.0.1", 2),)
+        loading.close()
+        up = serve([content_length()], host="127.0.0.2", port=engine.port)  # one answer, then it stalls
+        time.sleep(0.2)  # past the wait before it is asked again
+        [load] = client.scrape_all([engine.port])
+        assert client.left_out == {engine.port: frozenset()}
+        assert load.running_by_address == (("127.0.0.1", 2), ("127.0.0.2", 2)) and up.connections == 1
+        assert client.scrape_all([engine.port]) == [] and client.errors == 1  # an engine now: the round fails
+    finally:
+        client.close()
+
+
 def test_a_listing_leaves_out_the_scrapers_own_connection_by_its_engines_address_too(
         serve: Callable[..., Server]) -> None:
     """Pods of one node serving one port: the scraper's connection to one of them and another's

@@ -429,14 +429,21 @@ def test_engine_in_its_own_network_judged_against_truth(tmp_path: Path, namespac
     assert tally["cancels right"] == 4 and not problems, (tally, problems)
 
 
+# A server that listens and never answers, as an engine loading its model (vLLM binds its port first).
+LOADING = "import socket, sys, time; server = socket.create_server((sys.argv[1], int(sys.argv[2]))); time.sleep(120)"
+
+
+@pytest.mark.parametrize("other_server", ["web", "loading"])
 @pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
 def test_a_server_on_the_engines_port_that_is_no_engine_is_left_out_of_its_gauges(
-        tmp_path: Path, namespace: str, source: str) -> None:
+        tmp_path: Path, namespace: str, source: str, other_server: str) -> None:
     """A node's pods serve one port number, one of them an engine that sends no span for an aborted
-    request (as vLLM) and another a web server that is no engine (its /metrics: 404), with a client
-    of its own connected. The engine's aborts are told by its gauges: the other server is left out
-    of the port's gauges, and its client out of the port's listings (by the server's address),
-    where before the port gave no reading at all and every abort was unconfirmed."""
+    request (as vLLM) and another a server that is no engine (``web``: its /metrics a 404) or not
+    yet (``loading``: it listens and never answers, as a pod whose engine is loading its model),
+    with a client of its own connected. The engine's aborts are told by its gauges: the other
+    server is left out of the port's gauges, and its client out of the port's listings (by the
+    server's address), where before the port gave no reading at all and every abort was
+    unconfirmed."""
     second_host, second_server = "10.231.10.1", "10.231.10.2"
     with contextlib.ExitStack() as stack:
         other = stack.enter_context(joined_namespace(f"{namespace}w", f"aud{os.getpid() % 100000}w",
@@ -446,8 +453,9 @@ def test_a_server_on_the_engines_port_that_is_no_engine_is_left_out_of_its_gauge
         engine = stack.enter_context(running_engine(
             behavior="abort", otlp=f"http://{HOST_ADDR}:{daemon.status.http_port}", truth_log=tmp_path / "truth.jsonl",
             step_ms=10, max_batch=4, host=ENGINE_ADDR, netns=namespace, extra_args=["--no-process-pid"]))
-        web = subprocess.Popen(["ip", "netns", "exec", other, sys.executable, "-m", "http.server", str(engine.port),
-                                "--bind", second_server, "--directory", str(tmp_path)],
+        serving = (["-m", "http.server", str(engine.port), "--bind", second_server, "--directory", str(tmp_path)]
+                   if other_server == "web" else ["-c", LOADING, second_server, str(engine.port)])
+        web = subprocess.Popen(["ip", "netns", "exec", other, sys.executable, *serving],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         stack.callback(web.wait, timeout=10)
         stack.callback(web.terminate)
