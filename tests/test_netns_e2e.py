@@ -386,6 +386,22 @@ def published(port: int) -> Iterator[None]:
         server.close()
 
 
+def completed_and_cancelled(daemon: Any, engine: Any, host: str, *, completed: int) -> tuple[Counter[str], list[str]]:
+    """``completed`` requests read whole and four cancelled 0.3 s in (FIN and reset, two each) at
+    the engine reached at ``host``; the verdicts tallied against its truth log once settled (a
+    zombie is unconfirmed until the engine's spans of its end are in) and nothing revised after."""
+    clients = [complete(engine.port, stream=index % 2 == 0, max_tokens=8, request_id=f"ok{index}", host=host)
+               for index in range(completed)]
+    clients += [cancel_after(engine.port, 0.3, kind, stream=True, max_tokens=150, request_id=f"{kind}{index}",
+                             host=host) for index in range(2) for kind in ("fin", "rst")]
+    for client in clients:
+        client.join()
+    assert wait_for(lambda: len(engine.truth()) == completed + 4, timeout_s=20)
+    wait_for(lambda: tally_against_truth(verdict_rows(daemon), engine.truth())[0]["cancels right"] == 4, timeout_s=15)
+    time.sleep(0.5)
+    return tally_against_truth(verdict_rows(daemon), engine.truth())
+
+
 @pytest.mark.parametrize(("behavior", "aborted_spans"), [("detached", True), ("abort", True), ("abort", False)],
                          ids=["detached", "abort", "abort-vllm-like"])
 @pytest.mark.parametrize("via", ["routed", "published"])
@@ -411,18 +427,7 @@ def test_engine_in_its_own_network_judged_against_truth(tmp_path: Path, namespac
         if source == "procfs":  # the poller found the engine's namespace as the port was watched
             assert wait_for(lambda: engine.port in daemon._parts["probe"].other_namespaces(), timeout_s=5)
         time.sleep(0.3)
-        clients = [complete(engine.port, stream=index % 2 == 0, max_tokens=8, request_id=f"ok{index}",
-                            host=client_host) for index in range(3)]
-        clients += [cancel_after(engine.port, 0.3, kind, stream=True, max_tokens=150, request_id=f"{kind}{index}",
-                                 host=client_host) for index in range(2) for kind in ("fin", "rst")]
-        for client in clients:
-            client.join()
-        assert wait_for(lambda: len(engine.truth()) == 7, timeout_s=20)
-        # Settled once the engine's spans of their ends are in (a zombie is unconfirmed until then).
-        wait_for(lambda: tally_against_truth(verdict_rows(daemon), engine.truth())[0]["cancels right"] == 4,
-                 timeout_s=15)
-        time.sleep(0.5)  # and nothing revised after
-        tally, problems = tally_against_truth(verdict_rows(daemon), engine.truth())
+        tally, problems = completed_and_cancelled(daemon, engine, client_host, completed=3)
         scraped = engine.port in daemon._parts["engine_metrics"]._answered
     assert scraped, "the engine's /metrics was not reached at its own network's address"
     assert tally["cancels"] == 4 and tally["completed"] == 3, tally
@@ -464,17 +469,7 @@ def test_a_server_on_the_engines_port_that_is_no_engine_is_left_out_of_its_gauge
         daemon.set_ports({engine.port})
         scraper = daemon._parts["engine_metrics"]
         assert wait_for(lambda: scraper.left_out.get(engine.port) == {second_server}, timeout_s=15), scraper.left_out
-        clients = [complete(engine.port, stream=index % 2 == 0, max_tokens=8, request_id=f"ok{index}",
-                            host=ENGINE_ADDR) for index in range(2)]
-        clients += [cancel_after(engine.port, 0.3, kind, stream=True, max_tokens=150, request_id=f"{kind}{index}",
-                                 host=ENGINE_ADDR) for index in range(2) for kind in ("fin", "rst")]
-        for client in clients:
-            client.join()
-        assert wait_for(lambda: len(engine.truth()) == 6, timeout_s=20)
-        wait_for(lambda: tally_against_truth(verdict_rows(daemon), engine.truth())[0]["cancels right"] == 4,
-                 timeout_s=15)
-        time.sleep(0.5)
-        tally, problems = tally_against_truth(verdict_rows(daemon), engine.truth())
+        tally, problems = completed_and_cancelled(daemon, engine, ENGINE_ADDR, completed=2)
         rows = verdict_rows(daemon)
         assert idle.fileno() >= 0
     assert tally["cancels"] == 4 and tally["completed"] == 2, tally
