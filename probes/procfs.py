@@ -319,14 +319,14 @@ class ProcfsConnEventSource:
                 return events
 
     def clients(self, ports: Iterable[int]) -> dict[int, tuple[ListedClient, ...]] | None:
-        """The clients connected to each of ``ports`` now (``EngineLoad.connections``): address,
-        port, when data from each last came in (wall-clock ns: tcp_info's last_data_recv, the
-        kernel's receipt), and the server socket's address. A poll made at once, its dump asking each socket's tcp_info, that
-        stands for the poller's next: the poller's ticks follow on a whole interval after it. So
-        the engine scraper's listings cost no walk of the established hash beside the polls'.
-        Not read from a poll made a moment before: a client that left since would be listed, and
-        its request, still in the engine's gauges at the scrape, not counted an orphan there.
-        None without sock_diag (or before ``start``); ports not watched are left out."""
+        """The clients connected to each of ``ports`` now (``EngineLoad.connections``): address, port,
+        when data from each last came in (wall-clock ns: tcp_info's last_data_recv, the kernel's
+        receipt), and the server socket's address. A poll made at once, its dump asking each
+        socket's tcp_info, that stands for the poller's next: the poller's ticks follow on a whole
+        interval after it. So the engine scraper's listings cost no walk of the established hash
+        beside the polls'. Not read from a poll made a moment before: a client that left since would
+        be listed, and its request, still in the engine's gauges at the scrape, not counted an
+        orphan there. None without sock_diag (or before ``start``); ports not watched are left out."""
         with self._scan_lock:
             if self._diag is None or self._last_scan_ns is None:
                 return None

@@ -453,7 +453,8 @@ def test_one_client_port_to_two_server_addresses_is_two_clients(bits: int) -> No
         ends = pair()
         client_port = port_of(ends[0][0])
         assert listed() == [("127.0.0.1", client_port, "127.0.0.1"), ("127.0.0.1", client_port, "127.0.0.2")]
-        for (client, end), left in zip(ends, ([("127.0.0.1", client_port, "127.0.0.2")], []), strict=True):  # the first pod's closes first
+        # The first pod's connection closes first: the second's stays listed.
+        for (client, end), left in zip(ends, ([("127.0.0.1", client_port, "127.0.0.2")], []), strict=True):
             client.close()
             end.close()
             deadline = time.monotonic() + 5

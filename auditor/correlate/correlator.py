@@ -878,13 +878,15 @@ class Correlator:
     def unspanned_clients(self, load: EngineLoad, clients: tuple[ListedClient, ...],
                           read_before_ns: int | None = None) -> int:
         """Of the clients the kernel listed connected to ``load``'s port as it was scraped
-        (``ListedClient``), how many may hold a request that the spans and notices do not tell yet. The request read last is told by a server span
-        (or its start notice) on that connection that started by the scrape's answer and at most
-        REQUEST_READ_NS before that read; a span that started earlier is an earlier request's, and
-        the one read last is not told yet. On a port several containers serve, a span another of
-        them sent tells none of this one's clients (a gateway may reach two from one address and
-        port). A client whose told request ended before the scrape is idle, kept alive. ``read_before_ns``: only clients last read by then (their untold requests
-        were held at that moment too). Counted once a round (spans come between rounds)."""
+        (``ListedClient``), how many may hold a request that the spans and notices do not tell yet.
+        The request read last is told by a server span (or its start notice) on that connection that
+        started by the scrape's answer and at most REQUEST_READ_NS before that read; a span that
+        started earlier is an earlier request's, and the one read last is not told yet. On a port
+        several containers serve, a span another of them sent tells none of this one's clients (a
+        gateway may reach two from one address and port). A client whose told request ended before
+        the scrape is idle, kept alive. ``read_before_ns``: only clients last read by then (their
+        untold requests were held at that moment too). Counted once a round (spans come between
+        rounds)."""
         key = (load.server_port, load.ts_ns)
         reads = self._unspanned.get(key)
         if reads is None:  # when each untold client was last read, sorted: any read_before_ns is a bisection
