@@ -434,21 +434,63 @@ def test_engine_in_its_own_network_judged_against_truth(tmp_path: Path, namespac
     assert tally["cancels right"] == 4 and not problems, (tally, problems)
 
 
+def _zombies_beside(daemon: Any, engine: Any) -> tuple[Counter[str], list[str], list[int]]:
+    """Two requests read whole and four left 0.3 s in (FIN and reset) that the engine runs on for
+    3 s: the in-flight zombies the daemon showed meanwhile, and the verdicts against the truth log."""
+    clients = [complete(engine.port, stream=True, max_tokens=8, request_id=f"ok{index}", host=ENGINE_ADDR)
+               for index in range(2)]
+    clients += [cancel_after(engine.port, 0.3, kind, stream=True, max_tokens=300, request_id=f"{kind}{index}",
+                             host=ENGINE_ADDR) for index in range(2) for kind in ("fin", "rst")]
+    shown: list[int] = []
+    while len(engine.truth()) < 6 and len(shown) < 200:
+        shown.append(daemon.correlator.stats.inflight_zombies)
+        time.sleep(0.05)
+    for client in clients:
+        client.join()
+    wait_for(lambda: tally_against_truth(verdict_rows(daemon), engine.truth())[0]["cancels right"] == 4, timeout_s=15)
+    time.sleep(0.5)
+    return (*tally_against_truth(verdict_rows(daemon), engine.truth()), shown)
+
+
+def _queued_beside(daemon: Any, engine: Any) -> tuple[Counter[str], list[str]]:
+    """One request read whole holds an engine that runs one at a time; three behind it wait in its
+    queue, where their clients leave (FIN, reset, FIN): verdicts against the truth log."""
+    blocker = complete(engine.port, stream=True, max_tokens=120, request_id="held", host=ENGINE_ADDR)
+    time.sleep(0.2)
+    queued = [cancel_after(engine.port, 0.3, ("fin", "rst")[index % 2], stream=True, max_tokens=20,
+                           request_id=f"queued{index}", host=ENGINE_ADDR) for index in range(3)]
+    for client in [blocker, *queued]:
+        client.join()
+    assert wait_for(lambda: len(engine.truth()) == 4, timeout_s=20)
+    wait_for(lambda: tally_against_truth(verdict_rows(daemon), engine.truth())[0]["cancels right"] == 3, timeout_s=15)
+    time.sleep(0.5)
+    tally, problems = tally_against_truth(verdict_rows(daemon), engine.truth())
+    phases = [truth.get("phase_at_disconnect") for truth in engine.truth() if "queued" in truth["request_id"]]
+    assert phases == ["queued"] * 3, engine.truth()  # their clients left them waiting, as the engine says
+    return tally, problems
+
+
 # A server that listens and never answers, as an engine loading its model (vLLM binds its port first).
 LOADING = "import socket, sys, time; server = socket.create_server((sys.argv[1], int(sys.argv[2]))); time.sleep(120)"
 
 
-@pytest.mark.parametrize("other_server", ["web", "loading"])
+@pytest.mark.parametrize(("other_server", "case"), [("web", "aborts"), ("loading", "aborts"), ("loading", "zombies"),
+                                                    ("web", "queued")])
 @pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
 def test_a_server_on_the_engines_port_that_is_no_engine_is_left_out_of_its_gauges(
-        tmp_path: Path, namespace: str, source: str, other_server: str) -> None:
-    """A node's pods serve one port number, one of them an engine that sends no span for an aborted
-    request (as vLLM) and another a server that is no engine (``web``: its /metrics a 404) or not
-    yet (``loading``: it listens and never answers, as a pod whose engine is loading its model),
-    with a client of its own connected. The engine's aborts are told by its gauges: the other
-    server is left out of the port's gauges, and its client out of the port's listings (by the
-    server's address), where before the port gave no reading at all and every abort was
-    unconfirmed."""
+        tmp_path: Path, namespace: str, source: str, other_server: str, case: str) -> None:
+    """A node's pods serve one port number, one of them an engine and another a server that is no
+    engine (``web``: its /metrics a 404) or not yet (``loading``: it listens and never answers, as
+    a pod whose engine is loading its model), with a client of its own connected. The other server
+    is left out of the port's gauges, and its client out of the port's listings (by the server's
+    address), where before the port gave no reading at all.
+
+    ``aborts``: the engine sends no span for an aborted request (as vLLM): its aborts are told by
+    its gauges, where before every one was unconfirmed. ``queued``: the same engine running one
+    request at a time, the leavers' requests dropped from its queue, told by its waiting gauge.
+    ``zombies``: the engine runs its leavers' requests on; the daemon counts them in flight from
+    the gauges and judges them zombies once their spans come. The other server's client, whose
+    request it read, is in the eBPF probe's listing: left in, it hid one of the four orphans."""
     second_host, second_server = "10.231.10.1", "10.231.10.2"
     with contextlib.ExitStack() as stack:
         other = stack.enter_context(joined_namespace(f"{namespace}w", f"aud{os.getpid() % 100000}w",
@@ -456,8 +498,10 @@ def test_a_server_on_the_engines_port_that_is_no_engine_is_left_out_of_its_gauge
         daemon = stack.enter_context(running_daemon(tmp_path, **{
             "probe.source": source, "probe.poll_hz": 20.0, "otlp.http": f"{HOST_ADDR}:0"}))
         engine = stack.enter_context(running_engine(
-            behavior="abort", otlp=f"http://{HOST_ADDR}:{daemon.status.http_port}", truth_log=tmp_path / "truth.jsonl",
-            step_ms=10, max_batch=4, host=ENGINE_ADDR, netns=namespace, extra_args=["--no-process-pid"]))
+            behavior="detached" if case == "zombies" else "abort",
+            otlp=f"http://{HOST_ADDR}:{daemon.status.http_port}", truth_log=tmp_path / "truth.jsonl",
+            step_ms=10, max_batch=1 if case == "queued" else 4, host=ENGINE_ADDR, netns=namespace,
+            extra_args=["--no-process-pid"]))
         serving = (["-m", "http.server", str(engine.port), "--bind", second_server, "--directory", str(tmp_path)]
                    if other_server == "web" else ["-c", LOADING, second_server, str(engine.port)])
         web = subprocess.Popen(["ip", "netns", "exec", other, sys.executable, *serving],
@@ -465,17 +509,31 @@ def test_a_server_on_the_engines_port_that_is_no_engine_is_left_out_of_its_gauge
         stack.callback(web.wait, timeout=10)
         stack.callback(web.terminate)
         assert wait_for(lambda: _answers(second_server, engine.port), timeout_s=10)
-        idle = stack.enter_context(socket.create_connection((second_server, engine.port)))  # its own client
         daemon.set_ports({engine.port})
         scraper = daemon._parts["engine_metrics"]
         assert wait_for(lambda: scraper.left_out.get(engine.port) == {second_server}, timeout_s=15), scraper.left_out
-        tally, problems = completed_and_cancelled(daemon, engine, ENGINE_ADDR, completed=2)
+        # Its own client, whose request the server has read and not answered (the headers not ended):
+        # listed as a client on the port with a read, whose request no span will ever tell.
+        idle = stack.enter_context(socket.create_connection((second_server, engine.port)))
+        idle.sendall(b"GET / HTTP/1.1\r\nHost: web\r\n")
+        time.sleep(0.3)
+        shown: list[int] = []
+        if case == "zombies":
+            tally, problems, shown = _zombies_beside(daemon, engine)
+        elif case == "queued":
+            tally, problems = _queued_beside(daemon, engine)
+        else:
+            tally, problems = completed_and_cancelled(daemon, engine, ENGINE_ADDR, completed=2)
         rows = verdict_rows(daemon)
         assert idle.fileno() >= 0
-    assert tally["cancels"] == 4 and tally["completed"] == 2, tally
-    assert tally["cancels right"] == 4 and not problems, (tally, problems)
+    cancels, completed = {"aborts": (4, 2), "zombies": (4, 2), "queued": (3, 1)}[case]
+    assert tally["cancels"] == cancels and tally["completed"] == completed, tally
+    assert tally["cancels right"] == cancels and not problems, (tally, problems)
+    if case == "zombies":  # four ran on past the grace: shown in flight, never more
+        assert max(shown) == 4 and shown.count(4) >= 5, shown
+        return
     aborts = [row for row in rows if row.verdict == "aborted"]
-    assert len(aborts) == 4 and all(row.details.get("evidence") == "engine_metrics" for row in aborts), [
+    assert len(aborts) == cancels and all(row.details.get("evidence") == "engine_metrics" for row in aborts), [
         (row.verdict, row.details.get("evidence")) for row in rows]
 
 
