@@ -275,7 +275,7 @@ class Daemon:
             with self._loads_lock:
                 self._engine_loads.extend(loads)
 
-        def own_connections(endpoints: frozenset[tuple[str, int, int]]) -> None:
+        def own_connections(endpoints: frozenset[tuple[str, int, int, str]]) -> None:
             probe = self._parts.get("probe")  # started before the scraper
             if probe is not None:
                 probe.set_own_endpoints(endpoints)

@@ -76,11 +76,13 @@ def measure(scenario: str, seconds: float) -> dict[str, float] | None:
     if scenario == "own":
         if not hasattr(source, "set_own_endpoints"):
             return None
-        end = (*held[0].getsockname()[:2], port)
-        try:
-            source.set_own_endpoints({end})
-        except ValueError:  # a tree from before the server port named an own connection
-            source.set_own_endpoints({end[:2]})
+        end = (*held[0].getsockname()[:2], port, "127.0.0.1")
+        for named in (end, end[:3], end[:2]):  # trees from before the server's address, or port, named one
+            try:
+                source.set_own_endpoints({named})
+                break
+            except ValueError:
+                continue
     source.start()
     threading.Thread(target=lambda: [source.poll(0.05) for _ in iter(stop.is_set, True)], daemon=True).start()
     if scenario == "load":

@@ -285,8 +285,8 @@ class PageConnection:
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         address, local_port = self._sock.getsockname()[:2]
-        self.end: tuple[str, int, int] = (address, local_port, port)  # this end's address and port, the server's port
-        self.host = host  # the engine's address
+        # This end's address and port, the server's port and address (as the probes' OwnEnd).
+        self.end: tuple[str, int, int, str] = (address, local_port, port, self._sock.getpeername()[0])
         self._host_header = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 literal in brackets
         self._requests: dict[str, bytes] = {}
         self._buffer = bytearray()
@@ -383,7 +383,7 @@ class EngineMetricsScraper:
     """Scrapes ``http://HOST:PORT/metrics`` for every watched port every ``interval_s``, in a thread.
 
     ``sink`` receives each round's loads; it must not block. Failures are counted and logged once
-    per port, never raised. ``on_connections`` is told (local address, local port, server port) of
+    per port, never raised. ``on_connections`` is told (local address, local port, server port, server address) of
     every connection the scraper holds open, whenever that changes: they are the auditor's own, on
     the watched ports, and a disconnect source that polls leaves them out."""
 
@@ -391,7 +391,7 @@ class EngineMetricsScraper:
                  interval_s: float = 0.25, host: str = "127.0.0.1", path: str = "/metrics",
                  timeout_s: float = 1.0, clock: Callable[[], int] = time.time_ns, filtered: bool = True,
                  quiet_after_s: float = QUIET_AFTER_S, quiet_interval_s: float = QUIET_INTERVAL_S,
-                 on_connections: Callable[[frozenset[tuple[str, int, int]]], None] | None = None,
+                 on_connections: Callable[[frozenset[tuple[str, int, int, str]]], None] | None = None,
                  listed_clients: Callable[[Iterable[int]], dict[int, tuple[ListedClient, ...]] | None]
                  | None = None, accepted: Callable[[], int | None] | None = None,
                  listing_complete: Callable[[int], bool | None] | None = None,
@@ -435,8 +435,8 @@ class EngineMetricsScraper:
         self._answered: set[int] = set()  # ports whose engine answered a scrape once
         self._failed: dict[int, int] = {}  # port -> its scrapes failed in a row
         self._connections: dict[tuple[int, str], PageConnection] = {}  # (port, address) -> its connection
-        self._ends: set[tuple[str, int, int]] = set()  # the connections open now (see on_connections)
-        self._end_hosts: dict[tuple[str, int], set[str]] = {}  # their (address, port) -> the engines' addresses
+        self._ends: set[tuple[str, int, int, str]] = set()  # the connections open now (see on_connections)
+        self._end_hosts: dict[tuple[str, int], set[str]] = {}  # their (address, port) -> the engines' addresses (as they answered)
         # Per port: until when (monotonic) its scrapes list the clients connected (``want_clients``).
         self._list_until: dict[int, float] = {}
         self._filtered_path = filtered_path(path)
@@ -583,7 +583,8 @@ class EngineMetricsScraper:
 
         def is_own(client: ListedClient) -> bool:
             hosts = own.get((client[0], client[1]))
-            return hosts is not None and (not client[3] or client[3].removeprefix("::ffff:") in hosts)
+            return hosts is not None and (not client[3] or client[3] in hosts
+                                          or client[3].removeprefix("::ffff:") in hosts)
 
         return {port: tuple(c for c in clients if not is_own(c)) for port, clients in found.items()}
 
@@ -627,7 +628,7 @@ class EngineMetricsScraper:
         port, host = target
         connection = PageConnection(host, port, self._opening_timeout_s or self.timeout_s)
         self._ends.add(connection.end)
-        self._end_hosts.setdefault(connection.end[:2], set()).add(host)
+        self._end_hosts.setdefault(connection.end[:2], set()).add(connection.end[3])
         self._tell_connections()
         return connection
 
@@ -635,7 +636,7 @@ class EngineMetricsScraper:
         connection.close()
         self._ends.discard(connection.end)
         hosts = self._end_hosts.get(connection.end[:2], set())
-        hosts.discard(connection.host)
+        hosts.discard(connection.end[3])
         if not hosts:
             self._end_hosts.pop(connection.end[:2], None)
         self._tell_connections()

@@ -90,6 +90,11 @@ def _left_after(notice: Freed) -> int:
     return notice.after_ns - notice.last_data_recv_ms * 1_000_000 - JIFFY_NS
 
 
+def _own_end(key: SocketKey) -> OwnEnd:
+    """The server socket ``key`` as one of the daemon's own connections would be named (``OwnEnd``)."""
+    return key[3], key[4], key[2], key[1]
+
+
 def _phase(state: int | None) -> str:
     if state is None:
         return "gone"
@@ -274,17 +279,18 @@ class ProcfsConnEventSource:
 
     def set_own_endpoints(self, endpoints: Iterable[OwnEnd]) -> None:
         """Leave out the server ends of this process's own connections (the daemon's scrapes of its
-        engines), each named by (its local address, its local port, the server's port). Without
+        engines), each named by ``OwnEnd`` (its local address and port, the server's port and
+        address: another pod's client on the same local port is someone else). Without
         them an idle engine's port lists nothing, and its poll costs a counter read, not also a
         lookup of the scrape's socket.
 
         One that closed stays out until a full snapshot no longer lists its server end, or for
         OWN_LINGER_S at most: a client of another port, or a later one of the same port on the
         same local port (loopback reuses a TIME_WAIT pair at once), is watched as any other."""
-        # A dual-stack (IPv6) listener's end of an IPv4 connection names its peer v4-mapped.
+        # A dual-stack (IPv6) listener's end of an IPv4 connection names both addresses v4-mapped.
         endpoints = frozenset(endpoints)
-        endpoints |= {(f"::ffff:{address}", port, server_port)
-                      for address, port, server_port in endpoints if ":" not in address}
+        endpoints |= {(f"::ffff:{address}", port, server_port, f"::ffff:{server}")
+                      for address, port, server_port, server in endpoints if ":" not in address}
         until = time.monotonic() + OWN_LINGER_S
         with self._lock:
             for closed in self._own_open - endpoints:
@@ -452,7 +458,7 @@ class ProcfsConnEventSource:
         if own:
             if whole and self._own_closed:
                 self._forget_own_gone(current)
-            others = {key: seen for key, seen in current.items() if (key[3], key[4], key[2]) not in own}
+            others = {key: seen for key, seen in current.items() if _own_end(key) not in own}
             if self._notices is not None and len(others) < len(current):
                 for key in current.keys() - others.keys():  # their free is no connection unseen
                     if current[key].freed_as:
@@ -477,7 +483,7 @@ class ProcfsConnEventSource:
                 transition = (_phase(before.state), _phase(now.state))
             events += self._events(key, transition, now.cookie, earliest_ns, scan_ns)
         for key, before in self._seen.items():
-            if key not in current and key[2] in ports and (key[3], key[4], key[2]) not in own:
+            if key not in current and key[2] in ports and _own_end(key) not in own:
                 after = self._vanished(key, before)
                 if _phase(after) == "open":
                     current[key] = before  # came back between the dump and the lookup
@@ -585,7 +591,7 @@ class ProcfsConnEventSource:
         events: list[ConnEvent] = []
         for notice in freed.values():
             key = notice.key
-            if (key[3], key[4], key[2]) in own:
+            if _own_end(key) in own:
                 continue
             self._unseen_on.add(key[2])
             data_by_ns = notice.by_ns - notice.last_data_recv_ms * 1_000_000 + JIFFY_NS
@@ -616,7 +622,7 @@ class ProcfsConnEventSource:
     def _forget_own_gone(self, listed: dict[SocketKey, _Seen]) -> None:
         """Stop leaving out the closed own connections whose server end a whole snapshot no longer
         lists: the next socket on that address pair is someone else's."""
-        present = {(key[3], key[4], key[2]) for key in listed}
+        present = {_own_end(key) for key in listed}
         with self._lock:
             gone = [end for end in self._own_closed if end not in present]
             if gone:

@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 SOURCE_CHOICES = ("auto", "bpf", "procfs")
 
 # One of the daemon's own connections, as the server sees it: (the daemon's address, its local
-# port, the server's port), the shape the correlator joins connections by.
-OwnEnd = tuple[str, int, int]
+# port, the server's port, the server's address). The server's address tells it from a client of
+# another engine on the same port number (a pod of the node) that got the same local port.
+OwnEnd = tuple[str, int, int, str]
 
 
 class ProbeUnavailable(AuditorError):

@@ -144,13 +144,14 @@ def test_a_connection_the_engine_closed_while_idle_is_replaced_once(serve: Calla
 def test_the_scraper_names_the_connections_it_holds_open(serve: Callable[..., Server]) -> None:
     # The /proc poller leaves these out: they are the daemon's own, on a watched port.
     server = serve([b"HTTP/1.1 200 OK\r\n\r\n" + PAGE, content_length(), content_length(), content_length()])
-    told: list[frozenset[tuple[str, int, int]]] = []
+    told: list[frozenset[tuple[str, int, int, str]]] = []
     client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=2, filtered=False,
                                   on_connections=told.append)
     assert client.scrape(server.port) is not None  # read to the close: opened, then closed
     assert len(told) == 2 and len(told[0]) == 1 and told[1] == frozenset()
-    (address, port, server_port), = told[0]
+    (address, port, server_port, server_address), = told[0]
     assert address == "127.0.0.1" and port not in (0, server.port) and server_port == server.port
+    assert server_address == "127.0.0.1"
     assert client.scrape(server.port) is not None and client.scrape(server.port) is not None  # one kept-alive
     assert len(told) == 3 and len(told[2]) == 1 and told[2] != told[0]
     client.close()

@@ -409,7 +409,7 @@ def test_the_daemons_own_connections_are_left_out_and_cost_no_lookup(family: int
     own_accepted, _ = server.accept()
     opens.value += 2
     source.scan()  # seen before the scraper says it is its own
-    source.set_own_endpoints({(*own.getsockname()[:2], port_of(server))})
+    source.set_own_endpoints({(*own.getsockname()[:2], port_of(server), "127.0.0.1")})
     client = socket.create_connection(("127.0.0.1", port_of(server)))
     accepted, _ = server.accept()
     opens.value += 2
@@ -436,13 +436,14 @@ def test_the_daemons_own_connections_are_left_out_and_cost_no_lookup(family: int
 def test_a_closed_own_connection_is_left_out_only_for_a_while(server: socket.socket,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     source = ProcfsConnEventSource([port_of(server)])
-    source.set_own_endpoints({("127.0.0.1", 40001, 8000), ("::1", 40002, 8000)})
-    assert source._own_now() == {("127.0.0.1", 40001, 8000), ("::ffff:127.0.0.1", 40001, 8000), ("::1", 40002, 8000)}
+    source.set_own_endpoints({("127.0.0.1", 40001, 8000, "127.0.0.1"), ("::1", 40002, 8000, "::1")})
+    assert source._own_now() == {("127.0.0.1", 40001, 8000, "127.0.0.1"), ("::1", 40002, 8000, "::1"),
+                                 ("::ffff:127.0.0.1", 40001, 8000, "::ffff:127.0.0.1")}
     monkeypatch.setattr("probes.procfs.OWN_LINGER_S", 0.05)
-    source.set_own_endpoints({("::1", 40002, 8000)})
-    assert ("127.0.0.1", 40001, 8000) in source._own_now()  # closed just now: still left out
+    source.set_own_endpoints({("::1", 40002, 8000, "::1")})
+    assert ("127.0.0.1", 40001, 8000, "127.0.0.1") in source._own_now()  # closed just now: still left out
     time.sleep(0.06)
-    assert source._own_now() == {("::1", 40002, 8000)}
+    assert source._own_now() == {("::1", 40002, 8000, "::1")}
     source.stop()
 
 
@@ -454,7 +455,7 @@ def test_a_client_of_another_port_is_watched_on_an_own_local_port(reader: str) -
     source.scan()
     client = socket.create_connection(("127.0.0.1", port_of(other)))
     accepted, _ = other.accept()
-    source.set_own_endpoints({("127.0.0.1", port_of(client), port_of(scraped))})
+    source.set_own_endpoints({("127.0.0.1", port_of(client), port_of(scraped), "127.0.0.1")})
     assert source.scan() == []
     assert [key[4] for key in source._seen] == [port_of(client)]
     client_port = port_of(client)
@@ -464,6 +465,37 @@ def test_a_client_of_another_port_is_watched_on_an_own_local_port(reader: str) -
     source.stop()
     scraped.close()
     other.close()
+
+
+def test_a_client_of_another_server_on_the_port_is_watched_on_an_own_local_port(reader: str) -> None:
+    # Two pods of a node serve one port number, and the daemon's scrape of one and a client of the
+    # other leave from one address and local port (Linux picks source ports per destination): only
+    # the scrape is the daemon's, told by the server's address.
+    scraped = listener()
+    port = port_of(scraped)
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    other.bind(("127.0.0.2", port))
+    other.listen(4)
+    source = ProcfsConnEventSource([port], sock_diag=reader == "sock_diag")
+    source.scan()
+    ends = []
+    for server in ("127.0.0.1", "127.0.0.2"):
+        end = socket.socket()
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        end.bind(("127.0.0.1", ends[0].getsockname()[1] if ends else 0))
+        end.connect((server, port))
+        ends.append(end)
+    own, client = ends
+    accepted = [scraped.accept()[0], other.accept()[0]]
+    source.set_own_endpoints({(*own.getsockname()[:2], port, "127.0.0.1")})
+    assert source.scan() == []
+    assert [(key[1], key[4]) for key in source._seen] == [("127.0.0.2", port_of(client))]
+    client.close()
+    assert [(e.kind, e.client_port, e.server_port) for e in source.scan()] == [(PEER_FIN, port_of(own), port)]
+    for sock in (own, *accepted, scraped, other):
+        sock.close()
+    source.stop()
 
 
 def test_a_closed_own_connection_is_watched_again_once_its_server_end_is_gone(reader: str) -> None:
@@ -477,7 +509,7 @@ def test_a_closed_own_connection_is_watched_again_once_its_server_end_is_gone(re
     source.scan()
     own = socket.create_connection(("127.0.0.1", port_of(server)))
     own_accepted, _ = server.accept()
-    end = (*own.getsockname()[:2], port_of(server))
+    end = (*own.getsockname()[:2], port_of(server), "127.0.0.1")
     source.set_own_endpoints({end})
     opens.value += 1
     source.scan()
