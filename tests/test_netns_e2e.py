@@ -897,6 +897,68 @@ def test_a_gateways_two_connections_on_one_client_port_are_two_clients_not_an_or
     assert not any(shown), f"zombies in flight shown while two clients read their answers: {shown}"
 
 
+@contextlib.contextmanager
+def only_local_port(port: int) -> Iterator[None]:
+    """The host's connects pick ``port`` meanwhile (ip_local_port_range): one already in use to
+    another destination is taken all the same, as the kernel does for a busy host (a 4-tuple of
+    its own); an explicit bind could not share the port with a socket that did not ask to."""
+    setting = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    before = setting.read_text()
+    setting.write_text(f"{port} {port}")
+    try:
+        yield
+    finally:
+        setting.write_text(before)
+
+
+@pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
+def test_a_client_on_the_scrapes_address_and_port_to_another_pod_is_watched(
+        tmp_path: Path, namespace: str, source: str) -> None:
+    """Two pods serve one port; the daemon holds its scrape of the first open from the host's
+    address, and a gateway on that address reaches the second from the same source port (Linux
+    picks source ports per destination), then leaves a long request that the engine runs on. Its
+    close is a client's, not the daemon's: the zombie is judged. The /proc source left out every
+    socket on the scrape's address and ports, whichever pod's, so the close was never seen."""
+    second_host, second_engine = "10.231.11.1", "10.231.11.2"
+    with contextlib.ExitStack() as stack:
+        other = stack.enter_context(joined_namespace(f"{namespace}s", f"aud{os.getpid() % 100000}s",
+                                                     second_host, second_engine))
+        _ip("-n", other, "route", "add", "default", "via", second_host)  # it answers the first pod's host address
+        daemon = stack.enter_context(running_daemon(tmp_path, **{
+            "probe.source": source, "probe.poll_hz": 20.0, "otlp.http": "0.0.0.0:0"}))
+        engines = {}
+        for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host)):
+            engines[address] = stack.enter_context(running_engine(
+                port=engines[ENGINE_ADDR].port if engines else 0, behavior="detached",
+                otlp=f"http://{exporter}:{daemon.status.http_port}", truth_log=tmp_path / f"truth-{address}.jsonl",
+                step_ms=10, max_batch=4, host=address, netns=name, extra_args=["--no-process-pid"]))
+        port = engines[ENGINE_ADDR].port
+        daemon.set_ports({port})
+        scraper = daemon._parts["engine_metrics"]
+        assert wait_for(lambda: port in scraper._answered, timeout_s=15)
+        scrape = next(end for end in scraper._ends if end[3] == ENGINE_ADDR)
+        client = socket.socket()
+        client.setsockopt(socket.IPPROTO_IP, getattr(socket, "IP_BIND_ADDRESS_NO_PORT", 24), 1)
+        client.bind((HOST_ADDR, 0))  # the scrape's address; its port picked as it connects
+        with only_local_port(scrape[1]):  # as the kernel may pick it for another destination
+            client.connect((second_engine, port))
+        assert client.getsockname()[:2] == (HOST_ADDR, scrape[1])
+        assert next(end for end in scraper._ends if end[3] == ENGINE_ADDR) == scrape  # held open meanwhile
+        with client:
+            send_request(port, stream=True, max_tokens=200, request_id="left", sock=client)
+            time.sleep(0.3)
+            disconnect(client, "fin")
+        assert wait_for(lambda: len(engines[second_engine].truth()) == 1, timeout_s=20)
+        truth = engines[second_engine].truth()
+        wait_for(lambda: tally_against_truth(verdict_rows(daemon), truth)[0]["cancels right"] == 1, timeout_s=15)
+        time.sleep(0.5)
+        tally, problems = tally_against_truth(verdict_rows(daemon), truth)
+        still_held = scrape in scraper._ends
+    assert still_held, "the scrape's connection was not open while the client left"
+    assert truth[0]["disconnect_at"] is not None and tally["cancels"] == 1, truth
+    assert tally["cancels right"] == 1 and not problems, (tally, problems)
+
+
 @pytest.mark.parametrize("signals", ["spans", "live-notices", "vllm-like", "gauges-only"])
 @pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
 def test_one_client_port_to_two_pods_joins_each_close_to_its_own_pods_request(
