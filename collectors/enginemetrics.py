@@ -473,6 +473,7 @@ class EngineMetricsScraper:
         connected, and the port then gives no reading. One that answered as an engine before and
         fails now costs the round, as before."""
         addresses = self.addresses_of(port) if self.addresses_of is not None else (self.host,)
+        self._forget_gone(port, addresses)
         if len(addresses) == 1:
             self.left_out.pop(port, None)
             return self._scrape_at(port, addresses[0])
@@ -497,15 +498,21 @@ class EngineMetricsScraper:
                 state = "has not answered yet" if target in self._not_yet else "answered as no engine does"
                 raise OSError(f"the server at {address} {state}, and spans on port {port} came from its address")
             others.append(address)
-        for table in (self._not_engines, self._not_yet):
-            for gone in [key for key in table if key[0] == port and key[1] not in addresses]:
-                del table[gone]
-        self._engines_at -= {key for key in self._engines_at if key[0] == port and key[1] not in addresses}
         if not loads:
             self.left_out.pop(port, None)
             return None
         self.left_out[port] = frozenset(others)
         return summed(loads, tuple(engines))
+
+    def _forget_gone(self, port: int, addresses: tuple[str, ...]) -> None:
+        """Forget what was learnt of servers no longer on ``port`` (a pod gone, or moved): one back
+        at that address later is asked afresh."""
+        if not (self._not_engines or self._not_yet or self._engines_at):  # one engine a port: nothing kept
+            return
+        for table in (self._not_engines, self._not_yet):
+            for gone in [key for key in table if key[0] == port and key[1] not in addresses]:
+                del table[gone]
+        self._engines_at -= {key for key in self._engines_at if key[0] == port and key[1] not in addresses}
 
     def _scrape_shared(self, target: tuple[int, str], now: float) -> tuple[EngineLoad | None, str | None]:
         """One engine's scrape on a port several containers serve: (its load, None), or (None, why)

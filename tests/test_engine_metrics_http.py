@@ -258,6 +258,34 @@ def test_a_server_on_a_shared_port_that_has_not_answered_yet_is_left_out_until_i
         client.close()
 
 
+def test_a_server_gone_from_a_shared_port_is_asked_afresh_when_one_is_back_at_its_address(
+        serve: Callable[..., Server]) -> None:
+    """A pod answered as an engine, then left the node (the port served by one engine alone for a
+    while); a pod later given its address, whose engine is still loading, is a new server: left
+    out as not yet, not taken for the engine that answered there before (whose failure would cost
+    the port every round, each waiting out the scrape's timeout)."""
+    engine = serve([content_length()] * 6)
+    second = serve([content_length()], host="127.0.0.2", port=engine.port)
+    serving = ["127.0.0.1", "127.0.0.2"]
+    client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=1.0, filtered=False, interval_s=0.05,
+                                  addresses_of=lambda port: tuple(serving), sends_spans=lambda port, address: False)
+    try:
+        [load] = client.scrape_all([engine.port])
+        assert load.running_by_address == (("127.0.0.1", 2), ("127.0.0.2", 2))
+        second.close()
+        serving.remove("127.0.0.2")  # the pod is gone
+        assert len(client.scrape_all([engine.port])) == 1
+        loading = socket.create_server(("127.0.0.2", engine.port))  # another pod at its address, loading
+        serving.append("127.0.0.2")
+        began = time.monotonic()
+        [load] = client.scrape_all([engine.port])
+        assert time.monotonic() - began < 0.6 and client.errors == 0
+        assert client.left_out == {engine.port: {"127.0.0.2"}} and load.running_by_address == (("127.0.0.1", 2),)
+        loading.close()
+    finally:
+        client.close()
+
+
 def test_a_listing_leaves_out_the_scrapers_own_connection_by_its_engines_address_too(
         serve: Callable[..., Server]) -> None:
     """Pods of one node serving one port: the scraper's connection to one of them and another's
@@ -276,7 +304,7 @@ def test_a_listing_leaves_out_the_scrapers_own_connection_by_its_engines_address
         (address, port), = ends
         return {server.port: ((address, port, 1, ""), (address, port + 1, 2, ""))}
 
-    def told(found: frozenset[tuple[str, int, int]]) -> None:
+    def told(found: frozenset[tuple[str, int, int, str]]) -> None:
         ends[:] = [end[:2] for end in found]
 
     client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=2, filtered=False,
