@@ -291,13 +291,13 @@ class Daemon:
         from probes.netns import EngineAddresses, NetNamespaces
         from probes.sockdiag import listening_inodes
 
+        addresses = EngineAddresses(listening_inodes, NetNamespaces(scan=self._process_scan()))
         scraper = EngineMetricsScraper(lambda: set(self._ports), keep, interval_s=settings.interval_seconds,
                                        path=settings.path, on_connections=own_connections,
                                        listed_clients=lister.clients, accepted=lister.accepted,
                                        listing_complete=getattr(lister, "listing_complete", None),
                                        list_while_busy=getattr(lister, "listing_is_cheap", False),
-                                       addresses_of=EngineAddresses(
-                                           listening_inodes, NetNamespaces(scan=self._process_scan())).of,
+                                       addresses_of=addresses.of, listening=addresses.listening,
                                        sends_spans=self.correlator.sends_spans)
         self._parts["engine_metrics"] = scraper.start()
 

@@ -397,15 +397,23 @@ class EngineMetricsScraper:
                  listing_complete: Callable[[int], bool | None] | None = None,
                  list_while_busy: bool = False,
                  addresses_of: Callable[[int], tuple[str, ...]] | None = None,
-                 sends_spans: Callable[[int, str], bool] | None = None) -> None:
+                 sends_spans: Callable[[int, str, int], bool] | None = None,
+                 listening: Callable[[int, str], frozenset[int] | None] | None = None) -> None:
         self.ports = ports
         # The address of each port's engine, asked at each scrape (``host`` without it): a
         # container's engine on a network of its own is not on this namespace's loopback; a port
         # several containers serve has one engine at each of theirs.
         self.addresses_of = addresses_of
-        # Whether spans on a port came from an address (the correlator's word): a server there that
-        # is no engine can be left out of the port's gauges only if none did (``scrape``).
+        # Whether spans on a port that began at a time or later came from an address (the
+        # correlator's word): a server there that is no engine can be left out of the port's gauges
+        # only if none did (``scrape``).
         self.sends_spans = sends_spans
+        # The LISTEN sockets of a port's server at an address (``addresses_of``'s latest look; None
+        # where not known), and per (port, address) those seen last: (sockets, wall-clock ns from
+        # which spans from there are the server's). Other sockets there: a new server
+        # (``_note_servers``).
+        self.listening = listening
+        self._servers: dict[tuple[int, str], tuple[frozenset[int], int]] = {}
         # Of a port several containers serve, the servers that answered as no engine does, and
         # until when (monotonic) they are left out: (port, address) -> until.
         self._not_engines: dict[tuple[int, str], float] = {}
@@ -471,13 +479,15 @@ class EngineMetricsScraper:
         asked again after up to NOT_YET_BACKOFF_S. Not while spans on the port come from its
         address (``sends_spans``): their requests are among those the correlator counts
         connected, and the port then gives no reading. One that answered as an engine before and
-        fails now costs the round, as before."""
+        fails now costs the round, as before, unless it listens on other sockets now: another
+        process, a container restarted in its pod (``_note_servers``)."""
         addresses = self.addresses_of(port) if self.addresses_of is not None else (self.host,)
         self._forget_gone(port, addresses)
         if len(addresses) == 1:
             self.left_out.pop(port, None)
             return self._scrape_at(port, addresses[0])
         now = time.monotonic()
+        self._note_servers(port, addresses)
         loads, engines, others = [], [], []
         for address in addresses:
             target = (port, address)
@@ -494,7 +504,8 @@ class EngineMetricsScraper:
                                  "again every %.0f s)", port, address, self.path, why, NOT_AN_ENGINE_BACKOFF_S)
                     self._not_engines[target] = now + NOT_AN_ENGINE_BACKOFF_S
                     self._not_yet.pop(target, None)
-            if self.sends_spans is None or self.sends_spans(port, address):
+            since_ns = self._servers.get(target, (frozenset(), 0))[1]
+            if self.sends_spans is None or self.sends_spans(port, address, since_ns):
                 state = "has not answered yet" if target in self._not_yet else "answered as no engine does"
                 raise OSError(f"the server at {address} {state}, and spans on port {port} came from its address")
             others.append(address)
@@ -503,6 +514,34 @@ class EngineMetricsScraper:
             return None
         self.left_out[port] = frozenset(others)
         return summed(loads, tuple(engines))
+
+    def _note_servers(self, port: int, addresses: tuple[str, ...]) -> None:
+        """A server at an address whose LISTEN sockets changed is another server process (a
+        container restarted in its pod, which keeps the pod's address; its engine then loads its
+        model for minutes): what was learnt of the one before is forgotten, and only spans that
+        began once its sockets were seen count as its. Else an engine that crashed and reloads,
+        having answered and sent spans before, left the port without readings for the whole load.
+        Its sockets are seen within ``addresses_of``'s refresh of its start (10 s), or up to
+        NetNamespaces' REREAD_S where the namespace's count of sockets came back to the same; a
+        server that serves requests with spans from its start, answering as no engine does, is
+        held in again by its first span begun since."""
+        if self.listening is None:
+            return
+        for address in addresses:
+            target = (port, address)
+            sockets = self.listening(port, address)
+            if sockets is None:
+                continue
+            known = self._servers.get(target)
+            if known is None:
+                self._servers[target] = (sockets, 0)  # any span from there, ever, is its
+            elif known[0] != sockets:
+                log.info("port %d: the server at %s listens on other sockets: another process, asked afresh",
+                         port, address)
+                self._engines_at.discard(target)
+                self._not_engines.pop(target, None)
+                self._not_yet.pop(target, None)
+                self._servers[target] = (sockets, time.time_ns())
 
     def _forget_gone(self, port: int, addresses: tuple[str, ...]) -> None:
         """Forget what was learnt of servers no longer on ``port`` (a pod gone, or moved): one back

@@ -259,6 +259,7 @@ class EngineAddresses:
         self.refresh_s = refresh_s
         self._monotonic = monotonic
         self._known: dict[int, tuple[tuple[str, ...], float]] = {}  # port -> (addresses, monotonic time told)
+        self._listening: dict[int, dict[str, frozenset[int]]] = {}  # port -> each address's LISTEN sockets
 
     def of(self, port: int) -> tuple[str, ...]:
         """The port's engines' addresses: one, but for a port several other namespaces serve."""
@@ -279,7 +280,15 @@ class EngineAddresses:
         except OSError:
             pass  # not told: the other namespaces decide
         found = self._namespaces.refresh({port}, fresh=port not in self._known).get(port, [])
-        addresses = tuple(sorted(self._namespaces.by_address(port)))
+        by_address = self._namespaces.by_address(port)
+        self._listening[port] = {address: frozenset(inodes) for address, inodes in by_address.items()}
+        addresses = tuple(sorted(by_address))
         if not found or len(addresses) != len(found):  # nowhere yet, or a namespace without an address
             return (self.default,)
         return addresses  # one container's, or each of several serving the port
+
+    def listening(self, port: int, address: str) -> frozenset[int] | None:
+        """The LISTEN sockets on ``port`` at ``address`` (another namespace's) as of ``of``'s latest
+        look; None where not known. Other sockets there later: another server process (a container
+        restarted in its pod keeps the pod's address)."""
+        return self._listening.get(port, {}).get(address)

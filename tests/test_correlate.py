@@ -299,6 +299,9 @@ def test_a_listed_client_of_one_pod_is_not_told_by_another_pods_span_on_its_4_tu
     # Which pods' spans came on the port (the engine scraper leaves out a server that is no engine
     # only if none of them is its).
     assert correlator.sends_spans(SERVER_PORT, first) and not correlator.sends_spans(SERVER_PORT, second)
+    # ... that began since a server at that address was seen anew (a container restarted in its pod).
+    assert correlator.sends_spans(SERVER_PORT, first, T0 + int(0.9 * S))
+    assert not correlator.sends_spans(SERVER_PORT, first, T0 + int(0.9 * S) + 1)
     unknown = tuple((*client[:3], "") for client in listed)  # a lister that cannot tell the server's address
     assert correlator.unspanned_clients(replace(scrape, ts_ns=scrape.ts_ns + 1), unknown) == 0
     store.insert_spans([replace(http_span("r", 0.95, 9.0, span="6", client=("127.0.0.1", 40001)),

@@ -216,7 +216,7 @@ def test_a_server_on_a_shared_port_that_is_no_engine_is_left_out_unless_its_span
     client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=2, filtered=False,
                                   listed_clients=listed, accepted=lambda: 0,
                                   addresses_of=lambda port: ("127.0.0.1", "127.0.0.2"),
-                                  sends_spans=lambda port, address: address in spans_from)
+                                  sends_spans=lambda port, address, since: address in spans_from)
     try:
         client.want_clients([engine.port])
         [load] = client.scrape_all([engine.port])
@@ -241,7 +241,7 @@ def test_a_server_on_a_shared_port_that_has_not_answered_yet_is_left_out_until_i
     loading = socket.create_server(("127.0.0.2", engine.port))  # accepts into its backlog, answers nothing
     client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=1.0, filtered=False, interval_s=0.05,
                                   addresses_of=lambda port: ("127.0.0.1", "127.0.0.2"),
-                                  sends_spans=lambda port, address: False)
+                                  sends_spans=lambda port, address, since: False)
     try:
         began = time.monotonic()
         [load] = client.scrape_all([engine.port])
@@ -268,7 +268,7 @@ def test_a_server_gone_from_a_shared_port_is_asked_afresh_when_one_is_back_at_it
     second = serve([content_length()], host="127.0.0.2", port=engine.port)
     serving = ["127.0.0.1", "127.0.0.2"]
     client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=1.0, filtered=False, interval_s=0.05,
-                                  addresses_of=lambda port: tuple(serving), sends_spans=lambda port, address: False)
+                                  addresses_of=lambda port: tuple(serving), sends_spans=lambda port, address, since: False)
     try:
         [load] = client.scrape_all([engine.port])
         assert load.running_by_address == (("127.0.0.1", 2), ("127.0.0.2", 2))
@@ -281,6 +281,45 @@ def test_a_server_gone_from_a_shared_port_is_asked_afresh_when_one_is_back_at_it
         [load] = client.scrape_all([engine.port])
         assert time.monotonic() - began < 0.6 and client.errors == 0
         assert client.left_out == {engine.port: {"127.0.0.2"}} and load.running_by_address == (("127.0.0.1", 2),)
+        loading.close()
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("restarted", [True, False], ids=["other-sockets", "same-sockets"])
+def test_a_pod_whose_engine_restarted_is_asked_afresh(serve: Callable[..., Server], restarted: bool) -> None:
+    """A pod's engine answered and sent spans, then crashed; the container restarted in its pod
+    (same address) and its engine is loading its model: it listens on another socket and answers
+    nothing. A new server: left out as not yet, so the port's other engine is read alone meanwhile;
+    its spans from before the restart do not hold it in, one begun since does. The same sockets
+    (no restart seen): an engine that answered before and fails now costs the round, as before."""
+    engine = serve([content_length()] * 8)
+    first = serve([content_length()], host="127.0.0.2", port=engine.port)
+    sockets = {"127.0.0.2": frozenset({101})}
+    spans_from: dict[str, int] = {}
+    client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=1.0, filtered=False, interval_s=0.05,
+                                  addresses_of=lambda port: ("127.0.0.1", "127.0.0.2"),
+                                  listening=lambda port, address: sockets.get(address),
+                                  sends_spans=lambda port, address, since: spans_from.get(address, -1) >= since)
+    try:
+        [load] = client.scrape_all([engine.port])
+        assert load.running_by_address == (("127.0.0.1", 2), ("127.0.0.2", 2))
+        spans_from["127.0.0.2"] = time.time_ns()  # a request it served
+        first.close()
+        loading = socket.create_server(("127.0.0.2", engine.port))  # the restarted one, loading its model
+        if restarted:
+            sockets["127.0.0.2"] = frozenset({202})
+        began = time.monotonic()
+        loads = client.scrape_all([engine.port])
+        if not restarted:
+            assert loads == [] and client.errors == 1  # the engine it answered as before fails: no reading
+            return
+        assert time.monotonic() - began < 0.6 and client.errors == 0
+        assert [load.running_by_address for load in loads] == [(("127.0.0.1", 2),)]
+        assert client.left_out == {engine.port: {"127.0.0.2"}}
+        spans_from["127.0.0.2"] = time.time_ns()  # it serves a request (spans from it, begun since)
+        time.sleep(0.3)  # past the wait before it is asked again
+        assert client.scrape_all([engine.port]) == [] and client.errors == 1
         loading.close()
     finally:
         client.close()

@@ -537,6 +537,49 @@ def test_a_server_on_the_engines_port_that_is_no_engine_is_left_out_of_its_gauge
         (row.verdict, row.details.get("evidence")) for row in rows]
 
 
+@pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
+def test_a_pod_whose_engine_restarted_and_loads_is_left_out_of_the_ports_gauges(
+        tmp_path: Path, namespace: str, source: str) -> None:
+    """Two pods serve one port; the second's engine answered its scrapes and sent spans, then its
+    container restarted (a crash: the pod and its address stay) and its engine is loading its
+    model, listening and answering nothing. The first engine sends no span for an aborted request
+    (as vLLM): its aborts are told by the gauges, the loading pod left out as a new server. Taken
+    for the engine that answered there before, it cost the port every round: all unconfirmed."""
+    second_host, second_server = "10.231.12.1", "10.231.12.2"
+    with contextlib.ExitStack() as stack:
+        other = stack.enter_context(joined_namespace(f"{namespace}r", f"aud{os.getpid() % 100000}r",
+                                                     second_host, second_server))
+        daemon = stack.enter_context(running_daemon(tmp_path, **{
+            "probe.source": source, "probe.poll_hz": 20.0, "otlp.http": "0.0.0.0:0"}))
+        engine = stack.enter_context(running_engine(
+            behavior="abort", otlp=f"http://{HOST_ADDR}:{daemon.status.http_port}", truth_log=tmp_path / "truth.jsonl",
+            step_ms=10, max_batch=4, host=ENGINE_ADDR, netns=namespace, extra_args=["--no-process-pid"]))
+        port = engine.port
+        scraper = daemon._parts["engine_metrics"]
+        with running_engine(behavior="abort", otlp=f"http://{second_host}:{daemon.status.http_port}",
+                            truth_log=tmp_path / "truth-restarted.jsonl", step_ms=10, max_batch=4, port=port,
+                            host=second_server, netns=other, extra_args=["--no-process-pid"]) as crashing:
+            daemon.set_ports({port})
+            assert wait_for(lambda: (port, second_server) in scraper._engines_at, timeout_s=15)
+            complete(port, stream=False, max_tokens=4, request_id="served", host=second_server).join()
+            assert wait_for(lambda: daemon.correlator.sends_spans(port, second_server), timeout_s=10)
+            served = crashing.truth()
+        loading = subprocess.Popen(["ip", "netns", "exec", other, sys.executable, "-c", LOADING, second_server,
+                                    str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stack.callback(loading.wait, timeout=10)
+        stack.callback(loading.terminate)
+        assert wait_for(lambda: _answers(second_server, port), timeout_s=10)
+        assert wait_for(lambda: scraper.left_out.get(port) == {second_server}, timeout_s=40), scraper.left_out
+        completed_and_cancelled(daemon, engine, ENGINE_ADDR, completed=2)
+        rows = verdict_rows(daemon)
+        tally, problems = tally_against_truth(rows, engine.truth() + served)
+    assert len(served) == 1 and tally["cancels"] == 4 and tally["completed"] == 3, tally
+    assert tally["cancels right"] == 4 and not problems, (tally, problems)
+    aborts = [row for row in rows if row.verdict == "aborted"]
+    assert len(aborts) == 4 and all(row.details.get("evidence") == "engine_metrics" for row in aborts), [
+        (row.verdict, row.details.get("evidence")) for row in rows]
+
+
 def _answers(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1):

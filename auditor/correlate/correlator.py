@@ -814,10 +814,11 @@ class Correlator:
         apart: they may be either's."""
         return self._other_servers(disconnect.tuple4[2], disconnect.server_addr)
 
-    def sends_spans(self, port: int, address: str) -> bool:
-        """Whether server spans on ``port`` came from ``address`` (a container's, as the receivers
-        keep it); asked from the engine scraper's thread."""
-        return address in self.spans.senders.get(port, ())
+    def sends_spans(self, port: int, address: str, since_ns: int = 0) -> bool:
+        """Whether server spans on ``port`` that began at ``since_ns`` or later came from
+        ``address`` (a container's, as the receivers keep it); asked from the engine scraper's
+        thread."""
+        return self.spans.senders.get(port, {}).get(address, -1) >= since_ns
 
     def _other_servers(self, port: int, server_addr: str) -> frozenset[str]:
         """``elsewhere`` for a connection to ``server_addr`` (normalized; "" not known) on ``port``."""

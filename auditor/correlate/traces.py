@@ -233,10 +233,10 @@ class TraceIndex:
         self._http_by_port: dict[int, PortSpans] = defaultdict(PortSpans)
         self.runs = RunIndex()  # when each request ran, for sharing its cost
         # Server port -> the addresses its server spans came from (``auditor.sender_address``, kept
-        # for containers' spans): a server on the port that is no engine is left out of its summed
-        # gauges only while none of the spans counted there is its (EngineMetricsScraper.scrape).
-        # Read by the scraper's thread: a set replaced, never changed in place.
-        self.senders: dict[int, frozenset[str]] = {}
+        # for containers' spans) -> the latest start among them: a server on the port that is no
+        # engine is left out of its summed gauges only while none of the spans counted there is
+        # its (EngineMetricsScraper.scrape). Read by the scraper's thread (a lookup, no iteration).
+        self.senders: dict[int, dict[str, int]] = {}
 
     def add(self, span: SpanRecord, arrived_ns: int) -> bool:
         """Index a span; False when it was already known (a duplicate delivery)."""
@@ -257,9 +257,12 @@ class TraceIndex:
             self._entries[span.trace_id] += 1
         if span.role is SpanRole.HTTP_SERVER and span.server_port:
             sender = span.attributes.get(SENDER_KEY)
-            if sender and sender not in self.senders.get(span.server_port, ()):
-                known = self.senders.get(span.server_port, frozenset())
-                self.senders[span.server_port] = known | {sender} if len(known) < MAX_SENDERS else frozenset({sender})
+            if sender:
+                known = self.senders.get(span.server_port)
+                if known is None or (len(known) >= MAX_SENDERS and sender not in known):
+                    known = self.senders[span.server_port] = {}
+                if known.get(sender, -1) < span.start_ns:
+                    known[sender] = span.start_ns
             if _counts_on_port(span, spans):
                 self._http_by_port[span.server_port].add(span)
             self._uncount_children(span)  # counted or not itself: its children are duplicates now
