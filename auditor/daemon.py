@@ -513,6 +513,10 @@ class Daemon:
                 readings.probe_runs = {tracepoint: (runs.run_ns, runs.runs)
                                        for tracepoint, runs in source.program_runs().items()}
                 readings.probe_run_stats = stats_enabled()
+        scraper = self._parts.get("engine_metrics")
+        if scraper is not None:
+            readings.engine_scrapes = scraper.outcomes()
+            readings.engine_servers_left_out = {port: len(out) for port, out in dict(scraper.left_out).items()}
         writer = self._parts.get("span_writer")
         if writer is not None:
             writer_stats = writer.stats()

@@ -49,6 +49,10 @@ class SourceReadings:
     # Per scraped inference port: requests its engine held after their clients had left for longer
     # than the grace, by its gauges and the kernel's listing alone (CorrelatorStats.orphans).
     engine_orphans: dict[int, int] = field(default_factory=dict)
+    # The engines' /metrics scrapes so far by (port, outcome: read, failed, no_engine), and per port
+    # several containers serve, the servers there left out of its gauges at its latest reading.
+    engine_scrapes: dict[tuple[int, str], int] = field(default_factory=dict)
+    engine_servers_left_out: dict[int, int] = field(default_factory=dict)
     idle_closes: int = 0
     unjoined_disconnects: int = 0
     unjoined_spans: int = 0
@@ -249,6 +253,22 @@ def readings_families(r: SourceReadings) -> Iterator[Family]:
         for port, count in sorted(r.engine_orphans.items()):
             orphans.add_metric([str(port)], count)
         yield orphans
+    if r.engine_scrapes:
+        scrapes = CounterFamily("auditor_engine_scrapes", "Scrapes of the engines' own /metrics by port and "
+                                "outcome: read (gauges for the port), failed (no answer, an error status; on a "
+                                "port several containers serve, an engine among them so), no_engine (no known "
+                                "metric). Without reads, aborts an engine sends no span for stay unconfirmed",
+                                labels=["port", "outcome"])
+        for (port, outcome), count in sorted(r.engine_scrapes.items()):
+            scrapes.add_metric([str(port), outcome], count)
+        yield scrapes
+    if r.engine_servers_left_out:
+        left_out = GaugeFamily("auditor_engine_servers_left_out", "Servers on a port several containers serve "
+                               "left out of its gauges at its latest reading: no engine there, or one not "
+                               "answering yet (loading its model)", labels=["port"])
+        for port, count in sorted(r.engine_servers_left_out.items()):
+            left_out.add_metric([str(port)], count)
+        yield left_out
     yield CounterFamily("auditor_idle_closes", "Closes with no request in flight (normal)", value=r.idle_closes)
     yield CounterFamily("auditor_unjoined_disconnects", "Disconnects with no span to join",
                         value=r.unjoined_disconnects)

@@ -443,6 +443,10 @@ class EngineMetricsScraper:
         self.timeout_s = timeout_s
         self.clock = clock
         self.errors = 0
+        # Each port's scrapes by outcome (``outcomes``): ``read`` (gauges for the port), ``failed``
+        # (no answer, not HTTP, an error status, or one of a shared port's engines so), ``no_engine``
+        # (a page without an engine's known metric). Changed and read under ``_lock``.
+        self._outcomes: dict[tuple[int, str], int] = {}
         self._skip_until: dict[int, float] = {}
         self._answered: set[int] = set()  # ports whose engine answered a scrape once
         self._failed: dict[int, int] = {}  # port -> its scrapes failed in a row
@@ -725,6 +729,7 @@ class EngineMetricsScraper:
                 load = self.scrape(port)
             except Exception as exc:  # a port that is down or not HTTP: try again later
                 self.errors += 1
+                self._count(port, "failed")
                 self._forget_filters(port)  # whatever answers next is asked both ways again
                 failed = self._failed[port] = self._failed.get(port, 0) + 1
                 backoff = (min(NOT_AN_ENGINE_BACKOFF_S, self.interval_s * 2 ** (failed - 1))
@@ -739,9 +744,11 @@ class EngineMetricsScraper:
                 self._skip_until[port] = now + backoff
                 continue
             if load is None:
+                self._count(port, "no_engine")
                 self._forget_filters(port)
                 self._skip_until[port] = now + NOT_AN_ENGINE_BACKOFF_S
                 continue
+            self._count(port, "read")
             self._skip_until.pop(port, None)
             self._failed.pop(port, None)
             self._answered.add(port)
@@ -761,6 +768,18 @@ class EngineMetricsScraper:
                                listed_while_busy=port in busy_only)
             loads.append(load)
         return loads
+
+    def _count(self, port: int, outcome: str) -> None:
+        with self._lock:
+            key = (port, outcome)
+            self._outcomes[key] = self._outcomes.get(key, 0) + 1
+
+    def outcomes(self) -> dict[tuple[int, str], int]:
+        """Scrapes so far by (port, outcome): ``read``, ``failed``, ``no_engine``. A port whose
+        scrapes are never ``read`` gives no gauges: an abort its engine sends no span for (vLLM)
+        stays unconfirmed there."""
+        with self._lock:
+            return dict(self._outcomes)
 
     def _forget_filters(self, port: int) -> None:
         for target in [target for target in self.filters if target[0] == port]:

@@ -283,6 +283,22 @@ def test_an_engine_slow_to_answer_its_first_scrapes_on_a_shared_port_is_read_aft
         client.close()
 
 
+def test_each_ports_scrapes_are_counted_by_outcome(serve: Callable[..., Server]) -> None:
+    # What /metrics shows of them (auditor_engine_scrapes_total): a port never read has no gauges.
+    engine = serve([content_length()] * 2)
+    no_engine = serve([b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\nnot_ours 1\n"])
+    refused = socket.create_server(("127.0.0.1", 0))
+    down = refused.getsockname()[1]
+    refused.close()
+    client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=1.0, filtered=False)
+    try:
+        loads = client.scrape_all([engine.port, no_engine.port, down])
+        assert [load.server_port for load in loads] == [engine.port]
+        assert client.outcomes() == {(engine.port, "read"): 1, (no_engine.port, "no_engine"): 1, (down, "failed"): 1}
+    finally:
+        client.close()
+
+
 def test_a_server_gone_from_a_shared_port_is_asked_afresh_when_one_is_back_at_its_address(
         serve: Callable[..., Server]) -> None:
     """A pod answered as an engine, then left the node (the port served by one engine alone for a

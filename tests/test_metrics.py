@@ -119,6 +119,24 @@ def test_the_probes_kernel_time_shows_with_the_ebpf_source_only() -> None:
         server.stop()
 
 
+def test_the_engines_scrapes_show_by_port_and_outcome() -> None:
+    readings = SourceReadings()
+    metrics = DaemonMetrics(lambda: readings)
+    server = MetricsServer(metrics.registry, "127.0.0.1", 0)
+    try:
+        first = scrape(server.port)
+        assert "auditor_engine_scrapes_total" not in first and "auditor_engine_servers_left_out" not in first
+        readings.engine_scrapes = {(8000, "read"): 40, (8000, "failed"): 2, (9000, "no_engine"): 3}
+        readings.engine_servers_left_out = {8000: 1}
+        shown = scrape(server.port)
+        assert shown["auditor_engine_scrapes_total"] == {
+            (("outcome", "read"), ("port", "8000")): 40, (("outcome", "failed"), ("port", "8000")): 2,
+            (("outcome", "no_engine"), ("port", "9000")): 3}
+        assert shown["auditor_engine_servers_left_out"] == {(("port", "8000"),): 1}
+    finally:
+        server.stop()
+
+
 def test_the_correlators_cpu_shows_by_step() -> None:
     readings = SourceReadings()
     metrics = DaemonMetrics(lambda: readings)

@@ -11,6 +11,7 @@ import contextlib
 import http.client
 import http.server
 import os
+import re
 import shutil
 import socket
 import struct
@@ -45,6 +46,7 @@ from tests.e2e import (
     verdict_rows,
     wait_for,
 )
+from tests.test_daemon_unprivileged import metrics
 
 pytestmark = [
     pytest.mark.slow,
@@ -526,7 +528,13 @@ def test_a_server_on_the_engines_port_that_is_no_engine_is_left_out_of_its_gauge
             tally, problems = completed_and_cancelled(daemon, engine, ENGINE_ADDR, completed=2)
         rows = verdict_rows(daemon)
         assert idle.fileno() >= 0
+        shown_on_metrics = metrics(daemon.status.metrics_port)
     cancels, completed = {"aborts": (4, 2), "zombies": (4, 2), "queued": (3, 1)}[case]
+    # What an operator sees of it: the port's gauges read, one server left out of them.
+    assert f'auditor_engine_servers_left_out{{port="{engine.port}"}} 1.0' in shown_on_metrics
+    reads = re.search(rf'^auditor_engine_scrapes_total{{outcome="read",port="{engine.port}"}} (\S+)$',
+                      shown_on_metrics, re.M)
+    assert reads is not None and float(reads.group(1)) >= 1, shown_on_metrics
     assert tally["cancels"] == cancels and tally["completed"] == completed, tally
     assert tally["cancels right"] == cancels and not problems, (tally, problems)
     if case == "zombies":  # four ran on past the grace: shown in flight, never more
@@ -760,7 +768,7 @@ def test_the_unit_user_costs_each_containers_zombies_to_the_engine_the_probe_saw
     engines on one port run by root: their descriptors are unreadable without CAP_SYS_PTRACE, so the
     listener lookup names neither process. The eBPF probe saw each close a connection at its own
     address (the warm-up request's), and each pod's zombies are costed to that pod's engine."""
-    from tests.test_daemon_unprivileged import NOBODY, metrics, unit_capabilities
+    from tests.test_daemon_unprivileged import NOBODY, unit_capabilities
 
     second_host, second_engine = "10.231.8.1", "10.231.8.2"
     state = Path(tempfile.mkdtemp(prefix="auditor-nobody-"))
