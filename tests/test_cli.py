@@ -229,7 +229,7 @@ def test_doctor_json_schema(tmp_path: Path) -> None:
     assert doc["schema"] == "auditor.cli.doctor/v1"
     names = [c["name"] for c in doc["checks"]]
     assert names == ["privileges", "bpf_syscall", "tracefs", "prebuilt_probe", "kernel_headers", "bcc", "fallback",
-                     "engines", "nvml", "ports", "database", "postgres_driver", "otlp_reader", "source"]
+                     "engines", "engine_metrics", "nvml", "ports", "database", "postgres_driver", "otlp_reader", "source"]
     for check in doc["checks"]:
         assert check["state"] in ("ok", "degraded", "failed")
         assert check["state"] == "ok" or check["fix"] or check["name"] in ("nvml",)

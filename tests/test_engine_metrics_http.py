@@ -761,3 +761,25 @@ def test_the_sum_of_engines_lacks_what_one_of_them_lacks() -> None:
     load = summed(loads, ("10.0.0.1", "10.0.0.2"))
     assert (load.running, load.waiting, load.generated_tokens, load.model, load.aborted) == (3, 4, None, None, None)
     assert (load.ts_ns, load.answered_ns) == (10, 30)
+
+
+def test_the_doctor_says_whose_gauges_each_watched_port_gives(serve: Callable[..., Server]) -> None:
+    """`auditor doctor`'s engine_metrics check: one scrape of each watched port that is listened on;
+    degraded where one gives no gauges (a 404 here: llama.cpp without --metrics), as an abort an
+    engine sends no span for is then unconfirmed there. A port nothing listens on is the engines
+    check's to name."""
+    from auditor.cli.doctor import DEGRADED, OK, check_engine_metrics
+
+    engine = serve([content_length()] * 2)
+    plain = serve([b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"])
+    nothing = socket.create_server(("127.0.0.1", 0))
+    idle = nothing.getsockname()[1]
+    nothing.close()
+    good = check_engine_metrics([engine.port, idle])
+    assert good.state == OK and good.detail == f"port {engine.port}: vllm gauges read (2 running, 1 waiting)"
+    bad = check_engine_metrics([engine.port, plain.port])
+    assert bad.state == DEGRADED and bad.detail.startswith(
+        f"port {engine.port}: vllm gauges read (2 running, 1 waiting); port {plain.port}: /metrics not read (HTTP 404)")
+    assert "llama.cpp: --metrics" in bad.fix
+    assert check_engine_metrics([idle]).detail == "no watched port is listened on yet"
+    assert check_engine_metrics([engine.port], scrape=False).state == DEGRADED

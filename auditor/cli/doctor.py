@@ -250,6 +250,58 @@ def check_engines(ports: Iterable[int], proc_root: Path = Path("/proc"), otlp: I
     return Check("engines", OK, detail)
 
 
+ENGINE_METRICS_FIX = ("expose the engine's Prometheus page on its serving port (llama.cpp: --metrics; vLLM, SGLang "
+                      "and TGI serve /metrics), or set engine_metrics.path to where it is")
+
+
+def check_engine_metrics(ports: Iterable[int], path: str = "/metrics", scrape: bool = True,
+                         proc_root: Path = Path("/proc"), timeout_s: float = 1.0) -> Check:
+    """One scrape of the engines' own ``/metrics`` on each watched port that is listened on, at each
+    address the daemon would scrape (``probes.netns.EngineAddresses``: the loopback, a container's
+    address, each pod's of a port several serve): whose gauges were read, and where none. Without
+    them an abort the engine sends no span for (vLLM) cannot be confirmed, and a zombie is told by
+    spans alone."""
+    if not scrape:
+        return Check("engine_metrics", DEGRADED, "engine_metrics.scrape = false: no engine's gauges are read, so "
+                     "an abort the engine sends no span for (vLLM) is unconfirmed",
+                     "set engine_metrics.scrape = true")
+    from collectors.enginemetrics import EngineMetricsScraper
+    from collectors.listeners import listening_inodes
+    from probes.netns import EngineAddresses, NetNamespaces
+
+    addresses = EngineAddresses(lambda wanted: listening_inodes(wanted, proc_root), NetNamespaces(proc_root))
+    here = listening_inodes(set(ports), proc_root)
+    read, unread = [], []
+    for port in sorted(set(ports)):
+        at = addresses.of(port)
+        if port not in here and addresses.listening(port, at[0]) is None:
+            continue  # nothing listens on it yet (the engines check says so)
+        for address in at:
+            scraper = EngineMetricsScraper(lambda: [], lambda loads: None, host=address, path=path,
+                                           timeout_s=timeout_s, filtered=False)
+            where = f"port {port}" + (f" at {address}" if len(at) > 1 or address != "127.0.0.1" else "")
+            try:
+                load = scraper.scrape(port)
+            except OSError as exc:
+                unread.append(f"{where}: {path} not read ({exc})")
+                continue
+            finally:
+                scraper.close()
+            if load is None:
+                unread.append(f"{where}: {path} has no engine metric this daemon knows (vLLM, SGLang, TGI, "
+                              "llama.cpp)")
+            else:
+                read.append(f"{where}: {load.style or 'engine'} gauges read ({load.running} running, "
+                            f"{load.waiting} waiting)")
+    if not read and not unread:
+        return Check("engine_metrics", OK, "no watched port is listened on yet")
+    detail = "; ".join(read + unread)
+    if unread:
+        return Check("engine_metrics", DEGRADED, detail + ": there, an abort the engine sends no span for "
+                     "(vLLM) stays unconfirmed", ENGINE_METRICS_FIX)
+    return Check("engine_metrics", OK, detail)
+
+
 def check_nvml(ports: Iterable[int] = ()) -> Check:
     """NVML and its GPUs; and, for each watched port whose engine is running, the GPU processes
     its cost will be read from (the listener and the processes it started). On a host with several
@@ -587,6 +639,7 @@ def run_checks(config: Config) -> list[Check]:
         check_privileges, check_bpf_syscall, check_tracefs, check_prebuilt_probe, check_kernel_headers, check_bcc,
         lambda: check_fallback(config.probe.poll_hz),
         lambda: check_engines(config.probe.ports, otlp=(config.otlp.http, config.otlp.grpc)),
+        lambda: check_engine_metrics(config.probe.ports, config.engine_metrics.path, config.engine_metrics.scrape),
         lambda: check_nvml(config.probe.ports),
         lambda: check_ports(config),
         lambda: check_database(config),
