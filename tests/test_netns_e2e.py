@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from auditor.cli.doctor import check_engines
+from auditor.cli.doctor import check_engine_metrics, check_engines
 from auditor.store import Store, VerdictRow
 from collectors.listeners import ListenerPids
 from probes import procfs
@@ -102,6 +102,9 @@ def test_other_namespaces_listening_are_found(namespace: str) -> None:
             # Its engine's /metrics is reached there; at the loopback where this namespace listens too.
             assert EngineAddresses(lambda ports: {}).of(8765) == (ENGINE_ADDR,)
             assert EngineAddresses(lambda ports: {8765: {1}}).of(8765) == ("127.0.0.1",)
+            # The doctor asks it there too (it listens and answers nothing).
+            said = check_engine_metrics([8765], timeout_s=0.3)
+            assert said.detail.startswith(f"port 8765 at {ENGINE_ADDR}: /metrics not read ("), said.detail
     finally:
         server.kill()
         server.wait()
@@ -628,6 +631,10 @@ def test_two_containers_serving_one_port_judged_and_costed_each_by_its_own_engin
         cost = daemon.correlator.cost
         assert wait_for(lambda: cost.shared.get(port) == {address: engine.pid for address, engine in engines.items()},
                         timeout_s=15), (cost.shared, cost.unresolved)
+        said = check_engine_metrics([port])  # the doctor reads each pod's gauges at its address
+        assert said.state == "ok" and said.detail == "; ".join(
+            f"port {port} at {address}: ref gauges read (0 running, 0 waiting)"
+            for address in sorted((ENGINE_ADDR, second_engine))), said.detail
         clients = []
         for address, cancels in ((ENGINE_ADDR, 3), (second_engine, 1)):
             clients += [complete(port, stream=True, max_tokens=8, request_id=f"ok-{address}", host=address)]
