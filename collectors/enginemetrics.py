@@ -387,9 +387,9 @@ class EngineMetricsScraper:
     """Scrapes ``http://HOST:PORT/metrics`` for every watched port every ``interval_s``, in a thread.
 
     ``sink`` receives each round's loads; it must not block. Failures are counted and logged once
-    per port, never raised. ``on_connections`` is told (local address, local port, server port, server address) of
-    every connection the scraper holds open, whenever that changes: they are the auditor's own, on
-    the watched ports, and a disconnect source that polls leaves them out."""
+    per port, never raised. ``on_connections`` is told (local address, local port, server port,
+    server address) of every connection the scraper holds open, whenever that changes: they are
+    the auditor's own, on the watched ports, and a disconnect source that polls leaves them out."""
 
     def __init__(self, ports: Callable[[], Iterable[int]], sink: Callable[[list[EngineLoad]], None], *,
                  interval_s: float = 0.25, host: str = "127.0.0.1", path: str = "/metrics",
@@ -443,16 +443,16 @@ class EngineMetricsScraper:
         self.timeout_s = timeout_s
         self.clock = clock
         self.errors = 0
-        # Each port's scrapes by outcome (``outcomes``): ``read`` (gauges for the port), ``failed``
-        # (no answer, not HTTP, an error status, or one of a shared port's engines so), ``no_engine``
-        # (a page without an engine's known metric). Changed and read under ``_lock``.
+        # Each port's scrapes by outcome (``outcomes``): ``read`` (gauges for the port),
+        # ``failed`` (no answer, not HTTP, an error status, or one of a shared port's engines so),
+        # ``no_engine`` (a page without an engine's known metric). Changed and read under ``_lock``.
         self._outcomes: dict[tuple[int, str], int] = {}
         self._skip_until: dict[int, float] = {}
         self._answered: set[int] = set()  # ports whose engine answered a scrape once
         self._failed: dict[int, int] = {}  # port -> its scrapes failed in a row
         self._connections: dict[tuple[int, str], PageConnection] = {}  # (port, address) -> its connection
         self._ends: set[tuple[str, int, int, str]] = set()  # the connections open now (see on_connections)
-        self._end_hosts: dict[tuple[str, int], set[str]] = {}  # their (address, port) -> the engines' addresses (as they answered)
+        self._end_hosts: dict[tuple[str, int], set[str]] = {}  # their (address, port) -> the engines' addresses
         # Per port: until when (monotonic) its scrapes list the clients connected (``want_clients``).
         self._list_until: dict[int, float] = {}
         self._filtered_path = filtered_path(path)
@@ -638,8 +638,7 @@ class EngineMetricsScraper:
 
         def is_own(client: ListedClient) -> bool:
             hosts = own.get((client[0], client[1]))
-            return hosts is not None and (not client[3] or client[3] in hosts
-                                          or client[3].removeprefix("::ffff:") in hosts)
+            return hosts is not None and (not client[3] or client[3].removeprefix("::ffff:") in hosts)
 
         return {port: tuple(c for c in clients if not is_own(c)) for port, clients in found.items()}
 

@@ -91,7 +91,7 @@ def _left_after(notice: Freed) -> int:
 
 
 def _own_end(key: SocketKey) -> OwnEnd:
-    """The server socket ``key`` as one of the daemon's own connections would be named (``OwnEnd``)."""
+    """The server socket ``key`` named as one of the daemon's own connections is (``OwnEnd``)."""
     return key[3], key[4], key[2], key[1]
 
 
