@@ -416,6 +416,7 @@ def test_http_spans_only_without_gauges_is_unconfirmed_never_aborted(store: Stor
     correlator.tick()
     [row] = verdicts(store)
     assert row.verdict == "unconfirmed" and row.details["evidence"] == "http_only"
+    assert row.details["unconfirmed_because"] == "no_gauges"  # only an engine span could have told
     assert row.wasted_cpu_seconds == 0 and [v.verdict for v in settled] == [Verdict.UNCONFIRMED]
 
 
@@ -482,6 +483,7 @@ def test_http_spans_only_a_port_whose_scrapes_stopped_leaves_its_close_unconfirm
     correlator.tick()
     [row] = verdicts(store)
     assert row.verdict == "unconfirmed" and correlator.alarm_due_ns is None
+    assert row.details["unconfirmed_because"] == "gauges_cannot_tell"
 
 
 def test_a_polled_close_the_span_end_falls_inside_orders_nothing(store: Store) -> None:
@@ -648,6 +650,7 @@ def test_http_spans_only_a_leaving_no_scrape_could_tell_is_unconfirmed(store: St
     late = LATE_CANCEL[1]
     assert (rows[late[1]].verdict, rows[late[1]].details["evidence"]) == ("unconfirmed", "http_only")
     assert rows[late[1]].details["leaving_untold"] and "held_one_more" not in rows[late[1]].details
+    assert rows[late[1]].details["unconfirmed_because"] == "gauges_cannot_tell"
 
 
 def test_http_spans_only_connected_requests_are_not_orphans(store: Store) -> None:
@@ -682,6 +685,7 @@ def test_http_spans_only_a_fin_a_few_ms_before_the_span_end_is_no_abort(store: S
     [row] = verdicts(store)
     assert row.verdict == want, row.details
     assert row.details.get("close_races_span_end", False) is (want == "unconfirmed")
+    assert row.details.get("unconfirmed_because") == ("raced_its_answer" if want == "unconfirmed" else None)
 
 
 def test_http_spans_only_completion_by_what_the_server_sent(store: Store) -> None:
@@ -925,6 +929,7 @@ def test_an_engine_end_notice_as_the_client_closes_is_judged_by_its_finish(
     assert row.verdict == want, (row.verdict, row.details)
     assert row.details["evidence"] == ("http_only" if want == "unconfirmed" else "live_notice"), row.details
     assert row.details.get("engine_done_as_client_left", False) is (want == "unconfirmed")
+    assert row.details.get("unconfirmed_because") == ("raced_its_answer" if want == "unconfirmed" else None)
 
 
 def test_a_live_notice_of_a_later_connection_on_a_reused_port_does_not_take_an_idle_close(store: Store) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from auditor.model import Verdict
 from auditor.report import ReportQuery, build_report
 from auditor.report.model import RequestFinding
 from auditor.report.query import FINDING_COLUMNS
@@ -25,7 +26,7 @@ from auditor.report.render_html import render_html
 from auditor.report.render_table import render_table
 from auditor.store import Store
 from auditor.timefmt import rfc3339
-from tests.report_data import CHAT, COMPLETIONS, EVIL_ID, LLAMA, QWEN, T0, at, fill, trace
+from tests.report_data import CHAT, COMPLETIONS, EVIL_ID, LLAMA, QWEN, T0, _verdict, at, fill, trace
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())
 HOUR = ReportQuery(since_ns=T0, until_ns=at(3600))
@@ -56,6 +57,22 @@ def test_totals_are_summed_over_the_window_only(filled: Store) -> None:
     assert (t.gpus, t.gpu_seconds) == (2, 7200.0)
     assert t.gpu_busy_seconds == pytest.approx(360 * 2 * 0.8 * 10)
     assert t.wasted_gpu_share == pytest.approx(14.0 / 7200.0)
+
+
+def test_unconfirmed_verdicts_without_gauges_are_counted_apart(store: Store) -> None:
+    # Those no gauges of their engine told (its /metrics not read): the ones scraping would confirm.
+    store.upsert_verdicts([
+        _verdict(n, Verdict.UNCONFIRMED, start_s=60.0 * n, disconnect_s=60.0 * n + 1, end_s=60.0 * n + 1.5, lag=None,
+                 tokens=None, details={"evidence": "http_only", "unconfirmed_because": because})
+        for n, because in ((1, "no_gauges"), (2, "no_gauges"), (3, "raced_its_answer"), (4, "gauges_cannot_tell"))])
+    report = build_report(store, HOUR)
+    assert (report.totals.unconfirmed, report.totals.unconfirmed_without_gauges) == (4, 2)
+    document = report_dict(report)
+    validate(document)
+    assert document["totals"]["unconfirmed_without_gauges"] == 2
+    table = render_table(report)
+    assert "no gauges read" in table and "auditor doctor" in table
+    assert "2 with no gauges of their engine read" in render_html(report)
 
 
 def test_breakdowns_group_by_each_dimension(filled: Store) -> None:

@@ -110,6 +110,7 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
         details["evidence"], provisional = completed, False
     if decision.verdict is Verdict.UNCONFIRMED:
         details["evidence"], details["work_end_exact"] = ev.HTTP_ONLY, "none"
+        details["unconfirmed_because"] = _unconfirmed_because(corr, subtree, details)
         for told in ("work_end_resolution_s", "lag_at_least_s"):  # of an end nothing tells
             details.pop(told, None)
     details["provisional"] = provisional
@@ -319,6 +320,19 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     if ended is not None and racing:
         ended = replace(ended, held_one_more=True)
     return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))
+
+
+def _unconfirmed_because(corr: Correlator, subtree: list[SpanRecord], details: dict[str, Any]) -> str:
+    """Why nothing tells whether an unconfirmed request's work stopped (``UNCONFIRMED_BECAUSE``):
+    its client closed as its answer ended (a client that read it all and a server that stopped at
+    once on the close look the same, and the gauges never saw it held after); its engine's gauges
+    were read but cannot tell (scrapes that stopped, a leaving no listing could tell, other
+    leavers' requests on the port); or no gauges of its engine were read at all: then only the
+    engine's span, or its live notices, could have told (vLLM sends none for an abort)."""
+    if details.get("engine_done_as_client_left") or (
+            details.get("close_races_span_end") and not details.get("leaving_untold")):
+        return ev.RACED_ITS_ANSWER
+    return ev.GAUGES_CANNOT_TELL if _scraped_hop(corr, subtree) is not None else ev.NO_GAUGES
 
 
 def _connected_on(corr: Correlator, port: int) -> Callable[[int, int], int]:

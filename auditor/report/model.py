@@ -59,6 +59,9 @@ class Totals:
     zombies: int = 0
     inflight_zombies: int = 0
     unconfirmed: int = 0  # the client left early; nothing the engine emits told whether work stopped
+    # Of those, the ones with no gauges of their engine read (details.unconfirmed_because no_gauges):
+    # the engine's /metrics, scraped, could have told (vLLM sends no span for an abort).
+    unconfirmed_without_gauges: int = 0
     zombie_seconds: float = 0.0
     wasted_tokens: int = 0
     wasted_tokens_estimated: int = 0  # the part of wasted_tokens that the engine did not report exactly

@@ -198,7 +198,10 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
                _count_if(v.verdict.in_(ZOMBIE_VERDICTS) & v.tokens_after_disconnect.is_(None))
                .label("tokens_unknown"),
                _count_if(v.verdict.in_(ZOMBIE_VERDICTS)
-                         & v.details["cost_unmeasured"].as_string().is_not(None)).label("uncosted"))
+                         & v.details["cost_unmeasured"].as_string().is_not(None)).label("uncosted"),
+               _count_if((v.verdict == "unconfirmed")
+                         & (v.details["unconfirmed_because"].as_string() == "no_gauges"))  # evidence.NO_GAUGES
+               .label("ungauged"))
         .where(*_verdict_filter(query)).group_by(*keys, v.verdict)).all()
     folded: dict[str, dict[str | None, list[float]]] = {d: {} for d in BREAKDOWN_DIMENSIONS}
     for row in rows:
@@ -216,6 +219,7 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
         totals.uncapped_disconnects += int(row.uncapped)
         totals.zombies_without_tokens += int(row.tokens_unknown)
         totals.uncosted_zombies += int(row.uncosted)
+        totals.unconfirmed_without_gauges += int(row.ungauged)
         for dimension in BREAKDOWN_DIMENSIONS:
             acc = folded[dimension].setdefault(row._mapping[dimension], [0.0] * 10)
             acc[0] += count

@@ -156,6 +156,7 @@ def report_header_dict(report: Report) -> dict[str, Any]:
             "wasted_gpu_share": _number(share) if share is not None else None,
             "uncapped_disconnects": totals.uncapped_disconnects,
             "uncosted_zombies": totals.uncosted_zombies,
+            "unconfirmed_without_gauges": totals.unconfirmed_without_gauges,
             "idle_closes": totals.idle_closes,
             "unjoined_disconnects": totals.unjoined_disconnects,
             "unjoined_spans": totals.unjoined_spans,

@@ -130,7 +130,9 @@ def _totals_table(report: Report) -> list[str]:
         ("requests", f"{t.requests:,}"), ("disconnects", f"{t.disconnects:,}; {disconnects_note(t)}"),
         ("completed", f"{t.completed:,}"), ("aborted", f"{t.aborted:,}"),
         ("zombie", f"{t.zombies:,}"), ("in-flight zombie", f"{t.inflight_zombies:,}"),
-        ("unconfirmed", f"{t.unconfirmed:,}"),
+        ("unconfirmed", f"{t.unconfirmed:,}"
+         + (f" ({t.unconfirmed_without_gauges:,} with no gauges of their engine read: its /metrics, scraped, could "
+            "tell; auditor doctor says why it is not)" if t.unconfirmed_without_gauges else "")),
         ("zombie time", f"{t.zombie_seconds:,.1f} s"),
         ("wasted tokens", f"{tokens} ({tokens_note})" if tokens_note else tokens),
         ("wasted GPU time", f"{t.wasted_gpu_seconds:,.1f} GPU-s, {gpu}"),

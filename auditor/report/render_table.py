@@ -160,6 +160,9 @@ def _totals(report: Report, width: int) -> list[str]:
         row("  zombie", f"{t.zombies:,}", "work went on after the client left"),
         row("  in-flight zombie", f"{t.inflight_zombies:,}", "still running, client gone"),
         row("  unconfirmed", f"{t.unconfirmed:,}", "client left early; nothing told if work stopped"),
+        *([row("    no gauges read", f"{t.unconfirmed_without_gauges:,}",
+               "the engine's /metrics could tell: auditor doctor")]
+          if t.unconfirmed_without_gauges else []),
         row("zombie time", f"{t.zombie_seconds:,.1f} s",
             duration(t.zombie_seconds) if t.zombie_seconds >= 60 else ""),
         row("wasted tokens", tokens, tokens_note),
