@@ -190,6 +190,41 @@ def test_plain_clients_against_an_engine_that_spans_in_its_own_traces(tmp_path: 
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("scrape", [True, False], ids=["gauges", "no-gauges"])
+def test_vllms_aborts_unconfirmed_without_its_gauges_say_so_and_are_counted(tmp_path: Path, scrape: bool) -> None:
+    """vLLM's signal set (HTTP spans, its engine's span for each finished request and none for an
+    abort, its /metrics; clients that send X-Request-Id): four clients leave and the engine aborts
+    their requests. Its gauges tell the aborts; with the scrape turned off, nothing does: each is
+    unconfirmed, never guessed, says it had no gauges, and the report counts it apart (the verdicts
+    scraping would confirm)."""
+    from auditor.report import ReportQuery, build_report
+    from auditor.store import Store
+
+    truth_log = tmp_path / "truth.jsonl"
+    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S,
+                                     "engine_metrics.scrape": scrape}) as daemon, running_engine(
+            behavior="abort", otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
+            step_ms=10, extra_args=["--metrics-names", "vllm"]) as engine:
+        daemon.set_ports({engine.port})
+        time.sleep(0.3)
+        complete(engine.port, stream=True, max_tokens=8, request_id="read-whole").join()
+        for index, kind in enumerate(("fin", "rst", "fin", "rst")):
+            cancel_after(engine.port, 0.3, kind, stream=True, max_tokens=150, request_id=f"left{index}").join()
+            time.sleep(0.2)
+        truths, left, rows = settled_by_client_port(daemon, engine, requests=5, leavers=4)
+        report = build_report(Store(f"sqlite:///{tmp_path / 'auditor.db'}", check=False),
+                              ReportQuery(since_ns=time.time_ns() - 60 * 10**9, until_ns=time.time_ns()))
+    assert all(expected_verdict(truths[port]) == "aborted" for port in left), truths
+    assert not against_truth(rows, truths, left, unconfirmed_ok=True)
+    verdicts = [(rows[port].verdict, rows[port].details.get("unconfirmed_because")) for port in left]
+    if scrape:
+        assert verdicts == [("aborted", None)] * 4, verdicts
+        assert report.totals.unconfirmed_without_gauges == 0
+    else:
+        assert verdicts == [("unconfirmed", "no_gauges")] * 4, verdicts
+        assert (report.totals.unconfirmed, report.totals.unconfirmed_without_gauges) == (4, 4)
+
+
 @pytest.mark.parametrize("source", ["procfs", pytest.param("bpf", marks=pytest.mark.privileged)])
 def test_fastapis_second_server_span_leaves_completed_clients_completed(tmp_path: Path, source: str) -> None:
     """FastAPI's own telemetry over an ASGI middleware: two SERVER spans a request, the second a
