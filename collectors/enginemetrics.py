@@ -82,11 +82,7 @@ NOT_AN_ENGINE_BACKOFF_S = 30.0
 # engine loading its model listens for minutes before it answers: vLLM binds its port first) is
 # asked again this often at most, each failure doubling the wait from the scrape interval.
 NOT_YET_BACKOFF_S = 10.0
-# Such a server's connection waits this for an answer, doubled after each failure in a row up to
-# NOT_YET_MAX_TIMEOUT_S (below the scrape's timeout): the round of the port's other engines waits on
-# a loading one, and an engine slow to answer its first scrape (busy) is read after a few tries.
 NOT_YET_TIMEOUT_S = 0.2
-NOT_YET_MAX_TIMEOUT_S = 0.8
 # A port whose engine answered before and then failed a scrape (a /metrics slow past the timeout
 # under load, a restart) is tried again at the rate, then twice as long after each failure in a
 # row, up to NOT_AN_ENGINE_BACKOFF_S: thirty seconds without its gauges for one slow answer would
@@ -565,13 +561,12 @@ class EngineMetricsScraper:
         """One engine's scrape on a port several containers serve: (its load, None), or (None, why)
         where it answered as no engine does, or (None, None) where it has never answered as an
         engine and fails now (asked again after up to NOT_YET_BACKOFF_S, over a connection that
-        waits NOT_YET_TIMEOUT_S, longer after each failure: an engine still loading its model
-        accepts and never answers, and the port's other engines' round should not wait on it).
-        One that answered as an engine before and fails now raises: the round has no reading."""
+        waits NOT_YET_TIMEOUT_S: an engine still loading its model accepts and never answers, and
+        the port's other engines' round should not wait on it). One that answered as an engine
+        before and fails now raises: the round has no reading."""
         port, address = target
         if target not in self._engines_at:  # a connection opened now waits less (``_open``)
-            failed = self._not_yet.get(target, (0.0, 0))[1]
-            self._opening_timeout_s = min(NOT_YET_TIMEOUT_S * 2 ** failed, NOT_YET_MAX_TIMEOUT_S, self.timeout_s)
+            self._opening_timeout_s = min(NOT_YET_TIMEOUT_S, self.timeout_s)
         try:
             load = self._scrape_at(port, address)
         except NoPage as exc:

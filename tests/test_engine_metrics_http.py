@@ -258,31 +258,6 @@ def test_a_server_on_a_shared_port_that_has_not_answered_yet_is_left_out_until_i
         client.close()
 
 
-def test_an_engine_slow_to_answer_its_first_scrapes_on_a_shared_port_is_read_after_a_few_tries(
-        serve: Callable[..., Server]) -> None:
-    """A pod's engine answers its /metrics 0.3 s late (busy): its first scrape, waiting 0.2 s as for
-    a pod that may be loading, leaves it out; the next waits twice as long, and it is read."""
-    def late(conn: socket.socket) -> None:
-        time.sleep(0.3)
-        with contextlib.suppress(OSError):  # the first: its scrape gave up waiting
-            conn.sendall(content_length())
-
-    engine = serve([content_length()] * 4)
-    serve([late, late], host="127.0.0.2", port=engine.port)
-    client = EngineMetricsScraper(lambda: [], lambda loads: None, timeout_s=1.0, filtered=False, interval_s=0.05,
-                                  addresses_of=lambda port: ("127.0.0.1", "127.0.0.2"),
-                                  sends_spans=lambda port, address, since: False)
-    try:
-        [load] = client.scrape_all([engine.port])
-        assert client.left_out == {engine.port: {"127.0.0.2"}}
-        time.sleep(0.4)  # past the wait before it is asked again (and the slow server's first answer)
-        [load] = client.scrape_all([engine.port])
-        assert client.left_out == {engine.port: frozenset()}
-        assert load.running_by_address == (("127.0.0.1", 2), ("127.0.0.2", 2))
-    finally:
-        client.close()
-
-
 def test_each_ports_scrapes_are_counted_by_outcome(serve: Callable[..., Server]) -> None:
     # What /metrics shows of them (auditor_engine_scrapes_total): a port never read has no gauges.
     engine = serve([content_length()] * 2)
