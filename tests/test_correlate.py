@@ -439,6 +439,31 @@ def test_http_spans_only_orphan_in_the_gauges_is_a_zombie_to_a_scrape(store: Sto
     assert row.details["work_end_resolution_s"] == 0.25
 
 
+@pytest.mark.parametrize(("held_until", "want"), [(1.05, "unconfirmed"), (1.6, "zombie"), (None, "unconfirmed")])
+def test_http_spans_only_an_end_between_scrapes_further_apart_than_the_grace(
+        store: Store, held_until: float | None, want: str) -> None:
+    """The scrape loop stalled (a slow /metrics, a loaded host): after the scrape at 1.05 s (or
+    1.6 s), the next came a second later and showed the request gone. Held at 1.05 s, 0.05 s
+    after its client left, its work may have stopped then or run on past the 0.5 s grace: the
+    midpoint would call it a zombie of 0.575 s. Held at 1.6 s it ran past the grace: a zombie.
+    Last seen at 0.9 s (its client still there), the next scrape 0.95 s after the leaving: an
+    abort or a zombie alike."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span("z", 0, 1.02)])  # the handler heard of it 20 ms on: no race
+    store.insert_conn_events([close(1.0)])
+    last = held_until if held_until is not None else 0.9
+    correlator.add_engine_load([load(0.25 * i, 1) for i in range(1, 4)]
+                               + [load(last, 1), load(last + 1.05, 0),
+                                  *[load(last + 1.05 + 0.25 * i, 0) for i in range(1, 8)]])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == want, row.details
+    if want == "unconfirmed":
+        assert row.details["unconfirmed_because"] == "gauges_cannot_tell" and row.details["scrapes_apart_s"] > 0.5
+
+
 @pytest.mark.parametrize("span_end", [1.05, 1.001], ids=["handler-heard-later", "span-ended-as-it-closed"])
 def test_http_spans_only_a_close_no_scrape_followed_yet_waits_for_the_next_scrape(store: Store,
                                                                                   span_end: float) -> None:

@@ -250,7 +250,7 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
         waits_from = max(end, by_metrics.unsure_until_ns or 0)
         if reads is not None:
             request.reads_until_ns, request.settles_at_ns = reads + CLOCK_ERROR_NS, waits_from + corr.late_ns
-        return end, now - waits_from < corr.late_ns, True
+        return end, now - waits_from < corr.late_ns, not _straddles_the_grace(corr, by_metrics, disconnect, details)
     # Nothing says whether the work stopped: an engine span may yet arrive (vLLM emits none for
     # an abort, so its absence proves nothing); until then, and after, the verdict is unconfirmed.
     if not corr.loads.watched(request.origin().tuple4[2]):  # no scrapes to come that could change it
@@ -320,6 +320,27 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
     if ended is not None and racing:
         ended = replace(ended, held_one_more=True)
     return None if ended is None else (ended, port, disconnect, max(disconnect, hop.end_ns))
+
+
+def _straddles_the_grace(corr: Correlator, by_metrics: ev.MetricsEnd, disconnect_ns: int,
+                         details: dict[str, Any]) -> bool:
+    """Whether the scrapes the gauges' end lies between are further apart than the grace, one
+    within it and one past it: the work may have stopped at once or run on past the grace, and
+    the midpoint the end is put at would decide it either way. Scrapes come every quarter second,
+    so only a stall of the scrape loop (a slow /metrics, a loaded host, a round waiting on a pod
+    that does not answer) parts them so far: a reading that caught an aborted request's last
+    moment, followed by none for a second, put its end half a second past the close (a zombie)."""
+    if by_metrics.gone_by_ns is None or by_metrics.work_end_ns is None:
+        return False
+    grace_ns = int(corr.grace_seconds * 1e9)
+    # Where no scrape counted it after its client left, its end is taken at the leaving, or at
+    # the server's read of it where that came later (the lag counts from there).
+    since = disconnect_ns if by_metrics.held_at_ns is not None else by_metrics.work_end_ns
+    held = by_metrics.held_at_ns if by_metrics.held_at_ns is not None else since
+    if by_metrics.gone_by_ns - held > grace_ns and held - since <= grace_ns < by_metrics.gone_by_ns - since:
+        details["scrapes_apart_s"] = round((by_metrics.gone_by_ns - held) / 1e9, 3)
+        return True
+    return False
 
 
 def _unconfirmed_because(corr: Correlator, subtree: list[SpanRecord], details: dict[str, Any]) -> str:

@@ -103,6 +103,10 @@ class MetricsEnd:
     # last scrape that counted it: leavers after it whose own rise is untold (``EngineLoads.racing``)
     # may own the orphans it was given since. None: the end is as exact as ``resolution_s`` says.
     earliest_ns: int | None = None
+    # The scrapes the end lies between: the last that counted it running after its client left
+    # (None: none did, the end is taken at the leaving), and the first that showed it gone.
+    held_at_ns: int | None = None
+    gone_by_ns: int | None = None
 
 
 # Evidence this long after a scrape may still change what the sweep read there: the connected count
@@ -639,9 +643,10 @@ class EngineLoads:
             read_until = max(load.ts_ns, answered)
             if last_orphaned is None:
                 return MetricsEnd(max(started_ns, disconnect_ns), (load.ts_ns - started_ns) / 1e9, 0, read_until,
-                                  unsure_until_ns=unsure or None)
+                                  unsure_until_ns=unsure or None, gone_by_ns=load.ts_ns)
             return MetricsEnd((last_orphaned + load.ts_ns) // 2, (load.ts_ns - last_orphaned) / 1e9, count,
-                              read_until, unsure_until_ns=unsure or None, earliest_ns=earliest())
+                              read_until, unsure_until_ns=unsure or None, earliest_ns=earliest(),
+                              held_at_ns=last_orphaned, gone_by_ns=load.ts_ns)
         if last_orphaned is None:
             return MetricsEnd(None, 0.0, 0, awaiting=True) if unsure else None
         return MetricsEnd(None, 0.0, count, earliest_ns=earliest())
