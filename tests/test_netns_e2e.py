@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -531,7 +531,7 @@ def test_a_server_on_the_engines_port_that_is_no_engine_is_left_out_of_its_gauge
             tally, problems = completed_and_cancelled(daemon, engine, ENGINE_ADDR, completed=2)
         rows = verdict_rows(daemon)
         assert idle.fileno() >= 0
-        shown_on_metrics = metrics(daemon.status.metrics_port)
+        shown_on_metrics = metrics(daemon.status.metrics_port or 0)
     cancels, completed = {"aborts": (4, 2), "zombies": (4, 2), "queued": (3, 1)}[case]
     # What an operator sees of it: the port's gauges read, one server left out of them.
     assert f'auditor_engine_servers_left_out{{port="{engine.port}"}} 1.0' in shown_on_metrics
@@ -591,6 +591,21 @@ def test_a_pod_whose_engine_restarted_and_loads_is_left_out_of_the_ports_gauges(
         (row.verdict, row.details.get("evidence")) for row in rows]
 
 
+def engines_in_pods(stack: contextlib.ExitStack, tmp_path: Path, pods: Iterable[tuple[str, str, str, list[str]]],
+                    *, behavior: str = "detached", max_batch: int = 4) -> dict[str, Any]:
+    """An engine in each pod's network namespace, all serving one port (the first's, picked by the
+    kernel): ``pods`` are (namespace, address, the OTLP endpoint its spans go to, arguments of its
+    own); address -> engine, each with a truth log of its own. None puts process.pid on its spans
+    (the OTel SDK's default leaves it out)."""
+    engines: dict[str, Any] = {}
+    for name, address, otlp, args in pods:
+        engines[address] = stack.enter_context(running_engine(
+            port=next(iter(engines.values())).port if engines else 0, behavior=behavior, otlp=otlp,
+            truth_log=tmp_path / f"truth-{address}.jsonl", step_ms=10, max_batch=max_batch, host=address,
+            netns=name, extra_args=["--no-process-pid", *args]))
+    return engines
+
+
 def _answers(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1):
@@ -618,14 +633,11 @@ def test_two_containers_serving_one_port_judged_and_costed_each_by_its_own_engin
                                                      second_host, second_engine))
         daemon = stack.enter_context(running_daemon(tmp_path, **{
             "probe.source": source, "probe.poll_hz": 20.0, "otlp.http": "0.0.0.0:0", "otlp.grpc": "0.0.0.0:0"}))
-        engines = {}
         # One sends over OTLP/HTTP, the other over gRPC: each receiver keeps where spans came from.
-        for name, otlp, address in ((namespace, f"http://{HOST_ADDR}:{daemon.status.http_port}", ENGINE_ADDR),
-                                    (other, f"grpc://{second_host}:{daemon.status.grpc_port}", second_engine)):
-            engines[address] = stack.enter_context(running_engine(
-                port=engines[ENGINE_ADDR].port if engines else 0, behavior=behavior.removesuffix("-vllm-like"),
-                otlp=otlp, truth_log=tmp_path / f"truth-{address}.jsonl", step_ms=10,
-                max_batch=4, host=address, netns=name, extra_args=["--no-process-pid"]))
+        engines = engines_in_pods(stack, tmp_path, [
+            (namespace, ENGINE_ADDR, f"http://{HOST_ADDR}:{daemon.status.http_port}", []),
+            (other, second_engine, f"grpc://{second_host}:{daemon.status.grpc_port}", [])],
+            behavior=behavior.removesuffix("-vllm-like"))
         port = engines[ENGINE_ADDR].port
         daemon.set_ports({port})
         cost = daemon.correlator.cost
@@ -785,12 +797,9 @@ def test_the_unit_user_costs_each_containers_zombies_to_the_engine_the_probe_saw
         stack.callback(shutil.rmtree, state, ignore_errors=True)
         other = stack.enter_context(joined_namespace(f"{namespace}c", f"aud{os.getpid() % 100000}c",
                                                      second_host, second_engine))
-        engines = {}
-        for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host)):
-            engines[address] = stack.enter_context(running_engine(
-                port=engines[ENGINE_ADDR].port if engines else 0, behavior="detached",
-                otlp=f"http://{exporter}:{http_port}", truth_log=tmp_path / f"truth-{address}.jsonl",
-                step_ms=10, max_batch=4, host=address, netns=name, extra_args=["--no-process-pid"]))
+        engines = engines_in_pods(stack, tmp_path, [
+            (name, address, f"http://{exporter}:{http_port}", [])
+            for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host))])
         port = engines[ENGINE_ADDR].port
         caps = unit_capabilities()
         log = state / "daemon.log"
@@ -851,12 +860,10 @@ def test_two_containers_serving_one_port_judge_requests_left_waiting_in_their_qu
                                                      second_host, second_engine))
         daemon = stack.enter_context(running_daemon(tmp_path, **{
             "probe.source": source, "probe.poll_hz": 20.0, "otlp.http": "0.0.0.0:0"}))
-        engines = {}
-        for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host)):
-            engines[address] = stack.enter_context(running_engine(
-                port=engines[ENGINE_ADDR].port if engines else 0, behavior=behavior.removesuffix("-vllm-like"),
-                otlp=f"http://{exporter}:{daemon.status.http_port}", truth_log=tmp_path / f"truth-{address}.jsonl",
-                step_ms=10, max_batch=1, host=address, netns=name, extra_args=["--no-process-pid"]))
+        engines = engines_in_pods(stack, tmp_path, [
+            (name, address, f"http://{exporter}:{daemon.status.http_port}", [])
+            for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host))],
+            behavior=behavior.removesuffix("-vllm-like"), max_batch=1)
         port = engines[ENGINE_ADDR].port
         daemon.set_ports({port})
         assert wait_for(lambda: port in daemon._parts["engine_metrics"]._answered, timeout_s=15)
@@ -916,13 +923,10 @@ def test_a_gateways_two_connections_on_one_client_port_are_two_clients_not_an_or
         daemon = stack.enter_context(running_daemon(tmp_path, **{
             "probe.source": "bpf", "probe.poll_hz": 20.0, "otlp.http": "0.0.0.0:0",
             "engine_metrics.interval_seconds": 0.1}))
-        engines = {}
-        for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host)):
-            engines[address] = stack.enter_context(running_engine(
-                port=engines[ENGINE_ADDR].port if engines else 0, behavior="detached",
-                otlp=f"http://{exporter}:{daemon.status.http_port}", truth_log=tmp_path / f"truth-{address}.jsonl",
-                step_ms=10, max_batch=4, host=address, netns=name,
-                extra_args=["--no-process-pid", "--engine-span", "none", "--metrics-names", "vllm"]))
+        engines = engines_in_pods(stack, tmp_path, [
+            (name, address, f"http://{exporter}:{daemon.status.http_port}",
+             ["--engine-span", "none", "--metrics-names", "vllm"])
+            for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host))])
         port = engines[ENGINE_ADDR].port
         daemon.set_ports({port})
         time.sleep(0.5)
@@ -984,12 +988,9 @@ def test_a_client_on_the_scrapes_address_and_port_to_another_pod_is_watched(
         _ip("-n", other, "route", "add", "default", "via", second_host)  # it answers the first pod's host address
         daemon = stack.enter_context(running_daemon(tmp_path, **{
             "probe.source": source, "probe.poll_hz": 20.0, "otlp.http": "0.0.0.0:0"}))
-        engines = {}
-        for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host)):
-            engines[address] = stack.enter_context(running_engine(
-                port=engines[ENGINE_ADDR].port if engines else 0, behavior="detached",
-                otlp=f"http://{exporter}:{daemon.status.http_port}", truth_log=tmp_path / f"truth-{address}.jsonl",
-                step_ms=10, max_batch=4, host=address, netns=name, extra_args=["--no-process-pid"]))
+        engines = engines_in_pods(stack, tmp_path, [
+            (name, address, f"http://{exporter}:{daemon.status.http_port}", [])
+            for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host))])
         port = engines[ENGINE_ADDR].port
         daemon.set_ports({port})
         scraper = daemon._parts["engine_metrics"]
@@ -1037,15 +1038,12 @@ def test_one_client_port_to_two_pods_joins_each_close_to_its_own_pods_request(
         daemon = stack.enter_context(running_daemon(tmp_path, **{
             "probe.source": source, "probe.poll_hz": 20.0, "otlp.http": "0.0.0.0:0",
             "live.listen": "0.0.0.0:0" if live else ""}))
-        engines = {}
-        for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host)):
-            notices = ["--live", f"{exporter}:{daemon.status.live_port}"] if live else []
-            gauges = ["--engine-span", "none", "--metrics-names", "vllm"] if signals == "gauges-only" else []
-            engines[address] = stack.enter_context(running_engine(
-                port=engines[ENGINE_ADDR].port if engines else 0,
-                behavior="abort" if signals == "vllm-like" else "detached",
-                otlp=f"http://{exporter}:{daemon.status.http_port}", truth_log=tmp_path / f"truth-{address}.jsonl",
-                step_ms=10, max_batch=4, host=address, netns=name, extra_args=["--no-process-pid", *notices, *gauges]))
+        gauges = ["--engine-span", "none", "--metrics-names", "vllm"] if signals == "gauges-only" else []
+        engines = engines_in_pods(stack, tmp_path, [
+            (name, address, f"http://{exporter}:{daemon.status.http_port}",
+             [*(["--live", f"{exporter}:{daemon.status.live_port}"] if live else []), *gauges])
+            for name, address, exporter in ((namespace, ENGINE_ADDR, HOST_ADDR), (other, second_engine, second_host))],
+            behavior="abort" if signals == "vllm-like" else "detached")
         port = engines[ENGINE_ADDR].port
         daemon.set_ports({port})
         if source == "procfs":
