@@ -344,7 +344,7 @@ def _straddles_the_grace(corr: Correlator, by_metrics: ev.MetricsEnd, disconnect
 
 
 def _unconfirmed_because(corr: Correlator, subtree: list[SpanRecord], details: dict[str, Any]) -> str:
-    """Why nothing tells whether an unconfirmed request's work stopped (``UNCONFIRMED_BECAUSE``):
+    """Why nothing tells whether an unconfirmed request's work stopped (``ev.RACED_ITS_ANSWER``, ...):
     its client closed as its answer ended (a client that read it all and a server that stopped at
     once on the close look the same, and the gauges never saw it held after); its engine's gauges
     were read but cannot tell (scrapes that stopped, a leaving no listing could tell, other

@@ -48,7 +48,6 @@ HTTP_ONLY = "http_only"
 RACED_ITS_ANSWER = "raced_its_answer"
 GAUGES_CANNOT_TELL = "gauges_cannot_tell"
 NO_GAUGES = "no_gauges"
-UNCONFIRMED_BECAUSE = (RACED_ITS_ANSWER, GAUGES_CANNOT_TELL, NO_GAUGES)
 # 4xx answers a server gives before any work (bad request, not found, too long, rate limited),
 # less those that tell of the client's leaving or waiting: 408 (it was too slow), 499 (it left).
 NOT_REFUSALS = frozenset({408, 499})
