@@ -276,6 +276,9 @@ class EngineLoad:
     model: str | None = None
     style: str = ""  # whose metric names matched: vllm, sglang, tgi, llamacpp, ref
     aborted: float | None = None  # the engine's cumulative count of aborted requests; None: it has none
+    # The engine's cumulative count of requests it finished normally (vLLM's ``request_success``
+    # but its "abort" series); None: it has none
+    finished: float | None = None
     # When the answer came: the gauges describe one moment in [ts_ns, answered_ns], so a request
     # that started or ended in between may or may not be in them. None: an instant.
     answered_ns: int | None = None

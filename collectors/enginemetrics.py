@@ -64,6 +64,16 @@ ABORT_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {
     "ref": ("ref_engine_requests", "finish_reason", "abort"),
 }
 ABORTS_LISTED_ONCE_COUNTED = frozenset({"tgi"})  # no series on the page: none aborted yet
+# Each engine's own count of the requests it finished normally: (counter without ``_total``, label,
+# the label's value to leave out). vLLM counts a request by its finish reason (stop, length, ...)
+# as it hands the request's last token to the server; its "abort" series is left out. No rise over
+# a request's whole life, on an engine seen to count, says it did not finish normally
+# (``EngineLoads.no_finish_while``): where its client closed as its span ended, it was no complete
+# answer.
+FINISH_COUNTERS: dict[str, tuple[str, str, str]] = {
+    "vllm": ("vllm:request_success", "finished_reason", "abort"),
+    "ref": ("ref_engine_requests", "finish_reason", "abort"),
+}
 MODEL_LABEL = "model_name"  # the served model, on vLLM's and SGLang's gauges
 MAX_MODEL_CHARS = 255
 # The series an engine moves at every step it publishes its gauges with: their sum is
@@ -105,15 +115,19 @@ MAX_PAGE_BYTES = 4 * 1024 * 1024
 MAX_HEAD_BYTES = 64 * 1024
 
 
-_WANTED = tuple(name for entry in KNOWN_METRICS for name in entry[1:]) + tuple(
+_WANTED = tuple(dict.fromkeys(tuple(name for entry in KNOWN_METRICS for name in entry[1:]) + tuple(
     counter for counter, _, _ in ABORT_COUNTERS.values()) + tuple(
-    name for names in STEP_SERIES.values() for name in names)
+    counter for counter, _, _ in FINISH_COUNTERS.values()) + tuple(
+    name for names in STEP_SERIES.values() for name in names)))
 _ABORT_NAMES = {counter: (label, value) for counter, label, value in ABORT_COUNTERS.values()}
+_FINISH_NAMES = {counter: (label, value) for counter, label, value in FINISH_COUNTERS.values()}
+_FINISHED = "finished:"  # the key of a finish counter's sum in ``_values`` (its name may be an abort counter's)
 # The sample names to ask a prometheus_client server for (``name[]``): counters as ``_total``.
 _SAMPLE_NAMES = tuple(dict.fromkeys(
     name for style, running, waiting, tokens in KNOWN_METRICS
     for name in (running, waiting, f"{tokens}_total")
     + ((f"{ABORT_COUNTERS[style][0]}_total",) if style in ABORT_COUNTERS else ())
+    + ((f"{FINISH_COUNTERS[style][0]}_total",) if style in FINISH_COUNTERS else ())
     + tuple(name if name in _STEP_GAUGES else f"{name}_total" for name in STEP_SERIES.get(style, ()))))
 
 
@@ -184,10 +198,12 @@ def parse_load(text: str, *, ts_ns: int, server_port: int) -> EngineLoad | None:
     aborted = values.get(abort_counter[0], 0.0 if style in ABORTS_LISTED_ONCE_COUNTED else None) \
         if abort_counter else None
     steps = [values[name] for name in STEP_SERIES.get(style, ()) if name in values]
+    finish_counter = FINISH_COUNTERS.get(style)
     return EngineLoad(ts_ns=ts_ns, server_port=server_port, running=int(values[running]),
                       waiting=int(values.get(waiting, 0.0)), generated_tokens=values.get(tokens),
                       style=style, aborted=aborted, step_tokens=sum(steps) if steps else None,
-                      model=_served_model(text, running))
+                      model=_served_model(text, running),
+                      finished=values.get(_FINISHED + finish_counter[0]) if finish_counter else None)
 
 
 def _served_model(text: str, running: str) -> str | None:
@@ -210,21 +226,30 @@ def _engine_values(text: str) -> tuple[str, dict[str, float]] | None:
     for style, running, waiting, tokens in KNOWN_METRICS:
         if running not in text:  # no series of this engine's (a scan that stops at the first)
             continue
-        abort_counter = ABORT_COUNTERS.get(style)
-        values = _values(text, (running, waiting, tokens) + ((abort_counter[0],) if abort_counter else ())
-                         + STEP_SERIES.get(style, ()))
+        counters = dict.fromkeys(counter[0] for counter in (ABORT_COUNTERS.get(style), FINISH_COUNTERS.get(style))
+                                 if counter)
+        values = _values(text, (running, waiting, tokens, *counters, *STEP_SERIES.get(style, ())))
         if running in values:  # else the name was only in a comment, a label, or another series' name
             return style, values
     return None
 
 
 def _values(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """The sum of each named gauge's or counter's series (an abort counter's matching ones)."""
+    """The sum of each named gauge's or counter's series (an abort counter's matching ones; a
+    finish counter's others, under ``_FINISHED`` and its name)."""
     values: dict[str, float] = {}
     for sample_name, labels, value in known_series(text, names):
         if sample_name.endswith(("_created", "_bucket", "_count", "_sum")) and sample_name not in names:
             continue
         name = sample_name.removesuffix("_total")
+        if name in _FINISH_NAMES:
+            label, left_out = _FINISH_NAMES[name]
+            if labels.get(label) != left_out:
+                values[_FINISHED + name] = values.get(_FINISHED + name, 0.0) + value
+            else:
+                values.setdefault(_FINISHED + name, 0.0)  # the engine counts finishes, none yet
+            if name not in _ABORT_NAMES:
+                continue
         if name in _ABORT_NAMES:
             label, wanted = _ABORT_NAMES[name]
             values.setdefault(name, 0.0)  # the engine counts aborts, none of them yet
@@ -260,6 +285,7 @@ def summed(loads: list[EngineLoad], addresses: tuple[str, ...]) -> EngineLoad:
                       step_tokens=total([load.step_tokens for load in loads]),
                       model=models.pop() if len(models) == 1 else None, style=first.style,
                       aborted=total([load.aborted for load in loads]),
+                      finished=total([load.finished for load in loads]),
                       answered_ns=max(load.answered_ns or load.ts_ns for load in loads),
                       running_by_address=tuple((address, load.running) for address, load in zip(addresses, loads,
                                                                                                  strict=True)))

@@ -3,6 +3,8 @@ that a cancelled request's work stopped only when they rose by as many as the re
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from auditor.correlate import Correlator
@@ -75,7 +77,7 @@ def test_a_close_racing_the_span_end_is_aborted_only_when_the_engine_counted_the
     clock.now = T0 + 9 * S
     correlator.tick()
     [row] = verdicts(store)
-    assert row.verdict == verdict, row.details
+    assert row.verdict == verdict, str(row.details)
     assert row.details.get("aborts_counted", False) is (verdict == "aborted")
     if verdict == "aborted":
         assert row.details["evidence"] == "engine_metrics"
@@ -115,3 +117,96 @@ def test_a_late_abort_of_an_earlier_departure_is_not_taken_for_a_completed_reque
     correlator.tick()
     rows = {r.client_port: r for r in verdicts(store)}
     assert rows[done[1]].verdict != "aborted", rows[done[1]].details
+
+
+# -- vLLM's count of normal finishes: no abort counted, but a completed request counted ---------
+@pytest.mark.parametrize(("page", "finished"), [
+    (VLLM, 9.0),  # stop and length, not abort
+    (VLLM.replace("} 7.0", "} 0.0").replace("} 2.0", "} 0.0"), 0.0),
+    (SGLANG, None), (LLAMACPP, None), (TGI, None)])
+def test_the_count_of_normal_finishes_is_read_under_vllms_names(page: str, finished: float | None) -> None:
+    parsed = parse_load(page, ts_ns=1, server_port=8000)
+    assert parsed is not None and parsed.finished == finished
+
+
+def counted(at: float, finished: float | None) -> EngineLoad:
+    """A scrape of vLLM's page: running the one request of ``raced_alone`` while it is in flight."""
+    return EngineLoad(ts_ns=T0 + int(at * S), server_port=SERVER_PORT, running=int(0.2 < at < 1.0), style="vllm",
+                      aborted=0.0, finished=finished)
+
+
+def raced_alone(store: Store, route: str = "/v1/completions", kind: ConnEventKind = ConnEventKind.PEER_FIN,
+                status: int = 200) -> None:
+    """One request from 0.2 s to 1.0005 s, its client closing at 1.0 (a FIN or a reset): the close
+    raced its span's end, and the gauges never held it after (vLLM's abort counter stays flat)."""
+    store.insert_spans([replace(http_span("1", 0.2, 1.0005, span="1"), route=route, http_status=status)])
+    store.insert_conn_events([close(1.0, kind)])
+
+
+@pytest.mark.parametrize("kind", [ConnEventKind.PEER_FIN, ConnEventKind.PEER_RST])
+@pytest.mark.parametrize(("counts", "route", "verdict"), [
+    # An earlier request finished (7 -> 8), then nothing while this one ran: no complete answer.
+    ([7, 8, 8, 8, 8, 8, 8], "/v1/completions", "aborted"),
+    ([7, 8, 8, 8, 9, 9, 9], "/v1/completions", "unconfirmed"),  # a finish while it ran: maybe its own
+    ([8, 8, 8, 8, 8, 8, 9], "/v1/completions", "aborted"),  # one after the scrape that says: another's
+    ([8, 8, 8, 8, 8, 8, 8], "/v1/completions", "unconfirmed"),  # never seen to count: may not count
+    ([7, 8, 8, 8, 8, 8, 8], "/health", "unconfirmed"),  # a request the count never counts
+    ([7, 8, None, 8, 8, 8, 8], "/v1/completions", "unconfirmed")])  # a scrape without the count
+def test_a_close_racing_the_span_end_is_aborted_where_no_finish_was_counted_while_it_ran(
+        store: Store, kind: ConnEventKind, counts: list[float | None], route: str, verdict: str) -> None:
+    clock = Clock()
+    correlator = make(store, clock)
+    raced_alone(store, route, kind)
+    correlator.add_engine_load([counted(at, count) for at, count in zip(
+        (-0.2, 0.1, 0.3, 0.9, 1.05, 1.3, 1.5), counts, strict=True)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == verdict, str(row.details)
+    assert row.details.get("no_finish_counted", False) is (verdict == "aborted")
+    if verdict == "unconfirmed":
+        assert row.details["unconfirmed_because"] == "raced_its_answer"
+
+
+def test_a_racing_close_waits_for_the_scrape_after_its_answer_to_read_the_finish_count(store: Store) -> None:
+    """The count is read up to the first scrape a quarter second after the span ended (vLLM counts
+    a finish as it hands the last token over, a few milliseconds after the server may have sent
+    it): until that scrape, no verdict; with it, the count that stood still says aborted."""
+    clock = Clock()
+    correlator = make(store, clock)
+    raced_alone(store)
+    correlator.add_engine_load([counted(at, count) for at, count in ((-0.2, 7), (0.1, 8), (0.9, 8), (1.05, 8), (1.2, 8))])
+    clock.now = T0 + int(1.6 * S)
+    correlator.tick()
+    assert verdicts(store) == []
+    correlator.add_engine_load([counted(1.3, 8)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert (row.verdict, row.details.get("no_finish_counted")) == ("aborted", True), row.details
+
+
+def test_a_racing_close_whose_engine_stopped_answering_is_unconfirmed(store: Store) -> None:
+    """No scrape a quarter second after the span ended ever comes (the engine went away): once the
+    window for its answer is past, nothing says, and the verdict is what it was without the count."""
+    clock = Clock()
+    correlator = make(store, clock)
+    raced_alone(store)
+    correlator.add_engine_load([counted(at, count) for at, count in ((-0.2, 7), (0.1, 8), (0.9, 8), (1.05, 8), (1.2, 8))])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert (row.verdict, row.details.get("unconfirmed_because")) == ("unconfirmed", "raced_its_answer"), str(row.details)
+
+
+def test_a_racing_close_of_a_server_error_is_not_read_by_the_finish_count(store: Store) -> None:
+    """A 500 is never counted as a finish, nor is it an abort: the count standing still says nothing."""
+    clock = Clock()
+    correlator = make(store, clock)
+    raced_alone(store, status=500)
+    correlator.add_engine_load([counted(at, count) for at, count in zip(
+        (-0.2, 0.1, 0.3, 0.9, 1.05, 1.3, 1.5), (7, 8, 8, 8, 8, 8, 8), strict=True)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert (row.verdict, row.details.get("no_finish_counted")) == ("unconfirmed", None), str(row.details)

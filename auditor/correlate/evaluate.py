@@ -91,12 +91,14 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     if known and completed is None and racing and origin_span is not None \
             and (origin_span.end_ns - origin.ts_ns <= CLOCK_ERROR_NS or details.get("leaving_untold")
                  or origin.kind == "fin") \
-            and details.get("orphaned_scrapes") == 0 and not details.get("aborts_counted"):
+            and details.get("orphaned_scrapes") == 0 and not details.get("aborts_counted") \
+            and not details.get("no_finish_counted"):
         # The span ended as the client closed, and the gauges never saw the request held after:
         # a client closing after the last byte and a server reacting at once look the same. Nor
         # can one whose leaving the scrapes could not tell (a host too busy for a whole listing).
         # A FIN is how a client that read the whole response closes: a server that ends the span a
         # few milliseconds after it (a loaded host's event loop) may have been done before it.
+        # Unless the engine counted its aborts, or counted no normal finish while it ran.
         known, details["close_races_span_end"] = False, True
     if known and completed is None and untold_done:
         known, details["engine_done_as_client_left"] = False, True
@@ -223,6 +225,8 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
             details["held_one_more"] = by_metrics.held_one_more
         if by_metrics.leaving_untold:
             details["leaving_untold"] = True
+        if by_metrics.no_finish_counted:
+            details["no_finish_counted"] = True
         if by_metrics.orphaned_scrapes == 0 and corr.loads.aborts_cover(
                 port, disconnect, answered, _connected_on(corr, port)):
             details["aborts_counted"] = True
@@ -303,8 +307,19 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
             if held is None:  # no scrape after it that says yet: nothing is said of it
                 return ev.MetricsEnd(None, 0.0, 0, awaiting=True), port, disconnect, max(disconnect, hop.end_ns)
             (first, second), answered = held[1] or (disconnect, disconnect), max(disconnect, hop.end_ns)
-            return ev.MetricsEnd(max(disconnect, hop.start_ns), (second - first) / 1e9, 0, second,
-                                 held_one_more=held[0], leaving_untold=held[0] is None), port, disconnect, answered
+            unfinished, read_until = False, second
+            if held[0] is False and hop.route in ev.COUNTED_ROUTES and (hop.http_status or 0) < 500:
+                # It held no more once it left: a complete answer or an abort at once. The engine's
+                # count of normal finishes tells which, where it stood still over the request's life
+                # (a server error is neither, and is never counted).
+                counted = corr.loads.no_finish_while(port, hop.start_ns, hop.end_ns)
+                if counted is None and now - until <= ev.HELD_ONE_MORE_WINDOW_NS:
+                    return ev.MetricsEnd(None, 0.0, 0, awaiting=True), port, disconnect, answered
+                if counted is not None and counted[0]:
+                    unfinished, read_until = True, max(second, counted[1])
+            return ev.MetricsEnd(max(disconnect, hop.start_ns), (second - first) / 1e9, 0, read_until,
+                                 held_one_more=held[0], leaving_untold=held[0] is None,
+                                 no_finish_counted=unfinished), port, disconnect, answered
     corr.loads.register(port, request.key, disconnect, connected_until_ns=until)
     if request.scrape_sweep is None and now - disconnect > ev.SWEEP_AFTER_NS:  # a long sweep: checkpoints
         request.scrape_sweep = ev.ScrapeSweep()

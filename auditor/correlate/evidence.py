@@ -106,6 +106,20 @@ class MetricsEnd:
     # (None: none did, the end is taken at the leaving), and the first that showed it gone.
     held_at_ns: int | None = None
     gone_by_ns: int | None = None
+    # Asked where it held no more (a client that may have closed after the last byte): the engine's
+    # finish counter stood still over its whole life (``EngineLoads.no_finish_while``), so it was
+    # no complete answer, and its work stopped as its client left.
+    no_finish_counted: bool = False
+
+
+# The routes whose requests an engine's finish counter counts (vLLM's generating endpoints): a
+# request to another (a health check, the model list) never moves it, so its standing still says
+# nothing of such a request's answer (``EngineLoads.no_finish_while``).
+COUNTED_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+# vLLM counts a finish as it hands the request's last output to the server, which may be a few
+# milliseconds after the server sent it where outputs are handed over in slices (over 128 at once):
+# the count is read up to the first scrape this long after the span's end.
+FINISH_COUNT_LAG_NS = 250_000_000
 
 
 # Evidence this long after a scrape may still change what the sweep read there: the connected count
@@ -287,6 +301,10 @@ class EngineLoads:
         self._still_since: dict[int, int] = {}  # port -> the first scrape of its latest step count
         self._log_gaps: dict[int, list[int]] = {}  # port -> its last four intervals between logs of work
         self._models: dict[int, str] = {}  # port -> the model its latest scrape that named one named
+        # Ports whose engine's finish counter (``EngineLoad.finished``) was seen to rise between two
+        # scrapes: it counts (a counter that never moves, an engine's statistics turned off, says
+        # nothing by standing still).
+        self._counts_finishes: set[int] = set()
 
     def _changed(self, ts_ns: int) -> None:
         if self.changed_ns is None or ts_ns < self.changed_ns:
@@ -326,6 +344,9 @@ class EngineLoads:
             if series and load.ts_ns < series[-1].ts_ns:
                 bisect.insort(series, load, key=_TS)
             else:
+                if load.finished is not None and series and series[-1].finished is not None \
+                        and load.finished > series[-1].finished:
+                    self._counts_finishes.add(load.server_port)
                 series.append(load)
                 if load.step_tokens is not None:
                     self._unstale(load.server_port, series)
@@ -919,6 +940,33 @@ class EngineLoads:
             return None
         last = series[after + 1]
         return max(last.ts_ns, last.answered_ns or last.ts_ns)
+
+    def no_finish_while(self, port: int, start_ns: int, end_ns: int) -> tuple[bool, int] | None:
+        """Whether the engine's finish counter stood still over a request's whole life: from a
+        scrape answered before its server span began (``start_ns``) to the first read
+        FINISH_COUNT_LAG_NS after it ended (``end_ns``), every scrape between reading the same
+        count, on a port whose engine has been seen to count. An engine counts a request it
+        finished normally as it hands its last token over, so a request that completed would have
+        moved it; one whose client closed as its span ended was then no complete answer. With the
+        answer, when the last scrape it read was answered (the verdict waits for it); None while
+        that scrape has not come. A count that moved (another request finished, or this one), or
+        nothing to compare: (False, 0)."""
+        if port not in self._counts_finishes:
+            return False, 0
+        series = self._loads.get(port, [])
+        before = bisect.bisect_left(series, start_ns - CLOCK_ERROR_NS, key=_TS) - 1
+        while before >= 0 and (series[before].answered_ns or series[before].ts_ns) >= start_ns - CLOCK_ERROR_NS:
+            before -= 1  # its count was read as the request began: the one before
+        after = bisect.bisect_right(series, end_ns + FINISH_COUNT_LAG_NS, key=_TS)
+        if before < 0:
+            return False, 0
+        if after >= len(series):
+            return None
+        counts = {load.finished for load in series[before:after + 1]}
+        if len(counts) != 1 or None in counts:
+            return False, 0
+        last = series[after]
+        return True, last.answered_ns or last.ts_ns
 
     def aborts_cover(self, port: int, disconnect_ns: int, answered_ns: int,
                      connected_at: Callable[[int, int], int]) -> bool:
