@@ -551,10 +551,10 @@ class EngineMetricsScraper:
         model for minutes): what was learnt of the one before is forgotten, and only spans that
         began once its sockets were seen count as its. Else an engine that crashed and reloads,
         having answered and sent spans before, left the port without readings for the whole load.
-        Its sockets are seen within ``addresses_of``'s refresh of its start (10 s), or up to
-        NetNamespaces' REREAD_S where the namespace's count of sockets came back to the same; a
-        server that serves requests with spans from its start, answering as no engine does, is
-        held in again by its first span begun since."""
+        Its sockets are seen within ``addresses_of``'s refresh of its start (10 s): the namespace's
+        tables are read again when its count of sockets or its processes change. A server that
+        serves requests with spans from its start, answering as no engine does, is held in again
+        by its first span begun since."""
         if self.listening is None:
             return
         for address in addresses:

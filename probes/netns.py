@@ -12,9 +12,10 @@ namespaces apart: each namespace registers its own proc entries, and every proce
 the same one. So ``NetNamespaces.refresh`` stats that file for every process (a few microseconds
 each), keeps one process per namespace, and reads the LISTEN rows of each namespace but the
 daemon's own for the watched ports: again only where the namespace's own count of TCP sockets
-(its sockstat, read without a walk) moved since, or a minute passed, for a read walks the
-kernel's whole connection hash and a host may run many containers that serve no watched port. A namespace whose process ends is read through another of its
-processes; one with none left is gone.
+(its sockstat, read without a walk) or its processes changed since, or a minute passed, for a
+read walks the kernel's whole connection hash and a host may run many containers that serve no
+watched port. A namespace whose process ends is read through another of its processes; one with
+none left is gone.
 """
 
 from __future__ import annotations
@@ -159,10 +160,10 @@ class NetNamespaces:
         self.listeners: dict[int, list[tuple[Namespace, set[int]]]] = {}
         self.tables_read = 0  # TCP tables the latest refresh read (each a walk of the connection hash)
         self._monotonic = monotonic
-        # namespace -> (its socket count, the ports asked, monotonic time, what its tables told) at
-        # its tables' latest read
-        self._read: dict[int, tuple[tuple[int, int] | None, frozenset[int], float, dict[int, set[int]],
-                                    frozenset[int]]] = {}
+        # namespace -> (its socket count, its processes, the ports asked, monotonic time, what its
+        # tables told) at its tables' latest read
+        self._read: dict[int, tuple[tuple[int, int] | None, frozenset[int], frozenset[int], float,
+                                    dict[int, set[int]], frozenset[int]]] = {}
 
     @property
     def processes_read(self) -> int:
@@ -194,7 +195,7 @@ class NetNamespaces:
         self.tables_read = 0
         found: dict[int, list[Namespace]] = {}
         for ident, pid in sorted(members.items()):
-            listened, versions = self._listeners(ident, pid, wanted, now)
+            listened, versions = self._listeners(ident, pid, frozenset(by_ident[ident]), wanted, now)
             namespace = Namespace(ident, pid, versions)
             for port, inodes in listened.items():
                 found.setdefault(port, []).append(namespace)
@@ -216,17 +217,19 @@ class NetNamespaces:
                 found.setdefault(address, set()).update(inodes)
         return found
 
-    def _listeners(self, ident: int, pid: int, wanted: frozenset[int], now: float
+    def _listeners(self, ident: int, pid: int, pids: frozenset[int], wanted: frozenset[int], now: float
                    ) -> tuple[dict[int, set[int]], frozenset[int]]:
-        """(port -> LISTEN inodes, the tables that have them) of one namespace. Its tables are read
-        again only where its own count of TCP sockets moved since (a new listener moves it), the
-        ports asked changed, or REREAD_S passed: each read walks the kernel's whole connection
-        hash, and a host may hold many containers that listen on no watched port."""
+        """(port -> LISTEN inodes, the tables that have them) of one namespace (its processes
+        ``pids``). Its tables are read again only where its own count of TCP sockets moved since (a
+        new listener moves it), its processes changed (a server restarted in a pod, its socket
+        count back where it was: its listener is another socket), the ports asked changed, or
+        REREAD_S passed: each read walks the kernel's whole connection hash, and a host may hold
+        many containers that listen on no watched port."""
         count = _socket_count(self.proc_root / str(pid) / "net")
         before = self._read.get(ident)
-        if (before is not None and count is not None and before[0] == count and before[1] == wanted
-                and now - before[2] < REREAD_S):
-            return before[3], before[4]
+        if (before is not None and count is not None and before[0] == count and before[1] == pids
+                and before[2] == wanted and now - before[3] < REREAD_S):
+            return before[4], before[5]
         listened: dict[int, set[int]] = {}
         versions: set[int] = set()
         for version, path in Namespace(ident, pid).tables(self.proc_root):
@@ -238,7 +241,7 @@ class NetNamespaces:
             for port, inodes in bound_inodes(text, wanted).items():
                 listened.setdefault(port, set()).update(inodes)
                 versions.add(version)
-        self._read[ident] = (count, wanted, now, listened, frozenset(versions))
+        self._read[ident] = (count, pids, wanted, now, listened, frozenset(versions))
         return listened, frozenset(versions)
 
 

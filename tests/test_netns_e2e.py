@@ -164,6 +164,29 @@ def test_a_namespace_that_listens_on_no_watched_port_is_read_again_once_its_sock
                 process.wait()
 
 
+def test_a_server_restarted_in_a_namespace_is_told_though_its_socket_count_holds(namespace: str) -> None:
+    """A server that ended and another that listens in its place (a container restarted in its pod)
+    leave the namespace's count of sockets where it was; its processes changed, so its tables are
+    read again at the next look and the new LISTEN socket is told. Before, the one before was told
+    for up to a minute (REREAD_S), and the scraper took the restarted engine for the one it knew."""
+    sleeper = subprocess.Popen(["ip", "netns", "exec", namespace, "sleep", "60"])  # the pod's own process
+    servers = [_listen_in(namespace, 8765)]
+    try:
+        spaces = NetNamespaces()
+        assert wait_for(lambda: 8765 in spaces.refresh({8765}), timeout_s=5)
+        before = spaces.inodes[8765]
+        servers[0].kill()
+        servers[0].wait()
+        servers.append(_listen_in(namespace, 8765))
+        found = spaces.refresh({8765})
+        assert 8765 in found and spaces.tables_read >= 1
+        assert spaces.inodes[8765] and spaces.inodes[8765].isdisjoint(before), (before, spaces.inodes)
+    finally:
+        for process in (sleeper, *servers):
+            process.kill()
+            process.wait()
+
+
 def test_an_ipv6_only_network_is_reached_at_its_global_address(namespace: str) -> None:
     """A namespace without an IPv4 address but the loopback (an IPv6-only pod network): its
     global IPv6 address; the IPv4 one where it has both."""
