@@ -3,13 +3,15 @@ that a cancelled request's work stopped only when they rose by as many as the re
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
 from auditor.correlate import Correlator
 from auditor.model import ConnEventKind, EngineLoad
-from auditor.store import Store
+from auditor.store import Store, VerdictRow
 from collectors.enginemetrics import parse_load
 from tests.test_correlate import CLIENT, SERVER_PORT, T0, Clock, close, http_span, make, verdicts
 
@@ -143,6 +145,21 @@ def raced_alone(store: Store, route: str = "/v1/completions", kind: ConnEventKin
     store.insert_conn_events([close(1.0, kind)])
 
 
+SCRAPES_AT = (-0.2, 0.1, 0.3, 0.9, 1.05, 1.3, 1.5)
+
+
+def judged_alone(store: Store, counts: Iterable[tuple[float, float | None]], **request: Any) -> VerdictRow:
+    """``raced_alone``'s request judged 9 s on, from scrapes (when, the finish count)."""
+    clock = Clock()
+    correlator = make(store, clock)
+    raced_alone(store, **request)
+    correlator.add_engine_load([counted(at, count) for at, count in counts])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    return row
+
+
 @pytest.mark.parametrize("kind", [ConnEventKind.PEER_FIN, ConnEventKind.PEER_RST])
 @pytest.mark.parametrize(("counts", "route", "verdict"), [
     # An earlier request finished (7 -> 8), then nothing while this one ran: no complete answer.
@@ -154,14 +171,7 @@ def raced_alone(store: Store, route: str = "/v1/completions", kind: ConnEventKin
     ([7, 8, None, 8, 8, 8, 8], "/v1/completions", "unconfirmed")])  # a scrape without the count
 def test_a_close_racing_the_span_end_is_aborted_where_no_finish_was_counted_while_it_ran(
         store: Store, kind: ConnEventKind, counts: list[float | None], route: str, verdict: str) -> None:
-    clock = Clock()
-    correlator = make(store, clock)
-    raced_alone(store, route, kind)
-    correlator.add_engine_load([counted(at, count) for at, count in zip(
-        (-0.2, 0.1, 0.3, 0.9, 1.05, 1.3, 1.5), counts, strict=True)])
-    clock.now = T0 + 9 * S
-    correlator.tick()
-    [row] = verdicts(store)
+    row = judged_alone(store, zip(SCRAPES_AT, counts, strict=True), route=route, kind=kind)
     assert row.verdict == verdict, str(row.details)
     assert row.details.get("no_finish_counted", False) is (verdict == "aborted")
     if verdict == "unconfirmed":
@@ -189,24 +199,11 @@ def test_a_racing_close_waits_for_the_scrape_after_its_answer_to_read_the_finish
 def test_a_racing_close_whose_engine_stopped_answering_is_unconfirmed(store: Store) -> None:
     """No scrape a quarter second after the span ended ever comes (the engine went away): once the
     window for its answer is past, nothing says, and the verdict is what it was without the count."""
-    clock = Clock()
-    correlator = make(store, clock)
-    raced_alone(store)
-    correlator.add_engine_load([counted(at, count) for at, count in ((-0.2, 7), (0.1, 8), (0.9, 8), (1.05, 8), (1.2, 8))])
-    clock.now = T0 + 9 * S
-    correlator.tick()
-    [row] = verdicts(store)
+    row = judged_alone(store, ((-0.2, 7), (0.1, 8), (0.9, 8), (1.05, 8), (1.2, 8)))
     assert (row.verdict, row.details.get("unconfirmed_because")) == ("unconfirmed", "raced_its_answer"), str(row.details)
 
 
 def test_a_racing_close_of_a_server_error_is_not_read_by_the_finish_count(store: Store) -> None:
     """A 500 is never counted as a finish, nor is it an abort: the count standing still says nothing."""
-    clock = Clock()
-    correlator = make(store, clock)
-    raced_alone(store, status=500)
-    correlator.add_engine_load([counted(at, count) for at, count in zip(
-        (-0.2, 0.1, 0.3, 0.9, 1.05, 1.3, 1.5), (7, 8, 8, 8, 8, 8, 8), strict=True)])
-    clock.now = T0 + 9 * S
-    correlator.tick()
-    [row] = verdicts(store)
+    row = judged_alone(store, zip(SCRAPES_AT, (7, 8, 8, 8, 8, 8, 8), strict=True), status=500)
     assert (row.verdict, row.details.get("no_finish_counted")) == ("unconfirmed", None), str(row.details)
