@@ -203,6 +203,22 @@ def match_to_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]]
     return matched, unmatched
 
 
+def timeline(row: VerdictRow, truth: dict[str, Any], events: Sequence[Any] = ()) -> str:
+    """One request's moments as the engine's truth log and the verdict have them, and the kernel's
+    events on its client port, in ms from the engine's arrival: what a wrong verdict read."""
+    arrived = truth["arrival_at"]
+
+    def at(ns: int | None) -> str:
+        return "-" if ns is None else f"{(ns - arrived) / 1e6:+.1f}"
+
+    told = " ".join(f"{event.kind.value}@{at(event.ts_ns)}" for event in events
+                    if event.client_port == row.client_port and event.server_port == row.server_port)
+    return (f"truth: port {truth.get('client_port')}, first token {at(truth.get('first_token_at'))}, finished "
+            f"{at(truth.get('finished_at'))} ({truth.get('finish_reason')}), left {at(truth.get('disconnect_at'))}; "
+            f"verdict: port {row.client_port}, start {at(row.request_start_ns)}, {row.disconnect_kind} "
+            f"{at(row.disconnect_at_ns)}, work end {at(row.work_end_ns)}; kernel: {told or 'none'}")
+
+
 # A scrape reads the engine's gauges a step or two from its own time, and the clocks agree within
 # the clock error: how far outside the end a verdict claims a work end may fall and still be right.
 WORK_END_SLACK_NS = 50_000_000
@@ -236,12 +252,14 @@ def work_ends_line(tally: Counter[str]) -> str:
             f"{tally['work ends that may be earlier']}, outside what the verdict claims {tally['work ends outside the claim']}")
 
 
-def tally_against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]]) -> tuple[Counter[str], list[str]]:
+def tally_against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]],
+                        events: Sequence[Any] = ()) -> tuple[Counter[str], list[str]]:
     """For plain clients on shared connections (a proxy's upstream pool, an SDK's): each verdict
     matched to its truth record (``match_to_truth``);
     the tally (completed, false findings, cancels, cancels right / unconfirmed / judged otherwise /
     without a verdict / unmatched (the engine read it after its client's reset, and the truth names
-    no client port), rows without truth) and a line for each thing the truth contradicts."""
+    no client port), rows without truth) and a line for each thing the truth contradicts, with its
+    ``timeline`` (the kernel's ``events`` among it, where given)."""
     matched, unmatched = match_to_truth(rows, truths)
     tally: Counter[str] = Counter()
     problems: list[str] = []
@@ -255,7 +273,8 @@ def tally_against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, A
             tally["completed"] += 1
             wrong = [row for row in found if row.verdict in FINDINGS]
             tally["false findings"] += bool(wrong)
-            problems += [f"port {port}: {row.verdict} for a completed request ({row.details})" for row in wrong]
+            problems += [f"port {port}: {row.verdict} for a completed request ({row.details}; "
+                         f"{timeline(row, truth, events)})" for row in wrong]
             continue
         tally["cancels"] += 1
         if not found and port is None:  # reset before the engine read it: the truth names no client port
@@ -272,5 +291,6 @@ def tally_against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, A
             tally["cancels unconfirmed"] += 1
         else:
             tally["cancels judged otherwise"] += 1
-            problems.append(f"port {port}: {found[0].verdict}, truth {want} ({found[0].details})")
+            problems.append(f"port {port}: {found[0].verdict}, truth {want} ({found[0].details}; "
+                            f"{timeline(found[0], truth, events)})")
     return tally, problems

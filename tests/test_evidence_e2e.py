@@ -34,6 +34,7 @@ from tests.e2e import (
     running_daemon,
     send_request,
     settled_by_client_port,
+    timeline,
     verdict_rows,
     wait_for,
 )
@@ -134,12 +135,14 @@ def http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool,
         assert wait_for(settled, timeout_s=30), [(r.request_id, r.verdict, r.details) for r in verdict_rows(daemon)]
         rows = {r.request_id: r for r in verdict_rows(daemon)}
         truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.truth()}
+        events = daemon.store.conn_events()
     problems = []
     for request_id, row in rows.items():
         truth = truths[request_id]
         if not truth.get("disconnect_at"):  # completed: any verdict but an abort or a zombie
             if row.verdict in ("aborted", "zombie", "inflight_zombie"):
-                problems.append(f"{request_id}: {row.verdict} for a completed request ({row.details})")
+                problems.append(f"{request_id}: {row.verdict} for a completed request ({row.details}; "
+                                f"{timeline(row, truth, events)})")
             continue
         want = expected_verdict(truth)
         if want == "aborted" and not send_spans and names not in COUNTS_ABORTS \
@@ -149,7 +152,7 @@ def http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool,
             # tell, never guess.
             want = "unconfirmed"
         if row.verdict != want:
-            problems.append(f"{request_id}: {row.verdict}, truth {want} ({row.details})")
+            problems.append(f"{request_id}: {row.verdict}, truth {want} ({row.details}; {timeline(row, truth, events)})")
         if want != "unconfirmed" and row.details.get("evidence") != "engine_metrics":
             problems.append(f"{request_id}: decided by {row.details.get('evidence')}, not the engine's gauges")
         # Where later leavers' rise is untold, the verdict says how much earlier the end may be.

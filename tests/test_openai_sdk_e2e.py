@@ -84,7 +84,7 @@ def test_requests_the_openai_sdk_gave_up_on_match_truth(tmp_path: Path, source: 
         assert wait_for(lambda: leavers_settled(verdict_rows(daemon), truths), timeout_s=40, interval_s=0.25), \
             [(r.client_port, r.verdict, r.details) for r in verdict_rows(daemon)]
         time.sleep(1.0)  # anything that would still change them
-        tally, problems = tally_against_truth(verdict_rows(daemon), truths)
+        tally, problems = tally_against_truth(verdict_rows(daemon), truths, daemon.store.conn_events())
     assert tally["completed"] == completed and tally["cancels"] == given_up, (tally, truths)
     assert not problems, (tally, problems)
     assert tally["cancels right"] >= 1, tally  # not all `unconfirmed`: the zombies are found
