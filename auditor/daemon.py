@@ -507,6 +507,8 @@ class Daemon:
                 readings.lost_kernel_events = max(source.lost_events(), self._lost_reported)
             except Exception:  # a scrape shows the last figure the correlator stored rather than failing
                 readings.lost_kernel_events = self._lost_reported
+            if hasattr(source, "clock_steps"):  # the eBPF probe: its stamps are converted to the wall clock
+                readings.clock_steps = source.clock_steps()
             if hasattr(source, "program_runs"):  # the eBPF probe: its own cost in the kernel
                 from probes.bpfsys import stats_enabled
 

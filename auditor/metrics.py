@@ -57,6 +57,7 @@ class SourceReadings:
     unjoined_disconnects: int = 0
     unjoined_spans: int = 0
     lost_kernel_events: int = 0
+    clock_steps: int = 0  # the eBPF probe's: steps of the wall clock seen (probes.clock)
     spans_received: int = 0
     ingest_queue_spans: int = 0
     store_write_errors: dict[str, int] = field(default_factory=dict)  # by writer
@@ -276,6 +277,9 @@ def readings_families(r: SourceReadings) -> Iterator[Family]:
                         value=r.unjoined_spans)
     yield CounterFamily("auditor_kernel_events_lost", "Kernel events dropped: by the eBPF probe's ring buffer, or (the /proc source) times the kernel dropped notices of freed sockets",
                         value=r.lost_kernel_events)
+    yield CounterFamily("auditor_clock_steps", "Steps of the wall clock seen by the eBPF probe's clock conversion: "
+                        "kernel events stamped just before one are off against the spans' times by the step",
+                        value=r.clock_steps)
     yield CounterFamily("auditor_spans_received", "Spans accepted over OTLP", value=r.spans_received)
     yield GaugeFamily("auditor_ingest_queue_spans", "Spans waiting to be committed", value=r.ingest_queue_spans)
     errors = CounterFamily("auditor_store_write_errors", "Batches the store refused (locked, disk full); "

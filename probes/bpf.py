@@ -480,6 +480,11 @@ class BpfConnEventSource:
             return self._lost_at_stop + malformed
         return self._read_lost() + malformed
 
+    def clock_steps(self) -> int:
+        """Steps of the wall clock seen since start (``probes.clock``): kernel events stamped just
+        before each are off against the spans' times by the step."""
+        return self._clock.steps
+
     def program_runs(self) -> dict[str, ProgramRuns]:
         """Per tracepoint, the kernel's run time and count of the probe's program there: the
         probe's own cost, charged to whichever process hit the tracepoint (an engine, a client),

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import time
+
+import pytest
 
 from probes.clock import MonotonicToWall
 
@@ -38,3 +41,21 @@ def test_wall_clock_step_is_picked_up_at_the_next_recalibration() -> None:
     now["mono"] += 600_000_000
     clock.maybe_recalibrate()
     assert clock.to_wall_ns(now["mono"]) == now["wall"]
+
+
+def test_a_step_is_counted_and_logged_and_a_slew_is_not(caplog: pytest.LogCaptureFixture) -> None:
+    now = {"mono": 1_000, "wall": 1_000_000}
+    clock = MonotonicToWall(pairs=1, recalibrate_every_s=0.1, monotonic_ns=lambda: now["mono"],
+                            wall_ns=lambda: now["wall"])
+    for _ in range(10):  # NTP's fastest slew, 0.5 ms a second, read every tenth of a second
+        now["mono"] += 100_000_000
+        now["wall"] += 100_050_000
+        clock.maybe_recalibrate()
+    assert clock.steps == 0 and not caplog.records
+    now["mono"] += 100_000_000
+    now["wall"] += 100_000_000 - 90_000_000  # set back 90 ms
+    with caplog.at_level(logging.WARNING, logger="probes.clock"):
+        clock.maybe_recalibrate()
+    assert clock.steps == 1
+    assert clock.to_wall_ns(now["mono"]) == now["wall"]
+    assert "stepped -90.0 ms" in caplog.text, caplog.text
