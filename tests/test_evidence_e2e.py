@@ -22,13 +22,16 @@ from typing import Any
 
 import pytest
 
+from auditor.store import VerdictRow
 from replay.engine.launch import running_engine
 from tests.e2e import (
     GRACE_S,
+    HostWitness,
     against_truth,
     cancel_after,
     complete,
     expected_verdict,
+    host_excuses,
     may_be_earlier_ns,
     read_response,
     running_daemon,
@@ -118,8 +121,8 @@ def test_http_spans_only_polled_closes(tmp_path: Path, behavior: str, names: str
 def http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool, source: str) -> None:
     truth_log = tmp_path / "truth.jsonl"
     args = ["--engine-span", "none", "--metrics-names", names] + (["--send-spans"] if send_spans else [])
-    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S,
-                                     "probe.source": source}) as daemon, running_engine(
+    with HostWitness() as witness, running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S,
+                                                               "probe.source": source}) as daemon, running_engine(
             behavior=behavior, otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
             step_ms=10, extra_args=args) as engine:
         daemon.set_ports({engine.port})
@@ -136,13 +139,18 @@ def http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool,
         rows = {r.request_id: r for r in verdict_rows(daemon)}
         truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.truth()}
         events = daemon.store.conn_events()
-    problems = []
+    problems: list[str] = []
+
+    def problem(row: VerdictRow, text: str) -> None:
+        if not host_excuses(witness, row, text):
+            problems.append(text)
+
     for request_id, row in rows.items():
         truth = truths[request_id]
         if not truth.get("disconnect_at"):  # completed: any verdict but an abort or a zombie
             if row.verdict in ("aborted", "zombie", "inflight_zombie"):
-                problems.append(f"{request_id}: {row.verdict} for a completed request ({row.details}; "
-                                f"{timeline(row, truth, events)})")
+                problem(row, f"{request_id}: {row.verdict} for a completed request ({row.details}; "
+                             f"{timeline(row, truth, events)})")
             continue
         want = expected_verdict(truth)
         if want == "aborted" and not send_spans and names not in COUNTS_ABORTS \
@@ -152,17 +160,17 @@ def http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool,
             # tell, never guess.
             want = "unconfirmed"
         if row.verdict != want:
-            problems.append(f"{request_id}: {row.verdict}, truth {want} ({row.details}; {timeline(row, truth, events)})")
+            problem(row, f"{request_id}: {row.verdict}, truth {want} ({row.details}; {timeline(row, truth, events)})")
         if want != "unconfirmed" and row.details.get("evidence") != "engine_metrics":
-            problems.append(f"{request_id}: decided by {row.details.get('evidence')}, not the engine's gauges")
+            problem(row, f"{request_id}: decided by {row.details.get('evidence')}, not the engine's gauges")
         # Where later leavers' rise is untold, the verdict says how much earlier the end may be.
         earlier_ns = may_be_earlier_ns(row)
         if want == "zombie" and not -SCRAPE_S * 1.5e9 - earlier_ns <= truth["finished_at"] - row.work_end_ns \
                 <= SCRAPE_S * 1.5e9:
-            problems.append(f"{request_id}: work end off by {(row.work_end_ns - truth['finished_at']) / 1e9:.3f} s "
-                            f"({row.details})")
+            problem(row, f"{request_id}: work end off by {(row.work_end_ns - truth['finished_at']) / 1e9:.3f} s "
+                         f"({row.details})")
         if names in NAME_THE_MODEL and row.model != "ref-llm-1b":  # no span names it: the gauges do
-            problems.append(f"{request_id}: model {row.model!r}, not the one the gauges name")
+            problem(row, f"{request_id}: model {row.model!r}, not the one the gauges name")
     assert {rid.removeprefix("cmpl-") for rid in cancelled} <= set(rows)
     assert not problems, "\n".join(problems)
 

@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 
 from replay.engine.launch import running_engine
-from tests.e2e import leavers_settled, running_daemon, tally_against_truth, verdict_rows, wait_for
+from tests.e2e import (
+    HostWitness,
+    leavers_settled,
+    running_daemon,
+    tally_against_truth,
+    verdict_rows,
+    wait_for,
+)
 
 openai = pytest.importorskip("openai")
 
@@ -72,7 +79,7 @@ def sdk_session(url: str) -> tuple[int, int]:
 def test_requests_the_openai_sdk_gave_up_on_match_truth(tmp_path: Path, source: str) -> None:
     settings = {"probe.source": source, "probe.poll_hz": 20, "correlate.late_span_seconds": 10.0,
                 "engine_metrics.interval_seconds": 0.1}
-    with running_daemon(tmp_path, **settings) as daemon, \
+    with HostWitness() as witness, running_daemon(tmp_path, **settings) as daemon, \
             running_engine(behavior="detached", otlp=f"http://127.0.0.1:{daemon.status.http_port}",
                            truth_log=tmp_path / "truth.jsonl", step_ms=10, max_batch=16,
                            extra_args=["--engine-span", "none", "--metrics-names", "vllm"]) as engine:
@@ -84,7 +91,7 @@ def test_requests_the_openai_sdk_gave_up_on_match_truth(tmp_path: Path, source: 
         assert wait_for(lambda: leavers_settled(verdict_rows(daemon), truths), timeout_s=40, interval_s=0.25), \
             [(r.client_port, r.verdict, r.details) for r in verdict_rows(daemon)]
         time.sleep(1.0)  # anything that would still change them
-        tally, problems = tally_against_truth(verdict_rows(daemon), truths, daemon.store.conn_events())
+        tally, problems = tally_against_truth(verdict_rows(daemon), truths, daemon.store.conn_events(), witness)
     assert tally["completed"] == completed and tally["cancels"] == given_up, (tally, truths)
     assert not problems, (tally, problems)
     assert tally["cancels right"] >= 1, tally  # not all `unconfirmed`: the zombies are found
