@@ -110,6 +110,9 @@ def serve(app: object, sock: socket.socket, log_level: str) -> None:
               "it logs a batch, every 40 steps, idle every 30 s): after every request was aborted at once "
               "they keep their last values until the next request.")
 @click.option("--one-at-a-time", is_flag=True, help="Serve one request at a time; others wait unread.")
+@click.option("--span-end-lag-ms", type=FiniteFloatRange(0, 10000), default=0.0, show_default=True,
+              help="End each answer's HTTP span this long after its last byte was sent, as a server whose event "
+              "loop is busy does: its client may read the whole answer and close first.")
 @click.option("--no-process-pid", is_flag=True,
               help="Leave process.pid out of the span resource, as the OpenTelemetry SDK does by default.")
 @click.option("--duplicate-server-span", is_flag=True,
@@ -131,7 +134,8 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
            gateway_upstream: str | None, propagate: str, log_level: str, engine_span: str = "llm_request",
            metrics_names: str = "ref", send_spans: bool = False, one_at_a_time: bool = False,
            no_process_pid: bool = False, duplicate_server_span: bool = False,
-           trace_context: str = "yes", parent_pid: int | None = None, gauges_on_steps: bool = False) -> None:
+           trace_context: str = "yes", parent_pid: int | None = None, gauges_on_steps: bool = False,
+           span_end_lag_ms: float = 0.0) -> None:
     """Run the reference engine: an OpenAI-compatible server with real batching and compute.
 
     It reproduces how real engines treat a client that disconnects (--behavior), traces like
@@ -158,7 +162,8 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
                 service_name=service_name or "ref-engine", trace_aborted=trace_aborted, live=live,
                 engine_span=engine_span, metrics_names=metrics_names, send_spans=send_spans,
                 one_at_a_time=one_at_a_time, process_pid=not no_process_pid,
-                duplicate_server_span=duplicate_server_span, gauges_on_steps=gauges_on_steps))
+                duplicate_server_span=duplicate_server_span, gauges_on_steps=gauges_on_steps,
+                span_end_lag_ms=span_end_lag_ms))
             app = server.app()
             what = (f"engine {model} behavior={behavior} max_batch={max_batch} step={step_ms}ms "
                     f"({server.engine.backend.layers} layers on {device})")

@@ -52,7 +52,13 @@ from replay.engine.protocol import (
     parse_completion,
     usage,
 )
-from replay.engine.signals import ContextBreak, OneAtATime, StyleMetrics, mark_final_send
+from replay.engine.signals import (
+    BusyAfterLastByte,
+    ContextBreak,
+    OneAtATime,
+    StyleMetrics,
+    mark_final_send,
+)
 from replay.engine.tokens import prompt_seed
 from replay.engine.tracing import Tracing, emit_llm_request_span, trace_headers_of, work_key_of
 from replay.engine.truth import TruthLog, truth_record
@@ -84,6 +90,8 @@ class EngineSettings:
     one_at_a_time: bool = False
     process_pid: bool = True  # process.pid in the span resource
     duplicate_server_span: bool = False
+    # The response's span ends this long after its last byte was sent (signals.BusyAfterLastByte).
+    span_end_lag_ms: float = 0.0
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -187,6 +195,8 @@ class EngineServer:
             exclude_spans=["receive"] if self.settings.send_spans else ["receive", "send"],
             client_response_hook=mark_final_send if self.settings.send_spans else None,
             excluded_urls="health,metrics", http_capture_headers_server_request=["x-request-id"])
+        if self.settings.span_end_lag_ms:
+            traced = BusyAfterLastByte(traced, self.settings.span_end_lag_ms / 1000)
         return OneAtATime(traced) if self.settings.one_at_a_time else traced
 
     async def _http_error(self, request: Request, exc: Exception) -> Response:

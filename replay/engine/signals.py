@@ -12,6 +12,7 @@ verdicts can be checked against the truth log for every combination:
 | ``--send-spans`` | the HTTP server span gets ``http send`` sub-spans; the one that ends the response says so |
 | ``--one-at-a-time`` | one request is served at a time; the rest wait before the HTTP handler (llama.cpp ``-np 1``) |
 | ``--gauges-on-steps`` | the style's gauges change only when the engine steps (vLLM's: every request aborted at once leaves them at their last values), or, for SGLang's, when it logs a batch: each prefill, every 40 decode steps, and idle every 30 s |
+| ``--span-end-lag-ms MS`` | the event loop is held this long after each answer's (``/v1/``) last byte is written, before the HTTP instrumentation ends its span: a loaded server, whose client reads the whole answer and closes before the span ends |
 | ``--duplicate-server-span`` | a second ASGI instrumentation adds a second SERVER span, child of the first, per request (FastAPI's own telemetry over a hand-added middleware) |
 """
 
@@ -194,6 +195,30 @@ class OneAtATime:
             self._lock = asyncio.Lock()
         async with self._lock:
             await self.app(scope, receive, send)
+
+
+class BusyAfterLastByte:
+    """Outside the HTTP instrumentation: after the write of an answer's last byte, hold the event
+    loop ``lag_s`` before the instrumentation ends the span, as a loaded server's loop is held by
+    other work. The client reads the last byte and may close meanwhile; the server hears of it only
+    once the loop is free. (An ``asyncio.sleep`` would not do: the instrumentation ends the span as
+    the last byte's write returns, and a client's close is noticed at once.)"""
+
+    def __init__(self, app: ASGIApp, lag_s: float) -> None:
+        self.app = app
+        self.lag_s = lag_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):  # answers only: /metrics as it was
+            await self.app(scope, receive, send)
+            return
+
+        async def lagging(message: dict[str, Any]) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                time.sleep(self.lag_s)  # the loop held, as by other work
+
+        await self.app(scope, receive, lagging)
 
 
 class ContextBreak:
