@@ -121,6 +121,32 @@ def test_a_late_abort_of_an_earlier_departure_is_not_taken_for_a_completed_reque
     assert rows[done[1]].verdict != "aborted", rows[done[1]].details
 
 
+@pytest.mark.parametrize(("aborts", "verdict"), [
+    ([2.0, 3.0, 3.0, 3.0, 3.0], "unconfirmed"),  # nothing aborted: the engine finished it
+    ([2.0, 3.0, 3.0, 4.0, 4.0], "aborted"),  # the abort counted a scrape after the answer
+    ([2.0, 3.0, 3.0, None, 3.0], "aborted"),  # a scrape without the count says nothing
+    ([3.0, 3.0, 3.0, 3.0, 3.0], "aborted"),  # never seen to rise: may count no client's abort (vLLM)
+    ([None, None, None, None, None], "aborted")])  # no abort counter (llama.cpp): the gauges alone
+def test_a_span_that_ended_well_after_the_close_is_no_abort_where_the_engine_aborted_nothing(
+        store: Store, aborts: list[float | None], verdict: str) -> None:
+    """A loaded server ends its span 30 ms after the last byte (its event loop held by other work):
+    its client, which read it all and closed, looks like a cancel the server reacted to. The
+    gauges never held it after; an engine that counts its aborts counted none."""
+    clock = Clock()
+    correlator = make(store, clock)
+    store.insert_spans([http_span("1", 0, 1.03)])
+    store.insert_conn_events([close(1.0, ConnEventKind.PEER_FIN)])
+    for at, aborted in zip((0.5, 0.9, 1.1, 1.3, 1.5), aborts, strict=True):  # one by one, as scraped
+        correlator.add_engine_load([load(at, aborted)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    [row] = verdicts(store)
+    assert row.verdict == verdict, str(row.details)
+    assert row.details.get("no_abort_counted", False) is (verdict == "unconfirmed"), row.details
+    if verdict == "unconfirmed":
+        assert row.details["unconfirmed_because"] == "raced_its_answer", row.details
+
+
 # -- vLLM's count of normal finishes: no abort counted, but a completed request counted ---------
 @pytest.mark.parametrize(("page", "finished"), [
     (VLLM, 9.0),  # stop and length, not abort
@@ -207,3 +233,39 @@ def test_a_racing_close_of_a_server_error_is_not_read_by_the_finish_count(store:
     """A 500 is never counted as a finish, nor is it an abort: the count standing still says nothing."""
     row = judged_alone(store, zip(SCRAPES_AT, (7, 8, 8, 8, 8, 8, 8), strict=True), status=500)
     assert (row.verdict, row.details.get("no_finish_counted")) == ("unconfirmed", None), str(row.details)
+
+
+def vllm_late(store: Store, counts: list[float], kind: ConnEventKind = ConnEventKind.PEER_FIN,
+              other_end: float | None = None) -> VerdictRow:
+    """One request from 0.2 s whose client closed at 1.0 and whose span ended 30 ms later (a loaded
+    server's): the gauges held it up to 0.9 and never after. Scrapes of vLLM's page at 0.5, 0.9,
+    1.1, 1.3 with these finish counts (a rise before them: the port counts); ``other_end``: another
+    client's request on the port whose span ended then."""
+    clock = Clock()
+    correlator = make(store, clock)
+    spans = [http_span("1", 0.2, 1.03, span="1")]
+    if other_end is not None:
+        spans.append(http_span("2", other_end - 0.5, other_end, span="2", client=("127.0.0.1", 40002)))
+    store.insert_spans(spans)
+    store.insert_conn_events([close(1.0, kind)] + ([] if other_end is None else [
+        close(other_end + 0.001, ConnEventKind.PEER_FIN, client=("127.0.0.1", 40002))]))
+    for at, finished in zip((0.3, 0.5, 0.9, 1.1, 1.3), [6.0, *counts], strict=True):
+        running = int(at < 1.0) + int(other_end is not None and other_end - 0.5 < at < other_end)
+        correlator.add_engine_load([EngineLoad(ts_ns=T0 + int(at * S), server_port=SERVER_PORT, running=running,
+                                               style="vllm", aborted=0.0, finished=finished)])
+    clock.now = T0 + 9 * S
+    correlator.tick()
+    return next(row for row in verdicts(store) if row.client_port == CLIENT[1])
+
+
+@pytest.mark.parametrize(("counts", "kind", "other_end", "verdict"), [
+    ([7, 7, 8, 8], ConnEventKind.PEER_FIN, None, "unconfirmed"),  # its own finish, counted as it left
+    ([7, 7, 7, 7], ConnEventKind.PEER_FIN, None, "aborted"),  # no finish: it was cut short
+    ([7, 7, 8, 8], ConnEventKind.PEER_RST, None, "aborted"),  # a reset is no client that read it all
+    ([7, 7, 8, 8], ConnEventKind.PEER_FIN, 1.05, "aborted"),  # one finish, two answers ended: whose?
+    ([7, 7, 9, 9], ConnEventKind.PEER_FIN, 1.05, "unconfirmed")])  # both finished
+def test_a_span_that_ended_well_after_the_close_is_no_abort_where_vllm_counted_its_finish(
+        store: Store, counts: list[float], kind: ConnEventKind, other_end: float | None, verdict: str) -> None:
+    row = vllm_late(store, counts, kind, other_end)
+    assert row.verdict == verdict, str(row.details)
+    assert row.details.get("finish_counted", False) is (verdict == "unconfirmed"), row.details

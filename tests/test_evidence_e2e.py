@@ -175,6 +175,54 @@ def http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool,
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize(("names", "flag"), [
+    ("tgi", "no_abort_counted"), ("sglang", "no_abort_counted"), ("vllm", "finish_counted")])
+def test_a_loaded_servers_late_span_end_is_no_abort_where_the_engine_counts(tmp_path: Path, names: str,
+                                                                            flag: str) -> None:
+    """The server's event loop held 30 ms after each answer's last byte (``--span-end-lag-ms``, as
+    other work holds a loaded server's): its clients, which read it all and closed at once, closed
+    30 ms before the span ended, as a cancel the server reacted to does. With the gauges alone each
+    was `aborted` (every one, by each engine's names); the engine, which counts every abort,
+    counted none then, or (vLLM) counted its normal finish as the client left: `unconfirmed`, since
+    nothing says whether the answer was whole. Its cancels (first, so that the port's abort
+    counter is seen to count) stay `aborted`."""
+    with HostWitness() as witness, running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S}) as daemon, \
+            running_engine(behavior="abort", otlp=f"http://127.0.0.1:{daemon.status.http_port}",
+                           truth_log=tmp_path / "truth.jsonl", step_ms=10,
+                           extra_args=["--engine-span", "none", "--metrics-names", names, "--span-end-lag-ms", "30"]
+                           ) as engine:
+        daemon.set_ports({engine.port})
+        assert wait_for(lambda: daemon.readings().engine_scrapes.get((engine.port, "read"), 0) >= 3, timeout_s=10)
+        for kind in ("fin", "rst"):
+            cancel_after(engine.port, 0.3, kind, stream=True, max_tokens=150, request_id=f"cancel-{kind}").join()
+            time.sleep(0.6)
+        for i in range(4):
+            complete(engine.port, stream=bool(i % 2), max_tokens=8, request_id=f"done{i}").join()
+            time.sleep(0.15)
+        truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(6, timeout=30)}
+
+        def settled() -> bool:
+            rows = {r.request_id: r for r in verdict_rows(daemon)}
+            return all(rid in rows and not rows[rid].details.get("provisional") for rid in truths)
+
+        assert wait_for(settled, timeout_s=30), [(r.request_id, r.verdict, r.details) for r in verdict_rows(daemon)]
+        rows = {r.request_id: r for r in verdict_rows(daemon)}
+        events = daemon.store.conn_events()
+    problems = []
+    for request_id, truth in truths.items():
+        row = rows[request_id]
+        # The last answer's own scrapes may find the engine idle, its SGLang gauges unrefreshed: no
+        # gauges' word then (no ``orphaned_scrapes``), and unconfirmed all the same.
+        told = "orphaned_scrapes" in row.details
+        want = ("aborted", False) if truth.get("disconnect_at") else ("unconfirmed", told)
+        if (row.verdict, row.details.get(flag, False)) != want:
+            text = f"{request_id}: {row.verdict}, want {want} ({row.details}; {timeline(row, truth, events)})"
+            if not host_excuses(witness, row, text):
+                problems.append(text)
+    assert not problems, "\n".join(problems)
+    assert sum(bool(row.details.get(flag)) for row in rows.values()) >= 3, rows
+
+
 @pytest.mark.parametrize(("behavior", "names", "source"), [
     ("abort", "vllm", "bpf"), ("abort", "vllm", "procfs"), ("detached", "vllm", "bpf"), ("abort", "sglang", "bpf")])
 def test_plain_clients_against_an_engine_that_spans_in_its_own_traces(tmp_path: Path, behavior: str,

@@ -102,6 +102,13 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
         known, details["close_races_span_end"] = False, True
     if known and completed is None and untold_done:
         known, details["engine_done_as_client_left"] = False, True
+    if known and completed is None and (details.get("no_abort_counted") or details.get("finish_counted")):
+        # Gone by the next scrapes, and the engine aborted none (it counts every request it aborts)
+        # or counted it finished normally: it finished the work. Whether the answer was whole when
+        # the client left, nothing says: a loaded server ends its span well after the last byte
+        # (its event loop held by other work), and the client's close after reading it all then
+        # looks like a cancel the server reacted to.
+        known = False
     decision = decide(Evidence(origin.ts_ns, origin_span, engine, work_end, now, started_ns=started,
                                completed_by=completed, work_stopped_known=known), corr.grace_seconds)
     if decision is None:
@@ -230,6 +237,14 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
         if by_metrics.orphaned_scrapes == 0 and corr.loads.aborts_cover(
                 port, disconnect, answered, _connected_on(corr, port)):
             details["aborts_counted"] = True
+        elif by_metrics.orphaned_scrapes == 0 and request.origin().kind == "fin":
+            # Gone by the next scrapes, its client leaving with a FIN (a reset is no client that
+            # read it all): did the engine finish it, not abort it? (evaluate: then unconfirmed)
+            if corr.loads.no_abort_while(port, disconnect, answered):
+                details["no_abort_counted"] = True
+            elif corr.loads.finishes_cover(port, disconnect, answered, lambda start, end: corr.spans.server_spans_ended(
+                    port, start - CLOCK_ERROR_NS, end + CLOCK_ERROR_NS)):
+                details["finish_counted"] = True
         if by_metrics.awaiting:
             details["awaiting"] = True
         if by_metrics.earliest_ns is not None and max(work_end, by_metrics.earliest_ns) < (by_metrics.work_end_ns or now):
@@ -365,7 +380,7 @@ def _unconfirmed_because(corr: Correlator, subtree: list[SpanRecord], details: d
     were read but cannot tell (scrapes that stopped, a leaving no listing could tell, other
     leavers' requests on the port); or no gauges of its engine were read at all: then only the
     engine's span, or its live notices, could have told (vLLM sends none for an abort)."""
-    if details.get("engine_done_as_client_left") or (
+    if details.get("engine_done_as_client_left") or details.get("no_abort_counted") or details.get("finish_counted") or (
             details.get("close_races_span_end") and not details.get("leaving_untold")):
         return ev.RACED_ITS_ANSWER
     return ev.GAUGES_CANNOT_TELL if _scraped_hop(corr, subtree) is not None else ev.NO_GAUGES

@@ -305,6 +305,9 @@ class EngineLoads:
         # scrapes: it counts (a counter that never moves, an engine's statistics turned off, says
         # nothing by standing still).
         self._counts_finishes: set[int] = set()
+        # Ports whose engine's abort counter has been seen to rise (``no_abort_while``): vLLM's abort
+        # series never does, since it counts no client's abort.
+        self._counts_aborts: set[int] = set()
 
     def _changed(self, ts_ns: int) -> None:
         if self.changed_ns is None or ts_ns < self.changed_ns:
@@ -347,6 +350,9 @@ class EngineLoads:
                 if load.finished is not None and series and series[-1].finished is not None \
                         and load.finished > series[-1].finished:
                     self._counts_finishes.add(load.server_port)
+                if load.aborted is not None and series and series[-1].aborted is not None \
+                        and load.aborted > series[-1].aborted:
+                    self._counts_aborts.add(load.server_port)
                 series.append(load)
                 if load.step_tokens is not None:
                     self._unstale(load.server_port, series)
@@ -993,6 +999,53 @@ class EngineLoads:
             if last.aborted is not None and left > 0 and last.aborted - aborted_before >= left:
                 return True
         return False
+
+    def no_abort_while(self, port: int, disconnect_ns: int, answered_ns: int) -> bool:
+        """Whether the engine's abort counter stood still from the last scrape answered before
+        ``disconnect_ns`` to the second after ``answered_ns`` (the server's answer to the close;
+        ``aborts_cover`` reads the same two), every scrape between reading the same count: the
+        engine aborted nothing then, so the request's work, gone by those scrapes, ended as the
+        engine finished it, not because its client left. (An engine that counts aborts, SGLang and
+        TGI, counts one for every request whose client left while it ran.) False where the two
+        scrapes after have not come, or any of them read no count, or the port's count has never
+        been seen to rise (vLLM's stays 0 whatever its clients do)."""
+        if port not in self._counts_aborts:
+            return False
+        series = self._loads.get(port, [])
+        before = bisect.bisect_right(series, disconnect_ns, key=_TS) - 1
+        while before >= 0 and (series[before].answered_ns or series[before].ts_ns) >= disconnect_ns:
+            before -= 1  # its count may hold the abort: read after the close
+        after = bisect.bisect_left(series, answered_ns, key=_TS)
+        if before < 0 or after + 1 >= len(series):
+            return False
+        counts = {load.aborted for load in series[before:after + 2]}
+        return len(counts) == 1 and None not in counts
+
+    def finishes_cover(self, port: int, disconnect_ns: int, end_ns: int, ended: Callable[[int, int], int]) -> bool:
+        """Whether the engine's finish counter rose, from the last scrape answered before
+        ``disconnect_ns`` to the first sent after it, by at least the number of server spans on
+        ``port`` (``ended(after, until)``) that ended from the first of them to the later of the
+        second and the request's span end ``end_ns``, and as long again as that span ended after the
+        close (the server's delay, which another request that finished in the window may have had
+        too): each of them, this request among them, was then finished normally. An engine counts a
+        finish when it hands the last token over, before the server writes the last byte and so
+        before a client that read it closes. Fewer finishes than ends say nothing: one of them may
+        be this one's, or another's. On a port whose count has been seen to rise (vLLM's)."""
+        if port not in self._counts_finishes:
+            return False
+        series = self._loads.get(port, [])
+        after = bisect.bisect_left(series, disconnect_ns, key=_TS)  # the first sent after the close
+        before = after - 1
+        while before >= 0 and (series[before].answered_ns or series[before].ts_ns) >= disconnect_ns:
+            before -= 1
+        if before < 0 or after >= len(series):
+            return False
+        first, last = series[before], series[after]
+        if first.finished is None or last.finished is None or last.finished <= first.finished:
+            return False
+        delay = max(0, end_ns - disconnect_ns)
+        ends = ended(first.answered_ns or first.ts_ns, max(last.answered_ns or last.ts_ns, end_ns) + delay)
+        return 0 < ends <= last.finished - first.finished
 
     def prune(self, cutoff_ns: int, closes_cutoff_ns: int | None = None) -> None:
         closes_cutoff_ns = cutoff_ns if closes_cutoff_ns is None else max(cutoff_ns, closes_cutoff_ns)
