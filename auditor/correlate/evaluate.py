@@ -237,9 +237,10 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
         if by_metrics.orphaned_scrapes == 0 and corr.loads.aborts_cover(
                 port, disconnect, answered, _connected_on(corr, port)):
             details["aborts_counted"] = True
-        elif by_metrics.orphaned_scrapes == 0 and request.origin().kind == "fin":
+        elif by_metrics.orphaned_scrapes == 0 and request.origin().kind == "fin" and not racing:
             # Gone by the next scrapes, its client leaving with a FIN (a reset is no client that
-            # read it all): did the engine finish it, not abort it? (evaluate: then unconfirmed)
+            # read it all) well before its span ended (a racing close has rules of its own): did
+            # the engine finish it, not abort it? (evaluate: then unconfirmed)
             if corr.loads.no_abort_while(port, disconnect, answered):
                 details["no_abort_counted"] = True
             elif corr.loads.finishes_cover(port, disconnect, answered, lambda start, end: corr.spans.server_spans_ended(
