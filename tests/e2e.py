@@ -12,7 +12,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -209,6 +209,19 @@ def free_port() -> int:
 def verdict_rows(daemon: Daemon) -> list[VerdictRow]:
     with daemon.store.session() as session:
         return list(session.scalars(select(VerdictRow)))
+
+
+def settled_by_request_id(daemon: Daemon, request_ids: Iterable[str], timeout_s: float = 30.0
+                          ) -> dict[str, VerdictRow]:
+    """The verdicts by request id, once each of ``request_ids`` has one that is not provisional."""
+    wanted = list(request_ids)
+
+    def settled() -> bool:
+        rows = {r.request_id: r for r in verdict_rows(daemon)}
+        return all(rid in rows and not rows[rid].details.get("provisional") for rid in wanted)
+
+    assert wait_for(settled, timeout_s=timeout_s), [(r.request_id, r.verdict, r.details) for r in verdict_rows(daemon)]
+    return {r.request_id: r for r in verdict_rows(daemon)}
 
 
 def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.1) -> bool:

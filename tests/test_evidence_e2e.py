@@ -37,6 +37,7 @@ from tests.e2e import (
     running_daemon,
     send_request,
     settled_by_client_port,
+    settled_by_request_id,
     timeline,
     verdict_rows,
     wait_for,
@@ -129,14 +130,7 @@ def http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool,
         drive(engine, behavior)
         cancelled = {t["request_id"] for t in engine.wait_for_truth(12, timeout=30) if t.get("disconnect_at")}
         assert len(cancelled) == 3, engine.truth()
-
-        def settled() -> bool:
-            rows = {r.request_id: r for r in verdict_rows(daemon)}
-            return all(rid.removeprefix("cmpl-") in rows and not rows[rid.removeprefix("cmpl-")].details.get(
-                "provisional") for rid in cancelled)
-
-        assert wait_for(settled, timeout_s=30), [(r.request_id, r.verdict, r.details) for r in verdict_rows(daemon)]
-        rows = {r.request_id: r for r in verdict_rows(daemon)}
+        rows = settled_by_request_id(daemon, (rid.removeprefix("cmpl-") for rid in cancelled))
         truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.truth()}
         events = daemon.store.conn_events()
     problems: list[str] = []
@@ -200,13 +194,7 @@ def test_a_loaded_servers_late_span_end_is_no_abort_where_the_engine_counts(tmp_
             complete(engine.port, stream=bool(i % 2), max_tokens=8, request_id=f"done{i}").join()
             time.sleep(0.15)
         truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(6, timeout=30)}
-
-        def settled() -> bool:
-            rows = {r.request_id: r for r in verdict_rows(daemon)}
-            return all(rid in rows and not rows[rid].details.get("provisional") for rid in truths)
-
-        assert wait_for(settled, timeout_s=30), [(r.request_id, r.verdict, r.details) for r in verdict_rows(daemon)]
-        rows = {r.request_id: r for r in verdict_rows(daemon)}
+        rows = settled_by_request_id(daemon, truths)
         events = daemon.store.conn_events()
     problems = []
     for request_id, truth in truths.items():
@@ -404,13 +392,7 @@ def test_a_cancel_beside_requests_whose_spans_have_not_come(tmp_path: Path, beha
         for thread in longs:
             thread.join()
         [truth] = [t for t in engine.wait_for_truth(3, timeout=30) if t.get("disconnect_at")]
-
-        def settled() -> bool:
-            row = next((r for r in verdict_rows(daemon) if r.request_id == "left"), None)
-            return row is not None and not row.details.get("provisional")
-
-        assert wait_for(settled, timeout_s=30), [(r.request_id, r.verdict, r.details) for r in verdict_rows(daemon)]
-        rows = {r.request_id: r for r in verdict_rows(daemon)}
+        rows = settled_by_request_id(daemon, ["left"])
     want = truth_says = expected_verdict(truth)
     if want == "aborted" and rows["left"].details.get("close_races_span_end"):
         want = "unconfirmed"  # the span ended within the clock error of the reset; vLLM counts no client's abort
@@ -550,13 +532,7 @@ def test_gauges_vllm_leaves_after_every_request_was_aborted(tmp_path: Path, beha
         for thread in threads:
             thread.join()
         truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(3, timeout=30)}
-
-        def settled() -> bool:
-            rows = {r.request_id: r for r in verdict_rows(daemon)}
-            return all(rid in rows and not rows[rid].details.get("provisional") for rid in truths)
-
-        assert wait_for(settled, timeout_s=30), [(r.request_id, r.verdict, r.details) for r in verdict_rows(daemon)]
-        rows = {r.request_id: r for r in verdict_rows(daemon)}
+        rows = settled_by_request_id(daemon, truths)
     problems = []
     for request_id, truth in truths.items():
         want, got = expected_verdict(truth), rows[request_id]
@@ -597,13 +573,7 @@ def test_a_close_right_after_the_next_request_on_a_kept_alive_connection_is_that
         truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(6, timeout=30)}
         left = {rid for rid, t in truths.items() if t.get("disconnect_at")}
         assert left == {f"ka{i}-next" for i in range(3)}, truths
-
-        def settled() -> bool:
-            rows = {r.request_id: r for r in verdict_rows(daemon)}
-            return all(rid in rows and not rows[rid].details.get("provisional") for rid in left)
-
-        assert wait_for(settled, timeout_s=30), [(r.request_id, r.verdict, r.details) for r in verdict_rows(daemon)]
-        rows = {r.request_id: r for r in verdict_rows(daemon)}
+        rows = settled_by_request_id(daemon, left)
     problems = [f"{rid}: {row.verdict} for a completed request ({row.details})" for rid, row in rows.items()
                 if rid not in left and row.verdict in ("aborted", "zombie", "inflight_zombie")]
     problems += [f"{rid}: {rows[rid].verdict}, truth {expected_verdict(truths[rid])} ({rows[rid].details})"
