@@ -61,9 +61,9 @@ class MonotonicToWall:
         moved = best_offset - self.offset_ns
         if self._calibrated_at_ns is not None and abs(moved) > STEP_NS:
             self.steps += 1
-            log.warning("the wall clock stepped %+.1f ms against the monotonic clock in the %.2f s since it was last read: "
-                        "kernel events stamped in that while are off by as much against the spans' times, and "
-                        "verdicts of requests then may be wrong", moved / 1e6,
+            log.warning("the wall clock stepped %+.1f ms against the monotonic clock in the %.2f s since it was "
+                        "last read: kernel events stamped in that while are off by as much against the spans' "
+                        "times, and verdicts of requests then may be wrong", moved / 1e6,
                         (before - self._calibrated_at_ns) / 1e9)
         self.offset_ns = best_offset
         self.uncertainty_ns = (best_gap or 0) // 2

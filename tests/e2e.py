@@ -392,7 +392,8 @@ def tally_against_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, A
         elif found[0].verdict == "unconfirmed":
             tally["cancels unconfirmed"] += 1
         else:
-            problem = f"port {port}: {found[0].verdict}, truth {want} ({found[0].details}; {timeline(found[0], truth, events)})"
+            problem = (f"port {port}: {found[0].verdict}, truth {want} ({found[0].details}; "
+                       f"{timeline(found[0], truth, events)})")
             if host_excuses(witness, found[0], problem):
                 tally["excused: the host disturbed"] += 1
             else:

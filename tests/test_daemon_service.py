@@ -76,7 +76,8 @@ def test_notify_metrics_sigterm_and_restart(tmp_path: Path) -> None:
             for name in ("auditor_zombie_duration_seconds_bucket", "auditor_wasted_cpu_seconds_total",
                          "auditor_wasted_tokens_total", "auditor_inflight_zombies", "auditor_disconnects_total",
                          "auditor_idle_closes_total", "auditor_kernel_events_lost_total",
-                         "auditor_clock_steps_total 0.0", "auditor_ingest_queue_spans", "auditor_completed_requests_per_second",
+                         "auditor_clock_steps_total 0.0", "auditor_ingest_queue_spans",
+                         "auditor_completed_requests_per_second",
                          'auditor_disconnect_source_info{source="bpf"} 1.0'):
                 assert name in text, name
             daemon.send_signal(signal.SIGTERM)

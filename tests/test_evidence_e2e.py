@@ -180,7 +180,8 @@ def test_a_loaded_servers_late_span_end_is_no_abort_where_the_engine_counts(tmp_
     counted none then, or (vLLM) counted its normal finish as the client left: `unconfirmed`, since
     nothing says whether the answer was whole. Its cancels (first, so that the port's abort
     counter is seen to count) stay `aborted`."""
-    with HostWitness() as witness, running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S}) as daemon, \
+    settings = {"engine_metrics.interval_seconds": SCRAPE_S}
+    with HostWitness() as witness, running_daemon(tmp_path, **settings) as daemon, \
             running_engine(behavior="abort", otlp=f"http://127.0.0.1:{daemon.status.http_port}",
                            truth_log=tmp_path / "truth.jsonl", step_ms=10,
                            extra_args=["--engine-span", "none", "--metrics-names", names, "--span-end-lag-ms", "30"]

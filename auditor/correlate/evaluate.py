@@ -243,8 +243,9 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
             # the engine finish it, not abort it? (evaluate: then unconfirmed)
             if corr.loads.no_abort_while(port, disconnect, answered):
                 details["no_abort_counted"] = True
-            elif corr.loads.finishes_cover(port, disconnect, answered, lambda start, end: corr.spans.server_spans_ended(
-                    port, start - CLOCK_ERROR_NS, end + CLOCK_ERROR_NS)):
+            elif corr.loads.finishes_cover(port, disconnect, answered, lambda start, end:
+                                           corr.spans.server_spans_ended(port, start - CLOCK_ERROR_NS,
+                                                                         end + CLOCK_ERROR_NS)):
                 details["finish_counted"] = True
         if by_metrics.awaiting:
             details["awaiting"] = True
@@ -381,7 +382,8 @@ def _unconfirmed_because(corr: Correlator, subtree: list[SpanRecord], details: d
     were read but cannot tell (scrapes that stopped, a leaving no listing could tell, other
     leavers' requests on the port); or no gauges of its engine were read at all: then only the
     engine's span, or its live notices, could have told (vLLM sends none for an abort)."""
-    if details.get("engine_done_as_client_left") or details.get("no_abort_counted") or details.get("finish_counted") or (
+    finished = details.get("no_abort_counted") or details.get("finish_counted")  # by the engine, as it left
+    if details.get("engine_done_as_client_left") or finished or (
             details.get("close_races_span_end") and not details.get("leaving_untold")):
         return ev.RACED_ITS_ANSWER
     return ev.GAUGES_CANNOT_TELL if _scraped_hop(corr, subtree) is not None else ev.NO_GAUGES
