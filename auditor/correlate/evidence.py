@@ -195,6 +195,15 @@ _TS = operator.attrgetter("ts_ns")  # a scrape's time, bisect's key (in C: no Py
 _HALF = 1 << 64
 
 
+def _answered_before(series: list[EngineLoad], moment_ns: int) -> int:
+    """The index of the last scrape in ``series`` answered before ``moment_ns`` (a scrape sent
+    before it may read its count after), or -1."""
+    before = bisect.bisect_left(series, moment_ns, key=_TS) - 1
+    while before >= 0 and (series[before].answered_ns or series[before].ts_ns) >= moment_ns:
+        before -= 1
+    return before
+
+
 def _pair(first: int, second: int) -> int:
     """Two nanosecond times (within 64 bits each) as one number: 44 bytes where a tuple of them takes 120."""
     return first * _HALF + (second % _HALF)
@@ -960,9 +969,7 @@ class EngineLoads:
         if port not in self._counts_finishes:
             return False, 0
         series = self._loads.get(port, [])
-        before = bisect.bisect_left(series, start_ns - CLOCK_ERROR_NS, key=_TS) - 1
-        while before >= 0 and (series[before].answered_ns or series[before].ts_ns) >= start_ns - CLOCK_ERROR_NS:
-            before -= 1  # its count was read as the request began: the one before
+        before = _answered_before(series, start_ns - CLOCK_ERROR_NS)  # not one read as the request began
         after = bisect.bisect_right(series, end_ns + FINISH_COUNT_LAG_NS, key=_TS)
         if before < 0:
             return False, 0
@@ -1012,9 +1019,7 @@ class EngineLoads:
         if port not in self._counts_aborts:
             return False
         series = self._loads.get(port, [])
-        before = bisect.bisect_right(series, disconnect_ns, key=_TS) - 1
-        while before >= 0 and (series[before].answered_ns or series[before].ts_ns) >= disconnect_ns:
-            before -= 1  # its count may hold the abort: read after the close
+        before = _answered_before(series, disconnect_ns)  # not one read after the close: it may hold the abort
         after = bisect.bisect_left(series, answered_ns, key=_TS)
         if before < 0 or after + 1 >= len(series):
             return False
@@ -1035,9 +1040,7 @@ class EngineLoads:
             return False
         series = self._loads.get(port, [])
         after = bisect.bisect_left(series, disconnect_ns, key=_TS)  # the first sent after the close
-        before = after - 1
-        while before >= 0 and (series[before].answered_ns or series[before].ts_ns) >= disconnect_ns:
-            before -= 1
+        before = _answered_before(series, disconnect_ns)
         if before < 0 or after >= len(series):
             return False
         first, last = series[before], series[after]
