@@ -257,6 +257,10 @@ LOGGED_STYLES = frozenset({"sglang"})
 # node serving one port are told apart by the last: a gateway reaching two of them from one address
 # may be given one source port for both.
 ListedClient = tuple[str, int, int, str]
+# The engines (``EngineLoad.style``) whose finish count is of the tokens the requests they finished
+# normally generated, not of the requests (llama.cpp's ``tokens_predicted``): a rise says that at
+# least one finished, not how many.
+FINISHES_COUNTED_IN_TOKENS = frozenset({"llamacpp"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +281,8 @@ class EngineLoad:
     style: str = ""  # whose metric names matched: vllm, sglang, tgi, llamacpp, ref
     aborted: float | None = None  # the engine's cumulative count of aborted requests; None: it has none
     # The engine's cumulative count of requests it finished normally (vLLM's ``request_success``
-    # but its "abort" series); None: it has none
+    # but its "abort" series, TGI's), or of their generated tokens where it counts no requests
+    # (llama.cpp's, ``FINISHES_COUNTED_IN_TOKENS``); None: it has none
     finished: float | None = None
     # When the answer came: the gauges describe one moment in [ts_ns, answered_ns], so a request
     # that started or ended in between may or may not be in them. None: an instant.

@@ -55,23 +55,32 @@ KNOWN_METRICS: tuple[tuple[str, str, str, str], ...] = (
 # says the work of the cancelled request stopped. vLLM's "abort" series does not count a request
 # aborted because its client left (its abort path records no finished-request stats; vLLM issues
 # 31503, 55634): it stays flat, and is read in case a version counts them. TGI counts a request
-# whose client is gone as ``tgi_request_failure{err="dropped"}`` when it stops its work, and lists
-# the series only from the first (``ABORTS_LISTED_ONCE_COUNTED``). llama.cpp counts no aborts.
+# whose client is gone as ``tgi_request_failure{err="dropped"}`` when it stops its work. llama.cpp
+# counts no aborts.
 ABORT_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {
     "vllm": ("vllm:request_success", "finished_reason", "abort"),
     "sglang": ("sglang:num_aborted_requests", None, None),
     "tgi": ("tgi_request_failure", "err", "dropped"),
     "ref": ("ref_engine_requests", "finish_reason", "abort"),
 }
-ABORTS_LISTED_ONCE_COUNTED = frozenset({"tgi"})  # no series on the page: none aborted yet
+# Engines that list a counter only from its first count (TGI's metrics exporter): no series on the
+# page is a count of 0, not an engine that does not count.
+LISTED_ONCE_COUNTED = frozenset({"tgi"})
 # Each engine's own count of the requests it finished normally: (counter without ``_total``, label,
-# the label's value to leave out). vLLM counts a request by its finish reason (stop, length, ...)
-# as it hands the request's last token to the server; its "abort" series is left out. No rise over
-# a request's whole life, on an engine seen to count, says it did not finish normally
+# the label's value to leave out; None: every series). vLLM counts a request by its finish reason
+# (stop, length, ...) as it hands the request's last token to the server; its "abort" series is
+# left out. TGI counts ``tgi_request_success`` as its router takes the last token, before it sends
+# it; a stream whose client left is dropped uncounted. llama.cpp counts no requests, but adds a
+# request's generated tokens to ``tokens_predicted`` only as it finishes it normally, just after it
+# hands the last over (a task cancelled because its client left is released uncounted): a rise
+# says some request finished, not how many (``auditor.model.FINISHES_COUNTED_IN_TOKENS``). No rise over a
+# request's whole life, on an engine seen to count, says it did not finish normally
 # (``EngineLoads.no_finish_while``): where its client closed as its span ended, it was no complete
 # answer.
-FINISH_COUNTERS: dict[str, tuple[str, str, str]] = {
+FINISH_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {
     "vllm": ("vllm:request_success", "finished_reason", "abort"),
+    "tgi": ("tgi_request_success", None, None),
+    "llamacpp": ("llamacpp:tokens_predicted", None, None),
     "ref": ("ref_engine_requests", "finish_reason", "abort"),
 }
 MODEL_LABEL = "model_name"  # the served model, on vLLM's and SGLang's gauges
@@ -195,15 +204,15 @@ def parse_load(text: str, *, ts_ns: int, server_port: int) -> EngineLoad | None:
     style, values = found
     _, running, waiting, tokens = _STYLES[style]
     abort_counter = ABORT_COUNTERS.get(style)
-    aborted = values.get(abort_counter[0], 0.0 if style in ABORTS_LISTED_ONCE_COUNTED else None) \
-        if abort_counter else None
+    unlisted = 0.0 if style in LISTED_ONCE_COUNTED else None
+    aborted = values.get(abort_counter[0], unlisted) if abort_counter else None
     steps = [values[name] for name in STEP_SERIES.get(style, ()) if name in values]
     finish_counter = FINISH_COUNTERS.get(style)
     return EngineLoad(ts_ns=ts_ns, server_port=server_port, running=int(values[running]),
                       waiting=int(values.get(waiting, 0.0)), generated_tokens=values.get(tokens),
                       style=style, aborted=aborted, step_tokens=sum(steps) if steps else None,
                       model=_served_model(text, running),
-                      finished=values.get(_FINISHED + finish_counter[0]) if finish_counter else None)
+                      finished=values.get(_FINISHED + finish_counter[0], unlisted) if finish_counter else None)
 
 
 def _served_model(text: str, running: str) -> str | None:
@@ -244,12 +253,10 @@ def _values(text: str, names: tuple[str, ...]) -> dict[str, float]:
         name = sample_name.removesuffix("_total")
         if name in _FINISH_NAMES:
             label, left_out = _FINISH_NAMES[name]
-            if labels.get(label) != left_out:
+            if label is None or labels.get(label) != left_out:
                 values[_FINISHED + name] = values.get(_FINISHED + name, 0.0) + value
             else:
                 values.setdefault(_FINISHED + name, 0.0)  # the engine counts finishes, none yet
-            if name not in _ABORT_NAMES:
-                continue
         if name in _ABORT_NAMES:
             label, wanted = _ABORT_NAMES[name]
             values.setdefault(name, 0.0)  # the engine counts aborts, none of them yet

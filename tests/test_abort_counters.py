@@ -147,20 +147,34 @@ def test_a_span_that_ended_well_after_the_close_is_no_abort_where_the_engine_abo
         assert row.details["unconfirmed_because"] == "raced_its_answer", row.details
 
 
-# -- vLLM's count of normal finishes: no abort counted, but a completed request counted ---------
+# -- Counts of normal finishes: no abort counted, but a completed request counted ---------------
+LLAMACPP_TOKENS = LLAMACPP + """# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 340
+"""
+
+
 @pytest.mark.parametrize(("page", "finished"), [
     (VLLM, 9.0),  # stop and length, not abort
     (VLLM.replace("} 7.0", "} 0.0").replace("} 2.0", "} 0.0"), 0.0),
-    (SGLANG, None), (LLAMACPP, None), (TGI, None)])
-def test_the_count_of_normal_finishes_is_read_under_vllms_names(page: str, finished: float | None) -> None:
+    (SGLANG, None), (LLAMACPP, None),
+    (LLAMACPP_TOKENS, 340.0),  # the tokens of the requests it finished normally
+    (TGI, 0.0),  # its counter listed from the first success: none yet
+    (TGI + "# TYPE tgi_request_success counter\ntgi_request_success 12\n", 12.0)])
+def test_the_count_of_normal_finishes_is_read_under_each_engines_names(page: str, finished: float | None) -> None:
     parsed = parse_load(page, ts_ns=1, server_port=8000)
     assert parsed is not None and parsed.finished == finished
 
 
-def counted(at: float, finished: float | None) -> EngineLoad:
-    """A scrape of vLLM's page: running the one request of ``raced_alone`` while it is in flight."""
-    return EngineLoad(ts_ns=T0 + int(at * S), server_port=SERVER_PORT, running=int(0.2 < at < 1.0), style="vllm",
-                      aborted=0.0, finished=finished)
+def test_llamacpps_finish_count_is_its_generated_token_count_too() -> None:
+    parsed = parse_load(LLAMACPP_TOKENS, ts_ns=1, server_port=8000)
+    assert parsed is not None and parsed.generated_tokens == parsed.finished == 340.0
+
+
+def counted(at: float, finished: float | None, style: str = "vllm") -> EngineLoad:
+    """A scrape of ``style``'s page (vLLM's): running the one request of ``raced_alone`` while it is
+    in flight."""
+    return EngineLoad(ts_ns=T0 + int(at * S), server_port=SERVER_PORT, running=int(0.2 < at < 1.0), style=style,
+                      aborted=None if style == "llamacpp" else 0.0, finished=finished)
 
 
 def raced_alone(store: Store, route: str = "/v1/completions", kind: ConnEventKind = ConnEventKind.PEER_FIN,
@@ -174,12 +188,13 @@ def raced_alone(store: Store, route: str = "/v1/completions", kind: ConnEventKin
 SCRAPES_AT = (-0.2, 0.1, 0.3, 0.9, 1.05, 1.3, 1.5)
 
 
-def judged_alone(store: Store, counts: Iterable[tuple[float, float | None]], **request: Any) -> VerdictRow:
-    """``raced_alone``'s request judged 9 s on, from scrapes (when, the finish count)."""
+def judged_alone(store: Store, counts: Iterable[tuple[float, float | None]], style: str = "vllm",
+                 **request: Any) -> VerdictRow:
+    """``raced_alone``'s request judged 9 s on, from scrapes of ``style``'s page (when, the finish count)."""
     clock = Clock()
     correlator = make(store, clock)
     raced_alone(store, **request)
-    correlator.add_engine_load([counted(at, count) for at, count in counts])
+    correlator.add_engine_load([counted(at, count, style) for at, count in counts])
     clock.now = T0 + 9 * S
     correlator.tick()
     [row] = verdicts(store)
@@ -235,12 +250,28 @@ def test_a_racing_close_of_a_server_error_is_not_read_by_the_finish_count(store:
     assert (row.verdict, row.details.get("no_finish_counted")) == ("unconfirmed", None), str(row.details)
 
 
+@pytest.mark.parametrize(("style", "route", "verdict"), [
+    ("tgi", "/generate_stream", "aborted"), ("tgi", "/v1/chat/completions", "aborted"),
+    ("llamacpp", "/completion", "aborted"),
+    ("vllm", "/generate_stream", "unconfirmed"),  # not a route vLLM serves, nor counts
+    ("tgi", "/v1/responses", "unconfirmed"), ("llamacpp", "/health", "unconfirmed")])
+def test_each_engines_finish_count_is_read_for_the_routes_it_counts(store: Store, style: str, route: str,
+                                                                   verdict: str) -> None:
+    """TGI's success count and llama.cpp's count of finished requests' tokens stood still while a
+    request to one of their generating routes ran: it was no complete answer; a route the engine
+    does not count says nothing."""
+    counts = (7, 8, 8, 8, 8, 8, 8) if style != "llamacpp" else (300, 340, 340, 340, 340, 340, 340)
+    row = judged_alone(store, zip(SCRAPES_AT, counts, strict=True), style=style, route=route)
+    assert (row.verdict, row.details.get("no_finish_counted", False)) == (verdict, verdict == "aborted"), \
+        str(row.details)
+
+
 def vllm_late(store: Store, counts: list[float], kind: ConnEventKind = ConnEventKind.PEER_FIN,
-              other_end: float | None = None) -> VerdictRow:
+              other_end: float | None = None, style: str = "vllm") -> VerdictRow:
     """One request from 0.2 s whose client closed at 1.0 and whose span ended 30 ms later (a loaded
-    server's): the gauges held it up to 0.9 and never after. Scrapes of vLLM's page at 0.5, 0.9,
-    1.1, 1.3 with these finish counts (a rise before them: the port counts); ``other_end``: another
-    client's request on the port whose span ended then."""
+    server's): the gauges held it up to 0.9 and never after. Scrapes of ``style``'s page (vLLM's) at
+    0.5, 0.9, 1.1, 1.3 with these finish counts (a rise before them: the port counts); ``other_end``:
+    another client's request on the port whose span ended then."""
     clock = Clock()
     correlator = make(store, clock)
     spans = [http_span("1", 0.2, 1.03, span="1")]
@@ -252,7 +283,8 @@ def vllm_late(store: Store, counts: list[float], kind: ConnEventKind = ConnEvent
     for at, finished in zip((0.3, 0.5, 0.9, 1.1, 1.3), [6.0, *counts], strict=True):
         running = int(at < 1.0) + int(other_end is not None and other_end - 0.5 < at < other_end)
         correlator.add_engine_load([EngineLoad(ts_ns=T0 + int(at * S), server_port=SERVER_PORT, running=running,
-                                               style="vllm", aborted=0.0, finished=finished)])
+                                               style=style, aborted=None if style == "llamacpp" else 0.0,
+                                               finished=finished)])
     clock.now = T0 + 9 * S
     correlator.tick()
     return next(row for row in verdicts(store) if row.client_port == CLIENT[1])
@@ -267,5 +299,19 @@ def vllm_late(store: Store, counts: list[float], kind: ConnEventKind = ConnEvent
 def test_a_span_that_ended_well_after_the_close_is_no_abort_where_vllm_counted_its_finish(
         store: Store, counts: list[float], kind: ConnEventKind, other_end: float | None, verdict: str) -> None:
     row = vllm_late(store, counts, kind, other_end)
+    assert row.verdict == verdict, str(row.details)
+    assert row.details.get("finish_counted", False) is (verdict == "unconfirmed"), row.details
+
+
+@pytest.mark.parametrize(("counts", "style", "other_end", "verdict"), [
+    ([7, 7, 8, 8], "tgi", None, "unconfirmed"),  # TGI counts requests, as vLLM
+    ([7, 7, 8, 8], "tgi", 1.05, "aborted"),
+    ([70, 70, 88, 88], "llamacpp", None, "unconfirmed"),  # tokens of a finish: its own, the only end
+    ([70, 70, 70, 70], "llamacpp", None, "aborted"),
+    # Two answers ended, and 36 tokens were counted: one request's, or both? A count of tokens cannot say.
+    ([70, 70, 106, 106], "llamacpp", 1.05, "aborted")])
+def test_a_span_that_ended_well_after_the_close_is_no_abort_where_tgi_or_llamacpp_counted_its_finish(
+        store: Store, counts: list[float], style: str, other_end: float | None, verdict: str) -> None:
+    row = vllm_late(store, [float(count) for count in counts], other_end=other_end, style=style)
     assert row.verdict == verdict, str(row.details)
     assert row.details.get("finish_counted", False) is (verdict == "unconfirmed"), row.details

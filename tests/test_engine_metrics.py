@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from collectors.enginemetrics import known_series, parse_load
+from replay.engine.signals import StyleMetrics
 
 VLLM_PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -96,3 +98,28 @@ def test_the_known_series_read_as_prometheus_clients_own_parser_reads_them(page:
 def test_a_malformed_known_line_is_an_error(line: str) -> None:
     with pytest.raises(ValueError):
         list(known_series(line + "\n"))
+
+
+@pytest.mark.parametrize(("style", "after_abort", "after_finish"), [
+    ("vllm", 0.0, 1.0),  # its "abort" series left out, and never counted for a client's abort
+    ("tgi", 0.0, 1.0),  # no series until the first success
+    ("llamacpp", 0.0, 12.0),  # a finished request's tokens, counted as it finishes; an abort's never
+    ("sglang", None, None)])
+def test_the_reference_engines_finish_counts_read_as_each_engine_counts(
+        style: str, after_abort: float | None, after_finish: float | None) -> None:
+    """The reference engine under each engine's names counts finishes as that engine does; the
+    daemon reads them so: an abort moves no finish count, a normal finish does."""
+    registry = CollectorRegistry()
+    metrics = StyleMetrics(registry, style, lambda: (1, 0))
+    metrics.step(7)
+    metrics.finish("abort", 7)
+
+    def finished() -> float | None:
+        load = parse_load(generate_latest(registry).decode(), ts_ns=1, server_port=8000)
+        assert load is not None and load.style == style
+        return load.finished
+
+    assert finished() == after_abort
+    metrics.step(5)
+    metrics.finish("stop", 12)
+    assert finished() == after_finish

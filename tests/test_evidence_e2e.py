@@ -170,16 +170,18 @@ def http_spans_only(tmp_path: Path, behavior: str, names: str, send_spans: bool,
 
 
 @pytest.mark.parametrize(("names", "flag"), [
-    ("tgi", "no_abort_counted"), ("sglang", "no_abort_counted"), ("vllm", "finish_counted")])
+    ("tgi", "no_abort_counted"), ("sglang", "no_abort_counted"), ("vllm", "finish_counted"),
+    ("llamacpp", "finish_counted")])
 def test_a_loaded_servers_late_span_end_is_no_abort_where_the_engine_counts(tmp_path: Path, names: str,
                                                                             flag: str) -> None:
     """The server's event loop held 30 ms after each answer's last byte (``--span-end-lag-ms``, as
     other work holds a loaded server's): its clients, which read it all and closed at once, closed
     30 ms before the span ended, as a cancel the server reacted to does. With the gauges alone each
     was `aborted` (every one, by each engine's names); the engine, which counts every abort,
-    counted none then, or (vLLM) counted its normal finish as the client left: `unconfirmed`, since
-    nothing says whether the answer was whole. Its cancels (first, so that the port's abort
-    counter is seen to count) stay `aborted`."""
+    counted none then, or (vLLM; llama.cpp, which counts no aborts, by the tokens of the requests
+    it finished) counted its normal finish as the client left: `unconfirmed`, since nothing says
+    whether the answer was whole. Its cancels (first, so that the port's abort counter is seen to
+    count) stay `aborted`."""
     settings = {"engine_metrics.interval_seconds": SCRAPE_S}
     with HostWitness() as witness, running_daemon(tmp_path, **settings) as daemon, \
             running_engine(behavior="abort", otlp=f"http://127.0.0.1:{daemon.status.http_port}",

@@ -325,11 +325,11 @@ def _metrics_work_end(corr: Correlator, request: OpenRequest, subtree: list[Span
                 return ev.MetricsEnd(None, 0.0, 0, awaiting=True), port, disconnect, max(disconnect, hop.end_ns)
             (first, second), answered = held[1] or (disconnect, disconnect), max(disconnect, hop.end_ns)
             unfinished, read_until = False, second
-            if held[0] is False and hop.route in ev.COUNTED_ROUTES and (hop.http_status or 0) < 500:
+            if held[0] is False and (hop.http_status or 0) < 500:
                 # It held no more once it left: a complete answer or an abort at once. The engine's
                 # count of normal finishes tells which, where it stood still over the request's life
                 # (a server error is neither, and is never counted).
-                counted = corr.loads.no_finish_while(port, hop.start_ns, hop.end_ns)
+                counted = corr.loads.no_finish_while(port, hop.route, hop.start_ns, hop.end_ns)
                 if counted is None and now - until <= ev.HELD_ONE_MORE_WINDOW_NS:
                     return ev.MetricsEnd(None, 0.0, 0, awaiting=True), port, disconnect, answered
                 if counted is not None and counted[0]:

@@ -28,7 +28,14 @@ from typing import Any
 from auditor.correlate.checkpoints import Checkpoints
 from auditor.correlate.prune import drop_front
 from auditor.correlate.verdict import CLOCK_ERROR_NS
-from auditor.model import LOGGED_STYLES, STEP_STILL_NS, EngineLoad, ListedClient, SpanRecord
+from auditor.model import (
+    FINISHES_COUNTED_IN_TOKENS,
+    LOGGED_STYLES,
+    STEP_STILL_NS,
+    EngineLoad,
+    ListedClient,
+    SpanRecord,
+)
 
 FINAL_SEND_ATTR = "asgi.event.final"
 SERVER_CLOSED_FIRST_NS = 1_000_000_000  # a client's close this soon after the server's FIN answers it
@@ -112,10 +119,16 @@ class MetricsEnd:
     no_finish_counted: bool = False
 
 
-# The routes whose requests an engine's finish counter counts (vLLM's generating endpoints): a
-# request to another (a health check, the model list) never moves it, so its standing still says
-# nothing of such a request's answer (``EngineLoads.no_finish_while``).
-COUNTED_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+# The routes whose requests each engine's finish counter counts (``EngineLoad.style``: its
+# generating endpoints): a request to another (a health check, the model list) never moves it, so
+# its standing still says nothing of such a request's answer (``EngineLoads.no_finish_while``).
+_OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+COUNTED_ROUTES: dict[str, frozenset[str]] = {
+    "vllm": _OPENAI_ROUTES | {"/v1/responses"},
+    "tgi": _OPENAI_ROUTES | {"/generate", "/generate_stream"},
+    "llamacpp": _OPENAI_ROUTES | {"/completion", "/completions", "/chat/completions", "/infill"},
+    "ref": _OPENAI_ROUTES,
+}
 # vLLM counts a finish as it hands the request's last output to the server, which may be a few
 # milliseconds after the server sent it where outputs are handed over in slices (over 128 at once):
 # the count is read up to the first scrape this long after the span's end.
@@ -956,19 +969,20 @@ class EngineLoads:
         last = series[after + 1]
         return max(last.ts_ns, last.answered_ns or last.ts_ns)
 
-    def no_finish_while(self, port: int, start_ns: int, end_ns: int) -> tuple[bool, int] | None:
+    def no_finish_while(self, port: int, route: str | None, start_ns: int, end_ns: int) -> tuple[bool, int] | None:
         """Whether the engine's finish counter stood still over a request's whole life: from a
         scrape answered before its server span began (``start_ns``) to the first read
         FINISH_COUNT_LAG_NS after it ended (``end_ns``), every scrape between reading the same
-        count, on a port whose engine has been seen to count. An engine counts a request it
+        count, on a port whose engine has been seen to count, for a ``route`` it counts the requests
+        of (``COUNTED_ROUTES``). An engine counts a request it
         finished normally as it hands its last token over, so a request that completed would have
         moved it; one whose client closed as its span ended was then no complete answer. With the
         answer, when the last scrape it read was answered (the verdict waits for it); None while
         that scrape has not come. A count that moved (another request finished, or this one), or
         nothing to compare: (False, 0)."""
-        if port not in self._counts_finishes:
-            return False, 0
         series = self._loads.get(port, [])
+        if port not in self._counts_finishes or not series or route not in COUNTED_ROUTES.get(series[-1].style, ()):
+            return False, 0
         before = _answered_before(series, start_ns - CLOCK_ERROR_NS)  # not one read as the request began
         after = bisect.bisect_right(series, end_ns + FINISH_COUNT_LAG_NS, key=_TS)
         if before < 0:
@@ -1035,7 +1049,8 @@ class EngineLoads:
         too): each of them, this request among them, was then finished normally. An engine counts a
         finish when it hands the last token over, before the server writes the last byte and so
         before a client that read it closes. Fewer finishes than ends say nothing: one of them may
-        be this one's, or another's. On a port whose count has been seen to rise (vLLM's)."""
+        be this one's, or another's; nor does a count of tokens (llama.cpp's) where any other span
+        ended then. On a port whose count has been seen to rise."""
         if port not in self._counts_finishes:
             return False
         series = self._loads.get(port, [])
@@ -1048,6 +1063,8 @@ class EngineLoads:
             return False
         delay = max(0, end_ns - disconnect_ns)
         ends = ended(first.answered_ns or first.ts_ns, max(last.answered_ns or last.ts_ns, end_ns) + delay)
+        if first.style in FINISHES_COUNTED_IN_TOKENS:  # some request finished: this one, the only one that ended
+            return ends == 1
         return 0 < ends <= last.finished - first.finished
 
     def prune(self, cutoff_ns: int, closes_cutoff_ns: int | None = None) -> None:

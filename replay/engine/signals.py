@@ -8,7 +8,7 @@ verdicts can be checked against the truth log for every combination:
 | flag | effect |
 |---|---|
 | ``--engine-span NAME`` | the engine span's name (``llm_request`` as vLLM; ``none``: HTTP server spans only); with another engine's ``--metrics-names``, ``llm_request`` names no model, as vLLM's |
-| ``--metrics-names STYLE`` | running/waiting gauges, token counter and (where the engine has one) finished/aborted counter also under ``vllm``, ``sglang``, ``tgi`` or ``llamacpp`` names |
+| ``--metrics-names STYLE`` | running/waiting gauges, token counter and (where the engine has one) finished/aborted counter also under ``vllm``, ``sglang``, ``tgi`` or ``llamacpp`` names, each counted when that engine counts it |
 | ``--send-spans`` | the HTTP server span gets ``http send`` sub-spans; the one that ends the response says so |
 | ``--one-at-a-time`` | one request is served at a time; the rest wait before the HTTP handler (llama.cpp ``-np 1``) |
 | ``--gauges-on-steps`` | the style's gauges change only when the engine steps (vLLM's: every request aborted at once leaves them at their last values), or, for SGLang's, when it logs a batch: each prefill, every 40 decode steps, and idle every 30 s |
@@ -42,11 +42,17 @@ METRIC_NAMES: dict[str, tuple[str, str, str]] = {
 # How each engine counts finished requests: vLLM by ``finished_reason`` (stop, length, abort), but
 # a request aborted because its client left never reaches that count (the output processor's abort
 # path records no finished-request stats: the "abort" series stays 0); SGLang all requests and
-# aborted ones apart; TGI counts a request whose client is gone as a failure, ``err="dropped"``,
-# when it stops its work (its series appears with the first); llama.cpp counts no aborts.
+# aborted ones apart; TGI counts a request finished normally as ``tgi_request_success`` and one
+# whose client is gone as a failure, ``err="dropped"``, when it stops its work (each series appears
+# with its first count); llama.cpp counts no requests, and adds a request's generated tokens to its
+# token counter only when it finishes it normally (a cancelled task is released uncounted).
 FINISH_COUNTERS: dict[str, tuple[str, str]] = {
     "vllm": ("vllm:request_success", "Finished requests by finish reason (engine's own name)."),
 }
+SUCCESS_COUNTERS: dict[str, tuple[str, str]] = {
+    "tgi": ("tgi_request_success", "Requests that succeeded (engine's own name)."),
+}
+TOKENS_AT_FINISH = frozenset({"llamacpp"})
 ABORT_COUNTERS: dict[str, tuple[str, str]] = {
     "sglang": ("sglang:num_aborted_requests", "Aborted requests (engine's own name)."),
 }
@@ -83,6 +89,9 @@ class StyleMetrics:
         self.finished: Counter | None = None
         self.aborted: Counter | None = None
         self.dropped: Counter | None = None
+        self.succeeded: Counter | None = None
+        self._registry = registry
+        self._style = style
         # on_steps: what the last published step left, as vLLM publishes its scheduler's counts
         # with each step (vLLM issues 22545, 29928: every request aborted at once leaves them at
         # their last values), and SGLang with each logged batch (LOGGED_EVERY_STEPS).
@@ -134,7 +143,7 @@ class StyleMetrics:
         self._generated_since_log += tokens
         if not self._on_steps or prefilled or self._steps % self._log_every == 0:
             self._log(idle=False)
-        if self.tokens is not None:
+        if self.tokens is not None and self._style not in TOKENS_AT_FINISH:
             self.tokens.inc(tokens)
 
     def _log(self, *, idle: bool) -> None:
@@ -160,11 +169,17 @@ class StyleMetrics:
         """A request finished (``reason`` "abort": its client left and its work stopped)."""
         if self.finished is not None and reason != "abort":
             self.finished.labels(reason).inc()
+        if self._style in SUCCESS_COUNTERS and reason != "abort":
+            if self.succeeded is None:  # listed from its first count, as TGI's exporter does
+                self.succeeded = Counter(*SUCCESS_COUNTERS[self._style], registry=self._registry)
+            self.succeeded.inc()
+        if self._style in TOKENS_AT_FINISH and self.tokens is not None and reason != "abort":
+            self.tokens.inc(tokens)
         if self.aborted is not None and reason == "abort":
             self.aborted.inc()
         if self.dropped is not None and reason == "abort":
             self.dropped.labels(self._dropped_value).inc()
-        if self.tokens_per_request is not None:
+        if self.tokens_per_request is not None and reason != "abort":  # TGI records a success's only
             self.tokens_per_request.observe(tokens)
 
 
