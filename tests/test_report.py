@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -59,7 +60,7 @@ def test_totals_are_summed_over_the_window_only(filled: Store) -> None:
     assert t.wasted_gpu_share == pytest.approx(14.0 / 7200.0)
 
 
-def test_unconfirmed_verdicts_without_gauges_are_counted_apart(store: Store) -> None:
+def test_unconfirmed_verdicts_without_gauges_or_racing_their_answer_are_counted_apart(store: Store) -> None:
     # Those no gauges of their engine told (its /metrics not read): the ones scraping would confirm.
     store.upsert_verdicts([
         _verdict(n, Verdict.UNCONFIRMED, start_s=60.0 * n, disconnect_s=60.0 * n + 1, end_s=60.0 * n + 1.5, lag=None,
@@ -67,12 +68,16 @@ def test_unconfirmed_verdicts_without_gauges_are_counted_apart(store: Store) -> 
         for n, because in ((1, "no_gauges"), (2, "no_gauges"), (3, "raced_its_answer"), (4, "gauges_cannot_tell"))])
     report = build_report(store, HOUR)
     assert (report.totals.unconfirmed, report.totals.unconfirmed_without_gauges) == (4, 2)
+    # Those whose client closed as the answer ended: whole answers, or stops, that nothing told apart.
+    assert report.totals.unconfirmed_raced == 1
     document = report_dict(report)
     validate(document)
-    assert document["totals"]["unconfirmed_without_gauges"] == 2
+    assert (document["totals"]["unconfirmed_without_gauges"], document["totals"]["unconfirmed_raced"]) == (2, 1)
     table = render_table(report)
     assert "no gauges read" in table and "auditor doctor" in table
-    assert "2 with no gauges of their engine read" in render_html(report)
+    assert re.search(r"raced their answer +1 ", table), table
+    html = render_html(report)
+    assert "2 with no gauges of their engine read" in html and "1 whose client closed as its answer ended" in html
 
 
 def test_breakdowns_group_by_each_dimension(filled: Store) -> None:

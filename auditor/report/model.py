@@ -62,6 +62,9 @@ class Totals:
     # Of those, the ones with no gauges of their engine read (details.unconfirmed_because no_gauges):
     # the engine's /metrics, scraped, could have told (vLLM sends no span for an abort).
     unconfirmed_without_gauges: int = 0
+    # And the ones whose client closed as its answer ended (details.unconfirmed_because
+    # raced_its_answer): a client that read it all, or a server that stopped at once on the close.
+    unconfirmed_raced: int = 0
     zombie_seconds: float = 0.0
     wasted_tokens: int = 0
     wasted_tokens_estimated: int = 0  # the part of wasted_tokens that the engine did not report exactly

@@ -201,7 +201,10 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
                          & v.details["cost_unmeasured"].as_string().is_not(None)).label("uncosted"),
                _count_if((v.verdict == "unconfirmed")
                          & (v.details["unconfirmed_because"].as_string() == "no_gauges"))  # evidence.NO_GAUGES
-               .label("ungauged"))
+               .label("ungauged"),
+               _count_if((v.verdict == "unconfirmed")
+                         & (v.details["unconfirmed_because"].as_string() == "raced_its_answer"))
+               .label("raced"))
         .where(*_verdict_filter(query)).group_by(*keys, v.verdict)).all()
     folded: dict[str, dict[str | None, list[float]]] = {d: {} for d in BREAKDOWN_DIMENSIONS}
     for row in rows:
@@ -220,6 +223,7 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
         totals.zombies_without_tokens += int(row.tokens_unknown)
         totals.uncosted_zombies += int(row.uncosted)
         totals.unconfirmed_without_gauges += int(row.ungauged)
+        totals.unconfirmed_raced += int(row.raced)
         for dimension in BREAKDOWN_DIMENSIONS:
             acc = folded[dimension].setdefault(row._mapping[dimension], [0.0] * 10)
             acc[0] += count

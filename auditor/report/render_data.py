@@ -157,6 +157,7 @@ def report_header_dict(report: Report) -> dict[str, Any]:
             "uncapped_disconnects": totals.uncapped_disconnects,
             "uncosted_zombies": totals.uncosted_zombies,
             "unconfirmed_without_gauges": totals.unconfirmed_without_gauges,
+            "unconfirmed_raced": totals.unconfirmed_raced,
             "idle_closes": totals.idle_closes,
             "unjoined_disconnects": totals.unjoined_disconnects,
             "unjoined_spans": totals.unjoined_spans,

@@ -132,7 +132,9 @@ def _totals_table(report: Report) -> list[str]:
         ("zombie", f"{t.zombies:,}"), ("in-flight zombie", f"{t.inflight_zombies:,}"),
         ("unconfirmed", f"{t.unconfirmed:,}"
          + (f" ({t.unconfirmed_without_gauges:,} with no gauges of their engine read: its /metrics, scraped, could "
-            "tell; auditor doctor says why it is not)" if t.unconfirmed_without_gauges else "")),
+            "tell; auditor doctor says why it is not)" if t.unconfirmed_without_gauges else "")
+         + (f" ({t.unconfirmed_raced:,} whose client closed as its answer ended: a whole answer, or one the "
+            "server stopped at once; an engine span joined to the request would tell)" if t.unconfirmed_raced else "")),
         ("zombie time", f"{t.zombie_seconds:,.1f} s"),
         ("wasted tokens", f"{tokens} ({tokens_note})" if tokens_note else tokens),
         ("wasted GPU time", f"{t.wasted_gpu_seconds:,.1f} GPU-s, {gpu}"),

@@ -163,6 +163,9 @@ def _totals(report: Report, width: int) -> list[str]:
         *([row("    no gauges read", f"{t.unconfirmed_without_gauges:,}",
                "the engine's /metrics could tell: auditor doctor")]
           if t.unconfirmed_without_gauges else []),
+        *([row("    raced their answer", f"{t.unconfirmed_raced:,}",
+               "closed as the answer ended: whole, or stopped?")]
+          if t.unconfirmed_raced else []),
         row("zombie time", f"{t.zombie_seconds:,.1f} s",
             duration(t.zombie_seconds) if t.zombie_seconds >= 60 else ""),
         row("wasted tokens", tokens, tokens_note),
