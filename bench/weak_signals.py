@@ -15,6 +15,7 @@ Usage: .venv/bin/python bench/weak_signals.py [--behavior detached] [--source pr
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -37,8 +38,19 @@ from tests.e2e import (
 
 
 def one_run(args: argparse.Namespace) -> Counter[str]:
-    """One engine and daemon: the table of verdicts, and the tally of how they compare with the truth."""
+    """One engine and daemon, in a folder of their own (removed after unless ``--keep``)."""
     tmp = Path(tempfile.mkdtemp(prefix="weak-signals-"))
+    try:
+        return judged_against_truth(args, tmp)
+    finally:
+        if args.keep:
+            print(f"the run's store and truth log: {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def judged_against_truth(args: argparse.Namespace, tmp: Path) -> Counter[str]:
+    """The table of verdicts, and the tally of how they compare with the truth."""
     settings = {"probe.source": args.source, "probe.poll_hz": 20, "correlate.late_span_seconds": 10.0,
                 "engine_metrics.interval_seconds": 0.1}
     engine_args = ["--engine-span", args.engine_span, "--metrics-names", args.metrics_names, *args.engine_flag]
@@ -101,6 +113,7 @@ def main() -> int:
     parser.add_argument("--details", action="store_true", help="print each verdict's details too")
     parser.add_argument("--runs", type=int, default=1, help="runs, each with its own engine and daemon")
     parser.add_argument("--settle-s", type=float, default=14.0, help="seconds to wait for the verdicts")
+    parser.add_argument("--keep", action="store_true", help="keep each run's store and truth log (printed)")
     args = parser.parse_args()
     if args.cancel_after is None:
         args.cancel_after = 0.1 if args.plain else 0.0
