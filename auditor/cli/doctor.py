@@ -250,8 +250,31 @@ def check_engines(ports: Iterable[int], proc_root: Path = Path("/proc"), otlp: I
     return Check("engines", OK, detail)
 
 
-ENGINE_METRICS_FIX = ("expose the engine's Prometheus page on its serving port (llama.cpp: --metrics; vLLM, SGLang "
-                      "and TGI serve /metrics), or set engine_metrics.path to where it is")
+ENGINE_METRICS_FIX = ("expose the engine's Prometheus page on its serving port (llama.cpp: --metrics; SGLang: "
+                      "--enable-metrics; vLLM without --disable-log-stats; TGI serves it), or set "
+                      "engine_metrics.path to where it is")
+
+
+def engine_flag_hint(argv: list[str]) -> str | None:
+    """What in an engine's command line keeps its gauges off its /metrics, where it says: vLLM
+    publishes them only from its stats loggers, which ``--disable-log-stats`` turns off (the page
+    then holds no ``vllm:`` series); SGLang serves the page only with ``--enable-metrics``;
+    llama.cpp's server only with ``--metrics`` (or ``LLAMA_ARG_ENDPOINT_METRICS=1``, which a
+    command line does not show)."""
+    head = argv[:4]  # the program, or an interpreter and its -m module
+    names = [Path(arg).name for arg in head]
+
+    def runs(program: str, module: str) -> bool:
+        return program in names or any(arg.startswith(module) for arg in head)
+
+    if runs("vllm", "vllm.entrypoints") and "--disable-log-stats" in argv:
+        return "its command line has vLLM's --disable-log-stats, which keeps every vllm: gauge off the page: drop it"
+    if runs("sglang", "sglang.launch_server") and "--enable-metrics" not in argv:
+        return "its command line is SGLang's without --enable-metrics, without which it serves no /metrics"
+    if any(name.startswith("llama-server") for name in names) and "--metrics" not in argv:
+        return ("its command line is llama.cpp's server without --metrics, without which it serves no /metrics "
+                "(unless LLAMA_ARG_ENDPOINT_METRICS=1 is in its environment)")
+    return None
 
 
 def check_engine_metrics(ports: Iterable[int], path: str = "/metrics", scrape: bool = True,
@@ -272,6 +295,14 @@ def check_engine_metrics(ports: Iterable[int], path: str = "/metrics", scrape: b
     addresses = EngineAddresses(lambda wanted: listening_inodes(wanted, proc_root), NetNamespaces(proc_root))
     here = listening_inodes(set(ports), proc_root)
     read, unread = [], []
+
+    def hint(port: int, address: str) -> str:
+        """Why the engine listening there gives no gauges, where its command line says."""
+        inodes = addresses.listening(port, address) or here.get(port, set())
+        holder = socket_holder(set(inodes), proc_root)
+        said = engine_flag_hint(holder[1]) if holder else None
+        return f"; pid {holder[0]}: {said}" if holder and said else ""
+
     for port in sorted(set(ports)):
         at = addresses.of(port)
         if port not in here and addresses.listening(port, at[0]) is None:
@@ -283,13 +314,13 @@ def check_engine_metrics(ports: Iterable[int], path: str = "/metrics", scrape: b
             try:
                 load = scraper.scrape(port)
             except OSError as exc:
-                unread.append(f"{where}: {path} not read ({exc})")
+                unread.append(f"{where}: {path} not read ({exc}){hint(port, address)}")
                 continue
             finally:
                 scraper.close()
             if load is None:
                 unread.append(f"{where}: {path} has no engine metric this daemon knows (vLLM, SGLang, TGI, "
-                              "llama.cpp)")
+                              f"llama.cpp){hint(port, address)}")
             else:
                 read.append(f"{where}: {load.style or 'engine'} gauges read ({load.running} running, "
                             f"{load.waiting} waiting)")
