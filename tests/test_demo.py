@@ -22,6 +22,8 @@ def test_demo_finds_zombies_and_passes_the_gate_after_the_fix(tmp_path: Path) ->
     before, after, cancelled = map(int, found.groups())
     assert 0 < before <= cancelled and after == 0
     assert "errors = 0; gate passed" in result.stdout and "Traceback" not in result.stderr
+    replayed = re.search(r"--as-captured: .*; verdicts: (.*)", result.stdout)
+    assert replayed and re.fullmatch(r"\d+ [a-z_]+(, \d+ [a-z_]+)*", replayed.group(1)), result.stdout[-3000:]
     assert (tmp_path / "report.html").read_text().count("<svg") >= 2
     assert (tmp_path / "capture.db").stat().st_size > 0 and (tmp_path / "auditor.db").stat().st_size > 0
 

@@ -157,7 +157,8 @@ def run_demo(output_dir: Path, device: str = "cpu") -> int:
 
     zombies_before = sum(before.get(v, 0) for v in ZOMBIE_VERDICTS)
     click.echo(f"  auditor replay --as-captured: {summary.cancelled} of {summary.planned_cancels} planned cancels "
-               f"happened, {summary.sent} requests sent, errors = {summary.errors}; verdicts {summary.verdicts}"
+               f"happened, {summary.sent} requests sent, errors = {summary.errors}; verdicts: "
+               + (", ".join(f"{count} {verdict}" for verdict, count in sorted(summary.verdicts.items())) or "none")
                + (f", {summary.unjudged} without one" if summary.unjudged else ""))
     decision, _ = gate(summary)
     for kind, reason in gate_reasons(summary):
