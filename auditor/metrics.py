@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from auditor import __version__
+from auditor.correlate.evidence import GAUGES_CANNOT_TELL, NO_GAUGES, RACED_ITS_ANSWER
 from auditor.model import RequestVerdict, Verdict
 from auditor.ownstats import OwnCostCollector
 from auditor.promtext import (
@@ -106,6 +107,9 @@ class DaemonMetrics:
         self._zombie_durations: dict[tuple[str, str], _Buckets] = {}
         self._wasted = {"gpu": 0.0, "cpu": 0.0, "tokens": 0.0}
         self._uncosted = 0  # zombies whose engine's time could not be read (details.cost_unmeasured)
+        # unconfirmed verdicts by why nothing told (details.unconfirmed_because), each series from the start
+        self._unconfirmed: collections.Counter[str] = collections.Counter(
+            dict.fromkeys((RACED_ITS_ANSWER, GAUGES_CANNOT_TELL, NO_GAUGES), 0))
         self._disconnects: collections.Counter[str] = collections.Counter()
         self._completed_total = 0
         self._completions: collections.deque[tuple[float, int]] = collections.deque()
@@ -144,6 +148,9 @@ class DaemonMetrics:
                 self._wasted["tokens"] += verdict.tokens_after_disconnect or 0
                 if verdict.details.get("cost_unmeasured"):
                     self._uncosted += 1
+            elif verdict.verdict is Verdict.UNCONFIRMED:
+                because = str(verdict.details.get("unconfirmed_because"))
+                self._unconfirmed[because if because in self._unconfirmed else "other"] += 1
 
     def disconnect(self, kind: str, count: int = 1) -> None:
         """Peer FINs or RSTs the probe saw (``fin``/``rst``)."""
@@ -202,6 +209,13 @@ class DaemonMetrics:
         yield CounterFamily("auditor_zombies_uncosted", "Zombies whose engine's GPU or CPU time could not "
                             "be read (its process, or its GPU processes on a host of several GPUs, not "
                             "known): their wasted seconds count 0", value=self._uncosted)
+        unconfirmed = CounterFamily("auditor_unconfirmed_verdicts", "Unconfirmed verdicts by why nothing told "
+                                    "whether the work stopped: raced_its_answer (the client closed as its answer "
+                                    "ended), gauges_cannot_tell, no_gauges (no gauges of its engine read)",
+                                    labels=["because"])
+        for because, count in sorted(self._unconfirmed.items()):
+            unconfirmed.add_metric([because], count)
+        yield unconfirmed
         disconnects = CounterFamily("auditor_disconnects", "Peer FIN/RST seen on watched ports",
                                     labels=["kind"])
         for kind in sorted(set(self._disconnects) | {"fin", "rst"}):

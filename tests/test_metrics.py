@@ -100,6 +100,31 @@ def test_sources_are_read_when_prometheus_scrapes() -> None:
         server.stop()
 
 
+def test_unconfirmed_verdicts_show_by_why() -> None:
+    """Each reason's series from the start, at 0; a verdict that names none counts as other."""
+    metrics = DaemonMetrics(lambda: SourceReadings(source="bpf"))
+    server = MetricsServer(metrics.registry, "127.0.0.1", 0)
+    try:
+        assert scrape(server.port)["auditor_unconfirmed_verdicts_total"] == {
+            (("because", because),): 0 for because in ("raced_its_answer", "gauges_cannot_tell", "no_gauges")}
+        for n, details in enumerate(({"unconfirmed_because": "raced_its_answer"},
+                                     {"unconfirmed_because": "raced_its_answer"},
+                                     {"unconfirmed_because": "no_gauges"}, {})):
+            metrics.settled(RequestVerdict(request_key=f"h/t/{n}", host="h", verdict=Verdict.UNCONFIRMED,
+                                           disconnect_at_ns=1, disconnect_kind="fin", request_start_ns=0,
+                                           work_end_ns=None, lag_seconds=None, route="/v1/completions", model="m",
+                                           details=details))
+        metrics.settled(RequestVerdict(request_key="h/t/z", host="h", verdict=Verdict.ABORTED, disconnect_at_ns=1,
+                                       disconnect_kind="fin", request_start_ns=0, work_end_ns=2, lag_seconds=0.0,
+                                       route="/v1/completions", model="m",
+                                       details={"unconfirmed_because": "no_gauges"}))  # not unconfirmed: not counted
+        assert scrape(server.port)["auditor_unconfirmed_verdicts_total"] == {
+            (("because", "raced_its_answer"),): 2, (("because", "gauges_cannot_tell"),): 0,
+            (("because", "no_gauges"),): 1, (("because", "other"),): 1}
+    finally:
+        server.stop()
+
+
 def test_the_probes_kernel_time_shows_with_the_ebpf_source_only() -> None:
     readings = SourceReadings(source="procfs")
     metrics = DaemonMetrics(lambda: readings)
