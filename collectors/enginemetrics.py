@@ -73,8 +73,8 @@ LISTED_ONCE_COUNTED = frozenset({"tgi"})
 # it; a stream whose client left is dropped uncounted. llama.cpp counts no requests, but adds a
 # request's generated tokens to ``tokens_predicted`` only as it finishes it normally, just after it
 # hands the last over (a task cancelled because its client left is released uncounted): a rise
-# says some request finished, not how many (``auditor.model.FINISHES_COUNTED_IN_TOKENS``). No rise over a
-# request's whole life, on an engine seen to count, says it did not finish normally
+# says some request finished, not how many (``auditor.model.FINISHES_COUNTED_IN_TOKENS``). No rise
+# over a request's whole life, on an engine seen to count, says it did not finish normally
 # (``EngineLoads.no_finish_while``): where its client closed as its span ended, it was no complete
 # answer.
 FINISH_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {

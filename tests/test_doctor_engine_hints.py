@@ -15,7 +15,8 @@ from auditor.cli.doctor import DEGRADED, check_engine_metrics, engine_flag_hint
 # What vLLM's /metrics holds with its stats loggers off: the Python client's own series only.
 SERVER = '''\
 import http.server, sys
-PAGE = b"# TYPE python_gc_objects_collected_total counter\\npython_gc_objects_collected_total{generation=\\"0\\"} 3.0\\n"
+PAGE = (b"# TYPE python_gc_objects_collected_total counter\\n"
+        b"python_gc_objects_collected_total{generation=\\"0\\"} 3.0\\n")
 class Page(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200)
