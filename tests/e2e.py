@@ -21,6 +21,7 @@ from sqlalchemy import select
 
 from auditor.config import apply_overrides, load_config
 from auditor.daemon import Daemon
+from auditor.model import EngineLoad
 from auditor.store import VerdictRow
 from replay.engine.truth import expected_verdict as truth_verdict
 
@@ -302,9 +303,12 @@ def match_to_truth(rows: Sequence[VerdictRow], truths: Sequence[dict[str, Any]]
     return matched, unmatched
 
 
-def timeline(row: VerdictRow, truth: dict[str, Any], events: Sequence[Any] = ()) -> str:
-    """One request's moments as the engine's truth log and the verdict have them, and the kernel's
-    events on its client port, in ms from the engine's arrival: what a wrong verdict read."""
+def timeline(row: VerdictRow, truth: dict[str, Any], events: Sequence[Any] = (),
+             scrapes: Sequence[EngineLoad] = ()) -> str:
+    """One request's moments as the engine's truth log and the verdict have them, the kernel's
+    events on its client port, and the engine's scrapes (``scrapes``, of its port) from 0.4 s before
+    its close to 0.3 s after (sent/answered, running, finish and abort counts), in ms from the
+    engine's arrival: what a wrong verdict read."""
     arrived = truth["arrival_at"]
 
     def at(ns: int | None) -> str:
@@ -312,10 +316,16 @@ def timeline(row: VerdictRow, truth: dict[str, Any], events: Sequence[Any] = ())
 
     told = " ".join(f"{event.kind.value}@{at(event.ts_ns)}" for event in events
                     if event.client_port == row.client_port and event.server_port == row.server_port)
+    near = [load for load in scrapes if load.server_port == row.server_port
+            and -400_000_000 < load.ts_ns - row.disconnect_at_ns < 300_000_000]
+    read = " ".join(f"{at(load.ts_ns)}/{at(load.answered_ns or load.ts_ns)}:r{load.running}"
+                    f"f{load.finished if load.finished is None else f'{load.finished:g}'}"
+                    f"a{load.aborted if load.aborted is None else f'{load.aborted:g}'}" for load in near)
     return (f"truth: port {truth.get('client_port')}, first token {at(truth.get('first_token_at'))}, finished "
             f"{at(truth.get('finished_at'))} ({truth.get('finish_reason')}), left {at(truth.get('disconnect_at'))}; "
             f"verdict: port {row.client_port}, start {at(row.request_start_ns)}, {row.disconnect_kind} "
-            f"{at(row.disconnect_at_ns)}, work end {at(row.work_end_ns)}; kernel: {told or 'none'}")
+            f"{at(row.disconnect_at_ns)}, work end {at(row.work_end_ns)}; kernel: {told or 'none'}"
+            + (f"; scrapes sent/answered:running,finished,aborted {read}" if scrapes else ""))
 
 
 # A scrape reads the engine's gauges a step or two from its own time, and the clocks agree within

@@ -472,6 +472,10 @@ class EngineLoads:
                 del closes[index]
                 self._changed(ts_ns)
 
+    def scrapes_of(self, port: int) -> tuple[EngineLoad, ...]:
+        """The scrapes of ``port`` held now, oldest first (those pruned are gone)."""
+        return tuple(self._loads.get(port, ()))
+
     def watched(self, port: int) -> bool:
         return bool(self._loads.get(port))
 
