@@ -184,6 +184,10 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
     """
     v = verdicts.c
     keys = [v[dimension] for dimension in BREAKDOWN_DIMENSIONS]
+
+    def unconfirmed_because(reason: str) -> Any:
+        return _count_if((v.verdict == "unconfirmed") & (v.details["unconfirmed_because"].as_string() == reason))
+
     rows = conn.execute(
         select(*keys, v.verdict, func.count().label("n"),
                _sum(_finite(v.lag_seconds)).label("lag"),
@@ -199,12 +203,8 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
                .label("tokens_unknown"),
                _count_if(v.verdict.in_(ZOMBIE_VERDICTS)
                          & v.details["cost_unmeasured"].as_string().is_not(None)).label("uncosted"),
-               _count_if((v.verdict == "unconfirmed")
-                         & (v.details["unconfirmed_because"].as_string() == "no_gauges"))  # evidence.NO_GAUGES
-               .label("ungauged"),
-               _count_if((v.verdict == "unconfirmed")
-                         & (v.details["unconfirmed_because"].as_string() == "raced_its_answer"))
-               .label("raced"))
+               unconfirmed_because("no_gauges").label("ungauged"),  # evidence.NO_GAUGES
+               unconfirmed_because("raced_its_answer").label("raced"))  # evidence.RACED_ITS_ANSWER
         .where(*_verdict_filter(query)).group_by(*keys, v.verdict)).all()
     folded: dict[str, dict[str | None, list[float]]] = {d: {} for d in BREAKDOWN_DIMENSIONS}
     for row in rows:
