@@ -267,11 +267,12 @@ def test_each_engines_finish_count_is_read_for_the_routes_it_counts(store: Store
 
 
 def vllm_late(store: Store, counts: list[float], kind: ConnEventKind = ConnEventKind.PEER_FIN,
-              other_end: float | None = None, style: str = "vllm") -> VerdictRow:
+              other_end: float | None = None, style: str = "vllm",
+              scrapes: tuple[float, ...] = (0.3, 0.5, 0.9, 1.1, 1.3)) -> VerdictRow:
     """One request from 0.2 s whose client closed at 1.0 and whose span ended 30 ms later (a loaded
     server's): the gauges held it up to 0.9 and never after. Scrapes of ``style``'s page (vLLM's) at
-    0.5, 0.9, 1.1, 1.3 with these finish counts (a rise before them: the port counts); ``other_end``:
-    another client's request on the port whose span ended then."""
+    ``scrapes`` (the first's finish count 6, before the port's first rise; then ``counts``);
+    ``other_end``: another client's request on the port whose span ended then."""
     clock = Clock()
     correlator = make(store, clock)
     spans = [http_span("1", 0.2, 1.03, span="1")]
@@ -280,8 +281,8 @@ def vllm_late(store: Store, counts: list[float], kind: ConnEventKind = ConnEvent
     store.insert_spans(spans)
     store.insert_conn_events([close(1.0, kind)] + ([] if other_end is None else [
         close(other_end + 0.001, ConnEventKind.PEER_FIN, client=("127.0.0.1", 40002))]))
-    for at, finished in zip((0.3, 0.5, 0.9, 1.1, 1.3), [6.0, *counts], strict=True):
-        running = int(at < 1.0) + int(other_end is not None and other_end - 0.5 < at < other_end)
+    for at, finished in zip(scrapes, [6.0, *counts], strict=True):
+        running = int(at <= 0.9) + int(other_end is not None and other_end - 0.5 < at < other_end)
         correlator.add_engine_load([EngineLoad(ts_ns=T0 + int(at * S), server_port=SERVER_PORT, running=running,
                                                style=style, aborted=None if style == "llamacpp" else 0.0,
                                                finished=finished)])
@@ -301,6 +302,17 @@ def test_a_span_that_ended_well_after_the_close_is_no_abort_where_vllm_counted_i
     row = vllm_late(store, counts, kind, other_end)
     assert row.verdict == verdict, str(row.details)
     assert row.details.get("finish_counted", False) is (verdict == "unconfirmed"), row.details
+
+
+def test_a_finish_counted_by_a_scrape_between_the_last_byte_and_the_close_is_counted(store: Store) -> None:
+    """The engine counts a finish as it hands the last token over, before the client reads it and
+    closes: a scrape answered between the two (here at 0.995 s, the close at 1.0) already holds it,
+    and the rise is read from the one before."""
+    row = vllm_late(store, [7, 7, 8, 8, 8], scrapes=(0.3, 0.5, 0.9, 0.995, 1.1, 1.3))
+    assert (row.verdict, row.details.get("finish_counted")) == ("unconfirmed", True), str(row.details)
+    # Nor is a count that another request's finish moved before the close taken for this one's.
+    row = vllm_late(store, [7, 7, 8, 8, 8], other_end=0.99, scrapes=(0.3, 0.5, 0.9, 0.995, 1.1, 1.3))
+    assert (row.verdict, row.details.get("finish_counted", False)) == ("aborted", False), str(row.details)
 
 
 @pytest.mark.parametrize(("counts", "style", "other_end", "verdict"), [

@@ -1052,9 +1052,11 @@ class EngineLoads:
         close (the server's delay, which another request that finished in the window may have had
         too): each of them, this request among them, was then finished normally. An engine counts a
         finish when it hands the last token over, before the server writes the last byte and so
-        before a client that read it closes. Fewer finishes than ends say nothing: one of them may
-        be this one's, or another's; nor does a count of tokens (llama.cpp's) where any other span
-        ended then. On a port whose count has been seen to rise."""
+        before a client that read it closes: a scrape answered between the two already holds it, so
+        the rise is read from the scrape before that one too (a window one scrape longer, with the
+        ends in it). Fewer finishes than ends say nothing: one of them may be this one's, or
+        another's; nor does a count of tokens (llama.cpp's) where any other span ended then. On a
+        port whose count has been seen to rise."""
         if port not in self._counts_finishes:
             return False
         series = self._loads.get(port, [])
@@ -1062,14 +1064,17 @@ class EngineLoads:
         before = _answered_before(series, disconnect_ns)
         if before < 0 or after >= len(series):
             return False
-        first, last = series[before], series[after]
-        if first.finished is None or last.finished is None or last.finished <= first.finished:
-            return False
-        delay = max(0, end_ns - disconnect_ns)
-        ends = ended(first.answered_ns or first.ts_ns, max(last.answered_ns or last.ts_ns, end_ns) + delay)
-        if first.style in FINISHES_COUNTED_IN_TOKENS:  # some request finished: this one, the only one that ended
-            return ends == 1
-        return 0 < ends <= last.finished - first.finished
+        last, delay = series[after], max(0, end_ns - disconnect_ns)
+        for first in (series[index] for index in (before, before - 1) if index >= 0):
+            if first.finished is None or last.finished is None or last.finished <= first.finished:
+                continue
+            ends = ended(first.answered_ns or first.ts_ns, max(last.answered_ns or last.ts_ns, end_ns) + delay)
+            if first.style in FINISHES_COUNTED_IN_TOKENS:  # some request finished: this one, the only one that ended
+                if ends == 1:
+                    return True
+            elif 0 < ends <= last.finished - first.finished:
+                return True
+        return False
 
     def prune(self, cutoff_ns: int, closes_cutoff_ns: int | None = None) -> None:
         closes_cutoff_ns = cutoff_ns if closes_cutoff_ns is None else max(cutoff_ns, closes_cutoff_ns)
