@@ -137,7 +137,7 @@ def test_json_matches_the_schema_and_lists_every_disconnect(filled: Store) -> No
         "lag_seconds": 12.5, "lag_at_least_seconds": None, "phase": "decode", "route": CHAT, "model": LLAMA, "service": "vllm",
         "client": "10.0.0.7:40009", "host": "gpu-a", "request_start_at": rfc3339(at(900)),
         "max_tokens": 512, "wasted_tokens": 900, "tokens_exact": True, "wasted_gpu_seconds": 10.0,
-        "wasted_cpu_seconds": 0.0}
+        "wasted_cpu_seconds": 0.0, "evidence": None, "unconfirmed_because": None}
     assert requests[4]["work_end_at"] is None and requests[4]["verdict"] == "inflight_zombie"
     assert requests[3]["lag_seconds"] == 3.0 and requests[3]["lag_at_least_seconds"] == 1.25
 
@@ -259,9 +259,12 @@ def test_sqlite_built_json_equals_the_python_encoding(filled: Store) -> None:
 
     odd = [
         _verdict(50, Verdict.ZOMBIE, start_s=50, disconnect_s=51.000000001, end_s=60.123456789,
-                 lag=1 / 3, request_id='q"uote\\back\tslash\n\x00\x1b ünï 🧟 \u2028'),
+                 lag=1 / 3, request_id='q"uote\\back\tslash\n\x00\x1b ünï 🧟 \u2028',
+                 details={"evidence": "engine_metrics", "unconfirmed_because": "no_gauges"}),  # not unconfirmed
         _verdict(51, Verdict.INFLIGHT_ZOMBIE, start_s=52, disconnect_s=53, end_s=None,
                  lag=float("inf"), route="", model=None, max_tokens=None, tokens=None, gpu=1e-7),
+        _verdict(52, Verdict.UNCONFIRMED, start_s=54, disconnect_s=55, end_s=55.5, lag=0.5,
+                 details={"evidence": "http_only", "unconfirmed_because": "raced_its_answer"}),
     ]
     filled.upsert_verdicts(odd)
     with filled.engine.begin() as conn:  # an IPv6 client, and one with no port
@@ -271,7 +274,7 @@ def test_sqlite_built_json_equals_the_python_encoding(filled: Store) -> None:
                              + trace(51) + "/%'")
     fast = build_report(filled, HOUR, requests_as_json=True)
     slow = build_report(filled, HOUR)
-    assert fast.requests_json is not None and len(fast.requests_json) == 7 and fast.requests == []
+    assert fast.requests_json is not None and len(fast.requests_json) == 8 and fast.requests == []
     parsed = [json.loads(text) for text in fast.requests_json]
     assert parsed == [request_dict(f) for f in slow.requests]
     assert parsed == [json.loads(request_json(f)) for f in slow.requests]
@@ -279,6 +282,9 @@ def test_sqlite_built_json_equals_the_python_encoding(filled: Store) -> None:
     assert by_trace[trace(50)]["client"] == "[::1]:40050"
     assert by_trace[trace(50)]["disconnect_at"] == "2026-11-22T04:00:51.000000001Z"
     assert by_trace[trace(51)]["client"] == "10.0.0.7" and by_trace[trace(51)]["lag_seconds"] is None
+    # Why each was judged so; why nothing told only for an unconfirmed one.
+    assert [by_trace[trace(n)]["evidence"] for n in (50, 51, 52)] == ["engine_metrics", None, "http_only"]
+    assert [by_trace[trace(n)]["unconfirmed_because"] for n in (50, 51, 52)] == [None, None, "raced_its_answer"]
     for make in (fast, slow):
         out = io.StringIO()
         write_json(make, out)

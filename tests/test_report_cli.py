@@ -458,6 +458,11 @@ def test_output_replaces_a_report_but_nothing_else_without_force(db: str, tmp_pa
                      "route,model,service,client,host,request_start_at,max_tokens,wasted_tokens,tokens_exact,"
                      "wasted_gpu_seconds,wasted_cpu_seconds\n")
     assert invoke(*args, "-o", str(older))[0] == 0
+    older = tmp_path / "before-evidence.csv"  # and one written before evidence, unconfirmed_because
+    older.write_text("request_id,trace_id,verdict,disconnect_at,disconnect_kind,work_end_at,lag_seconds,"
+                     "lag_at_least_seconds,phase,route,model,service,client,host,request_start_at,max_tokens,"
+                     "wasted_tokens,tokens_exact,wasted_gpu_seconds,wasted_cpu_seconds\n")
+    assert invoke(*args, "-o", str(older))[0] == 0
 
 
 def test_output_that_cannot_be_read_is_not_replaced_without_force(db: str, tmp_path: Path) -> None:

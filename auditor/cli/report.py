@@ -142,8 +142,12 @@ def _write(result: Report, output_format: str, output: str | None) -> None:
 # How each format's report begins (JSON and table) or what its first lines hold (HTML, CSV): a file
 # that -o may replace without --force.
 _REPORT_OPENINGS = ('{\n  "schema": "auditor.report/', "Zombie requests  ")
-# A CSV report's header before lag_at_least_seconds was added after lag_seconds.
-_CSV_HEADER_BEFORE = "request_id,trace_id,verdict,disconnect_at,disconnect_kind,work_end_at,lag_seconds,phase,"
+# A CSV report's header as it began before lag_at_least_seconds was added after lag_seconds, and
+# before evidence and unconfirmed_because were added at its end.
+_CSV_HEADERS_BEFORE = ("request_id,trace_id,verdict,disconnect_at,disconnect_kind,work_end_at,lag_seconds,phase,",
+                       "request_id,trace_id,verdict,disconnect_at,disconnect_kind,work_end_at,lag_seconds,"
+                       "lag_at_least_seconds,phase,route,model,service,client,host,request_start_at,max_tokens,"
+                       "wasted_tokens,tokens_exact,wasted_gpu_seconds,wasted_cpu_seconds\n")
 
 
 def _not_replaceable(target: Path) -> str | None:
@@ -160,7 +164,7 @@ def _not_replaceable(target: Path) -> str | None:
     from auditor.report.render_data import REQUEST_FIELDS
 
     if (head.startswith(_REPORT_OPENINGS) or head.startswith(",".join(REQUEST_FIELDS) + "\n")
-            or head.startswith(_CSV_HEADER_BEFORE)
+            or head.startswith(_CSV_HEADERS_BEFORE)
             or (head.startswith("<!DOCTYPE html>") and "<title>Zombie requests " in head)):
         return None
     return "exists and holds no report"

@@ -147,6 +147,10 @@ class RequestFinding(NamedTuple):
     tokens_exact: bool
     wasted_gpu_seconds: float
     wasted_cpu_seconds: float
+    # What said the verdict (details.evidence: engine_span, engine_metrics, ...), and for an
+    # unconfirmed one why nothing could (details.unconfirmed_because); None where not recorded.
+    evidence: str | None
+    unconfirmed_because: str | None
 
     def wasted_seconds(self, unit: str) -> float:
         return self.wasted_cpu_seconds if unit == "CPU" else self.wasted_gpu_seconds

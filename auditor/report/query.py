@@ -41,7 +41,12 @@ from auditor.report.model import (
     ZombieTimeline,
 )
 from auditor.report.requests import count_requests
-from auditor.report.sqlite_json import lag_at_least, request_json_column
+from auditor.report.sqlite_json import (
+    lag_at_least,
+    request_json_column,
+    unconfirmed_reason,
+    verdict_evidence,
+)
 from auditor.store import Store, tables
 
 spans, verdicts, coverage, samples = tables.spans, tables.verdicts, tables.coverage, tables.util_samples
@@ -61,7 +66,8 @@ FINDING_COLUMNS = (
     verdicts.c.phase, verdicts.c.route, verdicts.c.model, verdicts.c.service, verdicts.c.client_addr,
     verdicts.c.client_port, verdicts.c.host, verdicts.c.max_tokens,
     verdicts.c.tokens_after_disconnect, verdicts.c.tokens_exact, verdicts.c.wasted_gpu_seconds,
-    verdicts.c.wasted_cpu_seconds,
+    verdicts.c.wasted_cpu_seconds, verdict_evidence(verdicts).label("evidence"),
+    unconfirmed_reason(verdicts).label("unconfirmed_because"),
 )
 
 

@@ -27,6 +27,7 @@ REQUEST_FIELDS = (
     "request_id", "trace_id", "verdict", "disconnect_at", "disconnect_kind", "work_end_at",
     "lag_seconds", "lag_at_least_seconds", "phase", "route", "model", "service", "client", "host",
     "request_start_at", "max_tokens", "wasted_tokens", "tokens_exact", "wasted_gpu_seconds", "wasted_cpu_seconds",
+    "evidence", "unconfirmed_because",
 )
 
 
@@ -64,6 +65,8 @@ def request_dict(finding: RequestFinding) -> dict[str, Any]:
         "tokens_exact": finding.tokens_exact,
         "wasted_gpu_seconds": _finite(finding.wasted_gpu_seconds),
         "wasted_cpu_seconds": _finite(finding.wasted_cpu_seconds),
+        "evidence": finding.evidence,
+        "unconfirmed_because": finding.unconfirmed_because,
     }
 
 
@@ -104,7 +107,8 @@ def request_json(finding: RequestFinding) -> str:
         f'"max_tokens": {_json_int(f.max_tokens)}, "wasted_tokens": {_json_int(f.wasted_tokens)}, '
         f'"tokens_exact": {"true" if f.tokens_exact else "false"}, '
         f'"wasted_gpu_seconds": {_json_float(f.wasted_gpu_seconds)}, '
-        f'"wasted_cpu_seconds": {_json_float(f.wasted_cpu_seconds)}}}'
+        f'"wasted_cpu_seconds": {_json_float(f.wasted_cpu_seconds)}, '
+        f'"evidence": {_text(f.evidence)}, "unconfirmed_because": {_text(f.unconfirmed_because)}}}'
     )
 
 

@@ -47,6 +47,17 @@ def lag_at_least(table: Table) -> ColumnElement[Any]:
     return case((table.c.verdict.in_(ZOMBIE_VERDICTS), table.c.details["lag_at_least_s"].as_float()), else_=None)
 
 
+def verdict_evidence(table: Table) -> ColumnElement[Any]:
+    """What said a verdict (``details.evidence``), plain SQL on every backend."""
+    evidence: ColumnElement[Any] = table.c.details["evidence"].as_string()
+    return evidence
+
+
+def unconfirmed_reason(table: Table) -> ColumnElement[Any]:
+    """Why an unconfirmed verdict is one (``details.unconfirmed_because``), for those alone."""
+    return case((table.c.verdict == "unconfirmed", table.c.details["unconfirmed_because"].as_string()), else_=None)
+
+
 def request_json_column(table: Table) -> ColumnElement[str]:
     """A ``json_object(...)`` over a verdicts table with the keys of one JSON request object."""
     c = table.c
@@ -71,6 +82,8 @@ def request_json_column(table: Table) -> ColumnElement[str]:
         ("tokens_exact", func.json(case((c.tokens_exact, literal("true")), else_=literal("false")))),
         ("wasted_gpu_seconds", _float(c.wasted_gpu_seconds)),
         ("wasted_cpu_seconds", _float(c.wasted_cpu_seconds)),
+        ("evidence", verdict_evidence(table)),
+        ("unconfirmed_because", unconfirmed_reason(table)),
     ]
     arguments: list[Any] = []
     for key, value in fields:
