@@ -284,6 +284,10 @@ class EngineLoad:
     # but its "abort" series, TGI's), or of their generated tokens where it counts no requests
     # (llama.cpp's, ``FINISHES_COUNTED_IN_TOKENS``); None: it has none
     finished: float | None = None
+    # Where ``finished`` counts tokens (llama.cpp): the engine's cumulative seconds of those
+    # requests' generation, first token to last (``tokens_predicted_seconds``), each request's
+    # at most its span's length. None: not read.
+    finished_seconds: float | None = None
     # When the answer came: the gauges describe one moment in [ts_ns, answered_ns], so a request
     # that started or ended in between may or may not be in them. None: an instant.
     answered_ns: int | None = None

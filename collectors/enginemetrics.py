@@ -83,6 +83,10 @@ FINISH_COUNTERS: dict[str, tuple[str, str | None, str | None]] = {
     "llamacpp": ("llamacpp:tokens_predicted", None, None),
     "ref": ("ref_engine_requests", "finish_reason", "abort"),
 }
+# Where an engine's finish count is of tokens, its count of those requests' generation time, added
+# with them (llama.cpp's ``t_tokens_generation_total``, in whole milliseconds a request): each adds
+# at most its own span's length, so a rise can say more than one request finished.
+FINISH_SECONDS: dict[str, str] = {"llamacpp": "llamacpp:tokens_predicted_seconds"}
 MODEL_LABEL = "model_name"  # the served model, on vLLM's and SGLang's gauges
 MAX_MODEL_CHARS = 255
 # The series an engine moves at every step it publishes its gauges with: their sum is
@@ -126,7 +130,7 @@ MAX_HEAD_BYTES = 64 * 1024
 
 _WANTED = tuple(dict.fromkeys(tuple(name for entry in KNOWN_METRICS for name in entry[1:]) + tuple(
     counter for counter, _, _ in ABORT_COUNTERS.values()) + tuple(
-    counter for counter, _, _ in FINISH_COUNTERS.values()) + tuple(
+    counter for counter, _, _ in FINISH_COUNTERS.values()) + tuple(FINISH_SECONDS.values()) + tuple(
     name for names in STEP_SERIES.values() for name in names)))
 _ABORT_NAMES = {counter: (label, value) for counter, label, value in ABORT_COUNTERS.values()}
 _FINISH_NAMES = {counter: (label, value) for counter, label, value in FINISH_COUNTERS.values()}
@@ -137,6 +141,7 @@ _SAMPLE_NAMES = tuple(dict.fromkeys(
     for name in (running, waiting, f"{tokens}_total")
     + ((f"{ABORT_COUNTERS[style][0]}_total",) if style in ABORT_COUNTERS else ())
     + ((f"{FINISH_COUNTERS[style][0]}_total",) if style in FINISH_COUNTERS else ())
+    + ((f"{FINISH_SECONDS[style]}_total",) if style in FINISH_SECONDS else ())
     + tuple(name if name in _STEP_GAUGES else f"{name}_total" for name in STEP_SERIES.get(style, ()))))
 
 
@@ -212,7 +217,8 @@ def parse_load(text: str, *, ts_ns: int, server_port: int) -> EngineLoad | None:
                       waiting=int(values.get(waiting, 0.0)), generated_tokens=values.get(tokens),
                       style=style, aborted=aborted, step_tokens=sum(steps) if steps else None,
                       model=_served_model(text, running),
-                      finished=values.get(_FINISHED + finish_counter[0], unlisted) if finish_counter else None)
+                      finished=values.get(_FINISHED + finish_counter[0], unlisted) if finish_counter else None,
+                      finished_seconds=values.get(FINISH_SECONDS[style]) if style in FINISH_SECONDS else None)
 
 
 def _served_model(text: str, running: str) -> str | None:
@@ -237,7 +243,8 @@ def _engine_values(text: str) -> tuple[str, dict[str, float]] | None:
             continue
         counters = dict.fromkeys(counter[0] for counter in (ABORT_COUNTERS.get(style), FINISH_COUNTERS.get(style))
                                  if counter)
-        values = _values(text, (running, waiting, tokens, *counters, *STEP_SERIES.get(style, ())))
+        seconds = (FINISH_SECONDS[style],) if style in FINISH_SECONDS else ()
+        values = _values(text, (running, waiting, tokens, *counters, *seconds, *STEP_SERIES.get(style, ())))
         if running in values:  # else the name was only in a comment, a label, or another series' name
             return style, values
     return None
@@ -293,6 +300,7 @@ def summed(loads: list[EngineLoad], addresses: tuple[str, ...]) -> EngineLoad:
                       model=models.pop() if len(models) == 1 else None, style=first.style,
                       aborted=total([load.aborted for load in loads]),
                       finished=total([load.finished for load in loads]),
+                      finished_seconds=total([load.finished_seconds for load in loads]),
                       answered_ns=max(load.answered_ns or load.ts_ns for load in loads),
                       running_by_address=tuple((address, load.running) for address, load in zip(addresses, loads,
                                                                                                  strict=True)))

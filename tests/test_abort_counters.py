@@ -268,11 +268,13 @@ def test_each_engines_finish_count_is_read_for_the_routes_it_counts(store: Store
 
 def vllm_late(store: Store, counts: list[float], kind: ConnEventKind = ConnEventKind.PEER_FIN,
               other_end: float | None = None, style: str = "vllm",
-              scrapes: tuple[float, ...] = (0.3, 0.5, 0.9, 1.1, 1.3)) -> VerdictRow:
+              scrapes: tuple[float, ...] = (0.3, 0.5, 0.9, 1.1, 1.3),
+              seconds: tuple[float, ...] | None = None) -> VerdictRow:
     """One request from 0.2 s whose client closed at 1.0 and whose span ended 30 ms later (a loaded
     server's): the gauges held it up to 0.9 and never after. Scrapes of ``style``'s page (vLLM's) at
     ``scrapes`` (the first's finish count 6, before the port's first rise; then ``counts``);
-    ``other_end``: another client's request on the port whose span ended then."""
+    ``other_end``: another client's request on the port whose span ended then (half a second
+    long); ``seconds``: the engine's count of generation time at each scrape (llama.cpp's)."""
     clock = Clock()
     correlator = make(store, clock)
     spans = [http_span("1", 0.2, 1.03, span="1")]
@@ -281,11 +283,12 @@ def vllm_late(store: Store, counts: list[float], kind: ConnEventKind = ConnEvent
     store.insert_spans(spans)
     store.insert_conn_events([close(1.0, kind)] + ([] if other_end is None else [
         close(other_end + 0.001, ConnEventKind.PEER_FIN, client=("127.0.0.1", 40002))]))
-    for at, finished in zip(scrapes, [6.0, *counts], strict=True):
+    for index, (at, finished) in enumerate(zip(scrapes, [6.0, *counts], strict=True)):
         running = int(at <= 0.9) + int(other_end is not None and other_end - 0.5 < at < other_end)
         correlator.add_engine_load([EngineLoad(ts_ns=T0 + int(at * S), server_port=SERVER_PORT, running=running,
                                                style=style, aborted=None if style == "llamacpp" else 0.0,
-                                               finished=finished)])
+                                               finished=finished,
+                                               finished_seconds=None if seconds is None else seconds[index])])
     clock.now = T0 + 9 * S
     correlator.tick()
     return next(row for row in verdicts(store) if row.client_port == CLIENT[1])
@@ -327,3 +330,17 @@ def test_a_span_that_ended_well_after_the_close_is_no_abort_where_tgi_or_llamacp
     row = vllm_late(store, [float(count) for count in counts], other_end=other_end, style=style)
     assert row.verdict == verdict, str(row.details)
     assert row.details.get("finish_counted", False) is (verdict == "unconfirmed"), row.details
+
+
+@pytest.mark.parametrize(("seconds", "counts", "verdict"), [
+    # Two answers ended (0.83 s and 0.5 s long) and 1.2 s of generation was counted: more than
+    # the longer alone could have added, so both finished.
+    ((9.0, 10.0, 10.0, 11.2, 11.2), [70, 70, 106, 106], "unconfirmed"),
+    ((9.0, 10.0, 10.0, 10.8, 10.8), [70, 70, 106, 106], "aborted"),  # the longer one's alone, maybe
+    ((9.0, 10.0, 10.0, 11.2, 11.2), [70, 70, 71, 71], "aborted")])  # one token: one request's
+def test_llamacpps_count_of_generation_time_says_when_two_answers_that_ended_together_both_finished(
+        store: Store, seconds: tuple[float, ...], counts: list[float], verdict: str) -> None:
+    row = vllm_late(store, [float(count) for count in counts], other_end=1.05, style="llamacpp", seconds=seconds)
+    assert (row.verdict, row.details.get("finish_counted", False)) == (verdict, verdict == "unconfirmed"), \
+        str(row.details)
+

@@ -123,3 +123,26 @@ def test_the_reference_engines_finish_counts_read_as_each_engine_counts(
     metrics.step(5)
     metrics.finish("stop", 12)
     assert finished() == after_finish
+
+
+def test_llamacpps_count_of_generation_time_is_read_in_seconds_and_moves_at_a_normal_finish_only() -> None:
+    """llama.cpp adds a request's generation time, first token to last, in whole milliseconds, as
+    it finishes it normally; the reference engine under its names the same."""
+    page = LLAMACPP_PAGE + ("# TYPE llamacpp:tokens_predicted_seconds_total counter\n"
+                            "llamacpp:tokens_predicted_seconds_total 3544.27\n")
+    load = parse_load(page, ts_ns=1, server_port=8000)
+    assert load is not None and load.finished_seconds == 3544.27
+    registry = CollectorRegistry()
+    metrics = StyleMetrics(registry, "llamacpp", lambda: (1, 0))
+
+    def seconds() -> float | None:
+        load = parse_load(generate_latest(registry).decode(), ts_ns=1, server_port=8000)
+        assert load is not None
+        return load.finished_seconds
+
+    metrics.finish("abort", 7, 0.5)
+    assert seconds() == 0.0
+    metrics.finish("stop", 12, 0.4567)
+    metrics.finish("length", 3, 0.1239)
+    assert seconds() == pytest.approx(0.579)  # 0.456 + 0.123
+    assert parse_load(TGI_PAGE, ts_ns=1, server_port=8000).finished_seconds is None  # type: ignore[union-attr]

@@ -34,6 +34,20 @@ def test_in_flight_counts_equal_a_pass_over_every_span() -> None:
         assert index.in_flight(ts, until) == brute, (ts, until)
 
 
+def test_the_lengths_of_spans_that_ended_in_a_window_are_theirs() -> None:
+    """Each end is held with its own start: of two spans that ended at once, removing one leaves
+    the other's length."""
+    index = PortSpans()
+    spans = [span(i, start, end) for i, (start, end) in enumerate([(0, 100), (50, 100), (20, 200), (150, 250)])]
+    for item in spans:
+        index.add(item)
+    assert sorted(index.lengths_ended(90, 200)) == [50, 100, 180] and index.ended(90, 200) == 3
+    assert index.lengths_ended(100, 199) == [] and index.ended(100, 199) == 0
+    index.remove(spans[1])
+    assert sorted(index.lengths_ended(90, 200)) == [100, 180]
+    assert index.remove_many([spans[0], spans[2]]) and index.lengths_ended(-1, 1000) == [100]
+
+
 def test_remove_forgets_one_span() -> None:
     index = PortSpans()
     spans = [span(i, start, end) for i, (start, end) in enumerate([(0, 10), (5, 20), (30, 40)])]
@@ -106,6 +120,9 @@ def test_removing_many_at_once_equals_removing_them_one_by_one() -> None:
         brute = sum(1 for s in left if s.start_ns <= until and s.end_ns >= ts)
         assert at_once.in_flight(ts, until) == one_by_one.in_flight(ts, until) == brute, (ts, until)
         assert at_once.started(ts, until) == one_by_one.started(ts, until)
+        ended = sorted(s.end_ns - s.start_ns for s in left if ts < s.end_ns <= until)
+        assert sorted(at_once.lengths_ended(ts, until)) == sorted(one_by_one.lengths_ended(ts, until)) == ended
+        assert at_once.ended(ts, until) == len(ended)
     assert not at_once.remove_many(left)
 
 

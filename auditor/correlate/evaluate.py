@@ -244,8 +244,8 @@ def _work_end(corr: Correlator, request: OpenRequest, root: SpanRecord | None, s
             if corr.loads.no_abort_while(port, disconnect, answered):
                 details["no_abort_counted"] = True
             elif corr.loads.finishes_cover(port, disconnect, answered, lambda start, end:
-                                           corr.spans.server_spans_ended(port, start - CLOCK_ERROR_NS,
-                                                                         end + CLOCK_ERROR_NS)):
+                                           corr.spans.server_span_lengths_ended(port, start - CLOCK_ERROR_NS,
+                                                                                end + CLOCK_ERROR_NS)):
                 details["finish_counted"] = True
         if by_metrics.awaiting:
             details["awaiting"] = True

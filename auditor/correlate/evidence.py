@@ -21,7 +21,7 @@ import heapq
 import operator
 from array import array
 from collections import defaultdict, deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -215,6 +215,17 @@ def _answered_before(series: list[EngineLoad], moment_ns: int) -> int:
     while before >= 0 and (series[before].answered_ns or series[before].ts_ns) >= moment_ns:
         before -= 1
     return before
+
+
+def _each_generated(first: EngineLoad, last: EngineLoad, lengths: Sequence[int]) -> bool:
+    """Whether the engine's count of its finished requests' generation time rose, from ``first``
+    to ``last``, by more than all of ``lengths`` (the spans that ended then) but the shortest, and
+    its count of their tokens by one a span at least: none of those requests but finished."""
+    if len(lengths) < 2 or first.finished_seconds is None or last.finished_seconds is None:
+        return False
+    assert first.finished is not None and last.finished is not None
+    rise_ns = (last.finished_seconds - first.finished_seconds) * 1e9
+    return last.finished - first.finished >= len(lengths) and rise_ns > sum(lengths) - min(lengths)
 
 
 def _pair(first: int, second: int) -> int:
@@ -1044,19 +1055,24 @@ class EngineLoads:
         counts = {load.aborted for load in series[before:after + 2]}
         return len(counts) == 1 and None not in counts
 
-    def finishes_cover(self, port: int, disconnect_ns: int, end_ns: int, ended: Callable[[int, int], int]) -> bool:
+    def finishes_cover(self, port: int, disconnect_ns: int, end_ns: int,
+                       ended: Callable[[int, int], Sequence[int]]) -> bool:
         """Whether the engine's finish counter rose, from the last scrape answered before
         ``disconnect_ns`` to the first sent after it, by at least the number of server spans on
-        ``port`` (``ended(after, until)``) that ended from the first of them to the later of the
-        second and the request's span end ``end_ns``, and as long again as that span ended after the
-        close (the server's delay, which another request that finished in the window may have had
-        too): each of them, this request among them, was then finished normally. An engine counts a
-        finish when it hands the last token over, before the server writes the last byte and so
-        before a client that read it closes: a scrape answered between the two already holds it, so
-        the rise is read from the scrape before that one too (a window one scrape longer, with the
-        ends in it). Fewer finishes than ends say nothing: one of them may be this one's, or
-        another's; nor does a count of tokens (llama.cpp's) where any other span ended then. On a
-        port whose count has been seen to rise."""
+        ``port`` (``ended(after, until)``: how long each lasted) that ended from the first of them
+        to the later of the second and the request's span end ``end_ns``, and as long again as that
+        span ended after the close (the server's delay, which another request that finished in the
+        window may have had too): each of them, this request among them, was then finished
+        normally. An engine counts a finish when it hands the last token over, before the server
+        writes the last byte and so before a client that read it closes: a scrape answered between
+        the two already holds it, so the rise is read from the scrape before that one too (a window
+        one scrape longer, with the ends in it). Fewer finishes than ends say nothing: one of them
+        may be this one's, or another's. A count of tokens (llama.cpp's) says some request
+        finished: this one where it was the only one that ended; where several did, each finished
+        only if the engine's count of their generation time rose by more than the lengths of all
+        of them but the shortest (each adds at most its own span's length, so fewer could not have
+        added so much) and its tokens by at least one each. On a port whose count has been seen to
+        rise."""
         if port not in self._counts_finishes:
             return False
         series = self._loads.get(port, [])
@@ -1068,11 +1084,11 @@ class EngineLoads:
         for first in (series[index] for index in (before, before - 1) if index >= 0):
             if first.finished is None or last.finished is None or last.finished <= first.finished:
                 continue
-            ends = ended(first.answered_ns or first.ts_ns, max(last.answered_ns or last.ts_ns, end_ns) + delay)
-            if first.style in FINISHES_COUNTED_IN_TOKENS:  # some request finished: this one, the only one that ended
-                if ends == 1:
+            lengths = ended(first.answered_ns or first.ts_ns, max(last.answered_ns or last.ts_ns, end_ns) + delay)
+            if first.style not in FINISHES_COUNTED_IN_TOKENS:
+                if 0 < len(lengths) <= last.finished - first.finished:
                     return True
-            elif 0 < ends <= last.finished - first.finished:
+            elif len(lengths) == 1 or _each_generated(first, last, lengths):
                 return True
         return False
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import functools
 import ipaddress
+from array import array
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
@@ -116,22 +117,51 @@ def _without(values: list[int], drop: list[int]) -> list[int]:
     return kept
 
 
+def _without_ended(ends: list[int], began: array[int], drop: list[tuple[int, int]]) -> tuple[list[int], array[int]]:
+    """``PortSpans``' ends and the starts beside them less one of each (end, start) in ``drop``
+    (one not among them is passed over), in one walk."""
+    drop.sort()
+    kept, kept_began = [], array("q")
+    at = 0
+    for end, start in drop:
+        low = bisect.bisect_left(ends, end, at)
+        found = bisect.bisect_left(began, start, low, bisect.bisect_right(ends, end, low))
+        if found == len(ends) or ends[found] != end or began[found] != start:
+            continue
+        kept += ends[at:found]
+        kept_began += began[at:found]
+        at = found + 1
+    kept += ends[at:]
+    kept_began += began[at:]
+    return kept, kept_began
+
+
 class PortSpans:
     """The server spans of one port, for counting those in flight during an interval: their start
-    and end times, sorted. Which spans they are is the trace index's (a span is here exactly while
-    it is indexed there), so the times are all this holds: a dict of each span's extent by its ids
-    beside them was 150-175 bytes a server span, 1.3-1.6 MiB of the memory window at 100 req/s
-    (bench/correlate_memory.py; docs/footprint.md, forty-fifth pass)."""
+    times, sorted, and their end times, sorted, each with its span's start beside it (``_began``,
+    in order of start among equal ends). Which spans they are is the trace index's (a span is here
+    exactly while it is indexed there), so the times are all this holds: a dict of each span's
+    extent by its ids beside them was 150-175 bytes a server span, 1.3-1.6 MiB of the memory window
+    at 100 req/s (bench/correlate_memory.py; docs/footprint.md, forty-fifth pass); the start beside
+    each end is 8 (an end and start as one number, 48)."""
 
-    __slots__ = ("_ends", "_starts")
+    __slots__ = ("_began", "_ends", "_starts")
 
     def __init__(self) -> None:
         self._starts: list[int] = []
         self._ends: list[int] = []
+        self._began = array("q")
+
+    def _slot(self, span: SpanRecord) -> int:
+        """Where ``span``'s end lies in ``_ends``: among equal ends, by its start."""
+        low = bisect.bisect_left(self._ends, span.end_ns)
+        return bisect.bisect_left(self._began, span.start_ns, low, bisect.bisect_right(self._ends, span.end_ns, low))
 
     def add(self, span: SpanRecord) -> None:
         bisect.insort(self._starts, span.start_ns)
-        bisect.insort(self._ends, span.end_ns)
+        at = self._slot(span)
+        self._ends.insert(at, span.end_ns)
+        self._began.insert(at, span.start_ns)
 
     def in_flight(self, ts_ns: int, until_ns: int) -> int:
         return bisect.bisect_right(self._starts, until_ns) - bisect.bisect_left(self._ends, ts_ns)
@@ -144,10 +174,17 @@ class PortSpans:
         """Spans that ended in (after, until]."""
         return bisect.bisect_right(self._ends, until_ns) - bisect.bisect_right(self._ends, after_ns)
 
+    def lengths_ended(self, after_ns: int, until_ns: int) -> list[int]:
+        """How long each span that ended in (after, until] lasted, in nanoseconds."""
+        first, last = bisect.bisect_right(self._ends, after_ns), bisect.bisect_right(self._ends, until_ns)
+        return [max(0, end - start) for end, start in zip(self._ends[first:last], self._began[first:last],
+                                                          strict=True)]
+
     def remove(self, span: SpanRecord) -> None:
         """Forget one span (added once) that stays indexed but no longer counts."""
         del self._starts[bisect.bisect_left(self._starts, span.start_ns)]
-        del self._ends[bisect.bisect_left(self._ends, span.end_ns)]
+        at = self._slot(span)
+        del self._ends[at], self._began[at]
 
     def remove_many(self, spans: Iterable[SpanRecord]) -> bool:
         """Forget these spans (each added once); False when none is left. The prune forgets the
@@ -155,13 +192,13 @@ class PortSpans:
         one moved the whole of both lists for each (a twentieth of a round's time once the memory
         window was full), where this walks the front once, up to the last time it drops."""
         starts: list[int] = []
-        ends: list[int] = []
+        ended: list[tuple[int, int]] = []
         for span in spans:
             starts.append(span.start_ns)
-            ends.append(span.end_ns)
+            ended.append((span.end_ns, span.start_ns))
         if starts:
             self._starts = _without(self._starts, starts)
-            self._ends = _without(self._ends, ends)
+            self._ends, self._began = _without_ended(self._ends, self._began, ended)
         return bool(self._starts)
 
 
@@ -316,6 +353,11 @@ class TraceIndex:
         """How many server spans on ``port`` ended in (after, until]."""
         spans = self._http_by_port.get(port)
         return 0 if spans is None else spans.ended(after_ns, until_ns)
+
+    def server_span_lengths_ended(self, port: int, after_ns: int, until_ns: int) -> list[int]:
+        """How long each server span on ``port`` that ended in (after, until] lasted (ns)."""
+        spans = self._http_by_port.get(port)
+        return [] if spans is None else spans.lengths_ended(after_ns, until_ns)
 
     def server_spans_on(self, port: int, ts_ns: int, until_ns: int, also: set[tuple[str, str]]) -> int:
         """How many server spans on ``port`` were in flight at any moment of [ts, until], counting

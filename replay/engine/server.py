@@ -150,7 +150,8 @@ class EngineServer:
         self.tracing.work_ended(request)
         reason = request.finish_reason or "abort"
         self.metrics.requests.labels(reason).inc()
-        self.metrics.style.finish(reason, request.tokens_generated)
+        generated_ns = (request.finished_at or 0) - (request.first_token_at or 0) if request.first_token_at else 0
+        self.metrics.style.finish(reason, request.tokens_generated, max(0, generated_ns) / 1e9)
         self.metrics.prompt_tokens.inc(request.prompt_tokens)
         if request.tokens_after_disconnect:
             self.metrics.tokens_after_disconnect.inc(request.tokens_after_disconnect)

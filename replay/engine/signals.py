@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +54,10 @@ SUCCESS_COUNTERS: dict[str, tuple[str, str]] = {
     "tgi": ("tgi_request_success", "Requests that succeeded (engine's own name)."),
 }
 TOKENS_AT_FINISH = frozenset({"llamacpp"})
+# llama.cpp adds too each such request's generation time, first token to last, in whole milliseconds.
+GENERATION_SECONDS: dict[str, tuple[str, str]] = {
+    "llamacpp": ("llamacpp:tokens_predicted_seconds", "Predict process time (engine's own name)."),
+}
 ABORT_COUNTERS: dict[str, tuple[str, str]] = {
     "sglang": ("sglang:num_aborted_requests", "Aborted requests (engine's own name)."),
 }
@@ -90,6 +95,7 @@ class StyleMetrics:
         self.aborted: Counter | None = None
         self.dropped: Counter | None = None
         self.succeeded: Counter | None = None
+        self.generation_seconds: Counter | None = None
         self._registry = registry
         self._style = style
         # on_steps: what the last published step left, as vLLM publishes its scheduler's counts
@@ -131,6 +137,8 @@ class StyleMetrics:
             self.finished = Counter(name, text, ["finished_reason"], registry=registry)
             for reason in ("stop", "length", "abort"):  # every series from the start, as vLLM does
                 self.finished.labels(reason)
+        if style in GENERATION_SECONDS:
+            self.generation_seconds = Counter(*GENERATION_SECONDS[style], registry=registry)
         if style in ABORT_COUNTERS:
             self.aborted = Counter(*ABORT_COUNTERS[style], registry=registry)
         if style in DROPPED_COUNTERS:
@@ -165,8 +173,9 @@ class StyleMetrics:
             self._logged = (self._tokens_held(), self._logged[1])
         return float(self._logged[index])
 
-    def finish(self, reason: str, tokens: int = 0) -> None:
-        """A request finished (``reason`` "abort": its client left and its work stopped)."""
+    def finish(self, reason: str, tokens: int = 0, generation_s: float = 0.0) -> None:
+        """A request finished (``reason`` "abort": its client left and its work stopped), having
+        generated ``tokens`` over ``generation_s`` from its first token to its last."""
         if self.finished is not None and reason != "abort":
             self.finished.labels(reason).inc()
         if self._style in SUCCESS_COUNTERS and reason != "abort":
@@ -175,6 +184,8 @@ class StyleMetrics:
             self.succeeded.inc()
         if self._style in TOKENS_AT_FINISH and self.tokens is not None and reason != "abort":
             self.tokens.inc(tokens)
+        if self.generation_seconds is not None and reason != "abort":
+            self.generation_seconds.inc(math.floor(generation_s * 1e3) / 1e3)
         if self.aborted is not None and reason == "abort":
             self.aborted.inc()
         if self.dropped is not None and reason == "abort":
