@@ -364,6 +364,38 @@ def test_one_at_a_time_request_cancelled_while_waiting_is_no_zombie_and_costs_no
 
 
 
+@pytest.mark.parametrize("names", ["vllm", "sglang", "tgi", "llamacpp"])
+def test_a_request_that_only_waited_in_the_engines_queue_is_aborted_by_each_engines_names(
+        tmp_path: Path, names: str) -> None:
+    """One request runs at a time (``--max-batch 1``), HTTP spans only: a request the server read
+    waits in the engine's queue behind a long one, and its client leaves (a FIN, then a reset); the
+    engine drops it unrun. Nothing it counts moves for such a request (no finish, and on vLLM's
+    names no abort either), and answers that finish meanwhile (the one ahead) must not be taken for
+    its: `aborted`, costing nothing, whatever names the gauges go by; the one ahead, read whole,
+    never `aborted`."""
+    truth_log = tmp_path / "truth.jsonl"
+    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S}) as daemon, running_engine(
+            behavior="abort", otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=truth_log,
+            step_ms=10, max_batch=1, extra_args=["--engine-span", "none", "--metrics-names", names]) as engine:
+        daemon.set_ports({engine.port})
+        assert wait_for(lambda: daemon.readings().engine_scrapes.get((engine.port, "read"), 0) >= 3, timeout_s=10)
+        ahead = complete(engine.port, stream=True, max_tokens=150, request_id="ahead")
+        time.sleep(0.2)
+        waiting = [cancel_after(engine.port, 0.3 + 0.2 * n, kind, stream=bool(n), max_tokens=50,
+                                request_id=f"waiting-{kind}") for n, kind in enumerate(("fin", "rst"))]
+        for thread in [ahead, *waiting]:
+            thread.join()
+        truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(3, timeout=30)}
+        rows = settled_by_request_id(daemon, ["waiting-fin", "waiting-rst"])
+    for kind in ("fin", "rst"):
+        truth, row = truths[f"waiting-{kind}"], rows[f"waiting-{kind}"]
+        assert truth["scheduled_at"] is None and truth["tokens_generated"] == 0, truth  # it never ran
+        assert (row.verdict, row.wasted_gpu_seconds, row.wasted_cpu_seconds) == ("aborted", 0, 0), \
+            (kind, row.verdict, row.details)
+    if "ahead" in rows:  # its client closed after the last byte: most often no verdict at all
+        assert rows["ahead"].verdict in ("completed", "unconfirmed"), rows["ahead"].details
+
+
 def kept_alive(port: int, hold_s: float = 1.5, **request: Any) -> threading.Thread:
     """Read the whole response, then keep the connection open a while, as a client's pool does."""
 
