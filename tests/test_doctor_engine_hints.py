@@ -36,6 +36,11 @@ server.serve_forever()
     (["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--disable-log-stats"],
      "--disable-log-stats"),
     (["vllm", "serve", "m"], None),  # its gauges are on: the page's problem is elsewhere
+    (["vllm", "serve", "m", "--api-server-count", "4"], "--api-server-count"),
+    (["vllm", "serve", "m", "--api-server-count=2", "--data-parallel-size", "2"], "--api-server-count"),
+    (["vllm", "serve", "m", "-asc", "2"], "--api-server-count"),
+    (["vllm", "serve", "m", "--api-server-count", "1"], None),
+    (["vllm", "serve", "m", "--api-server-count"], None),  # nothing readable: not said
     (["python3", "-m", "sglang.launch_server", "--model-path", "m"], "--enable-metrics"),
     (["python3", "-m", "sglang.launch_server", "--model-path", "m", "--enable-metrics"], None),
     (["/opt/llama.cpp/build/bin/llama-server", "-m", "m.gguf"], "--metrics"),

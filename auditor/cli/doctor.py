@@ -258,7 +258,9 @@ ENGINE_METRICS_FIX = ("expose the engine's Prometheus page on its serving port (
 def engine_flag_hint(argv: list[str]) -> str | None:
     """What in an engine's command line keeps its gauges off its /metrics, where it says: vLLM
     publishes them only from its stats loggers, which ``--disable-log-stats`` turns off (the page
-    then holds no ``vllm:`` series); SGLang serves the page only with ``--enable-metrics``;
+    then holds no ``vllm:`` series), as some versions do themselves with several API servers
+    (``--api-server-count`` over 1: vllm-project/vllm PR 22227 turned stats off there, later
+    versions keep the Prometheus logger); SGLang serves the page only with ``--enable-metrics``;
     llama.cpp's server only with ``--metrics`` (or ``LLAMA_ARG_ENDPOINT_METRICS=1``, which a
     command line does not show)."""
     head = argv[:4]  # the program, or an interpreter and its -m module
@@ -269,12 +271,27 @@ def engine_flag_hint(argv: list[str]) -> str | None:
 
     if runs("vllm", "vllm.entrypoints") and "--disable-log-stats" in argv:
         return "its command line has vLLM's --disable-log-stats, which keeps every vllm: gauge off the page: drop it"
+    if runs("vllm", "vllm.entrypoints") and _api_servers(argv) > 1:
+        return ("its command line runs several vLLM API servers (--api-server-count), with which some vLLM "
+                "versions turn their stats off, every vllm: gauge with them: run one API server, or a vLLM "
+                "that keeps its Prometheus metrics with several")
     if runs("sglang", "sglang.launch_server") and "--enable-metrics" not in argv:
         return "its command line is SGLang's without --enable-metrics, without which it serves no /metrics"
     if any(name.startswith("llama-server") for name in names) and "--metrics" not in argv:
         return ("its command line is llama.cpp's server without --metrics, without which it serves no /metrics "
                 "(unless LLAMA_ARG_ENDPOINT_METRICS=1 is in its environment)")
     return None
+
+
+def _api_servers(argv: list[str]) -> int:
+    """The API servers a vLLM command line asks for (``--api-server-count N``, ``=N``, ``-asc N``);
+    1 where it says none, or nothing readable."""
+    for at, arg in enumerate(argv):
+        name, _, value = arg.partition("=")
+        if name in ("--api-server-count", "-asc"):
+            value = value or (argv[at + 1] if at + 1 < len(argv) else "")
+            return int(value) if value.isdigit() else 1
+    return 1
 
 
 def check_engine_metrics(ports: Iterable[int], path: str = "/metrics", scrape: bool = True,
