@@ -93,7 +93,8 @@ def fill(store: Store) -> None:
                  tokens=900, exact=True, gpu=10.0, request_id=EVIL_ID),
         _verdict(10, Verdict.ZOMBIE, start_s=1000, disconnect_s=1000.5, end_s=1003.5, lag=3.0,
                  max_tokens=None, tokens=200, exact=False, gpu=2.5,
-                 details={"cost_unmeasured": UNCOSTED, "lag_at_least_s": 1.25}),  # later leavers' rise untold
+                 details={"cost_unmeasured": UNCOSTED, "lag_at_least_s": 1.25,  # later leavers' rise untold
+                          "evidence": "engine_metrics"}),
         _verdict(11, Verdict.INFLIGHT_ZOMBIE, start_s=1100, disconnect_s=1100.2, end_s=None, lag=30.0,
                  kind="rst", phase=Phase.QUEUED, host="gpu-b", tokens=None, gpu=1.5),
         _verdict(13, Verdict.ZOMBIE, start_s=-3600, disconnect_s=-3599.5, end_s=-3500.0, lag=99.5,

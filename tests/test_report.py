@@ -393,6 +393,7 @@ def test_html_says_what_its_tables_leave_out_and_dates_the_worst(store: Store) -
 def test_html_shows_how_short_a_zombie_may_have_been_where_later_leavers_may_own_its_work(filled: Store) -> None:
     worst = render_html(build_report(filled, HOUR)).split("Worst zombies</h2>")[1].split("</table>")[0]
     assert worst.count("&ge;") == 1 and "3.0 (&ge; 1.2)</span>" in worst
+    assert worst.count("<td>engine_metrics</td>") == 1 and ">told by</th>" in worst  # what decided it
 
 
 def test_a_lone_point_between_gaps_is_drawn() -> None:

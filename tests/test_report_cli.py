@@ -50,6 +50,7 @@ def test_table_is_the_default(db: str) -> None:
     assert max(len(line) for line in out.splitlines()) <= 100
     # The 3 s zombie whose later leavers' rise was untold says how short it may have been; no other does.
     assert out.count("ran on at least") == 1 and "ran on at least 1.2 s: clients that left later" in out
+    assert out.count("told by") == 1 and "told by engine_metrics" in out  # the one whose details say
 
 
 def test_table_fits_the_terminal_it_is_printed_on(db: str, tmp_path: Path) -> None:

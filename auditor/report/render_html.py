@@ -198,13 +198,13 @@ def _worst_table(findings: list[RequestFinding], unit: str) -> list[str]:
         return ["<h2>Worst zombies</h2><p>No zombies in the window.</p>"]
     parts = ["<h2>Worst zombies</h2><table><tr><th>request id</th><th>trace id</th><th>verdict</th>"
              "<th>zombie s</th><th>disconnect</th><th>route</th><th>model</th><th>host</th>"
-             f"<th>{unit}-s</th></tr>"]
+             f'<th>{unit}-s</th><th title="the evidence that decided the verdict (docs/verdicts.md)">told by</th></tr>']
     for f in findings:
         parts.append(
             f'<tr><td class="id">{esc(f.request_id or "")}</td><td class="id">{esc(f.trace_id or "")}</td>'
             f"<td>{esc(VERDICT_LABELS.get(f.verdict, f.verdict))}</td>"
             f"<td>{_lag(f)}</td><td>{esc(rfc3339(f.disconnect_at_ns)[:23].replace('T', ' '))}</td>"
             f"<td>{esc(f.route or '')}</td><td>{esc(f.model or '')}</td><td>{esc(f.host)}</td>"
-            f"<td>{f.wasted_seconds(unit):,.1f}</td></tr>")
+            f"<td>{f.wasted_seconds(unit):,.1f}</td><td>{esc(f.evidence or '')}</td></tr>")
     parts.append("</table>")
     return parts

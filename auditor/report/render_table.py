@@ -256,7 +256,8 @@ def _worst(report: Report, width: int) -> list[str]:
                          "clients that left later may own its work")
         lines += _id_lines("request", printable(finding.request_id), width)
         lines += _id_lines("trace", printable(finding.trace_id), width)
-        lines.append(f"{'':5}host {printable(finding.host)}  client {printable(finding.client)}")
+        told = f"  told by {printable(finding.evidence)}" if finding.evidence else ""
+        lines.append(f"{'':5}host {printable(finding.host)}  client {printable(finding.client)}{told}")
     return lines
 
 
