@@ -221,9 +221,9 @@ def _each_generated(first: EngineLoad, last: EngineLoad, lengths: Sequence[int])
     """Whether the engine's count of its finished requests' generation time rose, from ``first``
     to ``last``, by more than all of ``lengths`` (the spans that ended then) but the shortest, and
     its count of their tokens by one a span at least: none of those requests but finished."""
-    if len(lengths) < 2 or first.finished_seconds is None or last.finished_seconds is None:
+    if len(lengths) < 2 or first.finished is None or last.finished is None \
+            or first.finished_seconds is None or last.finished_seconds is None:
         return False
-    assert first.finished is not None and last.finished is not None
     rise_ns = (last.finished_seconds - first.finished_seconds) * 1e9
     return last.finished - first.finished >= len(lengths) and rise_ns > sum(lengths) - min(lengths)
 
