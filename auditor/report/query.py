@@ -192,7 +192,7 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
     keys = [v[dimension] for dimension in BREAKDOWN_DIMENSIONS]
 
     def unconfirmed_because(reason: str) -> Any:
-        return _count_if((v.verdict == "unconfirmed") & (v.details["unconfirmed_because"].as_string() == reason))
+        return _count_if(unconfirmed_reason(verdicts) == reason)
 
     rows = conn.execute(
         select(*keys, v.verdict, func.count().label("n"),
