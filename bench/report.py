@@ -2,9 +2,10 @@
 
 Generates a SQLite store through SQLAlchemy Core (executemany in batches): 1,000,000 HTTP server
 spans over one hour on two hosts, 10% of them with a client disconnect (verdict rows in a realistic
-mix of completed, aborted, zombie and in-flight zombie), whole-GPU NVML samples every 100 ms for
-4 GPUs per host, and coverage counts. Then it times, in the same run and over the same rows, a plain
-``SELECT count(*)`` (the floor), the library call, and the CLI in a fresh process, and prints a table.
+mix of completed, aborted, zombie and in-flight zombie; one in 25 at a client's 30 s timeout),
+whole-GPU NVML samples every 100 ms for 4 GPUs per host, and coverage counts. Then it times, in
+the same run and over the same rows, a plain ``SELECT count(*)`` (the floor), the library call,
+and the CLI in a fresh process, and prints a table.
 
     .venv/bin/python bench/report.py [--requests N] [--db PATH] [--repeat 3]
 
@@ -34,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from auditor.report import ReportQuery, build_report  # noqa: E402
+from auditor.report.query import age_bins  # noqa: E402
+from auditor.report.timeouts import find_timeouts  # noqa: E402
 from auditor.report.render_data import write_json  # noqa: E402
 from auditor.report.requests import count_requests, spans  # noqa: E402
 from auditor.store import (  # noqa: E402
@@ -52,6 +55,8 @@ HOSTS = ("gpu-a", "gpu-b")
 ROUTES = (("/v1/chat/completions", 0.7), ("/v1/completions", 0.3))
 MODELS = (("llama-3-70b", 0.5), ("llama-3-8b", 0.3), ("qwen-2-72b", 0.2))
 VERDICT_MIX = (("completed", 0.30), ("aborted", 0.48), ("zombie", 0.20), ("inflight_zombie", 0.02))
+# One disconnect in 25 is a client's 30 s timeout; the others come at any age up to 20 s.
+TIMED_OUT, TIMEOUT_S = 0.04, 30.0
 PHASES = (("queued", 0.15), ("prefill", 0.25), ("decode", 0.55), ("unknown", 0.05))
 
 
@@ -91,7 +96,10 @@ def verdict_rows(count: int, t0: int, rng: random.Random) -> Iterator[dict[str, 
     for n in range(count):
         verdict = pick(rng, VERDICT_MIX)
         start = t0 + rng.randrange(HOUR - 60 * S)
-        disconnect = start + int(rng.uniform(0.05, 20) * S)
+        if rng.random() < TIMED_OUT:  # a client's timeout: its disconnects at one age
+            disconnect = start + int(rng.gauss(TIMEOUT_S, 0.004) * S)
+        else:
+            disconnect = start + int(rng.uniform(0.05, 20) * S)
         if verdict == "completed":
             lag = 0.0
         elif verdict == "aborted":
@@ -221,6 +229,10 @@ def main() -> None:
             return count_requests(conn, [spans.c.role == "http_server", spans.c.start_ns >= query.since_ns,
                                          spans.c.start_ns < query.until_ns], None, query.since_ns, query.until_ns)
 
+    def timeouts() -> object:
+        with store.engine.connect() as conn:
+            return find_timeouts(age_bins(conn, query))
+
     def library(fmt: str, in_sqlite: bool = True) -> Callable[[], object]:
         def run() -> object:
             report = build_report(store, query, with_requests=fmt == "json",
@@ -243,6 +255,7 @@ def main() -> None:
         ("SELECT count(*) FROM spans", plain_count, "floor: every row counted once"),
         ("count of requests in window", window_count, "the report's requests query alone"),
         ("requests, each counted once", requests_count, "count_requests: parents looked up"),
+        ("client timeouts", timeouts, "ages grouped in SQL, their peaks found"),
         ("library: build + JSON", library("json"), "build_report + write_json to memory"),
         ("library: ... encoded in Python", library("json", in_sqlite=False),
          "the same without SQLite's json_object"),
@@ -257,6 +270,9 @@ def main() -> None:
         wall, cpu, result = timed(args.repeat, action)
         if label == "library: build + JSON":
             note += f" ({int(result) / 1e6:.1f} MB)"  # type: ignore[call-overload]
+        if label == "client timeouts":
+            found = result if isinstance(result, list) else []
+            note += ": " + (", ".join(f"{t.disconnects:,} at {t.after_seconds:g} s" for t in found) or "none")
         rows.append((label, wall, cpu, note))
 
     print(f"\nrows: spans {counts['spans']:,}, verdicts {counts['verdicts']:,}, "

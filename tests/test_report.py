@@ -182,7 +182,7 @@ def test_html_is_self_contained_and_escapes_store_text(filled: Store) -> None:
     assert "<script" not in page.lower() and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     for network in ("src=", "href=", "@import", "url(", "https://cdn", "<link"):
         assert network not in page
-    assert page.count("<svg") == 3  # zombies over time, completion vs utilization, timelines
+    assert page.count("<svg") == 4  # zombies over time, completion vs utilization, ages at disconnect, timelines
     assert "Completed requests against GPU utilization" in page and trace(11) in page
 
 

@@ -25,7 +25,7 @@ from auditor.report import ReportQuery, build_report
 from auditor.report.render_data import report_dict
 from auditor.report.render_html import render_html
 from auditor.store import Store
-from tests.report_data import SINCE, T0, UNTIL, at, fill
+from tests.report_data import SINCE, T0, UNTIL, at, fill, fill_timeouts
 
 pytestmark = pytest.mark.postgres
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())
@@ -93,6 +93,20 @@ def test_postgres_report_equals_sqlite(pg_url: str, store: Store) -> None:
                                           "--format", "json"])
         assert result.exit_code == 0, result.output
         jsonschema.Draft202012Validator(SCHEMA).validate(json.loads(result.stdout))
+    finally:
+        pg.close()
+
+
+def test_postgres_finds_the_same_client_timeouts(pg_url: str, store: Store) -> None:
+    pg = Store(pg_url)
+    try:
+        # An hour after fill()'s (the server is the module's: the other tests read that hour).
+        for each in (pg, store):
+            fill_timeouts(each, from_s=7200.0)  # ages grouped by integer division: the same bins on both
+        query = ReportQuery(since_ns=at(7200), until_ns=at(10800))
+        on_pg, on_sqlite = (build_report(each, query) for each in (pg, store))
+        assert on_pg.client_timeouts == on_sqlite.client_timeouts
+        assert [t.disconnects for t in on_pg.client_timeouts] == [10]
     finally:
         pg.close()
 

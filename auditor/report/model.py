@@ -195,6 +195,41 @@ class Bucket:
 
 
 @dataclass(frozen=True, slots=True)
+class ClientTimeout:
+    """Disconnects that came at one age of their request (disconnect less request start): a
+    client's or a proxy's timeout, which gives up on every request the same time after it was
+    sent (``auditor.report.timeouts`` says how they are found)."""
+
+    after_seconds: float  # the median age, to the 10 ms below it
+    from_seconds: float  # the youngest and oldest of them
+    to_seconds: float
+    disconnects: int
+    completed: int
+    aborted: int
+    zombies: int
+    inflight_zombies: int
+    unconfirmed: int
+    zombie_seconds: float
+    wasted_gpu_seconds: float
+    wasted_cpu_seconds: float
+    first_ns: int  # the first and last of their disconnects
+    last_ns: int
+    default_of: str | None  # a well-known timeout of this length (nginx's 60 s), or None
+
+    def wasted_seconds(self, unit: str) -> float:
+        return self.wasted_cpu_seconds if unit == "CPU" else self.wasted_gpu_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class AgeBar:
+    """Disconnects whose request was ``start_s`` to ``start_s`` + the bar's width old (HTML)."""
+
+    start_s: float
+    disconnects: int
+    zombies: int  # zombie and in-flight zombie verdicts among them
+
+
+@dataclass(frozen=True, slots=True)
 class DataRange:
     """Where the store holds requests, to point an empty report at the nearest data."""
 
@@ -215,6 +250,10 @@ class Report:
     bucket_ns: int = 0
     timelines: list[ZombieTimeline] | None = None
     data_range: DataRange | None = None  # filled when the window is empty
+    client_timeouts: list[ClientTimeout] = field(default_factory=list)
+    ages: list[AgeBar] | None = None  # disconnects by their request's age: filled with the series
+    age_bar_s: float = 0.0
+    ages_beyond: int = 0  # disconnects older than the last bar
 
     @property
     def empty(self) -> bool:

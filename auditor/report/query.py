@@ -47,6 +47,7 @@ from auditor.report.sqlite_json import (
     unconfirmed_reason,
     verdict_evidence,
 )
+from auditor.report.timeouts import BIN_NS, AgeBin, age_bars, find_timeouts
 from auditor.store import Store, tables
 
 spans, verdicts, coverage, samples = tables.spans, tables.verdicts, tables.coverage, tables.util_samples
@@ -104,6 +105,8 @@ def _build(conn: Connection, query: ReportQuery, *, with_requests: bool, with_se
         breakdowns=breakdowns,
         worst_zombies=_worst_zombies(conn, query),
     )
+    ages = age_bins(conn, query) if totals.disconnects else []
+    report.client_timeouts = find_timeouts(ages)
     if with_requests and totals.disconnects and requests_as_json:
         report.requests_json = list(conn.execute(
             select(request_json_column(verdicts)).where(*_verdict_filter(query))
@@ -116,6 +119,7 @@ def _build(conn: Connection, query: ReportQuery, *, with_requests: bool, with_se
         report.bucket_ns = bucket_width_ns(query.until_ns - query.since_ns)
         report.series = _series(conn, query, report.bucket_ns)
         report.timelines = [_timeline(conn, query, finding) for finding in report.worst_zombies]
+        report.ages, report.age_bar_s, report.ages_beyond = age_bars(ages, report.client_timeouts)
     if report.empty:
         report.data_range = _data_range(conn, query)
     return report
@@ -286,6 +290,23 @@ def _fill_gpu_time(conn: Connection, query: ReportQuery, totals: Totals) -> None
     totals.gpu_seconds = totals.gpus * elapsed_ns / NS
 
 
+def age_bins(conn: Connection, query: ReportQuery) -> list[AgeBin]:
+    """The window's disconnects counted by their request's age in 10 ms bins, with their verdicts
+    and costs (``timeouts.py`` finds the timeouts among them)."""
+    v = verdicts.c
+    age_bin = ((v.disconnect_at_ns - v.request_start_ns) // BIN_NS).label("age_bin")
+    rows = conn.execute(select(age_bin, *_verdict_aggregates(), func.min(v.disconnect_at_ns).label("first"),
+                               func.max(v.disconnect_at_ns).label("last"),
+                               func.count(func.distinct(v.disconnect_at_ns // NS)).label("seconds"))
+                        .where(*_verdict_filter(query)).group_by(age_bin))
+    return [AgeBin(index=int(r.age_bin), disconnects=int(r.disconnects), completed=int(r.completed),
+                   aborted=int(r.aborted), zombies=int(r.zombies), inflight_zombies=int(r.inflight_zombies),
+                   unconfirmed=int(r.unconfirmed), zombie_seconds=float(r.zombie_seconds),
+                   wasted_gpu_seconds=float(r.wasted_gpu_seconds), wasted_cpu_seconds=float(r.wasted_cpu_seconds),
+                   first_ns=int(r.first), last_ns=int(r.last), seconds=int(r.seconds))
+            for r in rows if r.age_bin is not None]
+
+
 # -- breakdowns and lists -----------------------------------------------------------------------
 def _worst_zombies(conn: Connection, query: ReportQuery) -> list[RequestFinding]:
     if query.top <= 0:
@@ -415,4 +436,4 @@ def _data_range(conn: Connection, query: ReportQuery) -> DataRange | None:
     return DataRange(first_ns=int(first), last_ns=int(last))
 
 
-__all__ = ["bucket_width_ns", "build_report"]
+__all__ = ["age_bins", "bucket_width_ns", "build_report"]

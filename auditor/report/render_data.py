@@ -17,6 +17,7 @@ from typing import Any, TextIO
 from auditor.report.model import (
     SCHEMA_ID,
     BreakdownRow,
+    ClientTimeout,
     Report,
     RequestFinding,
 )
@@ -123,6 +124,20 @@ def _breakdown_dict(row: BreakdownRow) -> dict[str, Any]:
     }
 
 
+def _timeout_dict(timeout: ClientTimeout) -> dict[str, Any]:
+    return {
+        "after_seconds": timeout.after_seconds, "from_seconds": timeout.from_seconds,
+        "to_seconds": timeout.to_seconds, "disconnects": timeout.disconnects,
+        "completed": timeout.completed, "aborted": timeout.aborted, "zombies": timeout.zombies,
+        "inflight_zombies": timeout.inflight_zombies, "unconfirmed": timeout.unconfirmed,
+        "zombie_seconds": _number(timeout.zombie_seconds, 6),
+        "wasted_gpu_seconds": _number(timeout.wasted_gpu_seconds, 6),
+        "wasted_cpu_seconds": _number(timeout.wasted_cpu_seconds, 6),
+        "first_disconnect_at": rfc3339(timeout.first_ns), "last_disconnect_at": rfc3339(timeout.last_ns),
+        "default_of": timeout.default_of,
+    }
+
+
 def report_header_dict(report: Report) -> dict[str, Any]:
     """The whole JSON document except the per-request list."""
     query, totals = report.query, report.totals
@@ -172,6 +187,7 @@ def report_header_dict(report: Report) -> dict[str, Any]:
         "breakdowns": {dimension: [_breakdown_dict(row) for row in rows]
                        for dimension, rows in report.breakdowns.items()},
         "worst_zombies": [request_dict(finding) for finding in report.worst_zombies],
+        "client_timeouts": [_timeout_dict(timeout) for timeout in report.client_timeouts],
     }
 
 

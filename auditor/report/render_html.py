@@ -10,13 +10,15 @@ from auditor.report.model import Report, RequestFinding
 from auditor.report.render_table import (
     BREAKDOWN_ROWS_HTML,
     DIMENSION_TITLES,
+    TIMEOUT_ADVICE,
     VERDICT_LABELS,
     disconnects_note,
     duration,
+    left_between,
     percent,
     tokens_value,
 )
-from auditor.report.svg import Series, esc, time_chart, zombie_timelines
+from auditor.report.svg import Series, age_chart, esc, time_chart, zombie_timelines
 from auditor.timefmt import rfc3339, rfc3339_seconds
 
 STYLE = """
@@ -55,7 +57,7 @@ def render_html(report: Report) -> str:
             body += _coverage_table(report)
     else:
         body += _cards(report) + _plots(report) + _totals_table(report) + _coverage_table(report)
-        body += _breakdowns(report)
+        body += _breakdowns(report) + _timeouts(report)
         body += _worst_table(report.worst_zombies, report.totals.cost_unit)
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             '<meta name="viewport" content="width=device-width,initial-scale=1">'
@@ -116,6 +118,7 @@ def _plots(report: Report) -> list[str]:
                 "completed requests per minute against the engine processes' CPU in cores", starts,
                 report.bucket_ns, completed,
                 Series("engine CPU, cores", [b.engine_cores for b in report.series], "#f0ad4e"))]
+    parts += _ages(report)
     if report.timelines:
         parts += ["<h2>Worst zombies, request by request</h2>", zombie_timelines(report.timelines)]
     return parts
@@ -181,6 +184,35 @@ def _breakdowns(report: Report) -> list[str]:
             parts.append(f'<tr><td colspan="10">... and {len(rows) - BREAKDOWN_ROWS_HTML:,} more '
                          "(all of them in --format json or csv)</td></tr>")
         parts.append("</table>")
+    return parts
+
+
+def _ages(report: Report) -> list[str]:
+    """When clients left, by their request's age, with a line at each timeout found."""
+    if not report.ages:
+        return []
+    beyond = f" {report.ages_beyond:,} that left later still are not drawn." if report.ages_beyond else ""
+    return ["<h2>When clients left</h2>",
+            '<p class="sub">Seconds from each request\'s start to its client\'s leaving. A timeout shows as a '
+            f"spike: every request it cut short left at one age.{esc(beyond)}</p>",
+            age_chart(report.ages, report.age_bar_s, [t.after_seconds for t in report.client_timeouts])]
+
+
+def _timeouts(report: Report) -> list[str]:
+    if not report.client_timeouts:
+        return []
+    unit = report.totals.cost_unit
+    parts = ["<h2>Client timeouts</h2><table><tr><th>after s</th><th>from-to s</th><th>disconnects</th>"
+                 "<th>completed</th><th>aborted</th><th>zombie</th><th>in-flight</th><th>unconfirmed</th>"
+                 f"<th>zombie s</th><th>{unit}-s</th><th>left (UTC)</th><th>the default of</th></tr>"]
+    for t in report.client_timeouts:
+        parts.append(
+            f"<tr><td>{t.after_seconds:.2f}</td><td>{t.from_seconds:g}-{t.to_seconds:g}</td>"
+            f"<td>{t.disconnects:,}</td><td>{t.completed:,}</td><td>{t.aborted:,}</td><td>{t.zombies:,}</td>"
+            f"<td>{t.inflight_zombies:,}</td><td>{t.unconfirmed:,}</td><td>{t.zombie_seconds:,.1f}</td>"
+            f"<td>{t.wasted_seconds(unit):,.1f}</td><td>{esc(left_between(t.first_ns, t.last_ns))}</td>"
+            f"<td>{esc(t.default_of or '')}</td></tr>")
+    parts.append(f'</table><p class="sub">{esc(TIMEOUT_ADVICE)}</p>')
     return parts
 
 

@@ -95,7 +95,7 @@ def render_table(report: Report, width: int = WIDTH) -> str:
                   "unconfirmed counts are in --format json (or 100 columns)."]
     for dimension, rows in report.breakdowns.items():
         lines += _breakdown(DIMENSION_TITLES.get(dimension, dimension), rows, report.totals.cost_unit, width)
-    lines += _worst(report, width)
+    lines += _timeouts(report, width) + _worst(report, width)
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
@@ -225,6 +225,36 @@ def _breakdown(title: str, rows: list[BreakdownRow], unit: str, width: int) -> l
     if len(rows) > BREAKDOWN_ROWS:
         lines.append(f"  ... and {len(rows) - BREAKDOWN_ROWS} more (all of them in --format json)")
     return lines
+
+
+TIMEOUT_ADVICE = ("A client or a proxy gave up on these a fixed time after they were sent. Where they are "
+                  "zombies the engine ran on: raise the timeout above the answers' time, cap max_tokens, "
+                  "or stream.")
+
+
+def left_between(first_ns: int, last_ns: int) -> str:
+    """``04:00:31 to 04:59:58`` within a day, ``11-22 04:00 to 11-23 09:12`` across days (UTC)."""
+    first, last = rfc3339_seconds(first_ns), rfc3339_seconds(last_ns)
+    if first[:10] == last[:10]:
+        return f"{first[11:19]} to {last[11:19]}"
+    return f"{first[5:16].replace('T', ' ')} to {last[5:16].replace('T', ' ')}"
+
+
+def _timeouts(report: Report, width: int) -> list[str]:
+    if not report.client_timeouts:
+        return []
+    unit = report.totals.cost_unit
+    lines = ["", "Client timeouts (disconnects that came at one age of their request)",
+             f"  {'after s':>7}  {'disconn':>7}  {'zombie':>6}  {'in-flight':>9}  {'zombie s':>9}  "
+             f"{unit + '-s':>8}  left (UTC)"]
+    for t in report.client_timeouts:
+        lines.append(f"  {t.after_seconds:>7.2f}  {t.disconnects:>7,}  {t.zombies:>6,}  {t.inflight_zombies:>9,}  "
+                     f"{t.zombie_seconds:>9,.1f}  {t.wasted_seconds(unit):>8,.1f}  "
+                     f"{left_between(t.first_ns, t.last_ns)}")
+        if t.default_of:
+            lines += textwrap.wrap(f"the default of {t.default_of}", width,
+                                   initial_indent=" " * 11, subsequent_indent=" " * 11)
+    return lines + textwrap.wrap(TIMEOUT_ADVICE, width, initial_indent="  ", subsequent_indent="  ")
 
 
 def _worst(report: Report, width: int) -> list[str]:

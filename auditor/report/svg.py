@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from html import escape
 
-from auditor.report.model import UtilPoint, ZombieTimeline
+from auditor.report.model import AgeBar, UtilPoint, ZombieTimeline
 from auditor.timefmt import rfc3339_seconds
 
 WIDTH, HEIGHT = 920, 260
@@ -161,6 +161,47 @@ def _width_label(width_ns: int) -> str:
 
 
 ROW_H, LABEL_W = 56, 250
+
+
+def age_chart(bars: Sequence[AgeBar], width_s: float, marks: Sequence[float]) -> str:
+    """Disconnects by their request's age (seconds from its start to its client's leaving), the
+    zombies among them drawn over them, and a dashed line at each timeout in ``marks``."""
+    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+    count = max(1, len(bars))
+    slot, span_s = plot_w / count, count * width_s
+    title = "disconnects by how long after its start each request's client left"
+    top = max(nice_ceiling(max((b.disconnects for b in bars), default=0)), float(TICKS))
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" '
+             f'role="img" aria-label="{esc(title)}"><title>{esc(title)}</title>']
+    for i in range(TICKS + 1):
+        y = TOP + plot_h - plot_h * i / TICKS
+        parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>'
+                     f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{esc(_tick(top * i / TICKS))}</text>')
+    for index, bar in enumerate(bars):
+        x = LEFT + slot * index + slot * 0.1
+        for value, css, what in ((bar.disconnects, "serving", "disconnects"), (bar.zombies, "zombie", "zombies")):
+            if value:
+                height = plot_h * min(value, top) / top
+                parts.append(f'<rect x="{x:.1f}" y="{TOP + plot_h - height:.1f}" width="{max(slot * 0.8, 1):.1f}" '
+                             f'height="{height:.1f}" class="{css}"><title>{esc(f"{value:,} {what}, ")}'
+                             f'{esc(f"{bar.start_s:g}-{bar.start_s + width_s:g} s")}</title></rect>')
+    step = nice_ceiling(span_s / 8)
+    tick = 0.0
+    while tick <= span_s + 1e-9:
+        x = LEFT + plot_w * tick / span_s
+        parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP + plot_h}" y2="{TOP + plot_h + 4}" stroke="#5b6575"/>'
+                     f'<text x="{x:.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle">{esc(f"{tick:g} s")}</text>')
+        tick = round(tick + step, 9)
+    for mark in marks:
+        if 0 <= mark <= span_s:
+            x = LEFT + plot_w * mark / span_s
+            parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + plot_h}" class="cut"/>'
+                         f'<text x="{x + 4:.1f}" y="{TOP + 12}" class="small">{esc(f"{mark:g} s")}</text>')
+    parts.append(f'<text x="{LEFT}" y="{HEIGHT - 6}" class="legend"><tspan class="serving-t">■ disconnects'
+                 '</tspan><tspan dx="16" class="zombie-t">■ zombies among them</tspan><tspan dx="16">'
+                 f'{esc(f"seconds from the request start to the client leaving; one bar per {width_s:g} s")}'
+                 '</tspan></text></svg>')
+    return "".join(parts)
 
 
 def zombie_timelines(timelines: Sequence[ZombieTimeline]) -> str:

@@ -1,0 +1,119 @@
+"""A client's timeout, told by the report from the daemon's own verdicts, against what the client
+knows it did and the engine's truth log.
+
+The real openai SDK calls the reference engine (vLLM's signals only: no engine span, its
+/metrics) with a timeout shorter than the answers, and its default retries: each call gives up
+three times, each attempt a zombie on an engine that runs on. Beside them, streams the
+application closes after a few chunks, at ages spread out, and answers read to the end. The
+report must tell one timeout, at the SDK's timeout, holding every attempt the SDK gave up on and
+nothing else; the verdicts must match the engine's truth as everywhere else.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from auditor.report import ReportQuery, build_report
+from auditor.report.render_table import render_table
+from replay.engine.launch import running_engine
+from tests.e2e import (
+    HostWitness,
+    leavers_settled,
+    running_daemon,
+    tally_against_truth,
+    verdict_rows,
+    wait_for,
+)
+
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.slow]
+
+MODEL = "ref-llm-1b"
+TIMEOUT_S = 0.7
+CALLS, ATTEMPTS = 3, 3  # the SDK's default: two retries after the first attempt
+
+
+def timed_out_calls(url: str, errors: list[BaseException]) -> None:
+    """One call past its timeout, retried by the SDK as it does by default."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=ATTEMPTS - 1)
+    try:
+        client.completions.create(model=MODEL, prompt="word word word word", max_tokens=200)  # 2 s of decode
+    except openai.APITimeoutError:
+        return
+    except BaseException as exc:
+        errors.append(exc)
+    else:
+        errors.append(AssertionError("the call did not time out"))
+    finally:
+        client.close()
+
+
+def cancels_and_answers(url: str) -> tuple[int, int]:
+    """Streams closed after a few chunks, at ages spread out below the timeout, and answers read
+    whole. Returns (completed, given up)."""
+    rng = random.Random(11)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    completed = given_up = 0
+    for n in range(6):
+        chunks = rng.randrange(1, 25)
+        with client.completions.create(model=MODEL, prompt="word word", max_tokens=200, stream=True) as stream:
+            for number, _ in enumerate(stream):
+                if number == chunks:
+                    break
+        given_up += 1
+        if n % 2 == 0:
+            client.completions.create(model=MODEL, prompt="word word", max_tokens=10)
+            completed += 1
+        time.sleep(0.2)
+    client.close()
+    return completed, given_up
+
+
+@pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
+def test_the_report_tells_the_sdks_timeout_from_the_daemons_verdicts(tmp_path: Path, source: str) -> None:
+    settings = {"probe.source": source, "correlate.late_span_seconds": 10.0,
+                "engine_metrics.interval_seconds": 0.1}
+    with HostWitness() as witness, running_daemon(tmp_path, **settings) as daemon, \
+            running_engine(behavior="detached", otlp=f"http://127.0.0.1:{daemon.status.http_port}",
+                           truth_log=tmp_path / "truth.jsonl", step_ms=10, max_batch=32,
+                           extra_args=["--engine-span", "none", "--metrics-names", "vllm"]) as engine:
+        daemon.set_ports({engine.port})
+        since_ns = time.time_ns()
+        completed, given_up = cancels_and_answers(engine.url)
+        errors: list[BaseException] = []
+        callers = [threading.Thread(target=timed_out_calls, args=(engine.url, errors)) for _ in range(CALLS)]
+        for caller in callers:  # apart, as calls come: a timeout met again and again
+            caller.start()
+            time.sleep(0.5)
+        for caller in callers:
+            caller.join(timeout=30)
+        assert not errors, errors
+        timed_out = CALLS * ATTEMPTS
+        truths = engine.wait_for_truth(completed + given_up + timed_out, timeout=30)
+        assert len(truths) == completed + given_up + timed_out, truths
+        assert wait_for(lambda: leavers_settled(verdict_rows(daemon), truths), timeout_s=40, interval_s=0.25), \
+            [(r.client_port, r.verdict, r.details) for r in verdict_rows(daemon)]
+        time.sleep(1.0)
+        rows = verdict_rows(daemon)
+        tally, problems = tally_against_truth(rows, truths, daemon.store.conn_events(), witness)
+        report = build_report(daemon.store, ReportQuery(since_ns=since_ns, until_ns=time.time_ns()))
+    assert not problems, (tally, problems)
+    assert tally["cancels"] == given_up + timed_out, tally
+    # The engine's own view: the attempts whose client left at the timeout's age.
+    at_timeout = [t for t in truths if t["disconnect_at"] is not None
+                  and (t["disconnect_at"] - t["arrival_at"]) / 1e9 >= TIMEOUT_S - 0.05]
+    assert len(at_timeout) == timed_out, [(t["disconnect_at"] - t["arrival_at"]) / 1e9 for t in truths
+                                          if t["disconnect_at"] is not None]
+    ages = sorted(round((r.disconnect_at_ns - r.request_start_ns) / 1e9, 3) for r in rows)
+    assert [(t.disconnects, t.zombies + t.inflight_zombies + t.unconfirmed) for t in report.client_timeouts] \
+        == [(timed_out, timed_out)], (report.client_timeouts, " ".join(map(str, ages)))
+    [timeout] = report.client_timeouts
+    assert TIMEOUT_S - 0.01 <= timeout.after_seconds <= TIMEOUT_S + 0.1, (timeout, ages)
+    assert timeout.default_of is None
+    assert "Client timeouts" in render_table(report)

@@ -1,0 +1,186 @@
+"""Client timeouts in the report: disconnects that came at one age of their request.
+
+The finder on counts drawn from the shapes disconnect ages take (flat stretches, people's cancels
+falling off with age, a stretch with none past its edge, a timeout's spike on top of either), and
+the report over a store: JSON against its schema, the table within its width, the HTML's chart.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from auditor.report import ReportQuery, build_report
+from auditor.report.render_data import report_dict
+from auditor.report.render_html import render_html
+from auditor.report.render_table import render_table
+from auditor.report.timeouts import (
+    BIN_NS,
+    MAX_BARS,
+    MIN_DISCONNECTS,
+    AgeBin,
+    age_bars,
+    find_timeouts,
+    known_default,
+)
+from auditor.store import Store
+from tests.report_data import T0, at, fill, fill_timeouts
+
+NS = 1_000_000_000
+SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())
+HOUR = ReportQuery(since_ns=T0, until_ns=at(3600))
+
+
+def bins_of(ages_s: list[float], zombie_every: int = 0, apart_s: float = 1.0) -> list[AgeBin]:
+    """The bins the report's query would give for disconnects at these ages, ``apart_s`` from one
+    to the next in time (every ``zombie_every``-th a zombie of 1 s)."""
+    counts: Counter[int] = Counter()
+    zombies: Counter[int] = Counter()
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    seconds: dict[int, set[int]] = {}
+    for n, age in enumerate(ages_s):
+        index = int(age * NS) // BIN_NS
+        counts[index] += 1
+        first.setdefault(index, T0 + int(n * apart_s * NS))
+        last[index] = T0 + int(n * apart_s * NS)
+        seconds.setdefault(index, set()).add(last[index] // NS)
+        if zombie_every and n % zombie_every == 0:
+            zombies[index] += 1
+    return [AgeBin(index=i, disconnects=n, completed=n - zombies[i], aborted=0, zombies=zombies[i],
+                   inflight_zombies=0, unconfirmed=0, zombie_seconds=float(zombies[i]),
+                   wasted_gpu_seconds=0.5 * zombies[i], wasted_cpu_seconds=0.0, first_ns=first[i], last_ns=last[i],
+                   seconds=len(seconds[i]))
+            for i, n in counts.items()]
+
+
+def spread(rng: random.Random, shape: str, n: int) -> list[float]:
+    if shape == "flat":
+        return [rng.uniform(0.05, 20.0) for _ in range(n)]
+    if shape == "cancels":  # most leave early, fewer the longer they wait
+        return [rng.expovariate(1 / 4.0) for _ in range(n)]
+    if shape == "lognormal":
+        return [rng.lognormvariate(1.0, 0.9) for _ in range(n)]
+    # two flat stretches with cliffs between: a service whose answers take 2-5 s or 10-12 s
+    return [rng.uniform(2, 5) if rng.random() < 0.7 else rng.uniform(10, 12) for _ in range(n)]
+
+
+@pytest.mark.parametrize("shape", ["flat", "cancels", "lognormal", "stretches"])
+def test_ages_spread_out_give_no_timeout(shape: str) -> None:
+    for seed in range(12):
+        rng = random.Random(seed)
+        for n in (30, 2_000, 60_000):
+            assert find_timeouts(bins_of(spread(rng, shape, n))) == [], (shape, seed, n)
+
+
+@pytest.mark.parametrize("shape", ["flat", "cancels", "lognormal", "stretches"])
+def test_a_timeout_on_any_spread_is_found_with_its_disconnects(shape: str) -> None:
+    rng = random.Random(1)
+    background = spread(rng, shape, 20_000)
+    # A 30 s client timeout, its disconnects within a few ms of it (the server's span starts just
+    # after the client's clock): 2% of the disconnects.
+    timed_out = [30.0 + rng.uniform(0.001, 0.015) for _ in range(400)]
+    found = find_timeouts(bins_of(background + timed_out, zombie_every=2))
+    assert len(found) == 1
+    timeout = found[0]
+    assert timeout.after_seconds in (30.0, 30.01)
+    assert timeout.from_seconds <= 30.0 and timeout.to_seconds >= 30.02
+    held = sum(1 for age in background + timed_out if timeout.from_seconds <= age < timeout.to_seconds)
+    assert timeout.disconnects == held >= 400
+    assert timeout.zombies + timeout.completed == timeout.disconnects
+    assert timeout.default_of is None
+
+
+def test_a_timeout_among_ages_that_also_cross_it_is_found() -> None:
+    # Answers take 1-60 s, the clients' timeout is 8 s: the requests that would have taken longer
+    # all left at 8 s, the ones shorter than it spread out below.
+    rng = random.Random(3)
+    ages = [min(rng.uniform(1.0, 60.0), 8.0 + rng.uniform(0.0, 0.02)) for _ in range(500)]
+    found = find_timeouts(bins_of(ages))
+    assert [round(t.after_seconds) for t in found] == [8]
+    assert found[0].disconnects == sum(1 for age in ages if age >= 8.0)
+
+
+def test_a_few_disconnects_at_one_age_are_not_a_timeout() -> None:
+    assert find_timeouts(bins_of([5.0] * (MIN_DISCONNECTS - 1))) == []
+    assert [t.disconnects for t in find_timeouts(bins_of([5.0] * MIN_DISCONNECTS))] == [MIN_DISCONNECTS]
+
+
+def test_disconnects_at_one_age_all_at_once_are_not_a_timeout() -> None:
+    # A batch sent together and left together (a client killed): one event, told by no spike.
+    rng = random.Random(4)
+    ages = [rng.uniform(0.1, 20.0) for _ in range(300)]
+    batch = [7.0 + rng.uniform(0, 0.01) for _ in range(40)]
+    assert find_timeouts(bins_of(ages) + bins_of(batch, apart_s=0.01)) == []
+    # The same spread over four seconds: a timeout (with a cancel of the background in its band).
+    assert [t.disconnects for t in find_timeouts(bins_of(ages) + bins_of(batch, apart_s=0.1))] in ([40], [41])
+
+
+def test_a_spike_wider_than_its_band_is_one_timeout() -> None:
+    # Requests that waited 0-150 ms for the server to accept them: one timeout's disconnects
+    # over three bands' width.
+    rng = random.Random(5)
+    ages = [1.0 + rng.uniform(0.0, 0.15) for _ in range(300)]
+    found = find_timeouts(bins_of(ages))
+    assert len(found) == 1 and found[0].disconnects >= 100
+
+
+def test_several_timeouts_each_with_what_it_is_the_default_of() -> None:
+    rng = random.Random(9)
+    ages = [rng.uniform(0.1, 120.0) for _ in range(3_000)]
+    ages += [60.0 + rng.uniform(0, 0.02) for _ in range(200)] + [100.0 + rng.uniform(0, 0.02) for _ in range(50)]
+    found = find_timeouts(bins_of(ages))
+    assert [(round(t.after_seconds), t.default_of) for t in found] == [
+        (60, "nginx's proxy_read_timeout and an AWS load balancer's idle timeout"),
+        (100, "Cloudflare's proxy read timeout")]
+    assert known_default(599.2) == "the openai Python SDK's timeout"
+    assert known_default(30.0) is None and known_default(58.0) is None
+
+
+def test_age_bars_hold_every_disconnect_up_to_the_oldest_they_draw() -> None:
+    rng = random.Random(2)
+    ages = [rng.uniform(0, 20) for _ in range(1_000)] + [30.0] * 50 + [400.0] * 3
+    bins = bins_of(ages, zombie_every=3)
+    timeouts = find_timeouts(bins)
+    bars, width_s, beyond = age_bars(bins, timeouts)
+    assert 0 < len(bars) <= MAX_BARS and width_s == 1.0  # past 30.01 s in at most 60 bars
+    assert sum(b.disconnects for b in bars) + beyond == len(ages) and beyond == 3
+    assert sum(b.zombies for b in bars) == sum(1 for n, age in enumerate(ages) if n % 3 == 0 and age < 400)
+    assert bars[30].disconnects == 50  # the 30 s timeout's bar
+    assert age_bars([], []) == ([], 0.0, 0)
+
+
+def test_the_report_tells_a_timeout_in_every_format(store: Store) -> None:
+    fill(store)
+    fill_timeouts(store)
+    report = build_report(store, HOUR, with_series=True)
+    document = report_dict(report)
+    jsonschema.Draft202012Validator(SCHEMA).validate(document)
+    [timeout] = document["client_timeouts"]
+    assert timeout["disconnects"] == 10 and (timeout["zombies"], timeout["aborted"]) == (5, 5)
+    assert timeout["after_seconds"] in (59.99, 60.0)
+    assert timeout["zombie_seconds"] == pytest.approx(25.0)
+    assert timeout["wasted_gpu_seconds"] == pytest.approx(5.0)
+    assert timeout["first_disconnect_at"] == "2026-11-22T04:26:00.000000000Z"
+    assert "nginx" in timeout["default_of"]
+    for width in (80, 100):
+        table = render_table(report, width)
+        assert all(len(line) <= width for line in table.splitlines())
+        assert "Client timeouts" in table and "  60.00       10" in table and "nginx" in table
+    html = render_html(report)
+    assert "When clients left" in html and "Client timeouts" in html and html.count("<svg") == 4
+    # Filtered away, the timeout goes with its disconnects; without any, the table says nothing.
+    other = build_report(store, ReportQuery(since_ns=T0, until_ns=at(3600), model="qwen-2-7b"))
+    assert other.client_timeouts == [] and "Client timeouts" not in render_table(other)
+
+
+def test_a_window_without_a_timeout_has_an_empty_list(store: Store) -> None:
+    fill(store)
+    report = build_report(store, HOUR, with_series=True)
+    assert report_dict(report)["client_timeouts"] == []
+    assert "Client timeouts" not in render_html(report) and "When clients left" in render_html(report)
