@@ -44,6 +44,9 @@ VARIANTS = {
     "nokeep": ("", "proxy_buffering off;"),
     # upstream keepalive, nginx's default proxy_buffering on
     "buffered": ("keepalive 16;", ""),
+    # as "keepalive", with a read timeout (60 s by default) short enough to cut answers: nginx
+    # answers 504 and closes the upstream connection 1 s after the engine last sent a byte
+    "read_timeout": ("keepalive 16;", "proxy_buffering off; proxy_read_timeout 1s;"),
 }
 
 _CONFIG = """\
@@ -202,10 +205,11 @@ SETTINGS = {"probe.poll_hz": 20, "correlate.late_span_seconds": 10.0, "engine_me
 
 def run_behind_nginx(tmp: Path, variant: str, source: str, behavior: str, *, engine_span: str = "none",
                      metrics_names: str = "vllm", engine_flags: Sequence[str] = (), span_delay_ms: int | None = None,
-                     timeout_s: float = 60.0
+                     timeout_s: float = 60.0, actions: list[Action] | None = None
                      ) -> tuple[list[VerdictRow], list[dict[str, Any]], list[Action]]:
-    """The daemon watching the engine's port, nginx in front, ``plan()`` sent to nginx: once every
-    verdict has settled, the verdicts, the engine's truth records and the actions (their errors).
+    """The daemon watching the engine's port, nginx in front, ``actions`` (default ``plan()``) sent to
+    nginx: once every verdict has settled, the verdicts, the engine's truth records and the actions
+    (their errors). The daemon's store stays in ``tmp`` (``auditor.db``).
     ``span_delay_ms``: how long the engine's spans wait to be exported (the OpenTelemetry SDK's
     default, which vLLM keeps, is 5000; the reference engine's 200)."""
     env = None if span_delay_ms is None else {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": str(span_delay_ms)}
@@ -216,7 +220,7 @@ def run_behind_nginx(tmp: Path, variant: str, source: str, behavior: str, *, eng
                            env=env) as engine:
         daemon.set_ports({engine.port})
         with nginx_proxy(tmp / "nginx", variant, engine.port) as port:
-            actions = plan()
+            actions = plan() if actions is None else actions
             run_plan(port, actions)
         # nginx has stopped: every upstream connection is closed and every request ended or running.
 

@@ -20,6 +20,7 @@ import pytest
 
 from auditor.report import ReportQuery, build_report
 from auditor.report.render_table import render_table
+from auditor.store import Store
 from replay.engine.launch import running_engine
 from tests.e2e import (
     HostWitness,
@@ -29,6 +30,7 @@ from tests.e2e import (
     verdict_rows,
     wait_for,
 )
+from tests.nginx import Action, find_nginx, run_behind_nginx
 
 openai = pytest.importorskip("openai")
 
@@ -114,6 +116,38 @@ def test_the_report_tells_the_sdks_timeout_from_the_daemons_verdicts(tmp_path: P
     assert [(t.disconnects, t.zombies + t.inflight_zombies + t.unconfirmed) for t in report.client_timeouts] \
         == [(timed_out, timed_out)], (report.client_timeouts, " ".join(map(str, ages)))
     [timeout] = report.client_timeouts
-    assert TIMEOUT_S - 0.01 <= timeout.after_seconds <= TIMEOUT_S + 0.1, (timeout, ages)
+    assert TIMEOUT_S - 0.02 <= timeout.after_seconds <= TIMEOUT_S + 0.05, (timeout, ages)
     assert timeout.default_of is None
     assert "Client timeouts" in render_table(report)
+
+
+@pytest.mark.skipif(find_nginx() is None, reason="nginx not found: run `make setup` as root")
+@pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
+def test_the_report_tells_nginxs_read_timeout_where_the_engine_sees_only_nginx(tmp_path: Path, source: str) -> None:
+    # nginx gives up on an upstream answer after 1 s without a byte (proxy_read_timeout 1s): every
+    # non-streamed answer longer than that is cut there, the client answered 504, the engine left
+    # running. Streams read to the end or left early by their clients pass under it.
+    rng = random.Random(12)
+    cut = [Action(0.6 * k, 200, stream=False) for k in range(8)]  # 2 s of decode each
+    others = [Action(0.3 + 0.6 * k, 20) for k in range(6)]
+    others += [Action(0.1 + 0.6 * k, 150, leave="fin", after_s=rng.uniform(0.05, 0.7)) for k in range(6)]
+    rows, truths, actions = run_behind_nginx(tmp_path, "read_timeout", source, "detached", actions=cut + others)
+    assert not [action for action in actions if action.error], [action.error for action in actions]
+    store = Store(f"sqlite:///{tmp_path / 'auditor.db'}")
+    try:
+        first = min(row.request_start_ns for row in rows)
+        report = build_report(store, ReportQuery(since_ns=first - 10**9, until_ns=time.time_ns()))
+    finally:
+        store.close()
+    tally, problems = tally_against_truth(rows, truths)
+    assert not problems, (tally, problems)
+    # The engine's own view: the requests nginx left 1 s into them, each one of `cut`.
+    at_timeout = [t for t in truths if t["disconnect_at"] is not None
+                  and 0.95 <= (t["disconnect_at"] - t["arrival_at"]) / 1e9 <= 1.5]
+    assert len(at_timeout) == len(cut), [(t["disconnect_at"] - t["arrival_at"]) / 1e9 for t in truths
+                                         if t["disconnect_at"] is not None]
+    ages = sorted(round((r.disconnect_at_ns - r.request_start_ns) / 1e9, 3) for r in rows)
+    assert [t.disconnects for t in report.client_timeouts] == [len(cut)], \
+        (report.client_timeouts, " ".join(map(str, ages)))
+    [timeout] = report.client_timeouts
+    assert 0.98 <= timeout.after_seconds <= 1.05 and timeout.completed == 0, timeout

@@ -200,7 +200,7 @@ class ClientTimeout:
     client's or a proxy's timeout, which gives up on every request the same time after it was
     sent (``auditor.report.timeouts`` says how they are found)."""
 
-    after_seconds: float  # the median age, to the 10 ms below it
+    after_seconds: float  # their mean age, to the millisecond
     from_seconds: float  # the youngest and oldest of them
     to_seconds: float
     disconnects: int

@@ -47,7 +47,7 @@ from auditor.report.sqlite_json import (
     unconfirmed_reason,
     verdict_evidence,
 )
-from auditor.report.timeouts import BIN_NS, AgeBin, age_bars, find_timeouts
+from auditor.report.timeouts import BIN_NS, MOMENT_NS, AgeBin, age_bars, find_timeouts
 from auditor.store import Store, tables
 
 spans, verdicts, coverage, samples = tables.spans, tables.verdicts, tables.coverage, tables.util_samples
@@ -297,13 +297,14 @@ def age_bins(conn: Connection, query: ReportQuery) -> list[AgeBin]:
     age_bin = ((v.disconnect_at_ns - v.request_start_ns) // BIN_NS).label("age_bin")
     rows = conn.execute(select(age_bin, *_verdict_aggregates(), func.min(v.disconnect_at_ns).label("first"),
                                func.max(v.disconnect_at_ns).label("last"),
-                               func.count(func.distinct(v.disconnect_at_ns // NS)).label("seconds"))
+                               func.count(func.distinct(v.disconnect_at_ns // MOMENT_NS)).label("moments"),
+                               func.sum(v.disconnect_at_ns - v.request_start_ns).label("ages"))
                         .where(*_verdict_filter(query)).group_by(age_bin))
     return [AgeBin(index=int(r.age_bin), disconnects=int(r.disconnects), completed=int(r.completed),
                    aborted=int(r.aborted), zombies=int(r.zombies), inflight_zombies=int(r.inflight_zombies),
                    unconfirmed=int(r.unconfirmed), zombie_seconds=float(r.zombie_seconds),
                    wasted_gpu_seconds=float(r.wasted_gpu_seconds), wasted_cpu_seconds=float(r.wasted_cpu_seconds),
-                   first_ns=int(r.first), last_ns=int(r.last), seconds=int(r.seconds))
+                   first_ns=int(r.first), last_ns=int(r.last), moments=int(r.moments), ages_ns=int(r.ages))
             for r in rows if r.age_bin is not None]
 
 

@@ -244,13 +244,15 @@ def _timeouts(report: Report, width: int) -> list[str]:
     if not report.client_timeouts:
         return []
     unit = report.totals.cost_unit
+    wide = width >= WIDTH  # narrower, the in-flight zombies are in the zombies (and apart in JSON)
     lines = ["", "Client timeouts (disconnects that came at one age of their request)",
-             f"  {'after s':>7}  {'disconn':>7}  {'zombie':>6}  {'in-flight':>9}  {'zombie s':>9}  "
+             f"  {'after s':>7}  {'disconn':>7}  {'zombie':>6}  {'in-flight  ' if wide else ''}{'zombie s':>9}  "
              f"{unit + '-s':>8}  left (UTC)"]
     for t in report.client_timeouts:
-        lines.append(f"  {t.after_seconds:>7.2f}  {t.disconnects:>7,}  {t.zombies:>6,}  {t.inflight_zombies:>9,}  "
-                     f"{t.zombie_seconds:>9,.1f}  {t.wasted_seconds(unit):>8,.1f}  "
-                     f"{left_between(t.first_ns, t.last_ns)}")
+        zombies = t.zombies if wide else t.zombies + t.inflight_zombies
+        lines.append(clip(f"  {t.after_seconds:>7.2f}  {t.disconnects:>7,}  {zombies:>6,}  "
+                          f"{f'{t.inflight_zombies:>9,}  ' if wide else ''}{t.zombie_seconds:>9,.1f}  "
+                          f"{t.wasted_seconds(unit):>8,.1f}  {left_between(t.first_ns, t.last_ns)}", width))
         if t.default_of:
             lines += textwrap.wrap(f"the default of {t.default_of}", width,
                                    initial_indent=" " * 11, subsequent_indent=" " * 11)

@@ -13,9 +13,10 @@ than ages coming as those around them come would put in it once in a million (a 
 Each flank is read on its own: the edge of a stretch of ages with none past it has one empty
 flank, and the band holds what the other holds per band. Ages spread out however they are (a flat
 stretch, the slope of people's cancels, such an edge) do not pass; a timeout hit fewer than five
-times, or whose disconnects came in fewer than five different seconds (one event), is not told. A band
-wider than its spike still holds all of it; a spike wider than its band (requests that waited for
-the server's accept for varying times) is told once, for the band that holds the most of it.
+times, or whose disconnects came in fewer than five different tenths of a second (one event), is
+not told. A band wider than its spike still holds all of it; a spike wider than its band
+(requests that waited for the server's accept for varying times) is told once, for the band that
+holds the most of it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from auditor.report.model import AgeBar, ClientTimeout
 
 NS = 1_000_000_000
 BIN_NS = 10_000_000
+MOMENT_NS = 100_000_000  # disconnects in one tenth of a second came at once
 # The /proc source times a close to its poll interval (50 ms at its default rate): a band holds that.
 MIN_BAND_NS = 100_000_000
 BAND_SHARE = 100  # the band is 1/100 of the age where that is wider than MIN_BAND_NS
@@ -66,7 +68,8 @@ class AgeBin:
     wasted_cpu_seconds: float
     first_ns: int
     last_ns: int
-    seconds: int  # how many different seconds (of the clock) the disconnects came in
+    moments: int  # how many different tenths of a second (of the clock) the disconnects came in
+    ages_ns: int  # their ages summed
 
 
 def band_ns(age_ns: int) -> int:
@@ -107,11 +110,11 @@ def find_timeouts(bins: Iterable[AgeBin]) -> list[ClientTimeout]:
         if any(lo < hi + width and lo + width > taken_lo - width for taken_lo, hi in taken):
             continue
         taken.append((lo, lo + width))
-        timeout = _timeout(ordered[i:bisect_left(starts, lo + width)])
-        # Disconnects at one age that came in a few seconds only are one event (a client that
+        members = ordered[i:bisect_left(starts, lo + width)]
+        # Disconnects at one age that came in a few moments only are one event (a client that
         # left with all of a batch it sent at once), not a timeout met again and again.
-        if sum(b.seconds for b in ordered[i:bisect_left(starts, lo + width)]) >= MIN_DISCONNECTS:
-            found.append(timeout)
+        if sum(b.moments for b in members) >= MIN_DISCONNECTS:
+            found.append(_timeout(members))
         if len(found) == MAX_TIMEOUTS:
             break
     return found
@@ -131,14 +134,7 @@ def _spike(held: int, per_band: float) -> bool:
 
 def _timeout(members: Sequence[AgeBin]) -> ClientTimeout:
     total = sum(b.disconnects for b in members)
-    seen = 0
-    median = members[-1]
-    for b in members:
-        seen += b.disconnects
-        if 2 * seen >= total:
-            median = b
-            break
-    after = median.index * BIN_NS / NS  # to the 10 ms below: a timeout's disconnects come just after it
+    after = sum(b.ages_ns for b in members) / total / NS
     return ClientTimeout(
         after_seconds=round(after, 3), from_seconds=round(members[0].index * BIN_NS / NS, 3),
         to_seconds=round((members[-1].index + 1) * BIN_NS / NS, 3), disconnects=total,
