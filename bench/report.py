@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 
 from auditor.report import ReportQuery, build_report  # noqa: E402
 from auditor.report.query import age_bins  # noqa: E402
-from auditor.report.timeouts import find_timeouts  # noqa: E402
 from auditor.report.render_data import write_json  # noqa: E402
 from auditor.report.requests import count_requests, spans  # noqa: E402
+from auditor.report.timeouts import find_timeouts  # noqa: E402
 from auditor.store import (  # noqa: E402
     CoverageRow,
     SpanRow,
