@@ -118,6 +118,12 @@ def test_the_report_tells_the_sdks_timeout_from_the_daemons_verdicts(tmp_path: P
     [timeout] = report.client_timeouts
     assert TIMEOUT_S - 0.02 <= timeout.after_seconds <= TIMEOUT_S + 0.05, (timeout, ages)
     assert timeout.default_of is None
+    # What the answers needed, from the zombies' work, against the engine's own times (its work
+    # end told by vLLM's gauges, to a 0.1 s scrape).
+    needed = [(t["finished_at"] - t["arrival_at"]) / 1e9 for t in at_timeout]
+    if timeout.zombies:
+        assert timeout.zombie_work_max_seconds is not None, timeout
+        assert abs(timeout.zombie_work_max_seconds - max(needed)) <= 0.3, (timeout, needed)
     assert "Client timeouts" in render_table(report)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from auditor.model import Verdict
 from auditor.report import ReportQuery, build_report
 from auditor.report.render_data import report_dict
 from auditor.report.render_html import render_html
@@ -31,7 +32,7 @@ from auditor.report.timeouts import (
     known_default,
 )
 from auditor.store import Store
-from tests.report_data import T0, at, fill, fill_timeouts
+from tests.report_data import T0, _verdict, at, fill, fill_timeouts
 
 NS = 1_000_000_000
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())
@@ -98,6 +99,7 @@ def test_a_timeout_on_any_spread_is_found_with_its_disconnects(shape: str) -> No
     assert timeout.disconnects == held >= 400
     assert timeout.zombies + timeout.completed == timeout.disconnects
     assert timeout.default_of is None
+    assert timeout.zombie_work_max_seconds is None  # no bin said how long its zombies worked
 
 
 def test_a_timeout_among_ages_that_also_cross_it_is_found() -> None:
@@ -172,10 +174,13 @@ def test_the_report_tells_a_timeout_in_every_format(store: Store) -> None:
     assert timeout["wasted_gpu_seconds"] == pytest.approx(5.0)
     assert timeout["first_disconnect_at"] == "2026-11-22T04:26:00.000000000Z"
     assert "nginx" in timeout["default_of"]
+    # Its five zombies worked on 5 s past their clients' 60.000-60.006 s: what the answers needed.
+    assert (timeout["zombie_work_mean_seconds"], timeout["zombie_work_max_seconds"]) == (65.003, 65.006)
     for width in (80, 100):
         table = render_table(report, width)
         assert all(len(line) <= width for line in table.splitlines())
         assert "Client timeouts" in table and "  60.00       10" in table and "nginx" in table
+        assert "its zombies worked 65.0 s from their start on average, 65.0 s at most" in " ".join(table.split())
     # Across days, and with figures wider than their columns, a line still fits.
     wide = build_report(store, ReportQuery(since_ns=at(-86400), until_ns=at(3600)))
     wide.client_timeouts[0] = replace(wide.client_timeouts[0], first_ns=at(-80000), zombie_seconds=12_345_678.9,
@@ -195,3 +200,13 @@ def test_a_window_without_a_timeout_has_an_empty_list(store: Store) -> None:
     report = build_report(store, HOUR, with_series=True)
     assert report_dict(report)["client_timeouts"] == []
     assert "Client timeouts" not in render_html(report) and "When clients left" in render_html(report)
+
+
+def test_a_zombie_whose_end_may_be_another_leavers_tells_no_work(store: Store) -> None:
+    fill_timeouts(store)
+    # One more at the timeout, its end given by the gauges where later leavers may own it.
+    store.upsert_verdicts([_verdict(200, Verdict.ZOMBIE, start_s=2000.0, disconnect_s=2060.001, end_s=2260.0,
+                                    lag=199.999, details={"evidence": "engine_metrics", "lag_at_least_s": 0.5})])
+    [timeout] = build_report(store, HOUR).client_timeouts
+    assert (timeout.disconnects, timeout.zombies) == (11, 6)
+    assert timeout.zombie_work_max_seconds == 65.006  # not 260

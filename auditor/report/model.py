@@ -215,6 +215,11 @@ class ClientTimeout:
     first_ns: int  # the first and last of their disconnects
     last_ns: int
     default_of: str | None  # a well-known timeout of this length (nginx's 60 s), or None
+    # How long its zombies' work ran from their requests' start, where it ended: what the answers
+    # the timeout cut needed (a timeout above the longest would have let them answer). None: no
+    # zombie ended, or none's end is surely its own (details.lag_at_least_s).
+    zombie_work_mean_seconds: float | None = None
+    zombie_work_max_seconds: float | None = None
 
     def wasted_seconds(self, unit: str) -> float:
         return self.wasted_cpu_seconds if unit == "CPU" else self.wasted_gpu_seconds

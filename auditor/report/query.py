@@ -295,16 +295,25 @@ def age_bins(conn: Connection, query: ReportQuery) -> list[AgeBin]:
     and costs (``timeouts.py`` finds the timeouts among them)."""
     v = verdicts.c
     age_bin = ((v.disconnect_at_ns - v.request_start_ns) // BIN_NS).label("age_bin")
+    # How long a zombie's work ran from its request's start: what its answer needed. Not where
+    # later leavers may own the orphans its engine's gauges gave it (details.lag_at_least_s):
+    # its end may be theirs.
+    ended = (v.verdict == "zombie") & v.work_end_ns.is_not(None) & lag_at_least(verdicts).is_(None)
+    worked = v.work_end_ns - v.request_start_ns
     rows = conn.execute(select(age_bin, *_verdict_aggregates(), func.min(v.disconnect_at_ns).label("first"),
                                func.max(v.disconnect_at_ns).label("last"),
                                func.count(func.distinct(v.disconnect_at_ns // MOMENT_NS)).label("moments"),
-                               func.sum(v.disconnect_at_ns - v.request_start_ns).label("ages"))
+                               func.sum(v.disconnect_at_ns - v.request_start_ns).label("ages"),
+                               _count_if(ended).label("ended"), _sum(case((ended, worked), else_=0)).label("worked"),
+                               func.max(case((ended, worked), else_=None)).label("longest"))
                         .where(*_verdict_filter(query)).group_by(age_bin))
     return [AgeBin(index=int(r.age_bin), disconnects=int(r.disconnects), completed=int(r.completed),
                    aborted=int(r.aborted), zombies=int(r.zombies), inflight_zombies=int(r.inflight_zombies),
                    unconfirmed=int(r.unconfirmed), zombie_seconds=float(r.zombie_seconds),
                    wasted_gpu_seconds=float(r.wasted_gpu_seconds), wasted_cpu_seconds=float(r.wasted_cpu_seconds),
-                   first_ns=int(r.first), last_ns=int(r.last), moments=int(r.moments), ages_ns=int(r.ages))
+                   first_ns=int(r.first), last_ns=int(r.last), moments=int(r.moments), ages_ns=int(r.ages),
+                   zombies_ended=int(r.ended), zombie_work_ns=int(r.worked),
+                   zombie_work_max_ns=int(r.longest) if r.longest is not None else None)
             for r in rows if r.age_bin is not None]
 
 

@@ -135,6 +135,8 @@ def _timeout_dict(timeout: ClientTimeout) -> dict[str, Any]:
         "wasted_cpu_seconds": _number(timeout.wasted_cpu_seconds, 6),
         "first_disconnect_at": rfc3339(timeout.first_ns), "last_disconnect_at": rfc3339(timeout.last_ns),
         "default_of": timeout.default_of,
+        "zombie_work_mean_seconds": timeout.zombie_work_mean_seconds,
+        "zombie_work_max_seconds": timeout.zombie_work_max_seconds,
     }
 
 

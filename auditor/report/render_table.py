@@ -12,7 +12,7 @@ import textwrap
 import unicodedata
 from collections.abc import Callable
 
-from auditor.report.model import BreakdownRow, Report, Totals
+from auditor.report.model import BreakdownRow, ClientTimeout, Report, Totals
 from auditor.timefmt import rfc3339_seconds
 
 WIDTH = 100
@@ -240,6 +240,12 @@ def left_between(first_ns: int, last_ns: int) -> str:
     return f"{first[5:16].replace('T', ' ')} to {last[5:16].replace('T', ' ')}"
 
 
+def zombie_work_note(t: ClientTimeout) -> str:
+    """What the answers a timeout cut needed, as its zombies' work tells."""
+    return (f"its zombies worked {t.zombie_work_mean_seconds:,.1f} s from their start on average, "
+            f"{t.zombie_work_max_seconds:,.1f} s at most: a timeout above that lets such answers end")
+
+
 def _timeouts(report: Report, width: int) -> list[str]:
     if not report.client_timeouts:
         return []
@@ -253,9 +259,11 @@ def _timeouts(report: Report, width: int) -> list[str]:
         lines.append(clip(f"  {t.after_seconds:>7.2f}  {t.disconnects:>7,}  {zombies:>6,}  "
                           f"{f'{t.inflight_zombies:>9,}  ' if wide else ''}{t.zombie_seconds:>9,.1f}  "
                           f"{t.wasted_seconds(unit):>8,.1f}  {left_between(t.first_ns, t.last_ns)}", width))
-        if t.default_of:
-            lines += textwrap.wrap(f"the default of {t.default_of}", width,
-                                   initial_indent=" " * 11, subsequent_indent=" " * 11)
+        notes = [f"the default of {t.default_of}"] if t.default_of else []
+        if t.zombie_work_max_seconds is not None:
+            notes.append(zombie_work_note(t))
+        for note in notes:
+            lines += textwrap.wrap(note, width, initial_indent=" " * 11, subsequent_indent=" " * 11)
     return lines + textwrap.wrap(TIMEOUT_ADVICE, width, initial_indent="  ", subsequent_indent="  ")
 
 

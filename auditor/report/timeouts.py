@@ -70,6 +70,10 @@ class AgeBin:
     last_ns: int
     moments: int  # how many different tenths of a second (of the clock) the disconnects came in
     ages_ns: int  # their ages summed
+    # The zombies whose work ended, how long it ran from their requests' start summed, the longest.
+    zombies_ended: int = 0
+    zombie_work_ns: int = 0
+    zombie_work_max_ns: int | None = None
 
 
 def band_ns(age_ns: int) -> int:
@@ -135,6 +139,8 @@ def _spike(held: int, per_band: float) -> bool:
 def _timeout(members: Sequence[AgeBin]) -> ClientTimeout:
     total = sum(b.disconnects for b in members)
     after = sum(b.ages_ns for b in members) / total / NS
+    ended = sum(b.zombies_ended for b in members)
+    longest = [b.zombie_work_max_ns for b in members if b.zombie_work_max_ns is not None]
     return ClientTimeout(
         after_seconds=round(after, 3), from_seconds=round(members[0].index * BIN_NS / NS, 3),
         to_seconds=round((members[-1].index + 1) * BIN_NS / NS, 3), disconnects=total,
@@ -145,7 +151,9 @@ def _timeout(members: Sequence[AgeBin]) -> ClientTimeout:
         wasted_gpu_seconds=sum(b.wasted_gpu_seconds for b in members),
         wasted_cpu_seconds=sum(b.wasted_cpu_seconds for b in members),
         first_ns=min(b.first_ns for b in members), last_ns=max(b.last_ns for b in members),
-        default_of=known_default(after))
+        default_of=known_default(after),
+        zombie_work_mean_seconds=round(sum(b.zombie_work_ns for b in members) / ended / NS, 3) if ended else None,
+        zombie_work_max_seconds=round(max(longest) / NS, 3) if longest else None)
 
 
 def known_default(after_s: float) -> str | None:
