@@ -204,17 +204,17 @@ def _timeouts(report: Report) -> list[str]:
         return []
     unit = report.totals.cost_unit
     parts = ["<h2>Client timeouts</h2><table><tr><th>after s</th><th>from-to s</th><th>disconnects</th>"
-                 "<th>completed</th><th>aborted</th><th>zombie</th><th>in-flight</th><th>unconfirmed</th>"
-                 f"<th>zombie s</th><th>{unit}-s</th><th>left (UTC)</th><th>its zombies' work</th>"
-                 "<th>the default of</th></tr>"]
+             "<th>completed</th><th>aborted</th><th>zombie</th><th>in-flight</th><th>unconfirmed</th>"
+             f"<th>zombie s</th><th>{unit}-s</th><th>left (UTC)</th><th>its zombies' work</th>"
+             "<th>the default of</th></tr>"]
     for t in report.client_timeouts:
+        worked = zombie_work_note(t).removeprefix("its zombies ") if t.zombie_work_max_seconds is not None else ""
         parts.append(
             f"<tr><td>{t.after_seconds:.2f}</td><td>{t.from_seconds:g}-{t.to_seconds:g}</td>"
             f"<td>{t.disconnects:,}</td><td>{t.completed:,}</td><td>{t.aborted:,}</td><td>{t.zombies:,}</td>"
             f"<td>{t.inflight_zombies:,}</td><td>{t.unconfirmed:,}</td><td>{t.zombie_seconds:,.1f}</td>"
             f"<td>{t.wasted_seconds(unit):,.1f}</td><td>{esc(left_between(t.first_ns, t.last_ns))}</td>"
-            f"<td>{esc(zombie_work_note(t).removeprefix('its zombies ') if t.zombie_work_max_seconds is not None else '')}"
-            f"</td><td>{esc(t.default_of or '')}</td></tr>")
+            f"<td>{esc(worked)}</td><td>{esc(t.default_of or '')}</td></tr>")
     parts.append(f'</table><p class="sub">{esc(TIMEOUT_ADVICE)}</p>')
     return parts
 

@@ -136,20 +136,19 @@ def _spike(held: int, per_band: float) -> bool:
     return first - math.log1p(-mean / (held + 1)) < LOG_CHANCE
 
 
+# What a timeout adds up from its bins, each under the same name in both.
+_SUMMED = ("disconnects", "completed", "aborted", "zombies", "inflight_zombies", "unconfirmed", "zombie_seconds",
+           "wasted_gpu_seconds", "wasted_cpu_seconds")
+
+
 def _timeout(members: Sequence[AgeBin]) -> ClientTimeout:
-    total = sum(b.disconnects for b in members)
-    after = sum(b.ages_ns for b in members) / total / NS
+    sums = {name: sum(getattr(b, name) for b in members) for name in _SUMMED}
+    after = sum(b.ages_ns for b in members) / sums["disconnects"] / NS
     ended = sum(b.zombies_ended for b in members)
     longest = [b.zombie_work_max_ns for b in members if b.zombie_work_max_ns is not None]
     return ClientTimeout(
-        after_seconds=round(after, 3), from_seconds=round(members[0].index * BIN_NS / NS, 3),
-        to_seconds=round((members[-1].index + 1) * BIN_NS / NS, 3), disconnects=total,
-        completed=sum(b.completed for b in members), aborted=sum(b.aborted for b in members),
-        zombies=sum(b.zombies for b in members), inflight_zombies=sum(b.inflight_zombies for b in members),
-        unconfirmed=sum(b.unconfirmed for b in members),
-        zombie_seconds=sum(b.zombie_seconds for b in members),
-        wasted_gpu_seconds=sum(b.wasted_gpu_seconds for b in members),
-        wasted_cpu_seconds=sum(b.wasted_cpu_seconds for b in members),
+        **sums, after_seconds=round(after, 3), from_seconds=round(members[0].index * BIN_NS / NS, 3),
+        to_seconds=round((members[-1].index + 1) * BIN_NS / NS, 3),
         first_ns=min(b.first_ns for b in members), last_ns=max(b.last_ns for b in members),
         default_of=known_default(after),
         zombie_work_mean_seconds=round(sum(b.zombie_work_ns for b in members) / ended / NS, 3) if ended else None,
