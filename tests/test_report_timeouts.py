@@ -157,7 +157,8 @@ def test_age_bars_hold_every_disconnect_up_to_the_oldest_they_draw() -> None:
     assert 0 < len(bars) <= MAX_BARS and width_s == 1.0  # past 30.01 s in at most 60 bars
     assert sum(b.disconnects for b in bars) + beyond == len(ages) and beyond == 3
     assert sum(b.zombies for b in bars) == sum(1 for n, age in enumerate(ages) if n % 3 == 0 and age < 400)
-    assert bars[30].disconnects == 50  # the 30 s timeout's bar
+    assert bars[30].disconnects == 50 and bars[30].start_s == 29.5  # the 30 s timeout's bar, centred on it
+    assert bars[0].start_s == -0.5
     assert age_bars([], []) == ([], 0.0, 0)
 
 

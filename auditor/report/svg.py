@@ -169,6 +169,7 @@ def age_chart(bars: Sequence[AgeBar], width_s: float, marks: Sequence[float]) ->
     plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
     count = max(1, len(bars))
     slot, span_s = plot_w / count, count * width_s
+    origin = bars[0].start_s if bars else 0.0  # the first bar is centred on 0: it starts below
     title = "disconnects by how long after its start each request's client left"
     top = max(nice_ceiling(max((b.disconnects for b in bars), default=0)), float(TICKS))
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" '
@@ -184,17 +185,17 @@ def age_chart(bars: Sequence[AgeBar], width_s: float, marks: Sequence[float]) ->
                 height = plot_h * min(value, top) / top
                 parts.append(f'<rect x="{x:.1f}" y="{TOP + plot_h - height:.1f}" width="{max(slot * 0.8, 1):.1f}" '
                              f'height="{height:.1f}" class="{css}"><title>{esc(f"{value:,} {what}, ")}'
-                             f'{esc(f"{bar.start_s:g}-{bar.start_s + width_s:g} s")}</title></rect>')
+                             f'{esc(f"{max(bar.start_s, 0):g}-{bar.start_s + width_s:g} s")}</title></rect>')
     step = nice_ceiling(span_s / 8)
     tick = 0.0
-    while tick <= span_s + 1e-9:
-        x = LEFT + plot_w * tick / span_s
+    while tick <= origin + span_s + 1e-9:
+        x = LEFT + plot_w * (tick - origin) / span_s
         parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP + plot_h}" y2="{TOP + plot_h + 4}" stroke="#5b6575"/>'
                      f'<text x="{x:.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle">{esc(f"{tick:g} s")}</text>')
         tick = round(tick + step, 9)
     for mark in marks:
-        if 0 <= mark <= span_s:
-            x = LEFT + plot_w * mark / span_s
+        if origin <= mark <= origin + span_s:
+            x = LEFT + plot_w * (mark - origin) / span_s
             parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + plot_h}" class="cut"/>'
                          f'<text x="{x + 4:.1f}" y="{TOP + 12}" class="small">{esc(f"{mark:g} s")}</text>')
     parts.append(f'<text x="{LEFT}" y="{HEIGHT - 6}" class="legend"><tspan class="serving-t">■ disconnects'

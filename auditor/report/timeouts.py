@@ -165,8 +165,9 @@ def known_default(after_s: float) -> str | None:
 
 def age_bars(bins: Iterable[AgeBin], timeouts: Sequence[ClientTimeout]) -> tuple[list[AgeBar], float, int]:
     """The disconnects by age for a chart: up to the age under which 99% of them came (and past
-    every timeout found), in at most MAX_BARS bars of a round width. Returns the bars, their
-    width in seconds and how many disconnects came older than the last bar."""
+    every timeout found), in at most MAX_BARS bars of a round width centred on its multiples (the
+    first starts below 0). Returns the bars, their width in seconds and how many disconnects came
+    older than the last bar."""
     ordered = sorted((b for b in bins if b.index >= 0 and b.disconnects > 0), key=lambda b: b.index)
     total = sum(b.disconnects for b in ordered)
     if not total:
@@ -180,15 +181,18 @@ def age_bars(bins: Iterable[AgeBin], timeouts: Sequence[ClientTimeout]) -> tuple
     top_ns = max([top_ns, *(int(t.to_seconds * NS) for t in timeouts)])
     width_s = next((w for w in BAR_WIDTHS_S if top_ns <= w * NS * MAX_BARS), -(-top_ns // (NS * MAX_BARS)))
     width_bins = max(1, round(width_s * NS / BIN_NS))
-    count = -(-top_ns // (width_bins * BIN_NS))
+    # Bars centred on round ages, where timeouts are set: a 30 s one's disconnects, at 29.99 and
+    # 30.00 s, in one bar rather than split between two.
+    half = width_bins // 2
+    count = (-(-top_ns // BIN_NS) - 1 + half) // width_bins + 1
     disconnects, zombies, older = [0] * count, [0] * count, 0
     for b in ordered:
-        slot = b.index // width_bins
+        slot = (b.index + half) // width_bins
         if slot >= count:
             older += b.disconnects
             continue
         disconnects[slot] += b.disconnects
         zombies[slot] += b.zombies + b.inflight_zombies
-    bars = [AgeBar(start_s=round(slot * width_bins * BIN_NS / NS, 3), disconnects=disconnects[slot],
+    bars = [AgeBar(start_s=round((slot * width_bins - half) * BIN_NS / NS, 3), disconnects=disconnects[slot],
                    zombies=zombies[slot]) for slot in range(count)]
     return bars, width_bins * BIN_NS / NS, older
