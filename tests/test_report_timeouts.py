@@ -57,7 +57,7 @@ def bins_of(ages_s: list[float], zombie_every: int = 0, apart_s: float = 1.0) ->
         moments.setdefault(index, set()).add(last[index] // MOMENT_NS)
         if zombie_every and n % zombie_every == 0:
             zombies[index] += 1
-    return [AgeBin(index=i, disconnects=n, completed=n - zombies[i], aborted=0, zombies=zombies[i],
+    return [AgeBin(index=i, disconnects=n, completed=0, aborted=n - zombies[i], zombies=zombies[i],
                    inflight_zombies=0, unconfirmed=0, zombie_seconds=float(zombies[i]),
                    wasted_gpu_seconds=0.5 * zombies[i], wasted_cpu_seconds=0.0, first_ns=first[i], last_ns=last[i],
                    moments=len(moments[i]), ages_ns=ages[i])
@@ -97,7 +97,7 @@ def test_a_timeout_on_any_spread_is_found_with_its_disconnects(shape: str) -> No
     assert timeout.from_seconds <= 30.0 and timeout.to_seconds >= 30.02
     held = sum(1 for age in background + timed_out if timeout.from_seconds <= age < timeout.to_seconds)
     assert timeout.disconnects == held >= 400
-    assert timeout.zombies + timeout.completed == timeout.disconnects
+    assert timeout.zombies + timeout.aborted == timeout.disconnects
     assert timeout.default_of is None
     assert timeout.zombie_work_max_seconds is None  # no bin said how long its zombies worked
 
@@ -211,3 +211,27 @@ def test_a_zombie_whose_end_may_be_another_leavers_tells_no_work(store: Store) -
     [timeout] = build_report(store, HOUR).client_timeouts
     assert (timeout.disconnects, timeout.zombies) == (11, 6)
     assert timeout.zombie_work_max_seconds == 65.006  # not 260
+
+
+def test_closes_as_answers_ended_at_one_age_are_no_timeout() -> None:
+    # A benchmark whose answers are all as long: its clients close as each ends (completed, or
+    # unconfirmed as a race with the end), all at one age. None of them cut an answer short.
+    rng = random.Random(6)
+    whole = bins_of([2.5 + rng.uniform(0, 0.02) for _ in range(200)])
+    ended = [replace(b, completed=b.disconnects, aborted=0, zombies=0, cut=0) for b in whole]
+    assert find_timeouts(ended + bins_of([rng.uniform(0.1, 5.0) for _ in range(100)])) == []
+    # The same ages with the answers cut: a timeout, its band holding both.
+    assert [t.disconnects for t in find_timeouts(whole)] == [200]
+
+
+def test_the_store_counts_closes_at_the_answers_end_out_of_a_spike(store: Store) -> None:
+    # Ten clients that closed as their 30 s answers ended: five completed, five unconfirmed as a
+    # race with the end. Read from the store, they are no timeout.
+    store.upsert_verdicts([
+        _verdict(300 + k, Verdict.COMPLETED if k % 2 else Verdict.UNCONFIRMED, start_s=100.0 + 20 * k,
+                 disconnect_s=130.0 + 20 * k + 0.001 * k, end_s=130.0 + 20 * k, lag=0.0,
+                 details={} if k % 2 else {"unconfirmed_because": "raced_its_answer"})
+        for k in range(10)])
+    assert build_report(store, HOUR).client_timeouts == []
+    fill_timeouts(store, from_s=400.0)
+    assert [t.disconnects for t in build_report(store, HOUR).client_timeouts] == [10]

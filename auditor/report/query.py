@@ -304,6 +304,8 @@ def age_bins(conn: Connection, query: ReportQuery) -> list[AgeBin]:
                                func.max(v.disconnect_at_ns).label("last"),
                                func.count(func.distinct(v.disconnect_at_ns // MOMENT_NS)).label("moments"),
                                func.sum(v.disconnect_at_ns - v.request_start_ns).label("ages"),
+                               _count_if((v.verdict != "completed") & (func.coalesce(unconfirmed_reason(verdicts), "")
+                                                                        != "raced_its_answer")).label("cut"),
                                _count_if(ended).label("ended"), _sum(case((ended, worked), else_=0)).label("worked"),
                                func.max(case((ended, worked), else_=None)).label("longest"))
                         .where(*_verdict_filter(query)).group_by(age_bin))
@@ -312,7 +314,7 @@ def age_bins(conn: Connection, query: ReportQuery) -> list[AgeBin]:
                    unconfirmed=int(r.unconfirmed), zombie_seconds=float(r.zombie_seconds),
                    wasted_gpu_seconds=float(r.wasted_gpu_seconds), wasted_cpu_seconds=float(r.wasted_cpu_seconds),
                    first_ns=int(r.first), last_ns=int(r.last), moments=int(r.moments), ages_ns=int(r.ages),
-                   zombies_ended=int(r.ended), zombie_work_ns=int(r.worked),
+                   cut=int(r.cut), zombies_ended=int(r.ended), zombie_work_ns=int(r.worked),
                    zombie_work_max_ns=int(r.longest) if r.longest is not None else None)
             for r in rows if r.age_bin is not None]
 

@@ -70,6 +70,9 @@ class AgeBin:
     last_ns: int
     moments: int  # how many different tenths of a second (of the clock) the disconnects came in
     ages_ns: int  # their ages summed
+    # Those whose answer had not ended (not completed, nor unconfirmed as a race with its end):
+    # what a timeout cuts. None: all of them.
+    cut: int | None = None
     # The zombies whose work ended, how long it ran from their requests' start summed, the longest.
     zombies_ended: int = 0
     zombie_work_ns: int = 0
@@ -83,11 +86,13 @@ def band_ns(age_ns: int) -> int:
 
 def find_timeouts(bins: Iterable[AgeBin]) -> list[ClientTimeout]:
     """The timeouts among the disconnects counted in ``bins``, the most disconnects first."""
-    ordered = sorted((b for b in bins if b.index >= 0 and b.disconnects > 0), key=lambda b: b.index)
+    # Closes as answers ended come at one age too where answers are all as long (a benchmark's
+    # fixed lengths): only the disconnects that cut an answer short are counted for a spike.
+    ordered = sorted((b for b in bins if b.index >= 0 and _cut(b) > 0), key=lambda b: b.index)
     starts = [b.index * BIN_NS for b in ordered]
-    before = [0]  # before[i]: the disconnects in ordered[:i]
+    before = [0]  # before[i]: the disconnects cutting answers in ordered[:i]
     for b in ordered:
-        before.append(before[-1] + b.disconnects)
+        before.append(before[-1] + _cut(b))
 
     def count(lo_ns: int, hi_ns: int) -> int:
         return before[bisect_left(starts, hi_ns)] - before[bisect_left(starts, lo_ns)]
@@ -122,6 +127,10 @@ def find_timeouts(bins: Iterable[AgeBin]) -> list[ClientTimeout]:
         if len(found) == MAX_TIMEOUTS:
             break
     return found
+
+
+def _cut(b: AgeBin) -> int:
+    return b.disconnects if b.cut is None else b.cut
 
 
 def _spike(held: int, per_band: float) -> bool:
