@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from auditor.report.model import AgeBar, ClientTimeout
@@ -84,11 +84,13 @@ def band_ns(age_ns: int) -> int:
     return max(MIN_BAND_NS, age_ns // BAND_SHARE)
 
 
-def find_timeouts(bins: Iterable[AgeBin]) -> list[ClientTimeout]:
+def find_timeouts(bins: Sequence[AgeBin]) -> list[ClientTimeout]:
     """The timeouts among the disconnects counted in ``bins``, the most disconnects first."""
+    every = sorted((b for b in bins if b.index >= 0 and b.disconnects > 0), key=lambda b: b.index)
+    every_starts = [b.index * BIN_NS for b in every]
     # Closes as answers ended come at one age too where answers are all as long (a benchmark's
     # fixed lengths): only the disconnects that cut an answer short are counted for a spike.
-    ordered = sorted((b for b in bins if b.index >= 0 and _cut(b) > 0), key=lambda b: b.index)
+    ordered = [b for b in every if _cut(b) > 0]
     starts = [b.index * BIN_NS for b in ordered]
     before = [0]  # before[i]: the disconnects cutting answers in ordered[:i]
     for b in ordered:
@@ -98,7 +100,7 @@ def find_timeouts(bins: Iterable[AgeBin]) -> list[ClientTimeout]:
         return before[bisect_left(starts, hi_ns)] - before[bisect_left(starts, lo_ns)]
 
     candidates = []
-    for i, lo in enumerate(starts):
+    for lo in starts:
         width = band_ns(lo)
         held = count(lo, lo + width)
         if held < MIN_DISCONNECTS:
@@ -111,15 +113,16 @@ def find_timeouts(bins: Iterable[AgeBin]) -> list[ClientTimeout]:
         if left:
             per_band = max(per_band, count(lo - left, lo) * width / left)
         if _spike(held, per_band):
-            candidates.append((-held, lo, i, width))
+            candidates.append((-held, lo, width))
     found: list[ClientTimeout] = []
     taken: list[tuple[int, int]] = []
-    for _, lo, i, width in sorted(candidates):
+    for _, lo, width in sorted(candidates):
         # One band either side is the same timeout's: its spike may be wider than its band.
         if any(lo < hi + width and lo + width > taken_lo - width for taken_lo, hi in taken):
             continue
         taken.append((lo, lo + width))
-        members = ordered[i:bisect_left(starts, lo + width)]
+        # Its figures hold every disconnect in its band, those at an answer's end too.
+        members = every[bisect_left(every_starts, lo):bisect_left(every_starts, lo + width)]
         # Disconnects at one age that came in a few moments only are one event (a client that
         # left with all of a batch it sent at once), not a timeout met again and again.
         if sum(b.moments for b in members) >= MIN_DISCONNECTS:
@@ -172,7 +175,7 @@ def known_default(after_s: float) -> str | None:
     return None
 
 
-def age_bars(bins: Iterable[AgeBin], timeouts: Sequence[ClientTimeout]) -> tuple[list[AgeBar], float, int]:
+def age_bars(bins: Sequence[AgeBin], timeouts: Sequence[ClientTimeout]) -> tuple[list[AgeBar], float, int]:
     """The disconnects by age for a chart: up to the age under which 99% of them came (and past
     every timeout found), in at most MAX_BARS bars of a round width centred on its multiples (the
     first starts below 0). Returns the bars, their width in seconds and how many disconnects came
