@@ -128,6 +128,26 @@ class RetentionConfig:
 
 
 @dataclass
+class ReportConfig:
+    # What an hour of one GPU, and of one CPU core, costs: the report prices the wasted time at these
+    # (0: unpriced, the report shows seconds only). One price for every host in the window: a fleet
+    # of several GPU kinds is reported a kind at a time (--host), each at its own price.
+    gpu_hour_price: float = 0.0
+    cpu_hour_price: float = 0.0
+    currency: str = "USD"  # the unit the prices are in, shown after each cost
+
+    def validate(self) -> None:
+        for key in ("gpu_hour_price", "cpu_hour_price"):
+            price = getattr(self, key)
+            if price < 0:
+                raise ConfigError(f"report.{key} = {price}: a price cannot be negative (0 leaves it unpriced)")
+            _at_most(f"report.{key}", price, MAX_HOUR_PRICE, "no hour costs more: is it in cents?")
+        text = self.currency
+        if not 1 <= len(text) <= 8 or not text.isprintable() or any(c.isspace() for c in text):
+            raise ConfigError(f"report.currency = {text!r}: expected a short unit without spaces, e.g. USD, EUR or $")
+
+
+@dataclass
 class Config:
     db: str = ""  # empty: SQLite in the state directory
     host_id: str = ""  # empty: the host name
@@ -141,6 +161,7 @@ class Config:
     spans: SpansConfig = field(default_factory=SpansConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
     def validate(self) -> None:
         for section in SECTIONS:
@@ -181,6 +202,7 @@ class Config:
                 parse_address(addr, key)
         self.retention.validate()
         self.export.validate()
+        self.report.validate()
 
 
 def _finite(key: str, value: Any) -> None:
@@ -191,6 +213,7 @@ def _finite(key: str, value: Any) -> None:
 
 DAY_SECONDS = 86_400
 CENTURY_DAYS = 36_525
+MAX_HOUR_PRICE = 100_000.0  # no hour of one GPU or core costs more
 PID_MAX = 4_194_304  # the kernel's PID_MAX_LIMIT: no pid_max is larger
 
 
@@ -227,7 +250,7 @@ SECTIONS: dict[str, type] = {
     "probe": ProbeConfig, "otlp": OtlpConfig, "sampler": SamplerConfig,
     "correlate": CorrelateConfig, "metrics": MetricsConfig, "live": LiveConfig,
     "engine_metrics": EngineMetricsConfig, "spans": SpansConfig,
-    "retention": RetentionConfig, "export": ExportConfig,
+    "retention": RetentionConfig, "export": ExportConfig, "report": ReportConfig,
 }
 
 

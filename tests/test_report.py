@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import re
@@ -13,7 +14,7 @@ import pytest
 
 from auditor.model import Verdict
 from auditor.report import ReportQuery, build_report
-from auditor.report.model import RequestFinding
+from auditor.report.model import Prices, Report, RequestFinding
 from auditor.report.query import FINDING_COLUMNS
 from auditor.report.render_data import (
     REQUEST_FIELDS,
@@ -24,10 +25,22 @@ from auditor.report.render_data import (
     write_json,
 )
 from auditor.report.render_html import render_html
-from auditor.report.render_table import render_table
+from auditor.report.render_table import money, render_table
 from auditor.store import Store
 from auditor.timefmt import rfc3339
-from tests.report_data import CHAT, COMPLETIONS, EVIL_ID, LLAMA, QWEN, T0, _verdict, at, fill, trace
+from tests.report_data import (
+    CHAT,
+    COMPLETIONS,
+    EVIL_ID,
+    LLAMA,
+    QWEN,
+    T0,
+    _verdict,
+    at,
+    fill,
+    fill_timeouts,
+    trace,
+)
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())
 HOUR = ReportQuery(since_ns=T0, until_ns=at(3600))
@@ -422,3 +435,68 @@ def test_wide_characters_keep_the_columns(store: Store) -> None:
     by_route = lines[lines.index("By route") + 2:lines.index("By route") + 4]
     assert len(by_route) == 2 and cells(by_route[0]) == cells(by_route[1]), by_route
     assert "東京" in by_route[0] or "東京" in by_route[1]
+
+
+def priced(report: Report, gpu_hour: float = 0.0, cpu_hour: float = 0.0, currency: str = "USD") -> Report:
+    report.prices = Prices(gpu_hour, cpu_hour, currency)
+    return report
+
+
+def test_prices_turn_the_wasted_time_into_money_in_every_format(store: Store) -> None:
+    fill(store)
+    fill_timeouts(store, 10, 60.0)
+    cpu = _verdict(300, Verdict.ZOMBIE, start_s=100, disconnect_s=101, end_s=111, lag=10.0)
+    store.upsert_verdicts([dataclasses.replace(cpu, wasted_cpu_seconds=36.0)])
+    report = priced(build_report(store, HOUR), gpu_hour=2.5, cpu_hour=0.1, currency="EUR")
+    document = report_dict(report)
+    validate(document)
+    assert document["pricing"] == {"gpu_hour": 2.5, "cpu_hour": 0.1, "currency": "EUR"}
+    totals = document["totals"]
+    # 19 GPU-seconds at 2.5 an hour and 36 CPU-seconds at 0.1 an hour.
+    assert (totals["wasted_gpu_seconds"], totals["wasted_cpu_seconds"]) == (19.0, 36.0)
+    assert totals["wasted_cost"] == pytest.approx(19 * 2.5 / 3600 + 36 * 0.1 / 3600)
+    for rows in document["breakdowns"].values():
+        assert sum(row["wasted_cost"] for row in rows) == pytest.approx(totals["wasted_cost"])
+        for row in rows:
+            assert row["wasted_cost"] == pytest.approx(
+                (row["wasted_gpu_seconds"] * 2.5 + row["wasted_cpu_seconds"] * 0.1) / 3600)
+    [timeout] = document["client_timeouts"]
+    assert timeout["wasted_cost"] == pytest.approx(5.0 * 2.5 / 3600)  # five zombies of 1 GPU-s
+    table = render_table(report)
+    assert re.search(r"wasted cost +0\.014 EUR +at 2\.5 EUR a GPU-hour and 0\.1 EUR a CPU core-hour\n", table)
+    assert "the work past its disconnects cost 0.0035 EUR" in table
+    assert render_table(report, width=80).count("wasted cost") == 1
+    page = render_html(report)
+    assert '<b>0.014 EUR</b><span>wasted, at 2.5 EUR a GPU-hour and 0.1 EUR a CPU core-hour</span>' in page
+    # A cost column in each breakdown's table and the timeouts' table.
+    assert page.count("<th>cost, EUR</th>") == sum(1 for rows in report.breakdowns.values() if rows) + 1
+
+
+def test_an_unpriced_report_shows_seconds_only(filled: Store) -> None:
+    report = build_report(filled, HOUR)
+    document = report_dict(report)
+    validate(document)
+    assert document["pricing"] is None and document["totals"]["wasted_cost"] is None
+    assert all(row["wasted_cost"] is None for rows in document["breakdowns"].values() for row in rows)
+    assert "wasted cost" not in render_table(report)
+    page = render_html(report)
+    assert "cost," not in page and "wasted cost" not in page
+
+
+def test_a_kind_of_wasted_time_without_a_price_is_said_to_be_left_out(filled: Store) -> None:
+    cpu = _verdict(300, Verdict.ZOMBIE, start_s=100, disconnect_s=101, end_s=111, lag=10.0)
+    filled.upsert_verdicts([dataclasses.replace(cpu, wasted_cpu_seconds=36.0)])
+    report = priced(build_report(filled, HOUR), gpu_hour=3.6)
+    document = report_dict(report)
+    validate(document)
+    assert document["pricing"] == {"gpu_hour": 3.6, "cpu_hour": None, "currency": "USD"}
+    assert document["totals"]["wasted_cost"] == pytest.approx(14.0 * 3.6 / 3600)  # the CPU time adds nothing
+    table = render_table(report)
+    assert re.search(r"wasted cost +0\.014 USD +at 3\.6 USD a GPU-hour; CPU time not priced\n", table)
+    assert "(report.cpu_hour_price)" in table
+
+
+@pytest.mark.parametrize(("value", "shown"), [(0.0, "0.00"), (0.004249, "0.0042"), (0.99, "0.99"),
+                                               (0.996, "1.00"), (1234.5, "1,234.50")])
+def test_money_is_to_the_cent_and_two_digits_below_one(value: float, shown: str) -> None:
+    assert money(value, "USD") == f"{shown} USD" and money(value) == shown

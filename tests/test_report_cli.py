@@ -534,3 +534,42 @@ def test_compound_since_opens_the_window(db: str) -> None:
     assert code == 0
     window = json.loads(out)["window"]
     assert window["seconds"] == pytest.approx(5400, abs=5)
+
+
+def test_prices_come_from_the_flags_the_environment_or_the_config_file(db: str, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    window = ("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "json")
+    code, out, _ = invoke(*window)
+    assert code == 0 and json.loads(out)["pricing"] is None
+    config = tmp_path / "auditor.toml"
+    config.write_text('[report]\ngpu_hour_price = 3.6\ncurrency = "EUR"\n')
+    code, out, _ = invoke(*window, "--config", str(config))
+    document = json.loads(out)
+    jsonschema.Draft202012Validator(SCHEMA).validate(document)
+    assert document["pricing"] == {"gpu_hour": 3.6, "cpu_hour": None, "currency": "EUR"}
+    assert document["totals"]["wasted_cost"] == pytest.approx(document["totals"]["wasted_gpu_seconds"] / 1000)
+    monkeypatch.setenv("AUDITOR_REPORT_GPU_HOUR_PRICE", "7.2")
+    code, out, _ = invoke(*window, "--config", str(config))
+    assert json.loads(out)["pricing"]["gpu_hour"] == 7.2  # the environment over the file
+    code, out, _ = invoke(*window, "--config", str(config), "--gpu-hour-price", "1.8", "--currency", "$")
+    assert json.loads(out)["pricing"] == {"gpu_hour": 1.8, "cpu_hour": None, "currency": "$"}  # the flags over both
+    code, out, _ = invoke(*window[:-2], "--gpu-hour-price", "1.8")
+    assert code == 0 and "wasted cost" in out and "at 1.8 USD a GPU-hour" in out
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--gpu-hour-price", "nan"], "'--gpu-hour-price': nan: expected a finite number"),
+    (["--gpu-hour-price", "-2"], "'--gpu-hour-price': -2.0: a price cannot be negative"),
+    (["--cpu-hour-price", "1e9"], "'--cpu-hour-price': 1000000000.0: must be at most 100000"),
+    (["--currency", "US dollars"], "'--currency': 'US dollars': expected a short unit without spaces"),
+])
+def test_a_bad_price_flag_is_a_usage_error_naming_the_flag(db: str, args: list[str], said: str) -> None:
+    code, out, err = invoke("--db", db, *args)
+    assert code == 2 and said in err and not out
+
+
+def test_a_bad_price_in_the_config_file_names_its_key(db: str, tmp_path: Path) -> None:
+    config = tmp_path / "auditor.toml"
+    config.write_text("[report]\ngpu_hour_price = -1\n")
+    code, out, err = invoke("--db", db, "--config", str(config))
+    assert code == 1 and "report.gpu_hour_price = -1.0: a price cannot be negative" in err and not out

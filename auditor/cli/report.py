@@ -13,6 +13,7 @@ import click
 
 from auditor.cli.util import (
     TIME,
+    apply_flags,
     check_reachable,
     errors_as_click,
     now,
@@ -21,9 +22,11 @@ from auditor.cli.util import (
     window_end,
 )
 from auditor.config import Config
-from auditor.report.model import Report, ReportQuery, to_ns
+from auditor.report.model import Prices, Report, ReportQuery, to_ns
 
 FORMATS = ("table", "json", "csv", "html")
+REPORT_FLAGS = {"report.gpu_hour_price": "--gpu-hour-price", "report.cpu_hour_price": "--cpu-hour-price",
+                "report.currency": "--currency"}
 
 
 FORMAT_BY_SUFFIX = {".html": "html", ".htm": "html", ".json": "json", ".csv": "csv", ".txt": "table"}
@@ -49,10 +52,17 @@ FORMAT_BY_SUFFIX = {".html": "html", ".htm": "html", ".json": "json", ".csv": "c
               "--format, its name's .html, .json, .csv or .txt picks the format. An existing file is "
               "replaced only if it holds a report, or with --force.")
 @click.option("--force", is_flag=True, help="Replace the -o file even if it holds something other than a report.")
+@click.option("--gpu-hour-price", type=float, metavar="PRICE",
+              help="What an hour of one GPU costs: the wasted GPU time is priced at it [default: report."
+              "gpu_hour_price in the config file, else unpriced].")
+@click.option("--cpu-hour-price", type=float, metavar="PRICE",
+              help="What an hour of one CPU core costs (hosts whose engines run on CPUs).")
+@click.option("--currency", metavar="UNIT", help="The prices' unit, shown after each cost [default: USD].")
 @reading_options
 def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: str | None,
            service: str | None, route: str | None, model: str | None, top: int,
-           output_format: str, as_json: bool, output: str | None, force: bool) -> None:
+           output_format: str, as_json: bool, output: str | None, force: bool,
+           gpu_hour_price: float | None, cpu_hour_price: float | None, currency: str | None) -> None:
     """Findings over a window: disconnects, zombies, and the GPU time they wasted.
 
     \b
@@ -60,11 +70,15 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
       auditor report --since 1h
       auditor report --since 2026-11-22T10:00:00Z --until 2026-11-22T11:00:00Z --format json
       auditor report --since 1d --route /v1/chat/completions --format html -o zombies.html
+      auditor report --since 7d --host gpu-h100-1 --gpu-hour-price 2.49
 
     JSON and CSV are documented in docs/report.md (schema auditor.report/v1).
     """
     from auditor.report.query import build_report
 
+    config = apply_flags(config, {"report.gpu_hour_price": gpu_hour_price,
+                                  "report.cpu_hour_price": cpu_hour_price, "report.currency": currency},
+                         REPORT_FLAGS)
     if as_json and output_format != "json" and _given("output_format"):
         raise click.UsageError(f"--json and --format {output_format} ask for two formats; give one, "
                                f"e.g. --format {output_format}")
@@ -97,9 +111,18 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
                                   requests_as_json=output_format == "json")
     finally:
         store.close()
+    result.prices = prices_of(config)
     if result.empty and (output_format != "table" or output):
         click.echo(f"note: {result.empty_message()}", err=True)
     _write(result, output_format, output)
+
+
+def prices_of(config: Config) -> Prices | None:
+    """The report's prices from the ``[report]`` settings; None where neither kind of time has one."""
+    settings = config.report
+    if not settings.gpu_hour_price and not settings.cpu_hour_price:
+        return None
+    return Prices(settings.gpu_hour_price, settings.cpu_hour_price, settings.currency)
 
 
 def _given(name: str) -> bool:

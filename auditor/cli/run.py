@@ -7,13 +7,11 @@ import logging
 import signal
 import sys
 from types import FrameType
-from typing import Any
 
 import click
 
-from auditor.cli.util import PORT, common_options, errors_as_click, refuse_in_memory
-from auditor.config import Config, apply_overrides
-from auditor.errors import ConfigError
+from auditor.cli.util import PORT, apply_flags, common_options, errors_as_click, refuse_in_memory
+from auditor.config import Config
 
 GC_FIRST_GENERATION = 20_000
 
@@ -22,20 +20,6 @@ GC_FIRST_GENERATION = 20_000
 RUN_FLAGS = {"probe.ports": "--port", "otlp.http": "--otlp-http", "otlp.grpc": "--otlp-grpc",
              "metrics.listen": "--metrics", "live.listen": "--live", "correlate.grace_seconds": "--grace",
              "host_id": "--host-id", "probe.source": "--source", "spans.engine_names": "--engine-span"}
-
-
-def apply_flags(config: Config, overrides: dict[str, Any]) -> Config:
-    """Apply run's flags one at a time. The configuration came in valid (``load_config`` checks the
-    file and the environment), so a value refused now is the flag's: a usage error naming the flag
-    (exit 2), where the same value from the config file names its key (exit 1)."""
-    for key, value in overrides.items():
-        try:
-            config = apply_overrides(config, {key: value})
-        except ConfigError as exc:
-            flag = RUN_FLAGS.get(key, key)
-            message = str(exc).removeprefix(f"{key} = ").removeprefix(f"{key} ").replace(key, flag)
-            raise click.BadParameter(message, param_hint=f"'{flag}'") from exc
-    return config
 
 
 @click.command("run")
@@ -65,7 +49,7 @@ def run_command(config: Config, ports: tuple[int, ...], otlp_http: str | None, o
                  "metrics.listen": metrics_listen, "live.listen": live_listen,
                  "correlate.grace_seconds": grace, "host_id": host_id, "probe.source": source,
                  "spans.engine_names": list(engine_spans) or None}
-    config = apply_flags(config, overrides)
+    config = apply_flags(config, overrides, RUN_FLAGS)
     refuse_in_memory(config.db or "")
     with errors_as_click():
         daemon = Daemon(config)

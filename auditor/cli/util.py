@@ -10,14 +10,14 @@ import datetime as dt
 import functools
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
-from auditor.config import Config, load_config
-from auditor.errors import AuditorError
+from auditor.config import Config, apply_overrides, load_config
+from auditor.errors import AuditorError, ConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -30,6 +30,21 @@ FOUND_DB_HELP = ("Database URL [default: the auditor service's /var/lib/auditor/
 def common_options(func: F) -> F:
     """Add ``--db`` and ``--config`` and pass the resolved ``config`` to the command."""
     return _with_common_options(func, DB_HELP)
+
+
+def apply_flags(config: Config, overrides: Mapping[str, Any], flags: Mapping[str, str]) -> Config:
+    """Apply a command's flags (``overrides``: configuration key -> value, None for not given) one at a
+    time. The configuration came in valid (``load_config`` checks the file and the environment), so
+    a value refused now is the flag's: a usage error naming the flag (``flags``: key -> flag; exit
+    2), where the same value from the config file names its key (exit 1)."""
+    for key, value in overrides.items():
+        try:
+            config = apply_overrides(config, {key: value})
+        except ConfigError as exc:
+            flag = flags.get(key, key)
+            message = str(exc).removeprefix(f"{key} = ").removeprefix(f"{key} ").replace(key, flag)
+            raise click.BadParameter(message, param_hint=f"'{flag}'") from exc
+    return config
 
 
 def reading_options(func: F) -> F:

@@ -48,6 +48,29 @@ class ReportQuery:
         return ", ".join(f"{key}={value}" for key, value in self.filters().items() if value is not None)
 
 
+@dataclass(frozen=True, slots=True)
+class Prices:
+    """What an hour of one GPU and of one CPU core cost (0: unpriced), in ``currency``: the wasted
+    GPU- and CPU-seconds priced. Set by the caller (``auditor report`` from the ``[report]`` settings);
+    the store holds seconds only."""
+
+    gpu_hour: float = 0.0
+    cpu_hour: float = 0.0
+    currency: str = "USD"
+
+    def cost(self, gpu_seconds: float, cpu_seconds: float) -> float:
+        """The wasted time's cost: each kind at its price, an unpriced kind adding nothing."""
+        return (gpu_seconds * self.gpu_hour + cpu_seconds * self.cpu_hour) / 3600
+
+    def unpriced(self, gpu_seconds: float, cpu_seconds: float) -> str | None:
+        """``"GPU"`` or ``"CPU"``: the kind of wasted time the cost leaves out, having no price for it."""
+        if gpu_seconds > 0 and not self.gpu_hour:
+            return "GPU"
+        if cpu_seconds > 0 and not self.cpu_hour:
+            return "CPU"
+        return None
+
+
 @dataclass(slots=True)
 class Totals:
     """Sums over the window. ``gpu_seconds`` is the capacity (GPUs x window), not the busy time."""
@@ -259,6 +282,11 @@ class Report:
     ages: list[AgeBar] | None = None  # disconnects by their request's age: filled with the series
     age_bar_s: float = 0.0
     ages_beyond: int = 0  # disconnects older than the last bar
+    prices: Prices | None = None  # what the wasted time cost; None: seconds only
+
+    def cost(self, gpu_seconds: float, cpu_seconds: float) -> float | None:
+        """The cost of so much wasted time at the report's prices; None where it has none."""
+        return None if self.prices is None else self.prices.cost(gpu_seconds, cpu_seconds)
 
     @property
     def empty(self) -> bool:

@@ -113,7 +113,12 @@ def request_json(finding: RequestFinding) -> str:
     )
 
 
-def _breakdown_dict(row: BreakdownRow) -> dict[str, Any]:
+def _cost(report: Report, gpu_seconds: float, cpu_seconds: float) -> float | None:
+    cost = report.cost(gpu_seconds, cpu_seconds)
+    return None if cost is None else _number(cost)
+
+
+def _breakdown_dict(report: Report, row: BreakdownRow) -> dict[str, Any]:
     return {
         "key": row.key, "disconnects": row.disconnects, "completed": row.completed,
         "aborted": row.aborted, "zombies": row.zombies, "inflight_zombies": row.inflight_zombies,
@@ -121,10 +126,11 @@ def _breakdown_dict(row: BreakdownRow) -> dict[str, Any]:
         "zombie_seconds": _number(row.zombie_seconds, 6), "wasted_tokens": row.wasted_tokens,
         "wasted_gpu_seconds": _number(row.wasted_gpu_seconds, 6),
         "wasted_cpu_seconds": _number(row.wasted_cpu_seconds, 6),
+        "wasted_cost": _cost(report, row.wasted_gpu_seconds, row.wasted_cpu_seconds),
     }
 
 
-def _timeout_dict(timeout: ClientTimeout) -> dict[str, Any]:
+def _timeout_dict(report: Report, timeout: ClientTimeout) -> dict[str, Any]:
     return {
         "after_seconds": timeout.after_seconds, "from_seconds": timeout.from_seconds,
         "to_seconds": timeout.to_seconds, "disconnects": timeout.disconnects,
@@ -133,6 +139,7 @@ def _timeout_dict(timeout: ClientTimeout) -> dict[str, Any]:
         "zombie_seconds": _number(timeout.zombie_seconds, 6),
         "wasted_gpu_seconds": _number(timeout.wasted_gpu_seconds, 6),
         "wasted_cpu_seconds": _number(timeout.wasted_cpu_seconds, 6),
+        "wasted_cost": _cost(report, timeout.wasted_gpu_seconds, timeout.wasted_cpu_seconds),
         "first_disconnect_at": rfc3339(timeout.first_ns), "last_disconnect_at": rfc3339(timeout.last_ns),
         "default_of": timeout.default_of,
         "zombie_work_mean_seconds": timeout.zombie_work_mean_seconds,
@@ -142,7 +149,7 @@ def _timeout_dict(timeout: ClientTimeout) -> dict[str, Any]:
 
 def report_header_dict(report: Report) -> dict[str, Any]:
     """The whole JSON document except the per-request list."""
-    query, totals = report.query, report.totals
+    query, totals, prices = report.query, report.totals, report.prices
     share = totals.wasted_gpu_share
     return {
         "schema": SCHEMA_ID,
@@ -175,6 +182,7 @@ def report_header_dict(report: Report) -> dict[str, Any]:
             "gpu_seconds": _number(totals.gpu_seconds, 6),
             "gpu_busy_seconds": _number(totals.gpu_busy_seconds, 6),
             "wasted_gpu_share": _number(share) if share is not None else None,
+            "wasted_cost": _cost(report, totals.wasted_gpu_seconds, totals.wasted_cpu_seconds),
             "uncapped_disconnects": totals.uncapped_disconnects,
             "uncosted_zombies": totals.uncosted_zombies,
             "unconfirmed_without_gauges": totals.unconfirmed_without_gauges,
@@ -186,10 +194,12 @@ def report_header_dict(report: Report) -> dict[str, Any]:
             "proxy_rewritten_peers": totals.proxy_rewritten_peers,
             "peerless_span_joins": totals.peerless_span_joins,
         },
-        "breakdowns": {dimension: [_breakdown_dict(row) for row in rows]
+        "pricing": None if prices is None else {
+            "gpu_hour": prices.gpu_hour or None, "cpu_hour": prices.cpu_hour or None, "currency": prices.currency},
+        "breakdowns": {dimension: [_breakdown_dict(report, row) for row in rows]
                        for dimension, rows in report.breakdowns.items()},
         "worst_zombies": [request_dict(finding) for finding in report.worst_zombies],
-        "client_timeouts": [_timeout_dict(timeout) for timeout in report.client_timeouts],
+        "client_timeouts": [_timeout_dict(report, timeout) for timeout in report.client_timeouts],
     }
 
 

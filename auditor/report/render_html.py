@@ -15,8 +15,10 @@ from auditor.report.render_table import (
     disconnects_note,
     duration,
     left_between,
+    money,
     percent,
     tokens_value,
+    wasted_cost,
     zombie_work_note,
 )
 from auditor.report.svg import Series, age_chart, esc, time_chart, zombie_timelines
@@ -85,6 +87,9 @@ def _cards(report: Report) -> list[str]:
         (tokens, "tokens generated for nobody" + (" (at least)" if t.zombies_without_tokens and tokens != "unknown"
                                                   else "")),
     ]
+    priced = wasted_cost(report)
+    if priced:
+        cards.insert(5, (priced[0], f"wasted, {priced[1]}"))
     return ['<div class="cards">'] + [
         f'<div class="card"><b>{esc(value)}</b><span>{esc(label)}</span></div>' for value, label in cards
     ] + ["</div>"]
@@ -130,6 +135,7 @@ def _totals_table(report: Report) -> list[str]:
     gpu = (f"{percent(t.wasted_gpu_seconds, t.gpu_seconds)} of {t.gpu_seconds:,.0f} GPU-s "
            f"({t.gpus} GPUs x window)" if t.gpu_seconds else "no GPU samples in the window")
     tokens, tokens_note = tokens_value(t)
+    priced = wasted_cost(report)
     rows = [
         ("requests", f"{t.requests:,}"), ("disconnects", f"{t.disconnects:,}; {disconnects_note(t)}"),
         ("completed", f"{t.completed:,}"), ("aborted", f"{t.aborted:,}"),
@@ -143,6 +149,7 @@ def _totals_table(report: Report) -> list[str]:
         ("wasted tokens", f"{tokens} ({tokens_note})" if tokens_note else tokens),
         ("wasted GPU time", f"{t.wasted_gpu_seconds:,.1f} GPU-s, {gpu}"),
         ("wasted CPU time", f"{t.wasted_cpu_seconds:,.1f} CPU-s"),
+        *([("wasted cost", ", ".join(priced))] if priced else []),
         ("disconnected requests without max_tokens (as engine spans tell)", f"{t.uncapped_disconnects:,}"),
         ("zombies not costed (details.cost_unmeasured says why)", f"{t.uncosted_zombies:,}"),
     ]
@@ -168,24 +175,37 @@ def _coverage_table(report: Report) -> list[str]:
 def _breakdowns(report: Report) -> list[str]:
     parts = []
     unit = report.totals.cost_unit
+    priced = _cost_head(report)
     for dimension, rows in report.breakdowns.items():
         if not rows:
             continue
         parts.append(f"<h2>By {esc(DIMENSION_TITLES.get(dimension, dimension))}</h2><table><tr>"
                      "<th></th><th>disconnects</th><th>completed</th><th>aborted</th><th>zombie</th>"
-                     f"<th>in-flight</th><th>unconfirmed</th><th>zombie s</th><th>tokens</th><th>{unit}-s</th></tr>")
+                     f"<th>in-flight</th><th>unconfirmed</th><th>zombie s</th><th>tokens</th><th>{unit}-s</th>"
+                     f"{priced}</tr>")
         for row in rows[:BREAKDOWN_ROWS_HTML]:
             parts.append(
                 f"<tr><td>{esc(row.key if row.key is not None else '(none)')}</td>"
                 f"<td>{row.disconnects:,}</td><td>{row.completed:,}</td><td>{row.aborted:,}</td>"
                 f"<td>{row.zombies:,}</td><td>{row.inflight_zombies:,}</td><td>{row.unconfirmed:,}</td>"
                 f"<td>{row.zombie_seconds:,.1f}</td><td>{row.wasted_tokens:,}</td>"
-                f"<td>{row.wasted_seconds(unit):,.1f}</td></tr>")
+                f"<td>{row.wasted_seconds(unit):,.1f}</td>"
+                f"{_cost_cell(report, row.wasted_gpu_seconds, row.wasted_cpu_seconds)}</tr>")
         if len(rows) > BREAKDOWN_ROWS_HTML:
-            parts.append(f'<tr><td colspan="10">... and {len(rows) - BREAKDOWN_ROWS_HTML:,} more '
+            parts.append(f'<tr><td colspan="{11 if priced else 10}">... and {len(rows) - BREAKDOWN_ROWS_HTML:,} more '
                          "(all of them in --format json or csv)</td></tr>")
         parts.append("</table>")
     return parts
+
+
+def _cost_head(report: Report) -> str:
+    """A cost column's heading where the report is priced, else nothing."""
+    return "" if report.prices is None else f"<th>cost, {esc(report.prices.currency)}</th>"
+
+
+def _cost_cell(report: Report, gpu_seconds: float, cpu_seconds: float) -> str:
+    cost = report.cost(gpu_seconds, cpu_seconds)
+    return "" if cost is None else f"<td>{esc(money(cost))}</td>"
 
 
 def _ages(report: Report) -> list[str]:
@@ -205,7 +225,7 @@ def _timeouts(report: Report) -> list[str]:
     unit = report.totals.cost_unit
     parts = ["<h2>Client timeouts</h2><table><tr><th>after s</th><th>from-to s</th><th>disconnects</th>"
              "<th>completed</th><th>aborted</th><th>zombie</th><th>in-flight</th><th>unconfirmed</th>"
-             f"<th>zombie s</th><th>{unit}-s</th><th>left (UTC)</th><th>its zombies' work</th>"
+             f"<th>zombie s</th><th>{unit}-s</th>{_cost_head(report)}<th>left (UTC)</th><th>its zombies' work</th>"
              "<th>the default of</th></tr>"]
     for t in report.client_timeouts:
         worked = zombie_work_note(t).removeprefix("its zombies ") if t.zombie_work_max_seconds is not None else ""
@@ -213,7 +233,8 @@ def _timeouts(report: Report) -> list[str]:
             f"<tr><td>{t.after_seconds:.2f}</td><td>{t.from_seconds:g}-{t.to_seconds:g}</td>"
             f"<td>{t.disconnects:,}</td><td>{t.completed:,}</td><td>{t.aborted:,}</td><td>{t.zombies:,}</td>"
             f"<td>{t.inflight_zombies:,}</td><td>{t.unconfirmed:,}</td><td>{t.zombie_seconds:,.1f}</td>"
-            f"<td>{t.wasted_seconds(unit):,.1f}</td><td>{esc(left_between(t.first_ns, t.last_ns))}</td>"
+            f"<td>{t.wasted_seconds(unit):,.1f}</td>{_cost_cell(report, t.wasted_gpu_seconds, t.wasted_cpu_seconds)}"
+            f"<td>{esc(left_between(t.first_ns, t.last_ns))}</td>"
             f"<td>{esc(worked)}</td><td>{esc(t.default_of or '')}</td></tr>")
     parts.append(f'</table><p class="sub">{esc(TIMEOUT_ADVICE)}</p>')
     return parts

@@ -12,7 +12,7 @@ import textwrap
 import unicodedata
 from collections.abc import Callable
 
-from auditor.report.model import BreakdownRow, ClientTimeout, Report, Totals
+from auditor.report.model import BreakdownRow, ClientTimeout, Prices, Report, Totals
 from auditor.timefmt import rfc3339_seconds
 
 WIDTH = 100
@@ -78,6 +78,32 @@ def duration(seconds: float) -> str:
 
 def percent(part: float, whole: float) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def money(value: float, currency: str = "") -> str:
+    """A cost to the cent, or to two significant digits below one: ``1,234.50 USD``, ``0.0042 USD``."""
+    text = f"{value:,.2f}" if value == 0 or value >= 0.995 else f"{value:.2g}"
+    return f"{text} {currency}" if currency else text
+
+
+def price_note(prices: Prices, unpriced: str | None) -> str:
+    """At what the wasted time was priced, and which kind of it was left out for want of a price."""
+    rates = [f"{prices.gpu_hour:,.10g} {prices.currency} a GPU-hour" if prices.gpu_hour else "",
+             f"{prices.cpu_hour:,.10g} {prices.currency} a CPU core-hour" if prices.cpu_hour else ""]
+    note = f"at {' and '.join(rate for rate in rates if rate)}"
+    if unpriced:
+        key = "gpu_hour_price" if unpriced == "GPU" else "cpu_hour_price"
+        note += f"; {unpriced} time not priced (report.{key})"
+    return note
+
+
+def wasted_cost(report: Report) -> tuple[str, str] | None:
+    """The window's wasted time in money and at what it was priced; None where the report is unpriced."""
+    t, prices = report.totals, report.prices
+    if prices is None:
+        return None
+    return (money(prices.cost(t.wasted_gpu_seconds, t.wasted_cpu_seconds), prices.currency),
+            price_note(prices, prices.unpriced(t.wasted_gpu_seconds, t.wasted_cpu_seconds)))
 
 
 def render_table(report: Report, width: int = WIDTH) -> str:
@@ -171,6 +197,7 @@ def _totals(report: Report, width: int) -> list[str]:
         row("wasted tokens", tokens, tokens_note),
         row("wasted GPU time", f"{t.wasted_gpu_seconds:,.1f} GPU-s", gpu_note),
         row("wasted CPU time", f"{t.wasted_cpu_seconds:,.1f} CPU-s"),
+        *([row("wasted cost", *priced)] if (priced := wasted_cost(report)) else []),
         row("no max_tokens cap", f"{t.uncapped_disconnects:,}",
             "disconnected requests that could run unbounded (as engine spans tell)"),
         *([row("zombies not costed", f"{t.uncosted_zombies:,}",
@@ -260,6 +287,9 @@ def _timeouts(report: Report, width: int) -> list[str]:
                           f"{f'{t.inflight_zombies:>9,}  ' if wide else ''}{t.zombie_seconds:>9,.1f}  "
                           f"{t.wasted_seconds(unit):>8,.1f}  {left_between(t.first_ns, t.last_ns)}", width))
         notes = [f"the default of {t.default_of}"] if t.default_of else []
+        cost = report.cost(t.wasted_gpu_seconds, t.wasted_cpu_seconds)
+        if cost and report.prices is not None:
+            notes.append(f"the work past its disconnects cost {money(cost, report.prices.currency)}")
         if t.zombie_work_max_seconds is not None:
             notes.append(zombie_work_note(t))
         for note in notes:
