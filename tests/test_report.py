@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from auditor.model import Verdict
+from auditor.model import RequestVerdict, Verdict
 from auditor.report import ReportQuery, build_report
 from auditor.report.model import Prices, Report, RequestFinding
 from auditor.report.query import FINDING_COLUMNS
@@ -105,6 +105,32 @@ def test_breakdowns_group_by_each_dimension(filled: Store) -> None:
     assert {row.key: row.disconnects for row in report.breakdowns["disconnect_kind"]} == {
         "fin": 3, "rst": 2}
     assert {row.key for row in report.breakdowns["model"]} == {LLAMA, QWEN}
+
+
+def test_the_client_addresses_say_who_left(filled: Store) -> None:
+    def caller(n: int, address: str | None, verdict: Verdict, lag: float, gpu: float) -> RequestVerdict:
+        start = 1000.0 + n
+        row = _verdict(n, verdict, start_s=start, disconnect_s=start + 1, end_s=start + 1 + lag, lag=lag, gpu=gpu)
+        return dataclasses.replace(row, client_addr=address)
+
+    filled.upsert_verdicts([caller(200, "10.0.9.9", Verdict.ZOMBIE, 40.0, 8.0),
+                            caller(201, "10.0.9.9", Verdict.ZOMBIE, 20.0, 4.0),
+                            caller(202, "fd00::7", Verdict.ABORTED, 0.1, 0.0),
+                            caller(203, None, Verdict.COMPLETED, 0.0, 0.0)])
+    report = build_report(filled, HOUR)
+    rows = report.breakdowns["client_address"]
+    # The heaviest caller first; the port is no part of it; a verdict without an address is None.
+    assert [(r.key, r.disconnects, r.zombies, r.zombie_seconds, r.wasted_gpu_seconds) for r in rows] == [
+        ("10.0.9.9", 2, 2, 60.0, 12.0), ("10.0.0.7", 5, 2, 45.5, 14.0), (None, 1, 0, 0.0, 0.0),
+        ("fd00::7", 1, 0, 0.0, 0.0)]
+    by_route = report.breakdowns["route"]
+    for dimension in ("client_address", "route"):  # every breakdown adds up to the totals
+        picked = report.breakdowns[dimension]
+        assert sum(r.disconnects for r in picked) == report.totals.disconnects == 9
+        assert sum(r.wasted_gpu_seconds for r in picked) == pytest.approx(sum(r.wasted_gpu_seconds for r in by_route))
+    assert "By client address" in render_table(report) and "10.0.9.9" in render_table(report, width=80)
+    assert "<h2>By client address</h2>" in render_html(report)
+    validate(report_dict(report))
 
 
 def test_worst_zombies_are_ordered_by_lag_and_limited(filled: Store) -> None:

@@ -20,6 +20,9 @@ SCHEMA_ID = "auditor.report/v1"
 VERDICTS = tuple(v.value for v in Verdict)
 ZOMBIE_VERDICTS = tuple(v.value for v in Verdict if v.is_zombie)
 BREAKDOWN_DIMENSIONS = ("service", "route", "model", "phase", "disconnect_kind", "host")
+# Breakdowns by who called: dimension -> the verdicts' column. Each is grouped on its own (there
+# may be as many values as callers), after the others.
+CALLER_DIMENSIONS = {"client_address": "client_addr"}
 
 
 def to_ns(moment: dt.datetime) -> int:

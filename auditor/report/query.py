@@ -29,6 +29,7 @@ from auditor.errors import StoreError
 from auditor.model import CoverageKind, SpanRole
 from auditor.report.model import (
     BREAKDOWN_DIMENSIONS,
+    CALLER_DIMENSIONS,
     ZOMBIE_VERDICTS,
     BreakdownRow,
     Bucket,
@@ -97,6 +98,8 @@ def _build(conn: Connection, query: ReportQuery, *, with_requests: bool, with_se
            requests_as_json: bool) -> Report:
     totals = Totals()
     breakdowns = _fold_verdict_groups(conn, query, totals)
+    for dimension, column in CALLER_DIMENSIONS.items():
+        breakdowns[dimension] = _breakdown_by(conn, query, verdicts.c[column]) if totals.disconnects else []
     totals.requests = count_requests(conn, _span_filter(query), query.host, query.since_ns, query.until_ns)
     _fill_coverage(conn, query, totals)
     _fill_gpu_time(conn, query, totals)
@@ -251,6 +254,20 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
          for key, a in groups.items()),
         key=lambda r: (-r.zombie_seconds, -r.disconnects, r.key or ""))
         for dimension, groups in folded.items()}
+
+
+def _breakdown_by(conn: Connection, query: ReportQuery, column: Any) -> list[BreakdownRow]:
+    """One breakdown by its own grouped scan: a dimension of many values (every caller's address)
+    would multiply the groups of the one scan of the others by as many."""
+    rows = conn.execute(select(column.label("key"), *_verdict_aggregates())
+                        .where(*_verdict_filter(query)).group_by(column)).all()
+    found = [BreakdownRow(key=row.key, disconnects=int(row.disconnects), completed=int(row.completed),
+                          aborted=int(row.aborted), zombies=int(row.zombies), inflight_zombies=int(row.inflight_zombies),
+                          zombie_seconds=float(row.zombie_seconds), wasted_tokens=int(row.wasted_tokens),
+                          wasted_gpu_seconds=float(row.wasted_gpu_seconds),
+                          wasted_cpu_seconds=float(row.wasted_cpu_seconds), unconfirmed=int(row.unconfirmed))
+             for row in rows]
+    return sorted(found, key=lambda r: (-r.zombie_seconds, -r.disconnects, r.key or ""))
 
 
 # Where each verdict is counted: its slot in a breakdown accumulator, and its Totals field.

@@ -20,7 +20,7 @@ NARROWEST = 80
 BREAKDOWN_ROWS = 10  # per dimension; the JSON output has them all
 BREAKDOWN_ROWS_HTML = 50
 DIMENSION_TITLES = {"service": "service", "route": "route", "model": "model", "phase": "phase at disconnect",
-                    "disconnect_kind": "disconnect kind", "host": "host"}
+                    "disconnect_kind": "disconnect kind", "host": "host", "client_address": "client address"}
 VERDICT_LABELS = {"completed": "completed", "aborted": "aborted", "zombie": "zombie",
                   "inflight_zombie": "in-flight", "unconfirmed": "unconfirmed"}
 
