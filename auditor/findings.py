@@ -39,7 +39,8 @@ def finding_attributes(verdict: RequestVerdict) -> dict[str, Any]:
         "auditor.tokens_exact": verdict.tokens_exact, "auditor.request_key": verdict.request_key,
         "http.request.header.x-request-id": verdict.request_id, "http.route": verdict.route,
         "gen_ai.request.model": verdict.model, "client.address": verdict.client_addr,
-        "client.port": verdict.client_port, "server.port": verdict.server_port, "host.name": verdict.host,
+        "client.port": verdict.client_port, "user_agent.original": verdict.user_agent,
+        "server.port": verdict.server_port, "host.name": verdict.host,
     }
     return {key: value for key, value in values.items() if value is not None}
 

@@ -327,6 +327,10 @@ class RequestVerdict:
     model: str | None = None
     client_addr: str | None = None
     client_port: int | None = None
+    # The client's User-Agent as its HTTP server span tells it (``user_agent.original``, or the
+    # older ``http.user_agent``): which SDK, browser or proxy gave up. At most
+    # ``auditor.semconv.MAX_USER_AGENT`` characters.
+    user_agent: str | None = None
     server_port: int | None = None
     max_tokens: int | None = None
     tokens_after_disconnect: int | None = None

@@ -16,6 +16,10 @@ from typing import Any
 PEER_ADDR_KEYS = ("network.peer.address", "net.sock.peer.addr", "client.address", "net.peer.ip")
 PEER_PORT_KEYS = ("network.peer.port", "net.sock.peer.port", "client.port", "net.peer.port")
 SERVER_PORT_KEYS = ("server.port", "net.host.port")
+# The client's User-Agent on an HTTP server span: the stable convention's name, then the older one
+# (opentelemetry-instrumentation-asgi sets either, or both, by OTEL_SEMCONV_STABILITY_OPT_IN).
+USER_AGENT_KEYS = ("user_agent.original", "http.user_agent")
+MAX_USER_AGENT = 255  # characters of it a verdict keeps (the store's column)
 # A live notice's largest datagram (``auditor.live`` writes them, ``collectors.live`` reads them);
 # here so the daemon's receiver does not import the sender's OpenTelemetry SDK (docs/footprint.md,
 # thirty-fourth pass).

@@ -21,7 +21,9 @@ from auditor.store import Store
 S = 1_000_000_000
 
 
-def spans_for(index: int, t0: int, zombie: bool) -> list[SpanRecord]:
+def spans_for(index: int, t0: int, zombie: bool, user_agent: str | None = None) -> list[SpanRecord]:
+    """Request ``index``'s server and engine spans; ``user_agent``: its server span's attributes as
+    the ASGI instrumentation sets them, with that User-Agent (None: no attributes)."""
     start = t0 + index * S // 100  # 100 requests per second
     end = start + (4 * S if zombie else S // 2)
     trace = f"{index:032x}"
@@ -29,7 +31,9 @@ def spans_for(index: int, t0: int, zombie: bool) -> list[SpanRecord]:
               "kind": "server"}
     return [SpanRecord(span_id=f"{index:015x}1", name="POST /v1/completions", role=SpanRole.HTTP_SERVER,
                        peer_addr="127.0.0.1", peer_port=10000 + index % 50000, server_port=8000, route="/v1/completions",
-                       http_status=200, **common),
+                       http_status=200, attributes={} if user_agent is None else {
+                           "http.method": "POST", "http.scheme": "http", "http.flavor": "1.1", "http.host": "127.0.0.1:8000",
+                           "http.target": "/v1/completions", "user_agent.original": user_agent}, **common),
             SpanRecord(span_id=f"{index:015x}2", name="llm_request", role=SpanRole.ENGINE, request_id=f"cmpl-{index}",
                        finish_reason="length", completion_tokens=100, time_in_queue_s=0.01, time_to_first_token_s=0.1,
                        **common)]

@@ -13,7 +13,12 @@ With ``--live`` each request also sends the live notices a server sends with aud
 server span's start and end, and its engine work's), decoded from their datagrams as the daemon's
 receiver does, each arriving in the round of its second.
 
+With ``--user-agents K`` each server span carries the attributes the ASGI instrumentation sets,
+its User-Agent one of K (0: no attributes; a number as large as the requests: each its own, as
+no real traffic has them): what holding the client's User-Agent for the verdict costs.
+
 Usage: .venv/bin/python bench/correlate_memory.py [--requests 9000 30000] [--top 12] [--live]
+       [--user-agents 0 1 30000]
 """
 
 from __future__ import annotations
@@ -65,16 +70,22 @@ def closes(index: int, t0: int) -> list[ConnEvent]:
             ConnEvent(ts_ns=at + 1_000, kind=ConnEventKind.CLOSED, **connection)]
 
 
-def arrive(store: Store, t0: int, first: int, requests: int) -> int:
+def user_agent(index: int, kinds: int) -> str | None:
+    """Request ``index``'s User-Agent, one of ``kinds`` (a browser's, about 110 characters)."""
+    return None if not kinds else (f"Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) "
+                                   f"Chrome/{index % kinds}.0.0.0 Safari/537.36")
+
+
+def arrive(store: Store, t0: int, first: int, requests: int, agents: int = 0) -> int:
     """Requests ``first`` to ``first + 99`` (fewer past ``requests``): their spans and closes are
     stored; returns the end of their second, when a correlation round reads them."""
     batch = range(first, min(requests, first + 100))
-    store.insert_spans([span for i in batch for span in spans_for(i, t0, False)])
+    store.insert_spans([span for i in batch for span in spans_for(i, t0, False, user_agent(i, agents))])
     store.insert_conn_events([event for i in batch for event in closes(i, t0)])
     return t0 + (first + 100) * S // 100 + S // 2
 
 
-def held(requests: int, top: int, live: bool = False) -> None:
+def held(requests: int, top: int, live: bool = False, agents: int = 0) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(f"sqlite:///{tmp}/memory.db")
         t0 = time.time_ns() - (requests // 100 + 10) * S
@@ -84,7 +95,7 @@ def held(requests: int, top: int, live: bool = False) -> None:
         tracemalloc.start(1)
         before = tracemalloc.take_snapshot()
         for first in range(0, requests, 100):
-            clock[0] = arrive(store, t0, first, requests)
+            clock[0] = arrive(store, t0, first, requests, agents)
             correlator.tick([e for i in range(first, min(requests, first + 100)) for e in notices(i, t0)]
                             if live else None)
         gc.collect()
@@ -92,7 +103,9 @@ def held(requests: int, top: int, live: bool = False) -> None:
         tracemalloc.stop()
         stats = after.compare_to(before, "lineno")
         total = sum(stat.size_diff for stat in stats)
-        print(f"{requests:,} requests{' with live notices' if live else ''}: {total / 2**20:.1f} MiB held, {total / requests:,.0f} bytes a request")
+        kinds = f", {agents:,} User-Agents" if agents else ", no span attributes"
+        print(f"{requests:,} requests{' with live notices' if live else ''}{kinds}: {total / 2**20:.1f} MiB held, "
+              f"{total / requests:,.0f} bytes a request")
         for stat in stats[:top]:
             frame = stat.traceback[0]
             where = frame.filename.split("/site-packages/")[-1].replace(str(Path.cwd()) + "/", "")
@@ -106,9 +119,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs="+", default=[9000, 30000])
     parser.add_argument("--top", type=int, default=12, help="allocation sites shown")
     parser.add_argument("--live", action="store_true", help="each request also sends live notices")
+    parser.add_argument("--user-agents", type=int, nargs="+", default=[0],
+                        help="server spans with attributes and one of this many User-Agents (0: no attributes)")
     args = parser.parse_args()
     for requests in args.requests:
-        held(requests, args.top, args.live)
+        for agents in args.user_agents:
+            held(requests, args.top, args.live, agents)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@
 Generates a SQLite store through SQLAlchemy Core (executemany in batches): 1,000,000 HTTP server
 spans over one hour on two hosts, 10% of them with a client disconnect (verdict rows in a realistic
 mix of completed, aborted, zombie and in-flight zombie; one in 25 at a client's 30 s timeout; from
-500 client addresses), whole-GPU NVML samples every 100 ms for 4 GPUs per host, and coverage
-counts. Then it times, in
-the same run and over the same rows, a plain ``SELECT count(*)`` (the floor), the library call,
-and the CLI in a fresh process, and prints a table.
+500 client addresses and 100 User-Agents), whole-GPU NVML samples every 100 ms for 4 GPUs per
+host, and coverage counts. Then it times, in the same run and over the same rows, a plain
+``SELECT count(*)`` (the floor), the library call, and the CLI in a fresh process, and prints a
+table.
 
     .venv/bin/python bench/report.py [--requests N] [--db PATH] [--repeat 3]
 
@@ -54,6 +54,10 @@ HOUR = 3600 * S
 BATCH = 20_000
 HOSTS = ("gpu-a", "gpu-b")
 CALLERS = 500  # the client addresses the verdicts come from (services calling the engine, its proxies)
+# Their User-Agents: SDKs of a few versions and browsers of many.
+AGENTS = tuple([f"OpenAI/Python 1.{v}.0" for v in range(40, 60)] + [f"AsyncOpenAI/Python 1.{v}.0" for v in range(40, 60)]
+               + [f"Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/{v}.0.0.0 Safari/537.36"
+                  for v in range(100, 160)])
 ROUTES = (("/v1/chat/completions", 0.7), ("/v1/completions", 0.3))
 MODELS = (("llama-3-70b", 0.5), ("llama-3-8b", 0.3), ("qwen-2-72b", 0.2))
 VERDICT_MIX = (("completed", 0.30), ("aborted", 0.48), ("zombie", 0.20), ("inflight_zombie", 0.02))
@@ -117,7 +121,7 @@ def verdict_rows(count: int, t0: int, rng: random.Random) -> Iterator[dict[str, 
             "lag_seconds": lag, "phase": pick(rng, PHASES), "trace_id": f"{n:032x}",
             "request_id": f"req-{n:08d}", "service": "vllm", "route": pick(rng, ROUTES),
             "model": pick(rng, MODELS), "client_addr": f"10.1.{n % CALLERS // 250}.{n % CALLERS % 250 + 1}",
-            "client_port": 1024 + n % 60000,
+            "client_port": 1024 + n % 60000, "user_agent": AGENTS[n % len(AGENTS)],
             "server_port": 8000, "max_tokens": None if rng.random() < 0.2 else 1024,
             "tokens_after_disconnect": tokens, "tokens_exact": rng.random() < 0.8,
             "wasted_gpu_seconds": lag * 0.12, "wasted_cpu_seconds": 0.0, "updated_ns": disconnect,

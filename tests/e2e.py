@@ -132,9 +132,10 @@ def running_daemon(tmp_path: Path, **overrides: Any) -> Iterator[Daemon]:
 
 def send_request(port: int, *, stream: bool, max_tokens: int, request_id: str | None, prompt_words: int = 4,
                  path: str = "/v1/completions", sock: socket.socket | None = None,
-                 host: str = "127.0.0.1") -> socket.socket:
+                 host: str = "127.0.0.1", user_agent: str | None = None) -> socket.socket:
     """Write one whole OpenAI request (AIPerf's T2: the cancellation timer starts after this).
-    ``request_id`` None: no X-Request-Id, as the openai SDK and curl send none."""
+    ``request_id`` None: no X-Request-Id, as the openai SDK and curl send none; ``user_agent``
+    None: no User-Agent."""
     body = {"model": "ref-llm-1b", "max_tokens": max_tokens, "stream": stream}
     if path.endswith("chat/completions"):
         body["messages"] = [{"role": "user", "content": " ".join(["word"] * prompt_words)}]
@@ -143,6 +144,7 @@ def send_request(port: int, *, stream: bool, max_tokens: int, request_id: str | 
     data = json.dumps(body).encode()
     sock = sock or socket.create_connection((host, port))
     named = "" if request_id is None else f"X-Request-Id: {request_id}\r\n"
+    named += "" if user_agent is None else f"User-Agent: {user_agent}\r\n"
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
                  f"{named}Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock

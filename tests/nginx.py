@@ -139,11 +139,13 @@ class Action:
     stream: bool = True
     leave: str | None = None
     after_s: float = 0.0
+    user_agent: str | None = None
     error: str = field(default="", init=False)
 
     def run(self, port: int) -> None:
         try:
-            sock = send_request(port, stream=self.stream, max_tokens=self.max_tokens, request_id=None)
+            sock = send_request(port, stream=self.stream, max_tokens=self.max_tokens, request_id=None,
+                                user_agent=self.user_agent)
             if self.leave is None:
                 read_response(sock)
                 sock.close()

@@ -27,6 +27,8 @@ UNTIL = "2026-11-22T05:00:00Z"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 LLAMA, QWEN = "llama-3-8b", "qwen-2-7b"
 EVIL_ID = "<script>alert(1)</script>"
+SDK_AGENT = "OpenAI/Python 1.54.0"
+BROWSER = "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/131.0.0.0 Safari/537.36"
 UNCOSTED = "2 GPUs here, and NVML lists neither process 4242 nor a process it started on any"
 
 
@@ -58,13 +60,14 @@ def _verdict(n: int, verdict: Verdict, *, start_s: float, disconnect_s: float, e
              lag: float | None, kind: str = "fin", phase: Phase = Phase.DECODE, host: str = "gpu-a",
              route: str = CHAT, model: str = LLAMA, max_tokens: int | None = 512,
              tokens: int | None = 0, exact: bool = True, gpu: float = 0.0,
-             request_id: str | None = None, details: dict[str, str] | None = None) -> RequestVerdict:
+             request_id: str | None = None, details: dict[str, str] | None = None,
+             user_agent: str | None = SDK_AGENT) -> RequestVerdict:
     return RequestVerdict(
         request_key=f"{host}/{trace(n)}/{n:016x}", host=host, verdict=verdict,
         disconnect_at_ns=at(disconnect_s), disconnect_kind=kind, request_start_ns=at(start_s),
         work_end_ns=at(end_s) if end_s is not None else None, lag_seconds=lag, phase=phase,
         trace_id=trace(n), request_id=request_id or f"req-{n}", service="vllm", route=route,
-        model=model, client_addr="10.0.0.7", client_port=40000 + n, server_port=8000,
+        model=model, client_addr="10.0.0.7", client_port=40000 + n, user_agent=user_agent, server_port=8000,
         max_tokens=max_tokens, tokens_after_disconnect=tokens, tokens_exact=exact,
         wasted_gpu_seconds=gpu, details=details or {})
 
@@ -88,7 +91,7 @@ def fill(store: Store) -> None:
         _verdict(7, Verdict.COMPLETED, start_s=700, disconnect_s=702.0, end_s=702.0, lag=0.0,
                  details={"cost_unmeasured": UNCOSTED}),  # not a zombie: not counted as one not costed
         _verdict(8, Verdict.ABORTED, start_s=800, disconnect_s=800.5, end_s=800.7, lag=0.2,
-                 kind="rst", phase=Phase.PREFILL, route=COMPLETIONS, model=QWEN, tokens=0),
+                 kind="rst", phase=Phase.PREFILL, route=COMPLETIONS, model=QWEN, tokens=0, user_agent=BROWSER),
         _verdict(9, Verdict.ZOMBIE, start_s=900, disconnect_s=901.0, end_s=913.5, lag=12.5,
                  tokens=900, exact=True, gpu=10.0, request_id=EVIL_ID),
         _verdict(10, Verdict.ZOMBIE, start_s=1000, disconnect_s=1000.5, end_s=1003.5, lag=3.0,
@@ -96,7 +99,7 @@ def fill(store: Store) -> None:
                  details={"cost_unmeasured": UNCOSTED, "lag_at_least_s": 1.25,  # later leavers' rise untold
                           "evidence": "engine_metrics"}),
         _verdict(11, Verdict.INFLIGHT_ZOMBIE, start_s=1100, disconnect_s=1100.2, end_s=None, lag=30.0,
-                 kind="rst", phase=Phase.QUEUED, host="gpu-b", tokens=None, gpu=1.5),
+                 kind="rst", phase=Phase.QUEUED, host="gpu-b", tokens=None, gpu=1.5, user_agent=None),
         _verdict(13, Verdict.ZOMBIE, start_s=-3600, disconnect_s=-3599.5, end_s=-3500.0, lag=99.5,
                  details={"cost_unmeasured": UNCOSTED}),
     ])

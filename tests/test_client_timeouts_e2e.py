@@ -42,6 +42,7 @@ TIMEOUT_S = 0.7
 # age stand out from the six cancels around them beyond doubt (nine, with all six within 0.5 s
 # below them, are a one in 200,000 chance: not told).
 CALLS, ATTEMPTS = 4, 3
+BATCH_JOB = "nightly-evals/2.1 (batch)"  # the User-Agent of the requests nginx cuts
 
 
 def timed_out_calls(url: str, errors: list[BaseException]) -> None:
@@ -132,6 +133,10 @@ def test_the_report_tells_the_sdks_timeout_from_the_daemons_verdicts(tmp_path: P
     if timeout.zombie_work_max_seconds is not None:
         assert abs(timeout.zombie_work_max_seconds - max(needed)) <= 0.3, (timeout, needed)
     assert "Client timeouts" in render_table(report)
+    # Who left: the SDK, as its User-Agent on each request's server span says.
+    agent = f"OpenAI/Python {openai.__version__}"
+    assert {r.user_agent for r in rows} == {agent}, {r.user_agent for r in rows}
+    assert [(r.key, r.disconnects) for r in report.breakdowns["user_agent"]] == [(agent, len(rows))]
 
 
 @pytest.mark.skipif(find_nginx() is None, reason="nginx not found: run `make setup` as root")
@@ -141,7 +146,7 @@ def test_the_report_tells_nginxs_read_timeout_where_the_engine_sees_only_nginx(t
     # non-streamed answer longer than that is cut there, the client answered 504, the engine left
     # running. Streams read to the end or left early by their clients pass under it.
     rng = random.Random(12)
-    cut = [Action(0.6 * k, 200, stream=False) for k in range(8)]  # 2 s of decode each
+    cut = [Action(0.6 * k, 200, stream=False, user_agent=BATCH_JOB) for k in range(8)]  # 2 s of decode each
     others = [Action(0.3 + 0.6 * k, 20) for k in range(6)]
     others += [Action(0.1 + 0.6 * k, 150, leave="fin", after_s=rng.uniform(0.05, 0.7)) for k in range(6)]
     rows, truths, actions = run_behind_nginx(tmp_path, "read_timeout", source, "detached", actions=cut + others)
@@ -164,3 +169,10 @@ def test_the_report_tells_nginxs_read_timeout_where_the_engine_sees_only_nginx(t
         (report.client_timeouts, " ".join(map(str, ages)))
     [timeout] = report.client_timeouts
     assert 0.98 <= timeout.after_seconds <= 1.05 and timeout.completed == 0, timeout
+    # nginx passes the client's User-Agent on where the engine sees only nginx's address: the
+    # report still says who was cut.
+    cut_rows = [r for r in rows if timeout.from_seconds <= (r.disconnect_at_ns - r.request_start_ns) / 1e9
+                < timeout.to_seconds]
+    assert {(r.client_addr, r.user_agent) for r in cut_rows} == {("127.0.0.1", BATCH_JOB)}, cut_rows
+    assert (BATCH_JOB, len(cut)) in [(r.key, r.zombies + r.inflight_zombies + r.unconfirmed + r.aborted)
+                                     for r in report.breakdowns["user_agent"]]

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import event, func, select
 
 from auditor.correlate import Correlator
-from auditor.correlate.correlator import _counted_close_ids
+from auditor.correlate.correlator import _counted_close_ids, _lean
 from auditor.correlate.evidence import FINAL_SEND_ATTR, ORPHANS_SETTLE_WOKEN_NS
 from auditor.correlate.requests import Disconnect
 from auditor.model import (
@@ -95,6 +95,29 @@ def test_zombie_engine_ran_on_after_disconnect(store: Store) -> None:
     # 200 tokens over 3.9 s of decode, 3.0 s of it after the disconnect.
     assert row.tokens_after_disconnect == round(200 * 3.0 / 3.9) and not row.tokens_exact
     assert [v.verdict for v in settled] == [Verdict.ZOMBIE]
+
+
+def test_a_verdict_names_the_clients_user_agent_from_its_server_span(store: Store) -> None:
+    """The outermost server span's User-Agent (either convention's name), cut to the store's column;
+    held spans that keep the same one share one attributes dict."""
+    clock = Clock()
+    sdk = "AsyncOpenAI/Python 1.54.0"
+    spans = [replace(http_span("a", 0, 1.0), attributes={"user_agent.original": sdk, "http.method": "POST"}),
+             engine_span("a", 0, 4.0, "length"),
+             replace(http_span("b", 0, 1.0, client=("127.0.0.1", 40002)),
+                                 attributes={"http.user_agent": "x" * 300}),
+             http_span("c", 0, 1.0, client=("127.0.0.1", 40003))]
+    store.insert_spans(spans)
+    store.insert_conn_events([close(1.0), close(1.0, client=("127.0.0.1", 40002)),
+                              close(1.0, client=("127.0.0.1", 40003))])
+    clock.now = T0 + 5 * S
+    make(store, clock).tick()
+    assert {row.client_port: row.user_agent for row in verdicts(store)} == {40001: sdk, 40002: "x" * 255, 40003: None}
+    held = [_lean(replace(http_span(t, 0, 1.0), attributes={"user_agent.original": sdk, "other": 1}))
+            for t in "de"]
+    assert held[0].attributes == {"user_agent.original": sdk} and held[0].attributes is held[1].attributes
+    engine = _lean(replace(engine_span("f", 0, 1.0, "stop"), attributes={"user_agent.original": sdk}))
+    assert engine.attributes == {}  # only an HTTP server span's is read
 
 
 def test_a_late_span_reopens_but_does_not_count_the_verdict_again(store: Store) -> None:

@@ -62,7 +62,8 @@ def receiver() -> Iterator[LogsReceiver]:
 def verdict(kind: Verdict, request_id: str, lag: float | None) -> RequestVerdict:
     return RequestVerdict(f"gpu-a/{TRACE}/{SPAN}", "gpu-a", kind, 1_000, "rst", 500, 4_000, lag, trace_id=TRACE,
                           request_id=request_id, route="/v1/completions", model="ref-llm-1b",
-                          tokens_after_disconnect=42, tokens_exact=True, wasted_gpu_seconds=1.25)
+                          tokens_after_disconnect=42, tokens_exact=True, wasted_gpu_seconds=1.25,
+                          user_agent="OpenAI/Python 1.54.0" if kind is Verdict.ZOMBIE else None)
 
 
 def attributes(record: LogRecord) -> dict[str, object]:
@@ -89,7 +90,9 @@ def test_every_final_verdict_reaches_the_collector_on_its_trace(receiver: LogsRe
     found = attributes(zombie)
     assert found["auditor.verdict"] == "zombie" and found["auditor.lag_seconds"] == 3.5
     assert found["auditor.wasted_gpu_seconds"] == 1.25 and found["auditor.tokens_after_disconnect"] == 42
+    assert found["user_agent.original"] == "OpenAI/Python 1.54.0"
     assert attributes(by_request["req-aborted"])["auditor.verdict"] == "aborted"
+    assert "user_agent.original" not in attributes(by_request["req-aborted"])  # none is named, none is sent
     # The journal: one line per zombie, none for the abort.
     lines = [r.getMessage() for r in caplog.records if r.name == "auditor.findings"]
     assert len(lines) == 1

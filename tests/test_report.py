@@ -174,7 +174,8 @@ def test_json_matches_the_schema_and_lists_every_disconnect(filled: Store) -> No
         "request_id": EVIL_ID, "trace_id": trace(9), "verdict": "zombie",
         "disconnect_at": rfc3339(at(901)), "disconnect_kind": "fin", "work_end_at": rfc3339(at(913.5)),
         "lag_seconds": 12.5, "lag_at_least_seconds": None, "phase": "decode", "route": CHAT, "model": LLAMA, "service": "vllm",
-        "client": "10.0.0.7:40009", "host": "gpu-a", "request_start_at": rfc3339(at(900)),
+        "client": "10.0.0.7:40009", "user_agent": "OpenAI/Python 1.54.0", "host": "gpu-a",
+        "request_start_at": rfc3339(at(900)),
         "max_tokens": 512, "wasted_tokens": 900, "tokens_exact": True, "wasted_gpu_seconds": 10.0,
         "wasted_cpu_seconds": 0.0, "evidence": None, "unconfirmed_because": None}
     assert requests[4]["work_end_at"] is None and requests[4]["verdict"] == "inflight_zombie"

@@ -67,7 +67,7 @@ from auditor.model import (
     SpanRole,
     Verdict,
 )
-from auditor.semconv import SENDER_KEY
+from auditor.semconv import SENDER_KEY, USER_AGENT_KEYS
 from auditor.store.db import BLOCK_COLUMNS, SPAN_COLUMNS, Store, span_from_values, stored_events
 from auditor.store.eventblocks import block_of, block_read
 
@@ -111,13 +111,17 @@ _DEPARTURES = {ConnEventKind.PEER_FIN.value: "fin", ConnEventKind.PEER_RST.value
 _STATS = {CoverageKind.IDLE_CLOSE: "idle_closes", CoverageKind.UNJOINED_DISCONNECT: "unjoined_disconnects",
           CoverageKind.UNJOINED_SPAN: "unjoined_spans", CoverageKind.PROXY_REWRITTEN_PEER: "proxy_rewritten"}
 # The only span attributes a verdict reads: a span is held without the rest (most of its memory).
-# The sender's address tells pods serving one port apart (auditor.semconv.SENDER_KEY).
+# The sender's address tells pods serving one port apart (auditor.semconv.SENDER_KEY); an HTTP
+# server span also keeps the client's User-Agent, which its verdict names.
 JUDGED_ATTRIBUTES = frozenset({FINAL_SEND_ATTR, TOKENS_AFTER_DISCONNECT_ATTR, SENDER_KEY})
+SERVER_ATTRIBUTES = JUDGED_ATTRIBUTES | frozenset(USER_AGENT_KEYS)
 _NO_ATTRIBUTES: dict[str, Any] = {}  # the attributes of every held span that keeps none: never changed
 _NOWHERE: frozenset[str] = frozenset()  # no other container's spans to leave out (``Correlator.elsewhere``)
-# The attributes of the held spans that keep only their sender's address: one dict an address, never changed.
-_SENDER_ONLY: dict[str, dict[str, Any]] = {}
-MAX_SENDERS_HELD = 1024
+# Kept attributes that are texts many spans repeat (the sender's address, the client's User-Agent):
+# the held spans that keep only such share one dict a set of values, never changed.
+_REPEATED = frozenset({SENDER_KEY, *USER_AGENT_KEYS})
+_SHARED_ATTRIBUTES: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}
+MAX_SHARED_ATTRIBUTES = 1024
 MAX_SERVER_TEXTS = 1024
 # Span texts that repeat across spans: held once each (a span's memory is mostly its texts).
 SHARED_TEXTS = ("name", "kind", "service", "host", "status", "peer_addr", "route", "model", "finish_reason")
@@ -1216,18 +1220,20 @@ def _lean(span: SpanRecord) -> SpanRecord:
     correlator's (read from the store, or handed over once committed), so it is changed in place:
     a copy of the record cost as much as the rest of indexing it. Most spans keep no attribute:
     they share one empty dict (which nothing changes) instead of one each, and those that keep
-    their sender's address alone one dict an address."""
+    only their sender's address and client's User-Agent one dict a pair of them (up to
+    ``MAX_SHARED_ATTRIBUTES`` pairs; past them, a dict each)."""
     attributes = span.attributes
-    if attributes and not attributes.keys() <= JUDGED_ATTRIBUTES:
-        attributes = {k: attributes[k] for k in JUDGED_ATTRIBUTES if k in attributes}
+    kept = SERVER_ATTRIBUTES if span.role is SpanRole.HTTP_SERVER else JUDGED_ATTRIBUTES
+    if attributes and not attributes.keys() <= kept:
+        attributes = {k: attributes[k] for k in kept if k in attributes}
         object.__setattr__(span, "attributes", attributes or _NO_ATTRIBUTES)
     elif not attributes and attributes is not _NO_ATTRIBUTES:
         object.__setattr__(span, "attributes", _NO_ATTRIBUTES)
-    if len(attributes) == 1 and SENDER_KEY in attributes:
-        sender = attributes[SENDER_KEY]
-        one = _SENDER_ONLY.get(sender) if isinstance(sender, str) else None
-        if one is None and isinstance(sender, str) and len(_SENDER_ONLY) < MAX_SENDERS_HELD:
-            one = _SENDER_ONLY[sender] = {SENDER_KEY: sender}
+    if attributes and attributes.keys() <= _REPEATED and all(type(v) is str for v in attributes.values()):
+        values = tuple(sorted(attributes.items()))
+        one = _SHARED_ATTRIBUTES.get(values)
+        if one is None and len(_SHARED_ATTRIBUTES) < MAX_SHARED_ATTRIBUTES:
+            one = _SHARED_ATTRIBUTES[values] = dict(attributes)
         if one is not None and one is not attributes:
             object.__setattr__(span, "attributes", one)
     _share_texts(span)

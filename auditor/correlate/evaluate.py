@@ -27,7 +27,7 @@ from auditor.correlate.verdict import (
 )
 from auditor.correlate.waste import PARTIAL_MIN_NS, PartialCost, running_part, sharers_at, wasted
 from auditor.model import RequestVerdict, SpanRecord, SpanRole, Verdict
-from auditor.semconv import SENDER_KEY, engine_of
+from auditor.semconv import MAX_USER_AGENT, SENDER_KEY, USER_AGENT_KEYS, engine_of
 
 if TYPE_CHECKING:
     from auditor.correlate.correlator import Correlator
@@ -142,7 +142,8 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
         service=base.service if base else None, route=base.route if base else None,
         model=(engine.model if engine else None) or (base.model if base else None)
         or corr.loads.model_of(origin.tuple4[2]),  # vLLM's llm_request names none: its gauges do
-        client_addr=origin.tuple4[0], client_port=origin.tuple4[1], server_port=origin.tuple4[2],
+        client_addr=origin.tuple4[0], client_port=origin.tuple4[1], user_agent=_user_agent(base, origin_span),
+        server_port=origin.tuple4[2],
         max_tokens=engine.max_tokens if engine else (origin_span.max_tokens if origin_span else None),
         tokens_after_disconnect=tokens, tokens_exact=exact, wasted_gpu_seconds=gpu_s,
         wasted_cpu_seconds=cpu_s, details=details,
@@ -152,6 +153,18 @@ def evaluate(corr: Correlator, request: OpenRequest, now: int) -> RequestVerdict
     if unchanged and decision.verdict is not Verdict.INFLIGHT_ZOMBIE:
         return None
     return verdict
+
+
+def _user_agent(*spans: SpanRecord | None) -> str | None:
+    """The client's User-Agent as the first of ``spans`` that names one tells it (the request's
+    outermost server span, then the one its connection joined), cut to what the store keeps."""
+    for span in spans:
+        if span is not None:
+            for key in USER_AGENT_KEYS:
+                value = span.attributes.get(key)
+                if isinstance(value, str) and value:
+                    return value[:MAX_USER_AGENT]
+    return None
 
 
 def _may_have_answered(corr: Correlator, disconnect_ns: int, origin_span: SpanRecord | None,

@@ -22,7 +22,7 @@ ZOMBIE_VERDICTS = tuple(v.value for v in Verdict if v.is_zombie)
 BREAKDOWN_DIMENSIONS = ("service", "route", "model", "phase", "disconnect_kind", "host")
 # Breakdowns by who called: dimension -> the verdicts' column. Each is grouped on its own (there
 # may be as many values as callers), after the others.
-CALLER_DIMENSIONS = {"client_address": "client_addr"}
+CALLER_DIMENSIONS = {"client_address": "client_addr", "user_agent": "user_agent"}
 
 
 def to_ns(moment: dt.datetime) -> int:
@@ -167,6 +167,7 @@ class RequestFinding(NamedTuple):
     service: str | None
     client_addr: str | None
     client_port: int | None
+    user_agent: str | None
     host: str
     max_tokens: int | None
     wasted_tokens: int | None

@@ -66,7 +66,7 @@ FINDING_COLUMNS = (
     verdicts.c.disconnect_kind, verdicts.c.request_start_ns, verdicts.c.work_end_ns, verdicts.c.lag_seconds,
     lag_at_least(verdicts).label("lag_at_least_seconds"),
     verdicts.c.phase, verdicts.c.route, verdicts.c.model, verdicts.c.service, verdicts.c.client_addr,
-    verdicts.c.client_port, verdicts.c.host, verdicts.c.max_tokens,
+    verdicts.c.client_port, verdicts.c.user_agent, verdicts.c.host, verdicts.c.max_tokens,
     verdicts.c.tokens_after_disconnect, verdicts.c.tokens_exact, verdicts.c.wasted_gpu_seconds,
     verdicts.c.wasted_cpu_seconds, verdict_evidence(verdicts).label("evidence"),
     unconfirmed_reason(verdicts).label("unconfirmed_because"),
@@ -98,8 +98,7 @@ def _build(conn: Connection, query: ReportQuery, *, with_requests: bool, with_se
            requests_as_json: bool) -> Report:
     totals = Totals()
     breakdowns = _fold_verdict_groups(conn, query, totals)
-    for dimension, column in CALLER_DIMENSIONS.items():
-        breakdowns[dimension] = _breakdown_by(conn, query, verdicts.c[column]) if totals.disconnects else []
+    breakdowns |= _caller_breakdowns(conn, query) if totals.disconnects else {d: [] for d in CALLER_DIMENSIONS}
     totals.requests = count_requests(conn, _span_filter(query), query.host, query.since_ns, query.until_ns)
     _fill_coverage(conn, query, totals)
     _fill_gpu_time(conn, query, totals)
@@ -237,15 +236,46 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
         totals.uncosted_zombies += int(row.uncosted)
         totals.unconfirmed_without_gauges += int(row.ungauged)
         totals.unconfirmed_raced += int(row.raced)
-        for dimension in BREAKDOWN_DIMENSIONS:
-            acc = folded[dimension].setdefault(row._mapping[dimension], [0.0] * 10)
-            acc[0] += count
-            if row.verdict in _VERDICT_INDEX:
-                acc[_VERDICT_INDEX[row.verdict]] += count
-            acc[5] += zombie_lag
-            acc[6] += int(row.tokens)
-            acc[7] += float(row.gpu)
-            acc[8] += float(row.cpu)
+        _add_group(folded, row, count, zombie_lag)
+    return _breakdown_rows(folded)
+
+
+def _caller_breakdowns(conn: Connection, query: ReportQuery) -> dict[str, list[BreakdownRow]]:
+    """The breakdowns by who called (client address, User-Agent), from one grouped scan of their
+    own: as many values as callers, they would multiply the groups of the one scan of the other
+    dimensions by as many. Grouped together, their groups are about one a caller (a caller
+    sends one User-Agent), not one a pair of the two."""
+    v = verdicts.c
+    keys = [v[column].label(dimension) for dimension, column in CALLER_DIMENSIONS.items()]
+    rows = conn.execute(
+        select(*keys, v.verdict, func.count().label("n"), _sum(_finite(v.lag_seconds)).label("lag"),
+               _sum(v.tokens_after_disconnect).label("tokens"), _sum(_finite(v.wasted_gpu_seconds)).label("gpu"),
+               _sum(_finite(v.wasted_cpu_seconds)).label("cpu"))
+        .where(*_verdict_filter(query)).group_by(*keys, v.verdict)).all()
+    folded: dict[str, dict[str | None, list[float]]] = {d: {} for d in CALLER_DIMENSIONS}
+    for row in rows:
+        _add_group(folded, row, int(row.n), float(row.lag) if row.verdict in ZOMBIE_VERDICTS else 0.0)
+    return _breakdown_rows(folded)
+
+
+def _add_group(folded: dict[str, dict[str | None, list[float]]], row: Any, count: int, zombie_lag: float) -> None:
+    """Add one group of verdicts (one verdict, one value of each dimension in ``folded``) to each
+    dimension's accumulator of its value: [disconnects, completed, aborted, zombies, in-flight,
+    zombie seconds, tokens, GPU-s, CPU-s, unconfirmed]."""
+    for dimension, groups in folded.items():
+        acc = groups.setdefault(row._mapping[dimension], [0.0] * 10)
+        acc[0] += count
+        if row.verdict in _VERDICT_INDEX:
+            acc[_VERDICT_INDEX[row.verdict]] += count
+        acc[5] += zombie_lag
+        acc[6] += int(row.tokens)
+        acc[7] += float(row.gpu)
+        acc[8] += float(row.cpu)
+
+
+def _breakdown_rows(folded: dict[str, dict[str | None, list[float]]]) -> dict[str, list[BreakdownRow]]:
+    """Each dimension's accumulators as breakdown rows, worst first: most zombie time, then most
+    disconnects."""
     return {dimension: sorted(
         (BreakdownRow(key=key, disconnects=int(a[0]), completed=int(a[1]), aborted=int(a[2]),
                       zombies=int(a[3]), inflight_zombies=int(a[4]), zombie_seconds=a[5],
@@ -254,20 +284,6 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
          for key, a in groups.items()),
         key=lambda r: (-r.zombie_seconds, -r.disconnects, r.key or ""))
         for dimension, groups in folded.items()}
-
-
-def _breakdown_by(conn: Connection, query: ReportQuery, column: Any) -> list[BreakdownRow]:
-    """One breakdown by its own grouped scan: a dimension of many values (every caller's address)
-    would multiply the groups of the one scan of the others by as many."""
-    rows = conn.execute(select(column.label("key"), *_verdict_aggregates())
-                        .where(*_verdict_filter(query)).group_by(column)).all()
-    found = [BreakdownRow(key=row.key, disconnects=int(row.disconnects), completed=int(row.completed),
-                          aborted=int(row.aborted), zombies=int(row.zombies), inflight_zombies=int(row.inflight_zombies),
-                          zombie_seconds=float(row.zombie_seconds), wasted_tokens=int(row.wasted_tokens),
-                          wasted_gpu_seconds=float(row.wasted_gpu_seconds),
-                          wasted_cpu_seconds=float(row.wasted_cpu_seconds), unconfirmed=int(row.unconfirmed))
-             for row in rows]
-    return sorted(found, key=lambda r: (-r.zombie_seconds, -r.disconnects, r.key or ""))
 
 
 # Where each verdict is counted: its slot in a breakdown accumulator, and its Totals field.

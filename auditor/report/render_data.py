@@ -26,7 +26,7 @@ from auditor.timefmt import rfc3339, rfc3339_or_none
 # The fields of one request, in order: the JSON object keys and the CSV header.
 REQUEST_FIELDS = (
     "request_id", "trace_id", "verdict", "disconnect_at", "disconnect_kind", "work_end_at",
-    "lag_seconds", "lag_at_least_seconds", "phase", "route", "model", "service", "client", "host",
+    "lag_seconds", "lag_at_least_seconds", "phase", "route", "model", "service", "client", "user_agent", "host",
     "request_start_at", "max_tokens", "wasted_tokens", "tokens_exact", "wasted_gpu_seconds", "wasted_cpu_seconds",
     "evidence", "unconfirmed_because",
 )
@@ -59,6 +59,7 @@ def request_dict(finding: RequestFinding) -> dict[str, Any]:
         "model": finding.model,
         "service": finding.service,
         "client": finding.client,
+        "user_agent": finding.user_agent,
         "host": finding.host,
         "request_start_at": rfc3339(finding.request_start_ns),
         "max_tokens": finding.max_tokens,
@@ -103,7 +104,7 @@ def request_json(finding: RequestFinding) -> str:
         f'"lag_seconds": {_json_float(f.lag_seconds)}, '
         f'"lag_at_least_seconds": {_json_float(f.lag_at_least_seconds)}, "phase": {encode_basestring(f.phase)}, '
         f'"route": {_text(f.route)}, "model": {_text(f.model)}, "service": {_text(f.service)}, '
-        f'"client": {_text(f.client)}, "host": {encode_basestring(f.host)}, '
+        f'"client": {_text(f.client)}, "user_agent": {_text(f.user_agent)}, "host": {encode_basestring(f.host)}, '
         f'"request_start_at": "{rfc3339(f.request_start_ns)}", '
         f'"max_tokens": {_json_int(f.max_tokens)}, "wasted_tokens": {_json_int(f.wasted_tokens)}, '
         f'"tokens_exact": {"true" if f.tokens_exact else "false"}, '

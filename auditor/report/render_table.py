@@ -20,7 +20,8 @@ NARROWEST = 80
 BREAKDOWN_ROWS = 10  # per dimension; the JSON output has them all
 BREAKDOWN_ROWS_HTML = 50
 DIMENSION_TITLES = {"service": "service", "route": "route", "model": "model", "phase": "phase at disconnect",
-                    "disconnect_kind": "disconnect kind", "host": "host", "client_address": "client address"}
+                    "disconnect_kind": "disconnect kind", "host": "host", "client_address": "client address",
+                    "user_agent": "user agent"}
 VERDICT_LABELS = {"completed": "completed", "aborted": "aborted", "zombie": "zombie",
                   "inflight_zombie": "in-flight", "unconfirmed": "unconfirmed"}
 
@@ -120,7 +121,8 @@ def render_table(report: Report, width: int = WIDTH) -> str:
         lines += ["", "Breakdowns narrowed to this terminal: their completed, aborted and",
                   "unconfirmed counts are in --format json (or 100 columns)."]
     for dimension, rows in report.breakdowns.items():
-        lines += _breakdown(DIMENSION_TITLES.get(dimension, dimension), rows, report.totals.cost_unit, width)
+        lines += _breakdown(DIMENSION_TITLES.get(dimension, dimension), rows, report.totals.cost_unit, width,
+                            long_keys=dimension == "user_agent")
     lines += _timeouts(report, width) + _worst(report, width)
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
@@ -233,13 +235,19 @@ def _breakdown_header(unit: str, wide: bool) -> str:
             f"{'in-flight':>9} {'unconf':>6} {'zombie s':>9} {'tokens':>8} {unit + '-s':>8}")
 
 
-def _breakdown(title: str, rows: list[BreakdownRow], unit: str, width: int) -> list[str]:
+def _breakdown(title: str, rows: list[BreakdownRow], unit: str, width: int, *, long_keys: bool = False) -> list[str]:
+    """A breakdown's rows; with ``long_keys``, a key longer than its column (a browser's User-Agent)
+    on a line of its own above its figures, where cut to the column it would say little."""
     if not rows:
         return []
     wide = width >= WIDTH
     lines = ["", f"By {title}", _breakdown_header(unit, wide)]
     for row in rows[:BREAKDOWN_ROWS]:
-        key = f"  {fit(printable(row.key, '(none)'), 20)} {row.disconnects:>7,} "
+        name = printable(row.key, "(none)")
+        if long_keys and cells(name) > 20:
+            lines.append(clip(f"  {name}", width))
+            name = ""
+        key = f"  {fit(name, 20)} {row.disconnects:>7,} "
         tail = (f"{row.zombies:>7,} {row.inflight_zombies:>9,} {row.zombie_seconds:>9,.1f} "
                 f"{row.wasted_tokens:>8,} {row.wasted_seconds(unit):>8,.1f}")
         if not wide:

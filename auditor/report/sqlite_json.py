@@ -75,6 +75,7 @@ def request_json_column(table: Table) -> ColumnElement[str]:
         ("model", c.model),
         ("service", c.service),
         ("client", _client(table)),
+        ("user_agent", c.user_agent),
         ("host", c.host),
         ("request_start_at", _time(c.request_start_ns)),
         ("max_tokens", c.max_tokens),

@@ -104,6 +104,7 @@ class VerdictRow(Base):
     model: Mapped[str | None]
     client_addr: Mapped[str | None]
     client_port: Mapped[int | None]
+    user_agent: Mapped[str | None]
     server_port: Mapped[int | None]
     max_tokens: Mapped[int | None]
     tokens_after_disconnect: Mapped[int | None]

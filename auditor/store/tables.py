@@ -29,6 +29,7 @@ from sqlalchemy import (
     Table,
 )
 
+from auditor.semconv import MAX_USER_AGENT
 from auditor.store.spankeys import DISCONNECT_MINUTE_SQL, START_MINUTE_SQL
 
 NAMING = {
@@ -151,6 +152,7 @@ verdicts = Table(
     Column("model", String(255)),
     Column("client_addr", String(64)),
     Column("client_port", Integer),
+    Column("user_agent", String(MAX_USER_AGENT)),
     Column("server_port", Integer),
     Column("max_tokens", Integer),
     Column("tokens_after_disconnect", Integer),
