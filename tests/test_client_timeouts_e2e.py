@@ -137,6 +137,7 @@ def test_the_report_tells_the_sdks_timeout_from_the_daemons_verdicts(tmp_path: P
     agent = f"OpenAI/Python {openai.__version__}"
     assert {r.user_agent for r in rows} == {agent}, {r.user_agent for r in rows}
     assert [(r.key, r.disconnects) for r in report.breakdowns["user_agent"]] == [(agent, len(rows))]
+    assert (timeout.user_agents, timeout.client_addresses) == (((agent, timed_out),), (("127.0.0.1", timed_out),))
 
 
 @pytest.mark.skipif(find_nginx() is None, reason="nginx not found: run `make setup` as root")
@@ -176,3 +177,4 @@ def test_the_report_tells_nginxs_read_timeout_where_the_engine_sees_only_nginx(t
     assert {(r.client_addr, r.user_agent) for r in cut_rows} == {("127.0.0.1", BATCH_JOB)}, cut_rows
     assert (BATCH_JOB, len(cut)) in [(r.key, r.zombies + r.inflight_zombies + r.unconfirmed + r.aborted)
                                      for r in report.breakdowns["user_agent"]]
+    assert (timeout.user_agents, timeout.client_addresses) == (((BATCH_JOB, len(cut)),), (("127.0.0.1", len(cut)),))

@@ -235,3 +235,26 @@ def test_the_store_counts_closes_at_the_answers_end_out_of_a_spike(store: Store)
     assert build_report(store, HOUR).client_timeouts == []
     fill_timeouts(store, from_s=400.0)
     assert [t.disconnects for t in build_report(store, HOUR).client_timeouts] == [10]
+
+
+def test_a_timeout_says_who_it_cut(store: Store) -> None:
+    fill(store)  # disconnects at other ages, from the same address and SDK: not the timeout's
+    # A job behind a proxy: seven of its requests cut at 60 s from one address, three from another
+    # address with no User-Agent named.
+    store.upsert_verdicts([
+        replace(_verdict(300 + k, Verdict.ZOMBIE, start_s=1500.0 + 20 * k, disconnect_s=1560.0 + 20 * k + 0.001 * k,
+                         end_s=1570.0 + 20 * k, lag=10.0, user_agent=None if k >= 7 else "nightly-evals/2.1"),
+                client_addr="10.0.5.5" if k >= 7 else "10.0.5.4")
+        for k in range(10)])
+    report = build_report(store, HOUR)
+    [timeout] = report.client_timeouts
+    assert timeout.disconnects == 10
+    assert timeout.user_agents == (("nightly-evals/2.1", 7), (None, 3))
+    assert timeout.client_addresses == (("10.0.5.4", 7), ("10.0.5.5", 3))
+    document = report_dict(report)
+    jsonschema.Draft202012Validator(SCHEMA).validate(document)
+    assert document["client_timeouts"][0]["user_agents"] == [{"user_agent": "nightly-evals/2.1", "disconnects": 7},
+                                                             {"user_agent": None, "disconnects": 3}]
+    assert "sent by nightly-evals/2.1 (7), - (3); from 10.0.5.4 (7), 10.0.5.5 (3)" in " ".join(
+        render_table(report).split())
+    assert "sent by nightly-evals/2.1 (7)" in render_html(report)

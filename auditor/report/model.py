@@ -247,9 +247,16 @@ class ClientTimeout:
     # zombie ended, or none's end is surely its own (details.lag_at_least_s).
     zombie_work_mean_seconds: float | None = None
     zombie_work_max_seconds: float | None = None
+    # Who it cut: the User-Agents and the client addresses of its disconnects, the most first
+    # (up to CALLERS_SHOWN of each), with how many of them each.
+    user_agents: tuple[tuple[str | None, int], ...] = ()
+    client_addresses: tuple[tuple[str | None, int], ...] = ()
 
     def wasted_seconds(self, unit: str) -> float:
         return self.wasted_cpu_seconds if unit == "CPU" else self.wasted_gpu_seconds
+
+
+CALLERS_SHOWN = 3  # a client timeout's User-Agents and client addresses listed
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ findings (coverage and GPU samples carry no such label).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from math import isfinite
@@ -30,9 +31,11 @@ from auditor.model import CoverageKind, SpanRole
 from auditor.report.model import (
     BREAKDOWN_DIMENSIONS,
     CALLER_DIMENSIONS,
+    CALLERS_SHOWN,
     ZOMBIE_VERDICTS,
     BreakdownRow,
     Bucket,
+    ClientTimeout,
     DataRange,
     Report,
     ReportQuery,
@@ -108,7 +111,7 @@ def _build(conn: Connection, query: ReportQuery, *, with_requests: bool, with_se
         worst_zombies=_worst_zombies(conn, query),
     )
     ages = age_bins(conn, query) if totals.disconnects else []
-    report.client_timeouts = find_timeouts(ages)
+    report.client_timeouts = _with_callers(conn, query, find_timeouts(ages))
     if with_requests and totals.disconnects and requests_as_json:
         report.requests_json = list(conn.execute(
             select(request_json_column(verdicts)).where(*_verdict_filter(query))
@@ -350,6 +353,32 @@ def age_bins(conn: Connection, query: ReportQuery) -> list[AgeBin]:
                    cut=int(r.cut), zombies_ended=int(r.ended), zombie_work_ns=int(r.worked),
                    zombie_work_max_ns=int(r.longest) if r.longest is not None else None)
             for r in rows if r.age_bin is not None]
+
+
+def _with_callers(conn: Connection, query: ReportQuery, timeouts: list[ClientTimeout]) -> list[ClientTimeout]:
+    """Each timeout with who it cut: its disconnects' User-Agents and client addresses, the most
+    first, from one grouped scan of the window's verdicts whose age falls in a timeout's band."""
+    if not timeouts:
+        return timeouts
+    v = verdicts.c
+    age_bin = (v.disconnect_at_ns - v.request_start_ns) // BIN_NS
+    bands = [(round(t.from_seconds * NS) // BIN_NS, round(t.to_seconds * NS) // BIN_NS) for t in timeouts]
+    which = case(*((and_(age_bin >= lo, age_bin < hi), index) for index, (lo, hi) in enumerate(bands)),
+                 else_=None).label("which")
+    rows = conn.execute(select(which, v.user_agent, v.client_addr, func.count().label("n"))
+                        .where(*_verdict_filter(query), which.is_not(None))
+                        .group_by(which, v.user_agent, v.client_addr)).all()
+    agents: list[dict[str | None, int]] = [{} for _ in timeouts]
+    addresses: list[dict[str | None, int]] = [{} for _ in timeouts]
+    for row in rows:
+        agents[row.which][row.user_agent] = agents[row.which].get(row.user_agent, 0) + int(row.n)
+        addresses[row.which][row.client_addr] = addresses[row.which].get(row.client_addr, 0) + int(row.n)
+
+    def most(counts: dict[str | None, int]) -> tuple[tuple[str | None, int], ...]:
+        return tuple(sorted(counts.items(), key=lambda item: (-item[1], item[0] or ""))[:CALLERS_SHOWN])
+
+    return [dataclasses.replace(t, user_agents=most(agents[i]), client_addresses=most(addresses[i]))
+            for i, t in enumerate(timeouts)]
 
 
 # -- breakdowns and lists -----------------------------------------------------------------------

@@ -145,6 +145,8 @@ def _timeout_dict(report: Report, timeout: ClientTimeout) -> dict[str, Any]:
         "default_of": timeout.default_of,
         "zombie_work_mean_seconds": timeout.zombie_work_mean_seconds,
         "zombie_work_max_seconds": timeout.zombie_work_max_seconds,
+        "user_agents": [{"user_agent": agent, "disconnects": n} for agent, n in timeout.user_agents],
+        "client_addresses": [{"client_address": address, "disconnects": n} for address, n in timeout.client_addresses],
     }
 
 

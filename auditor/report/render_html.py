@@ -12,6 +12,7 @@ from auditor.report.render_table import (
     DIMENSION_TITLES,
     TIMEOUT_ADVICE,
     VERDICT_LABELS,
+    callers_note,
     disconnects_note,
     duration,
     left_between,
@@ -226,7 +227,7 @@ def _timeouts(report: Report) -> list[str]:
     parts = ["<h2>Client timeouts</h2><table><tr><th>after s</th><th>from-to s</th><th>disconnects</th>"
              "<th>completed</th><th>aborted</th><th>zombie</th><th>in-flight</th><th>unconfirmed</th>"
              f"<th>zombie s</th><th>{unit}-s</th>{_cost_head(report)}<th>left (UTC)</th><th>its zombies' work</th>"
-             "<th>the default of</th></tr>"]
+             "<th>the default of</th><th>who</th></tr>"]
     for t in report.client_timeouts:
         worked = zombie_work_note(t).removeprefix("its zombies ") if t.zombie_work_max_seconds is not None else ""
         parts.append(
@@ -235,7 +236,7 @@ def _timeouts(report: Report) -> list[str]:
             f"<td>{t.inflight_zombies:,}</td><td>{t.unconfirmed:,}</td><td>{t.zombie_seconds:,.1f}</td>"
             f"<td>{t.wasted_seconds(unit):,.1f}</td>{_cost_cell(report, t.wasted_gpu_seconds, t.wasted_cpu_seconds)}"
             f"<td>{esc(left_between(t.first_ns, t.last_ns))}</td>"
-            f"<td>{esc(worked)}</td><td>{esc(t.default_of or '')}</td></tr>")
+            f"<td>{esc(worked)}</td><td>{esc(t.default_of or '')}</td><td>{esc(callers_note(t))}</td></tr>")
     parts.append(f'</table><p class="sub">{esc(TIMEOUT_ADVICE)}</p>')
     return parts
 

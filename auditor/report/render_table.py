@@ -281,6 +281,16 @@ def zombie_work_note(t: ClientTimeout) -> str:
             f"{t.zombie_work_max_seconds:,.1f} s at most: a timeout above that lets such answers end")
 
 
+def callers_note(t: ClientTimeout) -> str:
+    """Who a timeout cut: ``sent by A (8), B (4); from 10.0.0.7 (12)``, unnamed ones as ``-``."""
+    def listed(pairs: tuple[tuple[str | None, int], ...]) -> str:
+        return ", ".join(f"{printable(value)} ({n:,})" for value, n in pairs)
+
+    parts = ([f"sent by {listed(t.user_agents)}"] if t.user_agents else []) + \
+        ([f"from {listed(t.client_addresses)}"] if t.client_addresses else [])
+    return "; ".join(parts)
+
+
 def _timeouts(report: Report, width: int) -> list[str]:
     if not report.client_timeouts:
         return []
@@ -300,6 +310,8 @@ def _timeouts(report: Report, width: int) -> list[str]:
             notes.append(f"the work past its disconnects cost {money(cost, report.prices.currency)}")
         if t.zombie_work_max_seconds is not None:
             notes.append(zombie_work_note(t))
+        if t.user_agents or t.client_addresses:
+            notes.append(callers_note(t))
         for note in notes:
             lines += textwrap.wrap(note, width, initial_indent=" " * 11, subsequent_indent=" " * 11)
     return lines + textwrap.wrap(TIMEOUT_ADVICE, width, initial_indent="  ", subsequent_indent="  ")
