@@ -30,6 +30,12 @@ from dataclasses import dataclass, field
 
 import h11
 
+from auditor import __version__
+
+# Replayed traffic names itself: the engine's logs and the auditor's report (by user agent) tell it
+# from the clients it stands in for.
+USER_AGENT = f"zombie-auditor-replay/{__version__}"
+
 
 @dataclass(frozen=True, slots=True)
 class RequestPlan:
@@ -139,7 +145,7 @@ class KeptConnections:
 def _request_bytes(connection: h11.Connection, plan: RequestPlan, host: str, *, keep_alive: bool = False) -> bytes:
     data = json.dumps(plan.body).encode()
     headers = [("Host", host), ("Content-Type", "application/json"), ("Accept", "text/event-stream"),
-               ("X-Request-Id", plan.request_id),
+               ("User-Agent", USER_AGENT), ("X-Request-Id", plan.request_id),
                ("traceparent", f"00-{plan.trace_id}-{secrets.token_hex(8)}-01"),
                ("Content-Length", str(len(data)))] + ([] if keep_alive else [("Connection", "close")])
     return b"".join(connection.send(event) or b"" for event in (

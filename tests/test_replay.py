@@ -18,6 +18,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from auditor import __version__
 from auditor.model import RequestVerdict, SpanRole, Verdict
 from auditor.store import Store
 from replay.capture import (
@@ -256,6 +257,8 @@ def test_plans_replay_captured_disconnects_and_timing() -> None:
 
 
 def test_load_keeps_start_times_and_the_concurrency_bound() -> None:
+    heads: list[bytes] = []
+
     async def scenario() -> tuple[list[float], int, list[RequestOutcome]]:
         arrivals: list[float] = []
         open_now = peak = 0
@@ -265,7 +268,7 @@ def test_load_keeps_start_times_and_the_concurrency_bound() -> None:
             open_now += 1
             peak = max(peak, open_now)
             arrivals.append(loop.time() - started)
-            await reader.readuntil(b"\r\n\r\n")
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
             await asyncio.sleep(0.15)
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
             await writer.drain()
@@ -287,6 +290,8 @@ def test_load_keeps_start_times_and_the_concurrency_bound() -> None:
     assert [o.plan.request_id for o in outcomes] == ["r0", "r1", "r2", "r3", "r4"]  # plan order
     assert all(o.completed and o.status == 200 for o in outcomes), outcomes
     assert arrivals[-1] >= 0.3  # r0 waited for its start time, behind the others
+    # Replayed traffic names itself, so the report tells it from the clients it stands in for.
+    assert all(f"\r\nUser-Agent: zombie-auditor-replay/{__version__}\r\n".encode() in head for head in heads)
 
 
 def test_kept_connections_are_reused_until_a_cancel_or_the_server_closes_them() -> None:
