@@ -41,12 +41,14 @@ def trace(n: int) -> str:
 
 
 def _http(n: int, start_s: float, end_s: float, *, host: str = "gpu-a", route: str = CHAT,
-          model: str = LLAMA, request_id: str | None = None) -> SpanRecord:
+          model: str = LLAMA, request_id: str | None = None,
+          user_agent: tuple[str, str] | None = ("user_agent.original", SDK_AGENT)) -> SpanRecord:
     return SpanRecord(
         trace_id=trace(n), span_id=f"{n:016x}", parent_span_id=None, name=f"POST {route}",
         kind="server", start_ns=at(start_s), end_ns=at(end_s), service="vllm", host=host,
         role=SpanRole.HTTP_SERVER, peer_addr="10.0.0.7", peer_port=40000 + n, server_port=8000,
-        request_id=request_id or f"req-{n}", route=route, model=model, http_status=200)
+        request_id=request_id or f"req-{n}", route=route, model=model, http_status=200,
+        attributes=dict([user_agent]) if user_agent else {})
 
 
 def _engine(n: int, start_s: float, end_s: float, host: str = "gpu-a") -> SpanRecord:
@@ -78,10 +80,10 @@ def fill(store: Store) -> None:
     spans += [_http(n, 60.0 * n, 60.0 * n + 3, route=COMPLETIONS, model=QWEN) for n in range(5, 7)]
     spans += [
         _http(7, 700, 702.0),  # completed at disconnect
-        _http(8, 800, 801.0, route=COMPLETIONS, model=QWEN),  # aborted
+        _http(8, 800, 801.0, route=COMPLETIONS, model=QWEN, user_agent=("http.user_agent", BROWSER)),  # aborted
         _http(9, 900, 902.0, request_id=EVIL_ID),  # zombie, 12.5 s
         _http(10, 1000, 1001.0),  # zombie, 3 s, no max_tokens
-        _http(11, 1100, 1101.0, host="gpu-b"),  # in-flight zombie on the other host
+        _http(11, 1100, 1101.0, host="gpu-b", user_agent=None),  # in-flight zombie on the other host
         _http(12, 1200, 1202.0, host="gpu-b"),
         _http(13, -3600, -3598.0),  # before the window
     ]

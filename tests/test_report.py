@@ -29,11 +29,13 @@ from auditor.report.render_table import money, render_table
 from auditor.store import Store
 from auditor.timefmt import rfc3339
 from tests.report_data import (
+    BROWSER,
     CHAT,
     COMPLETIONS,
     EVIL_ID,
     LLAMA,
     QWEN,
+    SDK_AGENT,
     T0,
     _verdict,
     at,
@@ -147,6 +149,11 @@ def test_worst_zombies_are_ordered_by_lag_and_limited(filled: Store) -> None:
     ({"model": QWEN, "host": "gpu-a"}, 3, 1),
     ({"service": "vllm"}, 12, 5),
     ({"service": "other"}, 0, 0),
+    ({"client": "10.0.0.7"}, 12, 5),
+    ({"client": "10.9.9.9"}, 0, 0),
+    # The spans' User-Agent under either convention's name; request 11 names none.
+    ({"user_agent": SDK_AGENT}, 10, 3),
+    ({"user_agent": BROWSER, "route": COMPLETIONS}, 1, 1),
 ])
 def test_filters_apply_to_requests_and_findings(filled: Store, filters: dict[str, str],
                                                 requests: int, disconnects: int) -> None:

@@ -17,7 +17,7 @@ from auditor.cli import cli
 from auditor.cli.util import TIME, parse_duration
 from auditor.errors import StoreError
 from auditor.store import Store
-from tests.report_data import SINCE, UNTIL, fill, trace
+from tests.report_data import BROWSER, SINCE, UNTIL, fill, trace
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())
 
@@ -573,3 +573,15 @@ def test_a_bad_price_in_the_config_file_names_its_key(db: str, tmp_path: Path) -
     config.write_text("[report]\ngpu_hour_price = -1\n")
     code, out, err = invoke("--db", db, "--config", str(config))
     assert code == 1 and "report.gpu_hour_price = -1.0: a price cannot be negative" in err and not out
+
+
+def test_one_callers_requests_by_its_user_agent_or_address(db: str) -> None:
+    window = ("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "json")
+    code, out, _ = invoke(*window, "--user-agent", BROWSER)
+    document = json.loads(out)
+    jsonschema.Draft202012Validator(SCHEMA).validate(document)
+    assert document["window"]["filters"]["user_agent"] == BROWSER
+    assert (document["totals"]["requests"], document["totals"]["disconnects"]) == (1, 1)
+    assert [r["user_agent"] for r in document["requests"]] == [BROWSER]
+    code, out, _ = invoke(*window[:-2], "--client", "10.9.9.9")
+    assert code == 0 and "no requests matching client=10.9.9.9" in out

@@ -25,7 +25,7 @@ from auditor.report import ReportQuery, build_report
 from auditor.report.render_data import report_dict
 from auditor.report.render_html import render_html
 from auditor.store import Store
-from tests.report_data import SINCE, T0, UNTIL, at, fill, fill_timeouts
+from tests.report_data import BROWSER, SDK_AGENT, SINCE, T0, UNTIL, at, fill, fill_timeouts
 
 pytestmark = pytest.mark.postgres
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())
@@ -83,6 +83,13 @@ def test_postgres_report_equals_sqlite(pg_url: str, store: Store) -> None:
         on_sqlite.pop("generated_at")
         assert on_pg == on_sqlite
         assert on_pg["totals"]["requests"] == 12 and on_pg["totals"]["zombies"] == 2
+        # A caller's filters: the spans' User-Agent read from their JSON attributes on both.
+        for caller, requests in (({"user_agent": SDK_AGENT}, 10), ({"user_agent": BROWSER}, 1),
+                                 ({"client": "10.0.0.7"}, 12)):
+            narrowed = ReportQuery(since_ns=T0, until_ns=at(3600), **caller)
+            on_pg, on_sqlite = report_dict(build_report(pg, narrowed)), report_dict(build_report(store, narrowed))
+            assert on_pg | {"generated_at": None} == on_sqlite | {"generated_at": None}, caller
+            assert on_pg["totals"]["requests"] == requests, caller
         with_series = build_report(pg, query, with_series=True)
         assert with_series.series is not None
         assert sum(b.completed_requests for b in with_series.series) == 12

@@ -41,6 +41,9 @@ FORMAT_BY_SUFFIX = {".html": "html", ".htm": "html", ".json": "json", ".csv": "c
 @click.option("--service", help="Only requests of this service (OTel service.name).")
 @click.option("--route", help="Only this HTTP route, e.g. /v1/chat/completions.")
 @click.option("--model", help="Only this model.")
+@click.option("--client", metavar="ADDRESS", help="Only requests from this client address, e.g. 10.0.3.7.")
+@click.option("--user-agent", metavar="TEXT", help="Only requests whose client sent this User-Agent, whole "
+              "(as the report's breakdown by user agent shows it).")
 @click.option("--top", type=click.IntRange(0, 1000), default=10, show_default=True,
               help="How many of the worst zombies to list.")
 @click.option("--format", "output_format", type=click.Choice(FORMATS), default="table",
@@ -60,7 +63,8 @@ FORMAT_BY_SUFFIX = {".html": "html", ".htm": "html", ".json": "json", ".csv": "c
 @click.option("--currency", metavar="UNIT", help="The prices' unit, shown after each cost [default: USD].")
 @reading_options
 def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: str | None,
-           service: str | None, route: str | None, model: str | None, top: int,
+           service: str | None, route: str | None, model: str | None, client: str | None,
+           user_agent: str | None, top: int,
            output_format: str, as_json: bool, output: str | None, force: bool,
            gpu_hour_price: float | None, cpu_hour_price: float | None, currency: str | None) -> None:
     """Findings over a window: disconnects, zombies, and the GPU time they wasted.
@@ -100,7 +104,7 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
                                  "name, or --force to replace it", param_hint="-o/--output")
     until = window_end(since, until, now())
     query = ReportQuery(since_ns=to_ns(since), until_ns=to_ns(until), host=host, service=service,
-                        route=route, model=model, top=top)
+                        route=route, model=model, top=top, client=client, user_agent=user_agent)
     with errors_as_click():
         check_reachable(config.db)
     store = open_store(config, create=False)

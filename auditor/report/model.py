@@ -42,9 +42,12 @@ class ReportQuery:
     route: str | None = None
     model: str | None = None
     top: int = 10  # how many worst zombies to list
+    client: str | None = None  # the client's address (a verdict's client_addr, a span's peer address)
+    user_agent: str | None = None  # the client's User-Agent, whole
 
     def filters(self) -> dict[str, str | None]:
-        return {"host": self.host, "service": self.service, "route": self.route, "model": self.model}
+        return {"host": self.host, "service": self.service, "route": self.route, "model": self.model,
+                "client": self.client, "user_agent": self.user_agent}
 
     def describe_filters(self) -> str:
         """``host=a, route=/v1/x`` for the filters that are set, ``""`` when none is."""

@@ -52,6 +52,7 @@ from auditor.report.sqlite_json import (
     verdict_evidence,
 )
 from auditor.report.timeouts import BIN_NS, MOMENT_NS, AgeBin, age_bars, find_timeouts
+from auditor.semconv import USER_AGENT_KEYS
 from auditor.store import Store, tables
 
 spans, verdicts, coverage, samples = tables.spans, tables.verdicts, tables.coverage, tables.util_samples
@@ -132,7 +133,20 @@ def _build(conn: Connection, query: ReportQuery, *, with_requests: bool, with_se
 
 # -- filters ------------------------------------------------------------------------------------
 def _label_filters(table: Any, query: ReportQuery) -> list[ColumnElement[bool]]:
-    return [table.c[name] == value for name, value in query.filters().items() if value is not None]
+    """The query's label filters over the verdicts or the spans table (or an alias of either)."""
+    return [_label(table, name) == value for name, value in query.filters().items() if value is not None]
+
+
+def _label(table: Any, name: str) -> Any:
+    """A filter's label in ``table``: a column of its own, but for a span the client's address is
+    its peer's and its User-Agent one of its attributes (the first of the conventions' names)."""
+    if "client_addr" in table.c:  # the verdicts
+        return table.c["client_addr" if name == "client" else name]
+    if name == "client":
+        return table.c.peer_addr
+    if name == "user_agent":
+        return func.coalesce(*(table.c.attributes[key].as_string() for key in USER_AGENT_KEYS))
+    return table.c[name]
 
 
 def _verdict_filter(query: ReportQuery) -> list[ColumnElement[bool]]:
