@@ -1,12 +1,12 @@
 """How long ``auditor report --format json`` takes over an hour of one million requests.
 
 Generates a SQLite store through SQLAlchemy Core (executemany in batches): 1,000,000 HTTP server
-spans over one hour on two hosts, 10% of them with a client disconnect (verdict rows in a realistic
-mix of completed, aborted, zombie and in-flight zombie; one in 25 at a client's 30 s timeout; from
-500 client addresses and 100 User-Agents), whole-GPU NVML samples every 100 ms for 4 GPUs per
-host, and coverage counts. Then it times, in the same run and over the same rows, a plain
-``SELECT count(*)`` (the floor), the library call, and the CLI in a fresh process, and prints a
-table.
+spans over one hour on two hosts (each naming its client's User-Agent, one of 100, and its address,
+one of 500), 10% of them with a client disconnect (verdict rows in a realistic mix of completed,
+aborted, zombie and in-flight zombie; one in 25 at a client's 30 s timeout), whole-GPU NVML
+samples every 100 ms for 4 GPUs per host, and coverage counts. Then it times, in the same run and
+over the same rows, a plain ``SELECT count(*)`` (the floor), the library call, and the CLI in a
+fresh process, and prints a table.
 
     .venv/bin/python bench/report.py [--requests N] [--db PATH] [--repeat 3]
 
@@ -16,6 +16,7 @@ Target: the JSON report in <= 2 s.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from auditor.report import ReportQuery, build_report  # noqa: E402
-from auditor.report.query import age_bins  # noqa: E402
+from auditor.report.query import age_bins, caller_breakdowns, with_callers  # noqa: E402
 from auditor.report.render_data import write_json  # noqa: E402
 from auditor.report.requests import count_requests, spans  # noqa: E402
 from auditor.report.timeouts import find_timeouts  # noqa: E402
@@ -81,6 +82,11 @@ def batched(rows: Iterator[dict[str, Any]], size: int = BATCH) -> Iterator[list[
         yield batch
 
 
+def caller_address(n: int) -> str:
+    """Request ``n``'s client address, one of CALLERS (its span's peer and its verdict's client)."""
+    return f"10.1.{n % CALLERS // 250}.{n % CALLERS % 250 + 1}"
+
+
 def span_rows(count: int, t0: int, rng: random.Random, remote_parents: bool = False) -> Iterator[dict[str, Any]]:
     for n in range(count):
         start = t0 + n * HOUR // count
@@ -89,12 +95,12 @@ def span_rows(count: int, t0: int, rng: random.Random, remote_parents: bool = Fa
             "trace_id": f"{rng.getrandbits(128):032x}", "span_id": f"{rng.getrandbits(64):016x}",
             "parent_span_id": f"{rng.getrandbits(64):016x}" if remote_parents else None, "name": f"POST {route}", "kind": "server", "role": "http_server",
             "start_ns": start, "end_ns": start + int(rng.lognormvariate(1.0, 0.8) * S),
-            "service": "vllm", "host": HOSTS[n % 2], "status": "unset", "peer_addr": "10.1.2.3",
+            "service": "vllm", "host": HOSTS[n % 2], "status": "unset", "peer_addr": caller_address(n),
             "peer_port": 1024 + n % 60000, "server_port": 8000, "request_id": f"req-{n:08d}",
             "route": route, "model": model, "http_status": 200, "finish_reason": "stop",
             "prompt_tokens": 500, "completion_tokens": 200, "max_tokens": 1024,
             "time_in_queue_s": 0.05, "time_to_first_token_s": 0.2, "process_pid": 4242,
-            "peer_rewritten": False, "attributes": {},
+            "peer_rewritten": False, "attributes": {"user_agent.original": AGENTS[n % len(AGENTS)]},
         }
 
 
@@ -120,7 +126,7 @@ def verdict_rows(count: int, t0: int, rng: random.Random) -> Iterator[dict[str, 
             "work_end_ns": None if verdict == "inflight_zombie" else disconnect + int(lag * S),
             "lag_seconds": lag, "phase": pick(rng, PHASES), "trace_id": f"{n:032x}",
             "request_id": f"req-{n:08d}", "service": "vllm", "route": pick(rng, ROUTES),
-            "model": pick(rng, MODELS), "client_addr": f"10.1.{n % CALLERS // 250}.{n % CALLERS % 250 + 1}",
+            "model": pick(rng, MODELS), "client_addr": caller_address(n),
             "client_port": 1024 + n % 60000, "user_agent": AGENTS[n % len(AGENTS)],
             "server_port": 8000, "max_tokens": None if rng.random() < 0.2 else 1024,
             "tokens_after_disconnect": tokens, "tokens_exact": rng.random() < 0.8,
@@ -240,6 +246,21 @@ def main() -> None:
         with store.engine.connect() as conn:
             return find_timeouts(age_bins(conn, query))
 
+    def callers() -> object:
+        with store.engine.connect() as conn:
+            return caller_breakdowns(conn, query)
+
+    found = timeouts()
+
+    def who_was_cut() -> object:
+        with store.engine.connect() as conn:
+            return with_callers(conn, query, found)  # type: ignore[arg-type]
+
+    one_caller = dataclasses.replace(query, user_agent=AGENTS[0])
+
+    def one_user_agent() -> object:
+        return build_report(store, one_caller, with_requests=False).totals.requests
+
     def library(fmt: str, in_sqlite: bool = True) -> Callable[[], object]:
         def run() -> object:
             report = build_report(store, query, with_requests=fmt == "json",
@@ -263,11 +284,14 @@ def main() -> None:
         ("count of requests in window", window_count, "the report's requests query alone"),
         ("requests, each counted once", requests_count, "count_requests: parents looked up"),
         ("client timeouts", timeouts, "ages grouped in SQL, their peaks found"),
+        ("callers", callers, "client addresses and User-Agents: one grouped scan"),
+        ("who the timeouts cut", who_was_cut, "their disconnects' User-Agents and addresses"),
         ("library: build + JSON", library("json"), "build_report + write_json to memory"),
         ("library: ... encoded in Python", library("json", in_sqlite=False),
          "the same without SQLite's json_object"),
         ("library: build (table)", library("table"), "no per-request list"),
         ("library: build (html)", library("html"), "with series and zombie timelines"),
+        ("library: one User-Agent (table)", one_user_agent, "--user-agent: spans' attributes read"),
         ("CLI: auditor --version", cli("--version"), "process start + imports only"),
         ("CLI: report --format json", cli("report", "--db", f"sqlite:///{path}", *window,
                                           "--format", "json"), "fresh process, stdout discarded"),

@@ -102,7 +102,7 @@ def _build(conn: Connection, query: ReportQuery, *, with_requests: bool, with_se
            requests_as_json: bool) -> Report:
     totals = Totals()
     breakdowns = _fold_verdict_groups(conn, query, totals)
-    breakdowns |= _caller_breakdowns(conn, query) if totals.disconnects else {d: [] for d in CALLER_DIMENSIONS}
+    breakdowns |= caller_breakdowns(conn, query) if totals.disconnects else {d: [] for d in CALLER_DIMENSIONS}
     totals.requests = count_requests(conn, _span_filter(query), query.host, query.since_ns, query.until_ns)
     _fill_coverage(conn, query, totals)
     _fill_gpu_time(conn, query, totals)
@@ -112,7 +112,7 @@ def _build(conn: Connection, query: ReportQuery, *, with_requests: bool, with_se
         worst_zombies=_worst_zombies(conn, query),
     )
     ages = age_bins(conn, query) if totals.disconnects else []
-    report.client_timeouts = _with_callers(conn, query, find_timeouts(ages))
+    report.client_timeouts = with_callers(conn, query, find_timeouts(ages))
     if with_requests and totals.disconnects and requests_as_json:
         report.requests_json = list(conn.execute(
             select(request_json_column(verdicts)).where(*_verdict_filter(query))
@@ -257,7 +257,7 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
     return _breakdown_rows(folded)
 
 
-def _caller_breakdowns(conn: Connection, query: ReportQuery) -> dict[str, list[BreakdownRow]]:
+def caller_breakdowns(conn: Connection, query: ReportQuery) -> dict[str, list[BreakdownRow]]:
     """The breakdowns by who called (client address, User-Agent), from one grouped scan of their
     own: as many values as callers, they would multiply the groups of the one scan of the other
     dimensions by as many. Grouped together, their groups are about one a caller (a caller
@@ -369,7 +369,7 @@ def age_bins(conn: Connection, query: ReportQuery) -> list[AgeBin]:
             for r in rows if r.age_bin is not None]
 
 
-def _with_callers(conn: Connection, query: ReportQuery, timeouts: list[ClientTimeout]) -> list[ClientTimeout]:
+def with_callers(conn: Connection, query: ReportQuery, timeouts: list[ClientTimeout]) -> list[ClientTimeout]:
     """Each timeout with who it cut: its disconnects' User-Agents and client addresses, the most
     first, from one grouped scan of the window's verdicts whose age falls in a timeout's band."""
     if not timeouts:
@@ -524,4 +524,4 @@ def _data_range(conn: Connection, query: ReportQuery) -> DataRange | None:
     return DataRange(first_ns=int(first), last_ns=int(last))
 
 
-__all__ = ["age_bins", "bucket_width_ns", "build_report"]
+__all__ = ["age_bins", "bucket_width_ns", "build_report", "caller_breakdowns", "with_callers"]
