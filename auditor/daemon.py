@@ -600,6 +600,8 @@ class Daemon:
         if "live" in self._parts:
             quietly(self._parts["live"].stop)
         self.correlate_once()
+        if getattr(self, "correlator", None) is not None:  # stretches of orphaned work still running
+            quietly(self.correlator.finish)
         quietly(self.findings.shutdown)
         if "metrics" in self._parts:
             quietly(self._parts["metrics"].stop)

@@ -118,6 +118,23 @@ def test_postgres_finds_the_same_client_timeouts(pg_url: str, store: Store) -> N
         pg.close()
 
 
+def test_postgres_keeps_the_same_orphaned_work(pg_url: str, store: Store) -> None:
+    from tests.test_report_orphaned import stretch
+
+    pg = Store(pg_url)
+    try:
+        for each in (pg, store):  # hours of their own: the server is the module's
+            each.write_orphaned_work([stretch(8080, 20000, None, 5.0), stretch(8000, 20100, 20110, 4.0, with_spans=True)])
+            each.write_orphaned_work([stretch(8080, 20000, 20030, 25.0, gpu_s=12.5, peak=2)])  # its end replaces it
+        query = ReportQuery(since_ns=at(19800), until_ns=at(23400))
+        on_pg, on_sqlite = (report_dict(build_report(each, query))["orphaned_work"] for each in (pg, store))
+        assert on_pg == on_sqlite
+        assert [(p["server_port"], p["stretches"], p["request_seconds"], p["with_spans"]) for p in on_pg] == [
+            (8080, 1, 25.0, False), (8000, 1, 4.0, True)]
+    finally:
+        pg.close()
+
+
 def test_capture_export_from_postgres_equals_sqlite(pg_url: str, store: Store, tmp_path: Path) -> None:
     from replay.capture import export_capture, open_capture_store, read_capture
 

@@ -28,7 +28,8 @@ NOW = 1_760_000_000 * 1_000_000_000
 
 
 def fill(store: Store, host: str, ages_h: list[float], *, tag: str = "", now_ns: int = NOW) -> None:
-    """One request per age: its spans, kernel events, samples, verdict and a coverage row."""
+    """One request per age: its spans, kernel events, samples, verdict, a coverage row and a stretch
+    of orphaned work."""
     for i, age in enumerate(ages_h):
         end = now_ns - int(age * HOUR_NS)
         trace = f"{tag}{i:x}".rjust(32, "0")
@@ -42,12 +43,17 @@ def fill(store: Store, host: str, ages_h: list[float], *, tag: str = "", now_ns:
         store.upsert_verdicts([RequestVerdict(f"{host}/{trace}/{'1' * 16}", host, Verdict.ZOMBIE, end - 5 * 10**8,
                                               "fin", end - 10**9, end, 0.5)])
         store.add_coverage(CoverageKind.IDLE_CLOSE, host=host, ts_ns=end)
+        store.write_orphaned_work([{"host": host, "server_port": 8000, "start_ns": end - 10**9, "end_ns": end,
+                                    "last_seen_ns": end, "peak": 1, "request_seconds": 1.0, "wasted_gpu_seconds": 0.0,
+                                    "wasted_cpu_seconds": 0.5, "end_resolution_s": 0.25, "cut_short": False,
+                                    "with_spans": False, "model": None, "cost_unmeasured": None}])
 
 
 def counts(store: Store, host: str) -> dict[str, int]:
     with store.engine.connect() as conn:
         return {table.name: conn.scalar(select(func.count()).select_from(table).where(table.c.host == host)) or 0
-                for table in (tables.spans, tables.conn_event_blocks, tables.util_samples, tables.verdicts, tables.coverage)}
+                for table in (tables.spans, tables.conn_event_blocks, tables.util_samples, tables.verdicts, tables.coverage,
+                              tables.orphaned_work)}
 
 
 def test_old_raw_rows_go_recent_stay_and_verdicts_outlive_spans(store: Store) -> None:
@@ -58,11 +64,12 @@ def test_old_raw_rows_go_recent_stay_and_verdicts_outlive_spans(store: Store) ->
     policy = RetentionPolicy(raw_hours=6, verdict_days=30, batch_rows=2)
     deleted = prune(store, policy, host="h1", now_ns=NOW, pause=lambda: pauses.append(1) is not None)
     # A request's two kernel events were stored together: one block.
-    assert deleted == {"spans": 6, "conn_event_blocks": 3, "util_samples": 3, "verdicts": 1, "coverage": 1}
+    assert deleted == {"spans": 6, "conn_event_blocks": 3, "util_samples": 3, "verdicts": 1, "coverage": 1,
+                       "orphaned_work": 1}
     assert counts(store, "h1") == {"spans": 4, "conn_event_blocks": 2, "util_samples": 2, "verdicts": 4,
-                                   "coverage": 4}
+                                   "coverage": 4, "orphaned_work": 4}
     assert counts(store, "other") == {"spans": 2, "conn_event_blocks": 1, "util_samples": 1, "verdicts": 1,
-                                      "coverage": 1}
+                                      "coverage": 1, "orphaned_work": 1}
     with store.session() as session:
         kept = session.scalars(select(SpanRow.end_ns).where(SpanRow.host == "h1")).all()
     assert min(kept) >= NOW - 6 * HOUR_NS

@@ -43,6 +43,7 @@ from auditor.correlate.evidence import (
 )
 from auditor.correlate.feed import SpanFeed
 from auditor.correlate.live import LiveState
+from auditor.correlate.orphans import OrphanLedger
 from auditor.correlate.prune import drop_front
 from auditor.correlate.recall import Forgotten
 from auditor.correlate.requests import (
@@ -55,7 +56,8 @@ from auditor.correlate.requests import (
 from auditor.correlate.roundcpu import RoundCpu
 from auditor.correlate.traces import TraceIndex, Tuple4, disconnect_instant, norm_addr, span_tuple
 from auditor.correlate.verdict import CLOCK_ERROR_NS, NORMAL_FINISH, TOKENS_AFTER_DISCONNECT_ATTR
-from auditor.correlate.waste import CostSources
+from auditor.correlate.waste import CostSources, wasted
+from auditor.errors import StoreError
 from auditor.model import (
     ConnEventKind,
     CoverageKind,
@@ -191,6 +193,12 @@ class Correlator:
         # wanted with them (the daemon asks the scraper, ``EngineMetricsScraper.want_clients``).
         self.clients_wanted: set[int] = set()
         self.cost = CostSources(store, host)  # samples and engine processes, for what zombies cost
+        # Stretches of orphaned work per port, told by its gauges and the kernel alone (written to
+        # ``orphaned_work``); rows the store refused wait for the next round.
+        self.orphaned = OrphanLedger(
+            host, self._orphan_cost, lambda port, start_ns, end_ns: self.spans.server_spans_on(port, start_ns, end_ns, set()) > 0)
+        self._orphan_rows: dict[tuple[int, int], dict[str, Any]] = {}
+        self._orphan_pids: dict[int, int] = {}  # port -> its engine process as last found
         # Port -> the addresses of the containers serving it, where several do (the daemon's
         # listener lookup, ``set_servers``): a close there is joined only to spans from its own.
         self.servers: dict[int, frozenset[str]] = {}
@@ -521,6 +529,7 @@ class Correlator:
         self._news = set()  # joined with: kept when the round fails before
         first_unreported = self._settle(now)
         self._count_orphans(now)
+        self._write_orphaned_work(now)
         self._save_state(first_unreported)
         self._prune(now)
         self.stats.pending_disconnects = len(self._pending)
@@ -935,10 +944,12 @@ class Correlator:
         apart until it does or its excess goes, for up to two seconds."""
         grace_ns = int(self.grace_seconds * 1e9)
         orphans: dict[int, int] = {}
+        counted_by_port: dict[int, tuple[int, int]] = {}
         for port in self.loads.listed_ports():
             counted = self.loads.orphans_past(port, grace_ns, now - self.orphans_settle_ns)
             if counted is not None:
                 orphans[port] = counted[0]
+                counted_by_port[port] = counted
             beyond = self.loads.held_beyond_listed(port)
             if beyond is not None:
                 self.clients_wanted.add(port)
@@ -957,6 +968,50 @@ class Correlator:
             self._excess_seen.pop(port, None)
         self.stats.orphans = orphans
         self.stats.inflight_zombies = max(len(self._inflight), sum(orphans.values()))
+        running = self.orphaned.open_ports()
+        for port in set(self.loads.listed_ports()) | set(running):
+            if port in running and (pid := self.cost.engine_pid(None, port)) is not None:
+                self._orphan_pids[port] = pid  # costed later, when the engine may have gone
+            self.orphaned.read(port, counted_by_port.get(port), now, model=self.loads.model_of(port))
+
+    def _orphan_cost(self, port: int, start_ns: int, end_ns: int) -> tuple[float, float, str | None]:
+        """One request's share of what the engine on ``port`` spent in [start, end], by its own
+        running gauge (``OrphanLedger``'s cost), and why it is not measured where it is not."""
+        samples = self.cost.samples
+        samples.refresh(self.clock())
+        # The port's engine as last found: a stretch is costed seconds after it ran, when the
+        # engine may have gone (a daemon that stops costs the last one after the engine stopped).
+        pid = self.cost.engine_pid(None, port) or self._orphan_pids.get(port)
+        if pid is None:
+            return 0.0, 0.0, self.cost.unresolved.get(port, f"the process serving port {port} is not known")
+        self._orphan_pids[port] = pid
+        gpu = self.cost.gpu_share(pid)
+        unmeasured = gpu.unmeasured or (f"no utilization samples of process {pid}"
+                                        if not gpu.series and samples.series("procfs", pid) is None else None)
+
+        def sharers(ts_ns: int) -> int:
+            return max(1, self.loads.running_at(port, ts_ns) or 1)
+
+        cost = wasted(samples, start_ns=start_ns, end_ns=end_ns, pid=pid, sharers=sharers, gpu=gpu)
+        return cost.gpu_seconds, cost.cpu_seconds, unmeasured
+
+    def _write_orphaned_work(self, now: int, *, final: bool = False) -> None:
+        """The stretches of orphaned work due to be written (``OrphanLedger.take_rows``); kept for
+        the next round where the store refuses them, a stretch's newest row replacing its older."""
+        for row in self.orphaned.take_rows(now, final=final):
+            self._orphan_rows[(row["server_port"], row["start_ns"])] = row
+        if self._orphan_rows:
+            try:
+                self.store.write_orphaned_work(list(self._orphan_rows.values()))
+            except StoreError as exc:
+                log.warning("orphaned work not written (kept for the next round): %s", exc)
+                return
+            self._orphan_rows = {}
+
+    def finish(self) -> None:
+        """The daemon stops: write every stretch of orphaned work, those still running ended where
+        their last scrape counted (``cut_short``)."""
+        self._write_orphaned_work(self.clock(), final=True)
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _settle(self, now: int) -> int | None:

@@ -23,6 +23,8 @@ BREAKDOWN_DIMENSIONS = ("service", "route", "model", "phase", "disconnect_kind",
 # Breakdowns by who called: dimension -> the verdicts' column. Each is grouped on its own (there
 # may be as many values as callers), after the others.
 CALLER_DIMENSIONS = {"client_address": "client_addr", "user_agent": "user_agent"}
+# The filters a port's orphaned work can be narrowed by (ReportQuery fields).
+ORPHANED_FILTERS = frozenset({"host", "model"})
 
 
 def to_ns(moment: dt.datetime) -> int:
@@ -279,6 +281,28 @@ class DataRange:
     last_ns: int
 
 
+@dataclass(frozen=True, slots=True)
+class OrphanedPort:
+    """The work the engine on one port ran after its clients left, told by the port alone (its
+    gauges and the kernel: ``auditor.correlate.orphans``), over the stretches of the window. Lower
+    bounds: a stretch starts at the first scrape counting an orphan, a grace after its client left."""
+
+    host: str
+    server_port: int
+    model: str | None
+    stretches: int
+    running: int  # stretches with no end yet: still running when last written
+    first_ns: int
+    last_ns: int
+    longest_seconds: float
+    peak: int  # the most orphans one scrape counted
+    request_seconds: float  # the orphans' count integrated over time
+    wasted_gpu_seconds: float
+    wasted_cpu_seconds: float
+    with_spans: bool  # the port sent spans meanwhile: its verdicts count the same work
+    cost_unmeasured: str | None
+
+
 @dataclass(slots=True)
 class Report:
     query: ReportQuery
@@ -297,6 +321,9 @@ class Report:
     age_bar_s: float = 0.0
     ages_beyond: int = 0  # disconnects older than the last bar
     prices: Prices | None = None  # what the wasted time cost; None: seconds only
+    # Work orphaned by port (ORPHANED_FILTERS alone apply to it); None: a filter it cannot honor
+    # (service, route, client, User-Agent: a port's stretch has none of them).
+    orphaned_work: list[OrphanedPort] | None = field(default_factory=list)
 
     def cost(self, gpu_seconds: float, cpu_seconds: float) -> float | None:
         """The cost of so much wasted time at the report's prices; None where it has none."""
@@ -304,7 +331,14 @@ class Report:
 
     @property
     def empty(self) -> bool:
-        return self.totals.requests == 0 and self.totals.disconnects == 0
+        return self.totals.requests == 0 and self.totals.disconnects == 0 and not self.orphaned_work
+
+    def orphaned_without_spans(self) -> tuple[float, float, float]:
+        """(request-, GPU-, CPU-seconds) of the work orphaned on ports that sent no spans: the
+        zombie work no verdict counts."""
+        ports = [p for p in self.orphaned_work or () if not p.with_spans]
+        return (sum(p.request_seconds for p in ports), sum(p.wasted_gpu_seconds for p in ports),
+                sum(p.wasted_cpu_seconds for p in ports))
 
     @property
     def has_coverage(self) -> bool:

@@ -32,11 +32,13 @@ from auditor.report.model import (
     BREAKDOWN_DIMENSIONS,
     CALLER_DIMENSIONS,
     CALLERS_SHOWN,
+    ORPHANED_FILTERS,
     ZOMBIE_VERDICTS,
     BreakdownRow,
     Bucket,
     ClientTimeout,
     DataRange,
+    OrphanedPort,
     Report,
     ReportQuery,
     RequestFinding,
@@ -56,6 +58,7 @@ from auditor.semconv import USER_AGENT_KEYS
 from auditor.store import Store, tables
 
 spans, verdicts, coverage, samples = tables.spans, tables.verdicts, tables.coverage, tables.util_samples
+orphaned = tables.orphaned_work
 
 NS = 1_000_000_000
 # Bucket widths for the over-time plots, from which the smallest giving <= MAX_BUCKETS is chosen.
@@ -111,6 +114,7 @@ def _build(conn: Connection, query: ReportQuery, *, with_requests: bool, with_se
         breakdowns=breakdowns,
         worst_zombies=_worst_zombies(conn, query),
     )
+    report.orphaned_work = orphaned_work(conn, query)
     ages = age_bins(conn, query) if totals.disconnects else []
     report.client_timeouts = with_callers(conn, query, find_timeouts(ages))
     if with_requests and totals.disconnects and requests_as_json:
@@ -322,6 +326,40 @@ def _fill_coverage(conn: Connection, query: ReportQuery, totals: Totals) -> None
     totals.lost_kernel_events = by_kind.get(CoverageKind.LOST_KERNEL_EVENTS.value, 0)
     totals.proxy_rewritten_peers = by_kind.get(CoverageKind.PROXY_REWRITTEN_PEER.value, 0)
     totals.peerless_span_joins = by_kind.get(CoverageKind.PEERLESS_SPAN_JOINED.value, 0)
+
+
+# A stretch with no end whose row was not rewritten for this long (every 10 s while it runs) was
+# cut short by a daemon that did not stop cleanly: not counted as running.
+ORPHANED_STALE_NS = 60 * NS
+
+
+def orphaned_work(conn: Connection, query: ReportQuery) -> list[OrphanedPort] | None:
+    """The stretches of orphaned work that overlap the window, by host and port, the most
+    request-seconds first; None where a filter they cannot honor is set."""
+    if any(value is not None and name not in ORPHANED_FILTERS for name, value in query.filters().items()):
+        return None
+    until = func.coalesce(orphaned.c.end_ns, orphaned.c.last_seen_ns)
+    rows = conn.execute(
+        select(orphaned.c.host, orphaned.c.server_port, func.max(orphaned.c.model).label("model"),
+               func.count().label("stretches"),
+               _count_if(and_(orphaned.c.end_ns.is_(None),
+                              orphaned.c.last_seen_ns >= time.time_ns() - ORPHANED_STALE_NS)).label("running"),
+               func.min(orphaned.c.start_ns).label("first"), func.max(until).label("last"),
+               func.max(until - orphaned.c.start_ns).label("longest"), func.max(orphaned.c.peak).label("peak"),
+               _sum(orphaned.c.request_seconds).label("request_s"), _sum(orphaned.c.wasted_gpu_seconds).label("gpu_s"),
+               _sum(orphaned.c.wasted_cpu_seconds).label("cpu_s"),
+               _count_if(orphaned.c.with_spans).label("with_spans"),
+               func.max(orphaned.c.cost_unmeasured).label("unmeasured"))
+        .where(orphaned.c.start_ns < query.until_ns, until >= query.since_ns, *_host_filter(orphaned, query),
+               *([orphaned.c.model == query.model] if query.model is not None else []))
+        .group_by(orphaned.c.host, orphaned.c.server_port))
+    found = [OrphanedPort(
+        host=row.host, server_port=int(row.server_port), model=row.model, stretches=int(row.stretches),
+        running=int(row.running), first_ns=int(row.first), last_ns=int(row.last),
+        longest_seconds=int(row.longest) / NS, peak=int(row.peak), request_seconds=float(row.request_s),
+        wasted_gpu_seconds=float(row.gpu_s), wasted_cpu_seconds=float(row.cpu_s), with_spans=int(row.with_spans) > 0,
+        cost_unmeasured=row.unmeasured) for row in rows]
+    return sorted(found, key=lambda p: (-p.request_seconds, p.host, p.server_port))
 
 
 def _fill_gpu_time(conn: Connection, query: ReportQuery, totals: Totals) -> None:

@@ -18,6 +18,7 @@ from auditor.report.model import (
     SCHEMA_ID,
     BreakdownRow,
     ClientTimeout,
+    OrphanedPort,
     Report,
     RequestFinding,
 )
@@ -150,6 +151,19 @@ def _timeout_dict(report: Report, timeout: ClientTimeout) -> dict[str, Any]:
     }
 
 
+def _orphaned_dict(report: Report, port: OrphanedPort) -> dict[str, Any]:
+    return {
+        "host": port.host, "server_port": port.server_port, "model": port.model, "stretches": port.stretches,
+        "running": port.running, "first_at": rfc3339(port.first_ns), "last_at": rfc3339(port.last_ns),
+        "longest_seconds": _number(port.longest_seconds, 6), "peak": port.peak,
+        "request_seconds": _number(port.request_seconds, 6),
+        "wasted_gpu_seconds": _number(port.wasted_gpu_seconds, 6),
+        "wasted_cpu_seconds": _number(port.wasted_cpu_seconds, 6),
+        "wasted_cost": _cost(report, port.wasted_gpu_seconds, port.wasted_cpu_seconds),
+        "with_spans": port.with_spans, "cost_unmeasured": port.cost_unmeasured,
+    }
+
+
 def report_header_dict(report: Report) -> dict[str, Any]:
     """The whole JSON document except the per-request list."""
     query, totals, prices = report.query, report.totals, report.prices
@@ -203,6 +217,8 @@ def report_header_dict(report: Report) -> dict[str, Any]:
                        for dimension, rows in report.breakdowns.items()},
         "worst_zombies": [request_dict(finding) for finding in report.worst_zombies],
         "client_timeouts": [_timeout_dict(report, timeout) for timeout in report.client_timeouts],
+        "orphaned_work": None if report.orphaned_work is None else [
+            _orphaned_dict(report, port) for port in report.orphaned_work],
     }
 
 

@@ -17,6 +17,7 @@ from auditor.report.render_table import (
     duration,
     left_between,
     money,
+    orphaned_notes,
     percent,
     tokens_value,
     wasted_cost,
@@ -61,6 +62,7 @@ def render_html(report: Report) -> str:
             body += _coverage_table(report)
     else:
         body += _cards(report) + _plots(report) + _totals_table(report) + _coverage_table(report)
+        body += _orphaned_table(report)
         body += _breakdowns(report) + _timeouts(report)
         body += _worst_table(report.worst_zombies, report.totals.cost_unit)
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
@@ -171,6 +173,30 @@ def _coverage_table(report: Report) -> list[str]:
     ]
     return ["<h2>Coverage (seen, but not a verdict)</h2><table>"] + [
         f"<tr><td>{esc(label)}</td><td>{esc(value)}</td></tr>" for label, value in rows] + ["</table>"]
+
+
+def _orphaned_table(report: Report) -> list[str]:
+    """Work each engine port ran after its clients left, told by the port alone (lower bounds)."""
+    if not report.orphaned_work:
+        return []
+    unit = report.totals.cost_unit
+    parts = ["<h2>Orphaned work by port</h2>",
+             '<p class="sub">Requests an engine ran beyond the clients connected to its port, by its own '
+             "/metrics and the kernel alone: the zombie work of engines that send no spans. At least: a "
+             "stretch starts at the first scrape that counts an orphan. A port that sent spans has verdicts "
+             "for the same work.</p>",
+             "<table><tr><th>host:port</th><th>model</th><th>stretches</th><th>longest</th><th>peak</th>"
+             f"<th>request-s</th><th>{unit}-s</th>{_cost_head(report)}<th>note</th></tr>"]
+    for port in report.orphaned_work:
+        notes = orphaned_notes(port)
+        wasted = port.wasted_gpu_seconds if unit == "GPU" else port.wasted_cpu_seconds
+        parts.append(
+            f"<tr><td>{esc(f'{port.host}:{port.server_port}')}</td><td>{esc(port.model or '-')}</td>"
+            f"<td>{port.stretches:,}</td><td>{esc(duration(port.longest_seconds))}</td><td>{port.peak:,}</td>"
+            f"<td>{port.request_seconds:,.1f}</td><td>{wasted:,.1f}</td>"
+            f"{_cost_cell(report, port.wasted_gpu_seconds, port.wasted_cpu_seconds)}"
+            f"<td>{esc('; '.join(n for n in notes if not n.startswith('model ')))}</td></tr>")
+    return [*parts, "</table>"]
 
 
 def _breakdowns(report: Report) -> list[str]:

@@ -12,7 +12,7 @@ import textwrap
 import unicodedata
 from collections.abc import Callable
 
-from auditor.report.model import BreakdownRow, ClientTimeout, Prices, Report, Totals
+from auditor.report.model import BreakdownRow, ClientTimeout, OrphanedPort, Prices, Report, Totals
 from auditor.timefmt import rfc3339_seconds
 
 WIDTH = 100
@@ -116,7 +116,7 @@ def render_table(report: Report, width: int = WIDTH) -> str:
         if report.has_coverage:  # lost events or closes seen in a window without requests: say so
             lines += _coverage(report, width)
         return "\n".join(line.rstrip() for line in lines) + "\n"
-    lines += _totals(report, width) + _coverage(report, width)
+    lines += _totals(report, width) + _coverage(report, width) + _orphaned(report, width)
     if width < WIDTH and any(report.breakdowns.values()):
         lines += ["", "Breakdowns narrowed to this terminal: their completed, aborted and",
                   "unconfirmed counts are in --format json (or 100 columns)."]
@@ -225,6 +225,44 @@ def _coverage(report: Report, width: int) -> list[str]:
             "spans without a peer, joined by server port (inferred)"),
     ]
     return [line for text in rows for line in text.split("\n")]
+
+
+def _orphaned(report: Report, width: int) -> list[str]:
+    """Work each engine port ran after its clients left, told by the port alone: the zombie work
+    of engines that send no spans. Shown where there is some."""
+    ports = report.orphaned_work
+    if not ports:
+        return []
+    unit = report.totals.cost_unit
+    priced = report.prices is not None
+    lines = ["", "Orphaned work by port (the engine's gauges and the kernel alone; at least)",
+             f"  {'':<20} {'stretches':>9} {'longest':>8} {'peak':>5} {'request-s':>10} {unit + '-s':>9}"
+             + (f" {'cost':>10}" if priced else "")]
+    for port in ports:
+        wasted = port.wasted_gpu_seconds if unit == "GPU" else port.wasted_cpu_seconds
+        line = (f"  {fit(printable(f'{port.host}:{port.server_port}'), 20)} {port.stretches:>9,} "
+                f"{duration(port.longest_seconds):>8} {port.peak:>5,} {port.request_seconds:>10,.1f} {wasted:>9,.1f}")
+        if report.prices is not None:
+            line += f" {clip(money(report.prices.cost(port.wasted_gpu_seconds, port.wasted_cpu_seconds)), 10):>10}"
+        lines.append(line)
+        notes = orphaned_notes(port)
+        if notes:
+            lines += ["    " + text for text in textwrap.wrap(printable("; ".join(notes)), width - 4)]
+    if any(port.with_spans for port in ports):
+        lines += textwrap.wrap("A port that sent spans has verdicts for the same work: its row is not to be "
+                               "added to the totals above.", width - 2, initial_indent="  ", subsequent_indent="  ")
+    return lines
+
+
+def orphaned_notes(port: OrphanedPort) -> list[str]:
+    notes = [f"model {port.model}"] if port.model else []
+    if port.running:
+        notes.append(f"{port.running:,} still running when last seen")
+    if port.with_spans:
+        notes.append("sent spans: in the verdicts too")
+    if port.cost_unmeasured:
+        notes.append(f"not costed: {port.cost_unmeasured}")
+    return notes
 
 
 def _breakdown_header(unit: str, wide: bool) -> str:

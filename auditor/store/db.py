@@ -74,7 +74,7 @@ MIGRATE_TIMEOUT_S = 600.0
 # The tables of the head schema (auditor.store.tables; a test holds the two alike), named here so
 # the daemon checks them without importing SQLAlchemy's metadata.
 HEAD_TABLES = frozenset({"alembic_version", "conn_event_blocks", "spans", "util_samples", "verdicts", "coverage",
-                         "captures", "captured_requests", "replay_runs", "replay_results", "correlator_state"})
+                         "orphaned_work", "captures", "captured_requests", "replay_runs", "replay_results", "correlator_state"})
 
 
 @cache
@@ -432,6 +432,14 @@ class Store:
             self._write([(_COVERAGE_INSERT, rows)])
         return len(rows)
 
+    def write_orphaned_work(self, rows: list[dict[str, Any]]) -> int:
+        """Stretches of orphaned work (``auditor.correlate.orphans``), each replacing the row of the
+        same host, port and start (a stretch is rewritten while it runs), one transaction."""
+        if rows:
+            keys = [{"host": r["host"], "server_port": r["server_port"], "start_ns": r["start_ns"]} for r in rows]
+            self._write([(_ORPHANED_WORK_DELETE, keys), (_ORPHANED_WORK_INSERT, rows)])
+        return len(rows)
+
     def upsert_verdicts(self, verdicts: Sequence[RequestVerdict]) -> int:
         """Write verdicts keyed by request; a later verdict for the same request replaces the earlier."""
         if not verdicts:
@@ -534,6 +542,13 @@ def stored_events(blocks: Iterable[Sequence[Any]]) -> Iterator[tuple[int, ConnEv
 
 _COVERAGE_INSERT = ("INSERT INTO coverage (ts_ns, host, kind, count, detail) "
                     "VALUES (:ts_ns, :host, :kind, :count, :detail)")
+_ORPHANED_WORK_COLUMNS = ("host", "server_port", "start_ns", "end_ns", "last_seen_ns", "peak", "request_seconds",
+                          "wasted_gpu_seconds", "wasted_cpu_seconds", "end_resolution_s", "cut_short", "with_spans",
+                          "model", "cost_unmeasured")
+_ORPHANED_WORK_INSERT = (f"INSERT INTO orphaned_work ({', '.join(_ORPHANED_WORK_COLUMNS)}) "
+                         f"VALUES ({', '.join(':' + c for c in _ORPHANED_WORK_COLUMNS)})")
+_ORPHANED_WORK_DELETE = ("DELETE FROM orphaned_work "
+                         "WHERE host = :host AND server_port = :server_port AND start_ns = :start_ns")
 
 
 @cache

@@ -28,7 +28,8 @@ HOUR_NS = 3600 * 1_000_000_000
 # once its last event is old.
 RAW_TABLES: tuple[tuple[str, str], ...] = (("spans", "end_ns"), ("conn_event_blocks", "last_ts_ns"),
                                            ("util_samples", "ts_ns"))
-FINDING_TABLES: tuple[tuple[str, str], ...] = (("verdicts", "disconnect_at_ns"), ("coverage", "ts_ns"))
+FINDING_TABLES: tuple[tuple[str, str], ...] = (("verdicts", "disconnect_at_ns"), ("coverage", "ts_ns"),
+                                               ("orphaned_work", "start_ns"))
 # Tables whose rows hold many events each, with the column that counts them: batches are sized
 # by events there (a block of the probe's records may hold tens of thousands).
 EVENT_COUNTS = {"conn_event_blocks": "count"}

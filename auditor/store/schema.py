@@ -128,6 +128,28 @@ class CoverageRow(Base):
     detail: Mapped[str | None]
 
 
+class OrphanedWorkRow(Base):
+    """A stretch of work an engine ran after its clients left, told by its port alone."""
+
+    __table__ = tables.orphaned_work
+
+    id: Mapped[int]
+    host: Mapped[str]
+    server_port: Mapped[int]
+    start_ns: Mapped[int]
+    end_ns: Mapped[int | None]
+    last_seen_ns: Mapped[int]
+    peak: Mapped[int]
+    request_seconds: Mapped[float]
+    wasted_gpu_seconds: Mapped[float]
+    wasted_cpu_seconds: Mapped[float]
+    end_resolution_s: Mapped[float | None]
+    cut_short: Mapped[bool]
+    with_spans: Mapped[bool]
+    model: Mapped[str | None]
+    cost_unmeasured: Mapped[str | None]
+
+
 class CaptureRow(Base):
     """A named slice of traffic kept for replay."""
 

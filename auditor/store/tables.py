@@ -184,6 +184,29 @@ coverage = Table(
     Index("ix_coverage_ts", "ts_ns"),
 )
 
+# Stretches of work an engine ran after its clients left, told by its port alone (its gauges and
+# the kernel: auditor.correlate.orphans). One row a stretch, rewritten while it runs (end_ns NULL).
+orphaned_work = Table(
+    "orphaned_work", metadata,
+    _id(),
+    _host(),
+    Column("server_port", Integer, nullable=False),
+    _ns("start_ns"),
+    Column("end_ns", BigInteger),
+    _ns("last_seen_ns"),
+    Column("peak", Integer, nullable=False),
+    Column("request_seconds", Float, nullable=False),
+    Column("wasted_gpu_seconds", Float, nullable=False, default=0.0),
+    Column("wasted_cpu_seconds", Float, nullable=False, default=0.0),
+    Column("end_resolution_s", Float),
+    Column("cut_short", Boolean, nullable=False, default=False),
+    Column("with_spans", Boolean, nullable=False, default=False),
+    Column("model", String(255)),
+    Column("cost_unmeasured", String(255)),
+    Index("uq_orphaned_work_stretch", "host", "server_port", "start_ns", unique=True),
+    Index("ix_orphaned_work_start", "start_ns"),
+)
+
 # A named slice of traffic kept for replay.
 captures = Table(
     "captures", metadata,

@@ -1,0 +1,99 @@
+"""An engine that sends no spans at all (llama.cpp's server with ``--metrics``, alone): the work it
+runs on after a client leaves is told by its port alone, as a stretch of orphaned work, and the
+report shows it, against the engine's truth log. A request read whole, a client kept alive after
+its answer and an engine that stops the work when its client leaves give no stretch. (A client
+kept alive while the work runs on hides it: each client connected may hold a request, for all the
+kernel and the gauges tell; tests/test_evidence_e2e.py holds that lower bound.)"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from auditor.report import ReportQuery, build_report
+from auditor.report.render_data import report_dict
+from auditor.report.render_table import render_table
+from auditor.store import Store, tables
+from replay.engine.launch import running_engine
+from tests.e2e import GRACE_S, cancel_after, complete, expected_verdict, running_daemon
+from tests.test_evidence_e2e import kept_alive
+
+pytestmark = [pytest.mark.privileged, pytest.mark.slow]
+SCRAPE_S = 0.1
+S = 1_000_000_000
+
+
+def stretches(db: Path) -> list[dict[str, Any]]:
+    store = Store(f"sqlite:///{db}")
+    try:
+        with store.engine.connect() as conn:
+            return [dict(row) for row in conn.execute(select(tables.orphaned_work)).mappings()]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(("behavior", "source", "spans"), [
+    ("detached", "bpf", False), ("abort", "bpf", False), ("detached", "procfs", False),
+    ("detached", "bpf", True),  # vLLM's signals: HTTP server spans, no engine span
+])
+def test_an_engine_without_spans_shows_the_work_it_ran_for_nobody(tmp_path: Path, behavior: str, source: str,
+                                                                  spans: bool) -> None:
+    truth_log = tmp_path / "truth.jsonl"
+    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S, "probe.source": source}) as daemon, \
+            running_engine(behavior=behavior, truth_log=truth_log, step_ms=10,
+                           otlp=f"http://127.0.0.1:{daemon.status.http_port}" if spans else None,
+                           extra_args=["--engine-span", "none", "--metrics-names", "vllm"] if spans else
+                           ["--metrics-names", "llamacpp"],
+                           env={**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "200"}) as engine:
+        daemon.set_ports({engine.port})
+        time.sleep(0.5)  # the port's first scrapes
+        # First a request read whole and one whose client keeps the connection after its answer
+        # (that client would hide an orphan while it stays: the count is a lower bound).
+        whole = complete(engine.port, stream=True, max_tokens=40, request_id="whole")
+        kept = kept_alive(engine.port, hold_s=1.5, stream=False, max_tokens=60, request_id="kept")
+        whole.join()
+        kept.join()
+        cancel = cancel_after(engine.port, 0.3, "rst", stream=False, max_tokens=300, request_id="left")
+        cancel.join()
+        truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(3, timeout=30)}
+        time.sleep(1.0)  # scrapes past the work's end
+        spans_seen = daemon.readings().spans_received
+        port = engine.port
+    assert (spans_seen > 0) == spans, spans_seen
+    truth = truths["left"]
+    rows = stretches(tmp_path / "auditor.db")
+    if expected_verdict(truth) == "aborted":
+        assert rows == [], (rows, truth)
+        return
+    assert expected_verdict(truth) == "zombie", truth
+    left_ns, finished_ns = truth["disconnect_at"], truth["finished_at"]
+    [row] = rows  # one: the request read whole and the client kept alive add none
+    assert row["server_port"] == port and row["peak"] == 1 and not row["cut_short"]
+    assert row["with_spans"] == spans  # with spans, its verdicts count the same work
+    # Counted from the first scrape past its client's grace, to the work's end within a scrape or two.
+    assert left_ns + GRACE_S * S <= row["start_ns"] <= left_ns + (GRACE_S + 1.5) * S, (row, truth)
+    assert abs(row["end_ns"] - finished_ns) <= 0.5 * S, ((row["end_ns"] - finished_ns) / S, row, truth)
+    assert row["request_seconds"] == pytest.approx((row["end_ns"] - row["start_ns"]) / S, abs=0.05)
+    assert row["request_seconds"] <= (finished_ns - left_ns) / S  # a lower bound of its zombie time
+    # Costed by the engine process's CPU (no GPU here), shared by what it ran: itself alone.
+    assert 0 < row["wasted_cpu_seconds"] <= 2 * row["request_seconds"], row
+    assert row["cost_unmeasured"] is None, row
+
+    store = Store(f"sqlite:///{tmp_path / 'auditor.db'}")
+    try:
+        report = build_report(store, ReportQuery(since_ns=left_ns - 60 * S, until_ns=finished_ns + 60 * S))
+        narrowed = build_report(store, ReportQuery(since_ns=left_ns - 60 * S, until_ns=finished_ns + 60 * S,
+                                                   route="/v1/completions"))
+    finally:
+        store.close()
+    assert not report.empty  # no request, no verdict: the orphaned work is what the window holds
+    [shown] = report_dict(report)["orphaned_work"]
+    assert shown["server_port"] == port and shown["stretches"] == 1 and shown["running"] == 0
+    assert shown["request_seconds"] == pytest.approx(row["request_seconds"])
+    assert "Orphaned work by port" in render_table(report)
+    assert narrowed.orphaned_work is None  # a port's work has no route: not shown as if it had
