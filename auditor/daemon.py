@@ -499,6 +499,7 @@ class Daemon:
             stats = correlator.stats
             readings.inflight_zombies, readings.idle_closes = stats.inflight_zombies, stats.idle_closes
             readings.engine_orphans = dict(stats.orphans)
+            readings.orphaned_work = stats.orphaned  # replaced whole each round, never changed
             readings.unjoined_disconnects, readings.unjoined_spans = stats.unjoined_disconnects, stats.unjoined_spans
             readings.correlation_cpu = correlator.cpu.seconds()
         source = self._parts.get("probe")

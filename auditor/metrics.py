@@ -50,6 +50,9 @@ class SourceReadings:
     # Per scraped inference port: requests its engine held after their clients had left for longer
     # than the grace, by its gauges and the kernel's listing alone (CorrelatorStats.orphans).
     engine_orphans: dict[int, int] = field(default_factory=dict)
+    # Per port, the orphaned work counted by its gauges and the kernel alone so far (request-, GPU-,
+    # CPU-seconds: CorrelatorStats.orphaned).
+    orphaned_work: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     # The engines' /metrics scrapes so far by (port, outcome: read, failed, no_engine), and per port
     # several containers serve, the servers there left out of its gauges at its latest reading.
     engine_scrapes: dict[tuple[int, str], int] = field(default_factory=dict)
@@ -268,6 +271,18 @@ def readings_families(r: SourceReadings) -> Iterator[Family]:
         for port, count in sorted(r.engine_orphans.items()):
             orphans.add_metric([str(port)], count)
         yield orphans
+    if r.orphaned_work:
+        for index, (name, what) in enumerate((
+                ("auditor_orphaned_request_seconds", "Seconds of requests the engine on this port ran whose "
+                 "clients had left (its orphans integrated over time), by its gauges and the kernel alone: the "
+                 "zombie time of engines that send no spans (a lower bound)"),
+                ("auditor_orphaned_wasted_gpu_seconds", "GPU-seconds those orphans took, shared by the engine's "
+                 "running gauge (counted some seconds after, as the samples come)"),
+                ("auditor_orphaned_wasted_cpu_seconds", "CPU-seconds those orphans took, as above"))):
+            family = CounterFamily(name, what, labels=["port"])
+            for port, totals in sorted(r.orphaned_work.items()):
+                family.add_metric([str(port)], totals[index])
+            yield family
     if r.engine_scrapes:
         scrapes = CounterFamily("auditor_engine_scrapes", "Scrapes of the engines' own /metrics by port and "
                                 "outcome: read (gauges for the port), failed (no answer, an error status; on a "

@@ -8,7 +8,9 @@ kernel and the gauges tell; tests/test_evidence_e2e.py holds that lower bound.)"
 from __future__ import annotations
 
 import os
+import re
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +66,14 @@ def test_an_engine_without_spans_shows_the_work_it_ran_for_nobody(tmp_path: Path
         time.sleep(1.0)  # scrapes past the work's end
         spans_seen = daemon.readings().spans_received
         port = engine.port
+        with urllib.request.urlopen(f"http://127.0.0.1:{daemon.status.metrics_port}/metrics", timeout=5) as answer:
+            counted = re.search(rf'^auditor_orphaned_request_seconds_total{{port="{port}"}} (\S+)$',
+                                answer.read().decode(), re.M)
     assert (spans_seen > 0) == spans, spans_seen
     truth = truths["left"]
     rows = stretches(tmp_path / "auditor.db")
     if expected_verdict(truth) == "aborted":
-        assert rows == [], (rows, truth)
+        assert rows == [] and counted is None, (rows, truth)
         return
     assert expected_verdict(truth) == "zombie", truth
     left_ns, finished_ns = truth["disconnect_at"], truth["finished_at"]
@@ -80,6 +85,7 @@ def test_an_engine_without_spans_shows_the_work_it_ran_for_nobody(tmp_path: Path
     assert abs(row["end_ns"] - finished_ns) <= 0.5 * S, ((row["end_ns"] - finished_ns) / S, row, truth)
     assert row["request_seconds"] == pytest.approx((row["end_ns"] - row["start_ns"]) / S, abs=0.05)
     assert row["request_seconds"] <= (finished_ns - left_ns) / S  # a lower bound of its zombie time
+    assert counted is not None and float(counted.group(1)) == pytest.approx(row["request_seconds"], abs=1e-3)
     # Costed by the engine process's CPU (no GPU here), shared by what it ran: itself alone.
     assert 0 < row["wasted_cpu_seconds"] <= 2 * row["request_seconds"], row
     assert row["cost_unmeasured"] is None, row

@@ -1000,6 +1000,7 @@ class Correlator:
         the next round where the store refuses them, a stretch's newest row replacing its older."""
         for row in self.orphaned.take_rows(now, final=final):
             self._orphan_rows[(row["server_port"], row["start_ns"])] = row
+        self.stats.orphaned = self.orphaned.totals()
         if self._orphan_rows:
             try:
                 self.store.write_orphaned_work(list(self._orphan_rows.values()))

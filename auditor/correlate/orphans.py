@@ -79,6 +79,7 @@ class OrphanLedger:
         self._read: dict[int, tuple[int, int]] = {}  # port -> the latest scrape counted: (its time, count)
         self._open: dict[int, _Stretch] = {}
         self._ended: list[tuple[int, _Stretch]] = []  # ended, waiting to be costed whole
+        self._totals: dict[int, list[float]] = {}  # port -> request-, GPU-, CPU-seconds so far
 
     def read(self, port: int, counted: tuple[int, int] | None, now_ns: int, *, model: str | None = None) -> None:
         """This round's count of ``port``'s orphans at its latest listed scrape (``(count, the
@@ -114,6 +115,7 @@ class OrphanLedger:
             return
         mean = (stretch.last_count + count) / 2
         self._add_part(stretch, stretch.last_ns, ts_ns, mean)
+        self._totals.setdefault(port, [0.0, 0.0, 0.0])[0] += mean * (ts_ns - stretch.last_ns) / 1e9
         stretch.peak = max(stretch.peak, count)
         if count == 0:
             stretch.end_ns = (stretch.last_ns + ts_ns) // 2
@@ -121,8 +123,7 @@ class OrphanLedger:
             self._ended.append((port, self._open.pop(port)))
         stretch.last_ns, stretch.last_count = ts_ns, count
 
-    @staticmethod
-    def _add_part(stretch: _Stretch, start_ns: int, end_ns: int, mean: float) -> None:
+    def _add_part(self, stretch: _Stretch, start_ns: int, end_ns: int, mean: float) -> None:
         stretch.request_seconds += mean * (end_ns - start_ns) / 1e9
         parts = stretch.uncosted
         if parts and parts[-1][1] == start_ns and parts[-1][2] == mean:  # one part while the count holds
@@ -172,6 +173,9 @@ class OrphanLedger:
             gpu_s, cpu_s, unmeasured = self._cost_of(port, start_ns, end_ns)
             stretch.gpu_seconds += gpu_s * mean
             stretch.cpu_seconds += cpu_s * mean
+            totals = self._totals.setdefault(port, [0.0, 0.0, 0.0])
+            totals[1] += gpu_s * mean
+            totals[2] += cpu_s * mean
             stretch.cost_unmeasured = unmeasured or stretch.cost_unmeasured
 
     def _row(self, port: int, stretch: _Stretch) -> dict[str, Any]:
@@ -185,6 +189,10 @@ class OrphanLedger:
                 "end_resolution_s": stretch.end_resolution_s, "cut_short": stretch.cut_short,
                 "with_spans": stretch.with_spans, "model": stretch.model,
                 "cost_unmeasured": (stretch.cost_unmeasured or "")[:255] or None}
+
+    def totals(self) -> dict[int, tuple[float, float, float]]:
+        """Per port, the orphaned work counted so far: (request-, GPU-, CPU-seconds); a new dict."""
+        return {port: (totals[0], totals[1], totals[2]) for port, totals in self._totals.items()}
 
     def open_ports(self) -> dict[int, int]:
         """The ports with a stretch running, each with when it started."""
