@@ -82,3 +82,22 @@ def test_the_dashboards_counts_include_a_routes_first_zombie(tmp_path: Path) -> 
     result = run("test", "rules", "dashboard.test.yml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
+
+
+def test_the_dashboards_orphaned_work_is_a_rate_by_port(tmp_path: Path) -> None:
+    requests, gpu, cpu = (expr.replace("$__rate_interval", "5m")
+                          for expr in dashboard_panel_exprs("Orphaned work by port (request-seconds per second)"))
+    labels = 'job="auditor",instance="gpu-1:9464",port="8080"'
+    # Two orphans at a time for ten minutes: 120 request-seconds a minute, half a GPU each.
+    series = [{"series": f"auditor_orphaned_request_seconds_total{{{labels}}}", "values": "0+120x20"},
+              {"series": f"auditor_orphaned_wasted_gpu_seconds_total{{{labels}}}", "values": "0+60x20"}]
+    tests = [{"expr": requests, "eval_time": "15m",
+              "exp_samples": [{"labels": '{instance="gpu-1:9464", port="8080"}', "value": 2}]},
+             {"expr": gpu, "eval_time": "15m",
+              "exp_samples": [{"labels": '{instance="gpu-1:9464", port="8080"}', "value": 1}]},
+             {"expr": cpu, "eval_time": "15m", "exp_samples": []}]
+    (tmp_path / "orphaned.test.yml").write_text(yaml.safe_dump(
+        {"evaluation_interval": "1m", "tests": [{"interval": "1m", "input_series": series,
+                                                 "promql_expr_test": tests}]}))
+    result = run("test", "rules", "orphaned.test.yml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr

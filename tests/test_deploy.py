@@ -57,8 +57,10 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
         names = exported_series_names(daemon.status.metrics_port)
     # What only the eBPF source adds (the probe's kernel time), from the same code, with its readings.
     ebpf = SourceReadings(source="bpf", probe_runs={"sock:inet_sock_set_state": (1, 1)}, probe_run_stats=True)
-    # And what a port with an engine, one several pods serve, adds (its scrapes; those left out).
-    engines = SourceReadings(engine_scrapes={(8000, "read"): 1}, engine_servers_left_out={8000: 0})
+    # And what a port with an engine, one several pods serve, adds (its scrapes; those left out;
+    # the work it ran for clients that had left).
+    engines = SourceReadings(engine_scrapes={(8000, "read"): 1}, engine_servers_left_out={8000: 0},
+                             orphaned_work={8000: (1.0, 0.5, 0.0)})
     for family in [*readings_families(ebpf), *readings_families(engines)]:
         names.setdefault(family.name, {family.name + suffix for suffix in SUFFIXES.get(family.type, ("",))})
     return names
