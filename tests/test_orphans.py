@@ -129,3 +129,32 @@ def test_rows_are_stored_and_a_running_stretch_is_replaced_by_its_end(tmp_path: 
     assert len(rows) == 1, rows
     assert rows[0]["end_ns"] == T0 + int(15.125 * S) and rows[0]["request_seconds"] == pytest.approx(15.125)
     store.close()
+
+
+def test_rows_the_store_refuses_are_kept_for_the_next_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    from auditor.correlate.correlator import Correlator
+    from auditor.errors import StoreError
+
+    store = Store(f"sqlite:///{tmp_path / 'a.db'}")
+    correlator = Correlator(store, host="h1")
+    correlator.orphaned = ledger()
+    feed(correlator.orphaned, [1, 1, 1])
+    real = store.write_orphaned_work
+
+    def refuse(rows: list[dict[str, object]]) -> int:
+        raise StoreError("write to a.db failed: database is locked")
+
+    monkeypatch.setattr(store, "write_orphaned_work", refuse)
+    correlator.finish()
+    correlator.finish()
+    assert caplog.text.count("orphaned work not written") == 1  # once an outage, not every round
+    monkeypatch.setattr(store, "write_orphaned_work", real)
+    correlator.finish()
+    from sqlalchemy import func, select
+
+    from auditor.store import tables
+    with store.engine.connect() as conn:
+        assert conn.scalar(select(func.count()).select_from(tables.orphaned_work)) == 1
+    assert correlator.stats.orphaned == {PORT: pytest.approx((0.5, 0.25, 0.0))}
+    store.close()

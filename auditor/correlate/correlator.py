@@ -199,6 +199,7 @@ class Correlator:
             host, self._orphan_cost, lambda port, start_ns, end_ns: self.spans.server_spans_on(port, start_ns, end_ns, set()) > 0)
         self._orphan_rows: dict[tuple[int, int], dict[str, Any]] = {}
         self._orphan_pids: dict[int, int] = {}  # port -> its engine process as last found
+        self._orphans_unwritten = False
         # Port -> the addresses of the containers serving it, where several do (the daemon's
         # listener lookup, ``set_servers``): a close there is joined only to spans from its own.
         self.servers: dict[int, frozenset[str]] = {}
@@ -1005,9 +1006,11 @@ class Correlator:
             try:
                 self.store.write_orphaned_work(list(self._orphan_rows.values()))
             except StoreError as exc:
-                log.warning("orphaned work not written (kept for the next round): %s", exc)
+                if not self._orphans_unwritten:  # once an outage
+                    log.warning("orphaned work not written (kept, retried every round): %s", exc)
+                self._orphans_unwritten = True
                 return
-            self._orphan_rows = {}
+            self._orphan_rows, self._orphans_unwritten = {}, False
 
     def finish(self) -> None:
         """The daemon stops: write every stretch of orphaned work, those still running ended where
