@@ -102,7 +102,8 @@ class OrphanLedger:
         latest = self._read.get(port)
         if latest is not None and now_ns - latest[0] > SILENT_NS:  # nothing tells of it any more
             self._step(port, *latest)
-            self._cut_short(port)
+            if port in self._open:
+                self._cut_short(port)
             del self._read[port]
 
     def _step(self, port: int, ts_ns: int, count: int) -> None:
@@ -113,9 +114,7 @@ class OrphanLedger:
             return
         if ts_ns <= stretch.last_ns:
             return
-        mean = (stretch.last_count + count) / 2
-        self._add_part(stretch, stretch.last_ns, ts_ns, mean)
-        self._totals.setdefault(port, [0.0, 0.0, 0.0])[0] += mean * (ts_ns - stretch.last_ns) / 1e9
+        self._add_part(port, stretch, ts_ns, (stretch.last_count + count) / 2)
         stretch.peak = max(stretch.peak, count)
         if count == 0:
             stretch.end_ns = (stretch.last_ns + ts_ns) // 2
@@ -123,8 +122,12 @@ class OrphanLedger:
             self._ended.append((port, self._open.pop(port)))
         stretch.last_ns, stretch.last_count = ts_ns, count
 
-    def _add_part(self, stretch: _Stretch, start_ns: int, end_ns: int, mean: float) -> None:
-        stretch.request_seconds += mean * (end_ns - start_ns) / 1e9
+    def _add_part(self, port: int, stretch: _Stretch, end_ns: int, mean: float) -> None:
+        """The part of ``stretch`` from its last scrape to ``end_ns``, ``mean`` orphans on average."""
+        start_ns = stretch.last_ns
+        seconds = mean * (end_ns - start_ns) / 1e9
+        stretch.request_seconds += seconds
+        self._totals.setdefault(port, [0.0, 0.0, 0.0])[0] += seconds
         parts = stretch.uncosted
         if parts and parts[-1][1] == start_ns and parts[-1][2] == mean:  # one part while the count holds
             parts[-1] = (parts[-1][0], end_ns, mean)
