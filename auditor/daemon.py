@@ -490,6 +490,14 @@ class Daemon:
             self.store.add_coverage(CoverageKind.LOST_KERNEL_EVENTS, lost - self._lost_reported, host=self.host)
             self._lost_reported = lost
 
+    def engine_busy(self, port: int, fresh_s: float = 5.0) -> float | None:
+        """Requests the engine on ``port`` ran and held at the daemon's newest scrape of it, taken
+        in the last ``fresh_s``; None without one (not scraped, no known gauges, or gone quiet)."""
+        load = self.correlator.loads.latest(port)
+        if load is None or time.time_ns() - load.ts_ns > fresh_s * 1e9:
+            return None
+        return float(load.running + load.waiting)
+
     def readings(self) -> SourceReadings:
         """What /metrics shows of the parts, read from them at scrape time: their own running totals,
         so nothing is pushed, and a part that is not there (yet) reads as zero."""

@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from auditor.model import ZOMBIE_VERDICTS, Verdict
-from auditor.store import ReplayResultRow, ReplayRunRow, Store, VerdictRow
+from auditor.store import ReplayResultRow, ReplayRunRow, Store, VerdictRow, tables
 from replay.capture import Capture, CapturedRequest, CaptureError, sample_cancels
 from replay.client import RequestOutcome, RequestPlan
 
@@ -93,6 +93,15 @@ class ReplaySummary:
     timed_out: int = 0  # not cancelled, but the client gave up after --request-timeout (among the errors)
     timed_out_zombies: int = 0  # of those, the ones the engine went on with: counted in zombies too
     unjudged: int = 0  # cancelled, yet no verdict: the disconnect or the span never reached the auditor
+    # The engine sent no span in the run (llama.cpp's server, TGI): no request can have a verdict.
+    no_spans: bool = False
+    # Of the requests left early, those judged by the engine's port alone where it sent no spans:
+    # its /metrics gauges against the clients the kernel listed connected (the orphaned work below).
+    judged_by_port: int = 0
+    orphaned_stretches: int = 0  # stretches of work the port ran for clients that had left
+    orphaned_request_seconds: float = 0.0
+    orphaned_wasted_gpu_seconds: float = 0.0
+    orphaned_wasted_cpu_seconds: float = 0.0
     provisional: int = 0  # a verdict that could still turn into a zombie when the wait ran out
     zombies: int = 0
     zombie_seconds: float = 0.0
@@ -119,7 +128,8 @@ class ReplaySummary:
 # What the report sets side by side for the baseline and the new run.
 COMPARED = ("sent", "errors", "planned_cancels", "cancelled", "verdicts", "evidence", "timed_out", "timed_out_zombies",
             "zombies", "zombie_seconds",
-            "wasted_tokens", "zombies_without_tokens", "wasted_gpu_seconds", "wasted_cpu_seconds")
+            "wasted_tokens", "zombies_without_tokens", "wasted_gpu_seconds", "wasted_cpu_seconds",
+            "judged_by_port", "orphaned_request_seconds", "orphaned_wasted_gpu_seconds", "orphaned_wasted_cpu_seconds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +155,11 @@ def gate_reasons(summary: ReplaySummary) -> list[tuple[str, str]]:
         timed_out = (f"; {summary.timed_out_zombies} of them after the client's --request-timeout"
                      if summary.timed_out_zombies else "")
         reasons.append(("zombies", f"{summary.zombies} zombies ({summary.zombie_seconds:.1f} zombie-seconds{timed_out})"))
+    if summary.judged_by_port and summary.orphaned_stretches:
+        stretches = f"{summary.orphaned_stretches} stretch{'es' if summary.orphaned_stretches != 1 else ''}"
+        reasons.append(("zombies", f"the engine ran {summary.orphaned_request_seconds:.1f} request-seconds for clients "
+                                   f"that had left ({stretches} of orphaned work, told by its /metrics and the "
+                                   "kernel alone: it sent no spans)"))
     if summary.errors:
         kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(summary.error_kinds.items()))
         reasons.append(("unsound", f"{summary.errors} of {summary.sent} requests failed ({kinds})"))
@@ -157,7 +172,9 @@ def gate_reasons(summary: ReplaySummary) -> list[tuple[str, str]]:
     if reasons:
         return reasons
     if summary.unjudged:
-        reasons.append(("inconclusive", f"{summary.unjudged} cancelled requests got no verdict"))
+        why = (": the engine sent no spans, and its /metrics gave no gauges to judge them by (llama.cpp's "
+               "server: --metrics; or point its exporter at --otlp-http)" if summary.no_spans else "")
+        reasons.append(("inconclusive", f"{summary.unjudged} cancelled requests got no verdict{why}"))
     if summary.provisional:
         reasons.append(("inconclusive", f"{summary.provisional} verdicts could still become zombies when the wait "
                                         "ran out"))
@@ -189,6 +206,7 @@ def evidence_of(details: dict[str, Any] | None) -> str:
 # Gauges of requests an engine is running or holding, by server: the sum is 0 when it is idle.
 BUSY_GAUGES = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting", "sglang:num_running_reqs",
                          "sglang:num_queue_reqs", "tgi_queue_size", "tgi_batch_current_size",
+                         "llamacpp:requests_processing", "llamacpp:requests_deferred",
                          "ref_engine_num_requests_running", "ref_engine_num_requests_waiting"})
 
 
@@ -264,10 +282,17 @@ def settled(store: Store, cancelled: list[RequestPlan], started_ns: int) -> tupl
 
 def record_run(store: Store, capture: Capture, target: str, options: ReplayOptions, started_ns: int,
                plans: list[RequestPlan], outcomes: list[RequestOutcome],
-               baseline: Baseline | None, *, final: bool = True) -> ReplaySummary:
+               baseline: Baseline | None, *, final: bool = True, port: int = 0,
+               gauges_read: bool = False) -> ReplaySummary:
     """Judge the run from the store's verdicts, write it (runs and results tables) and carry the
     baseline from :func:`resolve_baseline`. ``final``: the wait ended because nothing could change
-    any more; otherwise verdicts still provisional are counted as such."""
+    any more; otherwise verdicts still provisional are counted as such.
+
+    Where the engine on ``port`` sent no span in the run, no request has a verdict; where the
+    pipeline read its gauges (``gauges_read``), the port judges the requests left early as a whole:
+    the stretches of work it ran for clients that had left (``auditor.correlate.orphans``, written
+    as the pipeline stopped) are the run's zombies, none of them a pass. A lower bound, as the count
+    is: a zombie that ends within about a second of its client's grace may go uncounted."""
     summary = ReplaySummary(capture_id=capture.id, target=target, sent=len(outcomes),
                             planned_cancels=sum(1 for plan in plans if plan.cancel_after_s is not None))
     verdicts = verdicts_for(store, plans, started_ns)
@@ -296,6 +321,8 @@ def record_run(store: Store, capture: Capture, target: str, options: ReplayOptio
             _count_error(summary, plan.request_id, "HTTP 4xx: the target refused the request (its span says)")
         _count_verdict(summary, plan, row, final, lags)
         results.append(_result_row(plan, row, plan.cancel_after_s, plan.close_with))
+    if port:
+        _judge_by_port(store, summary, port, started_ns, gauges_read)
     summary.worst.sort(key=lambda w: -(w["lag_seconds"] or 0.0))
     summary.worst = summary.worst[:10]
     if lags:
@@ -314,6 +341,24 @@ def record_run(store: Store, capture: Capture, target: str, options: ReplayOptio
         if results:
             session.execute(ReplayResultRow.__table__.insert(), [{"run_id": run.id, **r} for r in results])
     return summary
+
+
+def _judge_by_port(store: Store, summary: ReplaySummary, port: int, started_ns: int, gauges_read: bool) -> None:
+    """The run judged by the engine's port where it sent no span (``record_run``)."""
+    with store.engine.connect() as conn:
+        summary.no_spans = not conn.scalar(select(func.count()).select_from(tables.spans).where(
+            tables.spans.c.server_port == port, tables.spans.c.start_ns >= started_ns - _CLOCK_MARGIN_NS))
+        if not (summary.no_spans and gauges_read and summary.unjudged):
+            return
+        orphaned = tables.orphaned_work.c
+        stretches = conn.execute(select(orphaned.request_seconds, orphaned.wasted_gpu_seconds,
+                                        orphaned.wasted_cpu_seconds)
+                                 .where(orphaned.server_port == port, orphaned.start_ns >= started_ns)).all()
+    summary.judged_by_port, summary.unjudged = summary.unjudged, 0
+    summary.orphaned_stretches = len(stretches)
+    summary.orphaned_request_seconds = round(sum(s.request_seconds for s in stretches), 6) or 0.0
+    summary.orphaned_wasted_gpu_seconds = round(sum(s.wasted_gpu_seconds for s in stretches), 6) or 0.0
+    summary.orphaned_wasted_cpu_seconds = round(sum(s.wasted_cpu_seconds for s in stretches), 6) or 0.0
 
 
 def _result_row(plan: RequestPlan, row: VerdictRow | None, left_after_s: float | None, left_how: str) -> dict[str, Any]:

@@ -75,6 +75,8 @@ class Pipeline(Protocol):
 
     @property
     def source_name(self) -> str: ...
+    def engine_busy(self, port: int) -> float | None: ...
+    def readings(self) -> Any: ...  # auditor.metrics.SourceReadings: spans_received, engine_scrapes
     def start(self) -> None: ...
     def correlate_once(self) -> Any: ...
     def request_stop(self) -> None: ...
@@ -126,7 +128,7 @@ def local_target(url: str) -> tuple[str, int]:
 
 
 def wait_for_verdicts(pipeline: Pipeline, cancelled: list[RequestPlan], started_ns: int, engine: EngineLoad,
-                      timeout_s: float, span_delay_s: float,
+                      timeout_s: float, span_delay_s: float, port: int = 0,
                       progress: ProgressFactory = silent_progress) -> tuple[str, bool]:
     """Wait until every request left early (``cancelled``: the cancels and the client's timeouts)
     has a final verdict; returns why the wait ended, and whether every verdict is final then.
@@ -134,7 +136,13 @@ def wait_for_verdicts(pipeline: Pipeline, cancelled: list[RequestPlan], started_
     A verdict is final once its engine span arrived. An abort without one (vLLM emits none) stays
     provisional through the late-span window, because a detached engine reports only when it
     finishes; where the engine's /metrics shows it idle for ``span_delay_s`` (its exporter's batch
-    delay), no span can still come, and the wait ends early."""
+    delay), no span can still come, and the wait ends early. An engine that sent no span at all by
+    then (llama.cpp's server, TGI) gives no verdicts: its port's gauges judge the run
+    (``record_run``), and the wait ends there too.
+
+    Idle is read from the pipeline's own scrapes of ``port`` where it makes them: a connection of
+    replay's own to the engine would be a client the kernel lists connected, and would hide the
+    work of a client gone from the port's count. ``engine`` reads the gauges where it does not."""
     deadline = time.monotonic() + timeout_s
     idle_since: float | None = None
     with progress(max(1, len(cancelled)), "  waiting for verdicts") as bar:
@@ -143,14 +151,19 @@ def wait_for_verdicts(pipeline: Pipeline, cancelled: list[RequestPlan], started_
             judged, pending = settled(pipeline.store, cancelled, started_ns)
             bar.update(judged - pending - shown)
             shown = judged - pending
-            busy = engine.busy()
+            busy = pipeline.engine_busy(port)
+            if busy is None and not pipeline.readings().engine_scrapes:
+                busy = engine.busy()  # the pipeline scrapes no engine here
             now = time.monotonic()
             idle_since = (idle_since or now) if busy == 0 else None
+            idle = idle_since is not None and now - idle_since >= span_delay_s
             if judged == len(cancelled):
                 if pending == 0:
                     return "every verdict final", True
-                if idle_since is not None and now - idle_since >= span_delay_s:
+                if idle:
                     return f"engine idle for {span_delay_s:g} s", True
+            elif idle and not judged and not pipeline.readings().spans_received:
+                return f"engine idle for {span_delay_s:g} s, and no span came: judged by its port", True
             time.sleep(0.25)
     return f"--wait of {timeout_s:g} s passed", False
 
@@ -199,18 +212,20 @@ def run_replay(settings: ReplaySettings, make_pipeline: Callable[[dict[str, Any]
         engine = EngineLoad(settings.host, settings.port)
         try:
             ended, final = wait_for_verdicts(pipeline, cancelled, started_ns, engine, settings.wait_s,
-                                             settings.span_delay_s, progress)
+                                             settings.span_delay_s, settings.port, progress)
         finally:
             engine.close()
         say(f"  judged: {ended}")
         pipeline.correlate_once()
+        gauges_read = any(outcome == "read" and scraped_port == settings.port
+                          for (scraped_port, outcome), count in pipeline.readings().engine_scrapes.items() if count)
     finally:
         pipeline.request_stop()
         pipeline.stop()
     store = open_capture_store(settings.capture_file)
     try:
         summary = record_run(store, capture, settings.target, settings.options, started_ns, plans, outcomes,
-                             baseline, final=final)
+                             baseline, final=final, port=settings.port, gauges_read=gauges_read)
     finally:
         store.close()
     return summary, capture

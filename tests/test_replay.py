@@ -404,6 +404,44 @@ def test_replay_finds_zombies_then_confirms_the_fix(tmp_path: Path) -> None:
     assert [tuple(r) for r in results] == [(1, "zombie", 6), (2, "aborted", 6)]
 
 
+@pytest.mark.privileged
+@pytest.mark.slow
+def test_an_engine_without_spans_is_gated_by_its_port(tmp_path: Path) -> None:
+    """llama.cpp's server alone (its metric names, no OpenTelemetry): no request gets a verdict,
+    and replay waited out --wait and said inconclusive. Its port judges the run: the detached
+    engine's work for the clients that left fails the gate as zombies, against the truth log; the
+    fixed one passes, and the wait ends once the engine is idle, not at --wait."""
+    capture = tmp_path / "capture.db"
+    write_capture(capture, [CapturedRequest(offset_s=0.3 * i, path="/v1/completions",
+                                            body={"model": "ref-llm-1b", "prompt": "token " * 16, "max_tokens": 200,
+                                                  "stream": i % 2 == 0})
+                            for i in range(4)], name="llama")
+    replay_args = ["--cancel-rate", "1", "--cancel-after", "0.3", "--otlp-http", f"127.0.0.1:{free_port()}",
+                   "--span-delay", "1", "--wait", "90", "--json"]
+    engine_args = ["--metrics-names", "llamacpp"]
+    with running_engine(behavior="detached", step_ms=15, extra_args=engine_args,
+                        truth_log=tmp_path / "truth.jsonl") as engine:
+        buggy = auditor("replay", str(capture), "--target", engine.url, *replay_args)
+        truths = engine.wait_for_truth(4, timeout=30)
+    result = json.loads(buggy.stdout)
+    jsonschema.Draft202012Validator(REPLAY_SCHEMA).validate(result)
+    assert buggy.returncode == 1 and result["gate"] == "zombies", (result, buggy.stderr)
+    assert result["no_spans"] and result["judged_by_port"] == 4 and result["unjudged"] == 0, result
+    assert result["verdicts"] == {} and result["zombies"] == 0, result  # no request has a verdict of its own
+    # The engine ran each on for about 2.2 s past its client's grace: the port counts most of it, each
+    # end to within half the pipeline's 0.25 s scrapes, listed at most every other one.
+    ran_on = sum((t["finished_at"] - t["disconnect_at"]) / 1e9 - 0.5 for t in truths if t.get("disconnect_at"))
+    assert 0.4 * ran_on <= result["orphaned_request_seconds"] <= ran_on + 4 * 0.25, (ran_on, result)
+    assert result["orphaned_wasted_cpu_seconds"] > 0, result
+    with running_engine(behavior="abort", step_ms=15, extra_args=engine_args) as engine:
+        fixed = auditor("replay", str(capture), "--target", engine.url, *replay_args[:-1], "--baseline", "previous")
+    assert fixed.returncode == 0, (fixed.stdout, fixed.stderr)
+    assert "no span came: judged by its port" in fixed.stderr, fixed.stderr
+    assert re.search(r"Orphaned request-seconds: \d+\.\d → 0\.0 \(baseline run 1\)", fixed.stdout), fixed.stdout
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in fixed.stdout.splitlines())}
+    assert rows["judged by its port (no spans)"] == ["4", "4"], fixed.stdout
+
+
 def test_zombies_left_by_the_clients_timeout_fail_the_gate_as_zombies(tmp_path: Path) -> None:
     """A request the client gave up on (--request-timeout) is an error, and where the engine went
     on generating, a zombie too: the gate said only "unsound" (exit 4) of an engine that kept

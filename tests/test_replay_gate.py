@@ -396,6 +396,7 @@ def test_engine_load_reads_the_prometheus_exposition() -> None:
             'vllm:num_requests_waiting_by_reason{reason="x"} 9.0\n'
             "ref_engine_num_requests_running 0\n")
     assert busy_from_metrics(text) == 3.0
+    assert busy_from_metrics("llamacpp:requests_processing 1\nllamacpp:requests_deferred 2\n") == 3.0
     assert busy_from_metrics("process_cpu_seconds_total 3\n") is None
     assert busy_from_metrics("this is { not prometheus\n") is None
 
@@ -412,6 +413,26 @@ def test_each_gate_reason_carries_its_own_kind() -> None:
     assert gate(ReplaySummary(sent=4, cancelled=2, planned_cancels=2, unjudged=1)) == (
         "inconclusive", ["1 cancelled requests got no verdict"])
     assert gate(ReplaySummary(sent=4, cancelled=2, planned_cancels=2)) == ("pass", [])
+
+
+def test_an_engine_without_spans_is_judged_by_its_port() -> None:
+    """No span from the engine (llama.cpp's server, TGI): no request has a verdict. Its port's
+    orphaned work decides: any stretch fails the gate as zombies, none passes; without gauges to
+    read, the cancels stay unjudged and the reason says what would judge them."""
+    from replay.run import ReplaySummary, gate
+
+    judged = ReplaySummary(sent=6, cancelled=6, planned_cancels=6, no_spans=True, judged_by_port=6)
+    assert gate(judged) == ("pass", [])
+    ran_on = ReplaySummary(sent=6, cancelled=6, planned_cancels=6, no_spans=True, judged_by_port=6,
+                           orphaned_stretches=2, orphaned_request_seconds=14.25)
+    assert gate(ran_on) == ("zombies", ["the engine ran 14.2 request-seconds for clients that had left (2 stretches "
+                                        "of orphaned work, told by its /metrics and the kernel alone: it sent no "
+                                        "spans)"])
+    one = ReplaySummary(sent=1, cancelled=1, planned_cancels=1, no_spans=True, judged_by_port=1,
+                        orphaned_stretches=1, orphaned_request_seconds=2.0)
+    assert "(1 stretch of orphaned work" in gate(one)[1][0]
+    decision, [reason] = gate(ReplaySummary(sent=6, cancelled=6, planned_cancels=6, no_spans=True, unjudged=6))
+    assert decision == "inconclusive" and "sent no spans" in reason and "--metrics" in reason, reason
 
 
 def test_a_run_that_cancels_nothing_tested_nothing() -> None:

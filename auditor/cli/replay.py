@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -216,7 +217,13 @@ def _comparison(summary: Any) -> list[tuple[str, list[str]]]:
         f"{side['cancelled']} of {_cell(side.get('planned_cancels'))}" for side in sides])
     timeouts = ([row("timed out (client gave up)", "timed_out"), row("  zombies after it", "timed_out_zombies")]
                 if any(side.get("timed_out") for side in sides) else [])
-    return [row("sent", "sent"), row("errors", "errors"), cancels, *_verdict_rows(sides), *timeouts,
+    # An engine that sent no spans: its port judged the run (replay.run._judge_by_port).
+    by_port = ([row("judged by its port (no spans)", "judged_by_port"),
+                row("  orphaned request-seconds", "orphaned_request_seconds"),
+                row("  their GPU-seconds", "orphaned_wasted_gpu_seconds"),
+                row("  their CPU-seconds", "orphaned_wasted_cpu_seconds")]
+               if any(side.get("judged_by_port") for side in sides) else [])
+    return [row("sent", "sent"), row("errors", "errors"), cancels, *_verdict_rows(sides), *timeouts, *by_port,
             row("zombies", "zombies"), row("zombie-seconds", "zombie_seconds"), row("tokens after disconnect", "wasted_tokens"),
             row("  zombies, tokens unknown", "zombies_without_tokens"),
             row("wasted GPU-seconds", "wasted_gpu_seconds"), row("wasted CPU-seconds", "wasted_cpu_seconds")]
@@ -263,11 +270,23 @@ def _print_summary(summary: Any, capture: Any) -> None:
             click.echo(f"  {request_id:<20} {trace_id:<17} {lag_s:>7} {tokens:>6} {phase:<8} {close}{how}")
     for error in summary.first_errors:
         click.echo(f"  error: {error}", err=True)
+    if summary.judged_by_port:
+        click.echo(textwrap.fill(
+            f"judged by the engine's port: it sent no spans, so no request has a verdict of its own; the "
+            f"work it ran for clients that had left: {summary.orphaned_request_seconds:.1f} request-seconds "
+            "(a lower bound)", 78, initial_indent="  ",
+            subsequent_indent="  "))
     if summary.baseline_zombies is not None:
         against = (f"baseline run {summary.baseline_run_id}" if summary.baseline_run_id is not None
                    else "baseline: the capture's own verdicts")
-        click.secho(f"Zombies: {summary.baseline_zombies} → {summary.zombies} ({against})", bold=True,
-                    fg="green" if summary.zombies == 0 else "red")
+        if summary.judged_by_port:
+            before = (summary.baseline or {}).get("orphaned_request_seconds")
+            click.secho(f"Orphaned request-seconds: {'-' if before is None else f'{before:.1f}'} → "
+                        f"{summary.orphaned_request_seconds:.1f} ({against})", bold=True,
+                        fg="green" if not summary.orphaned_stretches else "red")
+        else:
+            click.secho(f"Zombies: {summary.baseline_zombies} → {summary.zombies} ({against})", bold=True,
+                        fg="green" if summary.zombies == 0 else "red")
 
 
 def _options(*decorators: Callable[[F], F]) -> Callable[[F], F]:

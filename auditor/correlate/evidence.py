@@ -487,6 +487,14 @@ class EngineLoads:
         """The scrapes of ``port`` held now, oldest first (those pruned are gone)."""
         return tuple(self._loads.get(port, ()))
 
+    def latest(self, port: int) -> EngineLoad | None:
+        """The port's newest scrape; None without one. Asked from other threads (replay's wait)."""
+        series = self._loads.get(port)
+        try:
+            return series[-1] if series else None
+        except IndexError:  # emptied by a prune in the correlator's thread meanwhile
+            return None
+
     def watched(self, port: int) -> bool:
         return bool(self._loads.get(port))
 
