@@ -27,6 +27,9 @@ ZOMBIES = frozenset(v.value for v in ZOMBIE_VERDICTS)
 # A run's verdicts are those whose client left after it started: the daemon's disconnect times come
 # from this host's clocks too (replay runs on the engine's host), a minute covers their differences.
 _CLOCK_MARGIN_NS = 60 * 10**9
+# The engine's spans and the pipeline's stretches of orphaned work are stamped by this host's clock
+# as the run's start is: an earlier run's, a minute before, are not this one's.
+_SAME_HOST_MARGIN_NS = 10**9
 SCHEMA = "auditor.replay/v1"
 
 
@@ -347,7 +350,7 @@ def _judge_by_port(store: Store, summary: ReplaySummary, port: int, started_ns: 
     """The run judged by the engine's port where it sent no span (``record_run``)."""
     with store.engine.connect() as conn:
         summary.no_spans = not conn.scalar(select(func.count()).select_from(tables.spans).where(
-            tables.spans.c.server_port == port, tables.spans.c.start_ns >= started_ns - _CLOCK_MARGIN_NS))
+            tables.spans.c.server_port == port, tables.spans.c.start_ns >= started_ns - _SAME_HOST_MARGIN_NS))
         if not (summary.no_spans and gauges_read and summary.unjudged):
             return
         orphaned = tables.orphaned_work.c
