@@ -195,8 +195,7 @@ class Correlator:
         self.cost = CostSources(store, host)  # samples and engine processes, for what zombies cost
         # Stretches of orphaned work per port, told by its gauges and the kernel alone (written to
         # ``orphaned_work``); rows the store refused wait for the next round.
-        self.orphaned = OrphanLedger(
-            host, self._orphan_cost, lambda port, start_ns, end_ns: self.spans.server_spans_on(port, start_ns, end_ns, set()) > 0)
+        self.orphaned = OrphanLedger(host, self._orphan_cost, self._spans_on)
         self._orphan_rows: dict[tuple[int, int], dict[str, Any]] = {}
         self._orphan_pids: dict[int, int] = {}  # port -> its engine process as last found
         self._orphans_unwritten = False
@@ -974,6 +973,10 @@ class Correlator:
             if port in running and (pid := self.cost.engine_pid(None, port)) is not None:
                 self._orphan_pids[port] = pid  # costed later, when the engine may have gone
             self.orphaned.read(port, counted_by_port.get(port), now, model=self.loads.model_of(port))
+
+    def _spans_on(self, port: int, start_ns: int, end_ns: int) -> bool:
+        """Whether server spans on ``port`` were in flight at any moment of [start, end]."""
+        return self.spans.server_spans_on(port, start_ns, end_ns, set()) > 0
 
     def _orphan_cost(self, port: int, start_ns: int, end_ns: int) -> tuple[float, float, str | None]:
         """One request's share of what the engine on ``port`` spent in [start, end], by its own
