@@ -4,7 +4,8 @@ Generates a SQLite store through SQLAlchemy Core (executemany in batches): 1,000
 spans over one hour on two hosts (each naming its client's User-Agent, one of 100, and its address,
 one of 500), 10% of them with a client disconnect (verdict rows in a realistic mix of completed,
 aborted, zombie and in-flight zombie; one in 25 at a client's 30 s timeout), whole-GPU NVML
-samples every 100 ms for 4 GPUs per host, and coverage counts. Then it times, in the same run and
+samples every 100 ms for 4 GPUs per host, coverage counts, and stretches of orphaned work (four
+engine ports a host, one every 20 s on each). Then it times, in the same run and
 over the same rows, a plain ``SELECT count(*)`` (the floor), the library call, and the CLI in a
 fresh process, and prints a table.
 
@@ -37,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from auditor.report import ReportQuery, build_report  # noqa: E402
-from auditor.report.query import age_bins, caller_breakdowns, with_callers  # noqa: E402
+from auditor.report.query import age_bins, caller_breakdowns, orphaned_work, with_callers  # noqa: E402
 from auditor.report.render_data import write_json  # noqa: E402
 from auditor.report.requests import count_requests, spans  # noqa: E402
 from auditor.report.timeouts import find_timeouts  # noqa: E402
@@ -47,6 +48,7 @@ from auditor.store import (  # noqa: E402
     Store,
     UtilSampleRow,
     VerdictRow,
+    tables,
 )
 from auditor.timefmt import rfc3339  # noqa: E402
 
@@ -181,6 +183,28 @@ def generate(store: Store, requests: int, t0: int, remote_parents: bool = False)
     return seconds
 
 
+def orphaned_rows(t0: int, rng: random.Random) -> Iterator[dict[str, Any]]:
+    """Stretches of orphaned work: on each host, four engine ports each with one every 20 s."""
+    for host in HOSTS:
+        for port in (8000, 8001, 8002, 8003):
+            for start in range(0, HOUR, 20 * S):
+                length = rng.uniform(1, 15)
+                yield {"host": host, "server_port": port, "start_ns": t0 + start + rng.randrange(S),
+                       "end_ns": t0 + start + int(length * S), "last_seen_ns": t0 + start + int(length * S),
+                       "peak": rng.randint(1, 4), "request_seconds": length * rng.uniform(1, 3),
+                       "wasted_gpu_seconds": length * rng.uniform(0.1, 1), "wasted_cpu_seconds": 0.0,
+                       "end_resolution_s": 0.25, "cut_short": False, "with_spans": port == 8000,
+                       "model": None, "cost_unmeasured": None}
+
+
+def ensure_orphaned(store: Store, t0: int) -> None:
+    """The stretches of orphaned work, in a store of its own or one made before they were kept."""
+    with store.engine.connect() as conn:
+        if conn.execute(text("SELECT count(*) FROM orphaned_work")).scalar_one():
+            return
+    bulk_insert(store, tables.orphaned_work, orphaned_rows(t0, random.Random(11)))
+
+
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -222,10 +246,11 @@ def main() -> None:
         seconds = generate(store, args.requests, t0, args.remote_parents)
         print(f"generated {path} in {time.perf_counter() - started:.1f} s "
               + ", ".join(f"{name} {value:.1f} s" for name, value in seconds.items()))
+    ensure_orphaned(store, t0)
     query = ReportQuery(since_ns=t0, until_ns=t0 + HOUR)
     with store.engine.connect() as conn:
         counts = {table: conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one()
-                  for table in ("spans", "verdicts", "util_samples")}
+                  for table in ("spans", "verdicts", "util_samples", "orphaned_work")}
 
     def plain_count() -> object:
         with store.engine.connect() as conn:
@@ -249,6 +274,10 @@ def main() -> None:
     def callers() -> object:
         with store.engine.connect() as conn:
             return caller_breakdowns(conn, query)
+
+    def orphaned() -> object:
+        with store.engine.connect() as conn:
+            return orphaned_work(conn, query)
 
     found = timeouts()
 
@@ -286,6 +315,7 @@ def main() -> None:
         ("client timeouts", timeouts, "ages grouped in SQL, their peaks found"),
         ("callers", callers, "client addresses and User-Agents: one grouped scan"),
         ("who the timeouts cut", who_was_cut, "their disconnects' User-Agents and addresses"),
+        ("orphaned work by port", orphaned, "stretches grouped by host and port"),
         ("library: build + JSON", library("json"), "build_report + write_json to memory"),
         ("library: ... encoded in Python", library("json", in_sqlite=False),
          "the same without SQLite's json_object"),
@@ -307,7 +337,7 @@ def main() -> None:
         rows.append((label, wall, cpu, note))
 
     print(f"\nrows: spans {counts['spans']:,}, verdicts {counts['verdicts']:,}, "
-          f"util_samples {counts['util_samples']:,}; median of {args.repeat} runs; "
+          f"util_samples {counts['util_samples']:,}, orphaned_work {counts['orphaned_work']:,}; median of {args.repeat} runs; "
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     floor = rows[0][1]
     print(f"{'what':<31} {'wall s':>7} {'CPU s':>7} {'x count(*)':>10}  note")
