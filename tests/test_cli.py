@@ -150,6 +150,34 @@ def test_doctor_checks_a_database_not_created_yet_without_creating_it(
     assert result.exit_code == 1 and "no database at auditor.db; run `auditor run` first" in result.output
 
 
+def test_doctor_says_which_watched_ports_sent_no_spans(tmp_path: Path) -> None:
+    """llama.cpp's server and TGI alone send no span naming a client: their ports give no verdicts,
+    only orphaned work. The doctor says so from the store, per watched port, over the last hour."""
+    import time
+
+    from auditor.cli.doctor import DEGRADED, OK, check_spans
+    from auditor.config import Config, ProbeConfig
+    from auditor.model import SpanRecord, SpanRole
+    from auditor.store import Store
+
+    db = tmp_path / "a.db"
+    config = Config(db=f"sqlite:///{db}", probe=ProbeConfig(ports=[8000, 8080]))
+    assert check_spans(config).state == OK and not db.exists()  # nothing created
+    store = Store(f"sqlite:///{db}")
+    now = time.time_ns()
+    store.insert_spans([SpanRecord(f"{i:032x}", "1" * 16, None, "POST /v1/completions", "server", now - 10**9,
+                                   now, role=SpanRole.HTTP_SERVER, peer_addr="127.0.0.1", peer_port=40000 + i,
+                                   server_port=8000) for i in range(3)])
+    store.close()
+    check = check_spans(config)
+    assert check.state == DEGRADED, check
+    assert "no server span in the last hour on port(s) 8080" in check.detail and "port 8000: 3 server spans" in check.detail
+    assert "instrumented proxy" in check.fix
+    assert check_spans(Config(db=f"sqlite:///{db}", probe=ProbeConfig(ports=[8000]))).state == OK
+    assert check_spans(config, now_ns=now + 2 * 3600 * 10**9).detail.startswith(
+        "no server span in the last hour on port(s) 8000, 8080")
+
+
 def test_doctor_says_another_applications_sqlite_file_is_not_the_auditors(tmp_path: Path) -> None:
     from auditor.cli.doctor import FAILED, check_database
     from auditor.config import Config
@@ -229,7 +257,8 @@ def test_doctor_json_schema(tmp_path: Path) -> None:
     assert doc["schema"] == "auditor.cli.doctor/v1"
     names = [c["name"] for c in doc["checks"]]
     assert names == ["privileges", "bpf_syscall", "tracefs", "prebuilt_probe", "kernel_headers", "bcc", "fallback",
-                     "engines", "engine_metrics", "nvml", "ports", "database", "postgres_driver", "otlp_reader", "source"]
+                     "engines", "engine_metrics", "nvml", "ports", "database", "spans", "postgres_driver", "otlp_reader",
+                     "source"]
     for check in doc["checks"]:
         assert check["state"] in ("ok", "degraded", "failed")
         assert check["state"] == "ok" or check["fix"] or check["name"] in ("nvml",)

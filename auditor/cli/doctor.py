@@ -635,6 +635,46 @@ def check_database(config: Config) -> Check:
     return Check("database", OK, f"{shown} writable; {state}", required=True)
 
 
+SPANS_WINDOW_S = 3600
+
+
+def check_spans(config: Config, now_ns: int | None = None) -> Check:
+    """Whether each watched port's server sent spans in the last hour, as the store holds them: a
+    port whose disconnects join no span gives no verdicts, only its orphaned work (llama.cpp's
+    server and TGI alone send none that name a client). Asked of a store the daemon has written."""
+    from sqlalchemy import func, select
+
+    from auditor.store import Store, default_db_url, tables
+
+    ports = sorted(set(config.probe.ports))
+    url = config.db or default_db_url()
+    path = _sqlite_path(url)
+    if path is not None and not path.exists():
+        return Check("spans", OK, "no store yet: asked once the daemon has run")
+    since = (now_ns or time.time_ns()) - SPANS_WINDOW_S * 1_000_000_000
+    spans = tables.spans.c
+    store = Store(url, check=False, create=False)
+    try:
+        with store.engine.connect() as conn:
+            counts = {int(port): int(count) for port, count in conn.execute(
+                select(spans.server_port, func.count()).where(
+                    spans.role == "http_server", spans.start_ns >= since, spans.server_port.in_(ports))
+                .group_by(spans.server_port))}
+    finally:
+        store.close()
+    told = [f"port {port}: {counts[port]:,} server spans" for port in ports if counts.get(port)]
+    silent = [port for port in ports if not counts.get(port)]
+    if not silent:
+        return Check("spans", OK, "in the last hour, " + "; ".join(told))
+    names = ", ".join(map(str, silent))
+    detail = (f"no server span in the last hour on port(s) {names} (no traffic, or a server that sends "
+              "none): their disconnects join no request, so they give no verdicts; with their /metrics "
+              "read, their zombies are told as orphaned work by port" + (f" ({'; '.join(told)})" if told else ""))
+    return Check("spans", DEGRADED, detail,
+                 "instrument the server (opentelemetry-instrument, exporting to otlp.http), or put an "
+                 "instrumented proxy in front of it and watch the proxy's port (docs/engines.md)")
+
+
 def _without_password(url: str) -> str:
     """The URL as the doctor prints it: a PostgreSQL password hidden (``u:***@host``)."""
     if url.startswith("sqlite"):
@@ -691,6 +731,7 @@ def run_checks(config: Config) -> list[Check]:
         lambda: check_nvml(config.probe.ports),
         lambda: check_ports(config),
         lambda: check_database(config),
+        lambda: check_spans(config),
         check_postgres_driver, check_otlp_reader,
     ]
     results = []
