@@ -1,5 +1,5 @@
-"""An engine that sends no spans at all (llama.cpp's server with ``--metrics``, alone): the work it
-runs on after a client leaves is told by its port alone, as a stretch of orphaned work, and the
+"""An engine that sends no spans at all (llama.cpp's server with ``--metrics``, or TGI, alone): the
+work it runs on after a client leaves is told by its port alone, as a stretch of orphaned work, and the
 report shows it, against the engine's truth log. A request read whole, a client kept alive after
 its answer and an engine that stops the work when its client leaves give no stretch. (A client
 kept alive while the work runs on hides it: each client connected may hold a request, for all the
@@ -39,18 +39,18 @@ def stretches(db: Path) -> list[dict[str, Any]]:
         store.close()
 
 
-@pytest.mark.parametrize(("behavior", "source", "spans"), [
-    ("detached", "bpf", False), ("abort", "bpf", False), ("detached", "procfs", False),
-    ("detached", "bpf", True),  # vLLM's signals: HTTP server spans, no engine span
+@pytest.mark.parametrize(("behavior", "source", "spans", "names"), [
+    ("detached", "bpf", False, "llamacpp"), ("abort", "bpf", False, "llamacpp"), ("detached", "procfs", False, "llamacpp"),
+    ("detached", "bpf", False, "tgi"),  # TGI alone: its spans name no client, so none are sent here
+    ("detached", "bpf", True, "vllm"),  # vLLM's signals: HTTP server spans, no engine span
 ])
 def test_an_engine_without_spans_shows_the_work_it_ran_for_nobody(tmp_path: Path, behavior: str, source: str,
-                                                                  spans: bool) -> None:
+                                                                  spans: bool, names: str) -> None:
     truth_log = tmp_path / "truth.jsonl"
     with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S, "probe.source": source}) as daemon, \
             running_engine(behavior=behavior, truth_log=truth_log, step_ms=10,
                            otlp=f"http://127.0.0.1:{daemon.status.http_port}" if spans else None,
-                           extra_args=["--engine-span", "none", "--metrics-names", "vllm"] if spans else
-                           ["--metrics-names", "llamacpp"],
+                           extra_args=["--metrics-names", names, *(["--engine-span", "none"] if spans else [])],
                            env={**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "200"}) as engine:
         daemon.set_ports({engine.port})
         time.sleep(0.5)  # the port's first scrapes
