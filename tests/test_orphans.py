@@ -113,6 +113,18 @@ def test_an_unmeasured_cost_says_why() -> None:
     assert row["wasted_gpu_seconds"] == 0 and row["cost_unmeasured"] == "the process serving port 8080 is not known"
 
 
+def test_a_cost_that_is_not_a_number_counts_as_none_and_says_why(tmp_path: Path) -> None:
+    """SQLite stores NaN as NULL, which the table refuses: one broken sample would have kept the
+    row unwritable, and the round failing, for good."""
+    book = OrphanLedger("h1", lambda port, start, end: (float("nan"), 0.0, None))
+    now = feed(book, [1, 1, 0])
+    [row] = book.take_rows(now, final=True)
+    assert row["wasted_gpu_seconds"] == 0.0 and "not a number" in row["cost_unmeasured"]
+    store = Store(f"sqlite:///{tmp_path / 'a.db'}")
+    assert store.write_orphaned_work([row]) == 1
+    store.close()
+
+
 def test_rows_are_stored_and_a_running_stretch_is_replaced_by_its_end(tmp_path: Path) -> None:
     from sqlalchemy import select
 
@@ -157,4 +169,26 @@ def test_rows_the_store_refuses_are_kept_for_the_next_round(tmp_path: Path, monk
     with store.engine.connect() as conn:
         assert conn.scalar(select(func.count()).select_from(tables.orphaned_work)) == 1
     assert correlator.stats.orphaned == {PORT: pytest.approx((0.5, 0.25, 0.0))}
+    store.close()
+
+
+def test_rows_the_database_refuses_are_dropped_not_retried_for_ever(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    from auditor.correlate.correlator import Correlator
+    from auditor.store.sql import SqlError
+
+    store = Store(f"sqlite:///{tmp_path / 'a.db'}")
+    correlator = Correlator(store, host="h1")
+    correlator.orphaned = ledger()
+    feed(correlator.orphaned, [1, 1, 1])
+    calls = []
+
+    def refuse(rows: list[dict[str, object]]) -> int:
+        calls.append(len(rows))
+        raise SqlError("NOT NULL constraint failed: orphaned_work.peak")
+
+    monkeypatch.setattr(store, "write_orphaned_work", refuse)
+    correlator.finish()
+    correlator.finish()
+    assert calls == [1] and "1 stretches dropped" in caplog.text
     store.close()

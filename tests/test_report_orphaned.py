@@ -106,3 +106,15 @@ def test_a_stretch_still_running_is_counted_as_such_until_its_row_goes_stale(sto
     running = {p.server_port: p.running for p in report.orphaned_work or []}
     assert running == {8080: 1, 8081: 0}
     assert "1 still running when last seen" in render_table(report)
+
+
+def test_a_non_finite_figure_is_left_out_of_the_sums(store: Store) -> None:
+    """An upstream bug's infinity must not turn a port's whole sum, or the document, into garbage."""
+    store.write_orphaned_work([stretch(8080, 100, 110, float("inf"), gpu_s=float("-inf")),
+                               stretch(8080, 200, 210, 10.0, gpu_s=5.0)])
+    report = build_report(store, HOUR)
+    document = report_dict(report)
+    jsonschema.Draft202012Validator(SCHEMA).validate(document)
+    [port] = document["orphaned_work"]
+    assert (port["stretches"], port["request_seconds"], port["wasted_gpu_seconds"]) == (2, 10.0, 5.0)
+    json.dumps(document, allow_nan=False)

@@ -72,6 +72,7 @@ from auditor.model import (
 from auditor.semconv import SENDER_KEY, USER_AGENT_KEYS
 from auditor.store.db import BLOCK_COLUMNS, SPAN_COLUMNS, Store, span_from_values, stored_events
 from auditor.store.eventblocks import block_of, block_read
+from auditor.store.sql import SqlError
 
 log = logging.getLogger(__name__)
 
@@ -1013,6 +1014,8 @@ class Correlator:
                     log.warning("orphaned work not written (kept, retried every round): %s", exc)
                 self._orphans_unwritten = True
                 return
+            except SqlError as exc:  # the database refused the rows themselves: no retry would take them
+                log.warning("orphaned work refused by the store, %d stretches dropped: %s", len(self._orphan_rows), exc)
             self._orphan_rows, self._orphans_unwritten = {}, False
 
     def finish(self) -> None:

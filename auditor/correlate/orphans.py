@@ -24,6 +24,7 @@ a long one shows it; a daemon that stops ends it where the last scrape counted (
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,6 +175,8 @@ class OrphanLedger:
                 stretch.uncosted.insert(0, (by_ns, end_ns, mean))
                 end_ns = by_ns
             gpu_s, cpu_s, unmeasured = self._cost_of(port, start_ns, end_ns)
+            if not (math.isfinite(gpu_s) and math.isfinite(cpu_s)):  # a broken sample: counted as none
+                gpu_s, cpu_s, unmeasured = 0.0, 0.0, f"a utilization sample of port {port}'s engine was not a number"
             stretch.gpu_seconds += gpu_s * mean
             stretch.cpu_seconds += cpu_s * mean
             totals = self._totals.setdefault(port, [0.0, 0.0, 0.0])

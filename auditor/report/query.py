@@ -346,8 +346,9 @@ def orphaned_work(conn: Connection, query: ReportQuery) -> list[OrphanedPort] | 
                               orphaned.c.last_seen_ns >= time.time_ns() - ORPHANED_STALE_NS)).label("running"),
                func.min(orphaned.c.start_ns).label("first"), func.max(until).label("last"),
                func.max(until - orphaned.c.start_ns).label("longest"), func.max(orphaned.c.peak).label("peak"),
-               _sum(orphaned.c.request_seconds).label("request_s"), _sum(orphaned.c.wasted_gpu_seconds).label("gpu_s"),
-               _sum(orphaned.c.wasted_cpu_seconds).label("cpu_s"),
+               _sum(_finite(orphaned.c.request_seconds)).label("request_s"),
+               _sum(_finite(orphaned.c.wasted_gpu_seconds)).label("gpu_s"),
+               _sum(_finite(orphaned.c.wasted_cpu_seconds)).label("cpu_s"),
                _count_if(orphaned.c.with_spans).label("with_spans"),
                func.max(orphaned.c.cost_unmeasured).label("unmeasured"))
         .where(orphaned.c.start_ns < query.until_ns, until >= query.since_ns, *_host_filter(orphaned, query),
