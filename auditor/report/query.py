@@ -334,8 +334,8 @@ ORPHANED_STALE_NS = 60 * NS
 
 
 def orphaned_work(conn: Connection, query: ReportQuery) -> list[OrphanedPort] | None:
-    """The stretches of orphaned work that overlap the window, by host and port, the most
-    request-seconds first; None where a filter they cannot honor is set."""
+    """The stretches of orphaned work that overlap the window, by host and port: the ports that
+    sent no spans first, then the most request-seconds; None where a filter they cannot honor is set."""
     if any(value is not None and name not in ORPHANED_FILTERS for name, value in query.filters().items()):
         return None
     until = func.coalesce(orphaned.c.end_ns, orphaned.c.last_seen_ns)
@@ -360,7 +360,8 @@ def orphaned_work(conn: Connection, query: ReportQuery) -> list[OrphanedPort] | 
         longest_seconds=int(row.longest) / NS, peak=int(row.peak), request_seconds=float(row.request_s),
         wasted_gpu_seconds=float(row.gpu_s), wasted_cpu_seconds=float(row.cpu_s), with_spans=int(row.with_spans) > 0,
         cost_unmeasured=row.unmeasured) for row in rows]
-    return sorted(found, key=lambda p: (-p.request_seconds, p.host, p.server_port))
+    # The ports whose zombies nothing else tells first: a port that sent spans has them in its verdicts.
+    return sorted(found, key=lambda p: (p.with_spans, -p.request_seconds, p.host, p.server_port))
 
 
 def _fill_gpu_time(conn: Connection, query: ReportQuery, totals: Totals) -> None:
