@@ -118,3 +118,19 @@ def test_a_non_finite_figure_is_left_out_of_the_sums(store: Store) -> None:
     [port] = document["orphaned_work"]
     assert (port["stretches"], port["request_seconds"], port["wasted_gpu_seconds"]) == (2, 10.0, 5.0)
     json.dumps(document, allow_nan=False)
+
+
+def test_the_html_plots_the_work_of_ports_without_spans_over_time(orphaned: Store) -> None:
+    report = build_report(orphaned, HOUR, with_series=True)
+    assert report.series is not None
+    slice_s = report.bucket_ns / S
+    # Each stretch's request-seconds spread over its time, within the window: 12 + 90 + the last 5 s
+    # of the one that began before it (35 over 35 s) + 10 on gpu-b; the port with spans is not plotted.
+    assert sum(b.orphaned_requests for b in report.series) * slice_s == pytest.approx(12 + 90 + 5 + 10)
+    assert sum(b.orphaned_wasted_gpu_seconds for b in report.series) == pytest.approx(6 + 45 + 1 * 5 / 35)
+    page = render_html(report)
+    assert "<h2>Orphaned work on ports without spans</h2>" in page
+    assert 'aria-label="orphaned requests at once and their GPU-seconds over time"' in page
+    narrowed = build_report(orphaned, dataclasses.replace(HOUR, route="/v1/completions"), with_series=True)
+    assert narrowed.series is not None and not any(b.orphaned_requests for b in narrowed.series)
+    assert "Orphaned work on ports without spans" not in render_html(narrowed)

@@ -224,6 +224,11 @@ class Bucket:
     gpu_util_percent: float | None  # mean whole-GPU utilization; None without samples
     wasted_cpu_seconds: float = 0.0
     engine_cores: float | None = None  # engine processes' CPU in cores (/proc), read only without GPU samples
+    # Work ports that sent no spans ran for clients gone (their stretches' share of the slice): the
+    # mean number of such requests at once, and their wasted GPU- and CPU-seconds.
+    orphaned_requests: float = 0.0
+    orphaned_wasted_gpu_seconds: float = 0.0
+    orphaned_wasted_cpu_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -503,6 +503,7 @@ def _series(conn: Connection, query: ReportQuery, width_ns: int) -> list[Bucket]
             .group_by(cpu_bucket)):
         if core_seconds is not None:
             cores[int(bucket)] = float(core_seconds) / (width_ns / NS)
+    orphaned = _orphaned_series(conn, query, width_ns, count)
     series = []
     for index in range(count):
         row = findings.get(index)
@@ -514,8 +515,39 @@ def _series(conn: Connection, query: ReportQuery, width_ns: int) -> list[Bucket]
             gpu_util_percent=util.get(index),
             wasted_cpu_seconds=float(row.wasted_cpu_seconds) if row is not None else 0.0,
             engine_cores=cores.get(index),
+            orphaned_requests=orphaned[index][0], orphaned_wasted_gpu_seconds=orphaned[index][1],
+            orphaned_wasted_cpu_seconds=orphaned[index][2],
         ))
     return series
+
+
+def _orphaned_series(conn: Connection, query: ReportQuery, width_ns: int, count: int) -> list[list[float]]:
+    """Per slice of the window: the work of ports that sent no spans for clients gone, as (mean
+    requests at once, GPU-seconds, CPU-seconds), each stretch's figures spread evenly over its time
+    (a stretch holds its mean count). Zeros where a filter they cannot honor is set."""
+    per_slice = [[0.0, 0.0, 0.0] for _ in range(count)]
+    if any(value is not None and name not in ORPHANED_FILTERS for name, value in query.filters().items()):
+        return per_slice
+    since, until = query.since_ns, query.until_ns
+    end = func.coalesce(orphaned.c.end_ns, orphaned.c.last_seen_ns)
+    slice_s = width_ns / NS
+    for start_ns, end_ns, request_s, gpu_s, cpu_s in conn.execute(
+            select(orphaned.c.start_ns, end, _finite(orphaned.c.request_seconds),
+                   _finite(orphaned.c.wasted_gpu_seconds), _finite(orphaned.c.wasted_cpu_seconds))
+            .where(orphaned.c.start_ns < until, end >= since, orphaned.c.with_spans.is_(False),
+                   *_host_filter(orphaned, query), *([orphaned.c.model == query.model] if query.model is not None else []))):
+        length = end_ns - start_ns
+        if length <= 0:
+            continue
+        for index in range(max(0, (start_ns - since) // width_ns), min(count, (end_ns - since) // width_ns + 1)):
+            low, high = since + index * width_ns, since + (index + 1) * width_ns
+            share = (min(high, end_ns) - max(low, start_ns)) / length
+            if share > 0:
+                figures = per_slice[index]
+                figures[0] += (request_s or 0.0) * share / slice_s
+                figures[1] += (gpu_s or 0.0) * share
+                figures[2] += (cpu_s or 0.0) * share
+    return per_slice
 
 
 def _timeline(conn: Connection, query: ReportQuery, finding: RequestFinding) -> ZombieTimeline:

@@ -127,6 +127,7 @@ def _plots(report: Report) -> list[str]:
                 "completed requests per minute against the engine processes' CPU in cores", starts,
                 report.bucket_ns, completed,
                 Series("engine CPU, cores", [b.engine_cores for b in report.series], "#f0ad4e"))]
+    parts += _orphaned_plot(report)
     parts += _ages(report)
     if report.timelines:
         parts += ["<h2>Worst zombies, request by request</h2>", zombie_timelines(report.timelines)]
@@ -173,6 +174,23 @@ def _coverage_table(report: Report) -> list[str]:
     ]
     return ["<h2>Coverage (seen, but not a verdict)</h2><table>"] + [
         f"<tr><td>{esc(label)}</td><td>{esc(value)}</td></tr>" for label, value in rows] + ["</table>"]
+
+
+def _orphaned_plot(report: Report) -> list[str]:
+    """The work ports without spans ran for clients gone, over the window: shown where there is some."""
+    if not report.series or not any(b.orphaned_requests for b in report.series):
+        return []
+    unit = report.totals.cost_unit
+    starts = [bucket.start_ns for bucket in report.series]
+    wasted = [b.orphaned_wasted_cpu_seconds if unit == "CPU" else b.orphaned_wasted_gpu_seconds
+              for b in report.series]
+    return ["<h2>Orphaned work on ports without spans</h2>",
+            '<p class="sub">Requests the engines ran for clients that had left, told by their gauges and the '
+            "kernel alone (no verdicts: the engines sent no spans). At least.</p>", time_chart(
+                f"orphaned requests at once and their {unit}-seconds over time", starts, report.bucket_ns,
+                Series("orphaned requests at once (mean)", [b.orphaned_requests for b in report.series], "#d9534f",
+                       "bar"),
+                Series(f"their {unit}-seconds", wasted, "#7a4fd9"))]
 
 
 def _orphaned_table(report: Report) -> list[str]:
