@@ -59,6 +59,7 @@ from auditor.correlate.verdict import CLOCK_ERROR_NS, NORMAL_FINISH, TOKENS_AFTE
 from auditor.correlate.waste import CostSources, wasted
 from auditor.errors import StoreError
 from auditor.model import (
+    STEP_STILL_NS,
     ConnEventKind,
     CoverageKind,
     EngineLoad,
@@ -973,7 +974,15 @@ class Correlator:
         for port in set(self.loads.listed_ports()) | set(running):
             if port in running and (pid := self.cost.engine_pid(None, port)) is not None:
                 self._orphan_pids[port] = pid  # costed later, when the engine may have gone
-            self.orphaned.read(port, counted_by_port.get(port), now, model=self.loads.model_of(port))
+            # The stretches are history, read once gauges left standing by an engine that ran no
+            # step are known for what they are (EngineLoads._unstale reads them as holding nothing
+            # after STEP_STILL_NS): read as they were, an aborted vLLM batch, or SGLang between its
+            # logs, ran on for that long. The alarm above is not kept waiting.
+            latest = self.loads.latest(port)
+            lag = STEP_STILL_NS.get(latest.style, 0) if latest is not None and latest.step_tokens is not None else 0
+            counted = counted_by_port.get(port) if not lag else self.loads.orphans_past(
+                port, grace_ns, now - self.orphans_settle_ns - lag)
+            self.orphaned.read(port, counted, now - lag, model=self.loads.model_of(port))
 
     def _spans_on(self, port: int, start_ns: int, end_ns: int) -> bool:
         """Whether server spans on ``port`` were in flight at any moment of [start, end]."""
