@@ -70,7 +70,7 @@ def test_an_engine_without_spans_shows_the_work_it_ran_for_nobody(tmp_path: Path
         cancel.join()
         truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(3, timeout=30)}
         # Scrapes past the work's end, and past the time standing gauges take to be read as such.
-        time.sleep(1.0 + STEP_STILL_NS.get(names.removesuffix("-steps"), 0) / S if names.endswith("-steps") else 1.0)
+        time.sleep(1.0 + STEP_STILL_NS.get(names.removesuffix("-steps"), 0) / S)
         spans_seen = daemon.readings().spans_received
         port = engine.port
         with urllib.request.urlopen(f"http://127.0.0.1:{daemon.status.metrics_port}/metrics", timeout=5) as answer:

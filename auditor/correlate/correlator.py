@@ -946,12 +946,10 @@ class Correlator:
         apart until it does or its excess goes, for up to two seconds."""
         grace_ns = int(self.grace_seconds * 1e9)
         orphans: dict[int, int] = {}
-        counted_by_port: dict[int, tuple[int, int]] = {}
         for port in self.loads.listed_ports():
             counted = self.loads.orphans_past(port, grace_ns, now - self.orphans_settle_ns)
             if counted is not None:
                 orphans[port] = counted[0]
-                counted_by_port[port] = counted
             beyond = self.loads.held_beyond_listed(port)
             if beyond is not None:
                 self.clients_wanted.add(port)
@@ -974,14 +972,14 @@ class Correlator:
         for port in set(self.loads.listed_ports()) | set(running):
             if port in running and (pid := self.cost.engine_pid(None, port)) is not None:
                 self._orphan_pids[port] = pid  # costed later, when the engine may have gone
-            # The stretches are history, read once gauges left standing by an engine that ran no
-            # step are known for what they are (EngineLoads._unstale reads them as holding nothing
-            # after STEP_STILL_NS): read as they were, an aborted vLLM batch, or SGLang between its
-            # logs, ran on for that long. The alarm above is not kept waiting.
+            # The stretches are history: each scrape's count as it was then (work a span or notice
+            # has since said ended was running at it), read once gauges left standing by an engine
+            # that ran no step are known for what they are (EngineLoads._unstale reads them as
+            # holding nothing after STEP_STILL_NS): read as they were, an aborted vLLM batch, or
+            # SGLang between its logs, ran on for that long. The alarm above is not kept waiting.
             latest = self.loads.latest(port)
             lag = STEP_STILL_NS.get(latest.style, 0) if latest is not None and latest.step_tokens is not None else 0
-            counted = counted_by_port.get(port) if not lag else self.loads.orphans_past(
-                port, grace_ns, now - self.orphans_settle_ns - lag)
+            counted = self.loads.orphans_past(port, grace_ns, now - self.orphans_settle_ns - lag, history=True)
             self.orphaned.read(port, counted, now - lag, model=self.loads.model_of(port))
 
     def _spans_on(self, port: int, start_ns: int, end_ns: int) -> bool:

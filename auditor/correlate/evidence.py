@@ -722,7 +722,7 @@ class EngineLoads:
             return MetricsEnd(None, 0.0, 0, awaiting=True) if unsure else None
         return MetricsEnd(None, 0.0, count, earliest_ns=earliest())
 
-    def orphans_past(self, port: int, grace_ns: int, read_by_ns: int) -> tuple[int, int] | None:
+    def orphans_past(self, port: int, grace_ns: int, read_by_ns: int, *, history: bool = False) -> tuple[int, int] | None:
         """How many requests the engine on ``port`` ran whose clients had left more than
         ``grace_ns`` before, at its latest scrape answered by ``read_by_ns`` with the clients
         connected listed completely (and the scrape's time); None without such a scrape in the last
@@ -740,7 +740,11 @@ class EngineLoads:
         only: a request that waits in the queue costs nothing yet (DESIGN §5), and is counted once
         it runs. A lower bound: an idle kept-alive client, a waiting request's client, a scraper's
         connection, a close that answered nothing, each counts against it. It assumes that every
-        request the engine holds came over this port."""
+        request the engine holds came over this port.
+
+        ``history``: the count as it was at that scrape, for the record of orphaned work
+        (``auditor.correlate.orphans``): work known to have ended after the scrape was still
+        running then, so it is not taken off."""
         listed = self._clients.get(port)
         if not listed:
             return None
@@ -756,8 +760,8 @@ class EngineLoads:
             closes = self._departures.get(port, _NO_TIMES)
             recent = bisect.bisect_right(closes, answered + ORPHANS_CLOSE_SLACK_NS) \
                 - bisect.bisect_right(closes, self._shown_since(port, load) - grace_ns - CLOCK_ERROR_NS)
-            return max(0, load.running - len(clients) - recent - self._ended_since(port, load.ts_ns, grace_ns)), \
-                load.ts_ns
+            ended = 0 if history else self._ended_since(port, load.ts_ns, grace_ns)
+            return max(0, load.running - len(clients) - recent - ended), load.ts_ns
         return None
 
     def work_ended(self, port: int, request: str, left_ns: int, ended_ns: int, grace_ns: int) -> None:
