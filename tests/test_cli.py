@@ -166,8 +166,11 @@ def test_doctor_says_which_watched_ports_sent_no_spans(tmp_path: Path) -> None:
     store = Store(f"sqlite:///{db}")
     now = time.time_ns()
     store.insert_spans([SpanRecord(f"{i:032x}", "1" * 16, None, "POST /v1/completions", "server", now - 10**9,
-                                   now, role=SpanRole.HTTP_SERVER, peer_addr="127.0.0.1", peer_port=40000 + i,
-                                   server_port=8000) for i in range(3)])
+                                   now, host=socket.gethostname(), role=SpanRole.HTTP_SERVER, peer_addr="127.0.0.1",
+                                   peer_port=40000 + i, server_port=8000) for i in range(3)])
+    # Another host's spans in a shared store say nothing of this one's ports.
+    store.insert_spans([SpanRecord("f" * 32, "1" * 16, None, "POST /v1/completions", "server", now - 10**9, now,
+                                   host="gpu-other", role=SpanRole.HTTP_SERVER, server_port=8080)])
     store.close()
     check = check_spans(config)
     assert check.state == DEGRADED, check

@@ -652,13 +652,15 @@ def check_spans(config: Config, now_ns: int | None = None) -> Check:
     if path is not None and not path.exists():
         return Check("spans", OK, "no store yet: asked once the daemon has run")
     since = (now_ns or time.time_ns()) - SPANS_WINDOW_S * 1_000_000_000
+    host = config.host_id or socket.gethostname()  # as the daemon keys its rows: a fleet's store holds others'
     spans = tables.spans.c
     store = Store(url, check=False, create=False)
     try:
         with store.engine.connect() as conn:
             counts = {int(port): int(count) for port, count in conn.execute(
                 select(spans.server_port, func.count()).where(
-                    spans.role == "http_server", spans.start_ns >= since, spans.server_port.in_(ports))
+                    spans.host == host, spans.role == "http_server", spans.start_ns >= since,
+                    spans.server_port.in_(ports))
                 .group_by(spans.server_port))}
     finally:
         store.close()
