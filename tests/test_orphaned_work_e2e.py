@@ -110,5 +110,6 @@ def test_an_engine_without_spans_shows_the_work_it_ran_for_nobody(tmp_path: Path
     [shown] = report_dict(report)["orphaned_work"]
     assert shown["server_port"] == port and shown["stretches"] == 1 and shown["running"] == 0
     assert shown["request_seconds"] == pytest.approx(row["request_seconds"])
-    assert "Orphaned work by port" in render_table(report)
+    # The table shows the work of ports without spans: with them, the verdicts count it.
+    assert ("Orphaned work by port" in render_table(report)) != spans
     assert narrowed.orphaned_work is None  # a port's work has no route: not shown as if it had

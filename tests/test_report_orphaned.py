@@ -42,6 +42,7 @@ def orphaned(store: Store) -> Store:
         stretch(8080, -30, 5, 35.0, gpu_s=1.0),  # began before the window, ended in it
         stretch(8080, -100, -50, 50.0),  # ended before the window: not shown
         stretch(8000, 300, 303, 3.0, gpu_s=1.5, with_spans=True, model=LLAMA),  # vLLM: in its verdicts too
+        stretch(8001, 500, 520, 20.0, gpu_s=2.0, model=LLAMA),  # an uninstrumented vLLM: its gauges name the model
         stretch(9000, 400, 410, 10.0, host="gpu-b", unmeasured="the process serving port 9000 is not known"),
     ])
     return store
@@ -53,15 +54,16 @@ def test_stretches_are_summed_by_port_the_most_orphaned_first(orphaned: Store) -
     document = report_dict(report)
     jsonschema.Draft202012Validator(SCHEMA).validate(document)
     ports = document["orphaned_work"]
-    assert [(p["host"], p["server_port"]) for p in ports] == [("gpu-a", 8080), ("gpu-b", 9000), ("gpu-a", 8000)]
+    assert [(p["host"], p["server_port"]) for p in ports] == [("gpu-a", 8080), ("gpu-a", 8001), ("gpu-b", 9000),
+                                                              ("gpu-a", 8000)]  # those that sent spans last
     llama = ports[0]
     assert (llama["stretches"], llama["running"], llama["peak"]) == (3, 0, 2)
     assert llama["request_seconds"] == pytest.approx(12 + 90 + 35)
     assert llama["wasted_gpu_seconds"] == pytest.approx(52.0) and llama["longest_seconds"] == 60.0
     assert not llama["with_spans"] and llama["model"] is None and llama["wasted_cost"] is None
-    assert ports[2]["with_spans"] and ports[2]["model"] == LLAMA
-    assert ports[1]["cost_unmeasured"] == "the process serving port 9000 is not known"
-    assert report.orphaned_without_spans() == pytest.approx((147.0, 52.0, 0.0))
+    assert ports[3]["with_spans"] and ports[3]["model"] == LLAMA
+    assert ports[2]["cost_unmeasured"] == "the process serving port 9000 is not known"
+    assert report.orphaned_without_spans() == pytest.approx((167.0, 54.0, 0.0))
 
 
 def test_the_table_html_and_prices_show_each_port(orphaned: Store) -> None:
@@ -75,12 +77,13 @@ def test_the_table_html_and_prices_show_each_port(orphaned: Store) -> None:
     table = render_table(report)
     [llama] = [line for line in table.splitlines() if line.startswith("  gpu-a:8080 ")]
     assert llama.split() == ["gpu-a:8080", "3", "1m", "00s", "2", "137.0", "52.0", "0.052"], llama
-    assert "sent spans: in the verdicts too" in table and "model llama" in table.lower()
-    assert "not costed: the process serving port 9000 is not known" in table
-    assert "not to be added to the totals above" in " ".join(table.split())
+    # The port that sent spans has its zombies in the verdicts: the table and the HTML leave it to JSON.
+    assert "gpu-a:8000" not in table and "Ports with spans count it in their verdicts" in " ".join(table.split())
+    assert "not costed: the process serving port 9000 is not known" in table and "model llama-3-8b" in table
     assert report_dict(report)["orphaned_work"][0]["wasted_cost"] == pytest.approx(52 * 3.6 / 3600)
     page = render_html(report)
     assert "<h2>Orphaned work by port</h2>" in page and "<td>gpu-a:8080</td>" in page
+    assert "<td>gpu-a:8000</td>" not in page
     assert page.count("<th>cost, USD</th>") >= 1
 
 
@@ -88,7 +91,7 @@ def test_filters_a_port_cannot_honor_leave_it_out(orphaned: Store) -> None:
     assert [p.server_port for p in build_report(orphaned, dataclasses.replace(HOUR, host="gpu-b")).orphaned_work
             or []] == [9000]
     assert [p.server_port for p in build_report(orphaned, dataclasses.replace(HOUR, model=LLAMA)).orphaned_work
-            or []] == [8000]
+            or []] == [8001, 8000]
     for narrowed in ({"route": "/v1/chat/completions"}, {"client": "10.0.0.7"}, {"service": "vllm"},
                      {"user_agent": "curl/8.5.0"}):
         report = build_report(orphaned, dataclasses.replace(HOUR, **narrowed))
@@ -126,8 +129,8 @@ def test_the_html_plots_the_work_of_ports_without_spans_over_time(orphaned: Stor
     slice_s = report.bucket_ns / S
     # Each stretch's request-seconds spread over its time, within the window: 12 + 90 + the last 5 s
     # of the one that began before it (35 over 35 s) + 10 on gpu-b; the port with spans is not plotted.
-    assert sum(b.orphaned_requests for b in report.series) * slice_s == pytest.approx(12 + 90 + 5 + 10)
-    assert sum(b.orphaned_wasted_gpu_seconds for b in report.series) == pytest.approx(6 + 45 + 1 * 5 / 35)
+    assert sum(b.orphaned_requests for b in report.series) * slice_s == pytest.approx(12 + 90 + 5 + 10 + 20)
+    assert sum(b.orphaned_wasted_gpu_seconds for b in report.series) == pytest.approx(6 + 45 + 1 * 5 / 35 + 2)
     page = render_html(report)
     assert "<h2>Orphaned work on ports without spans</h2>" in page
     assert 'aria-label="orphaned requests at once and their GPU-seconds over time"' in page

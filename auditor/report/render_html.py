@@ -21,6 +21,7 @@ from auditor.report.render_table import (
     percent,
     tokens_value,
     wasted_cost,
+    without_spans,
     zombie_work_note,
 )
 from auditor.report.svg import Series, age_chart, esc, time_chart, zombie_timelines
@@ -195,17 +196,18 @@ def _orphaned_plot(report: Report) -> list[str]:
 
 def _orphaned_table(report: Report) -> list[str]:
     """Work each engine port ran after its clients left, told by the port alone (lower bounds)."""
-    if not report.orphaned_work:
+    ports = without_spans(report)
+    if not ports:
         return []
     unit = report.totals.cost_unit
     parts = ["<h2>Orphaned work by port</h2>",
              '<p class="sub">Requests an engine ran beyond the clients connected to its port, by its own '
-             "/metrics and the kernel alone: the zombie work of engines that send no spans. At least: a "
-             "stretch starts at the first scrape that counts an orphan. A port that sent spans has verdicts "
-             "for the same work.</p>",
+             "/metrics and the kernel alone: the zombie work of engines that send no spans, which give no "
+             "verdicts. At least: a stretch starts at the first scrape that counts an orphan. Ports with "
+             "spans count this work in their verdicts (the JSON lists theirs too).</p>",
              "<table><tr><th>host:port</th><th>model</th><th>stretches</th><th>longest</th><th>peak</th>"
              f"<th>request-s</th><th>{unit}-s</th>{_cost_head(report)}<th>note</th></tr>"]
-    for port in report.orphaned_work:
+    for port in ports:
         notes = orphaned_notes(port)
         wasted = port.wasted_gpu_seconds if unit == "GPU" else port.wasted_cpu_seconds
         parts.append(

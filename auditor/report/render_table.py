@@ -227,10 +227,18 @@ def _coverage(report: Report, width: int) -> list[str]:
     return [line for text in rows for line in text.split("\n")]
 
 
+def without_spans(report: Report) -> list[OrphanedPort]:
+    """The ports whose orphaned work the table and the HTML show: those that sent no spans. A port
+    that sent spans has verdicts for the same requests, told better (its stretches are a lower
+    bound of the same zombie time, and a figure beside it that reads lower only puzzles): JSON
+    keeps it."""
+    return [port for port in report.orphaned_work or () if not port.with_spans]
+
+
 def _orphaned(report: Report, width: int) -> list[str]:
     """Work each engine port ran after its clients left, told by the port alone: the zombie work
     of engines that send no spans. Shown where there is some."""
-    ports = report.orphaned_work
+    ports = without_spans(report)
     if not ports:
         return []
     unit = report.totals.cost_unit
@@ -248,9 +256,9 @@ def _orphaned(report: Report, width: int) -> list[str]:
         notes = orphaned_notes(port)
         if notes:
             lines += ["    " + text for text in textwrap.wrap(printable("; ".join(notes)), width - 4)]
-    if any(port.with_spans for port in ports):
-        lines += textwrap.wrap("A port that sent spans has verdicts for the same work: its row is not to be "
-                               "added to the totals above.", width - 2, initial_indent="  ", subsequent_indent="  ")
+    lines += textwrap.wrap("Ports that sent no spans, so no verdicts: work they ran for clients gone. Ports "
+                           "with spans count it in their verdicts (JSON lists theirs too).", width - 2,
+                           initial_indent="  ", subsequent_indent="  ")
     return lines
 
 
@@ -258,8 +266,6 @@ def orphaned_notes(port: OrphanedPort) -> list[str]:
     notes = [f"model {port.model}"] if port.model else []
     if port.running:
         notes.append(f"{port.running:,} still running when last seen")
-    if port.with_spans:
-        notes.append("sent spans: in the verdicts too")
     if port.cost_unmeasured:
         notes.append(f"not costed: {port.cost_unmeasured}")
     return notes
