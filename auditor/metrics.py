@@ -52,7 +52,7 @@ class SourceReadings:
     engine_orphans: dict[int, int] = field(default_factory=dict)
     # Per port, the orphaned work counted by its gauges and the kernel alone so far (request-, GPU-,
     # CPU-seconds: CorrelatorStats.orphaned).
-    orphaned_work: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    orphaned_work: dict[tuple[int, bool], tuple[float, float, float]] = field(default_factory=dict)
     # The engines' /metrics scrapes so far by (port, outcome: read, failed, no_engine), and per port
     # several containers serve, the servers there left out of its gauges at its latest reading.
     engine_scrapes: dict[tuple[int, str], int] = field(default_factory=dict)
@@ -279,9 +279,10 @@ def readings_families(r: SourceReadings) -> Iterator[Family]:
                 ("auditor_orphaned_wasted_gpu_seconds", "GPU-seconds those orphans took, shared by the engine's "
                  "running gauge (counted some seconds after, as the samples come)"),
                 ("auditor_orphaned_wasted_cpu_seconds", "CPU-seconds those orphans took, as above"))):
-            family = CounterFamily(name, what, labels=["port"])
-            for port, totals in sorted(r.orphaned_work.items()):
-                family.add_metric([str(port)], totals[index])
+            family = CounterFamily(name, what + ". spans: whether the port sent server spans lately (then "
+                                   "its verdicts count the same work)", labels=["port", "spans"])
+            for (port, spans), totals in sorted(r.orphaned_work.items()):
+                family.add_metric([str(port), "true" if spans else "false"], totals[index])
             yield family
     if r.engine_scrapes:
         scrapes = CounterFamily("auditor_engine_scrapes", "Scrapes of the engines' own /metrics by port and "

@@ -87,10 +87,12 @@ def test_the_dashboards_counts_include_a_routes_first_zombie(tmp_path: Path) -> 
 def test_the_dashboards_orphaned_work_is_a_rate_by_port(tmp_path: Path) -> None:
     requests, gpu, cpu = (expr.replace("$__rate_interval", "5m")
                           for expr in dashboard_panel_exprs("Orphaned work by port (request-seconds per second)"))
-    labels = 'job="auditor",instance="gpu-1:9464",port="8080"'
+    labels = 'job="auditor",instance="gpu-1:9464",port="8080",spans="false"'
+    spanned = 'job="auditor",instance="gpu-1:9464",port="8000",spans="true"'  # in the verdicts' panels
     # Two orphans at a time for ten minutes: 120 request-seconds a minute, half a GPU each.
     series = [{"series": f"auditor_orphaned_request_seconds_total{{{labels}}}", "values": "0+120x20"},
-              {"series": f"auditor_orphaned_wasted_gpu_seconds_total{{{labels}}}", "values": "0+60x20"}]
+              {"series": f"auditor_orphaned_wasted_gpu_seconds_total{{{labels}}}", "values": "0+60x20"},
+              {"series": f"auditor_orphaned_request_seconds_total{{{spanned}}}", "values": "0+600x20"}]
     tests = [{"expr": requests, "eval_time": "15m",
               "exp_samples": [{"labels": '{instance="gpu-1:9464", port="8080"}', "value": 2}]},
              {"expr": gpu, "eval_time": "15m",

@@ -74,8 +74,8 @@ def test_an_engine_without_spans_shows_the_work_it_ran_for_nobody(tmp_path: Path
         spans_seen = daemon.readings().spans_received
         port = engine.port
         with urllib.request.urlopen(f"http://127.0.0.1:{daemon.status.metrics_port}/metrics", timeout=5) as answer:
-            counted = re.search(rf'^auditor_orphaned_request_seconds_total{{port="{port}"}} (\S+)$',
-                                answer.read().decode(), re.M)
+            counted = re.search(rf'^auditor_orphaned_request_seconds_total{{port="{port}",spans="{str(spans).lower()}"}} '
+                                r'(\S+)$', answer.read().decode(), re.M)
     assert (spans_seen > 0) == spans, spans_seen
     truth = truths["left"]
     rows = stretches(tmp_path / "auditor.db")

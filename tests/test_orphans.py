@@ -47,7 +47,7 @@ def test_a_stretch_runs_from_the_first_scrape_counting_an_orphan_to_halfway_past
     assert row["request_seconds"] == pytest.approx(0.875)  # 0.75 s whole, and half the last quarter
     assert row["wasted_gpu_seconds"] == pytest.approx(0.875 * 0.5)  # the engine's share of each, per orphan
     assert book.take_rows(now + 2 * COST_AFTER_NS) == []  # written once
-    assert book.totals() == {PORT: pytest.approx((0.875, 0.875 * 0.5, 0.0))}  # /metrics' counters
+    assert book.totals() == {(PORT, False): pytest.approx((0.875, 0.875 * 0.5, 0.0))}  # /metrics' counters
 
 
 def test_the_count_is_integrated_between_scrapes_and_the_peak_kept() -> None:
@@ -168,7 +168,7 @@ def test_rows_the_store_refuses_are_kept_for_the_next_round(tmp_path: Path, monk
     from auditor.store import tables
     with store.engine.connect() as conn:
         assert conn.scalar(select(func.count()).select_from(tables.orphaned_work)) == 1
-    assert correlator.stats.orphaned == {PORT: pytest.approx((0.5, 0.25, 0.0))}
+    assert correlator.stats.orphaned == {(PORT, False): pytest.approx((0.5, 0.25, 0.0))}
     store.close()
 
 

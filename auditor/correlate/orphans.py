@@ -81,6 +81,7 @@ class OrphanLedger:
         self._open: dict[int, _Stretch] = {}
         self._ended: list[tuple[int, _Stretch]] = []  # ended, waiting to be costed whole
         self._totals: dict[int, list[float]] = {}  # port -> request-, GPU-, CPU-seconds so far
+        self._sends_spans: dict[int, bool] = {}  # port -> whether it sent server spans lately (the counters' label)
 
     def read(self, port: int, counted: tuple[int, int] | None, now_ns: int, *, model: str | None = None) -> None:
         """This round's count of ``port``'s orphans at its latest listed scrape (``(count, the
@@ -196,9 +197,17 @@ class OrphanLedger:
                 "with_spans": stretch.with_spans, "model": stretch.model,
                 "cost_unmeasured": (stretch.cost_unmeasured or "")[:255] or None}
 
-    def totals(self) -> dict[int, tuple[float, float, float]]:
-        """Per port, the orphaned work counted so far: (request-, GPU-, CPU-seconds); a new dict."""
-        return {port: (totals[0], totals[1], totals[2]) for port, totals in self._totals.items()}
+    def totals(self) -> dict[tuple[int, bool], tuple[float, float, float]]:
+        """Per port and whether it sent spans lately, the orphaned work counted so far: (request-,
+        GPU-, CPU-seconds); a new dict. A port with spans has its zombies in its verdicts too."""
+        return {(port, self._sends_spans.get(port, False)): (totals[0], totals[1], totals[2])
+                for port, totals in self._totals.items()}
+
+    def spans_seen(self, port: int, now_ns: int) -> None:
+        """Asks, for a port with orphaned work counted, whether it sent server spans in the last
+        SPANS_BEFORE_NS (the counters' ``spans`` label)."""
+        if port in self._totals:
+            self._sends_spans[port] = self._spanned(port, now_ns - SPANS_BEFORE_NS, now_ns)
 
     def open_ports(self) -> dict[int, int]:
         """The ports with a stretch running, each with when it started."""

@@ -181,6 +181,6 @@ class CorrelatorStats:
     # Per scraped port, the requests its engine held whose clients had left more than the grace
     # before, by its gauges and the kernel's listing alone (EngineLoads.orphans_past); absent: not told.
     orphans: dict[int, int] = field(default_factory=dict)
-    # Per port, the orphaned work its stretches have counted so far: (request-, GPU-, CPU-seconds),
-    # a new dict each round (OrphanLedger.totals).
-    orphaned: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    # Per port (and whether it sent spans lately), the orphaned work its stretches have counted so
+    # far: (request-, GPU-, CPU-seconds), a new dict each round (OrphanLedger.totals).
+    orphaned: dict[tuple[int, bool], tuple[float, float, float]] = field(default_factory=dict)
