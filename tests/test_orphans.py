@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,15 +144,25 @@ def test_rows_are_stored_and_a_running_stretch_is_replaced_by_its_end(tmp_path: 
     store.close()
 
 
-def test_rows_the_store_refuses_are_kept_for_the_next_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+def correlator_with_a_stretch(tmp_path: Path) -> Any:
+    """A correlator on a store of its own whose ledger holds one stretch of one orphan, running."""
     from auditor.correlate.correlator import Correlator
-    from auditor.errors import StoreError
 
-    store = Store(f"sqlite:///{tmp_path / 'a.db'}")
-    correlator = Correlator(store, host="h1")
+    correlator = Correlator(Store(f"sqlite:///{tmp_path / 'a.db'}"), host="h1")
     correlator.orphaned = ledger()
     feed(correlator.orphaned, [1, 1, 1])
+    return correlator
+
+
+def test_rows_the_store_refuses_are_kept_for_the_next_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    from sqlalchemy import func, select
+
+    from auditor.errors import StoreError
+    from auditor.store import tables
+
+    correlator = correlator_with_a_stretch(tmp_path)
+    store = correlator.store
     real = store.write_orphaned_work
 
     def refuse(rows: list[dict[str, object]]) -> int:
@@ -163,9 +174,6 @@ def test_rows_the_store_refuses_are_kept_for_the_next_round(tmp_path: Path, monk
     assert caplog.text.count("orphaned work not written") == 1  # once an outage, not every round
     monkeypatch.setattr(store, "write_orphaned_work", real)
     correlator.finish()
-    from sqlalchemy import func, select
-
-    from auditor.store import tables
     with store.engine.connect() as conn:
         assert conn.scalar(select(func.count()).select_from(tables.orphaned_work)) == 1
     assert correlator.stats.orphaned == {(PORT, False): pytest.approx((0.5, 0.25, 0.0))}
@@ -174,21 +182,17 @@ def test_rows_the_store_refuses_are_kept_for_the_next_round(tmp_path: Path, monk
 
 def test_rows_the_database_refuses_are_dropped_not_retried_for_ever(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
-    from auditor.correlate.correlator import Correlator
     from auditor.store.sql import SqlError
 
-    store = Store(f"sqlite:///{tmp_path / 'a.db'}")
-    correlator = Correlator(store, host="h1")
-    correlator.orphaned = ledger()
-    feed(correlator.orphaned, [1, 1, 1])
+    correlator = correlator_with_a_stretch(tmp_path)
     calls = []
 
     def refuse(rows: list[dict[str, object]]) -> int:
         calls.append(len(rows))
         raise SqlError("NOT NULL constraint failed: orphaned_work.peak")
 
-    monkeypatch.setattr(store, "write_orphaned_work", refuse)
+    monkeypatch.setattr(correlator.store, "write_orphaned_work", refuse)
     correlator.finish()
     correlator.finish()
     assert calls == [1] and "1 stretches dropped" in caplog.text
-    store.close()
+    correlator.store.close()
