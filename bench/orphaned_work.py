@@ -1,5 +1,6 @@
 """The orphaned work by port of an engine that sends no spans (llama.cpp's server with --metrics,
-alone), against the engine's truth log: how much of its zombie time the port alone tells.
+alone, by default; --names for another engine's gauges), against the engine's truth log: how much
+of its zombie time the port alone tells, and that an engine that stops the work shows none.
 
 One daemon and reference engine per behavior (llama.cpp's metric names, no OTLP at all):
 ``detached`` runs a request on after its client leaves, ``abort`` stops it. The load: requests
@@ -12,6 +13,7 @@ past its client's grace), the request-seconds the stretches counted and their ra
 orphans at once (truth and counted), the stretches and their CPU-seconds.
 
 Usage: .venv/bin/python bench/orphaned_work.py [--cancels 12] [--done 6] [--gap 0.3] [--pool 0] [--source bpf]
+                                               [--names llamacpp|tgi|vllm|sglang] [--gauges-on-steps]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from auditor.model import STEP_STILL_NS
 from replay.engine.launch import running_engine
 from tests.e2e import GRACE_S, cancel_after, complete, read_response, running_daemon, send_request
 from tests.test_orphaned_work_e2e import stretches
@@ -74,7 +77,8 @@ def one_run(args: argparse.Namespace, behavior: str) -> dict[str, Any]:
         settings = {"probe.source": args.source, "engine_metrics.interval_seconds": 0.1}
         with running_daemon(tmp, **settings) as daemon, running_engine(
                 behavior=behavior, truth_log=tmp / "truth.jsonl", step_ms=10, max_batch=16,
-                extra_args=["--metrics-names", "llamacpp"]) as engine:
+                extra_args=["--metrics-names", args.names, *(["--gauges-on-steps"] if args.gauges_on_steps else [])]
+        ) as engine:
             daemon.set_ports({engine.port})
             time.sleep(0.5)
             load_s = args.gap * (args.cancels + args.done)
@@ -94,7 +98,8 @@ def one_run(args: argparse.Namespace, behavior: str) -> dict[str, Any]:
             for thread in threads:
                 thread.join()
             truths = engine.wait_for_truth(len(order) + args.pool, timeout=60)
-            time.sleep(1.5)  # scrapes past the last work's end
+            # Scrapes past the last work's end, and past the time standing gauges take to be read as such.
+            time.sleep(1.5 + STEP_STILL_NS.get(args.names, 0) / S)
         rows = stretches(tmp / "auditor.db")
         truth_s, truth_peak = truth_orphaned(truths)
         return {"truth_s": truth_s, "truth_peak": truth_peak, "counted_s": sum(r["request_seconds"] for r in rows),
@@ -113,10 +118,15 @@ def main() -> None:
     parser.add_argument("--source", choices=["bpf", "procfs"], default="bpf")
     parser.add_argument("--gap", type=float, default=0.3, help="seconds between one request's start and the next's")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--names", default="llamacpp", choices=["llamacpp", "tgi", "vllm", "sglang"],
+                        help="whose metric names the engine serves (no spans with any)")
+    parser.add_argument("--gauges-on-steps", action="store_true",
+                        help="gauges published with a step (vLLM) or a logged batch (SGLang) only")
     args = parser.parse_args()
     results = {behavior: one_run(args, behavior) for behavior in ("detached", "abort")}
-    print(f"llama.cpp alone (no spans), {args.cancels} cancels among {args.done} read whole, {args.gap:g} s apart, "
-          f"pool {args.pool}, source {args.source}")
+    steps = ", gauges on steps" if args.gauges_on_steps else ""
+    print(f"{args.names} names{steps}, no spans: {args.cancels} cancels among {args.done} read whole, {args.gap:g} s "
+          f"apart, pool {args.pool}, source {args.source}")
     print(f"{'':<34}{'detached':>12}{'abort':>12}")
     rows = [("cancelled (truth)", "cancels", "{:.0f}"),
             ("orphaned request-s (truth)", "truth_s", "{:.2f}"),
