@@ -152,8 +152,11 @@ def wait_for_verdicts(pipeline: Pipeline, cancelled: list[RequestPlan], started_
             bar.update(judged - pending - shown)
             shown = judged - pending
             busy = pipeline.engine_busy(port)
-            if busy is None and not pipeline.readings().engine_scrapes:
-                busy = engine.busy()  # the pipeline scrapes no engine here
+            readings = None  # the pipeline's figures, read at most once a turn (not cheap: every part's)
+            if busy is None:
+                readings = pipeline.readings()
+                if not readings.engine_scrapes:
+                    busy = engine.busy()  # the pipeline scrapes no engine here
             now = time.monotonic()
             idle_since = (idle_since or now) if busy == 0 else None
             idle = idle_since is not None and now - idle_since >= span_delay_s
@@ -162,7 +165,7 @@ def wait_for_verdicts(pipeline: Pipeline, cancelled: list[RequestPlan], started_
                     return "every verdict final", True
                 if idle:
                     return f"engine idle for {span_delay_s:g} s", True
-            elif idle and not judged and not pipeline.readings().spans_received:
+            elif idle and not judged and not (readings or pipeline.readings()).spans_received:
                 return f"engine idle for {span_delay_s:g} s, and no span came: judged by its port", True
             time.sleep(0.25)
     return f"--wait of {timeout_s:g} s passed", False

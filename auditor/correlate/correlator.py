@@ -981,7 +981,8 @@ class Correlator:
             lag = STEP_STILL_NS.get(latest.style, 0) if latest is not None and latest.step_tokens is not None else 0
             counted = self.loads.orphans_past(port, grace_ns, now - self.orphans_settle_ns - lag, history=True)
             self.orphaned.read(port, counted, now - lag, model=self.loads.model_of(port))
-            self.orphaned.spans_seen(port, now)
+            if port in running:  # the counters' label, asked while they grow, not of every port each round
+                self.orphaned.spans_seen(port, now)
 
     def _spans_on(self, port: int, start_ns: int, end_ns: int) -> bool:
         """Whether server spans on ``port`` were in flight at any moment of [start, end]."""

@@ -333,12 +333,27 @@ def _fill_coverage(conn: Connection, query: ReportQuery, totals: Totals) -> None
 ORPHANED_STALE_NS = 60 * NS
 
 
+def _orphaned_in_window(query: ReportQuery) -> list[ColumnElement[bool]] | None:
+    """The conditions of the stretches of orphaned work that overlap the window and match its
+    filters; None where a filter they cannot honor is set (a port's work has no route or caller)."""
+    if any(value is not None and name not in ORPHANED_FILTERS for name, value in query.filters().items()):
+        return None
+    return [orphaned.c.start_ns < query.until_ns, _orphaned_until() >= query.since_ns, *_host_filter(orphaned, query),
+            *([orphaned.c.model == query.model] if query.model is not None else [])]
+
+
+def _orphaned_until() -> Any:
+    """A stretch's end, or while it runs, when it was last written."""
+    return func.coalesce(orphaned.c.end_ns, orphaned.c.last_seen_ns)
+
+
 def orphaned_work(conn: Connection, query: ReportQuery) -> list[OrphanedPort] | None:
     """The stretches of orphaned work that overlap the window, by host and port: the ports that
     sent no spans first, then the most request-seconds; None where a filter they cannot honor is set."""
-    if any(value is not None and name not in ORPHANED_FILTERS for name, value in query.filters().items()):
+    in_window = _orphaned_in_window(query)
+    if in_window is None:
         return None
-    until = func.coalesce(orphaned.c.end_ns, orphaned.c.last_seen_ns)
+    until = _orphaned_until()
     rows = conn.execute(
         select(orphaned.c.host, orphaned.c.server_port, func.max(orphaned.c.model).label("model"),
                func.count().label("stretches"),
@@ -351,8 +366,7 @@ def orphaned_work(conn: Connection, query: ReportQuery) -> list[OrphanedPort] | 
                _sum(_finite(orphaned.c.wasted_cpu_seconds)).label("cpu_s"),
                _count_if(orphaned.c.with_spans).label("with_spans"),
                func.max(orphaned.c.cost_unmeasured).label("unmeasured"))
-        .where(orphaned.c.start_ns < query.until_ns, until >= query.since_ns, *_host_filter(orphaned, query),
-               *([orphaned.c.model == query.model] if query.model is not None else []))
+        .where(*in_window)
         .group_by(orphaned.c.host, orphaned.c.server_port))
     found = [OrphanedPort(
         host=row.host, server_port=int(row.server_port), model=row.model, stretches=int(row.stretches),
@@ -526,16 +540,14 @@ def _orphaned_series(conn: Connection, query: ReportQuery, width_ns: int, count:
     requests at once, GPU-seconds, CPU-seconds), each stretch's figures spread evenly over its time
     (a stretch holds its mean count). Zeros where a filter they cannot honor is set."""
     per_slice = [[0.0, 0.0, 0.0] for _ in range(count)]
-    if any(value is not None and name not in ORPHANED_FILTERS for name, value in query.filters().items()):
+    in_window = _orphaned_in_window(query)
+    if in_window is None:
         return per_slice
-    since, until = query.since_ns, query.until_ns
-    end = func.coalesce(orphaned.c.end_ns, orphaned.c.last_seen_ns)
-    slice_s = width_ns / NS
+    since, slice_s = query.since_ns, width_ns / NS
     for start_ns, end_ns, request_s, gpu_s, cpu_s in conn.execute(
-            select(orphaned.c.start_ns, end, _finite(orphaned.c.request_seconds),
+            select(orphaned.c.start_ns, _orphaned_until(), _finite(orphaned.c.request_seconds),
                    _finite(orphaned.c.wasted_gpu_seconds), _finite(orphaned.c.wasted_cpu_seconds))
-            .where(orphaned.c.start_ns < until, end >= since, orphaned.c.with_spans.is_(False),
-                   *_host_filter(orphaned, query), *([orphaned.c.model == query.model] if query.model is not None else []))):
+            .where(*in_window, orphaned.c.with_spans.is_(False))):
         length = end_ns - start_ns
         if length <= 0:
             continue
