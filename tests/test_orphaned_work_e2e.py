@@ -113,3 +113,26 @@ def test_an_engine_without_spans_shows_the_work_it_ran_for_nobody(tmp_path: Path
     # The table shows the work of ports without spans: with them, the verdicts count it.
     assert ("Orphaned work by port" in render_table(report)) != spans
     assert narrowed.orphaned_work is None  # a port's work has no route: not shown as if it had
+
+
+def test_a_request_that_only_waited_is_orphaned_work_once_the_engine_runs_it(tmp_path: Path) -> None:
+    """llama.cpp's gauges, no spans, one request run at a time: a request queued behind another
+    loses its client at 0.3 s. While it waits it costs nothing (DESIGN §5); the detached engine
+    runs it once the one ahead ends, and from then (the truth's ``scheduled_at``) it is orphaned work."""
+    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S}) as daemon, \
+            running_engine(behavior="detached", truth_log=tmp_path / "truth.jsonl", step_ms=10, max_batch=1,
+                           extra_args=["--metrics-names", "llamacpp"]) as engine:
+        daemon.set_ports({engine.port})
+        time.sleep(0.5)
+        ahead = complete(engine.port, stream=True, max_tokens=200, request_id="ahead")
+        time.sleep(0.2)
+        cancel_after(engine.port, 0.3, "rst", stream=False, max_tokens=200, request_id="left").join()
+        ahead.join()
+        truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(2, timeout=30)}
+        time.sleep(1.0)
+    truth = truths["left"]
+    assert truth["disconnect_at"] + GRACE_S * S < truth["scheduled_at"], ("it did not wait past its grace", truth)
+    [row] = stretches(tmp_path / "auditor.db")
+    assert truth["scheduled_at"] <= row["start_ns"] <= truth["scheduled_at"] + 1.5 * S, (row, truth)
+    assert abs(row["end_ns"] - truth["finished_at"]) <= 0.5 * S, (row, truth)
+    assert row["request_seconds"] <= (truth["finished_at"] - truth["scheduled_at"]) / S + 0.25, (row, truth)
