@@ -65,13 +65,13 @@ def exit_with_parent(parent_pid: int, every_s: float = 0.5, grace_s: float = 5.0
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def serve(app: object, sock: socket.socket, log_level: str) -> None:
+def serve(app: object, sock: socket.socket, log_level: str, keep_alive_s: float = 5.0) -> None:
     import uvicorn
 
     # proxy_headers=False keeps the real peer address in the ASGI scope (and so on the HTTP span),
     # which is what the auditor joins kernel events on.
     config = uvicorn.Config(app, proxy_headers=False, log_level=log_level, access_log=False,  # type: ignore[arg-type]
-                            lifespan="on", timeout_graceful_shutdown=3)
+                            lifespan="on", timeout_graceful_shutdown=3, timeout_keep_alive=keep_alive_s)
     uvicorn.Server(config).run(sockets=[sock])
 
 
@@ -124,6 +124,9 @@ def serve(app: object, sock: socket.socket, log_level: str) -> None:
               help="Gateway: cancel the upstream request when the client leaves.")
 @click.option("--trace-context", type=click.Choice(["yes", "no"]), default="yes", show_default=True,
               help="Gateway: send the trace context (traceparent) upstream.")
+@click.option("--keep-alive-s", type=FiniteFloatRange(0.1, 86400), default=5.0, show_default=True,
+              help="Close a kept-alive connection idle this long (uvicorn's default; llama.cpp's server also waits 5 "
+              "s; TGI's never closes one, nor do gateways' pools for a minute or more).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 @click.option("--exit-with-parent", "parent_pid", type=click.IntRange(1), hidden=True,
@@ -135,7 +138,7 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
            metrics_names: str = "ref", send_spans: bool = False, one_at_a_time: bool = False,
            no_process_pid: bool = False, duplicate_server_span: bool = False,
            trace_context: str = "yes", parent_pid: int | None = None, gauges_on_steps: bool = False,
-           span_end_lag_ms: float = 0.0) -> None:
+           span_end_lag_ms: float = 0.0, keep_alive_s: float = 5.0) -> None:
     """Run the reference engine: an OpenAI-compatible server with real batching and compute.
 
     It reproduces how real engines treat a client that disconnects (--behavior), traces like
@@ -177,4 +180,4 @@ def engine(host: str, port: int, port_file: str | None, behavior: str, late_seco
     sys.stderr.flush()
     if parent_pid is not None:
         exit_with_parent(parent_pid)
-    serve(app, sock, log_level)
+    serve(app, sock, log_level, keep_alive_s)
