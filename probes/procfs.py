@@ -327,7 +327,8 @@ class ProcfsConnEventSource:
     def clients(self, ports: Iterable[int]) -> dict[int, tuple[ListedClient, ...]] | None:
         """The clients connected to each of ``ports`` now (``EngineLoad.connections``): address, port,
         when data from each last came in (wall-clock ns: tcp_info's last_data_recv, the kernel's
-        receipt), and the server socket's address. A poll made at once, its dump asking each
+        receipt), and the server socket's address; a client kept alive between requests
+        (``SockDiag.idle``) is left out: it holds no request. A poll made at once, its dump asking each
         socket's tcp_info, that stands for the poller's next: the poller's ticks follow on a whole
         interval after it. So the engine scraper's listings cost no walk of the established hash
         beside the polls'. Not read from a poll made a moment before: a client that left since would
@@ -347,7 +348,7 @@ class ProcfsConnEventSource:
             self._listed_keys = {port: {key for key in self._seen if key[2] == port} for port in wanted}
             found: dict[int, list[ListedClient]] = {port: [] for port in wanted}
             for (_family, local, port, peer, peer_port), seen in self._seen.items():
-                if port in wanted and seen.state == TCP_ESTABLISHED:
+                if port in wanted and seen.state == TCP_ESTABLISHED and not diag.idle(seen.freed_as):
                     last_ms = diag.last_data_recv(seen.freed_as) or 0
                     found[port].append((peer, peer_port, now - last_ms * 1_000_000, local))
         return {port: tuple(clients) for port, clients in found.items()}

@@ -57,7 +57,17 @@ MSG_BYTES = 72  # struct inet_diag_msg
 TCP_ESTABLISHED = 1
 INET_DIAG_INFO = 2  # the reply attribute holding struct tcp_info; asked by bit (INET_DIAG_INFO - 1)
 _RTATTR = struct.Struct("=HH")
-TCPI_LAST_DATA_RECV = 52  # struct tcp_info: ms since the peer last sent data (u32)
+TCPI_LAST_DATA_SENT, TCPI_LAST_DATA_RECV = 44, 52  # struct tcp_info: ms since we last sent data, and the peer (u32)
+_QUEUES_AT = 56  # struct inet_diag_msg: bytes not read yet, and bytes sent or to send but not acknowledged
+# A client kept alive between requests (``SockDiag.idle``): the server answered it, sending data at
+# least IDLE_ANSWERED_MS after the client's last data came, sent nothing for IDLE_QUIET_MS since,
+# and has nothing unread from it and nothing unacknowledged to it. An answer that streams is sent
+# a step at a time, a few tens of ms apart; one that waits in the queue or in its prefill has sent
+# at most its headers, within a moment of its request. Not told apart: a streamed answer that
+# paused IDLE_QUIET_MS while its engine ran it, and an idle client whose answer took under
+# IDLE_ANSWERED_MS (it stays counted as holding a request).
+IDLE_ANSWERED_MS = 1000
+IDLE_QUIET_MS = 2000
 # struct tcp_info, u64 each: bytes of ours the peer acknowledged (a FIN counts one), data bytes
 # sent (retransmissions included), of which retransmitted (Linux 4.19 on).
 TCPI_BYTES_ACKED, TCPI_BYTES_SENT, TCPI_BYTES_RETRANS = 120, 200, 208
@@ -113,9 +123,10 @@ class SockDiag:
         # The socket id bytes of each reply entry -> its decoded key: a long-lived connection is
         # decoded once, not on every poll.
         self._decoded: dict[bytes, SocketKey] = {}
-        # cookie -> last_data_recv (ms), of the latest walk that asked for tcp_info. By cookie, not
-        # inode: a connection not yet taken from its listener's queue has inode 0.
-        self._info: dict[int, int] = {}
+        # cookie -> (last_data_recv (ms), whether kept alive between requests: ``idle``), of the
+        # latest walk that asked for tcp_info. By cookie, not inode: a connection not yet taken from
+        # its listener's queue has inode 0.
+        self._info: dict[int, tuple[int, bool]] = {}
 
     def close(self) -> None:
         self._sock.close()
@@ -129,16 +140,26 @@ class SockDiag:
         """How many milliseconds before the last walk asked with tcp_info (``sockets(info=True)``,
         ``established``) the socket of the kernel's ``cookie`` last received data from its peer;
         None when that walk did not list it."""
-        return self._info.get(cookie)
+        found = self._info.get(cookie)
+        return found[0] if found is not None else None
 
-    def established(self, ports: frozenset[int]) -> dict[int, list[tuple[SocketKey, int]]]:
+    def idle(self, cookie: int) -> bool:
+        """Whether the last walk asked with tcp_info found the socket of the kernel's ``cookie`` a
+        client kept alive between requests (IDLE_ANSWERED_MS): answered, quiet, nothing queued
+        either way. False when it cannot tell."""
+        found = self._info.get(cookie)
+        return found is not None and found[1]
+
+    def established(self, ports: frozenset[int]) -> dict[int, list[tuple[SocketKey, int, bool]]]:
         """The ESTABLISHED TCP sockets (IPv4 and IPv6) on the local ``ports``, each with how many
         milliseconds ago its peer last sent it data (``tcp_info``'s ``last_data_recv``: the
-        kernel's jiffies, a few ms apart)."""
-        found: dict[int, list[tuple[SocketKey, int]]] = {port: [] for port in ports}
+        kernel's jiffies, a few ms apart), and whether it is a client kept alive between requests
+        (``idle``)."""
+        found: dict[int, list[tuple[SocketKey, int, bool]]] = {port: [] for port in ports}
         state = 1 << TCP_ESTABLISHED
         for key, _state, _inode, cookie in list(self._walk(ports, state, state, info=True)):
-            found[key[2]].append((key, self._info.get(cookie, 0)))
+            last_ms, idle = self._info.get(cookie, (0, False))
+            found[key[2]].append((key, last_ms, idle))
         return found
 
     def _walk(self, ports: frozenset[int], asked: int, kept: int, info: bool) -> Iterator[DiagEntry]:
@@ -234,7 +255,7 @@ class SockDiag:
                 entry = self._entry(data, payload, ports, states)
                 if entry is not None:
                     if info:
-                        self._info[entry[3]] = _last_data_recv(data, payload + MSG_BYTES, offset) or 0
+                        self._info[entry[3]] = _times(data, payload, offset)
                     yield entry
                 if single:
                     return
@@ -295,6 +316,20 @@ def _last_data_recv(data: bytes, start: int, end: int) -> int | None:
     if info is None or info[1] < TCPI_LAST_DATA_RECV + 4:
         return None
     return int(struct.unpack_from("=I", data, info[0] + TCPI_LAST_DATA_RECV)[0])
+
+
+def _times(data: bytes, payload: int, end: int) -> tuple[int, bool]:
+    """(``tcpi_last_data_recv``, 0 without tcp_info; whether the socket is a client kept alive
+    between requests, IDLE_ANSWERED_MS) of the reply entry at ``data[payload:end]``."""
+    info = _tcp_info(data, payload + MSG_BYTES, end)
+    if info is None or info[1] < TCPI_LAST_DATA_RECV + 4:
+        return 0, False
+    sent_ms, = struct.unpack_from("=I", data, info[0] + TCPI_LAST_DATA_SENT)
+    received_ms, = struct.unpack_from("=I", data, info[0] + TCPI_LAST_DATA_RECV)
+    unread, unacknowledged = struct.unpack_from("=II", data, payload + _QUEUES_AT)
+    idle = (received_ms - sent_ms >= IDLE_ANSWERED_MS and sent_ms >= IDLE_QUIET_MS
+            and not unread and not unacknowledged)
+    return int(received_ms), idle
 
 
 def _fin_acked(data: bytes, start: int, end: int) -> bool | None:
@@ -454,7 +489,7 @@ class ConnectedClients:
     def clients(self, ports: Iterable[int]) -> dict[int, tuple[ListedClient, ...]] | None:
         """Port -> (client address, client port, when data from it last came in, ns: tcp_info's
         last_data_recv, the kernel's receipt rather than the server's read, and the server
-        socket's address)."""
+        socket's address); a client kept alive between requests (``SockDiag.idle``) is left out."""
         if self._diag is False:
             return None
         try:
@@ -468,7 +503,7 @@ class ConnectedClients:
             return None
         now = self._clock()
         return {port: tuple((peer, peer_port, now - last_ms * 1_000_000, local)
-                            for (_family, local, _port, peer, peer_port), last_ms in clients)
+                            for (_family, local, _port, peer, peer_port), last_ms, idle in clients if not idle)
                 for port, clients in found.items()}
 
     def accepted(self) -> int | None:

@@ -1,9 +1,9 @@
 """An engine that sends no spans at all (llama.cpp's server with ``--metrics``, or TGI, alone): the
 work it runs on after a client leaves is told by its port alone, as a stretch of orphaned work, and the
 report shows it, against the engine's truth log. A request read whole, a client kept alive after
-its answer and an engine that stops the work when its client leaves give no stretch. (A client
-kept alive while the work runs on hides it: each client connected may hold a request, for all the
-kernel and the gauges tell; tests/test_evidence_e2e.py holds that lower bound.)"""
+its answer and an engine that stops the work when its client leaves give no stretch. A client kept
+alive between requests, as a pool keeps it, hides the work only until it has been quiet for
+``IDLE_QUIET_MS`` after an answer (before that it may hold a request, for all the kernel tells)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from auditor.report import ReportQuery, build_report
 from auditor.report.render_data import report_dict
 from auditor.report.render_table import render_table
 from auditor.store import Store, tables
+from probes.sockdiag import IDLE_ANSWERED_MS, IDLE_QUIET_MS
 from replay.engine.launch import running_engine
 from tests.e2e import GRACE_S, cancel_after, complete, expected_verdict, running_daemon
 from tests.test_evidence_e2e import kept_alive
@@ -69,8 +70,9 @@ def test_an_engine_without_spans_shows_the_work_it_ran_for_nobody(tmp_path: Path
         cancel = cancel_after(engine.port, 0.3, "rst", stream=False, max_tokens=300, request_id="left")
         cancel.join()
         truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(3, timeout=30)}
-        # Scrapes past the work's end, and past the time standing gauges take to be read as such.
-        time.sleep(1.0 + STEP_STILL_NS.get(names.removesuffix("-steps"), 0) / S)
+        # Scrapes past the work's end (up to a log interval late for SGLang's), and past the time
+        # standing gauges take to be read as such.
+        time.sleep(2.0 + STEP_STILL_NS.get(names.removesuffix("-steps"), 0) / S)
         spans_seen = daemon.readings().spans_received
         port = engine.port
         with urllib.request.urlopen(f"http://127.0.0.1:{daemon.status.metrics_port}/metrics", timeout=5) as answer:
@@ -136,3 +138,42 @@ def test_a_request_that_only_waited_is_orphaned_work_once_the_engine_runs_it(tmp
     assert truth["scheduled_at"] <= row["start_ns"] <= truth["scheduled_at"] + 1.5 * S, (row, truth)
     assert abs(row["end_ns"] - truth["finished_at"]) <= 0.5 * S, (row, truth)
     assert row["request_seconds"] <= (truth["finished_at"] - truth["scheduled_at"]) / S + 0.25, (row, truth)
+
+
+@pytest.mark.parametrize("source", ["bpf", "procfs"])
+def test_a_pooled_client_between_requests_hides_no_orphaned_work(tmp_path: Path, source: str) -> None:
+    """llama.cpp's gauges, no spans, an engine that keeps idle connections for a minute (TGI's
+    server, or a gateway's upstream pool): a client reads a 2 s answer and keeps its connection,
+    quiet; then another's client resets at 0.3 s and the detached engine runs its 6 s on. The quiet
+    client holds no request (the kernel says it was answered and has been quiet since): the work
+    is counted from at most IDLE_QUIET_MS past the answer, not hidden for as long as the pool
+    keeps the connection. A client whose streamed answer still runs stays counted connected (the
+    request read whole beside it adds nothing)."""
+    step_ms, answer_tokens = 10, 200
+    assert answer_tokens * step_ms >= IDLE_ANSWERED_MS  # an answer long enough to be told as one
+    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S, "probe.source": source}) as daemon, \
+            running_engine(behavior="detached", truth_log=tmp_path / "truth.jsonl", step_ms=step_ms,
+                           extra_args=["--metrics-names", "llamacpp", "--keep-alive-s", "60"]) as engine:
+        daemon.set_ports({engine.port})
+        time.sleep(0.5)
+        pooled = kept_alive(engine.port, hold_s=12.0, stream=False, max_tokens=answer_tokens, request_id="pooled")
+        time.sleep(answer_tokens * step_ms / 1000 + 0.3)  # its answer read, its connection kept
+        streamed = complete(engine.port, stream=True, max_tokens=700, request_id="streamed")
+        cancel_after(engine.port, 0.3, "rst", stream=False, max_tokens=600, request_id="left").join()
+        streamed.join()
+        truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(3, timeout=30)}
+        time.sleep(1.0)
+        answered_ns = truths["pooled"]["finished_at"]
+        pooled.join()
+    truth = truths["left"]
+    assert expected_verdict(truth) == "zombie", truth
+    left_ns, finished_ns = truth["disconnect_at"], truth["finished_at"]
+    # The pooled client is connected all along (held 12 s, the engine keeps it 60 s).
+    assert finished_ns < answered_ns + 11 * S, (finished_ns - answered_ns) / S
+    [row] = stretches(tmp_path / "auditor.db")
+    counted_from = max(left_ns + GRACE_S * S, answered_ns + IDLE_QUIET_MS * 1_000_000)
+    assert counted_from <= row["start_ns"] + 0.1 * S <= counted_from + 1.6 * S, \
+        ((row["start_ns"] - left_ns) / S, (row["start_ns"] - answered_ns) / S, truth)
+    assert abs(row["end_ns"] - finished_ns) <= 0.5 * S, (row, truth)
+    assert row["peak"] == 1, row  # the streamed request beside it, its client connected, is not counted
+    assert row["request_seconds"] <= (finished_ns - left_ns) / S

@@ -347,6 +347,29 @@ def test_the_clients_connected_are_listed_with_the_servers_last_read(probe: Prob
         sock.close()
 
 
+def test_a_client_kept_alive_between_requests_is_not_listed(probe: Probe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The program's table has no send time: a client not read from for IDLE_QUIET_MS is asked of
+    sock_diag, and one answered and quiet since (kept alive between requests, as a pool keeps it)
+    is left out of the listing; one whose request the engine still holds stays."""
+    from probes import bpf, sockdiag
+    from tests.test_probe_procfs import clients_in_each_state
+
+    monkeypatch.setattr(sockdiag, "IDLE_ANSWERED_MS", 100)
+    monkeypatch.setattr(sockdiag, "IDLE_QUIET_MS", 200)
+    monkeypatch.setattr(bpf, "IDLE_QUIET_MS", 200)
+    server = listener()
+    probe.source.set_ports([port_of(server)])
+    with clients_in_each_state(server, answer_after_s=0.15, quiet_s=0.3) as ends:
+        by_port = {end.getpeername()[1]: name for name, end in ends.items()}
+        listed = probe.source.clients([port_of(server)])
+        assert listed is not None
+        assert sorted(by_port[client[1]] for client in listed[port_of(server)]) == ["headers", "silent", "stalled", "unread"]
+        monkeypatch.setattr(bpf, "IDLE_QUIET_MS", 60_000)  # none quiet that long: no walk, every client listed
+        listed = probe.source.clients([port_of(server)])
+        assert listed is not None and len(listed[port_of(server)]) == 5
+    server.close()
+
+
 def test_clients_connected_before_their_port_was_watched_are_listed(probe: Probe) -> None:
     """A port watched late (an engine found after its clients connected, a restarted daemon): its
     clients are put in the table from sock_diag, with when the server last read from them; one

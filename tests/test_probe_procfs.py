@@ -848,6 +848,76 @@ def test_a_listing_of_the_clients_connected_is_a_poll_with_each_ones_last_data(s
     assert source.clients([port_of(server)]) is None
 
 
+@contextlib.contextmanager
+def clients_in_each_state(server: socket.socket, answer_after_s: float, quiet_s: float) -> Iterator[dict[str, socket.socket]]:
+    """Clients of ``server`` that each sent a request, by what the server did since (the client
+    ends, by name): ``answered`` got its answer ``answer_after_s`` after its request and has been
+    quiet ``quiet_s`` since (kept alive between requests); ``headers`` got a first few bytes at once
+    and nothing since (a streamed answer waiting in the queue); ``silent`` got nothing (an answer
+    sent whole at its end); ``unread`` was answered, then sent its next request, not read yet;
+    ``stalled`` was answered, then sent more than it reads (a stream to a reader that stopped)."""
+    names = ("answered", "headers", "silent", "unread", "stalled")
+    clients = {name: socket.create_connection(server.getsockname()) for name in names}
+    ends = {name: server.accept()[0] for name in names}  # accepted in the order they connected
+    try:
+        for name in names:
+            clients[name].sendall(b"POST /v1/completions HTTP/1.1\r\n\r\n")
+            assert ends[name].recv(100)
+        ends["headers"].sendall(b"HTTP/1.1 200 OK\r\n\r\n")
+        time.sleep(answer_after_s)
+        for name in ("answered", "unread", "stalled"):
+            ends[name].sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        for name in ("answered", "headers", "unread", "stalled"):
+            assert clients[name].recv(100)
+        ends["stalled"].setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:  # until the client's receive window and the server's send buffer are full
+                ends["stalled"].send(b"x" * 65536)
+        time.sleep(quiet_s)
+        clients["unread"].sendall(b"POST /v1/completions HTTP/1.1\r\n\r\n")
+        time.sleep(0.02)
+        yield ends
+    finally:
+        for sock in (*clients.values(), *ends.values()):
+            sock.close()
+
+
+def test_a_client_kept_alive_between_requests_is_not_listed(server: socket.socket,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """tcp_info tells a client the server answered and has been quiet since (it holds no request:
+    an SDK's or a gateway's pool between requests) from one whose request the engine still holds:
+    one whose answer waits (headers sent at once, or nothing), whose next request came unread, or
+    whose stream its reader stopped taking. The scraper's listings leave out the first (sock_diag
+    alone, and the /proc source's poll): it would hide an orphan of the port while it stays."""
+    from probes import sockdiag
+
+    monkeypatch.setattr(sockdiag, "IDLE_ANSWERED_MS", 100)
+    monkeypatch.setattr(sockdiag, "IDLE_QUIET_MS", 200)
+    source = ProcfsConnEventSource([port_of(server)], sock_diag=True)
+    source.scan()
+    lister = sockdiag.ConnectedClients()
+    diag = sockdiag.SockDiag()
+    try:
+        with clients_in_each_state(server, answer_after_s=0.15, quiet_s=0.3) as ends:
+            by_port = {end.getpeername()[1]: name for name, end in ends.items()}
+            found = diag.established(frozenset({port_of(server)}))[port_of(server)]
+            assert {by_port[key[4]]: idle for key, _last_ms, idle in found} == {
+                "answered": True, "headers": False, "silent": False, "unread": False, "stalled": False}
+            for listed in (lister.clients([port_of(server)]), source.clients([port_of(server)])):
+                assert listed is not None
+                assert sorted(by_port[client[1]] for client in listed[port_of(server)]) == \
+                    ["headers", "silent", "stalled", "unread"]
+            # Its next request read, the one that came unread holds it: data came after the answer.
+            assert ends["unread"].recv(100)
+            time.sleep(0.25)
+            found = diag.established(frozenset({port_of(server)}))[port_of(server)]
+            assert [by_port[key[4]] for key, _last_ms, idle in found if idle] == ["answered"]
+    finally:
+        diag.close()
+        lister.close()
+        source.stop()
+
+
 def test_a_listing_is_complete_unless_its_own_port_took_a_client_since(server: socket.socket) -> None:
     """The namespace counts every port's accepts; asked once that count moved, a poll tells whether
     the listed port itself took a client since the listing: one still connected, or one that came
