@@ -5,32 +5,38 @@ of its zombie time the port alone tells, and that an engine that stops the work 
 One daemon and reference engine per behavior (llama.cpp's metric names, no OTLP at all):
 ``detached`` runs a request on after its client leaves, ``abort`` stops it. The load: requests
 cancelled at random points (FIN and reset, streaming and not, 1 to 4 s of work each) among
-requests read whole, a few running at once; with ``--pool N``, N clients that keep their
-connection after their answer, as an SDK's pool does, each of which hides an orphan while it stays.
+requests read whole, a few running at once; with ``--pool N``, N pooled connections (an SDK's, a
+gateway's upstream pool) that send requests one after another and stay quiet between them: a
+connection between requests hides an orphan until the kernel says it was answered and quiet for
+IDLE_QUIET_MS (``--compare-idle`` adds a detached run where it always hides one, as before).
 
 Prints, per behavior side by side: the truth's orphaned time (each cancelled request's running time
 past its client's grace), the request-seconds the stretches counted and their ratio, the most
 orphans at once (truth and counted), the stretches and their CPU-seconds.
 
-Usage: .venv/bin/python bench/orphaned_work.py [--cancels 12] [--done 6] [--gap 0.3] [--pool 0] [--source bpf]
+Usage: .venv/bin/python bench/orphaned_work.py [--cancels 12] [--done 6] [--gap 0.3] [--source bpf]
+                                               [--pool 0] [--pool-idle 6] [--keep-alive 5] [--compare-idle]
                                                [--names llamacpp|tgi|vllm|sglang] [--gauges-on-steps]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import shutil
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from auditor.model import STEP_STILL_NS
+from probes import bpf, sockdiag
 from replay.engine.launch import running_engine
 from tests.e2e import GRACE_S, cancel_after, complete, read_response, running_daemon, send_request
 from tests.test_orphaned_work_e2e import stretches
@@ -38,16 +44,36 @@ from tests.test_orphaned_work_e2e import stretches
 S = 1_000_000_000
 
 
-def pooled(port: int, hold_s: float) -> threading.Thread:
-    """A client that reads its short answer whole, then keeps the connection open for ``hold_s``."""
+def pooled(port: int, until: float, idle_s: float, rng: random.Random, sent: list[int]) -> threading.Thread:
+    """A connection of a client's pool (an SDK's, a gateway's upstream): requests one after another
+    on it, each answered whole in 1 to 2 s, the connection kept and quiet 1 to ``idle_s`` seconds
+    between them, until ``until``; ``sent`` counts them."""
     def run() -> None:
-        with send_request(port, stream=False, max_tokens=8, request_id=None) as sock:
-            read_response(sock)
-            time.sleep(hold_s)
+        with send_request(port, stream=False, max_tokens=rng.randint(100, 200), request_id=None) as sock:
+            while True:
+                read_response(sock)
+                sent.append(1)
+                time.sleep(rng.uniform(1.0, idle_s))
+                if time.time() >= until:
+                    return
+                send_request(port, stream=False, max_tokens=rng.randint(100, 200), request_id=None, sock=sock)
 
     thread = threading.Thread(target=run)
     thread.start()
     return thread
+
+
+@contextlib.contextmanager
+def idle_told(told: bool) -> Iterator[None]:
+    """With ``told`` False, no client is ever taken as kept alive between requests (each client
+    connected may hold one): the listing as it was before the kernel's send times were read."""
+    saved = sockdiag.IDLE_QUIET_MS, bpf.IDLE_QUIET_MS
+    if not told:
+        sockdiag.IDLE_QUIET_MS = bpf.IDLE_QUIET_MS = 1 << 31
+    try:
+        yield
+    finally:
+        sockdiag.IDLE_QUIET_MS, bpf.IDLE_QUIET_MS = saved
 
 
 def truth_orphaned(truths: list[dict[str, Any]]) -> tuple[float, int]:
@@ -70,19 +96,22 @@ def truth_orphaned(truths: list[dict[str, Any]]) -> tuple[float, int]:
     return total, peak
 
 
-def one_run(args: argparse.Namespace, behavior: str) -> dict[str, Any]:
+def one_run(args: argparse.Namespace, behavior: str, told: bool = True) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="orphaned-work-"))
     rng = random.Random(args.seed)
     try:
         settings = {"probe.source": args.source, "engine_metrics.interval_seconds": 0.1}
-        with running_daemon(tmp, **settings) as daemon, running_engine(
+        with idle_told(told), running_daemon(tmp, **settings) as daemon, running_engine(
                 behavior=behavior, truth_log=tmp / "truth.jsonl", step_ms=10, max_batch=16,
-                extra_args=["--metrics-names", args.names, *(["--gauges-on-steps"] if args.gauges_on_steps else [])]
+                extra_args=["--metrics-names", args.names, "--keep-alive-s", str(args.keep_alive),
+                            *(["--gauges-on-steps"] if args.gauges_on_steps else [])]
         ) as engine:
             daemon.set_ports({engine.port})
             time.sleep(0.5)
             load_s = args.gap * (args.cancels + args.done)
-            threads = [pooled(engine.port, load_s + 4.0) for _ in range(args.pool)]
+            pool_sent: list[int] = []
+            threads = [pooled(engine.port, time.time() + load_s + 2.0, args.pool_idle, random.Random(args.seed + i),
+                              pool_sent) for i in range(args.pool)]
             kinds = [(kind, stream) for kind in ("fin", "rst") for stream in (True, False)]
             order = ["cancel"] * args.cancels + ["done"] * args.done
             rng.shuffle(order)
@@ -97,7 +126,7 @@ def one_run(args: argparse.Namespace, behavior: str) -> dict[str, Any]:
                 time.sleep(args.gap)
             for thread in threads:
                 thread.join()
-            truths = engine.wait_for_truth(len(order) + args.pool, timeout=60)
+            truths = engine.wait_for_truth(len(order) + len(pool_sent), timeout=60)
             # Scrapes past the last work's end, and past the time standing gauges take to be read as such.
             time.sleep(1.5 + STEP_STILL_NS.get(args.names, 0) / S)
         rows = stretches(tmp / "auditor.db")
@@ -114,7 +143,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cancels", type=int, default=12)
     parser.add_argument("--done", type=int, default=6)
-    parser.add_argument("--pool", type=int, default=0, help="clients kept connected after their answer")
+    parser.add_argument("--pool", type=int, default=0,
+                        help="pooled connections: requests one after another, kept alive between them")
+    parser.add_argument("--pool-idle", type=float, default=6.0, help="most seconds a pooled connection stays quiet")
+    parser.add_argument("--keep-alive", type=float, default=5.0,
+                        help="seconds the engine keeps an idle connection (5: uvicorn, llama.cpp; TGI: never closes)")
+    parser.add_argument("--compare-idle", action="store_true",
+                        help="also run detached with no client taken as kept alive between requests")
     parser.add_argument("--source", choices=["bpf", "procfs"], default="bpf")
     parser.add_argument("--gap", type=float, default=0.3, help="seconds between one request's start and the next's")
     parser.add_argument("--seed", type=int, default=7)
@@ -124,10 +159,15 @@ def main() -> None:
                         help="gauges published with a step (vLLM) or a logged batch (SGLang) only")
     args = parser.parse_args()
     results = {behavior: one_run(args, behavior) for behavior in ("detached", "abort")}
+    if args.compare_idle:
+        results = {"detached": results["detached"], "idle untold": one_run(args, "detached", told=False),
+                   "abort": results["abort"]}
     steps = ", gauges on steps" if args.gauges_on_steps else ""
+    pool = f"pool {args.pool} (quiet 1-{args.pool_idle:g} s, engine keeps idle {args.keep_alive:g} s)" if args.pool \
+        else "no pool"
     print(f"{args.names} names{steps}, no spans: {args.cancels} cancels among {args.done} read whole, {args.gap:g} s "
-          f"apart, pool {args.pool}, source {args.source}")
-    print(f"{'':<34}{'detached':>12}{'abort':>12}")
+          f"apart, {pool}, source {args.source}")
+    print(f"{'':<34}" + "".join(f"{name:>14}" for name in results))
     rows = [("cancelled (truth)", "cancels", "{:.0f}"),
             ("orphaned request-s (truth)", "truth_s", "{:.2f}"),
             ("orphaned request-s (counted)", "counted_s", "{:.2f}"),
@@ -136,10 +176,10 @@ def main() -> None:
             ("stretches", "stretches", "{:.0f}"),
             ("their CPU-s", "cpu_s", "{:.2f}")]
     for label, key, form in rows:
-        print(f"{label:<34}" + "".join(f"{form.format(results[b][key]):>12}" for b in results))
-    detached = results["detached"]
-    ratio = detached["counted_s"] / detached["truth_s"] if detached["truth_s"] else float("nan")
-    print(f"{'counted / truth (detached)':<34}{ratio:>12.3f}")
+        print(f"{label:<34}" + "".join(f"{form.format(results[b][key]):>14}" for b in results))
+    ratios = [results[b]["counted_s"] / results[b]["truth_s"] if results[b]["truth_s"] else float("nan")
+              for b in results]
+    print(f"{'counted / truth':<34}" + "".join(f"{ratio:>14.3f}" for ratio in ratios))
 
 
 if __name__ == "__main__":
