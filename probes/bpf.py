@@ -38,7 +38,7 @@ from probes.clock import MonotonicToWall
 from probes.decode import EventBuilder, is_stored_layout
 from probes.handoff import CLIENT, CLIENT_KEY, SERVER_KEY, LoadedProgram, load_in_child
 from probes.inprocess import BccProgram
-from probes.sockdiag import IDLE_QUIET_MS, SockDiag
+from probes.sockdiag import IDLE_QUIET_MS, SockDiag, SocketKey
 from probes.source import OwnEnd, ProbeUnavailable, validate_ports
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,11 @@ DEFAULT_RINGBUF_PAGES = ProbeConfig().ring_buffer_pages
 MAX_WAKEUP_EVERY = 1024
 RECORD_BYTES = 64  # struct event (56) plus the ring buffer's 8-byte record header
 MAX_PORTS = 1024  # the size of the server_pids map in disconnect.bpf.c
+# Quiet clients asked of sock_diag one at a time (``_idle_clients``) up to this many; more, in one
+# walk of their ports. bench/idle_listing.py: a lookup about 8 us of CPU here, a walk 1.1 ms (it
+# grows with the host's established hash: 262,144 buckets here, more on big hosts); 64 lookups
+# about half a walk.
+IDLE_LOOKUPS_AT_MOST = 64
 PROGRAM_CFLAGS = [f"-I{PROGRAM_DIR}"]  # where the program's #include "disconnect.h" is found
 TRACEPOINTS = ("sock/inet_sock_set_state", "tcp/tcp_receive_reset", "tcp/tcp_rcv_space_adjust")
 TRACEPOINT_NAMES = tuple(tp.replace("/", ":") for tp in TRACEPOINTS)  # category:name, as loaders take them
@@ -80,6 +85,14 @@ def _client_key(family: int, local: str, port: int, peer: str, peer_port: int) -
     kind = socket.AF_INET if family == 4 else socket.AF_INET6
     return CLIENT_KEY.pack(port, peer_port, kind, 0, socket.inet_pton(kind, peer).ljust(16, b"\0"),
                            socket.inet_pton(kind, local).ljust(16, b"\0"))
+
+
+def _socket_key(key: bytes) -> SocketKey:
+    """The sock_diag key of the server socket a ``struct client_key`` names (``_client_key``'s inverse)."""
+    port, peer_port, kind, _pad, peer, local = CLIENT_KEY.unpack_from(key)
+    size = 4 if kind == socket.AF_INET else 16
+    return (4 if kind == socket.AF_INET else 6, socket.inet_ntop(kind, local[:size]), port,
+            socket.inet_ntop(kind, peer[:size]), peer_port)
 
 
 def server_key(key: bytes) -> tuple[int, str | None]:
@@ -454,7 +467,7 @@ class BpfConnEventSource:
         if len(decoded) > len(values) * 4 + 1024:  # keys of clients long gone
             decoded.clear()
         quiet_since = time.monotonic_ns() - IDLE_QUIET_MS * 1_000_000  # bpf_ktime_get_ns's clock
-        quiet: set[int] = set()  # ports with a client not read from since: maybe kept alive, idle
+        quiet: list[bytes] = []  # clients not read from since: maybe kept alive, idle
         kept: list[tuple[bytes, int, tuple[int, str, int, str]]] = []
         for key, value in values.items():
             client = decoded.get(key)
@@ -466,27 +479,30 @@ class BpfConnEventSource:
             if client[0] in wanted:
                 last_read = CLIENT.unpack_from(value)[1]
                 if last_read <= quiet_since:
-                    quiet.add(client[0])
+                    quiet.append(key)
                 kept.append((key, last_read, client))
-        idle = self._idle_clients(frozenset(quiet)) if quiet else frozenset()
+        idle = self._idle_clients(quiet) if quiet else frozenset()
         for key, last_read, client in kept:
             if key not in idle:
                 found[client[0]].append((client[1], client[2], last_read + offset, client[3]))
         return {port: tuple(clients) for port, clients in found.items()}
 
-    def _idle_clients(self, ports: frozenset[int]) -> frozenset[bytes]:
-        """The ``clients`` keys of ``ports``' connections kept alive between requests: answered,
-        and quiet since (``SockDiag.idle``), which the program's table cannot tell (it keeps no
-        send time). A sock_diag walk of the ports with tcp_info (about a millisecond on a host of
-        262,144 buckets), made only where a client was not read from for IDLE_QUIET_MS, which an
-        idle one was not. Clients in other network namespaces have no tcp_info here: never idle.
-        Nothing where the kernel refuses it."""
+    def _idle_clients(self, quiet: list[bytes]) -> frozenset[bytes]:
+        """Of the ``clients`` keys ``quiet`` (clients not read from for IDLE_QUIET_MS, as an idle one
+        was not), those kept alive between requests: answered, and quiet since (``SockDiag.idle``),
+        which the program's table cannot tell (it keeps no send time). Asked of sock_diag one socket
+        at a time (a hash lookup each) up to IDLE_LOOKUPS_AT_MOST, else in one walk of their ports
+        (every bucket of the established hash: about a millisecond at 262,144). Clients in other
+        network namespaces are not found here: never idle. Nothing where the kernel refuses it."""
         if self._idle_diag is False:
             return frozenset()
         try:
             if not isinstance(self._idle_diag, SockDiag):
                 self._idle_diag = SockDiag()
-            found = self._idle_diag.established(ports)
+            if len(quiet) <= IDLE_LOOKUPS_AT_MOST:
+                keys = {_socket_key(key): key for key in quiet}
+                return frozenset(keys[key] for key in self._idle_diag.idle_of(keys))
+            found = self._idle_diag.established(frozenset(CLIENT_KEY.unpack_from(key)[0] for key in quiet))
         except OSError as exc:
             log.info("sock_diag is refused (%s): a client kept alive between requests is taken as holding one", exc)
             self._idle_diag = False

@@ -347,17 +347,22 @@ def test_the_clients_connected_are_listed_with_the_servers_last_read(probe: Prob
         sock.close()
 
 
-def test_a_client_kept_alive_between_requests_is_not_listed(probe: Probe, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("lookups_at_most", "family"), [
+    (64, socket.AF_INET), (64, socket.AF_INET6),  # each quiet client looked up
+    (0, socket.AF_INET)])  # the port walked
+def test_a_client_kept_alive_between_requests_is_not_listed(probe: Probe, monkeypatch: pytest.MonkeyPatch,
+                                                            lookups_at_most: int, family: int) -> None:
     """The program's table has no send time: a client not read from for IDLE_QUIET_MS is asked of
     sock_diag, and one answered and quiet since (kept alive between requests, as a pool keeps it)
     is left out of the listing; one whose request the engine still holds stays."""
     from probes import bpf, sockdiag
     from tests.test_probe_procfs import clients_in_each_state
 
+    monkeypatch.setattr(bpf, "IDLE_LOOKUPS_AT_MOST", lookups_at_most)
     monkeypatch.setattr(sockdiag, "IDLE_ANSWERED_MS", 100)
     monkeypatch.setattr(sockdiag, "IDLE_QUIET_MS", 200)
     monkeypatch.setattr(bpf, "IDLE_QUIET_MS", 200)
-    server = listener()
+    server = listener(family, "127.0.0.1" if family == socket.AF_INET else "::1")
     probe.source.set_ports([port_of(server)])
     with clients_in_each_state(server, answer_after_s=0.15, quiet_s=0.3) as ends:
         by_port = {end.getpeername()[1]: name for name, end in ends.items()}
