@@ -100,10 +100,15 @@ class DaemonMetrics:
     """The registry ``/metrics`` serves, and the tallies of what happens inside the daemon."""
 
     def __init__(self, readings: Callable[[], SourceReadings] | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, gpu_hour_price: float = 0.0,
+                 cpu_hour_price: float = 0.0, currency: str = "USD") -> None:
         self.registry = Registry()
         self.readings = readings or SourceReadings
         self.clock = clock
+        # This host's prices (the ``[report]`` settings), for dashboards that price the wasted
+        # seconds of a fleet each host at its own; 0: unpriced, not exported.
+        self.hour_prices = {"gpu": gpu_hour_price, "cpu": cpu_hour_price}
+        self.currency = currency
         self._lock = threading.Lock()
         self._seen_labels: dict[str, set[str]] = collections.defaultdict(set)
         self._verdicts: collections.Counter[tuple[str, str, str]] = collections.Counter()
@@ -209,6 +214,13 @@ class DaemonMetrics:
         yield CounterFamily("auditor_wasted_tokens", "Tokens generated after the client left, as engine "
                             "spans told them (a zombie judged without one adds none)",
                             value=self._wasted["tokens"])
+        prices = GaugeFamily("auditor_hour_price", "What an hour of one GPU or one CPU core costs on this "
+                             "host ([report] gpu_hour_price, cpu_hour_price; unpriced: absent), in currency: "
+                             "wasted seconds x price / 3600 is their cost", labels=["kind", "currency"])
+        for kind, price in self.hour_prices.items():
+            if price > 0:
+                prices.add_metric([kind, self.currency], price)
+        yield prices
         yield CounterFamily("auditor_zombies_uncosted", "Zombies whose engine's GPU or CPU time could not "
                             "be read (its process, or its GPU processes on a host of several GPUs, not "
                             "known): their wasted seconds count 0", value=self._uncosted)

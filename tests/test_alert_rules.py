@@ -103,3 +103,38 @@ def test_the_dashboards_orphaned_work_is_a_rate_by_port(tmp_path: Path) -> None:
                                                  "promql_expr_test": tests}]}))
     result = run("test", "rules", "orphaned.test.yml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_dashboards_cost_prices_each_host_at_its_own(tmp_path: Path) -> None:
+    """Each daemon exports its own prices (auditor_hour_price, from its [report] settings): a fleet
+    of GPU kinds is priced host by host, a host with no price adds nothing, and the orphaned work
+    of ports without spans is added (with spans, its verdicts count the same work already)."""
+    cost, = dashboard_panel_exprs("Wasted cost (hosts priced)")
+    h100, a10, unpriced = ('job="auditor",instance="h100-1:9464"', 'job="auditor",instance="a10-1:9464"',
+                           'job="auditor",instance="cpu-1:9464"')
+    series = [
+        # Fifteen minutes of counts by the evaluation (the range is longer). h100-1 at 2.40 an hour:
+        # 36 GPU-s a minute of zombies (540: 0.36), 360 CPU-s a minute at 0.05 (5,400: 0.075); a
+        # spanless port's orphans 18 GPU-s a minute (270: 0.18).
+        {"series": f'auditor_hour_price{{{h100},kind="gpu",currency="USD"}}', "values": "2.4x20"},
+        {"series": f'auditor_hour_price{{{h100},kind="cpu",currency="USD"}}', "values": "0.05x20"},
+        {"series": f"auditor_wasted_gpu_seconds_total{{{h100}}}", "values": "0+36x20"},
+        {"series": f"auditor_wasted_cpu_seconds_total{{{h100}}}", "values": "0+360x20"},
+        {"series": f'auditor_orphaned_wasted_gpu_seconds_total{{{h100},port="8080",spans="false"}}',
+         "values": "0+18x20"},
+        {"series": f'auditor_orphaned_wasted_gpu_seconds_total{{{h100},port="8000",spans="true"}}',
+         "values": "0+600x20"},
+        # a10-1 at 0.90 an hour, GPU only: 36 GPU-s a minute (540: 0.135); its CPU-seconds unpriced.
+        {"series": f'auditor_hour_price{{{a10},kind="gpu",currency="USD"}}', "values": "0.9x20"},
+        {"series": f"auditor_wasted_gpu_seconds_total{{{a10}}}", "values": "0+36x20"},
+        {"series": f"auditor_wasted_cpu_seconds_total{{{a10}}}", "values": "0+360x20"},
+        # cpu-1 has no price: nothing.
+        {"series": f"auditor_wasted_cpu_seconds_total{{{unpriced}}}", "values": "0+3600x20"},
+    ]
+    tests = [{"expr": cost, "eval_time": "15m",
+              "exp_samples": [{"labels": '{currency="USD"}', "value": 0.36 + 0.075 + 0.18 + 0.135}]}]
+    (tmp_path / "cost.test.yml").write_text(yaml.safe_dump(
+        {"evaluation_interval": "1m", "tests": [{"interval": "1m", "input_series": series,
+                                                 "promql_expr_test": tests}]}))
+    result = run("test", "rules", "cost.test.yml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr

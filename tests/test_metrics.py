@@ -218,3 +218,19 @@ def test_gzip_only_where_the_scraper_takes_it() -> None:
     assert accepts_gzip("gzip") and accepts_gzip("deflate, gzip;q=0.5") and accepts_gzip("*")
     assert not accepts_gzip("gzip;q=0, identity") and not accepts_gzip("identity") and not accepts_gzip("")
     assert not accepts_gzip("gzip;q=nope")
+
+
+def test_this_hosts_prices_are_exported_where_set() -> None:
+    """``auditor_hour_price``: the [report] prices the daemon runs with, a priced kind each, so a
+    dashboard prices each host's wasted seconds at its own; an unpriced kind is absent, not 0
+    (a free hour would read as a real cost of nothing)."""
+    for prices, want in (({"gpu_hour_price": 2.4, "currency": "EUR"}, {(("currency", "EUR"), ("kind", "gpu")): 2.4}),
+                         ({"gpu_hour_price": 2.4, "cpu_hour_price": 0.05},
+                          {(("currency", "USD"), ("kind", "gpu")): 2.4, (("currency", "USD"), ("kind", "cpu")): 0.05}),
+                         ({}, {})):
+        metrics = DaemonMetrics(**prices)  # type: ignore[arg-type]
+        server = MetricsServer(metrics.registry, "127.0.0.1", 0)
+        try:
+            assert scrape(server.port).get("auditor_hour_price", {}) == want, prices
+        finally:
+            server.stop()
