@@ -257,6 +257,9 @@ LOGGED_STYLES = frozenset({"sglang"})
 # node serving one port are told apart by the last: a gateway reaching two of them from one address
 # may be given one source port for both.
 ListedClient = tuple[str, int, int, str]
+# A ListedClient's last read where the kernel's table gives none: a client of another network
+# namespace (a container's engine), listed from that namespace's /proc/net/tcp by the /proc source.
+READ_UNKNOWN = 0
 # The engines (``EngineLoad.style``) whose finish count is of the tokens the requests they finished
 # normally generated, not of the requests (llama.cpp's ``tokens_predicted``): a rise says that at
 # least one finished, not how many.

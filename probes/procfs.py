@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from auditor.model import ConnEvent, ConnEventKind, ListedClient
+from auditor.model import READ_UNKNOWN, ConnEvent, ConnEventKind, ListedClient
 from probes.netns import Namespace, NetNamespaces, ProcessScan
 from probes.sockdiag import (
     TCP_ESTABLISHED,
@@ -179,7 +179,8 @@ class ProcfsConnEventSource:
     ``other_namespaces``, a watched port listened on in another network namespace (a container's
     engine) is also read from that namespace's ``/proc/<pid>/net/tcp{,6}`` (``probes.netns``): a
     connection that opens and closes between two polls there is not seen, one that vanished from
-    ESTABLISHED is told reset, and the port's clients are not listed (``clients``). ``netns_scan``:
+    ESTABLISHED is told reset, and the port's clients are listed with no time of their last data
+    (``clients``). ``netns_scan``:
     the processes' namespaces, where the daemon shares one scan of them (``probes.netns.ProcessScan``).
     """
 
@@ -328,7 +329,10 @@ class ProcfsConnEventSource:
         """The clients connected to each of ``ports`` now (``EngineLoad.connections``): address, port,
         when data from each last came in (wall-clock ns: tcp_info's last_data_recv, the kernel's
         receipt), and the server socket's address; a client kept alive between requests
-        (``SockDiag.idle``) is left out: it holds no request. A poll made at once, its dump asking each
+        (``SockDiag.idle``) is left out: it holds no request. A port served in another network
+        namespace (a container's engine) lists its clients there from that namespace's table, with
+        READ_UNKNOWN for their last data (the table has no tcp_info), where that namespace's count
+        of accepted connections can be read (``accepted`` adds it). A poll made at once, its dump asking each
         socket's tcp_info, that stands for the poller's next: the poller's ticks follow on a whole
         interval after it. So the engine scraper's listings cost no walk of the established hash
         beside the polls'. Not read from a poll made a moment before: a client that left since would
@@ -343,21 +347,34 @@ class ProcfsConnEventSource:
             diag, now = self._diag, self._snapshot_ns
             if diag is None:  # the dump failed: /proc/net/tcp from now on, which has no tcp_info
                 return None
-            # A port also served in another namespace: its clients there have no tcp_info to list.
-            wanted = set(ports) & self._dumped_ports - self._foreign.keys()
+            # A port also served in another namespace whose accepts cannot be counted: a client
+            # accepted there after the listing would go unnoticed, and its request read as an orphan.
+            unsure = {port for port, namespaces in self._foreign.items()
+                      if any(self._foreign_accepted(namespace) is None for namespace in namespaces)}
+            wanted = set(ports) & self._dumped_ports - unsure
             self._listed_keys = {port: {key for key in self._seen if key[2] == port} for port in wanted}
             found: dict[int, list[ListedClient]] = {port: [] for port in wanted}
             for (_family, local, port, peer, peer_port), seen in self._seen.items():
-                if port in wanted and seen.state == TCP_ESTABLISHED and not diag.idle(seen.freed_as):
+                if port not in wanted or seen.state != TCP_ESTABLISHED:
+                    continue
+                if seen.namespace:
+                    found[port].append((peer, peer_port, READ_UNKNOWN, local))
+                elif not diag.idle(seen.freed_as):
                     last_ms = diag.last_data_recv(seen.freed_as) or 0
                     found[port].append((peer, peer_port, now - last_ms * 1_000_000, local))
         return {port: tuple(clients) for port, clients in found.items()}
 
     def accepted(self) -> int | None:
-        """Connections this network namespace accepted so far, every port (``TcpAccepts``); None
-        when it cannot be read. Unchanged around a listing of ``clients``: none is missing from it."""
+        """Connections this network namespace accepted so far, every port (``TcpAccepts``), and each
+        other namespace serving a watched port whose count can be read (their clients are listed
+        too); None when this one's cannot be read. Unchanged around a listing of ``clients``: none
+        is missing from it."""
         with self._scan_lock:
-            return self._accepts.read() if self._accepts is not None else None
+            own = self._accepts.read() if self._accepts is not None else None
+            if own is None:
+                return None
+            namespaces = {namespace.ident: namespace for found in self._foreign.values() for namespace in found}
+            return own + sum(self._foreign_accepted(namespace) or 0 for namespace in namespaces.values())
 
     def listing_complete(self, port: int) -> bool | None:
         """Whether no client of ``port`` can be missing from the latest listing (``clients``), asked
@@ -365,12 +382,13 @@ class ProcfsConnEventSource:
         at once, that stands for the poller's next: the listing is complete if it finds no socket
         on the port that the listing lacked, and no connection on the port was freed unseen since
         the listing began (one that opened and closed in between, told by the kernel's notices).
-        None where it cannot tell (no sock_diag, no notices, or notices lost): the namespace's
+        None where it cannot tell (no sock_diag, no notices, or notices lost; a port served in
+        another namespace, whose connections the kernel's notices do not tell): the namespaces'
         count decides, as without this."""
         with self._scan_lock:
             listed = self._listed_keys.get(port)
             notices = self._notices
-            if listed is None or self._diag is None or notices is None:
+            if listed is None or self._diag is None or notices is None or port in self._foreign:
                 return None
             lost = notices.overflows
             self._listed_at = time.monotonic()

@@ -16,6 +16,7 @@ from auditor.correlate.correlator import _counted_close_ids, _lean
 from auditor.correlate.evidence import FINAL_SEND_ATTR, ORPHANS_SETTLE_WOKEN_NS
 from auditor.correlate.requests import Disconnect
 from auditor.model import (
+    READ_UNKNOWN,
     ConnEvent,
     ConnEventKind,
     EngineLoad,
@@ -300,6 +301,28 @@ def test_listed_clients_are_told_once_their_spans_come_and_counted_by_when_each_
     correlator.tick()
     assert correlator.unspanned_clients(scrape, listed) == 2
     assert correlator.unspanned_clients(scrape, listed, read_before_ns=T0 + int(1.2 * S)) == 1
+
+
+def test_a_client_listed_with_no_time_of_its_last_read_is_told_only_by_a_span_in_flight(store: Store) -> None:
+    """A container's clients, listed by the /proc source from its own table (READ_UNKNOWN): one whose
+    span was in flight at the scrape is told; one whose only span ended before it may be idle or
+    holding its next request, and one with no span at all holds one untold: both stay counted,
+    whatever ``read_before_ns`` asks (their reads may be any time)."""
+    clock = Clock()
+    correlator = make(store, clock)
+    listed = tuple(("127.0.0.1", port, READ_UNKNOWN, "") for port in (40201, 40202, 40203))
+    scrape = replace(load(2.0, 3), connections=listed)
+    store.insert_spans([http_span("a", 0.5, 9.0, client=("127.0.0.1", 40201)),  # in flight at the scrape
+                        http_span("b", 0.5, 1.0, span="6", client=("127.0.0.1", 40202))])  # ended before it
+    clock.now = T0 + 3 * S
+    correlator.tick()
+    assert correlator.unspanned_clients(scrape, listed) == 2
+    assert correlator.unspanned_clients(scrape, listed, read_before_ns=T0) == 2
+    # A span that began after the scrape's answer is a later request's: it tells nothing of it.
+    store.insert_spans([http_span("c", 2.5, 9.0, span="7", client=("127.0.0.1", 40203))])
+    clock.now = T0 + 4 * S
+    correlator.tick()
+    assert correlator.unspanned_clients(replace(scrape, ts_ns=scrape.ts_ns + 1), listed) == 2
 
 
 def test_a_listed_client_of_one_pod_is_not_told_by_another_pods_span_on_its_4_tuple(store: Store) -> None:

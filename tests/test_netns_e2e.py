@@ -29,15 +29,18 @@ import pytest
 from sqlalchemy import select
 
 from auditor.cli.doctor import check_engine_metrics, check_engines
+from auditor.model import READ_UNKNOWN
 from auditor.store import Store, VerdictRow
 from collectors.listeners import ListenerPids
 from probes import procfs
 from probes.netns import EngineAddresses, NetNamespaces, ProcessScan
 from replay.engine.launch import running_engine
 from tests.e2e import (
+    GRACE_S,
     cancel_after,
     complete,
     disconnect,
+    expected_verdict,
     free_port,
     read_response,
     running_daemon,
@@ -362,6 +365,31 @@ def test_the_poller_reads_another_namespace_only_while_it_may_list_something(nam
         time.sleep(0.05)
         events = [event for event in source.scan() if event.client_port == client_port]
         assert [(event.kind.value, event.server_addr) for event in events] == [("peer_fin", ENGINE_ADDR)], events
+    finally:
+        source.stop()
+        server.kill()
+        server.wait()
+
+
+def test_the_poller_lists_a_containers_clients_with_no_time_of_their_last_data(namespace: str) -> None:
+    """The engine scraper's listing of a port served in another namespace: its clients there, from
+    that namespace's table (no tcp_info: READ_UNKNOWN for their last data), at the container's
+    address; the namespace's accepts count in ``accepted`` (a client accepted there after a
+    listing makes it incomplete), and no poll can say a listing of it complete on its own."""
+    server = _listen_in(namespace, 8765)
+    source = procfs.ProcfsConnEventSource([8765], other_namespaces=True)
+    try:
+        source.scan()
+        assert 8765 in source.other_namespaces()
+        assert source.clients([8765]) == {8765: ()}
+        before = source.accepted()
+        client = socket.create_connection((ENGINE_ADDR, 8765))
+        time.sleep(0.05)
+        after = source.accepted()
+        assert before is not None and after == before + 1
+        assert source.clients([8765]) == {8765: ((HOST_ADDR, client.getsockname()[1], READ_UNKNOWN, ENGINE_ADDR),)}
+        assert source.listing_complete(8765) is None
+        client.close()
     finally:
         source.stop()
         server.kill()
@@ -1125,3 +1153,41 @@ def test_one_client_port_to_two_pods_joins_each_close_to_its_own_pods_request(
         first_tally, first_problems, rows)
     assert second_tally["completed"] == 4 and not second_tally["false findings"] and not second_problems, (
         second_tally, second_problems, rows)
+
+
+@pytest.mark.parametrize("behavior", ["detached", "abort"])
+@pytest.mark.parametrize("source", [pytest.param("bpf", marks=pytest.mark.privileged), "procfs"])
+def test_a_containers_engine_without_spans_shows_the_work_it_ran_for_nobody(tmp_path: Path, namespace: str,
+                                                                             source: str, behavior: str) -> None:
+    """llama.cpp's server in a container (a network of its own), no spans at all: the work it ran
+    on after its client reset is a stretch of orphaned work with either source, against its truth
+    log. The /proc source lists the port's clients from the container's own table (no tcp_info
+    there: no time of their last data), where it listed none before and so counted nothing; a
+    client read whole beside it, and an engine that stops the work, add none."""
+    from tests.test_orphaned_work_e2e import stretches
+
+    with running_daemon(tmp_path, **{"probe.source": source, "probe.poll_hz": 20.0,
+                                     "engine_metrics.interval_seconds": 0.1}) as daemon, running_engine(
+            behavior=behavior, truth_log=tmp_path / "truth.jsonl", step_ms=10, host=ENGINE_ADDR, netns=namespace,
+            extra_args=["--metrics-names", "llamacpp"]) as engine:
+        daemon.set_ports({engine.port})
+        if source == "procfs":
+            assert wait_for(lambda: engine.port in daemon._parts["probe"].other_namespaces(), timeout_s=5)
+        time.sleep(0.5)
+        whole = complete(engine.port, stream=True, max_tokens=40, request_id="whole", host=ENGINE_ADDR)
+        cancel_after(engine.port, 0.3, "rst", stream=False, max_tokens=300, request_id="left", host=ENGINE_ADDR).join()
+        whole.join()
+        truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(2, timeout=30)}
+        time.sleep(1.5)
+    truth = truths["left"]
+    rows = stretches(tmp_path / "auditor.db")
+    if behavior == "abort":
+        assert expected_verdict(truth) == "aborted" and rows == [], (rows, truth)
+        return
+    assert expected_verdict(truth) == "zombie", truth
+    left_ns, finished_ns = truth["disconnect_at"], truth["finished_at"]
+    [row] = rows
+    assert row["server_port"] == engine.port and row["peak"] == 1, row
+    assert left_ns + GRACE_S * 1e9 <= row["start_ns"] <= left_ns + (GRACE_S + 1.5) * 1e9, (row, truth)
+    assert abs(row["end_ns"] - finished_ns) <= 0.5e9, (row, truth)
+    assert row["request_seconds"] <= (finished_ns - left_ns) / 1e9

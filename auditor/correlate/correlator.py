@@ -59,6 +59,7 @@ from auditor.correlate.verdict import CLOCK_ERROR_NS, NORMAL_FINISH, TOKENS_AFTE
 from auditor.correlate.waste import CostSources, wasted
 from auditor.errors import StoreError
 from auditor.model import (
+    READ_UNKNOWN,
     STEP_STILL_NS,
     ConnEventKind,
     CoverageKind,
@@ -900,8 +901,11 @@ class Correlator:
         started earlier is an earlier request's, and the one read last is not told yet. On a port
         several containers serve, a span another of them sent tells none of this one's clients (a
         gateway may reach two from one address and port). A client whose told request ended before
-        the scrape is idle, kept alive. ``read_before_ns``: only clients last read by then (their
-        untold requests were held at that moment too). Counted once a round (spans come between
+        the scrape is idle, kept alive. A client listed with no time of its last read (READ_UNKNOWN:
+        another network namespace's table) is told only by a span or notice in flight on it at the
+        scrape; one whose latest request ended before may be idle or holding its next: untold.
+        ``read_before_ns``: only clients last read by then (their untold requests were held at that
+        moment too; one of unknown read, whatever it asks). Counted once a round (spans come between
         rounds)."""
         key = (load.server_port, load.ts_ns)
         reads = self._unspanned.get(key)
@@ -911,10 +915,23 @@ class Correlator:
             shared = port in self.servers  # else no client's server address is asked for
             for address, client_port, last_read_ns, server in clients:
                 not_from = self._other_servers(port, norm_addr(server)) if shared and server else _NOWHERE
-                if self._first_telling((norm_addr(address), client_port, port), last_read_ns, not_from) > by_ns:
+                tuple4 = (norm_addr(address), client_port, port)
+                if last_read_ns == READ_UNKNOWN:
+                    if not self._in_flight_at(tuple4, load.ts_ns, by_ns, not_from):
+                        untold.append(READ_UNKNOWN)  # first in the sorted reads: counted whatever is asked
+                elif self._first_telling(tuple4, last_read_ns, not_from) > by_ns:
                     untold.append(last_read_ns)
             reads = self._unspanned[key] = sorted(untold)
         return len(reads) if read_before_ns is None else bisect.bisect_right(reads, read_before_ns)
+
+    def _in_flight_at(self, tuple4: Tuple4, ts_ns: int, by_ns: int, not_from: frozenset[str]) -> bool:
+        """Whether a server span on the connection, started by ``by_ns`` and not sent from
+        ``not_from``, was still running at ``ts_ns`` (within the clock's error), as its span or its
+        notices tell."""
+        if any(span.start_ns <= by_ns and span.end_ns >= ts_ns - CLOCK_ERROR_NS
+               for span in self.spans.on_connection(tuple4, not_from)):
+            return True
+        return self.live.running_on_connection(tuple4, ts_ns - CLOCK_ERROR_NS, by_ns, not_from)
 
     def _first_telling(self, tuple4: Tuple4, last_read_ns: int, not_from: frozenset[str] = _NOWHERE) -> int:
         """When the first server span or start notice on the connection that can tell its request

@@ -85,6 +85,17 @@ class LiveState:
         return min((live.ts_ns for live in self._by_tuple.get(tuple4, ())
                     if live.ts_ns >= from_ns and live.sender not in not_from), default=sys.maxsize)
 
+    def running_on_connection(self, tuple4: Tuple4, ts_ns: int, by_ns: int,
+                              not_from: AbstractSet[str] = frozenset()) -> bool:
+        """Whether a server span on this connection that started by ``by_ns`` (and not sent from
+        ``not_from``) was still running at ``ts_ns``, as notices tell."""
+        for live in self._by_tuple.get(tuple4, ()):
+            if live.ts_ns <= by_ns and live.sender not in not_from:
+                key = (live.trace_id, live.span_id)
+                if key in self._running or self._span_end.get(span_key(*key), 0) >= ts_ns:
+                    return True
+        return False
+
     def running(self, trace_id: str, span_ids: set[str]) -> bool:
         """Whether any of these spans, or any engine work of the trace, is still running."""
         return any(trace == trace_id and (span_id in span_ids or live.engine)
