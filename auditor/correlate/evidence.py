@@ -740,8 +740,8 @@ class EngineLoads:
         only: a request that waits in the queue costs nothing yet (DESIGN §5), and is counted once
         it runs. A lower bound: a kept-alive client until the kernel says it was answered and
         quiet since (the listers leave it out then: ``probes.sockdiag.IDLE_QUIET_MS``), a waiting
-        request's client, a scraper's connection, a close that answered nothing, each counts against it. It assumes that every
-        request the engine holds came over this port.
+        request's client, a scraper's connection, a close that answered nothing, each counts
+        against it. It assumes that every request the engine holds came over this port.
 
         ``history``: the count as it was at that scrape, for the record of orphaned work
         (``auditor.correlate.orphans``): work known to have ended after the scrape was still
