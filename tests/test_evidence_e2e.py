@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from auditor.store import VerdictRow
+from probes.sockdiag import IDLE_QUIET_MS
 from replay.engine.launch import running_engine
 from tests.e2e import (
     GRACE_S,
@@ -519,6 +520,45 @@ def test_work_that_runs_on_is_alarmed_about_before_its_span_comes(tmp_path: Path
         (finished_s - left_s, timeline)
     after = [orphans for at, _, orphans in seen if at > finished_s + 2.0]
     assert after and not any(after), (finished_s - left_s, timeline)
+
+
+@pytest.mark.parametrize("source", ["bpf", "procfs"])
+def test_work_that_runs_on_beside_a_pooled_client_between_requests_is_alarmed_about(tmp_path: Path,
+                                                                                 source: str) -> None:
+    """vLLM's signal set, spans thirty seconds away, and a client of a pool (an SDK's, a gateway's)
+    that read a 2 s answer and keeps its connection, quiet, on an engine that keeps idle connections
+    a minute: a request whose client leaves at 0.3 s runs on. The pooled client holds no request (the
+    kernel says it was answered and has been quiet since), so the orphan is shown in flight from at
+    most IDLE_QUIET_MS past that answer, and while the truth says the work ran; before the kernel's
+    send times were read it was hidden for as long as the pool kept the connection."""
+    args = ["--engine-span", "none", "--metrics-names", "vllm", "--keep-alive-s", "60"]
+    with running_daemon(tmp_path, **{"engine_metrics.interval_seconds": SCRAPE_S, "probe.source": source,
+                                     "correlate.late_span_seconds": 40.0}) as daemon, running_engine(
+            behavior="detached", otlp=f"http://127.0.0.1:{daemon.status.http_port}", truth_log=tmp_path / "truth.jsonl",
+            step_ms=10, extra_args=args, env={**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "30000"}) as engine:
+        daemon.set_ports({engine.port})
+        time.sleep(0.5)
+        pooled = kept_alive(engine.port, hold_s=12.0, stream=False, max_tokens=200, request_id="pooled")
+        time.sleep(2.3)  # its answer read (2 s), its connection kept
+        cancel = cancel_after(engine.port, 0.3, "rst", stream=True, max_tokens=500, request_id="left")
+        seen: list[tuple[float, float]] = []  # (wall time, the port's orphans)
+        sent_at = time.time()
+        while time.time() - sent_at < 6.0:
+            seen.append((time.time(), daemon_gauges(daemon, engine.port)[1]))
+            time.sleep(0.05)
+        cancel.join()
+        spans_seen = daemon.readings().spans_received
+        truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(2, timeout=30)}
+        pooled.join()
+    assert spans_seen == 0, "a span came: the alarm was not told by the port alone"
+    truth, answered_s = truths["left"], truths["pooled"]["finished_at"] / 1e9
+    assert expected_verdict(truth) == "zombie", truth
+    left_s, finished_s = truth["disconnect_at"] / 1e9, truth["finished_at"] / 1e9
+    first = next((at for at, orphans in seen if orphans >= 1), None)
+    assert first is not None, seen
+    told_from = max(left_s + GRACE_S, answered_s + IDLE_QUIET_MS / 1000)
+    assert told_from - 0.1 < first < told_from + 1.5, (first - left_s, first - answered_s, seen)
+    assert first < finished_s and all(orphans <= 1 for _, orphans in seen), seen
 
 
 @pytest.mark.parametrize("source", ["bpf", "procfs"])
