@@ -182,7 +182,8 @@ def main() -> None:
                         help="pooled connections: requests one after another, kept alive between them")
     parser.add_argument("--pool-idle", type=float, default=6.0, help="most seconds a pooled connection stays quiet")
     parser.add_argument("--keep-alive", type=float, default=5.0,
-                        help="seconds the engine keeps an idle connection (5: uvicorn, llama.cpp; TGI: never closes)")
+                        help="seconds the engine keeps an idle connection (5: uvicorn, llama.cpp; TGI: until its client "
+                             "closes it, or 30 in recent versions)")
     parser.add_argument("--compare-idle", action="store_true",
                         help="also run detached with no client taken as kept alive between requests")
     parser.add_argument("--netns", action="store_true",

@@ -126,7 +126,7 @@ def serve(app: object, sock: socket.socket, log_level: str, keep_alive_s: float 
               help="Gateway: send the trace context (traceparent) upstream.")
 @click.option("--keep-alive-s", type=FiniteFloatRange(0.1, 86400), default=5.0, show_default=True,
               help="Close a kept-alive connection idle this long (uvicorn's default; llama.cpp's server also waits 5 "
-              "s; TGI's never closes one, nor do gateways' pools for a minute or more).")
+              "s; TGI's axum server waits for its client, or 30 s in recent versions; gateways' pools a minute or more).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 @click.option("--exit-with-parent", "parent_pid", type=click.IntRange(1), hidden=True,
