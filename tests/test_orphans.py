@@ -196,3 +196,25 @@ def test_rows_the_database_refuses_are_dropped_not_retried_for_ever(tmp_path: Pa
     correlator.finish()
     assert calls == [1] and "1 stretches dropped" in caplog.text
     correlator.store.close()
+
+
+def test_stretches_a_killed_run_left_open_are_ended_where_last_written_as_the_daemon_starts(tmp_path: Path) -> None:
+    """A daemon killed mid-stretch (an OOM kill under its memory limit) leaves its row open; the next
+    run on that host ends it at its last write, cut short, before it counts on with stretches of its
+    own. Another host's open stretch is that host's daemon's: left running."""
+    from sqlalchemy import select
+
+    from auditor.correlate.correlator import Correlator
+    from auditor.store import tables
+
+    store = Store(f"sqlite:///{tmp_path / 'a.db'}")
+    for host in ("h1", "h2"):
+        book = OrphanLedger(host, lambda port, start_ns, end_ns: (0.0, 0.0, None))
+        now = feed(book, [1] * 60)
+        store.write_orphaned_work(book.take_rows(now))
+    Correlator(store, host="h1")
+    with store.engine.connect() as conn:
+        rows = {row["host"]: row for row in conn.execute(select(tables.orphaned_work)).mappings()}
+    assert rows["h1"]["end_ns"] == rows["h1"]["last_seen_ns"] and rows["h1"]["cut_short"], rows["h1"]
+    assert rows["h2"]["end_ns"] is None and not rows["h2"]["cut_short"], rows["h2"]
+    store.close()

@@ -131,6 +131,14 @@ def test_postgres_keeps_the_same_orphaned_work(pg_url: str, store: Store) -> Non
         assert on_pg == on_sqlite
         assert [(p["server_port"], p["stretches"], p["request_seconds"], p["with_spans"]) for p in on_pg] == [
             (8080, 1, 25.0, False), (8000, 1, 4.0, True)]
+        # A stretch a killed run left open, ended where last written as the next run starts.
+        for each in (pg, store):
+            each.write_orphaned_work([stretch(8090, 20200, None, 3.0, last_seen_ns=at(20203))])
+            each.end_open_orphaned_work("gpu-a")
+        on_pg, on_sqlite = (report_dict(build_report(each, query))["orphaned_work"] for each in (pg, store))
+        assert on_pg == on_sqlite
+        [ended] = [p for p in on_pg if p["server_port"] == 8090]
+        assert ended["running"] == 0 and ended["longest_seconds"] == pytest.approx(3.0), ended
     finally:
         pg.close()
 

@@ -289,6 +289,11 @@ class Correlator:
         self._span_cursor = self._horizon_cursor(now)
         if self._event_cursor:
             self._read_known_events(now)
+        try:  # stretches a killed run left open: this run counts on with its own
+            self.store.end_open_orphaned_work(self.host)
+        except StoreError as exc:
+            log.warning("could not end the stretches of orphaned work a previous run left open (%s): the report "
+                        "counts them running for a minute past their last write", exc)
 
     def _read_known_events(self, now: int) -> None:
         """The connections' events of the memory window that the last run read already (at or

@@ -440,6 +440,12 @@ class Store:
             self._write([(_ORPHANED_WORK_DELETE, keys), (_ORPHANED_WORK_INSERT, rows)])
         return len(rows)
 
+    def end_open_orphaned_work(self, host: str) -> None:
+        """End ``host``'s stretches of orphaned work still open (``end_ns`` NULL) where they were
+        last written, cut short: a daemon killed mid-stretch (its memory limit's OOM kill, SIGKILL)
+        left them so, and the daemon restarted counts on with stretches of its own."""
+        self._write([(_ORPHANED_WORK_END_OPEN, [{"host": host, "cut_short": True}])])
+
     def upsert_verdicts(self, verdicts: Sequence[RequestVerdict]) -> int:
         """Write verdicts keyed by request; a later verdict for the same request replaces the earlier."""
         if not verdicts:
@@ -549,6 +555,8 @@ _ORPHANED_WORK_INSERT = (f"INSERT INTO orphaned_work ({', '.join(_ORPHANED_WORK_
                          f"VALUES ({', '.join(':' + c for c in _ORPHANED_WORK_COLUMNS)})")
 _ORPHANED_WORK_DELETE = ("DELETE FROM orphaned_work "
                          "WHERE host = :host AND server_port = :server_port AND start_ns = :start_ns")
+_ORPHANED_WORK_END_OPEN = ("UPDATE orphaned_work SET end_ns = last_seen_ns, cut_short = :cut_short "
+                           "WHERE host = :host AND end_ns IS NULL")
 
 
 @cache
