@@ -529,6 +529,7 @@ class Daemon:
         scraper = self._parts.get("engine_metrics")
         if scraper is not None:
             readings.engine_scrapes = scraper.outcomes()
+            readings.engine_listings = scraper.listings()
             readings.engine_servers_left_out = {port: len(out) for port, out in dict(scraper.left_out).items()}
         writer = self._parts.get("span_writer")
         if writer is not None:

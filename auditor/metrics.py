@@ -56,6 +56,8 @@ class SourceReadings:
     # The engines' /metrics scrapes so far by (port, outcome: read, failed, no_engine), and per port
     # several containers serve, the servers there left out of its gauges at its latest reading.
     engine_scrapes: dict[tuple[int, str], int] = field(default_factory=dict)
+    # The listings of each port's clients made with its scrapes, by (port, complete).
+    engine_listings: dict[tuple[int, bool], int] = field(default_factory=dict)
     engine_servers_left_out: dict[int, int] = field(default_factory=dict)
     idle_closes: int = 0
     unjoined_disconnects: int = 0
@@ -305,6 +307,16 @@ def readings_families(r: SourceReadings) -> Iterator[Family]:
         for (port, outcome), count in sorted(r.engine_scrapes.items()):
             scrapes.add_metric([str(port), outcome], count)
         yield scrapes
+    if r.engine_listings:
+        listings = CounterFamily("auditor_engine_listings", "Listings of the clients connected to an engine's "
+                                 "port made with its scrapes, by whether none can be missing (complete): only a "
+                                 "complete one counts the port's orphans (the alarm before spans, orphaned work). "
+                                 "Seldom complete: a port that accepts connections at every scrape where its "
+                                 "accepts cannot be told apart (a container's, with the /proc source)",
+                                 labels=["port", "complete"])
+        for (port, complete), count in sorted(r.engine_listings.items()):
+            listings.add_metric([str(port), "true" if complete else "false"], count)
+        yield listings
     if r.engine_servers_left_out:
         left_out = GaugeFamily("auditor_engine_servers_left_out", "Servers on a port several containers serve "
                                "left out of its gauges at its latest reading: no engine there, or one not "

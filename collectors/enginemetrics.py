@@ -484,6 +484,9 @@ class EngineMetricsScraper:
         # ``failed`` (no answer, not HTTP, an error status, or one of a shared port's engines so),
         # ``no_engine`` (a page without an engine's known metric). Changed and read under ``_lock``.
         self._outcomes: dict[tuple[int, str], int] = {}
+        # Each port's listings of its clients made with a scrape, by whether none can be missing
+        # (``listings``). Changed and read under ``_lock``.
+        self._listings: dict[tuple[int, bool], int] = {}
         self._skip_until: dict[int, float] = {}
         self._answered: set[int] = set()  # ports whose engine answered a scrape once
         self._failed: dict[int, int] = {}  # port -> its scrapes failed in a row
@@ -796,6 +799,8 @@ class EngineMetricsScraper:
                 complete = after in (None, accepts)
                 if not complete and self.listing_complete is not None:
                     complete = self.listing_complete(port) is True  # accepted elsewhere, not on this port
+                with self._lock:
+                    self._listings[(port, complete)] = self._listings.get((port, complete), 0) + 1
                 clients, left_out = walked[port], self.left_out.get(port)
                 if left_out:  # the clients of servers left out of the gauges (``scrape``)
                     clients = tuple(c for c in clients if c[3].removeprefix("::ffff:") not in left_out)
@@ -815,6 +820,14 @@ class EngineMetricsScraper:
         stays unconfirmed there."""
         with self._lock:
             return dict(self._outcomes)
+
+    def listings(self) -> dict[tuple[int, bool], int]:
+        """Listings of the clients connected so far by (port, complete): only a complete one counts
+        the port's orphans (``EngineLoad.connections_complete``). A port listed incompletely scrape
+        after scrape (one that accepts connections all the time, where its accepts cannot be told
+        from other ports': a container's with the /proc source) has its orphans counted seldom."""
+        with self._lock:
+            return dict(self._listings)
 
     def _forget_filters(self, port: int) -> None:
         for target in [target for target in self.filters if target[0] == port]:

@@ -60,6 +60,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
     # And what a port with an engine, one several pods serve, adds (its scrapes; those left out;
     # the work it ran for clients that had left).
     engines = SourceReadings(engine_scrapes={(8000, "read"): 1}, engine_servers_left_out={8000: 0},
+                             engine_listings={(8000, True): 1},
                              orphaned_work={(8000, False): (1.0, 0.5, 0.0)})
     for family in [*readings_families(ebpf), *readings_families(engines)]:
         names.setdefault(family.name, {family.name + suffix for suffix in SUFFIXES.get(family.type, ("",))})

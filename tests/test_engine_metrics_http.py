@@ -399,6 +399,7 @@ def test_a_listing_the_namespaces_accepts_moved_around_asks_its_port(serve: Call
     client.close()
     assert load.connections == () and load.connections_complete is complete
     assert asked == ([server.port] if moved else [])
+    assert client.listings() == {(server.port, complete): 1}  # auditor_engine_listings_total
 
 
 @pytest.mark.parametrize("cheap", [True, False], ids=["table", "walk"])

@@ -1179,8 +1179,10 @@ def test_a_containers_engine_without_spans_shows_the_work_it_ran_for_nobody(tmp_
         whole.join()
         truths = {t["request_id"].removeprefix("cmpl-"): t for t in engine.wait_for_truth(2, timeout=30)}
         time.sleep(1.5)
+        listings = daemon.readings().engine_listings
     truth = truths["left"]
     rows = stretches(tmp_path / "auditor.db")
+    assert listings.get((engine.port, True), 0) > 0, listings  # auditor_engine_listings_total
     if behavior == "abort":
         assert expected_verdict(truth) == "aborted" and rows == [], (rows, truth)
         return
