@@ -72,12 +72,13 @@ class LiveState:
         if not notices:  # most closes: no notice on their connection (or none sent at all)
             return None
 
-        def running_at(live: LiveEvent, at_ns: int) -> bool:
-            key = (live.trace_id, live.span_id)
-            return key in self._running or self._span_end.get(span_key(*key), 0) >= at_ns
-
-        return in_flight_among(notices, _started, running_at, ts_ns, closed_at, wait_ns,
+        return in_flight_among(notices, _started, self._running_at, ts_ns, closed_at, wait_ns,
                                earliest_ns, peer_fin=peer_fin, events_at=events_at)
+
+    def _running_at(self, live: LiveEvent, at_ns: int) -> bool:
+        """Whether the server span a start notice began still ran at ``at_ns``, as notices tell."""
+        key = (live.trace_id, live.span_id)
+        return key in self._running or self._span_end.get(span_key(*key), 0) >= at_ns
 
     def first_start_on(self, tuple4: Tuple4, from_ns: int, not_from: AbstractSet[str] = frozenset()) -> int:
         """When the first server span on this connection that started at ``from_ns`` or later began,
@@ -89,12 +90,8 @@ class LiveState:
                               not_from: AbstractSet[str] = frozenset()) -> bool:
         """Whether a server span on this connection that started by ``by_ns`` (and not sent from
         ``not_from``) was still running at ``ts_ns``, as notices tell."""
-        for live in self._by_tuple.get(tuple4, ()):
-            if live.ts_ns <= by_ns and live.sender not in not_from:
-                key = (live.trace_id, live.span_id)
-                if key in self._running or self._span_end.get(span_key(*key), 0) >= ts_ns:
-                    return True
-        return False
+        return any(live.ts_ns <= by_ns and live.sender not in not_from and self._running_at(live, ts_ns)
+                   for live in self._by_tuple.get(tuple4, ()))
 
     def running(self, trace_id: str, span_ids: set[str]) -> bool:
         """Whether any of these spans, or any engine work of the trace, is still running."""
