@@ -6,8 +6,9 @@ one of 500), 10% of them with a client disconnect (verdict rows in a realistic m
 aborted, zombie and in-flight zombie; one in 25 at a client's 30 s timeout), whole-GPU NVML
 samples every 100 ms for 4 GPUs per host, coverage counts, and stretches of orphaned work (four
 engine ports a host, one every 20 s on each). Then it times, in the same run and
-over the same rows, a plain ``SELECT count(*)`` (the floor), the library call, and the CLI in a
-fresh process, and prints a table.
+over the same rows, a plain ``SELECT count(*)`` (the floor), the library call (and the same with
+every query on one connection, none read beside the rest), and the CLI in a fresh process, and
+prints a table: wall and CPU seconds apart, since the report reads on two connections at once.
 
     .venv/bin/python bench/report.py [--requests N] [--db PATH] [--repeat 3]
 
@@ -290,10 +291,10 @@ def main() -> None:
     def one_user_agent() -> object:
         return build_report(store, one_caller, with_requests=False).totals.requests
 
-    def library(fmt: str, in_sqlite: bool = True) -> Callable[[], object]:
+    def library(fmt: str, in_sqlite: bool = True, concurrent: bool = True) -> Callable[[], object]:
         def run() -> object:
-            report = build_report(store, query, with_requests=fmt == "json",
-                                  with_series=fmt == "html", requests_as_json=in_sqlite)
+            report = build_report(store, query, with_requests=fmt == "json", with_series=fmt == "html",
+                                  requests_as_json=in_sqlite, concurrent=concurrent)
             if fmt == "json":
                 out = io.StringIO()
                 write_json(report, out)
@@ -317,10 +318,14 @@ def main() -> None:
         ("who the timeouts cut", who_was_cut, "their disconnects' User-Agents and addresses"),
         ("orphaned work by port", orphaned, "stretches grouped by host and port"),
         ("library: build + JSON", library("json"), "build_report + write_json to memory"),
+        ("library: ... on one connection", library("json", concurrent=False),
+         "the same, nothing read beside the rest (concurrent=False)"),
         ("library: ... encoded in Python", library("json", in_sqlite=False),
          "the same without SQLite's json_object"),
         ("library: build (table)", library("table"), "no per-request list"),
+        ("library: ... on one connection", library("table", concurrent=False), "the same, concurrent=False"),
         ("library: build (html)", library("html"), "with series and zombie timelines"),
+        ("library: ... on one connection", library("html", concurrent=False), "the same, concurrent=False"),
         ("library: one User-Agent (table)", one_user_agent, "--user-agent: spans' attributes read"),
         ("CLI: auditor --version", cli("--version"), "process start + imports only"),
         ("CLI: report --format json", cli("report", "--db", f"sqlite:///{path}", *window,

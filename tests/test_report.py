@@ -534,3 +534,36 @@ def test_a_kind_of_wasted_time_without_a_price_is_said_to_be_left_out(filled: St
                                                (0.996, "1.00"), (1234.5, "1,234.50")])
 def test_money_is_to_the_cent_and_two_digits_below_one(value: float, shown: str) -> None:
     assert money(value, "USD") == f"{shown} USD" and money(value) == shown
+
+
+def test_the_requests_read_beside_the_rest_give_the_same_report(filled: Store) -> None:
+    """The count of requests and the per-request list come from a second connection, in a thread;
+    read on the one connection they give the same report, in every shape."""
+    for shape in ({}, {"with_series": True}, {"requests_as_json": True}, {"with_requests": False}):
+        beside, alone = (build_report(filled, HOUR, concurrent=c, **shape) for c in (True, False))  # type: ignore[arg-type]
+        alone.generated_ns = beside.generated_ns
+        assert report_dict(beside) == report_dict(alone), shape
+        assert beside.requests_json == alone.requests_json and beside.series == alone.series
+    assert build_report(filled, HOUR, requests_as_json=True).requests_json is not None
+
+
+def test_a_store_in_memory_is_read_on_its_one_connection() -> None:
+    """SQLite in memory is a database per connection: a second one would read an empty store."""
+    memory = Store("sqlite://")
+    try:
+        fill(memory)
+        assert not memory.shared_by_connections
+        report = build_report(memory, HOUR)
+        assert report.totals.requests == 12 and len(report.requests) == report.totals.disconnects == 5
+    finally:
+        memory.close()
+
+
+def test_a_failure_on_the_second_connection_is_the_reports_error(filled: Store) -> None:
+    from auditor.errors import StoreError
+
+    with filled.engine.begin() as conn:  # the request count's table alone, read on the second connection
+        conn.exec_driver_sql("ALTER TABLE spans RENAME TO spans_elsewhere")
+    for concurrent in (True, False):
+        with pytest.raises(StoreError, match=r"reading the report from .* failed: no such table: spans"):
+            build_report(filled, HOUR, concurrent=concurrent)

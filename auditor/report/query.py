@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from math import isfinite
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import and_, case, func, select, union_all
 from sqlalchemy.engine import Connection
@@ -60,6 +61,7 @@ from auditor.store import Store, tables
 spans, verdicts, coverage, samples = tables.spans, tables.verdicts, tables.coverage, tables.util_samples
 orphaned = tables.orphaned_work
 
+_T = TypeVar("_T")
 NS = 1_000_000_000
 # Bucket widths for the over-time plots, from which the smallest giving <= MAX_BUCKETS is chosen.
 NICE_BUCKETS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600,
@@ -81,32 +83,47 @@ FINDING_COLUMNS = (
 
 
 def build_report(store: Store, query: ReportQuery, *, with_requests: bool = True,
-                 with_series: bool = False, requests_as_json: bool = False) -> Report:
+                 with_series: bool = False, requests_as_json: bool = False, concurrent: bool = True) -> Report:
     """Everything a report shows for ``query``'s window.
 
     ``with_requests`` loads the per-request list (JSON, CSV); with ``requests_as_json`` on SQLite
     it comes as ready JSON texts in ``Report.requests_json`` instead, built by the database (the
     fast path of ``--format json``). ``with_series`` adds the time buckets and the worst zombies'
     utilization (HTML). A database error becomes a ``StoreError``.
+
+    The count of requests and the per-request list are read on a second connection, in a thread
+    of their own, while this one reads the rest (``concurrent``, where every connection reads the
+    same store: not SQLite in memory). The driver lets go of the interpreter while the database
+    works, so the two overlap on two cores (bench/report.py). Each query reads its own snapshot
+    either way, as each statement does on one connection.
     """
     if query.until_ns <= query.since_ns:
         raise StoreError("the window is empty: --since must be before --until")
+    as_json = requests_as_json and store.engine.dialect.name == "sqlite"
     try:
-        with store.engine.connect() as conn:
-            as_json = requests_as_json and conn.dialect.name == "sqlite"
-            return _build(conn, query, with_requests=with_requests, with_series=with_series,
-                          requests_as_json=as_json)
+        if not (concurrent and store.shared_by_connections):
+            with store.engine.connect() as conn:
+                return _build(conn, query, with_series=with_series, count=lambda: _count(conn, query),
+                              requests=lambda: _requests(conn, query, as_json) if with_requests else None)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="report-apart") as pool:
+            counted = pool.submit(_apart, store, _count, query)
+            listed = pool.submit(_apart, store, _requests, query, as_json) if with_requests else None
+            with store.engine.connect() as conn:
+                return _build(conn, query, with_series=with_series, count=counted.result,
+                              requests=listed.result if listed is not None else lambda: None)
     except SQLAlchemyError as exc:
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         raise StoreError(f"reading the report from {store.where()} failed: {reason}") from exc
 
 
-def _build(conn: Connection, query: ReportQuery, *, with_requests: bool, with_series: bool,
-           requests_as_json: bool) -> Report:
+def _build(conn: Connection, query: ReportQuery, *, with_series: bool, count: Callable[[], int],
+           requests: Callable[[], list[str] | list[RequestFinding] | None]) -> Report:
+    """The report on ``conn``; ``count`` gives the window's requests (``_count``), ``requests`` the
+    per-request list (JSON texts or findings; None: not asked), called once the totals say there
+    were disconnects."""
     totals = Totals()
     breakdowns = _fold_verdict_groups(conn, query, totals)
     breakdowns |= caller_breakdowns(conn, query) if totals.disconnects else {d: [] for d in CALLER_DIMENSIONS}
-    totals.requests = count_requests(conn, _span_filter(query), query.host, query.since_ns, query.until_ns)
     _fill_coverage(conn, query, totals)
     _fill_gpu_time(conn, query, totals)
     report = Report(
@@ -117,22 +134,42 @@ def _build(conn: Connection, query: ReportQuery, *, with_requests: bool, with_se
     report.orphaned_work = orphaned_work(conn, query)
     ages = age_bins(conn, query) if totals.disconnects else []
     report.client_timeouts = with_callers(conn, query, find_timeouts(ages))
-    if with_requests and totals.disconnects and requests_as_json:
-        report.requests_json = list(conn.execute(
-            select(request_json_column(verdicts)).where(*_verdict_filter(query))
-            .order_by(verdicts.c.disconnect_at_ns, verdicts.c.id)).scalars())
-    elif with_requests and totals.disconnects:
-        rows = conn.execute(select(*FINDING_COLUMNS).where(*_verdict_filter(query))
-                            .order_by(verdicts.c.disconnect_at_ns, verdicts.c.id))
-        report.requests = list(map(_finding, rows))
     if with_series:
         report.bucket_ns = bucket_width_ns(query.until_ns - query.since_ns)
         report.series = _series(conn, query, report.bucket_ns)
         report.timelines = [_timeline(conn, query, finding) for finding in report.worst_zombies]
         report.ages, report.age_bar_s, report.ages_beyond = age_bars(ages, report.client_timeouts)
+    totals.requests = count()
     if report.empty:
         report.data_range = _data_range(conn, query)
+    listed = requests() if totals.disconnects else None
+    if listed and isinstance(listed[0], str):
+        report.requests_json = listed
+    elif listed is not None:
+        report.requests = cast(list[RequestFinding], listed)
     return report
+
+
+def _count(conn: Connection, query: ReportQuery) -> int:
+    """The window's requests, each counted once (``count_requests``)."""
+    return count_requests(conn, _span_filter(query), query.host, query.since_ns, query.until_ns)
+
+
+def _requests(conn: Connection, query: ReportQuery, as_json: bool) -> list[str] | list[RequestFinding]:
+    """The window's requests with a disconnect, in the order they left: JSON texts built by
+    SQLite (``as_json``) or findings."""
+    order = (verdicts.c.disconnect_at_ns, verdicts.c.id)
+    if as_json:
+        return list(conn.execute(select(request_json_column(verdicts)).where(*_verdict_filter(query))
+                                 .order_by(*order)).scalars())
+    rows = conn.execute(select(*FINDING_COLUMNS).where(*_verdict_filter(query)).order_by(*order))
+    return list(map(_finding, rows))
+
+
+def _apart(store: Store, read: Callable[..., _T], *args: Any) -> _T:
+    """``read(conn, *args)`` on a connection of its own (``build_report``'s thread)."""
+    with store.engine.connect() as conn:
+        return read(conn, *args)
 
 
 # -- filters ------------------------------------------------------------------------------------

@@ -242,16 +242,23 @@ class Store:
                 )
         if not upgrade:
             raise StoreError(f"{self.where()} needs migrating to {head}: run `auditor db upgrade`")
-        if in_child and (self._native or self._reachable_from_a_child()):
+        if in_child and (self._native or self.shared_by_connections):
             self._upgrade_in_child()
         else:
             self.upgrade()
 
-    def _reachable_from_a_child(self) -> bool:
+    @property
+    def shared_by_connections(self) -> bool:
+        """Whether every connection opened to the store reads the same data: a SQLite file or a
+        PostgreSQL server, not SQLite in memory (a database of its own per connection)."""
         from sqlalchemy.engine import make_url
 
         url = make_url(self.url)
-        return not (url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:"))
+        if url.get_backend_name() != "sqlite":
+            return True
+        database = url.database or ""
+        # In memory: the plain name, or a file: URI naming it (uri=true) or its mode=memory.
+        return bool(database) and ":memory:" not in database and url.query.get("mode") != "memory"
 
     def _upgrade_in_child(self) -> None:
         """Migrate in a short-lived interpreter: what Alembic maps stays out of this process. The
