@@ -91,8 +91,8 @@ def build_report(store: Store, query: ReportQuery, *, with_requests: bool = True
     fast path of ``--format json``). ``with_series`` adds the time buckets and the worst zombies'
     utilization (HTML). A database error becomes a ``StoreError``.
 
-    The count of requests and the per-request list are read on a second connection, in a thread
-    of their own, while this one reads the rest (``concurrent``, where every connection reads the
+    The count of requests, the per-request list and the time buckets are read on a second
+    connection, in a thread of their own, while this one reads the rest (``concurrent``, where every connection reads the
     same store: not SQLite in memory). The driver lets go of the interpreter while the database
     works, so the two overlap on two cores (bench/report.py). Each query reads its own snapshot
     either way, as each statement does on one connection.
@@ -101,26 +101,31 @@ def build_report(store: Store, query: ReportQuery, *, with_requests: bool = True
         raise StoreError("the window is empty: --since must be before --until")
     as_json = requests_as_json and store.engine.dialect.name == "sqlite"
     try:
+        bucket_ns = bucket_width_ns(query.until_ns - query.since_ns) if with_series else 0
         if not (concurrent and store.shared_by_connections):
             with store.engine.connect() as conn:
-                return _build(conn, query, with_series=with_series, count=lambda: _count(conn, query),
-                              requests=lambda: _requests(conn, query, as_json) if with_requests else None)
+                return _build(conn, query, count=lambda: _count(conn, query),
+                              requests=lambda: _requests(conn, query, as_json) if with_requests else None,
+                              series=lambda: _series(conn, query, bucket_ns) if with_series else None)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="report-apart") as pool:
             counted = pool.submit(_apart, store, _count, query)
             listed = pool.submit(_apart, store, _requests, query, as_json) if with_requests else None
+            drawn = pool.submit(_apart, store, _series, query, bucket_ns) if with_series else None
             with store.engine.connect() as conn:
-                return _build(conn, query, with_series=with_series, count=counted.result,
-                              requests=listed.result if listed is not None else lambda: None)
+                return _build(conn, query, count=counted.result,
+                              requests=listed.result if listed is not None else lambda: None,
+                              series=drawn.result if drawn is not None else lambda: None)
     except SQLAlchemyError as exc:
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         raise StoreError(f"reading the report from {store.where()} failed: {reason}") from exc
 
 
-def _build(conn: Connection, query: ReportQuery, *, with_series: bool, count: Callable[[], int],
-           requests: Callable[[], list[str] | list[RequestFinding] | None]) -> Report:
+def _build(conn: Connection, query: ReportQuery, *, count: Callable[[], int],
+           requests: Callable[[], list[str] | list[RequestFinding] | None],
+           series: Callable[[], list[Bucket] | None]) -> Report:
     """The report on ``conn``; ``count`` gives the window's requests (``_count``), ``requests`` the
     per-request list (JSON texts or findings; None: not asked), called once the totals say there
-    were disconnects."""
+    were disconnects, and ``series`` the time buckets (``_series``; None: not asked)."""
     totals = Totals()
     breakdowns = _fold_verdict_groups(conn, query, totals)
     breakdowns |= caller_breakdowns(conn, query) if totals.disconnects else {d: [] for d in CALLER_DIMENSIONS}
@@ -134,9 +139,9 @@ def _build(conn: Connection, query: ReportQuery, *, with_series: bool, count: Ca
     report.orphaned_work = orphaned_work(conn, query)
     ages = age_bins(conn, query) if totals.disconnects else []
     report.client_timeouts = with_callers(conn, query, find_timeouts(ages))
-    if with_series:
+    report.series = series()
+    if report.series is not None:
         report.bucket_ns = bucket_width_ns(query.until_ns - query.since_ns)
-        report.series = _series(conn, query, report.bucket_ns)
         report.timelines = [_timeline(conn, query, finding) for finding in report.worst_zombies]
         report.ages, report.age_bar_s, report.ages_beyond = age_bars(ages, report.client_timeouts)
     totals.requests = count()
