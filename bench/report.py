@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from auditor.report import ReportQuery, build_report  # noqa: E402
+from auditor.report import query as report_query  # noqa: E402
 from auditor.report.query import age_bins, caller_breakdowns, orphaned_work, with_callers  # noqa: E402
 from auditor.report.render_data import write_json  # noqa: E402
 from auditor.report.requests import count_requests, spans  # noqa: E402
@@ -107,8 +108,8 @@ def span_rows(count: int, t0: int, rng: random.Random, remote_parents: bool = Fa
         }
 
 
-def verdict_rows(count: int, t0: int, rng: random.Random) -> Iterator[dict[str, Any]]:
-    for n in range(count):
+def verdict_rows(count: int, t0: int, rng: random.Random, first: int = 0) -> Iterator[dict[str, Any]]:
+    for n in range(first, first + count):
         verdict = pick(rng, VERDICT_MIX)
         start = t0 + rng.randrange(HOUR - 60 * S)
         if rng.random() < TIMED_OUT:  # a client's timeout: its disconnects at one age
@@ -163,13 +164,13 @@ def bulk_insert(store: Store, table: Any, rows: Iterator[dict[str, Any]]) -> Non
                 for row in batch])
 
 
-def generate(store: Store, requests: int, t0: int, remote_parents: bool = False) -> dict[str, float]:
-    rng = random.Random(7)
+def generate(store: Store, requests: int, t0: int, remote_parents: bool = False, seed: int = 7) -> dict[str, float]:
+    rng = random.Random(seed)
     seconds: dict[str, float] = {}
     for name, table, rows in (
         ("spans", SpanRow.__table__, span_rows(requests, t0, rng, remote_parents)),
         # The daemon writes a verdict when it is decided, shortly after the disconnect: in time order.
-        ("verdicts", VerdictRow.__table__, iter(sorted(verdict_rows(requests // 10, t0, rng),
+        ("verdicts", VerdictRow.__table__, iter(sorted(verdict_rows(requests // 10, t0, rng, (seed - 7) * requests),
                                                        key=lambda row: row["disconnect_at_ns"]))),
         ("util_samples", UtilSampleRow.__table__, sample_rows(t0, rng)),
     ):
@@ -232,6 +233,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1_000_000)
     parser.add_argument("--db", type=Path, help="store to (re)use; default: a temporary file")
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is shown")
+    parser.add_argument("--hours-held", type=int, default=1,
+                        help="hours the store holds, each like the reported one, which is the last: the "
+                             "daemon keeps six (retention.raw_hours), and `report --since 1h` reads one")
     parser.add_argument("--remote-parents", action="store_true",
                         help="every server span a child of a span not stored (an instrumented client's), "
                              "so that each lookup of its parent finds nothing")
@@ -245,6 +249,8 @@ def main() -> None:
     if fresh:
         started = time.perf_counter()
         seconds = generate(store, args.requests, t0, args.remote_parents)
+        for earlier in range(1, args.hours_held):
+            generate(store, args.requests, t0 - earlier * HOUR, args.remote_parents, seed=7 + earlier)
         print(f"generated {path} in {time.perf_counter() - started:.1f} s "
               + ", ".join(f"{name} {value:.1f} s" for name, value in seconds.items()))
     ensure_orphaned(store, t0)
@@ -291,10 +297,18 @@ def main() -> None:
     def one_user_agent() -> object:
         return build_report(store, one_caller, with_requests=False).totals.requests
 
-    def library(fmt: str, in_sqlite: bool = True, concurrent: bool = True) -> Callable[[], object]:
+    quarter = dataclasses.replace(query, since_ns=query.until_ns - HOUR // 4)
+
+    def library(fmt: str, in_sqlite: bool = True, concurrent: bool = True, scans: bool = False,
+                window: ReportQuery = query) -> Callable[[], object]:
         def run() -> object:
-            report = build_report(store, query, with_requests=fmt == "json", with_series=fmt == "html",
-                                  requests_as_json=in_sqlite, concurrent=concurrent)
+            indexed_share = report_query.INDEXED_SHARE
+            report_query.INDEXED_SHARE = 0.0 if scans else indexed_share  # 0: no window read by index
+            try:
+                report = build_report(store, window, with_requests=fmt == "json", with_series=fmt == "html",
+                                      requests_as_json=in_sqlite, concurrent=concurrent)
+            finally:
+                report_query.INDEXED_SHARE = indexed_share
             if fmt == "json":
                 out = io.StringIO()
                 write_json(report, out)
@@ -324,6 +338,10 @@ def main() -> None:
          "the same without SQLite's json_object"),
         ("library: build (table)", library("table"), "no per-request list"),
         ("library: ... on one connection", library("table", concurrent=False), "the same, concurrent=False"),
+        ("library: last 15 min (table)", library("table", window=quarter),
+         "the hour's last quarter: read through the indexes time leads where the store holds 6 h"),
+        ("library: ... by plain scans", library("table", scans=True, window=quarter),
+         "the same, no window read through them (INDEXED_SHARE 0)"),
         ("library: build (html)", library("html"), "with series and zombie timelines"),
         ("library: ... on one connection", library("html", concurrent=False), "the same, concurrent=False"),
         ("library: one User-Agent (table)", one_user_agent, "--user-agent: spans' attributes read"),

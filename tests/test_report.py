@@ -37,6 +37,7 @@ from tests.report_data import (
     QWEN,
     SDK_AGENT,
     T0,
+    S,
     _verdict,
     at,
     fill,
@@ -567,3 +568,40 @@ def test_a_failure_on_the_second_connection_is_the_reports_error(filled: Store) 
     for concurrent in (True, False):
         with pytest.raises(StoreError, match=r"reading the report from .* failed: no such table: spans"):
             build_report(filled, HOUR, concurrent=concurrent)
+
+
+@pytest.mark.parametrize("window_s", [(600, 840), (0, 3600), (1090, 1210), (-7200, 60)])
+def test_a_narrow_window_read_through_the_time_indexes_gives_the_same_report(
+        filled: Store, window_s: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window over a small share of the store (``INDEXED_SHARE``) counts its requests by minute
+    and names the hosts that sent samples, so that both are read through indexes: the figures are
+    those of the plain scans."""
+    from auditor.report import query as report_query
+
+    query = ReportQuery(since_ns=at(window_s[0]), until_ns=at(window_s[1]))
+    shown = []
+    for share in (2.0, 0.0):  # every window read through the indexes, then none
+        monkeypatch.setattr(report_query, "INDEXED_SHARE", share)
+        report = build_report(filled, query, with_series=True)
+        report.generated_ns = 0
+        shown.append(report_dict(report))
+    assert shown[0] == shown[1]
+    assert shown[0]["totals"]["requests"] == {(600, 840): 2, (0, 3600): 12, (1090, 1210): 2, (-7200, 60): 1}[window_s]
+
+
+def test_the_share_of_the_store_a_window_covers_is_by_minute(filled: Store) -> None:
+    from auditor.report.query import _held_share
+
+    minute = 60 * S
+    with filled.engine.connect() as conn:  # the spans held start from an hour before T0 to minute 20
+        first, last = (int(v) for v in conn.exec_driver_sql(
+            "SELECT min(start_minute), max(start_minute) FROM spans").one())
+        assert (first, last) == (T0 // minute - 60, T0 // minute + 20)
+        assert _held_share(conn, ReportQuery(since_ns=at(-7200), until_ns=at(3600))) == 1.0
+        assert _held_share(conn, ReportQuery(since_ns=at(-7200), until_ns=at(-3660))) == 0.0
+        assert _held_share(conn, ReportQuery(since_ns=at(0), until_ns=at(3600))) == 21 / 81
+        assert _held_share(conn, ReportQuery(since_ns=at(600), until_ns=at(720))) == 2 / 81
+    empty = Store("sqlite://")
+    with empty.engine.connect() as conn:
+        assert _held_share(conn, HOUR) == 1.0
+    empty.close()
