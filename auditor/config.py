@@ -11,6 +11,7 @@ in a section, upper-cased: ``AUDITOR_DB``, ``AUDITOR_PROBE_PORTS=8000,8001``,
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 import mmap
 import os
@@ -127,24 +128,55 @@ class RetentionConfig:
         _at_most("retention.interval_seconds", self.interval_seconds, DAY_SECONDS, "a day")
 
 
+MAX_HOST_PATTERN = 253  # the longest host name DNS allows
+
+
+def host_price(host: str | None, patterns: Iterable[tuple[str, float]], otherwise: float) -> float:
+    """The price the first of ``patterns`` (host name pattern, price) that ``host`` matches gives,
+    else ``otherwise`` (also for no host named)."""
+    if host is not None:
+        for pattern, price in patterns:
+            if fnmatch.fnmatchcase(host, pattern):
+                return price
+    return otherwise
+
+
+def _check_price(key: str, price: float) -> None:
+    if price < 0:
+        raise ConfigError(f"{key} = {price}: a price cannot be negative (0 leaves it unpriced)")
+    _at_most(key, price, MAX_HOUR_PRICE, "no hour costs more: is it in cents?")
+
+
 @dataclass
 class ReportConfig:
     # What an hour of one GPU, and of one CPU core, costs: the report prices the wasted time at these
-    # (0: unpriced, the report shows seconds only). One price for every host in the window: a fleet
-    # of several GPU kinds is reported a kind at a time (--host), each at its own price.
+    # (0: unpriced, the report shows seconds only), on the hosts the patterns below do not name.
     gpu_hour_price: float = 0.0
     cpu_hour_price: float = 0.0
     currency: str = "USD"  # the unit the prices are in, shown after each cost
+    # Hosts priced apart (a fleet of several kinds): host name pattern (shell-style, gpu-h100-*) ->
+    # its price, the first pattern a host matches in the order written; the prices above for the
+    # hosts none names. In the environment: PATTERN=PRICE,PATTERN=PRICE.
+    gpu_hour_prices: dict[str, float] = field(default_factory=dict)
+    cpu_hour_prices: dict[str, float] = field(default_factory=dict)
 
     def validate(self) -> None:
         for key in ("gpu_hour_price", "cpu_hour_price"):
-            price = getattr(self, key)
-            if price < 0:
-                raise ConfigError(f"report.{key} = {price}: a price cannot be negative (0 leaves it unpriced)")
-            _at_most(f"report.{key}", price, MAX_HOUR_PRICE, "no hour costs more: is it in cents?")
+            _check_price(f"report.{key}", getattr(self, key))
+        for key in ("gpu_hour_prices", "cpu_hour_prices"):
+            for pattern, price in getattr(self, key).items():
+                if not 1 <= len(pattern) <= MAX_HOST_PATTERN or not pattern.isprintable():
+                    raise ConfigError(f"report.{key}: the host pattern {pattern!r} must be 1 to {MAX_HOST_PATTERN} "
+                                      "printable characters, e.g. gpu-h100-* or a whole host name")
+                _check_price(f"report.{key}[{pattern!r}]", price)
         text = self.currency
         if not 1 <= len(text) <= 8 or not text.isprintable() or any(c.isspace() for c in text):
             raise ConfigError(f"report.currency = {text!r}: expected a short unit without spaces, e.g. USD, EUR or $")
+
+    def hour_prices(self, host: str) -> tuple[float, float]:
+        """(GPU-hour, CPU-hour) prices of ``host``: its pattern's, else the prices of the rest."""
+        return (host_price(host, self.gpu_hour_prices.items(), self.gpu_hour_price),
+                host_price(host, self.cpu_hour_prices.items(), self.cpu_hour_price))
 
 
 @dataclass
@@ -292,6 +324,16 @@ def _coerce(key: str, kind: Any, value: Any, *, from_text: bool) -> Any:
             if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
                 raise ValueError
             return list(items)
+        if kind == dict[str, float]:
+            if from_text:
+                pairs = [item.rpartition("=") for item in str(value).split(",") if item.strip()]
+                if any(not sep or not name.strip() for name, sep, _ in pairs):
+                    raise ValueError
+                value = {name.strip(): number.strip() for name, _, number in pairs}
+            if not isinstance(value, Mapping) or not all(isinstance(name, str) for name in value):
+                raise ValueError
+            return {name: _coerce(f"{key}[{name!r}]", float, number, from_text=from_text)
+                    for name, number in value.items()}
         if kind == list[int]:
             items = [v for v in str(value).split(",") if v.strip()] if from_text else value
             if not isinstance(items, list):
@@ -304,6 +346,8 @@ def _coerce(key: str, kind: Any, value: Any, *, from_text: bool) -> Any:
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     lists = "a list of strings" if kind == list[str] else "a list of integers"
     allowed = names.get(kind, f"{lists} (comma-separated in the environment)")
+    if kind == dict[str, float]:
+        allowed = "a table of host patterns and their prices (PATTERN=PRICE,... in the environment)"
     raise ConfigError(f"{key} = {value!r}: expected {allowed}")
 
 

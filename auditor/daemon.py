@@ -81,9 +81,9 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.host = config.host_id or socket.gethostname()
-        prices = config.report
-        self.metrics = DaemonMetrics(self.readings, gpu_hour_price=prices.gpu_hour_price,
-                                     cpu_hour_price=prices.cpu_hour_price, currency=prices.currency)
+        gpu_hour, cpu_hour = config.report.hour_prices(self.host)  # this host's, where priced apart
+        self.metrics = DaemonMetrics(self.readings, gpu_hour_price=gpu_hour, cpu_hour_price=cpu_hour,
+                                     currency=config.report.currency)
         self.status = DaemonStatus()
         self._stop = threading.Event()
         self._ready = threading.Event()  # READY=1 sent: only then may WATCHDOG=1 follow

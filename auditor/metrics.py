@@ -217,7 +217,8 @@ class DaemonMetrics:
                             "spans told them (a zombie judged without one adds none)",
                             value=self._wasted["tokens"])
         prices = GaugeFamily("auditor_hour_price", "What an hour of one GPU or one CPU core costs on this "
-                             "host ([report] gpu_hour_price, cpu_hour_price; unpriced: absent), in currency: "
+                             "host ([report] gpu_hour_prices' pattern it matches, else gpu_hour_price; the same for CPU; "
+                             "unpriced: absent), in currency: "
                              "wasted seconds x price / 3600 is their cost", labels=["kind", "currency"])
         for kind, price in self.hour_prices.items():
             if price > 0:

@@ -126,18 +126,18 @@ def fill(store: Store) -> None:
 
 
 def fill_timeouts(store: Store, count: int = 10, after_s: float = 60.0, *, first: int = 100,
-                  from_s: float = 1500.0) -> None:
+                  from_s: float = 1500.0, host: str = "gpu-a") -> None:
     """``count`` requests from ``from_s`` on, 20 s apart, whose clients left ``after_s`` (and a few
     ms) after their start, every other one a zombie."""
     spans, verdicts = [], []
     for k in range(count):
         n, start = first + k, from_s + 20.0 * k
         left = start + after_s + 0.001 * (k % 7)
-        spans.append(_http(n, start, left + 5.0))
+        spans.append(_http(n, start, left + 5.0, host=host))
         zombie = k % 2 == 0
         verdicts.append(_verdict(n, Verdict.ZOMBIE if zombie else Verdict.ABORTED, start_s=start,
                                  disconnect_s=left, end_s=left + (5.0 if zombie else 0.2),
-                                 lag=5.0 if zombie else 0.2, gpu=1.0 if zombie else 0.0))
+                                 lag=5.0 if zombie else 0.2, gpu=1.0 if zombie else 0.0, host=host))
     store.insert_spans(spans)
     store.upsert_verdicts(verdicts)
 

@@ -139,3 +139,34 @@ def test_shipped_example_config_is_valid_and_holds_every_key_at_its_default() ->
     for section in SECTIONS:
         keys = {item.name for item in dataclasses.fields(getattr(Config(), section))}
         assert set(written.get(section, {})) == keys, section
+
+
+def test_hosts_priced_apart_are_read_from_the_file_and_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "auditor.toml"
+    path.write_text('[report]\ngpu_hour_price = 1.5\ncpu_hour_price = 0.04\n'
+                    '[report.gpu_hour_prices]\n"gpu-h100-*" = 2.49\n"gpu-l4-7" = 0.8\n')
+    report = load_config(path, environ={}).report
+    assert report.gpu_hour_prices == {"gpu-h100-*": 2.49, "gpu-l4-7": 0.8}
+    # What the daemon on each host exports as its own price (auditor_hour_price).
+    assert report.hour_prices("gpu-h100-3") == (2.49, 0.04)
+    assert report.hour_prices("gpu-l4-7") == (0.8, 0.04) and report.hour_prices("gpu-l4-70") == (1.5, 0.04)
+    environ = {"AUDITOR_REPORT_CPU_HOUR_PRICES": "cpu-*=0.1, cpu-big=0.5"}
+    assert load_config(path, environ=environ).report.cpu_hour_prices == {"cpu-*": 0.1, "cpu-big": 0.5}
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ('[report]\ngpu_hour_prices = 2.0\n', "report.gpu_hour_prices = 2.0: expected a table of host patterns"),
+    ('[report.gpu_hour_prices]\n"a" = "cheap"\n', "report.gpu_hour_prices['a'] = 'cheap': expected a number"),
+    ('[report.gpu_hour_prices]\n"a" = -1\n', "report.gpu_hour_prices['a'] = -1.0: a price cannot be negative"),
+    ('[report.gpu_hour_prices]\n"a" = 1e9\n', "report.gpu_hour_prices['a'] = 1000000000.0: must be at most"),
+    ('[report.gpu_hour_prices]\n"" = 1\n', "report.gpu_hour_prices: the host pattern '' must be 1 to 253"),
+    ('[report.gpu_hour_prices]\n"a\\u0007" = 1\n', "the host pattern 'a\\x07' must be 1 to 253 printable"),
+])
+def test_a_bad_host_price_names_its_key_and_pattern(tmp_path: Path, text: str, said: str) -> None:
+    path = tmp_path / "auditor.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, environ={})
+    assert said in str(caught.value)
+    with pytest.raises(ConfigError, match="expected a table of host patterns"):
+        load_config(None, environ={"AUDITOR_REPORT_GPU_HOUR_PRICES": "gpu-a:2"})

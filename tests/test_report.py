@@ -485,7 +485,8 @@ def test_prices_turn_the_wasted_time_into_money_in_every_format(store: Store) ->
     report = priced(build_report(store, HOUR), gpu_hour=2.5, cpu_hour=0.1, currency="EUR")
     document = report_dict(report)
     validate(document)
-    assert document["pricing"] == {"gpu_hour": 2.5, "cpu_hour": 0.1, "currency": "EUR"}
+    assert document["pricing"] == {"gpu_hour": 2.5, "cpu_hour": 0.1, "currency": "EUR",
+                                   "gpu_hour_by_host": [], "cpu_hour_by_host": []}
     totals = document["totals"]
     # 19 GPU-seconds at 2.5 an hour and 36 CPU-seconds at 0.1 an hour.
     assert (totals["wasted_gpu_seconds"], totals["wasted_cpu_seconds"]) == (19.0, 36.0)
@@ -524,7 +525,8 @@ def test_a_kind_of_wasted_time_without_a_price_is_said_to_be_left_out(filled: St
     report = priced(build_report(filled, HOUR), gpu_hour=3.6)
     document = report_dict(report)
     validate(document)
-    assert document["pricing"] == {"gpu_hour": 3.6, "cpu_hour": None, "currency": "USD"}
+    assert document["pricing"] == {"gpu_hour": 3.6, "cpu_hour": None, "currency": "USD",
+                                   "gpu_hour_by_host": [], "cpu_hour_by_host": []}
     assert document["totals"]["wasted_cost"] == pytest.approx(14.0 * 3.6 / 3600)  # the CPU time adds nothing
     table = render_table(report)
     assert re.search(r"wasted cost +0\.014 USD +at 3\.6 USD a GPU-hour; CPU time not priced\n", table)
@@ -605,3 +607,40 @@ def test_the_share_of_the_store_a_window_covers_is_by_minute(filled: Store) -> N
     with empty.engine.connect() as conn:
         assert _held_share(conn, HOUR) == 1.0
     empty.close()
+
+
+def test_hosts_priced_apart_cost_each_hosts_time_at_its_price(store: Store) -> None:
+    """A fleet of GPU kinds in one report: each sum's cost is its hosts' wasted seconds, each at the
+    price of the first pattern its name matches; the rest at the price for hosts none names."""
+    fill(store)
+    fill_timeouts(store, 10, 60.0)  # five zombies of 1 GPU-s each on gpu-a
+    fill_timeouts(store, 4, 60.0, first=200, from_s=1510.0, host="gpu-b")  # two on gpu-b
+    prices = Prices(gpu_hour=1.0, currency="EUR", gpu_hour_by_host=(("gpu-b", 9.0), ("gpu-*", 3.0)))
+    report = build_report(store, HOUR)
+    report.prices = prices
+    document = report_dict(report)
+    validate(document)
+    assert document["pricing"]["gpu_hour_by_host"] == [{"hosts": "gpu-b", "price": 9.0},
+                                                       {"hosts": "gpu-*", "price": 3.0}]
+    hosts = {row["key"]: row["wasted_gpu_seconds"] for row in document["breakdowns"]["host"]}
+    assert set(hosts) == {"gpu-a", "gpu-b"} and all(hosts.values())
+    want = (hosts["gpu-a"] * 3.0 + hosts["gpu-b"] * 9.0) / 3600
+    assert document["totals"]["wasted_cost"] == pytest.approx(want)
+    for dimension, rows in document["breakdowns"].items():  # every breakdown splits the same cost
+        assert sum(row["wasted_cost"] for row in rows) == pytest.approx(want), dimension
+    for row in document["breakdowns"]["host"]:
+        assert row["wasted_cost"] == pytest.approx(row["wasted_gpu_seconds"] * {"gpu-a": 3.0, "gpu-b": 9.0}[row["key"]]
+                                                   / 3600)
+    [timeout] = document["client_timeouts"]
+    assert timeout["wasted_cost"] == pytest.approx((5 * 3.0 + 2 * 9.0) / 3600)
+    assert sum(gpu for _, gpu, _ in report.client_timeouts[0].waste_by_host) == pytest.approx(7.0)
+    table = render_table(report)
+    assert "at 2 host prices and 1 EUR a GPU-hour elsewhere\n" in table
+    # A host no pattern names, with no price for the rest: its time is said to be left out.
+    report.prices = Prices(gpu_hour_by_host=(("gpu-a", 3.0),))
+    assert report_dict(report)["totals"]["wasted_cost"] == pytest.approx(hosts["gpu-a"] * 3.0 / 3600)
+    assert "at 1 host price; GPU time of gpu-b not priced (report.gpu_hour_prices)" in " ".join(
+        render_table(report).split())
+    assert report.unpriced(report.totals) == "GPU"
+    page = render_html(report)
+    assert "GPU time of gpu-b not priced" in page

@@ -546,19 +546,55 @@ def test_prices_come_from_the_flags_the_environment_or_the_config_file(db: str, 
     code, out, _ = invoke(*window, "--config", str(config))
     document = json.loads(out)
     jsonschema.Draft202012Validator(SCHEMA).validate(document)
-    assert document["pricing"] == {"gpu_hour": 3.6, "cpu_hour": None, "currency": "EUR"}
+    assert document["pricing"] == {"gpu_hour": 3.6, "cpu_hour": None, "currency": "EUR",
+                                   "gpu_hour_by_host": [], "cpu_hour_by_host": []}
     assert document["totals"]["wasted_cost"] == pytest.approx(document["totals"]["wasted_gpu_seconds"] / 1000)
     monkeypatch.setenv("AUDITOR_REPORT_GPU_HOUR_PRICE", "7.2")
     code, out, _ = invoke(*window, "--config", str(config))
     assert json.loads(out)["pricing"]["gpu_hour"] == 7.2  # the environment over the file
     code, out, _ = invoke(*window, "--config", str(config), "--gpu-hour-price", "1.8", "--currency", "$")
-    assert json.loads(out)["pricing"] == {"gpu_hour": 1.8, "cpu_hour": None, "currency": "$"}  # the flags over both
+    assert json.loads(out)["pricing"] == {"gpu_hour": 1.8, "cpu_hour": None, "currency": "$",  # the flags over both
+                                          "gpu_hour_by_host": [], "cpu_hour_by_host": []}
     code, out, _ = invoke(*window[:-2], "--gpu-hour-price", "1.8")
     assert code == 0 and "wasted cost" in out and "at 1.8 USD a GPU-hour" in out
 
 
+def test_hosts_priced_apart_come_from_the_flags_the_environment_or_the_config_file(
+        db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    window = ("--db", db, "--since", SINCE, "--until", UNTIL, "--format", "json")
+
+    def priced(*extra: str, a: float, b: float) -> list[dict[str, object]]:
+        """The report's host prices, having checked its cost is gpu-a's time at ``a``, gpu-b's at ``b``."""
+        code, out, err = invoke(*window, *extra)
+        assert code == 0, err
+        document = json.loads(out)
+        jsonschema.Draft202012Validator(SCHEMA).validate(document)
+        hosts = {row["key"]: row["wasted_gpu_seconds"] for row in document["breakdowns"]["host"]}
+        assert hosts["gpu-a"] and hosts["gpu-b"]
+        assert document["totals"]["wasted_cost"] == pytest.approx((hosts["gpu-a"] * a + hosts["gpu-b"] * b) / 3600)
+        patterns: list[dict[str, object]] = document["pricing"]["gpu_hour_by_host"]
+        return patterns
+
+    # The flags: a price for the hosts a pattern names, and one for the rest.
+    assert priced("--gpu-hour-price", "gpu-b=9", "--gpu-hour-price", "2", a=2, b=9) == [
+        {"hosts": "gpu-b", "price": 9.0}]
+    config = tmp_path / "auditor.toml"
+    config.write_text('[report]\ngpu_hour_price = 2\n[report.gpu_hour_prices]\n"gpu-?" = 5\n"gpu-b" = 1\n')
+    assert priced("--config", str(config), a=5, b=5) == [  # the file's, the first match winning
+        {"hosts": "gpu-?", "price": 5.0}, {"hosts": "gpu-b", "price": 1.0}]
+    assert priced("--config", str(config), "--gpu-hour-price", "gpu-b=9", a=5, b=9)[0] == {  # the flag's first
+        "hosts": "gpu-b", "price": 9.0}
+    monkeypatch.setenv("AUDITOR_REPORT_GPU_HOUR_PRICES", "gpu-b=4,gpu-a=3")
+    assert priced("--config", str(config), a=3, b=4) == [  # the environment over the file
+        {"hosts": "gpu-b", "price": 4.0}, {"hosts": "gpu-a", "price": 3.0}]
+
+
 @pytest.mark.parametrize(("args", "said"), [
-    (["--gpu-hour-price", "nan"], "'--gpu-hour-price': nan: expected a finite number"),
+    (["--gpu-hour-price", "nan"], "'--gpu-hour-price': 'nan': expected a price, or hosts and their price"),
+    (["--gpu-hour-price", "gpu-*=x"], "'--gpu-hour-price': 'gpu-*=x': expected a price, or hosts and their price"),
+    (["--gpu-hour-price", "=2"], "'--gpu-hour-price': '=2': expected a price, or hosts and their price"),
+    (["--gpu-hour-price", "gpu-a=-2"], "--gpu-hour-price['gpu-a'] = -2.0: a price cannot be negative"),
+    (["--gpu-hour-price", "1", "--gpu-hour-price", "2"], "'--gpu-hour-price': 2 prices for the hosts no pattern"),
     (["--gpu-hour-price", "-2"], "'--gpu-hour-price': -2.0: a price cannot be negative"),
     (["--cpu-hour-price", "1e9"], "'--cpu-hour-price': 1000000000.0: must be at most 100000"),
     (["--currency", "US dollars"], "'--currency': 'US dollars': expected a short unit without spaces"),

@@ -137,3 +137,12 @@ def test_the_html_plots_the_work_of_ports_without_spans_over_time(orphaned: Stor
     narrowed = build_report(orphaned, dataclasses.replace(HOUR, route="/v1/completions"), with_series=True)
     assert narrowed.series is not None and not any(b.orphaned_requests for b in narrowed.series)
     assert "Orphaned work on ports without spans" not in render_html(narrowed)
+
+
+def test_hosts_priced_apart_price_each_port_at_its_hosts(orphaned: Store) -> None:
+    orphaned.write_orphaned_work([stretch(9001, 600, 636, 36.0, host="gpu-b", gpu_s=36.0)])
+    prices = Prices(gpu_hour=1.0, gpu_hour_by_host=(("gpu-b", 10.0),))
+    report = dataclasses.replace(build_report(orphaned, HOUR), prices=prices)
+    ports = {(p["host"], p["server_port"]): p for p in report_dict(report)["orphaned_work"]}
+    assert ports[("gpu-a", 8080)]["wasted_cost"] == pytest.approx(52.0 * 1.0 / 3600)
+    assert ports[("gpu-b", 9001)]["wasted_cost"] == pytest.approx(36.0 * 10.0 / 3600)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import sys
 import tempfile
@@ -26,10 +27,33 @@ from auditor.report.model import Prices, Report, ReportQuery, to_ns
 
 FORMATS = ("table", "json", "csv", "html")
 REPORT_FLAGS = {"report.gpu_hour_price": "--gpu-hour-price", "report.cpu_hour_price": "--cpu-hour-price",
+                "report.gpu_hour_prices": "--gpu-hour-price", "report.cpu_hour_prices": "--cpu-hour-price",
                 "report.currency": "--currency"}
 
 
 FORMAT_BY_SUFFIX = {".html": "html", ".htm": "html", ".json": "json", ".csv": "csv", ".txt": "table"}
+
+
+class HourPrice(click.ParamType):  # type: ignore[type-arg]
+    """``PRICE`` or ``HOSTS=PRICE``: (None or the host pattern, the price)."""
+
+    name = "hour price"
+
+    def convert(self, value: object, param: click.Parameter | None,
+                ctx: click.Context | None) -> tuple[str | None, float]:
+        if isinstance(value, tuple):
+            return value
+        pattern, _, text = str(value).rpartition("=")
+        try:
+            price = float(text)
+        except ValueError:
+            price = math.nan
+        if not math.isfinite(price) or (pattern == "" and "=" in str(value)):
+            self.fail(f"{value!r}: expected a price, or hosts and their price: 2.49, gpu-h100-*=2.49", param, ctx)
+        return (pattern or None, price)
+
+
+HOUR_PRICE = HourPrice()
 
 
 @click.command()
@@ -55,18 +79,21 @@ FORMAT_BY_SUFFIX = {".html": "html", ".htm": "html", ".json": "json", ".csv": "c
               "--format, its name's .html, .json, .csv or .txt picks the format. An existing file is "
               "replaced only if it holds a report, or with --force.")
 @click.option("--force", is_flag=True, help="Replace the -o file even if it holds something other than a report.")
-@click.option("--gpu-hour-price", type=float, metavar="PRICE",
-              help="What an hour of one GPU costs: the wasted GPU time is priced at it [default: report."
-              "gpu_hour_price in the config file, else unpriced].")
-@click.option("--cpu-hour-price", type=float, metavar="PRICE",
-              help="What an hour of one CPU core costs (hosts whose engines run on CPUs).")
+@click.option("--gpu-hour-price", type=HOUR_PRICE, metavar="[HOSTS=]PRICE", multiple=True,
+              help="What an hour of one GPU costs: the wasted GPU time is priced at it; HOSTS=PRICE for "
+              "the hosts a name or pattern names (gpu-h100-*=2.49), repeatable, the first match winning, "
+              "PRICE alone for the rest [default: report.gpu_hour_price and gpu_hour_prices in the config "
+              "file, else unpriced].")
+@click.option("--cpu-hour-price", type=HOUR_PRICE, metavar="[HOSTS=]PRICE", multiple=True,
+              help="What an hour of one CPU core costs (hosts whose engines run on CPUs); HOSTS=PRICE as above.")
 @click.option("--currency", metavar="UNIT", help="The prices' unit, shown after each cost [default: USD].")
 @reading_options
 def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: str | None,
            service: str | None, route: str | None, model: str | None, client: str | None,
            user_agent: str | None, top: int,
            output_format: str, as_json: bool, output: str | None, force: bool,
-           gpu_hour_price: float | None, cpu_hour_price: float | None, currency: str | None) -> None:
+           gpu_hour_price: tuple[tuple[str | None, float], ...], cpu_hour_price: tuple[tuple[str | None, float], ...],
+           currency: str | None) -> None:
     """Findings over a window: disconnects, zombies, and the GPU time they wasted.
 
     \b
@@ -80,8 +107,8 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
     """
     from auditor.report.query import build_report
 
-    config = apply_flags(config, {"report.gpu_hour_price": gpu_hour_price,
-                                  "report.cpu_hour_price": cpu_hour_price, "report.currency": currency},
+    config = apply_flags(config, {**_hour_prices(config, "gpu", gpu_hour_price),
+                                  **_hour_prices(config, "cpu", cpu_hour_price), "report.currency": currency},
                          REPORT_FLAGS)
     if as_json and output_format != "json" and _given("output_format"):
         raise click.UsageError(f"--json and --format {output_format} ask for two formats; give one, "
@@ -122,11 +149,27 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
 
 
 def prices_of(config: Config) -> Prices | None:
-    """The report's prices from the ``[report]`` settings; None where neither kind of time has one."""
+    """The report's prices from the ``[report]`` settings; None where no time has one."""
     settings = config.report
-    if not settings.gpu_hour_price and not settings.cpu_hour_price:
-        return None
-    return Prices(settings.gpu_hour_price, settings.cpu_hour_price, settings.currency)
+    prices = Prices(settings.gpu_hour_price, settings.cpu_hour_price, settings.currency,
+                    tuple(settings.gpu_hour_prices.items()), tuple(settings.cpu_hour_prices.items()))
+    return prices if prices.priced else None
+
+
+
+def _hour_prices(config: Config, kind: str, given: tuple[tuple[str | None, float], ...]) -> dict[str, object]:
+    """The ``[report]`` settings a repeated ``--gpu-hour-price`` / ``--cpu-hour-price`` sets: the one
+    price without hosts for the rest, and the hosts' prices ahead of the configuration file's."""
+    flag = f"--{kind}-hour-price"
+    rest = [price for pattern, price in given if pattern is None]
+    if len(rest) > 1:
+        raise click.BadParameter(f"{len(rest)} prices for the hosts no pattern names; give one, and "
+                                 "HOSTS=PRICE for the others", param_hint=f"'{flag}'")
+    named = {pattern: price for pattern, price in given if pattern is not None}
+    configured: dict[str, float] = getattr(config.report, f"{kind}_hour_prices")
+    return {f"report.{kind}_hour_price": rest[0] if rest else None,
+            f"report.{kind}_hour_prices": {**named, **{p: v for p, v in configured.items() if p not in named}}
+            if named else None}
 
 
 def _given(name: str) -> bool:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
+from auditor.config import host_price
 from auditor.model import Verdict
 from auditor.timefmt import rfc3339_seconds
 
@@ -56,27 +57,70 @@ class ReportQuery:
         return ", ".join(f"{key}={value}" for key, value in self.filters().items() if value is not None)
 
 
+# Wasted (host, GPU-seconds, CPU-seconds) by host: what a report's sums hold, for hosts priced
+# apart. None: no host named (the prices of the hosts no pattern names).
+WasteByHost = tuple[tuple[str | None, float, float], ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Prices:
     """What an hour of one GPU and of one CPU core cost (0: unpriced), in ``currency``: the wasted
     GPU- and CPU-seconds priced. Set by the caller (``auditor report`` from the ``[report]`` settings);
-    the store holds seconds only."""
+    the store holds seconds only.
+
+    A fleet's hosts of several kinds are priced apart: ``gpu_hour_by_host`` and ``cpu_hour_by_host``
+    pair host name patterns (shell-style: ``gpu-h100-*``, or a whole name) with their prices, the
+    first pattern a host matches giving its price, and ``gpu_hour`` / ``cpu_hour`` the price of the
+    hosts none matches."""
 
     gpu_hour: float = 0.0
     cpu_hour: float = 0.0
     currency: str = "USD"
+    gpu_hour_by_host: tuple[tuple[str, float], ...] = ()
+    cpu_hour_by_host: tuple[tuple[str, float], ...] = ()
 
-    def cost(self, gpu_seconds: float, cpu_seconds: float) -> float:
-        """The wasted time's cost: each kind at its price, an unpriced kind adding nothing."""
-        return (gpu_seconds * self.gpu_hour + cpu_seconds * self.cpu_hour) / 3600
+    @property
+    def by_host(self) -> bool:
+        """Whether hosts may be priced apart: a sum's cost is then its hosts' costs summed."""
+        return bool(self.gpu_hour_by_host or self.cpu_hour_by_host)
 
-    def unpriced(self, gpu_seconds: float, cpu_seconds: float) -> str | None:
+    @property
+    def priced(self) -> bool:
+        """Whether any time has a price at all."""
+        return bool(self.gpu_hour or self.cpu_hour or any(p for _, p in self.gpu_hour_by_host)
+                    or any(p for _, p in self.cpu_hour_by_host))
+
+    def rates(self, host: str | None = None) -> tuple[float, float]:
+        """(GPU-hour, CPU-hour) prices of ``host``; None: of the hosts no pattern names."""
+        return (host_price(host, self.gpu_hour_by_host, self.gpu_hour),
+                host_price(host, self.cpu_hour_by_host, self.cpu_hour))
+
+    def cost(self, gpu_seconds: float, cpu_seconds: float, host: str | None = None) -> float:
+        """The wasted time's cost: each kind at its price (``host``'s), an unpriced kind adding nothing."""
+        gpu_hour, cpu_hour = self.rates(host)
+        return (gpu_seconds * gpu_hour + cpu_seconds * cpu_hour) / 3600
+
+    def cost_by_host(self, waste: WasteByHost) -> float:
+        """The cost of wasted time by host (``WasteByHost``), each host's at its prices."""
+        return sum(self.cost(gpu_seconds, cpu_seconds, host) for host, gpu_seconds, cpu_seconds in waste)
+
+    def unpriced(self, gpu_seconds: float, cpu_seconds: float, host: str | None = None) -> str | None:
         """``"GPU"`` or ``"CPU"``: the kind of wasted time the cost leaves out, having no price for it."""
-        if gpu_seconds > 0 and not self.gpu_hour:
+        gpu_hour, cpu_hour = self.rates(host)
+        if gpu_seconds > 0 and not gpu_hour:
             return "GPU"
-        if cpu_seconds > 0 and not self.cpu_hour:
+        if cpu_seconds > 0 and not cpu_hour:
             return "CPU"
         return None
+
+    def unpriced_hosts(self, waste: WasteByHost) -> list[tuple[str | None, str]]:
+        """(host, ``"GPU"`` or ``"CPU"``) of each host whose wasted time of that kind has no price."""
+        found = []
+        for host, gpu_seconds, cpu_seconds in waste:
+            kind = self.unpriced(gpu_seconds, cpu_seconds, host)
+            if kind is not None:
+                found.append((host, kind))
+        return found
 
 
 @dataclass(slots=True)
@@ -113,6 +157,7 @@ class Totals:
     gpus: int = 0
     gpu_seconds: float = 0.0
     gpu_busy_seconds: float = 0.0
+    waste_by_host: WasteByHost = ()  # wasted_gpu_seconds and wasted_cpu_seconds, by host
 
     @property
     def cost_unit(self) -> str:
@@ -142,6 +187,7 @@ class BreakdownRow:
     wasted_gpu_seconds: float
     wasted_cpu_seconds: float = 0.0
     unconfirmed: int = 0
+    waste_by_host: WasteByHost = ()  # the wasted seconds by host, for hosts priced apart
 
     def wasted_seconds(self, unit: str) -> float:
         return self.wasted_cpu_seconds if unit == "CPU" else self.wasted_gpu_seconds
@@ -261,6 +307,7 @@ class ClientTimeout:
     # (up to CALLERS_SHOWN of each), with how many of them each.
     user_agents: tuple[tuple[str | None, int], ...] = ()
     client_addresses: tuple[tuple[str | None, int], ...] = ()
+    waste_by_host: WasteByHost = ()  # the wasted seconds by host, for hosts priced apart
 
     def wasted_seconds(self, unit: str) -> float:
         return self.wasted_cpu_seconds if unit == "CPU" else self.wasted_gpu_seconds
@@ -330,9 +377,17 @@ class Report:
     # (service, route, client, User-Agent: a port's stretch has none of them).
     orphaned_work: list[OrphanedPort] | None = field(default_factory=list)
 
-    def cost(self, gpu_seconds: float, cpu_seconds: float) -> float | None:
-        """The cost of so much wasted time at the report's prices; None where it has none."""
-        return None if self.prices is None else self.prices.cost(gpu_seconds, cpu_seconds)
+    def cost(self, wasted: Wasted) -> float | None:
+        """The cost of a sum's wasted time (the totals, a breakdown row, a timeout's, a port's) at
+        the report's prices, each host's at its own; None where the report has none."""
+        return None if self.prices is None else self.prices.cost_by_host(waste_by_host(wasted))
+
+    def unpriced(self, wasted: Wasted) -> str | None:
+        """``"GPU"`` or ``"CPU"``: the kind of a sum's wasted time its cost leaves out, some host
+        having no price for it; None where all was priced or the report has no prices."""
+        if self.prices is None:
+            return None
+        return next((kind for _, kind in self.prices.unpriced_hosts(waste_by_host(wasted))), None)
 
     @property
     def empty(self) -> bool:
@@ -362,3 +417,22 @@ class Report:
             return f"{what} {window}; the store holds no requests yet"
         return (f"{what} {window}; the store holds data from "
                 f"{rfc3339_seconds(self.data_range.first_ns)} to {rfc3339_seconds(self.data_range.last_ns)}")
+
+
+class Wasted(Protocol):
+    """A sum of wasted time the report prices: its seconds, and by host where the query split them."""
+
+    @property
+    def wasted_gpu_seconds(self) -> float: ...
+
+    @property
+    def wasted_cpu_seconds(self) -> float: ...
+
+
+def waste_by_host(wasted: Wasted) -> WasteByHost:
+    """A sum's wasted seconds by host: as the query split them (``waste_by_host``), else all of it
+    on its one host (a port's), else on no host named (the prices of hosts no pattern names)."""
+    split: WasteByHost = getattr(wasted, "waste_by_host", ())
+    if split:
+        return split
+    return ((getattr(wasted, "host", None), wasted.wasted_gpu_seconds, wasted.wasted_cpu_seconds),)

@@ -45,6 +45,7 @@ from auditor.report.model import (
     RequestFinding,
     Totals,
     UtilPoint,
+    WasteByHost,
     ZombieTimeline,
 )
 from auditor.report.requests import count_requests
@@ -312,7 +313,8 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
                unconfirmed_because("no_gauges").label("ungauged"),  # evidence.NO_GAUGES
                unconfirmed_because("raced_its_answer").label("raced"))  # evidence.RACED_ITS_ANSWER
         .where(*_verdict_filter(query)).group_by(*keys, v.verdict)).all()
-    folded: dict[str, dict[str | None, list[float]]] = {d: {} for d in BREAKDOWN_DIMENSIONS}
+    folded: dict[str, dict[str | None, list[Any]]] = {d: {} for d in BREAKDOWN_DIMENSIONS}
+    by_host: dict[str, list[float]] = {}
     for row in rows:
         count, lag = int(row.n), float(row.lag)
         zombie_lag = lag if row.verdict in ZOMBIE_VERDICTS else 0.0
@@ -330,7 +332,9 @@ def _fold_verdict_groups(conn: Connection, query: ReportQuery,
         totals.uncosted_zombies += int(row.uncosted)
         totals.unconfirmed_without_gauges += int(row.ungauged)
         totals.unconfirmed_raced += int(row.raced)
+        _add_waste(by_host, row)
         _add_group(folded, row, count, zombie_lag)
+    totals.waste_by_host = _waste(by_host)
     return _breakdown_rows(folded)
 
 
@@ -342,22 +346,24 @@ def caller_breakdowns(conn: Connection, query: ReportQuery) -> dict[str, list[Br
     v = verdicts.c
     keys = [v[column].label(dimension) for dimension, column in CALLER_DIMENSIONS.items()]
     rows = conn.execute(
-        select(*keys, v.verdict, func.count().label("n"), _sum(_finite(v.lag_seconds)).label("lag"),
+        select(*keys, v.host, v.verdict, func.count().label("n"), _sum(_finite(v.lag_seconds)).label("lag"),
                _sum(v.tokens_after_disconnect).label("tokens"), _sum(_finite(v.wasted_gpu_seconds)).label("gpu"),
                _sum(_finite(v.wasted_cpu_seconds)).label("cpu"))
-        .where(*_verdict_filter(query)).group_by(*keys, v.verdict)).all()
-    folded: dict[str, dict[str | None, list[float]]] = {d: {} for d in CALLER_DIMENSIONS}
+        .where(*_verdict_filter(query)).group_by(*keys, v.host, v.verdict)).all()
+    folded: dict[str, dict[str | None, list[Any]]] = {d: {} for d in CALLER_DIMENSIONS}
     for row in rows:
         _add_group(folded, row, int(row.n), float(row.lag) if row.verdict in ZOMBIE_VERDICTS else 0.0)
     return _breakdown_rows(folded)
 
 
-def _add_group(folded: dict[str, dict[str | None, list[float]]], row: Any, count: int, zombie_lag: float) -> None:
-    """Add one group of verdicts (one verdict, one value of each dimension in ``folded``) to each
-    dimension's accumulator of its value: [disconnects, completed, aborted, zombies, in-flight,
-    zombie seconds, tokens, GPU-s, CPU-s, unconfirmed]."""
+def _add_group(folded: dict[str, dict[str | None, list[Any]]], row: Any, count: int, zombie_lag: float) -> None:
+    """Add one group of verdicts (one verdict, one host, one value of each dimension in ``folded``)
+    to each dimension's accumulator of its value: [disconnects, completed, aborted, zombies,
+    in-flight, zombie seconds, tokens, GPU-s, CPU-s, unconfirmed, {host: [GPU-s, CPU-s]}]."""
     for dimension, groups in folded.items():
-        acc = groups.setdefault(row._mapping[dimension], [0.0] * 10)
+        acc = groups.get(row._mapping[dimension])
+        if acc is None:
+            acc = groups[row._mapping[dimension]] = [0.0] * 10 + [{}]
         acc[0] += count
         if row.verdict in _VERDICT_INDEX:
             acc[_VERDICT_INDEX[row.verdict]] += count
@@ -365,16 +371,30 @@ def _add_group(folded: dict[str, dict[str | None, list[float]]], row: Any, count
         acc[6] += int(row.tokens)
         acc[7] += float(row.gpu)
         acc[8] += float(row.cpu)
+        _add_waste(acc[10], row)
 
 
-def _breakdown_rows(folded: dict[str, dict[str | None, list[float]]]) -> dict[str, list[BreakdownRow]]:
+def _add_waste(by_host: dict[str, list[float]], row: Any) -> None:
+    """Add a group's wasted GPU- and CPU-seconds (``row.gpu``, ``row.cpu``) to its host's."""
+    waste = by_host.get(row.host)
+    if waste is None:
+        waste = by_host[row.host] = [0.0, 0.0]
+    waste[0] += float(row.gpu)
+    waste[1] += float(row.cpu)
+
+
+def _waste(by_host: dict[str, list[float]]) -> WasteByHost:
+    return tuple((host, gpu, cpu) for host, (gpu, cpu) in sorted(by_host.items()))
+
+
+def _breakdown_rows(folded: dict[str, dict[str | None, list[Any]]]) -> dict[str, list[BreakdownRow]]:
     """Each dimension's accumulators as breakdown rows, worst first: most zombie time, then most
     disconnects."""
     return {dimension: sorted(
         (BreakdownRow(key=key, disconnects=int(a[0]), completed=int(a[1]), aborted=int(a[2]),
                       zombies=int(a[3]), inflight_zombies=int(a[4]), zombie_seconds=a[5],
                       wasted_tokens=int(a[6]), wasted_gpu_seconds=a[7], wasted_cpu_seconds=a[8],
-                      unconfirmed=int(a[9]))
+                      unconfirmed=int(a[9]), waste_by_host=_waste(a[10]))
          for key, a in groups.items()),
         key=lambda r: (-r.zombie_seconds, -r.disconnects, r.key or ""))
         for dimension, groups in folded.items()}
@@ -506,19 +526,24 @@ def with_callers(conn: Connection, query: ReportQuery, timeouts: list[ClientTime
     bands = [(round(t.from_seconds * NS) // BIN_NS, round(t.to_seconds * NS) // BIN_NS) for t in timeouts]
     which = case(*((and_(age_bin >= lo, age_bin < hi), index) for index, (lo, hi) in enumerate(bands)),
                  else_=None).label("which")
-    rows = conn.execute(select(which, v.user_agent, v.client_addr, func.count().label("n"))
+    rows = conn.execute(select(which, v.user_agent, v.client_addr, v.host, func.count().label("n"),
+                               _sum(_finite(v.wasted_gpu_seconds)).label("gpu"),
+                               _sum(_finite(v.wasted_cpu_seconds)).label("cpu"))
                         .where(*_verdict_filter(query), which.is_not(None))
-                        .group_by(which, v.user_agent, v.client_addr)).all()
+                        .group_by(which, v.user_agent, v.client_addr, v.host)).all()
     agents: list[dict[str | None, int]] = [{} for _ in timeouts]
     addresses: list[dict[str | None, int]] = [{} for _ in timeouts]
+    by_host: list[dict[str, list[float]]] = [{} for _ in timeouts]
     for row in rows:
         agents[row.which][row.user_agent] = agents[row.which].get(row.user_agent, 0) + int(row.n)
         addresses[row.which][row.client_addr] = addresses[row.which].get(row.client_addr, 0) + int(row.n)
+        _add_waste(by_host[row.which], row)
 
     def most(counts: dict[str | None, int]) -> tuple[tuple[str | None, int], ...]:
         return tuple(sorted(counts.items(), key=lambda item: (-item[1], item[0] or ""))[:CALLERS_SHOWN])
 
-    return [dataclasses.replace(t, user_agents=most(agents[i]), client_addresses=most(addresses[i]))
+    return [dataclasses.replace(t, user_agents=most(agents[i]), client_addresses=most(addresses[i]),
+                                waste_by_host=_waste(by_host[i]))
             for i, t in enumerate(timeouts)]
 
 

@@ -21,6 +21,7 @@ from auditor.report.model import (
     OrphanedPort,
     Report,
     RequestFinding,
+    Wasted,
 )
 from auditor.timefmt import rfc3339, rfc3339_or_none
 
@@ -115,8 +116,8 @@ def request_json(finding: RequestFinding) -> str:
     )
 
 
-def _cost(report: Report, gpu_seconds: float, cpu_seconds: float) -> float | None:
-    cost = report.cost(gpu_seconds, cpu_seconds)
+def _cost(report: Report, wasted: Wasted) -> float | None:
+    cost = report.cost(wasted)
     return None if cost is None else _number(cost)
 
 
@@ -128,7 +129,7 @@ def _breakdown_dict(report: Report, row: BreakdownRow) -> dict[str, Any]:
         "zombie_seconds": _number(row.zombie_seconds, 6), "wasted_tokens": row.wasted_tokens,
         "wasted_gpu_seconds": _number(row.wasted_gpu_seconds, 6),
         "wasted_cpu_seconds": _number(row.wasted_cpu_seconds, 6),
-        "wasted_cost": _cost(report, row.wasted_gpu_seconds, row.wasted_cpu_seconds),
+        "wasted_cost": _cost(report, row),
     }
 
 
@@ -141,7 +142,7 @@ def _timeout_dict(report: Report, timeout: ClientTimeout) -> dict[str, Any]:
         "zombie_seconds": _number(timeout.zombie_seconds, 6),
         "wasted_gpu_seconds": _number(timeout.wasted_gpu_seconds, 6),
         "wasted_cpu_seconds": _number(timeout.wasted_cpu_seconds, 6),
-        "wasted_cost": _cost(report, timeout.wasted_gpu_seconds, timeout.wasted_cpu_seconds),
+        "wasted_cost": _cost(report, timeout),
         "first_disconnect_at": rfc3339(timeout.first_ns), "last_disconnect_at": rfc3339(timeout.last_ns),
         "default_of": timeout.default_of,
         "zombie_work_mean_seconds": timeout.zombie_work_mean_seconds,
@@ -159,7 +160,7 @@ def _orphaned_dict(report: Report, port: OrphanedPort) -> dict[str, Any]:
         "request_seconds": _number(port.request_seconds, 6),
         "wasted_gpu_seconds": _number(port.wasted_gpu_seconds, 6),
         "wasted_cpu_seconds": _number(port.wasted_cpu_seconds, 6),
-        "wasted_cost": _cost(report, port.wasted_gpu_seconds, port.wasted_cpu_seconds),
+        "wasted_cost": _cost(report, port),
         "with_spans": port.with_spans, "cost_unmeasured": port.cost_unmeasured,
     }
 
@@ -199,7 +200,7 @@ def report_header_dict(report: Report) -> dict[str, Any]:
             "gpu_seconds": _number(totals.gpu_seconds, 6),
             "gpu_busy_seconds": _number(totals.gpu_busy_seconds, 6),
             "wasted_gpu_share": _number(share) if share is not None else None,
-            "wasted_cost": _cost(report, totals.wasted_gpu_seconds, totals.wasted_cpu_seconds),
+            "wasted_cost": _cost(report, totals),
             "uncapped_disconnects": totals.uncapped_disconnects,
             "uncosted_zombies": totals.uncosted_zombies,
             "unconfirmed_without_gauges": totals.unconfirmed_without_gauges,
@@ -212,7 +213,9 @@ def report_header_dict(report: Report) -> dict[str, Any]:
             "peerless_span_joins": totals.peerless_span_joins,
         },
         "pricing": None if prices is None else {
-            "gpu_hour": prices.gpu_hour or None, "cpu_hour": prices.cpu_hour or None, "currency": prices.currency},
+            "gpu_hour": prices.gpu_hour or None, "cpu_hour": prices.cpu_hour or None, "currency": prices.currency,
+            "gpu_hour_by_host": [{"hosts": pattern, "price": price} for pattern, price in prices.gpu_hour_by_host],
+            "cpu_hour_by_host": [{"hosts": pattern, "price": price} for pattern, price in prices.cpu_hour_by_host]},
         "breakdowns": {dimension: [_breakdown_dict(report, row) for row in rows]
                        for dimension, rows in report.breakdowns.items()},
         "worst_zombies": [request_dict(finding) for finding in report.worst_zombies],

@@ -6,7 +6,7 @@ the store is escaped (request ids, routes and models are chosen by clients).
 
 from __future__ import annotations
 
-from auditor.report.model import Report, RequestFinding
+from auditor.report.model import Report, RequestFinding, Wasted
 from auditor.report.render_table import (
     BREAKDOWN_ROWS_HTML,
     DIMENSION_TITLES,
@@ -214,7 +214,7 @@ def _orphaned_table(report: Report) -> list[str]:
             f"<tr><td>{esc(f'{port.host}:{port.server_port}')}</td><td>{esc(port.model or '-')}</td>"
             f"<td>{port.stretches:,}</td><td>{esc(duration(port.longest_seconds))}</td><td>{port.peak:,}</td>"
             f"<td>{port.request_seconds:,.1f}</td><td>{wasted:,.1f}</td>"
-            f"{_cost_cell(report, port.wasted_gpu_seconds, port.wasted_cpu_seconds)}"
+            f"{_cost_cell(report, port)}"
             f"<td>{esc('; '.join(n for n in notes if not n.startswith('model ')))}</td></tr>")
     return [*parts, "</table>"]
 
@@ -237,7 +237,7 @@ def _breakdowns(report: Report) -> list[str]:
                 f"<td>{row.zombies:,}</td><td>{row.inflight_zombies:,}</td><td>{row.unconfirmed:,}</td>"
                 f"<td>{row.zombie_seconds:,.1f}</td><td>{row.wasted_tokens:,}</td>"
                 f"<td>{row.wasted_seconds(unit):,.1f}</td>"
-                f"{_cost_cell(report, row.wasted_gpu_seconds, row.wasted_cpu_seconds)}</tr>")
+                f"{_cost_cell(report, row)}</tr>")
         if len(rows) > BREAKDOWN_ROWS_HTML:
             parts.append(f'<tr><td colspan="{11 if priced else 10}">... and {len(rows) - BREAKDOWN_ROWS_HTML:,} more '
                          "(all of them in --format json or csv)</td></tr>")
@@ -250,8 +250,8 @@ def _cost_head(report: Report) -> str:
     return "" if report.prices is None else f"<th>cost, {esc(report.prices.currency)}</th>"
 
 
-def _cost_cell(report: Report, gpu_seconds: float, cpu_seconds: float) -> str:
-    cost = report.cost(gpu_seconds, cpu_seconds)
+def _cost_cell(report: Report, wasted: Wasted) -> str:
+    cost = report.cost(wasted)
     return "" if cost is None else f"<td>{esc(money(cost))}</td>"
 
 
@@ -280,7 +280,7 @@ def _timeouts(report: Report) -> list[str]:
             f"<tr><td>{t.after_seconds:.2f}</td><td>{t.from_seconds:g}-{t.to_seconds:g}</td>"
             f"<td>{t.disconnects:,}</td><td>{t.completed:,}</td><td>{t.aborted:,}</td><td>{t.zombies:,}</td>"
             f"<td>{t.inflight_zombies:,}</td><td>{t.unconfirmed:,}</td><td>{t.zombie_seconds:,.1f}</td>"
-            f"<td>{t.wasted_seconds(unit):,.1f}</td>{_cost_cell(report, t.wasted_gpu_seconds, t.wasted_cpu_seconds)}"
+            f"<td>{t.wasted_seconds(unit):,.1f}</td>{_cost_cell(report, t)}"
             f"<td>{esc(left_between(t.first_ns, t.last_ns))}</td>"
             f"<td>{esc(worked)}</td><td>{esc(t.default_of or '')}</td><td>{esc(callers_note(t))}</td></tr>")
     parts.append(f'</table><p class="sub">{esc(TIMEOUT_ADVICE)}</p>')

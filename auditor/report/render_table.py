@@ -12,7 +12,15 @@ import textwrap
 import unicodedata
 from collections.abc import Callable
 
-from auditor.report.model import BreakdownRow, ClientTimeout, OrphanedPort, Prices, Report, Totals
+from auditor.report.model import (
+    BreakdownRow,
+    ClientTimeout,
+    OrphanedPort,
+    Prices,
+    Report,
+    Totals,
+    waste_by_host,
+)
 from auditor.timefmt import rfc3339_seconds
 
 WIDTH = 100
@@ -87,14 +95,27 @@ def money(value: float, currency: str = "") -> str:
     return f"{text} {currency}" if currency else text
 
 
-def price_note(prices: Prices, unpriced: str | None) -> str:
-    """At what the wasted time was priced, and which kind of it was left out for want of a price."""
+def price_note(prices: Prices, unpriced: list[tuple[str | None, str]]) -> str:
+    """At what the wasted time was priced, and which kind of it was left out for want of a price
+    (``unpriced``: host, kind; ``Prices.unpriced_hosts``)."""
     rates = [f"{prices.gpu_hour:,.10g} {prices.currency} a GPU-hour" if prices.gpu_hour else "",
              f"{prices.cpu_hour:,.10g} {prices.currency} a CPU core-hour" if prices.cpu_hour else ""]
-    note = f"at {' and '.join(rate for rate in rates if rate)}"
-    if unpriced:
-        key = "gpu_hour_price" if unpriced == "GPU" else "cpu_hour_price"
-        note += f"; {unpriced} time not priced (report.{key})"
+    named = len(prices.gpu_hour_by_host) + len(prices.cpu_hour_by_host)
+    rates = [rate for rate in rates if rate]
+    if named:
+        rates = [f"{named} host price{'s' if named > 1 else ''}"] + [
+            f"{rate} elsewhere" if rate else rate for rate in rates]
+    note = f"at {' and '.join(rates)}" if rates else "unpriced"
+    for kind in ("GPU", "CPU"):
+        hosts = sorted({host or "" for host, left in unpriced if left == kind})
+        if not hosts:
+            continue
+        key = "gpu_hour_price" if kind == "GPU" else "cpu_hour_price"
+        if not prices.by_host:
+            note += f"; {kind} time not priced (report.{key})"
+        else:
+            shown = ", ".join(hosts[:3]) + (f" and {len(hosts) - 3} more" if len(hosts) > 3 else "")
+            note += f"; {kind} time of {shown} not priced (report.{key}s)"
     return note
 
 
@@ -103,8 +124,8 @@ def wasted_cost(report: Report) -> tuple[str, str] | None:
     t, prices = report.totals, report.prices
     if prices is None:
         return None
-    return (money(prices.cost(t.wasted_gpu_seconds, t.wasted_cpu_seconds), prices.currency),
-            price_note(prices, prices.unpriced(t.wasted_gpu_seconds, t.wasted_cpu_seconds)))
+    cost = report.cost(t)
+    return (money(cost or 0.0, prices.currency), price_note(prices, prices.unpriced_hosts(waste_by_host(t))))
 
 
 def render_table(report: Report, width: int = WIDTH) -> str:
@@ -251,7 +272,7 @@ def _orphaned(report: Report, width: int) -> list[str]:
         line = (f"  {fit(printable(f'{port.host}:{port.server_port}'), 20)} {port.stretches:>9,} "
                 f"{duration(port.longest_seconds):>8} {port.peak:>5,} {port.request_seconds:>10,.1f} {wasted:>9,.1f}")
         if report.prices is not None:
-            line += f" {clip(money(report.prices.cost(port.wasted_gpu_seconds, port.wasted_cpu_seconds)), 10):>10}"
+            line += f" {clip(money(report.cost(port) or 0.0), 10):>10}"
         lines.append(line)
         notes = orphaned_notes(port)
         if notes:
@@ -349,7 +370,7 @@ def _timeouts(report: Report, width: int) -> list[str]:
                           f"{f'{t.inflight_zombies:>9,}  ' if wide else ''}{t.zombie_seconds:>9,.1f}  "
                           f"{t.wasted_seconds(unit):>8,.1f}  {left_between(t.first_ns, t.last_ns)}", width))
         notes = [f"the default of {t.default_of}"] if t.default_of else []
-        cost = report.cost(t.wasted_gpu_seconds, t.wasted_cpu_seconds)
+        cost = report.cost(t)
         if cost and report.prices is not None:
             notes.append(f"the work past its disconnects cost {money(cost, report.prices.currency)}")
         if t.zombie_work_max_seconds is not None:
