@@ -635,11 +635,11 @@ def test_hosts_priced_apart_cost_each_hosts_time_at_its_price(store: Store) -> N
     assert timeout["wasted_cost"] == pytest.approx((5 * 3.0 + 2 * 9.0) / 3600)
     assert sum(gpu for _, gpu, _ in report.client_timeouts[0].waste_by_host) == pytest.approx(7.0)
     table = render_table(report)
-    assert "at 2 host prices and 1 EUR a GPU-hour elsewhere\n" in table
+    assert "at 9 EUR a GPU-hour on gpu-b, 3 on gpu-*, 1 elsewhere\n" in table
     # A host no pattern names, with no price for the rest: its time is said to be left out.
     report.prices = Prices(gpu_hour_by_host=(("gpu-a", 3.0),))
     assert report_dict(report)["totals"]["wasted_cost"] == pytest.approx(hosts["gpu-a"] * 3.0 / 3600)
-    assert "at 1 host price; GPU time of gpu-b not priced (report.gpu_hour_prices)" in " ".join(
+    assert "at 3 USD a GPU-hour on gpu-a; GPU time of gpu-b not priced (report.gpu_hour_prices)" in " ".join(
         render_table(report).split())
     assert report.unpriced(report.totals) == "GPU"
     page = render_html(report)

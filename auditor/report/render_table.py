@@ -24,6 +24,7 @@ from auditor.report.model import (
 from auditor.timefmt import rfc3339_seconds
 
 WIDTH = 100
+HOST_PRICES_SHOWN = 3  # the host patterns a price note names
 NARROWEST = 80
 BREAKDOWN_ROWS = 10  # per dimension; the JSON output has them all
 BREAKDOWN_ROWS_HTML = 50
@@ -98,13 +99,9 @@ def money(value: float, currency: str = "") -> str:
 def price_note(prices: Prices, unpriced: list[tuple[str | None, str]]) -> str:
     """At what the wasted time was priced, and which kind of it was left out for want of a price
     (``unpriced``: host, kind; ``Prices.unpriced_hosts``)."""
-    rates = [f"{prices.gpu_hour:,.10g} {prices.currency} a GPU-hour" if prices.gpu_hour else "",
-             f"{prices.cpu_hour:,.10g} {prices.currency} a CPU core-hour" if prices.cpu_hour else ""]
-    named = len(prices.gpu_hour_by_host) + len(prices.cpu_hour_by_host)
+    rates = [_rates(prices.gpu_hour, prices.gpu_hour_by_host, f"{prices.currency} a GPU-hour"),
+             _rates(prices.cpu_hour, prices.cpu_hour_by_host, f"{prices.currency} a CPU core-hour")]
     rates = [rate for rate in rates if rate]
-    if named:
-        rates = [f"{named} host price{'s' if named > 1 else ''}"] + [
-            f"{rate} elsewhere" if rate else rate for rate in rates]
     note = f"at {' and '.join(rates)}" if rates else "unpriced"
     for kind in ("GPU", "CPU"):
         hosts = sorted({host or "" for host, left in unpriced if left == kind})
@@ -117,6 +114,20 @@ def price_note(prices: Prices, unpriced: list[tuple[str | None, str]]) -> str:
             shown = ", ".join(hosts[:3]) + (f" and {len(hosts) - 3} more" if len(hosts) > 3 else "")
             note += f"; {kind} time of {shown} not priced (report.{key}s)"
     return note
+
+
+def _rates(price: float, by_host: tuple[tuple[str, float], ...], unit: str) -> str:
+    """``2.5 USD a GPU-hour``, or by host: ``9 USD a GPU-hour on gpu-b, 3 on gpu-*, 1 elsewhere``."""
+    parts = [f"{value:,.10g} on {pattern}" for pattern, value in by_host[:HOST_PRICES_SHOWN]]
+    if len(by_host) > HOST_PRICES_SHOWN:
+        more = len(by_host) - HOST_PRICES_SHOWN
+        parts.append(f"{more} more pattern{'s' if more > 1 else ''}")
+    if price:
+        parts.append(f"{price:,.10g} elsewhere" if by_host else f"{price:,.10g}")
+    if not parts:
+        return ""
+    first, _, where = parts[0].partition(" ")
+    return f"{first} {unit}{' ' + where if where else ''}" + "".join(f", {part}" for part in parts[1:])
 
 
 def wasted_cost(report: Report) -> tuple[str, str] | None:
