@@ -234,3 +234,17 @@ def test_this_hosts_prices_are_exported_where_set() -> None:
             assert scrape(server.port).get("auditor_hour_price", {}) == want, prices
         finally:
             server.stop()
+
+
+def test_a_daemon_exports_the_price_its_host_name_matches() -> None:
+    """One configuration file for a fleet: each daemon exports the price of the first pattern its
+    host matches (auditor_hour_price), the price of the rest where none does."""
+    from auditor.config import apply_overrides, load_config
+    from auditor.daemon import Daemon
+
+    for host, want in (("gpu-h100-3", {"gpu": 2.49, "cpu": 0.05}), ("gpu-l4-1", {"gpu": 0.8, "cpu": 0.05}),
+                       ("cpu-9", {"gpu": 1.0, "cpu": 0.05})):
+        config = apply_overrides(load_config(environ={}), {
+            "host_id": host, "report.gpu_hour_price": 1.0, "report.cpu_hour_price": 0.05,
+            "report.gpu_hour_prices": {"gpu-h100-*": 2.49, "gpu-l4-*": 0.8}})
+        assert Daemon(config).metrics.hour_prices == want, host
