@@ -641,6 +641,6 @@ def test_hosts_priced_apart_cost_each_hosts_time_at_its_price(store: Store) -> N
     assert report_dict(report)["totals"]["wasted_cost"] == pytest.approx(hosts["gpu-a"] * 3.0 / 3600)
     assert "at 3 USD a GPU-hour on gpu-a; GPU time of gpu-b not priced (report.gpu_hour_prices)" in " ".join(
         render_table(report).split())
-    assert report.unpriced(report.totals) == "GPU"
+    assert report.prices.unpriced_hosts(report.totals.waste_by_host) == [("gpu-b", "GPU")]
     page = render_html(report)
     assert "GPU time of gpu-b not priced" in page

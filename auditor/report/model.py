@@ -382,13 +382,6 @@ class Report:
         the report's prices, each host's at its own; None where the report has none."""
         return None if self.prices is None else self.prices.cost_by_host(waste_by_host(wasted))
 
-    def unpriced(self, wasted: Wasted) -> str | None:
-        """``"GPU"`` or ``"CPU"``: the kind of a sum's wasted time its cost leaves out, some host
-        having no price for it; None where all was priced or the report has no prices."""
-        if self.prices is None:
-            return None
-        return next((kind for _, kind in self.prices.unpriced_hosts(waste_by_host(wasted))), None)
-
     @property
     def empty(self) -> bool:
         return self.totals.requests == 0 and self.totals.disconnects == 0 and not self.orphaned_work
