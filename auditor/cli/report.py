@@ -102,6 +102,7 @@ def report(config: Config, since: dt.datetime, until: dt.datetime | None, host: 
       auditor report --since 2026-11-22T10:00:00Z --until 2026-11-22T11:00:00Z --format json
       auditor report --since 1d --route /v1/chat/completions --format html -o zombies.html
       auditor report --since 7d --host gpu-h100-1 --gpu-hour-price 2.49
+      auditor report --since 1d --gpu-hour-price 'gpu-h100-*=2.49' --gpu-hour-price 'gpu-l4-*=0.80'
 
     JSON and CSV are documented in docs/report.md (schema auditor.report/v1).
     """
