@@ -131,14 +131,19 @@ class RetentionConfig:
 MAX_HOST_PATTERN = 253  # the longest host name DNS allows
 
 
+def host_pattern(host: str | None, patterns: Iterable[str]) -> str | None:
+    """The first of ``patterns`` (shell-style host name patterns) that ``host`` matches; None."""
+    if host is None:
+        return None
+    return next((pattern for pattern in patterns if fnmatch.fnmatchcase(host, pattern)), None)
+
+
 def host_price(host: str | None, patterns: Iterable[tuple[str, float]], otherwise: float) -> float:
     """The price the first of ``patterns`` (host name pattern, price) that ``host`` matches gives,
     else ``otherwise`` (also for no host named)."""
-    if host is not None:
-        for pattern, price in patterns:
-            if fnmatch.fnmatchcase(host, pattern):
-                return price
-    return otherwise
+    prices = dict(patterns)
+    matched = host_pattern(host, prices)
+    return otherwise if matched is None else prices[matched]
 
 
 def _check_price(key: str, price: float) -> None:

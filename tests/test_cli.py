@@ -261,7 +261,7 @@ def test_doctor_json_schema(tmp_path: Path) -> None:
     names = [c["name"] for c in doc["checks"]]
     assert names == ["privileges", "bpf_syscall", "tracefs", "prebuilt_probe", "kernel_headers", "bcc", "fallback",
                      "engines", "engine_metrics", "nvml", "ports", "database", "spans", "postgres_driver", "otlp_reader",
-                     "source"]
+                     "prices", "source"]
     for check in doc["checks"]:
         assert check["state"] in ("ok", "degraded", "failed")
         assert check["state"] == "ok" or check["fix"] or check["name"] in ("nvml",)
@@ -342,6 +342,25 @@ def test_doctor_as_a_user_tracefs_refuses_names_the_fix(monkeypatch: pytest.Monk
     check = doctor.check_prebuilt_probe()
     assert check.state == doctor.DEGRADED and "Permission denied: /sys/kernel/tracing/events" in check.detail
     assert check.fix == doctor.root_or_unit()
+
+
+def test_doctor_says_what_this_hosts_time_is_priced_at() -> None:
+    from auditor.cli.doctor import DEGRADED, OK, check_prices
+    from auditor.config import apply_overrides, load_config
+
+    def check(**overrides: object) -> tuple[str, str]:
+        found = check_prices(apply_overrides(load_config(environ={}), {"host_id": "gpu-l4-1", **overrides}))
+        return found.state, found.detail
+
+    assert check() == (OK, "gpu-l4-1: unpriced (report.gpu_hour_price): reports show wasted seconds only")
+    fleet = {"gpu-h100-*": 2.49, "gpu-l4-?": 0.8}
+    assert check(**{"report.gpu_hour_prices": fleet}) == (OK, "gpu-l4-1: 0.8 USD a GPU-hour (pattern 'gpu-l4-?')")
+    # A fleet priced by pattern that forgot this host, with no price for the rest: said, with the fix.
+    state, detail = check(**{"report.gpu_hour_prices": {"gpu-h100-*": 2.49}})
+    assert state == DEGRADED and "no pattern of report.gpu_hour_prices names this host ('gpu-h100-*')" in detail
+    assert check(**{"report.gpu_hour_prices": {"gpu-h100-*": 2.49}, "report.gpu_hour_price": 1.2,
+                    "report.cpu_hour_price": 0.05}) == (
+        OK, "gpu-l4-1: 1.2 USD a GPU-hour (no pattern names it); 0.05 USD a CPU core-hour")
 
 
 def test_doctor_says_which_otlp_reader_reads_spans(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import click
 
 from auditor.cli.util import common_options
-from auditor.config import Config, loopback_only, parse_address
+from auditor.config import Config, host_pattern, loopback_only, parse_address
 from auditor.errors import AuditorError, ConfigError
 from auditor.socktable import TCP_LISTEN, UDP_UNCONNECTED, bound_inodes
 
@@ -724,6 +724,31 @@ def check_otlp_reader() -> Check:
                  "apt-get install gcc python3-dev, then reinstall (make setup, or pip install --force-reinstall .)")
 
 
+def check_prices(config: Config) -> Check:
+    """What an hour of this host's GPU and CPU costs in reports and on the dashboard (its
+    ``auditor_hour_price``): the ``[report]`` pattern its name matches, else the price of the rest.
+    Degraded where hosts are priced apart and none of the patterns names this one, with no price
+    for the rest: its wasted time would be left unpriced in a fleet's report."""
+    report = config.report
+    host = config.host_id or socket.gethostname()
+    parts = []
+    for kind, unit, patterns, rest in (("GPU", "GPU-hour", report.gpu_hour_prices, report.gpu_hour_price),
+                                       ("CPU", "CPU core-hour", report.cpu_hour_prices, report.cpu_hour_price)):
+        matched = host_pattern(host, patterns)
+        if matched is not None:
+            parts.append(f"{patterns[matched]:,.10g} {report.currency} a {unit} (pattern {matched!r})")
+        elif rest:
+            parts.append(f"{rest:,.10g} {report.currency} a {unit}" + (" (no pattern names it)" if patterns else ""))
+        elif patterns and kind == "GPU":
+            return Check("prices", DEGRADED, f"{host}: no pattern of report.gpu_hour_prices names this host "
+                         f"({', '.join(map(repr, patterns))}) and report.gpu_hour_price is 0: its wasted GPU "
+                         "time would be left unpriced", "add a pattern for this host's name to "
+                         "[report.gpu_hour_prices], or set report.gpu_hour_price for the hosts none names")
+    if not parts:
+        return Check("prices", OK, f"{host}: unpriced (report.gpu_hour_price): reports show wasted seconds only")
+    return Check("prices", OK, f"{host}: " + "; ".join(parts))
+
+
 def run_checks(config: Config) -> list[Check]:
     checks: list[Callable[[], Check]] = [
         check_privileges, check_bpf_syscall, check_tracefs, check_prebuilt_probe, check_kernel_headers, check_bcc,
@@ -734,7 +759,7 @@ def run_checks(config: Config) -> list[Check]:
         lambda: check_ports(config),
         lambda: check_database(config),
         lambda: check_spans(config),
-        check_postgres_driver, check_otlp_reader,
+        check_postgres_driver, check_otlp_reader, lambda: check_prices(config),
     ]
     results = []
     for check in checks:
