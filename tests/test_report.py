@@ -486,7 +486,7 @@ def test_prices_turn_the_wasted_time_into_money_in_every_format(store: Store) ->
     document = report_dict(report)
     validate(document)
     assert document["pricing"] == {"gpu_hour": 2.5, "cpu_hour": 0.1, "currency": "EUR",
-                                   "gpu_hour_by_host": [], "cpu_hour_by_host": []}
+                                   "gpu_hour_by_host": [], "cpu_hour_by_host": [], "unpriced": []}
     totals = document["totals"]
     # 19 GPU-seconds at 2.5 an hour and 36 CPU-seconds at 0.1 an hour.
     assert (totals["wasted_gpu_seconds"], totals["wasted_cpu_seconds"]) == (19.0, 36.0)
@@ -526,7 +526,8 @@ def test_a_kind_of_wasted_time_without_a_price_is_said_to_be_left_out(filled: St
     document = report_dict(report)
     validate(document)
     assert document["pricing"] == {"gpu_hour": 3.6, "cpu_hour": None, "currency": "USD",
-                                   "gpu_hour_by_host": [], "cpu_hour_by_host": []}
+                                   "gpu_hour_by_host": [], "cpu_hour_by_host": [],
+                                   "unpriced": [{"host": "gpu-a", "kind": "cpu"}]}
     assert document["totals"]["wasted_cost"] == pytest.approx(14.0 * 3.6 / 3600)  # the CPU time adds nothing
     table = render_table(report)
     assert re.search(r"wasted cost +0\.014 USD +at 3\.6 USD a GPU-hour; CPU time not priced\n", table)
@@ -641,6 +642,6 @@ def test_hosts_priced_apart_cost_each_hosts_time_at_its_price(store: Store) -> N
     assert report_dict(report)["totals"]["wasted_cost"] == pytest.approx(hosts["gpu-a"] * 3.0 / 3600)
     assert "at 3 USD a GPU-hour on gpu-a; GPU time of gpu-b not priced (report.gpu_hour_prices)" in " ".join(
         render_table(report).split())
-    assert report.prices.unpriced_hosts(report.totals.waste_by_host) == [("gpu-b", "GPU")]
+    assert report_dict(report)["pricing"]["unpriced"] == [{"host": "gpu-b", "kind": "gpu"}]
     page = render_html(report)
     assert "GPU time of gpu-b not priced" in page

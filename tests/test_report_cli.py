@@ -547,14 +547,14 @@ def test_prices_come_from_the_flags_the_environment_or_the_config_file(db: str, 
     document = json.loads(out)
     jsonschema.Draft202012Validator(SCHEMA).validate(document)
     assert document["pricing"] == {"gpu_hour": 3.6, "cpu_hour": None, "currency": "EUR",
-                                   "gpu_hour_by_host": [], "cpu_hour_by_host": []}
+                                   "gpu_hour_by_host": [], "cpu_hour_by_host": [], "unpriced": []}
     assert document["totals"]["wasted_cost"] == pytest.approx(document["totals"]["wasted_gpu_seconds"] / 1000)
     monkeypatch.setenv("AUDITOR_REPORT_GPU_HOUR_PRICE", "7.2")
     code, out, _ = invoke(*window, "--config", str(config))
     assert json.loads(out)["pricing"]["gpu_hour"] == 7.2  # the environment over the file
     code, out, _ = invoke(*window, "--config", str(config), "--gpu-hour-price", "1.8", "--currency", "$")
     assert json.loads(out)["pricing"] == {"gpu_hour": 1.8, "cpu_hour": None, "currency": "$",  # the flags over both
-                                          "gpu_hour_by_host": [], "cpu_hour_by_host": []}
+                                          "gpu_hour_by_host": [], "cpu_hour_by_host": [], "unpriced": []}
     code, out, _ = invoke(*window[:-2], "--gpu-hour-price", "1.8")
     assert code == 0 and "wasted cost" in out and "at 1.8 USD a GPU-hour" in out
 

@@ -22,6 +22,7 @@ from auditor.report.model import (
     Report,
     RequestFinding,
     Wasted,
+    waste_by_host,
 )
 from auditor.timefmt import rfc3339, rfc3339_or_none
 
@@ -215,7 +216,9 @@ def report_header_dict(report: Report) -> dict[str, Any]:
         "pricing": None if prices is None else {
             "gpu_hour": prices.gpu_hour or None, "cpu_hour": prices.cpu_hour or None, "currency": prices.currency,
             "gpu_hour_by_host": [{"hosts": pattern, "price": price} for pattern, price in prices.gpu_hour_by_host],
-            "cpu_hour_by_host": [{"hosts": pattern, "price": price} for pattern, price in prices.cpu_hour_by_host]},
+            "cpu_hour_by_host": [{"hosts": pattern, "price": price} for pattern, price in prices.cpu_hour_by_host],
+            "unpriced": [{"host": host, "kind": kind.lower()}
+                         for host, kind in prices.unpriced_hosts(waste_by_host(totals))]},
         "breakdowns": {dimension: [_breakdown_dict(report, row) for row in rows]
                        for dimension, rows in report.breakdowns.items()},
         "worst_zombies": [request_dict(finding) for finding in report.worst_zombies],
