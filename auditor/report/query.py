@@ -98,10 +98,10 @@ def build_report(store: Store, query: ReportQuery, *, with_requests: bool = True
     utilization (HTML). A database error becomes a ``StoreError``.
 
     The count of requests, the per-request list and the time buckets are read on a second
-    connection, in a thread of their own, while this one reads the rest (``concurrent``, where every connection reads the
-    same store: not SQLite in memory). The driver lets go of the interpreter while the database
-    works, so the two overlap on two cores (bench/report.py). Each query reads its own snapshot
-    either way, as each statement does on one connection.
+    connection, in a thread of their own, while this one reads the rest (``concurrent``, where
+    every connection reads the same store: not SQLite in memory). The driver lets go of the
+    interpreter while the database works, so the two overlap on two cores (bench/report.py). Each
+    query reads its own snapshot either way, as each statement does on one connection.
     """
     if query.until_ns <= query.since_ns:
         raise StoreError("the window is empty: --since must be before --until")
