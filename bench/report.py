@@ -10,7 +10,11 @@ over the same rows, a plain ``SELECT count(*)`` (the floor), the library call (a
 every query on one connection, none read beside the rest), and the CLI in a fresh process, and
 prints a table: wall and CPU seconds apart, since the report reads on two connections at once.
 
-    .venv/bin/python bench/report.py [--requests N] [--db PATH] [--repeat 3]
+    .venv/bin/python bench/report.py [--requests N] [--db PATH] [--repeat 3] [--hours-held 6]
+
+With ``--hours-held``, the store holds that many hours like the reported one before it, and a
+table after the others gives the request count and the GPU time of the hour's last 5 to 60 minutes
+read through the indexes time leads and by plain scans.
 
 Target: the JSON report in <= 2 s.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -40,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from auditor.report import ReportQuery, build_report  # noqa: E402
 from auditor.report import query as report_query  # noqa: E402
+from auditor.report.model import Totals  # noqa: E402
 from auditor.report.query import age_bins, caller_breakdowns, orphaned_work, with_callers  # noqa: E402
 from auditor.report.render_data import write_json  # noqa: E402
 from auditor.report.requests import count_requests, spans  # noqa: E402
@@ -228,6 +234,29 @@ def timed(repeat: int, action: Callable[[], object]) -> tuple[float, float, obje
     return statistics.median(walls), statistics.median(cpus), result
 
 
+def by_window(store: Store, hour: ReportQuery, repeat: int) -> None:
+    """The request count and the GPU time of the reported hour's last 5, 15, 30 and 60 minutes, read
+    through the indexes time leads and by plain scans (``INDEXED_SHARE``), side by side: CPU s."""
+    print(f"\nby window, read through the time indexes against plain scans (CPU s, median of {repeat}):")
+    print(f"{'minutes':>8} {'share':>6} {'count idx':>10} {'count scan':>11} {'GPU idx':>8} {'GPU scan':>9}")
+    indexed_share = report_query.INDEXED_SHARE
+    try:
+        for minutes in (5, 15, 30, 60):
+            window = dataclasses.replace(hour, since_ns=hour.until_ns - minutes * 60 * S)
+            with store.engine.connect() as conn:
+                share = report_query._held_share(conn, window)
+                figures = []
+                for read in (functools.partial(report_query._count, conn, window),
+                             functools.partial(report_query._fill_gpu_time, conn, window, Totals())):
+                    for forced in (2.0, 0.0):  # every window through the indexes, then none
+                        report_query.INDEXED_SHARE = forced
+                        figures.append(timed(repeat, read)[1])
+            print(f"{minutes:>8} {share:>6.3f} {figures[0]:>10.3f} {figures[1]:>11.3f} {figures[2]:>8.3f} "
+                  f"{figures[3]:>9.3f}")
+    finally:
+        report_query.INDEXED_SHARE = indexed_share
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1_000_000)
@@ -366,6 +395,8 @@ def main() -> None:
     print(f"{'what':<31} {'wall s':>7} {'CPU s':>7} {'x count(*)':>10}  note")
     for label, wall, cpu, note in rows:
         print(f"{label:<31} {wall:>7.3f} {cpu:>7.3f} {wall / floor:>10.1f}  {note}")
+    if args.hours_held > 1:
+        by_window(store, query, args.repeat)
     json_cli = next(row for row in rows if row[0] == "CLI: report --format json")
     json_lib = next(row for row in rows if row[0] == "library: build + JSON")
     print(f"\ntarget: report --format json <= 2 s: {'met' if json_cli[1] <= 2 else 'NOT met'} "

@@ -157,7 +157,6 @@ def prices_of(config: Config) -> Prices | None:
     return prices if prices.priced else None
 
 
-
 def _hour_prices(config: Config, kind: str, given: tuple[tuple[str | None, float], ...]) -> dict[str, object]:
     """The ``[report]`` settings a repeated ``--gpu-hour-price`` / ``--cpu-hour-price`` sets: the one
     price without hosts for the rest, and the hosts' prices ahead of the configuration file's."""

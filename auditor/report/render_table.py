@@ -24,7 +24,7 @@ from auditor.report.model import (
 from auditor.timefmt import rfc3339_seconds
 
 WIDTH = 100
-HOST_PRICES_SHOWN = 3  # the host patterns a price note names
+HOST_PRICES_SHOWN = 3  # the host patterns, and the hosts left unpriced, a price note names
 NARROWEST = 80
 BREAKDOWN_ROWS = 10  # per dimension; the JSON output has them all
 BREAKDOWN_ROWS_HTML = 50
@@ -111,7 +111,8 @@ def price_note(prices: Prices, unpriced: list[tuple[str | None, str]]) -> str:
         if not prices.by_host:
             note += f"; {kind} time not priced (report.{key})"
         else:
-            shown = ", ".join(hosts[:3]) + (f" and {len(hosts) - 3} more" if len(hosts) > 3 else "")
+            shown = ", ".join(hosts[:HOST_PRICES_SHOWN]) + (
+                f" and {len(hosts) - HOST_PRICES_SHOWN} more" if len(hosts) > HOST_PRICES_SHOWN else "")
             note += f"; {kind} time of {shown} not priced (report.{key}s)"
     return note
 
